@@ -1,0 +1,31 @@
+"""`megatron-kl` command line: subcommands register here as their issues land."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="megatron-kl", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    audit = sub.add_parser("audit", help="exact gradient audit of every KL configuration (tabular policy)")
+    audit.add_argument("--vocab", type=int, default=3)
+    audit.add_argument("--length", type=int, default=3)
+    audit.add_argument("--seed", type=int, default=0)
+    audit.add_argument("--json", type=str, default=None, help="also write the results as JSON here")
+    return parser
+
+
+def main(argv=None) -> int:
+    args = _build_parser().parse_args(argv)
+    if args.command == "audit":
+        from tools.grad_audit import main as audit_main
+
+        return audit_main(["--vocab", str(args.vocab), "--length", str(args.length), "--seed", str(args.seed)]
+                          + (["--json", args.json] if args.json else []))
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

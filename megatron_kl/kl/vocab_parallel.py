@@ -1,0 +1,221 @@
+"""Vocab-parallel token log-probs, entropy and exact KL(pi_theta || pi_ref) over TP shards.
+
+Each rank of ``tp_group`` holds the logits of its vocabulary slice ``[r*V/tp, (r+1)*V/tp)`` (Megatron's
+convention; the padded vocabulary). Nothing gathers the vocabulary. Per position, with z = logits / tau:
+
+    log pi(a) = z_a - M - log S,                      M = max_a z_a (all-reduce MAX),
+                                                     S = sum_a exp(z_a - M) (all-reduce SUM)
+    H         = log S - E_pi[z - M]                   (partial sums all-reduced)
+    KL        = E_pi[(z - M) - (r - M_r)] - log S + log S_r,    r = reference_logits / tau
+
+Gradients w.r.t. the local logits slice, from the globally reduced quantities (no gradient all-reduce,
+the slices are disjoint; the upstream gradient of these replicated outputs is NOT summed across ranks):
+
+    d log pi(t) / dz_a = 1[a = t] - pi_a
+    d H / dz_a         = -pi_a (log pi_a + H)
+    d KL / dz_a        = pi_a (log pi_a - log pi_ref_a - KL)
+
+each divided by tau for the gradient w.r.t. the logits. Work is chunked over tokens: extra memory is
+O(chunk x V/tp) in float32, and the softmax is recomputed in backward instead of being saved.
+Math runs in float32 for half-precision inputs and in float64 for float64 inputs. Entries at global
+index >= ``vocab_size`` (Megatron's vocabulary padding) are excluded everywhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_CHUNK = 1024
+
+
+def _group_size_rank(group) -> tuple[int, int]:
+    if group is None or not dist.is_initialized():
+        return 1, 0
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def _all_reduce(tensor: torch.Tensor, op, group) -> torch.Tensor:
+    if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(tensor, op=op, group=group)
+    return tensor
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+@dataclass
+class _Shard:
+    """Where this rank's slice sits in the global vocabulary and how much of it is real."""
+
+    start: int  # global index of the first local column
+    valid: int  # local columns below vocab_size (the rest is padding)
+
+
+def _shard(local_vocab: int, group, vocab_size: Optional[int]) -> _Shard:
+    world, rank = _group_size_rank(group)
+    start = rank * local_vocab
+    total = vocab_size if vocab_size is not None else local_vocab * world
+    if total > local_vocab * world:
+        raise ValueError(f"vocab_size={total} exceeds the sharded vocabulary {local_vocab} x {world}")
+    return _Shard(start=start, valid=max(0, min(local_vocab, total - start)))
+
+
+def _scaled(chunk: torch.Tensor, shard: _Shard, temperature: float, dtype: torch.dtype) -> torch.Tensor:
+    return chunk[:, : shard.valid].to(dtype) / temperature
+
+
+class _VocabParallelStats(torch.autograd.Function):
+    """Forward: (logprob of target, entropy, KL to reference) per row; see the module docstring."""
+
+    @staticmethod
+    def forward(ctx, logits, reference_logits, targets, group, temperature, vocab_size, chunk_size):
+        rows, local_vocab = logits.shape
+        shard = _shard(local_vocab, group, vocab_size)
+        dtype = compute_dtype(logits.dtype)
+        has_ref = reference_logits is not None
+        has_tgt = targets is not None
+        out = torch.empty(3, rows, dtype=dtype, device=logits.device)  # logprob, entropy, kl
+        # per-row normalisers kept for backward: M, log S, M_ref, log S_ref
+        norms = torch.empty(4, rows, dtype=dtype, device=logits.device)
+        for lo in range(0, rows, chunk_size):
+            hi = min(rows, lo + chunk_size)
+            z = _scaled(logits[lo:hi], shard, temperature, dtype)
+            r = _scaled(reference_logits[lo:hi], shard, temperature, dtype) if has_ref else None
+            maxes = torch.full((2, hi - lo), torch.finfo(dtype).min, dtype=dtype, device=z.device)
+            if shard.valid:
+                maxes[0] = z.max(dim=-1).values
+                if has_ref:
+                    maxes[1] = r.max(dim=-1).values
+            _all_reduce(maxes, dist.ReduceOp.MAX, group)
+            zc = z - maxes[0, :, None]  # <= 0
+            e = torch.exp(zc)
+            sums = torch.zeros(5, hi - lo, dtype=dtype, device=z.device)
+            sums[0] = e.sum(-1)  # S
+            sums[1] = (e * zc).sum(-1)  # S * E_pi[z - M]
+            if has_ref:
+                rc = r - maxes[1, :, None]
+                sums[2] = torch.exp(rc).sum(-1)  # S_ref
+                sums[3] = (e * rc).sum(-1)  # S * E_pi[r - M_ref]
+            if has_tgt and shard.valid:
+                local_t = targets[lo:hi] - shard.start
+                owned = (local_t >= 0) & (local_t < shard.valid)
+                picked = zc.gather(-1, local_t.clamp(0, shard.valid - 1).unsqueeze(-1)).squeeze(-1)
+                sums[4] = torch.where(owned, picked, torch.zeros_like(picked))
+            _all_reduce(sums, dist.ReduceOp.SUM, group)
+            log_s = torch.log(sums[0])
+            mean_zc = sums[1] / sums[0]
+            out[0, lo:hi] = sums[4] - log_s
+            out[1, lo:hi] = log_s - mean_zc
+            norms[0, lo:hi], norms[1, lo:hi] = maxes[0], log_s
+            if has_ref:
+                log_s_ref = torch.log(sums[2])
+                out[2, lo:hi] = mean_zc - sums[3] / sums[0] - log_s + log_s_ref
+                norms[2, lo:hi], norms[3, lo:hi] = maxes[1], log_s_ref
+            else:
+                out[2, lo:hi] = 0.0
+        ctx.save_for_backward(logits, reference_logits if has_ref else None, targets if has_tgt else None, norms, out)
+        ctx.shard, ctx.temperature, ctx.chunk_size, ctx.dtype = shard, temperature, chunk_size, dtype
+        ctx.mark_non_differentiable(norms)
+        return out[0], out[1], out[2]
+
+    @staticmethod
+    def backward(ctx, grad_logprob, grad_entropy, grad_kl):
+        logits, reference_logits, targets, norms, out = ctx.saved_tensors
+        shard, tau, dtype = ctx.shard, ctx.temperature, ctx.dtype
+        grad_logits = torch.zeros_like(logits)
+        rows = logits.shape[0]
+        for lo in range(0, rows, ctx.chunk_size):
+            hi = min(rows, lo + ctx.chunk_size)
+            if shard.valid == 0:
+                continue
+            z = _scaled(logits[lo:hi], shard, tau, dtype)
+            log_p = z - norms[0, lo:hi, None] - norms[1, lo:hi, None]
+            p = torch.exp(log_p)
+            grad = torch.zeros_like(z)
+            if grad_logprob is not None and targets is not None:
+                g = grad_logprob[lo:hi].to(dtype)[:, None]
+                grad -= g * p
+                local_t = targets[lo:hi] - shard.start
+                owned = (local_t >= 0) & (local_t < shard.valid)
+                idx = owned.nonzero().squeeze(-1)
+                grad[idx, local_t[idx]] += g[idx, 0]
+            if grad_entropy is not None:
+                grad -= grad_entropy[lo:hi].to(dtype)[:, None] * p * (log_p + out[1, lo:hi, None])
+            if grad_kl is not None and reference_logits is not None:
+                r = _scaled(reference_logits[lo:hi], shard, tau, dtype)
+                log_q = r - norms[2, lo:hi, None] - norms[3, lo:hi, None]
+                grad += grad_kl[lo:hi].to(dtype)[:, None] * p * (log_p - log_q - out[2, lo:hi, None])
+            grad_logits[lo:hi, : shard.valid] = (grad / tau).to(logits.dtype)
+        return grad_logits, None, None, None, None, None, None
+
+
+@dataclass
+class VocabParallelStats:
+    """Per-position outputs of one fused pass; shapes are the logits' leading dims."""
+
+    logprobs: Optional[torch.Tensor]
+    entropy: torch.Tensor
+    kl: Optional[torch.Tensor]
+
+
+def fused_stats(
+    logits: torch.Tensor,
+    tp_group,
+    targets: Optional[torch.Tensor] = None,
+    reference_logits: Optional[torch.Tensor] = None,
+    temperature: float = 1.0,
+    vocab_size: Optional[int] = None,
+    chunk_size: int = DEFAULT_CHUNK,
+) -> VocabParallelStats:
+    """Token log-prob (if ``targets``), entropy and exact KL to the reference (if ``reference_logits``)
+    from one pass over the local logits slice ``[..., V/tp]``, sharing one normaliser.
+
+    Differentiable w.r.t. ``logits`` only. ``targets`` are global token ids. ``vocab_size`` is the true
+    vocabulary (padding excluded); default: the whole sharded vocabulary.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature={temperature} must be > 0")
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size={chunk_size} must be > 0")
+    lead = logits.shape[:-1]
+    flat = logits.reshape(-1, logits.shape[-1])
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    ref = None
+    if reference_logits is not None:
+        if reference_logits.shape != logits.shape:
+            raise ValueError(
+                f"reference_logits shape {tuple(reference_logits.shape)} != logits {tuple(logits.shape)}; "
+                "policy and reference must share the TP layout (reshard the reference to the policy's TP size)"
+            )
+        ref = reference_logits.detach().reshape(-1, logits.shape[-1])
+    tgt = targets.reshape(-1).long() if targets is not None else None
+    logprob, ent, kl = _VocabParallelStats.apply(flat, ref, tgt, tp_group, float(temperature), vocab_size, chunk_size)
+    return VocabParallelStats(
+        logprobs=logprob.reshape(lead) if targets is not None else None,
+        entropy=ent.reshape(lead),
+        kl=kl.reshape(lead) if reference_logits is not None else None,
+    )
+
+
+def token_logprobs(logits, targets, tp_group, temperature=1.0, vocab_size=None, chunk_size=DEFAULT_CHUNK):
+    """log softmax(logits / temperature)[target] over the full (sharded) vocabulary."""
+    return fused_stats(logits, tp_group, targets=targets, temperature=temperature,
+                       vocab_size=vocab_size, chunk_size=chunk_size).logprobs
+
+
+def entropy(logits, tp_group, temperature=1.0, vocab_size=None, chunk_size=DEFAULT_CHUNK):
+    """-sum_a pi(a) log pi(a) of softmax(logits / temperature) over the full vocabulary."""
+    return fused_stats(logits, tp_group, temperature=temperature,
+                       vocab_size=vocab_size, chunk_size=chunk_size).entropy
+
+
+def full_kl(logits, reference_logits, tp_group, temperature=1.0, vocab_size=None, chunk_size=DEFAULT_CHUNK):
+    """Exact KL(pi_theta || pi_ref) per position; differentiable w.r.t. ``logits`` only."""
+    return fused_stats(logits, tp_group, reference_logits=reference_logits, temperature=temperature,
+                       vocab_size=vocab_size, chunk_size=chunk_size).kl

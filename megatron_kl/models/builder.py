@@ -1,0 +1,136 @@
+"""Build the policy and the reference as megatron.core GPTModel instances.
+
+The layer spec is Transformer Engine's when ``transformer_engine`` imports (GPU clusters) and the
+pure-PyTorch local spec otherwise. Weights are initialised on the CPU from a full master tensor and then
+sliced (``use_cpu_initialization``), so any TP layout starts from the same weights as TP=1.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from megatron_kl.config import ConfigError, ModelConfig, ParallelConfig
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def have_transformer_engine() -> bool:
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def transformer_config(model: ModelConfig, parallel: ParallelConfig):
+    from megatron.core.transformer import TransformerConfig
+
+    model = model.resolved()
+    dtype = _DTYPES[model.params_dtype]
+    return TransformerConfig(
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        ffn_hidden_size=model.ffn_hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.num_query_groups,
+        kv_channels=model.kv_channels,
+        normalization="RMSNorm",
+        layernorm_epsilon=model.norm_epsilon,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=model.qkv_bias,
+        qk_layernorm=model.qk_layernorm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=model.init_method_std,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        tensor_model_parallel_size=parallel.tensor_parallel,
+        pipeline_model_parallel_size=parallel.pipeline_parallel,
+        virtual_pipeline_model_parallel_size=parallel.virtual_pipeline,
+        sequence_parallel=parallel.sequence_parallel,
+        use_cpu_initialization=True,
+        perform_initialization=True,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        deallocate_pipeline_outputs=False,
+    )
+
+
+def layer_spec(model: ModelConfig):
+    """Transformer Engine spec where TE imports, Megatron's pure-PyTorch spec otherwise."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    model = model.resolved()
+    if have_transformer_engine():
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=model.qk_layernorm)
+    return gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=model.qk_layernorm, normalization="RMSNorm")
+
+
+def build_gpt_model(model: ModelConfig, parallel: ParallelConfig, vp_stage: Optional[int] = None):
+    """One GPTModel chunk for this rank's pipeline stage (and virtual stage ``vp_stage``)."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+
+    resolved = model.resolved()
+    if parallel.sequence_parallel and not have_transformer_engine():
+        raise ConfigError(
+            "parallel.sequence_parallel=true needs the Transformer Engine layer spec (megatron-core's "
+            "pure-PyTorch RMSNorm does not support it): install the `gpu` extra, or set it to false"
+        )
+    config = transformer_config(resolved, parallel)
+    gpt = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec(resolved),
+        vocab_size=resolved.padded_vocab_size(parallel.tensor_parallel),
+        max_sequence_length=resolved.max_position_embeddings,
+        pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+        post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+        parallel_output=True,
+        share_embeddings_and_output_weights=resolved.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(resolved.rope_theta),
+        rope_scaling=resolved.rope_scaling_factor is not None,
+        rope_scaling_factor=resolved.rope_scaling_factor or 8.0,
+        vp_stage=vp_stage,
+    )
+    return gpt
+
+
+def build_model_chunks(model: ModelConfig, parallel: ParallelConfig) -> list:
+    """All model chunks held by this rank: one, or ``virtual_pipeline`` for interleaved schedules."""
+    if parallel.virtual_pipeline is None:
+        return [build_gpt_model(model, parallel)]
+    return [build_gpt_model(model, parallel, vp_stage=i) for i in range(parallel.virtual_pipeline)]
+
+
+@dataclass
+class PolicyAndReference:
+    policy: list  # model chunks, trainable
+    reference: list  # model chunks, frozen
+
+
+def freeze(chunks: list) -> list:
+    """Make chunks a frozen reference: eval mode, no parameter requires grad."""
+    for chunk in chunks:
+        chunk.eval()
+        for p in chunk.parameters():
+            p.requires_grad_(False)
+    return chunks
+
+
+def build_policy_and_reference(model: ModelConfig, parallel: ParallelConfig) -> PolicyAndReference:
+    """Policy and reference with the same layout; the reference starts as a copy of the policy."""
+    policy = build_model_chunks(model, parallel)
+    reference = build_model_chunks(model, parallel)
+    for ref_chunk, pol_chunk in zip(reference, policy):
+        ref_chunk.load_state_dict(pol_chunk.state_dict())
+    return PolicyAndReference(policy=policy, reference=freeze(reference))

@@ -1,0 +1,122 @@
+"""One optimisation step on Megatron model chunks: DDP, Megatron optimizer, grad clipping, LR schedule."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from megatron_kl.models.pipeline import LossFn, SequenceBatch, VocabOptions, run_schedule
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-5
+    min_lr: float = 0.0
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    warmup_steps: int = 0
+    decay_steps: int = 1000
+    lr_decay_style: str = "constant"  # constant | linear | cosine
+    use_distributed_optimizer: bool = False
+
+
+@dataclass
+class TrainState:
+    chunks: list  # DDP-wrapped model chunks
+    optimizer: object
+    scheduler: object
+    step: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+def wrap_ddp(chunks: list, optim: OptimConfig) -> list:
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=optim.use_distributed_optimizer,
+    )
+    wrapped = []
+    for i, chunk in enumerate(chunks):
+        wrapped.append(
+            DistributedDataParallel(config=chunk.config, ddp_config=ddp_config, module=chunk,
+                                    disable_bucketing=i > 0)
+        )
+    return wrapped
+
+
+def build_train_state(chunks: list, optim: OptimConfig) -> TrainState:
+    """Wrap chunks in Megatron DDP and create the optimizer and LR scheduler."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    if optim.lr_decay_style not in ("constant", "linear", "cosine"):
+        raise ValueError(f"optim.lr_decay_style={optim.lr_decay_style!r}: use constant, linear or cosine")
+    ddp_chunks = wrap_ddp(chunks, optim)
+    config = chunks[0].config
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam",
+            lr=optim.lr,
+            min_lr=optim.min_lr,
+            weight_decay=optim.weight_decay,
+            adam_beta1=optim.adam_beta1,
+            adam_beta2=optim.adam_beta2,
+            adam_eps=optim.adam_eps,
+            clip_grad=optim.clip_grad,
+            bf16=config.bf16,
+            fp16=config.fp16,
+            params_dtype=config.params_dtype,
+            use_distributed_optimizer=optim.use_distributed_optimizer,
+        ),
+        ddp_chunks,
+        use_gloo_process_groups=False,
+    )
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if optim.warmup_steps else optim.lr,
+        max_lr=optim.lr,
+        min_lr=optim.min_lr,
+        lr_warmup_steps=optim.warmup_steps,
+        lr_decay_steps=max(optim.decay_steps, optim.warmup_steps + 1),
+        lr_decay_style=optim.lr_decay_style,
+        start_wd=optim.weight_decay,
+        end_wd=optim.weight_decay,
+        wd_incr_steps=max(optim.decay_steps, 1),
+        wd_incr_style="constant",
+    )
+    return TrainState(chunks=ddp_chunks, optimizer=optimizer, scheduler=scheduler)
+
+
+def train_step(
+    state: TrainState, batch: SequenceBatch, num_microbatches: int, loss_fn: LossFn, vocab: VocabOptions
+) -> dict:
+    """Forward/backward over all microbatches, grad reduction, clipping, optimizer and LR step.
+
+    Returns ``{"grad_norm", "lr", "update_successful", "microbatch_metrics"}``.
+    """
+    for chunk in state.chunks:
+        chunk.train()
+        chunk.zero_grad_buffer()
+    state.optimizer.zero_grad()
+    outputs = run_schedule(state.chunks, batch, num_microbatches, loss_fn, vocab, forward_only=False)
+    update_successful, grad_norm, _ = state.optimizer.step()
+    state.scheduler.step(increment=1)
+    state.step += 1
+    return {
+        "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+        "lr": state.optimizer.param_groups[0]["lr"],
+        "update_successful": bool(update_successful),
+        "microbatch_metrics": outputs,
+    }
+
+
+def main_grad(param: torch.Tensor) -> torch.Tensor:
+    """The gradient Megatron DDP accumulated for ``param`` (its fp32 main_grad buffer)."""
+    grad = getattr(param, "main_grad", None)
+    return grad if grad is not None else param.grad

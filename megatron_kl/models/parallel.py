@@ -1,0 +1,65 @@
+"""Process groups: torch.distributed + megatron-core model-parallel state.
+
+``initialize(parallel)`` is the one place that creates groups. It picks nccl when CUDA is available
+and gloo otherwise, applies the CPU shims in the latter case, and seeds megatron's RNG tracker.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from megatron_kl.config import ModelConfig, ParallelConfig, validate_parallel
+from megatron_kl.models.compat import apply_cpu_shims
+
+
+def default_backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def initialize(model: ModelConfig, parallel: ParallelConfig, seed: int = 1234, timeout_s: int = 300) -> None:
+    """Create the global group (from torchrun-style env vars if needed) and megatron's TP/PP groups.
+
+    The config is validated against the world size before megatron's groups are created.
+    """
+    from megatron.core import parallel_state, tensor_parallel
+
+    if not dist.is_initialized():
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend=default_backend(), timeout=timedelta(seconds=timeout_s))
+    validate_parallel(model, parallel, dist.get_world_size())
+    apply_cpu_shims()
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=parallel.tensor_parallel,
+        pipeline_model_parallel_size=parallel.pipeline_parallel,
+        virtual_pipeline_model_parallel_size=parallel.virtual_pipeline,
+        create_gloo_process_groups=False,
+    )
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def destroy() -> None:
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def tp_group():
+    from megatron.core import parallel_state
+
+    return parallel_state.get_tensor_model_parallel_group()
+
+
+def pp_group():
+    from megatron.core import parallel_state
+
+    return parallel_state.get_pipeline_model_parallel_group()

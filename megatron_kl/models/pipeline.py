@@ -1,0 +1,165 @@
+"""Per-token quantities of given sequences through Megatron's pipeline schedules.
+
+A batch is ``tokens [B, S]`` (prompt + response, right-padded) and ``loss_mask [B, S-1]`` aligned with the
+targets ``tokens[:, 1:]``: position t of every per-token output refers to predicting ``tokens[:, t+1]``
+from ``tokens[:, :t+1]``. Logits stay vocab-sharded: the last stage turns them into log-probs and
+entropies with :mod:`megatron_kl.kl.vocab_parallel` (temperature applied as the rollout engine does).
+
+``run_schedule`` is the one entry point, forward-only or forward+backward, with any TP/PP/VPP layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_kl.kl.vocab_parallel import DEFAULT_CHUNK, VocabParallelStats, fused_stats
+
+# loss_fn(stats, microbatch) -> (loss, metrics). `loss` is this microbatch's share of the global loss
+# (already divided by the global normaliser), so the microbatch shares add up to the batch loss.
+# The microbatch dict carries "tokens", "loss_mask", "index" and the local logits slice under "logits".
+LossFn = Callable[[VocabParallelStats, dict], tuple[torch.Tensor, dict]]
+
+
+@dataclass
+class SequenceBatch:
+    tokens: torch.Tensor  # [B, S] int64
+    loss_mask: torch.Tensor  # [B, S-1], 1 where tokens[:, t+1] is a response token
+
+    def __post_init__(self):
+        if self.tokens.dim() != 2:
+            raise ValueError(f"tokens must be [batch, seq], got shape {tuple(self.tokens.shape)}")
+        expected = (self.tokens.shape[0], self.tokens.shape[1] - 1)
+        if tuple(self.loss_mask.shape) != expected:
+            raise ValueError(f"loss_mask must be {expected} (aligned with tokens[:, 1:]), got {tuple(self.loss_mask.shape)}")
+
+    def split(self, num_microbatches: int) -> list[dict]:
+        batch = self.tokens.shape[0]
+        if batch % num_microbatches:
+            raise ValueError(f"batch size {batch} is not divisible by num_microbatches={num_microbatches}")
+        size = batch // num_microbatches
+        return [
+            {"tokens": self.tokens[i : i + size], "loss_mask": self.loss_mask[i : i + size], "index": i}
+            for i in range(0, batch, size)
+        ]
+
+
+@dataclass
+class VocabOptions:
+    vocab_size: int  # the true vocabulary (Megatron pads the output layer beyond it)
+    temperature: float = 1.0
+    chunk_size: int = DEFAULT_CHUNK
+
+
+def _forward_step(vocab: VocabOptions, loss_fn: LossFn, num_microbatches: int, data_iterator, model):
+    from megatron.core import parallel_state
+
+    mb = next(data_iterator)
+    tokens = mb["tokens"]
+    device = next(model.parameters()).device
+    tokens = tokens.to(device)
+    position_ids = torch.arange(tokens.shape[1], device=device).unsqueeze(0).expand_as(tokens)
+    output = model(tokens, position_ids, None)
+
+    def loss_func(logits):
+        stats = fused_stats(
+            logits[:, :-1],
+            parallel_state.get_tensor_model_parallel_group(),
+            targets=tokens[:, 1:],
+            temperature=vocab.temperature,
+            vocab_size=vocab.vocab_size,
+            chunk_size=vocab.chunk_size,
+        )
+        loss, metrics = loss_fn(stats, {**mb, "logits": logits})
+        # The schedule divides a 2-tuple loss by num_microbatches; undo it so shares add up exactly.
+        return loss * num_microbatches, metrics
+
+    return output, loss_func
+
+
+def _setup_config(chunks, finalize: bool):
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.utils import get_model_config
+
+    config = get_model_config(chunks[0])
+    config.finalize_model_grads_func = finalize_model_grads if finalize else None
+    if finalize and hasattr(chunks[0], "no_sync"):
+        no_sync = [c.no_sync for c in chunks]
+        config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+    return config
+
+
+def run_schedule(
+    chunks: list,
+    batch: SequenceBatch,
+    num_microbatches: int,
+    loss_fn: LossFn,
+    vocab: VocabOptions,
+    forward_only: bool,
+) -> list[dict]:
+    """Run the pipeline schedule over ``batch``; returns the per-microbatch metrics dicts
+    (on the last pipeline stage; an empty list elsewhere)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    microbatches = batch.split(num_microbatches)
+    _setup_config(chunks, finalize=not forward_only)
+    data = [iter(microbatches) for _ in chunks]
+    forward_backward = get_forward_backward_func()
+    return forward_backward(
+        forward_step_func=partial(_forward_step, vocab, loss_fn, num_microbatches),
+        data_iterator=data if len(chunks) > 1 else data[0],
+        model=chunks if len(chunks) > 1 else chunks[0],
+        num_microbatches=num_microbatches,
+        seq_length=batch.tokens.shape[1],
+        micro_batch_size=batch.tokens.shape[0] // num_microbatches,
+        forward_only=forward_only,
+    )
+
+
+def broadcast_from_last_stage(tensor: Optional[torch.Tensor], shape, dtype) -> torch.Tensor:
+    """Give every pipeline rank the last stage's tensor."""
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_pipeline_model_parallel_group()
+    if dist.get_world_size(group) == 1:
+        return tensor
+    if tensor is None:
+        tensor = torch.empty(shape, dtype=dtype)
+    src = dist.get_global_rank(group, dist.get_world_size(group) - 1)
+    tensor = tensor.contiguous()
+    dist.broadcast(tensor, src=src, group=group)
+    return tensor
+
+
+@torch.no_grad()
+def compute_token_stats(
+    chunks: list, batch: SequenceBatch, num_microbatches: int, vocab: VocabOptions
+) -> dict[str, torch.Tensor]:
+    """Forward-only per-token log-probs and entropies ``[B, S-1]`` of ``batch``, on every rank.
+
+    Masked positions are set to 0. Works for the policy and for the frozen reference alike.
+    """
+    for chunk in chunks:
+        chunk.eval()
+
+    def collect(stats: VocabParallelStats, mb: dict):
+        mask = mb["loss_mask"].to(stats.logprobs.dtype)
+        return torch.zeros((), dtype=stats.logprobs.dtype), {
+            "index": mb["index"],
+            "logprobs": stats.logprobs * mask,
+            "entropy": stats.entropy * mask,
+        }
+
+    outputs = run_schedule(chunks, batch, num_microbatches, collect, vocab, forward_only=True)
+    shape = tuple(batch.loss_mask.shape)
+    result = {}
+    for key in ("logprobs", "entropy"):
+        full = None
+        if outputs:
+            full = torch.cat([o[key] for o in sorted(outputs, key=lambda o: o["index"])]).float().cpu()
+        result[key] = broadcast_from_last_stage(full, shape, torch.float32)
+    return result

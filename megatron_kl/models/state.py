@@ -1,0 +1,131 @@
+"""Full (unsharded) state <-> this rank's TP/PP shards of a GPTModel.
+
+The full layout is the TP=1, PP=1 GPTModel state dict with global layer indices and the vocabulary
+trimmed to the true ``vocab_size`` rows, so it does not depend on the parallel layout. It is what the
+layout-equivalence tests compare, and what HF conversion maps to and from.
+
+Sharding rules come from the attributes megatron-core sets on each parameter
+(``tensor_model_parallel``, ``partition_dim``); the one layout subtlety is the SwiGLU ``linear_fc1``
+whose local shard is ``[gate_r; up_r]``, not a contiguous slice of ``[gate; up]``.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+def _is_glu_fc1(name: str) -> bool:
+    return name.endswith("mlp.linear_fc1.weight") or name.endswith("mlp.linear_fc1.bias")
+
+
+def _named_params_global(chunks: list, tied: bool):
+    """Yield (global_name, param) for every parameter of this rank's chunks."""
+    for chunk in chunks:
+        layers = chunk.decoder.layers
+        for name, param in chunk.named_parameters():
+            if tied and name == "output_layer.weight":
+                continue  # the embedding is the output weight; exported once
+            match = _LAYER.match(name)
+            if match:
+                global_index = layers[int(match.group(1))].layer_number - 1
+                name = f"decoder.layers.{global_index}." + name[match.end():]
+            yield name, param
+
+
+def shard_tensor(full: torch.Tensor, name: str, param: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
+    """This rank's slice of a full tensor for parameter ``param`` (megatron's TP layout)."""
+    if not getattr(param, "tensor_model_parallel", False) or tp_size == 1:
+        return full
+    dim = param.partition_dim
+    if _is_glu_fc1(name):
+        gate, up = torch.chunk(full, 2, dim=dim)
+        return torch.cat([torch.chunk(gate, tp_size, dim)[tp_rank], torch.chunk(up, tp_size, dim)[tp_rank]], dim)
+    return torch.chunk(full, tp_size, dim=dim)[tp_rank]
+
+
+def unshard_tensor(pieces: list[torch.Tensor], name: str, param: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`shard_tensor` given every TP rank's piece in rank order."""
+    if not getattr(param, "tensor_model_parallel", False) or len(pieces) == 1:
+        return pieces[0]
+    dim = param.partition_dim
+    if _is_glu_fc1(name):
+        halves = [torch.chunk(p, 2, dim=dim) for p in pieces]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim)
+    return torch.cat(pieces, dim=dim)
+
+
+def full_state_dict(
+    chunks: list,
+    vocab_size: int,
+    tied: bool,
+    tp_group=None,
+    pp_group=None,
+    getter: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+) -> dict[str, torch.Tensor]:
+    """Gather the full state (or, with ``getter``, e.g. gradients) on every rank, on the CPU, fp32 kept.
+
+    Meant for tests and small models; streaming export for large models lives with HF conversion.
+    """
+    getter = getter or (lambda p: p.data)
+    tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
+    local: dict[str, torch.Tensor] = {}
+    for name, param in _named_params_global(chunks, tied):
+        tensor = getter(param).detach().contiguous()
+        if tp_size > 1 and getattr(param, "tensor_model_parallel", False):
+            pieces = [torch.empty_like(tensor) for _ in range(tp_size)]
+            dist.all_gather(pieces, tensor, group=tp_group)
+            tensor = unshard_tensor(pieces, name, param)
+        if name in _VOCAB_PARAMS:
+            tensor = tensor[:vocab_size]
+        local[name] = tensor.cpu().clone()
+    if pp_group is not None and dist.get_world_size(pp_group) > 1:
+        gathered: list = [None] * dist.get_world_size(pp_group)
+        dist.all_gather_object(gathered, local, group=pp_group)
+        merged: dict[str, torch.Tensor] = {}
+        for part in gathered:
+            merged.update(part)
+        local = merged
+    return dict(sorted(local.items()))
+
+
+def load_full_state_dict(chunks: list, full: dict[str, torch.Tensor], tied: bool, tp_rank: int, tp_size: int) -> None:
+    """Copy this rank's shards out of a full state dict into ``chunks`` (in place)."""
+    missing = []
+    for name, param in _named_params_global(chunks, tied):
+        if name not in full:
+            missing.append(name)
+            continue
+        source = full[name]
+        if name in _VOCAB_PARAMS:
+            padded_rows = param.shape[0] * (tp_size if getattr(param, "tensor_model_parallel", False) else 1)
+            pad = torch.zeros((padded_rows - source.shape[0],) + tuple(source.shape[1:]), dtype=source.dtype)
+            source = torch.cat([source, pad], dim=0)
+        piece = shard_tensor(source, name, param, tp_rank, tp_size)
+        if piece.shape != param.shape:
+            raise ValueError(f"state tensor {name}: shard shape {tuple(piece.shape)} != parameter {tuple(param.shape)}")
+        with torch.no_grad():
+            param.copy_(piece.to(param.dtype))
+    if missing:
+        raise KeyError(f"full state dict lacks {len(missing)} tensor(s), e.g. {missing[:3]}")
+    if tied:
+        _copy_embedding_to_output_layer(chunks, full, tp_rank, tp_size)
+
+
+def _copy_embedding_to_output_layer(chunks, full, tp_rank, tp_size):
+    """With tied weights on a PP>1 last stage, output_layer.weight mirrors the embedding."""
+    for chunk in chunks:
+        out = getattr(chunk, "output_layer", None)
+        if out is None or getattr(chunk, "pre_process", True) or out.weight is None:
+            continue
+        source = full["embedding.word_embeddings.weight"]
+        padded_rows = out.weight.shape[0] * tp_size
+        pad = torch.zeros((padded_rows - source.shape[0], source.shape[1]), dtype=source.dtype)
+        with torch.no_grad():
+            out.weight.copy_(shard_tensor(torch.cat([source, pad]), "output_layer.weight", out.weight, tp_rank, tp_size))

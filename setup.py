@@ -1,0 +1,26 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron-kl",
+    version="0.1.0",
+    description="KL-regularised RL for LLMs on Megatron-Core: every KL estimator configuration, audited and correct under TP/PP",
+    python_requires=">=3.11",
+    packages=find_packages(include=["megatron_kl", "megatron_kl.*"]),
+    install_requires=[
+        # A range, so GPU clusters keep their container's torch; CPU installs pin 2.13.0 via constraints-cpu.txt.
+        "torch>=2.6",
+        "megatron-core==0.16.1",
+        "pyyaml>=6",
+        "rich>=13",
+        "numpy",
+    ],
+    extras_require={
+        "test": ["pytest>=8", "hypothesis>=6"],
+        # apex is built from source on clusters (see README, "GPU extras")
+        "gpu": ["transformer-engine[pytorch]"],
+        "sglang": ["sglang[srt]"],
+        "vllm": ["vllm"],
+        "launch": ["nemo-run==0.11.1", "leptonai<0.47"],
+    },
+    entry_points={"console_scripts": ["megatron-kl=megatron_kl.cli:main"]},
+)

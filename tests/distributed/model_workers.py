@@ -1,0 +1,86 @@
+"""Rank functions for the layout-equivalence tests (module level so spawned ranks can import them)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+from megatron_kl.config import ModelConfig, ParallelConfig
+from megatron_kl.models import builder, optim, parallel, pipeline, state
+
+
+def _sft_like_loss(batch_size: int):
+    """Share of -sum(logprob) + 0.1 sum(entropy) over response tokens, divided by the batch size."""
+
+    def loss_fn(stats, mb):
+        mask = mb["loss_mask"].to(stats.logprobs.dtype)
+        loss = (-(stats.logprobs * mask).sum() + 0.1 * (stats.entropy * mask).sum()) / batch_size
+        return loss, {"loss": loss.detach()}
+
+    return loss_fn
+
+
+def _gather_logits(model_cfg: ModelConfig):
+    """A forward-only loss_fn returning the full-vocabulary logits (gathered over TP, padding trimmed)."""
+    from megatron.core import parallel_state
+
+    def loss_fn(stats, mb):
+        local = mb["logits"].detach().contiguous()
+        group = parallel_state.get_tensor_model_parallel_group()
+        pieces = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(pieces, local, group=group)
+        full = torch.cat(pieces, dim=-1)[..., : model_cfg.vocab_size]
+        return torch.zeros(()), {"index": mb["index"], "logits": full}
+
+    return loss_fn
+
+
+def layout_worker(rank, world, model_cfg: ModelConfig, parallel_cfg: ParallelConfig, full_state, tokens,
+                  loss_mask, num_microbatches: int, optim_cfg: optim.OptimConfig):
+    """Build policy+reference in the given layout from ``full_state`` (or fresh init when None), and
+    return logits, token stats, gradients and the updated weights, all in the full layout."""
+    from megatron.core import parallel_state
+
+    torch.manual_seed(0)
+    parallel.initialize(model_cfg, parallel_cfg, seed=1234)
+    tp_group, pp_group = parallel.tp_group(), parallel.pp_group()
+    tp_rank, tp_size = dist.get_rank(tp_group), dist.get_world_size(tp_group)
+    tied = model_cfg.tie_word_embeddings
+    models = builder.build_policy_and_reference(model_cfg, parallel_cfg)
+    if full_state is None:
+        full_state = state.full_state_dict(models.policy, model_cfg.vocab_size, tied, tp_group, pp_group)
+    for chunks in (models.policy, models.reference):
+        state.load_full_state_dict(chunks, full_state, tied, tp_rank, tp_size)
+
+    batch = pipeline.SequenceBatch(tokens=tokens, loss_mask=loss_mask)
+    vocab = pipeline.VocabOptions(vocab_size=model_cfg.vocab_size, temperature=0.8, chunk_size=7)
+    logits_out = pipeline.run_schedule(models.policy, batch, num_microbatches, _gather_logits(model_cfg),
+                                       vocab, forward_only=True)
+    logits = None
+    if logits_out:
+        logits = torch.cat([o["logits"] for o in sorted(logits_out, key=lambda o: o["index"])])
+    policy_stats = pipeline.compute_token_stats(models.policy, batch, num_microbatches, vocab)
+    reference_before = pipeline.compute_token_stats(models.reference, batch, num_microbatches, vocab)
+
+    train = optim.build_train_state(models.policy, optim_cfg)
+    step = optim.train_step(train, batch, num_microbatches, _sft_like_loss(tokens.shape[0]), vocab)
+    inner = [c.module for c in train.chunks]
+    grads = state.full_state_dict(inner, model_cfg.vocab_size, tied, tp_group, pp_group, getter=optim.main_grad)
+    updated = state.full_state_dict(inner, model_cfg.vocab_size, tied, tp_group, pp_group)
+    reference_after = pipeline.compute_token_stats(models.reference, batch, num_microbatches, vocab)
+    reference_requires_grad = any(p.requires_grad for c in models.reference for p in c.parameters())
+    return {
+        "full_state": full_state,
+        "logits": logits,
+        "logprobs": policy_stats["logprobs"],
+        "entropy": policy_stats["entropy"],
+        "reference_before": reference_before["logprobs"],
+        "reference_after": reference_after["logprobs"],
+        "reference_requires_grad": reference_requires_grad,
+        "grads": grads,
+        "updated": updated,
+        "grad_norm": step["grad_norm"],
+        "is_last_stage": parallel_state.is_pipeline_last_stage(),
+    }

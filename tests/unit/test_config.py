@@ -1,0 +1,75 @@
+"""Configuration validation: each bad value is a ConfigError naming the field."""
+
+import pytest
+
+from megatron_kl.config import (
+    ConfigError, ModelConfig, ModelParallelConfig, ParallelConfig, apply_overrides, from_dict, validate_parallel,
+)
+
+
+def _model(**kw):
+    base = dict(num_layers=4, hidden_size=64, num_attention_heads=4, num_query_groups=2, vocab_size=50)
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+@pytest.mark.parametrize(
+    "model,parallel,world,field",
+    [
+        (_model(), ParallelConfig(tensor_parallel=8), 8, "num_attention_heads"),
+        (_model(num_attention_heads=8, num_query_groups=2), ParallelConfig(tensor_parallel=4), 4, "num_query_groups"),
+        (_model(), ParallelConfig(pipeline_parallel=8), 8, "num_layers"),
+        (_model(num_layers=3), ParallelConfig(pipeline_parallel=2), 2, "num_layers"),
+        (_model(), ParallelConfig(tensor_parallel=2, pipeline_parallel=2), 6, "world size"),
+        (_model(architecture="gpt5"), ParallelConfig(), 1, "model.architecture"),
+        (_model(num_query_groups=3), ParallelConfig(), 1, "num_query_groups"),
+        (_model(ffn_hidden_size=129), ParallelConfig(tensor_parallel=2), 2, "ffn_hidden_size"),
+        (_model(), ParallelConfig(sequence_parallel=True), 1, "sequence_parallel"),
+        (_model(), ParallelConfig(pipeline_parallel=2, virtual_pipeline=2), 2, "virtual_pipeline"),
+    ],
+)
+def test_invalid_layouts_name_the_field(model, parallel, world, field):
+    with pytest.raises(ConfigError, match=field):
+        validate_parallel(model, parallel, world)
+
+
+def test_valid_layout_passes():
+    validate_parallel(_model(), ParallelConfig(tensor_parallel=2, pipeline_parallel=2), 8)
+
+
+def test_padded_vocab_follows_megatron_convention():
+    model = _model(vocab_size=50, make_vocab_size_divisible_by=16)
+    assert model.padded_vocab_size(1) == 64
+    assert model.padded_vocab_size(2) == 64
+    assert model.padded_vocab_size(4) == 64
+    assert _model(vocab_size=65, make_vocab_size_divisible_by=16).padded_vocab_size(2) == 96
+
+
+def test_architecture_defaults_resolve():
+    q2, q3, llama = (_model(architecture=a).resolved() for a in ("qwen2", "qwen3", "llama"))
+    assert (q2.qkv_bias, q2.qk_layernorm) == (True, False)
+    assert (q3.qkv_bias, q3.qk_layernorm) == (False, True)
+    assert (llama.qkv_bias, llama.qk_layernorm) == (False, False)
+    assert q2.kv_channels == 16
+    assert _model(architecture="qwen2", qkv_bias=False).resolved().qkv_bias is False
+
+
+def test_yaml_dict_and_overrides():
+    data = apply_overrides({"model": {"num_layers": 2}}, ["parallel.tensor_parallel=2", "model.architecture=llama"])
+    cfg = from_dict(ModelParallelConfig, data)
+    assert cfg.parallel.tensor_parallel == 2 and cfg.model.architecture == "llama" and cfg.model.num_layers == 2
+    with pytest.raises(ConfigError, match="model.num_layer"):
+        from_dict(ModelParallelConfig, {"model": {"num_layer": 2}})
+    with pytest.raises(ConfigError, match="parallel.tensor_parallel"):
+        from_dict(ModelParallelConfig, {"parallel": {"tensor_parallel": "two"}})
+    with pytest.raises(ConfigError, match="section.key=value"):
+        apply_overrides({}, ["oops"])
+
+
+def test_sequence_parallel_without_transformer_engine_is_a_clear_error():
+    from megatron_kl.models import builder
+
+    if builder.have_transformer_engine():
+        pytest.skip("Transformer Engine is installed: sequence parallel is supported")
+    with pytest.raises(ConfigError, match="sequence_parallel.*Transformer Engine"):
+        builder.build_gpt_model(_model(), ParallelConfig(tensor_parallel=2, sequence_parallel=True))
