@@ -20,7 +20,7 @@ def _build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = _build_parser().parse_args(argv)
     if args.command == "audit":
-        from tools.grad_audit import main as audit_main
+        from megatron_kl.kl.audit_cli import main as audit_main
 
         return audit_main(["--vocab", str(args.vocab), "--length", str(args.length), "--seed", str(args.seed)]
                           + (["--json", args.json] if args.json else []))

@@ -1,0 +1,324 @@
+"""KL configurations: estimator x placement x level x credit x off-policy correction x aggregation.
+
+Notation (docs/kl-math.md): d_t = log pi(y_t|s_t) - log pi_ref(y_t|s_t), D = sum_t d_t, KL_t the exact
+per-position KL over the vocabulary, rho_t = pi/mu at the sampled token, rho_{1:t} = prod_{u<=t} rho_u.
+
+Loss placement (:func:`kl_loss`, differentiable through ``logprobs`` and ``full_kl``):
+  token level      coef * agg_t k(d_t)            E[grad] = sum_t grad KL_t with the prefix frozen (k2),
+                                                   the token-level FORWARD KL (k3), zero (k1)
+  token + token_is coef * agg_t w_t k(d_t), w_t = pi/mu differentiable: for k1 and k3 this is unbiased for
+                                                   the token-level target under mu, sum_t E_mu[grad KL_t]
+  sequence level   coef * agg_b k(D)              k2: (1/2) D^2 is unbiased for grad KL(seq)
+  full, token      coef * agg_t KL_t              prefix-frozen token-level target, zero variance per position
+  full, sequence   coef * agg_t [KL_t + log pi(y_t) * sg(sum_{s>t} KL_s)]      Rao-Blackwellised, unbiased
+                   with per_decision: [rho_{1:t-1} KL_t + log pi(y_t) sg(sum_{s>t} rho_{1:s-1} KL_s)],
+                   unbiased for the SEQUENCE grad KL under pi from samples of mu. (KL_s depends on the
+                   state s_s only, so rho_{1:s-1} suffices; kl-math.md's rho_{1:s} is also unbiased but
+                   noisier.)
+
+Reward placement (:func:`kl_shaped_returns`): per-token returns R - coef * c_t with the detached credit
+  reward_to_go   c_t = sum_{s>=t} p_s      (p = k(d) or KL; k1 here is unbiased for grad KL(seq))
+  immediate      c_t = p_t
+  sequence       c_t = k(D) for every token
+  per_decision   c_t = sum_{s>=t} rho_{1:s} p_s   (rho_{1:s-1} for "full"), optionally truncated at
+                 ``truncate``: E_mu[sum_t c_t grad log pi(y_t)] = grad KL(seq) under pi for k1.
+The trainer turns returns into a gradient with :func:`policy_gradient_surrogate`: sum_t sg(c_t) x
+grad log pi(y_t) for "none"/"per_decision", and the PPO-style ratio rho_t x grad log pi(y_t) for
+"token_is". With per_decision, the KL part of the return already carries its weights: the trainer must
+give the penalty part NO further ratio (compute the reward part's advantage with the correction it uses
+and add -coef * c_t unweighted).
+
+Aggregation (a named, logged choice): seq_mean_token_sum = (1/B) sum_b sum_t; token_mean =
+sum_{b,t} / #tokens; seq_mean_token_mean = (1/B) sum_b (1/L_b) sum_t. Masked positions never contribute.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from megatron_kl.kl.estimators import ESTIMATORS, ClampCounter, clamp_log_ratio, token_estimate
+
+PLACEMENTS = ("reward", "loss")
+LEVELS = ("token", "sequence")
+CREDITS = ("reward_to_go", "immediate")
+OFF_POLICY = ("none", "token_is", "per_decision")
+AGGREGATIONS = ("seq_mean_token_sum", "token_mean", "seq_mean_token_mean")
+
+
+def _choice(name: str, value, allowed) -> None:
+    if value not in allowed:
+        raise ValueError(f"KLConfig.{name}={value!r} is unknown; use one of {list(allowed)}")
+
+
+@dataclass(frozen=True)
+class KLConfig:
+    estimator: str = "k1"
+    placement: str = "reward"
+    level: str = "token"
+    credit: Optional[str] = None  # reward placement only; None means reward_to_go there
+    off_policy: str = "none"
+    coef: float = 0.001
+    clamp: Optional[float] = 20.0  # |log-ratio| bound before any exp (k3, importance weights)
+    truncate: Optional[float] = None  # cap on per-decision weights rho_{1:t}
+    aggregation: str = "seq_mean_token_sum"
+
+    def __post_init__(self):
+        _choice("estimator", self.estimator, ESTIMATORS)
+        _choice("placement", self.placement, PLACEMENTS)
+        _choice("level", self.level, LEVELS)
+        _choice("off_policy", self.off_policy, OFF_POLICY)
+        _choice("aggregation", self.aggregation, AGGREGATIONS)
+        if self.credit is not None:
+            _choice("credit", self.credit, CREDITS)
+            if self.placement != "reward":
+                raise ValueError("KLConfig.credit applies to placement='reward' only; remove it for placement='loss'")
+            if self.level == "sequence":
+                raise ValueError("KLConfig.credit does not apply at level='sequence' (every token gets the sequence estimate)")
+        if self.coef < 0:
+            raise ValueError(f"KLConfig.coef={self.coef} must be >= 0")
+        if self.clamp is not None and self.clamp <= 0:
+            raise ValueError(f"KLConfig.clamp={self.clamp} must be > 0 or None")
+        if self.truncate is not None:
+            if self.truncate <= 0:
+                raise ValueError(f"KLConfig.truncate={self.truncate} must be > 0 or None")
+            if self.off_policy != "per_decision":
+                raise ValueError("KLConfig.truncate caps per-decision weights: set off_policy='per_decision' or drop it")
+        self._check_off_policy()
+
+    def _check_off_policy(self):
+        op = self.off_policy
+        if op == "none":
+            return
+        if self.placement == "loss":
+            if self.estimator == "full":
+                if not (op == "per_decision" and self.level == "sequence"):
+                    raise ValueError(
+                        "KLConfig.off_policy: with estimator='full' in the loss only 'per_decision' at level='sequence' "
+                        "(Rao-Blackwellised) is defined; the exact token-level KL needs no weight"
+                    )
+            elif op != "token_is" or self.level != "token":
+                raise ValueError(
+                    f"KLConfig.off_policy={op!r} with placement='loss' and estimator={self.estimator!r}: "
+                    "use 'token_is' at level='token' (w_t * k_t), or estimator='full', level='sequence' for per_decision"
+                )
+        else:
+            if self.level == "sequence":
+                raise ValueError(f"KLConfig.off_policy={op!r} with placement='reward' needs level='token'")
+            if op == "per_decision" and self.effective_credit != "reward_to_go":
+                raise ValueError("KLConfig.off_policy='per_decision' needs credit='reward_to_go'")
+
+    @property
+    def effective_credit(self) -> Optional[str]:
+        if self.placement != "reward" or self.level == "sequence":
+            return None
+        return self.credit or "reward_to_go"
+
+    @property
+    def name(self) -> str:
+        """A readable, unique label for logs and plots, e.g. ``k1-reward-token-rtg``."""
+        parts = [self.estimator, self.placement, self.level]
+        credit = self.effective_credit
+        if credit:
+            parts.append({"reward_to_go": "rtg", "immediate": "imm"}[credit])
+        if self.off_policy != "none":
+            parts.append(self.off_policy)
+        if self.truncate is not None:
+            parts.append(f"trunc{self.truncate:g}")
+        return "-".join(parts)
+
+
+# ------------------------------------------------------------------------------------------------
+# helpers
+
+
+def aggregate_tokens(values: torch.Tensor, mask: torch.Tensor, aggregation: str) -> torch.Tensor:
+    """Reduce per-token values [B, T] (masked positions already zero) to a scalar."""
+    m = mask.to(values.dtype)
+    values = values * m
+    batch = values.shape[0]
+    if aggregation == "seq_mean_token_sum":
+        return values.sum() / batch
+    if aggregation == "token_mean":
+        return values.sum() / m.sum().clamp_min(1.0)
+    if aggregation == "seq_mean_token_mean":
+        return (values.sum(-1) / m.sum(-1).clamp_min(1.0)).sum() / batch
+    raise ValueError(f"aggregation={aggregation!r} is unknown; use one of {list(AGGREGATIONS)}")
+
+
+def aggregate_sequences(values: torch.Tensor, mask: torch.Tensor, aggregation: str) -> torch.Tensor:
+    """Reduce per-sequence values [B] (each the sum over that sequence's tokens) to a scalar."""
+    m = mask.to(values.dtype)
+    batch = values.shape[0]
+    if aggregation == "seq_mean_token_sum":
+        return values.sum() / batch
+    if aggregation == "token_mean":
+        return values.sum() / m.sum().clamp_min(1.0)
+    if aggregation == "seq_mean_token_mean":
+        return (values / m.sum(-1).clamp_min(1.0)).sum() / batch
+    raise ValueError(f"aggregation={aggregation!r} is unknown; use one of {list(AGGREGATIONS)}")
+
+
+def reverse_cumsum(x: torch.Tensor) -> torch.Tensor:
+    """out_t = sum_{s>=t} x_s along the last dim."""
+    return x.flip(-1).cumsum(-1).flip(-1)
+
+
+def _masked(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Zero masked positions without letting garbage there (inf/NaN) reach any gradient."""
+    return torch.where(mask.bool(), x, torch.zeros_like(x))
+
+
+def _check(cfg: KLConfig, logprobs, ref_logprobs, mask, behavior_logprobs, full_kl) -> None:
+    if logprobs.shape != ref_logprobs.shape or logprobs.shape != mask.shape or logprobs.dim() != 2:
+        raise ValueError(
+            f"logprobs {tuple(logprobs.shape)}, ref_logprobs {tuple(ref_logprobs.shape)} and mask "
+            f"{tuple(mask.shape)} must all be [batch, tokens]"
+        )
+    if cfg.off_policy != "none" and behavior_logprobs is None:
+        raise ValueError(f"KLConfig.off_policy={cfg.off_policy!r} needs behavior_logprobs (the sampler's log-probs)")
+    if behavior_logprobs is not None and behavior_logprobs.shape != logprobs.shape:
+        raise ValueError(f"behavior_logprobs shape {tuple(behavior_logprobs.shape)} != logprobs {tuple(logprobs.shape)}")
+    if cfg.estimator == "full":
+        if full_kl is None:
+            raise ValueError("KLConfig.estimator='full' needs full_kl, the exact per-position KL [batch, tokens]")
+        if full_kl.shape != logprobs.shape:
+            raise ValueError(f"full_kl shape {tuple(full_kl.shape)} != logprobs {tuple(logprobs.shape)}")
+
+
+def _prefix_weights(cfg: KLConfig, logprobs, behavior_logprobs, mask, inclusive: bool,
+                    counter: Optional[ClampCounter]) -> torch.Tensor:
+    """Detached rho_{1:t} (inclusive) or rho_{1:t-1} (exclusive), clamped in log space and truncated."""
+    log_rho = _masked((logprobs - behavior_logprobs).detach(), mask)
+    cumulative = log_rho.cumsum(-1)
+    if not inclusive:
+        cumulative = cumulative - log_rho
+    rho = torch.exp(clamp_log_ratio(cumulative, cfg.clamp, mask, counter, "prefix_weight"))
+    if cfg.truncate is not None:
+        rho = rho.clamp(max=cfg.truncate)
+    return rho
+
+
+# ------------------------------------------------------------------------------------------------
+# public API
+
+
+def kl_loss(
+    cfg: KLConfig,
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    behavior_logprobs: Optional[torch.Tensor] = None,
+    full_kl: Optional[torch.Tensor] = None,
+    counter: Optional[ClampCounter] = None,
+) -> torch.Tensor:
+    """The KL term to ADD to the loss (already times ``coef``); zero for placement='reward'."""
+    _check(cfg, logprobs, ref_logprobs, mask, behavior_logprobs, full_kl)
+    if cfg.placement == "reward":
+        return torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
+    lp = _masked(logprobs, mask)
+    d = lp - _masked(ref_logprobs.detach(), mask)
+    if cfg.estimator == "full":
+        kl_t = _masked(full_kl, mask)
+        if cfg.level == "token":
+            return cfg.coef * aggregate_tokens(kl_t, mask, cfg.aggregation)
+        if cfg.off_policy == "per_decision":
+            rho_prev = _prefix_weights(cfg, logprobs, behavior_logprobs, mask, inclusive=False, counter=counter)
+            pathwise = rho_prev * kl_t
+        else:
+            pathwise = kl_t
+        future = reverse_cumsum(pathwise.detach()) - pathwise.detach()  # sum_{s>t}
+        return cfg.coef * aggregate_tokens(pathwise + lp * future, mask, cfg.aggregation)
+    if cfg.level == "sequence":
+        total = d.sum(-1)
+        values = token_estimate(cfg.estimator, total, cfg.clamp, mask.any(-1), counter)
+        return cfg.coef * aggregate_sequences(values, mask, cfg.aggregation)
+    values = token_estimate(cfg.estimator, d, cfg.clamp, mask, counter)
+    if cfg.off_policy == "token_is":
+        log_w = clamp_log_ratio(lp - _masked(behavior_logprobs.detach(), mask), cfg.clamp, mask, counter, "token_is")
+        values = torch.exp(log_w) * values
+    return cfg.coef * aggregate_tokens(_masked(values, mask), mask, cfg.aggregation)
+
+
+@torch.no_grad()
+def kl_penalty_credit(
+    cfg: KLConfig,
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    behavior_logprobs: Optional[torch.Tensor] = None,
+    full_kl: Optional[torch.Tensor] = None,
+    counter: Optional[ClampCounter] = None,
+) -> torch.Tensor:
+    """The detached credited penalty c_t [B, T] of a reward-placed KL (not times coef)."""
+    _check(cfg, logprobs, ref_logprobs, mask, behavior_logprobs, full_kl)
+    m = mask.to(logprobs.dtype)
+    d = _masked(logprobs, mask) - _masked(ref_logprobs, mask)
+    if cfg.estimator == "full":
+        per_token = _masked(full_kl, mask).detach()
+    else:
+        per_token = _masked(token_estimate(cfg.estimator, d, cfg.clamp, mask, counter), mask)
+    if cfg.level == "sequence":
+        if cfg.estimator == "full":
+            seq = per_token.sum(-1)
+        else:
+            seq = token_estimate(cfg.estimator, d.sum(-1), cfg.clamp, mask.any(-1), counter)
+        return seq[:, None] * m
+    if cfg.off_policy == "per_decision":
+        per_token = per_token * _prefix_weights(
+            cfg, logprobs, behavior_logprobs, mask, inclusive=cfg.estimator != "full", counter=counter
+        )
+    if cfg.effective_credit == "immediate":
+        return per_token * m
+    return reverse_cumsum(per_token * m) * m
+
+
+def kl_shaped_returns(
+    cfg: KLConfig,
+    rewards: torch.Tensor,
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    behavior_logprobs: Optional[torch.Tensor] = None,
+    full_kl: Optional[torch.Tensor] = None,
+    counter: Optional[ClampCounter] = None,
+) -> torch.Tensor:
+    """Per-token returns [B, T]: rewards[b] - coef * c_t for placement='reward', the broadcast rewards
+    for placement='loss'; zero at masked positions. Detached."""
+    if rewards.shape != logprobs.shape[:1]:
+        raise ValueError(f"rewards must be [batch]={tuple(logprobs.shape[:1])}, got {tuple(rewards.shape)}")
+    m = mask.to(logprobs.dtype)
+    returns = rewards.detach().to(logprobs.dtype)[:, None] * m
+    if cfg.placement == "loss":
+        _check(cfg, logprobs, ref_logprobs, mask, behavior_logprobs, full_kl)
+        return returns
+    credit = kl_penalty_credit(cfg, logprobs, ref_logprobs, mask, behavior_logprobs, full_kl, counter)
+    return returns - cfg.coef * credit
+
+
+def policy_gradient_surrogate(
+    cfg: KLConfig,
+    logprobs: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    behavior_logprobs: Optional[torch.Tensor] = None,
+    counter: Optional[ClampCounter] = None,
+) -> torch.Tensor:
+    """Scalar whose gradient is agg_t weight_t * values_t * grad log pi(y_t), values detached.
+
+    weight_t = rho_t = pi/mu (PPO-style ratio) for off_policy='token_is'; 1 otherwise (per_decision
+    weights are already inside the values built by :func:`kl_shaped_returns`). Maximise it for returns,
+    or use it with the credited penalty to obtain the KL part of the gradient.
+    """
+    lp = _masked(logprobs, mask)
+    values = _masked(values.detach(), mask)
+    if cfg.off_policy == "token_is":
+        if behavior_logprobs is None:
+            raise ValueError("KLConfig.off_policy='token_is' needs behavior_logprobs")
+        log_w = clamp_log_ratio(lp - _masked(behavior_logprobs.detach(), mask), cfg.clamp, mask, counter, "token_is")
+        weighted = torch.exp(log_w) * values
+    else:
+        weighted = lp * values
+    return aggregate_tokens(weighted, mask, cfg.aggregation)
