@@ -16,7 +16,7 @@ the slices are disjoint; the upstream gradient of these replicated outputs is NO
     d KL / dz_a        = pi_a (log pi_a - log pi_ref_a - KL)
 
 each divided by tau for the gradient w.r.t. the logits. Work is chunked over tokens: extra memory is
-O(chunk x V/tp) in float32, and the softmax is recomputed in backward instead of being saved.
+O(chunk x V/tp) in float32 (default chunk: about 2M entries, i.e. 2M / (V/tp) rows), and the softmax is recomputed in backward instead of being saved.
 Math runs in float32 for half-precision inputs and in float64 for float64 inputs. Entries at global
 index >= ``vocab_size`` (Megatron's vocabulary padding) are excluded everywhere.
 """
@@ -29,7 +29,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-DEFAULT_CHUNK = 1024
+DEFAULT_CHUNK = None  # auto: rows such that one float32 chunk temporary is about CHUNK_ELEMENTS entries
+CHUNK_ELEMENTS = 1 << 21
 
 
 def _group_size_rank(group) -> tuple[int, int]:
@@ -73,7 +74,7 @@ class _VocabParallelStats(torch.autograd.Function):
     """Forward: (logprob of target, entropy, KL to reference) per row; see the module docstring."""
 
     @staticmethod
-    def forward(ctx, logits, reference_logits, targets, group, temperature, vocab_size, chunk_size):
+    def forward(ctx, logits, reference_logits, targets, group, temperature, vocab_size, chunk_size, inplace_backward):
         rows, local_vocab = logits.shape
         shard = _shard(local_vocab, group, vocab_size)
         dtype = compute_dtype(logits.dtype)
@@ -92,15 +93,15 @@ class _VocabParallelStats(torch.autograd.Function):
                 if has_ref:
                     maxes[1] = r.max(dim=-1).values
             _all_reduce(maxes, dist.ReduceOp.MAX, group)
-            zc = z - maxes[0, :, None]  # <= 0
+            zc = z.sub_(maxes[0, :, None])  # z - M <= 0, in place on our own float copy
             e = torch.exp(zc)
             sums = torch.zeros(5, hi - lo, dtype=dtype, device=z.device)
             sums[0] = e.sum(-1)  # S
-            sums[1] = (e * zc).sum(-1)  # S * E_pi[z - M]
+            sums[1] = torch.linalg.vecdot(e, zc)  # S * E_pi[z - M]
             if has_ref:
-                rc = r - maxes[1, :, None]
-                sums[2] = torch.exp(rc).sum(-1)  # S_ref
-                sums[3] = (e * rc).sum(-1)  # S * E_pi[r - M_ref]
+                rc = r.sub_(maxes[1, :, None])
+                sums[3] = torch.linalg.vecdot(e, rc)  # S * E_pi[r - M_ref]
+                sums[2] = rc.exp_().sum(-1)  # S_ref
             if has_tgt and shard.valid:
                 local_t = targets[lo:hi] - shard.start
                 owned = (local_t >= 0) & (local_t < shard.valid)
@@ -120,6 +121,7 @@ class _VocabParallelStats(torch.autograd.Function):
                 out[2, lo:hi] = 0.0
         ctx.save_for_backward(logits, reference_logits if has_ref else None, targets if has_tgt else None, norms, out)
         ctx.shard, ctx.temperature, ctx.chunk_size, ctx.dtype = shard, temperature, chunk_size, dtype
+        ctx.inplace_backward = inplace_backward
         ctx.mark_non_differentiable(norms)
         return out[0], out[1], out[2]
 
@@ -127,31 +129,41 @@ class _VocabParallelStats(torch.autograd.Function):
     def backward(ctx, grad_logprob, grad_entropy, grad_kl):
         logits, reference_logits, targets, norms, out = ctx.saved_tensors
         shard, tau, dtype = ctx.shard, ctx.temperature, ctx.dtype
-        grad_logits = torch.zeros_like(logits)
+        # In place: each chunk's gradient overwrites that chunk of the logits once it has been read, so
+        # backward allocates nothing of full size (as megatron's vocab-parallel cross entropy does).
+        grad_logits = logits if ctx.inplace_backward else torch.zeros_like(logits)
         rows = logits.shape[0]
         for lo in range(0, rows, ctx.chunk_size):
             hi = min(rows, lo + ctx.chunk_size)
+            if shard.valid < logits.shape[1]:
+                grad_logits[lo:hi, shard.valid:] = 0
             if shard.valid == 0:
                 continue
-            z = _scaled(logits[lo:hi], shard, tau, dtype)
-            log_p = z - norms[0, lo:hi, None] - norms[1, lo:hi, None]
+            # grad_z = p * [-g_lp - g_H (log p + H) + g_KL (log p - log q - KL)] + g_lp * onehot(target),
+            # built in place on chunk-sized buffers.
+            ones = torch.ones(hi - lo, dtype=dtype, device=logits.device)
+            g_lp = grad_logprob[lo:hi].to(dtype) if grad_logprob is not None and targets is not None else 0 * ones
+            g_h = grad_entropy[lo:hi].to(dtype) if grad_entropy is not None else 0 * ones
+            use_kl = grad_kl is not None and reference_logits is not None
+            g_kl = grad_kl[lo:hi].to(dtype) if use_kl else None
+            log_p = _scaled(logits[lo:hi], shard, tau, dtype).sub_((norms[0, lo:hi] + norms[1, lo:hi])[:, None])
             p = torch.exp(log_p)
-            grad = torch.zeros_like(z)
+            kl_part = None
+            if use_kl:  # g_KL * ((log p - log q) - KL): grouped so large |log q| cancels before scaling
+                kl_part = _scaled(reference_logits[lo:hi], shard, tau, dtype)
+                kl_part.sub_((norms[2, lo:hi] + norms[3, lo:hi])[:, None])  # log q
+                kl_part.neg_().add_(log_p).sub_(out[2, lo:hi, None]).mul_(g_kl[:, None])
+            bracket = log_p.add_(out[1, lo:hi, None]).mul_(-g_h[:, None]).sub_(g_lp[:, None])  # -g_H(log p + H) - g_lp
+            if kl_part is not None:
+                bracket.add_(kl_part)
+            grad = p.mul_(bracket)
             if grad_logprob is not None and targets is not None:
-                g = grad_logprob[lo:hi].to(dtype)[:, None]
-                grad -= g * p
                 local_t = targets[lo:hi] - shard.start
                 owned = (local_t >= 0) & (local_t < shard.valid)
                 idx = owned.nonzero().squeeze(-1)
-                grad[idx, local_t[idx]] += g[idx, 0]
-            if grad_entropy is not None:
-                grad -= grad_entropy[lo:hi].to(dtype)[:, None] * p * (log_p + out[1, lo:hi, None])
-            if grad_kl is not None and reference_logits is not None:
-                r = _scaled(reference_logits[lo:hi], shard, tau, dtype)
-                log_q = r - norms[2, lo:hi, None] - norms[3, lo:hi, None]
-                grad += grad_kl[lo:hi].to(dtype)[:, None] * p * (log_p - log_q - out[2, lo:hi, None])
-            grad_logits[lo:hi, : shard.valid] = (grad / tau).to(logits.dtype)
-        return grad_logits, None, None, None, None, None, None
+                grad[idx, local_t[idx]] += g_lp[idx]
+            grad_logits[lo:hi, : shard.valid] = grad.div_(tau).to(logits.dtype)
+        return grad_logits, None, None, None, None, None, None, None
 
 
 @dataclass
@@ -171,17 +183,22 @@ def fused_stats(
     temperature: float = 1.0,
     vocab_size: Optional[int] = None,
     chunk_size: int = DEFAULT_CHUNK,
+    inplace_backward: bool = False,
 ) -> VocabParallelStats:
     """Token log-prob (if ``targets``), entropy and exact KL to the reference (if ``reference_logits``)
     from one pass over the local logits slice ``[..., V/tp]``, sharing one normaliser.
 
     Differentiable w.r.t. ``logits`` only. ``targets`` are global token ids. ``vocab_size`` is the true
-    vocabulary (padding excluded); default: the whole sharded vocabulary.
+    vocabulary (padding excluded); default: the whole sharded vocabulary. ``inplace_backward=True``
+    writes the gradient into the logits' storage (no full-size allocation in backward): use it only when
+    the logits are a temporary that nothing reads after backward, as in the training loss.
     """
     if temperature <= 0:
         raise ValueError(f"temperature={temperature} must be > 0")
+    if chunk_size is None:
+        chunk_size = max(1, CHUNK_ELEMENTS // max(1, logits.shape[-1]))
     if chunk_size <= 0:
-        raise ValueError(f"chunk_size={chunk_size} must be > 0")
+        raise ValueError(f"chunk_size={chunk_size} must be > 0 (or None for automatic)")
     lead = logits.shape[:-1]
     flat = logits.reshape(-1, logits.shape[-1])
     if not flat.is_contiguous():
@@ -195,7 +212,9 @@ def fused_stats(
             )
         ref = reference_logits.detach().reshape(-1, logits.shape[-1])
     tgt = targets.reshape(-1).long() if targets is not None else None
-    logprob, ent, kl = _VocabParallelStats.apply(flat, ref, tgt, tp_group, float(temperature), vocab_size, chunk_size)
+    logprob, ent, kl = _VocabParallelStats.apply(
+        flat, ref, tgt, tp_group, float(temperature), vocab_size, chunk_size, inplace_backward
+    )
     return VocabParallelStats(
         logprobs=logprob.reshape(lead) if targets is not None else None,
         entropy=ent.reshape(lead),
