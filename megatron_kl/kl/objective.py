@@ -135,17 +135,8 @@ class KLConfig:
 
 
 def aggregate_tokens(values: torch.Tensor, mask: torch.Tensor, aggregation: str) -> torch.Tensor:
-    """Reduce per-token values [B, T] (masked positions already zero) to a scalar."""
-    m = mask.to(values.dtype)
-    values = values * m
-    batch = values.shape[0]
-    if aggregation == "seq_mean_token_sum":
-        return values.sum() / batch
-    if aggregation == "token_mean":
-        return values.sum() / m.sum().clamp_min(1.0)
-    if aggregation == "seq_mean_token_mean":
-        return (values.sum(-1) / m.sum(-1).clamp_min(1.0)).sum() / batch
-    raise ValueError(f"aggregation={aggregation!r} is unknown; use one of {list(AGGREGATIONS)}")
+    """Reduce per-token values [B, T] (masked positions are zeroed here) to a scalar."""
+    return aggregate_sequences((values * mask.to(values.dtype)).sum(-1), mask, aggregation)
 
 
 def aggregate_sequences(values: torch.Tensor, mask: torch.Tensor, aggregation: str) -> torch.Tensor:

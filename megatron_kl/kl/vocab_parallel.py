@@ -141,9 +141,9 @@ class _VocabParallelStats(torch.autograd.Function):
                 continue
             # grad_z = p * [-g_lp - g_H (log p + H) + g_KL (log p - log q - KL)] + g_lp * onehot(target),
             # built in place on chunk-sized buffers.
-            ones = torch.ones(hi - lo, dtype=dtype, device=logits.device)
-            g_lp = grad_logprob[lo:hi].to(dtype) if grad_logprob is not None and targets is not None else 0 * ones
-            g_h = grad_entropy[lo:hi].to(dtype) if grad_entropy is not None else 0 * ones
+            zeros = torch.zeros(hi - lo, dtype=dtype, device=logits.device)
+            g_lp = grad_logprob[lo:hi].to(dtype) if grad_logprob is not None and targets is not None else zeros
+            g_h = grad_entropy[lo:hi].to(dtype) if grad_entropy is not None else zeros
             use_kl = grad_kl is not None and reference_logits is not None
             g_kl = grad_kl[lo:hi].to(dtype) if use_kl else None
             log_p = _scaled(logits[lo:hi], shard, tau, dtype).sub_((norms[0, lo:hi] + norms[1, lo:hi])[:, None])
