@@ -14,6 +14,9 @@ def _build_parser() -> argparse.ArgumentParser:
     audit.add_argument("--length", type=int, default=3)
     audit.add_argument("--seed", type=int, default=0)
     audit.add_argument("--json", type=str, default=None, help="also write the results as JSON here")
+    train = sub.add_parser("train", help="RL training (torchrun for several ranks)")
+    train.add_argument("--config", required=True, help="YAML config, e.g. configs/cpu/default.yaml")
+    train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. kl.estimator=k3 train.steps=5")
     return parser
 
 
@@ -24,6 +27,10 @@ def main(argv=None) -> int:
 
         return audit_main(["--vocab", str(args.vocab), "--length", str(args.length), "--seed", str(args.seed)]
                           + (["--json", args.json] if args.json else []))
+    if args.command == "train":
+        from megatron_kl.train.cli import main as train_main
+
+        return train_main(args.config, args.overrides)
     return 2
 
 

@@ -75,8 +75,13 @@ def layer_spec(model: ModelConfig):
     return gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=model.qk_layernorm, normalization="RMSNorm")
 
 
-def build_gpt_model(model: ModelConfig, parallel: ParallelConfig, vp_stage: Optional[int] = None):
-    """One GPTModel chunk for this rank's pipeline stage (and virtual stage ``vp_stage``)."""
+def build_gpt_model(model: ModelConfig, parallel: ParallelConfig, vp_stage: Optional[int] = None,
+                    pg_collection=None):
+    """One GPTModel chunk for this rank's pipeline stage (and virtual stage ``vp_stage``).
+
+    ``pg_collection`` (megatron's ProcessGroupCollection) defaults to parallel_state's groups; the
+    embedded rollout engine passes its own TP group so it can run concurrently with training.
+    """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
@@ -101,6 +106,7 @@ def build_gpt_model(model: ModelConfig, parallel: ParallelConfig, vp_stage: Opti
         rope_scaling=resolved.rope_scaling_factor is not None,
         rope_scaling_factor=resolved.rope_scaling_factor or 8.0,
         vp_stage=vp_stage,
+        pg_collection=pg_collection,
     )
     return gpt
 

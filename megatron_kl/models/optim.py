@@ -6,7 +6,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megatron_kl.models.pipeline import LossFn, SequenceBatch, VocabOptions, run_schedule
+from typing import Optional
+
+from megatron_kl.models.pipeline import LossFn, ReferenceHead, SequenceBatch, VocabOptions, run_schedule
 
 
 @dataclass
@@ -94,7 +96,8 @@ def build_train_state(chunks: list, optim: OptimConfig) -> TrainState:
 
 
 def train_step(
-    state: TrainState, batch: SequenceBatch, num_microbatches: int, loss_fn: LossFn, vocab: VocabOptions
+    state: TrainState, batch: SequenceBatch, num_microbatches: int, loss_fn: LossFn, vocab: VocabOptions,
+    reference: Optional[ReferenceHead] = None,
 ) -> dict:
     """Forward/backward over all microbatches, grad reduction, clipping, optimizer and LR step.
 
@@ -104,7 +107,8 @@ def train_step(
         chunk.train()
         chunk.zero_grad_buffer()
     state.optimizer.zero_grad()
-    outputs = run_schedule(state.chunks, batch, num_microbatches, loss_fn, vocab, forward_only=False)
+    outputs = run_schedule(state.chunks, batch, num_microbatches, loss_fn, vocab, forward_only=False,
+                           reference=reference)
     update_successful, grad_norm, _ = state.optimizer.step()
     state.scheduler.step(increment=1)
     state.step += 1

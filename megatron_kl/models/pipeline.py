@@ -10,7 +10,7 @@ entropies with :mod:`megatron_kl.kl.vocab_parallel` (temperature applied as the 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable, Optional
 
@@ -29,6 +29,7 @@ LossFn = Callable[[VocabParallelStats, dict], tuple[torch.Tensor, dict]]
 class SequenceBatch:
     tokens: torch.Tensor  # [B, S] int64
     loss_mask: torch.Tensor  # [B, S-1], 1 where tokens[:, t+1] is a response token
+    extras: dict = field(default_factory=dict)  # more [B, ...] tensors, split with the batch
 
     def __post_init__(self):
         if self.tokens.dim() != 2:
@@ -43,9 +44,13 @@ class SequenceBatch:
             raise ValueError(f"batch size {batch} is not divisible by num_microbatches={num_microbatches}")
         size = batch // num_microbatches
         return [
-            {"tokens": self.tokens[i : i + size], "loss_mask": self.loss_mask[i : i + size], "index": i}
+            {"tokens": self.tokens[i : i + size], "loss_mask": self.loss_mask[i : i + size], "index": i,
+             **{k: v[i : i + size] for k, v in self.extras.items()}}
             for i in range(0, batch, size)
         ]
+
+    def select(self, index: torch.Tensor) -> "SequenceBatch":
+        return SequenceBatch(self.tokens[index], self.loss_mask[index], {k: v[index] for k, v in self.extras.items()})
 
 
 @dataclass
@@ -55,7 +60,27 @@ class VocabOptions:
     chunk_size: int = DEFAULT_CHUNK
 
 
-def _forward_step(vocab: VocabOptions, loss_fn: LossFn, num_microbatches: int, data_iterator, model):
+class ReferenceHead:
+    """The frozen reference's output layer on the last pipeline stage.
+
+    The reference pass keeps its final hidden states ``[B, S, H]`` (``capture_hidden``); the policy
+    pass turns a microbatch's slice into vocab-sharded reference logits here, so the exact KL needs
+    hidden states (H wide) stored between passes instead of logits (V wide).
+    """
+
+    def __init__(self, reference_chunks: list):
+        self.chunk = reference_chunks[-1]
+
+    @torch.no_grad()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        chunk = self.chunk
+        weight = chunk.shared_embedding_or_output_weight() if chunk.share_embeddings_and_output_weights else None
+        logits, _ = chunk.output_layer(hidden.transpose(0, 1).contiguous(), weight=weight)
+        return logits.transpose(0, 1)
+
+
+def _forward_step(vocab: VocabOptions, loss_fn: LossFn, num_microbatches: int,
+                  reference: Optional[ReferenceHead], data_iterator, model):
     from megatron.core import parallel_state
 
     mb = next(data_iterator)
@@ -66,10 +91,14 @@ def _forward_step(vocab: VocabOptions, loss_fn: LossFn, num_microbatches: int, d
     output = model(tokens, position_ids, None)
 
     def loss_func(logits):
+        reference_logits = None
+        if reference is not None and "reference_hidden" in mb:
+            reference_logits = reference.logits(mb["reference_hidden"].to(device))[:, :-1]
         stats = fused_stats(
             logits[:, :-1],
             parallel_state.get_tensor_model_parallel_group(),
             targets=tokens[:, 1:],
+            reference_logits=reference_logits,
             temperature=vocab.temperature,
             vocab_size=vocab.vocab_size,
             chunk_size=vocab.chunk_size,
@@ -100,9 +129,11 @@ def run_schedule(
     loss_fn: LossFn,
     vocab: VocabOptions,
     forward_only: bool,
+    reference: Optional[ReferenceHead] = None,
 ) -> list[dict]:
     """Run the pipeline schedule over ``batch``; returns the per-microbatch metrics dicts
-    (on the last pipeline stage; an empty list elsewhere)."""
+    (on the last pipeline stage; an empty list elsewhere). With ``reference`` and a
+    ``reference_hidden`` extra, the stats carry the exact per-position KL(pi || pi_ref)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     microbatches = batch.split(num_microbatches)
@@ -110,7 +141,7 @@ def run_schedule(
     data = [iter(microbatches) for _ in chunks]
     forward_backward = get_forward_backward_func()
     return forward_backward(
-        forward_step_func=partial(_forward_step, vocab, loss_fn, num_microbatches),
+        forward_step_func=partial(_forward_step, vocab, loss_fn, num_microbatches, reference),
         data_iterator=data if len(chunks) > 1 else data[0],
         model=chunks if len(chunks) > 1 else chunks[0],
         num_microbatches=num_microbatches,
@@ -137,29 +168,47 @@ def broadcast_from_last_stage(tensor: Optional[torch.Tensor], shape, dtype) -> t
 
 @torch.no_grad()
 def compute_token_stats(
-    chunks: list, batch: SequenceBatch, num_microbatches: int, vocab: VocabOptions
+    chunks: list,
+    batch: SequenceBatch,
+    num_microbatches: int,
+    vocab: VocabOptions,
+    reference: Optional[ReferenceHead] = None,
+    capture_hidden: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Forward-only per-token log-probs and entropies ``[B, S-1]`` of ``batch``, on every rank.
 
-    Masked positions are set to 0. Works for the policy and for the frozen reference alike.
+    Masked positions are set to 0. Works for the policy and for the frozen reference alike. With
+    ``reference`` (and ``batch.extras["reference_hidden"]``) also the exact KL ``"kl"``; with
+    ``capture_hidden`` also ``"hidden"`` ``[B, S, H]``, the final hidden states feeding the output
+    layer (last pipeline stage only; None elsewhere).
     """
     for chunk in chunks:
         chunk.eval()
+    keys = ("logprobs", "entropy") + (("kl",) if reference is not None else ())
+    captured: list[torch.Tensor] = []
+    hook = None
+    if capture_hidden and getattr(chunks[-1], "post_process", False):
+        hook = chunks[-1].output_layer.register_forward_hook(
+            lambda module, args, output: captured.append(args[0].detach().transpose(0, 1).float().cpu())
+        )
 
     def collect(stats: VocabParallelStats, mb: dict):
         mask = mb["loss_mask"].to(stats.logprobs.dtype)
-        return torch.zeros((), dtype=stats.logprobs.dtype), {
-            "index": mb["index"],
-            "logprobs": stats.logprobs * mask,
-            "entropy": stats.entropy * mask,
-        }
+        values = {key: getattr(stats, key) * mask for key in keys}
+        return torch.zeros((), dtype=stats.logprobs.dtype), {"index": mb["index"], **values}
 
-    outputs = run_schedule(chunks, batch, num_microbatches, collect, vocab, forward_only=True)
+    try:
+        outputs = run_schedule(chunks, batch, num_microbatches, collect, vocab, forward_only=True, reference=reference)
+    finally:
+        if hook is not None:
+            hook.remove()
     shape = tuple(batch.loss_mask.shape)
     result = {}
-    for key in ("logprobs", "entropy"):
+    for key in keys:
         full = None
         if outputs:
             full = torch.cat([o[key] for o in sorted(outputs, key=lambda o: o["index"])]).float().cpu()
         result[key] = broadcast_from_last_stage(full, shape, torch.float32)
+    if capture_hidden:
+        result["hidden"] = torch.cat(captured) if captured else None
     return result

@@ -1,0 +1,1 @@
+"""RL algorithms: advantage estimators and policy losses."""

@@ -1,0 +1,147 @@
+"""The policy loss of one microbatch: PPO-clip (or RPG) + the configured KL term(s) + entropy bonus.
+
+Per token, with rho = pi_theta / pi_old (pi_old: the policy at the start of the update), advantage A:
+
+  ppo   max(-A rho, -A clip(rho, 1 - clip_low, 1 + clip_high)), and for A < 0 at most -A * dual_clip
+        (dual clip, Ye et al. 2020); times the truncated behaviour weight min(pi_old / mu, tis_cap) when
+        behavior_correction='tis' (mu: the rollout engine's sampler, stale in async mode).
+  rpg   the RPG loss of megatron_kl.kl.rpg (its own KL term; kl.coef must then be 0).
+
+KL, as configured by KLConfig (megatron_kl.kl.objective):
+  placement=reward   -surrogate(c_t): sum_t sg(-coef c_t) * grad log pi(y_t), the credited penalty from
+                     kl_shaped_returns, never clipped (PPO clipping would bias the KL gradient)
+  placement=loss     kl_loss(...) with the live log-probs (and the exact KL for estimator='full')
+
+Every term is reduced with its own aggregation over the MINIBATCH; ``Shares`` turns a microbatch's local
+reduction into its exact share of the minibatch reduction, so gradient accumulation is exact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from megatron_kl.config import ConfigError
+from megatron_kl.kl.estimators import ClampCounter, clamp_log_ratio
+from megatron_kl.kl.objective import AGGREGATIONS, KLConfig, aggregate_tokens, kl_loss, policy_gradient_surrogate
+from megatron_kl.kl.rpg import RPGConfig, rpg_loss
+
+LOSSES = ("ppo", "rpg")
+BEHAVIOR_CORRECTIONS = ("none", "tis")
+
+
+@dataclass
+class AlgoConfig:
+    advantage: str = "grpo"
+    std_normalize: bool = True
+    loss: str = "ppo"  # ppo | rpg
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    dual_clip: Optional[float] = 3.0
+    aggregation: str = "token_mean"  # policy-loss aggregation
+    entropy_coef: float = 0.0
+    ppo_epochs: int = 1
+    minibatches: int = 1  # optimizer steps per epoch
+    behavior_correction: str = "none"  # none | tis: truncated pi_old/mu weight on the policy loss
+    tis_cap: float = 2.0
+    rpg: RPGConfig = field(default_factory=RPGConfig)
+
+    def __post_init__(self):
+        from megatron_kl.algo.advantages import ESTIMATORS
+
+        for name, allowed in (("advantage", ESTIMATORS), ("loss", LOSSES), ("aggregation", AGGREGATIONS),
+                              ("behavior_correction", BEHAVIOR_CORRECTIONS)):
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"algo.{name}={getattr(self, name)!r} is unknown; use one of {list(allowed)}")
+        if self.clip_low < 0 or self.clip_high < 0:
+            raise ConfigError("algo.clip_low and algo.clip_high must be >= 0")
+        if self.dual_clip is not None and self.dual_clip <= 1.0:
+            raise ConfigError(f"algo.dual_clip={self.dual_clip} must be > 1 (or null to disable)")
+        if self.ppo_epochs < 1 or self.minibatches < 1:
+            raise ConfigError("algo.ppo_epochs and algo.minibatches must be >= 1")
+        if self.tis_cap <= 0:
+            raise ConfigError(f"algo.tis_cap={self.tis_cap} must be > 0")
+
+    @property
+    def name(self) -> str:
+        return self.rpg.name if self.loss == "rpg" else f"{self.advantage}-ppo"
+
+
+@dataclass
+class Shares:
+    """Minibatch denominators: a microbatch term reduced locally times ``factor`` is its exact share."""
+
+    num_sequences: int
+    num_tokens: float
+
+    def factor(self, aggregation: str, mask: torch.Tensor) -> float:
+        if aggregation == "token_mean":
+            return float(mask.sum().clamp_min(1.0)) / max(self.num_tokens, 1.0)
+        return mask.shape[0] / self.num_sequences
+
+
+def ppo_loss(logprobs, old_logprobs, advantages, mask, cfg: AlgoConfig, behavior_weight=None,
+             counter: Optional[ClampCounter] = None):
+    """Per-token PPO-clip loss [B, T] (masked positions 0) and the clipped-token indicator."""
+    m = mask.bool()
+    log_ratio = clamp_log_ratio(torch.where(m, logprobs - old_logprobs.detach(), torch.zeros_like(logprobs)),
+                                20.0, mask, counter, "ppo_ratio")
+    ratio = torch.exp(log_ratio)
+    adv = advantages.detach()
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
+    loss = torch.maximum(unclipped, clipped)
+    was_clipped = clipped > unclipped
+    if cfg.dual_clip is not None:
+        cap = -adv * cfg.dual_clip
+        dual = (adv < 0) & (loss > cap)
+        loss = torch.where(dual, cap, loss)
+        was_clipped = was_clipped | dual
+    if behavior_weight is not None:
+        loss = loss * behavior_weight.detach()
+    zero = torch.zeros_like(loss)
+    return torch.where(m, loss, zero), was_clipped & m, torch.where(m, ratio.detach(), zero)
+
+
+def microbatch_loss(stats, mb: dict, algo: AlgoConfig, kl: KLConfig, shares: Shares,
+                    counter: Optional[ClampCounter] = None) -> tuple[torch.Tensor, dict]:
+    """This microbatch's share of the minibatch loss, and metrics (sums to be averaged by the caller).
+
+    ``mb`` holds [b, T] tensors: loss_mask, old_logprobs, behavior_logprobs, reference_logprobs,
+    advantages (the reward part, broadcast per token) and kl_returns (-coef * c_t, reward placement).
+    """
+    mask = mb["loss_mask"].to(stats.logprobs.dtype)
+    logprobs = stats.logprobs
+    metrics: dict = {}
+    if algo.loss == "ppo":
+        weight = None
+        if algo.behavior_correction == "tis":
+            log_w = clamp_log_ratio(mb["old_logprobs"] - mb["behavior_logprobs"], 20.0, mask, counter, "tis")
+            weight = torch.exp(log_w).clamp(max=algo.tis_cap)
+        per_token, clipped, ratio = ppo_loss(logprobs, mb["old_logprobs"], mb["advantages"], mask, algo, weight, counter)
+        policy = aggregate_tokens(per_token, mask, algo.aggregation)
+        metrics["policy/clip_fraction"] = clipped.sum().float() / mask.sum().clamp_min(1)
+        metrics["policy/ratio_max"] = ratio.max()
+    else:
+        policy, rpg_metrics = rpg_loss(algo.rpg, logprobs, mb["old_logprobs"], mb["reference_logprobs"],
+                                       mb["advantages"], mask, counter)
+        metrics.update(rpg_metrics)
+        metrics["policy/clip_fraction"] = rpg_metrics.get("rpg/clip_fraction", torch.zeros(()))
+    total = policy * shares.factor(algo.aggregation, mask)
+    if kl.coef > 0:
+        if kl.placement == "reward":
+            surrogate = policy_gradient_surrogate(kl, logprobs, mb["kl_returns"], mask, mb["behavior_logprobs"], counter)
+            kl_term = -surrogate
+        else:
+            kl_term = kl_loss(kl, logprobs, mb["reference_logprobs"], mask, mb["behavior_logprobs"],
+                              full_kl=stats.kl, counter=counter)
+        total = total + kl_term * shares.factor(kl.aggregation, mask)
+        metrics["loss/kl_term"] = kl_term.detach()
+    if algo.entropy_coef:
+        entropy = aggregate_tokens(stats.entropy, mask, algo.aggregation)
+        total = total - algo.entropy_coef * entropy * shares.factor(algo.aggregation, mask)
+    metrics["loss/policy"] = policy.detach()
+    metrics["loss/total"] = total.detach()
+    return total, metrics

@@ -1,0 +1,1 @@
+"""Rollout engines behind one protocol (:mod:`megatron_kl.rollout.engine`)."""

@@ -1,0 +1,76 @@
+"""The rollout-engine protocol shared by the embedded engine, SGLang and vLLM.
+
+An engine turns prompts (token ids) into completions: the sampled response ids, the behaviour
+log-probs ``log mu(y_t | s_t)`` of the sampled tokens under the engine's sampling temperature, and the
+weight version that produced them. The trainer pushes new weights with ``update_weights``.
+
+Behaviour log-probs are those of the *tempered full distribution* softmax(logits / T), which is what the
+trainer recomputes. With top_p < 1 or top_k > 0 the true sampling distribution is the truncated one; the
+train-vs-rollout mismatch metric then shows it, and the configured off-policy correction applies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Protocol, Sequence, runtime_checkable
+
+from megatron_kl.config import ConfigError
+
+FINISH_REASONS = ("stop", "length")
+
+
+@dataclass
+class SamplingConfig:
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 disables
+    max_new_tokens: int = 16
+    stop_token_ids: list[int] = field(default_factory=list)
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ConfigError(f"rollout.sampling.temperature={self.temperature} must be >= 0 (0 = greedy)")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ConfigError(f"rollout.sampling.top_p={self.top_p} must be in (0, 1]")
+        if self.top_k < 0:
+            raise ConfigError(f"rollout.sampling.top_k={self.top_k} must be >= 0 (0 disables)")
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"rollout.sampling.max_new_tokens={self.max_new_tokens} must be >= 1")
+
+    @property
+    def logprob_temperature(self) -> float:
+        """The temperature the behaviour log-probs (and the trainer's recomputation) use."""
+        return self.temperature if self.temperature > 0 else 1.0
+
+
+@dataclass
+class Completion:
+    prompt_ids: list[int]
+    response_ids: list[int]
+    response_logprobs: list[float]  # behaviour log-probs, one per response token
+    finish_reason: str  # "stop" | "length"
+    weight_version: int
+
+    def __post_init__(self):
+        if len(self.response_ids) != len(self.response_logprobs):
+            raise ValueError(
+                f"completion has {len(self.response_ids)} response ids but {len(self.response_logprobs)} log-probs"
+            )
+        if self.finish_reason not in FINISH_REASONS:
+            raise ValueError(f"completion finish_reason={self.finish_reason!r}; expected one of {FINISH_REASONS}")
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    weight_version: int
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig,
+                 seed: Optional[int] = None) -> list[Completion]:
+        """One completion per prompt, in order. ``seed`` makes the draw reproducible."""
+
+    def update_weights(self, source, version: int) -> None:
+        """Load the policy's current weights (``source`` is engine-specific) and tag them ``version``."""
+
+    def shutdown(self) -> None:
+        """Release resources (servers, memory)."""

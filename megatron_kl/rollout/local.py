@@ -1,0 +1,186 @@
+"""The embedded rollout engine: batched sampling from a Megatron GPTModel replica with a KV cache.
+
+The engine keeps its own copy of the policy weights in the policy's tensor-parallel layout (each rank
+holds its own shards, so a weight sync is a local copy, no communication) and its own TP process
+group, so generation can run in a background thread while the trainer trains (async mode) without
+the two interleaving collectives on one group. Logits are gathered over TP (``runtime_gather_output``)
+and every TP rank draws the same tokens from identically seeded generators.
+
+KV cache: megatron-core's ``StaticInferenceContext``. Prompts of different lengths share one buffer,
+right-padded; the prefill covers the shortest prompt and each decode step feeds one position, forcing
+prompt tokens for rows whose prompt is longer (Megatron's static text-generation scheme).
+Pipeline parallelism is not supported by this engine (use SGLang or vLLM); configs are rejected early.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_kl.config import ConfigError, ModelConfig, ParallelConfig
+from megatron_kl.rollout.engine import Completion, SamplingConfig
+
+
+def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Mask (to -inf) all but the top-k tokens and the smallest nucleus holding top_p of the mass."""
+    if top_k > 0 and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        mass_before = probs.cumsum(-1) - probs
+        drop_sorted = mass_before >= top_p  # the top token always survives (mass_before = 0)
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def sample_tokens(logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator):
+    """Draw one token per row of full-vocabulary ``logits [B, V]`` (float32).
+
+    Returns (tokens [B], behaviour log-probs [B]) with log-probs of the tempered full distribution.
+    """
+    logprobs = torch.log_softmax(logits / sampling.logprob_temperature, dim=-1)
+    if sampling.temperature == 0:
+        tokens = logits.argmax(-1)
+    else:
+        filtered = filter_logits(logits / sampling.temperature, sampling.top_k, sampling.top_p)
+        probs = torch.softmax(filtered, dim=-1)
+        tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def _engine_tp_group(tp_size: int):
+    """A second process group with the same ranks as megatron's TP group (created collectively)."""
+    from megatron.core import parallel_state
+
+    if tp_size == 1 or not dist.is_initialized():
+        return parallel_state.get_tensor_model_parallel_group()
+    mine, _ = dist.new_subgroups(group_size=tp_size)
+    expected = dist.get_process_group_ranks(parallel_state.get_tensor_model_parallel_group())
+    if dist.get_process_group_ranks(mine) != expected:
+        raise RuntimeError(f"engine TP group {dist.get_process_group_ranks(mine)} != megatron's {expected}")
+    return mine
+
+
+def _unwrap(chunk):
+    while hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk
+
+
+class LocalEngine:
+    """In-process engine over a GPTModel replica in the policy's TP layout (PP must be 1)."""
+
+    def __init__(self, model: ModelConfig, parallel: ParallelConfig, max_batch_size: int = 256):
+        from megatron.core.process_groups_config import ProcessGroupCollection
+
+        from megatron_kl.models.builder import build_gpt_model, freeze
+
+        if parallel.pipeline_parallel != 1:
+            raise ConfigError(
+                "rollout.engine=local supports parallel.pipeline_parallel=1 only; use rollout.engine=sglang "
+                "or vllm with pipeline parallelism"
+            )
+        self.model_config = model.resolved()
+        self.max_batch_size = max_batch_size
+        groups = ProcessGroupCollection.use_mpu_process_groups()
+        groups.tp = _engine_tp_group(parallel.tensor_parallel)
+        self.model = freeze([build_gpt_model(model, parallel, pg_collection=groups)])[0]
+        self.weight_version = 0
+        self._lock = threading.Lock()
+
+    # -- weights ---------------------------------------------------------------------------------
+    @torch.no_grad()
+    def update_weights(self, source: list, version: int) -> None:
+        """Copy this rank's shards of the policy chunks ``source`` (possibly DDP-wrapped)."""
+        with self._lock:
+            policy = _unwrap(source[0])
+            mine = dict(self.model.named_parameters())
+            for name, param in policy.named_parameters():
+                if name not in mine:
+                    raise KeyError(f"engine model has no parameter {name}")
+                mine[name].copy_(param.detach())
+            self.weight_version = version
+
+    def shutdown(self) -> None:
+        self.model = None
+
+    # -- generation ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig,
+                 seed: Optional[int] = None) -> list[Completion]:
+        if not prompts:
+            return []
+        out: list[Completion] = []
+        generator = torch.Generator().manual_seed(sampling.seed if seed is None else seed)
+        with self._lock:
+            for start in range(0, len(prompts), self.max_batch_size):
+                out.extend(self._generate_batch(prompts[start : start + self.max_batch_size], sampling, generator))
+        return out
+
+    def _forward(self, tokens: torch.Tensor, offset: int, context) -> torch.Tensor:
+        positions = torch.arange(offset, offset + tokens.shape[1]).unsqueeze(0).expand_as(tokens)
+        logits = self.model(tokens, positions, None, inference_context=context, runtime_gather_output=True)
+        context.sequence_len_offset += tokens.shape[1]
+        return logits[:, -1, : self.model_config.vocab_size].float()
+
+    def _generate_batch(self, prompts, sampling: SamplingConfig, generator) -> list[Completion]:
+        from megatron.core.inference.contexts import StaticInferenceContext
+
+        lengths = [len(p) for p in prompts]
+        if min(lengths) == 0:
+            raise ValueError("rollout prompt with no tokens: every prompt needs at least one token")
+        batch, total = len(prompts), max(lengths) + sampling.max_new_tokens
+        if total > self.model_config.max_position_embeddings:
+            raise ValueError(
+                f"prompt ({max(lengths)}) + max_new_tokens ({sampling.max_new_tokens}) exceeds "
+                f"model.max_position_embeddings={self.model_config.max_position_embeddings}"
+            )
+        tokens = torch.zeros(batch, total, dtype=torch.long)
+        for i, p in enumerate(prompts):
+            tokens[i, : len(p)] = torch.as_tensor(p, dtype=torch.long)
+        prompt_len = torch.as_tensor(lengths)
+        end = prompt_len + sampling.max_new_tokens  # exclusive end of each row's budget
+        logprobs = torch.zeros(batch, total)
+        finished = torch.zeros(batch, dtype=torch.bool)
+        stopped = torch.zeros(batch, dtype=torch.bool)
+        stop_ids = torch.as_tensor(sampling.stop_token_ids or [-1], dtype=torch.long)
+
+        self.model.eval()
+        context = StaticInferenceContext(batch, total)
+        first = min(lengths)
+        logits = self._forward(tokens[:, :first], 0, context)
+        for pos in range(first, total):
+            sampled, sampled_lp = sample_tokens(logits, sampling, generator)
+            generating = (pos >= prompt_len) & ~finished
+            tokens[:, pos] = torch.where(generating, sampled, tokens[:, pos])
+            logprobs[:, pos] = torch.where(generating, sampled_lp, logprobs[:, pos])
+            hit_stop = generating & torch.isin(sampled, stop_ids)
+            stopped |= hit_stop
+            finished |= hit_stop | (generating & (pos + 1 >= end))
+            if bool(finished.all()) or pos + 1 == total:
+                break
+            if pos + 1 >= max(lengths):
+                context.enable_decode_mode()
+            logits = self._forward(tokens[:, pos : pos + 1], pos, context)
+
+        completions = []
+        for i, p in enumerate(prompts):
+            n = int(min(end[i], total)) - len(p)
+            response = tokens[i, len(p) : len(p) + n]
+            # Trim the tokens after a stop token (rows stop at different steps).
+            stop_at = torch.nonzero(torch.isin(response, stop_ids)).flatten()
+            n = int(stop_at[0]) + 1 if len(stop_at) else n
+            completions.append(Completion(
+                prompt_ids=list(p),
+                response_ids=tokens[i, len(p) : len(p) + n].tolist(),
+                response_logprobs=logprobs[i, len(p) : len(p) + n].tolist(),
+                finish_reason="stop" if stopped[i] else "length",
+                weight_version=self.weight_version,
+            ))
+        return completions

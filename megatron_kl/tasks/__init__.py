@@ -1,0 +1,5 @@
+"""Tasks: prompts with verifiable answers, split into in-domain and out-of-distribution sets."""
+
+from megatron_kl.tasks.base import Problem, Task, TaskConfig, build_task
+
+__all__ = ["Problem", "Task", "TaskConfig", "build_task"]

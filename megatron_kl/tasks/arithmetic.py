@@ -1,0 +1,83 @@
+"""A synthetic arithmetic task a tiny model learns on CPU in minutes.
+
+Prompt ``<bos>37+45=``, answer ``82<eos>`` (reward 1 for the exact answer followed by EOS, 0 otherwise).
+In-domain: operands with ``min_digits..max_digits`` digits and ``operators``; OOD: operands with
+``ood_min_digits..ood_max_digits`` digits and ``ood_operators`` (longer operands, possibly unseen
+operators). The tokenizer is character level, so the model's vocabulary only needs ``CHARS``.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Optional
+
+from megatron_kl.config import ConfigError
+from megatron_kl.tasks.base import SPLITS, ArithmeticConfig, Problem
+
+SPECIALS = ("<pad>", "<bos>", "<eos>")
+CHARS = "0123456789+-*="
+_OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
+
+
+class CharTokenizer:
+    def __init__(self, chars: str = CHARS):
+        self.itos = list(SPECIALS) + list(chars)
+        self.stoi = {s: i for i, s in enumerate(self.itos)}
+        self.pad_id, self.bos_id, self.eos_id = 0, 1, 2
+        self.vocab_size = len(self.itos)
+
+    def encode(self, text: str) -> list[int]:
+        try:
+            return [self.stoi[c] for c in text]
+        except KeyError as err:
+            raise ValueError(f"character {err.args[0]!r} is not in the arithmetic vocabulary {CHARS!r}") from None
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(self.itos[i] if i >= len(SPECIALS) else "" for i in ids if 0 <= i < len(self.itos))
+
+
+def _validate(cfg: ArithmeticConfig) -> None:
+    for prefix in ("", "ood_"):
+        lo, hi = getattr(cfg, prefix + "min_digits"), getattr(cfg, prefix + "max_digits")
+        if not 1 <= lo <= hi:
+            raise ConfigError(f"task.arithmetic.{prefix}min_digits={lo} / {prefix}max_digits={hi}: need 1 <= min <= max")
+        ops = getattr(cfg, prefix + "operators")
+        if not ops or any(o not in _OPS for o in ops):
+            raise ConfigError(f"task.arithmetic.{prefix}operators={ops!r}: use a non-empty subset of {''.join(_OPS)!r}")
+
+
+class ArithmeticTask:
+    def __init__(self, cfg: ArithmeticConfig, seed: int = 0, eval_size: int = 64):
+        _validate(cfg)
+        self.cfg = cfg
+        self.seed = seed
+        self.eval_size = eval_size
+        self.tokenizer = CharTokenizer()
+
+    def num_problems(self, split: str) -> Optional[int]:
+        return None if split == "train" else self.eval_size
+
+    def _operand(self, rng: random.Random, lo: int, hi: int) -> int:
+        digits = rng.randint(lo, hi)
+        return rng.randint(0 if digits == 1 else 10 ** (digits - 1), 10**digits - 1)
+
+    def problem(self, split: str, index: int) -> Problem:
+        if split not in SPLITS:
+            raise ValueError(f"split={split!r}; use one of {SPLITS}")
+        rng = random.Random(f"{self.seed}/{split}/{index}")
+        prefix = "ood_" if split == "ood" else ""
+        lo, hi = getattr(self.cfg, prefix + "min_digits"), getattr(self.cfg, prefix + "max_digits")
+        op = rng.choice(getattr(self.cfg, prefix + "operators"))
+        a, b = self._operand(rng, lo, hi), self._operand(rng, lo, hi)
+        answer = str(_OPS[op](a, b))
+        if self.cfg.reverse_answer:
+            answer = answer[::-1]
+        text = f"{a}{op}{b}="
+        return Problem(prompt_ids=[self.tokenizer.bos_id] + self.tokenizer.encode(text), answer=answer, prompt_text=text)
+
+    def target_ids(self, problem: Problem) -> list[int]:
+        """The reference completion (supervised warm start)."""
+        return self.tokenizer.encode(problem.answer) + [self.tokenizer.eos_id]
+
+    def score(self, problem: Problem, response_ids: list[int]) -> float:
+        return float(list(response_ids) == self.target_ids(problem))

@@ -1,0 +1,98 @@
+"""The task protocol and the task config shared by the built-in tasks.
+
+A task owns a tokenizer and yields :class:`Problem` s (prompt token ids + a reference answer) for the
+splits ``train`` (in-domain), ``eval`` (in-domain, held out) and ``ood``. Problems are a pure function of
+(seed, split, index), so the data cursor of a run is just the index of the next training problem.
+``score`` maps a decoded response to a reward in [0, 1].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Protocol, runtime_checkable
+
+from megatron_kl.config import ConfigError
+
+SPLITS = ("train", "eval", "ood")
+
+
+@dataclass
+class Problem:
+    prompt_ids: list[int]
+    answer: str
+    prompt_text: str = ""
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    vocab_size: int
+    eos_id: int
+    pad_id: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+
+@runtime_checkable
+class Task(Protocol):
+    tokenizer: Tokenizer
+
+    def problem(self, split: str, index: int) -> Problem: ...
+
+    def num_problems(self, split: str) -> Optional[int]:
+        """Size of a finite split, None for generated (unbounded) splits."""
+
+    def score(self, problem: Problem, response_ids: list[int]) -> float: ...
+
+
+@dataclass
+class ArithmeticConfig:
+    """Integer arithmetic ``a op b =`` with a verifiable answer; the OOD split changes the operands' size
+    and may add operators never seen in training."""
+
+    min_digits: int = 1
+    max_digits: int = 2
+    operators: str = "+-"
+    ood_min_digits: int = 3
+    ood_max_digits: int = 3
+    ood_operators: str = "+-"
+    reverse_answer: bool = False  # write the answer least-significant digit first (easier for tiny models)
+
+
+@dataclass
+class MathConfig:
+    """Math word problems with \\boxed{} answers checked by math-verify."""
+
+    train_files: list[str] = field(default_factory=list)  # jsonl / parquet in a supported shape
+    eval_files: list[str] = field(default_factory=list)
+    ood_files: list[str] = field(default_factory=list)
+    tokenizer: str = ""  # HF tokenizer path or name (chat template taken from it)
+    system_prompt: Optional[str] = None
+    instruction: str = "Let's think step by step and output the final answer within \\boxed{}."
+    max_prompt_tokens: int = 1024
+
+
+@dataclass
+class TaskConfig:
+    name: str = "arithmetic"  # arithmetic | math
+    seed: int = 0
+    eval_size: int = 64  # problems in each generated evaluation split
+    arithmetic: ArithmeticConfig = field(default_factory=ArithmeticConfig)
+    math: MathConfig = field(default_factory=MathConfig)
+
+    def __post_init__(self):
+        if self.name not in ("arithmetic", "math"):
+            raise ConfigError(f"task.name={self.name!r} is unknown; use 'arithmetic' or 'math'")
+        if self.eval_size < 1:
+            raise ConfigError(f"task.eval_size={self.eval_size} must be >= 1")
+
+
+def build_task(config: TaskConfig) -> Task:
+    if config.name == "arithmetic":
+        from megatron_kl.tasks.arithmetic import ArithmeticTask
+
+        return ArithmeticTask(config.arithmetic, seed=config.seed, eval_size=config.eval_size)
+    from megatron_kl.tasks.math import MathTask
+
+    return MathTask(config.math, seed=config.seed)

@@ -1,0 +1,54 @@
+"""``megatron-kl train --config X.yaml [section.key=value ...]``: single process, or one rank per process
+under torchrun (``torchrun --nproc-per-node 2 -m megatron_kl.cli train ...``)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+
+from megatron_kl.config import ConfigError
+
+
+def _single_process_env() -> None:
+    """Without torchrun, become rank 0 of a world of 1."""
+    if "RANK" in os.environ:
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+
+
+def main(config_path: str, overrides: list[str]) -> int:
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
+    logging.getLogger("megatron").setLevel(logging.WARNING)
+    from megatron_kl.train.config import load_train_config
+
+    try:
+        cfg = load_train_config(config_path, overrides)
+    except (ConfigError, ValueError) as err:
+        print(f"megatron-kl train: config error: {err}", file=sys.stderr)
+        return 2
+    _single_process_env()
+    from megatron_kl.models import parallel
+    from megatron_kl.train.loop import train
+
+    try:
+        summary = train(cfg)
+    except ConfigError as err:
+        print(f"megatron-kl train: config error: {err}", file=sys.stderr)
+        return 2
+    finally:
+        parallel.destroy()
+    if int(os.environ.get("RANK", "0")) == 0:
+        logging.getLogger("megatron_kl.train").info(
+            "done: metrics %s, TensorBoard %s, plots %s", summary["metrics"], summary["tensorboard"], summary["plots"])
+        for key in ("eval_before", "eval_after"):
+            if key in summary:
+                print(f"{key}: " + ", ".join(f"{k}={v:.3f}" for k, v in summary[key].items() if v is not None))
+    return 0

@@ -1,0 +1,138 @@
+"""The training job's typed config: one nested dataclass, YAML + dotted overrides, validated up front.
+
+``load_train_config("configs/cpu/default.yaml", ["kl.estimator=k3", "train.steps=5"])`` builds it;
+``validate_train_config`` checks the cross-field rules before any process group or model exists.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from megatron_kl.algo.losses import AlgoConfig
+from megatron_kl.config import ConfigError, ModelConfig, ParallelConfig, load_yaml
+from megatron_kl.kl.objective import KLConfig
+from megatron_kl.models.optim import OptimConfig
+from megatron_kl.rollout.engine import SamplingConfig
+from megatron_kl.tasks.base import TaskConfig
+
+ENGINES = ("local", "sglang", "vllm")
+
+
+@dataclass
+class RolloutConfig:
+    engine: str = "local"
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    max_batch_size: int = 256  # sequences per engine forward
+
+
+@dataclass
+class WarmStartConfig:
+    """A short supervised phase on the task's reference answers; its result (cached on disk, keyed by
+    the model/task/warm-start config) initialises both the policy and the reference."""
+
+    enabled: bool = True
+    steps: int = 200
+    batch_size: int = 64
+    lr: float = 3e-3
+    cache_dir: str = "runs/cache"
+    checkpoint: Optional[str] = None  # a full-state .pt to start from instead of training one
+
+
+@dataclass
+class RunConfig:
+    steps: int = 40
+    prompts_per_step: int = 16
+    group_size: int = 8  # samples per prompt
+    micro_batches: int = 1  # pipeline microbatches per optimizer minibatch
+    staleness: int = 0  # async bound s: rollouts of step t come from weights of step t - s (0: on-policy)
+    seed: int = 1234
+    output_dir: str = "runs/default"
+
+
+@dataclass
+class EvalConfig:
+    interval: int = 10  # steps between evaluations (0: only before and after training)
+    k: int = 4  # samples per problem for mean@k
+    temperature: float = 1.0  # for mean@k; pass@1 is greedy
+    max_new_tokens: Optional[int] = None  # default: rollout.sampling.max_new_tokens
+
+
+@dataclass
+class CheckpointConfig:
+    interval: int = 10  # steps between checkpoints (0: only at the end)
+    resume: bool = True  # continue from the latest checkpoint in train.output_dir when there is one
+    keep: int = 2
+
+
+@dataclass
+class LoggingConfig:
+    tensorboard: bool = True
+    wandb_project: Optional[str] = None
+    progress: bool = True
+
+
+@dataclass
+class TrainConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    kl: KLConfig = field(default_factory=KLConfig)
+    warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
+    train: RunConfig = field(default_factory=RunConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    @property
+    def run_name(self) -> str:
+        """Names every configuration axis that the estimator study varies."""
+        return f"{self.kl.name}-coef{self.kl.coef:g}-{self.algo.name}-s{self.train.staleness}-seed{self.train.seed}"
+
+
+def validate_train_config(cfg: TrainConfig, tokenizer_vocab: int, data_parallel: int = 1) -> None:
+    """Cross-field rules; single-field rules live in each dataclass's __post_init__."""
+    if cfg.rollout.engine not in ENGINES:
+        raise ConfigError(f"rollout.engine={cfg.rollout.engine!r} is unknown; use one of {list(ENGINES)}")
+    if cfg.model.vocab_size < tokenizer_vocab:
+        raise ConfigError(
+            f"model.vocab_size={cfg.model.vocab_size} is smaller than the task tokenizer's {tokenizer_vocab}: "
+            f"set model.vocab_size >= {tokenizer_vocab}"
+        )
+    run = cfg.train
+    for name in ("steps", "prompts_per_step", "group_size", "micro_batches"):
+        if getattr(run, name) < 1:
+            raise ConfigError(f"train.{name}={getattr(run, name)} must be >= 1")
+    if run.staleness < 0:
+        raise ConfigError(f"train.staleness={run.staleness} must be >= 0 (0 = on-policy)")
+    samples = run.prompts_per_step * run.group_size
+    per_rank, rest = divmod(samples, data_parallel)
+    if rest or run.prompts_per_step % data_parallel:
+        raise ConfigError(
+            f"train.prompts_per_step={run.prompts_per_step} must be divisible by the data-parallel size {data_parallel}"
+        )
+    if per_rank % (cfg.algo.minibatches * run.micro_batches):
+        raise ConfigError(
+            f"samples per rank per step ({per_rank} = prompts_per_step x group_size / DP) must be divisible by "
+            f"algo.minibatches x train.micro_batches = {cfg.algo.minibatches} x {run.micro_batches}"
+        )
+    if cfg.algo.loss == "rpg" and cfg.kl.coef > 0:
+        raise ConfigError(
+            "algo.loss=rpg carries its own KL (algo.rpg.coef); set kl.coef=0 to avoid adding a second KL term"
+        )
+    if cfg.algo.advantage in ("grpo", "rloo", "reinforce_pp_baseline") and run.group_size < 2:
+        raise ConfigError(f"algo.advantage={cfg.algo.advantage} needs train.group_size >= 2")
+    if run.staleness > 0 and cfg.rollout.engine != "local":
+        raise ConfigError("train.staleness > 0 is implemented for rollout.engine=local in this version")
+    for name in ("interval",):
+        if getattr(cfg.eval, name) < 0 or getattr(cfg.checkpoint, name) < 0:
+            raise ConfigError("eval.interval and checkpoint.interval must be >= 0")
+    if cfg.eval.k < 1:
+        raise ConfigError(f"eval.k={cfg.eval.k} must be >= 1")
+
+
+def load_train_config(path: str, overrides: Optional[list[str]] = None) -> TrainConfig:
+    return load_yaml(path, TrainConfig, overrides)

@@ -1,0 +1,34 @@
+"""In-domain and out-of-distribution evaluation: pass@1 (greedy) and mean@k (k samples at a temperature).
+
+Each data-parallel rank evaluates a slice of the split; the sums are all-reduced over the DP group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+from megatron_kl.rollout.engine import SamplingConfig
+
+
+def evaluate(engine, task, split: str, sampling: SamplingConfig, k: int, temperature: float,
+             seed: int, dp_rank: int = 0, dp_size: int = 1, dp_group=None) -> dict:
+    total = task.num_problems(split)
+    indices = list(range(total))[dp_rank::dp_size]
+    problems = [task.problem(split, i) for i in indices]
+    greedy = dataclasses.replace(sampling, temperature=0.0)
+    sampled = dataclasses.replace(sampling, temperature=temperature)
+    prompts = [p.prompt_ids for p in problems]
+    first = engine.generate(prompts, greedy, seed=seed)
+    many = engine.generate([p for p in prompts for _ in range(k)], sampled, seed=seed + 1)
+    sums = torch.tensor([
+        sum(task.score(p, c.response_ids) for p, c in zip(problems, first)),
+        sum(task.score(problems[i // k], c.response_ids) for i, c in enumerate(many)) / k,
+        float(len(problems)),
+    ], dtype=torch.float64)
+    if dp_group is not None and dist.get_world_size(dp_group) > 1:
+        dist.all_reduce(sums, group=dp_group)
+    n = max(float(sums[2]), 1.0)
+    return {f"eval/{split}/pass@1": float(sums[0]) / n, f"eval/{split}/mean@{k}": float(sums[1]) / n}

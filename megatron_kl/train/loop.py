@@ -1,0 +1,157 @@
+"""The main training loop: rollout -> reward -> KL -> update -> weight sync, with eval and checkpoints."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch.distributed as dist
+import yaml
+
+from megatron_kl.config import to_dict
+from megatron_kl.models import builder, optim, parallel, pipeline, state
+from megatron_kl.rollout.local import LocalEngine
+from megatron_kl.tasks import build_task
+from megatron_kl.train import checkpoint as ckpt
+from megatron_kl.train.config import TrainConfig, validate_train_config
+from megatron_kl.train.evaluate import evaluate
+from megatron_kl.train.metrics import MetricsLogger, read_metrics
+from megatron_kl.train.rollouts import RolloutSource
+from megatron_kl.train.step import StepContext, rl_step
+from megatron_kl.train.warmstart import warm_start_state
+
+log = logging.getLogger("megatron_kl.train")
+
+
+def _topology():
+    from megatron.core import parallel_state as ps
+
+    dp_group = ps.get_data_parallel_group()
+    is_logger = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
+    return ps.get_data_parallel_rank(), dist.get_world_size(dp_group), dp_group, is_logger
+
+
+def _evaluate_all(cfg: TrainConfig, engine, task, step: int, dp) -> dict:
+    start = time.perf_counter()
+    sampling = cfg.rollout.sampling
+    if cfg.eval.max_new_tokens:
+        sampling = dataclasses.replace(sampling, max_new_tokens=cfg.eval.max_new_tokens)
+    out = {}
+    for split in ("eval", "ood"):
+        out.update(evaluate(engine, task, split, sampling, cfg.eval.k, cfg.eval.temperature,
+                            seed=cfg.train.seed * 31 + step, dp_rank=dp[0], dp_size=dp[1], dp_group=dp[2]))
+    out["time/eval"] = time.perf_counter() - start
+    return out
+
+
+def train(cfg: TrainConfig) -> dict:
+    task = build_task(cfg.task)
+    if not cfg.rollout.sampling.stop_token_ids:
+        cfg.rollout.sampling.stop_token_ids = [task.tokenizer.eos_id]
+    parallel.initialize(cfg.model, cfg.parallel, seed=cfg.train.seed)
+    dp_rank, dp_size, dp_group, is_logger = _topology()
+    validate_train_config(cfg, task.tokenizer.vocab_size, dp_size)
+    run_dir = Path(cfg.train.output_dir)
+    if dist.get_rank() == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    log.info("run %s -> %s", cfg.run_name, run_dir)
+
+    initial = warm_start_state(cfg, task)
+    models = builder.build_policy_and_reference(cfg.model, cfg.parallel)
+    tp_group = parallel.tp_group()
+    if initial is not None:
+        for chunks in (models.policy, models.reference):
+            state.load_full_state_dict(chunks, initial, cfg.model.tie_word_embeddings, dist.get_rank(tp_group),
+                                       dist.get_world_size(tp_group))
+    train_state = optim.build_train_state(models.policy, cfg.optim)
+    engine = LocalEngine(cfg.model, cfg.parallel, cfg.rollout.max_batch_size)
+    source = RolloutSource(task, engine, cfg.rollout.sampling, cfg.train.prompts_per_step, cfg.train.group_size,
+                           cfg.train.staleness, cfg.train.seed, dp_rank, dp_size)
+    ctx = StepContext(cfg, train_state, models.reference, pipeline.ReferenceHead(models.reference), dp_group)
+
+    start_step = 0
+    latest = ckpt.latest_checkpoint(run_dir / "checkpoints") if cfg.checkpoint.resume else None
+    if latest is not None:
+        _, rank_state = ckpt.load_checkpoint(latest, train_state)
+        start_step = train_state.step
+        ckpt.set_rng_state(rank_state["rng"])
+        source.load_state_dict(rank_state.get("rollouts"))
+        log.info("resumed from %s at step %d", latest, start_step)
+    engine.update_weights(train_state.chunks, version=start_step)
+
+    logger = MetricsLogger(run_dir, is_logger, cfg.logging.tensorboard, cfg.logging.wandb_project, cfg.run_name,
+                           to_dict(cfg), cfg.logging.progress, cfg.train.steps, start_step)
+    dp = (dp_rank, dp_size, dp_group)
+    try:
+        for step in range(start_step, cfg.train.steps):
+            step_start = time.perf_counter()
+            metrics = {}
+            if step == 0 or (cfg.eval.interval and step % cfg.eval.interval == 0):
+                metrics.update(_evaluate_all(cfg, engine, task, step, dp))
+            wait_start = time.perf_counter()
+            batch = source.get(step)
+            metrics["time/rollout_wait"] = time.perf_counter() - wait_start
+            metrics["time/rollout"] = batch.generate_seconds
+            metrics.update(rl_step(ctx, batch, step))
+            sync_start = time.perf_counter()
+            source.wait()
+            engine.update_weights(train_state.chunks, version=step + 1)
+            metrics["time/weight_sync"] = time.perf_counter() - sync_start
+            metrics["time/step"] = time.perf_counter() - step_start
+            metrics["throughput/tokens_per_s"] = batch.num_response_tokens * dp_size / metrics["time/step"]
+            logger.log(step, metrics)
+            logger.advance(step + 1, metrics)
+            done = step + 1
+            if done == cfg.train.steps or (cfg.checkpoint.interval and done % cfg.checkpoint.interval == 0):
+                rank_state = {"rng": ckpt.rng_state(), "rollouts": source.state_dict()}
+                ckpt.save_checkpoint(run_dir / "checkpoints", done, train_state, {"run_name": cfg.run_name},
+                                     rank_state, keep=cfg.checkpoint.keep)
+        final = _evaluate_all(cfg, engine, task, cfg.train.steps, dp)
+        logger.log(cfg.train.steps, final)
+    finally:
+        source.close()
+        logger.close()
+    return _summary(cfg, run_dir, is_logger)
+
+
+def _summary(cfg: TrainConfig, run_dir: Path, is_logger: bool) -> dict:
+    summary = {"run_name": cfg.run_name, "run_dir": str(run_dir), "metrics": str(run_dir / "metrics.jsonl"),
+               "tensorboard": str(run_dir / "tensorboard"), "plots": str(run_dir / "plots")}
+    if is_logger:
+        records = read_metrics(run_dir / "metrics.jsonl")
+        evals = [r for r in records if "eval/eval/pass@1" in r]
+        if evals:
+            summary["eval_before"] = {k: v for k, v in evals[0].items() if k.startswith("eval/")}
+            summary["eval_after"] = {k: v for k, v in evals[-1].items() if k.startswith("eval/")}
+        summary["plots"] = _plots(records, run_dir / "plots")
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    dist.barrier()
+    return summary
+
+
+def _plots(records: list[dict], out: Path) -> str:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "(matplotlib not installed: no plots)"
+    out.mkdir(parents=True, exist_ok=True)
+    panels = [("reward/mean", "kl/exact_token", "kl/k1_token", "kl/k3_token"), ("eval/eval/pass@1", "eval/ood/pass@1")]
+    fig, axes = plt.subplots(1, len(panels), figsize=(11, 3.5))
+    for ax, keys in zip(axes, panels):
+        for key in keys:
+            points = [(r["step"], r[key]) for r in records if r.get(key) is not None]
+            if points:
+                ax.plot(*zip(*points), label=key, marker="." if key.startswith("eval") else None)
+        ax.set_xlabel("step")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "training.png", dpi=100)
+    plt.close(fig)
+    return str(out / "training.png")

@@ -1,0 +1,156 @@
+"""One RL step on a rollout batch: reference and old log-probs, KL-shaped advantages, PPO/RPG updates.
+
+1. reference pass (frozen pi_ref): log-probs, and the final hidden states for the exact KL;
+2. old pass (pi_old = the policy before this step's updates): log-probs, entropies, exact KL_t;
+3. returns: kl_shaped_returns(KLConfig) -> the reward part's sequence advantage (GRPO/RLOO/...) and the
+   KL part -coef * c_t kept separate (see megatron_kl.algo.losses);
+4. algo.ppo_epochs x algo.minibatches optimizer steps over shuffled minibatches.
+
+Metrics compare pi_old with pi_ref (k1, k3, exact; per token and per sequence), pi_old with the sampler mu
+(train-vs-rollout mismatch, importance ratios) and report clip fractions, clamps, grad norms and timings.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from megatron_kl.algo.advantages import sequence_advantages
+from megatron_kl.algo.losses import Shares, microbatch_loss
+from megatron_kl.kl.estimators import ClampCounter
+from megatron_kl.kl.objective import kl_shaped_returns
+from megatron_kl.models import optim, pipeline
+from megatron_kl.train.rollouts import RolloutBatch
+
+
+@dataclass
+class StepContext:
+    cfg: object  # TrainConfig
+    train_state: optim.TrainState
+    reference: list  # frozen reference chunks
+    reference_head: pipeline.ReferenceHead
+    dp_group: object = None
+    counter: ClampCounter = field(default_factory=ClampCounter)
+
+
+def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
+    return float((x * mask).sum() / mask.sum().clamp_min(1))
+
+
+def kl_metrics(logprobs, reference_logprobs, exact_kl, mask) -> dict:
+    """k1, k3 and exact KL(pi_old || pi_ref), per response token and per sequence (sum over its tokens)."""
+    d = (logprobs - reference_logprobs) * mask
+    k3 = (torch.exp(-d.clamp(-20, 20)) - 1 + d) * mask
+    out = {}
+    for name, per_token in (("k1", d), ("k3", k3), ("exact", exact_kl * mask)):
+        out[f"kl/{name}_token"] = _masked_mean(per_token, mask)
+        out[f"kl/{name}_sequence"] = float(per_token.sum(-1).mean())
+    return out
+
+
+def rollout_metrics(batch: RolloutBatch, old_logprobs: torch.Tensor, step: int) -> dict:
+    mask = batch.loss_mask
+    mismatch = (old_logprobs - batch.behavior_logprobs).abs() * mask
+    log_ratio = (old_logprobs - batch.behavior_logprobs) * mask
+    ratio = torch.exp(log_ratio.clamp(-20, 20))
+    staleness = (step - batch.weight_versions).float()
+    masked_ratio = torch.where(mask.bool(), ratio, torch.ones_like(ratio))
+    return {
+        "reward/mean": float(batch.rewards.mean()),
+        "reward/std": float(batch.rewards.std(unbiased=False)),
+        "reward/accuracy": float((batch.rewards >= 1.0).float().mean()),
+        "response/length_mean": float(mask.sum(-1).mean()),
+        "response/stopped_fraction": sum(c.finish_reason == "stop" for c in batch.completions) / len(batch.completions),
+        "mismatch/abs_logprob_mean": _masked_mean(mismatch, mask),
+        "mismatch/abs_logprob_max": float(mismatch.max()),
+        "is/ratio_mean": _masked_mean(ratio, mask),
+        "is/ratio_max": float(masked_ratio.max()),
+        "is/ratio_min": float(masked_ratio.min()),
+        "staleness/mean": float(staleness.mean()),
+        "staleness/max": float(staleness.max()),
+    }
+
+
+def _reduce(metrics: dict, group) -> dict:
+    if group is None or dist.get_world_size(group) == 1:
+        return metrics
+    keys = sorted(metrics)
+    values = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64)
+    dist.all_reduce(values, group=group)
+    values /= dist.get_world_size(group)
+    return dict(zip(keys, values.tolist()))
+
+
+def rl_step(ctx: StepContext, batch: RolloutBatch, step: int) -> dict:
+    cfg = ctx.cfg
+    algo, kl, run = cfg.algo, cfg.kl, cfg.train
+    vocab = pipeline.VocabOptions(vocab_size=cfg.model.vocab_size, temperature=cfg.rollout.sampling.logprob_temperature)
+    num_samples = batch.tokens.shape[0]
+    forward_microbatches = algo.minibatches * run.micro_batches
+    mask = batch.loss_mask
+    timings = {}
+
+    start = time.perf_counter()
+    sequences = pipeline.SequenceBatch(batch.tokens, mask)
+    reference = pipeline.compute_token_stats(ctx.reference, sequences, forward_microbatches, vocab, capture_hidden=True)
+    if reference["hidden"] is not None:
+        sequences.extras["reference_hidden"] = reference["hidden"]
+    timings["time/reference"] = time.perf_counter() - start
+
+    start = time.perf_counter()
+    old = pipeline.compute_token_stats(ctx.train_state.chunks, sequences, forward_microbatches, vocab,
+                                       reference=ctx.reference_head)
+    timings["time/old_logprobs"] = time.perf_counter() - start
+
+    ctx.counter.counts.clear()
+    returns = kl_shaped_returns(kl, batch.rewards, old["logprobs"], reference["logprobs"], mask,
+                                batch.behavior_logprobs, full_kl=old["kl"], counter=ctx.counter)
+    advantages = sequence_advantages(batch.rewards, run.group_size, algo.advantage, algo.std_normalize)
+    sequences.extras.update(
+        old_logprobs=old["logprobs"],
+        behavior_logprobs=batch.behavior_logprobs,
+        reference_logprobs=reference["logprobs"],
+        advantages=advantages[:, None] * mask,
+        kl_returns=returns - batch.rewards[:, None] * mask,
+    )
+
+    start = time.perf_counter()
+    sums: dict = defaultdict(float)
+    counts: dict = defaultdict(int)
+    grad_norms = []
+    shuffle = torch.Generator().manual_seed(run.seed * 7919 + step)
+    size = num_samples // algo.minibatches
+    needs_exact_in_loss = kl.estimator == "full" and kl.placement == "loss" and kl.coef > 0
+    for _ in range(algo.ppo_epochs):
+        order = torch.randperm(num_samples, generator=shuffle)
+        for i in range(algo.minibatches):
+            minibatch = sequences.select(order[i * size : (i + 1) * size])
+            shares = Shares(num_sequences=size, num_tokens=float(minibatch.loss_mask.sum()))
+            out = optim.train_step(
+                ctx.train_state, minibatch, run.micro_batches,
+                lambda stats, mb, shares=shares: microbatch_loss(stats, mb, algo, kl, shares, ctx.counter),
+                vocab, reference=ctx.reference_head if needs_exact_in_loss else None,
+            )
+            grad_norms.append(out["grad_norm"])
+            for metrics in out["microbatch_metrics"]:
+                for key, value in metrics.items():
+                    sums[key] += float(value)
+                    counts[key] += 1
+    timings["time/update"] = time.perf_counter() - start
+
+    metrics = {k: sums[k] / counts[k] for k in sums if not k.startswith("loss/")}
+    # loss/* are shares of their minibatch: the minibatch loss is their sum; report the mean minibatch loss.
+    metrics.update({k: sums[k] / (algo.ppo_epochs * algo.minibatches) for k in sums if k.startswith("loss/")})
+    metrics.update(kl_metrics(old["logprobs"], reference["logprobs"], old["kl"], mask))
+    metrics["entropy/mean"] = _masked_mean(old["entropy"], mask)
+    metrics.update(rollout_metrics(batch, old["logprobs"], step))
+    metrics["grad_norm"] = sum(grad_norms) / len(grad_norms)
+    metrics["lr"] = out["lr"]
+    metrics.update(ctx.counter.as_dict())
+    metrics = _reduce(metrics, ctx.dp_group)
+    metrics.update(timings)
+    return metrics

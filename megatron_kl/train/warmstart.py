@@ -1,0 +1,99 @@
+"""Supervised warm start: a few hundred steps of next-token loss on the task's reference answers.
+
+The result is a full (layout-independent) state dict cached on disk under a key derived from the model,
+task and warm-start configs and the seed, so repeated runs, TP/PP layouts and the estimator sweep all
+start from the same weights; the RL run uses it for the policy and the reference alike.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron_kl.config import to_dict
+from megatron_kl.models import builder, optim, pipeline, state
+from megatron_kl.train.batching import pack
+
+log = logging.getLogger(__name__)
+
+
+def cache_path(cfg) -> Path:
+    key = json.dumps({"model": to_dict(cfg.model), "task": to_dict(cfg.task), "warm_start": to_dict(cfg.warm_start),
+                      "seed": cfg.train.seed}, sort_keys=True)
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    return Path(cfg.warm_start.cache_dir) / f"warmstart-{digest}.pt"
+
+
+def _sft_batch(task, step: int, batch_size: int, seed: int) -> pipeline.SequenceBatch:
+    problems = [task.problem("train", 10_000_000 + step * batch_size + i) for i in range(batch_size)]
+    tokens, mask, _ = pack([p.prompt_ids for p in problems], [task.target_ids(p) for p in problems],
+                           task.tokenizer.pad_id)
+    return pipeline.SequenceBatch(tokens, mask)
+
+
+def _train(cfg, task) -> dict[str, torch.Tensor]:
+    from megatron_kl.models import parallel
+
+    chunks = builder.build_model_chunks(cfg.model, cfg.parallel)
+    ws = cfg.warm_start
+    train_state = optim.build_train_state(chunks, optim.OptimConfig(lr=ws.lr, clip_grad=1.0, warmup_steps=10,
+                                                                    decay_steps=ws.steps, lr_decay_style="cosine",
+                                                                    min_lr=ws.lr * 0.1))
+    vocab = pipeline.VocabOptions(vocab_size=cfg.model.vocab_size)
+    dp = dist.get_world_size() // (cfg.parallel.tensor_parallel * cfg.parallel.pipeline_parallel)
+    per_rank = ws.batch_size // dp
+    dp_rank = _dp_rank()
+
+    def loss_fn(stats, mb):
+        mask = mb["loss_mask"].to(stats.logprobs.dtype)
+        loss = -(stats.logprobs * mask).sum() / per_rank
+        return loss, {"nll": loss.detach(), "tokens": mask.sum()}
+
+    for step in range(ws.steps):
+        batch = _sft_batch(task, step, ws.batch_size, cfg.train.seed)
+        local = batch.select(torch.arange(dp_rank * per_rank, (dp_rank + 1) * per_rank))
+        out = optim.train_step(train_state, local, cfg.train.micro_batches, loss_fn, vocab)
+        if step % 50 == 0 or step == ws.steps - 1:
+            nll = sum(float(m["nll"]) for m in out["microbatch_metrics"])
+            log.info("warm start step %d/%d: nll/sequence %.4f", step + 1, ws.steps, nll)
+    tied = cfg.model.tie_word_embeddings
+    full = state.full_state_dict([c.module for c in train_state.chunks], cfg.model.vocab_size, tied,
+                                 parallel.tp_group(), parallel.pp_group())
+    return full
+
+
+def _dp_rank() -> int:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_data_parallel_rank()
+
+
+def warm_start_state(cfg, task) -> dict[str, torch.Tensor] | None:
+    """The full state to initialise policy and reference with (None: keep the random init)."""
+    ws = cfg.warm_start
+    if ws.checkpoint:
+        path = Path(ws.checkpoint)
+        if not path.is_file():
+            raise FileNotFoundError(f"warm_start.checkpoint={ws.checkpoint} does not exist")
+        return torch.load(path, map_location="cpu", weights_only=True)
+    if not ws.enabled:
+        return None
+    path = cache_path(cfg)
+    if path.is_file():
+        log.info("warm start: cached %s", path)
+        return torch.load(path, map_location="cpu", weights_only=True)
+    log.info("warm start: %d supervised steps (cache miss: %s)", ws.steps, path)
+    full = _train(cfg, task)
+    if dist.get_rank() == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        torch.save(full, tmp)
+        os.replace(tmp, path)  # atomic: a killed run never leaves a truncated cache
+    dist.barrier()
+    return full
