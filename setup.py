@@ -13,6 +13,12 @@ setup(
         "pyyaml>=6",
         "rich>=13",
         "numpy",
+        "psutil",  # megatron.core.dist_checkpointing's writer processes need it
+        "tensorboard>=2.16",
+        "matplotlib>=3.8",
+        "transformers>=4.51",  # tokenizers and chat templates of the math task, HF checkpoints
+        "math-verify>=0.7",
+        "pyarrow>=15",  # parquet datasets
     ],
     extras_require={
         "test": ["pytest>=8", "hypothesis>=6"],

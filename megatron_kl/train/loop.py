@@ -13,6 +13,7 @@ import yaml
 
 from megatron_kl.config import to_dict
 from megatron_kl.models import builder, optim, parallel, pipeline, state
+from megatron_kl.models.offload import ReferenceOffload
 from megatron_kl.rollout.local import LocalEngine
 from megatron_kl.tasks import build_task
 from megatron_kl.train import checkpoint as ckpt
@@ -71,7 +72,8 @@ def train(cfg: TrainConfig) -> dict:
     engine = LocalEngine(cfg.model, cfg.parallel, cfg.rollout.max_batch_size)
     source = RolloutSource(task, engine, cfg.rollout.sampling, cfg.train.prompts_per_step, cfg.train.group_size,
                            cfg.train.staleness, cfg.train.seed, dp_rank, dp_size)
-    ctx = StepContext(cfg, train_state, models.reference, pipeline.ReferenceHead(models.reference), dp_group)
+    offload = ReferenceOffload(models.reference, cfg.parallel.offload_reference)
+    ctx = StepContext(cfg, train_state, models.reference, pipeline.ReferenceHead(models.reference), offload, dp_group)
 
     start_step = 0
     latest = ckpt.latest_checkpoint(run_dir / "checkpoints") if cfg.checkpoint.resume else None

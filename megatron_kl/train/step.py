@@ -13,6 +13,7 @@ Metrics compare pi_old with pi_ref (k1, k3, exact; per token and per sequence), 
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -24,6 +25,7 @@ from megatron_kl.algo.losses import Shares, microbatch_loss
 from megatron_kl.kl.estimators import ClampCounter
 from megatron_kl.kl.objective import kl_shaped_returns
 from megatron_kl.models import optim, pipeline
+from megatron_kl.models.offload import ReferenceOffload
 from megatron_kl.train.rollouts import RolloutBatch
 
 
@@ -33,6 +35,7 @@ class StepContext:
     train_state: optim.TrainState
     reference: list  # frozen reference chunks
     reference_head: pipeline.ReferenceHead
+    offload: ReferenceOffload
     dp_group: object = None
     counter: ClampCounter = field(default_factory=ClampCounter)
 
@@ -96,15 +99,17 @@ def rl_step(ctx: StepContext, batch: RolloutBatch, step: int) -> dict:
 
     start = time.perf_counter()
     sequences = pipeline.SequenceBatch(batch.tokens, mask)
-    reference = pipeline.compute_token_stats(ctx.reference, sequences, forward_microbatches, vocab, capture_hidden=True)
-    if reference["hidden"] is not None:
-        sequences.extras["reference_hidden"] = reference["hidden"]
-    timings["time/reference"] = time.perf_counter() - start
+    with ctx.offload.resident():
+        reference = pipeline.compute_token_stats(ctx.reference, sequences, forward_microbatches, vocab,
+                                                 capture_hidden=True)
+        if reference["hidden"] is not None:
+            sequences.extras["reference_hidden"] = reference["hidden"]
+        timings["time/reference"] = time.perf_counter() - start
 
-    start = time.perf_counter()
-    old = pipeline.compute_token_stats(ctx.train_state.chunks, sequences, forward_microbatches, vocab,
-                                       reference=ctx.reference_head)
-    timings["time/old_logprobs"] = time.perf_counter() - start
+        start = time.perf_counter()
+        old = pipeline.compute_token_stats(ctx.train_state.chunks, sequences, forward_microbatches, vocab,
+                                           reference=ctx.reference_head)
+        timings["time/old_logprobs"] = time.perf_counter() - start
 
     ctx.counter.counts.clear()
     returns = kl_shaped_returns(kl, batch.rewards, old["logprobs"], reference["logprobs"], mask,
@@ -130,11 +135,12 @@ def rl_step(ctx: StepContext, batch: RolloutBatch, step: int) -> dict:
         for i in range(algo.minibatches):
             minibatch = sequences.select(order[i * size : (i + 1) * size])
             shares = Shares(num_sequences=size, num_tokens=float(minibatch.loss_mask.sum()))
-            out = optim.train_step(
-                ctx.train_state, minibatch, run.micro_batches,
-                lambda stats, mb, shares=shares: microbatch_loss(stats, mb, algo, kl, shares, ctx.counter),
-                vocab, reference=ctx.reference_head if needs_exact_in_loss else None,
-            )
+            with ctx.offload.resident() if needs_exact_in_loss else nullcontext():
+                out = optim.train_step(
+                    ctx.train_state, minibatch, run.micro_batches,
+                    lambda stats, mb, shares=shares: microbatch_loss(stats, mb, algo, kl, shares, ctx.counter),
+                    vocab, reference=ctx.reference_head if needs_exact_in_loss else None,
+                )
             grad_norms.append(out["grad_norm"])
             for metrics in out["microbatch_metrics"]:
                 for key, value in metrics.items():

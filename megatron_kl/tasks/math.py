@@ -1,0 +1,166 @@
+"""Math word problems with \\boxed{} answers, scored with math-verify.
+
+Loaders read local jsonl or parquet files in the shapes of the common datasets (one file may mix them):
+
+  DAPO-Math-17k  {"prompt": [{"role": "user", "content": Q}, ...], "reward_model": {"ground_truth": A}}
+  MATH-500       {"problem": Q, "answer": A}            (AIME and AMC files use the same two fields)
+  GSM8K          {"question": Q, "answer": "... #### A"}
+  plain          {"question": Q, "answer": A}
+
+A row that fits none of them, has an empty question or answer, or whose prompt exceeds
+``max_prompt_tokens`` is skipped and counted; one log line per file names the counts and the first bad
+row. Prompts use the tokenizer's chat template (system prompt optional, instruction appended).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+from collections import Counter
+from pathlib import Path
+from typing import Optional
+
+from megatron_kl.config import ConfigError
+from megatron_kl.tasks.base import MathConfig, Problem
+
+log = logging.getLogger(__name__)
+
+
+def normalize_row(row) -> tuple[str, str]:
+    """(question, answer) of a row in any supported shape; ValueError naming what is wrong otherwise."""
+    if not isinstance(row, dict):
+        raise ValueError(f"row is a {type(row).__name__}, not an object")
+    if isinstance(row.get("prompt"), list) and isinstance(row.get("reward_model"), dict):
+        users = [m.get("content") for m in row["prompt"] if isinstance(m, dict) and m.get("role") == "user"]
+        question, answer = (users[-1] if users else None), row["reward_model"].get("ground_truth")
+    elif "problem" in row:
+        question, answer = row.get("problem"), row.get("answer")
+    elif "question" in row:
+        question, answer = row.get("question"), row.get("answer")
+        if isinstance(answer, str) and "####" in answer:
+            answer = answer.rsplit("####", 1)[1].replace(",", "")
+    else:
+        raise ValueError(f"no question field (expected prompt+reward_model, problem or question); keys {sorted(row)}")
+    if not isinstance(question, str) or not question.strip():
+        raise ValueError("empty or non-text question")
+    if answer is None or not str(answer).strip():
+        raise ValueError("empty answer")
+    return question.strip(), str(answer).strip()
+
+
+def read_rows(path: str) -> list:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"task.math file {path} does not exist")
+    if p.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.read_table(p).to_pylist()
+    rows = []
+    for number, line in enumerate(p.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as err:
+            rows.append(ValueError(f"line {number}: invalid JSON ({err.msg})"))
+    return rows
+
+
+def score_answer(gold: str, response: str) -> float:
+    """1.0 when math-verify finds the response's final answer equal to ``gold``."""
+    from math_verify import parse, verify
+
+    gold_parsed = parse(f"\\boxed{{{gold}}}")
+    predicted = parse(response)
+    if not gold_parsed or not predicted:
+        return 0.0
+    try:
+        return float(verify(gold_parsed, predicted))
+    except Exception:  # noqa: BLE001 - math-verify raises on some malformed expressions: no reward
+        return 0.0
+
+
+class MathTask:
+    def __init__(self, cfg: MathConfig, seed: int = 0, tokenizer=None):
+        if not cfg.train_files:
+            raise ConfigError("task.math.train_files is empty: give at least one jsonl/parquet file")
+        if tokenizer is None:
+            if not cfg.tokenizer:
+                raise ConfigError("task.math.tokenizer is empty: give an HF tokenizer path or name")
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer)
+        self.cfg, self.seed = cfg, seed
+        self.hf_tokenizer = tokenizer
+        self.tokenizer = _TokenizerView(tokenizer)
+        self.skipped: Counter = Counter()
+        self.splits = {
+            "train": self._load(cfg.train_files),
+            "eval": self._load(cfg.eval_files),
+            "ood": self._load(cfg.ood_files),
+        }
+        if not self.splits["train"]:
+            raise ConfigError(f"task.math.train_files {cfg.train_files} hold no usable rows (see the log)")
+
+    def _prompt_ids(self, question: str) -> list[int]:
+        messages = [{"role": "system", "content": self.cfg.system_prompt}] if self.cfg.system_prompt else []
+        messages.append({"role": "user", "content": f"{question} {self.cfg.instruction}".strip()})
+        ids = self.hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+    def _load(self, files: list[str]) -> list[Problem]:
+        problems = []
+        for path in files:
+            bad, first_error = Counter(), None
+            for index, row in enumerate(read_rows(path)):
+                try:
+                    if isinstance(row, Exception):
+                        raise row
+                    question, answer = normalize_row(row)
+                    ids = self._prompt_ids(question)
+                    if len(ids) > self.cfg.max_prompt_tokens:
+                        raise ValueError(f"prompt has {len(ids)} tokens > task.math.max_prompt_tokens")
+                except ValueError as err:
+                    reason = str(err).split(" (")[0].split(":")[0][:60]
+                    bad[reason] += 1
+                    first_error = first_error or f"row {index}: {err}"
+                    continue
+                problems.append(Problem(prompt_ids=ids, answer=answer, prompt_text=question))
+            if bad:
+                self.skipped.update({path: sum(bad.values())})
+                log.warning("%s: skipped %d malformed row(s) %s; first: %s", path, sum(bad.values()), dict(bad),
+                            first_error)
+        return problems
+
+    def num_problems(self, split: str) -> Optional[int]:
+        return None if split == "train" else len(self.splits[split])
+
+    def problem(self, split: str, index: int) -> Problem:
+        rows = self.splits[split]
+        if split != "train":
+            return rows[index]
+        epoch, position = divmod(index, len(rows))
+        order = list(range(len(rows)))
+        random.Random(f"{self.seed}/epoch{epoch}").shuffle(order)
+        return rows[order[position]]
+
+    def score(self, problem: Problem, response_ids: list[int]) -> float:
+        return score_answer(problem.answer, self.tokenizer.decode(response_ids))
+
+
+class _TokenizerView:
+    """The Tokenizer protocol over an HF tokenizer."""
+
+    def __init__(self, hf):
+        self.hf = hf
+        self.vocab_size = len(hf)
+        self.eos_id = hf.eos_token_id
+        self.pad_id = hf.pad_token_id if hf.pad_token_id is not None else hf.eos_token_id
+
+    def encode(self, text: str) -> list[int]:
+        return self.hf.encode(text, add_special_tokens=False)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.hf.decode(ids, skip_special_tokens=True)

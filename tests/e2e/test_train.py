@@ -1,0 +1,163 @@
+"""End-to-end training runs on CPU (short forms; the full default run is marked slow)."""
+
+import copy
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from megatron_kl.config import ConfigError, apply_overrides, from_dict
+from megatron_kl.testing.distributed import run_ranks
+from megatron_kl.train.config import TrainConfig
+from megatron_kl.train.metrics import read_metrics
+from tests.e2e.workers import train_worker
+
+ROOT = Path(__file__).resolve().parents[2]
+DEFAULT = ROOT / "configs" / "cpu" / "default.yaml"
+VOLATILE = ("time/", "throughput/")
+
+
+@pytest.fixture(scope="session")
+def warm_cache(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("warm_start_cache"))
+
+
+def short_config(out: Path, cache: str, *overrides: str) -> dict:
+    data = yaml.safe_load(DEFAULT.read_text())
+    apply_overrides(data, [
+        f"train.output_dir={out}", f"warm_start.cache_dir={cache}", "train.steps=3",
+        "train.prompts_per_step=8", "train.group_size=4", "task.eval_size=8", "eval.k=2", "eval.interval=0",
+        "checkpoint.interval=0", "logging.progress=false", "logging.tensorboard=false", *overrides,
+    ])
+    from_dict(TrainConfig, copy.deepcopy(data))  # validate here: a bad override fails before spawning
+    return data
+
+
+def stable(records: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in records]
+
+
+class Run:
+    """``megatron-kl train`` in a subprocess, output to a file (a killed run's helper processes may keep a
+    pipe open)."""
+
+    def __init__(self, log: Path, *args: str):
+        env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+        for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+            env.pop(key, None)
+        self.log = log
+        with open(log, "w") as out:
+            self.proc = subprocess.Popen([sys.executable, "-m", "megatron_kl.cli", "train", *args], cwd=ROOT,
+                                         env=env, stdout=out, stderr=subprocess.STDOUT)
+
+    def wait(self, timeout: float = 600) -> tuple[int, str]:
+        code = self.proc.wait(timeout=timeout)
+        return code, self.log.read_text()
+
+
+KL_CONFIGS = [
+    ["kl.estimator=k1", "kl.placement=reward", "kl.coef=0.05"],
+    ["kl.estimator=k3", "kl.placement=reward", "kl.credit=immediate"],
+    ["kl.estimator=k1", "kl.placement=reward", "kl.off_policy=per_decision", "kl.truncate=2.0"],
+    ["kl.estimator=k3", "kl.placement=loss", "kl.off_policy=token_is", "algo.ppo_epochs=2"],
+    ["kl.estimator=k2", "kl.placement=loss", "kl.level=sequence"],
+    ["kl.estimator=full", "kl.placement=loss", "kl.level=sequence", "kl.off_policy=per_decision"],
+    ["kl.estimator=full", "kl.placement=reward"],
+    ["algo.loss=rpg", "kl.coef=0", "algo.rpg.divergence=ufkl"],
+]
+
+
+@pytest.mark.parametrize("overrides", KL_CONFIGS, ids=lambda o: "-".join(x.split("=")[1] for x in o))
+def test_every_kl_configuration_trains(tmp_path, warm_cache, overrides):
+    cfg = short_config(tmp_path, warm_cache, "train.steps=2", *overrides)
+    out = run_ranks(train_worker, 1, cfg, timeout_s=300)[0]
+    steps = [r for r in out["metrics"] if "reward/mean" in r]
+    assert [r["step"] for r in steps] == [0, 1]
+    for record in steps:
+        for key in ("kl/k1_token", "kl/k3_token", "kl/exact_token", "kl/exact_sequence", "entropy/mean",
+                    "grad_norm", "loss/total", "policy/clip_fraction", "mismatch/abs_logprob_mean", "time/update"):
+            assert record.get(key) is not None, f"{key} missing or not finite in step {record['step']}"
+    assert steps[0]["reward/std"] > 0, "precondition: mixed rewards in the first batch"
+    assert steps[1]["kl/exact_token"] > 0  # the policy moved away from the reference
+    assert (tmp_path / "config.yaml").is_file() and (tmp_path / "summary.json").is_file()
+    saved = yaml.safe_load((tmp_path / "config.yaml").read_text())
+    for item in overrides:
+        key, value = item.split("=")
+        node = saved
+        for part in key.split("."):
+            node = node[part]
+        assert node == yaml.safe_load(value)
+
+
+def test_tp2_matches_tp1(tmp_path, warm_cache):
+    base = short_config(tmp_path / "tp1", warm_cache, "rollout.sampling.temperature=1.0")
+    tp1 = run_ranks(train_worker, 1, base, timeout_s=300)[0]["metrics"]
+    tp2_cfg = short_config(tmp_path / "tp2", warm_cache, "parallel.tensor_parallel=2")
+    tp2 = run_ranks(train_worker, 2, tp2_cfg, timeout_s=300)[0]["metrics"]
+    assert len(tp1) == len(tp2) == 4
+    for a, b in zip(stable(tp1), stable(tp2)):
+        assert a.keys() == b.keys()
+        for key in a:
+            if a[key] is None:
+                assert b[key] is None, key
+                continue
+            assert b[key] == pytest.approx(a[key], rel=1e-3, abs=1e-4), f"step {a['step']} {key}: {a[key]} vs {b[key]}"
+
+
+def test_async_staleness_one_runs_and_logs_staleness(tmp_path, warm_cache):
+    cfg = short_config(tmp_path, warm_cache, "train.staleness=1", "train.steps=4", "kl.estimator=k3",
+                       "kl.placement=loss", "kl.off_policy=token_is", "algo.behavior_correction=tis")
+    records = [r for r in run_ranks(train_worker, 1, cfg, timeout_s=300)[0]["metrics"] if "reward/mean" in r]
+    assert [r["staleness/max"] for r in records] == [0.0, 1.0, 1.0, 1.0]
+    assert records[0]["mismatch/abs_logprob_mean"] < 1e-4  # on-policy warm-up batch: numerical mismatch only
+    assert all(r["mismatch/abs_logprob_mean"] > 1e-4 for r in records[1:])  # stale sampler
+    assert all(r["is/ratio_mean"] != 1.0 for r in records[1:])
+
+
+def test_kill_9_and_resume_reproduce_the_uninterrupted_run(tmp_path, warm_cache):
+    common = [ f"warm_start.cache_dir={warm_cache}", "train.steps=12", "checkpoint.interval=4",
+              "train.prompts_per_step=4", "train.group_size=4", "task.eval_size=8", "eval.k=2", "eval.interval=4",
+              "logging.progress=false", "train.staleness=1"]
+    code, output = Run(tmp_path / "full.log", "--config", str(DEFAULT), f"train.output_dir={tmp_path / 'full'}",
+                       *common).wait()
+    assert code == 0, output[-3000:]
+
+    run = tmp_path / "killed"
+    killed = Run(tmp_path / "killed.log", "--config", str(DEFAULT), f"train.output_dir={run}", *common)
+    deadline = time.time() + 300
+    while not (run / "checkpoints" / "step_000004").is_dir():
+        assert killed.proc.poll() is None and time.time() < deadline, "run ended before its first checkpoint"
+        time.sleep(0.01)
+    killed.proc.send_signal(signal.SIGKILL)
+    assert killed.wait()[0] == -signal.SIGKILL
+    assert not (run / "checkpoints" / "step_000012").exists(), "the run finished before the kill: test is void"
+
+    code, output = Run(tmp_path / "resumed.log", "--config", str(DEFAULT), f"train.output_dir={run}", *common).wait()
+    assert code == 0, output[-3000:]
+    assert "resumed from" in output
+    expected, got = stable(read_metrics(tmp_path / "full" / "metrics.jsonl")), stable(read_metrics(run / "metrics.jsonl"))
+    assert [r["step"] for r in got] == [r["step"] for r in expected]
+    assert got == expected  # exact: same rollouts, same updates, same optimizer state
+
+
+@pytest.mark.parametrize("override, message", [
+    ("kl.estimator=k4", "KLConfig.estimator='k4' is unknown"),
+    ("train.group_size=0", "train.group_size=0 must be >= 1"),
+    ("model.vocab_size=8", "model.vocab_size=8 is smaller than the task tokenizer"),
+    ("train.stpes=3", "unknown config key(s) ['train.stpes']"),
+    ("algo.loss=rpg", "set kl.coef=0"),
+    ("rollout.sampling.temperature=-1", "rollout.sampling.temperature=-1"),
+    ("parallel.tensor_parallel=3", "tensor_parallel"),
+])
+def test_bad_config_values_fail_with_the_field_named(tmp_path, override, message):
+    code, output = Run(tmp_path / "log.txt", "--config", str(DEFAULT), f"train.output_dir={tmp_path / 'run'}",
+                       "warm_start.enabled=false", override).wait(300)
+    assert code == 2, output[-2000:]
+    assert message in output, output[-2000:]
+    assert not (tmp_path / "run" / "checkpoints").exists()

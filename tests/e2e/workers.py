@@ -1,0 +1,49 @@
+"""Rank functions for the end-to-end tests (module level so spawned ranks can import them)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megatron_kl.config import from_dict
+from megatron_kl.train.config import TrainConfig
+
+
+def train_worker(rank, world, cfg_dict: dict):
+    from megatron_kl.train.loop import train
+    from megatron_kl.train.metrics import read_metrics
+
+    cfg = from_dict(TrainConfig, cfg_dict)
+    summary = train(cfg)
+    dist.barrier()
+    return {"summary": summary, "metrics": read_metrics(f"{cfg.train.output_dir}/metrics.jsonl")}
+
+
+def engine_worker(rank, world, model_dict: dict, tp: int, prompts, sampling_dict: dict):
+    """Generate from a fixed random policy; return completions and the trainer's recomputed log-probs."""
+    from megatron_kl.config import ModelConfig, ParallelConfig
+    from megatron_kl.models import builder, parallel, pipeline, state
+    from megatron_kl.rollout.engine import SamplingConfig
+    from megatron_kl.rollout.local import LocalEngine
+    from megatron_kl.train.batching import pack
+
+    model = from_dict(ModelConfig, model_dict)
+    layout = ParallelConfig(tensor_parallel=tp)
+    torch.manual_seed(0)
+    parallel.initialize(model, layout)
+    models = builder.build_policy_and_reference(model, layout)
+    tp_group = parallel.tp_group()
+    # identical weights in every layout: a seeded full state, sharded here
+    generator = torch.Generator().manual_seed(5)
+    full = state.full_state_dict(models.policy, model.vocab_size, False, tp_group, parallel.pp_group())
+    full = {k: torch.randn(v.shape, generator=generator) * 0.3 for k, v in full.items()}
+    state.load_full_state_dict(models.policy, full, False, dist.get_rank(tp_group), tp)
+    engine = LocalEngine(model, layout)
+    engine.update_weights(models.policy, version=7)
+    sampling = from_dict(SamplingConfig, sampling_dict)
+    completions = engine.generate(prompts, sampling, seed=11)
+    tokens, mask, behavior = pack(prompts, [c.response_ids for c in completions], 0,
+                                  per_token=[c.response_logprobs for c in completions])
+    stats = pipeline.compute_token_stats(models.policy, pipeline.SequenceBatch(tokens, mask), 1,
+                                         pipeline.VocabOptions(model.vocab_size, sampling.logprob_temperature))
+    return {"completions": completions, "recomputed": stats["logprobs"], "behavior": behavior, "mask": mask}

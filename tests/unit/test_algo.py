@@ -1,0 +1,115 @@
+"""Advantage estimators, PPO clipping, exact microbatch shares, sampling filters, batching."""
+
+import pytest
+import torch
+
+from megatron_kl.algo.advantages import sequence_advantages
+from megatron_kl.algo.losses import AlgoConfig, Shares, microbatch_loss, ppo_loss
+from megatron_kl.config import ConfigError
+from megatron_kl.kl.objective import KLConfig
+from megatron_kl.kl.vocab_parallel import VocabParallelStats
+from megatron_kl.rollout.engine import SamplingConfig
+from megatron_kl.rollout.local import filter_logits, sample_tokens
+from megatron_kl.train.batching import pack
+
+
+def test_advantages_match_float64_formulas():
+    g = torch.Generator().manual_seed(0)
+    r = torch.rand(12, generator=g, dtype=torch.float64)
+    groups = r.view(3, 4)
+    mean, std = groups.mean(1, keepdim=True), groups.std(1, unbiased=False, keepdim=True)
+    torch.testing.assert_close(sequence_advantages(r, 4, "grpo"), ((groups - mean) / (std + 1e-6)).flatten())
+    torch.testing.assert_close(sequence_advantages(r, 4, "grpo", std_normalize=False), (groups - mean).flatten())
+    loo = torch.stack([torch.stack([groups[i, j] - (groups[i].sum() - groups[i, j]) / 3 for j in range(4)])
+                       for i in range(3)]).flatten()
+    torch.testing.assert_close(sequence_advantages(r, 4, "rloo"), loo)
+    torch.testing.assert_close(sequence_advantages(r, 4, "reinforce_pp"), (r - r.mean()) / (r.std(unbiased=False) + 1e-6))
+    c = (groups - mean).flatten()
+    torch.testing.assert_close(sequence_advantages(r, 4, "reinforce_pp_baseline"), (c - c.mean()) / (c.std(unbiased=False) + 1e-6))
+    with pytest.raises(ConfigError, match="algo.advantage"):
+        sequence_advantages(r, 4, "gae")
+
+
+def test_ppo_clip_and_dual_clip_gradients():
+    cfg = AlgoConfig(clip_low=0.2, clip_high=0.28, dual_clip=3.0)
+    old = torch.zeros(1, 4, dtype=torch.float64)
+    # ratios 1.5 (A>0: clipped), 0.5 (A<0: clipped), 5.0 (A<0: dual clipped), 1.1 (A>0: free)
+    logprobs = torch.log(torch.tensor([[1.5, 0.5, 5.0, 1.1]], dtype=torch.float64)).requires_grad_()
+    adv = torch.tensor([[1.0, -1.0, -1.0, 2.0]], dtype=torch.float64)
+    mask = torch.ones(1, 4, dtype=torch.float64)
+    loss, clipped, _ = ppo_loss(logprobs, old, adv, mask, cfg)
+    torch.testing.assert_close(loss.detach(), torch.tensor([[-1.28, 0.8, 3.0, -2.2]], dtype=torch.float64))
+    assert clipped.tolist() == [[True, True, True, False]]
+    loss.sum().backward()
+    torch.testing.assert_close(logprobs.grad, torch.tensor([[0.0, 0.0, 0.0, -2.2]], dtype=torch.float64))
+
+
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_sum", "seq_mean_token_mean"])
+@pytest.mark.parametrize("kl", [KLConfig(estimator="k3", placement="loss", coef=0.1, aggregation="token_mean"),
+                                KLConfig(estimator="k1", placement="reward", coef=0.1),
+                                KLConfig(estimator="full", placement="loss", level="sequence", coef=0.1)])
+def test_microbatch_shares_add_up_to_the_minibatch_loss_and_gradient(aggregation, kl):
+    g = torch.Generator().manual_seed(1)
+    b, t = 6, 5
+    mask = (torch.rand(b, t, generator=g) > 0.3).double()
+    mask[:, 0] = 1
+    logprobs = (-torch.rand(b, t, generator=g, dtype=torch.float64)).requires_grad_()
+    full_kl = torch.rand(b, t, generator=g, dtype=torch.float64).requires_grad_()
+    mb = {"loss_mask": mask, "old_logprobs": logprobs.detach() - 0.05, "behavior_logprobs": logprobs.detach() - 0.1,
+          "reference_logprobs": logprobs.detach() + 0.2, "advantages": torch.randn(b, 1, generator=g, dtype=torch.float64) * mask,
+          "kl_returns": -0.1 * torch.rand(b, t, generator=g, dtype=torch.float64) * mask}
+    algo = AlgoConfig(aggregation=aggregation, entropy_coef=0.01)
+    entropy = torch.rand(b, t, generator=g, dtype=torch.float64)
+
+    def run(rows, shares):
+        stats = VocabParallelStats(logprobs=logprobs[rows], entropy=entropy[rows], kl=full_kl[rows])
+        return microbatch_loss(stats, {k: v[rows] for k, v in mb.items()}, algo, kl, shares)[0]
+
+    everything = slice(0, b)
+    whole = run(everything, Shares(b, float(mask.sum())))
+    grads_whole = torch.autograd.grad(whole, (logprobs, full_kl), allow_unused=True)
+    shares = Shares(b, float(mask.sum()))
+    parts = run(slice(0, 2), shares) + run(slice(2, 6), shares)
+    grads_parts = torch.autograd.grad(parts, (logprobs, full_kl), allow_unused=True)
+    torch.testing.assert_close(parts, whole, rtol=1e-12, atol=1e-12)
+    assert grads_whole[0] is not None and grads_whole[0].abs().sum() > 0
+    assert (grads_whole[1] is not None) == (kl.estimator == "full")
+    for a, c in zip(grads_parts, grads_whole):
+        if c is not None:
+            torch.testing.assert_close(a, c, rtol=1e-12, atol=1e-12)
+
+
+def test_algo_config_errors():
+    for kwargs, field in (({"advantage": "gae"}, "algo.advantage"), ({"loss": "dpo"}, "algo.loss"),
+                          ({"dual_clip": 0.5}, "algo.dual_clip"), ({"ppo_epochs": 0}, "ppo_epochs"),
+                          ({"behavior_correction": "vtrace"}, "behavior_correction")):
+        with pytest.raises(ConfigError, match=field):
+            AlgoConfig(**kwargs)
+
+
+def test_top_k_top_p_filters_match_a_direct_computation():
+    logits = torch.log(torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05]]))
+    kept = torch.isfinite(filter_logits(logits, top_k=0, top_p=0.8))
+    assert kept.tolist() == [[True, True, True, False, False]]  # 0.5+0.2 < 0.8 <= 0.5+0.2+0.15
+    assert torch.isfinite(filter_logits(logits, top_k=2, top_p=1.0)).tolist() == [[True, True, False, False, False]]
+    assert torch.isfinite(filter_logits(logits, top_k=0, top_p=0.3)).tolist() == [[True, False, False, False, False]]
+
+
+def test_sampling_frequencies_and_behaviour_logprobs():
+    probs = torch.tensor([0.6, 0.3, 0.1])
+    logits = torch.log(probs).repeat(20000, 1)
+    tokens, logprobs = sample_tokens(logits, SamplingConfig(temperature=1.0), torch.Generator().manual_seed(0))
+    freq = torch.bincount(tokens, minlength=3).float() / len(tokens)
+    assert torch.allclose(freq, probs, atol=0.015)
+    torch.testing.assert_close(logprobs, torch.log(probs)[tokens])
+    greedy, _ = sample_tokens(logits[:3], SamplingConfig(temperature=0.0), torch.Generator())
+    assert greedy.tolist() == [0, 0, 0]
+    with pytest.raises(ConfigError, match="top_p"):
+        SamplingConfig(top_p=0.0)
+
+
+def test_pack_aligns_mask_and_per_token_values_with_targets():
+    tokens, mask, values = pack([[1, 2, 3], [1, 4]], [[5, 6], [7]], pad_id=0, per_token=[[-0.5, -0.25], [-1.0]])
+    assert tokens.tolist() == [[1, 2, 3, 5, 6], [1, 4, 7, 0, 0]]
+    assert mask.tolist() == [[0, 0, 1, 1], [0, 1, 0, 0]]
+    assert values.tolist() == [[0, 0, -0.5, -0.25], [0, -1.0, 0, 0]]

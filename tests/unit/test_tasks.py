@@ -1,0 +1,129 @@
+"""Tasks: arithmetic generation/scoring, math row shapes, malformed rows, math-verify scoring, chat template."""
+
+import json
+
+import pytest
+
+from megatron_kl.config import ConfigError
+from megatron_kl.tasks.arithmetic import ArithmeticTask, CharTokenizer
+from megatron_kl.tasks.base import ArithmeticConfig, MathConfig, TaskConfig
+from megatron_kl.tasks.math import MathTask, normalize_row, score_answer
+
+
+def _evaluate(text: str) -> int:
+    for op in "+-*":
+        left, sep, right = text[:-1].partition(op)
+        if sep and left:
+            return {"+": int.__add__, "-": int.__sub__, "*": int.__mul__}[op](int(left), int(right))
+    raise AssertionError(text)
+
+
+def test_arithmetic_problems_are_deterministic_and_scored_exactly():
+    task = ArithmeticTask(ArithmeticConfig(min_digits=1, max_digits=2, operators="+-"), seed=3)
+    tok = task.tokenizer
+    for i in range(50):
+        p = task.problem("train", i)
+        assert p == task.problem("train", i)
+        assert str(_evaluate(p.prompt_text)) == p.answer
+        assert tok.decode(p.prompt_ids) == p.prompt_text
+        assert task.score(p, task.target_ids(p)) == 1.0
+        assert task.score(p, task.target_ids(p)[:-1]) == 0.0  # no EOS: not finished
+        assert task.score(p, tok.encode(p.answer + "1") + [tok.eos_id]) == 0.0
+    assert task.problem("train", 0) != ArithmeticTask(ArithmeticConfig(), seed=4).problem("train", 0)
+
+
+def test_arithmetic_ood_split_has_longer_operands_and_other_operators():
+    task = ArithmeticTask(ArithmeticConfig(max_digits=2, operators="+", ood_min_digits=3, ood_max_digits=3,
+                                           ood_operators="*"), eval_size=20)
+    for i in range(20):
+        text = task.problem("ood", i).prompt_text
+        assert "*" in text and len(text.split("*")[0]) == 3
+        assert "*" not in task.problem("train", i).prompt_text
+    assert task.num_problems("ood") == 20 and task.num_problems("train") is None
+
+
+def test_arithmetic_config_errors_name_the_field():
+    with pytest.raises(ConfigError, match="operators"):
+        ArithmeticTask(ArithmeticConfig(operators="/"))
+    with pytest.raises(ConfigError, match="ood_min_digits"):
+        ArithmeticTask(ArithmeticConfig(ood_min_digits=4, ood_max_digits=3))
+    with pytest.raises(ConfigError, match="task.name"):
+        TaskConfig(name="chess")
+    with pytest.raises(ValueError, match="vocabulary"):
+        CharTokenizer().encode("1/2")
+
+
+@pytest.mark.parametrize("row, expected", [
+    ({"prompt": [{"role": "user", "content": "What is 1+1?"}], "reward_model": {"ground_truth": "2"}}, ("What is 1+1?", "2")),
+    ({"problem": "Compute $x$.", "answer": "\\frac{1}{2}", "solution": "..."}, ("Compute $x$.", "\\frac{1}{2}")),
+    ({"question": "Tom has 3 apples...", "answer": "He has 3+4=7.\n#### 1,007"}, ("Tom has 3 apples...", "1007")),
+    ({"question": "AIME style", "answer": 204}, ("AIME style", "204")),
+])
+def test_row_shapes(row, expected):
+    assert normalize_row(row) == expected
+
+
+@pytest.mark.parametrize("row, message", [
+    ({"text": "no question"}, "no question field"),
+    ({"problem": "", "answer": "1"}, "empty or non-text question"),
+    ({"question": "Q", "answer": None}, "empty answer"),
+    (["not", "a", "dict"], "not an object"),
+])
+def test_malformed_rows_raise_naming_the_problem(row, message):
+    with pytest.raises(ValueError, match=message):
+        normalize_row(row)
+
+
+def test_math_verify_scoring():
+    assert score_answer("\\frac{1}{2}", "... so the answer is \\boxed{0.5}.") == 1.0
+    assert score_answer("42", "\\boxed{41}") == 0.0
+    assert score_answer("42", "no answer at all") == 0.0
+
+
+def _tiny_hf_tokenizer():
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(["What is 1+1? The answer is \\boxed{2}. Tom has apples."] * 10, vocab_size=300,
+                            special_tokens=["<eos>", "<pad>"])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=bpe._tokenizer, eos_token="<eos>", pad_token="<pad>",
+        chat_template="{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+                      "{% if add_generation_prompt %}[assistant] {% endif %}",
+    )
+
+
+def test_math_task_loads_mixed_files_skips_and_counts_malformed_rows(tmp_path, caplog):
+    rows = [
+        {"prompt": [{"role": "user", "content": "What is 1+1?"}], "reward_model": {"ground_truth": "2"}},
+        {"problem": "What is 2+2?", "answer": "4"},
+        {"text": "bad"},
+        {"question": "Q", "answer": ""},
+    ]
+    path = tmp_path / "train.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n{not json\n")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist([{"problem": "What is 3+3?", "answer": "6"}]), tmp_path / "eval.parquet")
+    with caplog.at_level("WARNING"):
+        task = MathTask(MathConfig(train_files=[str(path)], eval_files=[str(tmp_path / "eval.parquet")],
+                                   system_prompt="Be brief."), tokenizer=_tiny_hf_tokenizer())
+    assert len(task.splits["train"]) == 2 and len(task.splits["eval"]) == 1
+    assert task.skipped[str(path)] == 3
+    assert "skipped 3 malformed row(s)" in caplog.text and "row 2" in caplog.text
+    first = task.problem("train", 0)
+    text = task.hf_tokenizer.decode(first.prompt_ids)
+    assert text.startswith("[system] Be brief.") and text.endswith("[assistant] ") and "\\boxed{}" in text
+    answer_ids = task.tokenizer.encode("The answer is \\boxed{%s}." % first.answer)
+    assert task.score(first, answer_ids) == 1.0
+    # every epoch visits every row once, in a seeded order
+    assert sorted(task.problem("train", i).answer for i in range(2, 4)) == ["2", "4"]
+
+
+def test_math_task_config_errors(tmp_path):
+    with pytest.raises(ConfigError, match="train_files"):
+        MathTask(MathConfig(), tokenizer=_tiny_hf_tokenizer())
+    with pytest.raises(ConfigError, match="does not exist"):
+        MathTask(MathConfig(train_files=[str(tmp_path / "missing.jsonl")]), tokenizer=_tiny_hf_tokenizer())
