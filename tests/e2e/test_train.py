@@ -161,3 +161,17 @@ def test_bad_config_values_fail_with_the_field_named(tmp_path, override, message
     assert code == 2, output[-2000:]
     assert message in output, output[-2000:]
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_default_config_improves_in_domain_accuracy_over_its_warm_start(tmp_path):
+    """The README's main job, as written (its own warm-start cache, 60 RL steps: ~1 minute)."""
+    code, output = Run(tmp_path / "log.txt", "--config", str(DEFAULT), f"train.output_dir={tmp_path / 'run'}",
+                       f"warm_start.cache_dir={tmp_path / 'cache'}", "logging.progress=false").wait(900)
+    assert code == 0, output[-3000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    before, after = summary["eval_before"], summary["eval_after"]
+    assert after["eval/eval/pass@1"] > before["eval/eval/pass@1"] + 0.02, (before, after)
+    assert after["eval/eval/mean@4"] > before["eval/eval/mean@4"] + 0.02, (before, after)
+    assert "eval/ood/pass@1" in after and Path(summary["plots"]).is_file()
+    records = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert len([r for r in records if "reward/mean" in r]) == 60
