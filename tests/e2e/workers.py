@@ -47,3 +47,28 @@ def engine_worker(rank, world, model_dict: dict, tp: int, prompts, sampling_dict
     stats = pipeline.compute_token_stats(models.policy, pipeline.SequenceBatch(tokens, mask), 1,
                                          pipeline.VocabOptions(model.vocab_size, sampling.logprob_temperature))
     return {"completions": completions, "recomputed": stats["logprobs"], "behavior": behavior, "mask": mask}
+
+
+def offload_worker(rank, world, model_dict: dict):
+    """Reference log-probs with offload on == off; weights back on the host after each pass."""
+    from megatron_kl.config import ModelConfig, ParallelConfig
+    from megatron_kl.models import builder, parallel, pipeline
+    from megatron_kl.models.offload import ReferenceOffload
+
+    model = from_dict(ModelConfig, model_dict)
+    layout = ParallelConfig()
+    parallel.initialize(model, layout)
+    models = builder.build_policy_and_reference(model, layout)
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    for chunk in models.reference + models.policy:
+        chunk.to(device)
+    tokens = torch.randint(0, model.vocab_size, (4, 12), generator=torch.Generator().manual_seed(0))
+    batch = pipeline.SequenceBatch(tokens, torch.ones(4, 11))
+    vocab = pipeline.VocabOptions(model.vocab_size)
+    resident = pipeline.compute_token_stats(models.reference, batch, 1, vocab)["logprobs"]
+    offload = ReferenceOffload(models.reference, enabled=True)
+    host_between = offload.on_host
+    with offload.resident():
+        offloaded = pipeline.compute_token_stats(models.reference, batch, 1, vocab)["logprobs"]
+    return {"resident": resident, "offloaded": offloaded, "host_between": host_between,
+            "host_after": offload.on_host, "enabled": offload.enabled}
