@@ -127,9 +127,9 @@ def validate_train_config(cfg: TrainConfig, tokenizer_vocab: int, data_parallel:
         raise ConfigError(f"algo.advantage={cfg.algo.advantage} needs train.group_size >= 2")
     if run.staleness > 0 and cfg.rollout.engine != "local":
         raise ConfigError("train.staleness > 0 is implemented for rollout.engine=local in this version")
-    for name in ("interval",):
-        if getattr(cfg.eval, name) < 0 or getattr(cfg.checkpoint, name) < 0:
-            raise ConfigError("eval.interval and checkpoint.interval must be >= 0")
+    for section in ("eval", "checkpoint"):
+        if getattr(cfg, section).interval < 0:
+            raise ConfigError(f"{section}.interval={getattr(cfg, section).interval} must be >= 0 (0: only at the end)")
     if cfg.eval.k < 1:
         raise ConfigError(f"eval.k={cfg.eval.k} must be >= 1")
 

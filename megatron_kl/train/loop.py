@@ -48,7 +48,20 @@ def _evaluate_all(cfg: TrainConfig, engine, task, step: int, dp) -> dict:
     return out
 
 
+def seed_everything(seed: int) -> None:
+    """Model initialisation (megatron's CPU init draws from torch's global generator) and host RNGs."""
+    import random
+
+    import numpy as np
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
 def train(cfg: TrainConfig) -> dict:
+    seed_everything(cfg.train.seed)
     task = build_task(cfg.task)
     if not cfg.rollout.sampling.stop_token_ids:
         cfg.rollout.sampling.stop_token_ids = [task.tokenizer.eos_id]

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_kl.config import to_dict
+from megatron_kl.config import ConfigError, to_dict
 from megatron_kl.models import builder, optim, pipeline, state
 from megatron_kl.train.batching import pack
 
@@ -24,13 +24,15 @@ log = logging.getLogger(__name__)
 
 
 def cache_path(cfg) -> Path:
-    key = json.dumps({"model": to_dict(cfg.model), "task": to_dict(cfg.task), "warm_start": to_dict(cfg.warm_start),
-                      "seed": cfg.train.seed}, sort_keys=True)
+    recipe = {k: v for k, v in to_dict(cfg.warm_start).items() if k not in ("cache_dir", "enabled")}
+    key = json.dumps({"model": to_dict(cfg.model), "task": to_dict(cfg.task), "warm_start": recipe,
+                      "seed": cfg.train.seed, "micro_batches": cfg.train.micro_batches}, sort_keys=True)
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     return Path(cfg.warm_start.cache_dir) / f"warmstart-{digest}.pt"
 
 
-def _sft_batch(task, step: int, batch_size: int, seed: int) -> pipeline.SequenceBatch:
+def _sft_batch(task, step: int, batch_size: int) -> pipeline.SequenceBatch:
+    """Reference completions of training problems far past any RL step's cursor."""
     problems = [task.problem("train", 10_000_000 + step * batch_size + i) for i in range(batch_size)]
     tokens, mask, _ = pack([p.prompt_ids for p in problems], [task.target_ids(p) for p in problems],
                            task.tokenizer.pad_id)
@@ -40,6 +42,8 @@ def _sft_batch(task, step: int, batch_size: int, seed: int) -> pipeline.Sequence
 def _train(cfg, task) -> dict[str, torch.Tensor]:
     from megatron_kl.models import parallel
 
+    if ws_batch_error := _check_batch(cfg):
+        raise ConfigError(ws_batch_error)
     chunks = builder.build_model_chunks(cfg.model, cfg.parallel)
     ws = cfg.warm_start
     train_state = optim.build_train_state(chunks, optim.OptimConfig(lr=ws.lr, clip_grad=1.0, warmup_steps=10,
@@ -56,7 +60,7 @@ def _train(cfg, task) -> dict[str, torch.Tensor]:
         return loss, {"nll": loss.detach(), "tokens": mask.sum()}
 
     for step in range(ws.steps):
-        batch = _sft_batch(task, step, ws.batch_size, cfg.train.seed)
+        batch = _sft_batch(task, step, ws.batch_size)
         local = batch.select(torch.arange(dp_rank * per_rank, (dp_rank + 1) * per_rank))
         out = optim.train_step(train_state, local, cfg.train.micro_batches, loss_fn, vocab)
         if step % 50 == 0 or step == ws.steps - 1:
@@ -66,6 +70,14 @@ def _train(cfg, task) -> dict[str, torch.Tensor]:
     full = state.full_state_dict([c.module for c in train_state.chunks], cfg.model.vocab_size, tied,
                                  parallel.tp_group(), parallel.pp_group())
     return full
+
+
+def _check_batch(cfg) -> str:
+    dp = dist.get_world_size() // (cfg.parallel.tensor_parallel * cfg.parallel.pipeline_parallel)
+    if cfg.warm_start.batch_size % (dp * cfg.train.micro_batches):
+        return (f"warm_start.batch_size={cfg.warm_start.batch_size} must be divisible by data-parallel size x "
+                f"train.micro_batches = {dp} x {cfg.train.micro_batches}")
+    return ""
 
 
 def _dp_rank() -> int:
