@@ -52,6 +52,13 @@ def wrap_ddp(chunks: list, optim: OptimConfig) -> list:
     return wrapped
 
 
+def unwrap(chunk):
+    """The GPTModel inside a (possibly DDP-wrapped) model chunk."""
+    while hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk
+
+
 def build_train_state(chunks: list, optim: OptimConfig) -> TrainState:
     """Wrap chunks in Megatron DDP and create the optimizer and LR scheduler."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer

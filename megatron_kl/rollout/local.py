@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_kl.config import ConfigError, ModelConfig, ParallelConfig
+from megatron_kl.models.optim import unwrap
 from megatron_kl.rollout.engine import Completion, SamplingConfig
 
 
@@ -67,12 +68,6 @@ def _engine_tp_group(tp_size: int):
     return mine
 
 
-def _unwrap(chunk):
-    while hasattr(chunk, "module"):
-        chunk = chunk.module
-    return chunk
-
-
 class LocalEngine:
     """In-process engine over a GPTModel replica in the policy's TP layout (PP must be 1)."""
 
@@ -99,7 +94,7 @@ class LocalEngine:
     def update_weights(self, source: list, version: int) -> None:
         """Copy this rank's shards of the policy chunks ``source`` (possibly DDP-wrapped)."""
         with self._lock:
-            policy = _unwrap(source[0])
+            policy = unwrap(source[0])
             mine = dict(self.model.named_parameters())
             for name, param in policy.named_parameters():
                 if name not in mine:
@@ -133,12 +128,13 @@ class LocalEngine:
         from megatron.core.inference.contexts import StaticInferenceContext
 
         lengths = [len(p) for p in prompts]
-        if min(lengths) == 0:
+        first, longest = min(lengths), max(lengths)
+        if first == 0:
             raise ValueError("rollout prompt with no tokens: every prompt needs at least one token")
-        batch, total = len(prompts), max(lengths) + sampling.max_new_tokens
+        batch, total = len(prompts), longest + sampling.max_new_tokens
         if total > self.model_config.max_position_embeddings:
             raise ValueError(
-                f"prompt ({max(lengths)}) + max_new_tokens ({sampling.max_new_tokens}) exceeds "
+                f"prompt ({longest}) + max_new_tokens ({sampling.max_new_tokens}) exceeds "
                 f"model.max_position_embeddings={self.model_config.max_position_embeddings}"
             )
         tokens = torch.zeros(batch, total, dtype=torch.long)
@@ -153,7 +149,6 @@ class LocalEngine:
 
         self.model.eval()
         context = StaticInferenceContext(batch, total)
-        first = min(lengths)
         logits = self._forward(tokens[:, :first], 0, context)
         for pos in range(first, total):
             sampled, sampled_lp = sample_tokens(logits, sampling, generator)
@@ -165,7 +160,7 @@ class LocalEngine:
             finished |= hit_stop | (generating & (pos + 1 >= end))
             if bool(finished.all()) or pos + 1 == total:
                 break
-            if pos + 1 >= max(lengths):
+            if pos + 1 >= longest:
                 context.enable_decode_mode()
             logits = self._forward(tokens[:, pos : pos + 1], pos, context)
 

@@ -17,19 +17,24 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_kl.models.optim import unwrap
+
 _PREFIX = "step_"
 
 
-def _unwrap(chunk):
-    while hasattr(chunk, "module"):
-        chunk = chunk.module
-    return chunk
+def _model_keys(chunks) -> list[str]:
+    return ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
 
 
-def _model_sharded_state_dict(chunks) -> dict:
-    if len(chunks) == 1:
-        return {"model": _unwrap(chunks[0]).sharded_state_dict()}
-    return {f"model{i}": _unwrap(c).sharded_state_dict() for i, c in enumerate(chunks)}
+def _sharded_state_dict(train_state, is_loading: bool) -> dict:
+    """Model chunks under ``model`` (``model0``, ``model1``... with virtual stages) and the optimizer."""
+    sharded = {key: unwrap(chunk).sharded_state_dict()
+               for key, chunk in zip(_model_keys(train_state.chunks), train_state.chunks)}
+    model_flat = {}
+    for value in sharded.values():
+        model_flat.update(value)
+    sharded["optimizer"] = train_state.optimizer.sharded_state_dict(model_flat, is_loading=is_loading)
+    return sharded
 
 
 def rng_state() -> dict:
@@ -75,12 +80,7 @@ def save_checkpoint(directory: Path, step: int, train_state, trainer_state: dict
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     dist.barrier()
-    sharded = _model_sharded_state_dict(train_state.chunks)
-    model_flat = {}
-    for value in sharded.values():
-        model_flat.update(value)
-    sharded["optimizer"] = train_state.optimizer.sharded_state_dict(model_flat)
-    dist_checkpointing.save(sharded, str(tmp))
+    dist_checkpointing.save(_sharded_state_dict(train_state, is_loading=False), str(tmp))
     torch.save(rank_state, tmp / f"rank_{dist.get_rank():05d}.pt")
     if dist.get_rank() == 0:
         torch.save({**trainer_state, "step": step, "scheduler": train_state.scheduler.state_dict()}, tmp / "trainer.pt")
@@ -102,17 +102,9 @@ def load_checkpoint(path: Path, train_state) -> tuple[dict, dict]:
     trainer_file = path / "trainer.pt"
     if not trainer_file.is_file():
         raise FileNotFoundError(f"checkpoint {path} lacks trainer.pt: it is incomplete; delete it or pick another")
-    sharded = _model_sharded_state_dict(train_state.chunks)
-    model_flat = {}
-    for value in sharded.values():
-        model_flat.update(value)
-    sharded["optimizer"] = train_state.optimizer.sharded_state_dict(model_flat, is_loading=True)
-    loaded = dist_checkpointing.load(sharded, str(path))
-    if len(train_state.chunks) == 1:
-        _unwrap(train_state.chunks[0]).load_state_dict(loaded["model"])
-    else:
-        for i, chunk in enumerate(train_state.chunks):
-            _unwrap(chunk).load_state_dict(loaded[f"model{i}"])
+    loaded = dist_checkpointing.load(_sharded_state_dict(train_state, is_loading=True), str(path))
+    for key, chunk in zip(_model_keys(train_state.chunks), train_state.chunks):
+        unwrap(chunk).load_state_dict(loaded[key])
     train_state.optimizer.load_state_dict(loaded["optimizer"])
     trainer_state = torch.load(trainer_file, map_location="cpu", weights_only=False)
     train_state.scheduler.load_state_dict(trainer_state.pop("scheduler"))

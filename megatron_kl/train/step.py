@@ -57,8 +57,8 @@ def kl_metrics(logprobs, reference_logprobs, exact_kl, mask) -> dict:
 
 def rollout_metrics(batch: RolloutBatch, old_logprobs: torch.Tensor, step: int) -> dict:
     mask = batch.loss_mask
-    mismatch = (old_logprobs - batch.behavior_logprobs).abs() * mask
     log_ratio = (old_logprobs - batch.behavior_logprobs) * mask
+    mismatch = log_ratio.abs()
     ratio = torch.exp(log_ratio.clamp(-20, 20))
     staleness = (step - batch.weight_versions).float()
     masked_ratio = torch.where(mask.bool(), ratio, torch.ones_like(ratio))

@@ -40,19 +40,21 @@ def _sft_batch(task, step: int, batch_size: int) -> pipeline.SequenceBatch:
 
 
 def _train(cfg, task) -> dict[str, torch.Tensor]:
+    from megatron.core import parallel_state
+
     from megatron_kl.models import parallel
 
-    if ws_batch_error := _check_batch(cfg):
-        raise ConfigError(ws_batch_error)
-    chunks = builder.build_model_chunks(cfg.model, cfg.parallel)
     ws = cfg.warm_start
+    dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
+    if ws.batch_size % (dp * cfg.train.micro_batches):
+        raise ConfigError(f"warm_start.batch_size={ws.batch_size} must be divisible by data-parallel size x "
+                          f"train.micro_batches = {dp} x {cfg.train.micro_batches}")
+    chunks = builder.build_model_chunks(cfg.model, cfg.parallel)
     train_state = optim.build_train_state(chunks, optim.OptimConfig(lr=ws.lr, clip_grad=1.0, warmup_steps=10,
                                                                     decay_steps=ws.steps, lr_decay_style="cosine",
                                                                     min_lr=ws.lr * 0.1))
     vocab = pipeline.VocabOptions(vocab_size=cfg.model.vocab_size)
-    dp = dist.get_world_size() // (cfg.parallel.tensor_parallel * cfg.parallel.pipeline_parallel)
     per_rank = ws.batch_size // dp
-    dp_rank = _dp_rank()
 
     def loss_fn(stats, mb):
         mask = mb["loss_mask"].to(stats.logprobs.dtype)
@@ -67,23 +69,9 @@ def _train(cfg, task) -> dict[str, torch.Tensor]:
             nll = sum(float(m["nll"]) for m in out["microbatch_metrics"])
             log.info("warm start step %d/%d: nll/sequence %.4f", step + 1, ws.steps, nll)
     tied = cfg.model.tie_word_embeddings
-    full = state.full_state_dict([c.module for c in train_state.chunks], cfg.model.vocab_size, tied,
+    full = state.full_state_dict([optim.unwrap(c) for c in train_state.chunks], cfg.model.vocab_size, tied,
                                  parallel.tp_group(), parallel.pp_group())
     return full
-
-
-def _check_batch(cfg) -> str:
-    dp = dist.get_world_size() // (cfg.parallel.tensor_parallel * cfg.parallel.pipeline_parallel)
-    if cfg.warm_start.batch_size % (dp * cfg.train.micro_batches):
-        return (f"warm_start.batch_size={cfg.warm_start.batch_size} must be divisible by data-parallel size x "
-                f"train.micro_batches = {dp} x {cfg.train.micro_batches}")
-    return ""
-
-
-def _dp_rank() -> int:
-    from megatron.core import parallel_state
-
-    return parallel_state.get_data_parallel_rank()
 
 
 def warm_start_state(cfg, task) -> dict[str, torch.Tensor] | None:
