@@ -52,6 +52,11 @@ class ModelConfig:
     make_vocab_size_divisible_by: int = 128
     params_dtype: str = "float32"
     init_method_std: float = 0.02
+    # how per-token log-probs / entropy / exact KL are computed on the last stage: "fused" never
+    # materialises the logits (output projection inside the chunk loop), "unfused" runs the output layer
+    # then the vocab-parallel stats, "auto" fuses when the local vocabulary shard is >= 16384 columns
+    logprob_path: str = "auto"
+    logprob_chunk_rows: Optional[int] = None  # rows per chunk on either path; None: automatic
 
     def resolved(self) -> "ModelConfig":
         """A copy with the architecture defaults filled in for fields left as None."""
@@ -98,6 +103,10 @@ def validate_model(model: ModelConfig) -> None:
             f"model.hidden_size={model.hidden_size} is not divisible by model.num_attention_heads="
             f"{model.num_attention_heads}; set model.kv_channels explicitly"
         )
+    if model.logprob_path not in ("auto", "fused", "unfused"):
+        raise ConfigError(f"model.logprob_path={model.logprob_path!r}: use one of ['auto', 'fused', 'unfused']")
+    if model.logprob_chunk_rows is not None and model.logprob_chunk_rows <= 0:
+        raise ConfigError(f"model.logprob_chunk_rows={model.logprob_chunk_rows} must be > 0 (or null for automatic)")
     if model.params_dtype not in DTYPES:
         raise ConfigError(f"model.params_dtype={model.params_dtype!r}: use one of {list(DTYPES)}")
 

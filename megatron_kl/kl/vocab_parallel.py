@@ -70,6 +70,85 @@ def _scaled(chunk: torch.Tensor, shard: _Shard, temperature: float, dtype: torch
     return chunk[:, : shard.valid].to(dtype) / temperature
 
 
+def chunk_forward(z, r, targets, shard: _Shard, group, dtype):
+    """Globally reduced statistics of one chunk of rows.
+
+    ``z`` / ``r``: this rank's valid columns of the policy / reference logits divided by tau, in the
+    compute ``dtype`` (``r`` may be None); both are overwritten. ``targets``: global ids of the chunk's
+    rows (or None). Returns ``out [3, n]`` (log-prob of the target, entropy, KL) and ``norms [4, n]``
+    (M, log S, M_ref, log S_ref), the normalisers ``chunk_grad`` needs.
+    """
+    n = z.shape[0]
+    maxes = torch.full((2, n), torch.finfo(dtype).min, dtype=dtype, device=z.device)
+    if shard.valid:
+        maxes[0] = z.max(dim=-1).values
+        if r is not None:
+            maxes[1] = r.max(dim=-1).values
+    _all_reduce(maxes, dist.ReduceOp.MAX, group)
+    zc = z.sub_(maxes[0, :, None])  # z - M <= 0
+    e = torch.exp(zc)
+    sums = torch.zeros(5, n, dtype=dtype, device=z.device)
+    sums[0] = e.sum(-1)  # S
+    sums[1] = torch.linalg.vecdot(e, zc)  # S * E_pi[z - M]
+    if r is not None:
+        rc = r.sub_(maxes[1, :, None])
+        sums[3] = torch.linalg.vecdot(e, rc)  # S * E_pi[r - M_ref]
+        sums[2] = rc.exp_().sum(-1)  # S_ref
+    if targets is not None and shard.valid:
+        local_t = targets - shard.start
+        owned = (local_t >= 0) & (local_t < shard.valid)
+        picked = zc.gather(-1, local_t.clamp(0, shard.valid - 1).unsqueeze(-1)).squeeze(-1)
+        sums[4] = torch.where(owned, picked, torch.zeros_like(picked))
+    _all_reduce(sums, dist.ReduceOp.SUM, group)
+    out = torch.zeros(3, n, dtype=dtype, device=z.device)
+    norms = torch.zeros(4, n, dtype=dtype, device=z.device)
+    log_s = torch.log(sums[0])
+    mean_zc = sums[1] / sums[0]
+    out[0] = sums[4] - log_s
+    out[1] = log_s - mean_zc
+    norms[0], norms[1] = maxes[0], log_s
+    if r is not None:
+        log_s_ref = torch.log(sums[2])
+        out[2] = mean_zc - sums[3] / sums[0] - log_s + log_s_ref
+        norms[2], norms[3] = maxes[1], log_s_ref
+    return out, norms
+
+
+def chunk_grad(z, r, targets, shard: _Shard, norms, out, g_lp, g_h, g_kl, temperature):
+    """Gradient w.r.t. this rank's valid logit columns of one chunk (see the module docstring).
+
+    ``z`` / ``r`` as in ``chunk_forward`` (overwritten); ``norms`` / ``out`` its results for these rows;
+    ``g_lp`` / ``g_h`` / ``g_kl``: upstream gradients [n] in the compute dtype (None when absent).
+    """
+    # grad_z = p * [-g_lp - g_H (log p + H) + g_KL (log p - log q - KL)] + g_lp * onehot(target), in place
+    log_p = z.sub_((norms[0] + norms[1])[:, None])
+    p = torch.exp(log_p)
+    kl_part = None
+    if g_kl is not None and r is not None:  # g_KL * ((log p - log q) - KL): large |log q| cancels first
+        kl_part = r.sub_((norms[2] + norms[3])[:, None])  # log q
+        kl_part.neg_().add_(log_p).sub_(out[2, :, None]).mul_(g_kl[:, None])
+    bracket = log_p.add_(out[1, :, None])  # log p + H
+    if g_h is not None:
+        bracket.mul_(-g_h[:, None])
+    else:
+        bracket.zero_()
+    if g_lp is not None:
+        bracket.sub_(g_lp[:, None])
+    if kl_part is not None:
+        bracket.add_(kl_part)
+    grad = p.mul_(bracket)
+    if g_lp is not None and targets is not None:
+        local_t = targets - shard.start
+        owned = (local_t >= 0) & (local_t < shard.valid)
+        idx = owned.nonzero().squeeze(-1)
+        grad[idx, local_t[idx]] += g_lp[idx]
+    return grad.div_(temperature)
+
+
+def upstream(grad: Optional[torch.Tensor], lo: int, hi: int, dtype) -> Optional[torch.Tensor]:
+    return None if grad is None else grad[lo:hi].to(dtype)
+
+
 class _VocabParallelStats(torch.autograd.Function):
     """Forward: (logprob of target, entropy, KL to reference) per row; see the module docstring."""
 
@@ -78,48 +157,15 @@ class _VocabParallelStats(torch.autograd.Function):
         rows, local_vocab = logits.shape
         shard = _shard(local_vocab, group, vocab_size)
         dtype = compute_dtype(logits.dtype)
-        has_ref = reference_logits is not None
-        has_tgt = targets is not None
         out = torch.empty(3, rows, dtype=dtype, device=logits.device)  # logprob, entropy, kl
-        # per-row normalisers kept for backward: M, log S, M_ref, log S_ref
         norms = torch.empty(4, rows, dtype=dtype, device=logits.device)
         for lo in range(0, rows, chunk_size):
             hi = min(rows, lo + chunk_size)
             z = _scaled(logits[lo:hi], shard, temperature, dtype)
-            r = _scaled(reference_logits[lo:hi], shard, temperature, dtype) if has_ref else None
-            maxes = torch.full((2, hi - lo), torch.finfo(dtype).min, dtype=dtype, device=z.device)
-            if shard.valid:
-                maxes[0] = z.max(dim=-1).values
-                if has_ref:
-                    maxes[1] = r.max(dim=-1).values
-            _all_reduce(maxes, dist.ReduceOp.MAX, group)
-            zc = z.sub_(maxes[0, :, None])  # z - M <= 0, in place on our own float copy
-            e = torch.exp(zc)
-            sums = torch.zeros(5, hi - lo, dtype=dtype, device=z.device)
-            sums[0] = e.sum(-1)  # S
-            sums[1] = torch.linalg.vecdot(e, zc)  # S * E_pi[z - M]
-            if has_ref:
-                rc = r.sub_(maxes[1, :, None])
-                sums[3] = torch.linalg.vecdot(e, rc)  # S * E_pi[r - M_ref]
-                sums[2] = rc.exp_().sum(-1)  # S_ref
-            if has_tgt and shard.valid:
-                local_t = targets[lo:hi] - shard.start
-                owned = (local_t >= 0) & (local_t < shard.valid)
-                picked = zc.gather(-1, local_t.clamp(0, shard.valid - 1).unsqueeze(-1)).squeeze(-1)
-                sums[4] = torch.where(owned, picked, torch.zeros_like(picked))
-            _all_reduce(sums, dist.ReduceOp.SUM, group)
-            log_s = torch.log(sums[0])
-            mean_zc = sums[1] / sums[0]
-            out[0, lo:hi] = sums[4] - log_s
-            out[1, lo:hi] = log_s - mean_zc
-            norms[0, lo:hi], norms[1, lo:hi] = maxes[0], log_s
-            if has_ref:
-                log_s_ref = torch.log(sums[2])
-                out[2, lo:hi] = mean_zc - sums[3] / sums[0] - log_s + log_s_ref
-                norms[2, lo:hi], norms[3, lo:hi] = maxes[1], log_s_ref
-            else:
-                out[2, lo:hi] = 0.0
-        ctx.save_for_backward(logits, reference_logits if has_ref else None, targets if has_tgt else None, norms, out)
+            r = _scaled(reference_logits[lo:hi], shard, temperature, dtype) if reference_logits is not None else None
+            tgt = targets[lo:hi] if targets is not None else None
+            out[:, lo:hi], norms[:, lo:hi] = chunk_forward(z, r, tgt, shard, group, dtype)
+        ctx.save_for_backward(logits, reference_logits, targets, norms, out)
         ctx.shard, ctx.temperature, ctx.chunk_size, ctx.dtype = shard, temperature, chunk_size, dtype
         ctx.inplace_backward = inplace_backward
         ctx.mark_non_differentiable(norms)
@@ -132,6 +178,10 @@ class _VocabParallelStats(torch.autograd.Function):
         # In place: each chunk's gradient overwrites that chunk of the logits once it has been read, so
         # backward allocates nothing of full size (as megatron's vocab-parallel cross entropy does).
         grad_logits = logits if ctx.inplace_backward else torch.zeros_like(logits)
+        if targets is None:
+            grad_logprob = None
+        if reference_logits is None:
+            grad_kl = None
         rows = logits.shape[0]
         for lo in range(0, rows, ctx.chunk_size):
             hi = min(rows, lo + ctx.chunk_size)
@@ -139,30 +189,14 @@ class _VocabParallelStats(torch.autograd.Function):
                 grad_logits[lo:hi, shard.valid:] = 0
             if shard.valid == 0:
                 continue
-            # grad_z = p * [-g_lp - g_H (log p + H) + g_KL (log p - log q - KL)] + g_lp * onehot(target),
-            # built in place on chunk-sized buffers.
-            zeros = torch.zeros(hi - lo, dtype=dtype, device=logits.device)
-            g_lp = grad_logprob[lo:hi].to(dtype) if grad_logprob is not None and targets is not None else zeros
-            g_h = grad_entropy[lo:hi].to(dtype) if grad_entropy is not None else zeros
-            use_kl = grad_kl is not None and reference_logits is not None
-            g_kl = grad_kl[lo:hi].to(dtype) if use_kl else None
-            log_p = _scaled(logits[lo:hi], shard, tau, dtype).sub_((norms[0, lo:hi] + norms[1, lo:hi])[:, None])
-            p = torch.exp(log_p)
-            kl_part = None
-            if use_kl:  # g_KL * ((log p - log q) - KL): grouped so large |log q| cancels before scaling
-                kl_part = _scaled(reference_logits[lo:hi], shard, tau, dtype)
-                kl_part.sub_((norms[2, lo:hi] + norms[3, lo:hi])[:, None])  # log q
-                kl_part.neg_().add_(log_p).sub_(out[2, lo:hi, None]).mul_(g_kl[:, None])
-            bracket = log_p.add_(out[1, lo:hi, None]).mul_(-g_h[:, None]).sub_(g_lp[:, None])  # -g_H(log p + H) - g_lp
-            if kl_part is not None:
-                bracket.add_(kl_part)
-            grad = p.mul_(bracket)
-            if grad_logprob is not None and targets is not None:
-                local_t = targets[lo:hi] - shard.start
-                owned = (local_t >= 0) & (local_t < shard.valid)
-                idx = owned.nonzero().squeeze(-1)
-                grad[idx, local_t[idx]] += g_lp[idx]
-            grad_logits[lo:hi, : shard.valid] = grad.div_(tau).to(logits.dtype)
+            z = _scaled(logits[lo:hi], shard, tau, dtype)
+            r = _scaled(reference_logits[lo:hi], shard, tau, dtype) if grad_kl is not None else None
+            grad = chunk_grad(
+                z, r, targets[lo:hi] if targets is not None else None, shard, norms[:, lo:hi], out[:, lo:hi],
+                upstream(grad_logprob, lo, hi, dtype), upstream(grad_entropy, lo, hi, dtype),
+                upstream(grad_kl, lo, hi, dtype), tau,
+            )
+            grad_logits[lo:hi, : shard.valid] = grad.to(logits.dtype)
         return grad_logits, None, None, None, None, None, None, None
 
 

@@ -3,13 +3,17 @@
 A batch is ``tokens [B, S]`` (prompt + response, right-padded) and ``loss_mask [B, S-1]`` aligned with the
 targets ``tokens[:, 1:]``: position t of every per-token output refers to predicting ``tokens[:, t+1]``
 from ``tokens[:, :t+1]``. Logits stay vocab-sharded: the last stage turns them into log-probs and
-entropies with :mod:`megatron_kl.kl.vocab_parallel` (temperature applied as the rollout engine does).
+entropies with :mod:`megatron_kl.kl.vocab_parallel` (temperature applied as the rollout engine does), or,
+on the fused path (``VocabOptions.fused``), the output layer is bypassed and
+:mod:`megatron_kl.kl.fused_linear` computes the same quantities from the final hidden states and the
+output weight shard without ever materialising the logits (only the loss-masked rows are computed).
 
 ``run_schedule`` is the one entry point, forward-only or forward+backward, with any TP/PP/VPP layout.
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable, Optional
@@ -17,11 +21,14 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_kl.kl.fused_linear import fused_linear_stats
 from megatron_kl.kl.vocab_parallel import DEFAULT_CHUNK, VocabParallelStats, fused_stats
 
 # loss_fn(stats, microbatch) -> (loss, metrics). `loss` is this microbatch's share of the global loss
 # (already divided by the global normaliser), so the microbatch shares add up to the batch loss.
-# The microbatch dict carries "tokens", "loss_mask", "index" and the local logits slice under "logits".
+# The microbatch dict carries "tokens", "loss_mask", "index", the batch extras and, on the unfused path,
+# the local logits slice under "logits". On the fused path the stats are 0 outside loss_mask (those rows
+# are not computed).
 LossFn = Callable[[VocabParallelStats, dict], tuple[torch.Tensor, dict]]
 
 
@@ -53,11 +60,43 @@ class SequenceBatch:
         return SequenceBatch(self.tokens[index], self.loss_mask[index], {k: v[index] for k, v in self.extras.items()})
 
 
+FUSED_MIN_LOCAL_VOCAB = 16384  # "auto" fuses from here: LLM vocabularies, where the logits dominate memory
+
+
 @dataclass
 class VocabOptions:
     vocab_size: int  # the true vocabulary (Megatron pads the output layer beyond it)
     temperature: float = 1.0
-    chunk_size: int = DEFAULT_CHUNK
+    chunk_size: int = DEFAULT_CHUNK  # rows per chunk; None: automatic (per path)
+    fused: bool = False  # fused linear path: never materialise the logits
+
+    @classmethod
+    def for_model(cls, model_cfg, parallel_cfg, temperature: float = 1.0) -> "VocabOptions":
+        """Options from ``model.logprob_path`` (auto | fused | unfused) and ``model.logprob_chunk_rows``."""
+        path = model_cfg.logprob_path
+        local_vocab = model_cfg.padded_vocab_size(parallel_cfg.tensor_parallel) // parallel_cfg.tensor_parallel
+        fused = path == "fused" or (path == "auto" and local_vocab >= FUSED_MIN_LOCAL_VOCAB)
+        return cls(vocab_size=model_cfg.vocab_size, temperature=temperature,
+                   chunk_size=model_cfg.logprob_chunk_rows, fused=fused)
+
+
+def output_weight(model) -> torch.Tensor:
+    """The (vocab-sharded) output projection of a last-stage GPTModel: the embedding when tied."""
+    if model.share_embeddings_and_output_weights:
+        return model.shared_embedding_or_output_weight()
+    return model.output_layer.weight
+
+
+@contextmanager
+def bypass_output_layer(model):
+    """Within the block, the model's output layer returns its input: the forward yields the final
+    hidden states ``[b, s, H]`` (``[b, s/tp, H]`` under sequence parallelism) instead of logits."""
+    layer = model.output_layer
+    layer.forward = lambda hidden, weight=None, runtime_gather_output=None: (hidden, None)
+    try:
+        yield
+    finally:
+        del layer.forward
 
 
 class ReferenceHead:
@@ -78,32 +117,67 @@ class ReferenceHead:
         logits, _ = chunk.output_layer(hidden.transpose(0, 1).contiguous(), weight=weight)
         return logits.transpose(0, 1)
 
+    def weight(self) -> torch.Tensor:
+        return output_weight(self.chunk).detach()
+
+
+def _unfused_stats(vocab: VocabOptions, reference: Optional[ReferenceHead], mb: dict, logits, tp_group):
+    reference_logits = None
+    if reference is not None and "reference_hidden" in mb:
+        reference_logits = reference.logits(mb["reference_hidden"].to(logits.device))[:, :-1]
+    return fused_stats(logits[:, :-1], tp_group, targets=mb["tokens"].to(logits.device)[:, 1:],
+                       reference_logits=reference_logits, temperature=vocab.temperature,
+                       vocab_size=vocab.vocab_size, chunk_size=vocab.chunk_size)
+
+
+def _fused_stats(vocab: VocabOptions, reference: Optional[ReferenceHead], mb: dict, hidden, weight, tp_group,
+                 sequence_parallel: bool) -> VocabParallelStats:
+    """Stats ``[b, s-1]`` from the hidden states ``[b, s(/tp), H]``, computed in megatron's [s, b] order."""
+    device = hidden.device
+    tokens = mb["tokens"].to(device)
+    b, s = tokens.shape
+    targets = torch.cat([tokens[:, 1:], tokens.new_zeros(b, 1)], dim=1).t()  # [s, b]; last row has no target
+    rows = torch.cat([mb["loss_mask"].to(device).bool(), torch.zeros(b, 1, dtype=torch.bool, device=device)], 1).t()
+    reference_hidden = reference_weight = None
+    if reference is not None and "reference_hidden" in mb:
+        reference_hidden = mb["reference_hidden"].to(device).transpose(0, 1)
+        reference_weight = reference.weight()
+    stats = fused_linear_stats(
+        hidden.transpose(0, 1), weight, tp_group, targets=targets, reference_hidden=reference_hidden,
+        reference_weight=reference_weight, temperature=vocab.temperature, vocab_size=vocab.vocab_size,
+        chunk_size=vocab.chunk_size, sequence_parallel=sequence_parallel, mask=rows.contiguous(),
+    )
+
+    def per_sequence(value):
+        return None if value is None else value.t()[:, :-1]
+
+    return VocabParallelStats(per_sequence(stats.logprobs), per_sequence(stats.entropy), per_sequence(stats.kl))
+
 
 def _forward_step(vocab: VocabOptions, loss_fn: LossFn, num_microbatches: int,
                   reference: Optional[ReferenceHead], data_iterator, model):
     from megatron.core import parallel_state
 
-    mb = next(data_iterator)
-    tokens = mb["tokens"]
-    device = next(model.parameters()).device
-    tokens = tokens.to(device)
-    position_ids = torch.arange(tokens.shape[1], device=device).unsqueeze(0).expand_as(tokens)
-    output = model(tokens, position_ids, None)
+    from megatron_kl.models.optim import unwrap
 
-    def loss_func(logits):
-        reference_logits = None
-        if reference is not None and "reference_hidden" in mb:
-            reference_logits = reference.logits(mb["reference_hidden"].to(device))[:, :-1]
-        stats = fused_stats(
-            logits[:, :-1],
-            parallel_state.get_tensor_model_parallel_group(),
-            targets=tokens[:, 1:],
-            reference_logits=reference_logits,
-            temperature=vocab.temperature,
-            vocab_size=vocab.vocab_size,
-            chunk_size=vocab.chunk_size,
-        )
-        loss, metrics = loss_fn(stats, {**mb, "logits": logits})
+    mb = next(data_iterator)
+    device = next(model.parameters()).device
+    tokens = mb["tokens"].to(device)
+    position_ids = torch.arange(tokens.shape[1], device=device).unsqueeze(0).expand_as(tokens)
+    inner = unwrap(model)
+    fused = vocab.fused and inner.post_process
+    with bypass_output_layer(inner) if fused else nullcontext():
+        output = model(tokens, position_ids, None)
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+
+    def loss_func(output):
+        if fused:
+            stats = _fused_stats(vocab, reference, mb, output, output_weight(inner), tp_group,
+                                 inner.output_layer.sequence_parallel)
+            loss, metrics = loss_fn(stats, mb)
+        else:
+            stats = _unfused_stats(vocab, reference, mb, output, tp_group)
+            loss, metrics = loss_fn(stats, {**mb, "logits": output})
         # The schedule divides a 2-tuple loss by num_microbatches; undo it so shares add up exactly.
         return loss * num_microbatches, metrics
 

@@ -91,7 +91,7 @@ def _reduce(metrics: dict, group) -> dict:
 def rl_step(ctx: StepContext, batch: RolloutBatch, step: int) -> dict:
     cfg = ctx.cfg
     algo, kl, run = cfg.algo, cfg.kl, cfg.train
-    vocab = pipeline.VocabOptions(vocab_size=cfg.model.vocab_size, temperature=cfg.rollout.sampling.logprob_temperature)
+    vocab = pipeline.VocabOptions.for_model(cfg.model, cfg.parallel, cfg.rollout.sampling.logprob_temperature)
     num_samples = batch.tokens.shape[0]
     forward_microbatches = algo.minibatches * run.micro_batches
     mask = batch.loss_mask

@@ -23,9 +23,14 @@ from megatron_kl.train.batching import pack
 log = logging.getLogger(__name__)
 
 
+# implementation choices of the same computation (equal to float32 rounding, tested): not part of the key
+NOT_IN_KEY = {"model": ("logprob_path", "logprob_chunk_rows"), "warm_start": ("cache_dir", "enabled")}
+
+
 def cache_path(cfg) -> Path:
-    recipe = {k: v for k, v in to_dict(cfg.warm_start).items() if k not in ("cache_dir", "enabled")}
-    key = json.dumps({"model": to_dict(cfg.model), "task": to_dict(cfg.task), "warm_start": recipe,
+    recipe = {k: v for k, v in to_dict(cfg.warm_start).items() if k not in NOT_IN_KEY["warm_start"]}
+    model = {k: v for k, v in to_dict(cfg.model).items() if k not in NOT_IN_KEY["model"]}
+    key = json.dumps({"model": model, "task": to_dict(cfg.task), "warm_start": recipe,
                       "seed": cfg.train.seed, "micro_batches": cfg.train.micro_batches}, sort_keys=True)
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     return Path(cfg.warm_start.cache_dir) / f"warmstart-{digest}.pt"
@@ -53,7 +58,7 @@ def _train(cfg, task) -> dict[str, torch.Tensor]:
     train_state = optim.build_train_state(chunks, optim.OptimConfig(lr=ws.lr, clip_grad=1.0, warmup_steps=10,
                                                                     decay_steps=ws.steps, lr_decay_style="cosine",
                                                                     min_lr=ws.lr * 0.1))
-    vocab = pipeline.VocabOptions(vocab_size=cfg.model.vocab_size)
+    vocab = pipeline.VocabOptions.for_model(cfg.model, cfg.parallel)
     per_rank = ws.batch_size // dp
 
     def loss_fn(stats, mb):

@@ -38,9 +38,10 @@ def _gather_logits(model_cfg: ModelConfig):
 
 
 def layout_worker(rank, world, model_cfg: ModelConfig, parallel_cfg: ParallelConfig, full_state, tokens,
-                  loss_mask, num_microbatches: int, optim_cfg: optim.OptimConfig):
+                  loss_mask, num_microbatches: int, optim_cfg: optim.OptimConfig, fused: bool = False):
     """Build policy+reference in the given layout from ``full_state`` (or fresh init when None), and
-    return logits, token stats, gradients and the updated weights, all in the full layout."""
+    return logits, token stats, gradients and the updated weights, all in the full layout. ``fused``:
+    stats and gradients through the fused linear path (logits are gathered on the unfused path)."""
     from megatron.core import parallel_state
 
     torch.manual_seed(0)
@@ -55,9 +56,10 @@ def layout_worker(rank, world, model_cfg: ModelConfig, parallel_cfg: ParallelCon
         state.load_full_state_dict(chunks, full_state, tied, tp_rank, tp_size)
 
     batch = pipeline.SequenceBatch(tokens=tokens, loss_mask=loss_mask)
-    vocab = pipeline.VocabOptions(vocab_size=model_cfg.vocab_size, temperature=0.8, chunk_size=7)
+    unfused = pipeline.VocabOptions(vocab_size=model_cfg.vocab_size, temperature=0.8, chunk_size=7)
+    vocab = dataclasses.replace(unfused, fused=fused, chunk_size=5 if fused else 7)
     logits_out = pipeline.run_schedule(models.policy, batch, num_microbatches, _gather_logits(model_cfg),
-                                       vocab, forward_only=True)
+                                       unfused, forward_only=True)
     logits = None
     if logits_out:
         logits = torch.cat([o["logits"] for o in sorted(logits_out, key=lambda o: o["index"])])

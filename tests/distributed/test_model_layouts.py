@@ -97,3 +97,24 @@ def test_reference_frozen_single_rank(baselines):
     torch.testing.assert_close(base["reference_after"], base["reference_before"], rtol=0, atol=0)
     # the policy's own log-probs equal the reference's before the update (same weights)
     torch.testing.assert_close(base["logprobs"], base["reference_before"], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "model_name,parallel",
+    [
+        ("qwen2", ParallelConfig()),
+        ("qwen2", ParallelConfig(tensor_parallel=2)),
+        ("qwen3", ParallelConfig(tensor_parallel=2)),
+        ("qwen3", ParallelConfig(pipeline_parallel=2)),
+    ],
+    ids=["tp1", "tp2", "tp2-tied-qknorm", "pp2-tied-qknorm"],
+)
+def test_fused_linear_path_matches_unfused_single_rank(baselines, model_name, parallel):
+    """model.logprob_path=fused (output layer bypassed, tied embedding as the output weight) gives the
+    unfused single-rank log-probs, entropies, gradients and updated weights."""
+    tokens, mask = _batch()
+    base = baselines[model_name]
+    world = parallel.tensor_parallel * parallel.pipeline_parallel
+    outs = run_ranks(layout_worker, world, MODELS[model_name], parallel, base["full_state"], tokens, mask,
+                     NUM_MICROBATCHES, OPTIM, True)
+    _compare(outs[0], base, outs)

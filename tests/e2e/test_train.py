@@ -110,6 +110,23 @@ def test_tp2_matches_tp1(tmp_path, warm_cache):
             assert b[key] == pytest.approx(a[key], rel=1e-3, abs=1e-4), f"step {a['step']} {key}: {a[key]} vs {b[key]}"
 
 
+def test_fused_logprob_path_matches_unfused(tmp_path, warm_cache):
+    """model.logprob_path=fused (no logits; the exact KL from the reference's hidden states and output
+    weight) trains like the unfused path."""
+    kl = ["kl.estimator=full", "kl.placement=loss", "kl.level=token"]
+    unfused = short_config(tmp_path / "unfused", warm_cache, "model.logprob_path=unfused", *kl)
+    fused = short_config(tmp_path / "fused", warm_cache, "model.logprob_path=fused", "model.logprob_chunk_rows=7", *kl)
+    a_runs = run_ranks(train_worker, 1, unfused, timeout_s=300)[0]["metrics"]
+    b_runs = run_ranks(train_worker, 1, fused, timeout_s=300)[0]["metrics"]
+    assert len(a_runs) == len(b_runs) == 4
+    for a, b in zip(stable(a_runs), stable(b_runs)):
+        assert a.keys() == b.keys()
+        for key in a:
+            if a[key] is not None:
+                assert b[key] == pytest.approx(a[key], rel=1e-3, abs=1e-4), f"step {a['step']} {key}"
+    assert [r for r in b_runs if "reward/mean" in r][-1]["kl/exact_token"] > 0
+
+
 def test_async_staleness_one_runs_and_logs_staleness(tmp_path, warm_cache):
     cfg = short_config(tmp_path, warm_cache, "train.staleness=1", "train.steps=4", "kl.estimator=k3",
                        "kl.placement=loss", "kl.off_policy=token_is", "algo.behavior_correction=tis")

@@ -26,6 +26,8 @@ def _model(**kw):
         (_model(ffn_hidden_size=129), ParallelConfig(tensor_parallel=2), 2, "ffn_hidden_size"),
         (_model(), ParallelConfig(sequence_parallel=True), 1, "sequence_parallel"),
         (_model(), ParallelConfig(pipeline_parallel=2, virtual_pipeline=2), 2, "virtual_pipeline"),
+        (_model(logprob_path="cut_ce"), ParallelConfig(), 1, "model.logprob_path"),
+        (_model(logprob_chunk_rows=0), ParallelConfig(), 1, "model.logprob_chunk_rows"),
     ],
 )
 def test_invalid_layouts_name_the_field(model, parallel, world, field):
@@ -73,3 +75,15 @@ def test_sequence_parallel_without_transformer_engine_is_a_clear_error():
         pytest.skip("Transformer Engine is installed: sequence parallel is supported")
     with pytest.raises(ConfigError, match="sequence_parallel.*Transformer Engine"):
         builder.build_gpt_model(_model(), ParallelConfig(tensor_parallel=2, sequence_parallel=True))
+
+
+def test_logprob_path_auto_fuses_llm_vocabularies():
+    from megatron_kl.models.pipeline import VocabOptions
+
+    small = VocabOptions.for_model(_model(), ParallelConfig())
+    large = VocabOptions.for_model(_model(vocab_size=151936), ParallelConfig())
+    large_tp8 = VocabOptions.for_model(_model(vocab_size=151936, num_attention_heads=8, num_query_groups=8),
+                                       ParallelConfig(tensor_parallel=8))
+    forced = VocabOptions.for_model(_model(logprob_path="fused", logprob_chunk_rows=9), ParallelConfig())
+    assert (small.fused, large.fused, large_tp8.fused, forced.fused) == (False, True, True, True)
+    assert forced.chunk_size == 9 and large.vocab_size == 151936

@@ -1,0 +1,197 @@
+"""Fused linear vocab-parallel log-probs, entropy and exact KL: the output projection inside the chunk loop.
+
+Inputs are the final hidden states ``h [N, H]`` (N rows, the full sequence on every TP rank) and this
+rank's vocabulary shard of the output weight ``W [V/tp, H]`` (the embedding when they are tied); for the
+KL also the reference's ``h_ref [N, H_ref]`` and ``W_ref [V/tp, H_ref]``. Rows are processed in chunks of
+``c``: ``z = h_chunk W^T / tau`` and ``r = h_ref_chunk W_ref^T / tau`` exist for one chunk at a time and
+are reduced over the TP group exactly as in :mod:`megatron_kl.kl.vocab_parallel` (``chunk_forward``), so
+no tensor of size N x V/tp is ever allocated. Backward recomputes each chunk's logits instead of saving
+them; with ``G = dL/dz_chunk`` from ``chunk_grad`` (the softmax-weighted bracket over the full, TP-reduced
+vocabulary):
+
+    dL/dh_chunk = G W       this rank's vocabulary slice only: a partial sum over the vocabulary, which
+                            megatron's copy_to_tensor_model_parallel_region all-reduces over TP (or
+                            gather_from_sequence_parallel_region reduce-scatters under sequence
+                            parallelism), the collectives of the column-parallel output layer itself
+    dL/dW       = sum_chunks G^T h_chunk      the local shard (columns >= vocab_size get exactly 0)
+
+No gradient reaches the reference. Half-precision inputs: the products run in the input dtype with the
+backend's float32 accumulation and are upcast to float32 before any exp/log; dL/dW accumulates across
+chunks in float32. float64 inputs compute in float64. Chunks are processed in a fixed order, so results
+are deterministic for a fixed chunk size.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from megatron_kl.kl.vocab_parallel import (
+    CHUNK_ELEMENTS,
+    VocabParallelStats,
+    _shard,
+    chunk_forward,
+    chunk_grad,
+    compute_dtype,
+    upstream,
+)
+
+MIN_CHUNK_ROWS = 64  # below this the per-chunk GEMMs re-read W too often to be efficient
+
+
+def default_chunk_rows(local_vocab: int) -> int:
+    """Rows per chunk: one float32 chunk of logits is about 4 x CHUNK_ELEMENTS entries, at least 64 rows."""
+    return max(MIN_CHUNK_ROWS, 4 * CHUNK_ELEMENTS // max(1, local_vocab))
+
+
+class _FusedLinearStats(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, reference_hidden, reference_weight, targets, group, temperature,
+                vocab_size, chunk_size):
+        rows = hidden.shape[0]
+        shard = _shard(weight.shape[0], group, vocab_size)
+        dtype = compute_dtype(hidden.dtype)
+        has_ref = reference_hidden is not None
+        out = torch.empty(3, rows, dtype=dtype, device=hidden.device)  # logprob, entropy, kl
+        norms = torch.empty(4, rows, dtype=dtype, device=hidden.device)
+        for lo in range(0, rows, chunk_size):
+            hi = min(rows, lo + chunk_size)
+            z = _project(hidden[lo:hi], weight, shard.valid, temperature, dtype)
+            r = _project(reference_hidden[lo:hi], reference_weight, shard.valid, temperature, dtype) if has_ref else None
+            tgt = targets[lo:hi] if targets is not None else None
+            out[:, lo:hi], norms[:, lo:hi] = chunk_forward(z, r, tgt, shard, group, dtype)
+        ctx.save_for_backward(hidden, weight, reference_hidden, reference_weight, targets, norms, out)
+        ctx.shard, ctx.temperature, ctx.chunk_size, ctx.dtype = shard, temperature, chunk_size, dtype
+        ctx.mark_non_differentiable(norms)
+        return out[0], out[1], out[2]
+
+    @staticmethod
+    def backward(ctx, grad_logprob, grad_entropy, grad_kl):
+        hidden, weight, reference_hidden, reference_weight, targets, norms, out = ctx.saved_tensors
+        shard, tau, dtype = ctx.shard, ctx.temperature, ctx.dtype
+        want_hidden, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if targets is None:
+            grad_logprob = None
+        if reference_hidden is None:
+            grad_kl = None
+        grad_hidden = torch.zeros_like(hidden) if want_hidden else None
+        grad_weight = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if want_weight else None
+        valid = shard.valid
+        rows = hidden.shape[0]
+        for lo in range(0, rows, ctx.chunk_size if valid else rows):
+            if not valid:
+                break
+            hi = min(rows, lo + ctx.chunk_size)
+            z = _project(hidden[lo:hi], weight, valid, tau, dtype)
+            r = _project(reference_hidden[lo:hi], reference_weight, valid, tau, dtype) if grad_kl is not None else None
+            grad = chunk_grad(
+                z, r, targets[lo:hi] if targets is not None else None, shard, norms[:, lo:hi], out[:, lo:hi],
+                upstream(grad_logprob, lo, hi, dtype), upstream(grad_entropy, lo, hi, dtype),
+                upstream(grad_kl, lo, hi, dtype), tau,
+            ).to(hidden.dtype)  # dL/dz for this chunk, [c, valid]
+            if want_hidden:
+                grad_hidden[lo:hi] = grad @ weight[:valid]
+            if want_weight:
+                grad_weight[:valid] += (grad.t() @ hidden[lo:hi]).to(dtype)
+        if want_weight:
+            grad_weight = grad_weight.to(weight.dtype)
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None
+
+
+def _project(hidden, weight, valid: int, temperature: float, dtype) -> torch.Tensor:
+    """This rank's valid logit columns of a chunk, divided by tau, as a fresh compute-dtype tensor."""
+    logits = hidden @ weight[:valid].t()
+    logits = logits.to(dtype) if logits.dtype != dtype else logits
+    return logits.div_(temperature)
+
+
+def _gather_rows(hidden: torch.Tensor, tp_group, sequence_parallel: bool) -> torch.Tensor:
+    """The full hidden states on every TP rank, with the backward collective of the output layer."""
+    from megatron.core.tensor_parallel.mappings import (
+        copy_to_tensor_model_parallel_region,
+        gather_from_sequence_parallel_region,
+    )
+
+    if tp_group is None or torch.distributed.get_world_size(tp_group) == 1:
+        return hidden
+    from megatron_kl.models.compat import apply_cpu_shims
+
+    apply_cpu_shims()  # megatron's mappings allocate on torch.cuda.current_device(); a no-op with CUDA
+    if sequence_parallel:  # [s/tp, b, H] -> [s, b, H]; backward reduce-scatters the partial dL/dh
+        return gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=True, group=tp_group)
+    return copy_to_tensor_model_parallel_region(hidden, group=tp_group)  # backward all-reduces dL/dh
+
+
+def fused_linear_stats(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    tp_group,
+    targets: Optional[torch.Tensor] = None,
+    reference_hidden: Optional[torch.Tensor] = None,
+    reference_weight: Optional[torch.Tensor] = None,
+    temperature: float = 1.0,
+    vocab_size: Optional[int] = None,
+    chunk_size: Optional[int] = None,
+    sequence_parallel: bool = False,
+    mask: Optional[torch.Tensor] = None,
+) -> VocabParallelStats:
+    """Token log-prob (if ``targets``), entropy and exact KL(pi || pi_ref) (if ``reference_hidden``) of
+    ``softmax((hidden @ weight^T) / temperature)`` over the TP-sharded vocabulary, without materialising
+    the logits. Differentiable w.r.t. ``hidden`` and ``weight``.
+
+    ``hidden [..., H]``: the output layer's input; with ``sequence_parallel`` this rank's sequence shard
+    ``[s/tp, ...]`` (gathered along dim 0 here, as megatron's output layer does); ``targets [...]`` and
+    ``mask [...]`` then have the full (gathered) leading shape. ``mask``: rows to compute; the others
+    output 0 and get no gradient (the same mask on every TP rank). ``vocab_size``: the true vocabulary,
+    padding excluded. ``chunk_size``: rows per chunk (default :func:`default_chunk_rows`).
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature={temperature} must be > 0")
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"weight shape {tuple(weight.shape)} must be [V/tp, {hidden.shape[-1]}] (hidden size)")
+    if (reference_hidden is None) != (reference_weight is None):
+        raise ValueError("reference_hidden and reference_weight go together (both or neither)")
+    hidden = _gather_rows(hidden, tp_group, sequence_parallel)
+    lead = hidden.shape[:-1]
+    if reference_hidden is not None:
+        with torch.no_grad():
+            reference_hidden = _gather_rows(reference_hidden.detach(), tp_group, sequence_parallel)
+        if reference_hidden.shape[:-1] != lead or reference_weight.shape[0] != weight.shape[0]:
+            raise ValueError(
+                f"reference hidden {tuple(reference_hidden.shape)} / weight {tuple(reference_weight.shape)} do not "
+                f"match the policy's {tuple(hidden.shape)} / {tuple(weight.shape)}; policy and reference must "
+                "share the TP layout and the token positions"
+            )
+    if targets is not None and tuple(targets.shape) != tuple(lead):
+        raise ValueError(f"targets shape {tuple(targets.shape)} != hidden leading shape {tuple(lead)}")
+    if chunk_size is None:
+        chunk_size = default_chunk_rows(weight.shape[0])
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size={chunk_size} must be > 0 (or None for automatic)")
+    rows = hidden.reshape(-1, hidden.shape[-1])
+    ref_rows = reference_hidden.detach().reshape(-1, reference_hidden.shape[-1]) if reference_hidden is not None else None
+    tgt = targets.reshape(-1).long() if targets is not None else None
+    index = None
+    if mask is not None:
+        if tuple(mask.shape) != tuple(lead):
+            raise ValueError(f"mask shape {tuple(mask.shape)} != hidden leading shape {tuple(lead)}")
+        index = mask.reshape(-1).nonzero().squeeze(-1).to(rows.device)
+        rows = rows.index_select(0, index)
+        ref_rows = ref_rows.index_select(0, index) if ref_rows is not None else None
+        tgt = tgt.index_select(0, index) if tgt is not None else None
+    rows = rows.contiguous()
+    ref_weight = reference_weight.detach() if reference_weight is not None else None
+    values = _FusedLinearStats.apply(rows, weight, ref_rows, ref_weight, tgt, tp_group, float(temperature),
+                                     vocab_size, chunk_size)
+
+    def shaped(value):
+        if index is not None:
+            value = value.new_zeros(lead.numel()).index_copy(0, index, value)
+        return value.reshape(lead)
+
+    return VocabParallelStats(
+        logprobs=shaped(values[0]) if targets is not None else None,
+        entropy=shaped(values[1]),
+        kl=shaped(values[2]) if reference_hidden is not None else None,
+    )
