@@ -17,10 +17,18 @@ def _build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="RL training (torchrun for several ranks)")
     train.add_argument("--config", required=True, help="YAML config, e.g. configs/cpu/default.yaml")
     train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. kl.estimator=k3 train.steps=5")
+    convert = sub.add_parser("convert", help="HF <-> Megatron checkpoints (megatron-kl convert --help)",
+                             add_help=False)
+    convert.add_argument("args", nargs=argparse.REMAINDER)
     return parser
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["convert"]:  # its own parser (options of its own, --help included)
+        from megatron_kl.models.convert import main as convert_main
+
+        return convert_main(argv[1:])
     args = _build_parser().parse_args(argv)
     if args.command == "audit":
         from megatron_kl.kl.audit_cli import main as audit_main

@@ -12,7 +12,7 @@ whose local shard is ``[gate_r; up_r]``, not a contiguous slice of ``[gate; up]`
 from __future__ import annotations
 
 import re
-from typing import Callable, Optional
+from typing import Callable, Iterator, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -61,42 +61,68 @@ def unshard_tensor(pieces: list[torch.Tensor], name: str, param: torch.Tensor) -
     return torch.cat(pieces, dim=dim)
 
 
-def full_state_dict(
+def _full_shape(name: str, param: torch.Tensor, tp_size: int, vocab_size: int) -> tuple:
+    shape = list(param.shape)
+    if tp_size > 1 and getattr(param, "tensor_model_parallel", False):
+        shape[param.partition_dim] *= tp_size
+    if name in _VOCAB_PARAMS:
+        shape[0] = vocab_size
+    return tuple(shape)
+
+
+def iter_full_state(
     chunks: list,
     vocab_size: int,
     tied: bool,
     tp_group=None,
     pp_group=None,
     getter: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
-) -> dict[str, torch.Tensor]:
-    """Gather the full state (or, with ``getter``, e.g. gradients) on every rank, on the CPU, fp32 kept.
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Collective: yield ``(full-layout name, full tensor)`` one parameter at a time on every rank.
 
-    Meant for tests and small models; streaming export for large models lives with HF conversion.
+    Each tensor is all-gathered over TP by its pipeline stage and broadcast over PP from that stage, so
+    at most one full tensor is alive per rank (streaming export of large models). Stages in order, so
+    layers come in global order. ``getter`` picks what to gather (default the weights; e.g. main_grad).
     """
     getter = getter or (lambda p: p.data)
     tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
-    local: dict[str, torch.Tensor] = {}
-    for name, param in _named_params_global(chunks, tied):
-        tensor = getter(param).detach().contiguous()
-        if tp_size > 1 and getattr(param, "tensor_model_parallel", False):
-            pieces = [torch.empty_like(tensor) for _ in range(tp_size)]
-            dist.all_gather(pieces, tensor, group=tp_group)
-            tensor = unshard_tensor(pieces, name, param)
-        if name in _VOCAB_PARAMS:
-            tensor = tensor[:vocab_size]
-        local[name] = tensor.cpu().clone()
-    if pp_group is not None and dist.get_world_size(pp_group) > 1:
-        gathered: list = [None] * dist.get_world_size(pp_group)
-        dist.all_gather_object(gathered, local, group=pp_group)
-        merged: dict[str, torch.Tensor] = {}
-        for part in gathered:
-            merged.update(part)
-        local = merged
-    return dict(sorted(local.items()))
+    pp_size = dist.get_world_size(pp_group) if pp_group is not None else 1
+    pp_rank = dist.get_rank(pp_group) if pp_group is not None else 0
+    params = list(_named_params_global(chunks, tied))
+    for stage in range(pp_size):
+        meta = [[(name, _full_shape(name, p, tp_size, vocab_size), getter(p).dtype) for name, p in params]
+                if stage == pp_rank else None]
+        if pp_size > 1:
+            dist.broadcast_object_list(meta, src=dist.get_global_rank(pp_group, stage), group=pp_group)
+        for index, (name, shape, dtype) in enumerate(meta[0]):
+            if stage == pp_rank:
+                param = params[index][1]
+                tensor = getter(param).detach().contiguous()
+                if tp_size > 1 and getattr(param, "tensor_model_parallel", False):
+                    pieces = [torch.empty_like(tensor) for _ in range(tp_size)]
+                    dist.all_gather(pieces, tensor, group=tp_group)
+                    tensor = unshard_tensor(pieces, name, param)
+                if name in _VOCAB_PARAMS:
+                    tensor = tensor[:vocab_size]
+                tensor = tensor.contiguous()
+            else:
+                tensor = torch.empty(shape, dtype=dtype)
+            if pp_size > 1:
+                dist.broadcast(tensor, src=dist.get_global_rank(pp_group, stage), group=pp_group)
+            yield name, tensor.cpu()
 
 
-def load_full_state_dict(chunks: list, full: dict[str, torch.Tensor], tied: bool, tp_rank: int, tp_size: int) -> None:
-    """Copy this rank's shards out of a full state dict into ``chunks`` (in place)."""
+def full_state_dict(chunks: list, vocab_size: int, tied: bool, tp_group=None, pp_group=None,
+                    getter: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> dict[str, torch.Tensor]:
+    """Gather the full state (or, with ``getter``, e.g. gradients) on every rank, on the CPU, fp32 kept.
+    Holds everything at once: for tests and small models (stream with :func:`iter_full_state`)."""
+    return dict(sorted((name, t.clone()) for name, t in iter_full_state(chunks, vocab_size, tied, tp_group,
+                                                                         pp_group, getter)))
+
+
+def load_full_state_dict(chunks: list, full: Mapping[str, torch.Tensor], tied: bool, tp_rank: int, tp_size: int) -> None:
+    """Copy this rank's shards out of a full state into ``chunks`` (in place). ``full`` may be a lazy
+    mapping (e.g. :class:`megatron_kl.models.hf.HFStateView`): each tensor is read once, sharded, copied."""
     missing = []
     for name, param in _named_params_global(chunks, tied):
         if name not in full:

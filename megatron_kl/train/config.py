@@ -40,6 +40,15 @@ class WarmStartConfig:
 
 
 @dataclass
+class InitConfig:
+    """Where policy and reference start. ``hf_checkpoint``: an HF model directory (Llama-3.x / Qwen2 / Qwen3
+    safetensors) streamed into both models at train start; the model section must match its config.json
+    (a mismatch is an error naming the fields) and the warm start is skipped. None: warm start / random."""
+
+    hf_checkpoint: Optional[str] = None
+
+
+@dataclass
 class RunConfig:
     steps: int = 40
     prompts_per_step: int = 16
@@ -63,6 +72,7 @@ class CheckpointConfig:
     interval: int = 10  # steps between checkpoints (0: only at the end)
     resume: bool = True  # continue from the latest checkpoint in train.output_dir when there is one
     keep: int = 2
+    export_hf: bool = False  # also write the policy as an HF checkpoint (step_XXXXXX/hf) at each checkpoint
 
 
 @dataclass
@@ -81,6 +91,7 @@ class TrainConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     kl: KLConfig = field(default_factory=KLConfig)
+    init: InitConfig = field(default_factory=InitConfig)
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
     train: RunConfig = field(default_factory=RunConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)

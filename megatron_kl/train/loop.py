@@ -12,7 +12,7 @@ import torch.distributed as dist
 import yaml
 
 from megatron_kl.config import to_dict
-from megatron_kl.models import builder, optim, parallel, pipeline, state
+from megatron_kl.models import builder, hf, optim, parallel, pipeline, state
 from megatron_kl.models.offload import ReferenceOffload
 from megatron_kl.rollout.local import LocalEngine
 from megatron_kl.tasks import build_task
@@ -60,7 +60,17 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def _hf_source(cfg: TrainConfig):
+    """The init HF checkpoint, with the run's model config checked against (and completed from) it."""
+    if cfg.init.hf_checkpoint is None:
+        return None
+    checkpoint = hf.HFCheckpoint(cfg.init.hf_checkpoint)
+    cfg.model = hf.model_config_for_run(cfg.model, checkpoint)
+    return checkpoint
+
+
 def train(cfg: TrainConfig) -> dict:
+    hf_source = _hf_source(cfg)
     seed_everything(cfg.train.seed)
     task = build_task(cfg.task)
     if not cfg.rollout.sampling.stop_token_ids:
@@ -74,10 +84,14 @@ def train(cfg: TrainConfig) -> dict:
         (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
     log.info("run %s -> %s", cfg.run_name, run_dir)
 
-    initial = warm_start_state(cfg, task)
+    initial = warm_start_state(cfg, task) if hf_source is None else None
     models = builder.build_policy_and_reference(cfg.model, cfg.parallel)
     tp_group = parallel.tp_group()
-    if initial is not None:
+    if hf_source is not None:
+        for chunks in (models.policy, models.reference):
+            hf.load_hf_into(chunks, hf_source, cfg.model, tp_group)
+        log.info("policy and reference loaded from %s", hf_source.path)
+    elif initial is not None:
         for chunks in (models.policy, models.reference):
             state.load_full_state_dict(chunks, initial, cfg.model.tie_word_embeddings, dist.get_rank(tp_group),
                                        dist.get_world_size(tp_group))
@@ -123,8 +137,13 @@ def train(cfg: TrainConfig) -> dict:
             done = step + 1
             if done == cfg.train.steps or (cfg.checkpoint.interval and done % cfg.checkpoint.interval == 0):
                 rank_state = {"rng": ckpt.rng_state(), "rollouts": source.state_dict()}
-                ckpt.save_checkpoint(run_dir / "checkpoints", done, train_state, {"run_name": cfg.run_name},
-                                     rank_state, keep=cfg.checkpoint.keep)
+                saved = ckpt.save_checkpoint(run_dir / "checkpoints", done, train_state, {"run_name": cfg.run_name},
+                                             rank_state, keep=cfg.checkpoint.keep)
+                if cfg.checkpoint.export_hf:
+                    hf.export_hf([optim.unwrap(c) for c in train_state.chunks], cfg.model, saved / "hf",
+                                 dtype=hf_source.dtype if hf_source is not None else cfg.model.params_dtype,
+                                 tp_group=tp_group, pp_group=parallel.pp_group(),
+                                 source_dir=hf_source.path if hf_source is not None else None)
         final = _evaluate_all(cfg, engine, task, cfg.train.steps, dp)
         logger.log(cfg.train.steps, final)
     finally:

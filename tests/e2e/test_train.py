@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from megatron_kl.config import ConfigError, apply_overrides, from_dict
@@ -192,3 +193,32 @@ def test_default_config_improves_in_domain_accuracy_over_its_warm_start(tmp_path
     assert "eval/ood/pass@1" in after and Path(summary["plots"]).is_file()
     records = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert len([r for r in records if "reward/mean" in r]) == 60
+
+
+def test_train_starts_from_hf_checkpoint_and_exports_hf(tmp_path, warm_cache):
+    """init.hf_checkpoint streams an HF Qwen3 model into policy and reference; checkpoint.export_hf writes
+    the policy back as HF (lr=0: bit-identical to the source); a model section that does not match
+    config.json is an error naming the fields."""
+    from safetensors.torch import load_file
+
+    from megatron_kl.testing.distributed import RankFailure
+    from tests.distributed.hf_workers import make_hf_model
+
+    source = make_hf_model("qwen3", tmp_path / "qwen3")
+    model = ["model.architecture=qwen3", "model.num_layers=4", "model.hidden_size=64", "model.ffn_hidden_size=96",
+             "model.num_attention_heads=4", "model.num_query_groups=2", "model.kv_channels=24",
+             "model.vocab_size=61", "model.tie_word_embeddings=true", "model.rope_theta=1000000.0",
+             "model.norm_epsilon=1e-6"]
+    cfg = short_config(tmp_path / "run", warm_cache, *model, f"init.hf_checkpoint={source}", "optim.lr=0.0",
+                       "train.steps=1", "checkpoint.interval=1", "checkpoint.export_hf=true")
+    out = run_ranks(train_worker, 1, cfg, timeout_s=300)[0]
+    step = next(r for r in out["metrics"] if "reward/mean" in r)
+    assert step["kl/exact_token"] == pytest.approx(0.0, abs=1e-7)  # policy == reference == the HF model
+    exported = tmp_path / "run" / "checkpoints" / "step_000001" / "hf"
+    original, back = load_file(str(source / "model.safetensors")), load_file(str(exported / "model.safetensors"))
+    assert set(back) == set(original) and all(torch.equal(back[k], v) for k, v in original.items())
+    assert (exported / "chat_template.jinja").is_file()
+    bad = short_config(tmp_path / "bad", warm_cache, *model[:-1], "model.norm_epsilon=1e-5",
+                       f"init.hf_checkpoint={source}", "train.steps=1")
+    with pytest.raises(RankFailure, match="model.norm_epsilon=1e-05 but .* has 1e-06"):
+        run_ranks(train_worker, 1, bad, timeout_s=300)

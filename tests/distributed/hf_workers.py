@@ -1,0 +1,84 @@
+"""Tiny random HF models of each family and the rank function of the conversion tests."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron_kl.config import ParallelConfig
+
+FAMILIES = {
+    # Llama-3.2 style: GQA, llama3 RoPE scaling (factor 32), tied embeddings
+    "llama": dict(model_type="llama", vocab_size=61, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16384, rms_norm_eps=1e-5,
+                  tie_word_embeddings=True, rope_theta=500000.0,
+                  rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+    # Qwen2.5 style: qkv bias, untied, saved in bfloat16
+    "qwen2": dict(model_type="qwen2", vocab_size=61, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6,
+                  tie_word_embeddings=False, rope_theta=1000000.0, dtype="bfloat16"),
+    # Qwen3 style: q/k RMSNorm, head_dim != hidden / heads, tied
+    "qwen3": dict(model_type="qwen3", vocab_size=61, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=24, max_position_embeddings=512,
+                  rms_norm_eps=1e-6, tie_word_embeddings=True, rope_theta=1000000.0),
+}
+
+
+def make_hf_model(family: str, directory: Path, seed: int = 0) -> Path:
+    """Build a random HF model with transformers' config class, save it (safetensors) plus tokenizer files."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    spec = dict(FAMILIES[family])
+    dtype = spec.pop("dtype", "float32")
+    config = AutoConfig.for_model(**spec)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).float()
+    with torch.no_grad():  # weights large enough that the logits are far from uniform
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.copy_(1.0 + 0.2 * torch.randn_like(param))
+            else:
+                param.copy_(0.2 * torch.randn_like(param))
+    model = model.to(getattr(torch, dtype))
+    model.save_pretrained(directory, safe_serialization=True)
+    (directory / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 512}))
+    (directory / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    return directory
+
+
+def hf_logits(directory: Path, tokens: torch.Tensor) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(tokens).logits.float()
+
+
+def convert_worker(rank, world, hf_dir: str, parallel_cfg: ParallelConfig, tokens, export_dir):
+    """Load the HF checkpoint into a Megatron GPTModel in the given layout; return the gathered logits
+    (last stage) and, with ``export_dir``, export it back to HF from this layout."""
+    from megatron_kl.models import builder, hf, parallel, pipeline
+    from tests.distributed.model_workers import _gather_logits
+
+    checkpoint = hf.HFCheckpoint(hf_dir)
+    model_cfg = checkpoint.model_config(make_vocab_size_divisible_by=16)
+    torch.manual_seed(0)
+    parallel.initialize(model_cfg, parallel_cfg, seed=1)
+    chunks = builder.build_model_chunks(model_cfg, parallel_cfg)
+    hf.load_hf_into(chunks, checkpoint, model_cfg, parallel.tp_group())
+    batch = pipeline.SequenceBatch(tokens=tokens, loss_mask=torch.ones(tokens.shape[0], tokens.shape[1] - 1))
+    vocab = pipeline.VocabOptions(vocab_size=model_cfg.vocab_size, fused=False)
+    for chunk in chunks:
+        chunk.eval()
+    with torch.no_grad():
+        outs = pipeline.run_schedule(chunks, batch, 2, _gather_logits(model_cfg), vocab, forward_only=True)
+    logits = torch.cat([o["logits"] for o in sorted(outs, key=lambda o: o["index"])]) if outs else None
+    if export_dir is not None:
+        hf.export_hf(chunks, model_cfg, export_dir, dtype=checkpoint.dtype, tp_group=parallel.tp_group(),
+                     pp_group=parallel.pp_group(), source_dir=hf_dir, max_shard_bytes=40_000)
+    dist.barrier()
+    return {"logits": logits}
