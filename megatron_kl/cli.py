@@ -17,6 +17,10 @@ def _build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="RL training (torchrun for several ranks)")
     train.add_argument("--config", required=True, help="YAML config, e.g. configs/cpu/default.yaml")
     train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. kl.estimator=k3 train.steps=5")
+    study = sub.add_parser("study", help="run a grid of KL configurations x seeds and write the report")
+    study.add_argument("--config", required=True, help="study YAML, e.g. configs/study/cpu.yaml")
+    study.add_argument("--report-only", action="store_true", help="only (re)write the report from finished runs")
+    study.add_argument("overrides", nargs="*", help="dotted overrides applied to every run")
     convert = sub.add_parser("convert", help="HF <-> Megatron checkpoints (megatron-kl convert --help)",
                              add_help=False)
     convert.add_argument("args", nargs=argparse.REMAINDER)
@@ -39,6 +43,10 @@ def main(argv=None) -> int:
         from megatron_kl.train.cli import main as train_main
 
         return train_main(args.config, args.overrides)
+    if args.command == "study":
+        from megatron_kl.study.cli import main as study_main
+
+        return study_main(args.config, args.overrides, args.report_only)
     return 2
 
 

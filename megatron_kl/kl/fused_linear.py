@@ -15,9 +15,9 @@ vocabulary):
                             parallelism), the collectives of the column-parallel output layer itself
     dL/dW       = sum_chunks G^T h_chunk      the local shard (columns >= vocab_size get exactly 0)
 
-No gradient reaches the reference. Half-precision inputs: the products run in the input dtype with the
-backend's float32 accumulation and are upcast to float32 before any exp/log; dL/dW accumulates across
-chunks in float32. float64 inputs compute in float64. Chunks are processed in a fixed order, so results
+No gradient reaches the reference. Half-precision inputs: the logit and dL/dh products run in the input
+dtype with the backend's float32 accumulation and are upcast to float32 before any exp/log; dL/dW
+accumulates across chunks in float32, in place. float64 inputs compute in float64. Chunks are processed in a fixed order, so results
 are deterministic for a fixed chunk size.
 """
 
@@ -89,11 +89,11 @@ class _FusedLinearStats(torch.autograd.Function):
                 z, r, targets[lo:hi] if targets is not None else None, shard, norms[:, lo:hi], out[:, lo:hi],
                 upstream(grad_logprob, lo, hi, dtype), upstream(grad_entropy, lo, hi, dtype),
                 upstream(grad_kl, lo, hi, dtype), tau,
-            ).to(hidden.dtype)  # dL/dz for this chunk, [c, valid]
+            )  # dL/dz for this chunk, [c, valid], compute dtype
             if want_hidden:
-                grad_hidden[lo:hi] = grad @ weight[:valid]
-            if want_weight:
-                grad_weight[:valid] += (grad.t() @ hidden[lo:hi]).to(dtype)
+                grad_hidden[lo:hi] = grad.to(hidden.dtype) @ weight[:valid]
+            if want_weight:  # accumulated in place: no [V/tp, H] temporary per chunk
+                grad_weight[:valid].addmm_(grad.t(), hidden[lo:hi].to(dtype))
         if want_weight:
             grad_weight = grad_weight.to(weight.dtype)
         return grad_hidden, grad_weight, None, None, None, None, None, None, None

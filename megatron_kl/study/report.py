@@ -1,0 +1,177 @@
+"""Figures and a markdown report of a study from its runs' metrics.jsonl and status.json.
+
+Figures (``figures/``): reward, in-domain pass@1, exact KL to the reference, entropy and grad norm against
+step (one line per configuration: mean over seeds, min-max across seeds shaded), and final in-domain vs
+OOD pass@1 bars. Report (``report.md``): one table row per configuration - seeds ok/failed, final and best
+scores, instability events (steps where the exact KL or the grad norm exceeds ``instability_factor`` x
+the run's median, or is not finite), and the exact gradient audit's verdict for that KL configuration
+(tabular policy, :mod:`megatron_kl.kl.audit`). Failed runs are listed with their log tail.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from pathlib import Path
+from typing import Optional
+
+from megatron_kl.study.grid import RunSpec, StudyConfig
+from megatron_kl.train.metrics import read_metrics
+
+CURVES = [("reward/mean", "reward"), ("eval/eval/pass@1", "in-domain pass@1"), ("kl/exact_token", "exact KL / token"),
+          ("entropy/mean", "entropy"), ("grad_norm", "grad norm")]
+FINAL = [("eval/eval/pass@1", "ID pass@1"), ("eval/eval/mean@k", "ID mean@k"), ("eval/ood/pass@1", "OOD pass@1"),
+         ("eval/ood/mean@k", "OOD mean@k")]
+
+
+def _series(records: list[dict], key: str) -> dict[int, float]:
+    return {r["step"]: r[key] for r in records if r.get(key) is not None}
+
+
+def _instabilities(records: list[dict], factor: float) -> int:
+    events = 0
+    for key in ("kl/exact_token", "grad_norm"):
+        values = [r.get(key) for r in records if key in r]
+        finite = [v for v in values if v is not None and math.isfinite(v)]
+        median = statistics.median(finite) if finite else 0.0
+        events += sum(1 for v in values if v is None or not math.isfinite(v) or (median > 0 and v > factor * median))
+    return events
+
+
+def audit_verdict(base: str, overrides: list[str]) -> str:
+    """The audit's bias class of the run's KL configuration (on- or off-policy by its staleness)."""
+    from megatron_kl.kl.audit import TabularProblem, audit
+    from megatron_kl.train.config import load_train_config
+
+    cfg = load_train_config(base, overrides)
+    if cfg.algo.loss == "rpg":
+        return f"RPG {cfg.algo.rpg.divergence}: exact gradient of its regularised objective (kl-math.md)"
+    if cfg.kl.coef == 0:
+        return "no KL term"
+    off_policy = cfg.train.staleness > 0
+    row = audit(TabularProblem.random(seed=0), off_policy, configs=[cfg.kl])[0]
+    return f"{row.verdict} ({'off' if off_policy else 'on'}-policy)"
+
+
+def _mean(values):
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
+
+
+def _fmt(value: Optional[float]) -> str:
+    return "n/a" if value is None else f"{value:.3f}"
+
+
+def collect(study: StudyConfig, runs: list[RunSpec], status: dict) -> dict:
+    """Per configuration: its runs' metrics (ok runs only) and failures."""
+    groups: dict[str, dict] = {}
+    for spec in runs:
+        group = groups.setdefault(spec.configuration, {"records": [], "failed": [], "overrides": spec.overrides})
+        entry = status.get(spec.name, {"state": "not run"})
+        metrics = spec.output_dir / "metrics.jsonl"
+        if entry.get("state") == "ok" and metrics.is_file():
+            group["records"].append(read_metrics(metrics))
+        else:
+            group["failed"].append((spec.name, entry))
+    return groups
+
+
+def _figures(groups: dict, out: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    fig, axes = plt.subplots(1, len(CURVES), figsize=(4 * len(CURVES), 3.6))
+    for ax, (key, title) in zip(axes, CURVES):
+        for name, group in groups.items():
+            series = [_series(records, key) for records in group["records"]]
+            steps = sorted(set().union(*series)) if series else []
+            if not steps:
+                continue
+            rows = [[s[t] for s in series if t in s] for t in steps]
+            mean = [sum(r) / len(r) for r in rows]
+            line, = ax.plot(steps, mean, label=name, marker="." if key.startswith("eval") else None)
+            if len(series) > 1:
+                ax.fill_between(steps, [min(r) for r in rows], [max(r) for r in rows], alpha=0.2,
+                                color=line.get_color())
+        ax.set_title(title)
+        ax.set_xlabel("step")
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    curves = out / "curves.png"
+    fig.savefig(curves, dpi=100)
+    plt.close(fig)
+
+    names = list(groups)
+    fig, ax = plt.subplots(figsize=(max(5, 1.2 * len(names)), 3.6))
+    width = 0.4
+    for offset, (key, label) in ((-width / 2, ("eval/eval/pass@1", "in-domain")),
+                                 (width / 2, ("eval/ood/pass@1", "OOD"))):
+        finals = [_mean(_final(records, key) for records in groups[n]["records"]) or 0.0 for n in names]
+        ax.bar([i + offset for i in range(len(names))], finals, width, label=label)
+    ax.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=7)
+    ax.set_ylabel("final pass@1")
+    ax.legend()
+    fig.tight_layout()
+    bars = out / "final_pass1.png"
+    fig.savefig(bars, dpi=100)
+    plt.close(fig)
+    return [str(curves), str(bars)]
+
+
+def _final(records: list[dict], key: str) -> Optional[float]:
+    series = _series(records, key)
+    return series[max(series)] if series else None
+
+
+def _best(records: list[dict], key: str) -> Optional[float]:
+    series = _series(records, key)
+    return max(series.values()) if series else None
+
+
+def write_report(study: StudyConfig, runs: list[RunSpec], status: dict) -> dict:
+    out = Path(study.output_dir)
+    groups = collect(study, runs, status)
+    figures = _figures(groups, out / "figures")
+    lines = [f"# Study `{study.name}`", "",
+             f"Base config `{study.base}`, seeds {study.seeds}, common overrides `{' '.join(study.common) or '-'}`.",
+             "Scores are means over the seeds that finished; best = max over evaluations. Instability events: "
+             f"steps where the exact KL or the grad norm exceeds {study.instability_factor:g}x the run median or "
+             "is not finite (summed over seeds).", "",
+             "## Results", "",
+             "| configuration | seeds ok | failed | final reward | " + " | ".join(f"final {label}" for _, label in FINAL)
+             + " | best ID pass@1 | final exact KL | instability events | audit |",
+             "|" + "---|" * (9 + len(FINAL))]
+    summary = {}
+    for name, group in groups.items():
+        records = group["records"]
+        row = {
+            "seeds_ok": len(records), "failed": [n for n, _ in group["failed"]],
+            "final_reward": _mean(_final(r, "reward/mean") for r in records),
+            **{key: _mean(_final(r, key) for r in records) for key, _ in FINAL},
+            "best_id_pass1": _mean(_best(r, "eval/eval/pass@1") for r in records),
+            "final_exact_kl": _mean(_final(r, "kl/exact_token") for r in records),
+            "instability_events": sum(_instabilities(r, study.instability_factor) for r in records),
+            "audit": audit_verdict(study.base, group["overrides"]),
+        }
+        summary[name] = row
+        lines.append(f"| {name} | {row['seeds_ok']} | {len(row['failed'])} | {_fmt(row['final_reward'])} | "
+                     + " | ".join(_fmt(row[key]) for key, _ in FINAL)
+                     + f" | {_fmt(row['best_id_pass1'])} | {_fmt(row['final_exact_kl'])} | "
+                       f"{row['instability_events']} | {row['audit']} |")
+    lines += ["", "## Figures", ""] + [f"![{Path(f).stem}](figures/{Path(f).name})" for f in figures]
+    failures = [(n, e) for g in groups.values() for n, e in g["failed"]]
+    lines += ["", "## Failed runs", ""]
+    if not failures:
+        lines.append("None.")
+    for name, entry in failures:
+        lines += [f"### {name}", "", f"state: {entry.get('state')}, exit code {entry.get('returncode')}, "
+                  f"log `{entry.get('log')}`", "", "```", entry.get("error_tail", ""), "```", ""]
+    lines += ["", "## Raw metrics", "", "Each run's `metrics.jsonl` is under `runs/<configuration>-seed<seed>/`; "
+              "`results.json` holds this table; `status.json` each run's state."]
+    (out / "report.md").write_text("\n".join(lines) + "\n")
+    (out / "results.json").write_text(json.dumps(summary, indent=2))
+    return {"report": str(out / "report.md"), "figures": figures, "results": summary}

@@ -1,0 +1,71 @@
+"""`megatron-kl study`: a two-configuration, two-step study (plus one run that fails at runtime) produces
+the figures, the report with its sections, and reports the failure instead of dropping it."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from megatron_kl.config import ConfigError
+from megatron_kl.study.grid import expand, load_study
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _study(tmp_path, warm_cache, configurations, grid=None) -> Path:
+    common = [f"warm_start.cache_dir={warm_cache}", "train.steps=2", "train.prompts_per_step=8", "train.group_size=4",
+              "task.eval_size=8", "eval.k=2", "eval.interval=0", "checkpoint.interval=0", "logging.tensorboard=false"]
+    data = {"name": "ci", "base": str(ROOT / "configs" / "cpu" / "default.yaml"), "output_dir": str(tmp_path / "out"),
+            "seeds": [1], "common": common, "configurations": configurations}
+    if grid:
+        data["grid"] = grid
+    path = tmp_path / "study.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+@pytest.fixture(scope="module")
+def warm_cache(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("warm"))
+
+
+def test_study_runs_reports_and_keeps_failures(tmp_path, warm_cache):
+    configurations = [
+        {"name": "k3-loss", "overrides": ["kl.estimator=k3", "kl.placement=loss"]},
+        {"name": "k1-reward", "overrides": ["kl.estimator=k1", "kl.placement=reward", "kl.aggregation=seq_mean_token_sum"]},
+        # valid config, fails at runtime: the math task's data file does not exist
+        {"name": "broken", "overrides": ["task.name=math", "task.math.train_files=[/nonexistent/train.jsonl]",
+                                         "task.math.tokenizer=/nonexistent"]},
+    ]
+    path = _study(tmp_path, warm_cache, configurations)
+    done = subprocess.run([sys.executable, "-m", "megatron_kl.cli", "study", "--config", str(path)],
+                          capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert done.returncode == 1, done.stderr[-3000:]  # one run failed
+    out = tmp_path / "out"
+    report = (out / "report.md").read_text()
+    for section in ("## Results", "## Figures", "## Failed runs", "## Raw metrics", "### broken-seed1"):
+        assert section in report
+    assert (out / "figures" / "curves.png").stat().st_size > 1000
+    assert (out / "figures" / "final_pass1.png").stat().st_size > 1000
+    results = json.loads((out / "results.json").read_text())
+    assert results["broken"]["seeds_ok"] == 0 and results["broken"]["failed"] == ["broken-seed1"]
+    assert results["k3-loss"]["seeds_ok"] == 1 and results["k3-loss"]["eval/eval/pass@1"] is not None
+    assert results["k3-loss"]["audit"].startswith("biased")  # k3 in the loss, token level, on-policy
+    assert results["k1-reward"]["audit"].startswith("unbiased")
+    row = next(line for line in report.splitlines() if line.startswith("| broken |"))
+    assert "| 0 | 1 |" in row
+    status = json.loads((out / "status.json").read_text())
+    assert status["broken-seed1"]["state"] == "failed" and status["broken-seed1"]["error_tail"]
+    assert (out / "runs" / "k3-loss-seed1" / "metrics.jsonl").is_file()
+
+
+def test_study_config_errors_name_the_run(tmp_path, warm_cache):
+    path = _study(tmp_path, warm_cache, [{"name": "bad", "overrides": ["kl.estimator=k9"]}])
+    with pytest.raises(ConfigError, match="study run bad-seed1: .*estimator"):
+        expand(load_study(path))
+    grid = _study(tmp_path, warm_cache, [], grid={"kl.estimator": ["k1", "k3"], "kl.placement": ["reward", "loss"]})
+    names = [r.name for r in expand(load_study(grid))]
+    assert names == ["k1-reward-seed1", "k1-loss-seed1", "k3-reward-seed1", "k3-loss-seed1"]
