@@ -79,9 +79,7 @@ class _FusedLinearStats(torch.autograd.Function):
         grad_weight = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if want_weight else None
         valid = shard.valid
         rows = hidden.shape[0]
-        for lo in range(0, rows, ctx.chunk_size if valid else rows):
-            if not valid:
-                break
+        for lo in range(0, rows if valid else 0, ctx.chunk_size):  # a padding-only shard has no gradient
             hi = min(rows, lo + ctx.chunk_size)
             z = _project(hidden[lo:hi], weight, valid, tau, dtype)
             r = _project(reference_hidden[lo:hi], reference_weight, valid, tau, dtype) if grad_kl is not None else None
