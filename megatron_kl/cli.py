@@ -24,6 +24,9 @@ def _build_parser() -> argparse.ArgumentParser:
     convert = sub.add_parser("convert", help="HF <-> Megatron checkpoints (megatron-kl convert --help)",
                              add_help=False)
     convert.add_argument("args", nargs=argparse.REMAINDER)
+    launch = sub.add_parser("launch", help="NeMo-Run: local torchrun or Slurm (megatron-kl launch --help)",
+                            add_help=False)
+    launch.add_argument("args", nargs=argparse.REMAINDER)
     return parser
 
 
@@ -33,6 +36,10 @@ def main(argv=None) -> int:
         from megatron_kl.models.convert import main as convert_main
 
         return convert_main(argv[1:])
+    if argv[:1] == ["launch"]:
+        from megatron_kl.launch.cli import main as launch_main
+
+        return launch_main(argv[1:])
     args = _build_parser().parse_args(argv)
     if args.command == "audit":
         from megatron_kl.kl.audit_cli import main as audit_main

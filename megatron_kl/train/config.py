@@ -12,7 +12,9 @@ from typing import Optional
 from megatron_kl.algo.losses import AlgoConfig
 from megatron_kl.config import ConfigError, ModelConfig, ParallelConfig, load_yaml
 from megatron_kl.kl.objective import KLConfig
+from megatron_kl.launch.config import LaunchConfig
 from megatron_kl.models.optim import OptimConfig
+from megatron_kl.rollout.config import SGLangConfig, VLLMConfig
 from megatron_kl.rollout.engine import SamplingConfig
 from megatron_kl.tasks.base import TaskConfig
 
@@ -24,6 +26,8 @@ class RolloutConfig:
     engine: str = "local"
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     max_batch_size: int = 256  # sequences per engine forward
+    sglang: SGLangConfig = field(default_factory=SGLangConfig)
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
 
 
 @dataclass
@@ -97,6 +101,7 @@ class TrainConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)  # read by `megatron-kl launch` only
 
     @property
     def run_name(self) -> str:

@@ -1,0 +1,1 @@
+"""Launching jobs, and the study sweep, with NeMo-Run (local torchrun, Slurm)."""

@@ -1,0 +1,139 @@
+"""The ``launch`` section of a training config: how NeMo-Run starts the job (local torchrun or Slurm).
+
+The trainer ignores this section; ``megatron-kl launch`` reads it. Every field is a YAML key
+(``launch.slurm.nodes=4`` on the command line) and is checked here, before anything is submitted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from megatron_kl.config import ConfigError
+
+# NCCL / H100 defaults put into every Slurm job's environment (``launch.slurm.nccl_defaults: false`` drops
+# them; ``launch.slurm.env`` overrides single ones). Why each:
+NCCL_H100_ENV = {
+    # Megatron's TP/SP comm-compute overlap needs one CUDA stream per device connection.
+    "CUDA_DEVICE_MAX_CONNECTIONS": "1",
+    # Surface NCCL errors as exceptions in the failing rank instead of a silent hang.
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+    # InfiniBand / RoCE: use the HCA's GPUDirect RDMA when the fabric supports it (H100 SXM nodes do).
+    "NCCL_NET_GDR_LEVEL": "PHB",
+    # Log NCCL topology once at WARN level; set INFO when debugging a fabric problem.
+    "NCCL_DEBUG": "WARN",
+    # NVLink SHARP on H100 NVSwitch systems (NVLS) for intra-node all-reduce.
+    "NCCL_NVLS_ENABLE": "1",
+    # Keep the CPU threads per rank small: 8 ranks per node share the node's cores.
+    "OMP_NUM_THREADS": "8",
+}
+
+ROLLOUT_MODES = ("colocated", "disaggregated")
+TUNNELS = ("local", "ssh")
+PACKAGERS = ("git", "none")
+
+
+def _check_env(env, where: str) -> dict:
+    if not isinstance(env, dict) or not all(isinstance(k, str) for k in env):
+        raise ConfigError(f"{where} must be a mapping NAME: value, got {env!r}")
+    return {k: str(v) for k, v in env.items()}
+
+
+@dataclass
+class TunnelConfig:
+    """Where sbatch runs: ``local`` (this machine is a Slurm login node) or ``ssh`` to a login node."""
+
+    kind: str = "local"
+    host: Optional[str] = None
+    user: Optional[str] = None
+    identity: Optional[str] = None  # ssh private key file
+    job_dir: str = "runs/nemo_run_jobs"  # on the cluster's shared filesystem: code archive, sbatch, logs
+
+    def __post_init__(self):
+        if self.kind not in TUNNELS:
+            raise ConfigError(f"launch.slurm.tunnel.kind={self.kind!r}: use one of {list(TUNNELS)}")
+        if self.kind == "ssh" and not (self.host and self.user):
+            raise ConfigError("launch.slurm.tunnel.kind=ssh needs launch.slurm.tunnel.host and .user")
+
+
+@dataclass
+class SlurmConfig:
+    account: Optional[str] = None
+    partition: Optional[str] = None
+    nodes: int = 1  # training nodes
+    gpus_per_node: int = 8
+    time: str = "04:00:00"
+    container_image: Optional[str] = None  # pyxis/enroot image with megatron-kl's GPU stack
+    container_mounts: list[str] = field(default_factory=list)  # "/lustre:/lustre"
+    container_workdir: Optional[str] = None  # default: the packaged code (/nemo_run/code)
+    exclusive: bool = True
+    qos: Optional[str] = None
+    constraint: Optional[str] = None
+    env: dict = field(default_factory=dict)  # extra variables, override NCCL_H100_ENV
+    nccl_defaults: bool = True
+    retries: int = 2  # requeues after a failure; the trainer resumes from its latest checkpoint
+    rdzv_port: int = 29500  # torchrun c10d rendezvous port on the head node
+    packager: str = "git"  # git: `git archive` of HEAD goes to the cluster; none: the image has the code
+    tunnel: TunnelConfig = field(default_factory=TunnelConfig)
+
+    def __post_init__(self):
+        for name in ("nodes", "gpus_per_node"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"launch.slurm.{name}={getattr(self, name)} must be >= 1")
+        if self.retries < 0:
+            raise ConfigError(f"launch.slurm.retries={self.retries} must be >= 0")
+        if self.packager not in PACKAGERS:
+            raise ConfigError(f"launch.slurm.packager={self.packager!r}: use one of {list(PACKAGERS)}")
+        if not isinstance(self.container_mounts, list):
+            raise ConfigError("launch.slurm.container_mounts must be a list of 'src:dst' strings")
+        self.env = _check_env(self.env, "launch.slurm.env")
+
+    def environment(self) -> dict:
+        env = dict(NCCL_H100_ENV) if self.nccl_defaults else {}
+        env.update(self.env)
+        return env
+
+
+@dataclass
+class RolloutServersConfig:
+    """SGLang servers for ``rollout.engine=sglang``.
+
+    colocated: the trainer starts SGLang on its own GPUs (``rollout.sglang.launch``), nothing extra here.
+    disaggregated: ``nodes`` rollout nodes run one ``sglang.launch_server`` each (data parallel over the
+    node's GPUs in groups of ``tp_size``) as their own task group of the same Slurm job; the trainer gets
+    their addresses as ``rollout.sglang.urls``.
+    """
+
+    mode: str = "colocated"
+    nodes: int = 1
+    gpus_per_node: int = 8
+    tp_size: int = 1
+    port: int = 30000
+    model_path: Optional[str] = None  # default: init.hf_checkpoint
+    mem_fraction_static: float = 0.85
+    extra_args: list[str] = field(default_factory=list)
+
+    def __post_init__(self):
+        if self.mode not in ROLLOUT_MODES:
+            raise ConfigError(f"launch.rollout_servers.mode={self.mode!r}: use one of {list(ROLLOUT_MODES)}")
+        if self.nodes < 1 or self.tp_size < 1:
+            raise ConfigError("launch.rollout_servers.nodes and .tp_size must be >= 1")
+        if self.gpus_per_node % self.tp_size:
+            raise ConfigError(
+                f"launch.rollout_servers.tp_size={self.tp_size} must divide gpus_per_node={self.gpus_per_node}")
+
+
+@dataclass
+class LaunchConfig:
+    experiment: Optional[str] = None  # NeMo-Run experiment title; default: the run's name
+    home: str = "runs/nemo_run"  # NEMORUN_HOME: experiment records, local logs
+    nproc_per_node: Optional[int] = None  # local: default tensor_parallel x pipeline_parallel ranks
+    sequential: bool = True  # study tasks one after another (local); Slurm jobs chain with afterany
+    env: dict = field(default_factory=dict)  # environment of every task
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
+    rollout_servers: RolloutServersConfig = field(default_factory=RolloutServersConfig)
+
+    def __post_init__(self):
+        if self.nproc_per_node is not None and self.nproc_per_node < 1:
+            raise ConfigError(f"launch.nproc_per_node={self.nproc_per_node} must be >= 1")
+        self.env = _check_env(self.env, "launch.env")

@@ -1,0 +1,151 @@
+"""NeMo-Run executors and tasks for a training job (and for each run of a study).
+
+- local: ``LocalExecutor`` + NeMo-Run's torchrun launcher, ``nproc_per_node`` ranks of ``megatron-kl train``.
+- slurm: ``SlurmExecutor`` (pyxis container, mounts, NCCL/H100 environment, git-archive packager, local or
+  SSH tunnel) + torchrun across nodes with the c10d rendezvous on the head node; failures requeue the job
+  up to ``retries`` times and the trainer resumes from its latest checkpoint (``checkpoint.resume``).
+- disaggregated SGLang: a heterogeneous Slurm job, group 0 the rollout nodes (one ``sglang.launch_server``
+  per node), group 1 the trainer; the rollout hosts are resolved in the sbatch script and passed to the
+  trainer as ``rollout.sglang.urls``.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from megatron_kl.config import ConfigError, validate_parallel
+from megatron_kl.train.config import TrainConfig
+
+URLS_VAR = "MEGATRON_KL_SGLANG_URLS"
+TRAIN_HEAD_VAR = "MEGATRON_KL_TRAIN_HEAD"
+
+
+@dataclass
+class TaskSpec:
+    """One task of an experiment: its name, the config file and the overrides of ``megatron-kl train``."""
+
+    name: str
+    config_path: str
+    overrides: list[str]
+    cfg: TrainConfig
+
+    def train_args(self, extra: list[str] = ()) -> list[str]:
+        """``megatron-kl train`` arguments; ``launch.*`` overrides stay with the launcher."""
+        overrides = [o for o in self.overrides if not o.startswith("launch.")]
+        return ["train", "--config", self.config_path, *overrides, *extra]
+
+
+def _nemo_run():
+    try:
+        import nemo_run
+    except ImportError as err:  # the `launch` extra
+        raise ConfigError("megatron-kl launch needs NeMo-Run: pip install -e '.[launch]' "
+                          "(nemo-run==0.11.1, leptonai<0.47)") from err
+    return nemo_run
+
+
+def local_task(spec: TaskSpec):
+    """(executor, script) for torchrun on this machine, ``nproc_per_node`` ranks."""
+    run = _nemo_run()
+    cfg = spec.cfg
+    nproc = cfg.launch.nproc_per_node or cfg.parallel.tensor_parallel * cfg.parallel.pipeline_parallel
+    validate_parallel(cfg.model, cfg.parallel, nproc)
+    # torchrun and python of this environment, whether or not it is activated
+    os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
+    env = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // nproc)), **cfg.launch.env}
+    executor = run.LocalExecutor(ntasks_per_node=nproc, launcher="torchrun", env_vars=env)
+    script = run.Script(path="megatron_kl.cli", m=True, entrypoint="python", args=spec.train_args())
+    return executor, script
+
+
+def _check_slurm(cfg: TrainConfig) -> None:
+    slurm = cfg.launch.slurm
+    if not slurm.account:
+        raise ConfigError("launch.slurm.account is required for `megatron-kl launch slurm`")
+    if not slurm.container_image:
+        raise ConfigError("launch.slurm.container_image is required (NeMo-Run's Slurm executor runs tasks "
+                          "in a pyxis/enroot container)")
+    if slurm.retries and not cfg.checkpoint.resume:
+        raise ConfigError(f"launch.slurm.retries={slurm.retries} restarts the job; set checkpoint.resume=true "
+                          "so a restart continues from the latest checkpoint instead of step 0")
+    validate_parallel(cfg.model, cfg.parallel, slurm.nodes * slurm.gpus_per_node)
+    servers = cfg.launch.rollout_servers
+    if servers.mode == "disaggregated":
+        if cfg.rollout.engine != "sglang":
+            raise ConfigError("launch.rollout_servers.mode=disaggregated runs SGLang servers: set rollout.engine=sglang")
+        if not (servers.model_path or cfg.init.hf_checkpoint):
+            raise ConfigError("disaggregated SGLang servers need launch.rollout_servers.model_path "
+                              "(or init.hf_checkpoint)")
+
+
+def _slurm_executor(cfg: TrainConfig, nodes: int, tasks_per_node: int, launcher, heterogeneous: bool,
+                    setup_lines: str | None = None):
+    run = _nemo_run()
+    slurm = cfg.launch.slurm
+    tunnel_cfg = slurm.tunnel
+    if tunnel_cfg.kind == "ssh":
+        tunnel = run.SSHTunnel(host=tunnel_cfg.host, user=tunnel_cfg.user, job_dir=tunnel_cfg.job_dir,
+                               identity=tunnel_cfg.identity)
+    else:
+        tunnel = run.LocalTunnel(job_dir=str(Path(tunnel_cfg.job_dir).absolute()))
+    packager = run.GitArchivePackager() if slurm.packager == "git" else run.Packager()
+    return run.SlurmExecutor(
+        account=slurm.account, partition=slurm.partition, nodes=nodes, ntasks_per_node=tasks_per_node,
+        gpus_per_node=slurm.gpus_per_node, time=slurm.time, container_image=slurm.container_image,
+        container_mounts=list(slurm.container_mounts), exclusive=slurm.exclusive or None, qos=slurm.qos,
+        constraint=slurm.constraint, tunnel=tunnel, packager=packager, launcher=launcher,
+        env_vars={**slurm.environment(), **cfg.launch.env}, retries=slurm.retries, heterogeneous=heterogeneous,
+        setup_lines=setup_lines, job_name_prefix="megatron-kl.",
+        **({"container_workdir": slurm.container_workdir} if slurm.container_workdir else {}))
+
+
+def slurm_task(spec: TaskSpec):
+    """(executor, script) for one multi-node training job: torchrun with the c10d rendezvous."""
+    run = _nemo_run()
+    cfg = spec.cfg
+    _check_slurm(cfg)
+    slurm = cfg.launch.slurm
+    launcher = run.Torchrun(rdzv_port=slurm.rdzv_port)
+    executor = _slurm_executor(cfg, slurm.nodes, slurm.gpus_per_node, launcher, heterogeneous=False)
+    script = run.Script(path="megatron_kl.cli", m=True, entrypoint="python", args=spec.train_args())
+    return executor, script
+
+
+def sglang_server_args(cfg: TrainConfig) -> list[str]:
+    servers = cfg.launch.rollout_servers
+    return ["--model-path", servers.model_path or cfg.init.hf_checkpoint, "--host", "0.0.0.0",
+            "--port", str(servers.port), "--tp-size", str(servers.tp_size),
+            "--dp-size", str(servers.gpus_per_node // servers.tp_size),
+            "--mem-fraction-static", str(servers.mem_fraction_static), "--skip-tokenizer-init",
+            "--random-seed", str(cfg.train.seed), *servers.extra_args]
+
+
+def disaggregated_tasks(spec: TaskSpec):
+    """([rollout executor, trainer executor], [server script, trainer script]) of one heterogeneous job."""
+    run = _nemo_run()
+    cfg = spec.cfg
+    _check_slurm(cfg)
+    slurm, servers = cfg.launch.slurm, cfg.launch.rollout_servers
+    # Resolved in the sbatch script (outside the containers), exported into both groups' srun steps.
+    setup = "\n".join([
+        f"export {URLS_VAR}=$(scontrol show hostnames \"$SLURM_JOB_NODELIST_HET_GROUP_0\" "
+        f"| sed 's|.*|\"http://&:{servers.port}\"|' | paste -sd, -)",
+        f"export {TRAIN_HEAD_VAR}=$(scontrol show hostnames \"$SLURM_JOB_NODELIST_HET_GROUP_1\" | head -n1)",
+    ])
+    rollout_executor = _slurm_executor(cfg, servers.nodes, 1, None, heterogeneous=True, setup_lines=setup)
+    rollout_executor.gpus_per_node = servers.gpus_per_node
+    # one srun task per trainer node, each running torchrun for that node's GPUs
+    trainer_executor = _slurm_executor(cfg, slurm.nodes, 1, None, heterogeneous=True)
+    server = run.Script(path="sglang.launch_server", m=True, entrypoint="python", args=sglang_server_args(cfg))
+    torchrun = ["torchrun", "--nnodes", str(slurm.nodes), "--nproc-per-node", str(slurm.gpus_per_node),
+                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"${TRAIN_HEAD_VAR}:{slurm.rdzv_port}",
+                "--rdzv-id", "$SLURM_JOB_ID", "-m", "megatron_kl.cli"]
+    train_args = spec.train_args(["rollout.sglang.urls=[$" + URLS_VAR + "]"])
+    # arguments with a variable are double-quoted (expanded, never globbed), the others shell-quoted
+    line = " ".join(torchrun) + " " + " ".join(f'"{a}"' if "$" in a else shlex.quote(a) for a in train_args)
+    trainer = run.Script(inline=line)
+    return [rollout_executor, trainer_executor], [server, trainer]

@@ -1,0 +1,87 @@
+"""Config sections of the serving engines: ``rollout.sglang`` and ``rollout.vllm``.
+
+Plain dataclasses with no serving imports, so a config can be loaded on a machine without SGLang or vLLM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from megatron_kl.config import ConfigError
+
+WEIGHT_SYNC = ("from_disk", "from_tensor", "from_distributed")
+VLLM_MODES = ("llm", "server")
+
+
+@dataclass
+class SGLangConfig:
+    """SGLang servers: connect to ``urls`` (servers or one sglang-router), or start ``num_servers`` of them.
+
+    Weight sync (``weight_sync``): from_disk writes an HF checkpoint under ``sync_dir`` (a filesystem the
+    servers can read) and calls /update_weights_from_disk; from_tensor hands CPU tensors to colocated
+    servers through /update_weights_from_tensor; from_distributed broadcasts from trainer rank 0 over an
+    NCCL group set up with /init_weights_update_group.
+    """
+
+    urls: list[str] = field(default_factory=list)  # empty: launch managed servers
+    model_path: Optional[str] = None  # HF directory the servers start from; default init.hf_checkpoint
+    host: str = "127.0.0.1"
+    port: int = 30000  # first managed server's port; the others count up
+    num_servers: int = 1
+    tp_size: int = 1
+    dp_size: int = 1
+    mem_fraction_static: float = 0.85
+    enable_memory_saver: bool = False  # needed for release/resume_memory_occupation when colocated
+    colocated: bool = False  # release the servers' memory while the trainer runs
+    extra_args: list[str] = field(default_factory=list)  # more sglang.launch_server flags
+    weight_sync: str = "from_disk"
+    sync_dir: str = "runs/weight_sync"
+    max_concurrency: int = 64  # in-flight /generate requests per engine
+    request_timeout_s: float = 600.0
+    max_retries: int = 4  # per request, on 5xx / timeouts / dropped connections
+    backoff_s: float = 0.5  # first retry delay, doubled each retry
+    startup_timeout_s: float = 900.0  # /health of a starting server
+    restart_dead_servers: bool = True  # managed servers only
+
+    def __post_init__(self):
+        if self.weight_sync not in WEIGHT_SYNC:
+            raise ConfigError(f"rollout.sglang.weight_sync={self.weight_sync!r}: use one of {list(WEIGHT_SYNC)}")
+        for name in ("num_servers", "tp_size", "dp_size", "max_concurrency"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"rollout.sglang.{name}={getattr(self, name)} must be >= 1")
+        if self.max_retries < 0 or self.request_timeout_s <= 0 or self.backoff_s < 0:
+            raise ConfigError("rollout.sglang.max_retries/backoff_s must be >= 0 and request_timeout_s > 0")
+        if not 0.0 < self.mem_fraction_static < 1.0:
+            raise ConfigError(f"rollout.sglang.mem_fraction_static={self.mem_fraction_static} must be in (0, 1)")
+        if not isinstance(self.urls, list) or not all(isinstance(u, str) and u.startswith("http") for u in self.urls):
+            raise ConfigError(f"rollout.sglang.urls={self.urls!r} must be a list of http(s):// addresses")
+        if self.colocated and not self.enable_memory_saver:
+            raise ConfigError("rollout.sglang.colocated=true needs rollout.sglang.enable_memory_saver=true "
+                              "(SGLang releases memory only with --enable-memory-saver)")
+
+
+@dataclass
+class VLLMConfig:
+    """vLLM: ``mode: llm`` runs vllm.LLM in the trainer process; ``mode: server`` talks to an OpenAI server."""
+
+    mode: str = "llm"
+    url: Optional[str] = None  # server mode
+    model_path: Optional[str] = None  # default: init.hf_checkpoint
+    tensor_parallel_size: int = 1
+    gpu_memory_utilization: float = 0.5
+    dtype: str = "auto"
+    max_model_len: Optional[int] = None
+    enable_sleep_mode: bool = False  # colocated: sleep while the trainer runs
+    sync_dir: str = "runs/weight_sync"
+    request_timeout_s: float = 600.0
+    max_retries: int = 4
+    backoff_s: float = 0.5
+
+    def __post_init__(self):
+        if self.mode not in VLLM_MODES:
+            raise ConfigError(f"rollout.vllm.mode={self.mode!r}: use one of {list(VLLM_MODES)}")
+        if self.mode == "server" and not self.url:
+            raise ConfigError("rollout.vllm.mode=server needs rollout.vllm.url (http://host:port)")
+        if self.tensor_parallel_size < 1:
+            raise ConfigError("rollout.vllm.tensor_parallel_size must be >= 1")
