@@ -19,6 +19,7 @@ setup(
         "transformers>=4.51",  # tokenizers and chat templates of the math task, HF checkpoints
         "math-verify>=0.7",
         "pyarrow>=15",  # parquet datasets
+        "requests>=2.31",  # SGLang / vLLM server clients
     ],
     extras_require={
         "test": ["pytest>=8", "hypothesis>=6"],

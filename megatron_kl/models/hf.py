@@ -286,7 +286,20 @@ class HFStateView(Mapping):
 
 def write_hf(named_tensors: Iterable[tuple[str, torch.Tensor]], model: ModelConfig, out_dir, dtype: str,
              source_dir=None, max_shard_bytes: int = 2 << 30) -> Path:
-    """Write Megatron full-layout tensors (streamed) as an HF checkpoint: sharded safetensors with an index,
+    """Write Megatron full-layout tensors (streamed) as an HF checkpoint (see :func:`write_hf_tensors`)."""
+
+    def hf_stream():
+        for megatron_name, tensor in named_tensors:
+            if model.tie_word_embeddings and megatron_name == "output_layer.weight":
+                continue
+            yield from to_hf(megatron_name, tensor, model).items()
+
+    return write_hf_tensors(hf_stream(), model, out_dir, dtype, source_dir, max_shard_bytes)
+
+
+def write_hf_tensors(hf_tensors: Iterable[tuple[str, torch.Tensor]], model: ModelConfig, out_dir, dtype: str,
+                     source_dir=None, max_shard_bytes: int = 2 << 30) -> Path:
+    """Write HF-named tensors (streamed) as an HF checkpoint: size-capped safetensors shards with an index,
     config.json (the source's, when given, else derived from ``model``) and the source's tokenizer files."""
     from safetensors.torch import save_file
 
@@ -306,13 +319,10 @@ def write_hf(named_tensors: Iterable[tuple[str, torch.Tensor]], model: ModelConf
             shards[-1] = {}
             size = 0
 
-    for megatron_name, tensor in named_tensors:
-        if model.tie_word_embeddings and megatron_name == "output_layer.weight":
-            continue
-        for name, value in to_hf(megatron_name, tensor, model).items():
-            value = value.detach().to("cpu", torch_dtype).contiguous()
-            shards[-1][name] = value
-            size += value.numel() * value.element_size()
+    for name, value in hf_tensors:
+        value = value.detach().to("cpu", torch_dtype).contiguous()
+        shards[-1][name] = value
+        size += value.numel() * value.element_size()
         if size >= max_shard_bytes:
             flush()
     flush()

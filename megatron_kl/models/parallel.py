@@ -41,6 +41,14 @@ def initialize(model: ModelConfig, parallel: ParallelConfig, seed: int = 1234, t
         virtual_pipeline_model_parallel_size=parallel.virtual_pipeline,
         create_gloo_process_groups=False,
     )
+    reseed(seed)
+
+
+def reseed(seed: int) -> None:
+    """Seed torch's default generator and megatron's model-parallel RNG tracker (weight init, dropout)."""
+    from megatron.core import tensor_parallel
+
+    torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 

@@ -36,7 +36,8 @@ class SGLangConfig:
     colocated: bool = False  # release the servers' memory while the trainer runs
     extra_args: list[str] = field(default_factory=list)  # more sglang.launch_server flags
     weight_sync: str = "from_disk"
-    sync_dir: str = "runs/weight_sync"
+    sync_dir: Optional[str] = None  # from_disk: shared with the servers; default <train.output_dir>/weight_sync
+    server_module: str = "sglang.launch_server"  # tests: megatron_kl.testing.sglang_server (no SGLang needed)
     max_concurrency: int = 64  # in-flight /generate requests per engine
     request_timeout_s: float = 600.0
     max_retries: int = 4  # per request, on 5xx / timeouts / dropped connections
@@ -73,7 +74,7 @@ class VLLMConfig:
     dtype: str = "auto"
     max_model_len: Optional[int] = None
     enable_sleep_mode: bool = False  # colocated: sleep while the trainer runs
-    sync_dir: str = "runs/weight_sync"
+    sync_dir: Optional[str] = None  # default <train.output_dir>/weight_sync
     request_timeout_s: float = 600.0
     max_retries: int = 4
     backoff_s: float = 0.5

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import statistics
 from pathlib import Path
 from typing import Optional
@@ -26,6 +27,10 @@ FINAL = [("eval/eval/pass@1", "ID pass@1"), ("eval/eval/mean@k", "ID mean@k"), (
 
 
 def _series(records: list[dict], key: str) -> dict[int, float]:
+    """step -> value; a key with ``mean@k`` matches the run's ``mean@<eval.k>``."""
+    if "mean@k" in key:
+        pattern = re.compile(re.escape(key).replace("mean@k", r"mean@\d+"))
+        return {r["step"]: v for r in records for name, v in r.items() if pattern.fullmatch(name) and v is not None}
     return {r["step"]: r[key] for r in records if r.get(key) is not None}
 
 
@@ -144,7 +149,7 @@ def write_report(study: StudyConfig, runs: list[RunSpec], status: dict) -> dict:
              "## Results", "",
              "| configuration | seeds ok | failed | final reward | " + " | ".join(f"final {label}" for _, label in FINAL)
              + " | best ID pass@1 | final exact KL | instability events | audit |",
-             "|" + "---|" * (9 + len(FINAL))]
+             "|" + "---|" * (8 + len(FINAL))]
     summary = {}
     for name, group in groups.items():
         records = group["records"]

@@ -41,6 +41,9 @@ class WarmStartConfig:
     lr: float = 3e-3
     cache_dir: str = "runs/cache"
     checkpoint: Optional[str] = None  # a full-state .pt to start from instead of training one
+    # seed of the warm start's init and data order; null: train.seed. Fix it to share one starting model
+    # (and reference) across the RL seeds of a study.
+    seed: Optional[int] = None
 
 
 @dataclass

@@ -14,10 +14,10 @@ import yaml
 from megatron_kl.config import to_dict
 from megatron_kl.models import builder, hf, optim, parallel, pipeline, state
 from megatron_kl.models.offload import ReferenceOffload
-from megatron_kl.rollout.local import LocalEngine
 from megatron_kl.tasks import build_task
 from megatron_kl.train import checkpoint as ckpt
 from megatron_kl.train.config import TrainConfig, validate_train_config
+from megatron_kl.train.engines import build_engine
 from megatron_kl.train.evaluate import evaluate
 from megatron_kl.train.metrics import MetricsLogger, read_metrics
 from megatron_kl.train.rollouts import RolloutSource
@@ -96,7 +96,7 @@ def train(cfg: TrainConfig) -> dict:
             state.load_full_state_dict(chunks, initial, cfg.model.tie_word_embeddings, dist.get_rank(tp_group),
                                        dist.get_world_size(tp_group))
     train_state = optim.build_train_state(models.policy, cfg.optim)
-    engine = LocalEngine(cfg.model, cfg.parallel, cfg.rollout.max_batch_size)
+    engine = build_engine(cfg, train_state.chunks, hf_source, run_dir, dp_rank)
     source = RolloutSource(task, engine, cfg.rollout.sampling, cfg.train.prompts_per_step, cfg.train.group_size,
                            cfg.train.staleness, cfg.train.seed, dp_rank, dp_size)
     offload = ReferenceOffload(models.reference, cfg.parallel.offload_reference)
@@ -148,6 +148,7 @@ def train(cfg: TrainConfig) -> dict:
         logger.log(cfg.train.steps, final)
     finally:
         source.close()
+        engine.shutdown()
         logger.close()
     return _summary(cfg, run_dir, is_logger)
 

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_kl.config import ConfigError, to_dict
-from megatron_kl.models import builder, optim, pipeline, state
+from megatron_kl.models import builder, optim, parallel, pipeline, state
 from megatron_kl.train.batching import pack
 
 log = logging.getLogger(__name__)
@@ -27,11 +27,15 @@ log = logging.getLogger(__name__)
 NOT_IN_KEY = {"model": ("logprob_path", "logprob_chunk_rows"), "warm_start": ("cache_dir", "enabled")}
 
 
+def warm_start_seed(cfg) -> int:
+    return cfg.train.seed if cfg.warm_start.seed is None else cfg.warm_start.seed
+
+
 def cache_path(cfg) -> Path:
     recipe = {k: v for k, v in to_dict(cfg.warm_start).items() if k not in NOT_IN_KEY["warm_start"]}
     model = {k: v for k, v in to_dict(cfg.model).items() if k not in NOT_IN_KEY["model"]}
     key = json.dumps({"model": model, "task": to_dict(cfg.task), "warm_start": recipe,
-                      "seed": cfg.train.seed, "micro_batches": cfg.train.micro_batches}, sort_keys=True)
+                      "seed": warm_start_seed(cfg), "micro_batches": cfg.train.micro_batches}, sort_keys=True)
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     return Path(cfg.warm_start.cache_dir) / f"warmstart-{digest}.pt"
 
@@ -46,8 +50,6 @@ def _sft_batch(task, step: int, batch_size: int) -> pipeline.SequenceBatch:
 
 def _train(cfg, task) -> dict[str, torch.Tensor]:
     from megatron.core import parallel_state
-
-    from megatron_kl.models import parallel
 
     ws = cfg.warm_start
     dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
@@ -93,8 +95,10 @@ def warm_start_state(cfg, task) -> dict[str, torch.Tensor] | None:
     if path.is_file():
         log.info("warm start: cached %s", path)
         return torch.load(path, map_location="cpu", weights_only=True)
-    log.info("warm start: %d supervised steps (cache miss: %s)", ws.steps, path)
+    log.info("warm start: %d supervised steps, seed %d (cache miss: %s)", ws.steps, warm_start_seed(cfg), path)
+    parallel.reseed(warm_start_seed(cfg))
     full = _train(cfg, task)
+    parallel.reseed(cfg.train.seed)  # the RL phase draws the same numbers on a cache hit and a miss
     if dist.get_rank() == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp{os.getpid()}")

@@ -1,0 +1,228 @@
+"""SGLang rollout engine: managed ``sglang.launch_server`` processes or existing servers (or one sglang-router).
+
+HTTP API subset used, with shapes from SGLang 0.5.x (``srt/managers/io_struct.py``: GenerateReqInput,
+UpdateWeightFromDiskReqInput, UpdateWeightsFromTensorReqInput, InitWeightsUpdateGroupReqInput,
+UpdateWeightsFromDistributedReqInput, Release/ResumeMemoryOccupationReqInput, PauseGenerationReqInput;
+routes in ``srt/entrypoints/http_server.py``):
+
+- ``POST /generate`` ``{input_ids, sampling_params, return_logprob: true}`` ->
+  ``{output_ids, meta_info: {finish_reason: {type: stop|length|abort, ...}, output_token_logprobs:
+  [[logprob, token_id, text|null], ...], weight_version, ...}}``. SGLang's output log-probs are those of the
+  temperature-scaled distribution (the default since 0.5; ``SGLANG_RETURN_ORIGINAL_LOGPROB=1`` gives T=1
+  ones, which the trainer's rollout-mismatch metric then shows).
+- ``GET /health``, ``POST /flush_cache``, ``/pause_generation``, ``/continue_generation``,
+  ``/release_memory_occupation``, ``/resume_memory_occupation``, and the weight-update routes used by
+  :mod:`megatron_kl.rollout.weight_sync`.
+
+Every request goes to one server (round-robin), at most ``max_concurrency`` in flight. A server that stays
+unavailable after the retries is restarted (managed servers) and its unfinished requests are re-issued;
+each prompt's completion is kept once, so no sample is lost or duplicated. A response that does not have the
+expected shape, or carries another weight version than the one last pushed, is an error naming the field.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Optional, Sequence
+
+import requests
+import requests.adapters
+
+from megatron_kl.rollout.config import SGLangConfig
+from megatron_kl.rollout.engine import FINISH_REASONS, Completion, SamplingConfig
+from megatron_kl.rollout.http import RetryPolicy, ServerError, ServerUnavailable, call
+from megatron_kl.rollout.servers import ManagedServer
+
+log = logging.getLogger(__name__)
+
+SERVER_MODULE = "sglang.launch_server"
+
+
+class ResponseError(ServerError):
+    """A server response without the expected fields (names the field)."""
+
+
+def sampling_params(sampling: SamplingConfig, seed: Optional[int]) -> dict:
+    params = {
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "top_k": sampling.top_k if sampling.top_k > 0 else -1,  # SGLang: -1 disables
+        "max_new_tokens": sampling.max_new_tokens,
+        "stop_token_ids": list(sampling.stop_token_ids),
+        "skip_special_tokens": False,
+        "no_stop_trim": True,  # keep the stop token: the trainer learns to emit it
+    }
+    if seed is not None:
+        params["sampling_seed"] = int(seed)
+    return params
+
+
+def parse_generate(body, prompt_ids: Sequence[int], expected_version: int, where: str) -> Completion:
+    """A /generate response body -> Completion; anything missing or inconsistent names the field."""
+    if not isinstance(body, dict):
+        raise ResponseError(f"{where}: /generate answered {type(body).__name__}, expected an object")
+    meta = body.get("meta_info")
+    if not isinstance(meta, dict):
+        raise ResponseError(f"{where}: /generate response has no meta_info object")
+    finish = meta.get("finish_reason")
+    finish_type = finish.get("type") if isinstance(finish, dict) else finish
+    if finish_type == "abort":
+        raise ServerUnavailable(f"{where}: request aborted by the server ({finish})")  # re-issued
+    if finish_type not in FINISH_REASONS:
+        raise ResponseError(f"{where}: meta_info.finish_reason={finish!r}; expected type in {FINISH_REASONS}")
+    entries = meta.get("output_token_logprobs")
+    if not isinstance(entries, list) or not all(isinstance(e, (list, tuple)) and len(e) >= 2 for e in entries):
+        raise ResponseError(f"{where}: meta_info.output_token_logprobs missing or not [[logprob, token_id, ...]] "
+                            "(was return_logprob=true sent?)")
+    try:
+        logprobs = [float(e[0]) for e in entries]
+        token_ids = [int(e[1]) for e in entries]
+    except (TypeError, ValueError):
+        raise ResponseError(f"{where}: meta_info.output_token_logprobs has a non-numeric entry") from None
+    output_ids = body.get("output_ids")
+    if output_ids is not None and list(output_ids) != token_ids:
+        raise ResponseError(f"{where}: output_ids ({len(output_ids)} tokens) disagree with "
+                            f"meta_info.output_token_logprobs ({len(token_ids)} tokens)")
+    version = meta.get("weight_version")
+    if version is None or str(version) != str(expected_version):
+        raise ResponseError(f"{where}: meta_info.weight_version={version!r} but version {expected_version} was "
+                            "pushed last (stale or foreign weights)")
+    return Completion(list(prompt_ids), token_ids, logprobs, finish_type, int(expected_version))
+
+
+def server_command(cfg: SGLangConfig, model_path: str, port: int, seed: int, module: str = SERVER_MODULE) -> list[str]:
+    command = [sys.executable, "-m", module, "--model-path", str(model_path), "--host", cfg.host, "--port", str(port),
+               "--tp-size", str(cfg.tp_size), "--dp-size", str(cfg.dp_size),
+               "--mem-fraction-static", str(cfg.mem_fraction_static), "--skip-tokenizer-init",
+               "--random-seed", str(seed)]
+    if cfg.enable_memory_saver:
+        command.append("--enable-memory-saver")
+    return command + list(cfg.extra_args)
+
+
+class SGLangEngine:
+    """The rollout-engine protocol over SGLang HTTP servers (used from one trainer process)."""
+
+    def __init__(self, cfg: SGLangConfig, weight_sync, model_path: Optional[str] = None, log_dir="runs/sglang",
+                 seed: int = 0, server_module: str = SERVER_MODULE):
+        self.cfg = cfg
+        self.sync = weight_sync
+        self.policy = RetryPolicy(cfg.max_retries, cfg.backoff_s, cfg.request_timeout_s)
+        self.weight_version = 0
+        self.counters = {"retries": 0, "restarts": 0, "reissued": 0}
+        self._lock = threading.Lock()
+        self.servers: list[Optional[ManagedServer]]
+        if cfg.urls:
+            self.urls = list(cfg.urls)
+            self.servers = [None] * len(self.urls)
+        else:
+            if model_path is None:
+                raise ValueError("rollout.sglang: managed servers need a model path (rollout.sglang.model_path, "
+                                 "init.hf_checkpoint, or the trainer's initial export)")
+            self.urls, self.servers = [], []
+            for index in range(cfg.num_servers):
+                port = cfg.port + index
+                url = f"http://{cfg.host}:{port}"
+                server = ManagedServer(f"sglang-{index}", server_command(cfg, model_path, port, seed, server_module),
+                                       url, log_dir, cfg.startup_timeout_s)
+                server.start()
+                self.urls.append(url)
+                self.servers.append(server)
+        self._sessions = [self._session(cfg.max_concurrency) for _ in self.urls]
+
+    @staticmethod
+    def _session(pool: int) -> requests.Session:
+        session = requests.Session()  # keep-alive connections, as many as requests in flight
+        adapter = requests.adapters.HTTPAdapter(pool_connections=1, pool_maxsize=pool)
+        session.mount("http://", adapter)
+        session.mount("https://", adapter)
+        return session
+
+    # -- HTTP ------------------------------------------------------------------------------------
+    def call(self, index: int, path: str, payload: Optional[dict] = None, method: str = "POST"):
+        return call(self.urls[index], path, payload, self.policy, method, self._sessions[index], self.counters)
+
+    def broadcast(self, path: str, payload: Optional[dict] = None) -> list:
+        """The same control call on every server (in parallel)."""
+        with ThreadPoolExecutor(len(self.urls)) as pool:
+            return list(pool.map(lambda i: self.call(i, path, payload), range(len(self.urls))))
+
+    def _recover(self, index: int) -> None:
+        server = self.servers[index]
+        if server is None or not self.cfg.restart_dead_servers:
+            raise ServerUnavailable(f"SGLang server {self.urls[index]} is unavailable (not managed here: restart it "
+                                    "or remove it from rollout.sglang.urls)")
+        with self._lock:
+            server.restart()
+            self.counters["restarts"] += 1
+            self.sync.after_restart(self, index)
+
+    # -- generation ------------------------------------------------------------------------------
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig,
+                 seed: Optional[int] = None) -> list[Completion]:
+        results: list[Optional[Completion]] = [None] * len(prompts)
+        pending = list(range(len(prompts)))
+        base_seed = sampling.seed if seed is None else seed
+        for round_ in range(3):
+            failed_servers: set[int] = set()
+
+            def one(i: int, server: int) -> Completion:
+                payload = {"input_ids": list(prompts[i]), "sampling_params": sampling_params(sampling, base_seed + i),
+                           "return_logprob": True}
+                body = self.call(server, "/generate", payload)
+                return parse_generate(body, prompts[i], self.weight_version, f"{self.urls[server]} prompt {i}")
+
+            with ThreadPoolExecutor(self.cfg.max_concurrency) as pool:
+                futures = {i: (pool.submit(one, i, i % len(self.urls)), i % len(self.urls)) for i in pending}
+                unfinished = []
+                for i, (future, server) in futures.items():
+                    try:
+                        results[i] = future.result()
+                    except ServerUnavailable as err:
+                        log.warning("prompt %d on %s: %s", i, self.urls[server], err)
+                        unfinished.append(i)
+                        failed_servers.add(server)
+            if not unfinished:
+                return results  # type: ignore[return-value]
+            for server in sorted(failed_servers):
+                self._recover(server)
+            self.counters["reissued"] += len(unfinished)
+            pending = unfinished
+            log.warning("re-issuing %d request(s) after recovering server(s) %s", len(pending), sorted(failed_servers))
+        raise ServerUnavailable(f"{len(pending)} request(s) still failing after restarting the servers 3 times")
+
+    # -- weights ---------------------------------------------------------------------------------
+    def update_weights(self, named_tensors, version: int) -> None:
+        """Push HF-named full tensors (an iterable, streamed) as weight version ``version``: generation is
+        paused around the update and the radix cache flushed; colocated servers get their memory back first."""
+        with self._lock:
+            if self.cfg.colocated:
+                self.broadcast("/resume_memory_occupation", {"tags": ["weights"]})
+            self.broadcast("/pause_generation", {"mode": "abort"})
+            self.sync.push(self, named_tensors, version)
+            self.broadcast("/flush_cache")
+            self.broadcast("/continue_generation", {})
+            if self.cfg.colocated:
+                self.broadcast("/resume_memory_occupation", {"tags": ["kv_cache"]})
+            self.weight_version = version
+
+    def release_memory(self) -> None:
+        """Colocated: hand the GPU memory (weights and KV cache) back to the trainer until the next update."""
+        if self.cfg.colocated:
+            self.broadcast("/release_memory_occupation", {})
+
+    def shutdown(self) -> None:
+        for server in self.servers:
+            if server is not None:
+                server.stop()
+        for session in self._sessions:
+            session.close()
+        self.sync.close()
+
+
+def logs_dir(output_dir) -> Path:
+    return Path(output_dir) / "sglang"

@@ -1,0 +1,262 @@
+"""A stand-in for ``python -m sglang.launch_server`` on machines without SGLang (CPU): the subset of SGLang's
+HTTP API that :mod:`megatron_kl.rollout.sglang` uses, served by the embedded engine on an HF checkpoint.
+
+Request and response shapes follow SGLang 0.5.x (``srt/managers/io_struct.py`` and
+``srt/entrypoints/http_server.py``): ``/generate`` with ``input_ids`` answers ``output_ids`` and
+``meta_info.{finish_reason, output_token_logprobs, weight_version, prompt_tokens, completion_tokens}``;
+the weight-update routes answer ``{success, message}``. It takes the same command-line flags as
+``sglang.launch_server`` (those it does not need are accepted and ignored) plus failure injection for tests:
+
+    --fault-500-every N        every N-th /generate answers HTTP 500
+    --fault-delay-every N      every N-th /generate sleeps --fault-delay-s before answering (client timeouts)
+    --fault-drop-every N       every N-th /generate closes the connection without an answer
+    --fault-bad-every N        every N-th /generate answers without meta_info.output_token_logprobs
+    --fault-exit-at N          the N-th /generate kills the process, once per --fault-marker file
+
+Run ``python -m megatron_kl.testing.sglang_server --model-path DIR --port P``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import threading
+import time
+import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import torch
+
+
+class _DictCheckpoint:
+    """HF tensors held in memory (what weight updates write into), read like an HFCheckpoint."""
+
+    def __init__(self, tensors: dict):
+        self.tensors = tensors
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self.tensors:
+            raise KeyError(f"no HF tensor {name!r}")
+        return self.tensors[name]
+
+
+class EmbeddedServer:
+    def __init__(self, args):
+        from megatron_kl.config import ParallelConfig
+        from megatron_kl.models import hf, parallel
+        from megatron_kl.rollout.local import LocalEngine
+
+        self.args = args
+        checkpoint = hf.HFCheckpoint(args.model_path)
+        self.model = checkpoint.model_config()
+        self.tensors = {name: checkpoint.get(name).float() for name in checkpoint.files}
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        parallel.initialize(self.model, ParallelConfig(), seed=args.random_seed)
+        self.engine = LocalEngine(self.model, ParallelConfig())
+        self._reload()
+        self.weight_version = "default"  # SGLang's initial version
+        self.paused = False
+        self.released = False
+        self.groups: dict[str, object] = {}
+        self.requests = 0
+        self.lock = threading.Lock()
+
+    def _reload(self) -> None:
+        from megatron_kl.models import hf
+
+        hf.load_hf_into([self.engine.model], _DictCheckpoint(self.tensors), self.model)
+
+    # -- routes ----------------------------------------------------------------------------------
+    def generate(self, body: dict) -> dict | list:
+        from megatron_kl.rollout.engine import SamplingConfig
+
+        ids = body.get("input_ids")
+        if ids is None:
+            raise ValueError("this test server needs input_ids (it has no tokenizer: --skip-tokenizer-init)")
+        if ids and isinstance(ids[0], list):
+            return [self.generate({**body, "input_ids": one}) for one in ids]
+        if self.paused:
+            return self._response(ids, [], [], {"type": "abort", "message": "generation paused"})
+        if self.released:
+            raise RuntimeError("memory released: call /resume_memory_occupation first")
+        params = body.get("sampling_params") or {}
+        sampling = SamplingConfig(temperature=float(params.get("temperature", 1.0)),
+                                  top_p=float(params.get("top_p", 1.0)),
+                                  top_k=max(0, int(params.get("top_k", -1))),
+                                  max_new_tokens=int(params.get("max_new_tokens", 128)),
+                                  stop_token_ids=list(params.get("stop_token_ids") or []))
+        seed = params.get("sampling_seed")
+        completion = self.engine.generate([ids], sampling, seed=None if seed is None else int(seed))[0]
+        if completion.finish_reason == "stop":
+            finish = {"type": "stop", "matched": completion.response_ids[-1]}
+        else:
+            finish = {"type": "length", "length": len(completion.response_ids)}
+        logprobs = completion.response_logprobs if body.get("return_logprob") else None
+        return self._response(ids, completion.response_ids, logprobs, finish)
+
+    def _response(self, ids, output_ids, logprobs, finish) -> dict:
+        meta = {"id": uuid.uuid4().hex, "finish_reason": finish, "prompt_tokens": len(ids),
+                "completion_tokens": len(output_ids), "cached_tokens": 0, "weight_version": self.weight_version}
+        if logprobs is not None:
+            meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(logprobs, output_ids)]
+        return {"output_ids": list(output_ids), "meta_info": meta}
+
+    def _set_version(self, body) -> None:
+        if body.get("weight_version") is not None:
+            self.weight_version = str(body["weight_version"])
+
+    def update_weights_from_disk(self, body: dict) -> dict:
+        from megatron_kl.models import hf
+
+        checkpoint = hf.HFCheckpoint(body["model_path"])
+        self.tensors = {name: checkpoint.get(name).float() for name in checkpoint.files}
+        self._reload()
+        self._set_version(body)
+        return {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
+
+    def update_weights_from_tensor(self, body: dict) -> dict:
+        from megatron_kl.rollout.weight_sync import deserialize_tensors
+
+        serialized = body["serialized_named_tensors"]
+        for name, tensor in deserialize_tensors(serialized[0]):  # one entry per server TP rank
+            self.tensors[name] = tensor.float().clone()
+        self._reload()
+        self._set_version(body)
+        return {"success": True, "message": "Succeeded to update model weights."}
+
+    def init_weights_update_group(self, body: dict) -> dict:
+        from megatron_kl.rollout.weight_sync import new_external_group
+
+        group = new_external_group(body.get("backend", "nccl"), body["master_address"], int(body["master_port"]),
+                                   int(body["world_size"]), int(body["rank_offset"]), body.get("group_name", "g"))
+        self.groups[body.get("group_name", "weight_update_group")] = group
+        return {"success": True, "message": "Succeeded to initialize custom process group."}
+
+    def update_weights_from_distributed(self, body: dict) -> dict:
+        group = self.groups.get(body.get("group_name", "weight_update_group"))
+        if group is None:
+            return {"success": False, "message": f"no weight update group {body.get('group_name')!r}"}
+        for name, dtype, shape in zip(body["names"], body["dtypes"], body["shapes"]):
+            tensor = torch.empty(shape, dtype=getattr(torch, dtype))
+            group.broadcast(tensor, 0).wait()
+            self.tensors[name] = tensor.float()
+        self._reload()
+        self._set_version(body)
+        return {"success": True, "message": "Succeeded to update parameter online."}
+
+    def control(self, path: str, body: dict) -> dict:
+        if path == "/pause_generation":
+            self.paused = True
+        elif path == "/continue_generation":
+            self.paused = False
+        elif path == "/release_memory_occupation":
+            self.released = True
+        elif path == "/resume_memory_occupation":
+            self.released = False
+        return {"success": True, "message": ""}
+
+
+def _handler(server: EmbeddedServer, args):
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *a):  # quiet
+            pass
+
+        def _send(self, code: int, payload) -> None:
+            data = json.dumps(payload).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):
+            if self.path in ("/health", "/health_generate"):
+                self._send(200, {})
+            elif self.path == "/get_weight_version":
+                self._send(200, {"weight_version": server.weight_version})
+            elif self.path == "/get_server_info":
+                self._send(200, {"model_path": args.model_path, "tp_size": args.tp_size, "version": "test-0.5"})
+            else:
+                self._send(404, {"error": f"no route {self.path}"})
+
+        def do_POST(self):
+            length = int(self.headers.get("Content-Length") or 0)
+            body = json.loads(self.rfile.read(length) or b"{}") if length else {}
+            try:
+                if self.path == "/generate":
+                    if self._fault():
+                        return
+                    self._send(200, self._bad(server.generate(body)))
+                elif self.path in ("/update_weights_from_disk", "/update_weights_from_tensor",
+                                   "/init_weights_update_group", "/update_weights_from_distributed"):
+                    with server.lock:
+                        self._send(200, getattr(server, self.path[1:])(body))
+                elif self.path == "/flush_cache":
+                    self._send(200, {"success": True})
+                elif self.path in ("/pause_generation", "/continue_generation", "/release_memory_occupation",
+                                   "/resume_memory_occupation"):
+                    self._send(200, server.control(self.path, body))
+                else:
+                    self._send(404, {"error": f"no route {self.path}"})
+            except Exception as err:  # noqa: BLE001 - a server answers errors as 500s, as SGLang does
+                self._send(500, {"error": {"message": f"{type(err).__name__}: {err}"}})
+
+        def _fault(self) -> bool:
+            with server.lock:
+                server.requests += 1
+                n = server.requests
+            if args.fault_exit_at and n == args.fault_exit_at and not Path(args.fault_marker).exists():
+                Path(args.fault_marker).write_text("exited")
+                os._exit(17)
+            if args.fault_500_every and n % args.fault_500_every == 0:
+                self._send(500, {"error": {"message": "injected failure"}})
+                return True
+            if args.fault_drop_every and n % args.fault_drop_every == 0:
+                self.close_connection = True
+                self.connection.shutdown(socket.SHUT_RDWR)
+                return True
+            if args.fault_delay_every and n % args.fault_delay_every == 0:
+                time.sleep(args.fault_delay_s)
+            self._bad_now = bool(args.fault_bad_every and n % args.fault_bad_every == 0)
+            return False
+
+        def _bad(self, response):
+            if getattr(self, "_bad_now", False) and isinstance(response, dict):
+                response["meta_info"].pop("output_token_logprobs", None)
+            return response
+
+    return Handler
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model-path", required=True)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument("--tp-size", type=int, default=1)
+    parser.add_argument("--dp-size", type=int, default=1)
+    parser.add_argument("--random-seed", type=int, default=0)
+    parser.add_argument("--mem-fraction-static", type=float, default=None)
+    parser.add_argument("--skip-tokenizer-init", action="store_true")
+    parser.add_argument("--enable-memory-saver", action="store_true")
+    for name in ("500", "delay", "drop", "bad"):
+        parser.add_argument(f"--fault-{name}-every", type=int, default=0)
+    parser.add_argument("--fault-delay-s", type=float, default=0.0)
+    parser.add_argument("--fault-exit-at", type=int, default=0)
+    parser.add_argument("--fault-marker", default="")
+    args, _unknown = parser.parse_known_args(argv)
+    torch.set_num_threads(1)
+    server = EmbeddedServer(args)
+    ThreadingHTTPServer((args.host, args.port), _handler(server, args)).serve_forever()
+
+
+if __name__ == "__main__":
+    main()

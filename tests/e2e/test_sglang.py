@@ -1,0 +1,173 @@
+"""The SGLang client against the test server (SGLang's HTTP API subset on the embedded engine): generation,
+the three weight-sync strategies, and failures (500s, timeouts, dropped connections, malformed responses,
+stale weight versions, a killed server) without losing or duplicating a sample."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_kl.rollout.config import SGLangConfig
+from megatron_kl.rollout.engine import SamplingConfig
+from megatron_kl.rollout.http import ServerUnavailable
+from megatron_kl.rollout.sglang import ResponseError, SGLangEngine
+from megatron_kl.rollout.weight_sync import FromDisk, FromDistributed, FromTensor
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
+from hf_workers import make_hf_model  # noqa: E402
+
+TEST_SERVER = "megatron_kl.testing.sglang_server"
+PROMPTS = [[1 + (i * 7 + j) % 50 for j in range(3 + i % 4)] for i in range(12)]
+SAMPLING = SamplingConfig(temperature=1.0, max_new_tokens=6, stop_token_ids=[0])
+
+
+def _hf_tensors(directory: Path) -> list[tuple[str, torch.Tensor]]:
+    from megatron_kl.models.hf import HFCheckpoint
+
+    checkpoint = HFCheckpoint(directory)
+    return [(name, checkpoint.get(name)) for name in sorted(checkpoint.files)]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf")
+    return {name: make_hf_model("qwen2", root / name, seed=seed) for name, seed in (("a", 0), ("b", 1))}
+
+
+def _engine(tmp_path, model_dir, *faults, port=31000, sync="from_disk", **cfg):
+    config = SGLangConfig(port=port, weight_sync=sync, sync_dir=str(tmp_path / "sync"), server_module=TEST_SERVER,
+                          extra_args=list(faults), startup_timeout_s=120, backoff_s=0.05, **cfg)
+    weight_sync = {"from_disk": lambda: FromDisk(config, _model(model_dir)), "from_tensor": lambda: FromTensor(config),
+                   "from_distributed": lambda: FromDistributed(config, backend="gloo")}[sync]()
+    return SGLangEngine(config, weight_sync, str(model_dir), log_dir=tmp_path / "logs", seed=0,
+                        server_module=TEST_SERVER)
+
+
+def _model(model_dir):
+    from megatron_kl.models.hf import HFCheckpoint
+
+    return HFCheckpoint(model_dir).model_config()
+
+
+@pytest.fixture(scope="module")
+def clean(models, tmp_path_factory):
+    """One fault-free server on model a, synced to version 1 = model a (from disk)."""
+    tmp = tmp_path_factory.mktemp("clean")
+    engine = _engine(tmp, models["a"], port=31010)
+    engine.update_weights(_hf_tensors(models["a"]), 1)
+    yield engine
+    engine.shutdown()
+
+
+def _same(got, want):
+    assert [c.prompt_ids for c in got] == [c.prompt_ids for c in want]
+    assert [c.response_ids for c in got] == [c.response_ids for c in want]
+    for a, b in zip(got, want):
+        assert torch.allclose(torch.tensor(a.response_logprobs), torch.tensor(b.response_logprobs), atol=1e-5)
+
+
+def test_generate_shapes_order_and_determinism(clean):
+    first = clean.generate(PROMPTS, SAMPLING, seed=5)
+    assert len(first) == len(PROMPTS)
+    for prompt, completion in zip(PROMPTS, first):
+        assert completion.prompt_ids == prompt
+        assert 1 <= len(completion.response_ids) <= SAMPLING.max_new_tokens
+        assert all(lp <= 0.0 and lp == lp for lp in completion.response_logprobs)
+        assert completion.weight_version == 1
+        assert (completion.finish_reason == "stop") == (completion.response_ids[-1] == 0)
+    _same(clean.generate(PROMPTS, SAMPLING, seed=5), first)
+    other = clean.generate(PROMPTS, SAMPLING, seed=6)
+    assert [c.response_ids for c in other] != [c.response_ids for c in first]
+
+
+def test_logprobs_equal_the_embedded_engine_on_the_same_weights(clean, models):
+    """Behaviour log-probs from the server = the model's tempered log-softmax at each sampled token."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(models["a"], dtype=torch.float32).eval()
+    sampling = SamplingConfig(temperature=0.7, max_new_tokens=5, stop_token_ids=[0])
+    for completion in clean.generate(PROMPTS[:4], sampling, seed=3):
+        tokens = torch.tensor([completion.prompt_ids + completion.response_ids])
+        with torch.no_grad():
+            logits = model(tokens).logits[0, len(completion.prompt_ids) - 1 : -1] / 0.7
+        expected = torch.log_softmax(logits.double(), -1).gather(-1, torch.tensor(completion.response_ids)[:, None])
+        assert torch.allclose(torch.tensor(completion.response_logprobs, dtype=torch.float64), expected[:, 0],
+                              atol=2e-4)
+
+
+@pytest.mark.parametrize("sync", ["from_disk", "from_tensor", "from_distributed"])
+def test_weight_sync_strategies_load_the_pushed_weights(tmp_path, models, clean, sync):
+    """After pushing model b, a server started on a generates exactly what a server synced to b from disk does."""
+    clean.update_weights(_hf_tensors(models["b"]), 2)
+    want_b = clean.generate(PROMPTS, SAMPLING, seed=11)
+    clean.update_weights(_hf_tensors(models["a"]), 3)
+    want_a = clean.generate(PROMPTS, SAMPLING, seed=11)
+    assert [c.response_ids for c in want_a] != [c.response_ids for c in want_b]
+    engine = _engine(tmp_path, models["a"], port=31020, sync=sync)
+    try:
+        engine.update_weights(_hf_tensors(models["b"]), 7)
+        got = engine.generate(PROMPTS, SAMPLING, seed=11)
+        _same(got, want_b)
+        assert {c.weight_version for c in got} == {7}
+        engine.update_weights(_hf_tensors(models["a"]), 8)  # and back: a second push over the same channel
+        _same(engine.generate(PROMPTS, SAMPLING, seed=11), want_a)
+    finally:
+        engine.shutdown()
+
+
+def test_5xx_timeouts_and_dropped_connections_are_retried_without_loss(tmp_path, models, clean):
+    clean.update_weights(_hf_tensors(models["a"]), 4)
+    want = clean.generate(PROMPTS, SAMPLING, seed=21)
+    engine = _engine(tmp_path, models["a"], "--fault-500-every", "3", "--fault-drop-every", "5",
+                     "--fault-delay-every", "7", "--fault-delay-s", "3", port=31030, request_timeout_s=1.5,
+                     max_concurrency=4, max_retries=10)
+    try:
+        engine.update_weights(_hf_tensors(models["a"]), 4)
+        got = engine.generate(PROMPTS, SAMPLING, seed=21)
+        _same(got, want)  # every prompt answered once, exactly as without faults
+        assert engine.counters["retries"] >= 4 and engine.counters["restarts"] == 0
+    finally:
+        engine.shutdown()
+
+
+def test_killed_server_is_restarted_resynced_and_requests_reissued(tmp_path, models, clean):
+    clean.update_weights(_hf_tensors(models["b"]), 5)
+    want = clean.generate(PROMPTS, SAMPLING, seed=31)
+    engine = _engine(tmp_path, models["a"], "--fault-exit-at", "4", "--fault-marker", str(tmp_path / "died"),
+                     port=31040, max_retries=1, max_concurrency=2)
+    try:
+        engine.update_weights(_hf_tensors(models["b"]), 5)  # the restarted server must get b back, not a
+        got = engine.generate(PROMPTS, SAMPLING, seed=31)
+        assert (tmp_path / "died").exists()
+        assert engine.counters["restarts"] == 1 and engine.counters["reissued"] >= 1
+        _same(got, want)
+        engine.servers[0].process.kill()  # killed from outside between calls
+        engine.servers[0].process.wait()
+        _same(engine.generate(PROMPTS, SAMPLING, seed=31), want)
+        assert engine.counters["restarts"] == 2
+    finally:
+        engine.shutdown()
+
+
+def test_malformed_response_is_an_error_naming_the_field(tmp_path, models):
+    engine = _engine(tmp_path, models["a"], "--fault-bad-every", "2", port=31050)
+    try:
+        engine.update_weights(_hf_tensors(models["a"]), 1)
+        with pytest.raises(ResponseError, match="meta_info.output_token_logprobs"):
+            engine.generate(PROMPTS[:4], SAMPLING, seed=0)
+    finally:
+        engine.shutdown()
+
+
+def test_stale_weight_version_and_dead_external_server(clean, tmp_path):
+    external = SGLangEngine(SGLangConfig(urls=[clean.urls[0]], backoff_s=0.01), FromTensor(SGLangConfig()))
+    external.weight_version = 99  # the server holds another version than this client pushed
+    with pytest.raises(ResponseError, match="weight_version"):
+        external.generate(PROMPTS[:2], SAMPLING, seed=0)
+    dead = SGLangEngine(SGLangConfig(urls=["http://127.0.0.1:9"], max_retries=1, backoff_s=0.01),
+                        FromTensor(SGLangConfig()))
+    with pytest.raises(ServerUnavailable, match="not managed here"):
+        dead.generate(PROMPTS[:2], SAMPLING, seed=0)
