@@ -76,7 +76,8 @@ def _check_slurm(cfg: TrainConfig) -> None:
     servers = cfg.launch.rollout_servers
     if servers.mode == "disaggregated":
         if cfg.rollout.engine != "sglang":
-            raise ConfigError("launch.rollout_servers.mode=disaggregated runs SGLang servers: set rollout.engine=sglang")
+            raise ConfigError("launch.rollout_servers.mode=disaggregated runs SGLang servers: "
+                              "set rollout.engine=sglang")
         if not (servers.model_path or cfg.init.hf_checkpoint):
             raise ConfigError("disaggregated SGLang servers need launch.rollout_servers.model_path "
                               "(or init.hf_checkpoint)")

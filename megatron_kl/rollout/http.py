@@ -51,7 +51,8 @@ def call(url: str, path: str, payload: Optional[dict] = None, policy: RetryPolic
                 try:
                     return response.json()
                 except ValueError:
-                    raise ServerError(f"{url}{path} answered a body that is not JSON: {response.text[:200]!r}") from None
+                    raise ServerError(f"{url}{path} answered a body that is not JSON: "
+                                      f"{response.text[:200]!r}") from None
         if counters is not None:
             counters["retries"] = counters.get("retries", 0) + 1
         if attempt < policy.max_retries:

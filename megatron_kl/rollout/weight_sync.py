@@ -34,7 +34,8 @@ from megatron_kl.rollout.config import SGLangConfig
 Named = tuple[str, torch.Tensor]
 
 
-def hf_named_tensors(chunks: list, model, tp_group=None, pp_group=None, include_tied_head: bool = False) -> Iterator[Named]:
+def hf_named_tensors(chunks: list, model, tp_group=None, pp_group=None,
+                     include_tied_head: bool = False) -> Iterator[Named]:
     """Collective over TP and PP: the policy as HF-named full tensors, one Megatron tensor at a time."""
     from megatron_kl.models.hf import to_hf
     from megatron_kl.models.state import iter_full_state
@@ -216,7 +217,8 @@ class FromDistributed(_Buffered):
     def send(self, engine, servers, bucket, version) -> None:
         for index in servers:
             group = self._group(engine, index)
-            payload = {"names": [n for n, _ in bucket], "dtypes": [str(t.dtype).replace("torch.", "") for _, t in bucket],
+            payload = {"names": [n for n, _ in bucket],
+                       "dtypes": [str(t.dtype).replace("torch.", "") for _, t in bucket],
                        "shapes": [list(t.shape) for _, t in bucket], "group_name": self.group_name,
                        "flush_cache": False, "weight_version": str(version)}
             with ThreadPoolExecutor(1) as pool:  # the server's call returns after it received every tensor

