@@ -4,8 +4,8 @@ Global rank 0 owns the engine: it starts or connects to the servers and pushes t
 ``generate`` with its data-parallel shard; the prompts are gathered on rank 0, generated once per
 data-parallel replica (its tensor/pipeline peers hold the same prompts and seed; each replica's prompts go
 out as one concurrent batch), and each rank gets its replica's completions back. ``update_weights`` is
-collective: every rank takes part in gathering the policy over TP and PP (HF layout, one tensor at a time) and rank 0 streams it to the
-servers.
+collective: every rank takes part in gathering the policy over TP and PP (HF layout, one tensor at a time)
+and rank 0 streams it to the servers.
 """
 
 from __future__ import annotations

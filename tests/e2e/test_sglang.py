@@ -199,3 +199,24 @@ def test_training_on_sglang_servers_matches_the_trainers_logprobs(tmp_path, warm
     assert any("eval/eval/pass@1" in m for m in metrics)
     log = (tmp_path / "run" / "sglang" / "sglang-0.log").read_text()
     assert "==== start:" in log and "megatron_kl.testing.sglang_server" in log
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sync", ["from_disk", "from_tensor", "from_distributed"])
+def test_real_sglang_server_generates_and_syncs(tmp_path, models, sync):
+    """The same client against real SGLang (GPU machines with `pip install -e .[sglang]`)."""
+    pytest.importorskip("sglang")
+    if not torch.cuda.is_available():
+        pytest.skip("real SGLang needs a GPU")
+    config = SGLangConfig(port=free_port(), weight_sync=sync, sync_dir=str(tmp_path / "sync"),
+                          mem_fraction_static=0.3, startup_timeout_s=600)
+    weight_sync = {"from_disk": lambda: FromDisk(config, _model(models["a"])),
+                   "from_tensor": lambda: FromTensor(config),
+                   "from_distributed": lambda: FromDistributed(config)}[sync]()
+    engine = SGLangEngine(config, weight_sync, str(models["a"]), log_dir=tmp_path / "logs")
+    try:
+        engine.update_weights(_hf_tensors(models["b"]), 1)
+        got = engine.generate(PROMPTS, SAMPLING, seed=0)
+        assert len(got) == len(PROMPTS) and {c.weight_version for c in got} == {1}
+    finally:
+        engine.shutdown()
