@@ -39,9 +39,6 @@ from megatron_kl.rollout.servers import ManagedServer
 
 log = logging.getLogger(__name__)
 
-SERVER_MODULE = "sglang.launch_server"
-
-
 class ResponseError(ServerError):
     """A server response without the expected fields (names the field)."""
 
@@ -94,9 +91,9 @@ def parse_generate(body, prompt_ids: Sequence[int], expected_version: int, where
     return Completion(list(prompt_ids), token_ids, logprobs, finish_type, int(expected_version))
 
 
-def server_command(cfg: SGLangConfig, model_path: str, port: int, seed: int, module: str = SERVER_MODULE) -> list[str]:
-    command = [sys.executable, "-m", module, "--model-path", str(model_path), "--host", cfg.host, "--port", str(port),
-               "--tp-size", str(cfg.tp_size), "--dp-size", str(cfg.dp_size),
+def server_command(cfg: SGLangConfig, model_path: str, port: int, seed: int) -> list[str]:
+    command = [sys.executable, "-m", cfg.server_module, "--model-path", str(model_path), "--host", cfg.host,
+               "--port", str(port), "--tp-size", str(cfg.tp_size), "--dp-size", str(cfg.dp_size),
                "--mem-fraction-static", str(cfg.mem_fraction_static), "--skip-tokenizer-init",
                "--random-seed", str(seed)]
     if cfg.enable_memory_saver:
@@ -108,7 +105,7 @@ class SGLangEngine:
     """The rollout-engine protocol over SGLang HTTP servers (used from one trainer process)."""
 
     def __init__(self, cfg: SGLangConfig, weight_sync, model_path: Optional[str] = None, log_dir="runs/sglang",
-                 seed: int = 0, server_module: str = SERVER_MODULE):
+                 seed: int = 0):
         self.cfg = cfg
         self.sync = weight_sync
         self.policy = RetryPolicy(cfg.max_retries, cfg.backoff_s, cfg.request_timeout_s)
@@ -127,7 +124,7 @@ class SGLangEngine:
             for index in range(cfg.num_servers):
                 port = cfg.port + index
                 url = f"http://{cfg.host}:{port}"
-                server = ManagedServer(f"sglang-{index}", server_command(cfg, model_path, port, seed, server_module),
+                server = ManagedServer(f"sglang-{index}", server_command(cfg, model_path, port, seed),
                                        url, log_dir, cfg.startup_timeout_s)
                 server.start()
                 self.urls.append(url)

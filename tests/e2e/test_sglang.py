@@ -43,8 +43,7 @@ def _engine(tmp_path, model_dir, *faults, port=None, sync="from_disk", **cfg):
                           extra_args=list(faults), startup_timeout_s=120, backoff_s=0.05, **cfg)
     weight_sync = {"from_disk": lambda: FromDisk(config, _model(model_dir)), "from_tensor": lambda: FromTensor(config),
                    "from_distributed": lambda: FromDistributed(config, backend="gloo")}[sync]()
-    return SGLangEngine(config, weight_sync, str(model_dir), log_dir=tmp_path / "logs", seed=0,
-                        server_module=TEST_SERVER)
+    return SGLangEngine(config, weight_sync, str(model_dir), log_dir=tmp_path / "logs", seed=0)
 
 
 def _model(model_dir):
