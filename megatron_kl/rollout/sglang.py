@@ -110,6 +110,7 @@ class SGLangEngine:
         self.sync = weight_sync
         self.policy = RetryPolicy(cfg.max_retries, cfg.backoff_s, cfg.request_timeout_s)
         self.weight_version = 0
+        self.released = False  # colocated: memory handed back to the trainer
         self.counters = {"retries": 0, "restarts": 0, "reissued": 0}
         self._lock = threading.Lock()
         self.servers: list[Optional[ManagedServer]]
@@ -161,6 +162,9 @@ class SGLangEngine:
     # -- generation ------------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig,
                  seed: Optional[int] = None) -> list[Completion]:
+        if self.released:
+            self.broadcast("/resume_memory_occupation", {})
+            self.released = False
         results: list[Optional[Completion]] = [None] * len(prompts)
         pending = list(range(len(prompts)))
         base_seed = sampling.seed if seed is None else seed
@@ -197,20 +201,22 @@ class SGLangEngine:
         """Push HF-named full tensors (an iterable, streamed) as weight version ``version``: generation is
         paused around the update and the radix cache flushed; colocated servers get their memory back first."""
         with self._lock:
-            if self.cfg.colocated:
+            if self.released:
                 self.broadcast("/resume_memory_occupation", {"tags": ["weights"]})
             self.broadcast("/pause_generation", {"mode": "abort"})
             self.sync.push(self, named_tensors, version)
             self.broadcast("/flush_cache")
             self.broadcast("/continue_generation", {})
-            if self.cfg.colocated:
+            if self.released:
                 self.broadcast("/resume_memory_occupation", {"tags": ["kv_cache"]})
+                self.released = False
             self.weight_version = version
 
     def release_memory(self) -> None:
         """Colocated: hand the GPU memory (weights and KV cache) back to the trainer until the next update."""
-        if self.cfg.colocated:
+        if self.cfg.colocated and not self.released:
             self.broadcast("/release_memory_occupation", {})
+            self.released = True
 
     def shutdown(self) -> None:
         for server in self.servers:

@@ -62,7 +62,7 @@ class EmbeddedServer:
         self._reload()
         self.weight_version = "default"  # SGLang's initial version
         self.paused = False
-        self.released = False
+        self.released: set[str] = set()  # memory regions handed back (SGLang's tags: weights, kv_cache)
         self.groups: dict[str, object] = {}
         self.requests = 0
         self.lock = threading.Lock()
@@ -70,6 +70,8 @@ class EmbeddedServer:
     def _reload(self) -> None:
         from megatron_kl.models import hf
 
+        if "weights" in getattr(self, "released", ()):
+            raise RuntimeError("weights memory released: /resume_memory_occupation {tags: [weights]} first")
         hf.load_hf_into([self.engine.model], _DictCheckpoint(self.tensors), self.model)
 
     # -- routes ----------------------------------------------------------------------------------
@@ -84,7 +86,7 @@ class EmbeddedServer:
         if self.paused:
             return self._response(ids, [], [], {"type": "abort", "message": "generation paused"})
         if self.released:
-            raise RuntimeError("memory released: call /resume_memory_occupation first")
+            raise RuntimeError(f"memory released ({sorted(self.released)}): call /resume_memory_occupation first")
         params = body.get("sampling_params") or {}
         sampling = SamplingConfig(temperature=float(params.get("temperature", 1.0)),
                                   top_p=float(params.get("top_p", 1.0)),
@@ -156,9 +158,9 @@ class EmbeddedServer:
         elif path == "/continue_generation":
             self.paused = False
         elif path == "/release_memory_occupation":
-            self.released = True
+            self.released = {"weights", "kv_cache"}
         elif path == "/resume_memory_occupation":
-            self.released = False
+            self.released -= set(body.get("tags") or ["weights", "kv_cache"])
         return {"success": True, "message": ""}
 
 

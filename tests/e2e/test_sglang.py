@@ -152,6 +152,27 @@ def test_killed_server_is_restarted_resynced_and_requests_reissued(tmp_path, mod
         engine.shutdown()
 
 
+def test_colocated_release_and_resume_around_generation_and_updates(tmp_path, models, clean):
+    """colocated: memory released after generating, resumed (weights first, then KV cache) for the next
+    update or generation; the test server refuses to generate or load while released."""
+    clean.update_weights(_hf_tensors(models["b"]), 6)
+    want = clean.generate(PROMPTS, SAMPLING, seed=41)
+    engine = _engine(tmp_path, models["a"], "--enable-memory-saver", colocated=True, enable_memory_saver=True)
+    try:
+        engine.update_weights(_hf_tensors(models["a"]), 1)
+        engine.generate(PROMPTS[:2], SAMPLING, seed=0)
+        engine.release_memory()
+        assert engine.released
+        engine.generate(PROMPTS[:2], SAMPLING, seed=0)  # resumed before generating
+        engine.release_memory()
+        engine.update_weights(_hf_tensors(models["b"]), 6)  # resumed weights, pushed, resumed KV cache
+        assert not engine.released
+        _same(engine.generate(PROMPTS, SAMPLING, seed=41), want)
+        assert engine.counters == {"retries": 0, "restarts": 0, "reissued": 0}  # never hit a released server
+    finally:
+        engine.shutdown()
+
+
 def test_malformed_response_is_an_error_naming_the_field(tmp_path, models):
     engine = _engine(tmp_path, models["a"], "--fault-bad-every", "2", port=free_port())
     try:
