@@ -57,6 +57,9 @@ class ModelConfig:
     # then the vocab-parallel stats, "auto" fuses when the local vocabulary shard is >= 16384 columns
     logprob_path: str = "auto"
     logprob_chunk_rows: Optional[int] = None  # rows per chunk on either path; None: automatic
+    # fused path, training: in_forward forms the gradients in the forward sweep (no recomputed logits) when
+    # the loss is row-separable, recompute always recomputes them in backward; auto = in_forward
+    fused_grad: str = "auto"
 
     def resolved(self) -> "ModelConfig":
         """A copy with the architecture defaults filled in for fields left as None."""
@@ -105,6 +108,8 @@ def validate_model(model: ModelConfig) -> None:
         )
     if model.logprob_path not in ("auto", "fused", "unfused"):
         raise ConfigError(f"model.logprob_path={model.logprob_path!r}: use one of ['auto', 'fused', 'unfused']")
+    if model.fused_grad not in ("auto", "in_forward", "recompute"):
+        raise ConfigError(f"model.fused_grad={model.fused_grad!r}: use one of ['auto', 'in_forward', 'recompute']")
     if model.logprob_chunk_rows is not None and model.logprob_chunk_rows <= 0:
         raise ConfigError(f"model.logprob_chunk_rows={model.logprob_chunk_rows} must be > 0 (or null for automatic)")
     if model.params_dtype not in DTYPES:

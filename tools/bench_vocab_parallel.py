@@ -7,7 +7,9 @@ Two sections, each against a baseline measured in the same run:
 * ``linear`` (input: hidden states + output weights, the projection included): naive (full logits, then
   log_softmax) vs unfused (full logits, then fused_stats with the in-place backward: the best path that
   materialises the logits) vs fused linear (megatron_kl.kl.fused_linear: never more than a chunk of
-  logits), with a chunk-size sweep for the fused path. Gradients w.r.t. the hidden states and the weight.
+  logits), with a chunk-size sweep for the fused path, and the fused single pass (model.fused_grad=
+  in_forward: gradients formed in the forward sweep, for row-separable losses; no recomputed logits).
+  Gradients w.r.t. the hidden states and the weight.
 
 Each measurement runs in a fresh subprocess (glibc told to serve large blocks by mmap so RSS follows live
 memory); peak extra memory = peak RSS (ru_maxrss) minus the RSS after the inputs were allocated, so the
@@ -114,7 +116,16 @@ def _linear_paths(tokens: int, vocab: int, hidden_size: int, chunk: int):
                                    chunk_size=chunk or None)
         return torch.autograd.grad(loss_of(stats), (h, weight))
 
-    return {"naive": naive, "unfused": unfused, "fused_linear": fused}, hidden.clone
+    def single_pass():  # model.fused_grad=in_forward: the loss is row-separable, dL/d(stats) = 1 per row
+        from megatron_kl.kl.fused_linear import default_chunk_rows, fused_linear_grads
+
+        ones = torch.ones(tokens)
+        _, grad_hidden, grad_weight = fused_linear_grads(
+            hidden, weight.detach(), reference_hidden, reference_weight, targets, None, TEMPERATURE, None,
+            chunk or default_chunk_rows(vocab), lambda out, lo, hi: (ones[lo:hi], ones[lo:hi], ones[lo:hi]))
+        return grad_hidden, grad_weight
+
+    return {"naive": naive, "unfused": unfused, "fused_linear": fused, "fused_single_pass": single_pass}, hidden.clone
 
 
 def _measure(section: str, impl: str, size: str, hidden_size: int, chunk: int, repeats: int) -> dict:
@@ -181,13 +192,16 @@ def main(argv=None) -> int:
         if "linear" in sections:
             results = {impl: _child("linear", impl, size, args, args.chunk) for impl in ("naive", "unfused")}
             results["fused_linear (auto)"] = _child("linear", "fused_linear", size, args, 0)
+            results["fused 1-pass (auto)"] = _child("linear", "fused_single_pass", size, args, 0)
             for chunk in (int(c) for c in args.chunks.split(",") if c):
                 results[f"fused_linear c={chunk}"] = _child("linear", "fused_linear", size, args, chunk)
             _table(f"hidden in (H={args.hidden}): projection + stats, grads w.r.t. hidden and weight", size,
                    results, "naive")
-            unfused, fused = results["unfused"], results["fused_linear (auto)"]
-            print(f"fused (auto) vs unfused: memory {unfused['peak_extra_bytes'] / max(fused['peak_extra_bytes'], 1):.1f}x "
-                  f"lower, time ratio {fused['time_s'] / unfused['time_s']:.2f}")
+            unfused = results["unfused"]
+            for name in ("fused_linear (auto)", "fused 1-pass (auto)"):
+                fused = results[name]
+                print(f"{name} vs unfused: memory {unfused['peak_extra_bytes'] / max(fused['peak_extra_bytes'], 1):.1f}x "
+                      f"lower, time ratio {fused['time_s'] / unfused['time_s']:.2f}")
     return 0
 
 

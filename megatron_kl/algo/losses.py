@@ -105,6 +105,40 @@ def ppo_loss(logprobs, old_logprobs, advantages, mask, cfg: AlgoConfig, behavior
     return torch.where(m, loss, zero), was_clipped & m, torch.where(m, ratio.detach(), zero)
 
 
+def row_separable(algo: AlgoConfig, kl: KLConfig) -> bool:
+    """Whether the microbatch loss is sum_t w_t l_t(logprob_t, H_t, KL_t) with fixed weights, i.e. its
+    gradient w.r.t. row t's statistics depends on row t only: PPO-clip (with TIS), the entropy bonus, any
+    KL in the reward (the credited values are fixed inputs), a token-level KL in the loss without
+    per-decision weights. Not: RPG losses, sequence-level KL in the loss (its gradient at t carries the
+    other tokens' KL), per-decision prefix weights."""
+    if algo.loss != "ppo":
+        return False
+    if kl.coef > 0 and kl.placement == "loss" and (kl.level != "token" or kl.off_policy == "per_decision"):
+        return False
+    return True
+
+
+@dataclass
+class MicrobatchLoss:
+    """``loss_fn`` of a training minibatch: ``(stats, mb) -> (loss, metrics)``; ``probe`` is the same loss
+    without side effects (no clamp counting), for the fused single pass when ``row_separable``."""
+
+    algo: AlgoConfig
+    kl: KLConfig
+    shares: Shares
+    counter: Optional[ClampCounter] = None
+
+    @property
+    def row_separable(self) -> bool:
+        return row_separable(self.algo, self.kl)
+
+    def __call__(self, stats, mb: dict):
+        return microbatch_loss(stats, mb, self.algo, self.kl, self.shares, self.counter)
+
+    def probe(self, stats, mb: dict) -> torch.Tensor:
+        return microbatch_loss(stats, mb, self.algo, self.kl, self.shares, None)[0]
+
+
 def microbatch_loss(stats, mb: dict, algo: AlgoConfig, kl: KLConfig, shares: Shares,
                     counter: Optional[ClampCounter] = None) -> tuple[torch.Tensor, dict]:
     """This microbatch's share of the minibatch loss, and metrics (sums to be averaged by the caller).

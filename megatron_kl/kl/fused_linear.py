@@ -15,6 +15,12 @@ vocabulary):
                             parallelism), the collectives of the column-parallel output layer itself
     dL/dW       = sum_chunks G^T h_chunk      the local shard (columns >= vocab_size get exactly 0)
 
+Single pass (``fused_linear_grads``): when the loss is row-separable - L = sum_t l_t(logprob_t, H_t, KL_t),
+so dL/d(stats_t) depends on row t's statistics only (PPO-clip, token-level KL in the loss or any KL in the
+reward, entropy bonus, fixed aggregation weights) - the caller's ``probe`` gives dL/d(stats) of a chunk's
+rows right after its forward, and dL/dh, dL/dW are formed from the chunk logits still in hand: no
+recomputation, so the GEMMs are those of the unfused path (z, r, dL/dh, dL/dW).
+
 No gradient reaches the reference. Half-precision inputs: the logit and dL/dh products run in the input
 dtype with the backend's float32 accumulation and are upcast to float32 before any exp/log; dL/dW
 accumulates across chunks in float32, in place. float64 inputs compute in float64. Chunks are processed in a fixed order, so results
@@ -86,22 +92,89 @@ class _FusedLinearStats(torch.autograd.Function):
             grad = chunk_grad(
                 z, r, targets[lo:hi] if targets is not None else None, shard, norms[:, lo:hi], out[:, lo:hi],
                 upstream(grad_logprob, lo, hi, dtype), upstream(grad_entropy, lo, hi, dtype),
-                upstream(grad_kl, lo, hi, dtype), tau,
-            )  # dL/dz for this chunk, [c, valid], compute dtype
-            if want_hidden:
-                grad_hidden[lo:hi] = grad.to(hidden.dtype) @ weight[:valid]
-            if want_weight:  # accumulated in place: no [V/tp, H] temporary per chunk
-                grad_weight[:valid].addmm_(grad.t(), hidden[lo:hi].to(dtype))
+                upstream(grad_kl, lo, hi, dtype), 1.0,
+            )  # tau * dL/dz for this chunk, [c, valid], compute dtype; 1/tau goes into the [c, H] products
+            _accumulate(grad, hidden, weight, lo, hi, valid, tau, grad_hidden, grad_weight, dtype)
         if want_weight:
             grad_weight = grad_weight.to(weight.dtype)
         return grad_hidden, grad_weight, None, None, None, None, None, None, None
+
+
+@torch.no_grad()
+def fused_linear_grads(hidden, weight, reference_hidden, reference_weight, targets, group, temperature: float,
+                       vocab_size, chunk_size: int, probe, want_weight: bool = True):
+    """One pass over row chunks of ``hidden [R, H]``: the statistics ``out [3, R]`` (log-prob, entropy, KL),
+    ``dL/dh [R, H]`` (this rank's partial sum over its vocabulary slice, before the TP reduction) and
+    ``dL/dW [V/tp, H]`` (float32, or None), where ``probe(out, lo, hi) -> (g_lp, g_H, g_KL)`` returns
+    dL/d(stats) for rows ``lo:hi`` given ``out[:, :hi]`` (entries None when the loss does not use them).
+    Exact only for row-separable losses (module docstring); no autograd graph is built."""
+    rows = hidden.shape[0]
+    shard = _shard(weight.shape[0], group, vocab_size)
+    dtype = compute_dtype(hidden.dtype)
+    has_ref = reference_hidden is not None
+    out = torch.zeros(3, rows, dtype=dtype, device=hidden.device)
+    norms = torch.empty(4, rows, dtype=dtype, device=hidden.device)
+    grad_hidden = torch.zeros_like(hidden)
+    grad_weight = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if want_weight else None
+    valid = shard.valid
+    for lo in range(0, rows, chunk_size):
+        hi = min(rows, lo + chunk_size)
+        z = _project(hidden[lo:hi], weight, valid, temperature, dtype)
+        r = _project(reference_hidden[lo:hi], reference_weight, valid, temperature, dtype) if has_ref else None
+        tgt = targets[lo:hi] if targets is not None else None
+        kept: list = []  # z - M, exp(z - M), r - M_ref: the gradient reuses the forward's work
+        out[:, lo:hi], norms[:, lo:hi] = chunk_forward(z, r, tgt, shard, group, dtype, keep=kept)
+        g_lp, g_h, g_kl = probe(out, lo, hi)
+        if not valid:  # a padding-only shard: its columns get no gradient, its rows a zero partial sum
+            continue
+        z_centred, exp_centred, r_centred = kept
+        centred = norms[:, lo:hi].clone()
+        centred[0] = 0.0  # M and M_ref are already subtracted
+        centred[2] = 0.0
+        p = exp_centred.mul_(torch.exp(-norms[1, lo:hi])[:, None])  # softmax = exp(z - M) / S
+        grad = chunk_grad(z_centred, r_centred if g_kl is not None else None, tgt, shard, centred, out[:, lo:hi],
+                          _as(g_lp, dtype), _as(g_h, dtype), _as(g_kl, dtype), 1.0, p=p)
+        _accumulate(grad, hidden, weight, lo, hi, valid, temperature, grad_hidden, grad_weight, dtype)
+    return out, grad_hidden, grad_weight
+
+
+def _accumulate(grad, hidden, weight, lo, hi, valid, temperature, grad_hidden, grad_weight, dtype) -> None:
+    """dL/dh rows and the in-place dL/dW sum of one chunk from ``grad`` = tau * dL/dz [c, valid]."""
+    if grad_hidden is not None:
+        rows = grad.to(hidden.dtype) @ weight[:valid]
+        grad_hidden[lo:hi] = rows if temperature == 1.0 else rows.div_(temperature)
+    if grad_weight is not None:  # accumulated in place: no [V/tp, H] temporary per chunk
+        grad_weight[:valid].addmm_(grad.t(), hidden[lo:hi].to(dtype), alpha=1.0 / temperature)
+
+
+def _as(grad, dtype):
+    return None if grad is None else grad.to(dtype)
+
+
+class PrecomputedGrad(torch.autograd.Function):
+    """``value`` (a detached loss) that back-propagates precomputed ``dL/dh`` and ``dL/dW``, scaled by the
+    incoming gradient, into ``hidden`` and ``weight`` (through whatever produced them, e.g. the TP mapping)."""
+
+    @staticmethod
+    def forward(ctx, value, hidden, weight, grad_hidden, grad_weight):
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.weight_dtype = weight.dtype
+        return value.detach().clone()
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        weight_grad = None
+        if grad_weight is not None and ctx.needs_input_grad[2]:
+            weight_grad = (grad_weight * grad_output.to(grad_weight.dtype)).to(ctx.weight_dtype)
+        return None, grad_hidden * grad_output.to(grad_hidden.dtype), weight_grad, None, None
 
 
 def _project(hidden, weight, valid: int, temperature: float, dtype) -> torch.Tensor:
     """This rank's valid logit columns of a chunk, divided by tau, as a fresh compute-dtype tensor."""
     logits = hidden @ weight[:valid].t()
     logits = logits.to(dtype) if logits.dtype != dtype else logits
-    return logits.div_(temperature)
+    return logits if temperature == 1.0 else logits.div_(temperature)
 
 
 def _gather_rows(hidden: torch.Tensor, tp_group, sequence_parallel: bool) -> torch.Tensor:

@@ -70,13 +70,14 @@ def _scaled(chunk: torch.Tensor, shard: _Shard, temperature: float, dtype: torch
     return chunk[:, : shard.valid].to(dtype) / temperature
 
 
-def chunk_forward(z, r, targets, shard: _Shard, group, dtype):
+def chunk_forward(z, r, targets, shard: _Shard, group, dtype, keep: Optional[list] = None):
     """Globally reduced statistics of one chunk of rows.
 
     ``z`` / ``r``: this rank's valid columns of the policy / reference logits divided by tau, in the
     compute ``dtype`` (``r`` may be None); both are overwritten. ``targets``: global ids of the chunk's
     rows (or None). Returns ``out [3, n]`` (log-prob of the target, entropy, KL) and ``norms [4, n]``
-    (M, log S, M_ref, log S_ref), the normalisers ``chunk_grad`` needs.
+    (M, log S, M_ref, log S_ref), the normalisers ``chunk_grad`` needs. ``keep``: a list that receives
+    ``[z - M, exp(z - M), r - M_ref]`` (``r`` then left as ``r - M_ref``) for a gradient in the same pass.
     """
     n = z.shape[0]
     maxes = torch.full((2, n), torch.finfo(dtype).min, dtype=dtype, device=z.device)
@@ -93,7 +94,7 @@ def chunk_forward(z, r, targets, shard: _Shard, group, dtype):
     if r is not None:
         rc = r.sub_(maxes[1, :, None])
         sums[3] = torch.linalg.vecdot(e, rc)  # S * E_pi[r - M_ref]
-        sums[2] = rc.exp_().sum(-1)  # S_ref
+        sums[2] = (torch.exp(rc) if keep is not None else rc.exp_()).sum(-1)  # S_ref
     if targets is not None and shard.valid:
         local_t = targets - shard.start
         owned = (local_t >= 0) & (local_t < shard.valid)
@@ -111,18 +112,21 @@ def chunk_forward(z, r, targets, shard: _Shard, group, dtype):
         log_s_ref = torch.log(sums[2])
         out[2] = mean_zc - sums[3] / sums[0] - log_s + log_s_ref
         norms[2], norms[3] = maxes[1], log_s_ref
+    if keep is not None:
+        keep[:] = [zc, e, rc if r is not None else None]
     return out, norms
 
 
-def chunk_grad(z, r, targets, shard: _Shard, norms, out, g_lp, g_h, g_kl, temperature):
+def chunk_grad(z, r, targets, shard: _Shard, norms, out, g_lp, g_h, g_kl, temperature, p=None):
     """Gradient w.r.t. this rank's valid logit columns of one chunk (see the module docstring).
 
     ``z`` / ``r`` as in ``chunk_forward`` (overwritten); ``norms`` / ``out`` its results for these rows;
     ``g_lp`` / ``g_h`` / ``g_kl``: upstream gradients [n] in the compute dtype (None when absent).
+    ``p``: the softmax of these rows when already at hand (overwritten), else computed here.
     """
     # grad_z = p * [-g_lp - g_H (log p + H) + g_KL (log p - log q - KL)] + g_lp * onehot(target), in place
     log_p = z.sub_((norms[0] + norms[1])[:, None])
-    p = torch.exp(log_p)
+    p = torch.exp(log_p) if p is None else p
     kl_part = None
     if g_kl is not None and r is not None:  # g_KL * ((log p - log q) - KL): large |log q| cancels first
         kl_part = r.sub_((norms[2] + norms[3])[:, None])  # log q
@@ -142,7 +146,7 @@ def chunk_grad(z, r, targets, shard: _Shard, norms, out, g_lp, g_h, g_kl, temper
         owned = (local_t >= 0) & (local_t < shard.valid)
         idx = owned.nonzero().squeeze(-1)
         grad[idx, local_t[idx]] += g_lp[idx]
-    return grad.div_(temperature)
+    return grad if temperature == 1.0 else grad.div_(temperature)
 
 
 def upstream(grad: Optional[torch.Tensor], lo: int, hi: int, dtype) -> Optional[torch.Tensor]:

@@ -69,15 +69,18 @@ class VocabOptions:
     temperature: float = 1.0
     chunk_size: int = DEFAULT_CHUNK  # rows per chunk; None: automatic (per path)
     fused: bool = False  # fused linear path: never materialise the logits
+    grad_in_forward: bool = False  # fused + row-separable loss: gradients formed in the forward pass
 
     @classmethod
     def for_model(cls, model_cfg, parallel_cfg, temperature: float = 1.0) -> "VocabOptions":
-        """Options from ``model.logprob_path`` (auto | fused | unfused) and ``model.logprob_chunk_rows``."""
+        """Options from ``model.logprob_path`` (auto | fused | unfused), ``model.fused_grad`` (auto |
+        in_forward | recompute) and ``model.logprob_chunk_rows``."""
         path = model_cfg.logprob_path
         local_vocab = model_cfg.padded_vocab_size(parallel_cfg.tensor_parallel) // parallel_cfg.tensor_parallel
         fused = path == "fused" or (path == "auto" and local_vocab >= FUSED_MIN_LOCAL_VOCAB)
         return cls(vocab_size=model_cfg.vocab_size, temperature=temperature,
-                   chunk_size=model_cfg.logprob_chunk_rows, fused=fused)
+                   chunk_size=model_cfg.logprob_chunk_rows, fused=fused,
+                   grad_in_forward=model_cfg.fused_grad != "recompute")
 
 
 def output_weight(model) -> torch.Tensor:
@@ -130,22 +133,28 @@ def _unfused_stats(vocab: VocabOptions, reference: Optional[ReferenceHead], mb: 
                        vocab_size=vocab.vocab_size, chunk_size=vocab.chunk_size)
 
 
-def _fused_stats(vocab: VocabOptions, reference: Optional[ReferenceHead], mb: dict, hidden, weight, tp_group,
-                 sequence_parallel: bool) -> VocabParallelStats:
-    """Stats ``[b, s-1]`` from the hidden states ``[b, s(/tp), H]``, computed in megatron's [s, b] order."""
-    device = hidden.device
+def fused_layout(vocab_reference: Optional[ReferenceHead], mb: dict, device):
+    """The fused path's row layout, megatron's [s, b] order: targets, the rows to compute (loss-masked
+    positions with a target) and the reference's hidden states and output weight (or None)."""
     tokens = mb["tokens"].to(device)
     b, s = tokens.shape
     targets = torch.cat([tokens[:, 1:], tokens.new_zeros(b, 1)], dim=1).t()  # [s, b]; last row has no target
     rows = torch.cat([mb["loss_mask"].to(device).bool(), torch.zeros(b, 1, dtype=torch.bool, device=device)], 1).t()
     reference_hidden = reference_weight = None
-    if reference is not None and "reference_hidden" in mb:
+    if vocab_reference is not None and "reference_hidden" in mb:
         reference_hidden = mb["reference_hidden"].to(device).transpose(0, 1)
-        reference_weight = reference.weight()
+        reference_weight = vocab_reference.weight()
+    return targets, rows.contiguous(), reference_hidden, reference_weight
+
+
+def _fused_stats(vocab: VocabOptions, reference: Optional[ReferenceHead], mb: dict, hidden, weight, tp_group,
+                 sequence_parallel: bool) -> VocabParallelStats:
+    """Stats ``[b, s-1]`` from the hidden states ``[b, s(/tp), H]``, computed in megatron's [s, b] order."""
+    targets, rows, reference_hidden, reference_weight = fused_layout(reference, mb, hidden.device)
     stats = fused_linear_stats(
         hidden.transpose(0, 1), weight, tp_group, targets=targets, reference_hidden=reference_hidden,
         reference_weight=reference_weight, temperature=vocab.temperature, vocab_size=vocab.vocab_size,
-        chunk_size=vocab.chunk_size, sequence_parallel=sequence_parallel, mask=rows.contiguous(),
+        chunk_size=vocab.chunk_size, sequence_parallel=sequence_parallel, mask=rows,
     )
 
     def per_sequence(value):
@@ -171,7 +180,12 @@ def _forward_step(vocab: VocabOptions, loss_fn: LossFn, num_microbatches: int,
     tp_group = parallel_state.get_tensor_model_parallel_group()
 
     def loss_func(output):
-        if fused:
+        if fused and vocab.grad_in_forward and getattr(loss_fn, "row_separable", False) and torch.is_grad_enabled():
+            from megatron_kl.models.fused_loss import single_pass_loss
+
+            loss, metrics = single_pass_loss(vocab, reference, mb, output, output_weight(inner), tp_group,
+                                             inner.output_layer.sequence_parallel, loss_fn)
+        elif fused:
             stats = _fused_stats(vocab, reference, mb, output, output_weight(inner), tp_group,
                                  inner.output_layer.sequence_parallel)
             loss, metrics = loss_fn(stats, mb)

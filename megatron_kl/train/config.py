@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from megatron_kl.algo.losses import AlgoConfig
+from megatron_kl.algo.losses import AlgoConfig, row_separable
 from megatron_kl.config import ConfigError, ModelConfig, ParallelConfig, load_yaml
 from megatron_kl.kl.objective import KLConfig
 from megatron_kl.launch.config import LaunchConfig
@@ -149,6 +149,9 @@ def validate_train_config(cfg: TrainConfig, tokenizer_vocab: int, data_parallel:
     for section in ("eval", "checkpoint"):
         if getattr(cfg, section).interval < 0:
             raise ConfigError(f"{section}.interval={getattr(cfg, section).interval} must be >= 0 (0: only at the end)")
+    if cfg.model.fused_grad == "in_forward" and not row_separable(cfg.algo, cfg.kl):
+        raise ConfigError("model.fused_grad=in_forward needs a row-separable loss (PPO with the KL in the reward or a "
+                          "token-level KL in the loss, no per-decision weights); use auto or recompute")
     if cfg.eval.k < 1:
         raise ConfigError(f"eval.k={cfg.eval.k} must be >= 1")
 

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_kl.algo.advantages import sequence_advantages
-from megatron_kl.algo.losses import Shares, microbatch_loss
+from megatron_kl.algo.losses import MicrobatchLoss, Shares
 from megatron_kl.kl.estimators import ClampCounter
 from megatron_kl.kl.objective import kl_shaped_returns
 from megatron_kl.models import optim, pipeline
@@ -138,7 +138,7 @@ def rl_step(ctx: StepContext, batch: RolloutBatch, step: int) -> dict:
             with ctx.offload.resident() if needs_exact_in_loss else nullcontext():
                 out = optim.train_step(
                     ctx.train_state, minibatch, run.micro_batches,
-                    lambda stats, mb, shares=shares: microbatch_loss(stats, mb, algo, kl, shares, ctx.counter),
+                    MicrobatchLoss(algo, kl, shares, ctx.counter),
                     vocab, reference=ctx.reference_head if needs_exact_in_loss else None,
                 )
             grad_norms.append(out["grad_norm"])

@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 
 
 # implementation choices of the same computation (equal to float32 rounding, tested): not part of the key
-NOT_IN_KEY = {"model": ("logprob_path", "logprob_chunk_rows"), "warm_start": ("cache_dir", "enabled")}
+NOT_IN_KEY = {"model": ("logprob_path", "logprob_chunk_rows", "fused_grad"), "warm_start": ("cache_dir", "enabled")}
 
 
 def warm_start_seed(cfg) -> int:

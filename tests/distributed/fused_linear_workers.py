@@ -69,3 +69,49 @@ def fused_linear_worker(rank, world, cases):
                       unfused_grad_hidden=grad_h.double(), unfused_grad_weight=grad_w.double())
         results.append(result)
     return results
+
+
+def single_pass_worker(rank, world, cases):
+    """The single pass (gradients formed in the forward through a probe) against autograd through
+    ``fused_linear_stats`` on the same row-separable loss: sum_t w0 lp + w1 H + w2 KL + 0.3 w0 exp(lp)."""
+    from megatron_kl.kl.fused_linear import fused_linear_grads
+
+    group = dist.group.WORLD
+    results = []
+    for case in cases:
+        full = make_case(case)
+        dtype = getattr(torch, case["dtype"])
+        hidden = full["hidden"].to(dtype)
+        weight = full["weight"].chunk(world, dim=0)[rank].to(dtype).contiguous()
+        ref_hidden = full["reference_hidden"].to(dtype)
+        ref_weight = full["reference_weight"].chunk(world, dim=0)[rank].to(dtype).contiguous()
+        w = full["weights"].reshape(3, -1).to(dtype)
+        kwargs = dict(temperature=case["temperature"], vocab_size=case["vocab"])
+
+        h = hidden.clone().requires_grad_(True)
+        wt = weight.clone().requires_grad_(True)
+        stats = fused_linear_stats(h, wt, group, targets=full["targets"], reference_hidden=ref_hidden,
+                                   reference_weight=ref_weight, chunk_size=case["chunk"], **kwargs)
+        lp, ent, kl = (x.reshape(-1) for x in (stats.logprobs, stats.entropy, stats.kl))
+        loss = (w[0] * lp + w[1] * ent + w[2] * kl + 0.3 * w[0] * torch.exp(lp)).sum()
+        want_h, want_w = torch.autograd.grad(loss, (h, wt))
+
+        calls = []
+
+        def probe(out, lo, hi):
+            assert (out[:, hi:] == 0).all(), "the probe must see only finished rows"
+            calls.append((lo, hi))
+            return w[0, lo:hi] * (1 + 0.3 * torch.exp(out[0, lo:hi].to(dtype))), w[1, lo:hi], w[2, lo:hi]
+
+        rows = hidden.reshape(-1, hidden.shape[-1]).contiguous()
+        out, got_h, got_w = fused_linear_grads(rows, weight, ref_hidden.reshape(-1, hidden.shape[-1]).contiguous(),
+                                               ref_weight, full["targets"].reshape(-1), group, case["temperature"],
+                                               case["vocab"], case["chunk"], probe)
+        if world > 1:
+            dist.all_reduce(got_h, group=group)  # what the output layer's TP collective does in backward
+        results.append({
+            "stats": torch.stack([lp, ent, kl]).detach().double(), "single_stats": out.double(),
+            "grad_hidden": want_h.reshape(-1, hidden.shape[-1]).double(), "single_grad_hidden": got_h.double(),
+            "grad_weight": want_w.double(), "single_grad_weight": got_w.double(), "probes": len(calls),
+        })
+    return results

@@ -11,15 +11,24 @@ from megatron_kl.config import ModelConfig, ParallelConfig
 from megatron_kl.models import builder, optim, parallel, pipeline, state
 
 
-def _sft_like_loss(batch_size: int):
-    """Share of -sum(logprob) + 0.1 sum(entropy) over response tokens, divided by the batch size."""
+class _SFTLikeLoss:
+    """Share of -sum(logprob) + 0.1 sum(entropy) over response tokens, divided by the batch size; row-separable,
+    so the fused path may form its gradients in the forward (``probe``)."""
 
-    def loss_fn(stats, mb):
+    row_separable = True
+
+    def __init__(self, batch_size: int):
+        self.batch_size = batch_size
+        self.probes = 0
+
+    def __call__(self, stats, mb):
         mask = mb["loss_mask"].to(stats.logprobs.dtype)
-        loss = (-(stats.logprobs * mask).sum() + 0.1 * (stats.entropy * mask).sum()) / batch_size
+        loss = (-(stats.logprobs * mask).sum() + 0.1 * (stats.entropy * mask).sum()) / self.batch_size
         return loss, {"loss": loss.detach()}
 
-    return loss_fn
+    def probe(self, stats, mb):
+        self.probes += 1
+        return self(stats, mb)[0]
 
 
 def _gather_logits(model_cfg: ModelConfig):
@@ -38,10 +47,12 @@ def _gather_logits(model_cfg: ModelConfig):
 
 
 def layout_worker(rank, world, model_cfg: ModelConfig, parallel_cfg: ParallelConfig, full_state, tokens,
-                  loss_mask, num_microbatches: int, optim_cfg: optim.OptimConfig, fused: bool = False):
+                  loss_mask, num_microbatches: int, optim_cfg: optim.OptimConfig, fused: bool = False,
+                  grad_in_forward: bool = False):
     """Build policy+reference in the given layout from ``full_state`` (or fresh init when None), and
     return logits, token stats, gradients and the updated weights, all in the full layout. ``fused``:
-    stats and gradients through the fused linear path (logits are gathered on the unfused path)."""
+    stats and gradients through the fused linear path (logits are gathered on the unfused path);
+    ``grad_in_forward``: the fused single pass (gradients formed in the forward)."""
     from megatron.core import parallel_state
 
     torch.manual_seed(0)
@@ -57,7 +68,7 @@ def layout_worker(rank, world, model_cfg: ModelConfig, parallel_cfg: ParallelCon
 
     batch = pipeline.SequenceBatch(tokens=tokens, loss_mask=loss_mask)
     unfused = pipeline.VocabOptions(vocab_size=model_cfg.vocab_size, temperature=0.8, chunk_size=7)
-    vocab = dataclasses.replace(unfused, fused=fused, chunk_size=5 if fused else 7)
+    vocab = dataclasses.replace(unfused, fused=fused, chunk_size=5 if fused else 7, grad_in_forward=grad_in_forward)
     logits_out = pipeline.run_schedule(models.policy, batch, num_microbatches, _gather_logits(model_cfg),
                                        unfused, forward_only=True)
     logits = None
@@ -67,7 +78,8 @@ def layout_worker(rank, world, model_cfg: ModelConfig, parallel_cfg: ParallelCon
     reference_before = pipeline.compute_token_stats(models.reference, batch, num_microbatches, vocab)
 
     train = optim.build_train_state(models.policy, optim_cfg)
-    step = optim.train_step(train, batch, num_microbatches, _sft_like_loss(tokens.shape[0]), vocab)
+    loss_fn = _SFTLikeLoss(tokens.shape[0])
+    step = optim.train_step(train, batch, num_microbatches, loss_fn, vocab)
     inner = [c.module for c in train.chunks]
     grads = state.full_state_dict(inner, model_cfg.vocab_size, tied, tp_group, pp_group, getter=optim.main_grad)
     updated = state.full_state_dict(inner, model_cfg.vocab_size, tied, tp_group, pp_group)
@@ -81,6 +93,7 @@ def layout_worker(rank, world, model_cfg: ModelConfig, parallel_cfg: ParallelCon
         "reference_before": reference_before["logprobs"],
         "reference_after": reference_after["logprobs"],
         "reference_requires_grad": reference_requires_grad,
+        "probes": loss_fn.probes,
         "grads": grads,
         "updated": updated,
         "grad_norm": step["grad_norm"],

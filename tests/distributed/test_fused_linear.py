@@ -9,7 +9,7 @@ import torch
 
 from megatron_kl.kl.fused_linear import fused_linear_stats
 from megatron_kl.testing.distributed import run_ranks
-from tests.distributed.fused_linear_workers import fused_linear_worker, make_case
+from tests.distributed.fused_linear_workers import fused_linear_worker, make_case, single_pass_worker
 
 TOL = {"float64": 1e-10, "float32": 1e-5, "bfloat16": 3e-2}
 
@@ -112,3 +112,22 @@ def test_bad_shapes_name_the_argument():
         fused_linear_stats(h, w, None, targets=torch.zeros(5, dtype=torch.long))
     with pytest.raises(ValueError, match="temperature"):
         fused_linear_stats(h, w, None, temperature=0.0)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_single_pass_gradients_equal_autograd(world):
+    """model.fused_grad=in_forward's kernel: the same statistics and gradients as back-propagating through
+    fused_linear_stats, for a row-separable nonlinear loss, with one probe per chunk."""
+    cases = [dict(seed=3, seq=9, batch=2, hidden=16, vocab=29, padded_vocab=32, dtype="float64", temperature=0.7,
+                  chunk=5, scale=3.0),
+             dict(seed=4, seq=12, batch=3, hidden=24, vocab=64, padded_vocab=64, dtype="float32", temperature=1.0,
+                  chunk=64, scale=2.0)]
+    per_rank = run_ranks(single_pass_worker, world, cases)
+    for index, case in enumerate(cases):
+        tol = TOL[case["dtype"]]
+        for results in per_rank:
+            got = results[index]
+            assert got["probes"] == -(-case["seq"] * case["batch"] // case["chunk"])
+            assert _rel(got["single_stats"], got["stats"]) <= tol
+            assert _rel(got["single_grad_hidden"], got["grad_hidden"], 1e-3) <= tol, (world, case, "hidden")
+            assert _rel(got["single_grad_weight"], got["grad_weight"], 1e-3) <= tol, (world, case, "weight")

@@ -109,12 +109,16 @@ def test_reference_frozen_single_rank(baselines):
     ],
     ids=["tp1", "tp2", "tp2-tied-qknorm", "pp2-tied-qknorm"],
 )
-def test_fused_linear_path_matches_unfused_single_rank(baselines, model_name, parallel):
+@pytest.mark.parametrize("grad_in_forward", [False, True], ids=["recompute", "in-forward"])
+def test_fused_linear_path_matches_unfused_single_rank(baselines, model_name, parallel, grad_in_forward):
     """model.logprob_path=fused (output layer bypassed, tied embedding as the output weight) gives the
-    unfused single-rank log-probs, entropies, gradients and updated weights."""
+    unfused single-rank log-probs, entropies, gradients and updated weights, with the gradients recomputed
+    in backward or formed in the forward pass (model.fused_grad)."""
     tokens, mask = _batch()
     base = baselines[model_name]
     world = parallel.tensor_parallel * parallel.pipeline_parallel
     outs = run_ranks(layout_worker, world, MODELS[model_name], parallel, base["full_state"], tokens, mask,
-                     NUM_MICROBATCHES, OPTIM, True)
+                     NUM_MICROBATCHES, OPTIM, True, grad_in_forward)
     _compare(outs[0], base, outs)
+    last_stage = [o for o in outs if o["probes"]]
+    assert bool(last_stage) == grad_in_forward  # the single pass ran (on the last pipeline stage) or did not

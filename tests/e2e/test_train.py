@@ -128,6 +128,25 @@ def test_fused_logprob_path_matches_unfused(tmp_path, warm_cache):
     assert [r for r in b_runs if "reward/mean" in r][-1]["kl/exact_token"] > 0
 
 
+@pytest.mark.parametrize("kl", [
+    ["kl.estimator=k3", "kl.placement=loss", "kl.off_policy=token_is", "algo.behavior_correction=tis",
+     "algo.entropy_coef=0.01", "algo.ppo_epochs=2"],
+    ["kl.estimator=k1", "kl.placement=reward", "kl.coef=0.05", "kl.aggregation=seq_mean_token_sum"],
+], ids=["k3-loss-tokenis-tis-entropy", "k1-reward"])
+def test_fused_single_pass_trains_like_recompute(tmp_path, warm_cache, kl):
+    """model.fused_grad=in_forward (gradients formed in the forward sweep) = recompute, step by step."""
+    runs = {}
+    for mode in ("recompute", "in_forward"):
+        cfg = short_config(tmp_path / mode, warm_cache, "model.logprob_path=fused", f"model.fused_grad={mode}",
+                           "model.logprob_chunk_rows=5", *kl)
+        runs[mode] = stable(run_ranks(train_worker, 1, cfg, timeout_s=300)[0]["metrics"])
+    assert len(runs["recompute"]) == len(runs["in_forward"]) == 4
+    for a, b in zip(runs["recompute"], runs["in_forward"]):
+        for key in a:
+            if a[key] is not None:
+                assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), f"step {a['step']} {key}"
+
+
 def test_async_staleness_one_runs_and_logs_staleness(tmp_path, warm_cache):
     cfg = short_config(tmp_path, warm_cache, "train.staleness=1", "train.steps=4", "kl.estimator=k3",
                        "kl.placement=loss", "kl.off_policy=token_is", "algo.behavior_correction=tis")
@@ -172,10 +191,11 @@ def test_kill_9_and_resume_reproduce_the_uninterrupted_run(tmp_path, warm_cache)
     ("algo.loss=rpg", "set kl.coef=0"),
     ("rollout.sampling.temperature=-1", "rollout.sampling.temperature=-1"),
     ("parallel.tensor_parallel=3", "tensor_parallel"),
+    ("model.fused_grad=in_forward kl.level=sequence", "model.fused_grad=in_forward needs a row-separable loss"),
 ])
 def test_bad_config_values_fail_with_the_field_named(tmp_path, override, message):
     code, output = Run(tmp_path / "log.txt", "--config", str(DEFAULT), f"train.output_dir={tmp_path / 'run'}",
-                       "warm_start.enabled=false", override).wait(300)
+                       "warm_start.enabled=false", *override.split()).wait(300)
     assert code == 2, output[-2000:]
     assert message in output, output[-2000:]
     assert not (tmp_path / "run" / "checkpoints").exists()
