@@ -82,6 +82,18 @@ def score_answer(gold: str, response: str) -> float:
         return 0.0
 
 
+def _file_names(files: list[str]) -> dict[str, str]:
+    """A short unique name per file: its stem (math500, aime2024, ...), numbered when stems repeat."""
+    names: dict[str, str] = {}
+    for path in files:
+        stem = Path(path).name.split(".")[0]
+        name, n = stem, 2
+        while name in names:
+            name, n = f"{stem}{n}", n + 1
+        names[name] = path
+    return names
+
+
 class MathTask:
     def __init__(self, cfg: MathConfig, seed: int = 0, tokenizer=None):
         if not cfg.train_files:
@@ -96,11 +108,16 @@ class MathTask:
         self.hf_tokenizer = tokenizer
         self.tokenizer = _TokenizerView(tokenizer)
         self.skipped: Counter = Counter()
-        self.splits = {
-            "train": self._load(cfg.train_files),
-            "eval": self._load(cfg.eval_files),
-            "ood": self._load(cfg.ood_files),
-        }
+        self.splits = {"train": self._load(cfg.train_files)}
+        self.groups: dict[str, list[str]] = {}
+        for group, files in (("eval", cfg.eval_files), ("ood", cfg.ood_files)):
+            per_file = {f"{group}:{name}": self._load([path]) for name, path in _file_names(files).items()}
+            self.splits[group] = [p for problems in per_file.values() for p in problems]
+            if len(per_file) > 1:  # one split per benchmark file, reported next to the merged one
+                self.splits.update(per_file)
+                self.groups[group] = list(per_file)
+            else:
+                self.groups[group] = [group]
         if not self.splits["train"]:
             raise ConfigError(f"task.math.train_files {cfg.train_files} hold no usable rows (see the log)")
 
@@ -133,6 +150,9 @@ class MathTask:
                 log.warning("%s: skipped %d malformed row(s) %s; first: %s", path, sum(bad.values()), dict(bad),
                             first_error)
         return problems
+
+    def eval_groups(self) -> dict[str, list[str]]:
+        return dict(self.groups)
 
     def num_problems(self, split: str) -> Optional[int]:
         return None if split == "train" else len(self.splits[split])

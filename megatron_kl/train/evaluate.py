@@ -32,3 +32,27 @@ def evaluate(engine, task, split: str, sampling: SamplingConfig, k: int, tempera
         dist.all_reduce(sums, group=dp_group)
     n = max(float(sums[2]), 1.0)
     return {f"eval/{split}/pass@1": float(sums[0]) / n, f"eval/{split}/mean@{k}": float(sums[1]) / n}
+
+
+def eval_groups(task) -> dict[str, list[str]]:
+    """Reported split -> the splits it is made of (a task with several evaluation files, e.g. MATH-500, AIME
+    and AMC, names one split per file; the group's score is their problem-weighted mean)."""
+    groups = getattr(task, "eval_groups", None)
+    return groups() if groups is not None else {"eval": ["eval"], "ood": ["ood"]}
+
+
+def evaluate_all(engine, task, sampling: SamplingConfig, k: int, temperature: float, seed: int,
+                 dp_rank: int = 0, dp_size: int = 1, dp_group=None) -> dict:
+    """Every reported split, with per-file scores (``eval/<split>:<file>/...``) where a split has several."""
+    out = {}
+    for group, parts in eval_groups(task).items():
+        if parts == [group]:
+            out.update(evaluate(engine, task, group, sampling, k, temperature, seed, dp_rank, dp_size, dp_group))
+            continue
+        sizes = {part: task.num_problems(part) for part in parts}
+        for part in parts:
+            out.update(evaluate(engine, task, part, sampling, k, temperature, seed, dp_rank, dp_size, dp_group))
+        total = max(sum(sizes.values()), 1)
+        for metric in ("pass@1", f"mean@{k}"):
+            out[f"eval/{group}/{metric}"] = sum(out[f"eval/{part}/{metric}"] * n for part, n in sizes.items()) / total
+    return out

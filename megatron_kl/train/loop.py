@@ -18,7 +18,7 @@ from megatron_kl.tasks import build_task
 from megatron_kl.train import checkpoint as ckpt
 from megatron_kl.train.config import TrainConfig, validate_train_config
 from megatron_kl.train.engines import build_engine
-from megatron_kl.train.evaluate import evaluate
+from megatron_kl.train.evaluate import evaluate_all
 from megatron_kl.train.metrics import MetricsLogger, read_metrics
 from megatron_kl.train.rollouts import RolloutSource
 from megatron_kl.train.step import StepContext, rl_step
@@ -40,10 +40,8 @@ def _evaluate_all(cfg: TrainConfig, engine, task, step: int, dp) -> dict:
     sampling = cfg.rollout.sampling
     if cfg.eval.max_new_tokens:
         sampling = dataclasses.replace(sampling, max_new_tokens=cfg.eval.max_new_tokens)
-    out = {}
-    for split in ("eval", "ood"):
-        out.update(evaluate(engine, task, split, sampling, cfg.eval.k, cfg.eval.temperature,
-                            seed=cfg.train.seed * 31 + step, dp_rank=dp[0], dp_size=dp[1], dp_group=dp[2]))
+    out = evaluate_all(engine, task, sampling, cfg.eval.k, cfg.eval.temperature, seed=cfg.train.seed * 31 + step,
+                       dp_rank=dp[0], dp_size=dp[1], dp_group=dp[2])
     out["time/eval"] = time.perf_counter() - start
     return out
 

@@ -127,3 +127,37 @@ def test_math_task_config_errors(tmp_path):
         MathTask(MathConfig(), tokenizer=_tiny_hf_tokenizer())
     with pytest.raises(ConfigError, match="does not exist"):
         MathTask(MathConfig(train_files=[str(tmp_path / "missing.jsonl")]), tokenizer=_tiny_hf_tokenizer())
+
+
+def test_math_task_reports_each_benchmark_file_and_the_weighted_merge(tmp_path):
+    """Several eval files (MATH-500, AIME, ...): one split per file plus the merged split, whose scores are
+    the problem-weighted means of the files' (what evaluate_all reports)."""
+    from megatron_kl.rollout.engine import Completion, SamplingConfig
+    from megatron_kl.train.evaluate import evaluate_all
+
+    def write(name, answers):
+        (tmp_path / name).write_text("\n".join(json.dumps({"problem": f"Q{a}", "answer": str(a)}) for a in answers))
+        return str(tmp_path / name)
+
+    train = write("train.jsonl", [1])
+    task = MathTask(MathConfig(train_files=[train], eval_files=[write("math500.jsonl", [1, 2, 3]),
+                                                                  write("aime2024.jsonl", [4])],
+                               ood_files=[write("gsm8k.jsonl", [5, 6])]), tokenizer=_tiny_hf_tokenizer())
+    assert task.eval_groups() == {"eval": ["eval:math500", "eval:aime2024"], "ood": ["ood"]}
+    assert task.num_problems("eval") == 4 and task.num_problems("eval:aime2024") == 1
+
+    class Oracle:  # answers the math500 problems right, everything else wrong
+        def generate(self, prompts, sampling, seed=None):
+            out = []
+            for prompt in prompts:
+                question = task.hf_tokenizer.decode(prompt)
+                right = any(f"Q{a} " in question for a in (1, 2, 3))
+                text = "\\boxed{%s}" % (question.split("Q")[1].split()[0] if right else "0")
+                ids = task.tokenizer.encode(text)
+                out.append(Completion(list(prompt), ids, [0.0] * len(ids), "stop", 0))
+            return out
+
+    metrics = evaluate_all(Oracle(), task, SamplingConfig(), k=2, temperature=1.0, seed=0)
+    assert metrics["eval/eval:math500/pass@1"] == 1.0 and metrics["eval/eval:aime2024/pass@1"] == 0.0
+    assert metrics["eval/eval/pass@1"] == pytest.approx(0.75) and metrics["eval/eval/mean@2"] == pytest.approx(0.75)
+    assert metrics["eval/ood/pass@1"] == 0.0 and "eval/ood:gsm8k/pass@1" not in metrics
