@@ -122,7 +122,8 @@ def _linear_paths(tokens: int, vocab: int, hidden_size: int, chunk: int):
         ones = torch.ones(tokens)
         _, grad_hidden, grad_weight = fused_linear_grads(
             hidden, weight.detach(), reference_hidden, reference_weight, targets, None, TEMPERATURE, None,
-            chunk or default_chunk_rows(vocab), lambda out, lo, hi: (ones[lo:hi], ones[lo:hi], ones[lo:hi]))
+            chunk or default_chunk_rows(vocab, single_pass=True),
+            lambda out, lo, hi: (ones[lo:hi], ones[lo:hi], ones[lo:hi]))
         return grad_hidden, grad_weight
 
     return {"naive": naive, "unfused": unfused, "fused_linear": fused, "fused_single_pass": single_pass}, hidden.clone

@@ -46,9 +46,13 @@ from megatron_kl.kl.vocab_parallel import (
 MIN_CHUNK_ROWS = 64  # below this the per-chunk GEMMs re-read W too often to be efficient
 
 
-def default_chunk_rows(local_vocab: int) -> int:
-    """Rows per chunk: one float32 chunk of logits is about 4 x CHUNK_ELEMENTS entries, at least 64 rows."""
-    return max(MIN_CHUNK_ROWS, 4 * CHUNK_ELEMENTS // max(1, local_vocab))
+def default_chunk_rows(local_vocab: int, single_pass: bool = False) -> int:
+    """Rows per chunk: one float32 chunk of logits is about 4 x CHUNK_ELEMENTS entries, at least 64 rows;
+    twice that for the single pass, whose chunk does four GEMMs against W (re-read once per chunk) and
+    needs no recomputation (measured: 2048 x 152064, H=896 - 128 rows match the unfused time, 64 rows
+    are ~8 % slower; see tools/bench_vocab_parallel.py)."""
+    rows = max(MIN_CHUNK_ROWS, 4 * CHUNK_ELEMENTS // max(1, local_vocab))
+    return 2 * rows if single_pass else rows
 
 
 class _FusedLinearStats(torch.autograd.Function):

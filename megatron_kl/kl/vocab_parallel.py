@@ -70,6 +70,14 @@ def _scaled(chunk: torch.Tensor, shard: _Shard, temperature: float, dtype: torch
     return chunk[:, : shard.valid].to(dtype) / temperature
 
 
+def _rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Row-wise dot products of two [n, V] tensors as batched BLAS dots: no [n, V] product temporary."""
+    return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).view(-1)
+
+
+KEEP_BLOCK = 8192  # columns per block of chunk_forward(keep=...)'s reference exp-sum
+
+
 def chunk_forward(z, r, targets, shard: _Shard, group, dtype, keep: Optional[list] = None):
     """Globally reduced statistics of one chunk of rows.
 
@@ -90,11 +98,14 @@ def chunk_forward(z, r, targets, shard: _Shard, group, dtype, keep: Optional[lis
     e = torch.exp(zc)
     sums = torch.zeros(5, n, dtype=dtype, device=z.device)
     sums[0] = e.sum(-1)  # S
-    sums[1] = torch.linalg.vecdot(e, zc)  # S * E_pi[z - M]
+    sums[1] = _rowdot(e, zc)  # S * E_pi[z - M]
     if r is not None:
         rc = r.sub_(maxes[1, :, None])
-        sums[3] = torch.linalg.vecdot(e, rc)  # S * E_pi[r - M_ref]
-        sums[2] = (torch.exp(rc) if keep is not None else rc.exp_()).sum(-1)  # S_ref
+        sums[3] = _rowdot(e, rc)  # S * E_pi[r - M_ref]
+        if keep is None:
+            sums[2] = rc.exp_().sum(-1)  # S_ref
+        else:  # r - M_ref stays for the gradient: exp-sum by column blocks, no second [n, V] buffer
+            sums[2] = sum(torch.exp(rc[:, j : j + KEEP_BLOCK]).sum(-1) for j in range(0, rc.shape[1], KEEP_BLOCK))
     if targets is not None and shard.valid:
         local_t = targets - shard.start
         owned = (local_t >= 0) & (local_t < shard.valid)
