@@ -78,6 +78,13 @@ def _check_slurm(cfg: TrainConfig) -> None:
         if cfg.rollout.engine != "sglang":
             raise ConfigError("launch.rollout_servers.mode=disaggregated runs SGLang servers: "
                               "set rollout.engine=sglang")
+        if cfg.rollout.sglang.colocated:
+            raise ConfigError("launch.rollout_servers.mode=disaggregated puts the SGLang servers on their own nodes: "
+                              "set rollout.sglang.colocated=false (memory release is for servers sharing the "
+                              "trainer's GPUs)")
+        if cfg.rollout.sglang.weight_sync == "from_tensor":
+            raise ConfigError("rollout.sglang.weight_sync=from_tensor hands tensors to servers on the same node; "
+                              "disaggregated servers need from_distributed (NCCL) or from_disk (shared filesystem)")
         if not (servers.model_path or cfg.init.hf_checkpoint):
             raise ConfigError("disaggregated SGLang servers need launch.rollout_servers.model_path "
                               "(or init.hf_checkpoint)")

@@ -19,8 +19,9 @@ MODELS = {
                          tie_word_embeddings=True),
 }
 # Adam's first step is lr * g / (|g| + eps): a large eps keeps fp32 noise in near-zero grads from
-# being amplified, so the updated weights can be compared tightly.
-OPTIM = OptimConfig(lr=1e-3, adam_eps=1e-4, clip_grad=1.0)
+# being amplified (the key bias has zero true gradient: softmax is shift invariant, so its gradient is pure
+# rounding noise, which lr/eps scales), so the updated weights can be compared tightly.
+OPTIM = OptimConfig(lr=1e-3, adam_eps=1e-3, clip_grad=1.0)
 NUM_MICROBATCHES = 4
 
 

@@ -104,8 +104,14 @@ def test_slurm_dryrun_script_matches_config(tmp_path):
     assert "scontrol requeue" in script  # retries requeue; the trainer resumes from its checkpoint
 
 
+# the paper configs colocate SGLang with the trainer; on their own nodes the servers keep their memory and
+# take weights over NCCL
+DISAGGREGATED = ("rollout.sglang.colocated=false", "rollout.sglang.enable_memory_saver=false",
+                 "rollout.sglang.weight_sync=from_distributed")
+
+
 def test_slurm_dryrun_disaggregated_sglang(tmp_path):
-    script = _dryrun(tmp_path, "rollout.engine=sglang", "launch.rollout_servers.mode=disaggregated",
+    script = _dryrun(tmp_path, *DISAGGREGATED, "launch.rollout_servers.mode=disaggregated",
                      "launch.rollout_servers.nodes=3", "launch.rollout_servers.tp_size=2",
                      "launch.rollout_servers.model_path=/data/qwen2.5-7b")
     lines = script.splitlines()
@@ -120,14 +126,16 @@ def test_slurm_dryrun_disaggregated_sglang(tmp_path):
     trainer = lines[lines.index(next(x for x in lines if x.startswith("# ---- train-1.sh"))) + 2]
     assert trainer.startswith("torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d "
                               "--rdzv-endpoint $MEGATRON_KL_TRAIN_HEAD:29777")
-    assert trainer.endswith('rollout.engine=sglang "rollout.sglang.urls=[$MEGATRON_KL_SGLANG_URLS]"')
+    assert trainer.endswith('weight_sync=from_distributed "rollout.sglang.urls=[$MEGATRON_KL_SGLANG_URLS]"')
 
 
 @pytest.mark.parametrize("overrides, field", [
     (["launch.slurm.account=null"], "launch.slurm.account"),
     (["launch.slurm.nodes=1", "launch.slurm.gpus_per_node=3"], "parallel.tensor_parallel"),
     (["checkpoint.resume=false"], "checkpoint.resume"),
-    (["launch.rollout_servers.mode=disaggregated"], "rollout.engine=sglang"),
+    (["launch.rollout_servers.mode=disaggregated", "rollout.engine=embedded"], "rollout.engine=sglang"),
+    (["launch.rollout_servers.mode=disaggregated"], "rollout.sglang.colocated=false"),
+    (["launch.rollout_servers.mode=disaggregated", "rollout.sglang.colocated=false"], "weight_sync=from_tensor"),
     (["launch.slurm.tunnel.kind=ssh"], "launch.slurm.tunnel.host"),
 ])
 def test_slurm_config_errors_name_the_field(tmp_path, overrides, field):

@@ -143,8 +143,12 @@ def test_fused_single_pass_trains_like_recompute(tmp_path, warm_cache, kl):
     assert len(runs["recompute"]) == len(runs["in_forward"]) == 4
     for a, b in zip(runs["recompute"], runs["in_forward"]):
         for key in a:
-            if a[key] is not None:
-                assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), f"step {a['step']} {key}"
+            if a[key] is None:
+                continue
+            # sampler-vs-trainer log-prob mismatches are fp32 rounding (~1e-6) on both paths: they agree to
+            # that floor, not relatively
+            tolerance = 1e-5 if key.startswith("mismatch/") else 1e-6
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=tolerance), f"step {a['step']} {key}"
 
 
 def test_async_staleness_one_runs_and_logs_staleness(tmp_path, warm_cache):
