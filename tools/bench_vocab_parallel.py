@@ -196,6 +196,7 @@ def main(argv=None) -> int:
             results["fused 1-pass (auto)"] = _child("linear", "fused_single_pass", size, args, 0)
             for chunk in (int(c) for c in args.chunks.split(",") if c):
                 results[f"fused_linear c={chunk}"] = _child("linear", "fused_linear", size, args, chunk)
+                results[f"fused 1-pass c={chunk}"] = _child("linear", "fused_single_pass", size, args, chunk)
             _table(f"hidden in (H={args.hidden}): projection + stats, grads w.r.t. hidden and weight", size,
                    results, "naive")
             unfused = results["unfused"]
