@@ -28,3 +28,35 @@ def test_paper_config_matches_hf_config_and_fits_8_gpus(name):
     from megatron_kl.models.pipeline import VocabOptions
 
     assert VocabOptions.for_model(cfg.model, cfg.parallel).fused
+
+
+def test_gpu_study_crosses_every_kl_configuration_and_each_run_is_launchable():
+    """configs/study/qwen2.5-7b.yaml: the crossed estimator x placement x level grid, every off-policy
+    correction, every RPG divergence, several coefficients, async runs, >= 2 seeds; each run passes the
+    trainer's cross-field checks and the Slurm launcher's checks (disaggregated servers for the async runs)."""
+    import itertools
+
+    from megatron_kl.kl.objective import ESTIMATORS, LEVELS, OFF_POLICY, PLACEMENTS
+    from megatron_kl.kl.rpg import DIVERGENCES
+    from megatron_kl.launch.experiment import plan
+    from megatron_kl.launch.jobs import _check_slurm
+    from megatron_kl.train.config import validate_train_config
+
+    launch_plan = plan(str(ROOT / "configs" / "study" / "qwen2.5-7b.yaml"),
+                       ["launch.slurm.account=acct", "launch.slurm.container_image=nvcr.io/megatron-kl:gpu"])
+    configs = [spec.cfg for spec in launch_plan.tasks]
+    assert len({spec.name for spec in launch_plan.tasks}) == len(configs)
+    assert len(launch_plan.study.seeds) >= 2
+    for cfg in configs:
+        gpus = cfg.launch.slurm.nodes * cfg.launch.slurm.gpus_per_node
+        validate_train_config(cfg, cfg.model.vocab_size, gpus // (cfg.parallel.tensor_parallel *
+                                                                   cfg.parallel.pipeline_parallel))
+        _check_slurm(cfg)
+    kl_runs = [c.kl for c in configs if c.algo.loss != "rpg" and c.kl.coef > 0]
+    on_policy = {(k.estimator, k.placement, k.level) for k in kl_runs if k.off_policy == "none"}
+    assert on_policy == set(itertools.product(ESTIMATORS, PLACEMENTS, LEVELS))
+    assert {k.off_policy for k in kl_runs} == set(OFF_POLICY)
+    assert len({k.coef for k in kl_runs}) >= 3 and any(c.kl.coef == 0 and c.algo.loss != "rpg" for c in configs)
+    assert {c.algo.rpg.divergence for c in configs if c.algo.loss == "rpg"} == set(DIVERGENCES)
+    async_runs = [c for c in configs if c.train.staleness > 0]
+    assert async_runs and all(c.launch.rollout_servers.mode == "disaggregated" for c in async_runs)
