@@ -309,6 +309,7 @@ def write_hf_tensors(hf_tensors: Iterable[tuple[str, torch.Tensor]], model: Mode
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     written: list[tuple[str, list[str]]] = []
+    storages: set[int] = set()  # safetensors refuses tensors sharing memory (a tied lm_head sent as the embedding)
 
     def flush():
         nonlocal size
@@ -317,10 +318,14 @@ def write_hf_tensors(hf_tensors: Iterable[tuple[str, torch.Tensor]], model: Mode
             save_file(shards[-1], str(out / name), metadata={"format": "pt"})
             written.append((name, list(shards[-1])))
             shards[-1] = {}
+            storages.clear()
             size = 0
 
     for name, value in hf_tensors:
         value = value.detach().to("cpu", torch_dtype).contiguous()
+        if value.untyped_storage().data_ptr() in storages:
+            value = value.clone()
+        storages.add(value.untyped_storage().data_ptr())
         shards[-1][name] = value
         size += value.numel() * value.element_size()
         if size >= max_shard_bytes:

@@ -6,6 +6,10 @@ data-parallel replica (its tensor/pipeline peers hold the same prompts and seed;
 out as one concurrent batch), and each rank gets its replica's completions back. ``update_weights`` is
 collective: every rank takes part in gathering the policy over TP and PP (HF layout, one tensor at a time)
 and rank 0 streams it to the servers.
+
+The prompt gather and completion scatter run on a process group of their own (gloo, object collectives), so
+``generate`` may run in a background thread (asynchronous rollouts, ``train.staleness > 0``) while the main
+thread trains with collectives on the model's groups.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ class DistributedEngine:
         self.model, self.dp_rank, self.tp_group, self.pp_group = model, dp_rank, tp_group, pp_group
         self.include_tied_head = include_tied_head
         self.weight_version = 0
+        self.object_group = dist.new_group(backend="gloo") if self.world > 1 else None
         if self.world > 1:
             dist.barrier()  # the servers are up before anyone generates
 
@@ -35,11 +40,11 @@ class DistributedEngine:
         if self.world == 1:
             return self._generate_replicas([mine], sampling)[self.dp_rank]
         gathered = [None] * self.world if self.rank == 0 else None
-        dist.gather_object(mine, gathered, dst=0)
+        dist.gather_object(mine, gathered, dst=0, group=self.object_group)
         by_replica = self._generate_replicas(gathered, sampling) if self.rank == 0 else None
         out = [None]
         scatter = [by_replica[r] for r in self._replica_of_ranks(gathered)] if self.rank == 0 else None
-        dist.scatter_object_list(out, scatter, src=0)
+        dist.scatter_object_list(out, scatter, src=0, group=self.object_group)
         return out[0]
 
     @staticmethod

@@ -144,8 +144,8 @@ def validate_train_config(cfg: TrainConfig, tokenizer_vocab: int, data_parallel:
         )
     if cfg.algo.advantage in ("grpo", "rloo", "reinforce_pp_baseline") and run.group_size < 2:
         raise ConfigError(f"algo.advantage={cfg.algo.advantage} needs train.group_size >= 2")
-    if run.staleness > 0 and cfg.rollout.engine != "local":
-        raise ConfigError("train.staleness > 0 is implemented for rollout.engine=local in this version")
+    if run.staleness > 0:
+        _check_async_rollouts(cfg)
     for section in ("eval", "checkpoint"):
         if getattr(cfg, section).interval < 0:
             raise ConfigError(f"{section}.interval={getattr(cfg, section).interval} must be >= 0 (0: only at the end)")
@@ -154,6 +154,19 @@ def validate_train_config(cfg: TrainConfig, tokenizer_vocab: int, data_parallel:
                           "token-level KL in the loss, no per-decision weights); use auto or recompute")
     if cfg.eval.k < 1:
         raise ConfigError(f"eval.k={cfg.eval.k} must be >= 1")
+
+
+def _check_async_rollouts(cfg: TrainConfig) -> None:
+    """Asynchronous rollouts generate while the trainer trains: the engine needs memory of its own."""
+    engine, staleness = cfg.rollout.engine, cfg.train.staleness
+    if engine == "sglang" and cfg.rollout.sglang.colocated:
+        raise ConfigError(f"train.staleness={staleness} generates while the trainer runs, but "
+                          "rollout.sglang.colocated=true releases the servers' memory during training: set "
+                          "rollout.sglang.colocated=false (servers on GPUs of their own) or train.staleness=0")
+    if engine == "vllm" and cfg.rollout.vllm.enable_sleep_mode:
+        raise ConfigError(f"train.staleness={staleness} generates while the trainer runs, but "
+                          "rollout.vllm.enable_sleep_mode=true puts vLLM to sleep during training: set it to false "
+                          "or train.staleness=0")
 
 
 def load_train_config(path: str, overrides: Optional[list[str]] = None) -> TrainConfig:

@@ -221,6 +221,39 @@ def test_training_on_sglang_servers_matches_the_trainers_logprobs(tmp_path, warm
     assert "==== start:" in log and "megatron_kl.testing.sglang_server" in log
 
 
+def test_async_rollouts_on_sglang_servers_at_tp2(tmp_path, warm_cache):
+    """train.staleness=1 with a served engine: the batch of step t+1 is generated in a background thread on
+    every rank (prompt gather / completion scatter on the engine's own gloo group) while step t trains at
+    TP=2; step 0 is on-policy (trainer log-probs equal the server's), later steps come from the weights of
+    the step before, as the staleness metrics and the responses' weight versions say."""
+    from megatron_kl.testing.distributed import run_ranks
+    from tests.e2e.test_train import short_config
+    from tests.e2e.workers import train_worker
+
+    cfg = short_config(tmp_path / "run", warm_cache, "rollout.engine=sglang", "rollout.sglang.weight_sync=from_disk",
+                       f"rollout.sglang.server_module={TEST_SERVER}", f"rollout.sglang.port={free_port()}",
+                       "parallel.tensor_parallel=2", "train.staleness=1", "train.steps=4",
+                       "kl.estimator=k3", "kl.placement=loss", "kl.off_policy=token_is")
+    metrics = run_ranks(train_worker, 2, cfg, timeout_s=600)[0]["metrics"]
+    steps = [m for m in metrics if "staleness/max" in m]
+    assert [m["staleness/max"] for m in steps] == [0.0, 1.0, 1.0, 1.0]
+    assert steps[0]["mismatch/abs_logprob_max"] < 1e-4, steps[0]
+    assert all(m["mismatch/abs_logprob_max"] > 1e-4 for m in steps[1:]), steps  # behaviour = previous weights
+    for m in steps:
+        assert all(v == v and abs(v) != float("inf") for v in m.values() if isinstance(v, float)), m
+
+
+def test_async_rollouts_reject_colocated_servers(tmp_path, warm_cache):
+    from megatron_kl.config import ConfigError, from_dict
+    from megatron_kl.train.config import TrainConfig, validate_train_config
+    from tests.e2e.test_train import short_config
+
+    cfg = from_dict(TrainConfig, short_config(tmp_path, warm_cache, "rollout.engine=sglang", "train.staleness=2",
+                                              "rollout.sglang.colocated=true", "rollout.sglang.enable_memory_saver=true"))
+    with pytest.raises(ConfigError, match="rollout.sglang.colocated=false"):
+        validate_train_config(cfg, cfg.model.vocab_size, 1)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("sync", ["from_disk", "from_tensor", "from_distributed"])
 def test_real_sglang_server_generates_and_syncs(tmp_path, models, sync):

