@@ -107,12 +107,11 @@ def ppo_loss(logprobs, old_logprobs, advantages, mask, cfg: AlgoConfig, behavior
 
 def row_separable(algo: AlgoConfig, kl: KLConfig) -> bool:
     """Whether the microbatch loss is sum_t w_t l_t(logprob_t, H_t, KL_t) with fixed weights, i.e. its
-    gradient w.r.t. row t's statistics depends on row t only: PPO-clip (with TIS), the entropy bonus, any
-    KL in the reward (the credited values are fixed inputs), a token-level KL in the loss without
-    per-decision weights. Not: RPG losses, sequence-level KL in the loss (its gradient at t carries the
-    other tokens' KL), per-decision prefix weights."""
-    if algo.loss != "ppo":
-        return False
+    gradient w.r.t. row t's statistics depends on row t only: PPO-clip (with TIS), the RPG losses (both
+    surrogates: per-token importance weights and divergence terms, fixed aggregation weights), the entropy
+    bonus, any KL in the reward (the credited values are fixed inputs), a token-level KL in the loss without
+    per-decision weights. Not: a sequence-level KL in the loss (its gradient at t carries the other tokens'
+    log-ratios through k'(D)), per-decision prefix weights in the loss."""
     if kl.coef > 0 and kl.placement == "loss" and (kl.level != "token" or kl.off_policy == "per_decision"):
         return False
     return True

@@ -132,7 +132,10 @@ def test_fused_logprob_path_matches_unfused(tmp_path, warm_cache):
     ["kl.estimator=k3", "kl.placement=loss", "kl.off_policy=token_is", "algo.behavior_correction=tis",
      "algo.entropy_coef=0.01", "algo.ppo_epochs=2"],
     ["kl.estimator=k1", "kl.placement=reward", "kl.coef=0.05", "kl.aggregation=seq_mean_token_sum"],
-], ids=["k3-loss-tokenis-tis-entropy", "k1-reward"])
+    ["algo.loss=rpg", "kl.coef=0", "algo.rpg.divergence=ufkl", "algo.rpg.coef=0.1", "algo.ppo_epochs=2"],
+    ["algo.loss=rpg", "kl.coef=0", "algo.rpg.divergence=rkl", "algo.rpg.surrogate=differentiable",
+     "algo.rpg.clip_low=null", "algo.rpg.clip_high=null", "algo.rpg.dual_clip=null", "algo.rpg.coef=0.1"],
+], ids=["k3-loss-tokenis-tis-entropy", "k1-reward", "rpg-ufkl-reinforce", "rpg-rkl-differentiable"])
 def test_fused_single_pass_trains_like_recompute(tmp_path, warm_cache, kl):
     """model.fused_grad=in_forward (gradients formed in the forward sweep) = recompute, step by step."""
     runs = {}
