@@ -64,28 +64,37 @@ def engine_and_models(tmp_path_factory):
     engine.shutdown()
 
 
-def test_vllm_logprobs_match_the_model_and_reload_in_place(engine_and_models):
-    engine, a, b = engine_and_models
-    first = engine.generate(PROMPTS, SAMPLING, seed=3)
-    assert [c.prompt_ids for c in first] == PROMPTS
+def _worst_logprob_error(completions, model_dir: Path) -> float:
+    """Largest |engine log-prob - HF float64 tempered log-prob| over the sampled tokens."""
     worst = 0.0
-    for completion in first:
+    for completion in completions:
         got = torch.tensor(completion.response_logprobs, dtype=torch.float64)
-        worst = max(worst, float((got - _hf_logprobs(a, completion, SAMPLING.temperature)).abs().max()))
-        assert (completion.finish_reason == "stop") == (completion.response_ids[-1] == 0)
-    assert worst < 1e-3, worst  # processed (tempered) log-probs, float32 kernels
-    assert [c.response_ids for c in engine.generate(PROMPTS, SAMPLING, seed=3)] == [c.response_ids for c in first]
+        worst = max(worst, float((got - _hf_logprobs(model_dir, completion, SAMPLING.temperature)).abs().max()))
+    return worst
 
-    checkpoint = HFCheckpoint(b)
+
+def _reload_and_check(engine, first, model_dir: Path) -> None:
+    """Push model ``model_dir`` as version 1: the engine now samples from it (new samples, its log-probs)."""
+    checkpoint = HFCheckpoint(model_dir)
     named = [(name, checkpoint.get(name)) for name in checkpoint.files]
     named.append(("lm_head.weight", checkpoint.get("model.embed_tokens.weight")))  # tied: vLLM wants it too
     engine.update_weights(named, 1)
     second = engine.generate(PROMPTS, SAMPLING, seed=3)
     assert {c.weight_version for c in second} == {1}
     assert [c.response_ids for c in second] != [c.response_ids for c in first]
-    for completion in second:
-        got = torch.tensor(completion.response_logprobs, dtype=torch.float64)
-        assert float((got - _hf_logprobs(b, completion, SAMPLING.temperature)).abs().max()) < 1e-3
+    assert _worst_logprob_error(second, model_dir) < 1e-3
+
+
+def test_vllm_logprobs_match_the_model_and_reload_in_place(engine_and_models):
+    engine, a, b = engine_and_models
+    first = engine.generate(PROMPTS, SAMPLING, seed=3)
+    assert [c.prompt_ids for c in first] == PROMPTS
+    for completion in first:
+        assert (completion.finish_reason == "stop") == (completion.response_ids[-1] == 0)
+    worst = _worst_logprob_error(first, a)
+    assert worst < 1e-3, worst  # processed (tempered) log-probs, float32 kernels
+    assert [c.response_ids for c in engine.generate(PROMPTS, SAMPLING, seed=3)] == [c.response_ids for c in first]
+    _reload_and_check(engine, first, b)
 
 
 def test_training_on_vllm_rollouts(tmp_path):
@@ -136,19 +145,8 @@ def test_vllm_server_mode_logprobs_and_reload(vllm_server):
     engine = VLLMEngine(config, HFCheckpoint(a).model_config(), None)
     first = engine.generate(PROMPTS, SAMPLING, seed=3)
     assert [c.prompt_ids for c in first] == PROMPTS
-    for completion in first:
-        got = torch.tensor(completion.response_logprobs, dtype=torch.float64)
-        assert float((got - _hf_logprobs(a, completion, SAMPLING.temperature)).abs().max()) < 1e-3
-    checkpoint = HFCheckpoint(b)
-    named = [(name, checkpoint.get(name)) for name in checkpoint.files]
-    named.append(("lm_head.weight", checkpoint.get("model.embed_tokens.weight")))
-    engine.update_weights(named, 1)
-    second = engine.generate(PROMPTS, SAMPLING, seed=3)
-    assert {c.weight_version for c in second} == {1}
-    assert [c.response_ids for c in second] != [c.response_ids for c in first]
-    for completion in second:
-        got = torch.tensor(completion.response_logprobs, dtype=torch.float64)
-        assert float((got - _hf_logprobs(b, completion, SAMPLING.temperature)).abs().max()) < 1e-3
+    assert _worst_logprob_error(first, a) < 1e-3
+    _reload_and_check(engine, first, b)
 
 
 def test_async_training_on_a_vllm_server(tmp_path):
