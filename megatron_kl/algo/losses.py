@@ -105,7 +105,7 @@ def ppo_loss(logprobs, old_logprobs, advantages, mask, cfg: AlgoConfig, behavior
     return torch.where(m, loss, zero), was_clipped & m, torch.where(m, ratio.detach(), zero)
 
 
-def row_separable(algo: AlgoConfig, kl: KLConfig) -> bool:
+def row_separable(kl: KLConfig) -> bool:
     """Whether the microbatch loss is sum_t w_t l_t(logprob_t, H_t, KL_t) with fixed weights, i.e. its
     gradient w.r.t. row t's statistics depends on row t only: PPO-clip (with TIS), the RPG losses (both
     surrogates: per-token importance weights and divergence terms, fixed aggregation weights), the entropy
@@ -129,7 +129,7 @@ class MicrobatchLoss:
 
     @property
     def row_separable(self) -> bool:
-        return row_separable(self.algo, self.kl)
+        return row_separable(self.kl)
 
     def __call__(self, stats, mb: dict):
         return microbatch_loss(stats, mb, self.algo, self.kl, self.shares, self.counter)

@@ -149,7 +149,7 @@ def validate_train_config(cfg: TrainConfig, tokenizer_vocab: int, data_parallel:
     for section in ("eval", "checkpoint"):
         if getattr(cfg, section).interval < 0:
             raise ConfigError(f"{section}.interval={getattr(cfg, section).interval} must be >= 0 (0: only at the end)")
-    if cfg.model.fused_grad == "in_forward" and not row_separable(cfg.algo, cfg.kl):
+    if cfg.model.fused_grad == "in_forward" and not row_separable(cfg.kl):
         raise ConfigError("model.fused_grad=in_forward needs a row-separable loss (PPO or RPG with the KL in the "
                           "reward or a token-level KL in the loss, no per-decision weights); use auto or recompute")
     if cfg.eval.k < 1:

@@ -114,23 +114,29 @@ def test_training_on_vllm_rollouts(tmp_path):
     assert any("eval/eval/pass@1" in m for m in metrics)
 
 
-@pytest.fixture(scope="module")
-def vllm_server(tmp_path_factory):
-    """``vllm serve`` of model a as a managed subprocess, dev mode on (the /collective_rpc reload route)."""
+def _start_vllm_server(model_dir: Path, log_dir: Path, *extra: str):
+    """``vllm serve`` of ``model_dir`` as a managed subprocess (float32, token-id I/O, processed log-probs),
+    dev mode on for the /collective_rpc reload route; returns the started ManagedServer."""
     import sys
 
     from megatron_kl.rollout.servers import ManagedServer
     from megatron_kl.rollout.weight_sync import free_port
 
-    root = tmp_path_factory.mktemp("vllm_server")
-    a, b = _make(root / "a", 0), _make(root / "b", 1)
     port = free_port()
-    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(a), "--host", "127.0.0.1",
-               "--port", str(port), "--dtype", "float32", "--skip-tokenizer-init", "--seed", "0",
-               "--max-model-len", "256", "--logprobs-mode", "processed_logprobs"]
-    server = ManagedServer("vllm", command, f"http://127.0.0.1:{port}", root / "logs", startup_timeout_s=300,
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--host",
+               "127.0.0.1", "--port", str(port), "--dtype", "float32", "--skip-tokenizer-init", "--seed", "0",
+               "--logprobs-mode", "processed_logprobs", *extra]
+    server = ManagedServer("vllm", command, f"http://127.0.0.1:{port}", log_dir, startup_timeout_s=300,
                            env={"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"})
     server.start()
+    return server
+
+
+@pytest.fixture(scope="module")
+def vllm_server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vllm_server")
+    a, b = _make(root / "a", 0), _make(root / "b", 1)
+    server = _start_vllm_server(a, root / "logs", "--max-model-len", "256")
     yield server, root, a, b
     server.stop()
 
@@ -154,14 +160,11 @@ def test_async_training_on_a_vllm_server(tmp_path):
     `vllm serve` (started from a random HF model of the trainer's shape) and generates the next step's batch
     in a background thread; step 0 is on-policy (small mismatch), later batches are one version old."""
     import json
-    import sys
 
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from megatron_kl.config import from_dict
     from megatron_kl.models.hf import hf_config_from_model
-    from megatron_kl.rollout.servers import ManagedServer
-    from megatron_kl.rollout.weight_sync import free_port
     from megatron_kl.testing.distributed import run_ranks
     from megatron_kl.train.config import TrainConfig
     from tests.e2e.test_train import short_config
@@ -173,13 +176,7 @@ def test_async_training_on_a_vllm_server(tmp_path):
     (model_dir / "config.json").write_text(json.dumps(hf_config_from_model(from_dict(TrainConfig, base).model,
                                                                            "float32")))
     AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir)).float().save_pretrained(model_dir)
-    port = free_port()
-    server = ManagedServer("vllm", [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
-                                    str(model_dir), "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-                                    "--skip-tokenizer-init", "--seed", "0", "--logprobs-mode", "processed_logprobs"],
-                           f"http://127.0.0.1:{port}", tmp_path / "logs", startup_timeout_s=300,
-                           env={"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"})
-    server.start()
+    server = _start_vllm_server(model_dir, tmp_path / "logs")
     try:
         cfg = short_config(tmp_path / "run", str(tmp_path / "warm"), "warm_start.steps=50", "rollout.engine=vllm",
                            "rollout.vllm.mode=server", f"rollout.vllm.url={server.url}", "train.staleness=1",
