@@ -3,7 +3,7 @@
 Inputs are the final hidden states ``h [N, H]`` (N rows, the full sequence on every TP rank) and this
 rank's vocabulary shard of the output weight ``W [V/tp, H]`` (the embedding when they are tied); for the
 KL also the reference's ``h_ref [N, H_ref]`` and ``W_ref [V/tp, H_ref]``. Rows are processed in chunks of
-``c``: ``z = h_chunk W^T / tau`` and ``r = h_ref_chunk W_ref^T / tau`` exist for one chunk at a time and
+``c``: the raw logits ``z = h_chunk W^T`` and ``r = h_ref_chunk W_ref^T`` exist for one chunk at a time and
 are reduced over the TP group exactly as in :mod:`megatron_kl.kl.vocab_parallel` (``chunk_forward``), so
 no tensor of size N x V/tp is ever allocated. Backward recomputes each chunk's logits instead of saving
 them; with ``G = dL/dz_chunk`` from ``chunk_grad`` (the softmax-weighted bracket over the full, TP-reduced
@@ -37,6 +37,7 @@ from megatron_kl.kl.vocab_parallel import (
     CHUNK_ELEMENTS,
     VocabParallelStats,
     _shard,
+    check_group,
     chunk_forward,
     chunk_grad,
     compute_dtype,
@@ -64,21 +65,21 @@ class _FusedLinearStats(torch.autograd.Function):
         dtype = compute_dtype(hidden.dtype)
         has_ref = reference_hidden is not None
         out = torch.empty(3, rows, dtype=dtype, device=hidden.device)  # logprob, entropy, kl
-        norms = torch.empty(4, rows, dtype=dtype, device=hidden.device)
+        norms = torch.empty(5, rows, dtype=dtype, device=hidden.device)
         for lo in range(0, rows, chunk_size):
             hi = min(rows, lo + chunk_size)
-            z = _project(hidden[lo:hi], weight, shard.valid, temperature, dtype)
-            r = _project(reference_hidden[lo:hi], reference_weight, shard.valid, temperature, dtype) if has_ref else None
+            z = _project(hidden[lo:hi], weight, shard.valid, dtype)
+            r = _project(reference_hidden[lo:hi], reference_weight, shard.valid, dtype) if has_ref else None
             tgt = targets[lo:hi] if targets is not None else None
-            out[:, lo:hi], norms[:, lo:hi] = chunk_forward(z, r, tgt, shard, group, dtype)
-        ctx.save_for_backward(hidden, weight, reference_hidden, reference_weight, targets, norms, out)
+            out[:, lo:hi], norms[:, lo:hi] = chunk_forward(z, r, tgt, shard, group, temperature, scratch=True)
+        ctx.save_for_backward(hidden, weight, reference_hidden, reference_weight, targets, norms)
         ctx.shard, ctx.temperature, ctx.chunk_size, ctx.dtype = shard, temperature, chunk_size, dtype
-        ctx.mark_non_differentiable(norms)
+        ctx.set_materialize_grads(False)  # an output nobody differentiates gets no backward work
         return out[0], out[1], out[2]
 
     @staticmethod
     def backward(ctx, grad_logprob, grad_entropy, grad_kl):
-        hidden, weight, reference_hidden, reference_weight, targets, norms, out = ctx.saved_tensors
+        hidden, weight, reference_hidden, reference_weight, targets, norms = ctx.saved_tensors
         shard, tau, dtype = ctx.shard, ctx.temperature, ctx.dtype
         want_hidden, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if targets is None:
@@ -91,14 +92,14 @@ class _FusedLinearStats(torch.autograd.Function):
         rows = hidden.shape[0]
         for lo in range(0, rows if valid else 0, ctx.chunk_size):  # a padding-only shard has no gradient
             hi = min(rows, lo + ctx.chunk_size)
-            z = _project(hidden[lo:hi], weight, valid, tau, dtype)
-            r = _project(reference_hidden[lo:hi], reference_weight, valid, tau, dtype) if grad_kl is not None else None
+            z = _project(hidden[lo:hi], weight, valid, dtype)
+            r = _project(reference_hidden[lo:hi], reference_weight, valid, dtype) if grad_kl is not None else None
             grad = chunk_grad(
-                z, r, targets[lo:hi] if targets is not None else None, shard, norms[:, lo:hi], out[:, lo:hi],
+                z, r, targets[lo:hi] if targets is not None else None, shard, norms[:, lo:hi],
                 upstream(grad_logprob, lo, hi, dtype), upstream(grad_entropy, lo, hi, dtype),
-                upstream(grad_kl, lo, hi, dtype), 1.0,
-            )  # tau * dL/dz for this chunk, [c, valid], compute dtype; 1/tau goes into the [c, H] products
-            _accumulate(grad, hidden, weight, lo, hi, valid, tau, grad_hidden, grad_weight, dtype)
+                upstream(grad_kl, lo, hi, dtype), tau, out=z,
+            )  # dL/dz for this chunk's raw logits [c, valid], compute dtype
+            _accumulate(grad, hidden, weight, lo, hi, valid, grad_hidden, grad_weight, dtype)
         if want_weight:
             grad_weight = grad_weight.to(weight.dtype)
         return grad_hidden, grad_weight, None, None, None, None, None, None, None
@@ -117,38 +118,32 @@ def fused_linear_grads(hidden, weight, reference_hidden, reference_weight, targe
     dtype = compute_dtype(hidden.dtype)
     has_ref = reference_hidden is not None
     out = torch.zeros(3, rows, dtype=dtype, device=hidden.device)
-    norms = torch.empty(4, rows, dtype=dtype, device=hidden.device)
+    norms = torch.empty(5, rows, dtype=dtype, device=hidden.device)
     grad_hidden = torch.zeros_like(hidden)
     grad_weight = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if want_weight else None
     valid = shard.valid
     for lo in range(0, rows, chunk_size):
         hi = min(rows, lo + chunk_size)
-        z = _project(hidden[lo:hi], weight, valid, temperature, dtype)
-        r = _project(reference_hidden[lo:hi], reference_weight, valid, temperature, dtype) if has_ref else None
+        z = _project(hidden[lo:hi], weight, valid, dtype)
+        r = _project(reference_hidden[lo:hi], reference_weight, valid, dtype) if has_ref else None
         tgt = targets[lo:hi] if targets is not None else None
-        kept: list = []  # z - M, exp(z - M), r - M_ref: the gradient reuses the forward's work
-        out[:, lo:hi], norms[:, lo:hi] = chunk_forward(z, r, tgt, shard, group, dtype, keep=kept)
+        kept: dict = {}  # zc, exp(zc), u: the gradient reuses the forward's work
+        out[:, lo:hi], norms[:, lo:hi] = chunk_forward(z, r, tgt, shard, group, temperature, keep=kept, scratch=True)
         g_lp, g_h, g_kl = probe(out, lo, hi)
         if not valid:  # a padding-only shard: its columns get no gradient, its rows a zero partial sum
             continue
-        z_centred, exp_centred, r_centred = kept
-        centred = norms[:, lo:hi].clone()
-        centred[0] = 0.0  # M and M_ref are already subtracted
-        centred[2] = 0.0
-        p = exp_centred.mul_(torch.exp(-norms[1, lo:hi])[:, None])  # softmax = exp(z - M) / S
-        grad = chunk_grad(z_centred, r_centred if g_kl is not None else None, tgt, shard, centred, out[:, lo:hi],
-                          _as(g_lp, dtype), _as(g_h, dtype), _as(g_kl, dtype), 1.0, p=p)
-        _accumulate(grad, hidden, weight, lo, hi, valid, temperature, grad_hidden, grad_weight, dtype)
+        grad = chunk_grad(None, None, tgt, shard, norms[:, lo:hi], _as(g_lp, dtype), _as(g_h, dtype),
+                          _as(g_kl, dtype), temperature, kept=kept)
+        _accumulate(grad, hidden, weight, lo, hi, valid, grad_hidden, grad_weight, dtype)
     return out, grad_hidden, grad_weight
 
 
-def _accumulate(grad, hidden, weight, lo, hi, valid, temperature, grad_hidden, grad_weight, dtype) -> None:
-    """dL/dh rows and the in-place dL/dW sum of one chunk from ``grad`` = tau * dL/dz [c, valid]."""
+def _accumulate(grad, hidden, weight, lo, hi, valid, grad_hidden, grad_weight, dtype) -> None:
+    """dL/dh rows and the in-place dL/dW sum of one chunk from ``grad`` = dL/dz [c, valid] (z = h W^T)."""
     if grad_hidden is not None:
-        rows = grad.to(hidden.dtype) @ weight[:valid]
-        grad_hidden[lo:hi] = rows if temperature == 1.0 else rows.div_(temperature)
+        torch.matmul(grad.to(hidden.dtype), weight[:valid], out=grad_hidden[lo:hi])
     if grad_weight is not None:  # accumulated in place: no [V/tp, H] temporary per chunk
-        grad_weight[:valid].addmm_(grad.t(), hidden[lo:hi].to(dtype), alpha=1.0 / temperature)
+        grad_weight[:valid].addmm_(grad.t(), hidden[lo:hi].to(dtype))
 
 
 def _as(grad, dtype):
@@ -174,11 +169,10 @@ class PrecomputedGrad(torch.autograd.Function):
         return None, grad_hidden * grad_output.to(grad_hidden.dtype), weight_grad, None, None
 
 
-def _project(hidden, weight, valid: int, temperature: float, dtype) -> torch.Tensor:
-    """This rank's valid logit columns of a chunk, divided by tau, as a fresh compute-dtype tensor."""
+def _project(hidden, weight, valid: int, dtype) -> torch.Tensor:
+    """This rank's valid logit columns of a chunk (not divided by tau) as a fresh compute-dtype tensor."""
     logits = hidden @ weight[:valid].t()
-    logits = logits.to(dtype) if logits.dtype != dtype else logits
-    return logits if temperature == 1.0 else logits.div_(temperature)
+    return logits.to(dtype) if logits.dtype != dtype else logits
 
 
 def _gather_rows(hidden: torch.Tensor, tp_group, sequence_parallel: bool) -> torch.Tensor:
@@ -223,6 +217,7 @@ def fused_linear_stats(
     """
     if temperature <= 0:
         raise ValueError(f"temperature={temperature} must be > 0")
+    check_group(tp_group)
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
         raise ValueError(f"weight shape {tuple(weight.shape)} must be [V/tp, {hidden.shape[-1]}] (hidden size)")
     if (reference_hidden is None) != (reference_weight is None):

@@ -1,24 +1,42 @@
 """Vocab-parallel token log-probs, entropy and exact KL(pi_theta || pi_ref) over TP shards.
 
 Each rank of ``tp_group`` holds the logits of its vocabulary slice ``[r*V/tp, (r+1)*V/tp)`` (Megatron's
-convention; the padded vocabulary). Nothing gathers the vocabulary. Per position, with z = logits / tau:
+convention; the padded vocabulary). Nothing gathers the vocabulary. Per position, with x / y the policy /
+reference logits, tau the temperature, M = max_a x_a and M_r = max_a y_a (all-reduce MAX):
 
-    log pi(a) = z_a - M - log S,                      M = max_a z_a (all-reduce MAX),
-                                                     S = sum_a exp(z_a - M) (all-reduce SUM)
-    H         = log S - E_pi[z - M]                   (partial sums all-reduced)
-    KL        = E_pi[(z - M) - (r - M_r)] - log S + log S_r,    r = reference_logits / tau
+    zc_a = (x_a - M) / tau <= 0,   e_a = exp(zc_a),   S = sum_a e_a        (all-reduce SUM)
+    log pi(t) = zc_t - log S
+    H         = log S - E_pi[zc]
+    KL        = E_pi[u] + log1p(E_pi[expm1(-u)]),   u_a = ((x_a - y_a) - (M - M_r)) / tau
+
+The KL form is the identity log pi - log pi_ref = u + log E_pi[exp(-u)] (u is the log-ratio up to a
+constant per row). Near the reference u = O(eps), both terms are O(eps) and the per-token differences
+are formed before any sum, so the error scales with the KL instead of with log S ~ 10 (the textbook
+E[z - M] - E[r - M_r] - log S + log S_r cancels four O(10) terms: absolute error ~1e-5 in fp32, i.e.
+relative error 30 at KL 5e-7). Per token, e_a * expm1(-u_a) = exp(r_a - M_r) - exp(z_a - M); where
+-u_a > KL_DIRECT (the reference puts mass where the policy has next to none) the right-hand side is
+used instead, so nothing overflows.
 
 Gradients w.r.t. the local logits slice, from the globally reduced quantities (no gradient all-reduce,
 the slices are disjoint; the upstream gradient of these replicated outputs is NOT summed across ranks):
 
-    d log pi(t) / dz_a = 1[a = t] - pi_a
-    d H / dz_a         = -pi_a (log pi_a + H)
-    d KL / dz_a        = pi_a (log pi_a - log pi_ref_a - KL)
+    d log pi(t) / dx_a = (1[a = t] - pi_a) / tau
+    d H / dx_a         = -pi_a (zc_a - E_pi[zc]) / tau        (= -pi_a (log pi_a + H) / tau)
+    d KL / dx_a        =  pi_a (u_a - E_pi[u]) / tau           (= pi_a (log pi_a - log pi_ref_a - KL) / tau)
 
-each divided by tau for the gradient w.r.t. the logits. Work is chunked over tokens: extra memory is
-O(chunk x V/tp) in float32 (default chunk: about 2M entries, i.e. 2M / (V/tp) rows), and the softmax is recomputed in backward instead of being saved.
+with pi_a = e_a / S: every bracket is a difference of two centred quantities (no log S, no M + log S
+formed in fp32 next to logits of 1e4). Work is chunked over rows: extra memory is O(chunk x V/tp) in the
+compute dtype, and the softmax is recomputed in backward instead of being saved. Only the requested
+statistics are computed (``token_logprobs`` does no entropy work). Row sums are plain reductions (pairwise
+summation), not BLAS dot products, whose sequential accumulation is ~80x less accurate on CPU.
 Math runs in float32 for half-precision inputs and in float64 for float64 inputs. Entries at global
 index >= ``vocab_size`` (Megatron's vocabulary padding) are excluded everywhere.
+
+Automatic chunk size (``chunk_size=None``): ``CHUNK_ELEMENTS // (V/tp)`` rows, at least one. Measured with
+``tools/bench_vocab_parallel.py --section chunks`` (2 CPU cores, 4096 x 32768 fp32, fwd+bwd): chunks of
+1-4 M entries (4-16 MiB, i.e. inside the shared L3 cache) are fastest; 16 M entries and more run ~2x
+slower (every pass then goes to DRAM), and below ~256 K entries the per-chunk Python and collective
+overhead dominates.
 """
 
 from __future__ import annotations
@@ -29,14 +47,27 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-DEFAULT_CHUNK = None  # auto: rows such that one float32 chunk temporary is about CHUNK_ELEMENTS entries
+DEFAULT_CHUNK = None  # auto: rows such that one chunk temporary is about CHUNK_ELEMENTS entries
 CHUNK_ELEMENTS = 1 << 21
+KL_DIRECT = 60.0  # -u above this: exp(r - M_r) directly (e * expm1(-u) could overflow as 0 * inf)
+
+# rows of the per-position state saved for backward (``norms``)
+MAX, SHIFT, SUM, MEAN_ZC, MEAN_U = range(5)
 
 
 def _group_size_rank(group) -> tuple[int, int]:
     if group is None or not dist.is_initialized():
         return 1, 0
     return dist.get_world_size(group), dist.get_rank(group)
+
+
+def check_group(group, name: str = "tp_group") -> None:
+    """``None`` means TP=1; refuse it where a multi-rank job would silently compute per-shard results."""
+    if group is None and dist.is_initialized() and dist.get_world_size() > 1:
+        raise ValueError(
+            f"{name}=None while torch.distributed runs {dist.get_world_size()} ranks: pass the tensor-parallel "
+            "group (megatron's parallel_state.get_tensor_model_parallel_group(), or a one-rank group for TP=1)"
+        )
 
 
 def _all_reduce(tensor: torch.Tensor, op, group) -> torch.Tensor:
@@ -47,6 +78,10 @@ def _all_reduce(tensor: torch.Tensor, op, group) -> torch.Tensor:
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def default_chunk_rows(local_vocab: int) -> int:
+    return max(1, CHUNK_ELEMENTS // max(1, local_vocab))
 
 
 @dataclass
@@ -66,98 +101,145 @@ def _shard(local_vocab: int, group, vocab_size: Optional[int]) -> _Shard:
     return _Shard(start=start, valid=max(0, min(local_vocab, total - start)))
 
 
-def _scaled(chunk: torch.Tensor, shard: _Shard, temperature: float, dtype: torch.dtype) -> torch.Tensor:
-    return chunk[:, : shard.valid].to(dtype) / temperature
+def _owned(targets: torch.Tensor, shard: _Shard):
+    local = targets - shard.start
+    return local, (local >= 0) & (local < shard.valid)
 
 
-def _rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Row-wise dot products of two [n, V] tensors as batched BLAS dots: no [n, V] product temporary."""
-    return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).view(-1)
-
-
-KEEP_BLOCK = 8192  # columns per block of chunk_forward(keep=...)'s reference exp-sum
-
-
-def chunk_forward(z, r, targets, shard: _Shard, group, dtype, keep: Optional[list] = None):
+def chunk_forward(x, y, targets, shard: _Shard, group, temperature: float, entropy: bool = True,
+                  keep: Optional[dict] = None, scratch: bool = False):
     """Globally reduced statistics of one chunk of rows.
 
-    ``z`` / ``r``: this rank's valid columns of the policy / reference logits divided by tau, in the
-    compute ``dtype`` (``r`` may be None); both are overwritten. ``targets``: global ids of the chunk's
-    rows (or None). Returns ``out [3, n]`` (log-prob of the target, entropy, KL) and ``norms [4, n]``
-    (M, log S, M_ref, log S_ref), the normalisers ``chunk_grad`` needs. ``keep``: a list that receives
-    ``[z - M, exp(z - M), r - M_ref]`` (``r`` then left as ``r - M_ref``) for a gradient in the same pass.
+    ``x`` / ``y``: this rank's valid columns of the policy / reference logits ``[n, valid]`` (``y`` may
+    be None: no KL), any float dtype, not divided by tau; left intact unless ``scratch`` (then both may be
+    overwritten). ``targets``: global ids of the rows (or None). ``entropy``: compute H. Returns
+    ``out [3, n]`` (log-prob of the target, entropy, KL; zero where not requested) and ``norms [5, n]``
+    (M, M - M_r, S, E_pi[zc], E_pi[u]), all ``chunk_grad`` needs. ``keep``: a dict that receives ``zc``,
+    ``e`` and ``u`` ([n, valid], compute dtype) for a gradient in the same pass.
     """
-    n = z.shape[0]
-    maxes = torch.full((2, n), torch.finfo(dtype).min, dtype=dtype, device=z.device)
-    if shard.valid:
-        maxes[0] = z.max(dim=-1).values
-        if r is not None:
-            maxes[1] = r.max(dim=-1).values
+    dtype = compute_dtype(x.dtype)
+    x = x.to(dtype)
+    y = y.to(dtype) if y is not None else None
+    n, cols = x.shape
+    maxes = torch.full((2, n), torch.finfo(dtype).min, dtype=dtype, device=x.device)
+    if cols:
+        maxes[0] = x.amax(-1)
+        if y is not None:
+            maxes[1] = y.amax(-1)
     _all_reduce(maxes, dist.ReduceOp.MAX, group)
-    zc = z.sub_(maxes[0, :, None])  # z - M <= 0
-    e = torch.exp(zc)
-    sums = torch.zeros(5, n, dtype=dtype, device=z.device)
-    sums[0] = e.sum(-1)  # S
-    sums[1] = _rowdot(e, zc)  # S * E_pi[z - M]
-    if r is not None:
-        rc = r.sub_(maxes[1, :, None])
-        sums[3] = _rowdot(e, rc)  # S * E_pi[r - M_ref]
-        if keep is None:
-            sums[2] = rc.exp_().sum(-1)  # S_ref
-        else:  # r - M_ref stays for the gradient: exp-sum by column blocks, no second [n, V] buffer
-            sums[2] = sum(torch.exp(rc[:, j : j + KEEP_BLOCK]).sum(-1) for j in range(0, rc.shape[1], KEEP_BLOCK))
-    if targets is not None and shard.valid:
-        local_t = targets - shard.start
-        owned = (local_t >= 0) & (local_t < shard.valid)
-        picked = zc.gather(-1, local_t.clamp(0, shard.valid - 1).unsqueeze(-1)).squeeze(-1)
-        sums[4] = torch.where(owned, picked, torch.zeros_like(picked))
+    sums = torch.zeros(5, n, dtype=dtype, device=x.device)  # S, S E[zc], S E[u], sum(e_ref - e), zc[target]
+    if cols:
+        _chunk_sums(x, y, targets, shard, maxes, temperature, entropy, keep, scratch, sums)
     _all_reduce(sums, dist.ReduceOp.SUM, group)
-    out = torch.zeros(3, n, dtype=dtype, device=z.device)
-    norms = torch.zeros(4, n, dtype=dtype, device=z.device)
-    log_s = torch.log(sums[0])
-    mean_zc = sums[1] / sums[0]
-    out[0] = sums[4] - log_s
-    out[1] = log_s - mean_zc
-    norms[0], norms[1] = maxes[0], log_s
-    if r is not None:
-        log_s_ref = torch.log(sums[2])
-        out[2] = mean_zc - sums[3] / sums[0] - log_s + log_s_ref
-        norms[2], norms[3] = maxes[1], log_s_ref
-    if keep is not None:
-        keep[:] = [zc, e, rc if r is not None else None]
+    out = torch.zeros(3, n, dtype=dtype, device=x.device)
+    norms = torch.zeros(5, n, dtype=dtype, device=x.device)
+    total = sums[0]
+    log_s = torch.log(total)
+    norms[MAX], norms[SHIFT], norms[SUM] = maxes[0], maxes[0] - maxes[1], total
+    if targets is not None:
+        out[0] = sums[4] - log_s
+    if entropy:
+        norms[MEAN_ZC] = sums[1] / total
+        out[1] = log_s - norms[MEAN_ZC]
+    if y is not None:
+        norms[MEAN_U] = sums[2] / total
+        ratio_minus_one = (sums[3] / total).clamp_min(torch.finfo(dtype).eps - 1.0)  # E_pi[exp(-u)] - 1 > -1
+        out[2] = (norms[MEAN_U] + torch.log1p(ratio_minus_one)).clamp_min(0.0)
     return out, norms
 
 
-def chunk_grad(z, r, targets, shard: _Shard, norms, out, g_lp, g_h, g_kl, temperature, p=None):
-    """Gradient w.r.t. this rank's valid logit columns of one chunk (see the module docstring).
+def _chunk_sums(x, y, targets, shard, maxes, temperature, entropy, keep, scratch, sums) -> None:
+    """This rank's partial sums of one chunk into ``sums`` (see ``chunk_forward``)."""
+    u = None
+    if y is not None:  # u = ((x - y) - (M - M_r)) / tau: the log-ratio's differences first
+        u = torch.sub(x, y, out=y if scratch else None).sub_((maxes[0] - maxes[1])[:, None])
+        if temperature != 1.0:
+            u.div_(temperature)
+    zc = torch.sub(x, maxes[0, :, None], out=x if scratch else None)
+    if temperature != 1.0:
+        zc.div_(temperature)
+    if targets is not None:
+        local, owned = _owned(targets, shard)
+        picked = zc.gather(-1, local.clamp(0, shard.valid - 1).unsqueeze(-1)).squeeze(-1)
+        sums[4] = torch.where(owned, picked, torch.zeros_like(picked))
+    keep_zc = entropy or keep is not None or u is not None
+    e = torch.exp(zc) if keep_zc else zc.exp_()
+    sums[0] = e.sum(-1)
+    product = None
+    if entropy:
+        product = torch.mul(e, zc)
+        sums[1] = product.sum(-1)
+    if u is not None:
+        product = torch.mul(e, u, out=product)
+        sums[2] = product.sum(-1)
+        sums[3] = _reference_minus_policy(zc, e, u, product, keep is None)
+    if keep is not None:
+        keep.update(zc=zc, e=e, u=u)
 
-    ``z`` / ``r`` as in ``chunk_forward`` (overwritten); ``norms`` / ``out`` its results for these rows;
-    ``g_lp`` / ``g_h`` / ``g_kl``: upstream gradients [n] in the compute dtype (None when absent).
-    ``p``: the softmax of these rows when already at hand (overwritten), else computed here.
+
+def _reference_minus_policy(zc, e, u, buffer, consume_u: bool) -> torch.Tensor:
+    """Row sums of exp(r - M_r) - exp(z - M) = e * expm1(-u), formed per token; where -u > KL_DIRECT
+    (e may underflow while exp(-u) overflows) from exp(zc - u) directly."""
+    neg_u = u.neg_() if consume_u else torch.neg(u)
+    far = neg_u > KL_DIRECT if bool(neg_u.amax() > KL_DIRECT) else None
+    direct = torch.exp(zc + neg_u) if far is not None else None
+    delta = torch.mul(e, neg_u.clamp_(max=KL_DIRECT).expm1_(), out=buffer)
+    if far is not None:
+        delta = torch.where(far, direct, delta)
+    return delta.sum(-1)
+
+
+def chunk_grad(x, y, targets, shard: _Shard, norms, g_lp, g_h, g_kl, temperature: float, out=None,
+               kept: Optional[dict] = None):
+    """dL/dx for this rank's valid logit columns of one chunk (module docstring), in the compute dtype.
+
+    ``x`` / ``y`` as in ``chunk_forward`` (read only; ``y`` only when ``g_kl`` is given); ``norms``: its
+    row state for these rows; ``g_lp`` / ``g_h`` / ``g_kl``: upstream gradients [n] (None when absent).
+    ``out``: where to write the result (compute dtype, may be ``x`` itself: x is read before it is
+    overwritten). ``kept``: ``chunk_forward``'s ``keep`` for these rows (then x and y are not read; its
+    buffers are overwritten).
     """
-    # grad_z = p * [-g_lp - g_H (log p + H) + g_KL (log p - log q - KL)] + g_lp * onehot(target), in place
-    log_p = z.sub_((norms[0] + norms[1])[:, None])
-    p = torch.exp(log_p) if p is None else p
-    kl_part = None
-    if g_kl is not None and r is not None:  # g_KL * ((log p - log q) - KL): large |log q| cancels first
-        kl_part = r.sub_((norms[2] + norms[3])[:, None])  # log q
-        kl_part.neg_().add_(log_p).sub_(out[2, :, None]).mul_(g_kl[:, None])
-    bracket = log_p.add_(out[1, :, None])  # log p + H
-    if g_h is not None:
-        bracket.mul_(-g_h[:, None])
+    dtype = compute_dtype(x.dtype if x is not None else kept["zc"].dtype)
+    scale = 1.0 / (norms[SUM] * temperature)  # pi = e / S; d/dx = d/dz / tau
+    u = None
+    if g_kl is not None:
+        if kept is not None:
+            u = kept["u"]
+        else:
+            u = torch.sub(x.to(dtype), y.to(dtype)).sub_(norms[SHIFT][:, None])
+            if temperature != 1.0:
+                u.div_(temperature)
+        u.sub_(norms[MEAN_U][:, None]).mul_((g_kl.to(dtype) * scale)[:, None])  # k (u - E[u])
+    if kept is not None:
+        zc, e = kept["zc"], kept["e"]
     else:
-        bracket.zero_()
-    if g_lp is not None:
-        bracket.sub_(g_lp[:, None])
-    if kl_part is not None:
-        bracket.add_(kl_part)
-    grad = p.mul_(bracket)
+        zc = torch.sub(x.to(dtype) if x.dtype != dtype else x, norms[MAX][:, None],
+                       out=out if out is not None and out.dtype == dtype else None)
+        if temperature != 1.0:
+            zc.div_(temperature)
+        e = torch.exp(zc) if g_h is not None else zc.exp_()
+    constant = None if g_lp is None else -(g_lp.to(dtype) * scale)[:, None]  # -a
+    if g_h is not None:  # bracket in zc's buffer: -b (zc - E[zc]) - a + k (u - E[u])
+        bracket = zc.sub_(norms[MEAN_ZC][:, None]).mul_(-(g_h.to(dtype) * scale)[:, None])
+        if constant is not None:
+            bracket.add_(constant)
+        if u is not None:
+            bracket.add_(u)
+        grad = bracket.mul_(e)
+    elif u is not None:
+        grad = e.mul_(u if constant is None else u.add_(constant))
+    elif constant is not None:
+        grad = e.mul_(constant)
+    else:
+        grad = e.zero_()
     if g_lp is not None and targets is not None:
-        local_t = targets - shard.start
-        owned = (local_t >= 0) & (local_t < shard.valid)
+        local, owned = _owned(targets, shard)
         idx = owned.nonzero().squeeze(-1)
-        grad[idx, local_t[idx]] += g_lp[idx]
-    return grad if temperature == 1.0 else grad.div_(temperature)
+        grad[idx, local[idx]] += g_lp[idx].to(dtype) / temperature
+    if out is not None and grad.data_ptr() != out.data_ptr():
+        out.copy_(grad)
+        return out
+    return grad
 
 
 def upstream(grad: Optional[torch.Tensor], lo: int, hi: int, dtype) -> Optional[torch.Tensor]:
@@ -168,51 +250,51 @@ class _VocabParallelStats(torch.autograd.Function):
     """Forward: (logprob of target, entropy, KL to reference) per row; see the module docstring."""
 
     @staticmethod
-    def forward(ctx, logits, reference_logits, targets, group, temperature, vocab_size, chunk_size, inplace_backward):
+    def forward(ctx, logits, reference_logits, targets, group, temperature, vocab_size, chunk_size, inplace_backward,
+                entropy):
         rows, local_vocab = logits.shape
         shard = _shard(local_vocab, group, vocab_size)
         dtype = compute_dtype(logits.dtype)
         out = torch.empty(3, rows, dtype=dtype, device=logits.device)  # logprob, entropy, kl
-        norms = torch.empty(4, rows, dtype=dtype, device=logits.device)
+        norms = torch.empty(5, rows, dtype=dtype, device=logits.device)
+        valid = shard.valid
         for lo in range(0, rows, chunk_size):
             hi = min(rows, lo + chunk_size)
-            z = _scaled(logits[lo:hi], shard, temperature, dtype)
-            r = _scaled(reference_logits[lo:hi], shard, temperature, dtype) if reference_logits is not None else None
+            y = reference_logits[lo:hi, :valid] if reference_logits is not None else None
             tgt = targets[lo:hi] if targets is not None else None
-            out[:, lo:hi], norms[:, lo:hi] = chunk_forward(z, r, tgt, shard, group, dtype)
-        ctx.save_for_backward(logits, reference_logits, targets, norms, out)
+            out[:, lo:hi], norms[:, lo:hi] = chunk_forward(logits[lo:hi, :valid], y, tgt, shard, group, temperature,
+                                                           entropy=entropy)
+        ctx.save_for_backward(logits, reference_logits, targets, norms)
         ctx.shard, ctx.temperature, ctx.chunk_size, ctx.dtype = shard, temperature, chunk_size, dtype
         ctx.inplace_backward = inplace_backward
-        ctx.mark_non_differentiable(norms)
+        ctx.set_materialize_grads(False)  # an output nobody differentiates gets no backward work
         return out[0], out[1], out[2]
 
     @staticmethod
     def backward(ctx, grad_logprob, grad_entropy, grad_kl):
-        logits, reference_logits, targets, norms, out = ctx.saved_tensors
+        logits, reference_logits, targets, norms = ctx.saved_tensors
         shard, tau, dtype = ctx.shard, ctx.temperature, ctx.dtype
         # In place: each chunk's gradient overwrites that chunk of the logits once it has been read, so
         # backward allocates nothing of full size (as megatron's vocab-parallel cross entropy does).
-        grad_logits = logits if ctx.inplace_backward else torch.zeros_like(logits)
+        grad_logits = logits if ctx.inplace_backward else torch.empty_like(logits)
         if targets is None:
             grad_logprob = None
         if reference_logits is None:
             grad_kl = None
+        valid = shard.valid
+        if valid < logits.shape[1]:
+            grad_logits[:, valid:] = 0
         rows = logits.shape[0]
-        for lo in range(0, rows, ctx.chunk_size):
+        for lo in range(0, rows if valid else 0, ctx.chunk_size):
             hi = min(rows, lo + ctx.chunk_size)
-            if shard.valid < logits.shape[1]:
-                grad_logits[lo:hi, shard.valid:] = 0
-            if shard.valid == 0:
-                continue
-            z = _scaled(logits[lo:hi], shard, tau, dtype)
-            r = _scaled(reference_logits[lo:hi], shard, tau, dtype) if grad_kl is not None else None
-            grad = chunk_grad(
-                z, r, targets[lo:hi] if targets is not None else None, shard, norms[:, lo:hi], out[:, lo:hi],
+            target = grad_logits[lo:hi, :valid]
+            chunk_grad(
+                logits[lo:hi, :valid], reference_logits[lo:hi, :valid] if grad_kl is not None else None,
+                targets[lo:hi] if targets is not None else None, shard, norms[:, lo:hi],
                 upstream(grad_logprob, lo, hi, dtype), upstream(grad_entropy, lo, hi, dtype),
-                upstream(grad_kl, lo, hi, dtype), tau,
+                upstream(grad_kl, lo, hi, dtype), tau, out=target,
             )
-            grad_logits[lo:hi, : shard.valid] = grad.to(logits.dtype)
-        return grad_logits, None, None, None, None, None, None, None
+        return grad_logits, None, None, None, None, None, None, None, None
 
 
 @dataclass
@@ -220,7 +302,7 @@ class VocabParallelStats:
     """Per-position outputs of one fused pass; shapes are the logits' leading dims."""
 
     logprobs: Optional[torch.Tensor]
-    entropy: torch.Tensor
+    entropy: Optional[torch.Tensor]
     kl: Optional[torch.Tensor]
 
 
@@ -233,19 +315,22 @@ def fused_stats(
     vocab_size: Optional[int] = None,
     chunk_size: int = DEFAULT_CHUNK,
     inplace_backward: bool = False,
+    entropy: bool = True,
 ) -> VocabParallelStats:
-    """Token log-prob (if ``targets``), entropy and exact KL to the reference (if ``reference_logits``)
-    from one pass over the local logits slice ``[..., V/tp]``, sharing one normaliser.
+    """Token log-prob (if ``targets``), entropy (if ``entropy``) and exact KL to the reference (if
+    ``reference_logits``) from one pass over the local logits slice ``[..., V/tp]``, sharing one normaliser.
 
     Differentiable w.r.t. ``logits`` only. ``targets`` are global token ids. ``vocab_size`` is the true
-    vocabulary (padding excluded); default: the whole sharded vocabulary. ``inplace_backward=True``
-    writes the gradient into the logits' storage (no full-size allocation in backward): use it only when
-    the logits are a temporary that nothing reads after backward, as in the training loss.
+    vocabulary (padding excluded); default: the whole sharded vocabulary. ``tp_group``: the tensor-parallel
+    group (None only in a single-process run). ``inplace_backward=True`` writes the gradient into the
+    logits' storage (no full-size allocation in backward): use it only when the logits are a temporary
+    that nothing reads after backward, as in the training loss.
     """
     if temperature <= 0:
         raise ValueError(f"temperature={temperature} must be > 0")
+    check_group(tp_group)
     if chunk_size is None:
-        chunk_size = max(1, CHUNK_ELEMENTS // max(1, logits.shape[-1]))
+        chunk_size = default_chunk_rows(logits.shape[-1])
     if chunk_size <= 0:
         raise ValueError(f"chunk_size={chunk_size} must be > 0 (or None for automatic)")
     lead = logits.shape[:-1]
@@ -262,11 +347,11 @@ def fused_stats(
         ref = reference_logits.detach().reshape(-1, logits.shape[-1])
     tgt = targets.reshape(-1).long() if targets is not None else None
     logprob, ent, kl = _VocabParallelStats.apply(
-        flat, ref, tgt, tp_group, float(temperature), vocab_size, chunk_size, inplace_backward
+        flat, ref, tgt, tp_group, float(temperature), vocab_size, chunk_size, inplace_backward, entropy
     )
     return VocabParallelStats(
         logprobs=logprob.reshape(lead) if targets is not None else None,
-        entropy=ent.reshape(lead),
+        entropy=ent.reshape(lead) if entropy else None,
         kl=kl.reshape(lead) if reference_logits is not None else None,
     )
 
@@ -274,7 +359,7 @@ def fused_stats(
 def token_logprobs(logits, targets, tp_group, temperature=1.0, vocab_size=None, chunk_size=DEFAULT_CHUNK):
     """log softmax(logits / temperature)[target] over the full (sharded) vocabulary."""
     return fused_stats(logits, tp_group, targets=targets, temperature=temperature,
-                       vocab_size=vocab_size, chunk_size=chunk_size).logprobs
+                       vocab_size=vocab_size, chunk_size=chunk_size, entropy=False).logprobs
 
 
 def entropy(logits, tp_group, temperature=1.0, vocab_size=None, chunk_size=DEFAULT_CHUNK):
@@ -286,4 +371,4 @@ def entropy(logits, tp_group, temperature=1.0, vocab_size=None, chunk_size=DEFAU
 def full_kl(logits, reference_logits, tp_group, temperature=1.0, vocab_size=None, chunk_size=DEFAULT_CHUNK):
     """Exact KL(pi_theta || pi_ref) per position; differentiable w.r.t. ``logits`` only."""
     return fused_stats(logits, tp_group, reference_logits=reference_logits, temperature=temperature,
-                       vocab_size=vocab_size, chunk_size=chunk_size).kl
+                       vocab_size=vocab_size, chunk_size=chunk_size, entropy=False).kl
