@@ -1,23 +1,24 @@
-"""Benchmark: log-prob + entropy + exact KL, forward and backward, naive vs unfused vs fused.
+"""Benchmark: vocab-parallel log-probs / entropy / exact KL against megatron-core's own kernel.
 
-Two sections, each against a baseline measured in the same run:
+Sections, each against baselines measured in the same run:
 
-* ``logits`` (input: the logits): naive float32 log_softmax of the full policy and reference logits vs
-  megatron_kl.kl.vocab_parallel.fused_stats, chunked, with and without the in-place backward.
-* ``linear`` (input: hidden states + output weights, the projection included): naive (full logits, then
-  log_softmax) vs unfused (full logits, then fused_stats with the in-place backward: the best path that
-  materialises the logits) vs fused linear (megatron_kl.kl.fused_linear: never more than a chunk of
-  logits), with a chunk-size sweep for the fused path, and the fused single pass (model.fused_grad=
-  in_forward: gradients formed in the forward sweep, for row-separable losses; no recomputed logits).
-  Gradients w.r.t. the hidden states and the weight.
+* ``logits`` (input: the vocab-sharded logits, fp32, forward + backward), at TP=1 and TP=2 (gloo ranks):
+  megatron-core's ``vocab_parallel_cross_entropy`` (the baseline: log-probs = -loss) vs
+  ``megatron_kl.kl.vocab_parallel`` for log-probs, log-probs + entropy and the exact KL(pi || pi_ref)
+  (policy and reference logits), plus naive fp32 autograd at TP=1. Every path gets a fresh copy of the
+  logits (megatron-core overwrites its input; ours runs with ``inplace_backward``, the training setting,
+  and once without it). Implementations are interleaved round by round in one process group; the time
+  of a run is the slowest rank's; min and median of ``--repeats`` rounds after one warm-up round.
+  Peak extra memory (TP=1) is measured per implementation in a fresh subprocess (glibc told to serve
+  large blocks by mmap so RSS follows live memory) as peak RSS minus the RSS with the inputs allocated,
+  in units of one fp32 logits tensor.
+* ``chunks``: ours at TP=1 with chunks of 2^18 .. 2^24 entries, interleaved (the automatic chunk rule).
+* ``linear`` (input: hidden states + output weight, the projection included, gradients w.r.t. both):
+  naive (full logits, log_softmax) vs unfused (full logits, then fused_stats in place) vs fused linear
+  (recompute in backward) vs the fused single pass (model.fused_grad=in_forward), interleaved.
 
-Each measurement runs in a fresh subprocess (glibc told to serve large blocks by mmap so RSS follows live
-memory); peak extra memory = peak RSS (ru_maxrss) minus the RSS after the inputs were allocated, so the
-inputs are not counted for any path (the weight gradient is). Time: median of --repeats runs after
-one warm-up run.
-
-    python tools/bench_vocab_parallel.py                           # both sections, default sizes
-    python tools/bench_vocab_parallel.py --section linear --sizes 2048x152064 --hidden 896 --chunks 64,256,1024
+    python tools/bench_vocab_parallel.py                                  # logits + chunks, 4096 x 32768
+    python tools/bench_vocab_parallel.py --section linear --sizes 2048x152064 --hidden 896
 """
 
 from __future__ import annotations
@@ -32,9 +33,13 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
-TEMPERATURE = 0.8
+TEMPERATURE = 1.0
+LOGITS_IMPLS = ("megatron_core_logprobs", "logprobs", "logprobs_no_inplace", "logprobs_entropy", "exact_kl",
+                "naive_logprobs", "naive_logprobs_entropy", "naive_exact_kl")
+LINEAR_IMPLS = ("naive", "unfused", "fused_linear", "fused_single_pass")
 
 
 def _rss_bytes() -> int:
@@ -42,49 +47,81 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * resource.getpagesize()
 
 
-def _logits_paths(tokens: int, vocab: int, chunk: int):
+def _logits_inputs(tokens: int, vocab: int, world: int, rank: int):
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    logits = 2 * torch.randn(tokens, vocab, generator=g)
+    reference = logits + 0.05 * torch.randn(tokens, vocab, generator=g)
+    targets = torch.randint(0, vocab, (tokens,), generator=g)
+    local = vocab // world
+    sl = slice(rank * local, (rank + 1) * local)
+    return logits[:, sl].contiguous(), reference[:, sl].contiguous(), targets
+
+
+def _logits_paths(tokens: int, vocab: int, chunk, group, world: int, rank: int) -> dict:
+    """name -> prepare(); prepare() makes the fresh input copy and returns the timed fwd+bwd closure."""
     import torch
 
     from megatron_kl.kl.vocab_parallel import fused_stats
 
-    torch.manual_seed(0)
-    logits = torch.randn(tokens, vocab)
-    reference = torch.randn(tokens, vocab)
-    targets = torch.randint(0, vocab, (tokens,))
+    logits, reference, targets = _logits_inputs(tokens, vocab, world, rank)
 
-    def naive():
+    def megatron_core():
+        from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+
         x = logits.clone().requires_grad_(True)
-        logp = torch.log_softmax(x / TEMPERATURE, -1)
-        logq = torch.log_softmax(reference / TEMPERATURE, -1)
-        p = logp.exp()
-        loss = logp.gather(-1, targets[:, None]).sum() - (p * logp).sum() + (p * (logp - logq)).sum()
-        loss.backward()
-        return x.grad
+        return lambda: (-vocab_parallel_cross_entropy(x, targets)).sum().backward()
 
-    def ours(inplace: bool):
+    def ours(entropy=False, kl=False, inplace=True, lp=True):
         x = logits.clone().requires_grad_(True)
-        # in place: the gradient is written over the logits (a temporary of the output layer in training)
-        stats = fused_stats(x, None, targets=targets, reference_logits=reference, temperature=TEMPERATURE,
-                            chunk_size=chunk or None, inplace_backward=inplace)
-        (stats.logprobs.sum() + stats.entropy.sum() + stats.kl.sum()).backward()
-        return x.grad
 
-    # the clone of the input is part of every path; count it in the baseline
-    return {"naive": naive, "fused": lambda: ours(False), "fused_inplace": lambda: ours(True)}, logits.clone
+        def run():
+            stats = fused_stats(x, group, targets=targets if lp else None, reference_logits=reference if kl else None,
+                                temperature=TEMPERATURE, chunk_size=chunk, inplace_backward=inplace, entropy=entropy)
+            loss = sum(v.sum() for v in (stats.logprobs, stats.entropy, stats.kl) if v is not None)
+            loss.backward()
+        return run
+
+    def naive(entropy=False, kl=False, lp=True):
+        x = logits.clone().requires_grad_(True)
+
+        def run():
+            logp = torch.log_softmax(x / TEMPERATURE, -1)
+            loss = logp.gather(-1, targets[:, None]).sum() if lp else 0.0
+            if entropy:
+                loss = loss - (logp.exp() * logp).sum()
+            if kl:
+                logq = torch.log_softmax(reference / TEMPERATURE, -1)
+                loss = loss + (logp.exp() * (logp - logq)).sum()
+            loss.backward()
+        return run
+
+    paths = {
+        "megatron_core_logprobs": megatron_core,
+        "logprobs": lambda: ours(),
+        "logprobs_no_inplace": lambda: ours(inplace=False),
+        "logprobs_entropy": lambda: ours(entropy=True),
+        "exact_kl": lambda: ours(kl=True, lp=False),
+    }
+    if world == 1:
+        paths.update({"naive_logprobs": lambda: naive(), "naive_logprobs_entropy": lambda: naive(entropy=True),
+                      "naive_exact_kl": lambda: naive(kl=True, lp=False)})
+    return paths
 
 
-def _linear_paths(tokens: int, vocab: int, hidden_size: int, chunk: int):
+def _linear_paths(tokens: int, vocab: int, hidden_size: int, chunk) -> dict:
     import torch
 
-    from megatron_kl.kl.fused_linear import fused_linear_stats
+    from megatron_kl.kl.fused_linear import default_chunk_rows, fused_linear_grads, fused_linear_stats
     from megatron_kl.kl.vocab_parallel import fused_stats
 
-    torch.manual_seed(0)
-    hidden = torch.randn(tokens, hidden_size)
-    weight = (torch.randn(vocab, hidden_size) / hidden_size ** 0.5).requires_grad_(True)
-    reference_hidden = torch.randn(tokens, hidden_size)
-    reference_weight = torch.randn(vocab, hidden_size) / hidden_size ** 0.5
-    targets = torch.randint(0, vocab, (tokens,))
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(tokens, hidden_size, generator=g)
+    weight = (torch.randn(vocab, hidden_size, generator=g) / hidden_size ** 0.5).requires_grad_(True)
+    reference_hidden = torch.randn(tokens, hidden_size, generator=g)
+    reference_weight = torch.randn(vocab, hidden_size, generator=g) / hidden_size ** 0.5
+    targets = torch.randint(0, vocab, (tokens,), generator=g)
 
     def loss_of(stats):
         return stats.logprobs.sum() + stats.entropy.sum() + stats.kl.sum()
@@ -96,8 +133,7 @@ def _linear_paths(tokens: int, vocab: int, hidden_size: int, chunk: int):
             logq = torch.log_softmax(reference_hidden @ reference_weight.t() / TEMPERATURE, -1)
         p = logp.exp()
         loss = logp.gather(-1, targets[:, None]).sum() - (p * logp).sum() + (p * (logp - logq)).sum()
-        grads = torch.autograd.grad(loss, (h, weight))
-        return grads
+        return torch.autograd.grad(loss, (h, weight))
 
     def unfused():
         h = hidden.clone().requires_grad_(True)
@@ -112,13 +148,10 @@ def _linear_paths(tokens: int, vocab: int, hidden_size: int, chunk: int):
     def fused():
         h = hidden.clone().requires_grad_(True)
         stats = fused_linear_stats(h, weight, None, targets=targets, reference_hidden=reference_hidden,
-                                   reference_weight=reference_weight, temperature=TEMPERATURE,
-                                   chunk_size=chunk or None)
+                                   reference_weight=reference_weight, temperature=TEMPERATURE, chunk_size=chunk)
         return torch.autograd.grad(loss_of(stats), (h, weight))
 
     def single_pass():  # model.fused_grad=in_forward: the loss is row-separable, dL/d(stats) = 1 per row
-        from megatron_kl.kl.fused_linear import default_chunk_rows, fused_linear_grads
-
         ones = torch.ones(tokens)
         _, grad_hidden, grad_weight = fused_linear_grads(
             hidden, weight.detach(), reference_hidden, reference_weight, targets, None, TEMPERATURE, None,
@@ -126,84 +159,171 @@ def _linear_paths(tokens: int, vocab: int, hidden_size: int, chunk: int):
             lambda out, lo, hi: (ones[lo:hi], ones[lo:hi], ones[lo:hi]))
         return grad_hidden, grad_weight
 
-    return {"naive": naive, "unfused": unfused, "fused_linear": fused, "fused_single_pass": single_pass}, hidden.clone
+    # prepare() -> run: inputs are shared (nothing is overwritten), the clone happens inside the timed run
+    return {"naive": lambda: naive, "unfused": lambda: unfused, "fused_linear": lambda: fused,
+            "fused_single_pass": lambda: single_pass}
 
 
-def _measure(section: str, impl: str, size: str, hidden_size: int, chunk: int, repeats: int) -> dict:
-    tokens, vocab = map(int, size.split("x"))
-    if section == "logits":
-        paths, warm_input = _logits_paths(tokens, vocab, chunk)
-    else:
-        paths, warm_input = _linear_paths(tokens, vocab, hidden_size, chunk)
-    run = paths[impl]
-    warm = warm_input()
-    baseline = _rss_bytes()
-    del warm
-    times = []
-    run()  # warm-up (allocator, thread pool), not timed; its memory counts in the peak
-    for _ in range(repeats):
-        start = time.perf_counter()
-        grads = run()
-        times.append(time.perf_counter() - start)
-        del grads
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return {"time_s": statistics.median(times), "peak_extra_bytes": max(0, peak - baseline)}
+def _interleaved(paths: dict, repeats: int, group=None) -> dict:
+    """Each round runs every path once, in order; returns name -> list of times (slowest rank)."""
+    import torch
+    import torch.distributed as dist
+
+    times = {name: [] for name in paths}
+    for round_index in range(repeats + 1):  # round 0: warm-up
+        for name, prepare in paths.items():
+            run = prepare()
+            if group is not None:
+                dist.barrier(group=group)
+            start = time.perf_counter()
+            run()
+            elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+            if group is not None:
+                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
+            del run
+            if round_index:
+                times[name].append(elapsed.item())
+    return times
 
 
-def _child(section: str, impl: str, size: str, args, chunk: int) -> dict:
-    cmd = [sys.executable, __file__, "--child", f"{section}:{impl}", "--sizes", size, "--hidden", str(args.hidden),
-           "--chunk", str(chunk), "--repeats", str(args.repeats)]
-    # large blocks straight from mmap, returned on free: RSS then tracks live memory, not malloc's cache
+def _tp_worker(rank: int, world: int, tokens: int, vocab: int, repeats: int, chunk) -> dict:
+    import torch.distributed as dist
+
+    from megatron_kl.models.compat import apply_cpu_shims
+    from megatron.core import parallel_state
+
+    apply_cpu_shims()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
+    group = parallel_state.get_tensor_model_parallel_group()
+    try:
+        return _interleaved(_logits_paths(tokens, vocab, chunk, group, world, rank), repeats, group)
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.barrier()
+
+
+def _child_memory(section: str, impl: str, size: str, hidden: int, chunk: int) -> dict:
+    cmd = [sys.executable, __file__, "--child", f"{section}:{impl}", "--sizes", size, "--hidden", str(hidden),
+           "--chunk", str(chunk)]
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
     out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def _table(title: str, size: str, results: dict, base_name: str) -> None:
-    base = results[base_name]
-    print(f"\n{title}  ({size})")
-    print(f"{'impl':>22s} {'time s':>9s} {'peak extra MiB':>15s} {'mem ratio base/x':>17s} {'time ratio x/base':>18s}")
-    for impl, r in results.items():
-        mem_ratio = base["peak_extra_bytes"] / max(r["peak_extra_bytes"], 1)
-        print(f"{impl:>22s} {r['time_s']:9.3f} {r['peak_extra_bytes'] / 2**20:15.1f} {mem_ratio:17.1f} "
-              f"{r['time_s'] / base['time_s']:18.2f}")
+def _measure_memory(section: str, impl: str, size: str, hidden: int, chunk) -> dict:
+    """One warm-up and one measured run of ``impl`` in this (fresh) process: peak extra bytes."""
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    tokens, vocab = map(int, size.split("x"))
+    if section == "logits":
+        import torch.distributed as dist
+
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + os.getpid() % 1000))
+        dist.init_process_group("gloo", rank=0, world_size=1)
+        from megatron_kl.models.compat import apply_cpu_shims
+        from megatron.core import parallel_state
+
+        apply_cpu_shims()
+        parallel_state.initialize_model_parallel(1)
+        paths = _logits_paths(tokens, vocab, chunk, parallel_state.get_tensor_model_parallel_group(), 1, 0)
+    else:
+        paths = _linear_paths(tokens, vocab, hidden, chunk)
+    prepare = paths[impl]
+    prepare()()  # warm-up
+    run = prepare()  # the fresh input copy is made here, before the baseline
+    baseline = _rss_bytes()
+    run()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return {"peak_extra_bytes": max(0, peak - baseline)}
+
+
+def _row(name: str, times: list, base: list, memory=None, unit_bytes=None) -> str:
+    mem = "" if memory is None else f" {memory / 2**20:10.1f} {memory / unit_bytes:8.2f}"
+    return (f"{name:>26s} {min(times):8.3f} {statistics.median(times):8.3f} "
+            f"{min(times) / min(base):9.2f} {statistics.median(times) / statistics.median(base):9.2f}{mem}")
+
+
+def run_logits(args) -> None:
+    from megatron_kl.testing.distributed import run_ranks
+
+    for size in args.sizes.split(","):
+        tokens, vocab = map(int, size.split("x"))
+        unit = tokens * vocab * 4
+        memory = {impl: _child_memory("logits", impl, size, args.hidden, args.chunk)["peak_extra_bytes"]
+                  for impl in LOGITS_IMPLS}
+        for world in (1, 2):
+            per_rank = run_ranks(_tp_worker, world, tokens, vocab, args.repeats, args.chunk or None,
+                                 timeout_s=3600, threads_per_rank=max(1, (os.cpu_count() or 2) // world))
+            times = per_rank[0]
+            base = times["megatron_core_logprobs"]
+            print(f"\nlogits in, fp32, fwd+bwd, TP={world} ({size}, {args.repeats} rounds; ratios vs "
+                  f"megatron-core vocab_parallel_cross_entropy; memory at TP=1 in fp32-logits units)")
+            print(f"{'impl':>26s} {'min s':>8s} {'median s':>8s} {'min x':>9s} {'median x':>9s}"
+                  + (f" {'peak MiB':>10s} {'x logits':>8s}" if world == 1 else ""))
+            for name, values in times.items():
+                print(_row(name, values, base, memory[name] if world == 1 else None, unit))
+
+
+def run_chunks(args) -> None:
+    from megatron_kl.testing.distributed import run_ranks
+
+    tokens, vocab = map(int, args.sizes.split(",")[0].split("x"))
+    elements = [1 << k for k in range(18, 25, 1)]
+    results = {}
+    for impl in ("logprobs", "logprobs_entropy", "exact_kl"):
+        per_chunk = run_ranks(_chunk_worker, 1, tokens, vocab, args.repeats, impl, elements, timeout_s=3600,
+                              threads_per_rank=os.cpu_count() or 2)[0]
+        results[impl] = per_chunk
+    print(f"\nchunk sweep, TP=1, {tokens}x{vocab} fp32, fwd+bwd in place (min of {args.repeats}, seconds)")
+    print(f"{'entries/chunk':>14s} {'rows':>6s} " + " ".join(f"{k:>17s}" for k in results))
+    for e in elements:
+        print(f"{e:>14d} {max(1, e // vocab):>6d} " + " ".join(f"{min(results[k][e]):17.3f}" for k in results))
+
+
+def _chunk_worker(rank, world, tokens, vocab, repeats, impl, elements):
+    paths = {}
+    for e in elements:
+        paths[e] = _logits_paths(tokens, vocab, max(1, e // vocab), None, 1, 0)[impl]
+    return _interleaved(paths, repeats)
+
+
+def run_linear(args) -> None:
+    for size in args.sizes.split(","):
+        tokens, vocab = map(int, size.split("x"))
+        memory = {impl: _child_memory("linear", impl, size, args.hidden, args.chunk)["peak_extra_bytes"]
+                  for impl in LINEAR_IMPLS}
+        times = _interleaved(_linear_paths(tokens, vocab, args.hidden, args.chunk or None), args.repeats)
+        unit = tokens * vocab * 4
+        print(f"\nhidden in (H={args.hidden}), fp32: projection + log-prob + entropy + exact KL, grads w.r.t. hidden "
+              f"and weight ({size}, {args.repeats} rounds; ratios vs unfused; memory in fp32-logits units)")
+        print(f"{'impl':>26s} {'min s':>8s} {'median s':>8s} {'min x':>9s} {'median x':>9s} {'peak MiB':>10s} "
+              f"{'x logits':>8s}")
+        for name, values in times.items():
+            print(_row(name, values, times["unfused"], memory[name], unit))
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--section", choices=("logits", "linear", "both"), default="both")
-    parser.add_argument("--sizes", default="1024x32000,2048x152064", help="TOKENSxVOCAB,...")
+    parser.add_argument("--section", choices=("logits", "chunks", "linear", "all"), default="all")
+    parser.add_argument("--sizes", default=None, help="TOKENSxVOCAB,... (default: 4096x32768 for logits/chunks, "
+                        "2048x152064 for linear)")
     parser.add_argument("--hidden", type=int, default=896, help="hidden size for the linear section "
                         "(896: Qwen2.5-0.5B, whose vocabulary is 151936 padded to 152064)")
     parser.add_argument("--chunk", type=int, default=0, help="rows per chunk; 0 = automatic")
-    parser.add_argument("--chunks", default="64,256,1024", help="fused linear chunk-size sweep (rows)")
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         section, impl = args.child.split(":")
-        print(json.dumps(_measure(section, impl, args.sizes, args.hidden, args.chunk, args.repeats)))
+        print(json.dumps(_measure_memory(section, impl, args.sizes, args.hidden, args.chunk or None)))
         return 0
-    sections = ("logits", "linear") if args.section == "both" else (args.section,)
-    for size in args.sizes.split(","):
-        if "logits" in sections:
-            results = {impl: _child("logits", impl, size, args, args.chunk)
-                       for impl in ("naive", "fused", "fused_inplace")}
-            _table("logits in: naive log_softmax vs vocab_parallel.fused_stats", size, results, "naive")
-        if "linear" in sections:
-            results = {impl: _child("linear", impl, size, args, args.chunk) for impl in ("naive", "unfused")}
-            results["fused_linear (auto)"] = _child("linear", "fused_linear", size, args, 0)
-            results["fused 1-pass (auto)"] = _child("linear", "fused_single_pass", size, args, 0)
-            for chunk in (int(c) for c in args.chunks.split(",") if c):
-                results[f"fused_linear c={chunk}"] = _child("linear", "fused_linear", size, args, chunk)
-                results[f"fused 1-pass c={chunk}"] = _child("linear", "fused_single_pass", size, args, chunk)
-            _table(f"hidden in (H={args.hidden}): projection + stats, grads w.r.t. hidden and weight", size,
-                   results, "naive")
-            unfused = results["unfused"]
-            for name in ("fused_linear (auto)", "fused 1-pass (auto)"):
-                fused = results[name]
-                print(f"{name} vs unfused: memory {unfused['peak_extra_bytes'] / max(fused['peak_extra_bytes'], 1):.1f}x "
-                      f"lower, time ratio {fused['time_s'] / unfused['time_s']:.2f}")
+    sections = ("logits", "chunks", "linear") if args.section == "all" else (args.section,)
+    for section in sections:
+        sub = argparse.Namespace(**vars(args))
+        if sub.sizes is None:
+            sub.sizes = "2048x152064" if section == "linear" else "4096x32768"
+        {"logits": run_logits, "chunks": run_chunks, "linear": run_linear}[section](sub)
     return 0
 
 

@@ -99,3 +99,35 @@ def layout_worker(rank, world, model_cfg: ModelConfig, parallel_cfg: ParallelCon
         "grad_norm": step["grad_norm"],
         "is_last_stage": parallel_state.is_pipeline_last_stage(),
     }
+
+
+def exact_kl_metric_worker(rank, world, model_cfg: ModelConfig, parallel_cfg: ParallelConfig, tokens, loss_mask,
+                           settings: list):
+    """The trainer's exact-KL metric (``compute_token_stats`` of the policy with the reference head, as
+    ``rl_step``'s old pass) with a reference whose output weight is the policy's + eps * noise / sqrt(H).
+    Returns, per (eps, fused) setting, the metric and what a float64 recomputation needs."""
+    torch.manual_seed(0)
+    parallel.initialize(model_cfg, parallel_cfg, seed=1234)
+    tp_group, pp_group = parallel.tp_group(), parallel.pp_group()
+    tp_rank, tp_size = dist.get_rank(tp_group), dist.get_world_size(tp_group)
+    models = builder.build_policy_and_reference(model_cfg, parallel_cfg)
+    full_state = state.full_state_dict(models.policy, model_cfg.vocab_size, False, tp_group, pp_group)
+    state.load_full_state_dict(models.policy, full_state, False, tp_rank, tp_size)
+    batch_size = tokens.shape[0]
+    results = []
+    for eps, fused in settings:
+        weight = full_state["output_layer.weight"]
+        noise = torch.randn(weight.shape, generator=torch.Generator().manual_seed(11), dtype=torch.float64)
+        reference_weight = (weight.double() + eps * noise / weight.shape[1] ** 0.5).to(weight.dtype)
+        state.load_full_state_dict(models.reference, {**full_state, "output_layer.weight": reference_weight},
+                                   False, tp_rank, tp_size)
+        vocab = pipeline.VocabOptions(vocab_size=model_cfg.vocab_size, temperature=1.0, chunk_size=5, fused=fused)
+        batch = pipeline.SequenceBatch(tokens=tokens, loss_mask=loss_mask)
+        reference = pipeline.compute_token_stats(models.reference, batch, 2, vocab, capture_hidden=True)
+        batch.extras["reference_hidden"] = reference["hidden"]
+        old = pipeline.compute_token_stats(models.policy, batch, 2, vocab, reference=pipeline.ReferenceHead(models.reference),
+                                           capture_hidden=True)
+        assert old["hidden"].shape[0] == batch_size
+        results.append({"eps": eps, "fused": fused, "kl": old["kl"], "hidden": old["hidden"],
+                        "reference_hidden": reference["hidden"], "weight": weight, "reference_weight": reference_weight})
+    return results
