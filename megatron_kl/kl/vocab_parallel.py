@@ -115,7 +115,7 @@ def chunk_forward(x, y, targets, shard: _Shard, group, temperature: float, entro
     overwritten). ``targets``: global ids of the rows (or None). ``entropy``: compute H. Returns
     ``out [3, n]`` (log-prob of the target, entropy, KL; zero where not requested) and ``norms [5, n]``
     (M, M - M_r, S, E_pi[zc], E_pi[u]), all ``chunk_grad`` needs. ``keep``: a dict that receives ``zc``,
-    ``e`` and ``u`` ([n, valid], compute dtype) for a gradient in the same pass.
+    ``e`` and ``neg_u`` (= -u; [n, valid], compute dtype) for a gradient in the same pass.
     """
     dtype = compute_dtype(x.dtype)
     x = x.to(dtype)
@@ -150,11 +150,11 @@ def chunk_forward(x, y, targets, shard: _Shard, group, temperature: float, entro
 
 def _chunk_sums(x, y, targets, shard, maxes, temperature, entropy, keep, scratch, sums) -> None:
     """This rank's partial sums of one chunk into ``sums`` (see ``chunk_forward``)."""
-    u = None
-    if y is not None:  # u = ((x - y) - (M - M_r)) / tau: the log-ratio's differences first
-        u = torch.sub(x, y, out=y if scratch else None).sub_((maxes[0] - maxes[1])[:, None])
+    neg_u = None
+    if y is not None:  # -u = ((y - x) + (M - M_r)) / tau: the log-ratio's differences first
+        neg_u = torch.sub(y, x, out=y if scratch else None).add_((maxes[0] - maxes[1])[:, None])
         if temperature != 1.0:
-            u.div_(temperature)
+            neg_u.div_(temperature)
     zc = torch.sub(x, maxes[0, :, None], out=x if scratch else None)
     if temperature != 1.0:
         zc.div_(temperature)
@@ -162,28 +162,32 @@ def _chunk_sums(x, y, targets, shard, maxes, temperature, entropy, keep, scratch
         local, owned = _owned(targets, shard)
         picked = zc.gather(-1, local.clamp(0, shard.valid - 1).unsqueeze(-1)).squeeze(-1)
         sums[4] = torch.where(owned, picked, torch.zeros_like(picked))
-    keep_zc = entropy or keep is not None or u is not None
+    keep_zc = entropy or keep is not None or neg_u is not None
     e = torch.exp(zc) if keep_zc else zc.exp_()
     sums[0] = e.sum(-1)
     product = None
     if entropy:
         product = torch.mul(e, zc)
         sums[1] = product.sum(-1)
-    if u is not None:
-        product = torch.mul(e, u, out=product)
-        sums[2] = product.sum(-1)
-        sums[3] = _reference_minus_policy(zc, e, u, product, keep is None)
+    if neg_u is not None:
+        product = torch.mul(e, neg_u, out=product)
+        sums[2] = -product.sum(-1)
+        sums[3] = _reference_minus_policy(zc, e, neg_u, product, consume=keep is None)
     if keep is not None:
-        keep.update(zc=zc, e=e, u=u)
+        keep.update(zc=zc, e=e, neg_u=neg_u)
 
 
-def _reference_minus_policy(zc, e, u, buffer, consume_u: bool) -> torch.Tensor:
+def _reference_minus_policy(zc, e, neg_u, buffer, consume: bool) -> torch.Tensor:
     """Row sums of exp(r - M_r) - exp(z - M) = e * expm1(-u), formed per token; where -u > KL_DIRECT
     (e may underflow while exp(-u) overflows) from exp(zc - u) directly."""
-    neg_u = u.neg_() if consume_u else torch.neg(u)
-    far = neg_u > KL_DIRECT if bool(neg_u.amax() > KL_DIRECT) else None
+    far = None
+    if bool(neg_u.amax() > KL_DIRECT):
+        far = neg_u > KL_DIRECT
     direct = torch.exp(zc + neg_u) if far is not None else None
-    delta = torch.mul(e, neg_u.clamp_(max=KL_DIRECT).expm1_(), out=buffer)
+    w = neg_u if consume else neg_u.clone()
+    if far is not None:
+        w.clamp_(max=KL_DIRECT)
+    delta = torch.mul(e, w.expm1_(), out=buffer)
     if far is not None:
         delta = torch.where(far, direct, delta)
     return delta.sum(-1)
@@ -201,15 +205,16 @@ def chunk_grad(x, y, targets, shard: _Shard, norms, g_lp, g_h, g_kl, temperature
     """
     dtype = compute_dtype(x.dtype if x is not None else kept["zc"].dtype)
     scale = 1.0 / (norms[SUM] * temperature)  # pi = e / S; d/dx = d/dz / tau
-    u = None
+    kl_term = None  # k (u - E[u]), k = g_KL / (S tau)
     if g_kl is not None:
-        if kept is not None:
-            u = kept["u"]
+        k = (g_kl.to(dtype) * scale)[:, None]
+        if kept is not None:  # u - E[u] = -(-u + E[u])
+            kl_term = kept["neg_u"].add_(norms[MEAN_U][:, None]).mul_(-k)
         else:
-            u = torch.sub(x.to(dtype), y.to(dtype)).sub_(norms[SHIFT][:, None])
+            kl_term = torch.sub(x.to(dtype), y.to(dtype)).sub_(norms[SHIFT][:, None])
             if temperature != 1.0:
-                u.div_(temperature)
-        u.sub_(norms[MEAN_U][:, None]).mul_((g_kl.to(dtype) * scale)[:, None])  # k (u - E[u])
+                kl_term.div_(temperature)
+            kl_term.sub_(norms[MEAN_U][:, None]).mul_(k)
     if kept is not None:
         zc, e = kept["zc"], kept["e"]
     else:
@@ -220,14 +225,14 @@ def chunk_grad(x, y, targets, shard: _Shard, norms, g_lp, g_h, g_kl, temperature
         e = torch.exp(zc) if g_h is not None else zc.exp_()
     constant = None if g_lp is None else -(g_lp.to(dtype) * scale)[:, None]  # -a
     if g_h is not None:  # bracket in zc's buffer: -b (zc - E[zc]) - a + k (u - E[u])
-        bracket = zc.sub_(norms[MEAN_ZC][:, None]).mul_(-(g_h.to(dtype) * scale)[:, None])
-        if constant is not None:
-            bracket.add_(constant)
-        if u is not None:
-            bracket.add_(u)
+        centred = zc.sub_(norms[MEAN_ZC][:, None])
+        neg_b = -(g_h.to(dtype) * scale)[:, None]
+        bracket = centred.mul_(neg_b) if constant is None else centred.mul_(neg_b).add_(constant)
+        if kl_term is not None:
+            bracket.add_(kl_term)
         grad = bracket.mul_(e)
-    elif u is not None:
-        grad = e.mul_(u if constant is None else u.add_(constant))
+    elif kl_term is not None:
+        grad = e.mul_(kl_term if constant is None else kl_term.add_(constant))
     elif constant is not None:
         grad = e.mul_(constant)
     else:
