@@ -34,8 +34,8 @@ from typing import Optional
 import torch
 
 from megatron_kl.kl.vocab_parallel import (
-    CHUNK_ELEMENTS,
     VocabParallelStats,
+    Workspace,
     _shard,
     check_group,
     chunk_forward,
@@ -45,14 +45,15 @@ from megatron_kl.kl.vocab_parallel import (
 )
 
 MIN_CHUNK_ROWS = 64  # below this the per-chunk GEMMs re-read W too often to be efficient
+LINEAR_CHUNK_ELEMENTS = 1 << 23  # logits entries per chunk: the GEMMs want more rows than the softmax passes
 
 
 def default_chunk_rows(local_vocab: int, single_pass: bool = False) -> int:
-    """Rows per chunk: one float32 chunk of logits is about 4 x CHUNK_ELEMENTS entries, at least 64 rows;
+    """Rows per chunk: one float32 chunk of logits is about LINEAR_CHUNK_ELEMENTS entries, at least 64 rows;
     twice that for the single pass, whose chunk does four GEMMs against W (re-read once per chunk) and
     needs no recomputation (measured: 2048 x 152064, H=896 - 128 rows match the unfused time, 64 rows
     are ~8 % slower; see tools/bench_vocab_parallel.py)."""
-    rows = max(MIN_CHUNK_ROWS, 4 * CHUNK_ELEMENTS // max(1, local_vocab))
+    rows = max(MIN_CHUNK_ROWS, LINEAR_CHUNK_ELEMENTS // max(1, local_vocab))
     return 2 * rows if single_pass else rows
 
 
@@ -66,12 +67,14 @@ class _FusedLinearStats(torch.autograd.Function):
         has_ref = reference_hidden is not None
         out = torch.empty(3, rows, dtype=dtype, device=hidden.device)  # logprob, entropy, kl
         norms = torch.empty(5, rows, dtype=dtype, device=hidden.device)
+        ws = Workspace()
         for lo in range(0, rows, chunk_size):
             hi = min(rows, lo + chunk_size)
-            z = _project(hidden[lo:hi], weight, shard.valid, dtype)
-            r = _project(reference_hidden[lo:hi], reference_weight, shard.valid, dtype) if has_ref else None
+            z = _project(hidden[lo:hi], weight, shard.valid, dtype, ws, "z")
+            r = _project(reference_hidden[lo:hi], reference_weight, shard.valid, dtype, ws, "r") if has_ref else None
             tgt = targets[lo:hi] if targets is not None else None
-            out[:, lo:hi], norms[:, lo:hi] = chunk_forward(z, r, tgt, shard, group, temperature, scratch=True)
+            out[:, lo:hi], norms[:, lo:hi] = chunk_forward(z, r, tgt, shard, group, temperature, scratch=True,
+                                                           workspace=ws)
         ctx.save_for_backward(hidden, weight, reference_hidden, reference_weight, targets, norms)
         ctx.shard, ctx.temperature, ctx.chunk_size, ctx.dtype = shard, temperature, chunk_size, dtype
         ctx.set_materialize_grads(False)  # an output nobody differentiates gets no backward work
@@ -87,17 +90,18 @@ class _FusedLinearStats(torch.autograd.Function):
         if reference_hidden is None:
             grad_kl = None
         grad_hidden = torch.zeros_like(hidden) if want_hidden else None
-        grad_weight = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if want_weight else None
         valid = shard.valid
+        grad_weight = _weight_grad_buffer(weight, valid, hidden.shape[0], dtype) if want_weight else None
         rows = hidden.shape[0]
+        ws = Workspace()
         for lo in range(0, rows if valid else 0, ctx.chunk_size):  # a padding-only shard has no gradient
             hi = min(rows, lo + ctx.chunk_size)
-            z = _project(hidden[lo:hi], weight, valid, dtype)
-            r = _project(reference_hidden[lo:hi], reference_weight, valid, dtype) if grad_kl is not None else None
+            z = _project(hidden[lo:hi], weight, valid, dtype, ws, "z")
+            r = _project(reference_hidden[lo:hi], reference_weight, valid, dtype, ws, "r") if grad_kl is not None else None
             grad = chunk_grad(
                 z, r, targets[lo:hi] if targets is not None else None, shard, norms[:, lo:hi],
                 upstream(grad_logprob, lo, hi, dtype), upstream(grad_entropy, lo, hi, dtype),
-                upstream(grad_kl, lo, hi, dtype), tau, out=z,
+                upstream(grad_kl, lo, hi, dtype), tau, out=z, workspace=ws,
             )  # dL/dz for this chunk's raw logits [c, valid], compute dtype
             _accumulate(grad, hidden, weight, lo, hi, valid, grad_hidden, grad_weight, dtype)
         if want_weight:
@@ -119,16 +123,18 @@ def fused_linear_grads(hidden, weight, reference_hidden, reference_weight, targe
     has_ref = reference_hidden is not None
     out = torch.zeros(3, rows, dtype=dtype, device=hidden.device)
     norms = torch.empty(5, rows, dtype=dtype, device=hidden.device)
-    grad_hidden = torch.zeros_like(hidden)
-    grad_weight = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if want_weight else None
     valid = shard.valid
+    grad_hidden = torch.empty_like(hidden) if valid else torch.zeros_like(hidden)  # every row is written
+    grad_weight = _weight_grad_buffer(weight, valid, hidden.shape[0], dtype) if want_weight else None
+    ws = Workspace()
     for lo in range(0, rows, chunk_size):
         hi = min(rows, lo + chunk_size)
-        z = _project(hidden[lo:hi], weight, valid, dtype)
-        r = _project(reference_hidden[lo:hi], reference_weight, valid, dtype) if has_ref else None
+        z = _project(hidden[lo:hi], weight, valid, dtype, ws, "z")
+        r = _project(reference_hidden[lo:hi], reference_weight, valid, dtype, ws, "r") if has_ref else None
         tgt = targets[lo:hi] if targets is not None else None
-        kept: dict = {}  # zc, exp(zc), u: the gradient reuses the forward's work
-        out[:, lo:hi], norms[:, lo:hi] = chunk_forward(z, r, tgt, shard, group, temperature, keep=kept, scratch=True)
+        kept: dict = {}  # zc, exp(zc), -u: the gradient reuses the forward's work
+        out[:, lo:hi], norms[:, lo:hi] = chunk_forward(z, r, tgt, shard, group, temperature, keep=kept, scratch=True,
+                                                       workspace=ws)
         g_lp, g_h, g_kl = probe(out, lo, hi)
         if not valid:  # a padding-only shard: its columns get no gradient, its rows a zero partial sum
             continue
@@ -139,11 +145,19 @@ def fused_linear_grads(hidden, weight, reference_hidden, reference_weight, targe
 
 
 def _accumulate(grad, hidden, weight, lo, hi, valid, grad_hidden, grad_weight, dtype) -> None:
-    """dL/dh rows and the in-place dL/dW sum of one chunk from ``grad`` = dL/dz [c, valid] (z = h W^T)."""
+    """dL/dh rows and the in-place dL/dW sum of one chunk from ``grad`` = dL/dz [c, valid] (z = h W^T).
+    ``grad_weight`` starts uninitialised (``_weight_grad_buffer``): the first chunk writes it."""
     if grad_hidden is not None:
         torch.matmul(grad.to(hidden.dtype), weight[:valid], out=grad_hidden[lo:hi])
     if grad_weight is not None:  # accumulated in place: no [V/tp, H] temporary per chunk
-        grad_weight[:valid].addmm_(grad.t(), hidden[lo:hi].to(dtype))
+        grad_weight[:valid].addmm_(grad.t(), hidden[lo:hi].to(dtype), beta=0.0 if lo == 0 else 1.0)
+
+
+def _weight_grad_buffer(weight, valid: int, rows: int, dtype) -> torch.Tensor:
+    """dL/dW [V/tp, H]: padding rows zero, the valid rows written by the first chunk (no full zero fill)."""
+    buffer = torch.empty(weight.shape, dtype=dtype, device=weight.device)
+    buffer[valid:] = 0
+    return buffer if valid and rows else buffer.zero_()
 
 
 def _as(grad, dtype):
@@ -169,10 +183,12 @@ class PrecomputedGrad(torch.autograd.Function):
         return None, grad_hidden * grad_output.to(grad_hidden.dtype), weight_grad, None, None
 
 
-def _project(hidden, weight, valid: int, dtype) -> torch.Tensor:
-    """This rank's valid logit columns of a chunk (not divided by tau) as a fresh compute-dtype tensor."""
-    logits = hidden @ weight[:valid].t()
-    return logits.to(dtype) if logits.dtype != dtype else logits
+def _project(hidden, weight, valid: int, dtype, workspace: Workspace, name: str) -> torch.Tensor:
+    """This rank's valid logit columns of a chunk (not divided by tau) in the compute dtype, in a
+    ``workspace`` buffer the caller may overwrite."""
+    if hidden.dtype == dtype:
+        return torch.matmul(hidden, weight[:valid].t(), out=workspace.get(name, hidden.shape[0], valid, dtype, hidden.device))
+    return (hidden @ weight[:valid].t()).to(dtype)
 
 
 def _gather_rows(hidden: torch.Tensor, tp_group, sequence_parallel: bool) -> torch.Tensor:

@@ -33,10 +33,11 @@ Math runs in float32 for half-precision inputs and in float64 for float64 inputs
 index >= ``vocab_size`` (Megatron's vocabulary padding) are excluded everywhere.
 
 Automatic chunk size (``chunk_size=None``): ``CHUNK_ELEMENTS // (V/tp)`` rows, at least one. Measured with
-``tools/bench_vocab_parallel.py --section chunks`` (2 CPU cores, 4096 x 32768 fp32, fwd+bwd): chunks of
-1-4 M entries (4-16 MiB, i.e. inside the shared L3 cache) are fastest; 16 M entries and more run ~2x
-slower (every pass then goes to DRAM), and below ~256 K entries the per-chunk Python and collective
-overhead dominates.
+``tools/bench_vocab_parallel.py --section chunks`` (2 CPU cores, 32 MiB L3, 4096 x 32768 fp32, fwd+bwd in
+place): 2^20 entries per chunk (4 MiB per buffer; the few live buffers stay in L3) is fastest or within
+5 % of it for log-probs, log-probs + entropy and the exact KL; 2^23 and more run 2-4x slower (every pass
+goes to DRAM), 2^18 ~25 % slower (per-chunk Python and collective overhead). On CUDA devices the rule
+is ``CUDA_CHUNK_ELEMENTS`` (2^24), unmeasured: no GPU was available.
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ import torch
 import torch.distributed as dist
 
 DEFAULT_CHUNK = None  # auto: rows such that one chunk temporary is about CHUNK_ELEMENTS entries
-CHUNK_ELEMENTS = 1 << 21
+CHUNK_ELEMENTS = 1 << 20  # CPU, measured (module docstring)
+CUDA_CHUNK_ELEMENTS = 1 << 24  # GPU: fewer, larger chunks amortise kernel launches (not measured here)
 KL_DIRECT = 60.0  # -u above this: exp(r - M_r) directly (e * expm1(-u) could overflow as 0 * inf)
 
 # rows of the per-position state saved for backward (``norms``)
@@ -80,8 +82,9 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def default_chunk_rows(local_vocab: int) -> int:
-    return max(1, CHUNK_ELEMENTS // max(1, local_vocab))
+def default_chunk_rows(local_vocab: int, device: Optional[torch.device] = None) -> int:
+    elements = CUDA_CHUNK_ELEMENTS if device is not None and device.type == "cuda" else CHUNK_ELEMENTS
+    return max(1, elements // max(1, local_vocab))
 
 
 @dataclass
@@ -101,13 +104,32 @@ def _shard(local_vocab: int, group, vocab_size: Optional[int]) -> _Shard:
     return _Shard(start=start, valid=max(0, min(local_vocab, total - start)))
 
 
+class Workspace:
+    """Chunk temporaries reused from chunk to chunk: one allocation per name for a whole loop. On CPU a
+    fresh large allocation is page-faulted on every use (~1 GB/s; glibc maps blocks over 32 MiB anew each
+    time), which costs more than the arithmetic on it."""
+
+    def __init__(self):
+        self._buffers: dict = {}
+
+    def get(self, name: str, rows: int, cols: int, dtype, device) -> torch.Tensor:
+        numel = rows * cols
+        buffer = self._buffers.get(name)
+        if buffer is None or buffer.numel() < numel or buffer.dtype != dtype or buffer.device != device:
+            buffer = self._buffers[name] = torch.empty(numel, dtype=dtype, device=device)
+        return buffer[:numel].view(rows, cols)
+
+    def like(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        return self.get(name, tensor.shape[0], tensor.shape[1], tensor.dtype, tensor.device)
+
+
 def _owned(targets: torch.Tensor, shard: _Shard):
     local = targets - shard.start
     return local, (local >= 0) & (local < shard.valid)
 
 
 def chunk_forward(x, y, targets, shard: _Shard, group, temperature: float, entropy: bool = True,
-                  keep: Optional[dict] = None, scratch: bool = False):
+                  keep: Optional[dict] = None, scratch: bool = False, workspace: Optional[Workspace] = None):
     """Globally reduced statistics of one chunk of rows.
 
     ``x`` / ``y``: this rank's valid columns of the policy / reference logits ``[n, valid]`` (``y`` may
@@ -115,7 +137,8 @@ def chunk_forward(x, y, targets, shard: _Shard, group, temperature: float, entro
     overwritten). ``targets``: global ids of the rows (or None). ``entropy``: compute H. Returns
     ``out [3, n]`` (log-prob of the target, entropy, KL; zero where not requested) and ``norms [5, n]``
     (M, M - M_r, S, E_pi[zc], E_pi[u]), all ``chunk_grad`` needs. ``keep``: a dict that receives ``zc``,
-    ``e`` and ``neg_u`` (= -u; [n, valid], compute dtype) for a gradient in the same pass.
+    ``e`` and ``neg_u`` (= -u; [n, valid], compute dtype) for a gradient in the same pass (views of
+    ``workspace`` buffers: valid until its next use). ``workspace``: reusable temporaries.
     """
     dtype = compute_dtype(x.dtype)
     x = x.to(dtype)
@@ -129,7 +152,7 @@ def chunk_forward(x, y, targets, shard: _Shard, group, temperature: float, entro
     _all_reduce(maxes, dist.ReduceOp.MAX, group)
     sums = torch.zeros(5, n, dtype=dtype, device=x.device)  # S, S E[zc], S E[u], sum(e_ref - e), zc[target]
     if cols:
-        _chunk_sums(x, y, targets, shard, maxes, temperature, entropy, keep, scratch, sums)
+        _chunk_sums(x, y, targets, shard, maxes, temperature, entropy, keep, scratch, sums, workspace or Workspace())
     _all_reduce(sums, dist.ReduceOp.SUM, group)
     out = torch.zeros(3, n, dtype=dtype, device=x.device)
     norms = torch.zeros(5, n, dtype=dtype, device=x.device)
@@ -148,14 +171,14 @@ def chunk_forward(x, y, targets, shard: _Shard, group, temperature: float, entro
     return out, norms
 
 
-def _chunk_sums(x, y, targets, shard, maxes, temperature, entropy, keep, scratch, sums) -> None:
+def _chunk_sums(x, y, targets, shard, maxes, temperature, entropy, keep, scratch, sums, ws: Workspace) -> None:
     """This rank's partial sums of one chunk into ``sums`` (see ``chunk_forward``)."""
     neg_u = None
     if y is not None:  # -u = ((y - x) + (M - M_r)) / tau: the log-ratio's differences first
-        neg_u = torch.sub(y, x, out=y if scratch else None).add_((maxes[0] - maxes[1])[:, None])
+        neg_u = torch.sub(y, x, out=y if scratch else ws.like("neg_u", x)).add_((maxes[0] - maxes[1])[:, None])
         if temperature != 1.0:
             neg_u.div_(temperature)
-    zc = torch.sub(x, maxes[0, :, None], out=x if scratch else None)
+    zc = torch.sub(x, maxes[0, :, None], out=x if scratch else ws.like("zc", x))
     if temperature != 1.0:
         zc.div_(temperature)
     if targets is not None:
@@ -163,28 +186,29 @@ def _chunk_sums(x, y, targets, shard, maxes, temperature, entropy, keep, scratch
         picked = zc.gather(-1, local.clamp(0, shard.valid - 1).unsqueeze(-1)).squeeze(-1)
         sums[4] = torch.where(owned, picked, torch.zeros_like(picked))
     keep_zc = entropy or keep is not None or neg_u is not None
-    e = torch.exp(zc) if keep_zc else zc.exp_()
+    e = torch.exp(zc, out=ws.like("e", zc)) if keep_zc else zc.exp_()
     sums[0] = e.sum(-1)
-    product = None
+    product = ws.like("product", zc)
     if entropy:
-        product = torch.mul(e, zc)
+        product = torch.mul(e, zc, out=product)
         sums[1] = product.sum(-1)
     if neg_u is not None:
         product = torch.mul(e, neg_u, out=product)
         sums[2] = -product.sum(-1)
-        sums[3] = _reference_minus_policy(zc, e, neg_u, product, consume=keep is None)
+        w = neg_u if keep is None else ws.like("w", neg_u).copy_(neg_u)
+        sums[3] = _reference_minus_policy(zc, e, neg_u, w, product)
     if keep is not None:
         keep.update(zc=zc, e=e, neg_u=neg_u)
 
 
-def _reference_minus_policy(zc, e, neg_u, buffer, consume: bool) -> torch.Tensor:
-    """Row sums of exp(r - M_r) - exp(z - M) = e * expm1(-u), formed per token; where -u > KL_DIRECT
-    (e may underflow while exp(-u) overflows) from exp(zc - u) directly."""
+def _reference_minus_policy(zc, e, neg_u, w, buffer) -> torch.Tensor:
+    """Row sums of exp(r - M_r) - exp(z - M) = e * expm1(-u), formed per token (``w``: -u, overwritten;
+    may be ``neg_u`` itself); where -u > KL_DIRECT (e may underflow while exp(-u) overflows) from
+    exp(zc - u) directly."""
     far = None
     if bool(neg_u.amax() > KL_DIRECT):
         far = neg_u > KL_DIRECT
     direct = torch.exp(zc + neg_u) if far is not None else None
-    w = neg_u if consume else neg_u.clone()
     if far is not None:
         w.clamp_(max=KL_DIRECT)
     delta = torch.mul(e, w.expm1_(), out=buffer)
@@ -194,15 +218,16 @@ def _reference_minus_policy(zc, e, neg_u, buffer, consume: bool) -> torch.Tensor
 
 
 def chunk_grad(x, y, targets, shard: _Shard, norms, g_lp, g_h, g_kl, temperature: float, out=None,
-               kept: Optional[dict] = None):
+               kept: Optional[dict] = None, workspace: Optional[Workspace] = None):
     """dL/dx for this rank's valid logit columns of one chunk (module docstring), in the compute dtype.
 
     ``x`` / ``y`` as in ``chunk_forward`` (read only; ``y`` only when ``g_kl`` is given); ``norms``: its
     row state for these rows; ``g_lp`` / ``g_h`` / ``g_kl``: upstream gradients [n] (None when absent).
     ``out``: where to write the result (compute dtype, may be ``x`` itself: x is read before it is
     overwritten). ``kept``: ``chunk_forward``'s ``keep`` for these rows (then x and y are not read; its
-    buffers are overwritten).
+    buffers are overwritten). ``workspace``: reusable temporaries.
     """
+    ws = workspace or Workspace()
     dtype = compute_dtype(x.dtype if x is not None else kept["zc"].dtype)
     scale = 1.0 / (norms[SUM] * temperature)  # pi = e / S; d/dx = d/dz / tau
     kl_term = None  # k (u - E[u]), k = g_KL / (S tau)
@@ -211,7 +236,8 @@ def chunk_grad(x, y, targets, shard: _Shard, norms, g_lp, g_h, g_kl, temperature
         if kept is not None:  # u - E[u] = -(-u + E[u])
             kl_term = kept["neg_u"].add_(norms[MEAN_U][:, None]).mul_(-k)
         else:
-            kl_term = torch.sub(x.to(dtype), y.to(dtype)).sub_(norms[SHIFT][:, None])
+            kl_term = torch.sub(x.to(dtype), y.to(dtype), out=ws.get("kl", x.shape[0], x.shape[1], dtype, x.device))
+            kl_term.sub_(norms[SHIFT][:, None])
             if temperature != 1.0:
                 kl_term.div_(temperature)
             kl_term.sub_(norms[MEAN_U][:, None]).mul_(k)
@@ -219,10 +245,11 @@ def chunk_grad(x, y, targets, shard: _Shard, norms, g_lp, g_h, g_kl, temperature
         zc, e = kept["zc"], kept["e"]
     else:
         zc = torch.sub(x.to(dtype) if x.dtype != dtype else x, norms[MAX][:, None],
-                       out=out if out is not None and out.dtype == dtype else None)
+                       out=out if out is not None and out.dtype == dtype else
+                       ws.get("zc", x.shape[0], x.shape[1], dtype, x.device))
         if temperature != 1.0:
             zc.div_(temperature)
-        e = torch.exp(zc) if g_h is not None else zc.exp_()
+        e = torch.exp(zc, out=ws.like("e", zc)) if g_h is not None else zc.exp_()
     constant = None if g_lp is None else -(g_lp.to(dtype) * scale)[:, None]  # -a
     if g_h is not None:  # bracket in zc's buffer: -b (zc - E[zc]) - a + k (u - E[u])
         centred = zc.sub_(norms[MEAN_ZC][:, None])
@@ -263,12 +290,13 @@ class _VocabParallelStats(torch.autograd.Function):
         out = torch.empty(3, rows, dtype=dtype, device=logits.device)  # logprob, entropy, kl
         norms = torch.empty(5, rows, dtype=dtype, device=logits.device)
         valid = shard.valid
+        workspace = Workspace()
         for lo in range(0, rows, chunk_size):
             hi = min(rows, lo + chunk_size)
             y = reference_logits[lo:hi, :valid] if reference_logits is not None else None
             tgt = targets[lo:hi] if targets is not None else None
             out[:, lo:hi], norms[:, lo:hi] = chunk_forward(logits[lo:hi, :valid], y, tgt, shard, group, temperature,
-                                                           entropy=entropy)
+                                                           entropy=entropy, workspace=workspace)
         ctx.save_for_backward(logits, reference_logits, targets, norms)
         ctx.shard, ctx.temperature, ctx.chunk_size, ctx.dtype = shard, temperature, chunk_size, dtype
         ctx.inplace_backward = inplace_backward
@@ -290,6 +318,7 @@ class _VocabParallelStats(torch.autograd.Function):
         if valid < logits.shape[1]:
             grad_logits[:, valid:] = 0
         rows = logits.shape[0]
+        workspace = Workspace()
         for lo in range(0, rows if valid else 0, ctx.chunk_size):
             hi = min(rows, lo + ctx.chunk_size)
             target = grad_logits[lo:hi, :valid]
@@ -297,7 +326,7 @@ class _VocabParallelStats(torch.autograd.Function):
                 logits[lo:hi, :valid], reference_logits[lo:hi, :valid] if grad_kl is not None else None,
                 targets[lo:hi] if targets is not None else None, shard, norms[:, lo:hi],
                 upstream(grad_logprob, lo, hi, dtype), upstream(grad_entropy, lo, hi, dtype),
-                upstream(grad_kl, lo, hi, dtype), tau, out=target,
+                upstream(grad_kl, lo, hi, dtype), tau, out=target, workspace=workspace,
             )
         return grad_logits, None, None, None, None, None, None, None, None
 
@@ -335,7 +364,7 @@ def fused_stats(
         raise ValueError(f"temperature={temperature} must be > 0")
     check_group(tp_group)
     if chunk_size is None:
-        chunk_size = default_chunk_rows(logits.shape[-1])
+        chunk_size = default_chunk_rows(logits.shape[-1], logits.device)
     if chunk_size <= 0:
         raise ValueError(f"chunk_size={chunk_size} must be > 0 (or None for automatic)")
     lead = logits.shape[:-1]

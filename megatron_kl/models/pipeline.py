@@ -21,7 +21,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_kl.kl.fused_linear import fused_linear_stats
+from megatron_kl.kl.fused_linear import default_chunk_rows, fused_linear_stats
 from megatron_kl.kl.vocab_parallel import DEFAULT_CHUNK, VocabParallelStats, fused_stats
 
 # loss_fn(stats, microbatch) -> (loss, metrics). `loss` is this microbatch's share of the global loss
@@ -60,7 +60,10 @@ class SequenceBatch:
         return SequenceBatch(self.tokens[index], self.loss_mask[index], {k: v[index] for k, v in self.extras.items()})
 
 
-FUSED_MIN_LOCAL_VOCAB = 16384  # "auto" fuses from here: LLM vocabularies, where the logits dominate memory
+# "auto" fuses a microbatch when the logits the unfused path would hold (policy + reference, rows x V/tp)
+# exceed the fused path's chunk working set by this factor; below it the fused chunk buffers cost more
+# memory than the logits themselves (measured: tools/bench_vocab_parallel.py --section linear; README)
+FUSED_MIN_LOGITS_PER_CHUNK = 4
 
 
 @dataclass
@@ -68,16 +71,22 @@ class VocabOptions:
     vocab_size: int  # the true vocabulary (Megatron pads the output layer beyond it)
     temperature: float = 1.0
     chunk_size: int = DEFAULT_CHUNK  # rows per chunk; None: automatic (per path)
-    fused: bool = False  # fused linear path: never materialise the logits
+    fused: Optional[bool] = False  # fused linear path: never materialise the logits; None: by size (auto)
     grad_in_forward: bool = False  # fused + row-separable loss: gradients formed in the forward pass
+
+    def use_fused(self, rows: int, local_vocab: int) -> bool:
+        """The path for a microbatch of ``rows`` token positions over ``local_vocab`` columns: as configured,
+        or (auto) fused when the unfused logits would exceed FUSED_MIN_LOGITS_PER_CHUNK fused chunks."""
+        if self.fused is not None:
+            return self.fused
+        chunk_rows = self.chunk_size or default_chunk_rows(local_vocab, single_pass=self.grad_in_forward)
+        return rows >= FUSED_MIN_LOGITS_PER_CHUNK * chunk_rows
 
     @classmethod
     def for_model(cls, model_cfg, parallel_cfg, temperature: float = 1.0) -> "VocabOptions":
         """Options from ``model.logprob_path`` (auto | fused | unfused), ``model.fused_grad`` (auto |
         in_forward | recompute) and ``model.logprob_chunk_rows``."""
-        path = model_cfg.logprob_path
-        local_vocab = model_cfg.padded_vocab_size(parallel_cfg.tensor_parallel) // parallel_cfg.tensor_parallel
-        fused = path == "fused" or (path == "auto" and local_vocab >= FUSED_MIN_LOCAL_VOCAB)
+        fused = {"fused": True, "unfused": False, "auto": None}[model_cfg.logprob_path]
         return cls(vocab_size=model_cfg.vocab_size, temperature=temperature,
                    chunk_size=model_cfg.logprob_chunk_rows, fused=fused,
                    grad_in_forward=model_cfg.fused_grad != "recompute")
@@ -174,7 +183,7 @@ def _forward_step(vocab: VocabOptions, loss_fn: LossFn, num_microbatches: int,
     tokens = mb["tokens"].to(device)
     position_ids = torch.arange(tokens.shape[1], device=device).unsqueeze(0).expand_as(tokens)
     inner = unwrap(model)
-    fused = vocab.fused and inner.post_process
+    fused = inner.post_process and vocab.use_fused(tokens.numel(), output_weight(inner).shape[0])
     with bypass_output_layer(inner) if fused else nullcontext():
         output = model(tokens, position_ids, None)
     tp_group = parallel_state.get_tensor_model_parallel_group()

@@ -77,13 +77,18 @@ def test_sequence_parallel_without_transformer_engine_is_a_clear_error():
         builder.build_gpt_model(_model(), ParallelConfig(tensor_parallel=2, sequence_parallel=True))
 
 
-def test_logprob_path_auto_fuses_llm_vocabularies():
-    from megatron_kl.models.pipeline import VocabOptions
+def test_logprob_path_auto_fuses_when_the_logits_outgrow_the_fused_chunks():
+    from megatron_kl.models.pipeline import FUSED_MIN_LOGITS_PER_CHUNK, VocabOptions
+    from megatron_kl.kl.fused_linear import default_chunk_rows
 
-    small = VocabOptions.for_model(_model(), ParallelConfig())
-    large = VocabOptions.for_model(_model(vocab_size=151936), ParallelConfig())
-    large_tp8 = VocabOptions.for_model(_model(vocab_size=151936, num_attention_heads=8, num_query_groups=8),
-                                       ParallelConfig(tensor_parallel=8))
+    auto = VocabOptions.for_model(_model(vocab_size=151936), ParallelConfig())
+    assert auto.fused is None and auto.grad_in_forward
+    for local_vocab in (64, 32000, 152064, 152064 // 8):
+        threshold = FUSED_MIN_LOGITS_PER_CHUNK * default_chunk_rows(local_vocab, single_pass=True)
+        assert not auto.use_fused(threshold - 1, local_vocab) and auto.use_fused(threshold, local_vocab)
+    assert not auto.use_fused(1024, 32000)  # measured: unfused needs less memory there (README)
+    assert auto.use_fused(4096, 152064)
     forced = VocabOptions.for_model(_model(logprob_path="fused", logprob_chunk_rows=9), ParallelConfig())
-    assert (small.fused, large.fused, large_tp8.fused, forced.fused) == (False, True, True, True)
-    assert forced.chunk_size == 9 and large.vocab_size == 151936
+    unfused = VocabOptions.for_model(_model(logprob_path="unfused"), ParallelConfig())
+    assert forced.use_fused(1, 64) and not unfused.use_fused(10**7, 152064)
+    assert forced.chunk_size == 9 and auto.vocab_size == 151936

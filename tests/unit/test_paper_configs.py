@@ -24,10 +24,12 @@ def test_paper_config_matches_hf_config_and_fits_8_gpus(name):
     assert cfg.checkpoint.export_hf and not cfg.warm_start.enabled
     # the exported config.json of this model config reads back as the same model
     hf.check_model_config(hf.model_config_from_hf(hf.hf_config_from_model(cfg.model)), cfg.model)
-    # LLM vocabularies take the fused log-prob path
+    # LLM vocabularies take the fused log-prob path for microbatches of a few long (4k-token) responses
     from megatron_kl.models.pipeline import VocabOptions
 
-    assert VocabOptions.for_model(cfg.model, cfg.parallel).fused
+    tp = cfg.parallel.tensor_parallel
+    local_vocab = cfg.model.padded_vocab_size(tp) // tp
+    assert VocabOptions.for_model(cfg.model, cfg.parallel).use_fused(8192, local_vocab)
 
 
 def test_gpu_study_crosses_every_kl_configuration_and_each_run_is_launchable():
