@@ -64,12 +64,13 @@ def token_estimate(
     mask: torch.Tensor,
     counter: Optional[ClampCounter] = None,
 ) -> torch.Tensor:
-    """k1 / k2 / k3 of a log-ratio tensor (per token, or per sequence when given D)."""
+    """k1 / k2 / k3 of a log-ratio tensor (per token, or per sequence when given D). The log-ratio is
+    clamped for every estimator (a -inf reference log-prob gives a finite, counted value, never inf/NaN)."""
+    if estimator not in ("k1", "k2", "k3"):
+        raise ValueError(f"estimator={estimator!r} has no per-token form; use one of k1, k2, k3")
+    d = clamp_log_ratio(log_ratio, clamp, mask, counter, estimator)
     if estimator == "k1":
-        return log_ratio
+        return d
     if estimator == "k2":
-        return 0.5 * log_ratio.square()
-    if estimator == "k3":
-        d = clamp_log_ratio(log_ratio, clamp, mask, counter, "k3")
-        return torch.exp(-d) - 1.0 + d
-    raise ValueError(f"estimator={estimator!r} has no per-token form; use one of k1, k2, k3")
+        return 0.5 * d.square()
+    return torch.exp(-d) - 1.0 + d

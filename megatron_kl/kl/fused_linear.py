@@ -50,11 +50,12 @@ LINEAR_CHUNK_ELEMENTS = 1 << 23  # logits entries per chunk: the GEMMs want more
 
 def default_chunk_rows(local_vocab: int, single_pass: bool = False) -> int:
     """Rows per chunk: one float32 chunk of logits is about LINEAR_CHUNK_ELEMENTS entries, at least 64 rows;
-    twice that for the single pass, whose chunk does four GEMMs against W (re-read once per chunk) and
-    needs no recomputation (measured: 2048 x 152064, H=896 - 128 rows match the unfused time, 64 rows
-    are ~8 % slower; see tools/bench_vocab_parallel.py)."""
+    four times that for the single pass, whose dL/dW accumulation reads and writes the whole [V/tp, H]
+    weight gradient once per chunk (measured on 2 CPU cores, 2048 x 152064, H=896: 256 rows at the
+    unfused time, 128 rows ~5 % slower; tools/bench_vocab_parallel.py). The softmax passes inside a chunk
+    run on cache-sized row blocks (vocab_parallel.chunk_forward), so large chunks cost no extra passes."""
     rows = max(MIN_CHUNK_ROWS, LINEAR_CHUNK_ELEMENTS // max(1, local_vocab))
-    return 2 * rows if single_pass else rows
+    return 4 * rows if single_pass else rows
 
 
 class _FusedLinearStats(torch.autograd.Function):

@@ -137,9 +137,13 @@ def chunk_forward(x, y, targets, shard: _Shard, group, temperature: float, entro
     overwritten). ``targets``: global ids of the rows (or None). ``entropy``: compute H. Returns
     ``out [3, n]`` (log-prob of the target, entropy, KL; zero where not requested) and ``norms [5, n]``
     (M, M - M_r, S, E_pi[zc], E_pi[u]), all ``chunk_grad`` needs. ``keep``: a dict that receives ``zc``,
-    ``e`` and ``neg_u`` (= -u; [n, valid], compute dtype) for a gradient in the same pass (views of
-    ``workspace`` buffers: valid until its next use). ``workspace``: reusable temporaries.
+    ``e`` and ``neg_u`` (= -u; [n, valid], compute dtype) for a gradient in the same pass (needs
+    ``scratch``: zc and -u overwrite x and y; e is a ``workspace`` buffer, valid until its next use).
+    ``workspace``: reusable temporaries. The elementwise work runs on blocks of rows of the automatic chunk
+    size (cache-sized on CPU) between the chunk's two collectives.
     """
+    if keep is not None and not scratch:
+        raise ValueError("chunk_forward(keep=...) keeps zc and -u in x and y: pass scratch=True")
     dtype = compute_dtype(x.dtype)
     x = x.to(dtype)
     y = y.to(dtype) if y is not None else None
@@ -152,7 +156,16 @@ def chunk_forward(x, y, targets, shard: _Shard, group, temperature: float, entro
     _all_reduce(maxes, dist.ReduceOp.MAX, group)
     sums = torch.zeros(5, n, dtype=dtype, device=x.device)  # S, S E[zc], S E[u], sum(e_ref - e), zc[target]
     if cols:
-        _chunk_sums(x, y, targets, shard, maxes, temperature, entropy, keep, scratch, sums, workspace or Workspace())
+        ws = workspace or Workspace()
+        e_kept = ws.get("e_kept", n, cols, dtype, x.device) if keep is not None else None
+        block = default_chunk_rows(cols, x.device)
+        for a in range(0, n, block):
+            rows = slice(a, min(n, a + block))
+            _chunk_sums(x[rows], y[rows] if y is not None else None, targets[rows] if targets is not None else None,
+                        shard, maxes[:, rows], temperature, entropy, e_kept[rows] if e_kept is not None else None,
+                        scratch, sums[:, rows], ws)
+        if keep is not None:
+            keep.update(zc=x, e=e_kept, neg_u=y)
     _all_reduce(sums, dist.ReduceOp.SUM, group)
     out = torch.zeros(3, n, dtype=dtype, device=x.device)
     norms = torch.zeros(5, n, dtype=dtype, device=x.device)
@@ -171,8 +184,9 @@ def chunk_forward(x, y, targets, shard: _Shard, group, temperature: float, entro
     return out, norms
 
 
-def _chunk_sums(x, y, targets, shard, maxes, temperature, entropy, keep, scratch, sums, ws: Workspace) -> None:
-    """This rank's partial sums of one chunk into ``sums`` (see ``chunk_forward``)."""
+def _chunk_sums(x, y, targets, shard, maxes, temperature, entropy, e_kept, scratch, sums, ws: Workspace) -> None:
+    """This rank's partial sums of a block of rows into ``sums`` (see ``chunk_forward``); ``e_kept``: where
+    exp(zc) goes when it is kept (then -u in y is kept too)."""
     neg_u = None
     if y is not None:  # -u = ((y - x) + (M - M_r)) / tau: the log-ratio's differences first
         neg_u = torch.sub(y, x, out=y if scratch else ws.like("neg_u", x)).add_((maxes[0] - maxes[1])[:, None])
@@ -185,8 +199,8 @@ def _chunk_sums(x, y, targets, shard, maxes, temperature, entropy, keep, scratch
         local, owned = _owned(targets, shard)
         picked = zc.gather(-1, local.clamp(0, shard.valid - 1).unsqueeze(-1)).squeeze(-1)
         sums[4] = torch.where(owned, picked, torch.zeros_like(picked))
-    keep_zc = entropy or keep is not None or neg_u is not None
-    e = torch.exp(zc, out=ws.like("e", zc)) if keep_zc else zc.exp_()
+    keep_zc = entropy or e_kept is not None or neg_u is not None
+    e = torch.exp(zc, out=ws.like("e", zc) if e_kept is None else e_kept) if keep_zc else zc.exp_()
     sums[0] = e.sum(-1)
     product = ws.like("product", zc)
     if entropy:
@@ -195,10 +209,8 @@ def _chunk_sums(x, y, targets, shard, maxes, temperature, entropy, keep, scratch
     if neg_u is not None:
         product = torch.mul(e, neg_u, out=product)
         sums[2] = -product.sum(-1)
-        w = neg_u if keep is None else ws.like("w", neg_u).copy_(neg_u)
+        w = neg_u if e_kept is None else ws.like("w", neg_u).copy_(neg_u)
         sums[3] = _reference_minus_policy(zc, e, neg_u, w, product)
-    if keep is not None:
-        keep.update(zc=zc, e=e, neg_u=neg_u)
 
 
 def _reference_minus_policy(zc, e, neg_u, w, buffer) -> torch.Tensor:
@@ -224,10 +236,30 @@ def chunk_grad(x, y, targets, shard: _Shard, norms, g_lp, g_h, g_kl, temperature
     ``x`` / ``y`` as in ``chunk_forward`` (read only; ``y`` only when ``g_kl`` is given); ``norms``: its
     row state for these rows; ``g_lp`` / ``g_h`` / ``g_kl``: upstream gradients [n] (None when absent).
     ``out``: where to write the result (compute dtype, may be ``x`` itself: x is read before it is
-    overwritten). ``kept``: ``chunk_forward``'s ``keep`` for these rows (then x and y are not read; its
-    buffers are overwritten). ``workspace``: reusable temporaries.
+    overwritten; required unless ``kept``). ``kept``: ``chunk_forward``'s ``keep`` for these rows (then x
+    and y are not read; its buffers are overwritten and hold the result). ``workspace``: reusable
+    temporaries. Runs on cache-sized blocks of rows, as ``chunk_forward``.
     """
+    if out is None and kept is None:
+        raise ValueError("chunk_grad needs out= (or kept=)")
     ws = workspace or Workspace()
+    first = x if x is not None else kept["zc"]
+    n, cols = first.shape
+    block = default_chunk_rows(cols, first.device)
+    for a in range(0, n, block):
+        rows = slice(a, min(n, a + block))
+        _block_grad(x[rows] if x is not None else None, y[rows] if y is not None else None,
+                    targets[rows] if targets is not None else None, shard, norms[:, rows],
+                    *(None if g is None else g[rows] for g in (g_lp, g_h, g_kl)), temperature,
+                    out[rows] if out is not None else None,
+                    {k: v[rows] for k, v in kept.items() if v is not None} if kept is not None else None, ws)
+    if out is not None:
+        return out
+    return kept["zc"] if g_h is not None else kept["e"]  # where _block_grad's in-place result lands
+
+
+def _block_grad(x, y, targets, shard: _Shard, norms, g_lp, g_h, g_kl, temperature: float, out, kept, ws):
+    """``chunk_grad`` on one block of rows."""
     dtype = compute_dtype(x.dtype if x is not None else kept["zc"].dtype)
     scale = 1.0 / (norms[SUM] * temperature)  # pi = e / S; d/dx = d/dz / tau
     kl_term = None  # k (u - E[u]), k = g_KL / (S tau)

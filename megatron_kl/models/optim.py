@@ -108,6 +108,8 @@ def train_step(
 ) -> dict:
     """Forward/backward over all microbatches, grad reduction, clipping, optimizer and LR step.
 
+    A gradient with a NaN/inf entry on any model-parallel rank skips the optimizer and LR step on every
+    rank (megatron's ``update_successful`` semantics): the weights stay as they were.
     Returns ``{"grad_norm", "lr", "update_successful", "microbatch_metrics"}``.
     """
     for chunk in state.chunks:
@@ -116,8 +118,12 @@ def train_step(
     state.optimizer.zero_grad()
     outputs = run_schedule(state.chunks, batch, num_microbatches, loss_fn, vocab, forward_only=False,
                            reference=reference)
-    update_successful, grad_norm, _ = state.optimizer.step()
-    state.scheduler.step(increment=1)
+    if grads_finite(state.chunks):
+        update_successful, grad_norm, _ = state.optimizer.step()
+    else:
+        update_successful, grad_norm = False, float("nan")
+    if update_successful:
+        state.scheduler.step(increment=1)
     state.step += 1
     return {
         "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
@@ -125,6 +131,24 @@ def train_step(
         "update_successful": bool(update_successful),
         "microbatch_metrics": outputs,
     }
+
+
+def grads_finite(chunks: list) -> bool:
+    """Whether every accumulated gradient entry is finite on every rank of the model-parallel group (the
+    data-parallel replicas hold the same reduced gradients)."""
+    from megatron.core import parallel_state
+
+    finite = True
+    device = None
+    for chunk in chunks:
+        for buffer in list(getattr(chunk, "buffers", [])) + list(getattr(chunk, "expert_parallel_buffers", [])):
+            device = buffer.grad_data.device
+            finite = finite and bool(torch.isfinite(buffer.grad_data).all())
+    flag = torch.tensor([1.0 if finite else 0.0], device=device)
+    group = parallel_state.get_model_parallel_group()
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size(group) > 1:
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=group)
+    return bool(flag.item() > 0)
 
 
 def main_grad(param: torch.Tensor) -> torch.Tensor:

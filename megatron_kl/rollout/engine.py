@@ -11,10 +11,12 @@ train-vs-rollout mismatch metric then shows it, and the configured off-policy co
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Optional, Protocol, Sequence, runtime_checkable
 
 from megatron_kl.config import ConfigError
+from megatron_kl.rollout.http import CorruptResponse
 
 FINISH_REASONS = ("stop", "length")
 
@@ -74,3 +76,24 @@ class RolloutEngine(Protocol):
 
     def shutdown(self) -> None:
         """Release resources (servers, memory)."""
+
+
+LOGPROB_ROUNDING = 1e-4  # servers round log-probs; a positive value beyond this is not a probability
+
+
+def check_completion(completion: "Completion", sampling: SamplingConfig, vocab_size: Optional[int], where: str) -> None:
+    """A served completion's values, checked before anything uses them: at most ``max_new_tokens`` response
+    ids, each in [0, vocab_size), and finite behaviour log-probs <= 0. Raises ``CorruptResponse`` naming
+    the field, the position and the server (``where``)."""
+    ids, logprobs = completion.response_ids, completion.response_logprobs
+    if len(ids) > sampling.max_new_tokens:
+        raise CorruptResponse(f"{where}: {len(ids)} response tokens, more than rollout.sampling.max_new_tokens="
+                              f"{sampling.max_new_tokens}")
+    for position, token in enumerate(ids):
+        if token < 0 or (vocab_size is not None and token >= vocab_size):
+            raise CorruptResponse(f"{where}: response token id {token} at position {position} is outside the "
+                                  f"vocabulary [0, {vocab_size})")
+    for position, value in enumerate(logprobs):
+        if not math.isfinite(value) or value > LOGPROB_ROUNDING:
+            raise CorruptResponse(f"{where}: behaviour log-prob {value} at response position {position} is not "
+                                  "a finite value <= 0")

@@ -1,13 +1,15 @@
-"""JSON-over-HTTP calls to a serving engine with retries: 5xx answers, timeouts and dropped connections are
-retried with exponential backoff; 4xx answers and malformed bodies are errors at once (retrying cannot fix
-them). Only the standard library and ``requests``."""
+"""JSON-over-HTTP calls to a serving engine with retries: 5xx answers, timeouts, dropped connections and
+bodies whose values cannot be right (``CorruptResponse`` from the caller's ``parse``: NaN log-probs,
+token ids outside the vocabulary, ...) are retried with exponential backoff; 4xx answers and bodies without
+the expected fields are errors at once (retrying cannot fix them). Only the standard library and
+``requests``."""
 
 from __future__ import annotations
 
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import requests
 
@@ -22,6 +24,11 @@ class ServerUnavailable(RuntimeError):
     """Retries exhausted (5xx, timeouts, refused or dropped connections): the server may be dead."""
 
 
+class CorruptResponse(RuntimeError):
+    """A well-formed body with values that cannot be right (names the field and the server): retried like a
+    5xx, then ServerUnavailable."""
+
+
 @dataclass
 class RetryPolicy:
     max_retries: int = 4
@@ -30,8 +37,10 @@ class RetryPolicy:
 
 
 def call(url: str, path: str, payload: Optional[dict] = None, policy: RetryPolicy = RetryPolicy(),
-         method: str = "POST", session: Optional[requests.Session] = None, counters: Optional[dict] = None) -> Any:
-    """``method url+path`` with JSON ``payload``; returns the decoded JSON body (None for an empty body)."""
+         method: str = "POST", session: Optional[requests.Session] = None, counters: Optional[dict] = None,
+         parse: Optional[Callable[[Any], Any]] = None) -> Any:
+    """``method url+path`` with JSON ``payload``; returns the decoded JSON body (None for an empty body), or
+    ``parse(body)`` when given (a ``CorruptResponse`` from it is retried)."""
     http = session or requests
     delay = policy.backoff_s
     last: Exception | None = None
@@ -46,13 +55,19 @@ def call(url: str, path: str, payload: Optional[dict] = None, policy: RetryPolic
             elif response.status_code >= 400:
                 raise ServerError(f"{url}{path} answered {response.status_code}: {response.text[:500]}")
             else:
-                if not response.content:
-                    return None
+                body = None
+                if response.content:
+                    try:
+                        body = response.json()
+                    except ValueError:
+                        raise ServerError(f"{url}{path} answered a body that is not JSON: "
+                                          f"{response.text[:200]!r}") from None
+                if parse is None:
+                    return body
                 try:
-                    return response.json()
-                except ValueError:
-                    raise ServerError(f"{url}{path} answered a body that is not JSON: "
-                                      f"{response.text[:200]!r}") from None
+                    return parse(body)
+                except CorruptResponse as err:
+                    last = err
         if counters is not None:
             counters["retries"] = counters.get("retries", 0) + 1
         if attempt < policy.max_retries:

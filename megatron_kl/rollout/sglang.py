@@ -33,8 +33,8 @@ import requests
 import requests.adapters
 
 from megatron_kl.rollout.config import SGLangConfig
-from megatron_kl.rollout.engine import FINISH_REASONS, Completion, SamplingConfig
-from megatron_kl.rollout.http import RetryPolicy, ServerError, ServerUnavailable, call
+from megatron_kl.rollout.engine import FINISH_REASONS, Completion, SamplingConfig, check_completion
+from megatron_kl.rollout.http import CorruptResponse, RetryPolicy, ServerError, ServerUnavailable, call
 from megatron_kl.rollout.servers import ManagedServer
 
 log = logging.getLogger(__name__)
@@ -58,8 +58,12 @@ def sampling_params(sampling: SamplingConfig, seed: Optional[int]) -> dict:
     return params
 
 
-def parse_generate(body, prompt_ids: Sequence[int], expected_version: int, where: str) -> Completion:
-    """A /generate response body -> Completion; anything missing or inconsistent names the field."""
+def parse_generate(body, prompt_ids: Sequence[int], expected_version: int, where: str,
+                   sampling: Optional[SamplingConfig] = None, vocab_size: Optional[int] = None) -> Completion:
+    """A /generate response body -> Completion; anything missing or inconsistent names the field
+    (``ResponseError``); values that cannot be right - NaN/inf/positive log-probs, ids outside the
+    vocabulary, more than ``max_new_tokens`` tokens, an empty completion without ``output_ids`` - are a
+    ``CorruptResponse`` (retried like a 5xx)."""
     if not isinstance(body, dict):
         raise ResponseError(f"{where}: /generate answered {type(body).__name__}, expected an object")
     meta = body.get("meta_info")
@@ -81,6 +85,9 @@ def parse_generate(body, prompt_ids: Sequence[int], expected_version: int, where
     except (TypeError, ValueError):
         raise ResponseError(f"{where}: meta_info.output_token_logprobs has a non-numeric entry") from None
     output_ids = body.get("output_ids")
+    if not token_ids and output_ids is None:
+        raise CorruptResponse(f"{where}: empty meta_info.output_token_logprobs and no output_ids (a completion has "
+                              "at least its stop token)")
     if output_ids is not None and list(output_ids) != token_ids:
         raise ResponseError(f"{where}: output_ids ({len(output_ids)} tokens) disagree with "
                             f"meta_info.output_token_logprobs ({len(token_ids)} tokens)")
@@ -88,7 +95,10 @@ def parse_generate(body, prompt_ids: Sequence[int], expected_version: int, where
     if version is None or str(version) != str(expected_version):
         raise ResponseError(f"{where}: meta_info.weight_version={version!r} but version {expected_version} was "
                             "pushed last (stale or foreign weights)")
-    return Completion(list(prompt_ids), token_ids, logprobs, finish_type, int(expected_version))
+    completion = Completion(list(prompt_ids), token_ids, logprobs, finish_type, int(expected_version))
+    if sampling is not None:
+        check_completion(completion, sampling, vocab_size, where)
+    return completion
 
 
 def server_command(cfg: SGLangConfig, model_path: str, port: int, seed: int) -> list[str]:
@@ -105,8 +115,9 @@ class SGLangEngine:
     """The rollout-engine protocol over SGLang HTTP servers (used from one trainer process)."""
 
     def __init__(self, cfg: SGLangConfig, weight_sync, model_path: Optional[str] = None, log_dir="runs/sglang",
-                 seed: int = 0):
+                 seed: int = 0, vocab_size: Optional[int] = None):
         self.cfg = cfg
+        self.vocab_size = vocab_size  # response ids are checked against it
         self.sync = weight_sync
         self.policy = RetryPolicy(cfg.max_retries, cfg.backoff_s, cfg.request_timeout_s)
         self.weight_version = 0
@@ -141,8 +152,9 @@ class SGLangEngine:
         return session
 
     # -- HTTP ------------------------------------------------------------------------------------
-    def call(self, index: int, path: str, payload: Optional[dict] = None, method: str = "POST"):
-        return call(self.urls[index], path, payload, self.policy, method, self._sessions[index], self.counters)
+    def call(self, index: int, path: str, payload: Optional[dict] = None, method: str = "POST", parse=None):
+        return call(self.urls[index], path, payload, self.policy, method, self._sessions[index], self.counters,
+                    parse=parse)
 
     def broadcast(self, path: str, payload: Optional[dict] = None) -> list:
         """The same control call on every server (in parallel)."""
@@ -174,8 +186,9 @@ class SGLangEngine:
             def one(i: int, server: int) -> Completion:
                 payload = {"input_ids": list(prompts[i]), "sampling_params": sampling_params(sampling, base_seed + i),
                            "return_logprob": True}
-                body = self.call(server, "/generate", payload)
-                return parse_generate(body, prompts[i], self.weight_version, f"{self.urls[server]} prompt {i}")
+                where = f"{self.urls[server]} prompt {i}"
+                return self.call(server, "/generate", payload, parse=lambda body: parse_generate(
+                    body, prompts[i], self.weight_version, where, sampling, self.vocab_size))
 
             with ThreadPoolExecutor(self.cfg.max_concurrency) as pool:
                 futures = {i: (pool.submit(one, i, i % len(self.urls)), i % len(self.urls)) for i in pending}

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from megatron_kl.rollout.config import VLLMConfig
-from megatron_kl.rollout.engine import FINISH_REASONS, Completion, SamplingConfig
+from megatron_kl.rollout.engine import FINISH_REASONS, Completion, SamplingConfig, check_completion
 from megatron_kl.rollout.http import RetryPolicy, ServerError, call
 
 class VLLMEngine:
@@ -80,8 +80,9 @@ class VLLMEngine:
                 raise ServerError(f"vLLM returned {0 if sample.logprobs is None else len(sample.logprobs)} log-prob "
                                   f"entries for {len(ids)} tokens (logprobs=0 requested)")
             logprobs = [float(entry[token].logprob) for entry, token in zip(sample.logprobs, ids)]
-            completions.append(Completion(list(prompt), ids, logprobs, _finish(sample.finish_reason),
-                                          self.weight_version))
+            completion = Completion(list(prompt), ids, logprobs, _finish(sample.finish_reason), self.weight_version)
+            check_completion(completion, sampling, self.model.vocab_size, "vLLM (in-process)")
+            completions.append(completion)
         return completions
 
     def _complete_remote(self, prompt, sampling: SamplingConfig, seed: int) -> Completion:
@@ -90,15 +91,22 @@ class VLLMEngine:
                    "top_k": sampling.top_k if sampling.top_k > 0 else -1, "seed": seed, "logprobs": 0,
                    "stop_token_ids": list(sampling.stop_token_ids), "skip_special_tokens": False,
                    "return_tokens_as_token_ids": True}
-        body = call(self.cfg.url, "/v1/completions", payload, self.policy)
+        return call(self.cfg.url, "/v1/completions", payload, self.policy,
+                    parse=lambda body: self._parse_completion(body, prompt, sampling))
+
+    def _parse_completion(self, body, prompt, sampling: SamplingConfig) -> Completion:
+        where = f"{self.cfg.url}/v1/completions"
         try:
             choice = body["choices"][0]
             tokens = [int(str(t).split(":", 1)[1]) for t in choice["logprobs"]["tokens"]]
             logprobs = [float(x) for x in choice["logprobs"]["token_logprobs"]]
         except (KeyError, IndexError, TypeError, ValueError) as err:
-            raise ServerError(f"{self.cfg.url}/v1/completions: response lacks choices[0].logprobs.tokens/"
+            raise ServerError(f"{where}: response lacks choices[0].logprobs.tokens/"
                               f"token_logprobs as token ids ({type(err).__name__}: {err})") from None
-        return Completion(list(prompt), tokens, logprobs, _finish(choice.get("finish_reason")), self.weight_version)
+        completion = Completion(list(prompt), tokens, logprobs, _finish(choice.get("finish_reason")),
+                                self.weight_version)
+        check_completion(completion, sampling, self.model.vocab_size, where)
+        return completion
 
     # -- weights ---------------------------------------------------------------------------------
     def update_weights(self, named_tensors, version: int) -> None:

@@ -11,6 +11,9 @@ the weight-update routes answer ``{success, message}``. It takes the same comman
     --fault-delay-every N      every N-th /generate sleeps --fault-delay-s before answering (client timeouts)
     --fault-drop-every N       every N-th /generate closes the connection without an answer
     --fault-bad-every N        every N-th /generate answers without meta_info.output_token_logprobs
+    --fault-corrupt-every N    every N-th /generate answers a well-formed body with impossible values, cycling
+                               through CORRUPTIONS (NaN / +inf / positive log-prob, id >= vocab, id < 0, more
+                               tokens than max_new_tokens, an empty completion without output_ids)
     --fault-exit-at N          the N-th /generate kills the process, once per --fault-marker file
 
 Run ``python -m megatron_kl.testing.sglang_server --model-path DIR --port P``.
@@ -29,6 +32,28 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import torch
+
+
+CORRUPTIONS = ("nan", "inf", "positive", "oov", "negative", "too_long", "empty")
+
+
+def corrupt(response: dict, kind: str, vocab_size: int) -> dict:
+    """``response`` (a /generate answer) with one impossible value of the given kind."""
+    meta = response["meta_info"]
+    entries = meta.get("output_token_logprobs") or [[-1.0, 1, None]]
+    if kind in ("nan", "inf", "positive"):
+        entries[0][0] = {"nan": float("nan"), "inf": float("inf"), "positive": 0.5}[kind]
+    elif kind in ("oov", "negative"):
+        entries[0][1] = vocab_size + 3 if kind == "oov" else -1
+    elif kind == "too_long":
+        entries = entries + [list(entries[-1]) for _ in range(1000)]
+    elif kind == "empty":
+        entries = []
+        response.pop("output_ids", None)
+    meta["output_token_logprobs"] = entries
+    if "output_ids" in response:
+        response["output_ids"] = [e[1] for e in entries]
+    return response
 
 
 class _DictCheckpoint:
@@ -52,6 +77,7 @@ class EmbeddedServer:
         self.args = args
         checkpoint = hf.HFCheckpoint(args.model_path)
         self.model = checkpoint.model_config()
+        self.vocab_size = self.model.vocab_size
         self.tensors = {name: checkpoint.get(name).float() for name in checkpoint.files}
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -228,11 +254,16 @@ def _handler(server: EmbeddedServer, args):
             if args.fault_delay_every and n % args.fault_delay_every == 0:
                 time.sleep(args.fault_delay_s)
             self._bad_now = bool(args.fault_bad_every and n % args.fault_bad_every == 0)
+            self._corrupt_now = None
+            if args.fault_corrupt_every and n % args.fault_corrupt_every == 0:
+                self._corrupt_now = CORRUPTIONS[(n // args.fault_corrupt_every - 1) % len(CORRUPTIONS)]
             return False
 
         def _bad(self, response):
             if getattr(self, "_bad_now", False) and isinstance(response, dict):
                 response["meta_info"].pop("output_token_logprobs", None)
+            if getattr(self, "_corrupt_now", None) and isinstance(response, dict):
+                response = corrupt(response, self._corrupt_now, server.vocab_size)
             return response
 
     return Handler
@@ -249,7 +280,7 @@ def main(argv=None) -> None:
     parser.add_argument("--mem-fraction-static", type=float, default=None)
     parser.add_argument("--skip-tokenizer-init", action="store_true")
     parser.add_argument("--enable-memory-saver", action="store_true")
-    for name in ("500", "delay", "drop", "bad"):
+    for name in ("500", "delay", "drop", "bad", "corrupt"):
         parser.add_argument(f"--fault-{name}-every", type=int, default=0)
     parser.add_argument("--fault-delay-s", type=float, default=0.0)
     parser.add_argument("--fault-exit-at", type=int, default=0)

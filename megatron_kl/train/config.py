@@ -62,6 +62,7 @@ class RunConfig:
     group_size: int = 8  # samples per prompt
     micro_batches: int = 1  # pipeline microbatches per optimizer minibatch
     staleness: int = 0  # async bound s: rollouts of step t come from weights of step t - s (0: on-policy)
+    max_consecutive_skips: int = 3  # optimizer steps with a NaN/inf gradient skipped in a row before the run stops
     seed: int = 1234
     output_dir: str = "runs/default"
 
@@ -127,6 +128,9 @@ def validate_train_config(cfg: TrainConfig, tokenizer_vocab: int, data_parallel:
             raise ConfigError(f"train.{name}={getattr(run, name)} must be >= 1")
     if run.staleness < 0:
         raise ConfigError(f"train.staleness={run.staleness} must be >= 0 (0 = on-policy)")
+    if run.max_consecutive_skips < 0:
+        raise ConfigError(f"train.max_consecutive_skips={run.max_consecutive_skips} must be >= 0 (0: stop at the "
+                          "first optimizer step with a NaN/inf gradient)")
     samples = run.prompts_per_step * run.group_size
     per_rank, rest = divmod(samples, data_parallel)
     if rest or run.prompts_per_step % data_parallel:

@@ -41,7 +41,7 @@ def build_engine(cfg: TrainConfig, chunks: list, hf_source, run_dir: Path, dp_ra
             from megatron_kl.rollout.weight_sync import build_weight_sync
 
             return SGLangEngine(sglang, build_weight_sync(sglang, cfg.model, source_dir), model_path,
-                                log_dir=run_dir / "sglang", seed=cfg.train.seed)
+                                log_dir=run_dir / "sglang", seed=cfg.train.seed, vocab_size=cfg.model.vocab_size)
 
         return DistributedEngine(make, cfg.model, dp_rank, parallel.tp_group(), parallel.pp_group())
     vllm = cfg.rollout.vllm

@@ -61,6 +61,10 @@ class MetricsLogger:
             return
         clean = {k: (float(v) if isinstance(v, (int, float)) and math.isfinite(float(v)) else None)
                  for k, v in metrics.items()}
+        nonfinite = sorted(k for k, v in clean.items() if v is None)
+        if nonfinite:  # written as null, never silently: counted in the record and warned about by name
+            log.warning("step %d: non-finite metric value(s) logged as null: %s", step, ", ".join(nonfinite))
+        clean["health/nonfinite_metrics"] = float(len(nonfinite))
         with self.jsonl.open("a") as f:
             f.write(json.dumps({"step": step, **clean}, sort_keys=True) + "\n")
         if self._tb is not None:

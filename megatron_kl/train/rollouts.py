@@ -13,6 +13,7 @@ checkpoint, so a resumed run consumes exactly the batches the uninterrupted run 
 
 from __future__ import annotations
 
+import math
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -40,8 +41,21 @@ class RolloutBatch:
         return int(self.loss_mask.sum())
 
 
-def build_rollout_batch(task, engine, step: int, prompt_indices: list[int], group_size: int,
-                        sampling: SamplingConfig, seed: int) -> RolloutBatch:
+@dataclass
+class _Generated:
+    """Completions of one step's prompts, not yet scored: what the background thread produces. Scoring
+    runs in the main thread (``_score``): verifiers may rely on it (math-verify's timeouts use
+    signal.alarm, which only works there)."""
+
+    step: int
+    problems: list
+    prompts: list
+    completions: list[Completion]
+    generate_seconds: float
+
+
+def _generate(task, engine, step: int, prompt_indices: list[int], group_size: int, sampling: SamplingConfig,
+              seed: int) -> _Generated:
     problems = [task.problem("train", i) for i in prompt_indices]
     prompts = [p.prompt_ids for p in problems for _ in range(group_size)]
     start = time.perf_counter()
@@ -49,7 +63,24 @@ def build_rollout_batch(task, engine, step: int, prompt_indices: list[int], grou
     seconds = time.perf_counter() - start
     if len(completions) != len(prompts):
         raise RuntimeError(f"engine returned {len(completions)} completions for {len(prompts)} prompts")
-    rewards = torch.tensor([task.score(problems[i // group_size], c.response_ids) for i, c in enumerate(completions)])
+    return _Generated(step, problems, prompts, completions, seconds)
+
+
+def build_rollout_batch(task, engine, step: int, prompt_indices: list[int], group_size: int,
+                        sampling: SamplingConfig, seed: int) -> RolloutBatch:
+    return _score(task, _generate(task, engine, step, prompt_indices, group_size, sampling, seed), group_size)
+
+
+def _score(task, generated: _Generated, group_size: int) -> RolloutBatch:
+    """Rewards and the packed batch; call from the main thread."""
+    completions, prompts, step, seconds = generated.completions, generated.prompts, generated.step, generated.generate_seconds
+    scores = [task.score(generated.problems[i // group_size], c.response_ids) for i, c in enumerate(completions)]
+    for i, score in enumerate(scores):
+        if not isinstance(score, (int, float)) or not math.isfinite(float(score)):
+            raise ValueError(f"task {type(task).__name__}: reward {score!r} of step {step}, sample {i} (prompt "
+                             f"{i // group_size}, answer {generated.problems[i // group_size].answer!r}) is not a "
+                             "finite number; a verifier must return a finite float")
+    rewards = torch.tensor([float(x) for x in scores])
     tokens, mask, behavior = pack(prompts, [c.response_ids for c in completions], task.tokenizer.pad_id,
                                   per_token=[c.response_logprobs for c in completions])
     return RolloutBatch(step=step, completions=completions, rewards=rewards, tokens=tokens, loss_mask=mask,
@@ -64,15 +95,22 @@ class RolloutSource:
         self.task, self.engine, self.sampling = task, engine, sampling
         self.prompts_per_step, self.group_size, self.staleness = prompts_per_step, group_size, staleness
         self.seed, self.dp_rank, self.dp_size = seed, dp_rank, dp_size
-        self.queue: dict[int, RolloutBatch | Future] = {}
+        self.queue: dict[int, RolloutBatch | Future] = {}  # futures resolve to _Generated (unscored)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout") if staleness else None
 
-    def _make(self, step: int) -> RolloutBatch:
+    def _generate(self, step: int) -> _Generated:
         per_rank = self.prompts_per_step // self.dp_size
         first = step * self.prompts_per_step + self.dp_rank * per_rank
         seed = (self.seed * 1_000_003 + step) * 1009 + self.dp_rank
-        return build_rollout_batch(self.task, self.engine, step, list(range(first, first + per_rank)),
-                                   self.group_size, self.sampling, seed)
+        return _generate(self.task, self.engine, step, list(range(first, first + per_rank)), self.group_size,
+                         self.sampling, seed)
+
+    def _make(self, step: int) -> RolloutBatch:
+        return _score(self.task, self._generate(step), self.group_size)
+
+    def _resolve(self, item) -> RolloutBatch:
+        """A queued item as a scored batch, in the calling (main) thread."""
+        return _score(self.task, item.result(), self.group_size) if isinstance(item, Future) else item
 
     def get(self, step: int) -> RolloutBatch:
         """The batch for ``step``; in async mode also submits the batch for ``step + staleness``."""
@@ -81,15 +119,13 @@ class RolloutSource:
         for ahead in range(step, step + self.staleness):
             if ahead not in self.queue:
                 self.queue[ahead] = self._make(ahead)  # warm-up (or a queue lost with a checkpoint)
-        self.queue[step + self.staleness] = self._pool.submit(self._make, step + self.staleness)
-        item = self.queue.pop(step)
-        return item.result() if isinstance(item, Future) else item
+        self.queue[step + self.staleness] = self._pool.submit(self._generate, step + self.staleness)
+        return self._resolve(self.queue.pop(step))
 
     def wait(self) -> None:
         """Finish in-flight generation (before a weight sync or a checkpoint)."""
         for step, item in list(self.queue.items()):
-            if isinstance(item, Future):
-                self.queue[step] = item.result()
+            self.queue[step] = self._resolve(item)
 
     def state_dict(self) -> dict:
         self.wait()

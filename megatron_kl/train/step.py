@@ -12,6 +12,8 @@ Metrics compare pi_old with pi_ref (k1, k3, exact; per token and per sequence), 
 
 from __future__ import annotations
 
+import logging
+
 import time
 from contextlib import nullcontext
 from collections import defaultdict
@@ -29,6 +31,9 @@ from megatron_kl.models.offload import ReferenceOffload
 from megatron_kl.train.rollouts import RolloutBatch
 
 
+log = logging.getLogger(__name__)
+
+
 @dataclass
 class StepContext:
     cfg: object  # TrainConfig
@@ -38,6 +43,29 @@ class StepContext:
     offload: ReferenceOffload
     dp_group: object = None
     counter: ClampCounter = field(default_factory=ClampCounter)
+    consecutive_skips: int = 0  # optimizer steps skipped in a row (non-finite gradient)
+
+
+class NonFiniteUpdates(RuntimeError):
+    """Too many optimizer steps in a row had a NaN/inf gradient (``train.max_consecutive_skips``)."""
+
+
+def record_update(ctx: StepContext, update_successful: bool, step: int, max_consecutive_skips: int) -> bool:
+    """Count an optimizer step skipped for a NaN/inf gradient; past ``max_consecutive_skips`` in a row the
+    run stops (``NonFiniteUpdates``). Returns ``update_successful``."""
+    if update_successful:
+        ctx.consecutive_skips = 0
+        return True
+    ctx.consecutive_skips += 1
+    log.warning("step %d: gradient not finite, optimizer step skipped (%d in a row; limit "
+                "train.max_consecutive_skips=%d)", step, ctx.consecutive_skips, max_consecutive_skips)
+    if ctx.consecutive_skips > max_consecutive_skips:
+        raise NonFiniteUpdates(
+            f"step {step}: {ctx.consecutive_skips} optimizer steps in a row had a NaN/inf gradient (limit "
+            f"train.max_consecutive_skips={max_consecutive_skips}); the last checkpoint holds the weights before "
+            "them. Look at the rewards, the behaviour log-probs and kl.clamp / algo.tis_cap, or lower the "
+            "learning rate")
+    return False
 
 
 def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
@@ -127,6 +155,7 @@ def rl_step(ctx: StepContext, batch: RolloutBatch, step: int) -> dict:
     sums: dict = defaultdict(float)
     counts: dict = defaultdict(int)
     grad_norms = []
+    skipped = 0
     shuffle = torch.Generator().manual_seed(run.seed * 7919 + step)
     size = num_samples // algo.minibatches
     needs_exact_in_loss = kl.estimator == "full" and kl.placement == "loss" and kl.coef > 0
@@ -141,7 +170,10 @@ def rl_step(ctx: StepContext, batch: RolloutBatch, step: int) -> dict:
                     MicrobatchLoss(algo, kl, shares, ctx.counter),
                     vocab, reference=ctx.reference_head if needs_exact_in_loss else None,
                 )
-            grad_norms.append(out["grad_norm"])
+            if record_update(ctx, out["update_successful"], step, run.max_consecutive_skips):
+                grad_norms.append(out["grad_norm"])
+            else:
+                skipped += 1
             for metrics in out["microbatch_metrics"]:
                 for key, value in metrics.items():
                     sums[key] += float(value)
@@ -154,7 +186,9 @@ def rl_step(ctx: StepContext, batch: RolloutBatch, step: int) -> dict:
     metrics.update(kl_metrics(old["logprobs"], reference["logprobs"], old["kl"], mask))
     metrics["entropy/mean"] = _masked_mean(old["entropy"], mask)
     metrics.update(rollout_metrics(batch, old["logprobs"], step))
-    metrics["grad_norm"] = sum(grad_norms) / len(grad_norms)
+    # mean over the optimizer steps taken; 0 with a count of skips when every step of this RL step was skipped
+    metrics["grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else 0.0
+    metrics["train/skipped_updates"] = float(skipped)
     metrics["lr"] = out["lr"]
     metrics.update(ctx.counter.as_dict())
     metrics = _reduce(metrics, ctx.dp_group)

@@ -131,3 +131,45 @@ def exact_kl_metric_worker(rank, world, model_cfg: ModelConfig, parallel_cfg: Pa
         results.append({"eps": eps, "fused": fused, "kl": old["kl"], "hidden": old["hidden"],
                         "reference_hidden": reference["hidden"], "weight": weight, "reference_weight": reference_weight})
     return results
+
+
+class _PoisonedLoss(_SFTLikeLoss):
+    """The SFT-like loss, times NaN when ``poisoned``: every gradient entry becomes NaN."""
+
+    row_separable = False
+
+    def __init__(self, batch_size: int, poisoned: bool):
+        super().__init__(batch_size)
+        self.poisoned = poisoned
+
+    def __call__(self, stats, mb):
+        loss, metrics = super().__call__(stats, mb)
+        return (loss * float("nan") if self.poisoned else loss), metrics
+
+
+def nonfinite_step_worker(rank, world, model_cfg: ModelConfig, parallel_cfg: ParallelConfig, tokens, loss_mask):
+    """train_step with a NaN gradient, then a finite one: the first must leave weights, optimizer and LR
+    schedule untouched on every rank."""
+    torch.manual_seed(0)
+    parallel.initialize(model_cfg, parallel_cfg, seed=1234)
+    tp_group, pp_group = parallel.tp_group(), parallel.pp_group()
+    models = builder.build_policy_and_reference(model_cfg, parallel_cfg)
+    train = optim.build_train_state(models.policy, optim.OptimConfig(lr=1e-3, warmup_steps=2))
+    batch = pipeline.SequenceBatch(tokens=tokens, loss_mask=loss_mask)
+    vocab = pipeline.VocabOptions(vocab_size=model_cfg.vocab_size)
+    inner = [c.module for c in train.chunks]
+
+    def weights():
+        return state.full_state_dict(inner, model_cfg.vocab_size, False, tp_group, pp_group)
+
+    before, lr_before = weights(), train.optimizer.param_groups[0]["lr"]
+    bad = optim.train_step(train, batch, 2, _PoisonedLoss(tokens.shape[0], True), vocab)
+    after_bad, lr_after_bad = weights(), train.optimizer.param_groups[0]["lr"]
+    good = optim.train_step(train, batch, 2, _PoisonedLoss(tokens.shape[0], False), vocab)
+    after_good = weights()
+    return {"bad": {k: bad[k] for k in ("update_successful", "grad_norm")},
+            "good": {k: good[k] for k in ("update_successful", "grad_norm")},
+            "unchanged": all(torch.equal(before[k], after_bad[k]) for k in before),
+            "changed_after_good": any(not torch.equal(before[k], after_good[k]) for k in before),
+            "finite_after_good": all(torch.isfinite(v).all() for v in after_good.values()),
+            "lr": (lr_before, lr_after_bad)}

@@ -273,3 +273,22 @@ def test_real_sglang_server_generates_and_syncs(tmp_path, models, sync):
         assert len(got) == len(PROMPTS) and {c.weight_version for c in got} == {1}
     finally:
         engine.shutdown()
+
+
+def test_corrupt_values_are_retried_like_a_5xx_without_loss(tmp_path, models, clean):
+    """NaN / +inf / positive log-probs, ids outside the vocabulary, too many tokens and empty completions
+    (the test server's --fault-corrupt-every cycles through them) are retried; the result equals a clean run."""
+    from megatron_kl.testing.sglang_server import CORRUPTIONS
+
+    clean.update_weights(_hf_tensors(models["a"]), 5)
+    want = clean.generate(PROMPTS, SAMPLING, seed=22)
+    engine = _engine(tmp_path, models["a"], "--fault-corrupt-every", "2", port=free_port(), max_concurrency=1,
+                     max_retries=3)
+    engine.vocab_size = _model(models["a"]).vocab_size
+    try:
+        engine.update_weights(_hf_tensors(models["a"]), 5)
+        got = engine.generate(PROMPTS, SAMPLING, seed=22)
+        _same(got, want)
+        assert engine.counters["retries"] >= len(CORRUPTIONS) and engine.counters["restarts"] == 0
+    finally:
+        engine.shutdown()

@@ -1,0 +1,117 @@
+"""Async rollouts with a verifier that needs the main thread: math-verify's timeouts use signal.alarm, so
+scoring must not run in the background generation thread (staleness >= 1)."""
+
+import json
+import threading
+
+import pytest
+
+from megatron_kl.rollout.engine import Completion
+from megatron_kl.tasks.math import MathConfig, MathTask
+from megatron_kl.train.rollouts import RolloutSource
+from tests.unit.test_tasks import _tiny_hf_tokenizer
+
+
+class _BoxedAnswerEngine:
+    """Answers every prompt with the right boxed answer; records the generating thread."""
+
+    def __init__(self, task):
+        self.task, self.threads = task, set()
+
+    def generate(self, prompts, sampling, seed=None):
+        self.threads.add(threading.current_thread().name)
+        answers = {tuple(self.task.problem("train", i).prompt_ids): self.task.problem("train", i).answer
+                   for i in range(len(self.task.splits["train"]))}
+        out = []
+        for prompt in prompts:
+            ids = self.task.tokenizer.encode("The answer is \\boxed{%s}." % answers[tuple(prompt)])
+            out.append(Completion(prompt, ids, [-0.5] * len(ids), "stop", 0))
+        return out
+
+
+@pytest.mark.parametrize("staleness", [0, 1, 2])
+def test_math_scoring_with_async_rollouts(tmp_path, staleness):
+    path = tmp_path / "train.jsonl"
+    path.write_text("\n".join(json.dumps({"problem": f"What is {i}+{i}?", "answer": str(2 * i)}) for i in range(6)))
+    task = MathTask(MathConfig(train_files=[str(path)]), tokenizer=_tiny_hf_tokenizer())
+    engine = _BoxedAnswerEngine(task)
+    source = RolloutSource(task, engine, sampling=None, prompts_per_step=2, group_size=2, staleness=staleness, seed=0)
+    try:
+        for step in range(4):
+            batch = source.get(step)
+            assert batch.step == step and batch.rewards.tolist() == [1.0] * 4
+        state = source.state_dict()  # queued batches are scored (main thread) before checkpointing
+        assert sorted(state["queue"]) == list(range(4, 4 + staleness))
+        assert all(b.rewards.tolist() == [1.0] * 4 for b in state["queue"].values())
+    finally:
+        source.close()
+    if staleness:
+        assert any(name.startswith("rollout") for name in engine.threads)  # generation did run in the background
+
+
+CLEAN_BODY = {"output_ids": [5, 7, 0], "meta_info": {
+    "finish_reason": {"type": "stop", "matched": 0}, "weight_version": "3",
+    "output_token_logprobs": [[-0.5, 5, None], [-1.25, 7, None], [-0.01, 0, None]]}}
+
+
+@pytest.mark.parametrize("kind, message", [
+    ("nan", "log-prob nan at response position 0"), ("inf", "log-prob inf at response position 0"),
+    ("positive", "log-prob 0.5 at response position 0"), ("oov", "token id 53 at position 0 is outside"),
+    ("negative", "token id -1 at position 0"), ("too_long", "more than rollout.sampling.max_new_tokens=6"),
+    ("empty", "no output_ids"),
+])
+def test_sglang_response_with_impossible_values_is_a_corrupt_response(kind, message):
+    import copy
+
+    from megatron_kl.rollout.engine import SamplingConfig
+    from megatron_kl.rollout.http import CorruptResponse
+    from megatron_kl.rollout.sglang import parse_generate
+    from megatron_kl.testing.sglang_server import corrupt
+
+    sampling = SamplingConfig(max_new_tokens=6)
+    ok = parse_generate(copy.deepcopy(CLEAN_BODY), [1, 2], 3, "http://s:1 prompt 0", sampling, vocab_size=50)
+    assert ok.response_ids == [5, 7, 0]
+    with pytest.raises(CorruptResponse, match=message) as err:
+        parse_generate(corrupt(copy.deepcopy(CLEAN_BODY), kind, 50), [1, 2], 3, "http://s:1 prompt 0", sampling,
+                       vocab_size=50)
+    assert "http://s:1 prompt 0" in str(err.value)
+
+
+@pytest.mark.parametrize("tokens, logprobs, message", [
+    (["token_id:5"], [float("nan")], "log-prob nan"), (["token_id:99"], [-0.1], "token id 99"),
+    (["token_id:5"], [0.3], "log-prob 0.3"),
+])
+def test_vllm_server_response_with_impossible_values_is_a_corrupt_response(tokens, logprobs, message):
+    from megatron_kl.config import ModelConfig
+    from megatron_kl.rollout.engine import SamplingConfig
+    from megatron_kl.rollout.http import CorruptResponse
+    from megatron_kl.rollout.vllm import VLLMEngine
+
+    engine = VLLMEngine.__new__(VLLMEngine)  # the parser only: no server
+    engine.cfg = type("Cfg", (), {"url": "http://v:2"})()
+    engine.model, engine.weight_version = ModelConfig(vocab_size=50), 0
+    body = {"choices": [{"finish_reason": "stop", "logprobs": {"tokens": tokens, "token_logprobs": logprobs}}]}
+    with pytest.raises(CorruptResponse, match=message):
+        engine._parse_completion(body, [1], SamplingConfig(max_new_tokens=4))
+
+
+def test_call_retries_a_corrupt_body_then_gives_up_naming_it(monkeypatch):
+    import requests
+
+    from megatron_kl.rollout.http import CorruptResponse, RetryPolicy, ServerUnavailable, call
+
+    class Response:
+        status_code, content, text = 200, b"{}", "{}"
+
+        def json(self):
+            return {}
+
+    calls = []
+    monkeypatch.setattr(requests, "request", lambda *a, **k: calls.append(1) or Response())
+
+    def parse(body):
+        raise CorruptResponse("http://x: behaviour log-prob nan at response position 0")
+
+    with pytest.raises(ServerUnavailable, match="log-prob nan"):
+        call("http://x", "/generate", {}, RetryPolicy(max_retries=2, backoff_s=0.0), parse=parse)
+    assert len(calls) == 3
