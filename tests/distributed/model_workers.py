@@ -154,7 +154,7 @@ def nonfinite_step_worker(rank, world, model_cfg: ModelConfig, parallel_cfg: Par
     parallel.initialize(model_cfg, parallel_cfg, seed=1234)
     tp_group, pp_group = parallel.tp_group(), parallel.pp_group()
     models = builder.build_policy_and_reference(model_cfg, parallel_cfg)
-    train = optim.build_train_state(models.policy, optim.OptimConfig(lr=1e-3, warmup_steps=2))
+    train = optim.build_train_state(models.policy, optim.OptimConfig(lr=1e-3, lr_decay_style="linear", decay_steps=4))
     batch = pipeline.SequenceBatch(tokens=tokens, loss_mask=loss_mask)
     vocab = pipeline.VocabOptions(vocab_size=model_cfg.vocab_size)
     inner = [c.module for c in train.chunks]
