@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import sys
 from dataclasses import dataclass
@@ -73,6 +74,10 @@ def _check_slurm(cfg: TrainConfig) -> None:
         raise ConfigError(f"launch.slurm.retries={slurm.retries} restarts the job; set checkpoint.resume=true "
                           "so a restart continues from the latest checkpoint instead of step 0")
     validate_parallel(cfg.model, cfg.parallel, slurm.nodes * slurm.gpus_per_node)
+    if not SHELL_WORD.fullmatch(str(slurm.tunnel.job_dir)):
+        raise ConfigError(f"launch.slurm.tunnel.job_dir={slurm.tunnel.job_dir!r}: NeMo-Run writes it unquoted into "
+                          "the srun lines; use letters, digits and / . _ - : @ + = , ~ only")
+    shell_env(cfg)  # names checked before anything is written
     servers = cfg.launch.rollout_servers
     if servers.mode == "disaggregated":
         if cfg.rollout.engine != "sglang":
@@ -88,6 +93,24 @@ def _check_slurm(cfg: TrainConfig) -> None:
         if not (servers.model_path or cfg.init.hf_checkpoint):
             raise ConfigError("disaggregated SGLang servers need launch.rollout_servers.model_path "
                               "(or init.hf_checkpoint)")
+
+
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+SHELL_WORD = re.compile(r"[A-Za-z0-9_./@%+=:,~-]+")  # needs no quoting in a shell command line
+
+
+def shell_env(cfg: TrainConfig) -> dict:
+    """The job's environment for the sbatch script: NeMo-Run writes ``export KEY=VALUE`` as given, so each
+    value is shell-quoted here (a literal string: ``$``, ``;``, backticks are not interpreted) and each
+    name must be a shell variable name."""
+    env = {}
+    for field, values in (("launch.slurm.env", cfg.launch.slurm.environment()), ("launch.env", cfg.launch.env)):
+        for key, value in values.items():
+            if not ENV_NAME.fullmatch(str(key)):
+                raise ConfigError(f"{field}: {key!r} is not an environment variable name (letters, digits and "
+                                  "underscores, not starting with a digit)")
+            env[str(key)] = shlex.quote(str(value))
+    return env
 
 
 def _slurm_executor(cfg: TrainConfig, nodes: int, tasks_per_node: int, launcher, heterogeneous: bool,
@@ -106,7 +129,7 @@ def _slurm_executor(cfg: TrainConfig, nodes: int, tasks_per_node: int, launcher,
         gpus_per_node=slurm.gpus_per_node, time=slurm.time, container_image=slurm.container_image,
         container_mounts=list(slurm.container_mounts), exclusive=slurm.exclusive or None, qos=slurm.qos,
         constraint=slurm.constraint, tunnel=tunnel, packager=packager, launcher=launcher,
-        env_vars={**slurm.environment(), **cfg.launch.env}, retries=slurm.retries, heterogeneous=heterogeneous,
+        env_vars=shell_env(cfg), retries=slurm.retries, heterogeneous=heterogeneous,
         setup_lines=setup_lines, job_name_prefix="megatron-kl.",
         **({"container_workdir": slurm.container_workdir} if slurm.container_workdir else {}))
 
@@ -148,12 +171,14 @@ def disaggregated_tasks(spec: TaskSpec):
     rollout_executor.gpus_per_node = servers.gpus_per_node
     # one srun task per trainer node, each running torchrun for that node's GPUs
     trainer_executor = _slurm_executor(cfg, slurm.nodes, 1, None, heterogeneous=True)
-    server = run.Script(path="sglang.launch_server", m=True, entrypoint="python", args=sglang_server_args(cfg))
+    # NeMo-Run joins a heterogeneous group's arguments unquoted: quote them here
+    server = run.Script(path="sglang.launch_server", m=True, entrypoint="python",
+                        args=[shlex.quote(a) for a in sglang_server_args(cfg)])
     torchrun = ["torchrun", "--nnodes", str(slurm.nodes), "--nproc-per-node", str(slurm.gpus_per_node),
                 "--rdzv-backend", "c10d", "--rdzv-endpoint", f"${TRAIN_HEAD_VAR}:{slurm.rdzv_port}",
                 "--rdzv-id", "$SLURM_JOB_ID", "-m", "megatron_kl.cli"]
-    train_args = spec.train_args(["rollout.sglang.urls=[$" + URLS_VAR + "]"])
-    # arguments with a variable are double-quoted (expanded, never globbed), the others shell-quoted
-    line = " ".join(torchrun) + " " + " ".join(f'"{a}"' if "$" in a else shlex.quote(a) for a in train_args)
+    # every user value shell-quoted; the one intended expansion is the server URLs, from a fixed template
+    urls = f'"rollout.sglang.urls=[${URLS_VAR}]"'
+    line = " ".join(torchrun) + " " + " ".join(shlex.quote(a) for a in spec.train_args()) + " " + urls
     trainer = run.Script(inline=line)
     return [rollout_executor, trainer_executor], [server, trainer]
