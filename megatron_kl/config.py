@@ -84,6 +84,9 @@ class ParallelConfig:
     virtual_pipeline: Optional[int] = None  # model chunks per pipeline rank (interleaved 1F1B)
     sequence_parallel: bool = False
     offload_reference: bool = False  # keep the reference model's weights on CPU between uses
+    # one timeout for every process group (torch.distributed's default group, megatron's TP/PP/DP groups,
+    # the rollout engine's gloo group): a hung rank ends the job after this long instead of 30 min or never
+    distributed_timeout_s: float = 1800.0
 
 
 def validate_model(model: ModelConfig) -> None:

@@ -20,8 +20,9 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def initialize(model: ModelConfig, parallel: ParallelConfig, seed: int = 1234, timeout_s: int = 300) -> None:
-    """Create the global group (from torchrun-style env vars if needed) and megatron's TP/PP groups.
+def initialize(model: ModelConfig, parallel: ParallelConfig, seed: int = 1234) -> None:
+    """Create the global group (from torchrun-style env vars if needed) and megatron's TP/PP groups, all
+    with ``parallel.distributed_timeout_s``.
 
     The config is validated against the world size before megatron's groups are created.
     """
@@ -30,7 +31,7 @@ def initialize(model: ModelConfig, parallel: ParallelConfig, seed: int = 1234, t
     if not dist.is_initialized():
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend=default_backend(), timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group(backend=default_backend(), timeout=timedelta(seconds=parallel.distributed_timeout_s))
     validate_parallel(model, parallel, dist.get_world_size())
     apply_cpu_shims()
     if parallel_state.model_parallel_is_initialized():
@@ -40,6 +41,7 @@ def initialize(model: ModelConfig, parallel: ParallelConfig, seed: int = 1234, t
         pipeline_model_parallel_size=parallel.pipeline_parallel,
         virtual_pipeline_model_parallel_size=parallel.virtual_pipeline,
         create_gloo_process_groups=False,
+        distributed_timeout_minutes=parallel.distributed_timeout_s / 60.0,  # megatron: timedelta(minutes=...)
     )
     reseed(seed)
 

@@ -39,8 +39,8 @@ class SGLangConfig:
     sync_dir: Optional[str] = None  # from_disk: shared with the servers; default <train.output_dir>/weight_sync
     server_module: str = "sglang.launch_server"  # tests: megatron_kl.testing.sglang_server (no SGLang needed)
     max_concurrency: int = 64  # in-flight /generate requests per engine
-    request_timeout_s: float = 600.0
-    max_retries: int = 4  # per request, on 5xx / timeouts / dropped connections
+    request_timeout_s: float = 300.0  # total per attempt; every attempt + backoff < parallel.distributed_timeout_s
+    max_retries: int = 4  # per request, on 5xx / 429 / timeouts / dropped or cut-short answers / corrupt values
     backoff_s: float = 0.5  # first retry delay, doubled each retry
     startup_timeout_s: float = 900.0  # /health of a starting server
     restart_dead_servers: bool = True  # managed servers only
@@ -75,7 +75,7 @@ class VLLMConfig:
     max_model_len: Optional[int] = None
     enable_sleep_mode: bool = False  # colocated: sleep while the trainer runs
     sync_dir: Optional[str] = None  # default <train.output_dir>/weight_sync
-    request_timeout_s: float = 600.0
+    request_timeout_s: float = 300.0  # total per attempt (see rollout.sglang)
     max_retries: int = 4
     backoff_s: float = 0.5
 

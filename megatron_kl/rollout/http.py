@@ -1,12 +1,20 @@
-"""JSON-over-HTTP calls to a serving engine with retries: 5xx answers, timeouts, dropped connections and
-bodies whose values cannot be right (``CorruptResponse`` from the caller's ``parse``: NaN log-probs,
-token ids outside the vocabulary, ...) are retried with exponential backoff; 4xx answers and bodies without
-the expected fields are errors at once (retrying cannot fix them). Only the standard library and
-``requests``."""
+"""JSON-over-HTTP calls to a serving engine with retries.
+
+Retried with exponential backoff: 5xx and 429 answers (429's ``Retry-After`` is honoured up to the
+backoff cap), timeouts, refused or dropped connections, bodies cut short or not JSON, and bodies whose
+values cannot be right (``CorruptResponse`` from the caller's ``parse``: NaN log-probs, token ids outside
+the vocabulary, ...). Errors at once: other 4xx answers and bodies without the expected fields (retrying
+cannot fix them). ``RetryPolicy.timeout_s`` is a total deadline per attempt - headers and body - not a
+per-read timeout: a server that trickles bytes is cut off at the deadline. ``RetryPolicy.budget_s`` bounds
+a whole call (every attempt and backoff); the trainer checks it is below the distributed timeout, so a
+dead server ends in a clear error here, not in a collective that times out elsewhere. Only the standard
+library and ``requests``."""
 
 from __future__ import annotations
 
 import logging
+import socket
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -33,7 +41,72 @@ class CorruptResponse(RuntimeError):
 class RetryPolicy:
     max_retries: int = 4
     backoff_s: float = 0.5
-    timeout_s: float = 600.0
+    timeout_s: float = 600.0  # total per attempt (headers + body)
+    max_backoff_s: float = 30.0
+
+    @property
+    def budget_s(self) -> float:
+        """Longest a call can take: every attempt at its deadline plus the backoffs between them."""
+        waits = sum(min(self.max_backoff_s, self.backoff_s * 2 ** i) for i in range(self.max_retries))
+        return (self.max_retries + 1) * self.timeout_s + waits
+
+
+class _Deadline:
+    """Shuts the response's socket down when the attempt's deadline passes: a blocked body read then fails
+    at once instead of waiting for bytes that trickle in slower than the per-read timeout."""
+
+    def __init__(self, seconds: float):
+        self.expired = False
+        self._response = None
+        self._timer = threading.Timer(max(0.0, seconds), self._fire)
+        self._timer.daemon = True
+
+    def watch(self, response) -> None:
+        self._response = response
+        self._timer.start()
+
+    def _fire(self) -> None:
+        self.expired = True
+        sock = _socket_of(self._response)
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def cancel(self) -> None:
+        self._timer.cancel()
+
+
+def _socket_of(response) -> Optional[socket.socket]:
+    """The socket a streamed ``requests`` response reads from (urllib3 1.x and 2.x)."""
+    raw = getattr(response, "raw", None)
+    connection = getattr(raw, "connection", None) or getattr(raw, "_connection", None)
+    sock = getattr(connection, "sock", None)
+    if sock is None:  # http.client dropped its reference once the response began: the body's file holds it
+        reader = getattr(getattr(raw, "_fp", None), "fp", None)
+        sock = getattr(getattr(reader, "raw", None), "_sock", None)
+    return sock
+
+
+def _attempt(http, method: str, url: str, payload, timeout_s: float):
+    """One request with a total deadline: (status, body bytes, text) or raises requests/timeout errors."""
+    start = time.monotonic()
+    response = http.request(method, url, json=payload, timeout=timeout_s, stream=True)
+    deadline = _Deadline(timeout_s - (time.monotonic() - start))
+    deadline.watch(response)
+    try:
+        content = response.content  # reads the whole body (Content-Length checked by urllib3)
+    except (requests.RequestException, OSError) as err:
+        if deadline.expired:
+            raise requests.Timeout(f"no complete answer within {timeout_s:.0f}s (total deadline)") from err
+        raise
+    finally:
+        deadline.cancel()
+        response.close()
+    if deadline.expired:
+        raise requests.Timeout(f"no complete answer within {timeout_s:.0f}s (total deadline)")
+    return response, content
 
 
 def call(url: str, path: str, payload: Optional[dict] = None, policy: RetryPolicy = RetryPolicy(),
@@ -45,35 +118,40 @@ def call(url: str, path: str, payload: Optional[dict] = None, policy: RetryPolic
     delay = policy.backoff_s
     last: Exception | None = None
     for attempt in range(policy.max_retries + 1):
+        wait = delay
         try:
-            response = http.request(method, url.rstrip("/") + path, json=payload, timeout=policy.timeout_s)
-        except (requests.ConnectionError, requests.Timeout) as err:  # refused, dropped, timed out
+            response, content = _attempt(http, method, url.rstrip("/") + path, payload, policy.timeout_s)
+        except requests.RequestException as err:  # refused, dropped, timed out, cut short
             last = err
         else:
-            if response.status_code >= 500:
+            if response.status_code >= 500 or response.status_code == 429:
                 last = ServerUnavailable(f"{url}{path} answered {response.status_code}: {response.text[:200]}")
+                retry_after = response.headers.get("Retry-After", "")
+                if response.status_code == 429 and retry_after.replace(".", "", 1).isdigit():
+                    wait = max(wait, float(retry_after))
             elif response.status_code >= 400:
                 raise ServerError(f"{url}{path} answered {response.status_code}: {response.text[:500]}")
             else:
                 body = None
-                if response.content:
-                    try:
-                        body = response.json()
-                    except ValueError:
-                        raise ServerError(f"{url}{path} answered a body that is not JSON: "
-                                          f"{response.text[:200]!r}") from None
-                if parse is None:
-                    return body
                 try:
-                    return parse(body)
-                except CorruptResponse as err:
-                    last = err
+                    body = response.json() if content else None
+                except ValueError:  # a body cut short, or not the server's JSON: retried
+                    last = CorruptResponse(f"{url}{path} answered a body that is not JSON ({len(content)} bytes): "
+                                           f"{content[:200]!r}")
+                else:
+                    if parse is None:
+                        return body
+                    try:
+                        return parse(body)
+                    except CorruptResponse as err:
+                        last = err
         if counters is not None:
             counters["retries"] = counters.get("retries", 0) + 1
         if attempt < policy.max_retries:
+            wait = min(wait, policy.max_backoff_s)
             log.warning("%s%s failed (%s); retry %d/%d in %.1fs", url, path, last, attempt + 1, policy.max_retries,
-                        delay)
-            time.sleep(delay)
+                        wait)
+            time.sleep(wait)
             delay *= 2
     raise ServerUnavailable(f"{url}{path}: {policy.max_retries + 1} attempts failed, last: {last}")
 

@@ -14,6 +14,8 @@ thread trains with collectives on the model's groups.
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 from typing import Callable, Optional, Sequence
 
 import torch.distributed as dist
@@ -23,14 +25,15 @@ from megatron_kl.rollout.engine import Completion, SamplingConfig
 
 class DistributedEngine:
     def __init__(self, make_engine: Callable[[], object], model, dp_rank: int, tp_group=None, pp_group=None,
-                 include_tied_head: bool = False):
+                 include_tied_head: bool = False, timeout_s: float = 1800.0):
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.engine = make_engine() if self.rank == 0 else None
         self.model, self.dp_rank, self.tp_group, self.pp_group = model, dp_rank, tp_group, pp_group
         self.include_tied_head = include_tied_head
         self.weight_version = 0
-        self.object_group = dist.new_group(backend="gloo") if self.world > 1 else None
+        self.object_group = (dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+                             if self.world > 1 else None)
         if self.world > 1:
             dist.barrier()  # the servers are up before anyone generates
 

@@ -2,13 +2,20 @@
 layout reads them back), plus the trainer state: step, LR schedule, RNG states (per rank), the data cursor
 (the step) and the async rollout queue.
 
-A checkpoint is written to ``step_XXXXXX.tmp`` and renamed once every rank has finished, so a run killed
-mid-save (kill -9) leaves the previous checkpoint as the latest complete one.
+A checkpoint is written to ``step_XXXXXX.tmp``; once every rank has finished, rank 0 writes the completion
+marker ``COMPLETE`` last and renames the directory. Only ``step_<digits>`` directories with the marker
+count, so a run killed mid-save (kill -9), a stray directory or a copy in progress is never resumed from.
+A checkpoint that fails to load (missing or truncated file, empty rank file) is reported naming the file,
+and the previous complete one is used (every rank agrees on which). Everything is read with
+``torch.load(weights_only=True)``: the saved state is plain tensors, numbers, strings, lists and dicts
+(RNG states and the rollout queue are converted), so a pickle placed in a checkpoint never executes.
 """
 
 from __future__ import annotations
 
+import logging
 import random
+import re
 import shutil
 from pathlib import Path
 from typing import Optional
@@ -20,6 +27,10 @@ import torch.distributed as dist
 from megatron_kl.models.optim import unwrap
 
 _PREFIX = "step_"
+_NAME = re.compile(r"step_(\d+)")
+MARKER = "COMPLETE"
+
+log = logging.getLogger(__name__)
 
 
 def _model_keys(chunks) -> list[str]:
@@ -40,9 +51,10 @@ def _sharded_state_dict(train_state, is_loading: bool) -> dict:
 def rng_state() -> dict:
     from megatron.core import tensor_parallel
 
+    name, keys, position, has_gauss, gauss = np.random.get_state()
     return {
         "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "numpy": [name, torch.from_numpy(keys.copy()), int(position), int(has_gauss), float(gauss)],
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
         "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
@@ -52,25 +64,37 @@ def rng_state() -> dict:
 def set_rng_state(state: dict) -> None:
     from megatron.core import tensor_parallel
 
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    version, internal, gauss_next = state["python"]
+    random.setstate((version, tuple(internal), gauss_next))
+    name, keys, position, has_gauss, gauss = state["numpy"]
+    np.random.set_state((name, keys.numpy(), position, has_gauss, gauss))
     torch.set_rng_state(state["torch"])
     if state.get("cuda") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
 
-def latest_checkpoint(directory: Path) -> Optional[Path]:
+def complete_checkpoints(directory: Path) -> list[Path]:
+    """``step_<digits>`` directories with the completion marker, oldest first."""
     directory = Path(directory)
     if not directory.is_dir():
-        return None
-    done = sorted(p for p in directory.glob(f"{_PREFIX}*") if p.is_dir() and not p.name.endswith(".tmp"))
+        return []
+    found = [(int(m.group(1)), p) for p in directory.iterdir()
+             if (m := _NAME.fullmatch(p.name)) and p.is_dir() and (p / MARKER).is_file()]
+    return [p for _, p in sorted(found)]
+
+
+def latest_checkpoint(directory: Path) -> Optional[Path]:
+    done = complete_checkpoints(directory)
     return done[-1] if done else None
 
 
 def save_checkpoint(directory: Path, step: int, train_state, trainer_state: dict, rank_state: dict,
                     keep: int = 2) -> Path:
-    """Collective. ``trainer_state`` is the same on all ranks (saved by rank 0); ``rank_state`` per rank."""
+    """Collective. ``trainer_state`` is the same on all ranks (saved by rank 0); ``rank_state`` per rank.
+    Keeps the ``keep`` (>= 1) newest complete checkpoints."""
+    if keep < 1:
+        raise ValueError(f"checkpoint.keep={keep} must be >= 1 (the checkpoint just written)")
     from megatron.core import dist_checkpointing
 
     directory = Path(directory)
@@ -86,29 +110,91 @@ def save_checkpoint(directory: Path, step: int, train_state, trainer_state: dict
         torch.save({**trainer_state, "step": step, "scheduler": train_state.scheduler.state_dict()}, tmp / "trainer.pt")
     dist.barrier()
     if dist.get_rank() == 0:
+        (tmp / MARKER).write_text(f"step {step}\n")  # last: everything before it is on disk
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
-        for old in sorted(p for p in directory.glob(f"{_PREFIX}*") if not p.name.endswith(".tmp"))[:-keep]:
+        for old in complete_checkpoints(directory)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
     return final
 
 
+class CheckpointError(RuntimeError):
+    """No complete checkpoint could be loaded."""
+
+
+def _load_file(path: Path) -> dict:
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing")
+    if path.stat().st_size == 0:
+        raise ValueError(f"{path} is empty")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # noqa: BLE001 - truncated, or not plain data (a pickle is never run)
+        raise ValueError(f"{path} does not load as plain data ({type(err).__name__}: {str(err)[:300]})") from None
+
+
+def _all_ok(ok: bool) -> bool:
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=_gloo_group())
+    return bool(flag.item())
+
+
+_GLOO = None
+
+
+def _gloo_group():
+    """A CPU group for the load agreement (the default group may be NCCL)."""
+    global _GLOO
+    if _GLOO is None:
+        _GLOO = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else dist.group.WORLD
+    return _GLOO
+
+
 def load_checkpoint(path: Path, train_state) -> tuple[dict, dict]:
-    """Load model + optimizer into ``train_state``; return (trainer_state, this rank's rank_state)."""
+    """Load model + optimizer into ``train_state``; return (trainer_state, this rank's rank_state).
+    Raises (naming the file) when any part of this checkpoint is missing or damaged, on every rank."""
     from megatron.core import dist_checkpointing
 
     path = Path(path)
-    trainer_file = path / "trainer.pt"
-    if not trainer_file.is_file():
-        raise FileNotFoundError(f"checkpoint {path} lacks trainer.pt: it is incomplete; delete it or pick another")
-    loaded = dist_checkpointing.load(_sharded_state_dict(train_state, is_loading=True), str(path))
-    for key, chunk in zip(_model_keys(train_state.chunks), train_state.chunks):
-        unwrap(chunk).load_state_dict(loaded[key])
-    train_state.optimizer.load_state_dict(loaded["optimizer"])
-    trainer_state = torch.load(trainer_file, map_location="cpu", weights_only=False)
+    error = None
+    try:
+        trainer_state = _load_file(path / "trainer.pt")
+        rank_state = _load_file(path / f"rank_{dist.get_rank():05d}.pt")
+    except Exception as err:  # noqa: BLE001 - reported and agreed on below
+        error = err
+    if not _all_ok(error is None):
+        raise CheckpointError(f"checkpoint {path}: {error or 'damaged on another rank'}")
+    try:
+        loaded = dist_checkpointing.load(_sharded_state_dict(train_state, is_loading=True), str(path))
+        for key, chunk in zip(_model_keys(train_state.chunks), train_state.chunks):
+            unwrap(chunk).load_state_dict(loaded[key])
+        train_state.optimizer.load_state_dict(loaded["optimizer"])
+    except Exception as err:  # noqa: BLE001 - a truncated .distcp surfaces here (on every rank: DCP gathers errors)
+        error = err
+    if not _all_ok(error is None):
+        raise CheckpointError(f"checkpoint {path}: model/optimizer shards unreadable "
+                              f"({type(error).__name__ if error else 'on another rank'}: {error})")
     train_state.scheduler.load_state_dict(trainer_state.pop("scheduler"))
     train_state.step = trainer_state["step"]
-    rank_file = path / f"rank_{dist.get_rank():05d}.pt"
-    rank_state = torch.load(rank_file, map_location="cpu", weights_only=False) if rank_file.is_file() else {}
     return trainer_state, rank_state
+
+
+def load_latest(directory: Path, train_state) -> Optional[tuple[Path, dict, dict]]:
+    """The newest complete checkpoint under ``directory`` that loads, falling back to older ones (each
+    failure logged with its file); None when there is none. A directory whose checkpoints all fail to load
+    is a CheckpointError listing why."""
+    failures = []
+    for path in reversed(complete_checkpoints(directory)):
+        try:
+            trainer_state, rank_state = load_checkpoint(path, train_state)
+        except CheckpointError as err:
+            log.error("%s; trying the previous checkpoint", err)
+            failures.append(str(err))
+            continue
+        return path, trainer_state, rank_state
+    if failures:
+        raise CheckpointError("no checkpoint under {} loads: {}; delete them (or set checkpoint.resume=false) to "
+                              "start over".format(directory, "; ".join(failures)))
+    return None

@@ -158,6 +158,34 @@ def validate_train_config(cfg: TrainConfig, tokenizer_vocab: int, data_parallel:
                           "reward or a token-level KL in the loss, no per-decision weights); use auto or recompute")
     if cfg.eval.k < 1:
         raise ConfigError(f"eval.k={cfg.eval.k} must be >= 1")
+    _check_timeouts(cfg)
+    if cfg.checkpoint.keep < 1:
+        raise ConfigError(f"checkpoint.keep={cfg.checkpoint.keep} must be >= 1 (the newest complete checkpoints kept)")
+
+
+def _check_timeouts(cfg) -> None:
+    """A served engine's worst case - every attempt of a request at its deadline plus the backoffs, or a
+    server start - must end before the other ranks' collective times out, so a dead server is reported by
+    the HTTP client, not by a collective timeout elsewhere."""
+    from megatron_kl.rollout.http import RetryPolicy
+
+    limit = cfg.parallel.distributed_timeout_s
+    if limit <= 0:
+        raise ConfigError(f"parallel.distributed_timeout_s={limit} must be > 0")
+    engine = cfg.rollout.engine
+    if engine not in ("sglang", "vllm"):
+        return
+    served = getattr(cfg.rollout, engine)
+    budget = RetryPolicy(served.max_retries, served.backoff_s, served.request_timeout_s).budget_s
+    if budget >= limit:
+        raise ConfigError(
+            f"rollout.{engine}: a request can take {budget:.0f}s ((max_retries={served.max_retries} + 1) x "
+            f"request_timeout_s={served.request_timeout_s:g} + backoff), not less than parallel.distributed_timeout_s="
+            f"{limit:g}: lower rollout.{engine}.request_timeout_s / max_retries or raise the distributed timeout")
+    startup = getattr(served, "startup_timeout_s", None)
+    if startup is not None and startup >= limit:
+        raise ConfigError(f"rollout.{engine}.startup_timeout_s={startup:g} must be below parallel.distributed_timeout_s="
+                          f"{limit:g} (the other ranks wait for the servers in a barrier)")
 
 
 def _check_async_rollouts(cfg: TrainConfig) -> None:

@@ -43,7 +43,8 @@ def build_engine(cfg: TrainConfig, chunks: list, hf_source, run_dir: Path, dp_ra
             return SGLangEngine(sglang, build_weight_sync(sglang, cfg.model, source_dir), model_path,
                                 log_dir=run_dir / "sglang", seed=cfg.train.seed, vocab_size=cfg.model.vocab_size)
 
-        return DistributedEngine(make, cfg.model, dp_rank, parallel.tp_group(), parallel.pp_group())
+        return DistributedEngine(make, cfg.model, dp_rank, parallel.tp_group(), parallel.pp_group(),
+                                 timeout_s=cfg.parallel.distributed_timeout_s)
     vllm = cfg.rollout.vllm
     if vllm.sync_dir is None:
         vllm = dataclasses.replace(vllm, sync_dir=str(run_dir / "weight_sync"))
@@ -55,4 +56,4 @@ def build_engine(cfg: TrainConfig, chunks: list, hf_source, run_dir: Path, dp_ra
         return VLLMEngine(vllm, cfg.model, model_path, seed=cfg.train.seed, source_dir=source_dir)
 
     return DistributedEngine(make_vllm, cfg.model, dp_rank, parallel.tp_group(), parallel.pp_group(),
-                             include_tied_head=True)
+                             include_tied_head=True, timeout_s=cfg.parallel.distributed_timeout_s)

@@ -101,9 +101,9 @@ def train(cfg: TrainConfig) -> dict:
     ctx = StepContext(cfg, train_state, models.reference, pipeline.ReferenceHead(models.reference), offload, dp_group)
 
     start_step = 0
-    latest = ckpt.latest_checkpoint(run_dir / "checkpoints") if cfg.checkpoint.resume else None
-    if latest is not None:
-        _, rank_state = ckpt.load_checkpoint(latest, train_state)
+    resumed = ckpt.load_latest(run_dir / "checkpoints", train_state) if cfg.checkpoint.resume else None
+    if resumed is not None:
+        latest, _, rank_state = resumed
         start_step = train_state.step
         ckpt.set_rng_state(rank_state["rng"])
         source.load_state_dict(rank_state.get("rollouts"))

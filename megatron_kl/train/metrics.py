@@ -52,8 +52,17 @@ class MetricsLogger:
         """Drop records of steps >= ``step`` (written after the checkpoint we resume from)."""
         if not self.jsonl.is_file():
             return
-        keep = [line for line in self.jsonl.read_text().splitlines()
-                if line.strip() and json.loads(line).get("step", -1) < step]
+        keep = []
+        for number, line in enumerate(self.jsonl.read_text(errors="replace").splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError:  # e.g. the partial last line of a killed run
+                log.warning("%s line %d is not a JSON record (a write cut short?): dropped on resume", self.jsonl, number)
+                continue
+            if record.get("step", -1) < step:
+                keep.append(line)
         self.jsonl.write_text("".join(line + "\n" for line in keep))
 
     def log(self, step: int, metrics: dict) -> None:

@@ -13,6 +13,7 @@ checkpoint, so a resumed run consumes exactly the batches the uninterrupted run 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -128,11 +129,15 @@ class RolloutSource:
             self.queue[step] = self._resolve(item)
 
     def state_dict(self) -> dict:
+        """Completed queued batches as plain data (tensors, numbers, strings, lists, dicts): checkpoints
+        load with ``torch.load(weights_only=True)``."""
         self.wait()
-        return {"queue": dict(self.queue)}
+        return {"queue": {int(step): dataclasses.asdict(batch) for step, batch in self.queue.items()}}
 
     def load_state_dict(self, state: Optional[dict]) -> None:
-        self.queue = dict(state["queue"]) if state else {}
+        queue = state["queue"] if state else {}
+        self.queue = {int(step): RolloutBatch(**{**fields, "completions": [Completion(**c) for c in fields["completions"]]})
+                      for step, fields in queue.items()}
 
     def close(self) -> None:
         if self._pool is not None:

@@ -173,3 +173,19 @@ def nonfinite_step_worker(rank, world, model_cfg: ModelConfig, parallel_cfg: Par
             "changed_after_good": any(not torch.equal(before[k], after_good[k]) for k in before),
             "finite_after_good": all(torch.isfinite(v).all() for v in after_good.values()),
             "lr": (lr_before, lr_after_bad)}
+
+
+def hung_rank_worker(rank, world, model_cfg: ModelConfig, timeout_s: float):
+    """Rank 1 never joins a TP all-reduce: rank 0 must get an error after ``timeout_s``, not hang."""
+    import time
+
+    parallel.initialize(model_cfg, ParallelConfig(tensor_parallel=world, distributed_timeout_s=timeout_s))
+    if rank == 1:
+        time.sleep(3 * timeout_s)
+        return {"hung": True}
+    start = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(1), group=parallel.tp_group())
+    except Exception as err:  # noqa: BLE001 - the timeout is the point
+        return {"error": type(err).__name__, "seconds": time.monotonic() - start}
+    return {"error": None, "seconds": time.monotonic() - start}

@@ -249,3 +249,60 @@ def test_train_starts_from_hf_checkpoint_and_exports_hf(tmp_path, warm_cache):
                        f"init.hf_checkpoint={source}", "train.steps=1")
     with pytest.raises(RankFailure, match="model.norm_epsilon=1e-05 but .* has 1e-06"):
         run_ranks(train_worker, 1, bad, timeout_s=300)
+
+
+def test_resume_falls_back_past_damaged_checkpoints(tmp_path, warm_cache):
+    """Each restart meets a damaged newest checkpoint - no trainer.pt (plus stray step_* directories and a
+    partial metrics line), a truncated .distcp shard, an empty rank file, a pickle that would run code -
+    reports it naming the file, resumes from the previous complete one and ends with every step logged once."""
+    run = tmp_path / "run"
+    common = ["--config", str(DEFAULT), f"train.output_dir={run}", f"warm_start.cache_dir={warm_cache}",
+              "checkpoint.interval=1", "checkpoint.keep=3", "train.prompts_per_step=4", "train.group_size=4",
+              "task.eval_size=8", "eval.k=2", "eval.interval=0", "logging.progress=false", "logging.tensorboard=false",
+              "train.staleness=1"]
+    code, output = Run(tmp_path / "base.log", *common, "train.steps=2").wait()
+    assert code == 0, output[-3000:]
+    ckpts = run / "checkpoints"
+    pwned = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {pwned}",))
+
+    def no_trainer_file(path):
+        (path / "trainer.pt").unlink()
+        (ckpts / "step_abc").mkdir()
+        (ckpts / "step_000099").mkdir()  # no completion marker
+        with open(run / "metrics.jsonl", "a") as f:
+            f.write('{"step": 1, "loss/to')
+
+    def truncated_shard(path):
+        shard = max(path.glob("*.distcp"), key=lambda p: p.stat().st_size)
+        shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+
+    def empty_rank_file(path):
+        (path / "rank_00000.pt").write_bytes(b"")
+
+    def pickle_payload(path):
+        import pickle
+
+        (path / "trainer.pt").write_bytes(pickle.dumps(Payload()))
+
+    damages = [(no_trainer_file, "trainer.pt is missing"), (truncated_shard, "model/optimizer shards unreadable"),
+               (empty_rank_file, "rank_00000.pt is empty"), (pickle_payload, "trainer.pt")]
+    for steps, (damage, message) in enumerate(damages, start=3):
+        newest = ckpts / f"step_{steps - 1:06d}"
+        damage(newest)
+        code, output = Run(tmp_path / f"resume{steps}.log", *common, f"train.steps={steps}").wait()
+        assert code == 0, (damage.__name__, output[-3000:])
+        assert message in output and "trying the previous checkpoint" in output, (damage.__name__, output[-3000:])
+        assert f"resumed from {ckpts / f'step_{steps - 2:06d}'}" in output, damage.__name__
+    assert not pwned.exists(), "a pickle in a checkpoint was executed"
+    steps_logged = [r["step"] for r in read_metrics(run / "metrics.jsonl") if "loss/total" in r]
+    assert steps_logged == list(range(len(damages) + 2))
+
+
+def test_checkpoint_keep_below_one_is_a_config_error(tmp_path, warm_cache):
+    code, output = Run(tmp_path / "keep.log", "--config", str(DEFAULT), f"train.output_dir={tmp_path / 'o'}",
+                       "checkpoint.keep=-1").wait()
+    assert code == 2 and "checkpoint.keep=-1 must be >= 1" in output
