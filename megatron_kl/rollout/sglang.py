@@ -123,7 +123,7 @@ class SGLangEngine:
         self.weight_version = 0
         self.released = False  # colocated: memory handed back to the trainer
         self.counters = {"retries": 0, "restarts": 0, "reissued": 0}
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # recover() runs inside update_weights()
         self.servers: list[Optional[ManagedServer]]
         if cfg.urls:
             self.urls = list(cfg.urls)
@@ -156,12 +156,27 @@ class SGLangEngine:
         return call(self.urls[index], path, payload, self.policy, method, self._sessions[index], self.counters,
                     parse=parse)
 
-    def broadcast(self, path: str, payload: Optional[dict] = None) -> list:
-        """The same control call on every server (in parallel)."""
-        with ThreadPoolExecutor(len(self.urls)) as pool:
-            return list(pool.map(lambda i: self.call(i, path, payload), range(len(self.urls))))
+    def broadcast(self, path: str, payload: Optional[dict] = None, recover: bool = False) -> list:
+        """The same control call on every server (in parallel); ``recover``: a server that stays unavailable is
+        restarted (back at the committed weights) and called again."""
+        def one(i: int):
+            try:
+                return self.call(i, path, payload)
+            except ServerUnavailable as err:
+                if not recover:
+                    raise
+                return err
 
-    def _recover(self, index: int) -> None:
+        with ThreadPoolExecutor(len(self.urls)) as pool:
+            results = list(pool.map(one, range(len(self.urls))))
+        for i, result in enumerate(results):  # in the caller's thread: update_weights holds the lock
+            if isinstance(result, ServerUnavailable):
+                self.recover(i)
+                results[i] = self.call(i, path, payload)
+        return results
+
+    def recover(self, index: int) -> None:
+        """Restart server ``index`` (managed servers) and bring it back to the last committed weights."""
         server = self.servers[index]
         if server is None or not self.cfg.restart_dead_servers:
             raise ServerUnavailable(f"SGLang server {self.urls[index]} is unavailable (not managed here: restart it "
@@ -203,7 +218,7 @@ class SGLangEngine:
             if not unfinished:
                 return results  # type: ignore[return-value]
             for server in sorted(failed_servers):
-                self._recover(server)
+                self.recover(server)
             self.counters["reissued"] += len(unfinished)
             pending = unfinished
             log.warning("re-issuing %d request(s) after recovering server(s) %s", len(pending), sorted(failed_servers))
@@ -212,16 +227,18 @@ class SGLangEngine:
     # -- weights ---------------------------------------------------------------------------------
     def update_weights(self, named_tensors, version: int) -> None:
         """Push HF-named full tensors (an iterable, streamed) as weight version ``version``: generation is
-        paused around the update and the radix cache flushed; colocated servers get their memory back first."""
+        paused around the update and the radix cache flushed; colocated servers get their memory back first.
+        A server that dies during the update is restarted and sent the new weights again; ``weight_version``
+        advances only after every server confirmed them."""
         with self._lock:
             if self.released:
-                self.broadcast("/resume_memory_occupation", {"tags": ["weights"]})
-            self.broadcast("/pause_generation", {"mode": "abort"})
-            self.sync.push(self, named_tensors, version)
-            self.broadcast("/flush_cache")
-            self.broadcast("/continue_generation", {})
+                self.broadcast("/resume_memory_occupation", {"tags": ["weights"]}, recover=True)
+            self.broadcast("/pause_generation", {"mode": "abort"}, recover=True)
+            self.sync.push(self, named_tensors, version)  # atomic: recorded once every server confirmed
+            self.broadcast("/flush_cache", recover=True)
+            self.broadcast("/continue_generation", {}, recover=True)
             if self.released:
-                self.broadcast("/resume_memory_occupation", {"tags": ["kv_cache"]})
+                self.broadcast("/resume_memory_occupation", {"tags": ["kv_cache"]}, recover=True)
                 self.released = False
             self.weight_version = version
 

@@ -121,18 +121,21 @@ class VLLMEngine:
                 self.llm.collective_rpc("reload_weights", kwargs={"weights_path": path})
                 self.llm.reset_prefix_cache()
             else:
-                call(self.cfg.url, "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": path}},
-                     self.policy)
+                answer = call(self.cfg.url, "/collective_rpc",
+                              {"method": "reload_weights", "kwargs": {"weights_path": path}}, self.policy)
+                check_rpc_answer(answer, f"{self.cfg.url}/collective_rpc reload_weights (version {version})")
                 call(self.cfg.url, "/reset_prefix_cache", None, self.policy)
-        self.weight_version = version
+        self.weight_version = version  # only once the reload was confirmed
 
     def _write(self, named_tensors, version: int) -> str:
         from megatron_kl.models.hf import write_hf_tensors
 
         path = Path(self.cfg.sync_dir or "runs/weight_sync") / f"version_{version:06d}"
         write_hf_tensors(named_tensors, self.model, path, self.model.params_dtype, self.source_dir)
-        for old in sorted(path.parent.glob("version_*"))[:-2]:
+        self.written = [p for p in getattr(self, "written", []) if p != path] + [path]
+        for old in self.written[:-2]:  # only directories this engine wrote
             shutil.rmtree(old, ignore_errors=True)
+        self.written = self.written[-2:]
         return str(path.absolute())
 
     def release_memory(self) -> None:
@@ -155,6 +158,19 @@ class VLLMEngine:
         if self.llm is not None:
             del self.llm
             self.llm = None
+
+
+def check_rpc_answer(answer, where: str) -> None:
+    """A dev-mode /collective_rpc answer: ``{"results": [...]}`` with no worker reporting an error (a 200
+    answer can carry one); anything else is a ServerError, and the weight version does not advance."""
+    results = answer.get("results") if isinstance(answer, dict) else None
+    if not isinstance(results, list):
+        raise ServerError(f"{where}: expected {{'results': [...]}}, got {str(answer)[:300]}")
+    for worker, result in enumerate(results):
+        if isinstance(result, dict) and (result.get("error") or result.get("success") is False):
+            raise ServerError(f"{where}: worker {worker} reported {str(result)[:300]}")
+        if isinstance(result, str) and result.lower().startswith(("error", "traceback", "exception")):
+            raise ServerError(f"{where}: worker {worker} reported {result[:300]}")
 
 
 def _finish(reason) -> str:

@@ -6,7 +6,8 @@ pauses generation and flushes the cache around ``push``. ``after_restart`` bring
 the last pushed version.
 
 - :class:`FromDisk`: write an HF checkpoint under ``sync_dir/version_N`` (a filesystem the servers read) and
-  ``POST /update_weights_from_disk {model_path, weight_version}``. Older versions are deleted (keep 2).
+  ``POST /update_weights_from_disk {model_path, weight_version}``. The previous version this run wrote is
+  deleted once every server holds the new one; nothing else under ``sync_dir`` is touched.
 - :class:`FromTensor`: colocated servers; buckets of tensors serialised with torch's multiprocessing pickler
   (CUDA IPC handles on GPU, shared memory on CPU), base64, one copy per server TP rank, ``POST
   /update_weights_from_tensor {serialized_named_tensors, load_format, flush_cache, weight_version}``.
@@ -104,17 +105,51 @@ def new_external_group(backend: str, address: str, port: int, world_size: int, r
 
 
 class WeightSync:
-    """The interface: ``push(engine, named_tensors, version)``, ``after_restart(engine, index)``, ``close()``."""
+    """The interface. ``push(engine, named_tensors, version)`` is atomic per server: the new version is
+    prepared once (``prepare``), sent to every server (``send``; a server that dies on the way is
+    restarted - which brings it back to the last committed version - and sent the new one again), and
+    recorded (``committed``) only after every server confirmed it. ``after_restart(engine, index)`` sends the
+    committed version; ``close()``."""
 
     def __init__(self, cfg: SGLangConfig):
         self.cfg = cfg
         self.version = None
+        self.committed = None  # what every server holds: prepare()'s result for self.version
 
     def push(self, engine, named: Iterable[Named], version: int) -> None:
+        from megatron_kl.rollout.http import ServerUnavailable
+
+        prepared = self.prepare(named, version)
+        failed: list[int] = []
+
+        def one(index: int) -> None:
+            try:
+                self.send(engine, index, prepared, version)
+            except ServerUnavailable:
+                failed.append(index)
+
+        with ThreadPoolExecutor(max(1, len(engine.urls)) if self.parallel_servers else 1) as pool:
+            list(pool.map(one, range(len(engine.urls))))
+        for index in sorted(failed):  # in the caller's thread (it holds the engine's lock)
+            engine.recover(index)  # restarted at the committed version; then the new one again
+            self.send(engine, index, prepared, version)
+        self.retire(self.committed)
+        self.committed, self.version = prepared, version
+
+    parallel_servers = True  # send to the servers concurrently
+
+    def prepare(self, named: Iterable[Named], version: int):
         raise NotImplementedError
 
-    def after_restart(self, engine, index: int) -> None:
+    def send(self, engine, index: int, prepared, version: int) -> None:
         raise NotImplementedError
+
+    def retire(self, prepared) -> None:
+        """Free a version no server needs any more."""
+
+    def after_restart(self, engine, index: int) -> None:
+        if self.committed is not None:
+            self.send(engine, index, self.committed, self.version)
 
     def close(self) -> None:
         pass
@@ -127,72 +162,61 @@ class WeightSync:
 
 
 class FromDisk(WeightSync):
-    keep = 2
-
     def __init__(self, cfg: SGLangConfig, model, source_dir=None):
         super().__init__(cfg)
         self.model, self.source_dir = model, source_dir
         self.root = Path(cfg.sync_dir)
-        self.path: Path | None = None
 
-    def write(self, named: Iterable[Named], version: int) -> Path:
+    @property
+    def path(self):
+        return self.committed
+
+    def prepare(self, named: Iterable[Named], version: int) -> Path:
         from megatron_kl.models.hf import write_hf_tensors
 
         path = self.root / f"version_{version:06d}"
-        if path.exists():
+        if path.exists() and path != self.committed:
             shutil.rmtree(path)
         return write_hf_tensors(named, self.model, path, self.model.params_dtype, self.source_dir)
 
-    def push(self, engine, named, version) -> None:
-        self.path = self.write(named, version)
-        self._check(engine.broadcast("/update_weights_from_disk",
-                                     {"model_path": str(self.path.absolute()), "weight_version": str(version)}),
+    def send(self, engine, index, prepared: Path, version) -> None:
+        self._check(engine.call(index, "/update_weights_from_disk",
+                                {"model_path": str(prepared.absolute()), "weight_version": str(version)}),
                     "/update_weights_from_disk")
-        self.version = version
-        for old in sorted(self.root.glob("version_*"))[:-self.keep]:
-            shutil.rmtree(old, ignore_errors=True)
 
-    def after_restart(self, engine, index) -> None:
-        if self.path is not None:
-            self._check(engine.call(index, "/update_weights_from_disk",
-                                    {"model_path": str(self.path.absolute()), "weight_version": str(self.version)}),
-                        "/update_weights_from_disk")
+    def retire(self, prepared) -> None:
+        # only directories this run wrote, never anything else under sync_dir
+        if prepared is not None:
+            shutil.rmtree(prepared, ignore_errors=True)
 
 
 class _Buffered(WeightSync):
-    """Strategies that send tensors: the last pushed tensors stay on the host so a restarted server can be
+    """Strategies that send tensors: the committed tensors stay on the host so a restarted server can be
     brought back without the trainer (whose gather is collective) taking part."""
 
     bucket_bytes = 512 << 20
 
-    def __init__(self, cfg: SGLangConfig):
-        super().__init__(cfg)
-        self.last: list[Named] = []
+    def prepare(self, named, version) -> list[Named]:
+        return [(n, t.detach().cpu().contiguous()) for n, t in named]
 
-    def push(self, engine, named, version) -> None:
-        self.last = [(n, t.detach().cpu().contiguous()) for n, t in named]
-        for bucket in buckets(self.last, self.bucket_bytes):
-            self.send(engine, range(len(engine.urls)), bucket, version)
-        self.version = version
+    def send(self, engine, index, prepared, version) -> None:
+        for bucket in buckets(prepared, self.bucket_bytes):
+            self.send_bucket(engine, index, bucket, version)
 
-    def after_restart(self, engine, index) -> None:
-        for bucket in buckets(self.last, self.bucket_bytes):
-            self.send(engine, [index], bucket, self.version)
-
-    def send(self, engine, servers, bucket: list[Named], version) -> None:
+    def send_bucket(self, engine, index: int, bucket: list[Named], version) -> None:
         raise NotImplementedError
 
 
 class FromTensor(_Buffered):
-    def send(self, engine, servers, bucket, version) -> None:
+    def send_bucket(self, engine, index, bucket, version) -> None:
         payload = {"serialized_named_tensors": [serialize_tensors(bucket)] * self.cfg.tp_size,
                    "load_format": None, "flush_cache": False, "weight_version": str(version)}
-        for index in servers:
-            self._check(engine.call(index, "/update_weights_from_tensor", payload), "/update_weights_from_tensor")
+        self._check(engine.call(index, "/update_weights_from_tensor", payload), "/update_weights_from_tensor")
 
 
 class FromDistributed(_Buffered):
     group_name = "megatron_kl_weights"
+    parallel_servers = False  # trainer rank 0 broadcasts to one server's group at a time
 
     def __init__(self, cfg: SGLangConfig, backend: str | None = None, master_address: str = "127.0.0.1"):
         super().__init__(cfg)
@@ -214,21 +238,23 @@ class FromDistributed(_Buffered):
             self.groups[index] = group
         return self.groups[index]
 
-    def send(self, engine, servers, bucket, version) -> None:
-        for index in servers:
-            group = self._group(engine, index)
-            payload = {"names": [n for n, _ in bucket],
-                       "dtypes": [str(t.dtype).replace("torch.", "") for _, t in bucket],
-                       "shapes": [list(t.shape) for _, t in bucket], "group_name": self.group_name,
-                       "flush_cache": False, "weight_version": str(version)}
-            with ThreadPoolExecutor(1) as pool:  # the server's call returns after it received every tensor
-                answer = pool.submit(engine.call, index, "/update_weights_from_distributed", payload)
-                for _, tensor in bucket:
-                    group.broadcast(tensor.to("cuda") if self.backend == "nccl" else tensor, 0).wait()
-                self._check(answer.result(), "/update_weights_from_distributed")
+    def send_bucket(self, engine, index, bucket, version) -> None:
+        group = self._group(engine, index)
+        payload = {"names": [n for n, _ in bucket],
+                   "dtypes": [str(t.dtype).replace("torch.", "") for _, t in bucket],
+                   "shapes": [list(t.shape) for _, t in bucket], "group_name": self.group_name,
+                   "flush_cache": False, "weight_version": str(version)}
+        with ThreadPoolExecutor(1) as pool:  # the server's call returns after it received every tensor
+            answer = pool.submit(engine.call, index, "/update_weights_from_distributed", payload)
+            for _, tensor in bucket:
+                group.broadcast(tensor.to("cuda") if self.backend == "nccl" else tensor, 0).wait()
+            self._check(answer.result(), "/update_weights_from_distributed")
+
+    def forget(self, index: int) -> None:
+        self.groups.pop(index, None)  # a restarted server is a new member
 
     def after_restart(self, engine, index) -> None:
-        self.groups.pop(index, None)  # the restarted server is a new member
+        self.forget(index)
         super().after_restart(engine, index)
 
 

@@ -15,6 +15,8 @@ the weight-update routes answer ``{success, message}``. It takes the same comman
                                through CORRUPTIONS (NaN / +inf / positive log-prob, id >= vocab, id < 0, more
                                tokens than max_new_tokens, an empty completion without output_ids)
     --fault-exit-at N          the N-th /generate kills the process, once per --fault-marker file
+    --fault-exit-on-update N   the N-th weight update (/update_weights_from_*) kills the process before
+                               answering, once per --fault-marker file
 
 Run ``python -m megatron_kl.testing.sglang_server --model-path DIR --port P``.
 """
@@ -91,6 +93,7 @@ class EmbeddedServer:
         self.released: set[str] = set()  # memory regions handed back (SGLang's tags: weights, kv_cache)
         self.groups: dict[str, object] = {}
         self.requests = 0
+        self.updates = 0
         self.lock = threading.Lock()
 
     def _reload(self) -> None:
@@ -225,6 +228,11 @@ def _handler(server: EmbeddedServer, args):
                     self._send(200, self._bad(server.generate(body)))
                 elif self.path in ("/update_weights_from_disk", "/update_weights_from_tensor",
                                    "/init_weights_update_group", "/update_weights_from_distributed"):
+                    if self.path.startswith("/update_weights") and args.fault_exit_on_update:
+                        server.updates += 1
+                        if server.updates == args.fault_exit_on_update and not Path(args.fault_marker).exists():
+                            Path(args.fault_marker).write_text("exited during a weight update")
+                            os._exit(18)
                     with server.lock:
                         self._send(200, getattr(server, self.path[1:])(body))
                 elif self.path == "/flush_cache":
@@ -284,6 +292,7 @@ def main(argv=None) -> None:
         parser.add_argument(f"--fault-{name}-every", type=int, default=0)
     parser.add_argument("--fault-delay-s", type=float, default=0.0)
     parser.add_argument("--fault-exit-at", type=int, default=0)
+    parser.add_argument("--fault-exit-on-update", type=int, default=0)
     parser.add_argument("--fault-marker", default="")
     args, _unknown = parser.parse_known_args(argv)
     torch.set_num_threads(1)

@@ -292,3 +292,38 @@ def test_corrupt_values_are_retried_like_a_5xx_without_loss(tmp_path, models, cl
         assert engine.counters["retries"] >= len(CORRUPTIONS) and engine.counters["restarts"] == 0
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("sync", ["from_disk", "from_tensor"])
+def test_server_dying_during_a_weight_update_is_restarted_and_updated(tmp_path, models, clean, sync):
+    """The 2nd weight update kills the server before it answers: the engine restarts it (back at the
+    committed version 1 = model a), pushes version 2 (model b) again and records version 2 only then;
+    generation then serves model b labelled 2, exactly as a server that never died."""
+    clean.update_weights(_hf_tensors(models["b"]), 7)
+    want = clean.generate(PROMPTS, SAMPLING, seed=51)
+    engine = _engine(tmp_path, models["a"], "--fault-exit-on-update", "2", "--fault-marker", str(tmp_path / "died"),
+                     port=free_port(), sync=sync, max_retries=1)
+    try:
+        engine.update_weights(_hf_tensors(models["a"]), 1)
+        committed = engine.sync.committed
+        engine.update_weights(_hf_tensors(models["b"]), 7)
+        assert (tmp_path / "died").exists() and engine.counters["restarts"] == 1
+        assert engine.weight_version == 7 and engine.sync.version == 7 and engine.sync.committed is not committed
+        _same(engine.generate(PROMPTS, SAMPLING, seed=51), want)
+        if sync == "from_disk":  # the version it replaced is gone; nothing else under sync_dir was touched
+            assert not committed.exists() and engine.sync.committed.exists()
+    finally:
+        engine.shutdown()
+
+
+def test_weight_sync_retention_touches_only_the_runs_own_versions(tmp_path, models):
+    user_dir = tmp_path / "sync" / "version_000001_user_notes"
+    user_dir.mkdir(parents=True)
+    engine = _engine(tmp_path, models["a"], port=free_port())
+    try:
+        for version in (1, 2, 3):
+            engine.update_weights(_hf_tensors(models["a"]), version)
+        assert user_dir.exists()
+        assert sorted(p.name for p in (tmp_path / "sync").iterdir()) == ["version_000001_user_notes", "version_000003"]
+    finally:
+        engine.shutdown()

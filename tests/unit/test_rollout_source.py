@@ -42,7 +42,7 @@ def test_math_scoring_with_async_rollouts(tmp_path, staleness):
             assert batch.step == step and batch.rewards.tolist() == [1.0] * 4
         state = source.state_dict()  # queued batches are scored (main thread) before checkpointing
         assert sorted(state["queue"]) == list(range(4, 4 + staleness))
-        assert all(b.rewards.tolist() == [1.0] * 4 for b in state["queue"].values())
+        assert all(b["rewards"].tolist() == [1.0] * 4 for b in state["queue"].values())
     finally:
         source.close()
     if staleness:
@@ -101,10 +101,13 @@ def test_call_retries_a_corrupt_body_then_gives_up_naming_it(monkeypatch):
     from megatron_kl.rollout.http import CorruptResponse, RetryPolicy, ServerUnavailable, call
 
     class Response:
-        status_code, content, text = 200, b"{}", "{}"
+        status_code, content, text, headers, raw = 200, b"{}", "{}", {}, None
 
         def json(self):
             return {}
+
+        def close(self):
+            pass
 
     calls = []
     monkeypatch.setattr(requests, "request", lambda *a, **k: calls.append(1) or Response())
@@ -115,3 +118,24 @@ def test_call_retries_a_corrupt_body_then_gives_up_naming_it(monkeypatch):
     with pytest.raises(ServerUnavailable, match="log-prob nan"):
         call("http://x", "/generate", {}, RetryPolicy(max_retries=2, backoff_s=0.0), parse=parse)
     assert len(calls) == 3
+
+
+@pytest.mark.parametrize("answer", [{"results": [{"error": "shape mismatch"}]}, {"results": ["Error: no file"]},
+                                    {"detail": "not found"}, None])
+def test_vllm_reload_reporting_an_error_in_a_200_body_keeps_the_version(monkeypatch, tmp_path, answer):
+    from megatron_kl.config import ModelConfig
+    from megatron_kl.rollout import vllm
+    from megatron_kl.rollout.http import ServerError
+
+    engine = vllm.VLLMEngine.__new__(vllm.VLLMEngine)
+    engine.cfg = type("Cfg", (), {"url": "http://v:2", "sync_dir": str(tmp_path)})()
+    engine.model, engine.weight_version, engine.asleep, engine.llm = ModelConfig(vocab_size=50), 3, False, None
+    engine.policy = None
+    monkeypatch.setattr(vllm.VLLMEngine, "_write", lambda self, named, version: str(tmp_path / "v"))
+    monkeypatch.setattr(vllm, "call", lambda url, path, payload, policy, *a, **k: answer)
+    with pytest.raises(ServerError, match="collective_rpc"):
+        engine.update_weights([], 4)
+    assert engine.weight_version == 3
+    monkeypatch.setattr(vllm, "call", lambda url, path, payload, policy, *a, **k: {"results": [None]})
+    engine.update_weights([], 4)
+    assert engine.weight_version == 4
