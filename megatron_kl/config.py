@@ -7,7 +7,9 @@ exists and raise :class:`ConfigError` naming the field and the fix.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import re
 import math
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
@@ -217,6 +219,22 @@ def from_dict(cls, data: dict, prefix: str = ""):
 
 def to_dict(obj) -> dict:
     return dataclasses.asdict(obj)
+
+
+SECRET_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL", re.IGNORECASE)
+REDACTED = "<redacted>"
+
+
+def redact_secrets(data: dict) -> dict:
+    """A copy of a config dict (``to_dict``) for files and trackers (config.yaml, W&B): values of
+    ``launch.env`` / ``launch.slurm.env`` whose names look secret (KEY, TOKEN, SECRET, PASSWORD) replaced."""
+    out = copy.deepcopy(data)
+    launch = out.get("launch") or {}
+    for env in (launch.get("env"), (launch.get("slurm") or {}).get("env")):
+        for name in list(env or {}):
+            if SECRET_NAME.search(str(name)):
+                env[name] = REDACTED
+    return out
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:

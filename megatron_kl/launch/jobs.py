@@ -22,6 +22,7 @@ from megatron_kl.config import ConfigError, validate_parallel
 from megatron_kl.train.config import TrainConfig
 
 URLS_VAR = "MEGATRON_KL_SGLANG_URLS"
+API_KEY_VAR = "MEGATRON_KL_SGLANG_API_KEY"  # rollout.sglang.api_key_env's default
 TRAIN_HEAD_VAR = "MEGATRON_KL_TRAIN_HEAD"
 
 
@@ -163,6 +164,8 @@ def disaggregated_tasks(spec: TaskSpec):
     slurm, servers = cfg.launch.slurm, cfg.launch.rollout_servers
     # Resolved in the sbatch script (outside the containers), exported into both groups' srun steps.
     setup = "\n".join([
+        # a fresh key per job (never in a file): the servers bind 0.0.0.0 and one route unpickles its input
+        f"export {API_KEY_VAR}=$(head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \\n')",
         f"export {URLS_VAR}=$(scontrol show hostnames \"$SLURM_JOB_NODELIST_HET_GROUP_0\" "
         f"| sed 's|.*|\"http://&:{servers.port}\"|' | paste -sd, -)",
         f"export {TRAIN_HEAD_VAR}=$(scontrol show hostnames \"$SLURM_JOB_NODELIST_HET_GROUP_1\" | head -n1)",
@@ -173,12 +176,12 @@ def disaggregated_tasks(spec: TaskSpec):
     trainer_executor = _slurm_executor(cfg, slurm.nodes, 1, None, heterogeneous=True)
     # NeMo-Run joins a heterogeneous group's arguments unquoted: quote them here
     server = run.Script(path="sglang.launch_server", m=True, entrypoint="python",
-                        args=[shlex.quote(a) for a in sglang_server_args(cfg)])
+                        args=[shlex.quote(a) for a in sglang_server_args(cfg)] + ["--api-key", f'"${API_KEY_VAR}"'])
     torchrun = ["torchrun", "--nnodes", str(slurm.nodes), "--nproc-per-node", str(slurm.gpus_per_node),
                 "--rdzv-backend", "c10d", "--rdzv-endpoint", f"${TRAIN_HEAD_VAR}:{slurm.rdzv_port}",
                 "--rdzv-id", "$SLURM_JOB_ID", "-m", "megatron_kl.cli"]
     # every user value shell-quoted; the one intended expansion is the server URLs, from a fixed template
-    urls = f'"rollout.sglang.urls=[${URLS_VAR}]"'
+    urls = f'"rollout.sglang.urls=[${URLS_VAR}]" rollout.sglang.api_key_env={API_KEY_VAR}'
     line = " ".join(torchrun) + " " + " ".join(shlex.quote(a) for a in spec.train_args()) + " " + urls
     trainer = run.Script(inline=line)
     return [rollout_executor, trainer_executor], [server, trainer]

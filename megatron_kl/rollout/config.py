@@ -44,6 +44,9 @@ class SGLangConfig:
     backoff_s: float = 0.5  # first retry delay, doubled each retry
     startup_timeout_s: float = 900.0  # /health of a starting server
     restart_dead_servers: bool = True  # managed servers only
+    # the servers' --api-key comes from this environment variable (the launcher's disaggregated job sets a
+    # per-job key there); managed servers get a fresh random key when it is unset
+    api_key_env: str = "MEGATRON_KL_SGLANG_API_KEY"
 
     def __post_init__(self):
         if self.weight_sync not in WEIGHT_SYNC:

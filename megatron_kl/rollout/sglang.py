@@ -23,6 +23,8 @@ expected shape, or carries another weight version than the one last pushed, is a
 from __future__ import annotations
 
 import logging
+import os
+import secrets
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -101,11 +103,13 @@ def parse_generate(body, prompt_ids: Sequence[int], expected_version: int, where
     return completion
 
 
-def server_command(cfg: SGLangConfig, model_path: str, port: int, seed: int) -> list[str]:
+def server_command(cfg: SGLangConfig, model_path: str, port: int, seed: int, api_key: Optional[str] = None) -> list[str]:
     command = [sys.executable, "-m", cfg.server_module, "--model-path", str(model_path), "--host", cfg.host,
                "--port", str(port), "--tp-size", str(cfg.tp_size), "--dp-size", str(cfg.dp_size),
                "--mem-fraction-static", str(cfg.mem_fraction_static), "--skip-tokenizer-init",
                "--random-seed", str(seed)]
+    if api_key:
+        command += ["--api-key", api_key]
     if cfg.enable_memory_saver:
         command.append("--enable-memory-saver")
     return command + list(cfg.extra_args)
@@ -125,6 +129,8 @@ class SGLangEngine:
         self.counters = {"retries": 0, "restarts": 0, "reissued": 0}
         self._lock = threading.RLock()  # recover() runs inside update_weights()
         self.servers: list[Optional[ManagedServer]]
+        # every request carries the servers' API key: /update_weights_from_tensor unpickles its input
+        self.api_key = os.environ.get(cfg.api_key_env) or (None if cfg.urls else secrets.token_hex(16))
         if cfg.urls:
             self.urls = list(cfg.urls)
             self.servers = [None] * len(self.urls)
@@ -136,16 +142,18 @@ class SGLangEngine:
             for index in range(cfg.num_servers):
                 port = cfg.port + index
                 url = f"http://{cfg.host}:{port}"
-                server = ManagedServer(f"sglang-{index}", server_command(cfg, model_path, port, seed),
+                server = ManagedServer(f"sglang-{index}", server_command(cfg, model_path, port, seed, self.api_key),
                                        url, log_dir, cfg.startup_timeout_s)
                 server.start()
                 self.urls.append(url)
                 self.servers.append(server)
-        self._sessions = [self._session(cfg.max_concurrency) for _ in self.urls]
+        self._sessions = [self._session(cfg.max_concurrency, self.api_key) for _ in self.urls]
 
     @staticmethod
-    def _session(pool: int) -> requests.Session:
+    def _session(pool: int, api_key: Optional[str] = None) -> requests.Session:
         session = requests.Session()  # keep-alive connections, as many as requests in flight
+        if api_key:
+            session.headers["Authorization"] = f"Bearer {api_key}"
         adapter = requests.adapters.HTTPAdapter(pool_connections=1, pool_maxsize=pool)
         session.mount("http://", adapter)
         session.mount("https://", adapter)

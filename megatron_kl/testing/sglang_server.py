@@ -5,7 +5,8 @@ Request and response shapes follow SGLang 0.5.x (``srt/managers/io_struct.py`` a
 ``srt/entrypoints/http_server.py``): ``/generate`` with ``input_ids`` answers ``output_ids`` and
 ``meta_info.{finish_reason, output_token_logprobs, weight_version, prompt_tokens, completion_tokens}``;
 the weight-update routes answer ``{success, message}``. It takes the same command-line flags as
-``sglang.launch_server`` (those it does not need are accepted and ignored) plus failure injection for tests:
+``sglang.launch_server`` (those it does not need are accepted and ignored; ``--api-key`` is enforced as
+SGLang does: 401 without ``Authorization: Bearer <key>``, health checks exempt) plus failure injection:
 
     --fault-500-every N        every N-th /generate answers HTTP 500
     --fault-delay-every N      every N-th /generate sleeps --fault-delay-s before answering (client timeouts)
@@ -211,6 +212,8 @@ def _handler(server: EmbeddedServer, args):
         def do_GET(self):
             if self.path in ("/health", "/health_generate"):
                 self._send(200, {})
+            elif not self._authorized():
+                return
             elif self.path == "/get_weight_version":
                 self._send(200, {"weight_version": server.weight_version})
             elif self.path == "/get_server_info":
@@ -218,9 +221,18 @@ def _handler(server: EmbeddedServer, args):
             else:
                 self._send(404, {"error": f"no route {self.path}"})
 
+        def _authorized(self) -> bool:
+            """SGLang's --api-key: every route but the health checks needs ``Authorization: Bearer <key>``."""
+            if not args.api_key or self.headers.get("Authorization") == f"Bearer {args.api_key}":
+                return True
+            self._send(401, {"error": "Unauthorized"})
+            return False
+
         def do_POST(self):
             length = int(self.headers.get("Content-Length") or 0)
             body = json.loads(self.rfile.read(length) or b"{}") if length else {}
+            if not self._authorized():
+                return
             try:
                 if self.path == "/generate":
                     if self._fault():
@@ -288,6 +300,7 @@ def main(argv=None) -> None:
     parser.add_argument("--mem-fraction-static", type=float, default=None)
     parser.add_argument("--skip-tokenizer-init", action="store_true")
     parser.add_argument("--enable-memory-saver", action="store_true")
+    parser.add_argument("--api-key", default=None)
     for name in ("500", "delay", "drop", "bad", "corrupt"):
         parser.add_argument(f"--fault-{name}-every", type=int, default=0)
     parser.add_argument("--fault-delay-s", type=float, default=0.0)

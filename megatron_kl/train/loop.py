@@ -11,7 +11,7 @@ from pathlib import Path
 import torch.distributed as dist
 import yaml
 
-from megatron_kl.config import to_dict
+from megatron_kl.config import redact_secrets, to_dict
 from megatron_kl.models import builder, hf, optim, parallel, pipeline, state
 from megatron_kl.models.offload import ReferenceOffload
 from megatron_kl.tasks import build_task
@@ -79,7 +79,7 @@ def train(cfg: TrainConfig) -> dict:
     run_dir = Path(cfg.train.output_dir)
     if dist.get_rank() == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(redact_secrets(to_dict(cfg)), sort_keys=False))
     log.info("run %s -> %s", cfg.run_name, run_dir)
 
     initial = warm_start_state(cfg, task) if hf_source is None else None
@@ -111,7 +111,7 @@ def train(cfg: TrainConfig) -> dict:
     engine.update_weights(train_state.chunks, version=start_step)
 
     logger = MetricsLogger(run_dir, is_logger, cfg.logging.tensorboard, cfg.logging.wandb_project, cfg.run_name,
-                           to_dict(cfg), cfg.logging.progress, cfg.train.steps, start_step)
+                           redact_secrets(to_dict(cfg)), cfg.logging.progress, cfg.train.steps, start_step)
     dp = (dp_rank, dp_size, dp_group)
     try:
         for step in range(start_step, cfg.train.steps):

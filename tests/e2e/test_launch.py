@@ -126,7 +126,11 @@ def test_slurm_dryrun_disaggregated_sglang(tmp_path):
     trainer = lines[lines.index(next(x for x in lines if x.startswith("# ---- train-1.sh"))) + 2]
     assert trainer.startswith("torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d "
                               "--rdzv-endpoint $MEGATRON_KL_TRAIN_HEAD:29777")
-    assert trainer.endswith('weight_sync=from_distributed "rollout.sglang.urls=[$MEGATRON_KL_SGLANG_URLS]"')
+    assert trainer.endswith('weight_sync=from_distributed "rollout.sglang.urls=[$MEGATRON_KL_SGLANG_URLS]" '
+                            'rollout.sglang.api_key_env=MEGATRON_KL_SGLANG_API_KEY')
+    # a per-job API key, generated in the script and given to the servers (they bind 0.0.0.0)
+    assert any(line.startswith("export MEGATRON_KL_SGLANG_API_KEY=$(head -c 32 /dev/urandom") for line in lines)
+    assert server.endswith('--api-key "$MEGATRON_KL_SGLANG_API_KEY" & pids[0]=$!'), server
 
 
 @pytest.mark.parametrize("overrides, field", [

@@ -4,6 +4,7 @@ under bash with srun / scontrol / torchrun / sleep / ps stubbed, with `;`, `$(..
 in launch.slurm.env, launch.env, launch.rollout_servers.extra_args and trainer overrides."""
 
 import json
+import re
 import os
 import subprocess
 import sys
@@ -71,7 +72,9 @@ def test_generated_slurm_scripts_run_no_injected_command(tmp_path):
     assert f"EVIL={evil['env']} TOKEN={evil['token']} URLS={urls}" in calls  # srun steps of the sbatch script
     assert f"[{evil['arg']}]" in calls  # the SGLang server's argument
     assert f"[train.output_dir={evil['output']}]" in calls  # the trainer override
-    assert f"[rollout.sglang.urls=[{urls}]]" in calls  # the one intended expansion still works
+    assert f"[rollout.sglang.urls=[{urls}]]" in calls  # the intended expansions still work
+    key = re.search(r"\[--api-key\]\n\[([0-9a-f]+)\]", calls)
+    assert key and len(key.group(1)) == 64  # the servers got the job's random key
 
 
 @pytest.mark.parametrize("override, field", [

@@ -327,3 +327,22 @@ def test_weight_sync_retention_touches_only_the_runs_own_versions(tmp_path, mode
         assert sorted(p.name for p in (tmp_path / "sync").iterdir()) == ["version_000001_user_notes", "version_000003"]
     finally:
         engine.shutdown()
+
+
+def test_managed_servers_get_a_per_engine_api_key(tmp_path, models, monkeypatch):
+    """/update_weights_from_tensor unpickles its input: managed servers run with --api-key (a fresh key per
+    engine, or the one in rollout.sglang.api_key_env); requests without it get 401."""
+    import requests
+
+    monkeypatch.delenv("MEGATRON_KL_SGLANG_API_KEY", raising=False)
+    engine = _engine(tmp_path, models["a"], port=free_port())
+    try:
+        assert engine.api_key and len(engine.api_key) == 32
+        assert "--api-key" in engine.servers[0].command
+        engine.update_weights(_hf_tensors(models["a"]), 1)
+        assert len(engine.generate(PROMPTS[:2], SAMPLING, seed=1)) == 2
+        anonymous = requests.post(engine.urls[0] + "/generate", json={"input_ids": [1, 2]}, timeout=30)
+        assert anonymous.status_code == 401
+        assert requests.get(engine.urls[0] + "/health", timeout=30).status_code == 200
+    finally:
+        engine.shutdown()

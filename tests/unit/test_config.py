@@ -92,3 +92,16 @@ def test_logprob_path_auto_fuses_when_the_logits_outgrow_the_fused_chunks():
     unfused = VocabOptions.for_model(_model(logprob_path="unfused"), ParallelConfig())
     assert forced.use_fused(1, 64) and not unfused.use_fused(10**7, 152064)
     assert forced.chunk_size == 9 and auto.vocab_size == 151936
+
+
+def test_secret_looking_launch_env_values_are_redacted_for_files_and_trackers():
+    from megatron_kl.config import REDACTED, redact_secrets
+
+    data = {"launch": {"env": {"WANDB_API_KEY": "k1", "HF_TOKEN": "t", "NCCL_DEBUG": "INFO"},
+                       "slurm": {"env": {"DB_PASSWORD": "p", "AWS_SECRET_ACCESS_KEY": "s", "OMP_NUM_THREADS": "8"}}},
+            "rollout": {"sglang": {"api_key_env": "MEGATRON_KL_SGLANG_API_KEY"}}}
+    out = redact_secrets(data)
+    assert out["launch"]["env"] == {"WANDB_API_KEY": REDACTED, "HF_TOKEN": REDACTED, "NCCL_DEBUG": "INFO"}
+    assert out["launch"]["slurm"]["env"] == {"DB_PASSWORD": REDACTED, "AWS_SECRET_ACCESS_KEY": REDACTED,
+                                             "OMP_NUM_THREADS": "8"}
+    assert out["rollout"] == data["rollout"] and data["launch"]["env"]["HF_TOKEN"] == "t"  # a copy; names kept
