@@ -249,16 +249,37 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"override {item!r}: {part} is not a section")
-        node[parts[-1]] = yaml.safe_load(raw)
+        node[parts[-1]] = parse_yaml(raw, f"override {item!r}")
+    return data
+
+
+def parse_yaml(text: str, where: str):
+    """``yaml.safe_load`` with a one-line ConfigError naming ``where`` and the position instead of a traceback."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise ConfigError(f"{where} is not valid YAML{at}: {problem}") from None
+
+
+def read_yaml_file(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        text = path.read_text()
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"config file {path} is not UTF-8 text ({err.reason} at byte {err.start})") from None
+    data = parse_yaml(text, f"config file {path}") or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of sections, not a {type(data).__name__}")
     return data
 
 
 def load_yaml(path: str | Path, cls, overrides: Optional[list[str]] = None):
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config file {path} does not exist")
-    data = yaml.safe_load(path.read_text()) or {}
-    return from_dict(cls, apply_overrides(data, overrides or []))
+    return from_dict(cls, apply_overrides(read_yaml_file(path), overrides or []))
 
 
 @dataclass

@@ -12,9 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-import yaml
 
-from megatron_kl.config import ConfigError
+from megatron_kl.config import ConfigError, read_yaml_file
 from megatron_kl.launch.jobs import TaskSpec, _nemo_run, disaggregated_tasks, local_task, slurm_task
 from megatron_kl.train.config import load_train_config
 
@@ -34,7 +33,7 @@ class LaunchPlan:
 
 def plan(config_path: str, overrides: list[str]) -> LaunchPlan:
     """A training YAML gives one task; a study YAML (it has ``base:``) one task per (configuration, seed)."""
-    data = yaml.safe_load(Path(config_path).read_text()) if Path(config_path).is_file() else None
+    data = read_yaml_file(config_path) if Path(config_path).is_file() else None
     if data is None:
         raise ConfigError(f"config file {config_path} does not exist or is empty")
     if isinstance(data, dict) and "base" in data:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from megatron_kl.config import ConfigError, ModelConfig, ParallelConfig, from_dict, to_dict, validate_parallel
+from megatron_kl.config import ConfigError, ModelConfig, ParallelConfig, from_dict, read_yaml_file, to_dict, validate_parallel
 from megatron_kl.models import hf
 
 METADATA = "megatron_kl.json"
@@ -146,7 +146,7 @@ def main(argv=None) -> int:
 def load_yaml_dict(path) -> dict:
     import yaml
 
-    return yaml.safe_load(Path(path).read_text()) or {}
+    return read_yaml_file(path)
 
 
 if __name__ == "__main__":

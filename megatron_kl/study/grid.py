@@ -22,9 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-import yaml
 
-from megatron_kl.config import ConfigError
+from megatron_kl.config import ConfigError, read_yaml_file
 
 
 @dataclass
@@ -72,7 +71,7 @@ def _grid_configurations(grid: dict) -> list[Configuration]:
 
 
 def load_study(path, overrides: Optional[list[str]] = None) -> StudyConfig:
-    data = yaml.safe_load(Path(path).read_text()) or {}
+    data = read_yaml_file(path)
     unknown = set(data) - set(StudyConfig.__dataclass_fields__)
     if unknown:
         raise ConfigError(f"study config {path}: unknown key(s) {sorted(unknown)}; "

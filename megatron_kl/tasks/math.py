@@ -14,8 +14,10 @@ row. Prompts use the tokenizer's chat template (system prompt optional, instruct
 
 from __future__ import annotations
 
+import gzip
 import json
 import logging
+import math
 import random
 from collections import Counter
 from pathlib import Path
@@ -40,16 +42,43 @@ def normalize_row(row) -> tuple[str, str]:
         question, answer = row.get("question"), row.get("answer")
         if isinstance(answer, str) and "####" in answer:
             answer = answer.rsplit("####", 1)[1].replace(",", "")
+        elif isinstance(answer, str) and "\n" in answer.strip():  # a GSM8K-style solution without its "#### A"
+            raise ValueError("multi-line answer without '#### <final answer>' (a GSM8K solution needs it)")
     else:
         raise ValueError(f"no question field (expected prompt+reward_model, problem or question); keys {sorted(row)}")
     if not isinstance(question, str) or not question.strip():
         raise ValueError("empty or non-text question")
-    if answer is None or not str(answer).strip():
+    if len(question) > MAX_QUESTION_CHARS:
+        raise ValueError(f"question of {len(question)} characters > {MAX_QUESTION_CHARS} (not tokenized)")
+    return question.strip(), _answer_text(answer)
+
+
+MAX_QUESTION_CHARS = 100_000  # checked before tokenizing: a pathological row must not stall loading
+
+
+def _answer_text(answer) -> str:
+    """The gold answer as text: strings, integers and finite numbers; anything else (lists, objects, NaN,
+    booleans, null) is a ValueError rather than a stringified "[1, 2]" or "nan"."""
+    if answer is None:
         raise ValueError("empty answer")
-    return question.strip(), str(answer).strip()
+    if isinstance(answer, bool):
+        raise ValueError(f"answer {answer!r} is not a string or a number")
+    if isinstance(answer, int):
+        return str(answer)
+    if isinstance(answer, float):
+        if not math.isfinite(answer):
+            raise ValueError(f"answer {answer!r} is not a finite number")
+        return repr(answer) if answer != int(answer) else str(int(answer))
+    if not isinstance(answer, str):
+        raise ValueError(f"answer of type {type(answer).__name__} ({str(answer)[:40]}) is not a string or a number")
+    if not answer.strip():
+        raise ValueError("empty answer")
+    return answer.strip()
 
 
 def read_rows(path: str) -> list:
+    """Rows of a jsonl (optionally gzip-compressed: ``.jsonl.gz``) or parquet file; a file that is not
+    UTF-8 text is a ConfigError naming it and the first bad line."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"task.math file {path} does not exist")
@@ -57,8 +86,17 @@ def read_rows(path: str) -> list:
         import pyarrow.parquet as pq
 
         return pq.read_table(p).to_pylist()
+    data = p.read_bytes()
+    if data[:2] == b"\x1f\x8b":  # gzip, whatever the name
+        data = gzip.decompress(data)
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = data[: err.start].count(b"\n") + 1
+        raise ConfigError(f"task.math file {path} is not UTF-8 text (line {line}, byte {err.start}: {err.reason}); "
+                          "convert it to UTF-8 jsonl or parquet") from None
     rows = []
-    for number, line in enumerate(p.read_text().splitlines(), 1):
+    for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -120,6 +158,11 @@ class MathTask:
                 self.groups[group] = [group]
         if not self.splits["train"]:
             raise ConfigError(f"task.math.train_files {cfg.train_files} hold no usable rows (see the log)")
+        for group, files in (("eval", cfg.eval_files), ("ood", cfg.ood_files)):
+            for name, path in _file_names(files).items():
+                key = f"{group}:{name}" if len(files) > 1 else group
+                if not self.splits[key]:  # would report pass@1 = 0.0 for a benchmark that was never run
+                    raise ConfigError(f"task.math.{group}_files: {path} holds no usable rows (see the log)")
 
     def _prompt_ids(self, question: str) -> list[int]:
         messages = [{"role": "system", "content": self.cfg.system_prompt}] if self.cfg.system_prompt else []

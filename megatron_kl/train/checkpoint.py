@@ -171,8 +171,10 @@ def load_checkpoint(path: Path, train_state) -> tuple[dict, dict]:
         for key, chunk in zip(_model_keys(train_state.chunks), train_state.chunks):
             unwrap(chunk).load_state_dict(loaded[key])
         train_state.optimizer.load_state_dict(loaded["optimizer"])
-    except Exception as err:  # noqa: BLE001 - a truncated .distcp surfaces here (on every rank: DCP gathers errors)
-        error = err
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as err:  # noqa: BLE001 - DCP's CheckpointException is a BaseException; a truncated
+        error = err  # .distcp surfaces here on every rank (DCP gathers the readers' errors)
     if not _all_ok(error is None):
         raise CheckpointError(f"checkpoint {path}: model/optimizer shards unreadable "
                               f"({type(error).__name__ if error else 'on another rank'}: {error})")

@@ -161,3 +161,48 @@ def test_math_task_reports_each_benchmark_file_and_the_weighted_merge(tmp_path):
     assert metrics["eval/eval:math500/pass@1"] == 1.0 and metrics["eval/eval:aime2024/pass@1"] == 0.0
     assert metrics["eval/eval/pass@1"] == pytest.approx(0.75) and metrics["eval/eval/mean@2"] == pytest.approx(0.75)
     assert metrics["eval/ood/pass@1"] == 0.0 and "eval/ood:gsm8k/pass@1" not in metrics
+
+
+def test_data_errors_name_the_file_and_row(tmp_path, caplog):
+    """Non-UTF-8 files, gzip files, GSM8K solutions without '####', non-string answers, oversized rows and
+    empty eval files: each a clear error or a counted, warned skip naming the file and row."""
+    import gzip
+
+    from megatron_kl.config import ConfigError
+
+    good = [{"problem": "What is 1+1?", "answer": "2"}, {"problem": "What is 2+2?", "answer": 4}]
+    latin = tmp_path / "latin1.jsonl"
+    latin.write_bytes(json.dumps(good[0]).encode() + b"\n" + '{"problem": "caf\xe9", "answer": "1"}'.encode("latin-1"))
+    with pytest.raises(ConfigError, match=r"latin1.jsonl is not UTF-8 text \(line 2"):
+        MathTask(MathConfig(train_files=[str(latin)]), tokenizer=_tiny_hf_tokenizer())
+
+    packed = tmp_path / "train.jsonl.gz"  # gzip is read transparently
+    packed.write_bytes(gzip.compress("\n".join(json.dumps(r) for r in good).encode()))
+    rows = [
+        {"question": "Tom has 2 apples.", "answer": "He has 2.\nSo 2 apples."},  # GSM8K without ####
+        {"problem": "Q1", "answer": [1, 2]}, {"problem": "Q2", "answer": float("nan")},
+        {"problem": "Q3", "answer": None}, {"problem": "x" * 2_000_000, "answer": "1"},
+    ]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("\n".join(json.dumps(r) for r in rows))
+    with caplog.at_level("WARNING"):
+        task = MathTask(MathConfig(train_files=[str(packed), str(bad)]), tokenizer=_tiny_hf_tokenizer())
+    assert sorted(p.answer for p in task.splits["train"]) == ["2", "4"] and task.skipped[str(bad)] == 5
+    assert "bad.jsonl: skipped 5 malformed row(s)" in caplog.text and "row 0: multi-line answer" in caplog.text
+
+    empty = tmp_path / "aime.jsonl"
+    empty.write_text(json.dumps({"problem": "Q", "answer": [1]}) + "\n")
+    with pytest.raises(ConfigError, match="task.math.eval_files: .*aime.jsonl holds no usable rows"):
+        MathTask(MathConfig(train_files=[str(packed)], eval_files=[str(empty)]), tokenizer=_tiny_hf_tokenizer())
+
+
+def test_malformed_config_yaml_is_a_one_line_config_error(tmp_path):
+    import subprocess
+    import sys
+
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("train:\n  steps: [1, 2\nkl: {coef: 0.1}\n")
+    done = subprocess.run([sys.executable, "-m", "megatron_kl.cli", "train", "--config", str(broken)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert f"config file {broken} is not valid YAML at line" in done.stderr
