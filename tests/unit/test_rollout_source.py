@@ -139,3 +139,32 @@ def test_vllm_reload_reporting_an_error_in_a_200_body_keeps_the_version(monkeypa
     monkeypatch.setattr(vllm, "call", lambda url, path, payload, policy, *a, **k: {"results": [None]})
     engine.update_weights([], 4)
     assert engine.weight_version == 4
+
+
+def test_a_reward_that_is_not_finite_is_an_error_naming_task_and_sample(tmp_path):
+    path = tmp_path / "train.jsonl"
+    path.write_text("\n".join(json.dumps({"problem": f"What is {i}+{i}?", "answer": str(2 * i)}) for i in range(4)))
+
+    class NaNScores(MathTask):
+        def score(self, problem, response_ids):
+            return float("nan") if problem.answer == "2" else 1.0
+
+    task = NaNScores(MathConfig(train_files=[str(path)]), tokenizer=_tiny_hf_tokenizer())
+    source = RolloutSource(task, _BoxedAnswerEngine(task), sampling=None, prompts_per_step=4, group_size=2,
+                           staleness=0, seed=0)
+    with pytest.raises(ValueError, match=r"task NaNScores: reward nan of step 0, sample \d \(prompt \d, answer '2'\)"):
+        source.get(0)
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+def test_every_estimator_clamps_an_infinite_log_ratio(estimator):
+    import torch
+
+    from megatron_kl.kl.estimators import ClampCounter, token_estimate
+
+    log_ratio = torch.tensor([[0.1, float("inf"), -float("inf")]], requires_grad=True)
+    counter = ClampCounter()
+    value = token_estimate(estimator, log_ratio, 20.0, torch.ones(1, 3), counter)
+    value.sum().backward()
+    assert torch.isfinite(value).all() and torch.isfinite(log_ratio.grad).all()
+    assert counter.counts[estimator] == 2
