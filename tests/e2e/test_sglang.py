@@ -183,7 +183,8 @@ def test_malformed_response_is_an_error_naming_the_field(tmp_path, models):
         engine.shutdown()
 
 
-def test_stale_weight_version_and_dead_external_server(clean, tmp_path):
+def test_stale_weight_version_and_dead_external_server(clean, tmp_path, monkeypatch):
+    monkeypatch.setenv("MEGATRON_KL_SGLANG_API_KEY", clean.api_key)  # given URLs: the key comes from the env
     external = SGLangEngine(SGLangConfig(urls=[clean.urls[0]], backoff_s=0.01), FromTensor(SGLangConfig()))
     external.weight_version = 99  # the server holds another version than this client pushed
     with pytest.raises(ResponseError, match="weight_version"):
