@@ -161,8 +161,11 @@ class VLLMEngine:
 
 
 def check_rpc_answer(answer, where: str) -> None:
-    """A dev-mode /collective_rpc answer: ``{"results": [...]}`` with no worker reporting an error (a 200
-    answer can carry one); anything else is a ServerError, and the weight version does not advance."""
+    """A dev-mode /collective_rpc answer: an empty 200 (vLLM's answer when the RPC returned None) or
+    ``{"results": [...]}`` with no worker reporting an error (a 200 answer can carry one: vLLM stringifies
+    non-JSON results); anything else is a ServerError, and the weight version does not advance."""
+    if answer is None:
+        return
     results = answer.get("results") if isinstance(answer, dict) else None
     if not isinstance(results, list):
         raise ServerError(f"{where}: expected {{'results': [...]}}, got {str(answer)[:300]}")
