@@ -84,11 +84,6 @@ def complete_checkpoints(directory: Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def latest_checkpoint(directory: Path) -> Optional[Path]:
-    done = complete_checkpoints(directory)
-    return done[-1] if done else None
-
-
 def save_checkpoint(directory: Path, step: int, train_state, trainer_state: dict, rank_state: dict,
                     keep: int = 2) -> Path:
     """Collective. ``trainer_state`` is the same on all ranks (saved by rank 0); ``rank_state`` per rank.

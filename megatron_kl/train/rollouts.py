@@ -67,11 +67,6 @@ def _generate(task, engine, step: int, prompt_indices: list[int], group_size: in
     return _Generated(step, problems, prompts, completions, seconds)
 
 
-def build_rollout_batch(task, engine, step: int, prompt_indices: list[int], group_size: int,
-                        sampling: SamplingConfig, seed: int) -> RolloutBatch:
-    return _score(task, _generate(task, engine, step, prompt_indices, group_size, sampling, seed), group_size)
-
-
 def _score(task, generated: _Generated, group_size: int) -> RolloutBatch:
     """Rewards and the packed batch; call from the main thread."""
     completions, prompts, step, seconds = generated.completions, generated.prompts, generated.step, generated.generate_seconds
