@@ -101,7 +101,7 @@ def _run(fn, world: int, *args) -> None:
         fn(dist.get_rank(), world, *args)
         dist.destroy_process_group()
         return
-    from megatron_kl.testing.distributed import run_ranks
+    from megatron_kl.local_ranks import run_ranks
 
     run_ranks(fn, world, *args, timeout_s=24 * 3600)
 

@@ -15,11 +15,10 @@ import torch
 
 from megatron_kl.kl.fused_linear import PrecomputedGrad, _gather_rows, default_chunk_rows, fused_linear_grads
 from megatron_kl.kl.vocab_parallel import VocabParallelStats
+from megatron_kl.models.output_head import fused_layout
 
 
 def single_pass_loss(vocab, reference, mb: dict, hidden, weight, tp_group, sequence_parallel: bool, loss_fn):
-    from megatron_kl.models.pipeline import fused_layout
-
     targets, rows, reference_hidden, reference_weight = fused_layout(reference, mb, hidden.device)
     full = _gather_rows(hidden.transpose(0, 1), tp_group, sequence_parallel)  # [s, b, H], TP-aware backward
     s, b = rows.shape

@@ -8,7 +8,8 @@ import torch
 
 from typing import Optional
 
-from megatron_kl.models.pipeline import LossFn, ReferenceHead, SequenceBatch, VocabOptions, run_schedule
+from megatron_kl.models.output_head import ReferenceHead
+from megatron_kl.models.pipeline import LossFn, SequenceBatch, VocabOptions, run_schedule
 
 
 @dataclass
@@ -50,13 +51,6 @@ def wrap_ddp(chunks: list, optim: OptimConfig) -> list:
                                     disable_bucketing=i > 0)
         )
     return wrapped
-
-
-def unwrap(chunk):
-    """The GPTModel inside a (possibly DDP-wrapped) model chunk."""
-    while hasattr(chunk, "module"):
-        chunk = chunk.module
-    return chunk
 
 
 def build_train_state(chunks: list, optim: OptimConfig) -> TrainState:

@@ -13,7 +13,7 @@ output weight shard without ever materialising the logits (only the loss-masked 
 
 from __future__ import annotations
 
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable, Optional
@@ -23,6 +23,8 @@ import torch.distributed as dist
 
 from megatron_kl.kl.fused_linear import default_chunk_rows, fused_linear_stats
 from megatron_kl.kl.vocab_parallel import DEFAULT_CHUNK, VocabParallelStats, fused_stats
+from megatron_kl.models.fused_loss import single_pass_loss
+from megatron_kl.models.output_head import ReferenceHead, bypass_output_layer, fused_layout, output_weight, unwrap
 
 # loss_fn(stats, microbatch) -> (loss, metrics). `loss` is this microbatch's share of the global loss
 # (already divided by the global normaliser), so the microbatch shares add up to the batch loss.
@@ -92,47 +94,6 @@ class VocabOptions:
                    grad_in_forward=model_cfg.fused_grad != "recompute")
 
 
-def output_weight(model) -> torch.Tensor:
-    """The (vocab-sharded) output projection of a last-stage GPTModel: the embedding when tied."""
-    if model.share_embeddings_and_output_weights:
-        return model.shared_embedding_or_output_weight()
-    return model.output_layer.weight
-
-
-@contextmanager
-def bypass_output_layer(model):
-    """Within the block, the model's output layer returns its input: the forward yields the final
-    hidden states ``[b, s, H]`` (``[b, s/tp, H]`` under sequence parallelism) instead of logits."""
-    layer = model.output_layer
-    layer.forward = lambda hidden, weight=None, runtime_gather_output=None: (hidden, None)
-    try:
-        yield
-    finally:
-        del layer.forward
-
-
-class ReferenceHead:
-    """The frozen reference's output layer on the last pipeline stage.
-
-    The reference pass keeps its final hidden states ``[B, S, H]`` (``capture_hidden``); the policy
-    pass turns a microbatch's slice into vocab-sharded reference logits here, so the exact KL needs
-    hidden states (H wide) stored between passes instead of logits (V wide).
-    """
-
-    def __init__(self, reference_chunks: list):
-        self.chunk = reference_chunks[-1]
-
-    @torch.no_grad()
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        chunk = self.chunk
-        weight = chunk.shared_embedding_or_output_weight() if chunk.share_embeddings_and_output_weights else None
-        logits, _ = chunk.output_layer(hidden.transpose(0, 1).contiguous(), weight=weight)
-        return logits.transpose(0, 1)
-
-    def weight(self) -> torch.Tensor:
-        return output_weight(self.chunk).detach()
-
-
 def _unfused_stats(vocab: VocabOptions, reference: Optional[ReferenceHead], mb: dict, logits, tp_group):
     reference_logits = None
     if reference is not None and "reference_hidden" in mb:
@@ -140,20 +101,6 @@ def _unfused_stats(vocab: VocabOptions, reference: Optional[ReferenceHead], mb: 
     return fused_stats(logits[:, :-1], tp_group, targets=mb["tokens"].to(logits.device)[:, 1:],
                        reference_logits=reference_logits, temperature=vocab.temperature,
                        vocab_size=vocab.vocab_size, chunk_size=vocab.chunk_size)
-
-
-def fused_layout(vocab_reference: Optional[ReferenceHead], mb: dict, device):
-    """The fused path's row layout, megatron's [s, b] order: targets, the rows to compute (loss-masked
-    positions with a target) and the reference's hidden states and output weight (or None)."""
-    tokens = mb["tokens"].to(device)
-    b, s = tokens.shape
-    targets = torch.cat([tokens[:, 1:], tokens.new_zeros(b, 1)], dim=1).t()  # [s, b]; last row has no target
-    rows = torch.cat([mb["loss_mask"].to(device).bool(), torch.zeros(b, 1, dtype=torch.bool, device=device)], 1).t()
-    reference_hidden = reference_weight = None
-    if vocab_reference is not None and "reference_hidden" in mb:
-        reference_hidden = mb["reference_hidden"].to(device).transpose(0, 1)
-        reference_weight = vocab_reference.weight()
-    return targets, rows.contiguous(), reference_hidden, reference_weight
 
 
 def _fused_stats(vocab: VocabOptions, reference: Optional[ReferenceHead], mb: dict, hidden, weight, tp_group,
@@ -176,8 +123,6 @@ def _forward_step(vocab: VocabOptions, loss_fn: LossFn, num_microbatches: int,
                   reference: Optional[ReferenceHead], data_iterator, model):
     from megatron.core import parallel_state
 
-    from megatron_kl.models.optim import unwrap
-
     mb = next(data_iterator)
     device = next(model.parameters()).device
     tokens = mb["tokens"].to(device)
@@ -190,8 +135,6 @@ def _forward_step(vocab: VocabOptions, loss_fn: LossFn, num_microbatches: int,
 
     def loss_func(output):
         if fused and vocab.grad_in_forward and getattr(loss_fn, "row_separable", False) and torch.is_grad_enabled():
-            from megatron_kl.models.fused_loss import single_pass_loss
-
             loss, metrics = single_pass_loss(vocab, reference, mb, output, output_weight(inner), tp_group,
                                              inner.output_layer.sequence_parallel, loss_fn)
         elif fused:

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_kl.config import ConfigError, ModelConfig, ParallelConfig
-from megatron_kl.models.optim import unwrap
+from megatron_kl.models.output_head import unwrap
 from megatron_kl.rollout.engine import Completion, SamplingConfig
 
 

@@ -67,7 +67,7 @@ class DistributedEngine:
         return out
 
     def update_weights(self, chunks: list, version: int) -> None:
-        from megatron_kl.models.optim import unwrap
+        from megatron_kl.models.output_head import unwrap
         from megatron_kl.rollout.weight_sync import hf_named_tensors
 
         named = hf_named_tensors([unwrap(c) for c in chunks], self.model, self.tp_group, self.pp_group,

@@ -86,13 +86,3 @@ class TaskConfig:
             raise ConfigError(f"task.name={self.name!r} is unknown; use 'arithmetic' or 'math'")
         if self.eval_size < 1:
             raise ConfigError(f"task.eval_size={self.eval_size} must be >= 1")
-
-
-def build_task(config: TaskConfig) -> Task:
-    if config.name == "arithmetic":
-        from megatron_kl.tasks.arithmetic import ArithmeticTask
-
-        return ArithmeticTask(config.arithmetic, seed=config.seed, eval_size=config.eval_size)
-    from megatron_kl.tasks.math import MathTask
-
-    return MathTask(config.math, seed=config.seed)

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_kl.models.optim import unwrap
+from megatron_kl.models.output_head import unwrap
 
 _PREFIX = "step_"
 _NAME = re.compile(r"step_(\d+)")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from megatron_kl.models import hf, optim, parallel
+from megatron_kl.models import hf, output_head, parallel
 from megatron_kl.rollout.local import LocalEngine
 from megatron_kl.train.config import TrainConfig
 
@@ -18,7 +18,7 @@ def _initial_model_path(cfg: TrainConfig, chunks: list, hf_source, run_dir: Path
         return configured
     if hf_source is not None:
         return str(hf_source.path)
-    out = hf.export_hf([optim.unwrap(c) for c in chunks], cfg.model, run_dir / "weight_sync" / "initial",
+    out = hf.export_hf([output_head.unwrap(c) for c in chunks], cfg.model, run_dir / "weight_sync" / "initial",
                        dtype=cfg.model.params_dtype, tp_group=parallel.tp_group(), pp_group=parallel.pp_group())
     return str(out) if out is not None else None
 

@@ -12,7 +12,7 @@ import torch.distributed as dist
 import yaml
 
 from megatron_kl.config import redact_secrets, to_dict
-from megatron_kl.models import builder, hf, optim, parallel, pipeline, state
+from megatron_kl.models import builder, hf, optim, output_head, parallel, state
 from megatron_kl.models.offload import ReferenceOffload
 from megatron_kl.tasks import build_task
 from megatron_kl.train import checkpoint as ckpt
@@ -98,7 +98,7 @@ def train(cfg: TrainConfig) -> dict:
     source = RolloutSource(task, engine, cfg.rollout.sampling, cfg.train.prompts_per_step, cfg.train.group_size,
                            cfg.train.staleness, cfg.train.seed, dp_rank, dp_size)
     offload = ReferenceOffload(models.reference, cfg.parallel.offload_reference)
-    ctx = StepContext(cfg, train_state, models.reference, pipeline.ReferenceHead(models.reference), offload, dp_group)
+    ctx = StepContext(cfg, train_state, models.reference, output_head.ReferenceHead(models.reference), offload, dp_group)
 
     start_step = 0
     resumed = ckpt.load_latest(run_dir / "checkpoints", train_state) if cfg.checkpoint.resume else None
@@ -138,7 +138,7 @@ def train(cfg: TrainConfig) -> dict:
                 saved = ckpt.save_checkpoint(run_dir / "checkpoints", done, train_state, {"run_name": cfg.run_name},
                                              rank_state, keep=cfg.checkpoint.keep)
                 if cfg.checkpoint.export_hf:
-                    hf.export_hf([optim.unwrap(c) for c in train_state.chunks], cfg.model, saved / "hf",
+                    hf.export_hf([output_head.unwrap(c) for c in train_state.chunks], cfg.model, saved / "hf",
                                  dtype=hf_source.dtype if hf_source is not None else cfg.model.params_dtype,
                                  tp_group=tp_group, pp_group=parallel.pp_group(),
                                  source_dir=hf_source.path if hf_source is not None else None)

@@ -26,7 +26,7 @@ from megatron_kl.algo.advantages import sequence_advantages
 from megatron_kl.algo.losses import MicrobatchLoss, Shares
 from megatron_kl.kl.estimators import ClampCounter
 from megatron_kl.kl.objective import kl_shaped_returns
-from megatron_kl.models import optim, pipeline
+from megatron_kl.models import optim, output_head, pipeline
 from megatron_kl.models.offload import ReferenceOffload
 from megatron_kl.train.rollouts import RolloutBatch
 
@@ -39,7 +39,7 @@ class StepContext:
     cfg: object  # TrainConfig
     train_state: optim.TrainState
     reference: list  # frozen reference chunks
-    reference_head: pipeline.ReferenceHead
+    reference_head: output_head.ReferenceHead
     offload: ReferenceOffload
     dp_group: object = None
     counter: ClampCounter = field(default_factory=ClampCounter)

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_kl.config import ConfigError, to_dict
-from megatron_kl.models import builder, optim, parallel, pipeline, state
+from megatron_kl.models import builder, optim, output_head, parallel, pipeline, state
 from megatron_kl.train.batching import pack
 
 log = logging.getLogger(__name__)
@@ -76,7 +76,7 @@ def _train(cfg, task) -> dict[str, torch.Tensor]:
             nll = sum(float(m["nll"]) for m in out["microbatch_metrics"])
             log.info("warm start step %d/%d: nll/sequence %.4f", step + 1, ws.steps, nll)
     tied = cfg.model.tie_word_embeddings
-    full = state.full_state_dict([optim.unwrap(c) for c in train_state.chunks], cfg.model.vocab_size, tied,
+    full = state.full_state_dict([output_head.unwrap(c) for c in train_state.chunks], cfg.model.vocab_size, tied,
                                  parallel.tp_group(), parallel.pp_group())
     return full
 

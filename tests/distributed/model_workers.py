@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_kl.config import ModelConfig, ParallelConfig
-from megatron_kl.models import builder, optim, parallel, pipeline, state
+from megatron_kl.models import builder, optim, output_head, parallel, pipeline, state
 
 
 class _SFTLikeLoss:
@@ -125,7 +125,7 @@ def exact_kl_metric_worker(rank, world, model_cfg: ModelConfig, parallel_cfg: Pa
         batch = pipeline.SequenceBatch(tokens=tokens, loss_mask=loss_mask)
         reference = pipeline.compute_token_stats(models.reference, batch, 2, vocab, capture_hidden=True)
         batch.extras["reference_hidden"] = reference["hidden"]
-        old = pipeline.compute_token_stats(models.policy, batch, 2, vocab, reference=pipeline.ReferenceHead(models.reference),
+        old = pipeline.compute_token_stats(models.policy, batch, 2, vocab, reference=output_head.ReferenceHead(models.reference),
                                            capture_hidden=True)
         assert old["hidden"].shape[0] == batch_size
         results.append({"eps": eps, "fused": fused, "kl": old["kl"], "hidden": old["hidden"],

@@ -1,0 +1,98 @@
+"""Spawn N ranks on this machine and run a function in each.
+
+``run_ranks(fn, world_size, *args)`` starts ``world_size`` spawned processes that join one process group
+(gloo on CPU, nccl when there are enough GPUs) through a file rendezvous, calls ``fn(rank, world_size,
+*args)`` in each and returns the per-rank return values. A failing rank's traceback is raised in the
+parent; a rank that hangs past ``timeout_s`` kills the whole group and fails with a clear message.
+``fn`` must be importable (module-level) so the spawned children can find it.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import queue
+import tempfile
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.multiprocessing as mp
+
+
+class RankFailure(RuntimeError):
+    pass
+
+
+def _backend(world_size: int) -> str:
+    return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "gloo"
+
+
+def _worker(rank, world_size, init_file, fn, args, results, threads):
+    try:
+        import warnings
+
+        warnings.filterwarnings("ignore")
+        torch.set_num_threads(threads)
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+        backend = _backend(world_size)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        torch.distributed.init_process_group(
+            backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+            timeout=timedelta(seconds=120),
+        )
+        value = fn(rank, world_size, *args)
+        buffer = io.BytesIO()  # plain bytes: shared-memory tensors would die with this process
+        torch.save(value, buffer)
+        results.put((rank, True, buffer.getvalue()))
+    except BaseException:  # noqa: BLE001 - surfaced to the parent with the traceback
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if torch.distributed.is_initialized():
+            try:
+                torch.distributed.destroy_process_group()
+            except Exception:  # noqa: BLE001
+                pass
+
+
+def run_ranks(fn, world_size: int, *args, timeout_s: float = 300.0, threads_per_rank: int = 1) -> list:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks; return values by rank."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "rendezvous")
+        procs = [
+            ctx.Process(target=_worker, args=(r, world_size, init_file, fn, args, results, threads_per_rank))
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        values: dict[int, object] = {}
+        failures: dict[int, str] = {}
+        try:
+            while len(values) + len(failures) < world_size:
+                try:
+                    rank, ok, value = results.get(timeout=timeout_s)
+                except queue.Empty:
+                    alive = [r for r, p in enumerate(procs) if p.is_alive()]
+                    raise RankFailure(
+                        f"{fn.__name__}: no result within {timeout_s}s; ranks still running: {alive}; "
+                        f"finished: {sorted(values)}; failed: {sorted(failures)}"
+                    ) from None
+                if ok:
+                    values[rank] = torch.load(io.BytesIO(value), weights_only=False)
+                else:
+                    failures[rank] = value
+                if failures:
+                    break
+        finally:
+            for p in procs:
+                p.join(timeout=5 if not failures else 0.5)
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+        if failures:
+            rank = min(failures)
+            raise RankFailure(f"rank {rank} of {world_size} failed in {fn.__name__}:\n{failures[rank]}")
+        return [values[r] for r in range(world_size)]

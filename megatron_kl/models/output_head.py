@@ -1,0 +1,75 @@
+"""The output side of a Megatron GPT chunk: the (vocab-sharded) output projection, a way to get the final hidden
+states instead of logits, and the frozen reference's head that turns stored hidden states into logits.
+
+Shared by the pipeline schedule (``pipeline.py``) and the single-pass fused loss (``fused_loss.py``); it imports
+neither, so neither imports the other at module level.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Optional
+
+import torch
+
+
+def unwrap(chunk):
+    """The GPTModel inside a (possibly DDP-wrapped) model chunk."""
+    while hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk
+
+
+def output_weight(model) -> torch.Tensor:
+    """The (vocab-sharded) output projection of a last-stage GPTModel: the embedding when tied."""
+    if model.share_embeddings_and_output_weights:
+        return model.shared_embedding_or_output_weight()
+    return model.output_layer.weight
+
+
+@contextmanager
+def bypass_output_layer(model):
+    """Within the block, the model's output layer returns its input: the forward yields the final
+    hidden states ``[b, s, H]`` (``[b, s/tp, H]`` under sequence parallelism) instead of logits."""
+    layer = model.output_layer
+    layer.forward = lambda hidden, weight=None, runtime_gather_output=None: (hidden, None)
+    try:
+        yield
+    finally:
+        del layer.forward
+
+
+class ReferenceHead:
+    """The frozen reference's output layer on the last pipeline stage.
+
+    The reference pass keeps its final hidden states ``[B, S, H]`` (``capture_hidden``); the policy
+    pass turns a microbatch's slice into vocab-sharded reference logits here, so the exact KL needs
+    hidden states (H wide) stored between passes instead of logits (V wide).
+    """
+
+    def __init__(self, reference_chunks: list):
+        self.chunk = reference_chunks[-1]
+
+    @torch.no_grad()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        chunk = self.chunk
+        weight = chunk.shared_embedding_or_output_weight() if chunk.share_embeddings_and_output_weights else None
+        logits, _ = chunk.output_layer(hidden.transpose(0, 1).contiguous(), weight=weight)
+        return logits.transpose(0, 1)
+
+    def weight(self) -> torch.Tensor:
+        return output_weight(self.chunk).detach()
+
+
+def fused_layout(vocab_reference: Optional[ReferenceHead], mb: dict, device):
+    """The fused path's row layout, megatron's [s, b] order: targets, the rows to compute (loss-masked
+    positions with a target) and the reference's hidden states and output weight (or None)."""
+    tokens = mb["tokens"].to(device)
+    b, s = tokens.shape
+    targets = torch.cat([tokens[:, 1:], tokens.new_zeros(b, 1)], dim=1).t()  # [s, b]; last row has no target
+    rows = torch.cat([mb["loss_mask"].to(device).bool(), torch.zeros(b, 1, dtype=torch.bool, device=device)], 1).t()
+    reference_hidden = reference_weight = None
+    if vocab_reference is not None and "reference_hidden" in mb:
+        reference_hidden = mb["reference_hidden"].to(device).transpose(0, 1)
+        reference_weight = vocab_reference.weight()
+    return targets, rows.contiguous(), reference_hidden, reference_weight

@@ -1,0 +1,14 @@
+"""``task.name`` -> the task class: the one module that knows every built-in task (they import ``base``,
+``base`` imports none of them)."""
+
+from __future__ import annotations
+
+from megatron_kl.tasks.arithmetic import ArithmeticTask
+from megatron_kl.tasks.base import Task, TaskConfig
+from megatron_kl.tasks.math import MathTask
+
+
+def build_task(config: TaskConfig) -> Task:
+    if config.name == "arithmetic":
+        return ArithmeticTask(config.arithmetic, seed=config.seed, eval_size=config.eval_size)
+    return MathTask(config.math, seed=config.seed)
