@@ -245,7 +245,7 @@ def _row(name: str, times: list, base: list, memory=None, unit_bytes=None) -> st
 
 
 def run_logits(args) -> None:
-    from megatron_kl.testing.distributed import run_ranks
+    from megatron_kl.local_ranks import run_ranks
 
     for size in args.sizes.split(","):
         tokens, vocab = map(int, size.split("x"))
@@ -266,7 +266,7 @@ def run_logits(args) -> None:
 
 
 def run_chunks(args) -> None:
-    from megatron_kl.testing.distributed import run_ranks
+    from megatron_kl.local_ranks import run_ranks
 
     tokens, vocab = map(int, args.sizes.split(",")[0].split("x"))
     elements = [1 << k for k in range(18, 25, 1)]
