@@ -27,6 +27,8 @@ def _build_parser() -> argparse.ArgumentParser:
     launch = sub.add_parser("launch", help="NeMo-Run: local torchrun or Slurm (megatron-kl launch --help)",
                             add_help=False)
     launch.add_argument("args", nargs=argparse.REMAINDER)
+    validate = sub.add_parser("validate", help="one-command node check (megatron-kl validate --help)", add_help=False)
+    validate.add_argument("args", nargs=argparse.REMAINDER)
     return parser
 
 
@@ -40,6 +42,10 @@ def main(argv=None) -> int:
         from megatron_kl.launch.cli import main as launch_main
 
         return launch_main(argv[1:])
+    if argv[:1] == ["validate"]:
+        from megatron_kl.launch.validate import main as validate_main
+
+        return validate_main(argv[1:])
     args = _build_parser().parse_args(argv)
     if args.command == "audit":
         from megatron_kl.kl.audit_cli import main as audit_main

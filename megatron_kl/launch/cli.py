@@ -59,15 +59,16 @@ def _study_report(launch_plan, states: dict) -> int:
     return sum(entry["state"] != "ok" for entry in status.values())
 
 
-def _run(args) -> int:
+def submit(executor_kind: str, launch_plan, dryrun: bool = False, detach: bool = False, customize=None) -> int:
+    """Dry-run (print the scripts) or run a plan with NeMo-Run; the exit code of ``megatron-kl launch`` (0: all
+    tasks succeeded, 1: one failed). Shared with the recipes in ``launch/`` and ``megatron-kl validate``."""
     from megatron_kl.launch import experiment
 
-    launch_plan = experiment.plan(args.config, args.overrides)
-    if args.dryrun:
-        for name, script in experiment.dryrun(args.action, launch_plan).items():
+    if dryrun:
+        for name, script in experiment.dryrun(executor_kind, launch_plan, customize).items():
             print(f"# ---- task {name}\n{script}")
         return 0
-    exp_id, states = experiment.launch(args.action, launch_plan, detach=getattr(args, "detach", False))
+    exp_id, states = experiment.launch(executor_kind, launch_plan, detach=detach, customize=customize)
     print(f"experiment: {exp_id}  (megatron-kl launch status {exp_id} --home {launch_plan.home})")
     if not states:
         return 0
@@ -77,10 +78,16 @@ def _run(args) -> int:
     for name, info in failed.items():
         print(f"megatron-kl launch: task {name} ended {info['state']}; log tail:\n"
               f"{experiment.task_log(info['job_dir'])}", file=sys.stderr)
-    if launch_plan.study is not None and args.action == "local":
+    if launch_plan.study is not None and executor_kind == "local":
         failed_runs = _study_report(launch_plan, states)
         return 1 if failed or failed_runs else 0
     return 1 if failed else 0
+
+
+def _run(args) -> int:
+    from megatron_kl.launch.experiment import plan
+
+    return submit(args.action, plan(args.config, args.overrides), args.dryrun, getattr(args, "detach", False))
 
 
 def _inspect(args) -> int:

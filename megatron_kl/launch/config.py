@@ -73,6 +73,10 @@ class SlurmConfig:
     nccl_defaults: bool = True
     retries: int = 2  # requeues after a failure; the trainer resumes from its latest checkpoint
     rdzv_port: int = 29500  # torchrun c10d rendezvous port on the head node
+    # seconds before the time limit at which Slurm sends SIGUSR1 (sbatch --signal); the trainer finishes its
+    # step, checkpoints and exits 75 so the job requeues and resumes. Also torchrun's grace period for that.
+    # 0: no signal (the job is killed at the limit and resumes from its last interval checkpoint).
+    signal_lead_s: int = 300
     packager: str = "git"  # git: `git archive` of HEAD goes to the cluster; none: the image has the code
     tunnel: TunnelConfig = field(default_factory=TunnelConfig)
 
@@ -80,6 +84,8 @@ class SlurmConfig:
         for name in ("nodes", "gpus_per_node"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"launch.slurm.{name}={getattr(self, name)} must be >= 1")
+        if self.signal_lead_s < 0:
+            raise ConfigError(f"launch.slurm.signal_lead_s={self.signal_lead_s} must be >= 0 (0: no signal)")
         if self.retries < 0:
             raise ConfigError(f"launch.slurm.retries={self.retries} must be >= 0")
         if self.packager not in PACKAGERS:
@@ -90,8 +96,21 @@ class SlurmConfig:
 
     def environment(self) -> dict:
         env = dict(NCCL_H100_ENV) if self.nccl_defaults else {}
+        if self.signal_lead_s:
+            env.update(stop_signal_env(self.signal_lead_s))
         env.update(self.env)
         return env
+
+    def sbatch_signal(self) -> Optional[str]:
+        """``#SBATCH --signal``: SIGUSR1 to every job step ``signal_lead_s`` before the time limit."""
+        return f"USR1@{self.signal_lead_s}" if self.signal_lead_s else None
+
+
+def stop_signal_env(grace_s: int) -> dict:
+    """torchrun forwards SIGUSR1 (not only SIGTERM/SIGINT/...) to its workers and gives them ``grace_s`` to
+    checkpoint before it kills them."""
+    return {"PET_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
+            "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(grace_s)}
 
 
 @dataclass

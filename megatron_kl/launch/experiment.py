@@ -14,7 +14,8 @@ from typing import Optional
 
 
 from megatron_kl.config import ConfigError, read_yaml_file
-from megatron_kl.launch.jobs import TaskSpec, _nemo_run, disaggregated_tasks, local_task, slurm_task
+from megatron_kl.launch.jobs import (TaskSpec, _nemo_run, disaggregated_tasks, local_task, single_node_task,
+                                     slurm_task)
 from megatron_kl.train.config import load_train_config
 
 log = logging.getLogger("megatron_kl.launch")
@@ -55,26 +56,32 @@ def _set_home(home: str) -> None:
     set_nemorun_home(str(Path(home).absolute()))
 
 
-def build(exp, executor_kind: str, launch_plan: LaunchPlan) -> None:
-    """Add every task of the plan to ``exp``."""
+def build(exp, executor_kind: str, launch_plan: LaunchPlan, customize=None) -> None:
+    """Add every task of the plan to ``exp``; ``customize(executor)`` edits each NeMo-Run executor first."""
     for spec in launch_plan.tasks:
-        if executor_kind == "local":
+        if spec.command is not None:
+            if executor_kind != "slurm":
+                raise ConfigError(f"task {spec.name} runs `megatron-kl {' '.join(spec.command)}`: run that directly "
+                                  "on this machine")
+            executor, script = single_node_task(spec)
+        elif executor_kind == "local":
             executor, script = local_task(spec)
-            exp.add(script, executor=executor, name=spec.name)
         elif spec.cfg.launch.rollout_servers.mode == "disaggregated":
-            executors, scripts = disaggregated_tasks(spec)
-            exp.add(scripts, executor=executors, name=spec.name)
+            executor, script = disaggregated_tasks(spec)
         else:
             executor, script = slurm_task(spec)
-            exp.add(script, executor=executor, name=spec.name)
+        if customize is not None:
+            for one in executor if isinstance(executor, list) else [executor]:
+                customize(one)
+        exp.add(script, executor=executor, name=spec.name)
 
 
-def dryrun(executor_kind: str, launch_plan: LaunchPlan) -> dict[str, str]:
+def dryrun(executor_kind: str, launch_plan: LaunchPlan, customize=None) -> dict[str, str]:
     """The scripts NeMo-Run would submit, by task name (sbatch text for Slurm); nothing is launched."""
     run = _nemo_run()
     _set_home(launch_plan.home)
     with run.Experiment(launch_plan.title, log_level="WARN") as exp:
-        build(exp, executor_kind, launch_plan)
+        build(exp, executor_kind, launch_plan, customize)
         exp.dryrun(log=False, delete_exp_dir=False)
         exp_dir = Path(exp._exp_dir)
     scripts = {}
@@ -129,12 +136,13 @@ def task_states(exp) -> dict[str, dict]:
     return out
 
 
-def launch(executor_kind: str, launch_plan: LaunchPlan, detach: bool = False) -> tuple[str, dict[str, dict]]:
+def launch(executor_kind: str, launch_plan: LaunchPlan, detach: bool = False,
+           customize=None) -> tuple[str, dict[str, dict]]:
     """Run the experiment; returns (experiment id, task states). Local runs wait; Slurm may detach."""
     run = _nemo_run()
     _set_home(launch_plan.home)
     with run.Experiment(launch_plan.title, log_level="WARN") as exp:
-        build(exp, executor_kind, launch_plan)
+        build(exp, executor_kind, launch_plan, customize)
         exp.run(sequential=launch_plan.sequential, detach=detach and executor_kind == "slurm")
         exp_id = exp._id
     if detach and executor_kind == "slurm":

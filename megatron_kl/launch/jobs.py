@@ -16,6 +16,7 @@ import re
 import shlex
 import sys
 from dataclasses import dataclass
+from typing import Optional
 from pathlib import Path
 
 from megatron_kl.config import ConfigError, validate_parallel
@@ -34,6 +35,7 @@ class TaskSpec:
     config_path: str
     overrides: list[str]
     cfg: TrainConfig
+    command: Optional[list[str]] = None  # ``megatron-kl`` arguments of a task that is not training (validate)
 
     def train_args(self, extra: list[str] = ()) -> list[str]:
         """``megatron-kl train`` arguments; ``launch.*`` overrides stay with the launcher."""
@@ -115,7 +117,9 @@ def shell_env(cfg: TrainConfig) -> dict:
 
 
 def _slurm_executor(cfg: TrainConfig, nodes: int, tasks_per_node: int, launcher, heterogeneous: bool,
-                    setup_lines: str | None = None):
+                    setup_lines: str | None = None, stop_signal: bool = True):
+    """``stop_signal``: this (component of the) job gets SIGUSR1 ahead of its time limit (the trainer's; the
+    rollout servers of a heterogeneous job are not signalled: they serve until the trainer has checkpointed)."""
     run = _nemo_run()
     slurm = cfg.launch.slurm
     tunnel_cfg = slurm.tunnel
@@ -132,6 +136,7 @@ def _slurm_executor(cfg: TrainConfig, nodes: int, tasks_per_node: int, launcher,
         constraint=slurm.constraint, tunnel=tunnel, packager=packager, launcher=launcher,
         env_vars=shell_env(cfg), retries=slurm.retries, heterogeneous=heterogeneous,
         setup_lines=setup_lines, job_name_prefix="megatron-kl.",
+        signal=slurm.sbatch_signal() if stop_signal else None,
         **({"container_workdir": slurm.container_workdir} if slurm.container_workdir else {}))
 
 
@@ -144,6 +149,16 @@ def slurm_task(spec: TaskSpec):
     launcher = run.Torchrun(rdzv_port=slurm.rdzv_port)
     executor = _slurm_executor(cfg, slurm.nodes, slurm.gpus_per_node, launcher, heterogeneous=False)
     script = run.Script(path="megatron_kl.cli", m=True, entrypoint="python", args=spec.train_args())
+    return executor, script
+
+
+def single_node_task(spec: TaskSpec):
+    """(executor, script) for one process on one whole node running ``megatron-kl <spec.command>`` (it starts
+    its own ranks): ``megatron-kl validate`` on a fresh node."""
+    run = _nemo_run()
+    _check_slurm(spec.cfg)
+    executor = _slurm_executor(spec.cfg, 1, 1, None, heterogeneous=False, stop_signal=False)
+    script = run.Script(path="megatron_kl.cli", m=True, entrypoint="python", args=list(spec.command))
     return executor, script
 
 
@@ -170,7 +185,8 @@ def disaggregated_tasks(spec: TaskSpec):
         f"| sed 's|.*|\"http://&:{servers.port}\"|' | paste -sd, -)",
         f"export {TRAIN_HEAD_VAR}=$(scontrol show hostnames \"$SLURM_JOB_NODELIST_HET_GROUP_1\" | head -n1)",
     ])
-    rollout_executor = _slurm_executor(cfg, servers.nodes, 1, None, heterogeneous=True, setup_lines=setup)
+    rollout_executor = _slurm_executor(cfg, servers.nodes, 1, None, heterogeneous=True, setup_lines=setup,
+                                       stop_signal=False)
     rollout_executor.gpus_per_node = servers.gpus_per_node
     # one srun task per trainer node, each running torchrun for that node's GPUs
     trainer_executor = _slurm_executor(cfg, slurm.nodes, 1, None, heterogeneous=True)

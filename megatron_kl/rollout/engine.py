@@ -63,6 +63,11 @@ class Completion:
             raise ValueError(f"completion finish_reason={self.finish_reason!r}; expected one of {FINISH_REASONS}")
 
 
+class EngineLost(RuntimeError):
+    """The rollout servers stayed unavailable after the retries and restarts (or could not be reached at start).
+    Raised on every trainer rank together, so the trainer can checkpoint and stop for a requeue."""
+
+
 @runtime_checkable
 class RolloutEngine(Protocol):
     weight_version: int

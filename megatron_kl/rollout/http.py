@@ -159,7 +159,7 @@ def call(url: str, path: str, payload: Optional[dict] = None, policy: RetryPolic
 def wait_healthy(url: str, timeout_s: float, alive=lambda: True, path: str = "/health") -> None:
     """Poll ``GET url/health`` until it answers 200; ``alive()`` false (the process died) fails at once."""
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    while True:  # asked at least once, even with no time left
         if not alive():
             raise ServerUnavailable(f"{url}: the server process exited while starting")
         try:
@@ -167,5 +167,7 @@ def wait_healthy(url: str, timeout_s: float, alive=lambda: True, path: str = "/h
                 return
         except (requests.ConnectionError, requests.Timeout):
             pass
+        if time.monotonic() >= deadline:
+            break
         time.sleep(0.5)
     raise ServerUnavailable(f"{url}{path} not healthy after {timeout_s:.0f}s")

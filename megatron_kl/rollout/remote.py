@@ -7,6 +7,10 @@ out as one concurrent batch), and each rank gets its replica's completions back.
 collective: every rank takes part in gathering the policy over TP and PP (HF layout, one tensor at a time)
 and rank 0 streams it to the servers.
 
+Failures reach every rank together: if rank 0 cannot start or reach its servers (``ServerUnavailable`` after
+the retries and restarts), it sends that in place of the result and every rank raises ``EngineLost`` instead of
+waiting in a collective that rank 0 never joins.
+
 The prompt gather and completion scatter run on a process group of their own (gloo, object collectives), so
 ``generate`` may run in a background thread (asynchronous rollouts, ``train.staleness > 0``) while the main
 thread trains with collectives on the model's groups.
@@ -20,7 +24,10 @@ from typing import Callable, Optional, Sequence
 
 import torch.distributed as dist
 
-from megatron_kl.rollout.engine import Completion, SamplingConfig
+from megatron_kl.rollout.engine import Completion, EngineLost, SamplingConfig
+from megatron_kl.rollout.http import ServerUnavailable
+
+LOST = "engine_lost"  # scattered / broadcast in place of a result when rank 0's servers are lost
 
 
 class DistributedEngine:
@@ -28,26 +35,60 @@ class DistributedEngine:
                  include_tied_head: bool = False, timeout_s: float = 1800.0):
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
-        self.engine = make_engine() if self.rank == 0 else None
         self.model, self.dp_rank, self.tp_group, self.pp_group = model, dp_rank, tp_group, pp_group
         self.include_tied_head = include_tied_head
         self.weight_version = 0
         self.object_group = (dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
                              if self.world > 1 else None)
-        if self.world > 1:
-            dist.barrier()  # the servers are up before anyone generates
+        self.engine, failure, error = None, None, None
+        if self.rank == 0:
+            try:
+                self.engine = make_engine()
+            except ServerUnavailable as err:
+                failure = str(err)
+            except Exception as err:  # noqa: BLE001 - a config or install problem: every rank stops with it
+                error = err
+        other = self._agree(None if error is None else f"{type(error).__name__}: {error}")
+        if error is not None:
+            raise error
+        if other is not None:
+            raise RuntimeError(f"rank 0 could not create the rollout engine: {other}")
+        self._raise_if_lost(failure, "starting the rollout engine")  # the servers are up before anyone generates
+
+    def _agree(self, value):
+        """Rank 0's ``value`` on every rank (object broadcast on the engine's gloo group)."""
+        if self.world == 1:
+            return value
+        holder = [value]
+        dist.broadcast_object_list(holder, src=0, group=self.object_group)
+        return holder[0]
+
+    def _raise_if_lost(self, failure: Optional[str], what: str) -> None:
+        failure = self._agree(failure)
+        if failure is not None:
+            raise EngineLost(f"{what}: {failure}")
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig,
                  seed: Optional[int] = None) -> list[Completion]:
         mine = (self.dp_rank, [list(p) for p in prompts], seed)
         if self.world == 1:
-            return self._generate_replicas([mine], sampling)[self.dp_rank]
+            try:
+                return self._generate_replicas([mine], sampling)[self.dp_rank]
+            except ServerUnavailable as err:
+                raise EngineLost(f"generating: {err}") from err
         gathered = [None] * self.world if self.rank == 0 else None
         dist.gather_object(mine, gathered, dst=0, group=self.object_group)
-        by_replica = self._generate_replicas(gathered, sampling) if self.rank == 0 else None
+        scatter = None
+        if self.rank == 0:
+            try:
+                by_replica = self._generate_replicas(gathered, sampling)
+                scatter = [by_replica[r] for r in self._replica_of_ranks(gathered)]
+            except ServerUnavailable as err:
+                scatter = [{LOST: str(err)}] * self.world
         out = [None]
-        scatter = [by_replica[r] for r in self._replica_of_ranks(gathered)] if self.rank == 0 else None
         dist.scatter_object_list(out, scatter, src=0, group=self.object_group)
+        if isinstance(out[0], dict) and LOST in out[0]:
+            raise EngineLost(f"generating: {out[0][LOST]}")
         return out[0]
 
     @staticmethod
@@ -72,14 +113,16 @@ class DistributedEngine:
 
         named = hf_named_tensors([unwrap(c) for c in chunks], self.model, self.tp_group, self.pp_group,
                                  self.include_tied_head)
+        failure = None
         if self.rank == 0:
-            self.engine.update_weights(named, version)
-        else:
-            for _ in named:  # take part in the gather
-                pass
+            try:
+                self.engine.update_weights(named, version)
+            except ServerUnavailable as err:
+                failure = str(err)
+        for _ in named:  # take part in the gather (all of it, or what rank 0 left after a failure)
+            pass
+        self._raise_if_lost(failure, f"pushing weight version {version}")
         self.weight_version = version
-        if self.world > 1:
-            dist.barrier()
 
     def shutdown(self) -> None:
         if self.engine is not None:

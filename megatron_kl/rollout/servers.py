@@ -12,9 +12,19 @@ import signal
 import subprocess
 from pathlib import Path
 
-from megatron_kl.rollout.http import wait_healthy
+from megatron_kl.rollout.http import ServerUnavailable, wait_healthy
 
 log = logging.getLogger(__name__)
+
+
+# What torchrun (torch.distributed.elastic) puts into a worker's environment: a server started by a trainer rank
+# is not a member of the trainer's world and must not join its rendezvous.
+TRAINER_WORLD_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                      "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def server_environment(environ) -> dict:
+    return {k: v for k, v in environ.items() if k not in TRAINER_WORLD_VARS and not k.startswith("TORCHELASTIC_")}
 
 
 class ManagedServer:
@@ -23,7 +33,7 @@ class ManagedServer:
         self.name, self.command, self.url = name, command, url
         self.log_path = Path(log_dir) / f"{name}.log"
         self.startup_timeout_s = startup_timeout_s
-        self.env = {**os.environ, **(env or {})}
+        self.env = {**server_environment(os.environ), **(env or {})}
         self.process: subprocess.Popen | None = None
         self.restarts = 0
 
@@ -40,7 +50,7 @@ class ManagedServer:
         except Exception as err:
             tail = "\n".join(self.log_path.read_text(errors="replace").splitlines()[-20:])
             self.stop()
-            raise RuntimeError(f"server {self.name} ({self.url}) did not start: {err}\n{tail}") from None
+            raise ServerUnavailable(f"server {self.name} ({self.url}) did not start: {err}\n{tail}") from None
         log.info("server %s up at %s (pid %d)", self.name, self.url, self.process.pid)
 
     def alive(self) -> bool:

@@ -27,6 +27,7 @@ import os
 import secrets
 import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional, Sequence
@@ -36,7 +37,7 @@ import requests.adapters
 
 from megatron_kl.rollout.config import SGLangConfig
 from megatron_kl.rollout.engine import FINISH_REASONS, Completion, SamplingConfig, check_completion
-from megatron_kl.rollout.http import CorruptResponse, RetryPolicy, ServerError, ServerUnavailable, call
+from megatron_kl.rollout.http import CorruptResponse, RetryPolicy, ServerError, ServerUnavailable, call, wait_healthy
 from megatron_kl.rollout.servers import ManagedServer
 
 log = logging.getLogger(__name__)
@@ -115,6 +116,21 @@ def server_command(cfg: SGLangConfig, model_path: str, port: int, seed: int, api
     return command + list(cfg.extra_args)
 
 
+def wait_for_servers(urls: Sequence[str], timeout_s: float) -> None:
+    """Given servers (``rollout.sglang.urls``) may still be loading when the trainer starts (a Slurm het job
+    starts both groups together): wait until every one answers ``GET /health``, all within one deadline."""
+    deadline = time.monotonic() + timeout_s
+    for url in urls:
+        try:
+            wait_healthy(url, max(0.0, deadline - time.monotonic()))
+        except ServerUnavailable:
+            raise ServerUnavailable(
+                f"rollout.sglang.urls: {url} did not answer GET /health with 200 within rollout.sglang."
+                f"startup_timeout_s={timeout_s:g}s; start that server (or fix the address) or raise the timeout"
+            ) from None
+        log.info("server %s is healthy", url)
+
+
 class SGLangEngine:
     """The rollout-engine protocol over SGLang HTTP servers (used from one trainer process)."""
 
@@ -134,6 +150,7 @@ class SGLangEngine:
         if cfg.urls:
             self.urls = list(cfg.urls)
             self.servers = [None] * len(self.urls)
+            wait_for_servers(self.urls, cfg.startup_timeout_s)
         else:
             if model_path is None:
                 raise ValueError("rollout.sglang: managed servers need a model path (rollout.sglang.model_path, "

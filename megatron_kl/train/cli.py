@@ -38,11 +38,17 @@ def main(config_path: str, overrides: list[str]) -> int:
     from megatron_kl.models import parallel
     from megatron_kl.train.loop import train
 
+    from megatron_kl.rollout.engine import EngineLost
+    from megatron_kl.train.preemption import REQUEUE_EXIT_CODE, Requeue
+
     try:
         summary = train(cfg)
     except ConfigError as err:
         print(f"megatron-kl train: config error: {err}", file=sys.stderr)
         return 2
+    except (Requeue, EngineLost) as err:  # a checkpoint is on disk (Requeue) or nothing was trained yet
+        print(f"megatron-kl train: {err}", file=sys.stderr)
+        return REQUEUE_EXIT_CODE
     finally:
         parallel.destroy()
     if int(os.environ.get("RANK", "0")) == 0:

@@ -65,6 +65,14 @@ class RunConfig:
     max_consecutive_skips: int = 3  # optimizer steps with a NaN/inf gradient skipped in a row before the run stops
     seed: int = 1234
     output_dir: str = "runs/default"
+    # signals that end the run with a checkpoint after the current step and exit code 75 (requeue + resume):
+    # SIGUSR1 is what the Slurm scripts request ahead of the time limit, SIGTERM comes with preemption/scancel
+    stop_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
+
+    def __post_init__(self):
+        from megatron_kl.train.preemption import check_signal_names
+
+        self.stop_signals = check_signal_names(self.stop_signals)
 
 
 @dataclass

@@ -7,6 +7,7 @@ import json
 import logging
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch.distributed as dist
 import yaml
@@ -19,7 +20,9 @@ from megatron_kl.train import checkpoint as ckpt
 from megatron_kl.train.config import TrainConfig, validate_train_config
 from megatron_kl.train.engines import build_engine
 from megatron_kl.train.evaluate import evaluate_all
+from megatron_kl.rollout.engine import EngineLost
 from megatron_kl.train.metrics import MetricsLogger, read_metrics
+from megatron_kl.train.preemption import Requeue, StopSignals
 from megatron_kl.train.rollouts import RolloutSource
 from megatron_kl.train.step import StepContext, rl_step
 from megatron_kl.train.warmstart import warm_start_state
@@ -108,47 +111,72 @@ def train(cfg: TrainConfig) -> dict:
         ckpt.set_rng_state(rank_state["rng"])
         source.load_state_dict(rank_state.get("rollouts"))
         log.info("resumed from %s at step %d", latest, start_step)
-    engine.update_weights(train_state.chunks, version=start_step)
 
     logger = MetricsLogger(run_dir, is_logger, cfg.logging.tensorboard, cfg.logging.wandb_project, cfg.run_name,
                            redact_secrets(to_dict(cfg)), cfg.logging.progress, cfg.train.steps, start_step)
     dp = (dp_rank, dp_size, dp_group)
+    stop = StopSignals(cfg.train.stop_signals)
+    saved = {start_step: latest} if resumed is not None else {}
+    finished = start_step
+
+    def save(done: int) -> Optional[Path]:
+        """The checkpoint of ``done`` finished steps (written once; none for step 0: nothing to lose)."""
+        if done not in saved and done > 0:
+            saved[done] = _save_checkpoint(cfg, run_dir, done, train_state, source, hf_source, tp_group)
+        return saved.get(done)
+
     try:
-        for step in range(start_step, cfg.train.steps):
-            step_start = time.perf_counter()
-            metrics = {}
-            if step == 0 or (cfg.eval.interval and step % cfg.eval.interval == 0):
-                metrics.update(_evaluate_all(cfg, engine, task, step, dp))
-            wait_start = time.perf_counter()
-            batch = source.get(step)
-            metrics["time/rollout_wait"] = time.perf_counter() - wait_start
-            metrics["time/rollout"] = batch.generate_seconds
-            metrics.update(rl_step(ctx, batch, step))
-            sync_start = time.perf_counter()
-            source.wait()
-            engine.update_weights(train_state.chunks, version=step + 1)
-            metrics["time/weight_sync"] = time.perf_counter() - sync_start
-            metrics["time/step"] = time.perf_counter() - step_start
-            metrics["throughput/tokens_per_s"] = batch.num_response_tokens * dp_size / metrics["time/step"]
-            logger.log(step, metrics)
-            logger.advance(step + 1, metrics)
-            done = step + 1
-            if done == cfg.train.steps or (cfg.checkpoint.interval and done % cfg.checkpoint.interval == 0):
-                rank_state = {"rng": ckpt.rng_state(), "rollouts": source.state_dict()}
-                saved = ckpt.save_checkpoint(run_dir / "checkpoints", done, train_state, {"run_name": cfg.run_name},
-                                             rank_state, keep=cfg.checkpoint.keep)
-                if cfg.checkpoint.export_hf:
-                    hf.export_hf([output_head.unwrap(c) for c in train_state.chunks], cfg.model, saved / "hf",
-                                 dtype=hf_source.dtype if hf_source is not None else cfg.model.params_dtype,
-                                 tp_group=tp_group, pp_group=parallel.pp_group(),
-                                 source_dir=hf_source.path if hf_source is not None else None)
+        try:
+            engine.update_weights(train_state.chunks, version=start_step)
+            for step in range(start_step, cfg.train.steps):
+                step_start = time.perf_counter()
+                metrics = {}
+                if step == 0 or (cfg.eval.interval and step % cfg.eval.interval == 0):
+                    metrics.update(_evaluate_all(cfg, engine, task, step, dp))
+                wait_start = time.perf_counter()
+                batch = source.get(step)
+                metrics["time/rollout_wait"] = time.perf_counter() - wait_start
+                metrics["time/rollout"] = batch.generate_seconds
+                metrics.update(rl_step(ctx, batch, step))
+                finished = step + 1  # RL steps whose update is applied (train_state.step counts optimizer steps)
+                sync_start = time.perf_counter()
+                try:
+                    source.wait()
+                    engine.update_weights(train_state.chunks, version=finished)
+                finally:  # the step is trained even if the servers are gone: its line is logged
+                    metrics["time/weight_sync"] = time.perf_counter() - sync_start
+                    metrics["time/step"] = time.perf_counter() - step_start
+                    metrics["throughput/tokens_per_s"] = batch.num_response_tokens * dp_size / metrics["time/step"]
+                    logger.log(step, metrics)
+                    logger.advance(step + 1, metrics)
+                if finished == cfg.train.steps or (cfg.checkpoint.interval and finished % cfg.checkpoint.interval == 0):
+                    save(finished)
+                signal_name = stop.agreed()
+                if signal_name and finished < cfg.train.steps:
+                    raise Requeue(f"received {signal_name}", finished, save(finished))
+        except EngineLost as err:
+            source.drop_unfinished()
+            raise Requeue(f"rollout engine lost: {err}", finished, save(finished)) from err
         final = _evaluate_all(cfg, engine, task, cfg.train.steps, dp)
         logger.log(cfg.train.steps, final)
     finally:
+        stop.close()
         source.close()
         engine.shutdown()
         logger.close()
     return _summary(cfg, run_dir, is_logger)
+
+
+def _save_checkpoint(cfg: TrainConfig, run_dir: Path, done: int, train_state, source, hf_source, tp_group) -> Path:
+    rank_state = {"rng": ckpt.rng_state(), "rollouts": source.state_dict()}
+    path = ckpt.save_checkpoint(run_dir / "checkpoints", done, train_state, {"run_name": cfg.run_name}, rank_state,
+                                keep=cfg.checkpoint.keep)
+    if cfg.checkpoint.export_hf:
+        hf.export_hf([output_head.unwrap(c) for c in train_state.chunks], cfg.model, path / "hf",
+                     dtype=hf_source.dtype if hf_source is not None else cfg.model.params_dtype,
+                     tp_group=tp_group, pp_group=parallel.pp_group(),
+                     source_dir=hf_source.path if hf_source is not None else None)
+    return path
 
 
 def _summary(cfg: TrainConfig, run_dir: Path, is_logger: bool) -> dict:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Optional
 
@@ -122,6 +122,15 @@ class RolloutSource:
         """Finish in-flight generation (before a weight sync or a checkpoint)."""
         for step, item in list(self.queue.items()):
             self.queue[step] = self._resolve(item)
+
+    def drop_unfinished(self) -> None:
+        """Forget queued generations that did not finish (the engine was lost); a resumed run makes them again
+        (the warm-up path of :meth:`get`). Completed batches stay for the checkpoint."""
+        for step, item in list(self.queue.items()):
+            if isinstance(item, Future):
+                wait([item])
+                if item.exception() is not None:
+                    del self.queue[step]
 
     def state_dict(self) -> dict:
         """Completed queued batches as plain data (tensors, numbers, strings, lists, dicts): checkpoints

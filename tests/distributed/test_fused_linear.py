@@ -9,6 +9,7 @@ import torch
 
 from megatron_kl.kl.fused_linear import fused_linear_stats
 from megatron_kl.testing.distributed import run_ranks
+from megatron_kl.testing.worlds import worlds
 from tests.distributed.fused_linear_workers import fused_linear_worker, make_case, single_pass_worker
 
 TOL = {"float64": 1e-10, "float32": 1e-5, "bfloat16": 3e-2}
@@ -52,7 +53,7 @@ def _rel(got, expected, floor=1.0):
     return ((got - expected).abs().max() / expected.abs().max().clamp_min(floor)).item()
 
 
-@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("world", worlds([1, 2, 4]))
 def test_fused_linear_matches_float64_and_unfused(world):
     cases = _cases()
     per_rank = run_ranks(fused_linear_worker, world, cases)
@@ -114,7 +115,7 @@ def test_bad_shapes_name_the_argument():
         fused_linear_stats(h, w, None, temperature=0.0)
 
 
-@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("world", worlds([1, 2]))
 def test_single_pass_gradients_equal_autograd(world):
     """model.fused_grad=in_forward's kernel: the same statistics and gradients as back-propagating through
     fused_linear_stats, for a row-separable nonlinear loss, with one probe per chunk."""

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from megatron_kl.testing.distributed import run_ranks
+from megatron_kl.testing.worlds import worlds
 from tests.distributed.vocab_workers import make_case, vocab_parallel_worker
 
 TOL = {"float64": 1e-12, "float32": 1e-5, "bfloat16": 2e-2}
@@ -47,7 +48,7 @@ def _reference(case):
     return {"logprobs": lp.detach(), "entropy": ent.detach(), "kl": kl.detach(), "grad": grad}, mask
 
 
-@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("world", worlds([1, 2, 4]))
 def test_matches_unsharded_float64_reference(world):
     cases = _cases()
     per_rank = run_ranks(vocab_parallel_worker, world, cases)

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from megatron_kl.testing.distributed import run_ranks
+from megatron_kl.testing.worlds import worlds
 from tests.distributed.accuracy_workers import (
     logits_inputs,
     logprob_entropy_worker,
@@ -62,7 +63,7 @@ def _gathered(per_rank, index, key):
     return torch.cat([r[index][key] for r in per_rank], dim=dim)
 
 
-@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("world", worlds([1, 2, 4]))
 def test_exact_kl_near_the_reference_has_small_relative_error(world):
     cases = _near_reference_cases()
     per_rank = run_ranks(near_reference_worker, world, cases)
@@ -106,7 +107,7 @@ def _errors_of_naive_fp32(case):
     return truth, naive
 
 
-@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("world", worlds([1, 2, 4]))
 def test_logprobs_and_entropy_at_most_twice_naive_fp32_error(world):
     cases = _logprob_entropy_cases()
     per_rank = run_ranks(logprob_entropy_worker, world, cases)

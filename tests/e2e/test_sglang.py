@@ -189,8 +189,11 @@ def test_stale_weight_version_and_dead_external_server(clean, tmp_path, monkeypa
     external.weight_version = 99  # the server holds another version than this client pushed
     with pytest.raises(ResponseError, match="weight_version"):
         external.generate(PROMPTS[:2], SAMPLING, seed=0)
-    dead = SGLangEngine(SGLangConfig(urls=["http://127.0.0.1:9"], max_retries=1, backoff_s=0.01),
-                        FromTensor(SGLangConfig()))
+    with pytest.raises(ServerUnavailable, match="http://127.0.0.1:9 did not answer GET /health"):
+        SGLangEngine(SGLangConfig(urls=["http://127.0.0.1:9"], startup_timeout_s=0.5), FromTensor(SGLangConfig()))
+    # a given server that dies after the start: not restarted from here, an error saying so
+    dead = SGLangEngine(SGLangConfig(urls=[clean.urls[0]], max_retries=1, backoff_s=0.01), FromTensor(SGLangConfig()))
+    dead.urls = ["http://127.0.0.1:9"]
     with pytest.raises(ServerUnavailable, match="not managed here"):
         dead.generate(PROMPTS[:2], SAMPLING, seed=0)
 
@@ -347,3 +350,39 @@ def test_managed_servers_get_a_per_engine_api_key(tmp_path, models, monkeypatch)
         assert requests.get(engine.urls[0] + "/health", timeout=30).status_code == 200
     finally:
         engine.shutdown()
+
+
+def test_given_urls_are_waited_for_until_healthy(tmp_path, models):
+    """rollout.sglang.urls (servers of a Slurm het job start with the trainer): the engine waits for every
+    server's /health within startup_timeout_s, and names the URL and the setting when one never answers."""
+    import subprocess
+    import threading
+    import time
+
+    import requests
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    start = time.monotonic()
+    with pytest.raises(ServerUnavailable, match=rf"{url} did not answer GET /health .*startup_timeout_s=1s"):
+        SGLangEngine(SGLangConfig(urls=[url], startup_timeout_s=1), FromTensor(SGLangConfig()))
+    assert time.monotonic() - start >= 1
+    started = {}
+
+    def start_late():
+        time.sleep(2)
+        started["proc"] = subprocess.Popen([sys.executable, "-m", TEST_SERVER, "--model-path", str(models["a"]),
+                                            "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    late = threading.Thread(target=start_late)
+    start = time.monotonic()
+    late.start()
+    try:
+        engine = SGLangEngine(SGLangConfig(urls=[url], startup_timeout_s=120), FromTensor(SGLangConfig()))
+        assert time.monotonic() - start >= 2  # it waited for the late server
+        assert requests.get(url + "/health", timeout=10).status_code == 200
+        engine.shutdown()
+    finally:
+        late.join()
+        started["proc"].kill()
+        started["proc"].wait()

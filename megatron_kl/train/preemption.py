@@ -1,0 +1,81 @@
+"""Stopping a run cleanly: on a signal (Slurm's time limit or preemption) or when the rollout servers are lost.
+
+Slurm sends ``--signal=USR1@<lead>`` seconds before the time limit (the sbatch scripts request it) and SIGTERM on
+preemption or ``scancel``; torchrun forwards both to its workers (``PET_SIGNALS_TO_HANDLE``). The handler only
+records the signal. At the end of every step the ranks agree (one MAX all-reduce) whether any rank got one; if
+so the trainer writes a checkpoint of the finished step and stops with :class:`Requeue`. A rollout engine that
+stays unavailable after its retries and restarts (:class:`megatron_kl.rollout.engine.EngineLost`, raised on
+every rank together) ends the same way, with the checkpoint of the last finished step. ``megatron-kl train``
+exits with :data:`REQUEUE_EXIT_CODE`: nonzero, so NeMo-Run's sbatch script requeues the job
+(``launch.slurm.retries``) and the restarted run resumes from that checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger("megatron_kl.train")
+
+REQUEUE_EXIT_CODE = 75  # EX_TEMPFAIL: stopped early with a checkpoint; run the same command again to resume
+SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP")
+
+
+class Requeue(Exception):
+    """The run stopped before ``train.steps`` after writing a checkpoint; a restart resumes it."""
+
+    def __init__(self, reason: str, step: int, checkpoint):
+        where = f"checkpoint {checkpoint}" if checkpoint is not None else "no step finished, nothing to save"
+        super().__init__(f"stopped after step {step} ({reason}); {where}; run the same command again "
+                         f"(exit code {REQUEUE_EXIT_CODE} requeues a Slurm job) to resume")
+        self.reason, self.step, self.checkpoint = reason, step, checkpoint
+
+
+def check_signal_names(names: Sequence[str], where: str = "train.stop_signals") -> list[str]:
+    from megatron_kl.config import ConfigError
+
+    if isinstance(names, str) or not all(isinstance(n, str) for n in names):
+        raise ConfigError(f"{where}={names!r} must be a list of signal names, e.g. [SIGTERM, SIGUSR1]")
+    unknown = [n for n in names if n not in SIGNALS]
+    if unknown:
+        raise ConfigError(f"{where}: {unknown} cannot stop a run; use some of {list(SIGNALS)}")
+    return list(names)
+
+
+class StopSignals:
+    """Records the first of ``names`` this process receives (handlers installed from the main thread only;
+    the previous handlers come back on :meth:`close`)."""
+
+    def __init__(self, names: Sequence[str]):
+        self.received: Optional[int] = None
+        self._previous: dict[int, object] = {}
+        if threading.current_thread() is not threading.main_thread():
+            log.warning("stop signals %s not handled: the trainer does not run in the main thread", list(names))
+            return
+        for name in check_signal_names(names):
+            sig = getattr(signal, name)
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        if self.received is None:
+            self.received = signum
+
+    def agreed(self, group=None) -> Optional[str]:
+        """Collective over ``group`` (default: the world): the signal some rank received, or None."""
+        value = self.received or 0
+        if dist.is_initialized() and dist.get_world_size(group) > 1:
+            device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
+            flag = torch.tensor([value], dtype=torch.int64, device=device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+            value = int(flag.item())
+        return signal.Signals(value).name if value else None
+
+    def close(self) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        self._previous = {}
