@@ -3,8 +3,11 @@
 Per token, with rho = pi_theta / pi_old (pi_old: the policy at the start of the update), advantage A:
 
   ppo   max(-A rho, -A clip(rho, 1 - clip_low, 1 + clip_high)), and for A < 0 at most -A * dual_clip
-        (dual clip, Ye et al. 2020); times the truncated behaviour weight min(pi_old / mu, tis_cap) when
-        behavior_correction='tis' (mu: the rollout engine's sampler, stale in async mode).
+        (dual clip, Ye et al. 2020); times the behaviour correction c_t of algo.behavior_correction
+        (megatron_kl.algo.corrections: truncated / masked IS per token or sequence, ICEPOP; mu is the
+        rollout engine's sampler, stale in async mode). algo.ratio_level=sequence (GSPO): rho is the
+        sequence's length-normalised ratio exp(mean_t log(pi_theta/pi_old)), clipped per sequence and
+        shared by its tokens.
   rpg   the RPG loss of megatron_kl.kl.rpg (its own KL term; kl.coef must then be 0).
 
 KL, as configured by KLConfig (megatron_kl.kl.objective):
@@ -23,13 +26,15 @@ from typing import Optional
 
 import torch
 
+from megatron_kl.algo.corrections import CORRECTIONS, behavior_weights
 from megatron_kl.config import ConfigError
 from megatron_kl.kl.estimators import ClampCounter, clamp_log_ratio
-from megatron_kl.kl.objective import AGGREGATIONS, KLConfig, aggregate_tokens, kl_loss, policy_gradient_surrogate
+from megatron_kl.kl.objective import (AGGREGATIONS, KLConfig, aggregate_tokens, kl_loss,
+                                     policy_gradient_surrogate)
 from megatron_kl.kl.rpg import RPGConfig, rpg_loss
 
 LOSSES = ("ppo", "rpg")
-BEHAVIOR_CORRECTIONS = ("none", "tis")
+RATIO_LEVELS = ("token", "sequence")
 
 
 @dataclass
@@ -44,15 +49,19 @@ class AlgoConfig:
     entropy_coef: float = 0.0
     ppo_epochs: int = 1
     minibatches: int = 1  # optimizer steps per epoch
-    behavior_correction: str = "none"  # none | tis: truncated pi_old/mu weight on the policy loss
-    tis_cap: float = 2.0
+    behavior_correction: str = "none"  # megatron_kl.algo.corrections.CORRECTIONS
+    tis_cap: float = 2.0  # truncation of token_tis / sequence_tis
+    mask_low: float = 0.5  # band kept by token_mask / sequence_mask / geometric_mask / icepop
+    mask_high: float = 2.0
+    ratio_level: str = "token"  # token: PPO's per-token ratio; sequence: GSPO's length-normalised sequence ratio
+    norm_length: Optional[float] = None  # aggregation=seq_mean_token_sum_norm (Dr. GRPO); default max_new_tokens
     rpg: RPGConfig = field(default_factory=RPGConfig)
 
     def __post_init__(self):
         from megatron_kl.algo.advantages import ESTIMATORS
 
         for name, allowed in (("advantage", ESTIMATORS), ("loss", LOSSES), ("aggregation", AGGREGATIONS),
-                              ("behavior_correction", BEHAVIOR_CORRECTIONS)):
+                              ("behavior_correction", CORRECTIONS), ("ratio_level", RATIO_LEVELS)):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"algo.{name}={getattr(self, name)!r} is unknown; use one of {list(allowed)}")
         if self.clip_low < 0 or self.clip_high < 0:
@@ -63,6 +72,11 @@ class AlgoConfig:
             raise ConfigError("algo.ppo_epochs and algo.minibatches must be >= 1")
         if self.tis_cap <= 0:
             raise ConfigError(f"algo.tis_cap={self.tis_cap} must be > 0")
+        if not 0 <= self.mask_low < 1 < self.mask_high:
+            raise ConfigError(f"algo.mask_low={self.mask_low}, algo.mask_high={self.mask_high}: the kept band must "
+                              "contain 1 (0 <= mask_low < 1 < mask_high)")
+        if self.norm_length is not None and self.norm_length <= 0:
+            raise ConfigError(f"algo.norm_length={self.norm_length} must be > 0 (null: rollout.sampling.max_new_tokens)")
 
     @property
     def name(self) -> str:
@@ -86,8 +100,10 @@ def ppo_loss(logprobs, old_logprobs, advantages, mask, cfg: AlgoConfig, behavior
              counter: Optional[ClampCounter] = None):
     """Per-token PPO-clip loss [B, T] (masked positions 0) and the clipped-token indicator."""
     m = mask.bool()
-    log_ratio = clamp_log_ratio(torch.where(m, logprobs - old_logprobs.detach(), torch.zeros_like(logprobs)),
-                                20.0, mask, counter, "ppo_ratio")
+    log_ratio = torch.where(m, logprobs - old_logprobs.detach(), torch.zeros_like(logprobs))
+    if cfg.ratio_level == "sequence":  # GSPO: exp(mean_t log ratio), the same on every token of the sequence
+        log_ratio = (log_ratio.sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp_min(1)).expand_as(log_ratio)
+    log_ratio = clamp_log_ratio(log_ratio, 20.0, mask, counter, "ppo_ratio")
     ratio = torch.exp(log_ratio)
     adv = advantages.detach()
     unclipped = -adv * ratio
@@ -105,13 +121,15 @@ def ppo_loss(logprobs, old_logprobs, advantages, mask, cfg: AlgoConfig, behavior
     return torch.where(m, loss, zero), was_clipped & m, torch.where(m, ratio.detach(), zero)
 
 
-def row_separable(kl: KLConfig) -> bool:
+def row_separable(kl: KLConfig, algo: Optional[AlgoConfig] = None) -> bool:
     """Whether the microbatch loss is sum_t w_t l_t(logprob_t, H_t, KL_t) with fixed weights, i.e. its
     gradient w.r.t. row t's statistics depends on row t only: PPO-clip (with TIS), the RPG losses (both
     surrogates: per-token importance weights and divergence terms, fixed aggregation weights), the entropy
     bonus, any KL in the reward (the credited values are fixed inputs), a token-level KL in the loss without
     per-decision weights. Not: a sequence-level KL in the loss (its gradient at t carries the other tokens'
-    log-ratios through k'(D)), per-decision prefix weights in the loss."""
+    log-ratios through k'(D)), per-decision prefix weights in the loss, a sequence-level (GSPO) ratio."""
+    if algo is not None and algo.ratio_level == "sequence":
+        return False
     if kl.coef > 0 and kl.placement == "loss" and (kl.level != "token" or kl.off_policy == "per_decision"):
         return False
     return True
@@ -129,7 +147,7 @@ class MicrobatchLoss:
 
     @property
     def row_separable(self) -> bool:
-        return row_separable(self.kl)
+        return row_separable(self.kl, self.algo)
 
     def __call__(self, stats, mb: dict):
         return microbatch_loss(stats, mb, self.algo, self.kl, self.shares, self.counter)
@@ -149,12 +167,11 @@ def microbatch_loss(stats, mb: dict, algo: AlgoConfig, kl: KLConfig, shares: Sha
     logprobs = stats.logprobs
     metrics: dict = {}
     if algo.loss == "ppo":
-        weight = None
-        if algo.behavior_correction == "tis":
-            log_w = clamp_log_ratio(mb["old_logprobs"] - mb["behavior_logprobs"], 20.0, mask, counter, "tis")
-            weight = torch.exp(log_w).clamp(max=algo.tis_cap)
+        weight, correction = behavior_weights(algo.behavior_correction, mb["old_logprobs"], mb["behavior_logprobs"],
+                                              mask, algo.tis_cap, algo.mask_low, algo.mask_high, counter)
+        metrics.update(correction)
         per_token, clipped, ratio = ppo_loss(logprobs, mb["old_logprobs"], mb["advantages"], mask, algo, weight, counter)
-        policy = aggregate_tokens(per_token, mask, algo.aggregation)
+        policy = aggregate_tokens(per_token, mask, algo.aggregation, algo.norm_length)
         metrics["policy/clip_fraction"] = clipped.sum().float() / mask.sum().clamp_min(1)
         metrics["policy/ratio_max"] = ratio.max()
     else:
@@ -173,7 +190,7 @@ def microbatch_loss(stats, mb: dict, algo: AlgoConfig, kl: KLConfig, shares: Sha
         total = total + kl_term * shares.factor(kl.aggregation, mask)
         metrics["loss/kl_term"] = kl_term.detach()
     if algo.entropy_coef:
-        entropy = aggregate_tokens(stats.entropy, mask, algo.aggregation)
+        entropy = aggregate_tokens(stats.entropy, mask, algo.aggregation, algo.norm_length)
         total = total - algo.entropy_coef * entropy * shares.factor(algo.aggregation, mask)
     metrics["loss/policy"] = policy.detach()
     metrics["loss/total"] = total.detach()

@@ -45,7 +45,10 @@ PLACEMENTS = ("reward", "loss")
 LEVELS = ("token", "sequence")
 CREDITS = ("reward_to_go", "immediate")
 OFF_POLICY = ("none", "token_is", "per_decision")
-AGGREGATIONS = ("seq_mean_token_sum", "token_mean", "seq_mean_token_mean")
+# seq_mean_token_sum_norm (Dr. GRPO): each sequence's token sum divided by a fixed length ``norm_length``
+# (the trainer sets rollout.sampling.max_new_tokens unless algo.norm_length is given), then the mean over
+# sequences: no length-dependent weight per token, unlike token_mean and seq_mean_token_mean.
+AGGREGATIONS = ("seq_mean_token_sum", "token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 
 
 def _choice(name: str, value, allowed) -> None:
@@ -64,6 +67,7 @@ class KLConfig:
     clamp: Optional[float] = 20.0  # |log-ratio| bound before any exp (k3, importance weights)
     truncate: Optional[float] = None  # cap on per-decision weights rho_{1:t}
     aggregation: str = "seq_mean_token_sum"
+    norm_length: Optional[float] = None  # the constant of aggregation='seq_mean_token_sum_norm'
 
     def __post_init__(self):
         _choice("estimator", self.estimator, ESTIMATORS)
@@ -71,6 +75,8 @@ class KLConfig:
         _choice("level", self.level, LEVELS)
         _choice("off_policy", self.off_policy, OFF_POLICY)
         _choice("aggregation", self.aggregation, AGGREGATIONS)
+        if self.norm_length is not None and self.norm_length <= 0:  # None: set by the trainer, or an error when used
+            raise ValueError(f"KLConfig.norm_length={self.norm_length} must be > 0")
         if self.credit is not None:
             _choice("credit", self.credit, CREDITS)
             if self.placement != "reward":
@@ -134,12 +140,22 @@ class KLConfig:
 # helpers
 
 
-def aggregate_tokens(values: torch.Tensor, mask: torch.Tensor, aggregation: str) -> torch.Tensor:
+def check_norm_length(aggregation: str, norm_length, where: str) -> None:
+    if norm_length is not None and norm_length <= 0:
+        raise ValueError(f"{where}.norm_length={norm_length} must be > 0")
+    if aggregation == "seq_mean_token_sum_norm" and norm_length is None:
+        raise ValueError(f"{where}.aggregation='seq_mean_token_sum_norm' divides by a fixed length: set "
+                         f"{where}.norm_length (the trainer uses rollout.sampling.max_new_tokens)")
+
+
+def aggregate_tokens(values: torch.Tensor, mask: torch.Tensor, aggregation: str,
+                     norm_length: Optional[float] = None) -> torch.Tensor:
     """Reduce per-token values [B, T] (masked positions are zeroed here) to a scalar."""
-    return aggregate_sequences((values * mask.to(values.dtype)).sum(-1), mask, aggregation)
+    return aggregate_sequences((values * mask.to(values.dtype)).sum(-1), mask, aggregation, norm_length)
 
 
-def aggregate_sequences(values: torch.Tensor, mask: torch.Tensor, aggregation: str) -> torch.Tensor:
+def aggregate_sequences(values: torch.Tensor, mask: torch.Tensor, aggregation: str,
+                        norm_length: Optional[float] = None) -> torch.Tensor:
     """Reduce per-sequence values [B] (each the sum over that sequence's tokens) to a scalar."""
     m = mask.to(values.dtype)
     batch = values.shape[0]
@@ -149,6 +165,9 @@ def aggregate_sequences(values: torch.Tensor, mask: torch.Tensor, aggregation: s
         return values.sum() / m.sum().clamp_min(1.0)
     if aggregation == "seq_mean_token_mean":
         return (values / m.sum(-1).clamp_min(1.0)).sum() / batch
+    if aggregation == "seq_mean_token_sum_norm":
+        check_norm_length(aggregation, norm_length, "aggregation")
+        return values.sum() / (batch * norm_length)
     raise ValueError(f"aggregation={aggregation!r} is unknown; use one of {list(AGGREGATIONS)}")
 
 
@@ -214,23 +233,23 @@ def kl_loss(
     if cfg.estimator == "full":
         kl_t = _masked(full_kl, mask)
         if cfg.level == "token":
-            return cfg.coef * aggregate_tokens(kl_t, mask, cfg.aggregation)
+            return cfg.coef * aggregate_tokens(kl_t, mask, cfg.aggregation, cfg.norm_length)
         if cfg.off_policy == "per_decision":
             rho_prev = _prefix_weights(cfg, logprobs, behavior_logprobs, mask, inclusive=False, counter=counter)
             pathwise = rho_prev * kl_t
         else:
             pathwise = kl_t
         future = reverse_cumsum(pathwise.detach()) - pathwise.detach()  # sum_{s>t}
-        return cfg.coef * aggregate_tokens(pathwise + lp * future, mask, cfg.aggregation)
+        return cfg.coef * aggregate_tokens(pathwise + lp * future, mask, cfg.aggregation, cfg.norm_length)
     if cfg.level == "sequence":
         total = d.sum(-1)
         values = token_estimate(cfg.estimator, total, cfg.clamp, mask.any(-1), counter)
-        return cfg.coef * aggregate_sequences(values, mask, cfg.aggregation)
+        return cfg.coef * aggregate_sequences(values, mask, cfg.aggregation, cfg.norm_length)
     values = token_estimate(cfg.estimator, d, cfg.clamp, mask, counter)
     if cfg.off_policy == "token_is":
         log_w = clamp_log_ratio(lp - _masked(behavior_logprobs.detach(), mask), cfg.clamp, mask, counter, "token_is")
         values = torch.exp(log_w) * values
-    return cfg.coef * aggregate_tokens(_masked(values, mask), mask, cfg.aggregation)
+    return cfg.coef * aggregate_tokens(_masked(values, mask), mask, cfg.aggregation, cfg.norm_length)
 
 
 @torch.no_grad()
@@ -312,4 +331,4 @@ def policy_gradient_surrogate(
         weighted = torch.exp(log_w) * values
     else:
         weighted = lp * values
-    return aggregate_tokens(weighted, mask, cfg.aggregation)
+    return aggregate_tokens(weighted, mask, cfg.aggregation, cfg.norm_length)

@@ -45,11 +45,14 @@ class RPGConfig:
     dual_clip: Optional[float] = 3.0
     clamp: Optional[float] = 20.0
     aggregation: str = "token_mean"
+    norm_length: Optional[float] = None  # aggregation='seq_mean_token_sum_norm' (the trainer sets it)
 
     def __post_init__(self):
         for name, allowed in (("divergence", DIVERGENCES), ("surrogate", SURROGATES), ("aggregation", AGGREGATIONS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"RPGConfig.{name}={getattr(self, name)!r} is unknown; use one of {list(allowed)}")
+        if self.norm_length is not None and self.norm_length <= 0:
+            raise ValueError(f"RPGConfig.norm_length={self.norm_length} must be > 0")
         if self.dual_clip is not None and self.dual_clip <= 1.0:
             raise ValueError(f"RPGConfig.dual_clip={self.dual_clip} must be > 1 (or None)")
         if self.surrogate == "differentiable" and any(
@@ -90,8 +93,8 @@ def rpg_loss(
             "ufkl": u * (ref - lp) - u + w,
         }[cfg.divergence]
         per_token = -w * adv + cfg.coef * term
-        metrics = {"rpg/kl_term": aggregate_tokens(torch.where(m, term, zero).detach(), mask, cfg.aggregation)}
-        return aggregate_tokens(torch.where(m, per_token, zero), mask, cfg.aggregation), metrics
+        metrics = {"rpg/kl_term": aggregate_tokens(torch.where(m, term, zero).detach(), mask, cfg.aggregation, cfg.norm_length)}
+        return aggregate_tokens(torch.where(m, per_token, zero), mask, cfg.aggregation, cfg.norm_length), metrics
 
     w_d = w.detach()
     g_kl = {
@@ -113,6 +116,6 @@ def rpg_loss(
     per_token = -weight * lp
     metrics = {
         "rpg/clip_fraction": inactive.sum() / m.sum().clamp_min(1),
-        "rpg/kl_coefficient": aggregate_tokens(torch.where(m, g_kl, zero), mask, cfg.aggregation),
+        "rpg/kl_coefficient": aggregate_tokens(torch.where(m, g_kl, zero), mask, cfg.aggregation, cfg.norm_length),
     }
-    return aggregate_tokens(torch.where(m, per_token, zero), mask, cfg.aggregation), metrics
+    return aggregate_tokens(torch.where(m, per_token, zero), mask, cfg.aggregation, cfg.norm_length), metrics

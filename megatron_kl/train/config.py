@@ -115,6 +115,18 @@ class TrainConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)  # read by `megatron-kl launch` only
 
+    def __post_init__(self):
+        """One fixed length for the Dr. GRPO aggregation of the policy loss and the KL term (and RPG's):
+        algo.norm_length, by default rollout.sampling.max_new_tokens; logged with the config."""
+        import dataclasses
+
+        length = self.algo.norm_length or self.rollout.sampling.max_new_tokens
+        self.algo.norm_length = length
+        if self.algo.rpg.norm_length is None:
+            self.algo.rpg = dataclasses.replace(self.algo.rpg, norm_length=length)
+        if self.kl.norm_length is None:
+            self.kl = dataclasses.replace(self.kl, norm_length=length)
+
     @property
     def run_name(self) -> str:
         """Names every configuration axis that the estimator study varies."""
@@ -161,9 +173,10 @@ def validate_train_config(cfg: TrainConfig, tokenizer_vocab: int, data_parallel:
     for section in ("eval", "checkpoint"):
         if getattr(cfg, section).interval < 0:
             raise ConfigError(f"{section}.interval={getattr(cfg, section).interval} must be >= 0 (0: only at the end)")
-    if cfg.model.fused_grad == "in_forward" and not row_separable(cfg.kl):
+    if cfg.model.fused_grad == "in_forward" and not row_separable(cfg.kl, cfg.algo):
         raise ConfigError("model.fused_grad=in_forward needs a row-separable loss (PPO or RPG with the KL in the "
-                          "reward or a token-level KL in the loss, no per-decision weights); use auto or recompute")
+                          "reward or a token-level KL in the loss, no per-decision weights, algo.ratio_level=token); use auto or "
+                          "recompute")
     if cfg.eval.k < 1:
         raise ConfigError(f"eval.k={cfg.eval.k} must be >= 1")
     _check_timeouts(cfg)

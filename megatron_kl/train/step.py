@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_kl.algo.advantages import sequence_advantages
+from megatron_kl.algo.corrections import mismatch_metrics
 from megatron_kl.algo.losses import MicrobatchLoss, Shares
 from megatron_kl.kl.estimators import ClampCounter
 from megatron_kl.kl.objective import kl_shaped_returns
@@ -85,12 +86,10 @@ def kl_metrics(logprobs, reference_logprobs, exact_kl, mask) -> dict:
 
 def rollout_metrics(batch: RolloutBatch, old_logprobs: torch.Tensor, step: int) -> dict:
     mask = batch.loss_mask
-    log_ratio = (old_logprobs - batch.behavior_logprobs) * mask
-    mismatch = log_ratio.abs()
-    ratio = torch.exp(log_ratio.clamp(-20, 20))
+    mismatch = ((old_logprobs - batch.behavior_logprobs) * mask).abs()
     staleness = (step - batch.weight_versions).float()
-    masked_ratio = torch.where(mask.bool(), ratio, torch.ones_like(ratio))
     return {
+        **mismatch_metrics(old_logprobs, batch.behavior_logprobs, mask),
         "reward/mean": float(batch.rewards.mean()),
         "reward/std": float(batch.rewards.std(unbiased=False)),
         "reward/accuracy": float((batch.rewards >= 1.0).float().mean()),
@@ -98,9 +97,6 @@ def rollout_metrics(batch: RolloutBatch, old_logprobs: torch.Tensor, step: int) 
         "response/stopped_fraction": sum(c.finish_reason == "stop" for c in batch.completions) / len(batch.completions),
         "mismatch/abs_logprob_mean": _masked_mean(mismatch, mask),
         "mismatch/abs_logprob_max": float(mismatch.max()),
-        "is/ratio_mean": _masked_mean(ratio, mask),
-        "is/ratio_max": float(masked_ratio.max()),
-        "is/ratio_min": float(masked_ratio.min()),
         "staleness/mean": float(staleness.mean()),
         "staleness/max": float(staleness.max()),
     }

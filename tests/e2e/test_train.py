@@ -306,3 +306,34 @@ def test_checkpoint_keep_below_one_is_a_config_error(tmp_path, warm_cache):
     code, output = Run(tmp_path / "keep.log", "--config", str(DEFAULT), f"train.output_dir={tmp_path / 'o'}",
                        "checkpoint.keep=-1").wait()
     assert code == 2 and "checkpoint.keep=-1 must be >= 1" in output
+
+
+CORRECTION_CONFIGS = [
+    ["algo.behavior_correction=token_tis"], ["algo.behavior_correction=sequence_tis", "algo.tis_cap=4.0"],
+    ["algo.behavior_correction=token_mask"], ["algo.behavior_correction=sequence_mask", "algo.mask_high=10.0"],
+    ["algo.behavior_correction=geometric_mask"], ["algo.behavior_correction=icepop", "algo.mask_high=5.0"],
+    ["algo.ratio_level=sequence", "algo.clip_low=0.003", "algo.clip_high=0.004",
+     "algo.aggregation=seq_mean_token_mean"],
+    ["algo.aggregation=seq_mean_token_sum_norm", "kl.aggregation=seq_mean_token_sum_norm",
+     "kl.estimator=k3", "kl.placement=loss", "kl.off_policy=token_is"],
+]
+
+
+@pytest.mark.parametrize("overrides", CORRECTION_CONFIGS, ids=lambda o: "-".join(x.split("=")[1] for x in o[:1]))
+def test_rollout_corrections_train_asynchronously(tmp_path, warm_cache, overrides):
+    """Each correction (and GSPO's ratio, Dr. GRPO's aggregation) at staleness 2: finite steps, the
+    correction's and the sampler-mismatch metrics logged, and the stale sampler really is corrected for."""
+    cfg = short_config(tmp_path, warm_cache, "train.steps=3", "train.staleness=2", *overrides)
+    steps = [r for r in run_ranks(train_worker, 1, cfg, timeout_s=300)[0]["metrics"] if "reward/mean" in r]
+    assert [r["step"] for r in steps] == [0, 1, 2]
+    assert steps[-1]["staleness/max"] == 2.0
+    for record in steps:
+        for key in ("loss/total", "grad_norm", "mismatch/k1_token", "mismatch/k3_token", "is/ratio_min",
+                    "is/ratio_max", "is/ratio_mean"):
+            assert record.get(key) is not None, (key, record["step"])
+    assert steps[-1]["mismatch/k3_token"] > 0  # a stale sampler
+    if "correction" in overrides[0]:
+        assert all(r.get("correction/weight_mean") is not None for r in steps)
+        assert all(r.get("correction/masked_fraction") is not None for r in steps)
+    saved = yaml.safe_load((tmp_path / "config.yaml").read_text())
+    assert saved["algo"]["norm_length"] == saved["rollout"]["sampling"]["max_new_tokens"]

@@ -1,0 +1,87 @@
+"""Behaviour (rollout) corrections: weights on the per-token policy loss for samples drawn from the rollout
+engine's sampler mu instead of pi_old (a stale policy in async mode, another numeric stack in any mode).
+
+With the per-token ratio w_t = pi_old(y_t|s_t) / mu(y_t|s_t) (from the trainer's recomputed log-probs and the
+engine's behaviour log-probs) and the sequence ratio W = prod_t w_t (log-space sum over response tokens),
+``algo.behavior_correction`` picks the weight c_t multiplying token t's policy loss:
+
+  none            c_t = 1
+  token_tis       c_t = min(w_t, tis_cap)                      truncated IS per token (``tis`` is its old name)
+  sequence_tis    c_t = min(W, tis_cap)                        truncated IS per sequence
+  token_mask      c_t = 1[mask_low <= w_t <= mask_high]        masked IS: drop tokens whose ratio is extreme
+  sequence_mask   c_t = 1[mask_low <= W <= mask_high]          drop whole sequences
+  geometric_mask  c_t = 1[mask_low <= W^(1/|y|) <= mask_high]  length-normalised (geometric mean) sequence mask
+  icepop          c_t = w_t * 1[mask_low <= w_t <= mask_high]  IS weight, tokens outside the band masked
+
+Truncation and masking trade the bias of E_mu[c * grad] against its variance; only untruncated IS (cap -> inf)
+is unbiased for the on-policy gradient. How the weights meet the KL term is the KL config's business
+(``kl.off_policy``), see ``docs/kl-math.md``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from megatron_kl.kl.estimators import ClampCounter, clamp_log_ratio
+
+CORRECTIONS = ("none", "tis", "token_tis", "sequence_tis", "token_mask", "sequence_mask", "geometric_mask", "icepop")
+LOG_RATIO_CLAMP = 20.0
+
+
+def canonical(kind: str) -> str:
+    return "token_tis" if kind == "tis" else kind
+
+
+def behavior_weights(kind: str, old_logprobs: torch.Tensor, behavior_logprobs: torch.Tensor, mask: torch.Tensor,
+                     tis_cap: float, mask_low: float, mask_high: float,
+                     counter: Optional[ClampCounter] = None) -> tuple[Optional[torch.Tensor], dict]:
+    """(c [B, T] detached, or None for 'none'; metrics) for the correction ``kind`` (module docstring).
+
+    Metrics: ``correction/truncated_fraction`` and ``correction/masked_fraction`` (of response tokens),
+    ``correction/weight_mean``."""
+    kind = canonical(kind)
+    m = mask.bool()
+    if kind == "none":
+        return None, {}
+    log_w = clamp_log_ratio(torch.where(m, old_logprobs - behavior_logprobs, torch.zeros_like(old_logprobs)),
+                            LOG_RATIO_CLAMP, mask, counter, "behavior_ratio").detach()
+    tokens = m.sum().clamp_min(1)
+    log_seq = log_w.sum(-1, keepdim=True).expand_as(log_w)  # log W, on every token of the sequence
+    if kind in ("token_tis", "sequence_tis"):
+        ratio = torch.exp(log_w if kind == "token_tis" else log_seq.clamp(max=LOG_RATIO_CLAMP))
+        weight = ratio.clamp(max=tis_cap)
+        kept = torch.ones_like(m)
+        truncated = (ratio > tis_cap) & m
+    else:
+        if kind in ("token_mask", "icepop"):
+            tested = log_w
+        elif kind == "sequence_mask":
+            tested = log_seq
+        else:  # geometric_mask: the mean log-ratio over the sequence's response tokens
+            tested = (log_w.sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp_min(1)).expand_as(log_w)
+        value = torch.exp(tested.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+        kept = (value >= mask_low) & (value <= mask_high)
+        weight = kept.to(log_w.dtype) * (torch.exp(log_w) if kind == "icepop" else 1.0)
+        truncated = torch.zeros_like(m)
+    weight = torch.where(m, weight, torch.zeros_like(weight))
+    metrics = {"correction/truncated_fraction": truncated.sum() / tokens,
+               "correction/masked_fraction": (~kept & m).sum() / tokens,
+               "correction/weight_mean": weight.sum() / tokens}
+    return weight, metrics
+
+
+def mismatch_metrics(old_logprobs: torch.Tensor, behavior_logprobs: torch.Tensor, mask: torch.Tensor) -> dict:
+    """KL(mu || pi_old) per response token, estimated on mu's samples: k1 = log mu - log pi_old and
+    k3 = w - 1 - log w with w = pi_old / mu; and the ratio w's mean / min / max over response tokens."""
+    m = mask.bool()
+    log_w = torch.where(m, old_logprobs - behavior_logprobs, torch.zeros_like(old_logprobs)).clamp(
+        -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    w = torch.exp(log_w)
+    tokens = m.sum().clamp_min(1)
+    k3 = torch.where(m, w - 1 - log_w, torch.zeros_like(w))
+    inside = w[m] if m.any() else torch.ones(1)
+    return {"mismatch/k1_token": float((-log_w).sum() / tokens), "mismatch/k3_token": float(k3.sum() / tokens),
+            "is/ratio_mean": float(w[m].mean()) if m.any() else 1.0,
+            "is/ratio_min": float(inside.min()), "is/ratio_max": float(inside.max())}
