@@ -28,6 +28,7 @@ from megatron_kl.rollout.engine import Completion, EngineLost, SamplingConfig
 from megatron_kl.rollout.http import ServerUnavailable
 
 LOST = "engine_lost"  # scattered / broadcast in place of a result when rank 0's servers are lost
+FAILED = "engine_failed"  # ... when rank 0's engine raised anything else (the other ranks raise too)
 
 
 class DistributedEngine:
@@ -48,11 +49,7 @@ class DistributedEngine:
                 failure = str(err)
             except Exception as err:  # noqa: BLE001 - a config or install problem: every rank stops with it
                 error = err
-        other = self._agree(None if error is None else f"{type(error).__name__}: {error}")
-        if error is not None:
-            raise error
-        if other is not None:
-            raise RuntimeError(f"rank 0 could not create the rollout engine: {other}")
+        self._raise_if_failed(error, "creating the rollout engine")
         self._raise_if_lost(failure, "starting the rollout engine")  # the servers are up before anyone generates
 
     def _agree(self, value):
@@ -62,6 +59,14 @@ class DistributedEngine:
         holder = [value]
         dist.broadcast_object_list(holder, src=0, group=self.object_group)
         return holder[0]
+
+    def _raise_if_failed(self, error: Optional[BaseException], what: str) -> None:
+        """Rank 0's unexpected exception, raised there and reported on every other rank."""
+        other = self._agree(None if error is None else f"{type(error).__name__}: {error}")
+        if error is not None:
+            raise error
+        if other is not None:
+            raise RuntimeError(f"rank 0 failed {what}: {other}")
 
     def _raise_if_lost(self, failure: Optional[str], what: str) -> None:
         failure = self._agree(failure)
@@ -78,17 +83,23 @@ class DistributedEngine:
                 raise EngineLost(f"generating: {err}") from err
         gathered = [None] * self.world if self.rank == 0 else None
         dist.gather_object(mine, gathered, dst=0, group=self.object_group)
-        scatter = None
+        scatter, error = None, None
         if self.rank == 0:
             try:
                 by_replica = self._generate_replicas(gathered, sampling)
                 scatter = [by_replica[r] for r in self._replica_of_ranks(gathered)]
             except ServerUnavailable as err:
                 scatter = [{LOST: str(err)}] * self.world
+            except Exception as err:  # noqa: BLE001 - e.g. a malformed response: every rank stops with it
+                error, scatter = err, [{FAILED: f"{type(err).__name__}: {err}"}] * self.world
         out = [None]
         dist.scatter_object_list(out, scatter, src=0, group=self.object_group)
+        if error is not None:
+            raise error
         if isinstance(out[0], dict) and LOST in out[0]:
             raise EngineLost(f"generating: {out[0][LOST]}")
+        if isinstance(out[0], dict) and FAILED in out[0]:
+            raise RuntimeError(f"rank 0's rollout engine failed: {out[0][FAILED]}")
         return out[0]
 
     @staticmethod
@@ -113,14 +124,17 @@ class DistributedEngine:
 
         named = hf_named_tensors([unwrap(c) for c in chunks], self.model, self.tp_group, self.pp_group,
                                  self.include_tied_head)
-        failure = None
+        failure, error = None, None
         if self.rank == 0:
             try:
                 self.engine.update_weights(named, version)
             except ServerUnavailable as err:
                 failure = str(err)
+            except Exception as err:  # noqa: BLE001 - every rank stops with it, none waits in a gather
+                error = err
         for _ in named:  # take part in the gather (all of it, or what rank 0 left after a failure)
             pass
+        self._raise_if_failed(error, "pushing weights")
         self._raise_if_lost(failure, f"pushing weight version {version}")
         self.weight_version = version
 

@@ -67,6 +67,8 @@ def parse_generate(body, prompt_ids: Sequence[int], expected_version: int, where
     (``ResponseError``); values that cannot be right - NaN/inf/positive log-probs, ids outside the
     vocabulary, more than ``max_new_tokens`` tokens, an empty completion without ``output_ids`` - are a
     ``CorruptResponse`` (retried like a 5xx)."""
+    if body is None:  # a 200 without a body: a server dying mid-answer (urllib3 does not always notice)
+        raise CorruptResponse(f"{where}: /generate answered an empty body")
     if not isinstance(body, dict):
         raise ResponseError(f"{where}: /generate answered {type(body).__name__}, expected an object")
     meta = body.get("meta_info")

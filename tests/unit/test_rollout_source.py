@@ -77,6 +77,17 @@ def test_sglang_response_with_impossible_values_is_a_corrupt_response(kind, mess
     assert "http://s:1 prompt 0" in str(err.value)
 
 
+def test_sglang_empty_200_body_is_retried_not_fatal():
+    """A server dying mid-answer can leave a 200 with no body: corrupt (retried), not a malformed reply."""
+    from megatron_kl.rollout.http import CorruptResponse
+    from megatron_kl.rollout.sglang import ResponseError, parse_generate
+
+    with pytest.raises(CorruptResponse, match="empty body"):
+        parse_generate(None, [1, 2], 3, "http://s:1 prompt 0")
+    with pytest.raises(ResponseError, match="answered list"):
+        parse_generate([], [1, 2], 3, "http://s:1 prompt 0")
+
+
 @pytest.mark.parametrize("tokens, logprobs, message", [
     (["token_id:5"], [float("nan")], "log-prob nan"), (["token_id:99"], [-0.1], "token id 99"),
     (["token_id:5"], [0.3], "log-prob 0.3"),
