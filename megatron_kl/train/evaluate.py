@@ -43,9 +43,12 @@ def eval_groups(task) -> dict[str, list[str]]:
 
 def evaluate_all(engine, task, sampling: SamplingConfig, k: int, temperature: float, seed: int,
                  dp_rank: int = 0, dp_size: int = 1, dp_group=None) -> dict:
-    """Every reported split, with per-file scores (``eval/<split>:<file>/...``) where a split has several."""
+    """Every reported split that has problems, with per-file scores (``eval/<split>:<file>/...``) where a split
+    has several."""
     out = {}
     for group, parts in eval_groups(task).items():
+        if not sum(task.num_problems(part) for part in parts):
+            continue  # e.g. no OOD files configured: no eval/ood/* at all rather than a score of 0.0
         if parts == [group]:
             out.update(evaluate(engine, task, group, sampling, k, temperature, seed, dp_rank, dp_size, dp_group))
             continue

@@ -146,7 +146,10 @@ def train(cfg: TrainConfig) -> dict:
                 finally:  # the step is trained even if the servers are gone: its line is logged
                     metrics["time/weight_sync"] = time.perf_counter() - sync_start
                     metrics["time/step"] = time.perf_counter() - step_start
-                    metrics["throughput/tokens_per_s"] = batch.num_response_tokens * dp_size / metrics["time/step"]
+                    # training throughput: the step's evaluation (if any) is not part of it
+                    train_seconds = metrics["time/step"] - metrics.get("time/eval", 0.0)
+                    metrics["throughput/response_tokens"] = batch.num_response_tokens * dp_size
+                    metrics["throughput/tokens_per_s"] = metrics["throughput/response_tokens"] / train_seconds
                     logger.log(step, metrics)
                     logger.advance(step + 1, metrics)
                 if finished == cfg.train.steps or (cfg.checkpoint.interval and finished % cfg.checkpoint.interval == 0):

@@ -85,6 +85,10 @@ def test_every_kl_configuration_trains(tmp_path, warm_cache, overrides):
                     "grad_norm", "loss/total", "policy/clip_fraction", "mismatch/abs_logprob_mean", "time/update"):
             assert record.get(key) is not None, f"{key} missing or not finite in step {record['step']}"
     assert steps[0]["reward/std"] > 0, "precondition: mixed rewards in the first batch"
+    # training throughput leaves the step's evaluation out (step 0 evaluates before training)
+    first = steps[0]
+    assert first["time/eval"] > 0 and first["throughput/tokens_per_s"] == pytest.approx(
+        first["throughput/response_tokens"] / (first["time/step"] - first["time/eval"]))
     assert steps[1]["kl/exact_token"] > 0  # the policy moved away from the reference
     assert (tmp_path / "config.yaml").is_file() and (tmp_path / "summary.json").is_file()
     saved = yaml.safe_load((tmp_path / "config.yaml").read_text())
