@@ -236,6 +236,22 @@ class HFCheckpoint:
     def dtype(self) -> str:
         return str(self.config.get("torch_dtype") or self.config.get("dtype") or "float32").replace("torch.", "")
 
+    def eos_token_ids(self) -> list[int]:
+        """The end-of-sequence ids generation stops at: ``generation_config.json``'s ``eos_token_id`` (an int
+        or a list, e.g. Llama-3.1-Instruct's [128001, 128008, 128009]), else config.json's; [] when neither."""
+        for name in ("generation_config.json", "config.json"):
+            path = self.path / name
+            if not path.is_file():
+                continue
+            value = json.loads(path.read_text()).get("eos_token_id")
+            if value is None:
+                continue
+            values = value if isinstance(value, list) else [value]
+            if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+                raise ValueError(f"{path}: eos_token_id={value!r} must be a token id or a list of them")
+            return list(values)
+        return []
+
     def __contains__(self, name: str) -> bool:
         return name in self.files
 

@@ -70,12 +70,21 @@ def _hf_source(cfg: TrainConfig):
     return checkpoint
 
 
+def default_stop_token_ids(task, hf_source) -> list[int]:
+    """The tokenizer's eos, plus every eos id of the init checkpoint's generation_config.json (chat models stop
+    at end-of-turn tokens that are not the tokenizer's eos)."""
+    ids = [task.tokenizer.eos_id]
+    if hf_source is not None:
+        ids += [i for i in hf_source.eos_token_ids() if i not in ids]
+    return ids
+
+
 def train(cfg: TrainConfig) -> dict:
     hf_source = _hf_source(cfg)
     seed_everything(cfg.train.seed)
     task = build_task(cfg.task)
     if not cfg.rollout.sampling.stop_token_ids:
-        cfg.rollout.sampling.stop_token_ids = [task.tokenizer.eos_id]
+        cfg.rollout.sampling.stop_token_ids = default_stop_token_ids(task, hf_source)
     parallel.initialize(cfg.model, cfg.parallel, seed=cfg.train.seed)
     dp_rank, dp_size, dp_group, is_logger = _topology()
     validate_train_config(cfg, task.tokenizer.vocab_size, dp_size)
