@@ -31,6 +31,26 @@ LOST = "engine_lost"  # scattered / broadcast in place of a result when rank 0's
 FAILED = "engine_failed"  # ... when rank 0's engine raised anything else (the other ranks raise too)
 
 
+def _marker(error: BaseException) -> dict:
+    """What the other ranks receive in place of a result when rank 0's engine raised ``error``."""
+    if isinstance(error, ServerUnavailable):
+        return {LOST: str(error)}
+    return {FAILED: f"{type(error).__name__}: {error}"}
+
+
+def _raise_marker(value, own_error: Optional[BaseException], what: str) -> None:
+    """Lost servers: ``EngineLost`` on every rank; any other error: raised on rank 0 (``own_error``), reported
+    on the others; a result: nothing."""
+    if not isinstance(value, dict):
+        return
+    if LOST in value:
+        raise EngineLost(f"{what}: {value[LOST]}") from own_error
+    if own_error is not None:
+        raise own_error
+    if FAILED in value:
+        raise RuntimeError(f"rank 0's rollout engine failed {what}: {value[FAILED]}")
+
+
 class DistributedEngine:
     def __init__(self, make_engine: Callable[[], object], model, dp_rank: int, tp_group=None, pp_group=None,
                  include_tied_head: bool = False, timeout_s: float = 1800.0):
@@ -41,16 +61,13 @@ class DistributedEngine:
         self.weight_version = 0
         self.object_group = (dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
                              if self.world > 1 else None)
-        self.engine, failure, error = None, None, None
+        self.engine, error = None, None
         if self.rank == 0:
             try:
                 self.engine = make_engine()
-            except ServerUnavailable as err:
-                failure = str(err)
-            except Exception as err:  # noqa: BLE001 - a config or install problem: every rank stops with it
+            except Exception as err:  # noqa: BLE001 - every rank stops with it
                 error = err
-        self._raise_if_failed(error, "creating the rollout engine")
-        self._raise_if_lost(failure, "starting the rollout engine")  # the servers are up before anyone generates
+        self._settle(error, "starting the rollout engine")  # the servers are up before anyone generates
 
     def _agree(self, value):
         """Rank 0's ``value`` on every rank (object broadcast on the engine's gloo group)."""
@@ -60,18 +77,9 @@ class DistributedEngine:
         dist.broadcast_object_list(holder, src=0, group=self.object_group)
         return holder[0]
 
-    def _raise_if_failed(self, error: Optional[BaseException], what: str) -> None:
-        """Rank 0's unexpected exception, raised there and reported on every other rank."""
-        other = self._agree(None if error is None else f"{type(error).__name__}: {error}")
-        if error is not None:
-            raise error
-        if other is not None:
-            raise RuntimeError(f"rank 0 failed {what}: {other}")
-
-    def _raise_if_lost(self, failure: Optional[str], what: str) -> None:
-        failure = self._agree(failure)
-        if failure is not None:
-            raise EngineLost(f"{what}: {failure}")
+    def _settle(self, error: Optional[BaseException], what: str) -> None:
+        """Every rank learns rank 0's outcome (``error`` there, None elsewhere) and raises accordingly."""
+        _raise_marker(self._agree(None if error is None else _marker(error)), error, what)
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig,
                  seed: Optional[int] = None) -> list[Completion]:
@@ -88,18 +96,11 @@ class DistributedEngine:
             try:
                 by_replica = self._generate_replicas(gathered, sampling)
                 scatter = [by_replica[r] for r in self._replica_of_ranks(gathered)]
-            except ServerUnavailable as err:
-                scatter = [{LOST: str(err)}] * self.world
-            except Exception as err:  # noqa: BLE001 - e.g. a malformed response: every rank stops with it
-                error, scatter = err, [{FAILED: f"{type(err).__name__}: {err}"}] * self.world
+            except Exception as err:  # noqa: BLE001 - every rank stops with it
+                error, scatter = err, [_marker(err)] * self.world
         out = [None]
         dist.scatter_object_list(out, scatter, src=0, group=self.object_group)
-        if error is not None:
-            raise error
-        if isinstance(out[0], dict) and LOST in out[0]:
-            raise EngineLost(f"generating: {out[0][LOST]}")
-        if isinstance(out[0], dict) and FAILED in out[0]:
-            raise RuntimeError(f"rank 0's rollout engine failed: {out[0][FAILED]}")
+        _raise_marker(out[0], error, "generating")
         return out[0]
 
     @staticmethod
@@ -124,18 +125,15 @@ class DistributedEngine:
 
         named = hf_named_tensors([unwrap(c) for c in chunks], self.model, self.tp_group, self.pp_group,
                                  self.include_tied_head)
-        failure, error = None, None
+        error = None
         if self.rank == 0:
             try:
                 self.engine.update_weights(named, version)
-            except ServerUnavailable as err:
-                failure = str(err)
             except Exception as err:  # noqa: BLE001 - every rank stops with it, none waits in a gather
                 error = err
         for _ in named:  # take part in the gather (all of it, or what rank 0 left after a failure)
             pass
-        self._raise_if_failed(error, "pushing weights")
-        self._raise_if_lost(failure, f"pushing weight version {version}")
+        self._settle(error, f"pushing weight version {version}")
         self.weight_version = version
 
     def shutdown(self) -> None:
