@@ -83,5 +83,5 @@ def mismatch_metrics(old_logprobs: torch.Tensor, behavior_logprobs: torch.Tensor
     k3 = torch.where(m, w - 1 - log_w, torch.zeros_like(w))
     inside = w[m] if m.any() else torch.ones(1)
     return {"mismatch/k1_token": float((-log_w).sum() / tokens), "mismatch/k3_token": float(k3.sum() / tokens),
-            "is/ratio_mean": float(w[m].mean()) if m.any() else 1.0,
+            "is/ratio_mean": float(inside.mean()),
             "is/ratio_min": float(inside.min()), "is/ratio_max": float(inside.max())}
