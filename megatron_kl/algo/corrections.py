@@ -20,6 +20,8 @@ is unbiased for the on-policy gradient. How the weights meet the KL term is the 
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -32,6 +34,35 @@ LOG_RATIO_CLAMP = 20.0
 
 def canonical(kind: str) -> str:
     return "token_tis" if kind == "tis" else kind
+
+
+@dataclass(frozen=True)
+class Correction:
+    """One behaviour correction with its thresholds (algo.behavior_correction, tis_cap, mask_low, mask_high)."""
+
+    kind: str = "none"
+    tis_cap: float = 2.0
+    mask_low: float = 0.5
+    mask_high: float = 2.0
+
+    @property
+    def label(self) -> str:
+        kind = canonical(self.kind)
+        if kind.endswith("_tis"):
+            return f"{kind}(cap {self.tis_cap:g})" if math.isfinite(self.tis_cap) else f"{kind}(uncapped)"
+        if kind == "none":
+            return kind
+        return f"{kind}[{self.mask_low:g},{self.mask_high:g}]"
+
+    def weights(self, old_logprobs, behavior_logprobs, mask, counter=None):
+        return behavior_weights(self.kind, old_logprobs, behavior_logprobs, mask, self.tis_cap, self.mask_low,
+                                self.mask_high, counter)
+
+
+# the corrections the exact audit pairs with every KL configuration: each kind at the defaults, and the two
+# truncated-IS kinds also uncapped (their unbiased limit)
+AUDITED = tuple(Correction(kind) for kind in CORRECTIONS if kind not in ("none", "tis")) + (
+    Correction("token_tis", math.inf), Correction("sequence_tis", math.inf))
 
 
 def behavior_weights(kind: str, old_logprobs: torch.Tensor, behavior_logprobs: torch.Tensor, mask: torch.Tensor,

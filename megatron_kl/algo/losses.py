@@ -14,6 +14,7 @@ KL, as configured by KLConfig (megatron_kl.kl.objective):
   placement=reward   -surrogate(c_t): sum_t sg(-coef c_t) * grad log pi(y_t), the credited penalty from
                      kl_shaped_returns, never clipped (PPO clipping would bias the KL gradient)
   placement=loss     kl_loss(...) with the live log-probs (and the exact KL for estimator='full')
+  kl.off_policy=behavior: the behaviour correction's weights c_t also multiply the KL term (kl.objective)
 
 Every term is reduced with its own aggregation over the MINIBATCH; ``Shares`` turns a microbatch's local
 reduction into its exact share of the minibatch reduction, so gradient accumulation is exact.
@@ -26,7 +27,7 @@ from typing import Optional
 
 import torch
 
-from megatron_kl.algo.corrections import CORRECTIONS, behavior_weights
+from megatron_kl.algo.corrections import CORRECTIONS, Correction
 from megatron_kl.config import ConfigError
 from megatron_kl.kl.estimators import ClampCounter, clamp_log_ratio
 from megatron_kl.kl.objective import (AGGREGATIONS, KLConfig, aggregate_tokens, kl_loss,
@@ -81,6 +82,10 @@ class AlgoConfig:
     @property
     def name(self) -> str:
         return self.rpg.name if self.loss == "rpg" else f"{self.advantage}-ppo"
+
+    @property
+    def correction(self) -> Correction:
+        return Correction(self.behavior_correction, self.tis_cap, self.mask_low, self.mask_high)
 
 
 @dataclass
@@ -166,9 +171,9 @@ def microbatch_loss(stats, mb: dict, algo: AlgoConfig, kl: KLConfig, shares: Sha
     mask = mb["loss_mask"].to(stats.logprobs.dtype)
     logprobs = stats.logprobs
     metrics: dict = {}
+    weight = None
     if algo.loss == "ppo":
-        weight, correction = behavior_weights(algo.behavior_correction, mb["old_logprobs"], mb["behavior_logprobs"],
-                                              mask, algo.tis_cap, algo.mask_low, algo.mask_high, counter)
+        weight, correction = algo.correction.weights(mb["old_logprobs"], mb["behavior_logprobs"], mask, counter)
         metrics.update(correction)
         per_token, clipped, ratio = ppo_loss(logprobs, mb["old_logprobs"], mb["advantages"], mask, algo, weight, counter)
         policy = aggregate_tokens(per_token, mask, algo.aggregation, algo.norm_length)
@@ -182,11 +187,12 @@ def microbatch_loss(stats, mb: dict, algo: AlgoConfig, kl: KLConfig, shares: Sha
     total = policy * shares.factor(algo.aggregation, mask)
     if kl.coef > 0:
         if kl.placement == "reward":
-            surrogate = policy_gradient_surrogate(kl, logprobs, mb["kl_returns"], mask, mb["behavior_logprobs"], counter)
+            surrogate = policy_gradient_surrogate(kl, logprobs, mb["kl_returns"], mask, mb["behavior_logprobs"], counter,
+                                                  behavior_weight=weight)
             kl_term = -surrogate
         else:
             kl_term = kl_loss(kl, logprobs, mb["reference_logprobs"], mask, mb["behavior_logprobs"],
-                              full_kl=stats.kl, counter=counter)
+                              full_kl=stats.kl, counter=counter, behavior_weight=weight)
         total = total + kl_term * shares.factor(kl.aggregation, mask)
         metrics["loss/kl_term"] = kl_term.detach()
     if algo.entropy_coef:

@@ -12,10 +12,15 @@ are compared with the exact gradients of
     forward       sum_t E_{s_t ~ q, frozen}[KL(pi_ref || pi)(s_t)]      (token-level forward KL)
 
 Gradients are w.r.t. the policy's logit table and divided by ``coef`` so they estimate grad KL.
+
+Behaviour corrections (algo.behavior_correction) are an axis of their own: a configuration with
+off_policy='behavior' is audited once per :class:`~megatron_kl.algo.corrections.Correction`, its weights
+computed from pi_old = pi (the policy at the audit point) and the sampler (mu off-policy, pi on-policy).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from dataclasses import asdict, dataclass
@@ -23,6 +28,7 @@ from typing import Optional
 
 import torch
 
+from megatron_kl.algo.corrections import AUDITED, Correction
 from megatron_kl.kl.objective import (
     CREDITS, KLConfig, LEVELS, OFF_POLICY, PLACEMENTS, kl_loss, kl_shaped_returns, policy_gradient_surrogate,
 )
@@ -74,6 +80,7 @@ class AuditRow:
     cosine: dict
     variance: float
     verdict: str
+    correction: Optional[str] = None  # the behaviour correction's label for off_policy='behavior' rows
 
 
 def _quantities(problem: TabularProblem):
@@ -102,33 +109,41 @@ def exact_targets(problem: TabularProblem, off_policy: bool) -> dict[str, torch.
     return {k: torch.autograd.grad(v, problem.policy_table, retain_graph=True)[0] for k, v in objectives.items()}
 
 
-def _estimator_gradients(problem: TabularProblem, cfg: KLConfig, off_policy: bool):
+def _estimator_gradients(problem: TabularProblem, cfg: KLConfig, off_policy: bool,
+                         correction: Optional[Correction] = None):
     """Per-sample gradients g(y) [N, S, V] of the configuration's estimator of grad KL, and q(y)."""
     lp, ref_lp, mu_lp, full_kl, _ = _quantities(problem)
     q = (mu_lp if off_policy else lp).sum(-1).exp().detach()
     behavior = mu_lp.detach() if off_policy else lp.detach()
     mask = torch.ones(1, problem.length, dtype=torch.bool)
+    weight = None
+    if cfg.off_policy == "behavior":
+        if correction is None:
+            raise ValueError(f"{cfg.name}: off_policy='behavior' is audited with a behaviour correction")
+        weight, _ = correction.weights(lp.detach(), behavior, torch.ones_like(lp, dtype=torch.bool))
     grads = []
     for n in range(len(problem.sequences)):
         sl = slice(n, n + 1)
         args = dict(behavior_logprobs=behavior[sl], full_kl=full_kl[sl] if cfg.estimator == "full" else None)
+        w = None if weight is None else weight[sl]
         if cfg.placement == "loss":
-            estimate = kl_loss(cfg, lp[sl], ref_lp[sl], mask, **args) / cfg.coef
+            estimate = kl_loss(cfg, lp[sl], ref_lp[sl], mask, behavior_weight=w, **args) / cfg.coef
         else:
             returns = kl_shaped_returns(cfg, torch.zeros(1, dtype=lp.dtype), lp[sl], ref_lp[sl], mask, **args)
             credit = -returns / cfg.coef
-            estimate = policy_gradient_surrogate(cfg, lp[sl], credit, mask, behavior_logprobs=behavior[sl])
+            estimate = policy_gradient_surrogate(cfg, lp[sl], credit, mask, behavior_logprobs=behavior[sl],
+                                                 behavior_weight=w)
         grads.append(torch.autograd.grad(estimate, problem.policy_table, retain_graph=True, allow_unused=True)[0])
     grads = [g if g is not None else torch.zeros_like(problem.policy_table) for g in grads]
     return torch.stack(grads), q
 
 
 def all_configs(off_policy: bool, coef: float = 0.1, truncate: Optional[float] = None) -> list[KLConfig]:
-    """Every configuration the API accepts (on-policy mode: off_policy='none' only)."""
+    """Every configuration the API accepts (on-policy mode: off_policy='none' only), without the
+    behaviour-correction rows (:func:`behavior_configs`)."""
     configs, seen = [], set()
-    for est, place, level, credit, op in itertools.product(
-        ESTIMATORS, PLACEMENTS, LEVELS, (None,) + CREDITS, OFF_POLICY if off_policy else ("none",)
-    ):
+    modes = tuple(op for op in OFF_POLICY if op != "behavior") if off_policy else ("none",)
+    for est, place, level, credit, op in itertools.product(ESTIMATORS, PLACEMENTS, LEVELS, (None,) + CREDITS, modes):
         try:
             cfg = KLConfig(estimator=est, placement=place, level=level, credit=credit, off_policy=op, coef=coef,
                            truncate=truncate if op == "per_decision" else None)
@@ -140,6 +155,11 @@ def all_configs(off_policy: bool, coef: float = 0.1, truncate: Optional[float] =
     return configs
 
 
+def behavior_configs(coef: float = 0.1) -> list[KLConfig]:
+    """Every configuration with the behaviour correction's weights on its KL term (off_policy='behavior')."""
+    return [dataclasses.replace(cfg, off_policy="behavior") for cfg in all_configs(False, coef)]
+
+
 def _verdict(rel_bias: dict, expectation_norm: float, scale: float) -> str:
     unbiased = [t for t in TARGETS if rel_bias[t] < UNBIASED_TOL]
     if unbiased:
@@ -149,11 +169,15 @@ def _verdict(rel_bias: dict, expectation_norm: float, scale: float) -> str:
     return "biased"
 
 
-def audit(problem: TabularProblem, off_policy: bool, configs: Optional[list[KLConfig]] = None) -> list[AuditRow]:
+def audit(problem: TabularProblem, off_policy: bool, configs: Optional[list[KLConfig]] = None,
+          corrections: tuple[Correction, ...] = AUDITED) -> list[AuditRow]:
+    """One row per configuration; a configuration with off_policy='behavior' gets one row per correction."""
     targets = exact_targets(problem, off_policy)
+    pairs = [(cfg, c) for cfg in configs or all_configs(off_policy)
+             for c in (corrections if cfg.off_policy == "behavior" else (None,))]
     rows = []
-    for cfg in configs or all_configs(off_policy):
-        grads, q = _estimator_gradients(problem, cfg, off_policy)
+    for cfg, correction in pairs:
+        grads, q = _estimator_gradients(problem, cfg, off_policy, correction)
         weights = q.view(-1, *([1] * (grads.dim() - 1)))
         expectation = (weights * grads).sum(0)
         variance = float((weights * (grads - expectation).square()).sum())
@@ -163,20 +187,22 @@ def audit(problem: TabularProblem, off_policy: bool, configs: Optional[list[KLCo
             denom = expectation.norm() * target.norm()
             cos[name] = float((expectation * target).sum() / denom) if denom > 0 else 0.0
         rows.append(AuditRow(
-            name=cfg.name, mode="off_policy" if off_policy else "on_policy", config=asdict(cfg), rel_bias=rel,
+            name=cfg.name + (f"[{correction.label}]" if correction else ""), mode="off_policy" if off_policy else "on_policy", config=asdict(cfg), rel_bias=rel,
             cosine=cos, variance=variance,
             verdict=_verdict(rel, float(expectation.norm()), float(targets["seq"].norm())),
+            correction=correction.label if correction else None,
         ))
     return rows
 
 
 def format_table(rows: list[AuditRow]) -> str:
-    header = f"{'configuration':38s} {'mode':10s} " + " ".join(f"{'bias:' + t:>12s}" for t in TARGETS) + \
+    width = max([38] + [len(r.name) for r in rows])
+    header = f"{'configuration':{width}s} {'mode':10s} " + " ".join(f"{'bias:' + t:>12s}" for t in TARGETS) + \
         " " + " ".join(f"{'cos:' + t:>11s}" for t in TARGETS) + f" {'variance':>11s}  verdict"
     lines = [header, "-" * len(header)]
     for r in rows:
         lines.append(
-            f"{r.name:38s} {r.mode:10s} " + " ".join(f"{r.rel_bias[t]:12.3e}" for t in TARGETS) + " "
+            f"{r.name:{width}s} {r.mode:10s} " + " ".join(f"{r.rel_bias[t]:12.3e}" for t in TARGETS) + " "
             + " ".join(f"{r.cosine[t]:11.3f}" for t in TARGETS) + f" {r.variance:11.3e}  {r.verdict}"
         )
     return "\n".join(lines)

@@ -4,7 +4,9 @@
 
 Prints, for on-policy and off-policy sampling, the relative bias and cosine of each configuration's
 expected gradient against the sequence-level reverse KL, the prefix-frozen token-level reverse KL and the
-token-level forward KL, the per-sample gradient variance, and a verdict.
+token-level forward KL, the per-sample gradient variance, and a verdict. A third and fourth table pair
+every configuration with each behaviour correction (algo.behavior_correction) applied to its KL term
+(kl.off_policy=behavior), on- and off-policy; ``--no-corrections`` leaves them out.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from megatron_kl.kl.audit import TabularProblem, all_configs, audit, format_table
+from megatron_kl.kl.audit import TabularProblem, all_configs, audit, behavior_configs, format_table
 
 
 def main(argv=None) -> int:
@@ -25,12 +27,18 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--truncate", type=float, default=None, help="cap on per-decision weights")
     parser.add_argument("--json", type=str, default=None)
+    parser.add_argument("--no-corrections", action="store_true", help="skip the behaviour-correction tables")
     args = parser.parse_args(argv)
     problem = TabularProblem.random(args.vocab, args.length, args.seed)
     rows = []
-    for off in (False, True):
-        part = audit(problem, off_policy=off, configs=all_configs(off, truncate=args.truncate))
-        print(f"\n== {'off-policy (samples from mu)' if off else 'on-policy'}: V={args.vocab} T={args.length} "
+    sections = [(off, False) for off in (False, True)]
+    if not args.no_corrections:
+        sections += [(off, True) for off in (False, True)]
+    for off, corrected in sections:
+        configs = behavior_configs() if corrected else all_configs(off, truncate=args.truncate)
+        part = audit(problem, off_policy=off, configs=configs)
+        print(f"\n== {'off-policy (samples from mu)' if off else 'on-policy'}"
+              f"{', behaviour corrections on the KL term' if corrected else ''}: V={args.vocab} T={args.length} "
               f"seed={args.seed} ({args.vocab ** args.length} sequences, exact sums, float64)")
         print(format_table(part))
         rows += part

@@ -28,6 +28,14 @@ grad log pi(y_t) for "none"/"per_decision", and the PPO-style ratio rho_t x grad
 give the penalty part NO further ratio (compute the reward part's advantage with the correction it uses
 and add -coef * c_t unweighted).
 
+off_policy='behavior': the KL term borrows the behaviour correction of the policy loss (algo.behavior_correction,
+megatron_kl.algo.corrections): its detached weights omega_t (from pi_old / mu) multiply each token's KL integrand
+(loss placement: omega_t k(d_t), omega_t KL_t; a sequence-level term by the sequence's weight; reward placement:
+omega_t sg(c_t) grad log pi(y_t)). Untruncated sequence IS (omega = prod_t pi/mu) turns every configuration that
+is unbiased on-policy into one unbiased for the same target from mu's samples; truncation and masks are biased.
+``megatron-kl audit`` measures each pairing; kl.target + kl.estimator=auto choose from those verdicts
+(:mod:`megatron_kl.kl.targets`).
+
 Aggregation (a named, logged choice): seq_mean_token_sum = (1/B) sum_b sum_t; token_mean =
 sum_{b,t} / #tokens; seq_mean_token_mean = (1/B) sum_b (1/L_b) sum_t. Masked positions never contribute.
 """
@@ -44,7 +52,14 @@ from megatron_kl.kl.estimators import ESTIMATORS, ClampCounter, clamp_log_ratio,
 PLACEMENTS = ("reward", "loss")
 LEVELS = ("token", "sequence")
 CREDITS = ("reward_to_go", "immediate")
-OFF_POLICY = ("none", "token_is", "per_decision")
+# behavior: the trainer's behaviour-correction weights omega_t (algo.behavior_correction, detached, from
+# pi_old / mu) multiply the KL term's per-token integrand; which gradient that gives is the audit's verdict.
+OFF_POLICY = ("none", "token_is", "per_decision", "behavior")
+# kl.target: the KL whose gradient the term should estimate (audit names: seq, token, forward)
+TARGETS = {"sequence_reverse": "seq", "token_reverse": "token", "token_forward": "forward"}
+# kl.regime: where the samples come from; auto: off_policy when train.staleness > 0
+REGIMES = ("auto", "on_policy", "off_policy")
+AUTO = "auto"  # kl.estimator=auto: the trainer picks the configuration (megatron_kl.kl.targets)
 # seq_mean_token_sum_norm (Dr. GRPO): each sequence's token sum divided by a fixed length ``norm_length``
 # (the trainer sets rollout.sampling.max_new_tokens unless algo.norm_length is given), then the mean over
 # sequences: no length-dependent weight per token, unlike token_mean and seq_mean_token_mean.
@@ -58,7 +73,7 @@ def _choice(name: str, value, allowed) -> None:
 
 @dataclass(frozen=True)
 class KLConfig:
-    estimator: str = "k1"
+    estimator: str = "k1"  # or "auto": estimator, placement, level, credit and off_policy chosen for the target
     placement: str = "reward"
     level: str = "token"
     credit: Optional[str] = None  # reward placement only; None means reward_to_go there
@@ -68,9 +83,14 @@ class KLConfig:
     truncate: Optional[float] = None  # cap on per-decision weights rho_{1:t}
     aggregation: str = "seq_mean_token_sum"
     norm_length: Optional[float] = None  # the constant of aggregation='seq_mean_token_sum_norm'
+    target: str = "sequence_reverse"  # the declared objective (TARGETS); runs biased for it are tagged kl/biased
+    regime: str = "auto"  # on_policy | off_policy | auto (from train.staleness)
+    strict: bool = False  # a configuration biased for the target is an error instead of a warning
 
     def __post_init__(self):
-        _choice("estimator", self.estimator, ESTIMATORS)
+        _choice("estimator", self.estimator, ESTIMATORS + (AUTO,))
+        _choice("target", self.target, TARGETS)
+        _choice("regime", self.regime, REGIMES)
         _choice("placement", self.placement, PLACEMENTS)
         _choice("level", self.level, LEVELS)
         _choice("off_policy", self.off_policy, OFF_POLICY)
@@ -96,7 +116,7 @@ class KLConfig:
 
     def _check_off_policy(self):
         op = self.off_policy
-        if op == "none":
+        if op in ("none", "behavior") or self.estimator == AUTO:
             return
         if self.placement == "loss":
             if self.estimator == "full":
@@ -125,6 +145,8 @@ class KLConfig:
     @property
     def name(self) -> str:
         """A readable, unique label for logs and plots, e.g. ``k1-reward-token-rtg``."""
+        if self.estimator == AUTO:
+            return f"auto-{self.target}"
         parts = [self.estimator, self.placement, self.level]
         credit = self.effective_credit
         if credit:
@@ -181,14 +203,19 @@ def _masked(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask.bool(), x, torch.zeros_like(x))
 
 
-def _check(cfg: KLConfig, logprobs, ref_logprobs, mask, behavior_logprobs, full_kl) -> None:
+def _check(cfg: KLConfig, logprobs, ref_logprobs, mask, behavior_logprobs, full_kl, behavior_weight=None) -> None:
+    if cfg.estimator == AUTO:
+        raise ValueError("KLConfig.estimator='auto' is resolved by the trainer (megatron_kl.kl.targets.select) "
+                         "before any KL is computed")
     if logprobs.shape != ref_logprobs.shape or logprobs.shape != mask.shape or logprobs.dim() != 2:
         raise ValueError(
             f"logprobs {tuple(logprobs.shape)}, ref_logprobs {tuple(ref_logprobs.shape)} and mask "
             f"{tuple(mask.shape)} must all be [batch, tokens]"
         )
-    if cfg.off_policy != "none" and behavior_logprobs is None:
+    if cfg.off_policy in ("token_is", "per_decision") and behavior_logprobs is None:
         raise ValueError(f"KLConfig.off_policy={cfg.off_policy!r} needs behavior_logprobs (the sampler's log-probs)")
+    if behavior_weight is not None and behavior_weight.shape != logprobs.shape:
+        raise ValueError(f"behavior_weight shape {tuple(behavior_weight.shape)} != logprobs {tuple(logprobs.shape)}")
     if behavior_logprobs is not None and behavior_logprobs.shape != logprobs.shape:
         raise ValueError(f"behavior_logprobs shape {tuple(behavior_logprobs.shape)} != logprobs {tuple(logprobs.shape)}")
     if cfg.estimator == "full":
@@ -196,6 +223,23 @@ def _check(cfg: KLConfig, logprobs, ref_logprobs, mask, behavior_logprobs, full_
             raise ValueError("KLConfig.estimator='full' needs full_kl, the exact per-position KL [batch, tokens]")
         if full_kl.shape != logprobs.shape:
             raise ValueError(f"full_kl shape {tuple(full_kl.shape)} != logprobs {tuple(logprobs.shape)}")
+
+
+def _correction(cfg: KLConfig, behavior_weight: Optional[torch.Tensor], mask: torch.Tensor) -> Optional[torch.Tensor]:
+    """The detached behaviour-correction weights omega_t [B, T] the KL term uses (off_policy='behavior'), else None."""
+    if cfg.off_policy != "behavior":
+        return None
+    if behavior_weight is None:
+        raise ValueError("KLConfig.off_policy='behavior' needs behavior_weight, the behaviour correction's per-token "
+                         "weights (algo.behavior_correction must not be 'none')")
+    return _masked(behavior_weight.detach(), mask)
+
+
+def _sequence_weight(weight: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """One weight per sequence [B]: the mean of omega_t over its response tokens (the value itself for the
+    sequence-wise corrections, whose omega_t is the same on every token)."""
+    m = mask.to(weight.dtype)
+    return (weight * m).sum(-1) / m.sum(-1).clamp_min(1.0)
 
 
 def _prefix_weights(cfg: KLConfig, logprobs, behavior_logprobs, mask, inclusive: bool,
@@ -223,32 +267,45 @@ def kl_loss(
     behavior_logprobs: Optional[torch.Tensor] = None,
     full_kl: Optional[torch.Tensor] = None,
     counter: Optional[ClampCounter] = None,
+    behavior_weight: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """The KL term to ADD to the loss (already times ``coef``); zero for placement='reward'."""
-    _check(cfg, logprobs, ref_logprobs, mask, behavior_logprobs, full_kl)
+    """The KL term to ADD to the loss (already times ``coef``); zero for placement='reward'.
+
+    ``behavior_weight`` (off_policy='behavior'): detached omega_t multiplying each token's term (a sequence-level
+    estimate is weighted by its sequence's mean omega_t, i.e. the sequence correction's weight)."""
+    _check(cfg, logprobs, ref_logprobs, mask, behavior_logprobs, full_kl, behavior_weight)
     if cfg.placement == "reward":
         return torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
+    weight = _correction(cfg, behavior_weight, mask)
     lp = _masked(logprobs, mask)
     d = lp - _masked(ref_logprobs.detach(), mask)
     if cfg.estimator == "full":
         kl_t = _masked(full_kl, mask)
         if cfg.level == "token":
-            return cfg.coef * aggregate_tokens(kl_t, mask, cfg.aggregation, cfg.norm_length)
+            values = kl_t if weight is None else weight * kl_t
+            return cfg.coef * aggregate_tokens(values, mask, cfg.aggregation, cfg.norm_length)
         if cfg.off_policy == "per_decision":
             rho_prev = _prefix_weights(cfg, logprobs, behavior_logprobs, mask, inclusive=False, counter=counter)
             pathwise = rho_prev * kl_t
         else:
             pathwise = kl_t
         future = reverse_cumsum(pathwise.detach()) - pathwise.detach()  # sum_{s>t}
-        return cfg.coef * aggregate_tokens(pathwise + lp * future, mask, cfg.aggregation, cfg.norm_length)
+        values = pathwise + lp * future
+        if weight is not None:
+            values = _sequence_weight(weight, mask)[:, None] * values
+        return cfg.coef * aggregate_tokens(values, mask, cfg.aggregation, cfg.norm_length)
     if cfg.level == "sequence":
         total = d.sum(-1)
         values = token_estimate(cfg.estimator, total, cfg.clamp, mask.any(-1), counter)
+        if weight is not None:
+            values = _sequence_weight(weight, mask) * values
         return cfg.coef * aggregate_sequences(values, mask, cfg.aggregation, cfg.norm_length)
     values = token_estimate(cfg.estimator, d, cfg.clamp, mask, counter)
     if cfg.off_policy == "token_is":
         log_w = clamp_log_ratio(lp - _masked(behavior_logprobs.detach(), mask), cfg.clamp, mask, counter, "token_is")
         values = torch.exp(log_w) * values
+    elif weight is not None:
+        values = weight * values
     return cfg.coef * aggregate_tokens(_masked(values, mask), mask, cfg.aggregation, cfg.norm_length)
 
 
@@ -315,15 +372,20 @@ def policy_gradient_surrogate(
     mask: torch.Tensor,
     behavior_logprobs: Optional[torch.Tensor] = None,
     counter: Optional[ClampCounter] = None,
+    behavior_weight: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Scalar whose gradient is agg_t weight_t * values_t * grad log pi(y_t), values detached.
 
-    weight_t = rho_t = pi/mu (PPO-style ratio) for off_policy='token_is'; 1 otherwise (per_decision
-    weights are already inside the values built by :func:`kl_shaped_returns`). Maximise it for returns,
-    or use it with the credited penalty to obtain the KL part of the gradient.
+    weight_t = rho_t = pi/mu (PPO-style ratio) for off_policy='token_is'; the behaviour correction's omega_t
+    (``behavior_weight``, detached) for off_policy='behavior'; 1 otherwise (per_decision weights are
+    already inside the values built by :func:`kl_shaped_returns`). Maximise it for returns, or use it with
+    the credited penalty to obtain the KL part of the gradient.
     """
     lp = _masked(logprobs, mask)
     values = _masked(values.detach(), mask)
+    weight = _correction(cfg, behavior_weight, mask)
+    if weight is not None:
+        values = weight * values
     if cfg.off_policy == "token_is":
         if behavior_logprobs is None:
             raise ValueError("KLConfig.off_policy='token_is' needs behavior_logprobs")

@@ -4,8 +4,10 @@ Figures (``figures/``): reward, in-domain pass@1, exact KL to the reference, ent
 step (one line per configuration: mean over seeds, min-max across seeds shaded), and final in-domain vs
 OOD pass@1 bars. Report (``report.md``): one table row per configuration - seeds ok/failed, final and best
 scores, instability events (steps where the exact KL or the grad norm exceeds ``instability_factor`` x
-the run's median, or is not finite), and the exact gradient audit's verdict for that KL configuration
-(tabular policy, :mod:`megatron_kl.kl.audit`). Failed runs are listed with their log tail.
+the run's median, or is not finite), stability (``stable``: every seed finished without an event), the
+``kl/biased`` tag the runs logged, and the exact gradient audit's verdict on that KL configuration for its
+``kl.target`` in its regime (:mod:`megatron_kl.kl.targets`). Failed runs are listed with their log tail.
+A score no run reported (e.g. OOD without OOD problems) is ``n/a`` in the table and has no bar.
 """
 
 from __future__ import annotations
@@ -45,18 +47,31 @@ def _instabilities(records: list[dict], factor: float) -> int:
 
 
 def audit_verdict(base: str, overrides: list[str]) -> str:
-    """The audit's bias class of the run's KL configuration (on- or off-policy by its staleness)."""
-    from megatron_kl.kl.audit import TabularProblem, audit
-    from megatron_kl.train.config import load_train_config
+    """The audit's verdict on the run's KL term for its kl.target, in its regime (megatron_kl.kl.targets)."""
+    from megatron_kl.train.config import kl_verdict, load_train_config
 
     cfg = load_train_config(base, overrides)
     if cfg.algo.loss == "rpg":
         return f"RPG {cfg.algo.rpg.divergence}: exact gradient of its regularised objective (kl-math.md)"
-    if cfg.kl.coef == 0:
+    verdict = kl_verdict(cfg)
+    if verdict is None:
         return "no KL term"
-    off_policy = cfg.train.staleness > 0
-    row = audit(TabularProblem.random(seed=0), off_policy, configs=[cfg.kl])[0]
-    return f"{row.verdict} ({'off' if off_policy else 'on'}-policy)"
+    chosen = " (kl.estimator=auto)" if cfg.kl_selection is not None else ""
+    return verdict.describe() + chosen
+
+
+def stability(seeds_ok: int, failed: int, events: int) -> str:
+    """``stable``: every seed finished without an instability event; else what went wrong."""
+    if seeds_ok == 0:
+        return "no finished seed"
+    problems = ([f"{failed} seed(s) failed"] if failed else []) + ([f"{events} events"] if events else [])
+    return "unstable: " + ", ".join(problems) if problems else "stable"
+
+
+def _tagged_biased(records: list[dict]) -> Optional[bool]:
+    """Whether any finished seed logged kl/biased=1; None when no seed logged the tag (no KL term)."""
+    tags = [r["kl/biased"] for run in records for r in run if r.get("kl/biased") is not None]
+    return any(t > 0 for t in tags) if tags else None
 
 
 def _mean(values):
@@ -115,8 +130,9 @@ def _figures(groups: dict, out: Path) -> list[str]:
     width = 0.4
     for offset, (key, label) in ((-width / 2, ("eval/eval/pass@1", "in-domain")),
                                  (width / 2, ("eval/ood/pass@1", "OOD"))):
-        finals = [_mean(_final(records, key) for records in groups[n]["records"]) or 0.0 for n in names]
-        ax.bar([i + offset for i in range(len(names))], finals, width, label=label)
+        finals = [_mean(_final(records, key) for records in groups[n]["records"]) for n in names]
+        present = [(i + offset, v) for i, v in enumerate(finals) if v is not None]  # missing: no bar, not 0
+        ax.bar([x for x, _ in present], [v for _, v in present], width, label=label)
     ax.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=7)
     ax.set_ylabel("final pass@1")
     ax.legend()
@@ -148,8 +164,8 @@ def write_report(study: StudyConfig, runs: list[RunSpec], status: dict) -> dict:
              "is not finite (summed over seeds).", "",
              "## Results", "",
              "| configuration | seeds ok | failed | final reward | " + " | ".join(f"final {label}" for _, label in FINAL)
-             + " | best ID pass@1 | final exact KL | instability events | audit |",
-             "|" + "---|" * (8 + len(FINAL))]
+             + " | best ID pass@1 | final exact KL | instability events | stability | kl/biased | audit |",
+             "|" + "---|" * (10 + len(FINAL))]
     summary = {}
     for name, group in groups.items():
         records = group["records"]
@@ -160,13 +176,16 @@ def write_report(study: StudyConfig, runs: list[RunSpec], status: dict) -> dict:
             "best_id_pass1": _mean(_best(r, "eval/eval/pass@1") for r in records),
             "final_exact_kl": _mean(_final(r, "kl/exact_token") for r in records),
             "instability_events": sum(_instabilities(r, study.instability_factor) for r in records),
+            "kl_biased": _tagged_biased(records),
             "audit": audit_verdict(study.base, group["overrides"]),
         }
+        row["stability"] = stability(row["seeds_ok"], len(row["failed"]), row["instability_events"])
+        biased = {None: "n/a", True: "1", False: "0"}[row["kl_biased"]]
         summary[name] = row
         lines.append(f"| {name} | {row['seeds_ok']} | {len(row['failed'])} | {_fmt(row['final_reward'])} | "
                      + " | ".join(_fmt(row[key]) for key, _ in FINAL)
                      + f" | {_fmt(row['best_id_pass1'])} | {_fmt(row['final_exact_kl'])} | "
-                       f"{row['instability_events']} | {row['audit']} |")
+                       f"{row['instability_events']} | {row['stability']} | {biased} | {row['audit']} |")
     lines += ["", "## Figures", ""] + [f"![{Path(f).stem}](figures/{Path(f).name})" for f in figures]
     failures = [(n, e) for g in groups.values() for n, e in g["failed"]]
     lines += ["", "## Failed runs", ""]

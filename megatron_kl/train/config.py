@@ -11,7 +11,7 @@ from typing import Optional
 
 from megatron_kl.algo.losses import AlgoConfig, row_separable
 from megatron_kl.config import ConfigError, ModelConfig, ParallelConfig, load_yaml
-from megatron_kl.kl.objective import KLConfig
+from megatron_kl.kl.objective import AUTO, KLConfig
 from megatron_kl.launch.config import LaunchConfig
 from megatron_kl.models.optim import OptimConfig
 from megatron_kl.rollout.config import SGLangConfig, VLLMConfig
@@ -116,9 +116,20 @@ class TrainConfig:
     launch: LaunchConfig = field(default_factory=LaunchConfig)  # read by `megatron-kl launch` only
 
     def __post_init__(self):
-        """One fixed length for the Dr. GRPO aggregation of the policy loss and the KL term (and RPG's):
-        algo.norm_length, by default rollout.sampling.max_new_tokens; logged with the config."""
+        """kl.estimator=auto resolved to the configuration the audit picks for kl.target (kept in
+        ``kl_selection``); one fixed length for the Dr. GRPO aggregation of the policy loss and the KL term
+        (and RPG's): algo.norm_length, by default rollout.sampling.max_new_tokens; logged with the config."""
         import dataclasses
+
+        self.kl_selection = None
+        if self.kl.estimator == AUTO:
+            from megatron_kl.kl.targets import regime_of, select
+
+            try:
+                self.kl, self.kl_selection, _ = select(self.kl, regime_of(self.kl, self.train.staleness),
+                                                       self.algo.correction)
+            except ValueError as err:
+                raise ConfigError(str(err)) from err
 
         length = self.algo.norm_length or self.rollout.sampling.max_new_tokens
         self.algo.norm_length = length
@@ -131,6 +142,28 @@ class TrainConfig:
     def run_name(self) -> str:
         """Names every configuration axis that the estimator study varies."""
         return f"{self.kl.name}-coef{self.kl.coef:g}-{self.algo.name}-s{self.train.staleness}-seed{self.train.seed}"
+
+
+def kl_verdict(cfg: TrainConfig):
+    """The audit's verdict (megatron_kl.kl.targets.Verdict) on the run's KL term for kl.target in its regime;
+    None without a KL term (kl.coef=0, or RPG's own KL)."""
+    from megatron_kl.kl.targets import judge, regime_of
+
+    if cfg.kl.coef == 0 or cfg.algo.loss == "rpg":
+        return None
+    return judge(cfg.kl, regime_of(cfg.kl, cfg.train.staleness), cfg.algo.correction)
+
+
+def _check_kl_target(cfg: TrainConfig) -> None:
+    if cfg.kl.off_policy == "behavior" and cfg.kl.coef > 0 and (
+            cfg.algo.loss != "ppo" or cfg.algo.behavior_correction == "none"):
+        raise ConfigError("kl.off_policy=behavior weights the KL term with algo.behavior_correction's weights: set "
+                          "algo.behavior_correction (with algo.loss=ppo) or choose another kl.off_policy")
+    if cfg.kl.strict:
+        verdict = kl_verdict(cfg)
+        if verdict is not None and not verdict.unbiased:
+            raise ConfigError(f"kl.strict=true: {verdict.describe()} (exact audit, docs/kl-math.md). Set "
+                              "kl.estimator=auto to use an unbiased configuration, change kl.target, or kl.strict=false")
 
 
 def validate_train_config(cfg: TrainConfig, tokenizer_vocab: int, data_parallel: int = 1) -> None:
@@ -179,6 +212,7 @@ def validate_train_config(cfg: TrainConfig, tokenizer_vocab: int, data_parallel:
                           "recompute")
     if cfg.eval.k < 1:
         raise ConfigError(f"eval.k={cfg.eval.k} must be >= 1")
+    _check_kl_target(cfg)
     _check_timeouts(cfg)
     if cfg.checkpoint.keep < 1:
         raise ConfigError(f"checkpoint.keep={cfg.checkpoint.keep} must be >= 1 (the newest complete checkpoints kept)")

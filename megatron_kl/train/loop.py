@@ -17,7 +17,7 @@ from megatron_kl.models import builder, hf, optim, output_head, parallel, state
 from megatron_kl.models.offload import ReferenceOffload
 from megatron_kl.tasks import build_task
 from megatron_kl.train import checkpoint as ckpt
-from megatron_kl.train.config import TrainConfig, validate_train_config
+from megatron_kl.train.config import TrainConfig, kl_verdict, validate_train_config
 from megatron_kl.train.engines import build_engine
 from megatron_kl.train.evaluate import evaluate_all
 from megatron_kl.rollout.engine import EngineLost
@@ -79,6 +79,23 @@ def default_stop_token_ids(task, hf_source) -> list[int]:
     return ids
 
 
+def kl_tags(cfg: TrainConfig) -> dict:
+    """Say once which gradient the KL term estimates (and what kl.estimator=auto chose); ``kl/biased`` for
+    every step's metrics: 1 when the configuration is biased for kl.target in the run's regime."""
+    if cfg.kl_selection is not None:
+        log.info("kl.estimator=auto chose %s", cfg.kl_selection.describe())
+    verdict = kl_verdict(cfg)
+    if verdict is None:
+        log.info("no KL term in the loss or reward (kl.coef=0 or algo.loss=rpg): kl.target is not judged")
+        return {}
+    if verdict.unbiased:
+        log.info("KL term %s", verdict.describe())
+    else:
+        log.warning("KL term %s; the run is tagged kl/biased=1 (kl.estimator=auto picks an unbiased one, "
+                    "kl.strict=true refuses biased runs; docs/kl-math.md)", verdict.describe())
+    return {"kl/biased": 0.0 if verdict.unbiased else 1.0}
+
+
 def train(cfg: TrainConfig) -> dict:
     hf_source = _hf_source(cfg)
     seed_everything(cfg.train.seed)
@@ -110,7 +127,8 @@ def train(cfg: TrainConfig) -> dict:
     source = RolloutSource(task, engine, cfg.rollout.sampling, cfg.train.prompts_per_step, cfg.train.group_size,
                            cfg.train.staleness, cfg.train.seed, dp_rank, dp_size)
     offload = ReferenceOffload(models.reference, cfg.parallel.offload_reference)
-    ctx = StepContext(cfg, train_state, models.reference, output_head.ReferenceHead(models.reference), offload, dp_group)
+    ctx = StepContext(cfg, train_state, models.reference, output_head.ReferenceHead(models.reference), offload, dp_group,
+                      kl_tags=kl_tags(cfg))
 
     start_step = 0
     resumed = ckpt.load_latest(run_dir / "checkpoints", train_state) if cfg.checkpoint.resume else None

@@ -45,6 +45,7 @@ class StepContext:
     dp_group: object = None
     counter: ClampCounter = field(default_factory=ClampCounter)
     consecutive_skips: int = 0  # optimizer steps skipped in a row (non-finite gradient)
+    kl_tags: dict = field(default_factory=dict)  # logged every step: kl/biased (the audit's verdict for kl.target)
 
 
 class NonFiniteUpdates(RuntimeError):
@@ -188,5 +189,6 @@ def rl_step(ctx: StepContext, batch: RolloutBatch, step: int) -> dict:
     metrics["lr"] = out["lr"]
     metrics.update(ctx.counter.as_dict())
     metrics = _reduce(metrics, ctx.dp_group)
+    metrics.update(ctx.kl_tags)
     metrics.update(timings)
     return metrics
