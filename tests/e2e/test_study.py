@@ -17,7 +17,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _study(tmp_path, warm_cache, configurations, grid=None) -> Path:
     common = [f"warm_start.cache_dir={warm_cache}", "train.steps=2", "train.prompts_per_step=8", "train.group_size=4",
-              "task.eval_size=8", "eval.k=2", "eval.interval=0", "checkpoint.interval=0", "logging.tensorboard=false"]
+              "task.eval_size=8", "eval.k=2", "eval.interval=0", "checkpoint.interval=0", "logging.tensorboard=false",
+              "kl.target=sequence_reverse"]
     data = {"name": "ci", "base": str(ROOT / "configs" / "cpu" / "default.yaml"), "output_dir": str(tmp_path / "out"),
             "seeds": [1], "common": common, "configurations": configurations}
     if grid:
@@ -53,8 +54,14 @@ def test_study_runs_reports_and_keeps_failures(tmp_path, warm_cache):
     results = json.loads((out / "results.json").read_text())
     assert results["broken"]["seeds_ok"] == 0 and results["broken"]["failed"] == ["broken-seed1"]
     assert results["k3-loss"]["seeds_ok"] == 1 and results["k3-loss"]["eval/eval/pass@1"] is not None
-    assert results["k3-loss"]["audit"].startswith("biased")  # k3 in the loss, token level, on-policy
-    assert results["k1-reward"]["audit"].startswith("unbiased")
+    # k3 in the loss, token level, on-policy: biased for the sequence KL; the run logged the tag
+    assert "BIASED" in results["k3-loss"]["audit"] and results["k3-loss"]["kl_biased"] is True
+    assert "unbiased for kl.target=sequence_reverse" in results["k1-reward"]["audit"]
+    assert results["k1-reward"]["kl_biased"] is False
+    assert results["k1-reward"]["stability"] == ("stable" if results["k1-reward"]["instability_events"] == 0
+                                                 else f"unstable: {results['k1-reward']['instability_events']} events")
+    assert results["broken"]["stability"] == "no finished seed"
+    assert "| stability | kl/biased | audit |" in report
     row = next(line for line in report.splitlines() if line.startswith("| broken |"))
     assert "| 0 | 1 |" in row
     status = json.loads((out / "status.json").read_text())

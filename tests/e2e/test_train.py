@@ -15,7 +15,7 @@ import yaml
 
 from megatron_kl.config import ConfigError, apply_overrides, from_dict
 from megatron_kl.testing.distributed import run_ranks
-from megatron_kl.train.config import TrainConfig
+from megatron_kl.train.config import TrainConfig, kl_verdict
 from megatron_kl.train.metrics import read_metrics
 from tests.e2e.workers import train_worker
 
@@ -312,18 +312,23 @@ def test_checkpoint_keep_below_one_is_a_config_error(tmp_path, warm_cache):
     assert code == 2 and "checkpoint.keep=-1 must be >= 1" in output
 
 
-CORRECTION_CONFIGS = [
-    ["algo.behavior_correction=token_tis"], ["algo.behavior_correction=sequence_tis", "algo.tis_cap=4.0"],
-    ["algo.behavior_correction=token_mask"], ["algo.behavior_correction=sequence_mask", "algo.mask_high=10.0"],
+CORRECTION_CONFIGS = [  # several put the correction's weights on the KL term too (kl.off_policy=behavior)
+    ["algo.behavior_correction=token_tis", "kl.off_policy=behavior", "kl.estimator=k3"],
+    ["algo.behavior_correction=sequence_tis", "algo.tis_cap=4.0", "kl.off_policy=behavior", "kl.estimator=k1",
+     "kl.placement=reward", "kl.target=sequence_reverse"],
+    ["algo.behavior_correction=token_mask", "kl.off_policy=behavior"],
+    ["algo.behavior_correction=sequence_mask", "algo.mask_high=10.0", "kl.off_policy=behavior", "kl.estimator=k2",
+     "kl.level=sequence"],
     ["algo.behavior_correction=geometric_mask"], ["algo.behavior_correction=icepop", "algo.mask_high=5.0"],
     ["algo.ratio_level=sequence", "algo.clip_low=0.003", "algo.clip_high=0.004",
      "algo.aggregation=seq_mean_token_mean"],
     ["algo.aggregation=seq_mean_token_sum_norm", "kl.aggregation=seq_mean_token_sum_norm",
      "kl.estimator=k3", "kl.placement=loss", "kl.off_policy=token_is"],
+    ["kl.estimator=auto", "kl.target=sequence_reverse"],
 ]
 
 
-@pytest.mark.parametrize("overrides", CORRECTION_CONFIGS, ids=lambda o: "-".join(x.split("=")[1] for x in o[:1]))
+@pytest.mark.parametrize("overrides", CORRECTION_CONFIGS, ids=lambda o: "-".join(x.split("=")[1] for x in o[:2]))
 def test_rollout_corrections_train_asynchronously(tmp_path, warm_cache, overrides):
     """Each correction (and GSPO's ratio, Dr. GRPO's aggregation) at staleness 2: finite steps, the
     correction's and the sampler-mismatch metrics logged, and the stale sampler really is corrected for."""
@@ -341,3 +346,8 @@ def test_rollout_corrections_train_asynchronously(tmp_path, warm_cache, override
         assert all(r.get("correction/masked_fraction") is not None for r in steps)
     saved = yaml.safe_load((tmp_path / "config.yaml").read_text())
     assert saved["algo"]["norm_length"] == saved["rollout"]["sampling"]["max_new_tokens"]
+    # every step carries the audit's verdict for kl.target in the off-policy regime (staleness 2)
+    verdict = kl_verdict(from_dict(TrainConfig, copy.deepcopy(cfg)))
+    assert {r["kl/biased"] for r in steps} == {0.0 if verdict.unbiased else 1.0}
+    if "kl.estimator=auto" in overrides:  # resolved before training, written out as the concrete configuration
+        assert verdict.unbiased and saved["kl"]["estimator"] == "full" and saved["kl"]["off_policy"] == "per_decision"
