@@ -377,11 +377,17 @@ def copy_tokenizer(source_dir, out_dir) -> list[str]:
 
 
 def model_config_for_run(given: Optional[ModelConfig], checkpoint: HFCheckpoint) -> ModelConfig:
-    """The run's ModelConfig: the checkpoint's, with the run's non-structural choices when one is given
-    (a structural mismatch is a ConfigError)."""
-    if given is None:
-        return checkpoint.model_config()
+    """The run's ModelConfig: the checkpoint's, with the run's non-structural choices when one is given.
+
+    A structural field left at its ModelConfig default is completed from config.json (so a YAML needs no
+    model section beyond its choices, e.g. no ``norm_epsilon: 9.999999747378752e-06``); one set to another
+    value must match config.json, or it is a ConfigError naming the field."""
     derived = checkpoint.model_config()
+    if given is None:
+        return derived
+    defaults = ModelConfig()
+    unset = {k: getattr(derived, k) for k in STRUCTURAL_FIELDS if getattr(given, k) == getattr(defaults, k)}
+    given = dataclasses.replace(given, **unset)
     check_model_config(derived, given, f"{checkpoint.path}/config.json")
     return dataclasses.replace(given, **{k: getattr(derived.resolved(), k) for k in STRUCTURAL_FIELDS})
 

@@ -81,6 +81,18 @@ def test_mismatch_and_missing_tensor_are_clear_errors(hf_models, tmp_path):
     given = dataclasses.replace(checkpoint.model_config(), num_layers=6, hidden_size=128)
     with pytest.raises(ConfigError, match=r"model\.num_layers=6 .* has 4.*model\.hidden_size=128"):
         hf.model_config_for_run(given, checkpoint)
+    # fields left at their defaults are completed from config.json; set ones are checked
+    from megatron_kl.config import ModelConfig
+
+    derived = checkpoint.model_config()
+    completed = hf.model_config_for_run(ModelConfig(params_dtype="float32", max_position_embeddings=64), checkpoint)
+    for field in hf.STRUCTURAL_FIELDS:
+        assert getattr(completed.resolved(), field) == getattr(derived.resolved(), field), field
+    assert (completed.params_dtype, completed.max_position_embeddings) == ("float32", 64)
+    assert {"architecture", "num_layers", "ffn_hidden_size", "kv_channels"} <= {
+        f for f in hf.STRUCTURAL_FIELDS if getattr(derived, f) != getattr(ModelConfig(), f)}  # really completed
+    with pytest.raises(ConfigError, match=r"model\.num_layers=6 .* has 4"):
+        hf.model_config_for_run(ModelConfig(num_layers=6), checkpoint)
     with pytest.raises(ConfigError, match="model_type"):
         hf.model_config_from_hf({**checkpoint.config, "model_type": "gpt2"})
     with pytest.raises(ConfigError, match="low_freq_factor"):
