@@ -84,6 +84,20 @@ def complete_checkpoints(directory: Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
+def _results_queue_without_spawn() -> None:
+    """megatron's torch_dist writer collects its results through a queue served by a multiprocessing
+    Manager it starts with the *spawn* method on the first save; spawn re-imports ``__main__``, so a user
+    script without an ``if __name__ == "__main__":`` guard would run again there (and die on the trainer's
+    ports: EADDRINUSE / EOFError). A fork-started Manager serves the same queue without importing anything;
+    megatron forks its writer processes anyway."""
+    import multiprocessing as mp
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", None) is None:
+        filesystem_async._results_queue = mp.get_context("fork").Manager().Queue()
+
+
 def save_checkpoint(directory: Path, step: int, train_state, trainer_state: dict, rank_state: dict,
                     keep: int = 2) -> Path:
     """Collective. ``trainer_state`` is the same on all ranks (saved by rank 0); ``rank_state`` per rank.
@@ -99,6 +113,7 @@ def save_checkpoint(directory: Path, step: int, train_state, trainer_state: dict
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     dist.barrier()
+    _results_queue_without_spawn()
     dist_checkpointing.save(_sharded_state_dict(train_state, is_loading=False), str(tmp))
     torch.save(rank_state, tmp / f"rank_{dist.get_rank():05d}.pt")
     if dist.get_rank() == 0:
