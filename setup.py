@@ -28,6 +28,7 @@ setup(
         "sglang": ["sglang[srt]"],
         "vllm": ["vllm"],
         "launch": ["nemo-run==0.11.1", "leptonai<0.47"],
+        "bench": ["trl==1.16.0"],  # tools/bench_trl.py only
     },
     entry_points={"console_scripts": ["megatron-kl=megatron_kl.cli:main"]},
 )
