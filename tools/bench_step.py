@@ -14,6 +14,13 @@ reports the median of each timed phase as a share of the median step:
 
 The baseline is the step itself, measured in the same run: orchestration = step - (rollout + reference +
 old_logprobs + update); the target is < 10 % of the step. The first step (warm-up) is excluded.
+
+The floor: the work a step cannot avoid, at this machine's rates measured in the same run - the reference
+forward and the policy forward + backward over the batch's real tokens (2 + 6 FLOPs per parameter and token,
+output projection included, plus attention) at the measured fp32 GEMM rate, and decoding: every new token
+position reads the weights once (memory-bound at these batch sizes) at the measured memory bandwidth, or its
+FLOPs at the GEMM rate when that is slower. The step is printed as a multiple of the floor; the padded
+tokens (the batch as the passes see it) and the old-log-prob pass are what the floor leaves out.
 """
 
 from __future__ import annotations
@@ -26,6 +33,60 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+
+def gemm_rate(rows: int, hidden: int, ffn: int, repeats: int = 5) -> float:
+    """Best fp32 FLOP/s of [rows, hidden] x [hidden, ffn] on this machine."""
+    import time
+
+    import torch
+
+    a, b = torch.randn(rows, hidden), torch.randn(hidden, ffn)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - start)
+    return 2 * rows * hidden * ffn / best
+
+
+def memory_bandwidth(nbytes: int = 1 << 29, repeats: int = 5) -> float:
+    """Best bytes/s of one read pass over a buffer larger than the caches."""
+    import time
+
+    import torch
+
+    x = torch.ones(nbytes // 4)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - start)
+    return nbytes / best
+
+
+def model_shape(model) -> dict:
+    """Parameters of the matmuls per token (layers + output projection) and attention FLOPs per token pair."""
+    m = model.resolved()
+    q, kv = m.num_attention_heads * m.kv_channels, m.num_query_groups * m.kv_channels
+    layer = m.hidden_size * (q + 2 * kv) + q * m.hidden_size + 3 * m.hidden_size * m.ffn_hidden_size
+    return {"matmul_params": m.num_layers * layer + m.hidden_size * m.vocab_size,
+            "attention_flops_per_pair": 4 * m.num_layers * q, "hidden": m.hidden_size, "ffn": m.ffn_hidden_size}
+
+
+def step_floor(model, records: list[dict], samples: int, new_tokens: int, rate: float, bandwidth: float) -> dict:
+    """Seconds of the unavoidable work of a median step (docstring); ``records`` give its token counts."""
+    import statistics
+
+    shape = model_shape(model)
+    tokens = statistics.median(r["batch/tokens"] for r in records)
+    per_sequence = tokens / samples
+    forward = 2 * shape["matmul_params"] * tokens + shape["attention_flops_per_pair"] * tokens * per_sequence / 2
+    training = (1 + 3) * forward / rate  # reference forward; policy forward + backward
+    decode_flops = 2 * shape["matmul_params"] * samples * new_tokens
+    decode = max(new_tokens * 4 * shape["matmul_params"] / bandwidth, decode_flops / rate)
+    return {"training": training, "decode": decode, "total": training + decode, "tokens": tokens,
+            "padded_tokens": statistics.median(r["batch/padded_tokens"] for r in records)}
 
 
 def main(argv=None) -> int:
@@ -76,6 +137,18 @@ def main(argv=None) -> int:
         print(f"{name:<16}{seconds:>10.4f}{seconds / step:>10.1%}")
     print(f"{'orchestration':<16}{overhead:>10.4f}{overhead / step:>10.1%}   (target < 10%; includes weight_sync)")
     print(f"{'step':<16}{step:>10.4f}{1:>10.1%}   tokens/s {median('throughput/tokens_per_s'):.0f}")
+    shape = model_shape(cfg.model)
+    rate = gemm_rate(int(median("batch/tokens")), shape["hidden"], shape["ffn"])
+    bandwidth = memory_bandwidth()
+    floor = step_floor(cfg.model, records, cfg.train.prompts_per_step * cfg.train.group_size,
+                       cfg.rollout.sampling.max_new_tokens, rate, bandwidth)
+    print(f"floor: fp32 GEMM {rate / 1e9:.1f} GFLOP/s, memory {bandwidth / 1e9:.1f} GB/s, "
+          f"{floor['tokens']:.0f} real tokens ({floor['padded_tokens']:.0f} padded) per step")
+    print(f"{'floor train':<16}{floor['training']:>10.4f}   reference fwd + policy fwd/bwd, real tokens")
+    print(f"{'floor decode':<16}{floor['decode']:>10.4f}   weights read once per new-token position")
+    print(f"{'floor':<16}{floor['total']:>10.4f}   step = {step / floor['total']:.2f}x the floor "
+          f"(update = {phases['update'] / (0.75 * floor['training']):.2f}x its part, rollout = "
+          f"{phases['rollout'] / floor['decode']:.2f}x)")
     return 0 if overhead / step < 0.10 else 1
 
 

@@ -95,6 +95,9 @@ def rollout_metrics(batch: RolloutBatch, old_logprobs: torch.Tensor, step: int) 
         "reward/std": float(batch.rewards.std(unbiased=False)),
         "reward/accuracy": float((batch.rewards >= 1.0).float().mean()),
         "response/length_mean": float(mask.sum(-1).mean()),
+        # tokens the training passes see: real (prompt + response) and as padded to the longest sequence
+        "batch/tokens": float(sum(len(c.prompt_ids) + len(c.response_ids) for c in batch.completions)),
+        "batch/padded_tokens": float(batch.tokens.numel()),
         "response/stopped_fraction": sum(c.finish_reason == "stop" for c in batch.completions) / len(batch.completions),
         "mismatch/abs_logprob_mean": _masked_mean(mismatch, mask),
         "mismatch/abs_logprob_max": float(mismatch.max()),
