@@ -63,6 +63,9 @@ class RunConfig:
     micro_batches: int = 1  # pipeline microbatches per optimizer minibatch
     staleness: int = 0  # async bound s: rollouts of step t come from weights of step t - s (0: on-policy)
     max_consecutive_skips: int = 3  # optimizer steps with a NaN/inf gradient skipped in a row before the run stops
+    # without a term that uses the reference (kl.coef=0 with PPO) its forward only feeds the kl/* metrics: run it
+    # every N steps (1: every step, the default; the other metrics are identical either way)
+    reference_metrics_interval: int = 1
     seed: int = 1234
     output_dir: str = "runs/default"
     # signals that end the run with a checkpoint after the current step and exit code 75 (requeue + resume):
@@ -181,6 +184,9 @@ def validate_train_config(cfg: TrainConfig, tokenizer_vocab: int, data_parallel:
             raise ConfigError(f"train.{name}={getattr(run, name)} must be >= 1")
     if run.staleness < 0:
         raise ConfigError(f"train.staleness={run.staleness} must be >= 0 (0 = on-policy)")
+    if run.reference_metrics_interval < 1:
+        raise ConfigError(f"train.reference_metrics_interval={run.reference_metrics_interval} must be >= 1 (steps "
+                          "between the kl/* metrics' reference forwards when no KL term uses the reference)")
     if run.max_consecutive_skips < 0:
         raise ConfigError(f"train.max_consecutive_skips={run.max_consecutive_skips} must be >= 0 (0: stop at the "
                           "first optimizer step with a NaN/inf gradient)")

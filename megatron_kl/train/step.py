@@ -116,6 +116,14 @@ def _reduce(metrics: dict, group) -> dict:
     return dict(zip(keys, values.tolist()))
 
 
+def needs_reference(cfg, step: int) -> bool:
+    """Whether this step runs the reference forward: always when a term uses it (a KL with kl.coef > 0, or
+    RPG); otherwise only for the kl/* metrics, every ``train.reference_metrics_interval`` steps."""
+    if cfg.kl.coef > 0 or cfg.algo.loss == "rpg":
+        return True
+    return step % cfg.train.reference_metrics_interval == 0
+
+
 def rl_step(ctx: StepContext, batch: RolloutBatch, step: int) -> dict:
     cfg = ctx.cfg
     algo, kl, run = cfg.algo, cfg.kl, cfg.train
@@ -128,20 +136,28 @@ def rl_step(ctx: StepContext, batch: RolloutBatch, step: int) -> dict:
     start = time.perf_counter()
     sequences = pipeline.SequenceBatch(batch.tokens, mask)
     with ctx.offload.resident():
-        reference = pipeline.compute_token_stats(ctx.reference, sequences, forward_microbatches, vocab,
-                                                 capture_hidden=True)
-        if reference["hidden"] is not None:
-            sequences.extras["reference_hidden"] = reference["hidden"]
+        reference = None
+        if needs_reference(cfg, step):
+            reference = pipeline.compute_token_stats(ctx.reference, sequences, forward_microbatches, vocab,
+                                                     capture_hidden=True)
+            if reference["hidden"] is not None:
+                sequences.extras["reference_hidden"] = reference["hidden"]
         timings["time/reference"] = time.perf_counter() - start
 
         start = time.perf_counter()
         old = pipeline.compute_token_stats(ctx.train_state.chunks, sequences, forward_microbatches, vocab,
-                                           reference=ctx.reference_head)
+                                           reference=ctx.reference_head if reference is not None else None)
         timings["time/old_logprobs"] = time.perf_counter() - start
 
     ctx.counter.counts.clear()
-    returns = kl_shaped_returns(kl, batch.rewards, old["logprobs"], reference["logprobs"], mask,
-                                batch.behavior_logprobs, full_kl=old["kl"], counter=ctx.counter)
+    if reference is None:  # no term uses the reference (kl.coef=0, PPO): the returns are the rewards
+        reference = {"logprobs": old["logprobs"]}  # a placeholder nothing reads
+        returns = batch.rewards[:, None].to(old["logprobs"].dtype) * mask
+        measured_kl = False
+    else:
+        returns = kl_shaped_returns(kl, batch.rewards, old["logprobs"], reference["logprobs"], mask,
+                                    batch.behavior_logprobs, full_kl=old["kl"], counter=ctx.counter)
+        measured_kl = True
     advantages = sequence_advantages(batch.rewards, run.group_size, algo.advantage, algo.std_normalize)
     sequences.extras.update(
         old_logprobs=old["logprobs"],
@@ -183,7 +199,8 @@ def rl_step(ctx: StepContext, batch: RolloutBatch, step: int) -> dict:
     metrics = {k: sums[k] / counts[k] for k in sums if not k.startswith("loss/")}
     # loss/* are shares of their minibatch: the minibatch loss is their sum; report the mean minibatch loss.
     metrics.update({k: sums[k] / (algo.ppo_epochs * algo.minibatches) for k in sums if k.startswith("loss/")})
-    metrics.update(kl_metrics(old["logprobs"], reference["logprobs"], old["kl"], mask))
+    if measured_kl:
+        metrics.update(kl_metrics(old["logprobs"], reference["logprobs"], old["kl"], mask))
     metrics["entropy/mean"] = _masked_mean(old["entropy"], mask)
     metrics.update(rollout_metrics(batch, old["logprobs"], step))
     # mean over the optimizer steps taken; 0 with a count of skips when every step of this RL step was skipped
