@@ -30,11 +30,15 @@ import torch
 from megatron_kl.algo.corrections import CORRECTIONS, Correction
 from megatron_kl.config import ConfigError
 from megatron_kl.kl.estimators import ClampCounter, clamp_log_ratio
-from megatron_kl.kl.objective import (AGGREGATIONS, KLConfig, aggregate_tokens, kl_loss,
+from megatron_kl.kl.objective import (AGGREGATIONS, KLConfig, aggregate_tokens, kl_loss, kl_penalty_credit,
                                      policy_gradient_surrogate)
 from megatron_kl.kl.rpg import RPGConfig, rpg_loss
 
 LOSSES = ("ppo", "rpg")
+# where pi_old's log-probs come from: a forward pass of their own before the update (recompute), or - for an
+# update of one epoch over one minibatch, whose only optimizer step happens after every forward - the update's
+# own forward (from_update: the same weights and inputs, one policy forward per step fewer)
+OLD_LOGPROBS = ("recompute", "from_update")
 RATIO_LEVELS = ("token", "sequence")
 
 
@@ -56,13 +60,15 @@ class AlgoConfig:
     mask_high: float = 2.0
     ratio_level: str = "token"  # token: PPO's per-token ratio; sequence: GSPO's length-normalised sequence ratio
     norm_length: Optional[float] = None  # aggregation=seq_mean_token_sum_norm (Dr. GRPO); default max_new_tokens
+    old_logprobs: str = "recompute"  # OLD_LOGPROBS
     rpg: RPGConfig = field(default_factory=RPGConfig)
 
     def __post_init__(self):
         from megatron_kl.algo.advantages import ESTIMATORS
 
         for name, allowed in (("advantage", ESTIMATORS), ("loss", LOSSES), ("aggregation", AGGREGATIONS),
-                              ("behavior_correction", CORRECTIONS), ("ratio_level", RATIO_LEVELS)):
+                              ("behavior_correction", CORRECTIONS), ("ratio_level", RATIO_LEVELS),
+                              ("old_logprobs", OLD_LOGPROBS)):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"algo.{name}={getattr(self, name)!r} is unknown; use one of {list(allowed)}")
         if self.clip_low < 0 or self.clip_high < 0:
@@ -76,6 +82,10 @@ class AlgoConfig:
         if not 0 <= self.mask_low < 1 < self.mask_high:
             raise ConfigError(f"algo.mask_low={self.mask_low}, algo.mask_high={self.mask_high}: the kept band must "
                               "contain 1 (0 <= mask_low < 1 < mask_high)")
+        if self.old_logprobs == "from_update" and (self.ppo_epochs, self.minibatches) != (1, 1):
+            raise ConfigError(f"algo.old_logprobs=from_update takes pi_old from the update's forward, which is pi_old "
+                              f"only when it precedes every optimizer step: set algo.ppo_epochs=1 and "
+                              f"algo.minibatches=1 (have {self.ppo_epochs} and {self.minibatches}) or use recompute")
         if self.norm_length is not None and self.norm_length <= 0:
             raise ConfigError(f"algo.norm_length={self.norm_length} must be > 0 (null: rollout.sampling.max_new_tokens)")
 
@@ -133,8 +143,8 @@ def row_separable(kl: KLConfig, algo: Optional[AlgoConfig] = None) -> bool:
     bonus, any KL in the reward (the credited values are fixed inputs), a token-level KL in the loss without
     per-decision weights. Not: a sequence-level KL in the loss (its gradient at t carries the other tokens'
     log-ratios through k'(D)), per-decision prefix weights in the loss, a sequence-level (GSPO) ratio."""
-    if algo is not None and algo.ratio_level == "sequence":
-        return False
+    if algo is not None and (algo.ratio_level == "sequence" or algo.old_logprobs == "from_update"):
+        return False  # from_update: the KL credit and sequence weights come from the row's detached stats
     if kl.coef > 0 and kl.placement == "loss" and (kl.level != "token" or kl.off_policy == "per_decision"):
         return False
     return True
@@ -149,12 +159,18 @@ class MicrobatchLoss:
     kl: KLConfig
     shares: Shares
     counter: Optional[ClampCounter] = None
+    # algo.old_logprobs=from_update: each microbatch's detached stats (its pi_old), keyed by its first row
+    captured: Optional[dict] = None
 
     @property
     def row_separable(self) -> bool:
         return row_separable(self.kl, self.algo)
 
     def __call__(self, stats, mb: dict):
+        if self.captured is not None:
+            self.captured[mb["index"]] = {key: None if getattr(stats, key) is None
+                                          else getattr(stats, key).detach().float().cpu()
+                                          for key in ("logprobs", "entropy", "kl")}
         return microbatch_loss(stats, mb, self.algo, self.kl, self.shares, self.counter)
 
     def probe(self, stats, mb: dict) -> torch.Tensor:
@@ -171,6 +187,12 @@ def microbatch_loss(stats, mb: dict, algo: AlgoConfig, kl: KLConfig, shares: Sha
     mask = mb["loss_mask"].to(stats.logprobs.dtype)
     logprobs = stats.logprobs
     metrics: dict = {}
+    if "old_logprobs" not in mb:  # algo.old_logprobs=from_update: this forward is pi_old's
+        mb = {**mb, "old_logprobs": logprobs.detach()}
+        if kl.coef > 0 and kl.placement == "reward":
+            mb["kl_returns"] = -kl.coef * kl_penalty_credit(
+                kl, mb["old_logprobs"], mb["reference_logprobs"], mask.bool(), mb["behavior_logprobs"],
+                full_kl=None if stats.kl is None else stats.kl.detach(), counter=counter)
     weight = None
     if algo.loss == "ppo":
         weight, correction = algo.correction.weights(mb["old_logprobs"], mb["behavior_logprobs"], mask, counter)

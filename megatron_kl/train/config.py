@@ -214,7 +214,8 @@ def validate_train_config(cfg: TrainConfig, tokenizer_vocab: int, data_parallel:
             raise ConfigError(f"{section}.interval={getattr(cfg, section).interval} must be >= 0 (0: only at the end)")
     if cfg.model.fused_grad == "in_forward" and not row_separable(cfg.kl, cfg.algo):
         raise ConfigError("model.fused_grad=in_forward needs a row-separable loss (PPO or RPG with the KL in the "
-                          "reward or a token-level KL in the loss, no per-decision weights, algo.ratio_level=token); use auto or "
+                          "reward or a token-level KL in the loss, no per-decision weights, algo.ratio_level=token, algo.old_logprobs="
+                          "recompute); use auto or "
                           "recompute")
     if cfg.eval.k < 1:
         raise ConfigError(f"eval.k={cfg.eval.k} must be >= 1")

@@ -18,6 +18,7 @@ import time
 from contextlib import nullcontext
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -124,68 +125,62 @@ def needs_reference(cfg, step: int) -> bool:
     return step % cfg.train.reference_metrics_interval == 0
 
 
-def rl_step(ctx: StepContext, batch: RolloutBatch, step: int) -> dict:
+def _scoring_passes(ctx: StepContext, sequences, step: int, vocab, timings: dict):
+    """The reference forward (when needed this step) and pi_old's forward (unless algo.old_logprobs=
+    from_update takes it from the update): ``(reference or None, old or None)``."""
     cfg = ctx.cfg
-    algo, kl, run = cfg.algo, cfg.kl, cfg.train
-    vocab = pipeline.VocabOptions.for_model(cfg.model, cfg.parallel, cfg.rollout.sampling.logprob_temperature)
-    num_samples = batch.tokens.shape[0]
-    forward_microbatches = algo.minibatches * run.micro_batches
-    mask = batch.loss_mask
-    timings = {}
-
+    microbatches = cfg.algo.minibatches * cfg.train.micro_batches
     start = time.perf_counter()
-    sequences = pipeline.SequenceBatch(batch.tokens, mask)
+    reference = old = None
     with ctx.offload.resident():
-        reference = None
         if needs_reference(cfg, step):
-            reference = pipeline.compute_token_stats(ctx.reference, sequences, forward_microbatches, vocab,
-                                                     capture_hidden=True)
+            reference = pipeline.compute_token_stats(ctx.reference, sequences, microbatches, vocab, capture_hidden=True)
             if reference["hidden"] is not None:
                 sequences.extras["reference_hidden"] = reference["hidden"]
         timings["time/reference"] = time.perf_counter() - start
-
         start = time.perf_counter()
-        old = pipeline.compute_token_stats(ctx.train_state.chunks, sequences, forward_microbatches, vocab,
-                                           reference=ctx.reference_head if reference is not None else None)
+        if cfg.algo.old_logprobs == "recompute":
+            old = pipeline.compute_token_stats(ctx.train_state.chunks, sequences, microbatches, vocab,
+                                               reference=ctx.reference_head if reference is not None else None)
         timings["time/old_logprobs"] = time.perf_counter() - start
+    return reference, old
 
-    ctx.counter.counts.clear()
-    if reference is None:  # no term uses the reference (kl.coef=0, PPO): the returns are the rewards
-        reference = {"logprobs": old["logprobs"]}  # a placeholder nothing reads
-        returns = batch.rewards[:, None].to(old["logprobs"].dtype) * mask
-        measured_kl = False
-    else:
-        returns = kl_shaped_returns(kl, batch.rewards, old["logprobs"], reference["logprobs"], mask,
-                                    batch.behavior_logprobs, full_kl=old["kl"], counter=ctx.counter)
-        measured_kl = True
-    advantages = sequence_advantages(batch.rewards, run.group_size, algo.advantage, algo.std_normalize)
-    sequences.extras.update(
-        old_logprobs=old["logprobs"],
-        behavior_logprobs=batch.behavior_logprobs,
-        reference_logprobs=reference["logprobs"],
-        advantages=advantages[:, None] * mask,
-        kl_returns=returns - batch.rewards[:, None] * mask,
-    )
 
-    start = time.perf_counter()
+def _stitch(captured: dict, order: torch.Tensor, mask: torch.Tensor, keys) -> dict:
+    """pi_old's stats [N, T] from the update's microbatches (rows in ``order``), on every pipeline rank."""
+    out = {}
+    for key in keys:
+        full = None
+        if captured:
+            permuted = torch.cat([captured[i][key] for i in sorted(captured)])
+            full = torch.empty_like(permuted)
+            full[order] = permuted
+            full = full * mask
+        out[key] = pipeline.broadcast_from_last_stage(full, tuple(mask.shape), torch.float32)
+    return out
+
+
+def _update(ctx: StepContext, sequences, step: int, vocab, reference_head) -> tuple[dict, Optional[dict]]:
+    """``algo.ppo_epochs x algo.minibatches`` optimizer steps; (summed metrics, pi_old's stats captured from
+    the update's forward when there was no pass of their own)."""
+    cfg = ctx.cfg
+    algo, run = cfg.algo, cfg.train
+    num_samples = sequences.tokens.shape[0]
     sums: dict = defaultdict(float)
     counts: dict = defaultdict(int)
-    grad_norms = []
-    skipped = 0
+    grad_norms, skipped, lr, captured = [], 0, None, None
     shuffle = torch.Generator().manual_seed(run.seed * 7919 + step)
     size = num_samples // algo.minibatches
-    needs_exact_in_loss = kl.estimator == "full" and kl.placement == "loss" and kl.coef > 0
     for _ in range(algo.ppo_epochs):
         order = torch.randperm(num_samples, generator=shuffle)
         for i in range(algo.minibatches):
             minibatch = sequences.select(order[i * size : (i + 1) * size])
             shares = Shares(num_sequences=size, num_tokens=float(minibatch.loss_mask.sum()))
-            with ctx.offload.resident() if needs_exact_in_loss else nullcontext():
-                out = optim.train_step(
-                    ctx.train_state, minibatch, run.micro_batches,
-                    MicrobatchLoss(algo, kl, shares, ctx.counter),
-                    vocab, reference=ctx.reference_head if needs_exact_in_loss else None,
-                )
+            loss = MicrobatchLoss(algo, cfg.kl, shares, ctx.counter,
+                                  captured={} if "old_logprobs" not in sequences.extras else None)
+            with ctx.offload.resident() if reference_head is not None else nullcontext():
+                out = optim.train_step(ctx.train_state, minibatch, run.micro_batches, loss, vocab,
+                                       reference=reference_head)
             if record_update(ctx, out["update_successful"], step, run.max_consecutive_skips):
                 grad_norms.append(out["grad_norm"])
             else:
@@ -194,19 +189,56 @@ def rl_step(ctx: StepContext, batch: RolloutBatch, step: int) -> dict:
                 for key, value in metrics.items():
                     sums[key] += float(value)
                     counts[key] += 1
-    timings["time/update"] = time.perf_counter() - start
-
+            lr = out["lr"]
+            if loss.captured is not None:
+                keys = ("logprobs", "entropy") + (("kl",) if reference_head is not None else ())
+                captured = _stitch(loss.captured, order, sequences.loss_mask.float(), keys)
     metrics = {k: sums[k] / counts[k] for k in sums if not k.startswith("loss/")}
     # loss/* are shares of their minibatch: the minibatch loss is their sum; report the mean minibatch loss.
     metrics.update({k: sums[k] / (algo.ppo_epochs * algo.minibatches) for k in sums if k.startswith("loss/")})
-    if measured_kl:
-        metrics.update(kl_metrics(old["logprobs"], reference["logprobs"], old["kl"], mask))
-    metrics["entropy/mean"] = _masked_mean(old["entropy"], mask)
-    metrics.update(rollout_metrics(batch, old["logprobs"], step))
     # mean over the optimizer steps taken; 0 with a count of skips when every step of this RL step was skipped
     metrics["grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else 0.0
     metrics["train/skipped_updates"] = float(skipped)
-    metrics["lr"] = out["lr"]
+    metrics["lr"] = lr
+    return metrics, captured
+
+
+def rl_step(ctx: StepContext, batch: RolloutBatch, step: int) -> dict:
+    cfg = ctx.cfg
+    algo, kl, run = cfg.algo, cfg.kl, cfg.train
+    vocab = pipeline.VocabOptions.for_model(cfg.model, cfg.parallel, cfg.rollout.sampling.logprob_temperature)
+    mask = batch.loss_mask
+    timings = {}
+    sequences = pipeline.SequenceBatch(batch.tokens, mask)
+    reference, old = _scoring_passes(ctx, sequences, step, vocab, timings)
+
+    ctx.counter.counts.clear()
+    advantages = sequence_advantages(batch.rewards, run.group_size, algo.advantage, algo.std_normalize)
+    zeros = torch.zeros(mask.shape, dtype=torch.float32)
+    sequences.extras.update(
+        behavior_logprobs=batch.behavior_logprobs,
+        reference_logprobs=reference["logprobs"] if reference is not None else zeros,  # unread without a KL term
+        advantages=advantages[:, None] * mask,
+    )
+    if old is not None:
+        returns = batch.rewards[:, None].to(old["logprobs"].dtype) * mask
+        if reference is not None:
+            returns = kl_shaped_returns(kl, batch.rewards, old["logprobs"], reference["logprobs"], mask,
+                                        batch.behavior_logprobs, full_kl=old["kl"], counter=ctx.counter)
+        sequences.extras.update(old_logprobs=old["logprobs"], kl_returns=returns - batch.rewards[:, None] * mask)
+    # the update's forward needs the exact KL for a full KL in the loss, and to be pi_old's stats (from_update)
+    exact_in_loss = kl.estimator == "full" and kl.placement == "loss" and kl.coef > 0
+    needs_head = reference is not None and (exact_in_loss or old is None)
+
+    start = time.perf_counter()
+    metrics, captured = _update(ctx, sequences, step, vocab, ctx.reference_head if needs_head else None)
+    timings["time/update"] = time.perf_counter() - start
+    old = old if old is not None else captured
+
+    if reference is not None:
+        metrics.update(kl_metrics(old["logprobs"], reference["logprobs"], old["kl"], mask))
+    metrics["entropy/mean"] = _masked_mean(old["entropy"], mask)
+    metrics.update(rollout_metrics(batch, old["logprobs"], step))
     metrics.update(ctx.counter.as_dict())
     metrics = _reduce(metrics, ctx.dp_group)
     metrics.update(ctx.kl_tags)

@@ -369,3 +369,28 @@ def test_unused_reference_runs_only_for_the_kl_metrics(tmp_path, warm_cache):
         assert {k: b.get(k) for k in same} == same, b["step"]
     assert every[1]["kl/exact_token"] > 0  # the KL to the reference is measured, not assumed
     assert sparse[1]["time/reference"] < 0.2 * sparse[0]["time/reference"] + 1e-3
+
+
+@pytest.mark.parametrize("overrides", [
+    ["kl.estimator=k1", "kl.placement=reward", "kl.coef=0.05", "algo.behavior_correction=sequence_tis"],
+    ["kl.estimator=full", "kl.placement=loss", "train.staleness=1", "algo.behavior_correction=token_tis"],
+    ["kl.estimator=full", "kl.placement=reward", "kl.off_policy=per_decision", "model.logprob_path=fused"],
+], ids=["k1-reward", "full-loss-async", "full-reward-per_decision"])
+def test_old_logprobs_from_the_update_forward_match_their_own_pass(tmp_path, warm_cache, overrides):
+    """One epoch over one minibatch: algo.old_logprobs=from_update takes pi_old from the update's forward and
+    skips the separate pass; every metric (loss, KL credit, corrections, kl/*, entropy, mismatch, grad norm)
+    matches the run with the pass of its own, step by step, to fp32 rounding (the two forwards batch rows
+    differently)."""
+    runs = {}
+    for mode in ("recompute", "from_update"):
+        cfg = short_config(tmp_path / mode, warm_cache, "train.steps=3", "algo.minibatches=1",
+                           f"algo.old_logprobs={mode}", *overrides)
+        runs[mode] = [r for r in run_ranks(train_worker, 1, cfg, timeout_s=300)[0]["metrics"] if "loss/total" in r]
+    recompute, from_update = runs["recompute"], runs["from_update"]
+    assert [r["step"] for r in from_update] == [0, 1, 2]
+    for a, b in zip(stable(recompute), stable(from_update)):
+        assert set(a) == set(b)
+        for key, value in a.items():
+            assert b[key] == pytest.approx(value, rel=1e-4, abs=1e-5), (key, a["step"])  # fp32 rounding
+    assert all(r["time/old_logprobs"] < 1e-3 for r in from_update)
+    assert recompute[-1]["kl/exact_token"] > 0 and recompute[-1]["grad_norm"] > 0

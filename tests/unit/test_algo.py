@@ -113,3 +113,19 @@ def test_pack_aligns_mask_and_per_token_values_with_targets():
     assert tokens.tolist() == [[1, 2, 3, 5, 6], [1, 4, 7, 0, 0]]
     assert mask.tolist() == [[0, 0, 1, 1], [0, 1, 0, 0]]
     assert values.tolist() == [[0, 0, -0.5, -0.25], [0, -1.0, 0, 0]]
+
+
+def test_old_logprobs_from_update_needs_one_epoch_of_one_minibatch():
+    from megatron_kl.algo.losses import AlgoConfig, row_separable
+    from megatron_kl.config import ConfigError
+    from megatron_kl.kl import KLConfig
+
+    assert AlgoConfig(old_logprobs="from_update", minibatches=1).old_logprobs == "from_update"
+    for kwargs in ({"minibatches": 2}, {"minibatches": 1, "ppo_epochs": 2}):
+        with pytest.raises(ConfigError, match="algo.old_logprobs=from_update .*algo.ppo_epochs=1 and algo.minibatches=1"):
+            AlgoConfig(old_logprobs="from_update", **kwargs)
+    with pytest.raises(ConfigError, match="algo.old_logprobs='again' is unknown"):
+        AlgoConfig(old_logprobs="again")
+    # its KL credit comes from the microbatch's own detached stats: never the single-pass gradient path
+    assert not row_separable(KLConfig(), AlgoConfig(old_logprobs="from_update", minibatches=1))
+    assert row_separable(KLConfig(), AlgoConfig(minibatches=1))
