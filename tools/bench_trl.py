@@ -5,8 +5,9 @@
 
 Workload per step (both systems): 8 prompts x 4 samples x ``--max-new-tokens`` new tokens at temperature 1,
 k3 KL to the reference in the loss with coefficient 0.04 (TRL's ``beta``; megatron-kl
-``kl.estimator=k3, kl.placement=loss``), one optimizer step per batch (TRL's default; ``algo.minibatches=1``),
-fp32 on CPU. The model is a random-init Llama saved once as an HF checkpoint that both load:
+``kl.estimator=k3, kl.placement=loss``), one optimizer step per batch (TRL's default; ``algo.minibatches=1``)
+whose pi_old comes from the update's own forward (TRL skips that pass with one iteration;
+``algo.old_logprobs=from_update``), fp32 on CPU. The model is a random-init Llama saved once as an HF checkpoint that both load:
 
     tiny   hidden 128, 2 layers, 4 heads (head_dim 32), FFN 256, vocabulary 49152, tied   (TRL's tiny test shape)
     135m   hidden 576, 30 layers, 9 heads, 3 KV heads, FFN 1536, vocabulary 49152, tied   (SmolLM-135M's shape)
@@ -168,6 +169,7 @@ def run_megatron_kl(work: Path, shape: str, steps: int, new_tokens: int) -> dict
         f"task.math.eval_files=[{work / 'eval.jsonl'}]", f"task.math.tokenizer={work / 'tokenizer'}",
         "task.math.instruction=", f"rollout.sampling.max_new_tokens={new_tokens}", "rollout.sampling.temperature=1.0",
         f"train.prompts_per_step={PROMPTS}", f"train.group_size={SAMPLES}", "algo.minibatches=1", "algo.ppo_epochs=1",
+        "algo.old_logprobs=from_update",
         "kl.estimator=k3", "kl.placement=loss", "kl.level=token", f"kl.coef={BETA}", "kl.target=token_forward",
         "optim.lr=1.0e-6", f"train.steps={steps}", f"train.output_dir={out}", "eval.interval=0", "eval.k=1",
         "checkpoint.interval=0", "logging.progress=false", "logging.tensorboard=false",
