@@ -10,6 +10,11 @@ KV cache: megatron-core's ``StaticInferenceContext``. Prompts of different lengt
 right-padded; the prefill covers the shortest prompt and each decode step feeds one position, forcing
 prompt tokens for rows whose prompt is longer (Megatron's static text-generation scheme).
 Pipeline parallelism is not supported by this engine (use SGLang or vLLM); configs are rejected early.
+
+``share_policy_weights`` (synchronous training, where generation never overlaps an optimizer step): the
+replica's parameters point at the policy's own tensors instead of holding a copy - one set of weights fewer in
+memory and no copy per sync; the generated tokens are the same (the weights are the same values at generation
+time). Asynchronous training needs the copy (the trainer updates the policy while the engine generates).
 """
 
 from __future__ import annotations
@@ -71,7 +76,8 @@ def _engine_tp_group(tp_size: int):
 class LocalEngine:
     """In-process engine over a GPTModel replica in the policy's TP layout (PP must be 1)."""
 
-    def __init__(self, model: ModelConfig, parallel: ParallelConfig, max_batch_size: int = 256):
+    def __init__(self, model: ModelConfig, parallel: ParallelConfig, max_batch_size: int = 256,
+                 share_policy_weights: bool = False):
         from megatron.core.process_groups_config import ProcessGroupCollection
 
         from megatron_kl.models.builder import build_gpt_model, freeze
@@ -87,19 +93,29 @@ class LocalEngine:
         groups.tp = _engine_tp_group(parallel.tensor_parallel)
         self.model = freeze([build_gpt_model(model, parallel, pg_collection=groups)])[0]
         self.weight_version = 0
+        self.share_policy_weights = share_policy_weights
         self._lock = threading.Lock()
 
     # -- weights ---------------------------------------------------------------------------------
     @torch.no_grad()
     def update_weights(self, source: list, version: int) -> None:
-        """Copy this rank's shards of the policy chunks ``source`` (possibly DDP-wrapped)."""
+        """Copy this rank's shards of the policy chunks ``source`` (possibly DDP-wrapped), or with
+        ``share_policy_weights`` point the replica's parameters at them (re-pointed at every call, so a policy
+        whose tensors were replaced, e.g. by a checkpoint load, is followed)."""
         with self._lock:
             policy = unwrap(source[0])
             mine = dict(self.model.named_parameters())
             for name, param in policy.named_parameters():
                 if name not in mine:
                     raise KeyError(f"engine model has no parameter {name}")
-                mine[name].copy_(param.detach())
+                target = mine[name]
+                if target.shape != param.shape:
+                    raise ValueError(f"engine parameter {name} is {tuple(target.shape)}, the policy's "
+                                     f"{tuple(param.shape)}: different layouts")
+                if self.share_policy_weights and target.dtype == param.dtype:
+                    target.data = param.detach()
+                elif target.data_ptr() != param.data_ptr():
+                    target.copy_(param.detach())
             self.weight_version = version
 
     def shutdown(self) -> None:

@@ -31,3 +31,17 @@ def test_engine_logprobs_equal_trainer_recompute_and_tp2_equals_tp1(temperature)
     ids = [[c.response_ids for c in out["completions"]] for out in [tp1] + tp2]
     assert ids[0] == ids[1] == ids[2]
     torch.testing.assert_close(tp2[0]["behavior"], tp1["behavior"], atol=2e-5, rtol=0)
+
+
+def test_engine_sharing_the_policy_weights_generates_what_a_copy_generates():
+    from tests.e2e.workers import shared_engine_worker
+
+    sampling = {"temperature": 1.0, "max_new_tokens": 8}
+    out = run_ranks(shared_engine_worker, 1, MODEL, PROMPTS, sampling)[0]
+    assert out["same_storage"] and not out["copy_storage"]
+    shared, copied = out["before"]
+    assert shared == copied
+    shared, copied = out["after_step"]
+    assert shared != copied  # the sharing replica already sees the step; the copy until its sync
+    assert out["after_sync"][0] == out["after_sync"][1] == shared
+    assert out["followed"]

@@ -72,3 +72,42 @@ def offload_worker(rank, world, model_dict: dict):
         offloaded = pipeline.compute_token_stats(models.reference, batch, 1, vocab)["logprobs"]
     return {"resident": resident, "offloaded": offloaded, "host_between": host_between,
             "host_after": offload.on_host, "enabled": offload.enabled}
+
+
+def shared_engine_worker(rank, world, model_dict: dict, prompts, sampling_dict: dict):
+    """A replica sharing the policy's tensors vs one holding a copy: same tokens; in-place policy updates
+    reach the sharing replica without a copy; a replaced policy tensor is followed at the next sync."""
+    from megatron_kl.config import ModelConfig, ParallelConfig
+    from megatron_kl.models import builder, parallel
+    from megatron_kl.models.output_head import unwrap
+    from megatron_kl.rollout.engine import SamplingConfig
+    from megatron_kl.rollout.local import LocalEngine
+
+    model = from_dict(ModelConfig, model_dict)
+    layout = ParallelConfig()
+    torch.manual_seed(0)
+    parallel.initialize(model, layout)
+    policy = builder.build_policy_and_reference(model, layout).policy
+    sampling = from_dict(SamplingConfig, sampling_dict)
+    shared, copied = LocalEngine(model, layout, share_policy_weights=True), LocalEngine(model, layout)
+    for engine in (shared, copied):
+        engine.update_weights(policy, version=1)
+    params = dict(unwrap(policy[0]).named_parameters())
+    out = {"same_storage": all(p.data_ptr() == params[n].data_ptr() for n, p in shared.model.named_parameters()),
+           "copy_storage": any(p.data_ptr() == params[n].data_ptr() for n, p in copied.model.named_parameters())}
+
+    def generate(engine):
+        return [c.response_ids for c in engine.generate(prompts, sampling, seed=3)]
+
+    out["before"] = (generate(shared), generate(copied))
+    with torch.no_grad():  # an optimizer step: in place
+        for p in params.values():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)) * 0.5)
+    out["after_step"] = (generate(shared), generate(copied))
+    copied.update_weights(policy, version=2)
+    out["after_sync"] = (generate(shared), generate(copied))
+    name = next(iter(params))
+    params[name].data = params[name].data.clone()  # a load that replaces a tensor
+    shared.update_weights(policy, version=3)
+    out["followed"] = dict(shared.model.named_parameters())[name].data_ptr() == params[name].data_ptr()
+    return out
