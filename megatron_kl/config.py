@@ -63,6 +63,10 @@ class ModelConfig:
     # fused path, training: in_forward forms the gradients in the forward sweep (no recomputed logits) when
     # the loss is row-separable, recompute always recomputes them in backward; auto = in_forward
     fused_grad: str = "auto"
+    # activation recomputation in training (megatron's recompute_granularity): "full" keeps only each layer's
+    # input and recomputes the layer in backward (activation memory ~ layers x tokens x hidden, about one more
+    # forward of compute); "none" keeps every activation. Frozen models (reference, engine) never recompute.
+    recompute: str = "none"
 
     def resolved(self) -> "ModelConfig":
         """A copy with the architecture defaults filled in for fields left as None."""
@@ -92,6 +96,8 @@ class ParallelConfig:
 
 
 def validate_model(model: ModelConfig) -> None:
+    if model.recompute not in ("none", "full"):
+        raise ConfigError(f"model.recompute={model.recompute!r} is unknown; use 'none' or 'full'")
     if model.architecture not in ARCHITECTURES:
         raise ConfigError(
             f"model.architecture={model.architecture!r} is unknown; "

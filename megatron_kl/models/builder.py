@@ -62,6 +62,8 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig):
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
         deallocate_pipeline_outputs=False,
+        **({"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+           if model.recompute == "full" else {}),
     )
 
 

@@ -6,7 +6,8 @@ megatron-core assumes CUDA in a handful of places that have nothing to do with t
    ``torch.cuda.synchronize()`` / ``empty_cache()`` as fences, ``Tensor.cuda()`` on the tied output
    weight (all of these raise on a CPU-only torch; on the CPU they become identity/no-ops).
 2. The CUDA RNG tracker (``tensor_parallel.random``) that forks the *CUDA* generator for
-   tensor-parallel regions (dropout, initialisation).
+   tensor-parallel regions (dropout, initialisation), and activation recomputation's save/restore of the
+   CUDA generator state around a recomputed layer (the CPU generator's state stands in for it).
 3. Literal ``device="cuda"`` in the pipeline schedules (token counters), the optimizer (found-inf
    buffers), grad clipping and the DDP grad buffers, and grad clipping's assertion that grads are
    ``torch.cuda.FloatTensor`` (replaced by the same scaling without the device check).
@@ -188,6 +189,8 @@ def apply_cpu_shims() -> bool:
 
     mcore_random.CudaRNGStatesTracker = CpuRNGStatesTracker
     mcore_random.initialize_rng_tracker(force_reset=True)
+    mcore_random._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
+    mcore_random._set_cuda_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
 
     from megatron.core.optimizer import clip_grads, optimizer
 

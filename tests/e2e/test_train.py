@@ -394,3 +394,17 @@ def test_old_logprobs_from_the_update_forward_match_their_own_pass(tmp_path, war
             assert b[key] == pytest.approx(value, rel=1e-4, abs=1e-5), (key, a["step"])  # fp32 rounding
     assert all(r["time/old_logprobs"] < 1e-3 for r in from_update)
     assert recompute[-1]["kl/exact_token"] > 0 and recompute[-1]["grad_norm"] > 0
+
+
+def test_full_activation_recomputation_trains_identically(tmp_path, warm_cache):
+    """model.recompute=full (megatron's full, uniform, one layer per checkpoint) recomputes each layer in
+    backward: the same gradients, so every metric equals the run that keeps the activations."""
+    runs = {}
+    for mode in ("none", "full"):
+        cfg = short_config(tmp_path / mode, warm_cache, "train.steps=2", f"model.recompute={mode}")
+        runs[mode] = [r for r in run_ranks(train_worker, 1, cfg, timeout_s=300)[0]["metrics"] if "loss/total" in r]
+    for a, b in zip(stable(runs["none"]), stable(runs["full"])):
+        assert set(a) == set(b)
+        for key, value in a.items():
+            assert b[key] == pytest.approx(value, rel=1e-5, abs=1e-7), (key, a["step"])
+    assert runs["none"][-1]["grad_norm"] > 0
