@@ -2,6 +2,7 @@
 
     pip install -e .[bench]     # trl==1.16.0 (pinned; a benchmark dependency only)
     python tools/bench_trl.py [--shapes tiny,135m] [--steps 6] [--rounds 2] [--max-new-tokens 32]
+                              [--variant NAME=override,override ...]
 
 Workload per step (both systems): 8 prompts x 4 samples x ``--max-new-tokens`` new tokens at temperature 1,
 k3 KL to the reference in the loss with coefficient 0.04 (TRL's ``beta``; megatron-kl
@@ -17,8 +18,9 @@ for both (a random model solves nothing; TRL gets a constant reward function, me
 so the work per step is the same. Each (system, shape) runs in a fresh child process; children alternate
 system order per round. Per system: tokens/s (response tokens / step time; median over the steps after the
 first), the step split (generation / scoring = reference + old log-probs + rewards / update), peak RSS
-(VmHWM at the end of the last training step, before any final evaluation or checkpoint), and megatron-kl's
-ratio to TRL.
+(VmHWM at the end of the last training step, before any final evaluation or checkpoint), and each megatron-kl
+variant's ratio to TRL. Variants: ``megatron-kl`` (the settings above) and ``megatron-kl+recompute``
+(``model.recompute=full``: activation recomputation); ``--variant`` replaces them.
 """
 
 from __future__ import annotations
@@ -135,7 +137,7 @@ def run_trl(work: Path, shape: str, steps: int, new_tokens: int) -> dict:
     return {"records": records, "peak_rss_gib": peak_rss_gib()}
 
 
-def run_megatron_kl(work: Path, shape: str, steps: int, new_tokens: int) -> dict:
+def run_megatron_kl(work: Path, shape: str, steps: int, new_tokens: int, extra: list[str]) -> dict:
     import logging
     import warnings
 
@@ -172,7 +174,7 @@ def run_megatron_kl(work: Path, shape: str, steps: int, new_tokens: int) -> dict
         "algo.old_logprobs=from_update",
         "kl.estimator=k3", "kl.placement=loss", "kl.level=token", f"kl.coef={BETA}", "kl.target=token_forward",
         "optim.lr=1.0e-6", f"train.steps={steps}", f"train.output_dir={out}", "eval.interval=0", "eval.k=1",
-        "checkpoint.interval=0", "logging.progress=false", "logging.tensorboard=false",
+        "checkpoint.interval=0", "logging.progress=false", "logging.tensorboard=false", *extra,
     ])
     _single_process_env()
     try:
@@ -193,9 +195,10 @@ def run_megatron_kl(work: Path, shape: str, steps: int, new_tokens: int) -> dict
 # ------------------------------------------------------------------------------------------ parent
 
 
-def child(system: str, work: Path, shape: str, steps: int, new_tokens: int) -> dict:
-    cmd = [sys.executable, __file__, "--child", system, "--work", str(work), "--shapes", shape, "--steps", str(steps),
-           "--max-new-tokens", str(new_tokens)]
+def child(system: str, work: Path, shape: str, steps: int, new_tokens: int, extra: list[str]) -> dict:
+    cmd = [sys.executable, __file__, "--child", "trl" if system == "trl" else "megatron-kl", "--work", str(work),
+           "--shapes", shape, "--steps", str(steps), "--max-new-tokens", str(new_tokens),
+           *(f"--override={o}" for o in extra)]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"{system} {shape} failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
@@ -216,42 +219,58 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=6, help="steps per child (the first is warm-up)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--variant", action="append", default=None,
+                        help="a megatron-kl variant NAME=override,override (repeatable)")
     parser.add_argument("--child", choices=["trl", "megatron-kl"], help=argparse.SUPPRESS)
     parser.add_argument("--work", help=argparse.SUPPRESS)
+    parser.add_argument("--override", action="append", default=[], help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     shapes = args.shapes.split(",")
     if args.child:
-        runner = run_trl if args.child == "trl" else run_megatron_kl
-        print(json.dumps(runner(Path(args.work), shapes[0], args.steps, args.max_new_tokens)))
+        if args.child == "trl":
+            result = run_trl(Path(args.work), shapes[0], args.steps, args.max_new_tokens)
+        else:
+            result = run_megatron_kl(Path(args.work), shapes[0], args.steps, args.max_new_tokens, args.override)
+        print(json.dumps(result))
         return 0
+    variants = {"megatron-kl": [], "megatron-kl+recompute": ["model.recompute=full"]}
+    if args.variant:
+        variants = {}
+        for spec in args.variant:
+            name, _, overrides = spec.partition("=")
+            variants[name] = [o for o in overrides.split(",") if o]
+    systems = ["trl", *variants]
     unknown = set(shapes) - set(SHAPES)
     if unknown:
         parser.error(f"--shapes: unknown {sorted(unknown)}; use {sorted(SHAPES)}")
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         build_workload(work, shapes)
-        results = {(s, system): [] for s in shapes for system in ("trl", "megatron-kl")}
+        results = {(s, system): [] for s in shapes for system in systems}
         for round_index in range(args.rounds):
-            order = ("trl", "megatron-kl") if round_index % 2 == 0 else ("megatron-kl", "trl")
+            order = systems if round_index % 2 == 0 else systems[::-1]
             for shape in shapes:
                 for system in order:
-                    results[(shape, system)].append(child(system, work, shape, args.steps, args.max_new_tokens))
+                    results[(shape, system)].append(
+                        child(system, work, shape, args.steps, args.max_new_tokens, variants.get(system, [])))
     print(f"{PROMPTS} prompts x {SAMPLES} samples x {args.max_new_tokens} new tokens per step, k3 KL in the loss "
           f"(coef {BETA}), 1 optimizer step per batch, fp32, {os.cpu_count()} CPU cores; {args.rounds} interleaved "
           f"rounds x {args.steps} steps per child (first step of each child excluded); medians")
-    header = (f"{'shape':<6}{'system':<13}{'tokens/s':>9}{'(max)':>8}{'step s':>8}{'gen s':>8}{'score s':>8}"
+    header = (f"{'shape':<6}{'system':<23}{'tokens/s':>9}{'(max)':>8}{'step s':>8}{'gen s':>8}{'score s':>8}"
               f"{'update s':>9}{'peak RSS GiB':>13}")
     print(header)
     for shape in shapes:
-        summary = {system: summarize(results[(shape, system)]) for system in ("trl", "megatron-kl")}
+        summary = {system: summarize(results[(shape, system)]) for system in systems}
         for system, s in summary.items():
-            print(f"{shape:<6}{system:<13}{s['tokens_per_s']:>9.1f}{s['tokens_per_s_max']:>8.1f}{s['step']:>8.2f}"
+            print(f"{shape:<6}{system:<23}{s['tokens_per_s']:>9.1f}{s['tokens_per_s_max']:>8.1f}{s['step']:>8.2f}"
                   f"{s['generation']:>8.2f}{s['scoring']:>8.2f}{s['update']:>9.2f}{s['peak_rss_gib']:>13.2f}")
-        mk, trl = summary["megatron-kl"], summary["trl"]
-        print(f"{shape:<6}{'ratio':<13}{mk['tokens_per_s'] / trl['tokens_per_s']:>8.2f}x{'':>8}"
-              f"{mk['step'] / trl['step']:>7.2f}x{mk['generation'] / trl['generation']:>7.2f}x"
-              f"{mk['scoring'] / trl['scoring']:>7.2f}x{mk['update'] / trl['update']:>8.2f}x"
-              f"{mk['peak_rss_gib'] / trl['peak_rss_gib']:>12.2f}x   (megatron-kl / TRL)")
+        trl = summary["trl"]
+        for name in variants:
+            mk = summary[name]
+            print(f"{shape:<6}{'ratio ' + name:<23}{mk['tokens_per_s'] / trl['tokens_per_s']:>8.2f}x{'':>8}"
+                  f"{mk['step'] / trl['step']:>7.2f}x{mk['generation'] / trl['generation']:>7.2f}x"
+                  f"{mk['scoring'] / trl['scoring']:>7.2f}x{mk['update'] / trl['update']:>8.2f}x"
+                  f"{mk['peak_rss_gib'] / trl['peak_rss_gib']:>12.2f}x   (/ TRL)")
     return 0
 
 
