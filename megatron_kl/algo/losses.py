@@ -33,6 +33,7 @@ from megatron_kl.kl.estimators import ClampCounter, clamp_log_ratio
 from megatron_kl.kl.objective import (AGGREGATIONS, KLConfig, aggregate_tokens, kl_loss, kl_penalty_credit,
                                      policy_gradient_surrogate)
 from megatron_kl.kl.rpg import RPGConfig, rpg_loss
+from megatron_kl.models.pipeline import masked_token_stats
 
 LOSSES = ("ppo", "rpg")
 # where pi_old's log-probs come from: a forward pass of their own before the update (recompute), or - for an
@@ -159,8 +160,10 @@ class MicrobatchLoss:
     kl: KLConfig
     shares: Shares
     counter: Optional[ClampCounter] = None
-    # algo.old_logprobs=from_update: each microbatch's detached stats (its pi_old), keyed by its first row
-    captured: Optional[dict] = None
+    # algo.old_logprobs=from_update: each microbatch's detached, masked stats (its pi_old; pipeline.
+    # masked_token_stats of ``captured_keys``), for pipeline.assemble_token_stats
+    captured: Optional[list] = None
+    captured_keys: tuple = ("logprobs", "entropy")
 
     @property
     def row_separable(self) -> bool:
@@ -168,9 +171,8 @@ class MicrobatchLoss:
 
     def __call__(self, stats, mb: dict):
         if self.captured is not None:
-            self.captured[mb["index"]] = {key: None if getattr(stats, key) is None
-                                          else getattr(stats, key).detach().float().cpu()
-                                          for key in ("logprobs", "entropy", "kl")}
+            with torch.no_grad():
+                self.captured.append(masked_token_stats(stats, mb, self.captured_keys))
         return microbatch_loss(stats, mb, self.algo, self.kl, self.shares, self.counter)
 
     def probe(self, stats, mb: dict) -> torch.Tensor:

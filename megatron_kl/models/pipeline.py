@@ -206,6 +206,24 @@ def broadcast_from_last_stage(tensor: Optional[torch.Tensor], shape, dtype) -> t
     return tensor
 
 
+def masked_token_stats(stats: VocabParallelStats, mb: dict, keys) -> dict:
+    """One microbatch's per-token ``keys`` of ``stats``, zero at masked positions, tagged with its ``index``."""
+    mask = mb["loss_mask"].to(stats.logprobs.dtype)
+    return {"index": mb["index"], **{key: getattr(stats, key) * mask for key in keys}}
+
+
+def assemble_token_stats(parts: list[dict], keys, shape) -> dict[str, torch.Tensor]:
+    """The batch's ``[B, S-1]`` float32 stats from its microbatches' :func:`masked_token_stats` (on the last
+    pipeline stage; empty elsewhere), on every pipeline rank."""
+    result = {}
+    for key in keys:
+        full = None
+        if parts:
+            full = torch.cat([p[key] for p in sorted(parts, key=lambda p: p["index"])]).float().cpu()
+        result[key] = broadcast_from_last_stage(full, shape, torch.float32)
+    return result
+
+
 @torch.no_grad()
 def compute_token_stats(
     chunks: list,
@@ -233,22 +251,14 @@ def compute_token_stats(
         )
 
     def collect(stats: VocabParallelStats, mb: dict):
-        mask = mb["loss_mask"].to(stats.logprobs.dtype)
-        values = {key: getattr(stats, key) * mask for key in keys}
-        return torch.zeros((), dtype=stats.logprobs.dtype), {"index": mb["index"], **values}
+        return torch.zeros((), dtype=stats.logprobs.dtype), masked_token_stats(stats, mb, keys)
 
     try:
         outputs = run_schedule(chunks, batch, num_microbatches, collect, vocab, forward_only=True, reference=reference)
     finally:
         if hook is not None:
             hook.remove()
-    shape = tuple(batch.loss_mask.shape)
-    result = {}
-    for key in keys:
-        full = None
-        if outputs:
-            full = torch.cat([o[key] for o in sorted(outputs, key=lambda o: o["index"])]).float().cpu()
-        result[key] = broadcast_from_last_stage(full, shape, torch.float32)
+    result = assemble_token_stats(outputs, keys, tuple(batch.loss_mask.shape))
     if capture_hidden:
         result["hidden"] = torch.cat(captured) if captured else None
     return result

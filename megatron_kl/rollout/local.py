@@ -114,7 +114,7 @@ class LocalEngine:
                                      f"{tuple(param.shape)}: different layouts")
                 if self.share_policy_weights and target.dtype == param.dtype:
                     target.data = param.detach()
-                elif target.data_ptr() != param.data_ptr():
+                else:
                     target.copy_(param.detach())
             self.weight_version = version
 

@@ -146,18 +146,10 @@ def _scoring_passes(ctx: StepContext, sequences, step: int, vocab, timings: dict
     return reference, old
 
 
-def _stitch(captured: dict, order: torch.Tensor, mask: torch.Tensor, keys) -> dict:
-    """pi_old's stats [N, T] from the update's microbatches (rows in ``order``), on every pipeline rank."""
-    out = {}
-    for key in keys:
-        full = None
-        if captured:
-            permuted = torch.cat([captured[i][key] for i in sorted(captured)])
-            full = torch.empty_like(permuted)
-            full[order] = permuted
-            full = full * mask
-        out[key] = pipeline.broadcast_from_last_stage(full, tuple(mask.shape), torch.float32)
-    return out
+def _stitch(loss: MicrobatchLoss, order: torch.Tensor, shape) -> dict:
+    """pi_old's stats [N, T] from the update's microbatches (whose rows are ``order``), on every pipeline rank."""
+    permuted = pipeline.assemble_token_stats(loss.captured, loss.captured_keys, shape)
+    return {key: torch.empty_like(value).index_copy_(0, order, value) for key, value in permuted.items()}
 
 
 def _update(ctx: StepContext, sequences, step: int, vocab, reference_head) -> tuple[dict, Optional[dict]]:
@@ -177,7 +169,8 @@ def _update(ctx: StepContext, sequences, step: int, vocab, reference_head) -> tu
             minibatch = sequences.select(order[i * size : (i + 1) * size])
             shares = Shares(num_sequences=size, num_tokens=float(minibatch.loss_mask.sum()))
             loss = MicrobatchLoss(algo, cfg.kl, shares, ctx.counter,
-                                  captured={} if "old_logprobs" not in sequences.extras else None)
+                                  captured=[] if "old_logprobs" not in sequences.extras else None,
+                                  captured_keys=("logprobs", "entropy") + (("kl",) if reference_head is not None else ()))
             with ctx.offload.resident() if reference_head is not None else nullcontext():
                 out = optim.train_step(ctx.train_state, minibatch, run.micro_batches, loss, vocab,
                                        reference=reference_head)
@@ -191,8 +184,7 @@ def _update(ctx: StepContext, sequences, step: int, vocab, reference_head) -> tu
                     counts[key] += 1
             lr = out["lr"]
             if loss.captured is not None:
-                keys = ("logprobs", "entropy") + (("kl",) if reference_head is not None else ())
-                captured = _stitch(loss.captured, order, sequences.loss_mask.float(), keys)
+                captured = _stitch(loss, order, tuple(sequences.loss_mask.shape))
     metrics = {k: sums[k] / counts[k] for k in sums if not k.startswith("loss/")}
     # loss/* are shares of their minibatch: the minibatch loss is their sum; report the mean minibatch loss.
     metrics.update({k: sums[k] / (algo.ppo_epochs * algo.minibatches) for k in sums if k.startswith("loss/")})
