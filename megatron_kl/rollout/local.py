@@ -49,15 +49,23 @@ def sample_tokens(logits: torch.Tensor, sampling: SamplingConfig, generator: tor
     """Draw one token per row of full-vocabulary ``logits [B, V]`` (float32).
 
     Returns (tokens [B], behaviour log-probs [B]) with log-probs of the tempered full distribution.
+
+    Sampling inverts the CDF: with C_a = sum_{b<=a} p_b accumulated in float64 and one U ~ Uniform[0, 1)
+    per row, the token is the first a with C_a > U * C_V, i.e. a with probability p_a exactly (up to float64
+    rounding of the running sum, ~1e-16 relative). A token of probability 0 never has C_a > C_{a-1}, so it
+    is never drawn. One uniform per row and a cumulative sum instead of ``torch.multinomial``, which costs
+    ~25 ms per [32, 49152] call on 2 CPU cores (this: ~1.3 ms).
     """
-    logprobs = torch.log_softmax(logits / sampling.logprob_temperature, dim=-1)
     if sampling.temperature == 0:
         tokens = logits.argmax(-1)
     else:
         filtered = filter_logits(logits / sampling.temperature, sampling.top_k, sampling.top_p)
-        probs = torch.softmax(filtered, dim=-1)
-        tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-    return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+        cdf = torch.softmax(filtered, dim=-1).to(torch.float64).cumsum_(-1)
+        draw = torch.rand(cdf.shape[0], 1, dtype=torch.float64, generator=generator, device=cdf.device)
+        tokens = torch.searchsorted(cdf, draw * cdf[:, -1:], right=True).squeeze(-1).clamp_max_(cdf.shape[-1] - 1)
+    scaled = logits / sampling.logprob_temperature
+    chosen = scaled.gather(-1, tokens[:, None]).squeeze(-1)
+    return tokens, chosen - torch.logsumexp(scaled, dim=-1)
 
 
 def _engine_tp_group(tp_size: int):
