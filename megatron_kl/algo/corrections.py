@@ -46,6 +46,11 @@ class Correction:
     mask_high: float = 2.0
 
     @property
+    def per_token(self) -> bool:
+        """c_t depends on token t's own ratio w_t only (not on the rest of its sequence)."""
+        return canonical(self.kind) in ("none", "token_tis", "token_mask", "icepop")
+
+    @property
     def label(self) -> str:
         kind = canonical(self.kind)
         if kind.endswith("_tis"):

@@ -143,9 +143,15 @@ def row_separable(kl: KLConfig, algo: Optional[AlgoConfig] = None) -> bool:
     surrogates: per-token importance weights and divergence terms, fixed aggregation weights), the entropy
     bonus, any KL in the reward (the credited values are fixed inputs), a token-level KL in the loss without
     per-decision weights. Not: a sequence-level KL in the loss (its gradient at t carries the other tokens'
-    log-ratios through k'(D)), per-decision prefix weights in the loss, a sequence-level (GSPO) ratio."""
-    if algo is not None and (algo.ratio_level == "sequence" or algo.old_logprobs == "from_update"):
-        return False  # from_update: the KL credit and sequence weights come from the row's detached stats
+    log-ratios through k'(D)), per-decision prefix weights in the loss, a sequence-level (GSPO) ratio.
+    With ``algo.old_logprobs=from_update`` pi_old is the forward's own detached statistics, so also not: a
+    sequence-level behaviour correction (its weight reads the other rows' pi_old) or a KL in the reward (its
+    credit sums over the other rows)."""
+    if algo is not None and algo.ratio_level == "sequence":
+        return False
+    if algo is not None and algo.old_logprobs == "from_update" and (
+            not algo.correction.per_token or (kl.coef > 0 and kl.placement == "reward")):
+        return False
     if kl.coef > 0 and kl.placement == "loss" and (kl.level != "token" or kl.off_policy == "per_decision"):
         return False
     return True

@@ -373,7 +373,8 @@ def test_unused_reference_runs_only_for_the_kl_metrics(tmp_path, warm_cache):
 
 @pytest.mark.parametrize("overrides", [
     ["kl.estimator=k1", "kl.placement=reward", "kl.coef=0.05", "algo.behavior_correction=sequence_tis"],
-    ["kl.estimator=full", "kl.placement=loss", "train.staleness=1", "algo.behavior_correction=token_tis"],
+    ["kl.estimator=full", "kl.placement=loss", "train.staleness=1", "algo.behavior_correction=token_tis",
+     "model.logprob_path=fused"],  # row-separable: the fused single pass, its probe on partial stats
     ["kl.estimator=full", "kl.placement=reward", "kl.off_policy=per_decision", "model.logprob_path=fused"],
 ], ids=["k1-reward", "full-loss-async", "full-reward-per_decision"])
 def test_old_logprobs_from_the_update_forward_match_their_own_pass(tmp_path, warm_cache, overrides):

@@ -87,6 +87,27 @@ def test_algo_config_errors():
             AlgoConfig(**kwargs)
 
 
+def test_sampler_draws_the_tempered_filtered_distribution_over_a_large_vocabulary():
+    """Inverse-CDF sampling: Pearson chi-square against the exact probabilities over 20 categories that carry
+    the mass of a 4099-word vocabulary (the rest below 1e-9, never drawn), tokens removed by top-k never drawn,
+    the first and last vocabulary entries reachable."""
+    vocab, rows = 4099, 40000
+    logits = torch.full((vocab,), -40.0)
+    support = torch.tensor([7, 100, 0, 1, 2048, 4000, 4097, 4098] + list(range(3000, 3012)))  # 7, 100: top-k cut
+    logits[support] = torch.linspace(0.0, 3.0, len(support))
+    sampling = SamplingConfig(temperature=0.7, top_k=len(support) - 2)
+    probs = torch.softmax(filter_logits(logits[None] / 0.7, sampling.top_k, 1.0), -1)[0].double()
+    tokens, logprobs = sample_tokens(logits.repeat(rows, 1), sampling, torch.Generator().manual_seed(3))
+    counts = torch.bincount(tokens, minlength=vocab).double()
+    assert counts[probs == 0].sum() == 0  # the two top-k casualties and every improbable token
+    kept = probs > 0
+    expected = rows * probs[kept]
+    chi2 = float(((counts[kept] - expected) ** 2 / expected).sum())
+    assert chi2 < 45.3, chi2  # 17 degrees of freedom: P(chi2 > 45.3) ~ 2e-4
+    torch.testing.assert_close(logprobs, torch.log_softmax(logits / 0.7, -1)[tokens])  # unfiltered, tempered
+    assert counts[0] > 0 and counts[4098] > 0
+
+
 def test_top_k_top_p_filters_match_a_direct_computation():
     logits = torch.log(torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05]]))
     kept = torch.isfinite(filter_logits(logits, top_k=0, top_p=0.8))
@@ -126,6 +147,14 @@ def test_old_logprobs_from_update_needs_one_epoch_of_one_minibatch():
             AlgoConfig(old_logprobs="from_update", **kwargs)
     with pytest.raises(ConfigError, match="algo.old_logprobs='again' is unknown"):
         AlgoConfig(old_logprobs="again")
-    # its KL credit comes from the microbatch's own detached stats: never the single-pass gradient path
-    assert not row_separable(KLConfig(), AlgoConfig(old_logprobs="from_update", minibatches=1))
+    # pi_old is the row's own detached stats: still row-separable unless a weight or credit reads other rows
+    from_update = dict(old_logprobs="from_update", minibatches=1)
+    in_loss = KLConfig(estimator="k3", placement="loss", level="token", coef=0.1)
+    assert row_separable(in_loss, AlgoConfig(**from_update))
+    assert row_separable(in_loss, AlgoConfig(**from_update, behavior_correction="token_tis"))
+    assert row_separable(in_loss, AlgoConfig(**from_update, behavior_correction="icepop"))
+    assert not row_separable(in_loss, AlgoConfig(**from_update, behavior_correction="sequence_tis"))
+    assert not row_separable(in_loss, AlgoConfig(**from_update, behavior_correction="geometric_mask"))
+    assert not row_separable(KLConfig(coef=0.1, placement="reward"), AlgoConfig(**from_update))
+    assert row_separable(KLConfig(coef=0.1, placement="reward"), AlgoConfig(minibatches=1))
     assert row_separable(KLConfig(), AlgoConfig(minibatches=1))
