@@ -56,8 +56,9 @@ class ModelConfig:
     init_method_std: float = 0.02
     # how per-token log-probs / entropy / exact KL are computed on the last stage: "fused" never
     # materialises the logits (output projection inside the chunk loop), "unfused" runs the output layer
-    # then the vocab-parallel stats, "auto" fuses a microbatch whose logits (tokens x V/tp) would exceed four
-    # fused chunks (models/pipeline.py FUSED_MIN_LOGITS_PER_CHUNK; below that unfused needs less memory)
+    # then the vocab-parallel stats, "auto" fuses forward-only passes and single-pass training microbatches of
+    # at least one chunk, and a training microbatch that recomputes logits in backward when its logits
+    # (tokens x V/tp) would exceed four fused chunks (models/pipeline.py VocabOptions.use_fused: measured)
     logprob_path: str = "auto"
     logprob_chunk_rows: Optional[int] = None  # rows per chunk on either path; None: automatic
     # fused path, training: in_forward forms the gradients in the forward sweep (no recomputed logits) when

@@ -62,8 +62,9 @@ class SequenceBatch:
         return SequenceBatch(self.tokens[index], self.loss_mask[index], {k: v[index] for k, v in self.extras.items()})
 
 
-# "auto" fuses a microbatch when the logits the unfused path would hold (policy + reference, rows x V/tp)
-# exceed the fused path's chunk working set by this factor; below it the fused chunk buffers cost more
+# "auto" on a training microbatch whose gradient needs recomputed logits in backward (not row-separable, or
+# model.fused_grad=recompute): fused when the logits the unfused path would hold (policy + reference, rows x
+# V/tp) exceed the fused path's chunk working set by this factor; below it the fused chunk buffers cost more
 # memory than the logits themselves (measured: tools/bench_vocab_parallel.py --section linear; README)
 FUSED_MIN_LOGITS_PER_CHUNK = 4
 
@@ -76,11 +77,23 @@ class VocabOptions:
     fused: Optional[bool] = False  # fused linear path: never materialise the logits; None: by size (auto)
     grad_in_forward: bool = False  # fused + row-separable loss: gradients formed in the forward pass
 
-    def use_fused(self, rows: int, local_vocab: int) -> bool:
+    def use_fused(self, rows: int, local_vocab: int, single_sweep: bool = False) -> bool:
         """The path for a microbatch of ``rows`` token positions over ``local_vocab`` columns: as configured,
-        or (auto) fused when the unfused logits would exceed FUSED_MIN_LOGITS_PER_CHUNK fused chunks."""
+        or (auto):
+
+        - ``single_sweep`` (a forward-only pass, or training with the single-pass gradient): fused from one
+          full chunk of rows up. The fused sweep does the unfused path's GEMMs and softmax passes on
+          cache-sized blocks and skips the [rows, V/tp] tensors (their allocation, transposes and, in
+          training, the logits gradient). Measured in the trainer (tools/bench_trl.py workload, 1824 rows x
+          49152, 2 CPU cores): reference/old-log-prob passes 0.45 -> 0.13 s at hidden 128; the update
+          2.16 -> 0.53 s at hidden 128 and 13.2 -> 10.3 s at the 135M shape; peak RSS lower.
+        - training with recomputation in backward: fused when the unfused logits would exceed
+          FUSED_MIN_LOGITS_PER_CHUNK single-pass chunks (memory rule above; the recomputed projection costs
+          GEMMs: 2.1x the unfused kernel time at hidden 896 x 152064)."""
         if self.fused is not None:
             return self.fused
+        if single_sweep:
+            return rows >= (self.chunk_size or default_chunk_rows(local_vocab))
         chunk_rows = self.chunk_size or default_chunk_rows(local_vocab, single_pass=self.grad_in_forward)
         return rows >= FUSED_MIN_LOGITS_PER_CHUNK * chunk_rows
 
@@ -119,7 +132,7 @@ def _fused_stats(vocab: VocabOptions, reference: Optional[ReferenceHead], mb: di
     return VocabParallelStats(per_sequence(stats.logprobs), per_sequence(stats.entropy), per_sequence(stats.kl))
 
 
-def _forward_step(vocab: VocabOptions, loss_fn: LossFn, num_microbatches: int,
+def _forward_step(vocab: VocabOptions, loss_fn: LossFn, num_microbatches: int, forward_only: bool,
                   reference: Optional[ReferenceHead], data_iterator, model):
     from megatron.core import parallel_state
 
@@ -128,13 +141,15 @@ def _forward_step(vocab: VocabOptions, loss_fn: LossFn, num_microbatches: int,
     tokens = mb["tokens"].to(device)
     position_ids = torch.arange(tokens.shape[1], device=device).unsqueeze(0).expand_as(tokens)
     inner = unwrap(model)
-    fused = inner.post_process and vocab.use_fused(tokens.numel(), output_weight(inner).shape[0])
+    single_pass = vocab.grad_in_forward and getattr(loss_fn, "row_separable", False) and not forward_only
+    fused = inner.post_process and vocab.use_fused(tokens.numel(), output_weight(inner).shape[0],
+                                                   single_sweep=forward_only or single_pass)
     with bypass_output_layer(inner) if fused else nullcontext():
         output = model(tokens, position_ids, None)
     tp_group = parallel_state.get_tensor_model_parallel_group()
 
     def loss_func(output):
-        if fused and vocab.grad_in_forward and getattr(loss_fn, "row_separable", False) and torch.is_grad_enabled():
+        if fused and single_pass and torch.is_grad_enabled():
             loss, metrics = single_pass_loss(vocab, reference, mb, output, output_weight(inner), tp_group,
                                              inner.output_layer.sequence_parallel, loss_fn)
         elif fused:
@@ -181,7 +196,7 @@ def run_schedule(
     data = [iter(microbatches) for _ in chunks]
     forward_backward = get_forward_backward_func()
     return forward_backward(
-        forward_step_func=partial(_forward_step, vocab, loss_fn, num_microbatches, reference),
+        forward_step_func=partial(_forward_step, vocab, loss_fn, num_microbatches, forward_only, reference),
         data_iterator=data if len(chunks) > 1 else data[0],
         model=chunks if len(chunks) > 1 else chunks[0],
         num_microbatches=num_microbatches,
