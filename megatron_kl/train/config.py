@@ -63,8 +63,9 @@ class RunConfig:
     micro_batches: int = 1  # pipeline microbatches per optimizer minibatch
     staleness: int = 0  # async bound s: rollouts of step t come from weights of step t - s (0: on-policy)
     max_consecutive_skips: int = 3  # optimizer steps with a NaN/inf gradient skipped in a row before the run stops
-    # without a term that uses the reference (kl.coef=0 with PPO) its forward only feeds the kl/* metrics: run it
-    # every N steps (1: every step, the default; the other metrics are identical either way)
+    # metric-only reference work every N steps (1: every step, the default; the other metrics are identical
+    # either way): without a term that uses the reference (kl.coef=0 with PPO) its whole forward (kl/*); with
+    # a sampled KL estimator (k1/k2/k3, RPG) the exact full-vocabulary KL (kl/exact_*), which no term reads
     reference_metrics_interval: int = 1
     seed: int = 1234
     output_dir: str = "runs/default"
@@ -186,7 +187,7 @@ def validate_train_config(cfg: TrainConfig, tokenizer_vocab: int, data_parallel:
         raise ConfigError(f"train.staleness={run.staleness} must be >= 0 (0 = on-policy)")
     if run.reference_metrics_interval < 1:
         raise ConfigError(f"train.reference_metrics_interval={run.reference_metrics_interval} must be >= 1 (steps "
-                          "between the kl/* metrics' reference forwards when no KL term uses the reference)")
+                          "between the metric-only reference work: kl/* without a KL term, kl/exact_* with a sampled one)")
     if run.max_consecutive_skips < 0:
         raise ConfigError(f"train.max_consecutive_skips={run.max_consecutive_skips} must be >= 0 (0: stop at the "
                           "first optimizer step with a NaN/inf gradient)")

@@ -76,11 +76,14 @@ def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
 
 
 def kl_metrics(logprobs, reference_logprobs, exact_kl, mask) -> dict:
-    """k1, k3 and exact KL(pi_old || pi_ref), per response token and per sequence (sum over its tokens)."""
+    """k1, k3 and exact KL(pi_old || pi_ref) (when ``exact_kl`` is given), per response token and per sequence
+    (sum over its tokens)."""
     d = (logprobs - reference_logprobs) * mask
     k3 = (torch.exp(-d.clamp(-20, 20)) - 1 + d) * mask
     out = {}
-    for name, per_token in (("k1", d), ("k3", k3), ("exact", exact_kl * mask)):
+    for name, per_token in (("k1", d), ("k3", k3), ("exact", None if exact_kl is None else exact_kl * mask)):
+        if per_token is None:  # not computed this step (train.reference_metrics_interval)
+            continue
         out[f"kl/{name}_token"] = _masked_mean(per_token, mask)
         out[f"kl/{name}_sequence"] = float(per_token.sum(-1).mean())
     return out
@@ -125,6 +128,15 @@ def needs_reference(cfg, step: int) -> bool:
     return step % cfg.train.reference_metrics_interval == 0
 
 
+def needs_exact_kl(cfg, step: int) -> bool:
+    """Whether this step computes the exact per-position KL over the vocabulary (the reference's output
+    projection once more): always when a term reads it (kl.estimator=full with kl.coef > 0); otherwise it only
+    feeds kl/exact_*, every ``train.reference_metrics_interval`` steps."""
+    if cfg.kl.coef > 0 and cfg.kl.estimator == "full":
+        return True
+    return step % cfg.train.reference_metrics_interval == 0
+
+
 def _scoring_passes(ctx: StepContext, sequences, step: int, vocab, timings: dict):
     """The reference forward (when needed this step) and pi_old's forward (unless algo.old_logprobs=
     from_update takes it from the update): ``(reference or None, old or None)``."""
@@ -132,16 +144,17 @@ def _scoring_passes(ctx: StepContext, sequences, step: int, vocab, timings: dict
     microbatches = cfg.algo.minibatches * cfg.train.micro_batches
     start = time.perf_counter()
     reference = old = None
+    exact = needs_exact_kl(cfg, step)
     with ctx.offload.resident():
         if needs_reference(cfg, step):
-            reference = pipeline.compute_token_stats(ctx.reference, sequences, microbatches, vocab, capture_hidden=True)
-            if reference["hidden"] is not None:
+            reference = pipeline.compute_token_stats(ctx.reference, sequences, microbatches, vocab, capture_hidden=exact)
+            if exact and reference["hidden"] is not None:
                 sequences.extras["reference_hidden"] = reference["hidden"]
         timings["time/reference"] = time.perf_counter() - start
         start = time.perf_counter()
         if cfg.algo.old_logprobs == "recompute":
             old = pipeline.compute_token_stats(ctx.train_state.chunks, sequences, microbatches, vocab,
-                                               reference=ctx.reference_head if reference is not None else None)
+                                               reference=ctx.reference_head if reference is not None and exact else None)
         timings["time/old_logprobs"] = time.perf_counter() - start
     return reference, old
 
@@ -216,11 +229,11 @@ def rl_step(ctx: StepContext, batch: RolloutBatch, step: int) -> dict:
         returns = batch.rewards[:, None].to(old["logprobs"].dtype) * mask
         if reference is not None:
             returns = kl_shaped_returns(kl, batch.rewards, old["logprobs"], reference["logprobs"], mask,
-                                        batch.behavior_logprobs, full_kl=old["kl"], counter=ctx.counter)
+                                        batch.behavior_logprobs, full_kl=old.get("kl"), counter=ctx.counter)
         sequences.extras.update(old_logprobs=old["logprobs"], kl_returns=returns - batch.rewards[:, None] * mask)
     # the update's forward needs the exact KL for a full KL in the loss, and to be pi_old's stats (from_update)
     exact_in_loss = kl.estimator == "full" and kl.placement == "loss" and kl.coef > 0
-    needs_head = reference is not None and (exact_in_loss or old is None)
+    needs_head = reference is not None and needs_exact_kl(cfg, step) and (exact_in_loss or old is None)
 
     start = time.perf_counter()
     metrics, captured = _update(ctx, sequences, step, vocab, ctx.reference_head if needs_head else None)
@@ -228,7 +241,7 @@ def rl_step(ctx: StepContext, batch: RolloutBatch, step: int) -> dict:
     old = old if old is not None else captured
 
     if reference is not None:
-        metrics.update(kl_metrics(old["logprobs"], reference["logprobs"], old["kl"], mask))
+        metrics.update(kl_metrics(old["logprobs"], reference["logprobs"], old.get("kl"), mask))
     metrics["entropy/mean"] = _masked_mean(old["entropy"], mask)
     metrics.update(rollout_metrics(batch, old["logprobs"], step))
     metrics.update(ctx.counter.as_dict())

@@ -353,22 +353,34 @@ def test_rollout_corrections_train_asynchronously(tmp_path, warm_cache, override
         assert verdict.unbiased and saved["kl"]["estimator"] == "full" and saved["kl"]["off_policy"] == "per_decision"
 
 
-def test_unused_reference_runs_only_for_the_kl_metrics(tmp_path, warm_cache):
-    """kl.coef=0 with PPO: with train.reference_metrics_interval=2 the reference forward runs on even steps
-    only (kl/* logged there); every other metric is identical to the every-step run, step by step."""
+@pytest.mark.parametrize("overrides", [
+    ["kl.coef=0"],
+    ["kl.estimator=k3", "kl.placement=loss", "kl.level=token", "kl.coef=0.05", "algo.minibatches=1",
+     "algo.old_logprobs=from_update"],
+    ["kl.estimator=k1", "kl.placement=reward", "kl.coef=0.05"],
+], ids=["no-kl-term", "k3-loss-from_update", "k1-reward"])
+def test_metric_only_reference_work_runs_every_interval(tmp_path, warm_cache, overrides):
+    """train.reference_metrics_interval=2: without a KL term (kl.coef=0, PPO) the reference forward runs on even
+    steps only (kl/* logged there); with a sampled KL estimator the exact full-vocabulary KL is computed on even
+    steps only (kl/exact_* there; kl/k1, kl/k3 every step). Every other metric is identical to the every-step
+    run, step by step."""
     runs = {}
     for interval in (1, 2):
-        cfg = short_config(tmp_path / str(interval), warm_cache, "train.steps=4", "kl.coef=0",
+        cfg = short_config(tmp_path / str(interval), warm_cache, "train.steps=4", *overrides,
                            f"train.reference_metrics_interval={interval}")
         runs[interval] = [r for r in run_ranks(train_worker, 1, cfg, timeout_s=300)[0]["metrics"] if "loss/total" in r]
     every, sparse = runs[1], runs[2]
+    no_term = overrides == ["kl.coef=0"]
+    sparse_prefix = "kl/" if no_term else "kl/exact_"
     assert [r["step"] for r in every] == [r["step"] for r in sparse] == [0, 1, 2, 3]
     for a, b in zip(every, sparse):
         assert "kl/exact_token" in a and ("kl/exact_token" in b) == (b["step"] % 2 == 0)
-        same = {k: v for k, v in stable([a])[0].items() if not k.startswith("kl/") and k != "kl/biased"}
+        assert ("kl/k3_token" in b) == (b["step"] % 2 == 0 or not no_term)
+        same = {k: v for k, v in stable([a])[0].items() if not k.startswith(sparse_prefix) and k != "kl/biased"}
         assert {k: b.get(k) for k in same} == same, b["step"]
     assert every[1]["kl/exact_token"] > 0  # the KL to the reference is measured, not assumed
-    assert sparse[1]["time/reference"] < 0.2 * sparse[0]["time/reference"] + 1e-3
+    if no_term:
+        assert sparse[1]["time/reference"] < 0.2 * sparse[0]["time/reference"] + 1e-3
 
 
 @pytest.mark.parametrize("overrides", [
