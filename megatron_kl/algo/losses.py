@@ -185,6 +185,9 @@ class MicrobatchLoss:
         return microbatch_loss(stats, mb, self.algo, self.kl, self.shares, None)[0]
 
 
+MICROBATCH_TOKENS = "_tokens"  # a microbatch's response tokens, the weight of its per-token metrics
+
+
 def microbatch_loss(stats, mb: dict, algo: AlgoConfig, kl: KLConfig, shares: Shares,
                     counter: Optional[ClampCounter] = None) -> tuple[torch.Tensor, dict]:
     """This microbatch's share of the minibatch loss, and metrics (sums to be averaged by the caller).
@@ -214,7 +217,8 @@ def microbatch_loss(stats, mb: dict, algo: AlgoConfig, kl: KLConfig, shares: Sha
                                        mb["advantages"], mask, counter)
         metrics.update(rpg_metrics)
         metrics["policy/clip_fraction"] = rpg_metrics.get("rpg/clip_fraction", torch.zeros(()))
-    total = policy * shares.factor(algo.aggregation, mask)
+    policy_share = shares.factor(algo.aggregation, mask)
+    total = policy * policy_share
     if kl.coef > 0:
         if kl.placement == "reward":
             surrogate = policy_gradient_surrogate(kl, logprobs, mb["kl_returns"], mask, mb["behavior_logprobs"], counter,
@@ -223,11 +227,15 @@ def microbatch_loss(stats, mb: dict, algo: AlgoConfig, kl: KLConfig, shares: Sha
         else:
             kl_term = kl_loss(kl, logprobs, mb["reference_logprobs"], mask, mb["behavior_logprobs"],
                               full_kl=stats.kl, counter=counter, behavior_weight=weight)
-        total = total + kl_term * shares.factor(kl.aggregation, mask)
-        metrics["loss/kl_term"] = kl_term.detach()
+        kl_share = kl_term * shares.factor(kl.aggregation, mask)
+        total = total + kl_share
+        metrics["loss/kl_term"] = kl_share.detach()
     if algo.entropy_coef:
         entropy = aggregate_tokens(stats.entropy, mask, algo.aggregation, algo.norm_length)
         total = total - algo.entropy_coef * entropy * shares.factor(algo.aggregation, mask)
-    metrics["loss/policy"] = policy.detach()
+    # loss/* are this microbatch's shares of the minibatch value (they add up over its microbatches); the rest
+    # are means over its response tokens, averaged by the caller with weight MICROBATCH_TOKENS
+    metrics["loss/policy"] = (policy * policy_share).detach()
     metrics["loss/total"] = total.detach()
+    metrics[MICROBATCH_TOKENS] = mask.sum()
     return total, metrics

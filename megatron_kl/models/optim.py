@@ -98,9 +98,11 @@ def build_train_state(chunks: list, optim: OptimConfig) -> TrainState:
 
 def train_step(
     state: TrainState, batch: SequenceBatch, num_microbatches: int, loss_fn: LossFn, vocab: VocabOptions,
-    reference: Optional[ReferenceHead] = None,
+    reference: Optional[ReferenceHead] = None, token_budget: int = 0,
 ) -> dict:
-    """Forward/backward over all microbatches, grad reduction, clipping, optimizer and LR step.
+    """Forward/backward over all microbatches (``num_microbatches`` slices, or microbatches of at most
+    ``token_budget`` padded tokens: pipeline.SequenceBatch.split), grad reduction, clipping, optimizer and LR
+    step.
 
     A gradient with a NaN/inf entry on any model-parallel rank skips the optimizer and LR step on every
     rank (megatron's ``update_successful`` semantics): the weights stay as they were.
@@ -111,7 +113,7 @@ def train_step(
         chunk.zero_grad_buffer()
     state.optimizer.zero_grad()
     outputs = run_schedule(state.chunks, batch, num_microbatches, loss_fn, vocab, forward_only=False,
-                           reference=reference)
+                           reference=reference, token_budget=token_budget)
     if grads_finite(state.chunks):
         update_successful, grad_norm, _ = state.optimizer.step()
     else:

@@ -28,7 +28,8 @@ from megatron_kl.models.output_head import ReferenceHead, bypass_output_layer, f
 
 # loss_fn(stats, microbatch) -> (loss, metrics). `loss` is this microbatch's share of the global loss
 # (already divided by the global normaliser), so the microbatch shares add up to the batch loss.
-# The microbatch dict carries "tokens", "loss_mask", "index", the batch extras and, on the unfused path,
+# The microbatch dict carries "tokens", "loss_mask", "index" (its ordinal), "rows" (its rows of the batch), the
+# batch extras (cut to the microbatch's columns) and, on the unfused path,
 # the local logits slice under "logits". On the fused path the stats are 0 outside loss_mask (those rows
 # are not computed).
 LossFn = Callable[[VocabParallelStats, dict], tuple[torch.Tensor, dict]]
@@ -36,9 +37,12 @@ LossFn = Callable[[VocabParallelStats, dict], tuple[torch.Tensor, dict]]
 
 @dataclass
 class SequenceBatch:
+    """Right-padded sequences. ``extras`` are [B] (per sequence), [B, S-1] (per target position, like
+    ``loss_mask``) or [B, S, ...] (per input position, e.g. hidden states) tensors, split with the batch."""
+
     tokens: torch.Tensor  # [B, S] int64
     loss_mask: torch.Tensor  # [B, S-1], 1 where tokens[:, t+1] is a response token
-    extras: dict = field(default_factory=dict)  # more [B, ...] tensors, split with the batch
+    extras: dict = field(default_factory=dict)
 
     def __post_init__(self):
         if self.tokens.dim() != 2:
@@ -47,16 +51,52 @@ class SequenceBatch:
         if tuple(self.loss_mask.shape) != expected:
             raise ValueError(f"loss_mask must be {expected} (aligned with tokens[:, 1:]), got {tuple(self.loss_mask.shape)}")
 
-    def split(self, num_microbatches: int) -> list[dict]:
+    def lengths(self) -> torch.Tensor:
+        """[B] tokens each row needs: through its last response token (at least 2; a row without response
+        tokens has nothing to score)."""
+        width = self.loss_mask.shape[1]
+        last = torch.where(self.loss_mask.bool(), torch.arange(width), -1).amax(-1)
+        return (last + 2).clamp_min(2)
+
+    def split(self, num_microbatches: int, token_budget: int = 0) -> list[dict]:
+        """Microbatches: ``num_microbatches`` equal slices of rows (``token_budget`` 0), or, with a budget,
+        rows sorted by :meth:`lengths` (longest first) packed greedily into microbatches of at most
+        ``token_budget`` padded tokens (rows x the microbatch's longest row), each cut to its own longest
+        row; a row longer than the budget is a microbatch of its own."""
+        if token_budget > 0:
+            return self._budgeted(token_budget)
         batch = self.tokens.shape[0]
         if batch % num_microbatches:
             raise ValueError(f"batch size {batch} is not divisible by num_microbatches={num_microbatches}")
         size = batch // num_microbatches
         return [
-            {"tokens": self.tokens[i : i + size], "loss_mask": self.loss_mask[i : i + size], "index": i,
-             **{k: v[i : i + size] for k, v in self.extras.items()}}
-            for i in range(0, batch, size)
+            {"tokens": self.tokens[i : i + size], "loss_mask": self.loss_mask[i : i + size], "index": n,
+             "rows": torch.arange(i, i + size), **{k: v[i : i + size] for k, v in self.extras.items()}}
+            for n, i in enumerate(range(0, batch, size))
         ]
+
+    def _budgeted(self, token_budget: int) -> list[dict]:
+        lengths = self.lengths()
+        order = sorted(range(len(lengths)), key=lambda i: (-int(lengths[i]), i))
+        groups: list[list[int]] = []
+        for i in order:
+            if groups and (len(groups[-1]) + 1) * int(lengths[groups[-1][0]]) <= token_budget:
+                groups[-1].append(i)
+            else:
+                groups.append([i])
+        seq = self.tokens.shape[1]
+        out = []
+        for n, group in enumerate(groups):
+            rows = torch.tensor(group)
+            width = int(lengths[group[0]])
+            mb = {"tokens": self.tokens[rows, :width], "loss_mask": self.loss_mask[rows, : width - 1], "index": n,
+                  "rows": rows}
+            for key, value in self.extras.items():
+                if value.dim() >= 2 and value.shape[1] in (seq, seq - 1):
+                    value = value[:, : width if value.shape[1] == seq else width - 1]
+                mb[key] = value[rows]
+            out.append(mb)
+        return out
 
     def select(self, index: torch.Tensor) -> "SequenceBatch":
         return SequenceBatch(self.tokens[index], self.loss_mask[index], {k: v[index] for k, v in self.extras.items()})
@@ -185,23 +225,26 @@ def run_schedule(
     vocab: VocabOptions,
     forward_only: bool,
     reference: Optional[ReferenceHead] = None,
+    token_budget: int = 0,
 ) -> list[dict]:
-    """Run the pipeline schedule over ``batch``; returns the per-microbatch metrics dicts
-    (on the last pipeline stage; an empty list elsewhere). With ``reference`` and a
+    """Run the pipeline schedule over ``batch`` split by :meth:`SequenceBatch.split` (``num_microbatches``
+    slices, or microbatches of at most ``token_budget`` padded tokens); returns the per-microbatch metrics
+    dicts (on the last pipeline stage; an empty list elsewhere). With ``reference`` and a
     ``reference_hidden`` extra, the stats carry the exact per-position KL(pi || pi_ref)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    microbatches = batch.split(num_microbatches)
-    _setup_config(chunks, finalize=not forward_only)
+    microbatches = batch.split(num_microbatches, token_budget)
+    config = _setup_config(chunks, finalize=not forward_only)
+    config.variable_seq_lengths = token_budget > 0  # pipeline stages exchange each microbatch's shape
     data = [iter(microbatches) for _ in chunks]
     forward_backward = get_forward_backward_func()
     return forward_backward(
-        forward_step_func=partial(_forward_step, vocab, loss_fn, num_microbatches, forward_only, reference),
+        forward_step_func=partial(_forward_step, vocab, loss_fn, len(microbatches), forward_only, reference),
         data_iterator=data if len(chunks) > 1 else data[0],
         model=chunks if len(chunks) > 1 else chunks[0],
-        num_microbatches=num_microbatches,
+        num_microbatches=len(microbatches),
         seq_length=batch.tokens.shape[1],
-        micro_batch_size=batch.tokens.shape[0] // num_microbatches,
+        micro_batch_size=microbatches[0]["tokens"].shape[0],
         forward_only=forward_only,
     )
 
@@ -222,9 +265,18 @@ def broadcast_from_last_stage(tensor: Optional[torch.Tensor], shape, dtype) -> t
 
 
 def masked_token_stats(stats: VocabParallelStats, mb: dict, keys) -> dict:
-    """One microbatch's per-token ``keys`` of ``stats``, zero at masked positions, tagged with its ``index``."""
+    """One microbatch's per-token ``keys`` of ``stats``, zero at masked positions, tagged with its ``rows``."""
     mask = mb["loss_mask"].to(stats.logprobs.dtype)
-    return {"index": mb["index"], **{key: getattr(stats, key) * mask for key in keys}}
+    return {"rows": mb["rows"], **{key: getattr(stats, key) * mask for key in keys}}
+
+
+def scatter_rows(parts: list[torch.Tensor], rows: list[torch.Tensor], shape) -> torch.Tensor:
+    """One float32 CPU ``shape`` tensor from microbatch pieces ``[b, w, ...]`` placed at their ``rows`` and
+    first ``w`` columns (zero beyond a piece's columns)."""
+    full = torch.zeros(shape, dtype=torch.float32)
+    for part, index in zip(parts, rows):
+        full[index, : part.shape[1]] = part.detach().float().cpu()
+    return full
 
 
 def assemble_token_stats(parts: list[dict], keys, shape) -> dict[str, torch.Tensor]:
@@ -232,9 +284,7 @@ def assemble_token_stats(parts: list[dict], keys, shape) -> dict[str, torch.Tens
     pipeline stage; empty elsewhere), on every pipeline rank."""
     result = {}
     for key in keys:
-        full = None
-        if parts:
-            full = torch.cat([p[key] for p in sorted(parts, key=lambda p: p["index"])]).float().cpu()
+        full = scatter_rows([p[key] for p in parts], [p["rows"] for p in parts], shape) if parts else None
         result[key] = broadcast_from_last_stage(full, shape, torch.float32)
     return result
 
@@ -247,6 +297,7 @@ def compute_token_stats(
     vocab: VocabOptions,
     reference: Optional[ReferenceHead] = None,
     capture_hidden: bool = False,
+    token_budget: int = 0,
 ) -> dict[str, torch.Tensor]:
     """Forward-only per-token log-probs and entropies ``[B, S-1]`` of ``batch``, on every rank.
 
@@ -269,11 +320,15 @@ def compute_token_stats(
         return torch.zeros((), dtype=stats.logprobs.dtype), masked_token_stats(stats, mb, keys)
 
     try:
-        outputs = run_schedule(chunks, batch, num_microbatches, collect, vocab, forward_only=True, reference=reference)
+        outputs = run_schedule(chunks, batch, num_microbatches, collect, vocab, forward_only=True, reference=reference,
+                               token_budget=token_budget)
     finally:
         if hook is not None:
             hook.remove()
     result = assemble_token_stats(outputs, keys, tuple(batch.loss_mask.shape))
     if capture_hidden:
-        result["hidden"] = torch.cat(captured) if captured else None
+        result["hidden"] = None
+        if captured:  # in schedule order, i.e. the split's order
+            rows = [mb["rows"] for mb in batch.split(num_microbatches, token_budget)]
+            result["hidden"] = scatter_rows(captured, rows, (*batch.tokens.shape, captured[0].shape[-1]))
     return result

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from megatron_kl.algo.advantages import sequence_advantages
 from megatron_kl.algo.corrections import mismatch_metrics
-from megatron_kl.algo.losses import MicrobatchLoss, Shares
+from megatron_kl.algo.losses import MICROBATCH_TOKENS, MicrobatchLoss, Shares
 from megatron_kl.kl.estimators import ClampCounter
 from megatron_kl.kl.objective import kl_shaped_returns
 from megatron_kl.models import optim, output_head, pipeline
@@ -147,14 +147,16 @@ def _scoring_passes(ctx: StepContext, sequences, step: int, vocab, timings: dict
     exact = needs_exact_kl(cfg, step)
     with ctx.offload.resident():
         if needs_reference(cfg, step):
-            reference = pipeline.compute_token_stats(ctx.reference, sequences, microbatches, vocab, capture_hidden=exact)
+            reference = pipeline.compute_token_stats(ctx.reference, sequences, microbatches, vocab, capture_hidden=exact,
+                                                     token_budget=cfg.train.micro_batch_tokens)
             if exact and reference["hidden"] is not None:
                 sequences.extras["reference_hidden"] = reference["hidden"]
         timings["time/reference"] = time.perf_counter() - start
         start = time.perf_counter()
         if cfg.algo.old_logprobs == "recompute":
             old = pipeline.compute_token_stats(ctx.train_state.chunks, sequences, microbatches, vocab,
-                                               reference=ctx.reference_head if reference is not None and exact else None)
+                                               reference=ctx.reference_head if reference is not None and exact else None,
+                                               token_budget=cfg.train.micro_batch_tokens)
         timings["time/old_logprobs"] = time.perf_counter() - start
     return reference, old
 
@@ -186,19 +188,30 @@ def _update(ctx: StepContext, sequences, step: int, vocab, reference_head) -> tu
                                   captured_keys=("logprobs", "entropy") + (("kl",) if reference_head is not None else ()))
             with ctx.offload.resident() if reference_head is not None else nullcontext():
                 out = optim.train_step(ctx.train_state, minibatch, run.micro_batches, loss, vocab,
-                                       reference=reference_head)
+                                       reference=reference_head, token_budget=run.micro_batch_tokens)
             if record_update(ctx, out["update_successful"], step, run.max_consecutive_skips):
                 grad_norms.append(out["grad_norm"])
             else:
                 skipped += 1
             for metrics in out["microbatch_metrics"]:
+                weight = float(metrics.get(MICROBATCH_TOKENS, 1.0))
                 for key, value in metrics.items():
-                    sums[key] += float(value)
-                    counts[key] += 1
+                    if key == MICROBATCH_TOKENS:
+                        continue
+                    if key.startswith("loss/"):
+                        sums[key] += float(value)
+                    elif key.endswith("_max"):
+                        sums[key] = max(sums.get(key, float("-inf")), float(value))
+                    else:
+                        sums[key] += float(value) * weight
+                        counts[key] += weight
             lr = out["lr"]
             if loss.captured is not None:
                 captured = _stitch(loss, order, tuple(sequences.loss_mask.shape))
-    metrics = {k: sums[k] / counts[k] for k in sums if not k.startswith("loss/")}
+    # per-token metrics: weighted by each microbatch's response tokens (the minibatch value however the rows
+    # were split); *_max: the largest
+    metrics = {k: v if k.endswith("_max") else v / max(counts[k], 1e-12) for k, v in sums.items()
+               if not k.startswith("loss/")}
     # loss/* are shares of their minibatch: the minibatch loss is their sum; report the mean minibatch loss.
     metrics.update({k: sums[k] / (algo.ppo_epochs * algo.minibatches) for k in sums if k.startswith("loss/")})
     # mean over the optimizer steps taken; 0 with a count of skips when every step of this RL step was skipped
@@ -244,6 +257,10 @@ def rl_step(ctx: StepContext, batch: RolloutBatch, step: int) -> dict:
         metrics.update(kl_metrics(old["logprobs"], reference["logprobs"], old.get("kl"), mask))
     metrics["entropy/mean"] = _masked_mean(old["entropy"], mask)
     metrics.update(rollout_metrics(batch, old["logprobs"], step))
+    if run.micro_batch_tokens > 0:  # what the scoring passes see: each microbatch padded to its own longest row
+        plan = sequences.split(1, run.micro_batch_tokens)
+        metrics["batch/padded_tokens"] = float(sum(mb["tokens"].numel() for mb in plan))
+        metrics["batch/microbatches"] = float(len(plan))
     metrics.update(ctx.counter.as_dict())
     metrics = _reduce(metrics, ctx.dp_group)
     metrics.update(ctx.kl_tags)

@@ -48,11 +48,12 @@ def _gather_logits(model_cfg: ModelConfig):
 
 def layout_worker(rank, world, model_cfg: ModelConfig, parallel_cfg: ParallelConfig, full_state, tokens,
                   loss_mask, num_microbatches: int, optim_cfg: optim.OptimConfig, fused: bool = False,
-                  grad_in_forward: bool = False):
+                  grad_in_forward: bool = False, token_budget: int = 0):
     """Build policy+reference in the given layout from ``full_state`` (or fresh init when None), and
     return logits, token stats, gradients and the updated weights, all in the full layout. ``fused``:
     stats and gradients through the fused linear path (logits are gathered on the unfused path);
-    ``grad_in_forward``: the fused single pass (gradients formed in the forward)."""
+    ``grad_in_forward``: the fused single pass (gradients formed in the forward); ``token_budget``: the
+    stats and the training step on microbatches packed by a token budget (the logits by equal slices)."""
     from megatron.core import parallel_state
 
     torch.manual_seed(0)
@@ -74,12 +75,12 @@ def layout_worker(rank, world, model_cfg: ModelConfig, parallel_cfg: ParallelCon
     logits = None
     if logits_out:
         logits = torch.cat([o["logits"] for o in sorted(logits_out, key=lambda o: o["index"])])
-    policy_stats = pipeline.compute_token_stats(models.policy, batch, num_microbatches, vocab)
+    policy_stats = pipeline.compute_token_stats(models.policy, batch, num_microbatches, vocab, token_budget=token_budget)
     reference_before = pipeline.compute_token_stats(models.reference, batch, num_microbatches, vocab)
 
     train = optim.build_train_state(models.policy, optim_cfg)
     loss_fn = _SFTLikeLoss(tokens.shape[0])
-    step = optim.train_step(train, batch, num_microbatches, loss_fn, vocab)
+    step = optim.train_step(train, batch, num_microbatches, loss_fn, vocab, token_budget=token_budget)
     inner = [c.module for c in train.chunks]
     grads = state.full_state_dict(inner, model_cfg.vocab_size, tied, tp_group, pp_group, getter=optim.main_grad)
     updated = state.full_state_dict(inner, model_cfg.vocab_size, tied, tp_group, pp_group)

@@ -30,7 +30,9 @@ def _batch():
     tokens = torch.randint(0, 50, (8, 12), generator=g)
     mask = torch.zeros(8, 11)
     mask[:, 4:] = 1
-    mask[1, 9:] = 0  # a shorter response
+    mask[1, 9:] = 0  # shorter responses: rows need 12, 10, 12, 7, 12, 8, 12, 12 tokens
+    mask[3, 6:] = 0
+    mask[5, 7:] = 0
     return tokens, mask
 
 
@@ -123,3 +125,30 @@ def test_fused_linear_path_matches_unfused_single_rank(baselines, model_name, pa
     _compare(outs[0], base, outs)
     last_stage = [o for o in outs if o["probes"]]
     assert bool(last_stage) == grad_in_forward  # the single pass ran (on the last pipeline stage) or did not
+
+
+@pytest.mark.parametrize(
+    "model_name,parallel,fused",
+    [
+        ("qwen2", ParallelConfig(), False),
+        ("qwen3", ParallelConfig(), True),
+        ("qwen2", ParallelConfig(pipeline_parallel=2), False),
+        ("qwen3", ParallelConfig(tensor_parallel=2), True),
+    ],
+    ids=["tp1", "tp1-fused-single-pass", "pp2-1f1b", "tp2-fused-single-pass"],
+)
+def test_token_budget_microbatches_match_equal_slices(baselines, model_name, parallel, fused):
+    """train.micro_batch_tokens: rows sorted by length and packed into microbatches of <= 24 padded tokens
+    (here 4 microbatches of widths 12, 12, 12, 8, not the batch's 12 everywhere) give the equal-slice
+    single-rank log-probs, entropies, gradients and updated weights; at PP=2 the stages exchange the
+    varying shapes."""
+    from megatron_kl.models.pipeline import SequenceBatch
+
+    tokens, mask = _batch()
+    plan = SequenceBatch(tokens, mask).split(1, 24)
+    assert [tuple(mb["tokens"].shape) for mb in plan] == [(2, 12), (2, 12), (2, 12), (2, 8)]
+    base = baselines[model_name]
+    world = parallel.tensor_parallel * parallel.pipeline_parallel
+    outs = run_ranks(layout_worker, world, MODELS[model_name], parallel, base["full_state"], tokens, mask,
+                     NUM_MICROBATCHES, OPTIM, fused, fused, 24)
+    _compare(outs[0], base, outs)

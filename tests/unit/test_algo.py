@@ -158,3 +158,39 @@ def test_old_logprobs_from_update_needs_one_epoch_of_one_minibatch():
     assert not row_separable(KLConfig(coef=0.1, placement="reward"), AlgoConfig(**from_update))
     assert row_separable(KLConfig(coef=0.1, placement="reward"), AlgoConfig(minibatches=1))
     assert row_separable(KLConfig(), AlgoConfig(minibatches=1))
+
+
+def test_token_budget_split_covers_every_row_once_within_the_budget():
+    """SequenceBatch.split(token_budget): every row in exactly one microbatch, rows x width <= budget unless a
+    single row is longer, no response token cut off, extras cut with their rows and columns."""
+    from megatron_kl.models.pipeline import SequenceBatch, scatter_rows
+
+    g = torch.Generator().manual_seed(5)
+    rows, width = 23, 30
+    tokens = torch.randint(0, 100, (rows, width), generator=g)
+    mask = torch.zeros(rows, width - 1)
+    for i in range(rows):
+        start = int(torch.randint(1, 10, (), generator=g))
+        end = int(torch.randint(start, width, (), generator=g))  # end == start: no response token
+        mask[i, start:end] = 1
+    per_position = torch.randn(rows, width - 1, generator=g)
+    hidden = torch.randn(rows, width, 4, generator=g)
+    batch = SequenceBatch(tokens, mask, {"values": per_position, "hidden": hidden, "rewards": torch.arange(rows)})
+    lengths = batch.lengths()
+    for budget in (1, 29, 64, 200, 10**6):
+        plan = batch.split(1, budget)
+        seen = torch.cat([mb["rows"] for mb in plan])
+        assert sorted(seen.tolist()) == list(range(rows))
+        for mb in plan:
+            count, cut = mb["tokens"].shape
+            assert count * cut <= budget or count == 1
+            assert cut == int(lengths[mb["rows"]].max())
+            torch.testing.assert_close(mb["tokens"], tokens[mb["rows"], :cut])
+            torch.testing.assert_close(mb["values"], per_position[mb["rows"], : cut - 1])
+            torch.testing.assert_close(mb["hidden"], hidden[mb["rows"], :cut])
+            assert mb["rewards"].tolist() == mb["rows"].tolist()
+            assert mb["loss_mask"].sum() == mask[mb["rows"]].sum()  # nothing of a response was cut
+        assembled = scatter_rows([mb["values"] * mb["loss_mask"] for mb in plan], [mb["rows"] for mb in plan],
+                                 tuple(mask.shape))
+        torch.testing.assert_close(assembled, per_position * mask)
+    assert len(batch.split(1, 10**6)) == 1 and len(batch.split(1, 1)) == rows
