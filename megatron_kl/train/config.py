@@ -65,6 +65,9 @@ class RunConfig:
     # by length, packed greedily into microbatches of at most this many padded tokens, each padded only to its
     # own longest row; activation memory then follows the budget, not the batch (0: train.micro_batches slices)
     micro_batch_tokens: int = 0
+    # auto: on a CPU-only process, glibc malloc keeps blocks < 32 MiB and up to 1 GiB of freed memory for reuse
+    # instead of page-faulting them anew every step (train/host_malloc.py, measured); off: glibc's defaults
+    host_malloc: str = "auto"
     staleness: int = 0  # async bound s: rollouts of step t come from weights of step t - s (0: on-policy)
     max_consecutive_skips: int = 3  # optimizer steps with a NaN/inf gradient skipped in a row before the run stops
     # metric-only reference work every N steps (1: every step, the default; the other metrics are identical
@@ -81,6 +84,14 @@ class RunConfig:
         from megatron_kl.train.preemption import check_signal_names
 
         self.stop_signals = check_signal_names(self.stop_signals)
+        if self.host_malloc not in ("auto", "off"):
+            raise ConfigError(f"train.host_malloc={self.host_malloc!r}: use auto or off")
+        if self.micro_batch_tokens < 0:
+            raise ConfigError(f"train.micro_batch_tokens={self.micro_batch_tokens} must be >= 0 (0: off)")
+        if self.micro_batch_tokens > 0 and self.micro_batches != 1:
+            raise ConfigError(f"train.micro_batch_tokens={self.micro_batch_tokens} and train.micro_batches="
+                              f"{self.micro_batches}: set one of them (the token budget decides the microbatches; "
+                              "leave train.micro_batches at 1)")
 
 
 @dataclass
@@ -189,12 +200,6 @@ def validate_train_config(cfg: TrainConfig, tokenizer_vocab: int, data_parallel:
             raise ConfigError(f"train.{name}={getattr(run, name)} must be >= 1")
     if run.staleness < 0:
         raise ConfigError(f"train.staleness={run.staleness} must be >= 0 (0 = on-policy)")
-    if run.micro_batch_tokens < 0:
-        raise ConfigError(f"train.micro_batch_tokens={run.micro_batch_tokens} must be >= 0 (0: off)")
-    if run.micro_batch_tokens > 0 and run.micro_batches != 1:
-        raise ConfigError(f"train.micro_batch_tokens={run.micro_batch_tokens} and train.micro_batches="
-                          f"{run.micro_batches}: set one of them (the token budget decides the microbatches; "
-                          "leave train.micro_batches at 1)")
     if run.reference_metrics_interval < 1:
         raise ConfigError(f"train.reference_metrics_interval={run.reference_metrics_interval} must be >= 1 (steps "
                           "between the metric-only reference work: kl/* without a KL term, kl/exact_* with a sampled one)")

@@ -19,6 +19,7 @@ from megatron_kl.tasks import build_task
 from megatron_kl.train import checkpoint as ckpt
 from megatron_kl.train.config import TrainConfig, kl_verdict, validate_train_config
 from megatron_kl.train.engines import build_engine
+from megatron_kl.train.host_malloc import tune_host_malloc
 from megatron_kl.train.evaluate import evaluate_all
 from megatron_kl.rollout.engine import EngineLost
 from megatron_kl.train.metrics import MetricsLogger, read_metrics
@@ -97,6 +98,7 @@ def kl_tags(cfg: TrainConfig) -> dict:
 
 
 def train(cfg: TrainConfig) -> dict:
+    tune_host_malloc(cfg.train.host_malloc)
     hf_source = _hf_source(cfg)
     seed_everything(cfg.train.seed)
     task = build_task(cfg.task)

@@ -1,0 +1,46 @@
+"""train.host_malloc: glibc malloc thresholds on CPU-only processes, the user's MALLOC_* environment first."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megatron_kl.config import ConfigError
+from megatron_kl.train.host_malloc import SETTINGS, _glibc, tune_host_malloc
+
+PROBE = ("import json; from megatron_kl.train.host_malloc import tune_host_malloc; "
+         "print(json.dumps(tune_host_malloc('auto', cuda=False)))")
+
+
+def _probe(env: dict) -> dict:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    out = subprocess.run([sys.executable, "-c", PROBE], env={**clean, **env}, capture_output=True, text=True,
+                         check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(_glibc() is None, reason="not glibc")
+def test_auto_sets_both_thresholds_on_cpu_and_leaves_the_users_environment_alone():
+    assert _probe({}) == {name: value for name, (_, value, _) in SETTINGS.items()}
+    assert _probe({"MALLOC_TRIM_THRESHOLD_": "131072"}) == {"M_MMAP_THRESHOLD": 32 << 20}
+
+
+def test_off_and_cuda_processes_keep_glibc_defaults():
+    assert tune_host_malloc("off", cuda=False) == {}
+    assert tune_host_malloc("auto", cuda=True) == {}
+    with pytest.raises(ValueError, match="train.host_malloc='jemalloc'"):
+        tune_host_malloc("jemalloc", cuda=False)
+
+
+def test_config_names_the_field():  # train.host_malloc and train.micro_batch_tokens
+    from megatron_kl.config import from_dict
+    from megatron_kl.train.config import TrainConfig
+
+    with pytest.raises(ConfigError, match="train.host_malloc='fast'"):
+        from_dict(TrainConfig, {"train": {"host_malloc": "fast"}})
+    with pytest.raises(ConfigError, match="train.micro_batch_tokens=64 and train.micro_batches=2"):
+        from_dict(TrainConfig, {"train": {"micro_batch_tokens": 64, "micro_batches": 2}})
+    with pytest.raises(ConfigError, match="train.micro_batch_tokens=-1"):
+        from_dict(TrainConfig, {"train": {"micro_batch_tokens": -1}})
