@@ -19,8 +19,9 @@ so the work per step is the same. Each (system, shape) runs in a fresh child pro
 system order per round. Per system: tokens/s (response tokens / step time; median over the steps after the
 first), the step split (generation / scoring = reference + old log-probs + rewards / update), peak RSS
 (VmHWM at the end of the last training step, before any final evaluation or checkpoint), and each megatron-kl
-variant's ratio to TRL. Variants: ``megatron-kl`` (the settings above) and ``megatron-kl+recompute``
-(``model.recompute=full``: activation recomputation); ``--variant`` replaces them.
+variant's ratio to TRL. Variants: ``megatron-kl`` (the settings above), ``megatron-kl+tokens456``
+(``train.micro_batch_tokens=456``: the 32 x 57-token batch in 4 microbatches, activation memory a quarter) and
+``megatron-kl+recompute`` (``model.recompute=full``: activation recomputation); ``--variant`` replaces them.
 """
 
 from __future__ import annotations
@@ -233,7 +234,8 @@ def main(argv=None) -> int:
             result = run_megatron_kl(Path(args.work), shapes[0], args.steps, args.max_new_tokens, args.override)
         print(json.dumps(result))
         return 0
-    variants = {"megatron-kl": [], "megatron-kl+recompute": ["model.recompute=full"]}
+    variants = {"megatron-kl": [], "megatron-kl+tokens456": ["train.micro_batch_tokens=456"],
+                "megatron-kl+recompute": ["model.recompute=full"]}
     if args.variant:
         variants = {}
         for spec in args.variant:
