@@ -84,6 +84,8 @@ class RunConfig:
         from megatron_kl.train.preemption import check_signal_names
 
         self.stop_signals = check_signal_names(self.stop_signals)
+        if str(self.host_malloc).lower() in ("false", "off"):  # YAML 1.1 reads a bare `off` as false
+            self.host_malloc = "off"
         if self.host_malloc not in ("auto", "off"):
             raise ConfigError(f"train.host_malloc={self.host_malloc!r}: use auto or off")
         if self.micro_batch_tokens < 0:

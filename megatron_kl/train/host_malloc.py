@@ -4,10 +4,11 @@ On CPU every tensor lives in host memory from glibc's malloc. By default glibc s
 threshold (128 KiB, raised up to 32 MiB as such blocks are freed) with fresh mmaps and returns heap memory
 above 128 KiB at the top to the OS on free, so the per-step temporaries of a trainer (logits chunks, [B, V]
 sampling buffers, activations) are often page-faulted anew on every use, at ~1 GB/s. Measured on 2 cores:
-the embedded engine's sampling step over [32, 49152] logits took 1.3-8 ms depending on the heap's state; the
-tools/bench_trl.py step went 1.06 -> 1.00 s (hidden 128) and 17.7 -> 15.9 s (135M shape) with the settings
-below, peak RSS within +-0.3 GiB. PyTorch's CPU performance guide recommends the same remedy (or jemalloc /
-tcmalloc, which are not installed here).
+the embedded engine's sampling step over [32, 49152] logits took 1.3-8 ms depending on the heap's state
+(1.3 ms with the settings below); in the tools/bench_trl.py trainer, interleaved off/auto pairs at the tiny
+shape gave step medians 1.037/1.031, 1.097/1.061, 1.052/1.035 s (~2 % faster, peak RSS +0.01 GiB); at the
+135M shape the difference is inside the run-to-run noise (17.7-18.3 s either way). PyTorch's CPU
+performance guide recommends the same remedy (or jemalloc / tcmalloc, which are not installed here).
 
 ``auto``: on a CPU-only process with glibc, ``mallopt(M_MMAP_THRESHOLD, 32 MiB)`` (blocks below 32 MiB come
 from the heap and are reused) and ``mallopt(M_TRIM_THRESHOLD, 1 GiB)`` (freed heap memory is kept for reuse

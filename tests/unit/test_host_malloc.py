@@ -40,6 +40,7 @@ def test_config_names_the_field():  # train.host_malloc and train.micro_batch_to
 
     with pytest.raises(ConfigError, match="train.host_malloc='fast'"):
         from_dict(TrainConfig, {"train": {"host_malloc": "fast"}})
+    assert from_dict(TrainConfig, {"train": {"host_malloc": False}}).train.host_malloc == "off"  # YAML `off`
     with pytest.raises(ConfigError, match="train.micro_batch_tokens=64 and train.micro_batches=2"):
         from_dict(TrainConfig, {"train": {"micro_batch_tokens": 64, "micro_batches": 2}})
     with pytest.raises(ConfigError, match="train.micro_batch_tokens=-1"):
