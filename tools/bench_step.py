@@ -1,6 +1,7 @@
 """Step-time breakdown of the RL trainer on this machine, and the orchestration overhead.
 
     python tools/bench_step.py [--config configs/cpu/default.yaml] [--steps 12] [overrides ...]
+    python tools/bench_step.py --trl-workload 135m [--steps 4] [overrides ...]   # tools/bench_trl.py's workload
 
 Runs the trainer in-process (one rank) for ``--steps`` steps without evaluation or checkpoints, and
 reports the median of each timed phase as a share of the median step:
@@ -93,8 +94,18 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=str(ROOT / "configs" / "cpu" / "default.yaml"))
     parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--trl-workload", choices=["tiny", "135m"],
+                        help="tools/bench_trl.py's megatron-kl workload of this shape (built in a temporary directory)")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
+    if args.trl_workload:
+        sys.path.insert(0, str(ROOT / "tools"))
+        import bench_trl
+
+        work = Path(tempfile.mkdtemp(prefix="bench-step-"))
+        bench_trl.build_workload(work, [args.trl_workload])
+        config, overrides = bench_trl.megatron_kl_config(work, args.trl_workload, new_tokens=32)
+        args.config, args.overrides = str(config), [*overrides, *args.overrides]
 
     import warnings
 

@@ -138,11 +138,32 @@ def run_trl(work: Path, shape: str, steps: int, new_tokens: int) -> dict:
     return {"records": records, "peak_rss_gib": peak_rss_gib()}
 
 
+def megatron_kl_config(work: Path, shape: str, new_tokens: int) -> tuple[Path, list[str]]:
+    """(YAML path, overrides) of the megatron-kl side of the workload under ``work`` (also tools/bench_step.py's
+    ``--trl-workload``): the CPU job's settings without its model section (the structure comes from the
+    checkpoint's config.json)."""
+    import yaml
+
+    base = yaml.safe_load((ROOT / "configs" / "cpu" / "default.yaml").read_text())
+    base["model"] = {"max_position_embeddings": 256}
+    config = work / "megatron-kl.yaml"
+    config.write_text(yaml.safe_dump(base))
+    return config, [
+        f"init.hf_checkpoint={work / f'model-{shape}'}", "warm_start.enabled=false",
+        "task.name=math", f"task.math.train_files=[{work / 'train.jsonl'}]",
+        f"task.math.eval_files=[{work / 'eval.jsonl'}]", f"task.math.tokenizer={work / 'tokenizer'}",
+        "task.math.instruction=", f"rollout.sampling.max_new_tokens={new_tokens}", "rollout.sampling.temperature=1.0",
+        f"train.prompts_per_step={PROMPTS}", f"train.group_size={SAMPLES}", "algo.minibatches=1", "algo.ppo_epochs=1",
+        "algo.old_logprobs=from_update",
+        "kl.estimator=k3", "kl.placement=loss", "kl.level=token", f"kl.coef={BETA}", "kl.target=token_forward",
+        "optim.lr=1.0e-6", "eval.interval=0", "eval.k=1", "checkpoint.interval=0", "logging.progress=false",
+        "logging.tensorboard=false",
+    ]
+
+
 def run_megatron_kl(work: Path, shape: str, steps: int, new_tokens: int, extra: list[str]) -> dict:
     import logging
     import warnings
-
-    import yaml
 
     warnings.filterwarnings("ignore")
     logging.basicConfig(level=logging.WARNING)
@@ -162,21 +183,8 @@ def run_megatron_kl(work: Path, shape: str, steps: int, new_tokens: int, extra: 
 
     loop._save_checkpoint = record_then_save
     out = work / f"mk-{shape}-{time.time_ns()}"
-    # the CPU job's settings without its model section: the structure comes from the checkpoint's config.json
-    base = yaml.safe_load((ROOT / "configs" / "cpu" / "default.yaml").read_text())
-    base["model"] = {"max_position_embeddings": 256}
-    (out.parent / "megatron-kl.yaml").write_text(yaml.safe_dump(base))
-    cfg = load_train_config(str(out.parent / "megatron-kl.yaml"), [
-        f"init.hf_checkpoint={work / f'model-{shape}'}", "warm_start.enabled=false",
-        "task.name=math", f"task.math.train_files=[{work / 'train.jsonl'}]",
-        f"task.math.eval_files=[{work / 'eval.jsonl'}]", f"task.math.tokenizer={work / 'tokenizer'}",
-        "task.math.instruction=", f"rollout.sampling.max_new_tokens={new_tokens}", "rollout.sampling.temperature=1.0",
-        f"train.prompts_per_step={PROMPTS}", f"train.group_size={SAMPLES}", "algo.minibatches=1", "algo.ppo_epochs=1",
-        "algo.old_logprobs=from_update",
-        "kl.estimator=k3", "kl.placement=loss", "kl.level=token", f"kl.coef={BETA}", "kl.target=token_forward",
-        "optim.lr=1.0e-6", f"train.steps={steps}", f"train.output_dir={out}", "eval.interval=0", "eval.k=1",
-        "checkpoint.interval=0", "logging.progress=false", "logging.tensorboard=false", *extra,
-    ])
+    config, overrides = megatron_kl_config(work, shape, new_tokens)
+    cfg = load_train_config(str(config), [*overrides, f"train.steps={steps}", f"train.output_dir={out}", *extra])
     _single_process_env()
     try:
         loop.train(cfg)
