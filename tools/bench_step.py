@@ -103,6 +103,10 @@ def main(argv=None) -> int:
         import bench_trl
 
         work = Path(tempfile.mkdtemp(prefix="bench-step-"))
+        import atexit
+        import shutil
+
+        atexit.register(shutil.rmtree, work, ignore_errors=True)
         bench_trl.build_workload(work, [args.trl_workload])
         config, overrides = bench_trl.megatron_kl_config(work, args.trl_workload, new_tokens=32)
         args.config, args.overrides = str(config), [*overrides, *args.overrides]
