@@ -75,20 +75,24 @@ class SequenceBatch:
             for n, i in enumerate(range(0, batch, size))
         ]
 
-    def _budgeted(self, token_budget: int) -> list[dict]:
-        lengths = self.lengths()
-        order = sorted(range(len(lengths)), key=lambda i: (-int(lengths[i]), i))
+    def token_groups(self, token_budget: int) -> list[tuple[torch.Tensor, int]]:
+        """The budgeted split's (rows, width) per microbatch, without cutting any tensor: rows sorted by
+        :meth:`lengths` (longest first, ties by row) packed greedily while rows x the first row's length
+        <= ``token_budget``."""
+        lengths = self.lengths().tolist()
+        order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
         groups: list[list[int]] = []
         for i in order:
-            if groups and (len(groups[-1]) + 1) * int(lengths[groups[-1][0]]) <= token_budget:
+            if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= token_budget:
                 groups[-1].append(i)
             else:
                 groups.append([i])
+        return [(torch.tensor(group), lengths[group[0]]) for group in groups]
+
+    def _budgeted(self, token_budget: int) -> list[dict]:
         seq = self.tokens.shape[1]
         out = []
-        for n, group in enumerate(groups):
-            rows = torch.tensor(group)
-            width = int(lengths[group[0]])
+        for n, (rows, width) in enumerate(self.token_groups(token_budget)):
             mb = {"tokens": self.tokens[rows, :width], "loss_mask": self.loss_mask[rows, : width - 1], "index": n,
                   "rows": rows}
             for key, value in self.extras.items():
@@ -328,7 +332,7 @@ def compute_token_stats(
     result = assemble_token_stats(outputs, keys, tuple(batch.loss_mask.shape))
     if capture_hidden:
         result["hidden"] = None
-        if captured:  # in schedule order, i.e. the split's order
-            rows = [mb["rows"] for mb in batch.split(num_microbatches, token_budget)]
+        if captured:  # both in schedule order: each forward's hidden states, then its collect()
+            rows = [o["rows"] for o in outputs]
             result["hidden"] = scatter_rows(captured, rows, (*batch.tokens.shape, captured[0].shape[-1]))
     return result

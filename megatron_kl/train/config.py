@@ -81,13 +81,14 @@ class RunConfig:
     stop_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
 
     def __post_init__(self):
+        from megatron_kl.train.host_malloc import MODES as HOST_MALLOC_MODES
         from megatron_kl.train.preemption import check_signal_names
 
         self.stop_signals = check_signal_names(self.stop_signals)
         if str(self.host_malloc).lower() in ("false", "off"):  # YAML 1.1 reads a bare `off` as false
             self.host_malloc = "off"
-        if self.host_malloc not in ("auto", "off"):
-            raise ConfigError(f"train.host_malloc={self.host_malloc!r}: use auto or off")
+        if self.host_malloc not in HOST_MALLOC_MODES:
+            raise ConfigError(f"train.host_malloc={self.host_malloc!r}: use one of {list(HOST_MALLOC_MODES)}")
         if self.micro_batch_tokens < 0:
             raise ConfigError(f"train.micro_batch_tokens={self.micro_batch_tokens} must be >= 0 (0: off)")
         if self.micro_batch_tokens > 0 and self.micro_batches != 1:

@@ -125,6 +125,11 @@ def needs_reference(cfg, step: int) -> bool:
     RPG); otherwise only for the kl/* metrics, every ``train.reference_metrics_interval`` steps."""
     if cfg.kl.coef > 0 or cfg.algo.loss == "rpg":
         return True
+    return _metrics_due(cfg, step)
+
+
+def _metrics_due(cfg, step: int) -> bool:
+    """A step of metric-only reference work (every ``train.reference_metrics_interval`` steps)."""
     return step % cfg.train.reference_metrics_interval == 0
 
 
@@ -134,7 +139,7 @@ def needs_exact_kl(cfg, step: int) -> bool:
     feeds kl/exact_*, every ``train.reference_metrics_interval`` steps."""
     if cfg.kl.coef > 0 and cfg.kl.estimator == "full":
         return True
-    return step % cfg.train.reference_metrics_interval == 0
+    return _metrics_due(cfg, step)
 
 
 def _scoring_passes(ctx: StepContext, sequences, step: int, vocab, timings: dict):
@@ -258,9 +263,9 @@ def rl_step(ctx: StepContext, batch: RolloutBatch, step: int) -> dict:
     metrics["entropy/mean"] = _masked_mean(old["entropy"], mask)
     metrics.update(rollout_metrics(batch, old["logprobs"], step))
     if run.micro_batch_tokens > 0:  # what the scoring passes see: each microbatch padded to its own longest row
-        plan = sequences.split(1, run.micro_batch_tokens)
-        metrics["batch/padded_tokens"] = float(sum(mb["tokens"].numel() for mb in plan))
-        metrics["batch/microbatches"] = float(len(plan))
+        groups = sequences.token_groups(run.micro_batch_tokens)
+        metrics["batch/padded_tokens"] = float(sum(len(rows) * width for rows, width in groups))
+        metrics["batch/microbatches"] = float(len(groups))
     metrics.update(ctx.counter.as_dict())
     metrics = _reduce(metrics, ctx.dp_group)
     metrics.update(ctx.kl_tags)

@@ -181,6 +181,8 @@ def test_token_budget_split_covers_every_row_once_within_the_budget():
     lengths = batch.lengths()
     for budget in (1, 29, 64, 200, 10**6):
         plan = batch.split(1, budget)
+        groups = batch.token_groups(budget)  # the same plan without cutting tensors (batch/padded_tokens)
+        assert [(mb["rows"].tolist(), mb["tokens"].shape[1]) for mb in plan] == [(r.tolist(), w) for r, w in groups]
         seen = torch.cat([mb["rows"] for mb in plan])
         assert sorted(seen.tolist()) == list(range(rows))
         for mb in plan:
