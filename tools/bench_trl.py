@@ -2,13 +2,16 @@
 
     pip install -e .[bench]     # trl==1.16.0 (pinned; a benchmark dependency only)
     python tools/bench_trl.py [--shapes tiny,135m] [--steps 6] [--rounds 2] [--max-new-tokens 32]
-                              [--variant NAME=override,override ...]
+                              [--variant NAME=override,override ...] [--precision fp32,bf16]
 
 Workload per step (both systems): 8 prompts x 4 samples x ``--max-new-tokens`` new tokens at temperature 1,
 k3 KL to the reference in the loss with coefficient 0.04 (TRL's ``beta``; megatron-kl
 ``kl.estimator=k3, kl.placement=loss``), one optimizer step per batch (TRL's default; ``algo.minibatches=1``)
 whose pi_old comes from the update's own forward (TRL skips that pass with one iteration;
-``algo.old_logprobs=from_update``), fp32 on CPU. The model is a random-init Llama saved once as an HF checkpoint that both load:
+``algo.old_logprobs=from_update``), on CPU in each ``--precision``: ``fp32``, or ``bf16`` mixed precision (TRL
+``bf16=True``: bf16 autocast over float32 weights, generation with the weights cast to bf16; megatron-kl
+``model.params_dtype=bfloat16``: bf16 weights and activations, float32 main weights and gradient sums in the
+optimizer). The model is a random-init Llama saved once as an HF checkpoint that both load:
 
     tiny   hidden 128, 2 layers, 4 heads (head_dim 32), FFN 256, vocabulary 49152, tied   (TRL's tiny test shape)
     135m   hidden 576, 30 layers, 9 heads, 3 KV heads, FFN 1536, vocabulary 49152, tied   (SmolLM-135M's shape)
@@ -22,6 +25,7 @@ first), the step split (generation / scoring = reference + old log-probs + rewar
 variant's ratio to TRL. Variants: ``megatron-kl`` (the settings above), ``megatron-kl+tokens456``
 (``train.micro_batch_tokens=456``: the 32 x 57-token batch in 4 microbatches, activation memory a quarter) and
 ``megatron-kl+recompute`` (``model.recompute=full``: activation recomputation); ``--variant`` replaces them.
+Each precision is its own table, every system in it run in that precision, ratios to TRL in the same precision.
 """
 
 from __future__ import annotations
@@ -89,7 +93,7 @@ def build_workload(work: Path, shapes: list[str]) -> None:
 # ------------------------------------------------------------------------------------------ children
 
 
-def run_trl(work: Path, shape: str, steps: int, new_tokens: int) -> dict:
+def run_trl(work: Path, shape: str, steps: int, new_tokens: int, precision: str) -> dict:
     import warnings
 
     warnings.filterwarnings("ignore")
@@ -129,7 +133,7 @@ def run_trl(work: Path, shape: str, steps: int, new_tokens: int) -> dict:
     config = GRPOConfig(
         output_dir=str(work / f"trl-{shape}"), per_device_train_batch_size=PROMPTS * SAMPLES, num_generations=SAMPLES,
         max_completion_length=new_tokens, beta=BETA, learning_rate=1e-6, max_steps=steps, num_iterations=1,
-        temperature=1.0, use_cpu=True, bf16=False, report_to=[], save_strategy="no", logging_steps=1,
+        temperature=1.0, use_cpu=True, bf16=precision == "bf16", report_to=[], save_strategy="no", logging_steps=1,
         dataloader_num_workers=0, seed=1, disable_tqdm=True)
     trainer = Timed(model=str(work / f"model-{shape}"), reward_funcs=lambda completions, **_: [0.0] * len(completions),
                     args=config, train_dataset=dataset,
@@ -204,9 +208,14 @@ def run_megatron_kl(work: Path, shape: str, steps: int, new_tokens: int, extra: 
 # ------------------------------------------------------------------------------------------ parent
 
 
-def child(system: str, work: Path, shape: str, steps: int, new_tokens: int, extra: list[str]) -> dict:
+PARAMS_DTYPE = {"fp32": "float32", "bf16": "bfloat16"}
+
+
+def child(system: str, work: Path, shape: str, steps: int, new_tokens: int, precision: str, extra: list[str]) -> dict:
+    if system != "trl":
+        extra = [f"model.params_dtype={PARAMS_DTYPE[precision]}", *extra]
     cmd = [sys.executable, __file__, "--child", "trl" if system == "trl" else "megatron-kl", "--work", str(work),
-           "--shapes", shape, "--steps", str(steps), "--max-new-tokens", str(new_tokens),
+           "--shapes", shape, "--steps", str(steps), "--max-new-tokens", str(new_tokens), "--precision", precision,
            *(f"--override={o}" for o in extra)]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
@@ -230,6 +239,8 @@ def main(argv=None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--variant", action="append", default=None,
                         help="a megatron-kl variant NAME=override,override (repeatable)")
+    parser.add_argument("--precision", default="fp32",
+                        help=f"comma-separated, of {sorted(PARAMS_DTYPE)}: one table each (default fp32)")
     parser.add_argument("--child", choices=["trl", "megatron-kl"], help=argparse.SUPPRESS)
     parser.add_argument("--work", help=argparse.SUPPRESS)
     parser.add_argument("--override", action="append", default=[], help=argparse.SUPPRESS)
@@ -237,7 +248,7 @@ def main(argv=None) -> int:
     shapes = args.shapes.split(",")
     if args.child:
         if args.child == "trl":
-            result = run_trl(Path(args.work), shapes[0], args.steps, args.max_new_tokens)
+            result = run_trl(Path(args.work), shapes[0], args.steps, args.max_new_tokens, args.precision)
         else:
             result = run_megatron_kl(Path(args.work), shapes[0], args.steps, args.max_new_tokens, args.override)
         print(json.dumps(result))
@@ -253,19 +264,31 @@ def main(argv=None) -> int:
     unknown = set(shapes) - set(SHAPES)
     if unknown:
         parser.error(f"--shapes: unknown {sorted(unknown)}; use {sorted(SHAPES)}")
+    precisions = args.precision.split(",")
+    if set(precisions) - set(PARAMS_DTYPE):
+        parser.error(f"--precision: unknown {sorted(set(precisions) - set(PARAMS_DTYPE))}; use {sorted(PARAMS_DTYPE)}")
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         build_workload(work, shapes)
-        results = {(s, system): [] for s in shapes for system in systems}
+        results = {(p, s, system): [] for p in precisions for s in shapes for system in systems}
         for round_index in range(args.rounds):
             order = systems if round_index % 2 == 0 else systems[::-1]
             for shape in shapes:
-                for system in order:
-                    results[(shape, system)].append(
-                        child(system, work, shape, args.steps, args.max_new_tokens, variants.get(system, [])))
+                for precision in precisions:
+                    for system in order:
+                        results[(precision, shape, system)].append(child(
+                            system, work, shape, args.steps, args.max_new_tokens, precision, variants.get(system, [])))
     print(f"{PROMPTS} prompts x {SAMPLES} samples x {args.max_new_tokens} new tokens per step, k3 KL in the loss "
-          f"(coef {BETA}), 1 optimizer step per batch, fp32, {os.cpu_count()} CPU cores; {args.rounds} interleaved "
+          f"(coef {BETA}), 1 optimizer step per batch, {os.cpu_count()} CPU cores; {args.rounds} interleaved "
           f"rounds x {args.steps} steps per child (first step of each child excluded); medians")
+    for precision in precisions:
+        print(f"\n{precision}:")
+        table(shapes, systems, variants, {(s, system): results[(precision, s, system)]
+                                          for s in shapes for system in systems})
+    return 0
+
+
+def table(shapes: list[str], systems: list[str], variants: dict, results: dict) -> None:
     header = (f"{'shape':<6}{'system':<23}{'tokens/s':>9}{'(max)':>8}{'step s':>8}{'gen s':>8}{'score s':>8}"
               f"{'update s':>9}{'peak RSS GiB':>13}")
     print(header)
@@ -281,7 +304,6 @@ def main(argv=None) -> int:
                   f"{mk['step'] / trl['step']:>7.2f}x{mk['generation'] / trl['generation']:>7.2f}x"
                   f"{mk['scoring'] / trl['scoring']:>7.2f}x{mk['update'] / trl['update']:>8.2f}x"
                   f"{mk['peak_rss_gib'] / trl['peak_rss_gib']:>12.2f}x   (/ TRL)")
-    return 0
 
 
 if __name__ == "__main__":

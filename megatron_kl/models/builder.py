@@ -110,6 +110,10 @@ def build_gpt_model(model: ModelConfig, parallel: ParallelConfig, vp_stage: Opti
         vp_stage=vp_stage,
         pg_collection=pg_collection,
     )
+    if config.params_dtype != torch.float32:
+        # what megatron's Float16Module does on a GPU: every parameter in the 16-bit dtype (the local spec's
+        # torch RMSNorm creates float32 weights), so the mixed-precision optimizer keeps one fp32 main copy each
+        gpt.to(config.params_dtype)
     return gpt
 
 

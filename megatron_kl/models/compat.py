@@ -11,6 +11,10 @@ megatron-core assumes CUDA in a handful of places that have nothing to do with t
 3. Literal ``device="cuda"`` in the pipeline schedules (token counters), the optimizer (found-inf
    buffers), grad clipping and the DDP grad buffers, and grad clipping's assertion that grads are
    ``torch.cuda.FloatTensor`` (replaced by the same scaling without the device check).
+4. The mixed-precision optimizers (``Float16OptimizerWithFloat16Params``, ``DistributedOptimizer``) sort
+   parameters into bf16/fp16 (given an fp32 main copy) and fp32 by ``param.type()`` strings that name CUDA
+   tensor types; while their constructors run, a CPU tensor's ``type()`` answers with the CUDA name of its
+   dtype, so CPU bf16 parameters get the same fp32 main parameters they get on a GPU.
 
 ``apply_cpu_shims()`` patches exactly these, and only when ``torch.cuda.is_available()`` is False:
 on a GPU machine it returns immediately and megatron-core runs unmodified. The shims never change a
@@ -168,6 +172,35 @@ def _clip_grad_by_total_norm_cpu(parameters, max_norm, total_norm, use_decoupled
             grad.detach().mul_(clip_coeff)
 
 
+_CUDA_TYPE_NAMES = {torch.float32: "torch.cuda.FloatTensor", torch.bfloat16: "torch.cuda.BFloat16Tensor",
+                    torch.float16: "torch.cuda.HalfTensor"}
+
+
+@contextlib.contextmanager
+def _cuda_type_names():
+    """``Tensor.type()`` (no argument) names the CUDA type of a CPU tensor's dtype inside the block."""
+    real = torch.Tensor.type
+
+    def type_(self, *args, **kwargs):
+        if not args and not kwargs and self.device.type == "cpu" and self.dtype in _CUDA_TYPE_NAMES:
+            return _CUDA_TYPE_NAMES[self.dtype]
+        return real(self, *args, **kwargs)
+
+    torch.Tensor.type = type_
+    try:
+        yield
+    finally:
+        torch.Tensor.type = real
+
+
+def _with_cuda_type_names(init):
+    def wrapper(*args, **kwargs):
+        with _cuda_type_names():
+            return init(*args, **kwargs)
+
+    return wrapper
+
+
 def apply_cpu_shims() -> bool:
     """Patch megatron-core for CPU execution. Returns True when shims were applied.
 
@@ -196,6 +229,11 @@ def apply_cpu_shims() -> bool:
 
     clip_grads.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_cpu
     optimizer.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_cpu
+
+    from megatron.core.optimizer import distrib_optimizer
+
+    for cls in (optimizer.Float16OptimizerWithFloat16Params, distrib_optimizer.DistributedOptimizer):
+        cls.__init__ = _with_cuda_type_names(cls.__init__)
 
     cuda_ns = _make_cuda_namespace()
     proxy = _TorchProxy(cuda_ns)

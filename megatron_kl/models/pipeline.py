@@ -274,12 +274,13 @@ def masked_token_stats(stats: VocabParallelStats, mb: dict, keys) -> dict:
     return {"rows": mb["rows"], **{key: getattr(stats, key) * mask for key in keys}}
 
 
-def scatter_rows(parts: list[torch.Tensor], rows: list[torch.Tensor], shape) -> torch.Tensor:
-    """One float32 CPU ``shape`` tensor from microbatch pieces ``[b, w, ...]`` placed at their ``rows`` and
+def scatter_rows(parts: list[torch.Tensor], rows: list[torch.Tensor], shape,
+                 dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """One CPU ``shape`` tensor (``dtype``) from microbatch pieces ``[b, w, ...]`` placed at their ``rows`` and
     first ``w`` columns (zero beyond a piece's columns)."""
-    full = torch.zeros(shape, dtype=torch.float32)
+    full = torch.zeros(shape, dtype=dtype)
     for part, index in zip(parts, rows):
-        full[index, : part.shape[1]] = part.detach().float().cpu()
+        full[index, : part.shape[1]] = part.detach().to("cpu", dtype)
     return full
 
 
@@ -308,7 +309,7 @@ def compute_token_stats(
     Masked positions are set to 0. Works for the policy and for the frozen reference alike. With
     ``reference`` (and ``batch.extras["reference_hidden"]``) also the exact KL ``"kl"``; with
     ``capture_hidden`` also ``"hidden"`` ``[B, S, H]``, the final hidden states feeding the output
-    layer (last pipeline stage only; None elsewhere).
+    layer in the model's dtype (last pipeline stage only; None elsewhere).
     """
     for chunk in chunks:
         chunk.eval()
@@ -317,7 +318,7 @@ def compute_token_stats(
     hook = None
     if capture_hidden and getattr(chunks[-1], "post_process", False):
         hook = chunks[-1].output_layer.register_forward_hook(
-            lambda module, args, output: captured.append(args[0].detach().transpose(0, 1).float().cpu())
+            lambda module, args, output: captured.append(args[0].detach().transpose(0, 1).cpu())
         )
 
     def collect(stats: VocabParallelStats, mb: dict):
@@ -334,5 +335,6 @@ def compute_token_stats(
         result["hidden"] = None
         if captured:  # both in schedule order: each forward's hidden states, then its collect()
             rows = [o["rows"] for o in outputs]
-            result["hidden"] = scatter_rows(captured, rows, (*batch.tokens.shape, captured[0].shape[-1]))
+            result["hidden"] = scatter_rows(captured, rows, (*batch.tokens.shape, captured[0].shape[-1]),
+                                            captured[0].dtype)
     return result

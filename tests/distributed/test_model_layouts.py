@@ -2,6 +2,8 @@
 logits, per-token log-probs, entropies, parameter gradients and the weights after one optimizer step.
 Also: the reference model is frozen and unchanged by a policy update."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -152,3 +154,45 @@ def test_token_budget_microbatches_match_equal_slices(baselines, model_name, par
     outs = run_ranks(layout_worker, world, MODELS[model_name], parallel, base["full_state"], tokens, mask,
                      NUM_MICROBATCHES, OPTIM, fused, fused, 24)
     _compare(outs[0], base, outs)
+
+
+@pytest.mark.parametrize(
+    "model_name,parallel,fused",
+    [
+        ("qwen2", ParallelConfig(), False),
+        ("qwen3", ParallelConfig(tensor_parallel=2), True),
+        ("qwen2", ParallelConfig(pipeline_parallel=2), False),
+    ],
+    ids=["tp1", "tp2-tied-qknorm-fused-single-pass", "pp2-1f1b"],
+)
+def test_bf16_mixed_precision_tracks_float32(baselines, model_name, parallel, fused):
+    """model.params_dtype=bfloat16 (weights and activations in bf16, megatron's mixed-precision optimizer with
+    float32 main weights and float32 gradient sums), from the float32 baseline's weights: logits, log-probs,
+    entropies, gradients and the updated weights agree with float32 to bf16 precision (2^-8 = 3.9e-3 per
+    rounding, a few roundings deep), every parameter is bf16 and every optimizer parameter a float32 main copy.
+    Also PP=2 (bf16 activations between stages) and TP=2 on the fused single pass."""
+    tokens, mask = _batch()
+    base = baselines[model_name]
+    world = parallel.tensor_parallel * parallel.pipeline_parallel
+    bf16 = dataclasses.replace(MODELS[model_name], params_dtype="bfloat16")
+    outs = run_ranks(layout_worker, world, bf16, parallel, base["full_state"], tokens, mask, NUM_MICROBATCHES, OPTIM,
+                     fused, fused)
+    result = outs[0]
+    for o in outs:
+        assert o["param_dtypes"] == ["torch.bfloat16"] and o["main_param_dtypes"] == ["torch.float32"]
+    last = next(o for o in outs if o["is_last_stage"])
+    _close(last["logits"].float(), base["logits"], 2e-2, "bf16 logits")
+    for key in ("logprobs", "entropy"):
+        for o in outs:
+            _close(o[key], base[key], 2e-2, f"bf16 {key}")
+    errors = [_close(result["grads"][n].float(), base["grads"][n], 4e-2, f"bf16 grad {n}") for n in base["grads"]]
+    assert max(errors) > 1e-4  # bf16 really ran: float32 would agree to ~1e-6
+    assert abs(result["grad_norm"] - base["grad_norm"]) <= 2e-2 * base["grad_norm"]
+    for name, expected in base["updated"].items():
+        # bf16(main - step): the weight's own rounding (2^-8 of its scale) plus a step difference well under
+        # lr (Adam's step is at most ~lr; zero-initialised biases have a scale of lr itself)
+        diff = (result["updated"][name].float() - expected).abs().max().item()
+        assert diff <= 2**-8 * expected.abs().max().item() + 0.2 * OPTIM.lr, f"bf16 updated {name}: {diff:.2e}"
+    moved = max((result["updated"][k].float() - base["full_state"][k].to(torch.bfloat16).float()).abs().max().item()
+                for k in base["full_state"])
+    assert moved > 1e-4
