@@ -18,9 +18,10 @@ old_logprobs + update); the target is < 10 % of the step. The first step (warm-u
 
 The floor: the work a step cannot avoid, at this machine's rates measured in the same run - the reference
 forward and the policy forward + backward over the batch's real tokens (2 + 6 FLOPs per parameter and token,
-output projection included, plus attention) at the measured fp32 GEMM rate, and decoding: every new token
-position reads the weights once (memory-bound at these batch sizes) at the measured memory bandwidth, or its
-FLOPs at the GEMM rate when that is slower. The step is printed as a multiple of the floor; the padded
+output projection included, plus attention) at the GEMM rate measured in the model's dtype
+(``model.params_dtype``: float32, or bfloat16 where this CPU has bf16 dot-product instructions), and decoding:
+every new token position reads the weights once (memory-bound at these batch sizes) at the measured memory
+bandwidth, or its FLOPs at the GEMM rate when that is slower. The step is printed as a multiple of the floor; the padded
 tokens (the batch as the passes see it) and the old-log-prob pass are what the floor leaves out.
 """
 
@@ -36,13 +37,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def gemm_rate(rows: int, hidden: int, ffn: int, repeats: int = 5) -> float:
-    """Best fp32 FLOP/s of [rows, hidden] x [hidden, ffn] on this machine."""
+def gemm_rate(rows: int, hidden: int, ffn: int, dtype: str = "float32", repeats: int = 5) -> float:
+    """Best FLOP/s of [rows, hidden] x [hidden, ffn] in ``dtype`` on this machine."""
     import time
 
     import torch
 
-    a, b = torch.randn(rows, hidden), torch.randn(hidden, ffn)
+    a, b = torch.randn(rows, hidden).to(getattr(torch, dtype)), torch.randn(hidden, ffn).to(getattr(torch, dtype))
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
@@ -75,7 +76,8 @@ def model_shape(model) -> dict:
             "attention_flops_per_pair": 4 * m.num_layers * q, "hidden": m.hidden_size, "ffn": m.ffn_hidden_size}
 
 
-def step_floor(model, records: list[dict], samples: int, new_tokens: int, rate: float, bandwidth: float) -> dict:
+def step_floor(model, records: list[dict], samples: int, new_tokens: int, rate: float, bandwidth: float,
+               bytes_per_param: int = 4) -> dict:
     """Seconds of the unavoidable work of a median step (docstring); ``records`` give its token counts."""
     import statistics
 
@@ -85,7 +87,7 @@ def step_floor(model, records: list[dict], samples: int, new_tokens: int, rate: 
     forward = 2 * shape["matmul_params"] * tokens + shape["attention_flops_per_pair"] * tokens * per_sequence / 2
     training = (1 + 3) * forward / rate  # reference forward; policy forward + backward
     decode_flops = 2 * shape["matmul_params"] * samples * new_tokens
-    decode = max(new_tokens * 4 * shape["matmul_params"] / bandwidth, decode_flops / rate)
+    decode = max(new_tokens * bytes_per_param * shape["matmul_params"] / bandwidth, decode_flops / rate)
     return {"training": training, "decode": decode, "total": training + decode, "tokens": tokens,
             "padded_tokens": statistics.median(r["batch/padded_tokens"] for r in records)}
 
@@ -153,11 +155,12 @@ def main(argv=None) -> int:
     print(f"{'orchestration':<16}{overhead:>10.4f}{overhead / step:>10.1%}   (target < 10%; includes weight_sync)")
     print(f"{'step':<16}{step:>10.4f}{1:>10.1%}   tokens/s {median('throughput/tokens_per_s'):.0f}")
     shape = model_shape(cfg.model)
-    rate = gemm_rate(int(median("batch/tokens")), shape["hidden"], shape["ffn"])
+    dtype = cfg.model.params_dtype
+    rate = gemm_rate(int(median("batch/tokens")), shape["hidden"], shape["ffn"], dtype)
     bandwidth = memory_bandwidth()
     floor = step_floor(cfg.model, records, cfg.train.prompts_per_step * cfg.train.group_size,
-                       cfg.rollout.sampling.max_new_tokens, rate, bandwidth)
-    print(f"floor: fp32 GEMM {rate / 1e9:.1f} GFLOP/s, memory {bandwidth / 1e9:.1f} GB/s, "
+                       cfg.rollout.sampling.max_new_tokens, rate, bandwidth, 4 if dtype == "float32" else 2)
+    print(f"floor: {dtype} GEMM {rate / 1e9:.1f} GFLOP/s, memory {bandwidth / 1e9:.1f} GB/s, "
           f"{floor['tokens']:.0f} real tokens ({floor['padded_tokens']:.0f} padded) per step")
     print(f"{'floor train':<16}{floor['training']:>10.4f}   reference fwd + policy fwd/bwd, real tokens")
     print(f"{'floor decode':<16}{floor['decode']:>10.4f}   weights read once per new-token position")

@@ -21,9 +21,10 @@ reward, entropy bonus, fixed aggregation weights) - the caller's ``probe`` gives
 rows right after its forward, and dL/dh, dL/dW are formed from the chunk logits still in hand: no
 recomputation, so the GEMMs are those of the unfused path (z, r, dL/dh, dL/dW).
 
-No gradient reaches the reference. Half-precision inputs: the logit and dL/dh products run in the input
-dtype with the backend's float32 accumulation and are upcast to float32 before any exp/log; dL/dW
-accumulates across chunks in float32, in place. float64 inputs compute in float64. Chunks are processed in a fixed order, so results
+No gradient reaches the reference. Half-precision inputs: the logit, dL/dh and per-chunk dL/dW products run
+in the input dtype with the backend's float32 accumulation (dL/dz rounded to the input dtype first, as in
+megatron's own bf16 output layer); logits are upcast to float32 before any exp/log, and dL/dW sums the chunks
+in float32. Every chunk temporary lives in a reused workspace buffer. float64 inputs compute in float64. Chunks are processed in a fixed order, so results
 are deterministic for a fixed chunk size.
 """
 
@@ -104,7 +105,7 @@ class _FusedLinearStats(torch.autograd.Function):
                 upstream(grad_logprob, lo, hi, dtype), upstream(grad_entropy, lo, hi, dtype),
                 upstream(grad_kl, lo, hi, dtype), tau, out=z, workspace=ws,
             )  # dL/dz for this chunk's raw logits [c, valid], compute dtype
-            _accumulate(grad, hidden, weight, lo, hi, valid, grad_hidden, grad_weight, dtype)
+            _accumulate(grad, hidden, weight, lo, hi, valid, grad_hidden, grad_weight, dtype, ws)
         if want_weight:
             grad_weight = grad_weight.to(weight.dtype)
         return grad_hidden, grad_weight, None, None, None, None, None, None, None
@@ -141,17 +142,36 @@ def fused_linear_grads(hidden, weight, reference_hidden, reference_weight, targe
             continue
         grad = chunk_grad(None, None, tgt, shard, norms[:, lo:hi], _as(g_lp, dtype), _as(g_h, dtype),
                           _as(g_kl, dtype), temperature, kept=kept)
-        _accumulate(grad, hidden, weight, lo, hi, valid, grad_hidden, grad_weight, dtype)
+        _accumulate(grad, hidden, weight, lo, hi, valid, grad_hidden, grad_weight, dtype, ws)
     return out, grad_hidden, grad_weight
 
 
-def _accumulate(grad, hidden, weight, lo, hi, valid, grad_hidden, grad_weight, dtype) -> None:
+def _accumulate(grad, hidden, weight, lo, hi, valid, grad_hidden, grad_weight, dtype, workspace: Workspace) -> None:
     """dL/dh rows and the in-place dL/dW sum of one chunk from ``grad`` = dL/dz [c, valid] (z = h W^T).
-    ``grad_weight`` starts uninitialised (``_weight_grad_buffer``): the first chunk writes it."""
+    ``grad_weight`` starts uninitialised (``_weight_grad_buffer``): the first chunk writes it. dL/dh's GEMM runs
+    and dL/dW's in the hidden states' dtype (bf16 GEMMs for bf16 models, as megatron's own output layer does);
+    dL/dW sums the chunks in float32."""
+    low = grad
+    if grad.dtype != hidden.dtype:
+        low = workspace.get("grad_low", grad.shape[0], grad.shape[1], hidden.dtype, grad.device).copy_(grad)
     if grad_hidden is not None:
-        torch.matmul(grad.to(hidden.dtype), weight[:valid], out=grad_hidden[lo:hi])
-    if grad_weight is not None:  # accumulated in place: no [V/tp, H] temporary per chunk
+        torch.matmul(low, weight[:valid], out=grad_hidden[lo:hi])
+    if grad_weight is None:
+        return
+    if low is grad:  # accumulated in place: no [V/tp, H] temporary per chunk
         grad_weight[:valid].addmm_(grad.t(), hidden[lo:hi].to(dtype), beta=0.0 if lo == 0 else 1.0)
+        return
+    # 16-bit hidden states: the chunk's product as a 16-bit GEMM (2.3x faster than float32 at 680 x 49152 x 576 on
+    # a bf16-capable CPU), summed over chunks in float32 - the precision of megatron's own bf16 weight gradients
+    if lo == 0:
+        grad_weight[:valid].copy_(_low_weight_product(low, hidden[lo:hi], workspace))
+    else:
+        grad_weight[:valid].add_(_low_weight_product(low, hidden[lo:hi], workspace))
+
+
+def _low_weight_product(low_grad, hidden, workspace: Workspace) -> torch.Tensor:
+    out = workspace.get("weight_grad_low", low_grad.shape[1], hidden.shape[1], hidden.dtype, hidden.device)
+    return torch.mm(low_grad.t(), hidden, out=out)
 
 
 def _weight_grad_buffer(weight, valid: int, rows: int, dtype) -> torch.Tensor:
@@ -187,9 +207,12 @@ class PrecomputedGrad(torch.autograd.Function):
 def _project(hidden, weight, valid: int, dtype, workspace: Workspace, name: str) -> torch.Tensor:
     """This rank's valid logit columns of a chunk (not divided by tau) in the compute dtype, in a
     ``workspace`` buffer the caller may overwrite."""
+    out = workspace.get(name, hidden.shape[0], valid, dtype, hidden.device)
     if hidden.dtype == dtype:
-        return torch.matmul(hidden, weight[:valid].t(), out=workspace.get(name, hidden.shape[0], valid, dtype, hidden.device))
-    return (hidden @ weight[:valid].t()).to(dtype)
+        return torch.matmul(hidden, weight[:valid].t(), out=out)
+    # a bf16/fp16 GEMM (float32 accumulation inside), then upcast: both in reused buffers
+    low = workspace.get(name + "_low", hidden.shape[0], valid, hidden.dtype, hidden.device)
+    return out.copy_(torch.matmul(hidden, weight[:valid].t(), out=low))
 
 
 def _gather_rows(hidden: torch.Tensor, tp_group, sequence_parallel: bool) -> torch.Tensor:

@@ -122,7 +122,10 @@ def test_single_pass_gradients_equal_autograd(world):
     cases = [dict(seed=3, seq=9, batch=2, hidden=16, vocab=29, padded_vocab=32, dtype="float64", temperature=0.7,
                   chunk=5, scale=3.0),
              dict(seed=4, seq=12, batch=3, hidden=24, vocab=64, padded_vocab=64, dtype="float32", temperature=1.0,
-                  chunk=64, scale=2.0)]
+                  chunk=64, scale=2.0),
+             # bf16: dL/dh and each chunk's dL/dW as bf16 GEMMs, dL/dW summed over 3 chunks in float32
+             dict(seed=5, seq=10, batch=2, hidden=16, vocab=31, padded_vocab=32, dtype="bfloat16", temperature=1.0,
+                  chunk=7, scale=2.0)]
     per_rank = run_ranks(single_pass_worker, world, cases)
     for index, case in enumerate(cases):
         tol = TOL[case["dtype"]]

@@ -198,3 +198,18 @@ def test_token_budget_split_covers_every_row_once_within_the_budget():
                                  tuple(mask.shape))
         torch.testing.assert_close(assembled, per_position * mask)
     assert len(batch.split(1, 10**6)) == 1 and len(batch.split(1, 1)) == rows
+
+
+def test_all_finite_finds_every_kind_of_non_finite_entry():
+    """optim._all_finite (the skip-step check over whole gradient buffers) against isfinite().all()."""
+    from megatron_kl.models.optim import _all_finite
+
+    g = torch.Generator().manual_seed(0)
+    values = torch.randn(10_000, generator=g) * 1e30  # large but finite: no overflow in the check
+    assert _all_finite(values) and _all_finite(torch.empty(0))
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        for where in (0, 4321, 9_999):
+            poisoned = values.clone()
+            poisoned[where] = bad
+            assert not _all_finite(poisoned), (bad, where)
+            assert not _all_finite(poisoned.to(torch.bfloat16)), (bad, where)
