@@ -15,9 +15,6 @@ megatron-core assumes CUDA in a handful of places that have nothing to do with t
    parameters into bf16/fp16 (given an fp32 main copy) and fp32 by ``param.type()`` strings that name CUDA
    tensor types; while their constructors run, a CPU tensor's ``type()`` answers with the CUDA name of its
    dtype, so CPU bf16 parameters get the same fp32 main parameters they get on a GPU.
-5. Without Transformer Engine or apex megatron builds ``torch.optim.Adam``/``AdamW`` per-tensor; on the CPU
-   they are built with ``fused=True`` (PyTorch's fused CPU kernel, what megatron's own CPU-offload optimizer
-   asks for): the same update rule in one pass per tensor.
 
 ``apply_cpu_shims()`` patches exactly these, and only when ``torch.cuda.is_available()`` is False:
 on a GPU machine it returns immediately and megatron-core runs unmodified. The shims never change a
@@ -46,7 +43,6 @@ _MODULES_WITH_CUDA_LITERALS = (
     "megatron.core.models.common.language_module.language_module",
     "megatron.core.transformer.utils",
     "megatron.core.utils",
-    "megatron.core.optimizer",  # torch.optim.Adam/AdamW: fused on the CPU
 )
 
 
@@ -101,14 +97,10 @@ class _TorchProxy(types.ModuleType):
     def __init__(self, cuda_ns):
         super().__init__("torch")
         self.__dict__["_cuda_ns"] = cuda_ns
-        optim = {k: getattr(torch.optim, k) for k in dir(torch.optim) if not k.startswith("__")}
-        self.__dict__["_optim_ns"] = types.SimpleNamespace(**{**optim, "Adam": _FusedCpuAdam, "AdamW": _FusedCpuAdamW})
 
     def __getattr__(self, name):
         if name == "cuda":
             return self.__dict__["_cuda_ns"]
-        if name == "optim":
-            return self.__dict__["_optim_ns"]
         attr = getattr(torch, name)
         if name in self._FACTORIES:
             return _redirect(attr)
@@ -199,18 +191,6 @@ def _cuda_type_names():
         yield
     finally:
         torch.Tensor.type = real
-
-
-class _FusedCpuAdam(torch.optim.Adam):
-    def __init__(self, *args, **kwargs):
-        kwargs.setdefault("fused", True)
-        super().__init__(*args, **kwargs)
-
-
-class _FusedCpuAdamW(torch.optim.AdamW):
-    def __init__(self, *args, **kwargs):
-        kwargs.setdefault("fused", True)
-        super().__init__(*args, **kwargs)
 
 
 def _with_cuda_type_names(init):

@@ -89,7 +89,6 @@ def layout_worker(rank, world, model_cfg: ModelConfig, parallel_cfg: ParallelCon
     return {
         "param_dtypes": sorted({str(p.dtype) for c in inner for p in c.parameters()}),
         "main_param_dtypes": sorted({str(p.dtype) for g in train.optimizer.param_groups for p in g["params"]}),
-        "fused_adam": [g.get("fused") for g in train.optimizer.param_groups],
         "full_state": full_state,
         "logits": logits,
         "logprobs": policy_stats["logprobs"],

@@ -180,7 +180,6 @@ def test_bf16_mixed_precision_tracks_float32(baselines, model_name, parallel, fu
     result = outs[0]
     for o in outs:
         assert o["param_dtypes"] == ["torch.bfloat16"] and o["main_param_dtypes"] == ["torch.float32"]
-        assert o["fused_adam"] and all(o["fused_adam"]) == (not torch.cuda.is_available())  # CPU: fused Adam
     last = next(o for o in outs if o["is_last_stage"])
     _close(last["logits"].float(), base["logits"], 2e-2, "bf16 logits")
     for key in ("logprobs", "entropy"):
