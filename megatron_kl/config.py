@@ -68,6 +68,10 @@ class ModelConfig:
     # input and recomputes the layer in backward (activation memory ~ layers x tokens x hidden, about one more
     # forward of compute); "none" keeps every activation. Frozen models (reference, engine) never recompute.
     recompute: str = "none"
+    # core attention of the pure-PyTorch layer spec (no Transformer Engine): "sdpa" computes it with torch's
+    # scaled_dot_product_attention (flash kernel, GQA without repeating keys; float32 math for 16-bit models on
+    # the CPU), "unfused" keeps megatron-core's DotProductAttention; the Transformer Engine spec uses TE's own
+    core_attention: str = "sdpa"
 
     def resolved(self) -> "ModelConfig":
         """A copy with the architecture defaults filled in for fields left as None."""
@@ -97,6 +101,8 @@ class ParallelConfig:
 
 
 def validate_model(model: ModelConfig) -> None:
+    if model.core_attention not in ("sdpa", "unfused"):
+        raise ConfigError(f"model.core_attention={model.core_attention!r} is unknown; use 'sdpa' or 'unfused'")
     if model.recompute not in ("none", "full"):
         raise ConfigError(f"model.recompute={model.recompute!r} is unknown; use 'none' or 'full'")
     if model.architecture not in ARCHITECTURES:

@@ -68,13 +68,19 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig):
 
 
 def layer_spec(model: ModelConfig):
-    """Transformer Engine spec where TE imports, Megatron's pure-PyTorch spec otherwise."""
+    """Transformer Engine spec where TE imports, Megatron's pure-PyTorch spec otherwise (its core attention
+    by torch's SDPA unless ``model.core_attention=unfused``)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     model = model.resolved()
     if have_transformer_engine():
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=model.qk_layernorm)
-    return gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=model.qk_layernorm, normalization="RMSNorm")
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=model.qk_layernorm, normalization="RMSNorm")
+    if model.core_attention == "sdpa":
+        from megatron_kl.models.attention import SDPAttention
+
+        spec.submodules.self_attention.submodules.core_attention = SDPAttention
+    return spec
 
 
 def build_gpt_model(model: ModelConfig, parallel: ParallelConfig, vp_stage: Optional[int] = None,

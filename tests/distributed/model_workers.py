@@ -87,6 +87,8 @@ def layout_worker(rank, world, model_cfg: ModelConfig, parallel_cfg: ParallelCon
     reference_after = pipeline.compute_token_stats(models.reference, batch, num_microbatches, vocab)
     reference_requires_grad = any(p.requires_grad for c in models.reference for p in c.parameters())
     return {
+        "core_attention": sorted({type(m).__name__ for c in inner for n, m in c.named_modules()
+                                  if n.endswith("core_attention")}),
         "param_dtypes": sorted({str(p.dtype) for c in inner for p in c.parameters()}),
         "main_param_dtypes": sorted({str(p.dtype) for g in train.optimizer.param_groups for p in g["params"]}),
         "full_state": full_state,

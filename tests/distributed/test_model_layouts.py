@@ -96,6 +96,19 @@ def test_layout_matches_single_rank(baselines, model_name, parallel):
     _compare(outs[0], base, outs)
 
 
+@pytest.mark.parametrize("model_name", ["qwen2", "qwen3"])
+def test_sdpa_core_attention_matches_megatron_unfused(baselines, model_name):
+    """The default local-spec core attention (torch SDPA, models/attention.py) gives megatron-core's own
+    DotProductAttention logits, log-probs, gradients and updated weights (the baseline ran with SDPA)."""
+    tokens, mask = _batch()
+    base = baselines[model_name]
+    unfused = dataclasses.replace(MODELS[model_name], core_attention="unfused")
+    outs = run_ranks(layout_worker, 1, unfused, ParallelConfig(), base["full_state"], tokens, mask,
+                     NUM_MICROBATCHES, OPTIM)
+    assert outs[0]["core_attention"] == ["DotProductAttention"] and base["core_attention"] == ["SDPAttention"]
+    _compare(outs[0], base, outs)
+
+
 def test_reference_frozen_single_rank(baselines):
     base = baselines["qwen2"]
     assert not base["reference_requires_grad"]
