@@ -69,14 +69,14 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig):
 
 def layer_spec(model: ModelConfig):
     """Transformer Engine spec where TE imports, Megatron's pure-PyTorch spec otherwise (its core attention
-    by torch's SDPA unless ``model.core_attention=unfused``)."""
+    by torch's SDPA or megatron's DotProductAttention: ``model.core_attention``)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     model = model.resolved()
     if have_transformer_engine():
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=model.qk_layernorm)
     spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=model.qk_layernorm, normalization="RMSNorm")
-    if model.core_attention == "sdpa":
+    if model.core_attention == "sdpa" or (model.core_attention == "auto" and model.params_dtype != "float32"):
         from megatron_kl.models.attention import SDPAttention
 
         spec.submodules.self_attention.submodules.core_attention = SDPAttention

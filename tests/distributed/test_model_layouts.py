@@ -96,16 +96,23 @@ def test_layout_matches_single_rank(baselines, model_name, parallel):
     _compare(outs[0], base, outs)
 
 
-@pytest.mark.parametrize("model_name", ["qwen2", "qwen3"])
-def test_sdpa_core_attention_matches_megatron_unfused(baselines, model_name):
-    """The default local-spec core attention (torch SDPA, models/attention.py) gives megatron-core's own
-    DotProductAttention logits, log-probs, gradients and updated weights (the baseline ran with SDPA)."""
+@pytest.mark.parametrize(
+    "model_name,parallel",
+    [("qwen2", ParallelConfig()), ("qwen3", ParallelConfig(tensor_parallel=2)),
+     ("qwen2", ParallelConfig(pipeline_parallel=2))],
+    ids=["tp1", "tp2-tied-qknorm", "pp2"],
+)
+def test_sdpa_core_attention_matches_megatron_unfused(baselines, model_name, parallel):
+    """model.core_attention=sdpa (torch SDPA, models/attention.py) gives the single-rank baseline's logits,
+    log-probs, gradients and updated weights, computed by megatron-core's DotProductAttention (``auto`` in
+    float32)."""
     tokens, mask = _batch()
     base = baselines[model_name]
-    unfused = dataclasses.replace(MODELS[model_name], core_attention="unfused")
-    outs = run_ranks(layout_worker, 1, unfused, ParallelConfig(), base["full_state"], tokens, mask,
-                     NUM_MICROBATCHES, OPTIM)
-    assert outs[0]["core_attention"] == ["DotProductAttention"] and base["core_attention"] == ["SDPAttention"]
+    sdpa = dataclasses.replace(MODELS[model_name], core_attention="sdpa")
+    world = parallel.tensor_parallel * parallel.pipeline_parallel
+    outs = run_ranks(layout_worker, world, sdpa, parallel, base["full_state"], tokens, mask, NUM_MICROBATCHES, OPTIM)
+    assert base["core_attention"] == ["DotProductAttention"]
+    assert all(o["core_attention"] == ["SDPAttention"] for o in outs)
     _compare(outs[0], base, outs)
 
 
@@ -193,6 +200,7 @@ def test_bf16_mixed_precision_tracks_float32(baselines, model_name, parallel, fu
     result = outs[0]
     for o in outs:
         assert o["param_dtypes"] == ["torch.bfloat16"] and o["main_param_dtypes"] == ["torch.float32"]
+        assert o["core_attention"] == ["SDPAttention"]  # model.core_attention=auto in bf16
     last = next(o for o in outs if o["is_last_stage"])
     _close(last["logits"].float(), base["logits"], 2e-2, "bf16 logits")
     for key in ("logprobs", "entropy"):

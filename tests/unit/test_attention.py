@@ -128,8 +128,12 @@ def test_layer_uses_sdpa_only_when_configured():
 
     if have_transformer_engine():
         pytest.skip("the Transformer Engine spec has its own fused attention")
-    chosen = {name: layer_spec(ModelConfig(core_attention=name)).submodules.self_attention.submodules.core_attention
-              for name in ("sdpa", "unfused")}
-    assert chosen == {"sdpa": SDPAttention, "unfused": DotProductAttention}
+    def chosen(**fields):
+        return layer_spec(ModelConfig(**fields)).submodules.self_attention.submodules.core_attention
+
+    assert chosen(core_attention="sdpa") is SDPAttention and chosen(core_attention="unfused") is DotProductAttention
+    # auto: SDPA for 16-bit models, megatron's kernel in float32
+    assert chosen(params_dtype="bfloat16") is SDPAttention and chosen(params_dtype="float32") is DotProductAttention
+    assert chosen(core_attention="sdpa", params_dtype="float32") is SDPAttention
     with pytest.raises(ConfigError, match="model.core_attention='flash'"):
         ModelConfig(core_attention="flash").resolved()
