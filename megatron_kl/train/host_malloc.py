@@ -3,16 +3,23 @@
 On CPU every tensor lives in host memory from glibc's malloc. By default glibc serves blocks above a dynamic
 threshold (128 KiB, raised up to 32 MiB as such blocks are freed) with fresh mmaps and returns heap memory
 above 128 KiB at the top to the OS on free, so the per-step temporaries of a trainer (logits chunks, [B, V]
-sampling buffers, activations) are often page-faulted anew on every use, at ~1 GB/s. Measured on 2 cores:
-the embedded engine's sampling step over [32, 49152] logits took 1.3-8 ms depending on the heap's state
-(1.3 ms with the settings below); in the tools/bench_trl.py trainer, interleaved off/auto pairs at the tiny
-shape gave step medians 1.037/1.031, 1.097/1.061, 1.052/1.035 s (~2 % faster, peak RSS +0.01 GiB); at the
-135M shape the difference is inside the run-to-run noise (17.7-18.3 s either way). PyTorch's CPU
-performance guide recommends the same remedy (or jemalloc / tcmalloc, which are not installed here).
+sampling buffers, activations) are often page-faulted anew on every use, at ~1 GB/s. Measured on 2 cores
+with a first version of the settings (mmap threshold 32 MiB, trim threshold 1 GiB): the embedded engine's
+sampling step over [32, 49152] logits took 1.3-8 ms depending on the heap's state (1.3 ms with them); the
+tiny bench shape's step ~2 % faster; at the 135M shape the difference was inside the noise, because blocks
+above 32 MiB were still mmapped per use and the heap was still trimmed after each backward (below). PyTorch's
+CPU performance guide recommends the same remedy (or jemalloc / tcmalloc, which are not installed here).
 
-``auto``: on a CPU-only process with glibc, ``mallopt(M_MMAP_THRESHOLD, 32 MiB)`` (blocks below 32 MiB come
-from the heap and are reused) and ``mallopt(M_TRIM_THRESHOLD, 1 GiB)`` (freed heap memory is kept for reuse
-up to 1 GiB), unless the user set ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_`` (theirs win).
+``auto``: on a CPU-only process with glibc, ``mallopt(M_MMAP_MAX, 0)`` (no block is served by its own mmap:
+every block, however large, comes from the heap and its pages are reused after free),
+``mallopt(M_TRIM_THRESHOLD, -1)`` (freed heap memory is never handed back: the heap stays at the step's
+high-water mark, as a caching allocator would) and ``mallopt(M_MMAP_THRESHOLD, 32 MiB)`` (for a user who allows
+mmaps again), each unless the user set its ``MALLOC_*_`` variable (theirs win). Before the first two
+(``M_TRIM_THRESHOLD`` was 1 GiB) a 135M-parameter bf16 update page-faulted 503k pages per step (the fused
+output layer's 134 MB float32 chunks, RMSNorm's float32 temporaries, every saved activation after the previous
+step's backward trimmed the heap); with them 128. tools/bench_step.py --trl-workload 135m, bf16, interleaved
+pairs: step 8.91/5.62 s and 7.26/5.47 s (update 5.69/3.06, 4.14/2.83 s; rollout 2.25/1.83 s), peak RSS
+7.03/6.90 and 7.05/7.04 GB, system CPU time of the whole run 32.6/23.3 s and 27.1/23.2 s.
 ``off``: glibc's defaults.
 """
 
@@ -29,9 +36,11 @@ import torch
 log = logging.getLogger(__name__)
 
 MODES = ("auto", "off")
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc malloc.h
-SETTINGS = {"M_MMAP_THRESHOLD": (M_MMAP_THRESHOLD, 32 << 20, "MALLOC_MMAP_THRESHOLD_"),
-            "M_TRIM_THRESHOLD": (M_TRIM_THRESHOLD, 1 << 30, "MALLOC_TRIM_THRESHOLD_")}
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_MMAP_MAX = -1, -3, -4  # glibc malloc.h
+NEVER = -1  # M_TRIM_THRESHOLD: "-1 disables trimming completely" (mallopt(3))
+SETTINGS = {"M_MMAP_MAX": (M_MMAP_MAX, 0, "MALLOC_MMAP_MAX_"),
+            "M_MMAP_THRESHOLD": (M_MMAP_THRESHOLD, 32 << 20, "MALLOC_MMAP_THRESHOLD_"),
+            "M_TRIM_THRESHOLD": (M_TRIM_THRESHOLD, NEVER, "MALLOC_TRIM_THRESHOLD_")}
 
 
 def _glibc() -> Optional[ctypes.CDLL]:
