@@ -11,16 +11,29 @@ MODEL = {"architecture": "qwen2", "num_layers": 2, "hidden_size": 64, "ffn_hidde
 PROMPTS = [[1, 5, 6, 7], [1, 8], [1, 9, 9, 9, 9, 2], [3]]
 
 
+GROUPED = [p for p in PROMPTS for _ in range(3)] + [[1, 5, 6, 9]]  # GRPO groups, and a prompt sharing a prefix
+
+
+@pytest.mark.parametrize("prompts", [PROMPTS, GROUPED], ids=["distinct", "grouped"])
 @pytest.mark.parametrize("temperature", [0.7, 0.0])
-def test_engine_logprobs_equal_trainer_recompute_and_tp2_equals_tp1(temperature):
+def test_engine_logprobs_equal_trainer_recompute_and_tp2_equals_tp1(temperature, prompts):
+    """Also: repeated prompt prefixes are prefilled once and their KV cache copied to every row that has them;
+    the generation equals prefilling every row (same tokens; log-probs to float32 rounding: the prefill GEMMs
+    see fewer rows)."""
     sampling = {"temperature": temperature, "max_new_tokens": 9, "stop_token_ids": [2, 3]}
-    tp1 = run_ranks(engine_worker, 1, MODEL, 1, PROMPTS, sampling)[0]
-    tp2 = run_ranks(engine_worker, 2, MODEL, 2, PROMPTS, sampling)
+    tp1 = run_ranks(engine_worker, 1, MODEL, 1, prompts, sampling)[0]
+    tp2 = run_ranks(engine_worker, 2, MODEL, 2, prompts, sampling)
     for out in [tp1] + tp2:
+        assert [c.response_ids for c in out["completions"]] == [c.response_ids for c in out["every_row"]]
+        torch.testing.assert_close(torch.tensor(sum((c.response_logprobs for c in out["completions"]), [])),
+                                   torch.tensor(sum((c.response_logprobs for c in out["every_row"]), [])),
+                                   rtol=1e-6, atol=1e-6)
         mask = out["mask"].bool()
-        assert mask.sum() > len(PROMPTS)
+        assert mask.sum() > len(prompts)
         diff = (out["recomputed"] - out["behavior"])[mask].abs().max()
         assert diff < 2e-5, f"KV-cache log-probs differ from the full recomputation by {diff}"
+        if prompts is GROUPED and temperature > 0:  # rows of one prompt still draw their own samples
+            assert len({tuple(c.response_ids) for c in out["completions"][:3]}) > 1
         for c in out["completions"]:
             assert c.weight_version == 7
             assert len(c.response_ids) <= 9
