@@ -74,6 +74,11 @@ class ModelConfig:
     # (where megatron's bf16 batched GEMMs are slow), unfused for float32 (measured no faster with sdpa, and runs
     # stay bit-identical to earlier releases); the Transformer Engine spec uses TE's own
     core_attention: str = "auto"
+    # RMSNorm of the pure-PyTorch layer spec in training: "lean" saves only x and 1/rms for backward
+    # (models/norm.py; as TE's and apex's fused norms do), "torch" keeps torch.nn.RMSNorm's composite graph (float32
+    # copies of the activations), "auto" = lean for 16-bit params_dtype, torch in float32 (float32 runs stay
+    # bit-identical to earlier releases)
+    rms_norm: str = "auto"
 
     def resolved(self) -> "ModelConfig":
         """A copy with the architecture defaults filled in for fields left as None."""
@@ -106,6 +111,8 @@ def validate_model(model: ModelConfig) -> None:
     if model.core_attention not in ("auto", "sdpa", "unfused"):
         raise ConfigError(f"model.core_attention={model.core_attention!r} is unknown; use 'auto', 'sdpa' or "
                           "'unfused'")
+    if model.rms_norm not in ("auto", "lean", "torch"):
+        raise ConfigError(f"model.rms_norm={model.rms_norm!r} is unknown; use 'auto', 'lean' or 'torch'")
     if model.recompute not in ("none", "full"):
         raise ConfigError(f"model.recompute={model.recompute!r} is unknown; use 'none' or 'full'")
     if model.architecture not in ARCHITECTURES:

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_kl.config import ConfigError, ModelConfig, ParallelConfig
+from megatron_kl.models.norm import use_lean_rms_norm
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -116,6 +117,9 @@ def build_gpt_model(model: ModelConfig, parallel: ParallelConfig, vp_stage: Opti
         vp_stage=vp_stage,
         pg_collection=pg_collection,
     )
+    if not have_transformer_engine() and (resolved.rms_norm == "lean" or
+                                          (resolved.rms_norm == "auto" and resolved.params_dtype != "float32")):
+        use_lean_rms_norm(gpt)  # the local spec's torch RMSNorm, saving x and 1/rms for backward (models/norm.py)
     if config.params_dtype != torch.float32:
         # what megatron's Float16Module does on a GPU: every parameter in the 16-bit dtype (the local spec's
         # torch RMSNorm creates float32 weights), so the mixed-precision optimizer keeps one fp32 main copy each

@@ -89,6 +89,7 @@ def layout_worker(rank, world, model_cfg: ModelConfig, parallel_cfg: ParallelCon
     return {
         "core_attention": sorted({type(m).__name__ for c in inner for n, m in c.named_modules()
                                   if n.endswith("core_attention")}),
+        "rms_norms": sorted({type(m).__name__ for c in inner for m in c.modules() if isinstance(m, torch.nn.RMSNorm)}),
         "param_dtypes": sorted({str(p.dtype) for c in inner for p in c.parameters()}),
         "main_param_dtypes": sorted({str(p.dtype) for g in train.optimizer.param_groups for p in g["params"]}),
         "full_state": full_state,

@@ -102,17 +102,17 @@ def test_layout_matches_single_rank(baselines, model_name, parallel):
      ("qwen2", ParallelConfig(pipeline_parallel=2))],
     ids=["tp1", "tp2-tied-qknorm", "pp2"],
 )
-def test_sdpa_core_attention_matches_megatron_unfused(baselines, model_name, parallel):
-    """model.core_attention=sdpa (torch SDPA, models/attention.py) gives the single-rank baseline's logits,
-    log-probs, gradients and updated weights, computed by megatron-core's DotProductAttention (``auto`` in
-    float32)."""
+def test_local_kernels_match_megatron_and_torch_modules(baselines, model_name, parallel):
+    """model.core_attention=sdpa (torch SDPA, models/attention.py) and model.rms_norm=lean (models/norm.py) give
+    the single-rank baseline's logits, log-probs, gradients and updated weights, computed by megatron-core's
+    DotProductAttention and torch.nn.RMSNorm (``auto`` in float32)."""
     tokens, mask = _batch()
     base = baselines[model_name]
-    sdpa = dataclasses.replace(MODELS[model_name], core_attention="sdpa")
+    local = dataclasses.replace(MODELS[model_name], core_attention="sdpa", rms_norm="lean")
     world = parallel.tensor_parallel * parallel.pipeline_parallel
-    outs = run_ranks(layout_worker, world, sdpa, parallel, base["full_state"], tokens, mask, NUM_MICROBATCHES, OPTIM)
-    assert base["core_attention"] == ["DotProductAttention"]
-    assert all(o["core_attention"] == ["SDPAttention"] for o in outs)
+    outs = run_ranks(layout_worker, world, local, parallel, base["full_state"], tokens, mask, NUM_MICROBATCHES, OPTIM)
+    assert base["core_attention"] == ["DotProductAttention"] and base["rms_norms"] == ["RMSNorm"]
+    assert all(o["core_attention"] == ["SDPAttention"] and o["rms_norms"] == ["LeanRMSNorm"] for o in outs)
     _compare(outs[0], base, outs)
 
 
@@ -200,7 +200,7 @@ def test_bf16_mixed_precision_tracks_float32(baselines, model_name, parallel, fu
     result = outs[0]
     for o in outs:
         assert o["param_dtypes"] == ["torch.bfloat16"] and o["main_param_dtypes"] == ["torch.float32"]
-        assert o["core_attention"] == ["SDPAttention"]  # model.core_attention=auto in bf16
+        assert o["core_attention"] == ["SDPAttention"] and o["rms_norms"] == ["LeanRMSNorm"]  # auto in bf16
     last = next(o for o in outs if o["is_last_stage"])
     _close(last["logits"].float(), base["logits"], 2e-2, "bf16 logits")
     for key in ("logprobs", "entropy"):
