@@ -71,8 +71,8 @@ class ModelConfig:
     # core attention of the pure-PyTorch layer spec (no Transformer Engine): "sdpa" computes it with torch's
     # scaled_dot_product_attention (flash kernel, GQA without repeating keys; float32 math for 16-bit models on
     # the CPU), "unfused" keeps megatron-core's DotProductAttention, "auto" = sdpa for 16-bit params_dtype
-    # (where megatron's bf16 batched GEMMs are slow), unfused for float32 (measured no faster with sdpa, and runs
-    # stay bit-identical to earlier releases); the Transformer Engine spec uses TE's own
+    # (where megatron's bf16 batched GEMMs are slow), unfused for float32 (decoding no faster with sdpa; training
+    # attention 2x faster but ~1 % of a step; runs stay bit-identical to earlier releases); TE's spec uses TE's own
     core_attention: str = "auto"
     # RMSNorm of the pure-PyTorch layer spec in training: "lean" saves only x and 1/rms for backward
     # (models/norm.py; as TE's and apex's fused norms do), "torch" keeps torch.nn.RMSNorm's composite graph (float32

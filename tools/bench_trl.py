@@ -34,10 +34,10 @@ import argparse
 import json
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
-import shutil
 import tempfile
 import time
 from pathlib import Path

@@ -18,8 +18,10 @@ mmaps again), each unless the user set its ``MALLOC_*_`` variable (theirs win). 
 (``M_TRIM_THRESHOLD`` was 1 GiB) a 135M-parameter bf16 update page-faulted 503k pages per step (the fused
 output layer's 134 MB float32 chunks, RMSNorm's float32 temporaries, every saved activation after the previous
 step's backward trimmed the heap); with them 128. tools/bench_step.py --trl-workload 135m, bf16, interleaved
-pairs: step 8.91/5.62 s and 7.26/5.47 s (update 5.69/3.06, 4.14/2.83 s; rollout 2.25/1.83 s), peak RSS
-7.03/6.90 and 7.05/7.04 GB, system CPU time of the whole run 32.6/23.3 s and 27.1/23.2 s.
+pairs with the equivalent environment (MALLOC_MMAP_MAX_=0, MALLOC_TRIM_THRESHOLD_=16 GiB, MALLOC_TOP_PAD_=256 MiB)
+against glibc's defaults: step 5.62/8.91 s and 5.47/7.26 s (update 3.06/5.69, 2.83/4.14 s; rollout 1.83/2.25 s),
+peak RSS 6.90/7.03 and 7.04/7.05 GB, system CPU time of the whole run 23.3/32.6 s and 23.2/27.1 s; two later
+runs with these mallopt settings: 6.55 and 5.86 s.
 ``off``: glibc's defaults.
 """
 
