@@ -68,6 +68,12 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig):
     )
 
 
+def _local_kernel(setting: str, kernel: str, model: ModelConfig) -> bool:
+    """Whether a pure-PyTorch-spec kernel option (``model.core_attention``, ``model.rms_norm``) picks ``kernel``:
+    set to it, or ``auto`` with 16-bit parameters (float32 keeps megatron's and torch's modules)."""
+    return setting == kernel or (setting == "auto" and model.params_dtype != "float32")
+
+
 def layer_spec(model: ModelConfig):
     """Transformer Engine spec where TE imports, Megatron's pure-PyTorch spec otherwise (its core attention
     by torch's SDPA or megatron's DotProductAttention: ``model.core_attention``)."""
@@ -77,7 +83,7 @@ def layer_spec(model: ModelConfig):
     if have_transformer_engine():
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=model.qk_layernorm)
     spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=model.qk_layernorm, normalization="RMSNorm")
-    if model.core_attention == "sdpa" or (model.core_attention == "auto" and model.params_dtype != "float32"):
+    if _local_kernel(model.core_attention, "sdpa", model):
         from megatron_kl.models.attention import SDPAttention
 
         spec.submodules.self_attention.submodules.core_attention = SDPAttention
@@ -117,8 +123,7 @@ def build_gpt_model(model: ModelConfig, parallel: ParallelConfig, vp_stage: Opti
         vp_stage=vp_stage,
         pg_collection=pg_collection,
     )
-    if not have_transformer_engine() and (resolved.rms_norm == "lean" or
-                                          (resolved.rms_norm == "auto" and resolved.params_dtype != "float32")):
+    if not have_transformer_engine() and _local_kernel(resolved.rms_norm, "lean", resolved):
         use_lean_rms_norm(gpt)  # the local spec's torch RMSNorm, saving x and 1/rms for backward (models/norm.py)
     if config.params_dtype != torch.float32:
         # what megatron's Float16Module does on a GPU: every parameter in the 16-bit dtype (the local spec's

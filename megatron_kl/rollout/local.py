@@ -172,16 +172,22 @@ class LocalEngine:
 
         batch = prefix.shape[0]
         distinct, row_of = torch.unique(prefix, dim=0, return_inverse=True)
-        context = StaticInferenceContext(batch, total)
         if distinct.shape[0] == batch:
-            return context, self._forward(prefix, 0, context)
-        shared = StaticInferenceContext(distinct.shape[0], total)
-        logits = self._forward(distinct, 0, shared)
+            return self._prefill_rows(prefix, total)
+        shared, logits = self._prefill_rows(distinct, total)
+        context = StaticInferenceContext(batch, total)
         # megatron's static cache: per layer (keys, values), each [max_sequence, max_batch, groups, head_dim]
         context.key_value_memory_dict = {layer: tuple(t.index_select(1, row_of) for t in kv)
                                          for layer, kv in shared.key_value_memory_dict.items()}
         context.sequence_len_offset = shared.sequence_len_offset
         return context, logits.index_select(0, row_of)
+
+    def _prefill_rows(self, prefix: torch.Tensor, total: int):
+        """A fresh KV cache for ``prefix [B, first]`` row by row, and the last position's logits."""
+        from megatron.core.inference.contexts import StaticInferenceContext
+
+        context = StaticInferenceContext(prefix.shape[0], total)
+        return context, self._forward(prefix, 0, context)
 
     def _generate_batch(self, prompts, sampling: SamplingConfig, generator) -> list[Completion]:
         lengths = [len(p) for p in prompts]

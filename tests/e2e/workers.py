@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import types
-
 import torch
 import torch.distributed as dist
 
@@ -49,17 +47,11 @@ def engine_worker(rank, world, model_dict: dict, tp: int, prompts, sampling_dict
     stats = pipeline.compute_token_stats(models.policy, pipeline.SequenceBatch(tokens, mask), 1,
                                          pipeline.VocabOptions(model.vocab_size, sampling.logprob_temperature))
     # the same generation with every row prefilled on its own (no shared prefill of repeated prompts)
-    engine._prefill = types.MethodType(_prefill_every_row, engine)
+    engine._prefill = engine._prefill_rows
     every_row = engine.generate(prompts, sampling, seed=11)
     return {"completions": completions, "recomputed": stats["logprobs"], "behavior": behavior, "mask": mask,
             "every_row": every_row}
 
-
-def _prefill_every_row(engine, prefix, total):
-    from megatron.core.inference.contexts import StaticInferenceContext
-
-    context = StaticInferenceContext(prefix.shape[0], total)
-    return context, engine._forward(prefix, 0, context)
 
 
 def offload_worker(rank, world, model_dict: dict):

@@ -24,11 +24,10 @@ HEADS, GROUPS, DIM = 6, 2, 8
 SINGLE_RANK = types.SimpleNamespace(tp=types.SimpleNamespace(size=lambda: 1, rank=lambda: 0))
 
 
-def _build(cls, mask_type=AttnMaskType.causal, dtype=torch.float32, **overrides):
+def _build(cls, mask_type=AttnMaskType.causal, dtype=torch.float32):
     config = TransformerConfig(num_layers=1, hidden_size=HEADS * DIM, num_attention_heads=HEADS,
                                num_query_groups=GROUPS, kv_channels=DIM, params_dtype=dtype,
-                               bf16=dtype == torch.bfloat16, attention_dropout=0.0, masked_softmax_fusion=False,
-                               **overrides)
+                               bf16=dtype == torch.bfloat16, attention_dropout=0.0, masked_softmax_fusion=False)
     if cls is DotProductAttention and parallel_state._GLOBAL_MEMORY_BUFFER is None:
         parallel_state._set_global_memory_buffer()  # its score buffer (model-parallel init makes it)
     tracker = tensor_parallel.get_cuda_rng_tracker()  # its dropout region forks this RNG (the CPU tracker here)
@@ -128,6 +127,7 @@ def test_layer_uses_sdpa_only_when_configured():
 
     if have_transformer_engine():
         pytest.skip("the Transformer Engine spec has its own fused attention")
+
     def chosen(**fields):
         return layer_spec(ModelConfig(**fields)).submodules.self_attention.submodules.core_attention
 
