@@ -8,6 +8,7 @@ import torch
 
 from typing import Optional
 
+from megatron_kl.config import ConfigError
 from megatron_kl.models.output_head import ReferenceHead
 from megatron_kl.models.pipeline import LossFn, SequenceBatch, VocabOptions, run_schedule
 
@@ -25,6 +26,15 @@ class OptimConfig:
     decay_steps: int = 1000
     lr_decay_style: str = "constant"  # constant | linear | cosine
     use_distributed_optimizer: bool = False
+    # Adam's kernel where megatron builds torch's Adam (no Transformer Engine / apex): fused (torch's fused kernel,
+    # one pass per tensor), unfused (torch's own pick: a loop of per-tensor ops on the CPU, foreach lists on GPUs),
+    # or auto = fused for 16-bit models on the CPU (float32 main weights), unfused otherwise (float32 runs keep the
+    # kernel their recorded trajectories came from).
+    adam_kernel: str = "auto"
+
+    def __post_init__(self):
+        if self.adam_kernel not in ADAM_KERNELS:
+            raise ConfigError(f"optim.adam_kernel={self.adam_kernel!r}: use one of {', '.join(ADAM_KERNELS)}")
 
 
 @dataclass
@@ -80,6 +90,7 @@ def build_train_state(chunks: list, optim: OptimConfig) -> TrainState:
         ddp_chunks,
         use_gloo_process_groups=False,
     )
+    set_adam_kernel(optimizer, resolve_adam_kernel(optim.adam_kernel, config.params_dtype))
     scheduler = OptimizerParamScheduler(
         optimizer,
         init_lr=0.0 if optim.warmup_steps else optim.lr,
@@ -94,6 +105,43 @@ def build_train_state(chunks: list, optim: OptimConfig) -> TrainState:
         wd_incr_style="constant",
     )
     return TrainState(chunks=ddp_chunks, optimizer=optimizer, scheduler=scheduler)
+
+
+ADAM_KERNELS = ("auto", "fused", "unfused")
+
+
+def resolve_adam_kernel(setting: str, params_dtype: torch.dtype) -> str:
+    """``optim.adam_kernel`` made concrete: auto = fused for 16-bit parameters on the CPU, else unfused."""
+    if setting != "auto":
+        return setting
+    return "fused" if params_dtype in (torch.bfloat16, torch.float16) and not torch.cuda.is_available() else "unfused"
+
+
+def torch_optimizers(optimizer) -> list:
+    """The torch optimizers inside a megatron optimizer (chained or not)."""
+    chained = getattr(optimizer, "chained_optimizers", None)
+    if chained is not None:
+        return [inner for part in chained for inner in torch_optimizers(part)]
+    inner = getattr(optimizer, "optimizer", None)
+    return [inner] if isinstance(inner, torch.optim.Optimizer) else []
+
+
+def set_adam_kernel(optimizer, kernel: str) -> None:
+    """Run megatron's torch Adam/AdamW with ``kernel``: the same update rule,
+
+        m <- b1 m + (1 - b1) g,  v <- b2 v + (1 - b2) g^2,
+        p <- p - lr (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps)   (AdamW: p <- p (1 - lr wd) first),
+
+    evaluated per tensor in one pass (fused) or as torch builds it by default (unfused: a sequence of
+    elementwise kernels); the two agree to float32 rounding. Megatron swaps its float32 main parameters into
+    the torch optimizer after building it, so the kernel is set here, on the optimizer it built. Optimizers
+    that are not torch's Adam (TE/apex FusedAdam on GPUs) are left as they are."""
+    if kernel != "fused":
+        return
+    for inner in torch_optimizers(optimizer):
+        if isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+            for settings in (inner.defaults, *inner.param_groups):
+                settings["fused"], settings["foreach"] = True, False
 
 
 def train_step(

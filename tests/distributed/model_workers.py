@@ -195,3 +195,37 @@ def hung_rank_worker(rank, world, model_cfg: ModelConfig, timeout_s: float):
     except Exception as err:  # noqa: BLE001 - the timeout is the point
         return {"error": type(err).__name__, "seconds": time.monotonic() - start}
     return {"error": None, "seconds": time.monotonic() - start}
+
+
+def adam_kernel_worker(rank, world, model_cfg: ModelConfig, tokens, loss_mask, optim_cfg: optim.OptimConfig,
+                       steps: int):
+    """``steps`` training steps from a seeded init; returns the optimizer's float32 main parameters, its
+    ``fused`` flags and how often torch's fused Adam kernels ran."""
+    import collections
+
+    calls = collections.Counter()
+    for name in ("_fused_adam_", "_fused_adamw_"):
+        kernel = getattr(torch, name)
+
+        def counted(*args, _kernel=kernel, _name=name, **kwargs):
+            calls[_name] += 1
+            return _kernel(*args, **kwargs)
+
+        setattr(torch, name, counted)
+    torch.manual_seed(0)
+    parallel.initialize(model_cfg, ParallelConfig(), seed=1234)
+    chunks = builder.build_policy_and_reference(model_cfg, ParallelConfig()).policy
+    train = optim.build_train_state(chunks, optim_cfg)
+    batch = pipeline.SequenceBatch(tokens=tokens, loss_mask=loss_mask)
+    vocab = pipeline.VocabOptions(vocab_size=model_cfg.vocab_size, temperature=0.8, chunk_size=7)
+    start = [p.detach().clone() for g in train.optimizer.param_groups for p in g["params"]]
+    for _ in range(steps):
+        optim.train_step(train, batch, 2, _SFTLikeLoss(tokens.shape[0]), vocab)
+    inner = optim.torch_optimizers(train.optimizer)
+    return {
+        "start": start,
+        "main": [p.detach().clone() for g in train.optimizer.param_groups for p in g["params"]],
+        "main_dtypes": sorted({str(p.dtype) for g in train.optimizer.param_groups for p in g["params"]}),
+        "fused_flags": sorted({bool(g["fused"]) for o in inner for g in o.param_groups}),
+        "fused_calls": sum(calls.values()),
+    }

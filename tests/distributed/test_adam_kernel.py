@@ -1,0 +1,50 @@
+"""optim.adam_kernel: torch's fused Adam on megatron's float32 main weights (auto for 16-bit models on the CPU)
+updates exactly what the unfused kernel updates, and auto keeps float32 models on the unfused kernel."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from megatron_kl.config import ConfigError
+from megatron_kl.models.optim import OptimConfig, resolve_adam_kernel
+from megatron_kl.testing.distributed import run_ranks
+from tests.distributed.model_workers import adam_kernel_worker
+from tests.distributed.test_model_layouts import MODELS, _batch
+
+STEPS = 3
+
+
+def _run(params_dtype: str, kernel: str):
+    tokens, mask = _batch()
+    model = dataclasses.replace(MODELS["qwen3"], params_dtype=params_dtype)
+    optim = OptimConfig(lr=1e-3, adam_eps=1e-3, weight_decay=0.1, adam_kernel=kernel)
+    return run_ranks(adam_kernel_worker, 1, model, tokens, mask, optim, STEPS)[0]
+
+
+@pytest.mark.parametrize("params_dtype", ["bfloat16", "float32"])
+def test_fused_adam_matches_unfused_on_main_weights(params_dtype):
+    fused, unfused = _run(params_dtype, "fused"), _run(params_dtype, "unfused")
+    assert fused["main_dtypes"] == unfused["main_dtypes"] == ["torch.float32"]
+    assert fused["fused_flags"] == [True] and unfused["fused_flags"] == [False]
+    assert fused["fused_calls"] >= STEPS and unfused["fused_calls"] == 0
+    moved = max((m - s).abs().max().item() for m, s in zip(unfused["main"], unfused["start"]))
+    assert moved > 1e-3  # three steps of ~lr each really happened
+    for a, b, start in zip(fused["main"], unfused["main"], unfused["start"]):
+        # the same float32 update rule: differences at float32 rounding of the weights and of the steps
+        step_scale = (b - start).abs().max().item() + 1e-12
+        assert (a - b).abs().max().item() <= 1e-6 * max(b.abs().max().item(), 1.0) + 1e-4 * step_scale
+
+
+def test_auto_kernel_is_fused_for_16_bit_models_on_the_cpu():
+    auto = _run("bfloat16", "auto")
+    assert auto["fused_flags"] == [True] and auto["fused_calls"] >= STEPS
+    if not torch.cuda.is_available():
+        assert resolve_adam_kernel("auto", torch.float32) == "unfused"
+        assert resolve_adam_kernel("auto", torch.bfloat16) == "fused"
+    assert resolve_adam_kernel("unfused", torch.bfloat16) == "unfused"
+
+
+def test_unknown_kernel_is_a_config_error():
+    with pytest.raises(ConfigError, match="optim.adam_kernel"):
+        OptimConfig(adam_kernel="apex")
