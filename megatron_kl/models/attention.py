@@ -46,14 +46,22 @@ class SDPAttention(DotProductAttention):
         if not self._covered(attention_mask, attention_bias, packed_seq_params, mask_type, sq, key.size(0)):
             return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
                                    attention_bias=attention_bias, packed_seq_params=packed_seq_params)
-        compute = query.dtype
-        if query.device.type == "cpu" and query.dtype in (torch.bfloat16, torch.float16):
-            compute = torch.float32
         # [s, b, n, d] -> [b, n, s, d] views; the kernel takes strided inputs
-        q, k, v = (t.permute(1, 2, 0, 3).to(compute) for t in (query, key, value))
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         scale = self.softmax_scale * (self.layer_number if self.config.apply_query_key_layer_scaling else 1)
-        context = F.scaled_dot_product_attention(
-            q, k, v, is_causal=mask_type == AttnMaskType.causal and sq > 1, scale=scale,
-            enable_gqa=q.size(1) != k.size(1),
-        )
+        context = attend(q, k, v, scale, is_causal=mask_type == AttnMaskType.causal and sq > 1)
         return context.to(query.dtype).permute(2, 0, 1, 3).reshape(sq, batch, self.hidden_size_per_partition)
+
+
+def compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype attention is computed in: float32 for 16-bit inputs on the CPU (module docstring), else ``dtype``."""
+    return torch.float32 if device.type == "cpu" and dtype in (torch.bfloat16, torch.float16) else dtype
+
+
+def attend(q, k, v, scale: float, is_causal: bool = False, mask=None):
+    """softmax(scale q k^T + mask) v for q [b, heads, sq, d], k/v [b, groups, sk, d] (grouped-query attention
+    without repeating the keys), computed in :func:`compute_dtype`; the result is in that dtype."""
+    dtype = compute_dtype(q.dtype, q.device)
+    q, k, v = (t.to(dtype) for t in (q, k, v))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale,
+                                          enable_gqa=q.size(1) != k.size(1))

@@ -24,7 +24,9 @@ def have_transformer_engine() -> bool:
     return importlib.util.find_spec("transformer_engine") is not None
 
 
-def transformer_config(model: ModelConfig, parallel: ParallelConfig):
+def transformer_config(model: ModelConfig, parallel: ParallelConfig, flash_decode: bool = False):
+    """Megatron's TransformerConfig for ``model``; ``flash_decode``: megatron's flash-decoding inference mode
+    (RoPE applied once per new token, rotated keys cached; models/flash_decode.py), for the rollout engine."""
     from megatron.core.transformer import TransformerConfig
 
     model = model.resolved()
@@ -63,6 +65,7 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig):
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
         deallocate_pipeline_outputs=False,
+        flash_decode=flash_decode,
         **({"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
            if model.recompute == "full" else {}),
     )
@@ -91,11 +94,12 @@ def layer_spec(model: ModelConfig):
 
 
 def build_gpt_model(model: ModelConfig, parallel: ParallelConfig, vp_stage: Optional[int] = None,
-                    pg_collection=None):
+                    pg_collection=None, flash_decode: bool = False):
     """One GPTModel chunk for this rank's pipeline stage (and virtual stage ``vp_stage``).
 
     ``pg_collection`` (megatron's ProcessGroupCollection) defaults to parallel_state's groups; the
-    embedded rollout engine passes its own TP group so it can run concurrently with training.
+    embedded rollout engine passes its own TP group so it can run concurrently with training, and
+    ``flash_decode`` (see :func:`transformer_config`).
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -106,7 +110,7 @@ def build_gpt_model(model: ModelConfig, parallel: ParallelConfig, vp_stage: Opti
             "parallel.sequence_parallel=true needs the Transformer Engine layer spec (megatron-core's "
             "pure-PyTorch RMSNorm does not support it): install the `gpu` extra, or set it to false"
         )
-    config = transformer_config(resolved, parallel)
+    config = transformer_config(resolved, parallel, flash_decode=flash_decode)
     gpt = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec(resolved),

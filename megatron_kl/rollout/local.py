@@ -11,6 +11,10 @@ right-padded; the prefill covers the shortest prompt and each decode step feeds 
 prompt tokens for rows whose prompt is longer (Megatron's static text-generation scheme). The prefill runs once
 per distinct prefix and its cache is copied to the rows that share it (a GRPO group's samples; SGLang's radix
 cache does the same): the 135M bench shape's float32 rollout 5.38 -> 4.72 s (8 prompts x 4 samples).
+Decoding runs in megatron's flash-decoding mode (``rollout.flash_decode``, default on; kernels in
+models/flash_decode.py where flash-attn is absent): each new key is rotated once and cached rotated, where the
+static mode re-rotates every cached key at every step; 16-bit models on the CPU keep a float32 cache, read
+without a cast. Same tokens and log-probs as the static mode (tested); 135M bf16, 192 new tokens: 15.4 -> 10.8 s.
 Pipeline parallelism is not supported by this engine (use SGLang or vLLM); configs are rejected early.
 
 ``share_policy_weights`` (synchronous training, where generation never overlaps an optimizer step): the
@@ -101,7 +105,7 @@ class LocalEngine:
     """In-process engine over a GPTModel replica in the policy's TP layout (PP must be 1)."""
 
     def __init__(self, model: ModelConfig, parallel: ParallelConfig, max_batch_size: int = 256,
-                 share_policy_weights: bool = False):
+                 share_policy_weights: bool = False, flash_decode: bool = True):
         from megatron.core.process_groups_config import ProcessGroupCollection
 
         from megatron_kl.models.builder import build_gpt_model, freeze
@@ -115,7 +119,12 @@ class LocalEngine:
         self.max_batch_size = max_batch_size
         groups = ProcessGroupCollection.use_mpu_process_groups()
         groups.tp = _engine_tp_group(parallel.tensor_parallel)
-        self.model = freeze([build_gpt_model(model, parallel, pg_collection=groups)])[0]
+        if flash_decode:
+            from megatron_kl.models import flash_decode as kernels
+
+            kernels.install()
+        self.model = freeze([build_gpt_model(model, parallel, pg_collection=groups, flash_decode=flash_decode)])[0]
+        self.cache_dtype = self._cache_dtype(flash_decode)
         self.weight_version = 0
         self.share_policy_weights = share_policy_weights
         self._lock = threading.Lock()
@@ -187,7 +196,26 @@ class LocalEngine:
         from megatron.core.inference.contexts import StaticInferenceContext
 
         context = StaticInferenceContext(prefix.shape[0], total)
+        if self.cache_dtype is not None:  # megatron uses the buffers it finds in the context
+            for layer in self.model.decoder.layers:
+                attention = layer.self_attention
+                context.key_value_memory_dict[attention.layer_number] = tuple(
+                    attention._allocate_memory(total, prefix.shape[0], size, self.cache_dtype)
+                    for size in (attention.key_hidden_size, attention.val_hidden_size))
         return context, self._forward(prefix, 0, context)
+
+    def _cache_dtype(self, flash_decode: bool) -> Optional[torch.dtype]:
+        """float32 KV cache for a 16-bit model whose flash decoding runs on models/flash_decode.py's kernels
+        (they attend in float32 on the CPU: the cache is then read without a cast per step); None: megatron's
+        own (the model's dtype)."""
+        from megatron_kl.models import flash_decode as kernels
+        from megatron_kl.models.attention import compute_dtype
+
+        dtype = self.model.config.params_dtype
+        device = next(self.model.parameters()).device
+        if flash_decode and kernels.uses_cpu_kernels() and compute_dtype(dtype, device) != dtype:
+            return compute_dtype(dtype, device)
+        return None
 
     def _generate_batch(self, prompts, sampling: SamplingConfig, generator) -> list[Completion]:
         lengths = [len(p) for p in prompts]

@@ -26,6 +26,10 @@ class RolloutConfig:
     engine: str = "local"
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     max_batch_size: int = 256  # sequences per engine forward
+    # local engine: megatron's flash-decoding mode (each new key rotated once and cached rotated; a float32 cache for
+    # 16-bit models on the CPU) instead of its static decode (keys cached before RoPE, every one re-rotated per step);
+    # the same tokens and log-probs (tested)
+    flash_decode: bool = True
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
 

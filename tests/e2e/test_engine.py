@@ -19,12 +19,14 @@ GROUPED = [p for p in PROMPTS for _ in range(3)] + [[1, 5, 6, 9]]  # GRPO groups
 def test_engine_logprobs_equal_trainer_recompute_and_tp2_equals_tp1(temperature, prompts):
     """Also: repeated prompt prefixes are prefilled once and their KV cache copied to every row that has them;
     the generation equals prefilling every row (same tokens; log-probs to float32 rounding: the prefill GEMMs
-    see fewer rows)."""
+    see fewer rows). The engine decodes in megatron's flash-decoding mode (keys rotated once and cached rotated;
+    models/flash_decode.py): the same tokens and log-probs as megatron's own static decode."""
     sampling = {"temperature": temperature, "max_new_tokens": 9, "stop_token_ids": [2, 3]}
     tp1 = run_ranks(engine_worker, 1, MODEL, 1, prompts, sampling)[0]
     tp2 = run_ranks(engine_worker, 2, MODEL, 2, prompts, sampling)
     for out in [tp1] + tp2:
         assert [c.response_ids for c in out["completions"]] == [c.response_ids for c in out["every_row"]]
+        _assert_same_generation(out["completions"], out["megatron_decode"], tolerance=1e-6)
         torch.testing.assert_close(torch.tensor(sum((c.response_logprobs for c in out["completions"]), [])),
                                    torch.tensor(sum((c.response_logprobs for c in out["every_row"]), [])),
                                    rtol=1e-6, atol=1e-6)
@@ -44,6 +46,29 @@ def test_engine_logprobs_equal_trainer_recompute_and_tp2_equals_tp1(temperature,
     ids = [[c.response_ids for c in out["completions"]] for out in [tp1] + tp2]
     assert ids[0] == ids[1] == ids[2]
     torch.testing.assert_close(tp2[0]["behavior"], tp1["behavior"], atol=2e-5, rtol=0)
+
+
+def _assert_same_generation(actual, expected, tolerance: float):
+    assert [c.response_ids for c in actual] == [c.response_ids for c in expected]
+    assert [c.finish_reason for c in actual] == [c.finish_reason for c in expected]
+    torch.testing.assert_close(torch.tensor(sum((c.response_logprobs for c in actual), [])),
+                               torch.tensor(sum((c.response_logprobs for c in expected), [])),
+                               rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_bf16_flash_decoding_generates_what_megatrons_decode_generates(tp):
+    """A bf16 model: the engine keeps a float32 KV cache (the bf16 keys, rotated in bf16 exactly as the trainer's
+    forward rotates them, stored exactly) and generates exactly what megatron's static decode generates, whose
+    cache is bf16 and whose keys are rotated again at every step; and it matches the trainer's recompute to bf16
+    precision. Prompts of different lengths (prompt tokens forced one step at a time) and repeated prompts."""
+    sampling = {"temperature": 1.0, "max_new_tokens": 12}
+    bf16 = {**MODEL, "params_dtype": "bfloat16"}
+    for out in run_ranks(engine_worker, tp, bf16, tp, GROUPED, sampling):
+        assert out["cache_dtype"] == torch.float32
+        _assert_same_generation(out["completions"], out["megatron_decode"], tolerance=0.0)
+        mask = out["mask"].bool()
+        assert (out["recomputed"] - out["behavior"])[mask].abs().max() < 5e-2
 
 
 def test_engine_sharing_the_policy_weights_generates_what_a_copy_generates():

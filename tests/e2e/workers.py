@@ -49,8 +49,12 @@ def engine_worker(rank, world, model_dict: dict, tp: int, prompts, sampling_dict
     # the same generation with every row prefilled on its own (no shared prefill of repeated prompts)
     engine._prefill = engine._prefill_rows
     every_row = engine.generate(prompts, sampling, seed=11)
+    # megatron's own static-batching decode (keys cached before RoPE, all re-rotated every step)
+    megatron_decode = LocalEngine(model, layout, flash_decode=False)
+    megatron_decode.update_weights(models.policy, version=7)
     return {"completions": completions, "recomputed": stats["logprobs"], "behavior": behavior, "mask": mask,
-            "every_row": every_row}
+            "every_row": every_row, "megatron_decode": megatron_decode.generate(prompts, sampling, seed=11),
+            "cache_dtype": engine.cache_dtype}
 
 
 
