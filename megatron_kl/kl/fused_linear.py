@@ -24,7 +24,8 @@ recomputation, so the GEMMs are those of the unfused path (z, r, dL/dh, dL/dW).
 No gradient reaches the reference. Half-precision inputs: the logit, dL/dh and per-chunk dL/dW products run
 in the input dtype with the backend's float32 accumulation (dL/dz rounded to the input dtype first, as in
 megatron's own bf16 output layer); logits are upcast to float32 before any exp/log, and dL/dW sums the chunks
-in float32. Every chunk temporary lives in a reused workspace buffer. float64 inputs compute in float64. Chunks are processed in a fixed order, so results
+in float32. A 16-bit weight wrapped by megatron's DDP gets that float32 dL/dW added straight into its float32
+``main_grad`` (megatron's gradient-accumulation fusion; see :func:`weight_grad_for_autograd`). Every chunk temporary lives in a reused workspace buffer. float64 inputs compute in float64. Chunks are processed in a fixed order, so results
 are deterministic for a fixed chunk size.
 """
 
@@ -79,6 +80,7 @@ class _FusedLinearStats(torch.autograd.Function):
                                                            workspace=ws)
         ctx.save_for_backward(hidden, weight, reference_hidden, reference_weight, targets, norms)
         ctx.shard, ctx.temperature, ctx.chunk_size, ctx.dtype = shard, temperature, chunk_size, dtype
+        ctx.weight_param = weight  # the parameter object itself (a saved tensor loses its main_grad attribute)
         ctx.set_materialize_grads(False)  # an output nobody differentiates gets no backward work
         return out[0], out[1], out[2]
 
@@ -107,7 +109,7 @@ class _FusedLinearStats(torch.autograd.Function):
             )  # dL/dz for this chunk's raw logits [c, valid], compute dtype
             _accumulate(grad, hidden, weight, lo, hi, valid, grad_hidden, grad_weight, dtype, ws)
         if want_weight:
-            grad_weight = grad_weight.to(weight.dtype)
+            grad_weight = weight_grad_for_autograd(ctx.weight_param, grad_weight)
         return grad_hidden, grad_weight, None, None, None, None, None, None, None
 
 
@@ -192,7 +194,7 @@ class PrecomputedGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx, value, hidden, weight, grad_hidden, grad_weight):
         ctx.save_for_backward(grad_hidden, grad_weight)
-        ctx.weight_dtype = weight.dtype
+        ctx.weight_param = weight
         return value.detach().clone()
 
     @staticmethod
@@ -200,8 +202,22 @@ class PrecomputedGrad(torch.autograd.Function):
         grad_hidden, grad_weight = ctx.saved_tensors
         weight_grad = None
         if grad_weight is not None and ctx.needs_input_grad[2]:
-            weight_grad = (grad_weight * grad_output.to(grad_weight.dtype)).to(ctx.weight_dtype)
+            weight_grad = weight_grad_for_autograd(ctx.weight_param, grad_weight * grad_output.to(grad_weight.dtype))
         return None, grad_hidden * grad_output.to(grad_hidden.dtype), weight_grad, None, None
+
+
+def weight_grad_for_autograd(weight: torch.Tensor, grad_weight: torch.Tensor) -> Optional[torch.Tensor]:
+    """dL/dW (``grad_weight``, summed in float32) for autograd, in the weight's dtype - or, for a 16-bit weight
+    with megatron DDP's float32 ``main_grad`` buffer, added into that buffer here and None for autograd: what
+    megatron's gradient-accumulation fusion does in its linear layers. The buffer then receives the float32 sum
+    instead of its bf16 rounding, and no [V/tp, H] 16-bit copy or mixed-dtype accumulation is made (135M bf16:
+    ~0.1 s per step on 2 CPU cores). A tied embedding's own gradient still reaches the buffer through autograd
+    and DDP's hook. float32 weights take the autograd path (their sum is the same either way)."""
+    main_grad = getattr(weight, "main_grad", None)
+    if weight.dtype in (torch.bfloat16, torch.float16) and main_grad is not None and main_grad.dtype == grad_weight.dtype:
+        main_grad.add_(grad_weight)
+        return None
+    return grad_weight.to(weight.dtype)
 
 
 def _project(hidden, weight, valid: int, dtype, workspace: Workspace, name: str) -> torch.Tensor:
