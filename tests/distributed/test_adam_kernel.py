@@ -48,3 +48,35 @@ def test_auto_kernel_is_fused_for_16_bit_models_on_the_cpu():
 def test_unknown_kernel_is_a_config_error():
     with pytest.raises(ConfigError, match="optim.adam_kernel"):
         OptimConfig(adam_kernel="apex")
+
+
+class _Wrapped:  # the shape of a megatron optimizer around a torch one
+    def __init__(self, inner):
+        self.optimizer = inner
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_adam_state_created_up_front_equals_torchs_lazy_state(fused, amsgrad):
+    from megatron_kl.models.optim import initialize_adam_state
+
+    def build():
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(5, 3)), torch.nn.Parameter(torch.randn(4))]
+        return params, torch.optim.AdamW(params, lr=0.1, weight_decay=0.1, amsgrad=amsgrad, fused=fused)
+
+    (lazy_params, lazy), (early_params, early) = build(), build()
+    initialize_adam_state(_Wrapped(early))
+    assert all(len(early.state[p]) == (4 if amsgrad else 3) for p in early_params) and not lazy.state
+    for step in range(2):
+        for a, b in zip(lazy_params, early_params):
+            a.grad = b.grad = torch.randn(a.shape, generator=torch.Generator().manual_seed(step))
+        lazy.step()
+        early.step()
+    for a, b in zip(lazy_params, early_params):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
+        assert lazy.state[a].keys() == early.state[b].keys()
+        for key, value in lazy.state[a].items():
+            other = early.state[b][key]
+            assert (other.dtype, other.device, other.shape) == (value.dtype, value.device, value.shape), key
+            torch.testing.assert_close(other, value, rtol=0, atol=0)
