@@ -205,15 +205,16 @@ class LocalEngine:
         return context, self._forward(prefix, 0, context)
 
     def _cache_dtype(self, flash_decode: bool) -> Optional[torch.dtype]:
-        """float32 KV cache for a 16-bit model whose flash decoding runs on models/flash_decode.py's kernels
-        (they attend in float32 on the CPU: the cache is then read without a cast per step); None: megatron's
-        own (the model's dtype)."""
+        """float32 KV cache for a 16-bit model whose flash decoding runs on models/flash_decode.py's kernels and
+        whose prefill attention is SDPAttention (both attend in float32 on the CPU: the cache is then read without
+        a cast per step); None: megatron's own (the model's dtype)."""
         from megatron_kl.models import flash_decode as kernels
-        from megatron_kl.models.attention import compute_dtype
+        from megatron_kl.models.attention import SDPAttention, compute_dtype
 
         dtype = self.model.config.params_dtype
         device = next(self.model.parameters()).device
-        if flash_decode and kernels.uses_cpu_kernels() and compute_dtype(dtype, device) != dtype:
+        sdpa = all(isinstance(layer.self_attention.core_attention, SDPAttention) for layer in self.model.decoder.layers)
+        if flash_decode and sdpa and kernels.uses_cpu_kernels() and compute_dtype(dtype, device) != dtype:
             return compute_dtype(dtype, device)
         return None
 
