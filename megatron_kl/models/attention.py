@@ -53,15 +53,15 @@ class SDPAttention(DotProductAttention):
         return context.to(query.dtype).permute(2, 0, 1, 3).reshape(sq, batch, self.hidden_size_per_partition)
 
 
-def compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+def attention_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """The dtype attention is computed in: float32 for 16-bit inputs on the CPU (module docstring), else ``dtype``."""
     return torch.float32 if device.type == "cpu" and dtype in (torch.bfloat16, torch.float16) else dtype
 
 
 def attend(q, k, v, scale: float, is_causal: bool = False, mask=None):
     """softmax(scale q k^T + mask) v for q [b, heads, sq, d], k/v [b, groups, sk, d] (grouped-query attention
-    without repeating the keys), computed in :func:`compute_dtype`; the result is in that dtype."""
-    dtype = compute_dtype(q.dtype, q.device)
+    without repeating the keys), computed in :func:`attention_dtype`; the result is in that dtype."""
+    dtype = attention_dtype(q.dtype, q.device)
     q, k, v = (t.to(dtype) for t in (q, k, v))
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale,
                                           enable_gqa=q.size(1) != k.size(1))

@@ -209,14 +209,12 @@ class LocalEngine:
         whose prefill attention is SDPAttention (both attend in float32 on the CPU: the cache is then read without
         a cast per step); None: megatron's own (the model's dtype)."""
         from megatron_kl.models import flash_decode as kernels
-        from megatron_kl.models.attention import SDPAttention, compute_dtype
+        from megatron_kl.models.attention import SDPAttention, attention_dtype
 
         dtype = self.model.config.params_dtype
-        device = next(self.model.parameters()).device
+        cache = attention_dtype(dtype, next(self.model.parameters()).device)
         sdpa = all(isinstance(layer.self_attention.core_attention, SDPAttention) for layer in self.model.decoder.layers)
-        if flash_decode and sdpa and kernels.uses_cpu_kernels() and compute_dtype(dtype, device) != dtype:
-            return compute_dtype(dtype, device)
-        return None
+        return cache if flash_decode and sdpa and kernels.uses_cpu_kernels() and cache != dtype else None
 
     def _generate_batch(self, prompts, sampling: SamplingConfig, generator) -> list[Completion]:
         lengths = [len(p) for p in prompts]
