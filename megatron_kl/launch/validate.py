@@ -90,10 +90,10 @@ def plan_checks(gpus: int, run_dir: Path, hf_checkpoint: Optional[str] = None) -
 
 def train_command(gpus: int, run_dir: Path, hf_checkpoint: Optional[str]) -> list[str]:
     """3 steps at TP=2 with SGLang rollouts and NCCL (gloo on CPU) weight sync from the trainer's ranks."""
-    from megatron_kl.rollout.weight_sync import free_port
+    from megatron_kl.rollout.servers import server_port
 
     overrides = [f"train.output_dir={run_dir}", f"train.steps={TRAIN_STEPS}", "parallel.tensor_parallel=2",
-                 f"rollout.sglang.port={free_port()}",
+                 f"rollout.sglang.port={server_port()}",
                  "rollout.engine=sglang", "rollout.sglang.weight_sync=from_distributed",
                  "rollout.sglang.colocated=false", "rollout.sglang.enable_memory_saver=false",
                  "checkpoint.interval=0", "eval.interval=0", "logging.progress=false", "logging.tensorboard=false",
@@ -106,7 +106,7 @@ def train_command(gpus: int, run_dir: Path, hf_checkpoint: Optional[str]) -> lis
         if hf_checkpoint:
             overrides += [f"init.hf_checkpoint={hf_checkpoint}"]
     return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(TRAIN_RANKS), "--master-port",
-            str(free_port()),
+            str(server_port()),
             "-m", "megatron_kl.cli", "train", "--config", DEFAULT_CONFIG, *overrides]
 
 

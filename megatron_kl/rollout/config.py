@@ -27,7 +27,7 @@ class SGLangConfig:
     urls: list[str] = field(default_factory=list)  # empty: launch managed servers
     model_path: Optional[str] = None  # HF directory the servers start from; default init.hf_checkpoint
     host: str = "127.0.0.1"
-    port: int = 30000  # first managed server's port; the others count up
+    port: int = 30000  # first managed server's port; the others count up, skipping ports in use
     num_servers: int = 1
     tp_size: int = 1
     dp_size: int = 1

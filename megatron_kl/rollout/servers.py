@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import signal
+import socket
 import subprocess
 from pathlib import Path
+from typing import Callable
 
 from megatron_kl.rollout.http import ServerUnavailable, wait_healthy
 
@@ -25,6 +28,64 @@ TRAINER_WORLD_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "G
 
 def server_environment(environ) -> dict:
     return {k: v for k, v in environ.items() if k not in TRAINER_WORLD_VARS and not k.startswith("TORCHELASTIC_")}
+
+
+def port_available(host: str, port: int) -> bool:
+    """Whether a server could listen on ``host:port`` now (a test bind, without SO_REUSEADDR)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def available_port(host: str, first: int, tries: int = 100) -> int:
+    """The first port from ``first`` on that a server could listen on at ``host``."""
+    for port in range(first, min(first + tries, 65536)):
+        if port_available(host, port):
+            return port
+    raise ServerUnavailable(f"no free port in {first}..{first + tries - 1} on {host}: every one is in use")
+
+
+def ephemeral_port_range() -> tuple[int, int]:
+    """The range the OS draws bind(0) and outgoing connections' ports from (Linux's default where unreadable)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def server_port(host: str = "127.0.0.1") -> int:
+    """A port for a server that will listen on it later: free now, and below the ephemeral range. A port found
+    free by bind(0) lies inside that range, where every outgoing connection (gloo's, torchrun's store clients')
+    may take it before the server binds."""
+    low = max(1024, min(ephemeral_port_range()[0], 65536) - 12000)
+    high = max(low + 100, ephemeral_port_range()[0] - 100)
+    return available_port(host, random.randrange(low, high))
+
+
+def start_on_free_port(name: str, command: Callable[[int], list[str]], host: str, first_port: int, log_dir,
+                       startup_timeout_s: float, attempts: int = 3, env: dict | None = None) -> "ManagedServer":
+    """Start a managed server on the first free port from ``first_port`` (the next ones where it is taken). A port
+    taken between the check and the server's bind fails the start with the port held by another socket: then the
+    next free port is tried (``attempts`` in all); a start that fails with its port free is a real failure."""
+    port = first_port
+    for attempt in range(attempts):
+        port = available_port(host, port)
+        if port != first_port:
+            log.warning("server %s: port %d is in use, listening on %d instead", name, first_port, port)
+        server = ManagedServer(name, command(port), f"http://{host}:{port}", log_dir, startup_timeout_s, env)
+        try:
+            server.start()
+            return server
+        except ServerUnavailable:
+            if attempt + 1 == attempts or port_available(host, port):
+                raise
+            log.warning("server %s: port %d was taken while the server started: trying the next one", name, port)
+            port += 1
+    raise AssertionError("unreachable")
 
 
 class ManagedServer:

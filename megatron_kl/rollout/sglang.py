@@ -38,7 +38,7 @@ import requests.adapters
 from megatron_kl.rollout.config import SGLangConfig
 from megatron_kl.rollout.engine import FINISH_REASONS, Completion, SamplingConfig, check_completion
 from megatron_kl.rollout.http import CorruptResponse, RetryPolicy, ServerError, ServerUnavailable, call, wait_healthy
-from megatron_kl.rollout.servers import ManagedServer
+from megatron_kl.rollout.servers import ManagedServer, start_on_free_port
 
 log = logging.getLogger(__name__)
 
@@ -158,14 +158,14 @@ class SGLangEngine:
                 raise ValueError("rollout.sglang: managed servers need a model path (rollout.sglang.model_path, "
                                  "init.hf_checkpoint, or the trainer's initial export)")
             self.urls, self.servers = [], []
+            next_port = cfg.port
             for index in range(cfg.num_servers):
-                port = cfg.port + index
-                url = f"http://{cfg.host}:{port}"
-                server = ManagedServer(f"sglang-{index}", server_command(cfg, model_path, port, seed, self.api_key),
-                                       url, log_dir, cfg.startup_timeout_s)
-                server.start()
-                self.urls.append(url)
+                server = start_on_free_port(
+                    f"sglang-{index}", lambda port: server_command(cfg, model_path, port, seed, self.api_key),
+                    cfg.host, next_port, log_dir, cfg.startup_timeout_s)
+                self.urls.append(server.url)
                 self.servers.append(server)
+                next_port = int(server.url.rsplit(":", 1)[1]) + 1
         self._sessions = [self._session(cfg.max_concurrency, self.api_key) for _ in self.urls]
 
     @staticmethod

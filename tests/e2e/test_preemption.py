@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from megatron_kl.launch.config import stop_signal_env
-from megatron_kl.rollout.weight_sync import free_port
+from megatron_kl.rollout.servers import server_port
 from megatron_kl.train.checkpoint import complete_checkpoints
 from megatron_kl.train.metrics import read_metrics
 from megatron_kl.train.preemption import REQUEUE_EXIT_CODE
@@ -37,7 +37,7 @@ class Torchrun:
         with open(log, "w") as out:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
-                 str(free_port()), "-m", "megatron_kl.cli", "train", "--config", str(DEFAULT), *COMMON, *overrides],
+                 str(server_port()), "-m", "megatron_kl.cli", "train", "--config", str(DEFAULT), *COMMON, *overrides],
                 cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
 
     def wait(self, timeout: float = 600) -> tuple[int, str]:
@@ -91,7 +91,7 @@ def test_rollout_server_dying_mid_run_checkpoints_and_resumes(tmp_path, warm_cac
                  "rollout.sglang.restart_dead_servers=false", "rollout.sglang.max_retries=1",
                  "rollout.sglang.backoff_s=0.05")
     faults = f"rollout.sglang.extra_args=[--fault-exit-at, '90', --fault-marker, '{marker}']"
-    code, output = Torchrun(tmp_path / "first.log", 2, *overrides, f"rollout.sglang.port={free_port()}",
+    code, output = Torchrun(tmp_path / "first.log", 2, *overrides, f"rollout.sglang.port={server_port()}",
                             faults).wait()
     assert marker.is_file(), output[-3000:]
     assert code != 0 and "rollout engine lost" in output, output[-3000:]
@@ -99,4 +99,4 @@ def test_rollout_server_dying_mid_run_checkpoints_and_resumes(tmp_path, warm_cac
     assert 1 <= stopped_at < steps, output[-3000:]
     assert [p.name for p in complete_checkpoints(run / "checkpoints")] == [f"step_{stopped_at:06d}"]
     # the same command again (the fault marker keeps the server alive this time)
-    _resume_and_check(tmp_path, run, steps, stopped_at, *overrides, f"rollout.sglang.port={free_port()}", faults)
+    _resume_and_check(tmp_path, run, steps, stopped_at, *overrides, f"rollout.sglang.port={server_port()}", faults)

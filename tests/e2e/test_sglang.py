@@ -14,7 +14,8 @@ from megatron_kl.rollout.config import SGLangConfig
 from megatron_kl.rollout.engine import SamplingConfig
 from megatron_kl.rollout.http import ServerUnavailable
 from megatron_kl.rollout.sglang import ResponseError, SGLangEngine
-from megatron_kl.rollout.weight_sync import FromDisk, FromDistributed, FromTensor, free_port
+from megatron_kl.rollout.servers import server_port
+from megatron_kl.rollout.weight_sync import FromDisk, FromDistributed, FromTensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
 from hf_workers import make_hf_model  # noqa: E402
@@ -38,8 +39,8 @@ def models(tmp_path_factory):
 
 
 def _engine(tmp_path, model_dir, *faults, port=None, sync="from_disk", **cfg):
-    config = SGLangConfig(port=port or free_port(), weight_sync=sync, sync_dir=str(tmp_path / "sync"),
-                          server_module=TEST_SERVER,
+    cfg.setdefault("server_module", TEST_SERVER)
+    config = SGLangConfig(port=port or server_port(), weight_sync=sync, sync_dir=str(tmp_path / "sync"),
                           extra_args=list(faults), startup_timeout_s=120, backoff_s=0.05, **cfg)
     weight_sync = {"from_disk": lambda: FromDisk(config, _model(model_dir)), "from_tensor": lambda: FromTensor(config),
                    "from_distributed": lambda: FromDistributed(config, backend="gloo")}[sync]()
@@ -56,7 +57,7 @@ def _model(model_dir):
 def clean(models, tmp_path_factory):
     """One fault-free server on model a, synced to version 1 = model a (from disk)."""
     tmp = tmp_path_factory.mktemp("clean")
-    engine = _engine(tmp, models["a"], port=free_port())
+    engine = _engine(tmp, models["a"], port=server_port())
     engine.update_weights(_hf_tensors(models["a"]), 1)
     yield engine
     engine.shutdown()
@@ -106,7 +107,7 @@ def test_weight_sync_strategies_load_the_pushed_weights(tmp_path, models, clean,
     clean.update_weights(_hf_tensors(models["a"]), 3)
     want_a = clean.generate(PROMPTS, SAMPLING, seed=11)
     assert [c.response_ids for c in want_a] != [c.response_ids for c in want_b]
-    engine = _engine(tmp_path, models["a"], port=free_port(), sync=sync)
+    engine = _engine(tmp_path, models["a"], port=server_port(), sync=sync)
     try:
         engine.update_weights(_hf_tensors(models["b"]), 7)
         got = engine.generate(PROMPTS, SAMPLING, seed=11)
@@ -122,7 +123,7 @@ def test_5xx_timeouts_and_dropped_connections_are_retried_without_loss(tmp_path,
     clean.update_weights(_hf_tensors(models["a"]), 4)
     want = clean.generate(PROMPTS, SAMPLING, seed=21)
     engine = _engine(tmp_path, models["a"], "--fault-500-every", "3", "--fault-drop-every", "5",
-                     "--fault-delay-every", "7", "--fault-delay-s", "3", port=free_port(), request_timeout_s=1.5,
+                     "--fault-delay-every", "7", "--fault-delay-s", "3", port=server_port(), request_timeout_s=1.5,
                      max_concurrency=4, max_retries=10)
     try:
         engine.update_weights(_hf_tensors(models["a"]), 4)
@@ -137,7 +138,7 @@ def test_killed_server_is_restarted_resynced_and_requests_reissued(tmp_path, mod
     clean.update_weights(_hf_tensors(models["b"]), 5)
     want = clean.generate(PROMPTS, SAMPLING, seed=31)
     engine = _engine(tmp_path, models["a"], "--fault-exit-at", "4", "--fault-marker", str(tmp_path / "died"),
-                     port=free_port(), max_retries=1, max_concurrency=2)
+                     port=server_port(), max_retries=1, max_concurrency=2)
     try:
         engine.update_weights(_hf_tensors(models["b"]), 5)  # the restarted server must get b back, not a
         got = engine.generate(PROMPTS, SAMPLING, seed=31)
@@ -174,7 +175,7 @@ def test_colocated_release_and_resume_around_generation_and_updates(tmp_path, mo
 
 
 def test_malformed_response_is_an_error_naming_the_field(tmp_path, models):
-    engine = _engine(tmp_path, models["a"], "--fault-bad-every", "2", port=free_port())
+    engine = _engine(tmp_path, models["a"], "--fault-bad-every", "2", port=server_port())
     try:
         engine.update_weights(_hf_tensors(models["a"]), 1)
         with pytest.raises(ResponseError, match="meta_info.output_token_logprobs"):
@@ -213,7 +214,7 @@ def test_training_on_sglang_servers_matches_the_trainers_logprobs(tmp_path, warm
     from tests.e2e.workers import train_worker
 
     cfg = short_config(tmp_path / "run", warm_cache, "rollout.engine=sglang", f"rollout.sglang.weight_sync={sync}",
-                       f"rollout.sglang.server_module={TEST_SERVER}", f"rollout.sglang.port={free_port()}",
+                       f"rollout.sglang.server_module={TEST_SERVER}", f"rollout.sglang.port={server_port()}",
                        f"parallel.tensor_parallel={tp}", "eval.interval=2")
     metrics = run_ranks(train_worker, tp, cfg, timeout_s=600)[0]["metrics"]
     steps = [m for m in metrics if "mismatch/abs_logprob_max" in m]
@@ -235,7 +236,7 @@ def test_async_rollouts_on_sglang_servers_at_tp2(tmp_path, warm_cache):
     from tests.e2e.workers import train_worker
 
     cfg = short_config(tmp_path / "run", warm_cache, "rollout.engine=sglang", "rollout.sglang.weight_sync=from_disk",
-                       f"rollout.sglang.server_module={TEST_SERVER}", f"rollout.sglang.port={free_port()}",
+                       f"rollout.sglang.server_module={TEST_SERVER}", f"rollout.sglang.port={server_port()}",
                        "parallel.tensor_parallel=2", "train.staleness=1", "train.steps=4",
                        "kl.estimator=k3", "kl.placement=loss", "kl.off_policy=token_is")
     metrics = run_ranks(train_worker, 2, cfg, timeout_s=600)[0]["metrics"]
@@ -265,7 +266,7 @@ def test_real_sglang_server_generates_and_syncs(tmp_path, models, sync):
     pytest.importorskip("sglang")
     if not torch.cuda.is_available():
         pytest.skip("real SGLang needs a GPU")
-    config = SGLangConfig(port=free_port(), weight_sync=sync, sync_dir=str(tmp_path / "sync"),
+    config = SGLangConfig(port=server_port(), weight_sync=sync, sync_dir=str(tmp_path / "sync"),
                           mem_fraction_static=0.3, startup_timeout_s=600)
     weight_sync = {"from_disk": lambda: FromDisk(config, _model(models["a"])),
                    "from_tensor": lambda: FromTensor(config),
@@ -286,7 +287,7 @@ def test_corrupt_values_are_retried_like_a_5xx_without_loss(tmp_path, models, cl
 
     clean.update_weights(_hf_tensors(models["a"]), 5)
     want = clean.generate(PROMPTS, SAMPLING, seed=22)
-    engine = _engine(tmp_path, models["a"], "--fault-corrupt-every", "2", port=free_port(), max_concurrency=1,
+    engine = _engine(tmp_path, models["a"], "--fault-corrupt-every", "2", port=server_port(), max_concurrency=1,
                      max_retries=3)
     engine.vocab_size = _model(models["a"]).vocab_size
     try:
@@ -306,7 +307,7 @@ def test_server_dying_during_a_weight_update_is_restarted_and_updated(tmp_path, 
     clean.update_weights(_hf_tensors(models["b"]), 7)
     want = clean.generate(PROMPTS, SAMPLING, seed=51)
     engine = _engine(tmp_path, models["a"], "--fault-exit-on-update", "2", "--fault-marker", str(tmp_path / "died"),
-                     port=free_port(), sync=sync, max_retries=1)
+                     port=server_port(), sync=sync, max_retries=1)
     try:
         engine.update_weights(_hf_tensors(models["a"]), 1)
         committed = engine.sync.committed
@@ -323,7 +324,7 @@ def test_server_dying_during_a_weight_update_is_restarted_and_updated(tmp_path, 
 def test_weight_sync_retention_touches_only_the_runs_own_versions(tmp_path, models):
     user_dir = tmp_path / "sync" / "version_000001_user_notes"
     user_dir.mkdir(parents=True)
-    engine = _engine(tmp_path, models["a"], port=free_port())
+    engine = _engine(tmp_path, models["a"], port=server_port())
     try:
         for version in (1, 2, 3):
             engine.update_weights(_hf_tensors(models["a"]), version)
@@ -339,7 +340,7 @@ def test_managed_servers_get_a_per_engine_api_key(tmp_path, models, monkeypatch)
     import requests
 
     monkeypatch.delenv("MEGATRON_KL_SGLANG_API_KEY", raising=False)
-    engine = _engine(tmp_path, models["a"], port=free_port())
+    engine = _engine(tmp_path, models["a"], port=server_port())
     try:
         assert engine.api_key and len(engine.api_key) == 32
         assert "--api-key" in engine.servers[0].command
@@ -361,7 +362,7 @@ def test_given_urls_are_waited_for_until_healthy(tmp_path, models):
 
     import requests
 
-    port = free_port()
+    port = server_port()
     url = f"http://127.0.0.1:{port}"
     start = time.monotonic()
     with pytest.raises(ServerUnavailable, match=rf"{url} did not answer GET /health .*startup_timeout_s=1s"):
@@ -386,3 +387,55 @@ def test_given_urls_are_waited_for_until_healthy(tmp_path, models):
         late.join()
         started["proc"].kill()
         started["proc"].wait()
+
+
+def test_managed_servers_skip_ports_in_use_and_a_port_taken_while_starting(tmp_path, models, monkeypatch):
+    """rollout.sglang.port is where managed servers start counting: a port already in use is skipped, and a port
+    another socket takes between the check and the server's bind (injected: the check is told it is free) fails
+    that start only - the next free port is tried. The engine's URLs are where the servers really listen."""
+    import socket
+
+    import requests
+
+    from megatron_kl.rollout import servers
+
+    first = server_port()
+    with socket.socket() as holder:  # someone else listens on the configured port
+        holder.bind(("127.0.0.1", first))
+        holder.listen()
+        engine = _engine(tmp_path / "skip", models["a"], port=first, num_servers=2)
+        try:
+            ports = [int(url.rsplit(":", 1)[1]) for url in engine.urls]
+            assert ports[0] > first and ports[1] > ports[0]
+            assert all(requests.get(url + "/health", timeout=10).status_code == 200 for url in engine.urls)
+        finally:
+            engine.shutdown()
+
+        truthful = servers.port_available
+        lied = []
+
+        def racy(host, port):  # the held port looks free once: the race of a check before a bind
+            if port == first and not lied:
+                lied.append(port)
+                return True
+            return truthful(host, port)
+
+        monkeypatch.setattr(servers, "port_available", racy)
+        engine = _engine(tmp_path / "race", models["a"], port=first)
+        try:
+            assert lied == [first]
+            log = (tmp_path / "race" / "logs" / "sglang-0.log").read_text()
+            assert log.count("==== start") == 2 and "Address already in use" in log
+            assert int(engine.urls[0].rsplit(":", 1)[1]) > first
+            engine.update_weights(_hf_tensors(models["a"]), 1)
+            assert len(engine.generate(PROMPTS[:2], SAMPLING, seed=1)) == 2
+        finally:
+            engine.shutdown()
+
+
+def test_a_managed_server_that_fails_on_a_free_port_is_not_retried(tmp_path, models):
+    """A start that fails while its port stays free is the server's own failure (here: a module that does not
+    exist): one attempt, and the error carries the server's log tail."""
+    with pytest.raises(ServerUnavailable, match=r"(?s)did not start.*No module named"):
+        _engine(tmp_path, models["a"], server_module="megatron_kl.testing.no_such_server")
+    assert (tmp_path / "logs" / "sglang-0.log").read_text().count("==== start") == 1

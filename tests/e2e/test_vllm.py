@@ -119,17 +119,15 @@ def _start_vllm_server(model_dir: Path, log_dir: Path, *extra: str):
     dev mode on for the /collective_rpc reload route; returns the started ManagedServer."""
     import sys
 
-    from megatron_kl.rollout.servers import ManagedServer
-    from megatron_kl.rollout.weight_sync import free_port
+    from megatron_kl.rollout.servers import server_port, start_on_free_port
 
-    port = free_port()
-    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--host",
-               "127.0.0.1", "--port", str(port), "--dtype", "float32", "--skip-tokenizer-init", "--seed", "0",
-               "--logprobs-mode", "processed_logprobs", *extra]
-    server = ManagedServer("vllm", command, f"http://127.0.0.1:{port}", log_dir, startup_timeout_s=300,
-                           env={"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"})
-    server.start()
-    return server
+    def command(port: int) -> list[str]:
+        return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--host",
+                "127.0.0.1", "--port", str(port), "--dtype", "float32", "--skip-tokenizer-init", "--seed", "0",
+                "--logprobs-mode", "processed_logprobs", *extra]
+
+    return start_on_free_port("vllm", command, "127.0.0.1", server_port(), log_dir, startup_timeout_s=300,
+                              env={"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"})
 
 
 @pytest.fixture(scope="module")
