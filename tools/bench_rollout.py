@@ -100,9 +100,10 @@ def worker_sglang_test(args) -> dict:
     from megatron_kl.models.hf import HFCheckpoint
     from megatron_kl.rollout.config import SGLangConfig
     from megatron_kl.rollout.sglang import SGLangEngine
-    from megatron_kl.rollout.weight_sync import FromDisk, FromTensor, free_port
+    from megatron_kl.rollout.servers import server_port
+    from megatron_kl.rollout.weight_sync import FromDisk, FromTensor
 
-    cfg = SGLangConfig(port=free_port(), sync_dir=str(Path(args.work) / "sync"),
+    cfg = SGLangConfig(port=server_port(), sync_dir=str(Path(args.work) / "sync"),
                        server_module="megatron_kl.testing.sglang_server", max_concurrency=16)
     engine = SGLangEngine(cfg, FromDisk(cfg, HFCheckpoint(args.model_dir).model_config()), args.model_dir,
                           log_dir=Path(args.work) / "logs")

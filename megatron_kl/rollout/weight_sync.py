@@ -22,7 +22,6 @@ from __future__ import annotations
 import base64
 import io
 import shutil
-import socket
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
@@ -31,6 +30,7 @@ from typing import Iterable, Iterator
 import torch
 
 from megatron_kl.rollout.config import SGLangConfig
+from megatron_kl.rollout.servers import server_port
 
 Named = tuple[str, torch.Tensor]
 
@@ -82,12 +82,6 @@ def deserialize_tensors(text: str) -> list[Named]:
     import torch.multiprocessing  # noqa: F401  (registers the tensor reducers)
 
     return pickle.loads(base64.b64decode(text))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 def new_external_group(backend: str, address: str, port: int, world_size: int, rank: int, name: str,
@@ -228,7 +222,7 @@ class FromDistributed(_Buffered):
         """One group per server: trainer rank 0 plus the server's tp_size x dp_size ranks."""
         if index not in self.groups:
             world = 1 + self.cfg.tp_size * self.cfg.dp_size
-            port = free_port()
+            port = server_port()  # the store's master binds it on every interface
             payload = {"master_address": self.master_address, "master_port": port, "rank_offset": 1,
                        "world_size": world, "group_name": self.group_name, "backend": self.backend}
             with ThreadPoolExecutor(1) as pool:  # the server joins while we create the store's master
