@@ -16,6 +16,14 @@ flash-attn is absent (the CPU), :func:`install` provides them:
                          (n = cache_seqlens, the same for every row in static batching), write k and v into the
                          cache at n, attend q to cache positions < n + s_new (causal: query i to <= n + i)
 
+Rows of different prompt lengths (:func:`ragged_rows`, set by the embedded engine around its decode steps): megatron's
+static cache keeps one position for every row (the frame). The engine prefills row i's prompt at frame slots
+[0, len_i) and starts every row's decoding at frame slot L = max len: row i's frame slot p >= L holds its true
+position p - (L - len_i), and its slots [len_i, L) are a gap. The kernel then rotates each row's new query and key
+at its true position and masks the gap out of the attention - each row computes exactly what it computes alone;
+megatron's own scheme (prefill the shortest prompt, then one forward per position, forcing the longer prompts'
+tokens) costs max len - min len extra forwards per batch.
+
 Attention is computed as :func:`megatron_kl.models.attention.attend` computes it (float32 for 16-bit inputs on
 the CPU). The embedded engine may hand megatron a float32 KV cache for 16-bit models (megatron uses a cache that
 is already in the inference context): the bf16 keys and values are stored exactly and attention reads them
@@ -24,6 +32,8 @@ without a per-step cast.
 
 from __future__ import annotations
 
+import threading
+from contextlib import contextmanager
 from typing import Optional
 
 import torch
@@ -37,15 +47,17 @@ def _unset(value) -> bool:
 
 def rotate_with_cos_sin(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False,
                         inplace: bool = False, seqlen_offsets=0, cu_seqlens=None, max_seqlen=None) -> torch.Tensor:
-    """RoPE on ``x [b, s, h, d]`` with ``cos``/``sin [s, r/2]`` (r <= d rotated features), in x's dtype (a new
-    tensor; packed sequences and position offsets are not implemented)."""
+    """RoPE on ``x [b, s, h, d]`` with ``cos``/``sin [s, r/2]`` or per row ``[b, s, r/2]`` (r <= d rotated
+    features), in x's dtype (a new tensor; packed sequences and position offsets are not implemented)."""
     from megatron.core.models.common.embeddings.rope_utils import _rotate_half
 
     if not (_unset(seqlen_offsets) and _unset(cu_seqlens)):
         raise NotImplementedError("rotate_with_cos_sin: seqlen_offsets / cu_seqlens are not implemented")
     rotated = 2 * cos.shape[-1]
     repeat = (lambda t: t.repeat_interleave(2, dim=-1)) if interleaved else (lambda t: torch.cat((t, t), dim=-1))
-    cos_, sin_ = (repeat(t.to(x.dtype))[None, :, None, :] for t in (cos, sin))  # [1, s, 1, r]
+    # cos/sin [s, r/2] (every row) or [b, s, r/2] (per row) -> [1 or b, s, 1, r]
+    cos_, sin_ = (repeat(t.to(x.dtype)).unsqueeze(-2) for t in (cos, sin))
+    cos_, sin_ = (t if t.dim() == 4 else t[None] for t in (cos_, sin_))
     x_rot, x_pass = x[..., :rotated], x[..., rotated:]
     return torch.cat(((x_rot * cos_) + (_rotate_half(x_rot, interleaved) * sin_), x_pass), dim=-1)
 
@@ -70,15 +82,21 @@ def attention_with_kv_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
             raise NotImplementedError("attention_with_kv_cache: rows at different cache lengths (static batching "
                                       "keeps one length for every row)")
     end = start + (new if k is not None else 0)
+    gaps = _gaps_at(batch, start)
     if rotary_cos is not None:
-        if k is not None:
-            k = rotate_with_cos_sin(k, rotary_cos[start:end], rotary_sin[start:end], rotary_interleaved)
+        frame = torch.arange(start, end)  # the new keys' frame slots
         # flash-attn: causal queries sit at n, n+1, ...; otherwise every query at position n
-        rows = slice(start, start + new) if causal else slice(start, start + 1)
-        cos, sin = rotary_cos[rows], rotary_sin[rows]
-        if not causal and new > 1:
-            cos, sin = cos.expand(new, -1), sin.expand(new, -1)
-        q = rotate_with_cos_sin(q, cos, sin, rotary_interleaved)
+        queries = torch.arange(start, start + new) if causal else torch.full((new,), start)
+        if gaps is None:
+            rotation = {"k": (rotary_cos[start:end], rotary_sin[start:end]),
+                        "q": (rotary_cos[queries], rotary_sin[queries])}
+        else:  # each row at its true position: frame slot - its gap
+            gap = gaps[0][:, None]
+            rotation = {"k": (rotary_cos[frame[None] - gap], rotary_sin[frame[None] - gap]),
+                        "q": (rotary_cos[queries[None] - gap], rotary_sin[queries[None] - gap])}
+        if k is not None:
+            k = rotate_with_cos_sin(k, *rotation["k"], rotary_interleaved)
+        q = rotate_with_cos_sin(q, *rotation["q"], rotary_interleaved)
     if k is not None:
         k_cache[:, start:end] = k
         v_cache[:, start:end] = v
@@ -86,9 +104,43 @@ def attention_with_kv_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     mask = None
     if causal and new > 1:  # query i (position start + i) sees keys j <= start + i
         mask = torch.arange(end, device=q.device)[None, :] <= start + torch.arange(new, device=q.device)[:, None]
+    if gaps is not None:  # row b skips its gap, frame slots [frame_start - gap_b, frame_start)
+        slot = torch.arange(end, device=q.device)[None, :]
+        gap, frame_start = gaps[0].to(q.device)[:, None], gaps[1]
+        outside = ((slot < frame_start - gap) | (slot >= frame_start))[:, None, None, :]  # [b, 1, 1, end]
+        mask = outside if mask is None else outside & mask
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     out = attend(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), scale, mask=mask)
     return out.transpose(1, 2).to(q.dtype)
+
+
+_ragged = threading.local()  # the calling thread's row gaps (the engine decodes in its own thread)
+
+
+@contextmanager
+def ragged_rows(prompt_lengths: torch.Tensor, frame_start: int):
+    """Within: decode steps (cache positions >= ``frame_start``) of a batch whose row b's prompt filled frame slots
+    [0, prompt_lengths[b]) and whose decoding started for every row at ``frame_start`` (module docstring). The gap
+    slots must hold finite values (masked scores still multiply the values: NaN * 0 is NaN)."""
+    gaps = frame_start - prompt_lengths.to(torch.long)
+    if bool((gaps < 0).any()):
+        raise ValueError(f"ragged_rows: a prompt is longer than the frame start {frame_start}")
+    previous = getattr(_ragged, "gaps", None)
+    _ragged.gaps = (gaps, frame_start) if bool(gaps.any()) else None
+    try:
+        yield
+    finally:
+        _ragged.gaps = previous
+
+
+def _gaps_at(batch: int, start: int):
+    """(gaps [b], frame_start) of :func:`ragged_rows` for a call at cache position ``start``, or None."""
+    gaps = getattr(_ragged, "gaps", None)
+    if gaps is None or start < gaps[1]:
+        return None
+    if gaps[0].shape[0] != batch:
+        raise ValueError(f"ragged_rows holds {gaps[0].shape[0]} rows, the attention call has {batch}")
+    return gaps
 
 
 def install() -> None:

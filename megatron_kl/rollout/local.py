@@ -6,9 +6,13 @@ group, so generation can run in a background thread while the trainer trains (as
 the two interleaving collectives on one group. Logits are gathered over TP (``runtime_gather_output``)
 and every TP rank draws the same tokens from identically seeded generators.
 
-KV cache: megatron-core's ``StaticInferenceContext``. Prompts of different lengths share one buffer,
-right-padded; the prefill covers the shortest prompt and each decode step feeds one position, forcing
-prompt tokens for rows whose prompt is longer (Megatron's static text-generation scheme). The prefill runs once
+KV cache: megatron-core's ``StaticInferenceContext``. Prompts of different lengths share one buffer. Megatron's
+static text-generation scheme prefills the shortest prompt and then feeds one position per forward, forcing prompt
+tokens for rows whose prompt is longer: max - min prompt length extra forwards of the whole batch. With the
+flash-decoding kernels of models/flash_decode.py the engine instead prefills every prompt whole (one forward per
+distinct length) and decodes every row from the first step, row i at its own position (``ragged_rows``): the
+same tokens and log-probs as each prompt alone (tested); 135M bf16, 32 rows, prompts of 20-120 tokens, 32 new
+tokens: 7.3 -> 2.5 s. It takes whichever needs fewer forwards (distinct lengths - 1 vs max - min). The prefill runs once
 per distinct prefix and its cache is copied to the rows that share it (a GRPO group's samples; SGLang's radix
 cache does the same): the 135M bench shape's float32 rollout 5.38 -> 4.72 s (8 prompts x 4 samples).
 Decoding runs in megatron's flash-decoding mode (``rollout.flash_decode``, default on; kernels in
@@ -51,8 +55,9 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
     return logits
 
 
-def sample_tokens(logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator):
-    """Draw one token per row of full-vocabulary ``logits [B, V]`` (float32).
+def sample_tokens(logits: torch.Tensor, sampling: SamplingConfig, draws):
+    """Draw one token per row of full-vocabulary ``logits [B, V]`` (float32); ``draws``: the rows' uniforms
+    U ~ Uniform[0, 1) (float64 [B]), or a generator to draw them from.
 
     Returns (tokens [B], behaviour log-probs [B]) with log-probs of the tempered full distribution.
 
@@ -68,12 +73,12 @@ def sample_tokens(logits: torch.Tensor, sampling: SamplingConfig, generator: tor
     elif _unfiltered(sampling, logits.shape[-1]):  # one exp pass serves the draw and the log-probs
         top = scaled.amax(-1, keepdim=True)
         cdf = (scaled - top).exp_().to(torch.float64).cumsum_(-1)  # unnormalised: C_V = sum_a exp(z_a - max)
-        tokens = _invert(cdf, generator)
+        tokens = _invert(cdf, draws)
         chosen = scaled.gather(-1, tokens[:, None]).squeeze(-1) - top.squeeze(-1)
         return tokens, chosen - torch.log(cdf[:, -1]).to(chosen.dtype)
     else:
         filtered = filter_logits(logits / sampling.temperature, sampling.top_k, sampling.top_p)
-        tokens = _invert(torch.softmax(filtered, dim=-1).to(torch.float64).cumsum_(-1), generator)
+        tokens = _invert(torch.softmax(filtered, dim=-1).to(torch.float64).cumsum_(-1), draws)
     chosen = scaled.gather(-1, tokens[:, None]).squeeze(-1)
     return tokens, chosen - torch.logsumexp(scaled, dim=-1)
 
@@ -82,9 +87,12 @@ def _unfiltered(sampling: SamplingConfig, vocab: int) -> bool:
     return sampling.top_p >= 1.0 and (sampling.top_k <= 0 or sampling.top_k >= vocab)
 
 
-def _invert(cdf: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """Per row, the first index a with cdf_a > U * cdf_V (U ~ Uniform[0, 1), one per row)."""
-    draw = torch.rand(cdf.shape[0], 1, dtype=torch.float64, generator=generator, device=cdf.device)
+def _invert(cdf: torch.Tensor, draws) -> torch.Tensor:
+    """Per row, the first index a with cdf_a > U * cdf_V (U ~ Uniform[0, 1), one per row: ``draws``)."""
+    if isinstance(draws, torch.Generator):
+        draw = torch.rand(cdf.shape[0], 1, dtype=torch.float64, generator=draws, device=cdf.device)
+    else:
+        draw = draws.to(device=cdf.device, dtype=torch.float64)[:, None]
     return torch.searchsorted(cdf, draw * cdf[:, -1:], right=True).squeeze(-1).clamp_max_(cdf.shape[-1] - 1)
 
 
@@ -204,6 +212,91 @@ class LocalEngine:
                     for size in (attention.key_hidden_size, attention.val_hidden_size))
         return context, self._forward(prefix, 0, context)
 
+    def _ragged_decoding(self) -> bool:
+        """Rows decode at their own lengths where the flash-decoding kernels are models/flash_decode.py's."""
+        from megatron_kl.models import flash_decode as kernels
+
+        return bool(self.model.config.flash_decode) and kernels.uses_cpu_kernels()
+
+    def _decode_forcing_prompts(self, tokens, logprobs, prompt_len, sampling, draws) -> torch.Tensor:
+        """Megatron's static scheme: prefill the shortest prompt, then one position per forward for every row,
+        feeding the longer prompts' own tokens until each row's prompt is done. Returns the rows that stopped."""
+        batch, total = tokens.shape
+        first, longest = int(prompt_len.min()), int(prompt_len.max())
+        end = prompt_len + sampling.max_new_tokens  # exclusive end of each row's budget
+        finished = torch.zeros(batch, dtype=torch.bool)
+        stopped = torch.zeros(batch, dtype=torch.bool)
+        stop_ids = torch.as_tensor(sampling.stop_token_ids or [-1], dtype=torch.long)
+        rows = torch.arange(batch)
+        context, logits = self._prefill(tokens[:, :first], total)
+        for pos in range(first, total):
+            index = (pos - prompt_len).clamp(0, draws.shape[1] - 1)
+            sampled, sampled_lp = sample_tokens(logits, sampling, draws[rows, index])
+            generating = (pos >= prompt_len) & ~finished
+            tokens[:, pos] = torch.where(generating, sampled, tokens[:, pos])
+            logprobs[:, pos] = torch.where(generating, sampled_lp, logprobs[:, pos])
+            hit_stop = generating & torch.isin(sampled, stop_ids)
+            stopped |= hit_stop
+            finished |= hit_stop | (generating & (pos + 1 >= end))
+            if bool(finished.all()) or pos + 1 == total:
+                break
+            if pos + 1 >= longest:
+                context.enable_decode_mode()
+            logits = self._forward(tokens[:, pos : pos + 1], pos, context)
+        return stopped
+
+    def _decode_ragged(self, tokens, logprobs, prompt_len, sampling, draws) -> torch.Tensor:
+        """Every row's prompt prefilled whole (one forward per distinct length), then every row decodes from the
+        first step: row i's t-th token at its true position len_i + t, frame slot longest + t
+        (models/flash_decode.ragged_rows). Returns the rows that stopped."""
+        from megatron_kl.models.flash_decode import ragged_rows
+
+        batch, total = tokens.shape
+        longest, new = int(prompt_len.max()), sampling.max_new_tokens
+        finished = torch.zeros(batch, dtype=torch.bool)
+        stopped = torch.zeros(batch, dtype=torch.bool)
+        stop_ids = torch.as_tensor(sampling.stop_token_ids or [-1], dtype=torch.long)
+        rows = torch.arange(batch)
+        context, logits = self._prefill_ragged(tokens, prompt_len, total)
+        context.enable_decode_mode()
+        for step in range(new):
+            sampled, sampled_lp = sample_tokens(logits, sampling, draws[:, step])
+            generating = ~finished
+            position = prompt_len + step
+            tokens[rows, position] = torch.where(generating, sampled, tokens[rows, position])
+            logprobs[rows, position] = torch.where(generating, sampled_lp, logprobs[rows, position])
+            hit_stop = generating & torch.isin(sampled, stop_ids)
+            stopped |= hit_stop
+            finished |= hit_stop | generating & (step + 1 >= new)
+            if bool(finished.all()):
+                break
+            with ragged_rows(prompt_len, longest):
+                logits = self._forward(sampled[:, None], longest + step, context)
+        return stopped
+
+    def _prefill_ragged(self, tokens, prompt_len, total: int):
+        """One static context in which row i's prompt fills frame slots [0, len_i) (each length's rows prefilled
+        together, shared prefixes once), and every row's last-prompt-position logits; offset = longest prompt."""
+        from megatron.core.inference.contexts import StaticInferenceContext
+
+        batch, longest = tokens.shape[0], int(prompt_len.max())
+        context = StaticInferenceContext(batch, total)
+        logits = None
+        for length in sorted(set(prompt_len.tolist())):
+            rows = torch.nonzero(prompt_len == length).flatten()
+            part, part_logits = self._prefill(tokens[rows, :length], total)
+            if logits is None:
+                logits = part_logits.new_empty(batch, part_logits.shape[-1])
+                context.key_value_memory_dict = {
+                    layer: tuple(t.new_zeros(t.shape[0], batch, *t.shape[2:]) for t in kv)
+                    for layer, kv in part.key_value_memory_dict.items()}
+            logits[rows] = part_logits
+            for layer, kv in part.key_value_memory_dict.items():
+                for frame, cache in zip(context.key_value_memory_dict[layer], kv):
+                    frame[:length, rows] = cache[:length]  # past the prompt: unwritten memory (masked, yet NaN * 0)
+        context.sequence_len_offset = longest
+        return context, logits
+
     def _cache_dtype(self, flash_decode: bool) -> Optional[torch.dtype]:
         """float32 KV cache for a 16-bit model whose flash decoding runs on models/flash_decode.py's kernels and
         whose prefill attention is SDPAttention (both attend in float32 on the CPU: the cache is then read without
@@ -217,42 +310,32 @@ class LocalEngine:
         return cache if flash_decode and sdpa and kernels.uses_cpu_kernels() and cache != dtype else None
 
     def _generate_batch(self, prompts, sampling: SamplingConfig, generator) -> list[Completion]:
+        """Row i's t-th response token is drawn with the uniform ``draws[i, t]`` whichever scheme decodes it."""
         lengths = [len(p) for p in prompts]
         first, longest = min(lengths), max(lengths)
         if first == 0:
             raise ValueError("rollout prompt with no tokens: every prompt needs at least one token")
-        batch, total = len(prompts), longest + sampling.max_new_tokens
+        batch, new = len(prompts), sampling.max_new_tokens
+        total = longest + new
         if total > self.model_config.max_position_embeddings:
             raise ValueError(
-                f"prompt ({longest}) + max_new_tokens ({sampling.max_new_tokens}) exceeds "
+                f"prompt ({longest}) + max_new_tokens ({new}) exceeds "
                 f"model.max_position_embeddings={self.model_config.max_position_embeddings}"
             )
-        tokens = torch.zeros(batch, total, dtype=torch.long)
+        tokens = torch.zeros(batch, total, dtype=torch.long)  # each row at its true positions
         for i, p in enumerate(prompts):
             tokens[i, : len(p)] = torch.as_tensor(p, dtype=torch.long)
         prompt_len = torch.as_tensor(lengths)
-        end = prompt_len + sampling.max_new_tokens  # exclusive end of each row's budget
+        draws = torch.rand(batch, new, dtype=torch.float64, generator=generator)
         logprobs = torch.zeros(batch, total)
-        finished = torch.zeros(batch, dtype=torch.bool)
-        stopped = torch.zeros(batch, dtype=torch.bool)
-        stop_ids = torch.as_tensor(sampling.stop_token_ids or [-1], dtype=torch.long)
-
         self.model.eval()
-        context, logits = self._prefill(tokens[:, :first], total)
-        for pos in range(first, total):
-            sampled, sampled_lp = sample_tokens(logits, sampling, generator)
-            generating = (pos >= prompt_len) & ~finished
-            tokens[:, pos] = torch.where(generating, sampled, tokens[:, pos])
-            logprobs[:, pos] = torch.where(generating, sampled_lp, logprobs[:, pos])
-            hit_stop = generating & torch.isin(sampled, stop_ids)
-            stopped |= hit_stop
-            finished |= hit_stop | (generating & (pos + 1 >= end))
-            if bool(finished.all()) or pos + 1 == total:
-                break
-            if pos + 1 >= longest:
-                context.enable_decode_mode()
-            logits = self._forward(tokens[:, pos : pos + 1], pos, context)
-
+        # one prefill forward per distinct length against one forward per forced position (both small)
+        if 0 < len(set(lengths)) - 1 <= longest - first and self._ragged_decoding():
+            stopped = self._decode_ragged(tokens, logprobs, prompt_len, sampling, draws)
+        else:
+            stopped = self._decode_forcing_prompts(tokens, logprobs, prompt_len, sampling, draws)
+        end = prompt_len + new
+        stop_ids = torch.as_tensor(sampling.stop_token_ids or [-1], dtype=torch.long)
         completions = []
         for i, p in enumerate(prompts):
             n = int(min(end[i], total)) - len(p)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from megatron_kl.testing.distributed import run_ranks
-from tests.e2e.workers import engine_worker
+from tests.e2e.workers import engine_worker, ragged_engine_worker
 
 MODEL = {"architecture": "qwen2", "num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 128,
          "num_attention_heads": 4, "num_query_groups": 2, "vocab_size": 40, "max_position_embeddings": 64}
@@ -87,3 +87,23 @@ def test_engine_sharing_the_policy_weights_generates_what_a_copy_generates():
     assert shared != copied  # the sharing replica already sees the step; the copy until its sync
     assert out["after_sync"][0] == out["after_sync"][1] == shared
     assert out["followed"]
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_ragged_prompts_decode_from_the_first_step_as_each_prompt_alone(tp):
+    """Prompts of lengths 1..9 in one batch: each distinct length is prefilled once, then every row decodes from
+    the first step (max_new_tokens - 1 decode forwards, none spent forcing prompt tokens); greedy generation equals
+    generating each prompt alone (tokens; log-probs to float32 rounding) and megatron's static scheme, which
+    forces the longer prompts' tokens one forward at a time; sampled rows draw the same uniforms in both schemes."""
+    prompts = [[1 + (7 * i + j) % 30 for j in range(length)] for i, length in enumerate([1, 9, 4, 4, 2, 9])]
+    new = 7
+    for temperature in (0.0, 0.8):
+        sampling = {"temperature": temperature, "max_new_tokens": new}
+        for out in run_ranks(ragged_engine_worker, tp, MODEL, tp, prompts, sampling):
+            prefills = [shape for shape in out["forwards"] if shape[1] > 1]
+            assert sorted(shape[1] for shape in prefills) == [2, 4, 9]  # one forward per distinct length > 1
+            assert len(out["forwards"]) == 4 + new - 1  # lengths 1, 2, 4, 9, then the decode steps
+            if temperature == 0.0:
+                _assert_same_generation(out["together"], out["alone"], tolerance=1e-5)
+            _assert_same_generation(out["together"], out["forcing"], tolerance=1e-5)
+            assert all(len(c.response_ids) == new for c in out["together"])

@@ -120,3 +120,29 @@ def shared_engine_worker(rank, world, model_dict: dict, prompts, sampling_dict: 
     shared.update_weights(policy, version=3)
     out["followed"] = dict(shared.model.named_parameters())[name].data_ptr() == params[name].data_ptr()
     return out
+
+
+def ragged_engine_worker(rank, world, model_dict: dict, tp: int, prompts, sampling_dict: dict):
+    """Ragged prompts through the engine in one batch, counting model forwards; and every prompt alone."""
+    from megatron_kl.config import ModelConfig, ParallelConfig
+    from megatron_kl.models import builder, parallel
+    from megatron_kl.rollout.engine import SamplingConfig
+    from megatron_kl.rollout.local import LocalEngine
+
+    model = from_dict(ModelConfig, model_dict)
+    layout = ParallelConfig(tensor_parallel=tp)
+    torch.manual_seed(0)
+    parallel.initialize(model, layout)
+    policy = builder.build_policy_and_reference(model, layout).policy
+    sampling = from_dict(SamplingConfig, sampling_dict)
+    engine = LocalEngine(model, layout)
+    engine.update_weights(policy, version=1)
+    forwards = []
+    hook = engine.model.register_forward_pre_hook(lambda module, args: forwards.append(tuple(args[0].shape)))
+    together = engine.generate(prompts, sampling, seed=4)
+    hook.remove()
+    alone = [engine.generate([p], sampling, seed=4)[0] for p in prompts]
+    forcing = LocalEngine(model, layout, flash_decode=False)  # megatron's static scheme: prompt tokens forced
+    forcing.update_weights(policy, version=1)
+    return {"together": together, "alone": alone, "forwards": forwards,
+            "forcing": forcing.generate(prompts, sampling, seed=4)}

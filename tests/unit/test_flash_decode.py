@@ -12,7 +12,7 @@ apply_cpu_shims()
 from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd  # noqa: E402
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding  # noqa: E402
 
-from megatron_kl.models.flash_decode import attention_with_kv_cache, rotate_with_cos_sin  # noqa: E402
+from megatron_kl.models.flash_decode import attention_with_kv_cache, ragged_rows, rotate_with_cos_sin  # noqa: E402
 
 BATCH, HEADS, GROUPS, DIM, MAX_LEN = 3, 6, 2, 16, 24
 
@@ -98,3 +98,46 @@ def test_kv_cache_attention_refuses_what_it_does_not_implement():
         attention_with_kv_cache(q, cache, cache.clone(), new, new, cache_seqlens=torch.tensor([3, 4]))
     with pytest.raises(NotImplementedError, match="block_table"):
         attention_with_kv_cache(q, cache, cache.clone(), new, new, block_table=torch.zeros(2, 1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ragged_rows_decode_each_row_at_its_true_position_and_skip_its_gap(dtype):
+    """Under ragged_rows (row b's prompt in frame slots [0, len_b), decoding from slot L for every row): the new
+    query and key of row b are rotated at its true position slot - (L - len_b), the gap [len_b, L) is never
+    attended - here it holds large finite garbage (the contract: finite; the engine zeroes it), which must not
+    leak - and a row without a gap is computed as without the context. float64 reference per row over the row's own keys only."""
+    rope = RotaryEmbedding(DIM, 1.0, rotary_base=10000)
+    cos, sin = rope.get_cos_sin(MAX_LEN)
+    g = torch.Generator().manual_seed(2)
+    lengths, frame_start, steps_done = torch.tensor([7, 3, 1]), 7, 2  # two tokens already decoded
+    start = frame_start + steps_done
+    q = torch.randn(BATCH, 1, HEADS, DIM, generator=g).to(dtype)
+    k = torch.randn(BATCH, 1, GROUPS, DIM, generator=g).to(dtype)
+    v = torch.randn(BATCH, 1, GROUPS, DIM, generator=g).to(dtype)
+    cache_k = torch.randn(BATCH, MAX_LEN, GROUPS, DIM, generator=g)
+    cache_v = torch.randn(BATCH, MAX_LEN, GROUPS, DIM, generator=g)
+    for b, length in enumerate(lengths.tolist()):  # the gaps hold garbage
+        cache_k[b, length:frame_start] = 1e4
+        cache_v[b, length:frame_start] = -1e4
+    plain_k, plain_v = cache_k.clone(), cache_v.clone()
+    args = dict(rotary_cos=cos.to(dtype), rotary_sin=sin.to(dtype), cache_seqlens=start, rotary_interleaved=False)
+    with ragged_rows(lengths, frame_start):
+        out = attention_with_kv_cache(q, cache_k, cache_v, k, v, **args)
+    assert torch.isfinite(out).all()
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    for b, length in enumerate(lengths.tolist()):
+        true = torch.tensor([start - (frame_start - length)])
+        expected_k = _rope64(k[b : b + 1].double(), true, rope)
+        assert (cache_k[b, start].double() - expected_k[0, 0]).abs().max() / expected_k.abs().max() < tolerance
+        own = torch.cat((torch.arange(length), torch.arange(frame_start, start + 1)))  # prompt, then decoded
+        expected = _reference(_rope64(q[b : b + 1].double(), true, rope), cache_k[b : b + 1, own].double(),
+                              cache_v[b : b + 1, own].double(), torch.ones(1, len(own), dtype=torch.bool))
+        error = ((out[b : b + 1].double() - expected).abs().max() / expected.abs().max()).item()
+        assert error < tolerance, (b, error)
+    # row 0 has no gap: exactly what the plain kernel computes for it
+    plain = attention_with_kv_cache(q[:1], plain_k[:1], plain_v[:1], k[:1], v[:1], **args)
+    torch.testing.assert_close(out[:1], plain, rtol=0, atol=0)
+    with ragged_rows(lengths[:2], frame_start), pytest.raises(ValueError, match="2 rows"):
+        attention_with_kv_cache(q, cache_k, cache_v, k, v, **args)
+    with pytest.raises(ValueError, match="longer than the frame start"), ragged_rows(lengths, 5):
+        pass
