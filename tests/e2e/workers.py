@@ -142,7 +142,7 @@ def ragged_engine_worker(rank, world, model_dict: dict, tp: int, prompts, sampli
     together = engine.generate(prompts, sampling, seed=4)
     hook.remove()
     alone = [engine.generate([p], sampling, seed=4)[0] for p in prompts]
-    forcing = LocalEngine(model, layout, flash_decode=False)  # megatron's static scheme: prompt tokens forced
+    forcing = LocalEngine(model, layout, ragged_decoding=False)  # prompt tokens forced, flash kernels
     forcing.update_weights(policy, version=1)
     return {"together": together, "alone": alone, "forwards": forwards,
             "forcing": forcing.generate(prompts, sampling, seed=4)}

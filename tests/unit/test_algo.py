@@ -213,3 +213,24 @@ def test_all_finite_finds_every_kind_of_non_finite_entry():
             poisoned[where] = bad
             assert not _all_finite(poisoned), (bad, where)
             assert not _all_finite(poisoned.to(torch.bfloat16)), (bad, where)
+
+
+def test_position_draws_follow_the_forcing_schemes_stream():
+    """Row i's t-th response token takes the uniform the forcing scheme gives it (frame step len_i - min + t of
+    one row-vector per step), and a generator used by the ragged scheme ends where the forcing scheme leaves it."""
+    from megatron_kl.rollout.local import PositionDraws
+
+    prompt_len = torch.tensor([3, 7, 4, 3])
+    stream = torch.rand(20, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(9))
+    draws = PositionDraws(torch.Generator().manual_seed(9), prompt_len, random=True)
+    active = torch.tensor([True, True, True, False])
+    for t in range(3):
+        got = draws.response(t, active)
+        for i in (0, 1, 2):
+            assert got[i] == stream[int(prompt_len[i]) - 3 + t, i]
+    assert len(draws.rows) == 7 - 3 + 2 + 1  # as far as the active rows needed: the forcing scheme's step count
+    forcing = PositionDraws(torch.Generator().manual_seed(9), prompt_len, random=True)
+    assert all(torch.equal(forcing.frame(k), stream[k]) for k in range(7))
+    assert torch.equal(draws.generator.get_state(), forcing.generator.get_state())
+    greedy = PositionDraws(torch.Generator().manual_seed(9), prompt_len, random=False)
+    assert not greedy.response(0, active).any() and not greedy.rows
