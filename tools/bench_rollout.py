@@ -100,7 +100,7 @@ def worker_local(args, ragged_decoding: bool = True) -> dict:
         s.bind(("127.0.0.1", 0))
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]), RANK="0", WORLD_SIZE="1")
     checkpoint = hf.HFCheckpoint(args.model_dir)
-    model = checkpoint.model_config()
+    model = checkpoint.model_config(params_dtype=args.dtype)
     parallel.initialize(model, ParallelConfig())
     engine = LocalEngine(model, ParallelConfig(), ragged_decoding=ragged_decoding)
     policy = [builder.build_gpt_model(model, ParallelConfig())]
@@ -204,7 +204,7 @@ def main(argv=None) -> int:
             command = [python, __file__, "--worker", engine, "--model-dir", str(model_dir), "--work", tmp,
                        "--out", str(out), "--prompts", str(args.prompts), "--prompt-len", str(args.prompt_len),
                        "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats),
-                       "--group", str(args.group)]
+                       "--group", str(args.group), "--dtype", args.dtype]
             if args.prompt_len_max:
                 command += ["--prompt-len-max", str(args.prompt_len_max)]
             done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)

@@ -12,7 +12,7 @@ tokens for rows whose prompt is longer: max - min prompt length extra forwards o
 flash-decoding kernels of models/flash_decode.py the engine instead prefills every prompt whole (one forward per
 distinct length) and decodes every row from the first step, row i at its own position (``ragged_rows``): the
 same tokens and log-probs as each prompt alone (tested); 135M bf16, 32 rows, prompts of 20-120 tokens, 32 new
-tokens: 7.3 -> 2.5 s. It takes whichever needs fewer forwards (distinct lengths - 1 vs max - min). The prefill runs once
+tokens: 7.90 -> 3.00 s (tools/bench_rollout.py, README). It takes whichever needs fewer forwards (distinct lengths - 1 vs max - min). The prefill runs once
 per distinct prefix and its cache is copied to the rows that share it (a GRPO group's samples; SGLang's radix
 cache does the same): the 135M bench shape's float32 rollout 5.38 -> 4.72 s (8 prompts x 4 samples).
 Decoding runs in megatron's flash-decoding mode (``rollout.flash_decode``, default on; kernels in
