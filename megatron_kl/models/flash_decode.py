@@ -84,19 +84,14 @@ def attention_with_kv_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     end = start + (new if k is not None else 0)
     gaps = _gaps_at(batch, start)
     if rotary_cos is not None:
-        frame = torch.arange(start, end)  # the new keys' frame slots
-        # flash-attn: causal queries sit at n, n+1, ...; otherwise every query at position n
-        queries = torch.arange(start, start + new) if causal else torch.full((new,), start)
-        if gaps is None:
-            rotation = {"k": (rotary_cos[start:end], rotary_sin[start:end]),
-                        "q": (rotary_cos[queries], rotary_sin[queries])}
-        else:  # each row at its true position: frame slot - its gap
-            gap = gaps[0][:, None]
-            rotation = {"k": (rotary_cos[frame[None] - gap], rotary_sin[frame[None] - gap]),
-                        "q": (rotary_cos[queries[None] - gap], rotary_sin[queries[None] - gap])}
+        # table rows: the new keys at n..n+s_new-1; flash-attn's causal queries there too, otherwise all at n
+        keys_at = torch.arange(start, end)
+        queries_at = torch.arange(start, start + new) if causal else torch.full((new,), start)
+        if gaps is not None:  # [b, s]: each row at its true position, frame slot - its gap
+            keys_at, queries_at = (at[None] - gaps[0][:, None] for at in (keys_at, queries_at))
         if k is not None:
-            k = rotate_with_cos_sin(k, *rotation["k"], rotary_interleaved)
-        q = rotate_with_cos_sin(q, *rotation["q"], rotary_interleaved)
+            k = rotate_with_cos_sin(k, rotary_cos[keys_at], rotary_sin[keys_at], rotary_interleaved)
+        q = rotate_with_cos_sin(q, rotary_cos[queries_at], rotary_sin[queries_at], rotary_interleaved)
     if k is not None:
         k_cache[:, start:end] = k
         v_cache[:, start:end] = v

@@ -55,9 +55,9 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
     return logits
 
 
-def sample_tokens(logits: torch.Tensor, sampling: SamplingConfig, draws):
-    """Draw one token per row of full-vocabulary ``logits [B, V]`` (float32); ``draws``: the rows' uniforms
-    U ~ Uniform[0, 1) (float64 [B]), or a generator to draw them from.
+def sample_tokens(logits: torch.Tensor, sampling: SamplingConfig, draws: torch.Tensor):
+    """Draw one token per row of full-vocabulary ``logits [B, V]`` (float32) with the rows' uniforms
+    ``draws [B]`` (float64, U ~ Uniform[0, 1); unused when greedy).
 
     Returns (tokens [B], behaviour log-probs [B]) with log-probs of the tempered full distribution.
 
@@ -87,12 +87,9 @@ def _unfiltered(sampling: SamplingConfig, vocab: int) -> bool:
     return sampling.top_p >= 1.0 and (sampling.top_k <= 0 or sampling.top_k >= vocab)
 
 
-def _invert(cdf: torch.Tensor, draws) -> torch.Tensor:
+def _invert(cdf: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
     """Per row, the first index a with cdf_a > U * cdf_V (U ~ Uniform[0, 1), one per row: ``draws``)."""
-    if isinstance(draws, torch.Generator):
-        draw = torch.rand(cdf.shape[0], 1, dtype=torch.float64, generator=draws, device=cdf.device)
-    else:
-        draw = draws.to(device=cdf.device, dtype=torch.float64)[:, None]
+    draw = draws.to(device=cdf.device, dtype=torch.float64)[:, None]
     return torch.searchsorted(cdf, draw * cdf[:, -1:], right=True).squeeze(-1).clamp_max_(cdf.shape[-1] - 1)
 
 
@@ -103,32 +100,56 @@ class PositionDraws:
     the longer prompts' tokens are forced or the rows decode at their own positions, and the generator is left
     where the forcing scheme leaves it."""
 
-    def __init__(self, generator: torch.Generator, prompt_len: torch.Tensor, random: bool):
+    def __init__(self, generator: torch.Generator, prompt_len: torch.Tensor, new_tokens: int, random: bool):
         self.generator, self.random = generator, random
         self.offsets = prompt_len - prompt_len.min()
-        self.rows: list[torch.Tensor] = []
+        batch = prompt_len.shape[0]
+        self.uniforms = torch.zeros(int(self.offsets.max()) + new_tokens, batch, dtype=torch.float64)
+        self.drawn_steps = 0  # frame steps drawn so far (rows of ``uniforms``)
 
     def _draw_through(self, frame_step: int) -> None:
-        while len(self.rows) <= frame_step:
-            self.rows.append(torch.rand(self.offsets.shape[0], dtype=torch.float64, generator=self.generator))
+        while self.random and self.drawn_steps <= frame_step:  # torch.rand(batch)'s stream, row by row
+            self.uniforms[self.drawn_steps].uniform_(generator=self.generator)
+            self.drawn_steps += 1
 
     def frame(self, frame_step: int) -> torch.Tensor:
         """Every row's uniform at one frame step (the forcing scheme)."""
-        if not self.random:
-            return torch.zeros(self.offsets.shape[0], dtype=torch.float64)
         self._draw_through(frame_step)
-        return self.rows[frame_step]
+        return self.uniforms[frame_step]
 
     def response(self, t: int, active: torch.Tensor) -> torch.Tensor:
         """Row i's uniform for its t-th response token (rows decoding at their own positions); draws only as far
         as the ``active`` rows need."""
-        batch = self.offsets.shape[0]
-        if not self.random or not bool(active.any()):
-            return torch.zeros(batch, dtype=torch.float64)
         steps = self.offsets + t
-        self._draw_through(int(steps[active].max()))
-        drawn = torch.stack(self.rows)  # [frame steps, batch]
-        return drawn[steps.clamp(max=drawn.shape[0] - 1), torch.arange(batch)]
+        if bool(active.any()):
+            self._draw_through(int(steps[active].max()))
+        return self.uniforms[steps, torch.arange(steps.shape[0])]
+
+
+class _Rows:
+    """The batch being generated: tokens and behaviour log-probs at each row's true positions (prompt, then
+    response), each row's budget end, and which rows are finished / stopped by a stop token."""
+
+    def __init__(self, prompts, sampling: SamplingConfig):
+        self.prompt_len = torch.as_tensor([len(p) for p in prompts])
+        self.end = self.prompt_len + sampling.max_new_tokens  # exclusive end of each row's budget
+        batch, total = len(prompts), int(self.end.max())
+        self.tokens = torch.zeros(batch, total, dtype=torch.long)
+        for i, p in enumerate(prompts):
+            self.tokens[i, : len(p)] = torch.as_tensor(p, dtype=torch.long)
+        self.logprobs = torch.zeros(batch, total)
+        self.stop_ids = torch.as_tensor(sampling.stop_token_ids or [-1], dtype=torch.long)
+        self.finished = torch.zeros(batch, dtype=torch.bool)
+        self.stopped = torch.zeros(batch, dtype=torch.bool)
+
+    def record(self, position: torch.Tensor, sampled, sampled_logprobs, generating: torch.Tensor) -> None:
+        """The ``generating`` rows' sampled tokens at their ``position [B]``; marks rows done."""
+        rows = torch.arange(position.shape[0])
+        self.tokens[rows, position] = torch.where(generating, sampled, self.tokens[rows, position])
+        self.logprobs[rows, position] = torch.where(generating, sampled_logprobs, self.logprobs[rows, position])
+        hit_stop = generating & torch.isin(sampled, self.stop_ids)
+        self.stopped |= hit_stop
+        self.finished |= hit_stop | (generating & (position + 1 >= self.end))
 
 
 def _engine_tp_group(tp_size: int):
@@ -254,59 +275,39 @@ class LocalEngine:
 
         return self.ragged_decoding and bool(self.model.config.flash_decode) and kernels.uses_cpu_kernels()
 
-    def _decode_forcing_prompts(self, tokens, logprobs, prompt_len, sampling, draws) -> torch.Tensor:
+    def _decode_forcing_prompts(self, batch: _Rows, sampling: SamplingConfig, draws: PositionDraws) -> None:
         """Megatron's static scheme: prefill the shortest prompt, then one position per forward for every row,
-        feeding the longer prompts' own tokens until each row's prompt is done. Returns the rows that stopped."""
-        batch, total = tokens.shape
-        first, longest = int(prompt_len.min()), int(prompt_len.max())
-        end = prompt_len + sampling.max_new_tokens  # exclusive end of each row's budget
-        finished = torch.zeros(batch, dtype=torch.bool)
-        stopped = torch.zeros(batch, dtype=torch.bool)
-        stop_ids = torch.as_tensor(sampling.stop_token_ids or [-1], dtype=torch.long)
-        context, logits = self._prefill(tokens[:, :first], total)
+        feeding the longer prompts' own tokens until each row's prompt is done."""
+        first, longest = int(batch.prompt_len.min()), int(batch.prompt_len.max())
+        total = batch.tokens.shape[1]
+        context, logits = self._prefill(batch.tokens[:, :first], total)
         for pos in range(first, total):
             sampled, sampled_lp = sample_tokens(logits, sampling, draws.frame(pos - first))
-            generating = (pos >= prompt_len) & ~finished
-            tokens[:, pos] = torch.where(generating, sampled, tokens[:, pos])
-            logprobs[:, pos] = torch.where(generating, sampled_lp, logprobs[:, pos])
-            hit_stop = generating & torch.isin(sampled, stop_ids)
-            stopped |= hit_stop
-            finished |= hit_stop | (generating & (pos + 1 >= end))
-            if bool(finished.all()) or pos + 1 == total:
+            position = torch.full_like(batch.prompt_len, pos)
+            batch.record(position, sampled, sampled_lp, (pos >= batch.prompt_len) & ~batch.finished)
+            if bool(batch.finished.all()) or pos + 1 == total:
                 break
             if pos + 1 >= longest:
                 context.enable_decode_mode()
-            logits = self._forward(tokens[:, pos : pos + 1], pos, context)
-        return stopped
+            logits = self._forward(batch.tokens[:, pos : pos + 1], pos, context)
 
-    def _decode_ragged(self, tokens, logprobs, prompt_len, sampling, draws) -> torch.Tensor:
+    def _decode_ragged(self, batch: _Rows, sampling: SamplingConfig, draws: PositionDraws) -> None:
         """Every row's prompt prefilled whole (one forward per distinct length), then every row decodes from the
         first step: row i's t-th token at its true position len_i + t, frame slot longest + t
-        (models/flash_decode.ragged_rows). Returns the rows that stopped."""
+        (models/flash_decode.ragged_rows)."""
         from megatron_kl.models.flash_decode import ragged_rows
 
-        batch, total = tokens.shape
-        longest, new = int(prompt_len.max()), sampling.max_new_tokens
-        finished = torch.zeros(batch, dtype=torch.bool)
-        stopped = torch.zeros(batch, dtype=torch.bool)
-        stop_ids = torch.as_tensor(sampling.stop_token_ids or [-1], dtype=torch.long)
-        rows = torch.arange(batch)
-        context, logits = self._prefill_ragged(tokens, prompt_len, total)
+        longest = int(batch.prompt_len.max())
+        context, logits = self._prefill_ragged(batch.tokens, batch.prompt_len, batch.tokens.shape[1])
         context.enable_decode_mode()
-        for step in range(new):
-            generating = ~finished
-            sampled, sampled_lp = sample_tokens(logits, sampling, draws.response(step, generating))
-            position = prompt_len + step
-            tokens[rows, position] = torch.where(generating, sampled, tokens[rows, position])
-            logprobs[rows, position] = torch.where(generating, sampled_lp, logprobs[rows, position])
-            hit_stop = generating & torch.isin(sampled, stop_ids)
-            stopped |= hit_stop
-            finished |= hit_stop | generating & (step + 1 >= new)
-            if bool(finished.all()):
-                break
-            with ragged_rows(prompt_len, longest):
+        with ragged_rows(batch.prompt_len, longest):
+            for step in range(sampling.max_new_tokens):
+                generating = ~batch.finished
+                sampled, sampled_lp = sample_tokens(logits, sampling, draws.response(step, generating))
+                batch.record(batch.prompt_len + step, sampled, sampled_lp, generating)
+                if bool(batch.finished.all()):
+                    break
                 logits = self._forward(sampled[:, None], longest + step, context)
-        return stopped
 
     def _prefill_ragged(self, tokens, prompt_len, total: int):
         """One static context in which row i's prompt fills frame slots [0, len_i) (each length's rows prefilled
@@ -349,39 +350,32 @@ class LocalEngine:
         first, longest = min(lengths), max(lengths)
         if first == 0:
             raise ValueError("rollout prompt with no tokens: every prompt needs at least one token")
-        batch, new = len(prompts), sampling.max_new_tokens
+        new = sampling.max_new_tokens
         total = longest + new
         if total > self.model_config.max_position_embeddings:
             raise ValueError(
                 f"prompt ({longest}) + max_new_tokens ({new}) exceeds "
                 f"model.max_position_embeddings={self.model_config.max_position_embeddings}"
             )
-        tokens = torch.zeros(batch, total, dtype=torch.long)  # each row at its true positions
-        for i, p in enumerate(prompts):
-            tokens[i, : len(p)] = torch.as_tensor(p, dtype=torch.long)
-        prompt_len = torch.as_tensor(lengths)
-        draws = PositionDraws(generator, prompt_len, random=sampling.temperature > 0)
-        logprobs = torch.zeros(batch, total)
+        rows = _Rows(prompts, sampling)
+        draws = PositionDraws(generator, rows.prompt_len, new, random=sampling.temperature > 0)
         self.model.eval()
         # one prefill forward per distinct length against one forward per forced position (both small)
         if 0 < len(set(lengths)) - 1 <= longest - first and self._ragged_decoding():
-            stopped = self._decode_ragged(tokens, logprobs, prompt_len, sampling, draws)
+            self._decode_ragged(rows, sampling, draws)
         else:
-            stopped = self._decode_forcing_prompts(tokens, logprobs, prompt_len, sampling, draws)
-        end = prompt_len + new
-        stop_ids = torch.as_tensor(sampling.stop_token_ids or [-1], dtype=torch.long)
+            self._decode_forcing_prompts(rows, sampling, draws)
         completions = []
         for i, p in enumerate(prompts):
-            n = int(min(end[i], total)) - len(p)
-            response = tokens[i, len(p) : len(p) + n]
+            response = rows.tokens[i, len(p) : int(rows.end[i])]
             # Trim the tokens after a stop token (rows stop at different steps).
-            stop_at = torch.nonzero(torch.isin(response, stop_ids)).flatten()
-            n = int(stop_at[0]) + 1 if len(stop_at) else n
+            stop_at = torch.nonzero(torch.isin(response, rows.stop_ids)).flatten()
+            n = int(stop_at[0]) + 1 if len(stop_at) else len(response)
             completions.append(Completion(
                 prompt_ids=list(p),
-                response_ids=tokens[i, len(p) : len(p) + n].tolist(),
-                response_logprobs=logprobs[i, len(p) : len(p) + n].tolist(),
-                finish_reason="stop" if stopped[i] else "length",
+                response_ids=response[:n].tolist(),
+                response_logprobs=rows.logprobs[i, len(p) : len(p) + n].tolist(),
+                finish_reason="stop" if rows.stopped[i] else "length",
                 weight_version=self.weight_version,
             ))
         return completions

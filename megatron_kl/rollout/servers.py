@@ -61,8 +61,9 @@ def server_port(host: str = "") -> int:
     """A port for a server that will listen on it later: free now, and below the ephemeral range. A port found
     free by bind(0) lies inside that range, where every outgoing connection (gloo's, torchrun's store clients')
     may take it before the server binds. ``host`` "" checks every interface."""
-    low = max(1024, min(ephemeral_port_range()[0], 65536) - 12000)
-    high = max(low + 100, ephemeral_port_range()[0] - 100)
+    ephemeral_low = ephemeral_port_range()[0]
+    low = max(1024, min(ephemeral_low, 65536) - 12000)
+    high = max(low + 100, ephemeral_low - 100)
     return available_port(host, random.randrange(low, high))
 
 

@@ -98,7 +98,8 @@ def test_sampler_draws_the_tempered_filtered_distribution_over_a_large_vocabular
     logits[support] = torch.linspace(0.0, 3.0, len(support))
     sampling = SamplingConfig(temperature=0.7, top_k=top_k)
     probs = torch.softmax(filter_logits(logits[None] / 0.7, sampling.top_k, 1.0), -1)[0].double()
-    tokens, logprobs = sample_tokens(logits.repeat(rows, 1), sampling, torch.Generator().manual_seed(3))
+    tokens, logprobs = sample_tokens(logits.repeat(rows, 1), sampling,
+                                     torch.rand(rows, dtype=torch.float64, generator=torch.Generator().manual_seed(3)))
     counts = torch.bincount(tokens, minlength=vocab).double()
     kept = probs > 1e-9  # the support (the rest has probability < 1e-20 and is never drawn)
     assert counts[~kept].sum() == 0  # the two top-k casualties (with top-k) and every improbable token
@@ -121,11 +122,12 @@ def test_top_k_top_p_filters_match_a_direct_computation():
 def test_sampling_frequencies_and_behaviour_logprobs():
     probs = torch.tensor([0.6, 0.3, 0.1])
     logits = torch.log(probs).repeat(20000, 1)
-    tokens, logprobs = sample_tokens(logits, SamplingConfig(temperature=1.0), torch.Generator().manual_seed(0))
+    tokens, logprobs = sample_tokens(logits, SamplingConfig(temperature=1.0),
+                                     torch.rand(len(logits), dtype=torch.float64, generator=torch.Generator().manual_seed(0)))
     freq = torch.bincount(tokens, minlength=3).float() / len(tokens)
     assert torch.allclose(freq, probs, atol=0.015)
     torch.testing.assert_close(logprobs, torch.log(probs)[tokens])
-    greedy, _ = sample_tokens(logits[:3], SamplingConfig(temperature=0.0), torch.Generator())
+    greedy, _ = sample_tokens(logits[:3], SamplingConfig(temperature=0.0), torch.rand(3, dtype=torch.float64))
     assert greedy.tolist() == [0, 0, 0]
     with pytest.raises(ConfigError, match="top_p"):
         SamplingConfig(top_p=0.0)
@@ -222,15 +224,15 @@ def test_position_draws_follow_the_forcing_schemes_stream():
 
     prompt_len = torch.tensor([3, 7, 4, 3])
     stream = torch.rand(20, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(9))
-    draws = PositionDraws(torch.Generator().manual_seed(9), prompt_len, random=True)
+    draws = PositionDraws(torch.Generator().manual_seed(9), prompt_len, 9, random=True)
     active = torch.tensor([True, True, True, False])
     for t in range(3):
         got = draws.response(t, active)
         for i in (0, 1, 2):
             assert got[i] == stream[int(prompt_len[i]) - 3 + t, i]
-    assert len(draws.rows) == 7 - 3 + 2 + 1  # as far as the active rows needed: the forcing scheme's step count
-    forcing = PositionDraws(torch.Generator().manual_seed(9), prompt_len, random=True)
+    assert draws.drawn_steps == 7 - 3 + 2 + 1  # as far as the active rows needed: the forcing scheme's step count
+    forcing = PositionDraws(torch.Generator().manual_seed(9), prompt_len, 9, random=True)
     assert all(torch.equal(forcing.frame(k), stream[k]) for k in range(7))
     assert torch.equal(draws.generator.get_state(), forcing.generator.get_state())
-    greedy = PositionDraws(torch.Generator().manual_seed(9), prompt_len, random=False)
-    assert not greedy.response(0, active).any() and not greedy.rows
+    greedy = PositionDraws(torch.Generator().manual_seed(9), prompt_len, 9, random=False)
+    assert not greedy.response(0, active).any() and greedy.drawn_steps == 0
