@@ -50,7 +50,11 @@ class SDPAttention(DotProductAttention):
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         scale = self.softmax_scale * (self.layer_number if self.config.apply_query_key_layer_scaling else 1)
         context = attend(q, k, v, scale, is_causal=mask_type == AttnMaskType.causal and sq > 1)
-        return context.to(query.dtype).permute(2, 0, 1, 3).reshape(sq, batch, self.hidden_size_per_partition)
+        # contiguous [sq, b, heads, d] (one pass with the cast): a strided one reaches linear_proj, whose
+        # torch.matmul does not fold it into one GEMM without autograd but runs a bmm over sq copies of the
+        # weight (queries laid out [b, sq] - the embedded engine's prefill: 3.6 ms instead of 0.3 ms per layer)
+        context = context.permute(2, 0, 1, 3).to(query.dtype, memory_format=torch.contiguous_format).contiguous()
+        return context.view(sq, batch, self.hidden_size_per_partition)
 
 
 def attention_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:

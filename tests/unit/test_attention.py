@@ -137,3 +137,20 @@ def test_layer_uses_sdpa_only_when_configured():
     assert chosen(core_attention="sdpa", params_dtype="float32") is SDPAttention
     with pytest.raises(ConfigError, match="model.core_attention='flash'"):
         ModelConfig(core_attention="flash").resolved()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batch_major_queries_give_a_contiguous_context(dtype):
+    """Queries stored batch-major ([b, s] in memory, as megatron lays out the embedded engine's prefill): the
+    context equals the sequence-major call's bit for bit and comes back contiguous [s, b, h] - a strided one
+    makes linear_proj's matmul (without autograd) a bmm over s copies of its weight instead of one GEMM."""
+    attention = _build(SDPAttention, dtype=dtype)
+    q, k, v = (t.detach() for t in _inputs(6, 6, batch=4, dtype=dtype))
+    batch_major = [t.transpose(0, 1).contiguous().transpose(0, 1) for t in (q, k, v)]
+    assert not batch_major[0].is_contiguous()
+    with torch.no_grad():
+        out = attention(*batch_major, None)
+        expected = attention(q, k, v, None)
+    assert out.is_contiguous()
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    assert _relative(out, _reference(q, k, v, causal=True)) < (2**-8 if dtype == torch.bfloat16 else 1e-5)
