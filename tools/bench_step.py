@@ -37,8 +37,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def gemm_rate(rows: int, hidden: int, ffn: int, dtype: str = "float32", repeats: int = 5) -> float:
-    """Best FLOP/s of [rows, hidden] x [hidden, ffn] in ``dtype`` on this machine."""
+def gemm_rate(rows: int, hidden: int, ffn: int, dtype: str = "float32", repeats: int = 20) -> float:
+    """Best FLOP/s of [rows, hidden] x [hidden, ffn] in ``dtype`` on this machine (the best of ``repeats``: a
+    floor taken from a transiently slow machine would flatter the step - 5 repeats once measured half the rate)."""
     import time
 
     import torch
@@ -52,7 +53,7 @@ def gemm_rate(rows: int, hidden: int, ffn: int, dtype: str = "float32", repeats:
     return 2 * rows * hidden * ffn / best
 
 
-def memory_bandwidth(nbytes: int = 1 << 29, repeats: int = 5) -> float:
+def memory_bandwidth(nbytes: int = 1 << 29, repeats: int = 10) -> float:
     """Best bytes/s of one read pass over a buffer larger than the caches."""
     import time
 
@@ -65,6 +66,20 @@ def memory_bandwidth(nbytes: int = 1 << 29, repeats: int = 5) -> float:
         x.sum()
         best = min(best, time.perf_counter() - start)
     return nbytes / best
+
+
+def best_rates(rows: int, hidden: int, ffn: int, dtype: str, rounds: int = 3, pause_s: float = 1.0) -> tuple:
+    """(GEMM FLOP/s, memory bytes/s): the best of ``rounds`` measurements ``pause_s`` apart, so that a noisy
+    neighbour's burst does not lower the floor."""
+    import time
+
+    rates, bandwidths = [], []
+    for i in range(rounds):
+        if i:
+            time.sleep(pause_s)
+        rates.append(gemm_rate(rows, hidden, ffn, dtype))
+        bandwidths.append(memory_bandwidth())
+    return max(rates), max(bandwidths)
 
 
 def model_shape(model) -> dict:
@@ -156,8 +171,7 @@ def main(argv=None) -> int:
     print(f"{'step':<16}{step:>10.4f}{1:>10.1%}   tokens/s {median('throughput/tokens_per_s'):.0f}")
     shape = model_shape(cfg.model)
     dtype = cfg.model.params_dtype
-    rate = gemm_rate(int(median("batch/tokens")), shape["hidden"], shape["ffn"], dtype)
-    bandwidth = memory_bandwidth()
+    rate, bandwidth = best_rates(int(median("batch/tokens")), shape["hidden"], shape["ffn"], dtype)
     floor = step_floor(cfg.model, records, cfg.train.prompts_per_step * cfg.train.group_size,
                        cfg.rollout.sampling.max_new_tokens, rate, bandwidth, 4 if dtype == "float32" else 2)
     print(f"floor: {dtype} GEMM {rate / 1e9:.1f} GFLOP/s, memory {bandwidth / 1e9:.1f} GB/s, "
