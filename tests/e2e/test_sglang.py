@@ -38,9 +38,10 @@ def models(tmp_path_factory):
     return {name: make_hf_model("qwen2", root / name, seed=seed) for name, seed in (("a", 0), ("b", 1))}
 
 
-def _engine(tmp_path, model_dir, *faults, port=None, sync="from_disk", **cfg):
+def _engine(tmp_path, model_dir, *faults, sync="from_disk", **cfg):
     cfg.setdefault("server_module", TEST_SERVER)
-    config = SGLangConfig(port=port or server_port(), weight_sync=sync, sync_dir=str(tmp_path / "sync"),
+    cfg.setdefault("port", server_port())
+    config = SGLangConfig(weight_sync=sync, sync_dir=str(tmp_path / "sync"),
                           extra_args=list(faults), startup_timeout_s=120, backoff_s=0.05, **cfg)
     weight_sync = {"from_disk": lambda: FromDisk(config, _model(model_dir)), "from_tensor": lambda: FromTensor(config),
                    "from_distributed": lambda: FromDistributed(config, backend="gloo")}[sync]()
@@ -57,7 +58,7 @@ def _model(model_dir):
 def clean(models, tmp_path_factory):
     """One fault-free server on model a, synced to version 1 = model a (from disk)."""
     tmp = tmp_path_factory.mktemp("clean")
-    engine = _engine(tmp, models["a"], port=server_port())
+    engine = _engine(tmp, models["a"])
     engine.update_weights(_hf_tensors(models["a"]), 1)
     yield engine
     engine.shutdown()
@@ -107,7 +108,7 @@ def test_weight_sync_strategies_load_the_pushed_weights(tmp_path, models, clean,
     clean.update_weights(_hf_tensors(models["a"]), 3)
     want_a = clean.generate(PROMPTS, SAMPLING, seed=11)
     assert [c.response_ids for c in want_a] != [c.response_ids for c in want_b]
-    engine = _engine(tmp_path, models["a"], port=server_port(), sync=sync)
+    engine = _engine(tmp_path, models["a"], sync=sync)
     try:
         engine.update_weights(_hf_tensors(models["b"]), 7)
         got = engine.generate(PROMPTS, SAMPLING, seed=11)
@@ -123,7 +124,7 @@ def test_5xx_timeouts_and_dropped_connections_are_retried_without_loss(tmp_path,
     clean.update_weights(_hf_tensors(models["a"]), 4)
     want = clean.generate(PROMPTS, SAMPLING, seed=21)
     engine = _engine(tmp_path, models["a"], "--fault-500-every", "3", "--fault-drop-every", "5",
-                     "--fault-delay-every", "7", "--fault-delay-s", "3", port=server_port(), request_timeout_s=1.5,
+                     "--fault-delay-every", "7", "--fault-delay-s", "3", request_timeout_s=1.5,
                      max_concurrency=4, max_retries=10)
     try:
         engine.update_weights(_hf_tensors(models["a"]), 4)
@@ -138,7 +139,7 @@ def test_killed_server_is_restarted_resynced_and_requests_reissued(tmp_path, mod
     clean.update_weights(_hf_tensors(models["b"]), 5)
     want = clean.generate(PROMPTS, SAMPLING, seed=31)
     engine = _engine(tmp_path, models["a"], "--fault-exit-at", "4", "--fault-marker", str(tmp_path / "died"),
-                     port=server_port(), max_retries=1, max_concurrency=2)
+                     max_retries=1, max_concurrency=2)
     try:
         engine.update_weights(_hf_tensors(models["b"]), 5)  # the restarted server must get b back, not a
         got = engine.generate(PROMPTS, SAMPLING, seed=31)
@@ -175,7 +176,7 @@ def test_colocated_release_and_resume_around_generation_and_updates(tmp_path, mo
 
 
 def test_malformed_response_is_an_error_naming_the_field(tmp_path, models):
-    engine = _engine(tmp_path, models["a"], "--fault-bad-every", "2", port=server_port())
+    engine = _engine(tmp_path, models["a"], "--fault-bad-every", "2")
     try:
         engine.update_weights(_hf_tensors(models["a"]), 1)
         with pytest.raises(ResponseError, match="meta_info.output_token_logprobs"):
@@ -287,7 +288,7 @@ def test_corrupt_values_are_retried_like_a_5xx_without_loss(tmp_path, models, cl
 
     clean.update_weights(_hf_tensors(models["a"]), 5)
     want = clean.generate(PROMPTS, SAMPLING, seed=22)
-    engine = _engine(tmp_path, models["a"], "--fault-corrupt-every", "2", port=server_port(), max_concurrency=1,
+    engine = _engine(tmp_path, models["a"], "--fault-corrupt-every", "2", max_concurrency=1,
                      max_retries=3)
     engine.vocab_size = _model(models["a"]).vocab_size
     try:
@@ -307,7 +308,7 @@ def test_server_dying_during_a_weight_update_is_restarted_and_updated(tmp_path, 
     clean.update_weights(_hf_tensors(models["b"]), 7)
     want = clean.generate(PROMPTS, SAMPLING, seed=51)
     engine = _engine(tmp_path, models["a"], "--fault-exit-on-update", "2", "--fault-marker", str(tmp_path / "died"),
-                     port=server_port(), sync=sync, max_retries=1)
+                     sync=sync, max_retries=1)
     try:
         engine.update_weights(_hf_tensors(models["a"]), 1)
         committed = engine.sync.committed
@@ -324,7 +325,7 @@ def test_server_dying_during_a_weight_update_is_restarted_and_updated(tmp_path, 
 def test_weight_sync_retention_touches_only_the_runs_own_versions(tmp_path, models):
     user_dir = tmp_path / "sync" / "version_000001_user_notes"
     user_dir.mkdir(parents=True)
-    engine = _engine(tmp_path, models["a"], port=server_port())
+    engine = _engine(tmp_path, models["a"])
     try:
         for version in (1, 2, 3):
             engine.update_weights(_hf_tensors(models["a"]), version)
@@ -340,7 +341,7 @@ def test_managed_servers_get_a_per_engine_api_key(tmp_path, models, monkeypatch)
     import requests
 
     monkeypatch.delenv("MEGATRON_KL_SGLANG_API_KEY", raising=False)
-    engine = _engine(tmp_path, models["a"], port=server_port())
+    engine = _engine(tmp_path, models["a"])
     try:
         assert engine.api_key and len(engine.api_key) == 32
         assert "--api-key" in engine.servers[0].command
