@@ -1,10 +1,13 @@
 """Spawn N ranks on this machine and run a function in each.
 
 ``run_ranks(fn, world_size, *args)`` starts ``world_size`` spawned processes that join one process group
-(gloo on CPU, nccl when there are enough GPUs) through a file rendezvous, calls ``fn(rank, world_size,
+(nccl with one GPU per rank when there are enough GPUs; gloo otherwise, the ranks then seeing no GPU, so that they
+run the CPU path whole instead of placing models on a GPU that gloo's collectives cannot serve) through a file
+rendezvous, calls ``fn(rank, world_size,
 *args)`` in each and returns the per-rank return values. A failing rank's traceback is raised in the
 parent; a rank that hangs past ``timeout_s`` kills the whole group and fails with a clear message.
-``fn`` must be importable (module-level) so the spawned children can find it.
+``fn`` must be importable (module-level) so the spawned children can find it. Tensors in the returned values
+(nested in dicts, lists and tuples) come back on the CPU.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import os
 import queue
 import tempfile
 import traceback
+from contextlib import contextmanager
 from datetime import timedelta
 
 import torch
@@ -28,21 +32,46 @@ def _backend(world_size: int) -> str:
     return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "gloo"
 
 
-def _worker(rank, world_size, init_file, fn, args, results, threads):
+def _to_cpu(value):
+    if isinstance(value, torch.Tensor):
+        return value.cpu()
+    if isinstance(value, dict):
+        return type(value)((key, _to_cpu(item)) for key, item in value.items())
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        return type(value)(_to_cpu(item) for item in value)
+    return value
+
+
+@contextmanager
+def _gpus_hidden(hide: bool):
+    """Within: CUDA_VISIBLE_DEVICES is empty (when ``hide``), so processes started here see no GPU."""
+    previous = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if hide:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    try:
+        yield
+    finally:
+        if hide:
+            if previous is None:
+                del os.environ["CUDA_VISIBLE_DEVICES"]
+            else:
+                os.environ["CUDA_VISIBLE_DEVICES"] = previous
+
+
+def _worker(rank, world_size, init_file, fn, args, results, threads, backend):
     try:
         import warnings
 
         warnings.filterwarnings("ignore")
         torch.set_num_threads(threads)
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
-        backend = _backend(world_size)
         if backend == "nccl":
             torch.cuda.set_device(rank)
         torch.distributed.init_process_group(
             backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size,
             timeout=timedelta(seconds=120),
         )
-        value = fn(rank, world_size, *args)
+        value = _to_cpu(fn(rank, world_size, *args))  # a GPU rank's tensors come back on the CPU
         buffer = io.BytesIO()  # plain bytes: shared-memory tensors would die with this process
         torch.save(value, buffer)
         results.put((rank, True, buffer.getvalue()))
@@ -60,14 +89,16 @@ def run_ranks(fn, world_size: int, *args, timeout_s: float = 300.0, threads_per_
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks; return values by rank."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
+    backend = _backend(world_size)
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rendezvous")
         procs = [
-            ctx.Process(target=_worker, args=(r, world_size, init_file, fn, args, results, threads_per_rank))
+            ctx.Process(target=_worker, args=(r, world_size, init_file, fn, args, results, threads_per_rank, backend))
             for r in range(world_size)
         ]
-        for p in procs:
-            p.start()
+        with _gpus_hidden(backend == "gloo" and torch.cuda.is_available()):  # spawned children copy os.environ
+            for p in procs:
+                p.start()
         values: dict[int, object] = {}
         failures: dict[int, str] = {}
         try:

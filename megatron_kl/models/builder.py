@@ -133,6 +133,13 @@ def build_gpt_model(model: ModelConfig, parallel: ParallelConfig, vp_stage: Opti
         # what megatron's Float16Module does on a GPU: every parameter in the 16-bit dtype (the local spec's
         # torch RMSNorm creates float32 weights), so the mixed-precision optimizer keeps one fp32 main copy each
         gpt.to(config.params_dtype)
+    if torch.cuda.is_available():
+        # built on the CPU (use_cpu_initialization: the same initial weights in every TP/PP layout), then moved to
+        # this rank's GPU, as Megatron-LM's get_model does
+        gpt.cuda(torch.cuda.current_device())
+        for module in gpt.modules():  # RoPE's inverse frequencies are a plain attribute, not a buffer
+            if isinstance(getattr(module, "inv_freq", None), torch.Tensor):
+                module.inv_freq = module.inv_freq.cuda(torch.cuda.current_device())
     return gpt
 
 

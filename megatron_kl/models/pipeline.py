@@ -25,6 +25,7 @@ from megatron_kl.kl.fused_linear import default_chunk_rows, fused_linear_stats
 from megatron_kl.kl.vocab_parallel import DEFAULT_CHUNK, VocabParallelStats, fused_stats
 from megatron_kl.models.fused_loss import single_pass_loss
 from megatron_kl.models.output_head import ReferenceHead, bypass_output_layer, fused_layout, output_weight, unwrap
+from megatron_kl.models.parallel import collective_device
 
 # loss_fn(stats, microbatch) -> (loss, metrics). `loss` is this microbatch's share of the global loss
 # (already divided by the global normaliser), so the microbatch shares add up to the batch loss.
@@ -180,9 +181,10 @@ def _forward_step(vocab: VocabOptions, loss_fn: LossFn, num_microbatches: int, f
                   reference: Optional[ReferenceHead], data_iterator, model):
     from megatron.core import parallel_state
 
-    mb = next(data_iterator)
     device = next(model.parameters()).device
-    tokens = mb["tokens"].to(device)
+    mb = {key: value.to(device) if isinstance(value, torch.Tensor) and key != "rows" else value
+          for key, value in next(data_iterator).items()}
+    tokens = mb["tokens"]
     position_ids = torch.arange(tokens.shape[1], device=device).unsqueeze(0).expand_as(tokens)
     inner = unwrap(model)
     single_pass = vocab.grad_in_forward and getattr(loss_fn, "row_separable", False) and not forward_only
@@ -260,12 +262,10 @@ def broadcast_from_last_stage(tensor: Optional[torch.Tensor], shape, dtype) -> t
     group = parallel_state.get_pipeline_model_parallel_group()
     if dist.get_world_size(group) == 1:
         return tensor
-    if tensor is None:
-        tensor = torch.empty(shape, dtype=dtype)
-    src = dist.get_global_rank(group, dist.get_world_size(group) - 1)
-    tensor = tensor.contiguous()
-    dist.broadcast(tensor, src=src, group=group)
-    return tensor
+    device = collective_device(group)
+    tensor = torch.empty(shape, dtype=dtype, device=device) if tensor is None else tensor.to(device).contiguous()
+    dist.broadcast(tensor, src=dist.get_global_rank(group, dist.get_world_size(group) - 1), group=group)
+    return tensor.cpu()
 
 
 def masked_token_stats(stats: VocabParallelStats, mb: dict, keys) -> dict:

@@ -17,6 +17,8 @@ from typing import Callable, Iterator, Mapping, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_kl.models.parallel import collective_device
+
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
 
@@ -106,8 +108,9 @@ def iter_full_state(
                     tensor = tensor[:vocab_size]
                 tensor = tensor.contiguous()
             else:
-                tensor = torch.empty(shape, dtype=dtype)
+                tensor = torch.empty(shape, dtype=dtype, device=collective_device(pp_group))
             if pp_size > 1:
+                tensor = tensor.to(collective_device(pp_group))
                 dist.broadcast(tensor, src=dist.get_global_rank(pp_group, stage), group=pp_group)
             yield name, tensor.cpu()
 

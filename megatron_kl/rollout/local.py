@@ -144,6 +144,7 @@ class _Rows:
 
     def record(self, position: torch.Tensor, sampled, sampled_logprobs, generating: torch.Tensor) -> None:
         """The ``generating`` rows' sampled tokens at their ``position [B]``; marks rows done."""
+        sampled, sampled_logprobs = sampled.cpu(), sampled_logprobs.cpu()  # the model's device -> the batch's
         rows = torch.arange(position.shape[0])
         self.tokens[rows, position] = torch.where(generating, sampled, self.tokens[rows, position])
         self.logprobs[rows, position] = torch.where(generating, sampled_logprobs, self.logprobs[rows, position])
@@ -188,6 +189,7 @@ class LocalEngine:
 
             kernels.install()
         self.model = freeze([build_gpt_model(model, parallel, pg_collection=groups, flash_decode=flash_decode)])[0]
+        self.device = next(self.model.parameters()).device
         self.cache_dtype = self._cache_dtype(flash_decode)
         self.weight_version = 0
         self.share_policy_weights = share_policy_weights
@@ -233,7 +235,8 @@ class LocalEngine:
         return out
 
     def _forward(self, tokens: torch.Tensor, offset: int, context) -> torch.Tensor:
-        positions = torch.arange(offset, offset + tokens.shape[1]).unsqueeze(0).expand_as(tokens)
+        tokens = tokens.to(self.device)
+        positions = torch.arange(offset, offset + tokens.shape[1], device=self.device).unsqueeze(0).expand_as(tokens)
         logits = self.model(tokens, positions, None, inference_context=context, runtime_gather_output=True)
         context.sequence_len_offset += tokens.shape[1]
         return logits[:, -1, : self.model_config.vocab_size].float()
@@ -246,6 +249,7 @@ class LocalEngine:
 
         batch = prefix.shape[0]
         distinct, row_of = torch.unique(prefix, dim=0, return_inverse=True)
+        row_of = row_of.to(self.device)
         if distinct.shape[0] == batch:
             return self._prefill_rows(prefix, total)
         shared, logits = self._prefill_rows(distinct, total)
@@ -320,6 +324,7 @@ class LocalEngine:
         for length in sorted(set(prompt_len.tolist())):
             rows = torch.nonzero(prompt_len == length).flatten()
             part, part_logits = self._prefill(tokens[rows, :length], total)
+            rows = rows.to(self.device)
             if logits is None:
                 logits = part_logits.new_empty(batch, part_logits.shape[-1])
                 context.key_value_memory_dict = {

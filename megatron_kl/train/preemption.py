@@ -69,8 +69,9 @@ class StopSignals:
         """Collective over ``group`` (default: the world): the signal some rank received, or None."""
         value = self.received or 0
         if dist.is_initialized() and dist.get_world_size(group) > 1:
-            device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
-            flag = torch.tensor([value], dtype=torch.int64, device=device)
+            from megatron_kl.models.parallel import collective_device
+
+            flag = torch.tensor([value], dtype=torch.int64, device=collective_device(group))
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
             value = int(flag.item())
         return signal.Signals(value).name if value else None

@@ -6,6 +6,7 @@ import torch.distributed as dist
 
 from megatron_kl.kl.fused_linear import fused_linear_grads, fused_linear_stats
 from megatron_kl.kl.vocab_parallel import fused_stats, full_kl
+from tests.distributed.devices import rank_device, to_device
 
 
 def near_reference_inputs(case: dict) -> dict:
@@ -31,7 +32,7 @@ def near_reference_worker(rank, world, cases):
     group = dist.group.WORLD
     results = []
     for case in cases:
-        data = near_reference_inputs(case)
+        data = to_device(near_reference_inputs(case), rank_device())
         tau = case["temperature"]
         weights = data["weights"].float()
         if case["api"].startswith("fused_linear"):

@@ -6,6 +6,7 @@ import torch.distributed as dist
 
 from megatron_kl.kl.fused_linear import fused_linear_stats
 from megatron_kl.kl.vocab_parallel import fused_stats
+from tests.distributed.devices import rank_device, to_device
 
 
 def make_case(case: dict):
@@ -35,7 +36,7 @@ def fused_linear_worker(rank, world, cases):
     group = dist.group.WORLD
     results = []
     for case in cases:
-        full = make_case(case)
+        full = to_device(make_case(case), rank_device())
         dtype = getattr(torch, case["dtype"])
         sp = case.get("sequence_parallel", False) and world > 1
         hidden_full = full["hidden"].to(dtype)
@@ -79,7 +80,7 @@ def single_pass_worker(rank, world, cases):
     group = dist.group.WORLD
     results = []
     for case in cases:
-        full = make_case(case)
+        full = to_device(make_case(case), rank_device())
         dtype = getattr(torch, case["dtype"])
         hidden = full["hidden"].to(dtype)
         weight = full["weight"].chunk(world, dim=0)[rank].to(dtype).contiguous()

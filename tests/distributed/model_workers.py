@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import torch
 import torch.distributed as dist
@@ -203,6 +204,9 @@ def adam_kernel_worker(rank, world, model_cfg: ModelConfig, tokens, loss_mask, o
     ``fused`` flags and how often torch's fused Adam kernels ran."""
     import collections
 
+    if torch.cuda.is_available():  # two runs compared bit-near: no atomics-ordered reductions (embedding backward)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
     calls = collections.Counter()
     for name in ("_fused_adam_", "_fused_adamw_"):
         kernel = getattr(torch, name)

@@ -111,7 +111,7 @@ def shared_engine_worker(rank, world, model_dict: dict, prompts, sampling_dict: 
     out["before"] = (generate(shared), generate(copied))
     with torch.no_grad():  # an optimizer step: in place
         for p in params.values():
-            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)) * 0.5)
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)).to(p.device) * 0.5)
     out["after_step"] = (generate(shared), generate(copied))
     copied.update_weights(policy, version=2)
     out["after_sync"] = (generate(shared), generate(copied))

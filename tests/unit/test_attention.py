@@ -21,6 +21,8 @@ from megatron.core.transformer.enums import AttnMaskType  # noqa: E402
 from megatron_kl.models.attention import SDPAttention  # noqa: E402
 
 HEADS, GROUPS, DIM = 6, 2, 8
+# megatron's DotProductAttention computes where its score buffer lives: the current GPU where CUDA exists
+DEVICE = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 SINGLE_RANK = types.SimpleNamespace(tp=types.SimpleNamespace(size=lambda: 1, rank=lambda: 0))
 
 
@@ -43,16 +45,16 @@ def _reference(query, key, value, causal: bool):
     scores = torch.einsum("ibhd,jbhd->bhij", q, k) / DIM**0.5
     if causal:
         sq, sk = scores.shape[-2:]
-        scores = scores.masked_fill(torch.ones(sq, sk, dtype=torch.bool).triu(1), float("-inf"))
+        scores = scores.masked_fill(torch.ones(sq, sk, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
     out = torch.einsum("bhij,jbhd->ibhd", scores.softmax(-1), v)
     return out.reshape(out.shape[0], out.shape[1], HEADS * DIM)
 
 
 def _inputs(sq, sk, batch=3, scale=1.0, dtype=torch.float32, seed=0):
     g = torch.Generator().manual_seed(seed)
-    q = (torch.randn(sq, batch, HEADS, DIM, generator=g) * scale).to(dtype).requires_grad_()
-    k = (torch.randn(sk, batch, GROUPS, DIM, generator=g) * scale).to(dtype).requires_grad_()
-    v = torch.randn(sk, batch, GROUPS, DIM, generator=g).to(dtype).requires_grad_()
+    q = (torch.randn(sq, batch, HEADS, DIM, generator=g) * scale).to(DEVICE, dtype).requires_grad_()
+    k = (torch.randn(sk, batch, GROUPS, DIM, generator=g) * scale).to(DEVICE, dtype).requires_grad_()
+    v = torch.randn(sk, batch, GROUPS, DIM, generator=g).to(DEVICE, dtype).requires_grad_()
     return q, k, v
 
 
@@ -76,7 +78,7 @@ def test_matches_float64_reference_forward_and_backward(sq, sk, mask_type, scale
     expected = _reference(q64, k64, v64, causal=mask_type == AttnMaskType.causal and sq > 1)
     assert out.shape == expected.shape and out.dtype == torch.float32
     assert _relative(out, expected) < 1e-5
-    cotangent = torch.randn(expected.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    cotangent = torch.randn(expected.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64).to(DEVICE)
     out.backward(cotangent.float())
     expected.backward(cotangent)
     # Flash attention's backward recomputes the probabilities from the saved log-sum-exp: with scores ~1e3 the
@@ -90,6 +92,8 @@ def test_matches_float64_reference_forward_and_backward(sq, sk, mask_type, scale
 def test_bf16_inputs_are_computed_in_float32_on_the_cpu():
     """bf16 in, bf16 out, one rounding: within bf16's precision of the float64 result, and no less accurate
     than megatron's unfused bf16 path (bf16 scores and probabilities)."""
+    if DEVICE.type == "cuda":
+        pytest.skip("16-bit attention runs in its own dtype on a GPU (attention_dtype)")
     sdpa = _build(SDPAttention, dtype=torch.bfloat16)
     unfused = _build(DotProductAttention, dtype=torch.bfloat16)
     for sq, sk in ((1, 33), (9, 9)):
@@ -112,11 +116,11 @@ def test_explicit_mask_is_handed_to_megatron():
     """An attention_mask tensor (True = masked) is megatron's to apply: the output is DotProductAttention's."""
     sdpa, unfused = _build(SDPAttention), _build(DotProductAttention)
     q, k, v = _inputs(5, 5)
-    mask = torch.zeros(1, 1, 5, 5, dtype=torch.bool)
+    mask = torch.zeros(1, 1, 5, 5, dtype=torch.bool, device=DEVICE)
     mask[..., 3] = True  # nobody attends to position 3
     out = sdpa(q, k, v, mask, attn_mask_type=AttnMaskType.padding)
     torch.testing.assert_close(out, unfused(q, k, v, mask, attn_mask_type=AttnMaskType.padding), rtol=0, atol=0)
-    keep = torch.tensor([0, 1, 2, 4])
+    keep = torch.tensor([0, 1, 2, 4], device=DEVICE)
     expected = _reference(q, k[keep], v[keep], causal=False)
     assert _relative(out, expected) < 1e-5
 

@@ -21,7 +21,8 @@ BATCH, HEADS, GROUPS, DIM, MAX_LEN = 3, 6, 2, 16, 24
 @pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize("rotary_percent", [1.0, 0.5])
 def test_rotation_from_tables_equals_megatrons_training_rope(dtype, interleaved, rotary_percent):
-    rope = RotaryEmbedding(DIM, rotary_percent, rotary_interleaved=interleaved, rotary_base=10000)
+    rope = RotaryEmbedding(DIM, rotary_percent, rotary_interleaved=interleaved, rotary_base=10000,
+                           use_cpu_initialization=True)  # a CPU kernel test, also where CUDA exists
     positions = 11
     x = (torch.randn(positions, BATCH, HEADS, DIM, generator=torch.Generator().manual_seed(0)) * 30).to(dtype)
     expected = _apply_rotary_pos_emb_bshd(x, rope(positions), rotary_interleaved=interleaved)  # [s, b, h, d]
@@ -57,7 +58,7 @@ def _reference(q, cache_k, cache_v, visible):
                                                      (torch.float32, torch.float32, 20.0)],
                          ids=["fp32", "bf16-fp32-cache", "bf16", "large-scores"])
 def test_kv_cache_attention_matches_float64_reference(new, causal, dtype, cache_dtype, scale):
-    rope = RotaryEmbedding(DIM, 1.0, rotary_base=10000)
+    rope = RotaryEmbedding(DIM, 1.0, rotary_base=10000, use_cpu_initialization=True)
     cos, sin = rope.get_cos_sin(MAX_LEN)
     g = torch.Generator().manual_seed(1)
     start = 9
@@ -106,7 +107,7 @@ def test_ragged_rows_decode_each_row_at_its_true_position_and_skip_its_gap(dtype
     query and key of row b are rotated at its true position slot - (L - len_b), the gap [len_b, L) is never
     attended - here it holds large finite garbage (the contract: finite; the engine zeroes it), which must not
     leak - and a row without a gap is computed as without the context. float64 reference per row over the row's own keys only."""
-    rope = RotaryEmbedding(DIM, 1.0, rotary_base=10000)
+    rope = RotaryEmbedding(DIM, 1.0, rotary_base=10000, use_cpu_initialization=True)
     cos, sin = rope.get_cos_sin(MAX_LEN)
     g = torch.Generator().manual_seed(2)
     lengths, frame_start, steps_done = torch.tensor([7, 3, 1]), 7, 2  # two tokens already decoded
