@@ -27,11 +27,6 @@ def collective_device(group=None) -> torch.device:
     return torch.device("cpu")
 
 
-def model_device() -> torch.device:
-    """Where models live: this rank's CUDA device where CUDA is available, else the CPU."""
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-
-
 def initialize(model: ModelConfig, parallel: ParallelConfig, seed: int = 1234) -> None:
     """Create the global group (from torchrun-style env vars if needed) and megatron's TP/PP groups, all
     with ``parallel.distributed_timeout_s``.

@@ -108,7 +108,7 @@ def iter_full_state(
                     tensor = tensor[:vocab_size]
                 tensor = tensor.contiguous()
             else:
-                tensor = torch.empty(shape, dtype=dtype, device=collective_device(pp_group))
+                tensor = torch.empty(shape, dtype=dtype)
             if pp_size > 1:
                 tensor = tensor.to(collective_device(pp_group))
                 dist.broadcast(tensor, src=dist.get_global_rank(pp_group, stage), group=pp_group)
