@@ -32,13 +32,14 @@ def _backend(world_size: int) -> str:
     return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "gloo"
 
 
-def _to_cpu(value):
+def to_device(value, device):
+    """``value`` with its tensors (nested in dicts, lists and tuples) moved to ``device``; the rest as it is."""
     if isinstance(value, torch.Tensor):
-        return value.cpu()
+        return value.to(device)
     if isinstance(value, dict):
-        return type(value)((key, _to_cpu(item)) for key, item in value.items())
+        return type(value)((key, to_device(item, device)) for key, item in value.items())
     if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
-        return type(value)(_to_cpu(item) for item in value)
+        return type(value)(to_device(item, device) for item in value)
     return value
 
 
@@ -71,7 +72,7 @@ def _worker(rank, world_size, init_file, fn, args, results, threads, backend):
             backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size,
             timeout=timedelta(seconds=120),
         )
-        value = _to_cpu(fn(rank, world_size, *args))  # a GPU rank's tensors come back on the CPU
+        value = to_device(fn(rank, world_size, *args), "cpu")  # a GPU rank's tensors come back on the CPU
         buffer = io.BytesIO()  # plain bytes: shared-memory tensors would die with this process
         torch.save(value, buffer)
         results.put((rank, True, buffer.getvalue()))

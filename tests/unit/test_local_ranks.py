@@ -24,15 +24,15 @@ def test_gpus_hidden_only_while_starting_and_restored(monkeypatch):
 
 def test_values_come_back_on_the_cpu_with_their_structure():
     Pair = collections.namedtuple("Pair", "a b")
-    meta = torch.empty(2, 3, device="meta")  # a non-CPU tensor on any machine (no data: .cpu() is spied on)
+    meta = torch.empty(2, 3, device="meta")  # a non-CPU tensor on any machine (no data: .to() is spied on)
     value = {"x": [meta, (1, "s")], "pair": Pair(1, 2), "n": 3}
     moved = []
-    original = torch.Tensor.cpu
-    torch.Tensor.cpu = lambda self: moved.append(tuple(self.shape)) or original(torch.zeros(self.shape))
+    original = torch.Tensor.to
+    torch.Tensor.to = lambda self, device: moved.append((tuple(self.shape), device)) or torch.zeros(self.shape)
     try:
-        out = local_ranks._to_cpu(value)
+        out = local_ranks.to_device(value, "cpu")
     finally:
-        torch.Tensor.cpu = original
-    assert moved == [(2, 3)]
+        torch.Tensor.to = original
+    assert moved == [((2, 3), "cpu")]
     assert out["x"][0].device.type == "cpu" and out["x"][1] == (1, "s") and out["n"] == 3
     assert out["pair"] == Pair(1, 2)
