@@ -27,6 +27,13 @@ def collective_device(group=None) -> torch.device:
     return torch.device("cpu")
 
 
+def all_reduce_cpu(tensor: torch.Tensor, group=None, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """All-reduce of a CPU tensor over ``group``, on the device the group's backend takes; the result on the CPU."""
+    tensor = tensor.to(collective_device(group))
+    dist.all_reduce(tensor, op=op, group=group)
+    return tensor.cpu()
+
+
 def initialize(model: ModelConfig, parallel: ParallelConfig, seed: int = 1234) -> None:
     """Create the global group (from torchrun-style env vars if needed) and megatron's TP/PP groups, all
     with ``parallel.distributed_timeout_s``.

@@ -249,10 +249,10 @@ class LocalEngine:
 
         batch = prefix.shape[0]
         distinct, row_of = torch.unique(prefix, dim=0, return_inverse=True)
-        row_of = row_of.to(self.device)
         if distinct.shape[0] == batch:
             return self._prefill_rows(prefix, total)
         shared, logits = self._prefill_rows(distinct, total)
+        row_of = row_of.to(self.device)
         context = StaticInferenceContext(batch, total)
         # megatron's static cache: per layer (keys, values), each [max_sequence, max_batch, groups, head_dim]
         context.key_value_memory_dict = {layer: tuple(t.index_select(1, row_of) for t in kv)

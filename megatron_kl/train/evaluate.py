@@ -10,6 +10,7 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
+from megatron_kl.models.parallel import all_reduce_cpu
 from megatron_kl.rollout.engine import SamplingConfig
 
 
@@ -29,11 +30,7 @@ def evaluate(engine, task, split: str, sampling: SamplingConfig, k: int, tempera
         float(len(problems)),
     ], dtype=torch.float64)
     if dp_group is not None and dist.get_world_size(dp_group) > 1:
-        from megatron_kl.models.parallel import collective_device
-
-        sums = sums.to(collective_device(dp_group))
-        dist.all_reduce(sums, group=dp_group)
-        sums = sums.cpu()
+        sums = all_reduce_cpu(sums, dp_group)
     n = max(float(sums[2]), 1.0)
     return {f"eval/{split}/pass@1": float(sums[0]) / n, f"eval/{split}/mean@{k}": float(sums[1]) / n}
 

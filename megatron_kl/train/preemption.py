@@ -20,6 +20,8 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron_kl.models.parallel import all_reduce_cpu
+
 log = logging.getLogger("megatron_kl.train")
 
 REQUEUE_EXIT_CODE = 75  # EX_TEMPFAIL: stopped early with a checkpoint; run the same command again to resume
@@ -69,11 +71,7 @@ class StopSignals:
         """Collective over ``group`` (default: the world): the signal some rank received, or None."""
         value = self.received or 0
         if dist.is_initialized() and dist.get_world_size(group) > 1:
-            from megatron_kl.models.parallel import collective_device
-
-            flag = torch.tensor([value], dtype=torch.int64, device=collective_device(group))
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-            value = int(flag.item())
+            value = int(all_reduce_cpu(torch.tensor([value], dtype=torch.int64), group, dist.ReduceOp.MAX))
         return signal.Signals(value).name if value else None
 
     def close(self) -> None:

@@ -30,7 +30,7 @@ from megatron_kl.kl.estimators import ClampCounter
 from megatron_kl.kl.objective import kl_shaped_returns
 from megatron_kl.models import optim, output_head, pipeline
 from megatron_kl.models.offload import ReferenceOffload
-from megatron_kl.models.parallel import collective_device
+from megatron_kl.models.parallel import all_reduce_cpu
 from megatron_kl.train.rollouts import RolloutBatch
 
 
@@ -115,8 +115,7 @@ def _reduce(metrics: dict, group) -> dict:
     if group is None or dist.get_world_size(group) == 1:
         return metrics
     keys = sorted(metrics)
-    values = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64, device=collective_device(group))
-    dist.all_reduce(values, group=group)
+    values = all_reduce_cpu(torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64), group)
     values /= dist.get_world_size(group)
     return dict(zip(keys, values.tolist()))
 

@@ -3,7 +3,6 @@
 import torch
 import torch.distributed as dist
 
-from megatron_kl.local_ranks import to_device  # noqa: F401 - the workers' name for it
 from megatron_kl.models.parallel import collective_device
 
 

@@ -6,7 +6,8 @@ import torch.distributed as dist
 
 from megatron_kl.kl.fused_linear import fused_linear_stats
 from megatron_kl.kl.vocab_parallel import fused_stats
-from tests.distributed.devices import rank_device, to_device
+from megatron_kl.local_ranks import to_device
+from tests.distributed.devices import rank_device
 
 
 def make_case(case: dict):

@@ -40,7 +40,8 @@ def models(tmp_path_factory):
 
 def _engine(tmp_path, model_dir, *faults, sync="from_disk", **cfg):
     cfg.setdefault("server_module", TEST_SERVER)
-    cfg.setdefault("port", server_port())
+    if "port" not in cfg:
+        cfg["port"] = server_port()
     config = SGLangConfig(weight_sync=sync, sync_dir=str(tmp_path / "sync"),
                           extra_args=list(faults), startup_timeout_s=120, backoff_s=0.05, **cfg)
     weight_sync = {"from_disk": lambda: FromDisk(config, _model(model_dir)), "from_tensor": lambda: FromTensor(config),
