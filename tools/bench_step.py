@@ -23,11 +23,17 @@ output projection included, plus attention) at the GEMM rate measured in the mod
 every new token position reads the weights once (memory-bound at these batch sizes) at the measured memory
 bandwidth, or its FLOPs at the GEMM rate when that is slower. The step is printed as a multiple of the floor; the padded
 tokens (the batch as the passes see it) and the old-log-prob pass are what the floor leaves out.
+
+Where the rest goes: one more step runs under ``torch.profiler`` (``logging.profile_steps``, left out of the
+medians; ``--no-profile`` skips it) and the self time of its GEMM ops (train/profiling.GEMM_OPS) is printed per
+phase, with the GEMMs alone as a multiple of the floor: the part of the step that is matrix products at the
+shapes the step runs (decode at a few rows, the backward's transposed operands) rather than at the floor's rate.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import tempfile
@@ -113,6 +119,8 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--trl-workload", choices=["tiny", "135m"],
                         help="tools/bench_trl.py's megatron-kl workload of this shape (built in a temporary directory)")
+    parser.add_argument("--no-profile", action="store_true",
+                        help="skip the extra profiled step (GEMM time per phase)")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
     if args.trl_workload:
@@ -140,17 +148,22 @@ def main(argv=None) -> int:
     from megatron_kl.train.loop import train
     from megatron_kl.train.metrics import read_metrics
 
+    profiled = None if args.no_profile else args.steps  # one more step, profiled, outside the medians
     with tempfile.TemporaryDirectory() as tmp:
         cfg = load_train_config(args.config, [
-            f"train.steps={args.steps}", f"train.output_dir={tmp}/run", "eval.interval=0", "checkpoint.interval=0",
-            "logging.progress=false", "logging.tensorboard=false", *args.overrides,
+            f"train.steps={args.steps + (profiled is not None)}", f"train.output_dir={tmp}/run", "eval.interval=0",
+            "checkpoint.interval=0", "logging.progress=false", "logging.tensorboard=false",
+            *([f"logging.profile_steps=[{profiled}]"] if profiled is not None else []), *args.overrides,
         ])
         _single_process_env()
         try:
             train(cfg)
         finally:
             parallel.destroy()
-        records = [r for r in read_metrics(Path(tmp) / "run" / "metrics.jsonl") if "time/step" in r][1:]
+        records = [r for r in read_metrics(Path(tmp) / "run" / "metrics.jsonl") if "time/step" in r]
+        records = [r for r in records if r["step"] != profiled][1:]
+        summary = (json.loads((Path(tmp) / "run" / "profile" / f"step_{profiled}.rank0.summary.json").read_text())
+                   if profiled is not None else None)
 
     def median(key: str) -> float:
         return statistics.median(r[key] for r in records)
@@ -181,7 +194,20 @@ def main(argv=None) -> int:
     print(f"{'floor':<16}{floor['total']:>10.4f}   step = {step / floor['total']:.2f}x the floor "
           f"(update = {phases['update'] / (0.75 * floor['training']):.2f}x its part, rollout = "
           f"{phases['rollout'] / floor['decode']:.2f}x)")
+    if summary is not None:
+        print_gemm_split(summary, floor["total"])
     return 0 if overhead / step < 0.10 else 1
+
+
+def print_gemm_split(summary: dict, floor_s: float) -> None:
+    """The profiled step's GEMM self time per phase (train/profiling.summarize) and the GEMMs alone against the
+    floor."""
+    print(f"profiled step (not in the medians; the profiler slows the other ops): {summary['step_s']:.4f} s")
+    print(f"{'phase':<16}{'GEMM s':>10}{'other ops s':>13}{'ops':>9}")
+    for name, row in summary["phases"].items():
+        if row["ops"]:
+            print(f"{name:<16}{row['gemm_s']:>10.4f}{row['ops_s'] - row['gemm_s']:>13.4f}{row['ops']:>9d}")
+    print(f"{'GEMM alone':<16}{summary['gemm_s']:>10.4f}   = {summary['gemm_s'] / floor_s:.2f}x the floor")
 
 
 if __name__ == "__main__":

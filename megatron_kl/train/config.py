@@ -122,6 +122,20 @@ class LoggingConfig:
     tensorboard: bool = True
     wandb_project: Optional[str] = None
     progress: bool = True
+    # RL steps (0-based, as in metrics.jsonl) run under torch.profiler: Chrome trace, op table and a per-phase
+    # GEMM / op-time summary in <output_dir>/profile/ (train/profiling.py); [] = none
+    profile_steps: list[int] = field(default_factory=list)
+
+    def __post_init__(self):
+        if isinstance(self.profile_steps, int) and not isinstance(self.profile_steps, bool):
+            self.profile_steps = [self.profile_steps]  # logging.profile_steps=3: that one step
+        if not isinstance(self.profile_steps, (list, tuple)):
+            raise ConfigError(f"logging.profile_steps={self.profile_steps!r} must be a list of 0-based steps, "
+                              "e.g. logging.profile_steps=[2,10]")
+        bad = [s for s in self.profile_steps if not isinstance(s, int) or isinstance(s, bool) or s < 0]
+        if bad:
+            raise ConfigError(f"logging.profile_steps={self.profile_steps}: {bad} not a step index; list 0-based "
+                              "steps (integers >= 0), e.g. logging.profile_steps=[2,10]")
 
 
 @dataclass

@@ -24,6 +24,7 @@ from megatron_kl.train.evaluate import evaluate_all
 from megatron_kl.rollout.engine import EngineLost
 from megatron_kl.train.metrics import MetricsLogger, read_metrics
 from megatron_kl.train.preemption import Requeue, StopSignals
+from megatron_kl.train.profiling import StepProfiler, phase
 from megatron_kl.train.rollouts import RolloutSource
 from megatron_kl.train.step import StepContext, rl_step
 from megatron_kl.train.warmstart import warm_start_state
@@ -145,6 +146,7 @@ def train(cfg: TrainConfig) -> dict:
                            redact_secrets(to_dict(cfg)), cfg.logging.progress, cfg.train.steps, start_step)
     dp = (dp_rank, dp_size, dp_group)
     stop = StopSignals(cfg.train.stop_signals)
+    profiler = StepProfiler(cfg.logging.profile_steps, run_dir / "profile", dist.get_rank())
     saved = {start_step: latest} if resumed is not None else {}
     finished = start_step
 
@@ -162,25 +164,28 @@ def train(cfg: TrainConfig) -> dict:
                 metrics = {}
                 if step == 0 or (cfg.eval.interval and step % cfg.eval.interval == 0):
                     metrics.update(_evaluate_all(cfg, engine, task, step, dp))
-                wait_start = time.perf_counter()
-                batch = source.get(step)
-                metrics["time/rollout_wait"] = time.perf_counter() - wait_start
-                metrics["time/rollout"] = batch.generate_seconds
-                metrics.update(rl_step(ctx, batch, step))
-                finished = step + 1  # RL steps whose update is applied (train_state.step counts optimizer steps)
-                sync_start = time.perf_counter()
-                try:
-                    source.wait()
-                    engine.update_weights(train_state.chunks, version=finished)
-                finally:  # the step is trained even if the servers are gone: its line is logged
-                    metrics["time/weight_sync"] = time.perf_counter() - sync_start
-                    metrics["time/step"] = time.perf_counter() - step_start
-                    # training throughput: the step's evaluation (if any) is not part of it
-                    train_seconds = metrics["time/step"] - metrics.get("time/eval", 0.0)
-                    metrics["throughput/response_tokens"] = batch.num_response_tokens * dp_size
-                    metrics["throughput/tokens_per_s"] = metrics["throughput/response_tokens"] / train_seconds
-                    logger.log(step, metrics)
-                    logger.advance(step + 1, metrics)
+                with profiler.step(step):  # logging.profile_steps (train/profiling.py)
+                    wait_start = time.perf_counter()
+                    with phase("rollout_wait"):
+                        batch = source.get(step)
+                    metrics["time/rollout_wait"] = time.perf_counter() - wait_start
+                    metrics["time/rollout"] = batch.generate_seconds
+                    metrics.update(rl_step(ctx, batch, step))
+                    finished = step + 1  # RL steps whose update is applied (train_state.step counts optimizer steps)
+                    sync_start = time.perf_counter()
+                    try:
+                        with phase("weight_sync"):
+                            source.wait()
+                            engine.update_weights(train_state.chunks, version=finished)
+                    finally:  # the step is trained even if the servers are gone: its line is logged
+                        metrics["time/weight_sync"] = time.perf_counter() - sync_start
+                        metrics["time/step"] = time.perf_counter() - step_start
+                        # training throughput: the step's evaluation (if any) is not part of it
+                        train_seconds = metrics["time/step"] - metrics.get("time/eval", 0.0)
+                        metrics["throughput/response_tokens"] = batch.num_response_tokens * dp_size
+                        metrics["throughput/tokens_per_s"] = metrics["throughput/response_tokens"] / train_seconds
+                        logger.log(step, metrics)
+                        logger.advance(step + 1, metrics)
                 if finished == cfg.train.steps or (cfg.checkpoint.interval and finished % cfg.checkpoint.interval == 0):
                     save(finished)
                 signal_name = stop.agreed()

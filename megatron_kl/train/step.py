@@ -31,6 +31,7 @@ from megatron_kl.kl.objective import kl_shaped_returns
 from megatron_kl.models import optim, output_head, pipeline
 from megatron_kl.models.offload import ReferenceOffload
 from megatron_kl.models.parallel import all_reduce_cpu
+from megatron_kl.train.profiling import phase
 from megatron_kl.train.rollouts import RolloutBatch
 
 
@@ -152,16 +153,19 @@ def _scoring_passes(ctx: StepContext, sequences, step: int, vocab, timings: dict
     exact = needs_exact_kl(cfg, step)
     with ctx.offload.resident():
         if needs_reference(cfg, step):
-            reference = pipeline.compute_token_stats(ctx.reference, sequences, microbatches, vocab, capture_hidden=exact,
-                                                     token_budget=cfg.train.micro_batch_tokens)
+            with phase("reference"):
+                reference = pipeline.compute_token_stats(ctx.reference, sequences, microbatches, vocab,
+                                                         capture_hidden=exact, token_budget=cfg.train.micro_batch_tokens)
             if exact and reference["hidden"] is not None:
                 sequences.extras["reference_hidden"] = reference["hidden"]
         timings["time/reference"] = time.perf_counter() - start
         start = time.perf_counter()
         if cfg.algo.old_logprobs == "recompute":
-            old = pipeline.compute_token_stats(ctx.train_state.chunks, sequences, microbatches, vocab,
-                                               reference=ctx.reference_head if reference is not None and exact else None,
-                                               token_budget=cfg.train.micro_batch_tokens)
+            with phase("old_logprobs"):
+                old = pipeline.compute_token_stats(
+                    ctx.train_state.chunks, sequences, microbatches, vocab,
+                    reference=ctx.reference_head if reference is not None and exact else None,
+                    token_budget=cfg.train.micro_batch_tokens)
         timings["time/old_logprobs"] = time.perf_counter() - start
     return reference, old
 
@@ -254,7 +258,8 @@ def rl_step(ctx: StepContext, batch: RolloutBatch, step: int) -> dict:
     needs_head = reference is not None and needs_exact_kl(cfg, step) and (exact_in_loss or old is None)
 
     start = time.perf_counter()
-    metrics, captured = _update(ctx, sequences, step, vocab, ctx.reference_head if needs_head else None)
+    with phase("update"):
+        metrics, captured = _update(ctx, sequences, step, vocab, ctx.reference_head if needs_head else None)
     timings["time/update"] = time.perf_counter() - start
     old = old if old is not None else captured
 

@@ -467,3 +467,25 @@ def test_bf16_mixed_precision_trains_and_resumes_exactly(tmp_path, warm_cache):
     resumed = run_ranks(train_worker, 1, short_config(stopped, warm_cache, *common), timeout_s=300)[0]["metrics"]
     assert [r["step"] for r in resumed if "loss/total" in r] == [0, 1, 2]
     assert stable(resumed) == stable(full)
+
+
+def test_profiled_step_writes_its_trace_and_phase_summary(tmp_path, warm_cache):
+    """logging.profile_steps=[1]: step 1 (only) runs under torch.profiler; its Chrome trace holds the phase
+    ranges, and the summary puts the update's and the rollout's matrix products in their phases."""
+    cfg = short_config(tmp_path, warm_cache, "train.steps=2", "logging.profile_steps=[1]")
+    out = run_ranks(train_worker, 1, cfg, timeout_s=300)[0]
+    assert [r["step"] for r in out["metrics"] if "loss/total" in r] == [0, 1]
+    files = sorted(p.name for p in (tmp_path / "profile").iterdir())
+    assert files == ["step_1.rank0.json", "step_1.rank0.summary.json", "step_1.rank0.txt"]
+    trace = json.loads((tmp_path / "profile" / "step_1.rank0.json").read_text())
+    names = {e.get("name") for e in trace["traceEvents"]}
+    assert {"megatron_kl/rollout_wait", "megatron_kl/reference", "megatron_kl/update"} <= names
+    summary = json.loads((tmp_path / "profile" / "step_1.rank0.summary.json").read_text())
+    phases = summary["phases"]
+    for name in ("rollout_wait", "reference", "update"):
+        assert 0 < phases[name]["gemm_s"] < phases[name]["ops_s"] <= phases[name]["wall_s"], name
+    assert sum(p["wall_s"] for p in phases.values()) == pytest.approx(summary["step_s"], rel=1e-6)
+    step_1 = next(r for r in out["metrics"] if r.get("step") == 1 and "time/step" in r)
+    # the profiled block is the step without its evaluation (none at step 1), plus the logging of its line
+    assert summary["step_s"] == pytest.approx(step_1["time/step"], rel=0.25)
+    assert "aten::mm" in (tmp_path / "profile" / "step_1.rank0.txt").read_text()
