@@ -63,7 +63,7 @@ def summarize(events, step_seconds: float) -> dict:
         row["ops"] += 1
         if event.name in GEMM_OPS:
             row["gemm_s"] += self_s
-            row["gemm_device_s"] += getattr(event, "self_device_time_total", 0.0) / 1e6
+            row["gemm_device_s"] += event.self_device_time_total / 1e6
     out["other"]["wall_s"] = max(step_seconds - sum(out[n]["wall_s"] for n in PHASES), 0.0)
     return {"step_s": step_seconds, "phases": out,
             "gemm_s": sum(r["gemm_s"] for r in out.values()),
@@ -91,7 +91,7 @@ class StepProfiler:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         stem = self.out_dir / f"step_{step}.rank{self.rank}"
         prof.export_chrome_trace(str(stem) + ".json")
-        sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+        sort = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
         Path(str(stem) + ".txt").write_text(prof.key_averages().table(sort_by=sort, row_limit=60))
         summary = summarize(prof.events(), seconds)
         Path(str(stem) + ".summary.json").write_text(json.dumps(summary, indent=1))

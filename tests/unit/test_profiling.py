@@ -14,7 +14,8 @@ from megatron_kl.train.profiling import PHASES, phase, summarize
 
 def _event(name, start_us, end_us, self_us=None):
     return SimpleNamespace(name=name, time_range=SimpleNamespace(start=start_us, end=end_us),
-                           self_cpu_time_total=(end_us - start_us) if self_us is None else self_us)
+                           self_cpu_time_total=(end_us - start_us) if self_us is None else self_us,
+                           self_device_time_total=0.0)
 
 
 def test_summary_attributes_ops_by_the_range_that_holds_their_start():
