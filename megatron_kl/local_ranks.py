@@ -7,11 +7,13 @@ rendezvous, calls ``fn(rank, world_size,
 *args)`` in each and returns the per-rank return values. A failing rank's traceback is raised in the
 parent; a rank that hangs past ``timeout_s`` kills the whole group and fails with a clear message.
 ``fn`` must be importable (module-level) so the spawned children can find it. Tensors in the returned values
-(nested in dicts, lists and tuples) come back on the CPU.
+(nested in dicts, lists, tuples, named tuples and dataclasses) come back on the CPU.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import io
 import os
 import queue
@@ -33,13 +35,22 @@ def _backend(world_size: int) -> str:
 
 
 def to_device(value, device):
-    """``value`` with its tensors (nested in dicts, lists and tuples) moved to ``device``; the rest as it is."""
+    """``value`` with its tensors (nested in dicts, lists, tuples, named tuples and dataclass instances) moved to
+    ``device``; the rest as it is. A dataclass instance is copied (fields set on the copy, so init=False and
+    frozen fields are kept), never mutated."""
     if isinstance(value, torch.Tensor):
         return value.to(device)
     if isinstance(value, dict):
         return type(value)((key, to_device(item, device)) for key, item in value.items())
-    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return type(value)(*(to_device(item, device) for item in value))
+    if isinstance(value, (list, tuple)):
         return type(value)(to_device(item, device) for item in value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        moved = copy.copy(value)
+        for f in dataclasses.fields(value):
+            object.__setattr__(moved, f.name, to_device(getattr(value, f.name), device))
+        return moved
     return value
 
 
