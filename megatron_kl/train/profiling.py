@@ -11,8 +11,10 @@ The phases are the ones ``time/*`` measures, as ``record_function`` ranges (:fun
 ``reference``, ``old_logprobs``, ``update``, ``weight_sync``; ops outside them are counted under ``other``.
 GEMM ops are the matrix products a linear layer lowers to (:data:`GEMM_OPS`); on a CUDA rank their device time
 is summed too. ``tools/bench_step.py`` reads the summary to split the step into GEMM work and everything else.
-The ranges cost ~1 us each when no profiler runs; a profiled step is slower than the others (the profiler
-records every op), so benchmarks leave it out of their medians.
+Ops are placed by time, not by thread: with asynchronous rollouts (``train.staleness > 0``) the background
+generation that overlaps a phase is counted in it. The five ranges cost a few microseconds each per step when no
+profiler runs (~6 us measured on 2 CPU cores); a profiled step is slower than the others (the profiler records
+every op), so benchmarks leave it out of their medians.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import bisect
 import json
 import logging
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -81,8 +84,6 @@ class StepProfiler:
         if step not in self.steps:
             yield
             return
-        import time
-
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
         with profile(activities=activities) as prof:
             start = time.perf_counter()
