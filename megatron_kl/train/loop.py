@@ -165,20 +165,16 @@ def train(cfg: TrainConfig) -> dict:
                 if step == 0 or (cfg.eval.interval and step % cfg.eval.interval == 0):
                     metrics.update(_evaluate_all(cfg, engine, task, step, dp))
                 with profiler.step(step):  # logging.profile_steps (train/profiling.py)
-                    wait_start = time.perf_counter()
-                    with phase("rollout_wait"):
+                    with phase("rollout_wait", metrics):
                         batch = source.get(step)
-                    metrics["time/rollout_wait"] = time.perf_counter() - wait_start
                     metrics["time/rollout"] = batch.generate_seconds
                     metrics.update(rl_step(ctx, batch, step))
                     finished = step + 1  # RL steps whose update is applied (train_state.step counts optimizer steps)
-                    sync_start = time.perf_counter()
                     try:
-                        with phase("weight_sync"):
+                        with phase("weight_sync", metrics):  # time/weight_sync recorded even if it raises
                             source.wait()
                             engine.update_weights(train_state.chunks, version=finished)
                     finally:  # the step is trained even if the servers are gone: its line is logged
-                        metrics["time/weight_sync"] = time.perf_counter() - sync_start
                         metrics["time/step"] = time.perf_counter() - step_start
                         # training throughput: the step's evaluation (if any) is not part of it
                         train_seconds = metrics["time/step"] - metrics.get("time/eval", 0.0)

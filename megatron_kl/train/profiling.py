@@ -25,7 +25,7 @@ import logging
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Iterator, Optional, Sequence
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
@@ -38,11 +38,23 @@ GEMM_OPS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "
                       "aten::_int_mm", "aten::addbmm"})
 
 
-def phase(name: str):
-    """A labelled range of the step (no-op cost when nothing profiles)."""
+def phase(name: str, timings: Optional[dict] = None):
+    """A labelled range of the step; its wall seconds go to ``timings["time/<name>"]`` (also when the block
+    raises), so the logged ``time/*`` and the profiled range cover the same work."""
     if name not in PHASES:
         raise ValueError(f"unknown phase {name!r}; one of {PHASES}")
-    return record_function(PREFIX + name)
+    return _timed_range(PREFIX + name, f"time/{name}", timings)
+
+
+@contextmanager
+def _timed_range(label: str, key: str, timings: Optional[dict]) -> Iterator[None]:
+    start = time.perf_counter()
+    try:
+        with record_function(label):
+            yield
+    finally:
+        if timings is not None:
+            timings[key] = time.perf_counter() - start
 
 
 def summarize(events, step_seconds: float) -> dict:

@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import logging
 
-import time
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Optional
@@ -148,25 +147,22 @@ def _scoring_passes(ctx: StepContext, sequences, step: int, vocab, timings: dict
     from_update takes it from the update): ``(reference or None, old or None)``."""
     cfg = ctx.cfg
     microbatches = cfg.algo.minibatches * cfg.train.micro_batches
-    start = time.perf_counter()
     reference = old = None
     exact = needs_exact_kl(cfg, step)
-    with ctx.offload.resident():
-        if needs_reference(cfg, step):
-            with phase("reference"):
+    with ExitStack() as resident:
+        with phase("reference", timings):  # bringing an offloaded reference back counts here
+            resident.enter_context(ctx.offload.resident())
+            if needs_reference(cfg, step):
                 reference = pipeline.compute_token_stats(ctx.reference, sequences, microbatches, vocab,
                                                          capture_hidden=exact, token_budget=cfg.train.micro_batch_tokens)
-            if exact and reference["hidden"] is not None:
-                sequences.extras["reference_hidden"] = reference["hidden"]
-        timings["time/reference"] = time.perf_counter() - start
-        start = time.perf_counter()
-        if cfg.algo.old_logprobs == "recompute":
-            with phase("old_logprobs"):
+                if exact and reference["hidden"] is not None:
+                    sequences.extras["reference_hidden"] = reference["hidden"]
+        with phase("old_logprobs", timings):
+            if cfg.algo.old_logprobs == "recompute":
                 old = pipeline.compute_token_stats(
                     ctx.train_state.chunks, sequences, microbatches, vocab,
                     reference=ctx.reference_head if reference is not None and exact else None,
                     token_budget=cfg.train.micro_batch_tokens)
-        timings["time/old_logprobs"] = time.perf_counter() - start
     return reference, old
 
 
@@ -257,10 +253,8 @@ def rl_step(ctx: StepContext, batch: RolloutBatch, step: int) -> dict:
     exact_in_loss = kl.estimator == "full" and kl.placement == "loss" and kl.coef > 0
     needs_head = reference is not None and needs_exact_kl(cfg, step) and (exact_in_loss or old is None)
 
-    start = time.perf_counter()
-    with phase("update"):
+    with phase("update", timings):
         metrics, captured = _update(ctx, sequences, step, vocab, ctx.reference_head if needs_head else None)
-    timings["time/update"] = time.perf_counter() - start
     old = old if old is not None else captured
 
     if reference is not None:

@@ -1,6 +1,7 @@
 """logging.profile_steps: the per-phase summary attributes ops to the phase whose range holds them, and a
 profiled step of a real run writes its trace, op table and summary (tests/e2e/test_train.py runs the trainer)."""
 
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -59,3 +60,18 @@ def test_unknown_phase_and_bad_steps_are_named():
     for bad in ([-1], ["a"], [True], "abc", 1.5):
         with pytest.raises(ConfigError, match="logging.profile_steps"):
             LoggingConfig(profile_steps=bad)
+
+
+def test_phase_times_its_block_into_the_step_metrics_even_when_it_raises():
+    timings = {}
+    with phase("update", timings):
+        time.sleep(0.02)
+    assert 0.02 <= timings["time/update"] < 1.0
+    with pytest.raises(RuntimeError, match="server gone"):
+        with phase("weight_sync", timings):
+            raise RuntimeError("server gone")
+    assert 0 <= timings["time/weight_sync"] < timings["time/update"]
+    with phase("reference"):  # no dict: a range only
+        pass
+    assert set(timings) == {"time/update", "time/weight_sync"}
+
