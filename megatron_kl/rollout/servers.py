@@ -7,6 +7,7 @@ traceback.
 from __future__ import annotations
 
 import logging
+import functools
 import os
 import random
 import signal
@@ -15,6 +16,7 @@ import subprocess
 from pathlib import Path
 from typing import Callable
 
+from megatron_kl.child_processes import die_with_parent
 from megatron_kl.rollout.http import ServerUnavailable, wait_healthy
 
 log = logging.getLogger(__name__)
@@ -104,9 +106,11 @@ class ManagedServer:
         with open(self.log_path, "a") as handle:
             handle.write(f"\n==== start: {' '.join(self.command)}\n")
             handle.flush()
-            # own process group: stop() takes the server's children (TP/DP workers) with it
+            # own process group: stop() takes the server's children (TP/DP workers) with it; the kernel kills
+            # the server if the trainer dies without stopping it (kill -9: train/children.py)
             self.process = subprocess.Popen(self.command, stdout=handle, stderr=subprocess.STDOUT, env=self.env,
-                                            start_new_session=True)
+                                            start_new_session=True,
+                                            preexec_fn=functools.partial(die_with_parent, os.getpid()))
         try:
             wait_healthy(self.url, self.startup_timeout_s, alive=self.alive)
         except Exception as err:

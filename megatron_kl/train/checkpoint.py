@@ -1,18 +1,22 @@
 """Checkpoints with megatron.core.dist_checkpointing: model and optimizer as sharded tensors (any rank
 layout reads them back), plus the trainer state: step, LR schedule, RNG states (per rank), the data cursor
-(the step) and the async rollout queue.
+(the step) and the async rollout queue, and ``run.json``: the run's id and identity (train/run_dir.py).
 
-A checkpoint is written to ``step_XXXXXX.tmp``; once every rank has finished, rank 0 writes the completion
-marker ``COMPLETE`` last and renames the directory. Only ``step_<digits>`` directories with the marker
-count, so a run killed mid-save (kill -9), a stray directory or a copy in progress is never resumed from.
-A checkpoint that fails to load (missing or truncated file, empty rank file) is reported naming the file,
-and the previous complete one is used (every rank agrees on which). Everything is read with
-``torch.load(weights_only=True)``: the saved state is plain tensors, numbers, strings, lists and dicts
-(RNG states and the rollout queue are converted), so a pickle placed in a checkpoint never executes.
+A checkpoint is written to ``step_XXXXXX.tmp``; once every rank has finished, the size and SHA-256 of every
+file go into ``MANIFEST.json`` (train/manifest.py), then rank 0 writes the completion marker ``COMPLETE``
+(carrying the manifest's digest) last and renames the directory. Only ``step_<digits>`` directories with
+the marker count, so a run killed mid-save (kill -9), a stray directory or a copy in progress is never
+resumed from. Before anything of a checkpoint is read, every file is checked against the manifest: a
+missing, truncated, bit-flipped or planted file is reported naming the file, and the previous complete
+checkpoint is used (every rank agrees on which). Nothing is read with the general unpickler: our files with
+``torch.load(weights_only=True)``, DCP's ``.metadata`` and shard objects with the restricted loaders of
+train/safe_unpickle.py, so a pickle placed in a checkpoint never executes. Retention deletes only
+checkpoints of the run that is writing.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 import re
@@ -25,10 +29,13 @@ import torch
 import torch.distributed as dist
 
 from megatron_kl.models.output_head import unwrap
+from megatron_kl.train import manifest
+from megatron_kl.train.safe_unpickle import restricted_checkpoint_reads
 
 _PREFIX = "step_"
 _NAME = re.compile(r"step_(\d+)")
 MARKER = "COMPLETE"
+RUN_FILE = "run.json"  # the run's id, identity, resolved config and code version (train/run_dir.py)
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +81,18 @@ def set_rng_state(state: dict) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
 
+def read_run_record(checkpoint: Path) -> Optional[dict]:
+    try:
+        record = json.loads((Path(checkpoint) / RUN_FILE).read_text())
+        return record if isinstance(record, dict) and isinstance(record.get("identity"), dict) else None
+    except (OSError, ValueError):
+        return None
+
+
+def step_of(checkpoint: Path) -> int:
+    return int(_NAME.fullmatch(Path(checkpoint).name).group(1))
+
+
 def complete_checkpoints(directory: Path) -> list[Path]:
     """``step_<digits>`` directories with the completion marker, oldest first."""
     directory = Path(directory)
@@ -99,9 +118,10 @@ def _results_queue_without_spawn() -> None:
 
 
 def save_checkpoint(directory: Path, step: int, train_state, trainer_state: dict, rank_state: dict,
-                    keep: int = 2) -> Path:
-    """Collective. ``trainer_state`` is the same on all ranks (saved by rank 0); ``rank_state`` per rank.
-    Keeps the ``keep`` (>= 1) newest complete checkpoints."""
+                    run_record: dict, keep: int = 2) -> Path:
+    """Collective. ``trainer_state`` and ``run_record`` are the same on all ranks (saved by rank 0);
+    ``rank_state`` per rank. Keeps the ``keep`` (>= 1) newest complete checkpoints of this run (those whose
+    ``run.json`` names ``run_record["run_id"]``); another run's checkpoints are never deleted."""
     if keep < 1:
         raise ValueError(f"checkpoint.keep={keep} must be >= 1 (the checkpoint just written)")
     from megatron.core import dist_checkpointing
@@ -118,12 +138,16 @@ def save_checkpoint(directory: Path, step: int, train_state, trainer_state: dict
     torch.save(rank_state, tmp / f"rank_{dist.get_rank():05d}.pt")
     if dist.get_rank() == 0:
         torch.save({**trainer_state, "step": step, "scheduler": train_state.scheduler.state_dict()}, tmp / "trainer.pt")
+        (tmp / RUN_FILE).write_text(json.dumps(run_record, indent=1, default=str))
     dist.barrier()
+    digest = manifest.write_manifest(tmp, MARKER, cpu_group())
     if dist.get_rank() == 0:
-        (tmp / MARKER).write_text(f"step {step}\n")  # last: everything before it is on disk
+        (tmp / MARKER).write_text(manifest.marker_text(step, digest))  # last: everything before it is on disk
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
-        for old in complete_checkpoints(directory)[:-keep]:
+        own = [p for p in complete_checkpoints(directory)
+               if (read_run_record(p) or {}).get("run_id") == run_record["run_id"]]
+        for old in own[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
     return final
@@ -141,20 +165,20 @@ def _load_file(path: Path) -> dict:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # noqa: BLE001 - truncated, or not plain data (a pickle is never run)
-        raise ValueError(f"{path} does not load as plain data ({type(err).__name__}: {str(err)[:300]})") from None
+        raise ValueError(f"{path} does not load as plain data ({_reason(err)})") from None
 
 
 def _all_ok(ok: bool) -> bool:
     flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=_gloo_group())
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=cpu_group())
     return bool(flag.item())
 
 
 _GLOO = None
 
 
-def _gloo_group():
+def cpu_group():
     """A CPU group for the load agreement (the default group may be NCCL)."""
     global _GLOO
     if _GLOO is None:
@@ -162,12 +186,21 @@ def _gloo_group():
     return _GLOO
 
 
-def load_checkpoint(path: Path, train_state) -> tuple[dict, dict]:
+def load_checkpoint(path: Path, train_state, run_id: Optional[str] = None) -> tuple[dict, dict]:
     """Load model + optimizer into ``train_state``; return (trainer_state, this rank's rank_state).
-    Raises (naming the file) when any part of this checkpoint is missing or damaged, on every rank."""
+    Raises (naming the file) when any part of this checkpoint is missing or damaged, or (``run_id`` given)
+    when it belongs to another run, on every rank."""
     from megatron.core import dist_checkpointing
 
     path = Path(path)
+    damage = manifest.verify(path, MARKER, cpu_group())
+    record = read_run_record(path) if damage is None else None
+    if damage is None and record is None:
+        damage = f"{path / RUN_FILE} is not a run record (JSON with the run's identity)"
+    elif damage is None and run_id is not None and record.get("run_id") != run_id:
+        damage = f"{path / RUN_FILE} belongs to run {record.get('run_id')}, not to {run_id}"
+    if damage is not None:
+        raise CheckpointError(f"checkpoint {path}: {damage}")
     error = None
     try:
         trainer_state = _load_file(path / "trainer.pt")
@@ -177,7 +210,8 @@ def load_checkpoint(path: Path, train_state) -> tuple[dict, dict]:
     if not _all_ok(error is None):
         raise CheckpointError(f"checkpoint {path}: {error or 'damaged on another rank'}")
     try:
-        loaded = dist_checkpointing.load(_sharded_state_dict(train_state, is_loading=True), str(path))
+        with restricted_checkpoint_reads():
+            loaded = dist_checkpointing.load(_sharded_state_dict(train_state, is_loading=True), str(path))
         for key, chunk in zip(_model_keys(train_state.chunks), train_state.chunks):
             unwrap(chunk).load_state_dict(loaded[key])
         train_state.optimizer.load_state_dict(loaded["optimizer"])
@@ -186,27 +220,41 @@ def load_checkpoint(path: Path, train_state) -> tuple[dict, dict]:
     except BaseException as err:  # noqa: BLE001 - DCP's CheckpointException is a BaseException; a truncated
         error = err  # .distcp surfaces here on every rank (DCP gathers the readers' errors)
     if not _all_ok(error is None):
-        raise CheckpointError(f"checkpoint {path}: model/optimizer shards unreadable "
-                              f"({type(error).__name__ if error else 'on another rank'}: {error})")
+        raise CheckpointError(f"checkpoint {path}: model/optimizer shards unreadable ({_reason(error)})")
     train_state.scheduler.load_state_dict(trainer_state.pop("scheduler"))
     train_state.step = trainer_state["step"]
     return trainer_state, rank_state
 
 
-def load_latest(directory: Path, train_state) -> Optional[tuple[Path, dict, dict]]:
+def _reason(error: Optional[BaseException]) -> str:
+    """One line for a load failure: DCP wraps each rank's exception (with its traceback) in ``failures``."""
+    if error is None:
+        return "on another rank"
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict) and failures:
+        inner = next(iter(failures.values()))
+        error = inner[0] if isinstance(inner, tuple) else inner  # (exception, traceback summary) per rank
+    text = (str(error).strip().splitlines() or [""])[0]
+    if "Weights only load failed" in text:
+        text = "a pickle referencing objects that no checkpoint contains; it was not loaded"
+    return f"{type(error).__name__}: {text[:400]}"
+
+
+def load_latest(directory: Path, train_state, run_id: Optional[str] = None) -> Optional[tuple[Path, dict, dict]]:
     """The newest complete checkpoint under ``directory`` that loads, falling back to older ones (each
     failure logged with its file); None when there is none. A directory whose checkpoints all fail to load
     is a CheckpointError listing why."""
     failures = []
     for path in reversed(complete_checkpoints(directory)):
         try:
-            trainer_state, rank_state = load_checkpoint(path, train_state)
+            trainer_state, rank_state = load_checkpoint(path, train_state, run_id)
         except CheckpointError as err:
             log.error("%s; trying the previous checkpoint", err)
             failures.append(str(err))
             continue
         return path, trainer_state, rank_state
     if failures:
-        raise CheckpointError("no checkpoint under {} loads: {}; delete them (or set checkpoint.resume=false) to "
-                              "start over".format(directory, "; ".join(failures)))
+        raise CheckpointError("no checkpoint under {} loads: {}. Set checkpoint.resume=false to start a new run "
+                              "there (its files are moved into superseded-<time>/, not deleted) or choose another "
+                              "train.output_dir".format(directory, "; ".join(failures)))
     return None

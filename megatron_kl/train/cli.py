@@ -41,8 +41,13 @@ def main(config_path: str, overrides: list[str]) -> int:
     from megatron_kl.rollout.engine import EngineLost
     from megatron_kl.train.preemption import REQUEUE_EXIT_CODE, Requeue
 
+    from megatron_kl.train.run_dir import RunRefused
+
     try:
         summary = train(cfg)
+    except RunRefused as err:
+        print(f"megatron-kl train: refused: {err}", file=sys.stderr)
+        return 2
     except ConfigError as err:
         print(f"megatron-kl train: config error: {err}", file=sys.stderr)
         return 2
@@ -52,8 +57,13 @@ def main(config_path: str, overrides: list[str]) -> int:
     finally:
         parallel.destroy()
     if int(os.environ.get("RANK", "0")) == 0:
-        logging.getLogger("megatron_kl.train").info(
-            "done: metrics %s, TensorBoard %s, plots %s", summary["metrics"], summary["tensorboard"], summary["plots"])
+        if summary.get("already_finished"):
+            print(f"{summary['run_dir']}: run {summary['run_name']} already finished at step {summary['steps']} with "
+                  "this configuration; nothing trained (raise train.steps to continue it). Its summary:")
+        else:
+            logging.getLogger("megatron_kl.train").info(
+                "done: metrics %s, TensorBoard %s, plots %s", summary["metrics"], summary["tensorboard"],
+                summary["plots"])
         for key in ("eval_before", "eval_after"):
             if key in summary:
                 print(f"{key}: " + ", ".join(f"{k}={v:.3f}" for k, v in summary[key].items() if v is not None))

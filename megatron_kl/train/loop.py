@@ -5,18 +5,20 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Optional
 
 import torch.distributed as dist
-import yaml
 
-from megatron_kl.config import redact_secrets, to_dict
+from megatron_kl import child_processes
+from megatron_kl.config import redact_secrets, to_dict, validate_parallel
 from megatron_kl.models import builder, hf, optim, output_head, parallel, state
 from megatron_kl.models.offload import ReferenceOffload
 from megatron_kl.tasks import build_task
 from megatron_kl.train import checkpoint as ckpt
+from megatron_kl.train import run_dir
 from megatron_kl.train.config import TrainConfig, kl_verdict, validate_train_config
 from megatron_kl.train.engines import build_engine
 from megatron_kl.train.host_malloc import tune_host_malloc
@@ -98,21 +100,64 @@ def kl_tags(cfg: TrainConfig) -> dict:
     return {"kl/biased": 0.0 if verdict.unbiased else 1.0}
 
 
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _claim(cfg: TrainConfig, plan: run_dir.StartPlan, world_size: int) -> Optional[run_dir.RunLock]:
+    """Rank 0 takes the output directory's lock and prepares it for this start (train/run_dir.py); every
+    rank learns the outcome before anything is written. Raises RunRefused on every rank."""
+    lock, error = None, None
+    if dist.get_rank() == 0:
+        try:
+            lock = run_dir.RunLock(Path(cfg.train.output_dir))
+            again = run_dir.plan_start(cfg, world_size)  # under the lock: another trainer may have written meanwhile
+            if (again.kind, again.checkpoint_step) != (plan.kind, plan.checkpoint_step):
+                raise run_dir.RunRefused(f"{cfg.train.output_dir} changed while this run started (another trainer "
+                                         "wrote to it); run the command again")
+            run_dir.begin(cfg, plan, world_size)
+        except run_dir.RunRefused as err:
+            error = str(err)
+    message = [error]
+    if world_size > 1:
+        dist.broadcast_object_list(message, src=0, group=ckpt.cpu_group())
+    if message[0] is not None:
+        if lock is not None:
+            lock.release()
+        raise run_dir.RunRefused(message[0])
+    return lock
+
+
 def train(cfg: TrainConfig) -> dict:
-    tune_host_malloc(cfg.train.host_malloc)
+    world_size = _world_size()
     hf_source = _hf_source(cfg)
     seed_everything(cfg.train.seed)
     task = build_task(cfg.task)
     if not cfg.rollout.sampling.stop_token_ids:
         cfg.rollout.sampling.stop_token_ids = default_stop_token_ids(task, hf_source)
+    validate_parallel(cfg.model, cfg.parallel, world_size)
+    validate_train_config(cfg, task.tokenizer.vocab_size,
+                          world_size // (cfg.parallel.tensor_parallel * cfg.parallel.pipeline_parallel))
+    plan = run_dir.plan_start(cfg, world_size)  # a refused start changes nothing (train/run_dir.py)
+    if plan.kind == "finished":
+        return {**run_dir.read_summary(Path(cfg.train.output_dir)), "already_finished": True}
+    tune_host_malloc(cfg.train.host_malloc)
+    child_processes.install()  # helpers forked from here on die with this process
     parallel.initialize(cfg.model, cfg.parallel, seed=cfg.train.seed)
     dp_rank, dp_size, dp_group, is_logger = _topology()
-    validate_train_config(cfg, task.tokenizer.vocab_size, dp_size)
-    run_dir = Path(cfg.train.output_dir)
-    if dist.get_rank() == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(yaml.safe_dump(redact_secrets(to_dict(cfg)), sort_keys=False))
-    log.info("run %s -> %s", cfg.run_name, run_dir)
+    lock = _claim(cfg, plan, world_size)
+    try:
+        return _train(cfg, plan, task, hf_source, world_size, (dp_rank, dp_size, dp_group), is_logger)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _train(cfg: TrainConfig, plan, task, hf_source, world_size: int, dp, is_logger: bool) -> dict:
+    dp_rank, dp_size, dp_group = dp
+    run_path = Path(cfg.train.output_dir)
+    record = run_dir.run_record(cfg, plan.run_id, world_size)
+    log.info("run %s (%s start) -> %s", cfg.run_name, plan.kind, run_path)
 
     initial = warm_start_state(cfg, task) if hf_source is None else None
     models = builder.build_policy_and_reference(cfg.model, cfg.parallel)
@@ -126,7 +171,7 @@ def train(cfg: TrainConfig) -> dict:
             state.load_full_state_dict(chunks, initial, cfg.model.tie_word_embeddings, dist.get_rank(tp_group),
                                        dist.get_world_size(tp_group))
     train_state = optim.build_train_state(models.policy, cfg.optim)
-    engine = build_engine(cfg, train_state.chunks, hf_source, run_dir, dp_rank)
+    engine = build_engine(cfg, train_state.chunks, hf_source, run_path, dp_rank)
     source = RolloutSource(task, engine, cfg.rollout.sampling, cfg.train.prompts_per_step, cfg.train.group_size,
                            cfg.train.staleness, cfg.train.seed, dp_rank, dp_size)
     offload = ReferenceOffload(models.reference, cfg.parallel.offload_reference)
@@ -134,7 +179,7 @@ def train(cfg: TrainConfig) -> dict:
                       kl_tags=kl_tags(cfg))
 
     start_step = 0
-    resumed = ckpt.load_latest(run_dir / "checkpoints", train_state) if cfg.checkpoint.resume else None
+    resumed = ckpt.load_latest(run_path / "checkpoints", train_state, plan.run_id) if plan.kind == "resume" else None
     if resumed is not None:
         latest, _, rank_state = resumed
         start_step = train_state.step
@@ -142,18 +187,17 @@ def train(cfg: TrainConfig) -> dict:
         source.load_state_dict(rank_state.get("rollouts"))
         log.info("resumed from %s at step %d", latest, start_step)
 
-    logger = MetricsLogger(run_dir, is_logger, cfg.logging.tensorboard, cfg.logging.wandb_project, cfg.run_name,
+    logger = MetricsLogger(run_path, is_logger, cfg.logging.tensorboard, cfg.logging.wandb_project, cfg.run_name,
                            redact_secrets(to_dict(cfg)), cfg.logging.progress, cfg.train.steps, start_step)
-    dp = (dp_rank, dp_size, dp_group)
     stop = StopSignals(cfg.train.stop_signals)
-    profiler = StepProfiler(cfg.logging.profile_steps, run_dir / "profile", dist.get_rank())
+    profiler = StepProfiler(cfg.logging.profile_steps, run_path / "profile", dist.get_rank())
     saved = {start_step: latest} if resumed is not None else {}
     finished = start_step
 
     def save(done: int) -> Optional[Path]:
         """The checkpoint of ``done`` finished steps (written once; none for step 0: nothing to lose)."""
         if done not in saved and done > 0:
-            saved[done] = _save_checkpoint(cfg, run_dir, done, train_state, source, hf_source, tp_group)
+            saved[done] = _save_checkpoint(cfg, record, done, train_state, source, hf_source, tp_group)
         return saved.get(done)
 
     try:
@@ -197,13 +241,13 @@ def train(cfg: TrainConfig) -> dict:
         source.close()
         engine.shutdown()
         logger.close()
-    return _summary(cfg, run_dir, is_logger)
+    return _summary(cfg, plan.run_id, run_path, is_logger)
 
 
-def _save_checkpoint(cfg: TrainConfig, run_dir: Path, done: int, train_state, source, hf_source, tp_group) -> Path:
+def _save_checkpoint(cfg: TrainConfig, record: dict, done: int, train_state, source, hf_source, tp_group) -> Path:
     rank_state = {"rng": ckpt.rng_state(), "rollouts": source.state_dict()}
-    path = ckpt.save_checkpoint(run_dir / "checkpoints", done, train_state, {"run_name": cfg.run_name}, rank_state,
-                                keep=cfg.checkpoint.keep)
+    path = ckpt.save_checkpoint(Path(cfg.train.output_dir) / "checkpoints", done, train_state,
+                                {"run_name": cfg.run_name}, rank_state, record, keep=cfg.checkpoint.keep)
     if cfg.checkpoint.export_hf:
         hf.export_hf([output_head.unwrap(c) for c in train_state.chunks], cfg.model, path / "hf",
                      dtype=hf_source.dtype if hf_source is not None else cfg.model.params_dtype,
@@ -212,17 +256,18 @@ def _save_checkpoint(cfg: TrainConfig, run_dir: Path, done: int, train_state, so
     return path
 
 
-def _summary(cfg: TrainConfig, run_dir: Path, is_logger: bool) -> dict:
-    summary = {"run_name": cfg.run_name, "run_dir": str(run_dir), "metrics": str(run_dir / "metrics.jsonl"),
-               "tensorboard": str(run_dir / "tensorboard"), "plots": str(run_dir / "plots")}
+def _summary(cfg: TrainConfig, run_id: str, run_path: Path, is_logger: bool) -> dict:
+    summary = {"run_name": cfg.run_name, "run_id": run_id, "steps": cfg.train.steps, "run_dir": str(run_path),
+               "metrics": str(run_path / "metrics.jsonl"),
+               "tensorboard": str(run_path / "tensorboard"), "plots": str(run_path / "plots")}
     if is_logger:
-        records = read_metrics(run_dir / "metrics.jsonl")
+        records = read_metrics(run_path / "metrics.jsonl")
         evals = [r for r in records if "eval/eval/pass@1" in r]
         if evals:
             summary["eval_before"] = {k: v for k, v in evals[0].items() if k.startswith("eval/")}
             summary["eval_after"] = {k: v for k, v in evals[-1].items() if k.startswith("eval/")}
-        summary["plots"] = _plots(records, run_dir / "plots")
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        summary["plots"] = _plots(records, run_path / "plots")
+        (run_path / "summary.json").write_text(json.dumps(summary, indent=2))
     dist.barrier()
     return summary
 

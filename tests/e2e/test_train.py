@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 import yaml
@@ -182,9 +183,13 @@ def test_kill_9_and_resume_reproduce_the_uninterrupted_run(tmp_path, warm_cache)
     while not (run / "checkpoints" / "step_000004").is_dir():
         assert killed.proc.poll() is None and time.time() < deadline, "run ended before its first checkpoint"
         time.sleep(0.01)
+    helpers = psutil.Process(killed.proc.pid).children(recursive=True)
+    assert helpers, "no checkpoint helper was forked: the orphan check below is void"
     killed.proc.send_signal(signal.SIGKILL)
     assert killed.wait()[0] == -signal.SIGKILL
     assert not (run / "checkpoints" / "step_000012").exists(), "the run finished before the kill: test is void"
+    _, alive = psutil.wait_procs(helpers, timeout=10)  # forked helpers die with the trainer (child_processes)
+    assert not alive, f"helpers outlived the killed trainer: {[(p.pid, p.name()) for p in alive]}"
 
     code, output = Run(tmp_path / "resumed.log", "--config", str(DEFAULT), f"train.output_dir={run}", *common).wait()
     assert code == 0, output[-3000:]
@@ -292,8 +297,8 @@ def test_resume_falls_back_past_damaged_checkpoints(tmp_path, warm_cache):
 
         (path / "trainer.pt").write_bytes(pickle.dumps(Payload()))
 
-    damages = [(no_trainer_file, "trainer.pt is missing"), (truncated_shard, "model/optimizer shards unreadable"),
-               (empty_rank_file, "rank_00000.pt is empty"), (pickle_payload, "trainer.pt")]
+    damages = [(no_trainer_file, "trainer.pt is missing"), (truncated_shard, "bytes, the manifest says"),
+               (empty_rank_file, "rank_00000.pt has 0 bytes"), (pickle_payload, "trainer.pt")]
     for steps, (damage, message) in enumerate(damages, start=3):
         newest = ckpts / f"step_{steps - 1:06d}"
         damage(newest)

@@ -1,0 +1,81 @@
+"""No helper process outlives its trainer.
+
+The trainer forks helpers (megatron's checkpoint writers and the queue manager they report to) and starts
+managed rollout servers. :func:`install` registers a fork hook so every forked child of the trainer:
+
+* gets ``PR_SET_PDEATHSIG = SIGKILL``: the kernel kills it when the trainer dies, kill -9 included (and it
+  exits at once if the trainer is already gone when it starts);
+* restores the default handlers of the stop signals (a child that inherited the trainer's "record and
+  continue" handler ignored SIGTERM);
+* closes the output directory's lock descriptor, so an orphan could never hold the run's lock.
+
+:func:`die_with_parent` is the ``preexec_fn`` for servers started with ``subprocess`` (the death signal
+survives ``exec``). Linux only; elsewhere these are no-ops.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+import threading
+from typing import Optional
+
+_PR_SET_PDEATHSIG = 1
+_state = {"installed": False, "close_fds": set(), "trainer_pid": None, "from_main_thread": True}
+
+
+def _prctl_death_signal() -> None:
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    except OSError:
+        return
+
+
+def die_with_parent(parent_pid: Optional[int] = None) -> None:
+    """In a just-forked child: be killed when the parent dies; exit now if it already has. The kernel sends
+    the death signal when the *thread* that forked ends, so it is set only for forks from the main thread
+    (a server restarted from a rollout thread relies on the trainer's own shutdown instead)."""
+    if _state["from_main_thread"]:
+        _prctl_death_signal()
+    if parent_pid is not None and os.getppid() != parent_pid:
+        os._exit(1)
+
+
+def _before_fork() -> None:
+    _state["from_main_thread"] = threading.current_thread() is threading.main_thread()
+
+
+def _after_fork_in_child() -> None:
+    if _state["trainer_pid"] is None or os.getppid() != _state["trainer_pid"]:
+        return  # a grandchild, or a fork of a process that is not the trainer
+    die_with_parent(_state["trainer_pid"])
+    from megatron_kl.train.preemption import SIGNALS
+
+    for name in SIGNALS:
+        try:
+            signal.signal(getattr(signal, name), signal.SIG_DFL)
+        except (OSError, ValueError):
+            pass
+    for fd in list(_state["close_fds"]):
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _state["close_fds"].clear()
+
+
+def install(close_fds: tuple[int, ...] = ()) -> None:
+    """Mark this process as a trainer: its forked children die with it (see the module docstring)."""
+    _state["trainer_pid"] = os.getpid()
+    _state["close_fds"].update(close_fds)
+    if not _state["installed"] and hasattr(os, "register_at_fork"):
+        os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
+        _state["installed"] = True
+
+
+def forget_fd(fd: int) -> None:
+    _state["close_fds"].discard(fd)

@@ -1,0 +1,97 @@
+"""A run's identity: what decides its trajectory, recorded in every checkpoint and compared on resume.
+
+The identity is the resolved configuration, flattened to dotted YAML paths (``kl.coef``), plus the world size
+and the SHA-256 of the task's data files and of the warm-start checkpoint file, minus :data:`RESUMABLE`: the
+fields that may change between the starts of one run without changing what it computes. A resume whose
+identity differs from the checkpoint's is refused naming every differing field (old -> new);
+``train.steps`` may grow (the learning-rate schedule is set by ``optim.decay_steps``, not by it), never drop
+below the checkpointed step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+from megatron_kl.config import to_dict
+
+# Dotted prefixes that may change on resume: where outputs go and how they are logged, evaluated and
+# checkpointed, timeouts and retry budgets, where servers are, how the job is launched. Evaluation draws
+# from its own seeded generators, so its schedule does not move the training trajectory.
+RESUMABLE = (
+    "train.output_dir", "train.steps", "train.host_malloc", "train.stop_signals", "train.max_consecutive_skips",
+    "train.reference_metrics_interval",
+    "logging.", "eval.", "checkpoint.", "launch.", "warm_start.cache_dir",
+    "parallel.distributed_timeout_s",
+    "rollout.sglang.urls", "rollout.sglang.host", "rollout.sglang.port", "rollout.sglang.api_key_env",
+    "rollout.sglang.sync_dir", "rollout.sglang.request_timeout_s", "rollout.sglang.max_retries",
+    "rollout.sglang.backoff_s", "rollout.sglang.startup_timeout_s", "rollout.sglang.restart_dead_servers",
+    "rollout.sglang.max_concurrency",
+    "rollout.vllm.url", "rollout.vllm.sync_dir", "rollout.vllm.request_timeout_s", "rollout.vllm.max_retries",
+    "rollout.vllm.backoff_s",
+)
+
+
+def resumable(key: str) -> bool:
+    return any(key == p or (p.endswith(".") and key.startswith(p)) for p in RESUMABLE)
+
+
+def flatten(data: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, dict) and value:
+            out.update(flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def _file_digests(cfg) -> dict[str, str]:
+    """SHA-256 of the files whose content (not only path) decides the run."""
+    paths = []
+    if cfg.task.name == "math":
+        paths += [*cfg.task.math.train_files, *cfg.task.math.eval_files, *cfg.task.math.ood_files]
+    if cfg.warm_start.checkpoint:
+        paths.append(cfg.warm_start.checkpoint)
+    if cfg.init.hf_checkpoint:
+        paths.append(str(Path(cfg.init.hf_checkpoint) / "config.json"))
+    digests = {}
+    for path in paths:
+        p = Path(path)
+        if p.is_file():
+            digest = hashlib.sha256()
+            with open(p, "rb") as f:
+                while chunk := f.read(8 << 20):
+                    digest.update(chunk)
+            digests[f"file:{path}"] = digest.hexdigest()
+    return digests
+
+
+def identity_of(cfg, world_size: int) -> dict[str, Any]:
+    """The run's identity (JSON-safe: tuples become lists as they would in the checkpoint's file)."""
+    import json
+
+    values = {k: v for k, v in flatten(to_dict(cfg)).items() if not resumable(k)}
+    values["world_size"] = world_size
+    values.update(_file_digests(cfg))
+    return json.loads(json.dumps(values, default=str))
+
+
+def differences(recorded: dict, current: dict) -> list[str]:
+    """``field: old -> new`` for every identity field that differs (added and removed fields included)."""
+    missing = object()
+    out = []
+    for key in sorted(set(recorded) | set(current)):
+        old, new = recorded.get(key, missing), current.get(key, missing)
+        if old != new:
+            show = lambda v: "(absent)" if v is missing else repr(v)  # noqa: E731
+            out.append(f"{key}: {show(old)} -> {show(new)}")
+    return out
+
+
+def changed_resumable(recorded_config: dict, current_config: dict) -> dict[str, list]:
+    """The allowed fields a resume changes (for the start history)."""
+    old, new = flatten(recorded_config), flatten(current_config)
+    return {k: [old.get(k), new.get(k)] for k in sorted(set(old) | set(new))
+            if resumable(k) and old.get(k) != new.get(k)}

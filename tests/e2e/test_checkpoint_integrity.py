@@ -1,0 +1,145 @@
+"""A damaged or planted checkpoint is never resumed from and never runs code: every file is checked against
+the checkpoint's manifest before anything is read, and what is read goes through restricted unpicklers.
+
+One base run writes checkpoints at steps 1 and 2; each case damages step 2 of a copy of it and resumes: the
+run must name the damaged file, fall back to step 1 and finish, with no marker file from a planted pickle."""
+
+import os
+import pickle
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_kl.train import manifest
+from megatron_kl.train.checkpoint import MARKER
+from tests.e2e.test_train import DEFAULT, Run
+
+
+class Payload:
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _args(run: Path, cache: str, steps: int) -> list[str]:
+    return ["--config", str(DEFAULT), f"train.output_dir={run}", f"warm_start.cache_dir={cache}", f"train.steps={steps}",
+            "checkpoint.interval=1", "checkpoint.keep=3", "train.prompts_per_step=4", "train.group_size=4",
+            "task.eval_size=8", "eval.k=2", "eval.interval=0", "logging.progress=false", "logging.tensorboard=false"]
+
+
+@pytest.fixture(scope="module")
+def base_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("integrity")
+    cache = str(root / "cache")
+    code, output = Run(root / "base.log", *_args(root / "base", cache, 2)).wait()
+    assert code == 0, output[-3000:]
+    return root / "base", cache
+
+
+def _resign(checkpoint: Path) -> None:
+    """What someone who can write the directory can do: a manifest and marker that match the new bytes."""
+    (checkpoint / manifest.MANIFEST).unlink()
+    digest = manifest.write_manifest(checkpoint, MARKER)
+    (checkpoint / MARKER).write_text(manifest.marker_text(2, digest))
+
+
+def _largest_shard(checkpoint: Path) -> Path:
+    return max(checkpoint.glob("*.distcp"), key=lambda p: p.stat().st_size)
+
+
+def _overwrite_middle(path: Path, data: bytes) -> None:
+    raw = bytearray(path.read_bytes())
+    middle = len(raw) // 2
+    raw[middle:middle + len(data)] = data
+    path.write_bytes(bytes(raw))
+
+
+def flip_64_bits(ckpt):
+    shard = _largest_shard(ckpt)
+    raw = bytearray(shard.read_bytes())
+    rng = random.Random(0)
+    for position in rng.sample(range(len(raw) // 4, 3 * len(raw) // 4), 64):
+        raw[position] ^= 1 << rng.randrange(8)
+    shard.write_bytes(bytes(raw))
+    return shard.name, "does not match its SHA-256"
+
+
+def zeros_4k(ckpt):
+    shard = _largest_shard(ckpt)
+    _overwrite_middle(shard, bytes(4096))
+    return shard.name, "does not match its SHA-256"
+
+
+def random_4k(ckpt):
+    shard = _largest_shard(ckpt)
+    _overwrite_middle(shard, random.Random(1).randbytes(4096))
+    return shard.name, "does not match its SHA-256"
+
+
+def truncated_shard(ckpt):
+    shard = _largest_shard(ckpt)
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    return shard.name, "bytes, the manifest says"
+
+
+def zeroed_trainer_file(ckpt):
+    path = ckpt / "trainer.pt"
+    path.write_bytes(bytes(path.stat().st_size))
+    return "trainer.pt", "does not match its SHA-256"
+
+
+def planted_file(ckpt):
+    (ckpt / "extra.pt").write_bytes(b"x")
+    return "extra.pt", "is not in MANIFEST.json"
+
+
+def edited_manifest(ckpt):
+    path = ckpt / manifest.MANIFEST
+    path.write_text(path.read_text().replace('"size"', '"size" ', 1))
+    return manifest.MANIFEST, "does not match the digest"
+
+
+DAMAGES = [flip_64_bits, zeros_4k, random_4k, truncated_shard, zeroed_trainer_file, planted_file, edited_manifest]
+
+
+@pytest.mark.parametrize("damage", DAMAGES, ids=lambda d: d.__name__)
+def test_a_damaged_checkpoint_is_named_and_the_previous_one_used(tmp_path, base_run, damage):
+    base, cache = base_run
+    run = tmp_path / "run"
+    shutil.copytree(base, run)
+    name, message = damage(run / "checkpoints" / "step_000002")
+    code, output = Run(tmp_path / "resume.log", *_args(run, cache, 3)).wait()
+    assert code == 0, output[-3000:]
+    line = next((l for l in output.splitlines() if "trying the previous checkpoint" in l), "")
+    assert name in line and message in line, output[-3000:]
+    assert f"resumed from {run / 'checkpoints' / 'step_000001'} at step 1" in output, output[-3000:]
+
+
+def test_a_pickle_planted_in_any_file_never_runs(tmp_path, base_run):
+    """Each file of the newest checkpoint in turn replaced by a code-running pickle AND the manifest re-signed
+    to match it (what a writer of the directory could do): the restricted loaders refuse it, the run falls
+    back to the previous checkpoint, and the payload's marker never appears."""
+    base, cache = base_run
+    checkpoint = base / "checkpoints" / "step_000002"
+    files = sorted(p.name for p in checkpoint.iterdir() if p.name not in (MARKER, manifest.MANIFEST))
+    assert {".metadata", "trainer.pt", "common.pt", "rank_00000.pt"} <= set(files)
+    for name in files:
+        marker = tmp_path / f"pwned-{name}"
+        run = tmp_path / f"run-{name}"
+        shutil.copytree(base, run)
+        target = run / "checkpoints" / "step_000002" / name
+        if name.endswith(".pt"):
+            torch.save({"state": Payload(marker)}, target)  # a torch zip archive with the payload inside
+        else:
+            target.write_bytes(pickle.dumps(Payload(marker)))
+        _resign(target.parent)
+        code, output = Run(tmp_path / f"{name}.log", *_args(run, cache, 3)).wait()
+        assert not marker.exists(), f"a pickle planted in {name} was executed"
+        assert code == 0, (name, output[-3000:])
+        assert f"resumed from {run / 'checkpoints' / 'step_000001'} at step 1" in output, (name, output[-3000:])
+        assert "trying the previous checkpoint" in output, (name, output[-3000:])
