@@ -5,8 +5,9 @@ managed rollout servers. :func:`install` registers a fork hook so every forked c
 
 * gets ``PR_SET_PDEATHSIG = SIGKILL``: the kernel kills it when the trainer dies, kill -9 included (and it
   exits at once if the trainer is already gone when it starts);
-* restores the default handlers of the stop signals (a child that inherited the trainer's "record and
-  continue" handler ignored SIGTERM);
+* ignores the stop signals instead of inheriting the trainer's "record and continue" handler (which would
+  cancel HTTP calls and record a stop nobody reads): Ctrl-C, scancel or preemption signal every process of
+  the job, and the helpers must live until the trainer has written its last checkpoint - they die with it;
 * closes the output directory's lock descriptor, so an orphan could never hold the run's lock.
 
 :func:`die_with_parent` is the ``preexec_fn`` for servers started with ``subprocess`` (the death signal
@@ -36,13 +37,26 @@ def _prctl_death_signal() -> None:
 
 
 def die_with_parent(parent_pid: Optional[int] = None) -> None:
-    """In a just-forked child: be killed when the parent dies; exit now if it already has. The kernel sends
-    the death signal when the *thread* that forked ends, so it is set only for forks from the main thread
-    (a server restarted from a rollout thread relies on the trainer's own shutdown instead)."""
+    """``preexec_fn`` of a server process: killed when the parent dies (exits now if it already has), and the
+    stop signals back at their defaults (the fork hook set them ignored; an ignored signal stays ignored
+    across ``exec``, and a server must stop on SIGTERM). The kernel sends the death signal when the *thread*
+    that forked ends, so it is set only for forks from the main thread (a server restarted from a rollout
+    thread relies on the trainer's own shutdown instead)."""
     if _state["from_main_thread"]:
         _prctl_death_signal()
     if parent_pid is not None and os.getppid() != parent_pid:
         os._exit(1)
+    _set_stop_signals(signal.SIG_DFL)
+
+
+def _set_stop_signals(handler) -> None:
+    from megatron_kl.train.preemption import SIGNALS
+
+    for name in SIGNALS:
+        try:
+            signal.signal(getattr(signal, name), handler)
+        except (OSError, ValueError):
+            pass
 
 
 def _before_fork() -> None:
@@ -52,14 +66,11 @@ def _before_fork() -> None:
 def _after_fork_in_child() -> None:
     if _state["trainer_pid"] is None or os.getppid() != _state["trainer_pid"]:
         return  # a grandchild, or a fork of a process that is not the trainer
-    die_with_parent(_state["trainer_pid"])
-    from megatron_kl.train.preemption import SIGNALS
-
-    for name in SIGNALS:
-        try:
-            signal.signal(getattr(signal, name), signal.SIG_DFL)
-        except (OSError, ValueError):
-            pass
+    if _state["from_main_thread"]:
+        _prctl_death_signal()
+    if os.getppid() != _state["trainer_pid"]:
+        os._exit(1)
+    _set_stop_signals(signal.SIG_IGN)
     for fd in list(_state["close_fds"]):
         try:
             os.close(fd)

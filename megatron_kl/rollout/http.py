@@ -7,8 +7,13 @@ the vocabulary, ...). Errors at once: other 4xx answers and bodies without the e
 cannot fix them). ``RetryPolicy.timeout_s`` is a total deadline per attempt - headers and body - not a
 per-read timeout: a server that trickles bytes is cut off at the deadline. ``RetryPolicy.budget_s`` bounds
 a whole call (every attempt and backoff); the trainer checks it is below the distributed timeout, so a
-dead server ends in a clear error here, not in a collective that times out elsewhere. Only the standard
-library and ``requests``."""
+dead server ends in a clear error here, not in a collective that times out elsewhere.
+
+Cancellation: :func:`cancel_requests` (called by the trainer's stop-signal handler) makes every call in
+flight and every later one raise :class:`Cancelled` within moments: the sockets of the connections that
+sessions from :func:`new_session` (and the default session) hold are shut down, backoff waits end, and
+no new attempt starts until :func:`clear_cancel`. A hung server therefore never holds a stopping trainer
+for the retry budget. Only the standard library, ``requests`` and its ``urllib3``."""
 
 from __future__ import annotations
 
@@ -16,10 +21,13 @@ import logging
 import socket
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import requests
+import urllib3
+from requests.adapters import HTTPAdapter
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +43,86 @@ class ServerUnavailable(RuntimeError):
 class CorruptResponse(RuntimeError):
     """A well-formed body with values that cannot be right (names the field and the server): retried like a
     5xx, then ServerUnavailable."""
+
+
+class Cancelled(RuntimeError):
+    """The trainer is stopping (a stop signal): calls in flight were cut off and no new one starts."""
+
+
+_CANCEL = threading.Event()
+_CANCEL_REASON = ["stopping"]
+_OPEN: "weakref.WeakSet" = weakref.WeakSet()  # connections of tracked sessions with a socket
+
+
+def _tracked(base):
+    class Tracked(base):
+        def connect(self):
+            super().connect()
+            _OPEN.add(self)
+
+    return Tracked
+
+
+class _TrackedPool(urllib3.HTTPConnectionPool):
+    ConnectionCls = _tracked(urllib3.connection.HTTPConnection)
+
+
+class _TrackedHTTPSPool(urllib3.HTTPSConnectionPool):
+    ConnectionCls = _tracked(urllib3.connection.HTTPSConnection)
+
+
+class TrackingAdapter(HTTPAdapter):
+    """An HTTPAdapter whose connections :func:`cancel_requests` can cut."""
+
+    def init_poolmanager(self, *args, **kwargs):
+        super().init_poolmanager(*args, **kwargs)
+        self.poolmanager.pool_classes_by_scheme = {"http": _TrackedPool, "https": _TrackedHTTPSPool}
+
+
+def new_session(pool_maxsize: int = 10, headers: Optional[dict] = None) -> requests.Session:
+    session = requests.Session()  # keep-alive connections, as many as requests in flight
+    session.headers.update(headers or {})
+    adapter = TrackingAdapter(pool_connections=1, pool_maxsize=pool_maxsize)
+    session.mount("http://", adapter)
+    session.mount("https://", adapter)
+    return session
+
+
+_DEFAULT_SESSION: list = []
+
+
+def _default_session() -> requests.Session:
+    if not _DEFAULT_SESSION:
+        _DEFAULT_SESSION.append(new_session())
+    return _DEFAULT_SESSION[0]
+
+
+def cancel_requests(reason: str) -> None:
+    """Cut every tracked connection and refuse new attempts (safe to call from a signal handler)."""
+    _CANCEL_REASON[0] = reason
+    _CANCEL.set()
+    for _ in range(3):  # the set may change under us (another thread connecting)
+        try:
+            connections = list(_OPEN)
+            break
+        except RuntimeError:
+            connections = []
+    for connection in connections:
+        sock = getattr(connection, "sock", None)
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+
+def clear_cancel() -> None:
+    _CANCEL.clear()
+
+
+def check_cancelled() -> None:
+    if _CANCEL.is_set():
+        raise Cancelled(_CANCEL_REASON[0])
 
 
 @dataclass
@@ -114,14 +202,16 @@ def call(url: str, path: str, payload: Optional[dict] = None, policy: RetryPolic
          parse: Optional[Callable[[Any], Any]] = None) -> Any:
     """``method url+path`` with JSON ``payload``; returns the decoded JSON body (None for an empty body), or
     ``parse(body)`` when given (a ``CorruptResponse`` from it is retried)."""
-    http = session or requests
+    http = session or _default_session()
     delay = policy.backoff_s
     last: Exception | None = None
     for attempt in range(policy.max_retries + 1):
         wait = delay
+        check_cancelled()
         try:
             response, content = _attempt(http, method, url.rstrip("/") + path, payload, policy.timeout_s)
         except requests.RequestException as err:  # refused, dropped, timed out, cut short
+            check_cancelled()  # cut off by cancel_requests, not by the server
             last = err
         else:
             if response.status_code >= 500 or response.status_code == 429:
@@ -129,6 +219,11 @@ def call(url: str, path: str, payload: Optional[dict] = None, policy: RetryPolic
                 retry_after = response.headers.get("Retry-After", "")
                 if response.status_code == 429 and retry_after.replace(".", "", 1).isdigit():
                     wait = max(wait, float(retry_after))
+            elif response.status_code in (401, 403):
+                raise ServerError(f"{url}{path} answered {response.status_code} ({response.text[:200]}): the server "
+                                  "refused the trainer's API key. The trainer sends the key in the environment "
+                                  "variable named by rollout.sglang.api_key_env (default MEGATRON_KL_SGLANG_API_KEY): "
+                                  "set it to the key the server was started with (--api-key)")
             elif response.status_code >= 400:
                 raise ServerError(f"{url}{path} answered {response.status_code}: {response.text[:500]}")
             else:
@@ -151,7 +246,7 @@ def call(url: str, path: str, payload: Optional[dict] = None, policy: RetryPolic
             wait = min(wait, policy.max_backoff_s)
             log.warning("%s%s failed (%s); retry %d/%d in %.1fs", url, path, last, attempt + 1, policy.max_retries,
                         wait)
-            time.sleep(wait)
+            _CANCEL.wait(wait)
             delay *= 2
     raise ServerUnavailable(f"{url}{path}: {policy.max_retries + 1} attempts failed, last: {last}")
 
@@ -160,6 +255,7 @@ def wait_healthy(url: str, timeout_s: float, alive=lambda: True, path: str = "/h
     """Poll ``GET url/health`` until it answers 200; ``alive()`` false (the process died) fails at once."""
     deadline = time.monotonic() + timeout_s
     while True:  # asked at least once, even with no time left
+        check_cancelled()
         if not alive():
             raise ServerUnavailable(f"{url}: the server process exited while starting")
         try:
@@ -169,5 +265,5 @@ def wait_healthy(url: str, timeout_s: float, alive=lambda: True, path: str = "/h
             pass
         if time.monotonic() >= deadline:
             break
-        time.sleep(0.5)
+        _CANCEL.wait(0.5)
     raise ServerUnavailable(f"{url}{path} not healthy after {timeout_s:.0f}s")

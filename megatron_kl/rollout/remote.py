@@ -25,16 +25,22 @@ from typing import Callable, Optional, Sequence
 import torch.distributed as dist
 
 from megatron_kl.rollout.engine import Completion, EngineLost, SamplingConfig
-from megatron_kl.rollout.http import ServerUnavailable
+from megatron_kl.rollout.http import Cancelled, ServerUnavailable
+from megatron_kl.rollout.servers import ServerStartFailed
 
 LOST = "engine_lost"  # scattered / broadcast in place of a result when rank 0's servers are lost
 FAILED = "engine_failed"  # ... when rank 0's engine raised anything else (the other ranks raise too)
+STOPPED = "engine_stopped"  # ... when rank 0's calls were cancelled by a stop signal
 
 
 def _marker(error: BaseException) -> dict:
     """What the other ranks receive in place of a result when rank 0's engine raised ``error``."""
+    if isinstance(error, ServerStartFailed):  # permanent: no requeue
+        return {FAILED: f"{type(error).__name__}: {error}"}
     if isinstance(error, ServerUnavailable):
         return {LOST: str(error)}
+    if isinstance(error, Cancelled):
+        return {STOPPED: str(error)}
     return {FAILED: f"{type(error).__name__}: {error}"}
 
 
@@ -45,6 +51,8 @@ def _raise_marker(value, own_error: Optional[BaseException], what: str) -> None:
         return
     if LOST in value:
         raise EngineLost(f"{what}: {value[LOST]}") from own_error
+    if STOPPED in value:
+        raise Cancelled(value[STOPPED]) from own_error
     if own_error is not None:
         raise own_error
     if FAILED in value:

@@ -13,11 +13,12 @@ import random
 import signal
 import socket
 import subprocess
+import threading
 from pathlib import Path
 from typing import Callable
 
 from megatron_kl.child_processes import die_with_parent
-from megatron_kl.rollout.http import ServerUnavailable, wait_healthy
+from megatron_kl.rollout.http import Cancelled, ServerUnavailable, wait_healthy
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +71,8 @@ def server_port(host: str = "") -> int:
 
 
 def start_on_free_port(name: str, command: Callable[[int], list[str]], host: str, first_port: int, log_dir,
-                       startup_timeout_s: float, attempts: int = 3, env: dict | None = None) -> "ManagedServer":
+                       startup_timeout_s: float, attempts: int = 3, env: dict | None = None,
+                       secrets: tuple[str, ...] = ()) -> "ManagedServer":
     """Start a managed server on the first free port from ``first_port`` (the next ones where it is taken). A port
     taken between the check and the server's bind fails the start with the port held by another socket: then the
     next free port is tried (``attempts`` in all); a start that fails with its port free is a real failure."""
@@ -79,7 +81,7 @@ def start_on_free_port(name: str, command: Callable[[int], list[str]], host: str
         port = available_port(host, port)
         if port != first_port:
             log.warning("server %s: port %d is in use, listening on %d instead", name, first_port, port)
-        server = ManagedServer(name, command(port), f"http://{host}:{port}", log_dir, startup_timeout_s, env)
+        server = ManagedServer(name, command(port), f"http://{host}:{port}", log_dir, startup_timeout_s, env, secrets)
         try:
             server.start()
             return server
@@ -91,31 +93,69 @@ def start_on_free_port(name: str, command: Callable[[int], list[str]], host: str
     raise AssertionError("unreachable")
 
 
+class ServerStartFailed(ServerUnavailable):
+    """A managed server process exited while starting (missing package, bad arguments): permanent - the
+    trainer fails instead of asking for a requeue. A port taken under it is retried on the next port first."""
+
+
+def redact(text: str, secrets: tuple[str, ...]) -> str:
+    for secret in secrets:
+        if secret:
+            text = text.replace(secret, "<redacted>")
+    return text
+
+
+def _pump(stream, handle, secrets: tuple[str, ...]) -> None:
+    """Copy a server's output into its log with ``secrets`` replaced (servers echo their arguments)."""
+    for line in iter(stream.readline, b""):
+        handle.write(redact(line.decode(errors="replace"), secrets))
+        handle.flush()
+    handle.close()
+
+
 class ManagedServer:
+    """A server process the trainer starts and stops. ``secrets`` (its API key) never reach its log: the
+    command is logged redacted and, when there are secrets, its output passes through a redacting pump."""
+
     def __init__(self, name: str, command: list[str], url: str, log_dir, startup_timeout_s: float,
-                 env: dict | None = None):
+                 env: dict | None = None, secrets: tuple[str, ...] = ()):
         self.name, self.command, self.url = name, command, url
         self.log_path = Path(log_dir) / f"{name}.log"
         self.startup_timeout_s = startup_timeout_s
         self.env = {**server_environment(os.environ), **(env or {})}
+        self.secrets = tuple(s for s in secrets if s)
         self.process: subprocess.Popen | None = None
         self.restarts = 0
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "a") as handle:
-            handle.write(f"\n==== start: {' '.join(self.command)}\n")
-            handle.flush()
-            # own process group: stop() takes the server's children (TP/DP workers) with it; the kernel kills
-            # the server if the trainer dies without stopping it (kill -9: train/children.py)
-            self.process = subprocess.Popen(self.command, stdout=handle, stderr=subprocess.STDOUT, env=self.env,
-                                            start_new_session=True,
-                                            preexec_fn=functools.partial(die_with_parent, os.getpid()))
+        handle = open(self.log_path, "a")
+        handle.write(f"\n==== start: {redact(' '.join(self.command), self.secrets)}\n")
+        handle.flush()
+        # own process group: stop() takes the server's children (TP/DP workers) with it; the kernel kills
+        # the server if the trainer dies without stopping it (kill -9: child_processes.py)
+        self.process = subprocess.Popen(self.command, stdout=subprocess.PIPE if self.secrets else handle,
+                                        stderr=subprocess.STDOUT, env=self.env, start_new_session=True,
+                                        preexec_fn=functools.partial(die_with_parent, os.getpid()))
+        if self.secrets:
+            threading.Thread(target=_pump, args=(self.process.stdout, handle, self.secrets), daemon=True,
+                             name=f"{self.name}-log").start()
+        else:
+            handle.close()
         try:
             wait_healthy(self.url, self.startup_timeout_s, alive=self.alive)
-        except Exception as err:
-            tail = "\n".join(self.log_path.read_text(errors="replace").splitlines()[-20:])
+        except Cancelled:  # the trainer is stopping
             self.stop()
+            raise
+        except Exception as err:
+            tail = redact("\n".join(self.log_path.read_text(errors="replace").splitlines()[-20:]), self.secrets)
+            exit_code = self.process.poll()
+            self.stop()
+            if exit_code is not None:
+                raise ServerStartFailed(f"server {self.name} ({self.url}) exited with code {exit_code} while starting: "
+                                        "a restart or requeue would fail the same way; fix what its log says (is "
+                                        "the server package installed? rollout.sglang.server_module, extra_args, "
+                                        f"model_path) - last lines of {self.log_path}:\n{tail}") from None
             raise ServerUnavailable(f"server {self.name} ({self.url}) did not start: {err}\n{tail}") from None
         log.info("server %s up at %s (pid %d)", self.name, self.url, self.process.pid)
 

@@ -33,11 +33,11 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 import requests
-import requests.adapters
 
 from megatron_kl.rollout.config import SGLangConfig
 from megatron_kl.rollout.engine import FINISH_REASONS, Completion, SamplingConfig, check_completion
-from megatron_kl.rollout.http import CorruptResponse, RetryPolicy, ServerError, ServerUnavailable, call, wait_healthy
+from megatron_kl.rollout.http import (CorruptResponse, RetryPolicy, ServerError, ServerUnavailable, call, new_session,
+                                      wait_healthy)
 from megatron_kl.rollout.servers import ManagedServer, start_on_free_port
 
 log = logging.getLogger(__name__)
@@ -82,8 +82,10 @@ def parse_generate(body, prompt_ids: Sequence[int], expected_version: int, where
         raise ResponseError(f"{where}: meta_info.finish_reason={finish!r}; expected type in {FINISH_REASONS}")
     entries = meta.get("output_token_logprobs")
     if not isinstance(entries, list) or not all(isinstance(e, (list, tuple)) and len(e) >= 2 for e in entries):
-        raise ResponseError(f"{where}: meta_info.output_token_logprobs missing or not [[logprob, token_id, ...]] "
-                            "(was return_logprob=true sent?)")
+        # retried like the other corrupt answers (a server that drops them now and then); one that never sends
+        # them fails after the retries with this message
+        raise CorruptResponse(f"{where}: meta_info.output_token_logprobs missing or not [[logprob, token_id, ...]] "
+                              "(return_logprob=true was sent)")
     try:
         logprobs = [float(e[0]) for e in entries]
         token_ids = [int(e[1]) for e in entries]
@@ -162,7 +164,7 @@ class SGLangEngine:
             for index in range(cfg.num_servers):
                 server = start_on_free_port(
                     f"sglang-{index}", lambda port: server_command(cfg, model_path, port, seed, self.api_key),
-                    cfg.host, next_port, log_dir, cfg.startup_timeout_s)
+                    cfg.host, next_port, log_dir, cfg.startup_timeout_s, secrets=(self.api_key,))
                 self.urls.append(server.url)
                 self.servers.append(server)
                 next_port = int(server.url.rsplit(":", 1)[1]) + 1
@@ -170,13 +172,8 @@ class SGLangEngine:
 
     @staticmethod
     def _session(pool: int, api_key: Optional[str] = None) -> requests.Session:
-        session = requests.Session()  # keep-alive connections, as many as requests in flight
-        if api_key:
-            session.headers["Authorization"] = f"Bearer {api_key}"
-        adapter = requests.adapters.HTTPAdapter(pool_connections=1, pool_maxsize=pool)
-        session.mount("http://", adapter)
-        session.mount("https://", adapter)
-        return session
+        """Keep-alive connections, as many as requests in flight; cut by a stop signal (rollout/http.py)."""
+        return new_session(pool, {"Authorization": f"Bearer {api_key}"} if api_key else None)
 
     # -- HTTP ------------------------------------------------------------------------------------
     def call(self, index: int, path: str, payload: Optional[dict] = None, method: str = "POST", parse=None):
@@ -202,12 +199,14 @@ class SGLangEngine:
                 results[i] = self.call(i, path, payload)
         return results
 
-    def recover(self, index: int) -> None:
+    def recover(self, index: int, cause: Optional[Exception] = None) -> None:
         """Restart server ``index`` (managed servers) and bring it back to the last committed weights."""
         server = self.servers[index]
         if server is None or not self.cfg.restart_dead_servers:
-            raise ServerUnavailable(f"SGLang server {self.urls[index]} is unavailable (not managed here: restart it "
-                                    "or remove it from rollout.sglang.urls)")
+            why = "not managed here: restart it or remove it from rollout.sglang.urls" if server is None else \
+                "rollout.sglang.restart_dead_servers=false"
+            raise ServerUnavailable(f"SGLang server {self.urls[index]} is unavailable ({why})"
+                                    + (f"; last error: {cause}" if cause is not None else ""))
         with self._lock:
             server.restart()
             self.counters["restarts"] += 1
@@ -223,7 +222,7 @@ class SGLangEngine:
         pending = list(range(len(prompts)))
         base_seed = sampling.seed if seed is None else seed
         for round_ in range(3):
-            failed_servers: set[int] = set()
+            failed_servers: dict[int, Exception] = {}
 
             def one(i: int, server: int) -> Completion:
                 payload = {"input_ids": list(prompts[i]), "sampling_params": sampling_params(sampling, base_seed + i),
@@ -241,11 +240,11 @@ class SGLangEngine:
                     except ServerUnavailable as err:
                         log.warning("prompt %d on %s: %s", i, self.urls[server], err)
                         unfinished.append(i)
-                        failed_servers.add(server)
+                        failed_servers[server] = err
             if not unfinished:
                 return results  # type: ignore[return-value]
             for server in sorted(failed_servers):
-                self.recover(server)
+                self.recover(server, failed_servers[server])
             self.counters["reissued"] += len(unfinished)
             pending = unfinished
             log.warning("re-issuing %d request(s) after recovering server(s) %s", len(pending), sorted(failed_servers))

@@ -15,6 +15,7 @@ row. Prompts use the tokenizer's chat template (system prompt optional, instruct
 from __future__ import annotations
 
 import gzip
+import zlib
 import json
 import logging
 import math
@@ -73,6 +74,8 @@ def _answer_text(answer) -> str:
         raise ValueError(f"answer of type {type(answer).__name__} ({str(answer)[:40]}) is not a string or a number")
     if not answer.strip():
         raise ValueError("empty answer")
+    if answer.count("{") != answer.count("}"):
+        raise ValueError(f"answer {answer[:40]!r} has unbalanced braces (it can never verify)")
     return answer.strip()
 
 
@@ -85,10 +88,18 @@ def read_rows(path: str) -> list:
     if p.suffix == ".parquet":
         import pyarrow.parquet as pq
 
-        return pq.read_table(p).to_pylist()
+        try:
+            return pq.read_table(p).to_pylist()
+        except Exception as err:  # noqa: BLE001 - pyarrow's errors for damaged files are of many kinds
+            raise ConfigError(f"task.math file {path} is not a readable parquet file ({type(err).__name__}: "
+                              f"{str(err)[:200]}); re-export it") from None
     data = p.read_bytes()
     if data[:2] == b"\x1f\x8b":  # gzip, whatever the name
-        data = gzip.decompress(data)
+        try:
+            data = gzip.decompress(data)
+        except (EOFError, OSError, zlib.error) as err:
+            raise ConfigError(f"task.math file {path} is a damaged gzip file ({type(err).__name__}: {err or 'cut short'}"
+                              "); compress it again or give the uncompressed .jsonl") from None
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as err:
@@ -171,7 +182,9 @@ class MathTask:
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
     def _load(self, files: list[str]) -> list[Problem]:
-        problems = []
+        """Usable problems of ``files``; malformed, unverifiable and duplicate rows (a question seen before in
+        these files) are skipped and counted per file."""
+        problems, seen = [], set()
         for path in files:
             bad, first_error = Counter(), None
             for index, row in enumerate(read_rows(path)):
@@ -182,6 +195,9 @@ class MathTask:
                     ids = self._prompt_ids(question)
                     if len(ids) > self.cfg.max_prompt_tokens:
                         raise ValueError(f"prompt has {len(ids)} tokens > task.math.max_prompt_tokens")
+                    if question in seen:
+                        raise ValueError("duplicate question (kept its first row)")
+                    seen.add(question)
                 except ValueError as err:
                     reason = str(err).split(" (")[0].split(":")[0][:60]
                     bad[reason] += 1
@@ -190,7 +206,7 @@ class MathTask:
                 problems.append(Problem(prompt_ids=ids, answer=answer, prompt_text=question))
             if bad:
                 self.skipped.update({path: sum(bad.values())})
-                log.warning("%s: skipped %d malformed row(s) %s; first: %s", path, sum(bad.values()), dict(bad),
+                log.warning("%s: skipped %d row(s) %s; first: %s", path, sum(bad.values()), dict(bad),
                             first_error)
         return problems
 

@@ -15,6 +15,8 @@ SGLang does: 401 without ``Authorization: Bearer <key>``, health checks exempt) 
     --fault-corrupt-every N    every N-th /generate answers a well-formed body with impossible values, cycling
                                through CORRUPTIONS (NaN / +inf / positive log-prob, id >= vocab, id < 0, more
                                tokens than max_new_tokens, an empty completion without output_ids)
+    --fault-hang-after N       every /generate after the N-th never answers (a hung server); writes
+                               --fault-marker when the first one hangs
     --fault-exit-at N          the N-th /generate kills the process, once per --fault-marker file
     --fault-exit-on-update N   the N-th weight update (/update_weights_from_*) kills the process before
                                answering, once per --fault-marker file
@@ -261,6 +263,10 @@ def _handler(server: EmbeddedServer, args):
             with server.lock:
                 server.requests += 1
                 n = server.requests
+            if args.fault_hang_after and n > args.fault_hang_after:
+                if args.fault_marker and not Path(args.fault_marker).exists():
+                    Path(args.fault_marker).write_text(f"hung at request {n}")
+                threading.Event().wait()  # never answers; the connection stays open
             if args.fault_exit_at and n == args.fault_exit_at and not Path(args.fault_marker).exists():
                 Path(args.fault_marker).write_text("exited")
                 os._exit(17)
@@ -305,6 +311,7 @@ def main(argv=None) -> None:
         parser.add_argument(f"--fault-{name}-every", type=int, default=0)
     parser.add_argument("--fault-delay-s", type=float, default=0.0)
     parser.add_argument("--fault-exit-at", type=int, default=0)
+    parser.add_argument("--fault-hang-after", type=int, default=0)
     parser.add_argument("--fault-exit-on-update", type=int, default=0)
     parser.add_argument("--fault-marker", default="")
     args, _unknown = parser.parse_known_args(argv)

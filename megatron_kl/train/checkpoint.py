@@ -16,6 +16,7 @@ checkpoints of the run that is writing.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import random
@@ -129,17 +130,31 @@ def save_checkpoint(directory: Path, step: int, train_state, trainer_state: dict
     directory = Path(directory)
     final = directory / f"{_PREFIX}{step:06d}"
     tmp = directory / f"{_PREFIX}{step:06d}.tmp"
+    previous = complete_checkpoints(directory)
+    needed = _size_of(previous[-1]) if previous else 0  # the last checkpoint's size: this one's, near enough
     if dist.get_rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     dist.barrier()
-    _results_queue_without_spawn()
-    dist_checkpointing.save(_sharded_state_dict(train_state, is_loading=False), str(tmp))
-    torch.save(rank_state, tmp / f"rank_{dist.get_rank():05d}.pt")
-    if dist.get_rank() == 0:
-        torch.save({**trainer_state, "step": step, "scheduler": train_state.scheduler.state_dict()}, tmp / "trainer.pt")
-        (tmp / RUN_FILE).write_text(json.dumps(run_record, indent=1, default=str))
-    dist.barrier()
+    error = _no_space(directory, needed, step)
+    if error is None:
+        try:
+            _results_queue_without_spawn()
+            dist_checkpointing.save(_sharded_state_dict(train_state, is_loading=False), str(tmp))
+            torch.save(rank_state, tmp / f"rank_{dist.get_rank():05d}.pt")
+            if dist.get_rank() == 0:
+                torch.save({**trainer_state, "step": step, "scheduler": train_state.scheduler.state_dict()},
+                           tmp / "trainer.pt")
+                (tmp / RUN_FILE).write_text(json.dumps(run_record, indent=1, default=str))
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as err:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+            error = _write_error(err, tmp, needed, step)
+    if not _all_ok(error is None):
+        if dist.get_rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # never leave a partial checkpoint taking the space
+        where = f"; the previous checkpoint {previous[-1]} is intact" if previous else ""
+        raise CheckpointWriteError(f"{error or 'writing the checkpoint failed on another rank'}{where}")
     digest = manifest.write_manifest(tmp, MARKER, cpu_group())
     if dist.get_rank() == 0:
         (tmp / MARKER).write_text(manifest.marker_text(step, digest))  # last: everything before it is on disk
@@ -155,6 +170,37 @@ def save_checkpoint(directory: Path, step: int, train_state, trainer_state: dict
 
 class CheckpointError(RuntimeError):
     """No complete checkpoint could be loaded."""
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written (no space left, an I/O error); the partial one is removed."""
+
+
+def _size_of(directory: Path) -> int:
+    return sum(p.stat().st_size for p in Path(directory).rglob("*") if p.is_file())
+
+
+def _no_space(directory: Path, needed: int, step: int) -> Optional[str]:
+    free = shutil.disk_usage(directory).free
+    if needed and free < needed * 1.05:
+        return (f"no space left on device for the checkpoint of step {step}: it needs about {needed / 2**20:.1f} MiB "
+                f"(the size of the previous one) under {directory}, {free / 2**20:.1f} MiB are free; free space there "
+                "or lower checkpoint.keep, then run the same command again")
+    return None
+
+
+def _write_error(err: BaseException, tmp: Path, needed: int, step: int) -> str:
+    """One line for a failed write; a full disk said as such (torch's zip writer reports it as
+    "unexpected pos"), with the path and the space needed."""
+    text = _reason(err)
+    full = getattr(err, "errno", None) == errno.ENOSPC or "No space left" in text or "unexpected pos" in text
+    if full:
+        free = shutil.disk_usage(tmp.parent).free
+        need = f"about {needed / 2**20:.1f} MiB" if needed else "more space than is free"
+        return (f"no space left on device writing the checkpoint of step {step} to {tmp} (it needs {need}; "
+                f"{free / 2**20:.1f} MiB free): free space there or lower checkpoint.keep, then run the same command "
+                "again")
+    return f"writing the checkpoint of step {step} to {tmp} failed: {text}"
 
 
 def _load_file(path: Path) -> dict:

@@ -39,7 +39,10 @@ def main(config_path: str, overrides: list[str]) -> int:
     from megatron_kl.train.loop import train
 
     from megatron_kl.rollout.engine import EngineLost
-    from megatron_kl.train.preemption import REQUEUE_EXIT_CODE, Requeue
+    from megatron_kl.rollout.http import Cancelled, ServerError
+    from megatron_kl.rollout.servers import ServerStartFailed
+    from megatron_kl.train.checkpoint import CheckpointError, CheckpointWriteError
+    from megatron_kl.train.preemption import INTERRUPT_EXIT_CODE, REQUEUE_EXIT_CODE, Requeue
 
     from megatron_kl.train.run_dir import RunRefused
 
@@ -51,9 +54,23 @@ def main(config_path: str, overrides: list[str]) -> int:
     except ConfigError as err:
         print(f"megatron-kl train: config error: {err}", file=sys.stderr)
         return 2
-    except (Requeue, EngineLost) as err:  # a checkpoint is on disk (Requeue) or nothing was trained yet
+    except Requeue as err:  # a checkpoint of the finished steps is on disk
+        print(f"megatron-kl train: {err}", file=sys.stderr)
+        return err.exit_code
+    except (ServerStartFailed, ServerError) as err:  # permanent: a requeue would fail the same way
+        print(f"megatron-kl train: rollout engine error: {err}", file=sys.stderr)
+        return 1
+    except (CheckpointError, CheckpointWriteError) as err:
+        print(f"megatron-kl train: {err}", file=sys.stderr)
+        return 1
+    except EngineLost as err:  # nothing was trained yet
         print(f"megatron-kl train: {err}", file=sys.stderr)
         return REQUEUE_EXIT_CODE
+    except Cancelled as err:  # a stop signal while starting (e.g. waiting for the rollout servers)
+        code = INTERRUPT_EXIT_CODE if "SIGINT" in str(err) else REQUEUE_EXIT_CODE
+        print(f"megatron-kl train: stopped while starting ({err}); nothing was trained; run the same command "
+              f"again to start (exit code {code})", file=sys.stderr)
+        return code
     finally:
         parallel.destroy()
     if int(os.environ.get("RANK", "0")) == 0:

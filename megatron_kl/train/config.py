@@ -80,9 +80,10 @@ class RunConfig:
     reference_metrics_interval: int = 1
     seed: int = 1234
     output_dir: str = "runs/default"
-    # signals that end the run with a checkpoint after the current step and exit code 75 (requeue + resume):
-    # SIGUSR1 is what the Slurm scripts request ahead of the time limit, SIGTERM comes with preemption/scancel
-    stop_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
+    # signals that end the run with a checkpoint of the finished steps (a rollout in flight is cut off) and exit
+    # code 75 (requeue + resume), 130 for SIGINT: SIGUSR1 is what the Slurm scripts request ahead of the time
+    # limit, SIGTERM comes with preemption/scancel, SIGINT with Ctrl-C, SIGHUP with a closed terminal
+    stop_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1", "SIGINT", "SIGHUP"])
 
     def __post_init__(self):
         from megatron_kl.train.host_malloc import MODES as HOST_MALLOC_MODES
@@ -210,6 +211,10 @@ def validate_train_config(cfg: TrainConfig, tokenizer_vocab: int, data_parallel:
     """Cross-field rules; single-field rules live in each dataclass's __post_init__."""
     if cfg.rollout.engine not in ENGINES:
         raise ConfigError(f"rollout.engine={cfg.rollout.engine!r} is unknown; use one of {list(ENGINES)}")
+    if cfg.rollout.sampling.temperature == 0:
+        raise ConfigError("rollout.sampling.temperature=0 samples greedily: every sample of a group is the same "
+                          "answer, every advantage is 0 and the policy gradient is exactly 0 (nothing trains); set "
+                          "rollout.sampling.temperature > 0 (e.g. 1.0; greedy evaluation is eval's pass@1)")
     if cfg.model.vocab_size < tokenizer_vocab:
         raise ConfigError(
             f"model.vocab_size={cfg.model.vocab_size} is smaller than the task tokenizer's {tokenizer_vocab}: "

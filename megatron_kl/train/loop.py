@@ -24,6 +24,7 @@ from megatron_kl.train.engines import build_engine
 from megatron_kl.train.host_malloc import tune_host_malloc
 from megatron_kl.train.evaluate import evaluate_all
 from megatron_kl.rollout.engine import EngineLost
+from megatron_kl.rollout.http import Cancelled
 from megatron_kl.train.metrics import MetricsLogger, read_metrics
 from megatron_kl.train.preemption import Requeue, StopSignals
 from megatron_kl.train.profiling import StepProfiler, phase
@@ -141,19 +142,22 @@ def train(cfg: TrainConfig) -> dict:
     plan = run_dir.plan_start(cfg, world_size)  # a refused start changes nothing (train/run_dir.py)
     if plan.kind == "finished":
         return {**run_dir.read_summary(Path(cfg.train.output_dir)), "already_finished": True}
-    tune_host_malloc(cfg.train.host_malloc)
-    child_processes.install()  # helpers forked from here on die with this process
-    parallel.initialize(cfg.model, cfg.parallel, seed=cfg.train.seed)
-    dp_rank, dp_size, dp_group, is_logger = _topology()
-    lock = _claim(cfg, plan, world_size)
+    stop = StopSignals(cfg.train.stop_signals)  # from here on a stop signal ends the run cleanly
+    lock = None
     try:
-        return _train(cfg, plan, task, hf_source, world_size, (dp_rank, dp_size, dp_group), is_logger)
+        tune_host_malloc(cfg.train.host_malloc)
+        child_processes.install()  # helpers forked from here on die with this process
+        parallel.initialize(cfg.model, cfg.parallel, seed=cfg.train.seed)
+        dp_rank, dp_size, dp_group, is_logger = _topology()
+        lock = _claim(cfg, plan, world_size)
+        return _train(cfg, plan, task, hf_source, world_size, (dp_rank, dp_size, dp_group), is_logger, stop)
     finally:
+        stop.close()
         if lock is not None:
             lock.release()
 
 
-def _train(cfg: TrainConfig, plan, task, hf_source, world_size: int, dp, is_logger: bool) -> dict:
+def _train(cfg: TrainConfig, plan, task, hf_source, world_size: int, dp, is_logger: bool, stop: StopSignals) -> dict:
     dp_rank, dp_size, dp_group = dp
     run_path = Path(cfg.train.output_dir)
     record = run_dir.run_record(cfg, plan.run_id, world_size)
@@ -189,7 +193,6 @@ def _train(cfg: TrainConfig, plan, task, hf_source, world_size: int, dp, is_logg
 
     logger = MetricsLogger(run_path, is_logger, cfg.logging.tensorboard, cfg.logging.wandb_project, cfg.run_name,
                            redact_secrets(to_dict(cfg)), cfg.logging.progress, cfg.train.steps, start_step)
-    stop = StopSignals(cfg.train.stop_signals)
     profiler = StepProfiler(cfg.logging.profile_steps, run_path / "profile", dist.get_rank())
     saved = {start_step: latest} if resumed is not None else {}
     finished = start_step
@@ -203,6 +206,9 @@ def _train(cfg: TrainConfig, plan, task, hf_source, world_size: int, dp, is_logg
     try:
         try:
             engine.update_weights(train_state.chunks, version=start_step)
+            signal_name = stop.agreed()
+            if signal_name:
+                raise Requeue(f"received {signal_name} while starting", finished, saved.get(finished), signal_name)
             for step in range(start_step, cfg.train.steps):
                 step_start = time.perf_counter()
                 metrics = {}
@@ -230,14 +236,17 @@ def _train(cfg: TrainConfig, plan, task, hf_source, world_size: int, dp, is_logg
                     save(finished)
                 signal_name = stop.agreed()
                 if signal_name and finished < cfg.train.steps:
-                    raise Requeue(f"received {signal_name}", finished, save(finished))
+                    raise Requeue(f"received {signal_name}", finished, save(finished), signal_name)
+            final = _evaluate_all(cfg, engine, task, cfg.train.steps, dp)
+            logger.log(cfg.train.steps, final)
+        except Cancelled as err:  # a stop signal cut off the rollout or weight sync in flight
+            source.drop_unfinished()
+            signal_name = stop.agreed()
+            raise Requeue(f"{err}; the rollout in flight was cut off", finished, save(finished), signal_name) from err
         except EngineLost as err:
             source.drop_unfinished()
             raise Requeue(f"rollout engine lost: {err}", finished, save(finished)) from err
-        final = _evaluate_all(cfg, engine, task, cfg.train.steps, dp)
-        logger.log(cfg.train.steps, final)
     finally:
-        stop.close()
         source.close()
         engine.shutdown()
         logger.close()

@@ -1,9 +1,13 @@
-"""Stopping a run cleanly: on a signal (Slurm's time limit or preemption) or when the rollout servers are lost.
+"""Stopping a run cleanly: on a signal (Ctrl-C, a closed terminal, Slurm's time limit or preemption) or when the
+rollout servers are lost.
 
 Slurm sends ``--signal=USR1@<lead>`` seconds before the time limit (the sbatch scripts request it) and SIGTERM on
-preemption or ``scancel``; torchrun forwards both to its workers (``PET_SIGNALS_TO_HANDLE``). The handler only
-records the signal. At the end of every step the ranks agree (one MAX all-reduce) whether any rank got one; if
-so the trainer writes a checkpoint of the finished step and stops with :class:`Requeue`. A rollout engine that
+preemption or ``scancel``; torchrun forwards both to its workers (``PET_SIGNALS_TO_HANDLE``). The handler records
+the signal and cancels the rollout engine's HTTP calls (``rollout/http.py``: a hung server cannot hold the run);
+at the end of every step (and once before the first) the ranks agree (one MAX all-reduce) whether any rank got
+one; if so the trainer writes a checkpoint of the finished steps and stops with :class:`Requeue`. A rollout cut
+off by the signal ends the same way at once. Exit codes: 130 after SIGINT (Ctrl-C), :data:`REQUEUE_EXIT_CODE`
+(75) after the others; either way the same command resumes. A rollout engine that
 stays unavailable after its retries and restarts (:class:`megatron_kl.rollout.engine.EngineLost`, raised on
 every rank together) ends the same way, with the checkpoint of the last finished step. ``megatron-kl train``
 exits with :data:`REQUEUE_EXIT_CODE`: nonzero, so NeMo-Run's sbatch script requeues the job
@@ -25,16 +29,19 @@ from megatron_kl.models.parallel import all_reduce_cpu
 log = logging.getLogger("megatron_kl.train")
 
 REQUEUE_EXIT_CODE = 75  # EX_TEMPFAIL: stopped early with a checkpoint; run the same command again to resume
+INTERRUPT_EXIT_CODE = 130  # 128 + SIGINT: the shell's code for Ctrl-C (checkpoint written as well)
 SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP")
 
 
 class Requeue(Exception):
     """The run stopped before ``train.steps`` after writing a checkpoint; a restart resumes it."""
 
-    def __init__(self, reason: str, step: int, checkpoint):
+    def __init__(self, reason: str, step: int, checkpoint, signal_name: Optional[str] = None):
         where = f"checkpoint {checkpoint}" if checkpoint is not None else "no step finished, nothing to save"
-        super().__init__(f"stopped after step {step} ({reason}); {where}; run the same command again "
-                         f"(exit code {REQUEUE_EXIT_CODE} requeues a Slurm job) to resume")
+        self.exit_code = INTERRUPT_EXIT_CODE if signal_name == "SIGINT" else REQUEUE_EXIT_CODE
+        super().__init__(f"stopped after step {step} ({reason}); {where}; run the same command again to resume "
+                         f"(exit code {self.exit_code}" + (", which requeues a Slurm job)" if self.exit_code ==
+                                                            REQUEUE_EXIT_CODE else ")"))
         self.reason, self.step, self.checkpoint = reason, step, checkpoint
 
 
@@ -59,13 +66,19 @@ class StopSignals:
         if threading.current_thread() is not threading.main_thread():
             log.warning("stop signals %s not handled: the trainer does not run in the main thread", list(names))
             return
+        from megatron_kl.rollout.http import clear_cancel
+
+        clear_cancel()
         for name in check_signal_names(names):
             sig = getattr(signal, name)
             self._previous[sig] = signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame) -> None:
+        from megatron_kl.rollout.http import cancel_requests
+
         if self.received is None:
             self.received = signum
+            cancel_requests(f"received {signal.Signals(signum).name}")
 
     def agreed(self, group=None) -> Optional[str]:
         """Collective over ``group`` (default: the world): the signal some rank received, or None."""

@@ -176,12 +176,24 @@ def test_colocated_release_and_resume_around_generation_and_updates(tmp_path, mo
         engine.shutdown()
 
 
-def test_malformed_response_is_an_error_naming_the_field(tmp_path, models):
-    engine = _engine(tmp_path, models["a"], "--fault-bad-every", "2")
+def test_a_response_without_logprobs_is_retried_and_one_that_never_has_them_is_named(tmp_path, models):
+    """Every 2nd answer lacks meta_info.output_token_logprobs: retried like the other corrupt answers, the batch
+    completes. A server that never sends them fails after the retries, naming the field (no restart: the
+    server is alive)."""
+    engine = _engine(tmp_path / "sometimes", models["a"], "--fault-bad-every", "2")
     try:
         engine.update_weights(_hf_tensors(models["a"]), 1)
-        with pytest.raises(ResponseError, match="meta_info.output_token_logprobs"):
-            engine.generate(PROMPTS[:4], SAMPLING, seed=0)
+        out = engine.generate(PROMPTS[:4], SAMPLING, seed=0)
+        assert len(out) == 4 and all(len(c.response_logprobs) == len(c.response_ids) > 0 for c in out)
+        assert engine.counters["retries"] >= 2 and engine.counters["restarts"] == 0
+    finally:
+        engine.shutdown()
+    engine = _engine(tmp_path / "never", models["a"], "--fault-bad-every", "1", max_retries=1,
+                     restart_dead_servers=False)
+    try:
+        engine.update_weights(_hf_tensors(models["a"]), 1)
+        with pytest.raises(ServerUnavailable, match="meta_info.output_token_logprobs"):
+            engine.generate(PROMPTS[:2], SAMPLING, seed=0)
     finally:
         engine.shutdown()
 
@@ -351,8 +363,15 @@ def test_managed_servers_get_a_per_engine_api_key(tmp_path, models, monkeypatch)
         anonymous = requests.post(engine.urls[0] + "/generate", json={"input_ids": [1, 2]}, timeout=30)
         assert anonymous.status_code == 401
         assert requests.get(engine.urls[0] + "/health", timeout=30).status_code == 200
+        from megatron_kl.rollout.http import ServerError, call, new_session
+
+        wrong = new_session(headers={"Authorization": "Bearer not-the-key"})
+        with pytest.raises(ServerError, match="refused the trainer's API key.*rollout.sglang.api_key_env"):
+            call(engine.urls[0], "/generate", {"input_ids": [1, 2]}, session=wrong)
     finally:
         engine.shutdown()
+    log = (tmp_path / "logs" / "sglang-0.log").read_text()
+    assert "--api-key <redacted>" in log and engine.api_key not in log  # a secret never reaches a log
 
 
 def test_given_urls_are_waited_for_until_healthy(tmp_path, models):
@@ -437,7 +456,9 @@ def test_managed_servers_skip_ports_in_use_and_a_port_taken_while_starting(tmp_p
 
 def test_a_managed_server_that_fails_on_a_free_port_is_not_retried(tmp_path, models):
     """A start that fails while its port stays free is the server's own failure (here: a module that does not
-    exist): one attempt, and the error carries the server's log tail."""
-    with pytest.raises(ServerUnavailable, match=r"(?s)did not start.*No module named"):
+    exist): one attempt, a permanent error (no requeue: the trainer exits 1) carrying the server's log tail."""
+    from megatron_kl.rollout.servers import ServerStartFailed
+
+    with pytest.raises(ServerStartFailed, match=r"(?s)exited with code 1 while starting.*No module named"):
         _engine(tmp_path, models["a"], server_module="megatron_kl.testing.no_such_server")
     assert (tmp_path / "logs" / "sglang-0.log").read_text().count("==== start") == 1

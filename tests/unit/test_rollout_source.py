@@ -121,7 +121,7 @@ def test_call_retries_a_corrupt_body_then_gives_up_naming_it(monkeypatch):
             pass
 
     calls = []
-    monkeypatch.setattr(requests, "request", lambda *a, **k: calls.append(1) or Response())
+    monkeypatch.setattr(requests.Session, "request", lambda self, *a, **k: calls.append(1) or Response())
 
     def parse(body):
         raise CorruptResponse("http://x: behaviour log-prob nan at response position 0")

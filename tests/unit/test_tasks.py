@@ -112,7 +112,7 @@ def test_math_task_loads_mixed_files_skips_and_counts_malformed_rows(tmp_path, c
                                    system_prompt="Be brief."), tokenizer=_tiny_hf_tokenizer())
     assert len(task.splits["train"]) == 2 and len(task.splits["eval"]) == 1
     assert task.skipped[str(path)] == 3
-    assert "skipped 3 malformed row(s)" in caplog.text and "row 2" in caplog.text
+    assert "skipped 3 row(s)" in caplog.text and "row 2" in caplog.text
     first = task.problem("train", 0)
     text = task.hf_tokenizer.decode(first.prompt_ids)
     assert text.startswith("[system] Be brief.") and text.endswith("[assistant] ") and "\\boxed{}" in text
@@ -193,7 +193,7 @@ def test_data_errors_name_the_file_and_row(tmp_path, caplog):
     with caplog.at_level("WARNING"):
         task = MathTask(MathConfig(train_files=[str(packed), str(bad)]), tokenizer=_tiny_hf_tokenizer())
     assert sorted(p.answer for p in task.splits["train"]) == ["2", "4"] and task.skipped[str(bad)] == 5
-    assert "bad.jsonl: skipped 5 malformed row(s)" in caplog.text and "row 0: multi-line answer" in caplog.text
+    assert "bad.jsonl: skipped 5 row(s)" in caplog.text and "row 0: multi-line answer" in caplog.text
 
     empty = tmp_path / "aime.jsonl"
     empty.write_text(json.dumps({"problem": "Q", "answer": [1]}) + "\n")
@@ -211,3 +211,30 @@ def test_malformed_config_yaml_is_a_one_line_config_error(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert f"config file {broken} is not valid YAML at line" in done.stderr
+
+
+def test_damaged_gzip_unverifiable_answers_and_duplicates_are_named(tmp_path, caplog):
+    """A gzip file cut short is a ConfigError naming it; answers that can never verify (unbalanced braces, as a
+    cut-off \\boxed{) and repeated questions are skipped and counted per file, the first row named."""
+    import gzip
+
+    from megatron_kl.config import ConfigError
+
+    good = [{"problem": "What is 1+1?", "answer": "2"}, {"problem": "What is 2+2?", "answer": "\\frac{8}{2}"}]
+    packed = gzip.compress("\n".join(json.dumps(r) for r in good).encode())
+    cut = tmp_path / "cut.jsonl.gz"
+    cut.write_bytes(packed[: len(packed) - 9])
+    with pytest.raises(ConfigError, match=r"cut.jsonl.gz is a damaged gzip file"):
+        MathTask(MathConfig(train_files=[str(cut)]), tokenizer=_tiny_hf_tokenizer())
+
+    rows = [*good, {"problem": "What is 3+3?", "answer": "\\boxed{6"}, {"problem": "What is 1+1?", "answer": "2"}]
+    data = tmp_path / "rows.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in rows))
+    again = tmp_path / "again.jsonl"
+    again.write_text(json.dumps(good[1]) + "\n" + json.dumps({"problem": "What is 5+5?", "answer": "10"}))
+    with caplog.at_level("WARNING"):
+        task = MathTask(MathConfig(train_files=[str(data), str(again)]), tokenizer=_tiny_hf_tokenizer())
+    assert sorted(p.answer for p in task.splits["train"]) == ["10", "2", "\\frac{8}{2}"]
+    assert task.skipped[str(data)] == 2 and task.skipped[str(again)] == 1
+    assert "rows.jsonl: skipped 2 row(s)" in caplog.text and "row 2: answer '\\\\boxed{6' has unbalanced braces" in caplog.text
+    assert "again.jsonl: skipped 1 row(s)" in caplog.text and "row 0: duplicate question" in caplog.text

@@ -1,0 +1,67 @@
+"""Ctrl-C, a closed terminal and preemption end a run with a checkpoint of its finished steps and one line naming
+the signal - also while the rollout server hangs, within seconds instead of the retry budget."""
+
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from megatron_kl.rollout.servers import server_port
+from megatron_kl.train.checkpoint import complete_checkpoints
+from megatron_kl.train.metrics import read_metrics
+from tests.e2e.test_sglang import TEST_SERVER
+from tests.e2e.test_train import DEFAULT, Run
+
+COMMON = ["train.prompts_per_step=4", "train.group_size=4", "task.eval_size=8", "eval.k=2", "eval.interval=0",
+          "logging.progress=false", "logging.tensorboard=false", "checkpoint.interval=0", "train.steps=40"]
+
+
+def _trained(run: Path) -> list[int]:
+    path = run / "metrics.jsonl"
+    return [r["step"] for r in read_metrics(path) if "loss/total" in r] if path.is_file() else []
+
+
+def _wait_for(condition, proc, seconds: float = 300) -> None:
+    deadline = time.time() + seconds
+    while not condition():
+        assert proc.poll() is None and time.time() < deadline, "the run ended (or took too long) before the signal"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGHUP, 75)])
+def test_ctrl_c_and_hangup_checkpoint_the_finished_steps(tmp_path, sig, code):
+    run = tmp_path / "run"
+    job = Run(tmp_path / "log.txt", "--config", str(DEFAULT), f"train.output_dir={run}",
+              f"warm_start.cache_dir={tmp_path / 'cache'}", *COMMON)
+    _wait_for(lambda: len(_trained(run)) >= 1, job.proc)
+    job.proc.send_signal(sig)
+    rc, output = job.wait(120)
+    assert rc == code, output[-3000:]
+    assert f"received {sig.name}" in output and "Traceback" not in output, output[-3000:]
+    finished = len(_trained(run))
+    assert [p.name for p in complete_checkpoints(run / "checkpoints")] == [f"step_{finished:06d}"]
+
+
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_a_stop_signal_during_a_hung_rollout_is_honoured_within_seconds(tmp_path, staleness):
+    """The server stops answering /generate (connections stay open); SIGTERM ends the run in seconds - not
+    after (max_retries + 1) x request_timeout_s = 5 x 300 s - with the finished steps checkpointed, exit 75."""
+    run, marker = tmp_path / "run", tmp_path / "hung"
+    job = Run(tmp_path / "log.txt", "--config", str(DEFAULT), f"train.output_dir={run}",
+              f"warm_start.cache_dir={tmp_path / 'cache'}", *COMMON, "rollout.engine=sglang",
+              f"train.staleness={staleness}", f"rollout.sglang.server_module={TEST_SERVER}",
+              f"rollout.sglang.port={server_port()}", "rollout.sglang.request_timeout_s=300",
+              f"rollout.sglang.extra_args=[--fault-hang-after, '120', --fault-marker, '{marker}']")
+    _wait_for(marker.is_file, job.proc)
+    time.sleep(1.0)  # the trainer is now waiting on the hung request
+    sent = time.monotonic()
+    job.proc.send_signal(signal.SIGTERM)
+    rc, output = job.wait(120)
+    elapsed = time.monotonic() - sent
+    assert rc == 75, output[-3000:]
+    assert elapsed < 20, f"took {elapsed:.1f}s to honour SIGTERM"
+    assert "received SIGTERM" in output and "engine lost" not in output, output[-3000:]
+    finished = len(_trained(run))
+    assert finished >= 1, output[-3000:]
+    assert [p.name for p in complete_checkpoints(run / "checkpoints")] == [f"step_{finished:06d}"]
