@@ -16,6 +16,9 @@ def _build_parser() -> argparse.ArgumentParser:
     audit.add_argument("--json", type=str, default=None, help="also write the results as JSON here")
     train = sub.add_parser("train", help="RL training (torchrun for several ranks)")
     train.add_argument("--config", required=True, help="YAML config, e.g. configs/cpu/default.yaml")
+    train.add_argument("--check", action="store_true", help="validate the configuration, print it resolved with the "
+                       "KL verdict and what a start would do (fresh / resume / finished); exit 0, or 2 naming the "
+                       "field; nothing is written")
     train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. kl.estimator=k3 train.steps=5")
     study = sub.add_parser("study", help="run a grid of KL configurations x seeds and write the report")
     study.add_argument("--config", required=True, help="study YAML, e.g. configs/study/cpu.yaml")
@@ -27,6 +30,8 @@ def _build_parser() -> argparse.ArgumentParser:
     launch = sub.add_parser("launch", help="NeMo-Run: local torchrun or Slurm (megatron-kl launch --help)",
                             add_help=False)
     launch.add_argument("args", nargs=argparse.REMAINDER)
+    sub.add_parser("config", help="megatron-kl config show [--config X] [overrides] [--section S]: every field "
+                   "with its type, default, value and description", add_help=False)
     validate = sub.add_parser("validate", help="one-command node check (megatron-kl validate --help)", add_help=False)
     validate.add_argument("args", nargs=argparse.REMAINDER)
     return parser
@@ -42,6 +47,10 @@ def main(argv=None) -> int:
         from megatron_kl.launch.cli import main as launch_main
 
         return launch_main(argv[1:])
+    if argv[:2] == ["config", "show"]:
+        from megatron_kl.config_reference import main as config_main
+
+        return config_main(argv[2:])
     if argv[:1] == ["validate"]:
         from megatron_kl.launch.validate import main as validate_main
 
@@ -55,7 +64,7 @@ def main(argv=None) -> int:
     if args.command == "train":
         from megatron_kl.train.cli import main as train_main
 
-        return train_main(args.config, args.overrides)
+        return train_main(args.config, args.overrides, args.check)
     if args.command == "study":
         from megatron_kl.study.cli import main as study_main
 

@@ -237,7 +237,12 @@ def from_dict(cls, data: dict, prefix: str = ""):
             f"unknown config key(s) {sorted(prefix + k for k in unknown)}; valid keys here: {sorted(names)}"
         )
     kwargs = {k: _coerce(v, hints[k], prefix + k) for k, v in data.items()}
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except ValueError as err:  # a library dataclass (KLConfig, RPGConfig...) names itself: say the YAML path
+        raise ConfigError(str(err).replace(f"{cls.__name__}.", prefix)) from None
 
 
 def to_dict(obj) -> dict:

@@ -160,7 +160,7 @@ def _refused_change(name: str, *overrides: str, field: str):
         after = sorted((str(p), p.stat().st_size) for p in run.rglob("*") if p.is_file())
         if code == 0:
             r.record(name, "silent", "rc 0: the old run's results reported as this one's")
-        elif code == 2 and field in out and before == after and "delete" not in out:
+        elif code == 2 and field in out and before == after and "delete them" not in out:
             r.record(name, "handled", f"rc 2 naming {field}; directory unchanged")
         else:
             r.record(name, "unclear", f"rc {code}; field named: {field in out}; unchanged: {before == after}")

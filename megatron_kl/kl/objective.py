@@ -73,15 +73,18 @@ def _choice(name: str, value, allowed) -> None:
 
 @dataclass(frozen=True)
 class KLConfig:
-    estimator: str = "k1"  # or "auto": estimator, placement, level, credit and off_policy chosen for the target
-    placement: str = "reward"
-    level: str = "token"
-    credit: Optional[str] = None  # reward placement only; None means reward_to_go there
+    # k1 | k2 | k3 | full (exact over the vocabulary) | auto: estimator, placement, level, credit and off_policy
+    # chosen by the audit for kl.target
+    estimator: str = "k1"
+    placement: str = "reward"  # reward: -beta * KL added to the reward; loss: beta * KL added to the loss
+    level: str = "token"  # token: per-token estimates; sequence: the sequence sum as one estimate
+    credit: Optional[str] = None  # reward placement: reward_to_go | immediate; None means reward_to_go there
+    # importance weighting of the KL term for off-policy samples: none | token_is | per_decision | behavior
     off_policy: str = "none"
-    coef: float = 0.001
+    coef: float = 0.001  # beta, the KL coefficient
     clamp: Optional[float] = 20.0  # |log-ratio| bound before any exp (k3, importance weights)
     truncate: Optional[float] = None  # cap on per-decision weights rho_{1:t}
-    aggregation: str = "seq_mean_token_sum"
+    aggregation: str = "seq_mean_token_sum"  # how per-token terms become the loss (AGGREGATIONS)
     norm_length: Optional[float] = None  # the constant of aggregation='seq_mean_token_sum_norm'
     target: str = "sequence_reverse"  # the declared objective (TARGETS); runs biased for it are tagged kl/biased
     regime: str = "auto"  # on_policy | off_policy | auto (from train.staleness)

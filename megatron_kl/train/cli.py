@@ -21,7 +21,35 @@ def _single_process_env() -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
 
 
-def main(config_path: str, overrides: list[str]) -> int:
+def check(cfg) -> int:
+    """``megatron-kl train --check``: validate, print the resolved configuration, the KL verdict and what a start
+    would do; exit 0, or 2 naming the field(s). Nothing is written."""
+    import yaml
+
+    from megatron_kl.config import redact_secrets, to_dict
+    from megatron_kl.train.config import kl_verdict
+    from megatron_kl.train.loop import prepare
+    from megatron_kl.train.run_dir import RunRefused
+
+    try:
+        prepared = prepare(cfg)
+    except ConfigError as err:
+        kind = "refused" if isinstance(err, RunRefused) else "config error"
+        print(f"megatron-kl train --check: {kind}: {err}", file=sys.stderr)
+        return 2
+    print(yaml.safe_dump(redact_secrets(to_dict(cfg)), sort_keys=False), end="")
+    verdict = kl_verdict(cfg)
+    print(f"# run name: {cfg.run_name}")
+    print("# KL term: " + (verdict.describe() if verdict is not None else "none (kl.coef=0 or algo.loss=rpg)"))
+    plan, out = prepared.plan, cfg.train.output_dir
+    print("# start: " + {"fresh": f"a new run in {out} (an earlier run's files there would move to superseded-<time>/)",
+                         "resume": f"resume the run in {out} from step {plan.checkpoint_step}",
+                         "finished": f"nothing to do: the run in {out} finished at step {plan.checkpoint_step}"}[plan.kind])
+    print("# configuration OK")
+    return 0
+
+
+def main(config_path: str, overrides: list[str], check_only: bool = False) -> int:
     import warnings
 
     warnings.filterwarnings("ignore")
@@ -34,6 +62,8 @@ def main(config_path: str, overrides: list[str]) -> int:
     except (ConfigError, ValueError) as err:
         print(f"megatron-kl train: config error: {err}", file=sys.stderr)
         return 2
+    if check_only:
+        return check(cfg)
     _single_process_env()
     from megatron_kl.models import parallel
     from megatron_kl.train.loop import train

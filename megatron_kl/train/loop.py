@@ -129,7 +129,20 @@ def _claim(cfg: TrainConfig, plan: run_dir.StartPlan, world_size: int) -> Option
     return lock
 
 
-def train(cfg: TrainConfig) -> dict:
+@dataclasses.dataclass
+class Prepared:
+    """What a start decides from the configuration alone (no process group, server, model or file written)."""
+
+    world_size: int
+    hf_source: object
+    task: object
+    plan: run_dir.StartPlan
+
+
+def prepare(cfg: TrainConfig) -> Prepared:
+    """Every check the configuration alone decides - values, combinations, layout vs the world size, tokenizer
+    vs model vocabulary, files that must exist - and the start plan (fresh / resume / finished / refused).
+    Raises ConfigError (RunRefused) naming the fields; touches nothing (``megatron-kl train --check``)."""
     world_size = _world_size()
     hf_source = _hf_source(cfg)
     seed_everything(cfg.train.seed)
@@ -139,7 +152,12 @@ def train(cfg: TrainConfig) -> dict:
     validate_parallel(cfg.model, cfg.parallel, world_size)
     validate_train_config(cfg, task.tokenizer.vocab_size,
                           world_size // (cfg.parallel.tensor_parallel * cfg.parallel.pipeline_parallel))
-    plan = run_dir.plan_start(cfg, world_size)  # a refused start changes nothing (train/run_dir.py)
+    return Prepared(world_size, hf_source, task, run_dir.plan_start(cfg, world_size))
+
+
+def train(cfg: TrainConfig) -> dict:
+    prepared = prepare(cfg)  # a refused start changes nothing (train/run_dir.py)
+    world_size, hf_source, task, plan = (prepared.world_size, prepared.hf_source, prepared.task, prepared.plan)
     if plan.kind == "finished":
         return {**run_dir.read_summary(Path(cfg.train.output_dir)), "already_finished": True}
     stop = StopSignals(cfg.train.stop_signals)  # from here on a stop signal ends the run cleanly

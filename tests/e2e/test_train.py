@@ -200,7 +200,7 @@ def test_kill_9_and_resume_reproduce_the_uninterrupted_run(tmp_path, warm_cache)
 
 
 @pytest.mark.parametrize("override, message", [
-    ("kl.estimator=k4", "KLConfig.estimator='k4' is unknown"),
+    ("kl.estimator=k4", "kl.estimator='k4' is unknown"),
     ("train.group_size=0", "train.group_size=0 must be >= 1"),
     ("model.vocab_size=8", "model.vocab_size=8 is smaller than the task tokenizer"),
     ("train.stpes=3", "unknown config key(s) ['train.stpes']"),

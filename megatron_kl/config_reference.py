@@ -1,0 +1,142 @@
+"""The configuration reference, read from the config dataclasses themselves: every field's YAML path, type,
+default, current value and its one-line description - the comment on (or the comment block above) its line
+in the dataclass's source, or the class docstring for a section. ``megatron-kl config show`` prints it;
+``--format md`` writes the Markdown reference (docs/configuration.md is generated that way and a test keeps
+it current), so the reference cannot drift from the code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect
+import re
+import sys
+import typing
+from typing import Any, Optional
+
+_FIELD = re.compile(r"^\s+(\w+)\s*:\s*[^=#]+?(?:=.*?)?(?:#\s*(?P<comment>.*))?$")
+
+
+def field_docs(cls) -> dict[str, str]:
+    """Field name -> description from the class's source comments."""
+    try:
+        lines = inspect.getsource(cls).splitlines()
+    except (OSError, TypeError):
+        return {}
+    docs, block = {}, []
+    names = {f.name for f in dataclasses.fields(cls)}
+    for line in lines[1:]:
+        stripped = line.strip()
+        if stripped.startswith("#"):
+            block.append(stripped.lstrip("#").strip())
+            continue
+        match = _FIELD.match(line)
+        if match and match.group(1) in names and match.group(1) not in docs:
+            text = match.group("comment") or " ".join(block)
+            docs[match.group(1)] = text.strip()
+        block = []
+    return docs
+
+
+def _type_name(hint) -> str:
+    if isinstance(hint, type):
+        return hint.__name__
+    return str(hint).replace("typing.", "").replace("NoneType", "None")
+
+
+def _default(f: dataclasses.Field) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+        return f.default_factory()  # type: ignore[misc]
+    return None
+
+
+def rows(cls, value=None, prefix: str = "") -> list[tuple[str, str, Any, Any, str]]:
+    """(path, type, default, current value, description) for every leaf field under ``cls``."""
+    hints = typing.get_type_hints(cls)
+    docs = field_docs(cls)
+    out = []
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        hint, current = hints[f.name], getattr(value, f.name) if value is not None else _default(f)
+        if dataclasses.is_dataclass(hint):
+            out += rows(hint, current, f"{prefix}{f.name}.")
+            continue
+        out.append((f"{prefix}{f.name}", _type_name(hint), _default(f), current, docs.get(f.name, "")))
+    return out
+
+
+def _show(v: Any) -> str:
+    return "null" if v is None else repr(v) if isinstance(v, str) else str(v)
+
+
+def section_docs(cls, prefix: str = "") -> dict[str, str]:
+    """Section path -> the first line of its dataclass's docstring (or its field comment)."""
+    out = {}
+    hints = typing.get_type_hints(cls)
+    docs = field_docs(cls)
+    for f in dataclasses.fields(cls):
+        hint = hints[f.name]
+        if dataclasses.is_dataclass(hint):
+            doc = inspect.getdoc(hint) or ""
+            generated = doc.startswith(hint.__name__ + "(")  # dataclass's synthesized signature, not a docstring
+            out[prefix + f.name] = docs.get(f.name) or ("" if generated else doc.split("\n\n")[0].replace("\n", " "))
+            out.update(section_docs(hint, prefix + f.name + "."))
+    return out
+
+
+def markdown(cls, title: str) -> str:
+    """The whole reference as Markdown, one table per top-level section."""
+    lines = [f"# {title}", "",
+             "Generated from the config dataclasses by `megatron-kl config show --format md` (do not edit by hand).",
+             "Every field can be set in the YAML file or as a dotted override: `megatron-kl train --config X "
+             "section.field=value`.", ""]
+    sections = section_docs(cls)
+    current = None
+    for path, type_name, default, _, doc in rows(cls):
+        top = path.split(".")[0]
+        if top != current:
+            current = top
+            lines += ["", f"## `{top}`", ""]
+            if sections.get(top):
+                lines += [sections[top], ""]
+            lines += ["| field | type | default | description |", "|---|---|---|---|"]
+        cell = doc.replace("|", "\\|")
+        lines.append(f"| `{path}` | `{type_name}` | `{_show(default)}` | {cell} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="megatron-kl config show", description="Every field of the training "
+                                     "configuration: type, default, current value, description.")
+    parser.add_argument("--config", default=None, help="a YAML config to show the values of (default: the defaults)")
+    parser.add_argument("--section", default=None, help="only this section, e.g. kl or rollout.sglang")
+    parser.add_argument("--format", choices=("text", "md"), default="text")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. kl.estimator=k3")
+    args = parser.parse_args(argv)
+    from megatron_kl.config import ConfigError, apply_overrides, from_dict, read_yaml_file
+    from megatron_kl.train.config import TrainConfig
+
+    if args.format == "md":
+        sys.stdout.write(markdown(TrainConfig, "Configuration reference"))
+        return 0
+    try:
+        data = apply_overrides(read_yaml_file(args.config) if args.config else {}, args.overrides)
+        cfg = from_dict(TrainConfig, data)
+    except ConfigError as err:
+        print(f"megatron-kl config: config error: {err}", file=sys.stderr)
+        return 2
+    shown = [r for r in rows(TrainConfig, cfg) if not args.section or r[0].startswith(args.section.rstrip(".") + ".")]
+    if not shown:
+        print(f"megatron-kl config: no section {args.section!r}; sections: "
+              f"{sorted({r[0].split('.')[0] for r in rows(TrainConfig)})}", file=sys.stderr)
+        return 2
+    width = max(len(r[0]) for r in shown)
+    for path, type_name, default, value, doc in shown:
+        changed = "" if value == default else f"   (default {_show(default)})"
+        print(f"{path:<{width}}  {_show(value)}{changed}")
+        print(f"{'':<{width}}  {type_name}. {doc}" if doc else f"{'':<{width}}  {type_name}")
+    return 0

@@ -1,0 +1,49 @@
+"""The configuration reference comes from the dataclasses; `train --check` validates without touching anything."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+from megatron_kl.config_reference import field_docs, main as config_main, markdown, rows
+from megatron_kl.kl.objective import KLConfig
+from megatron_kl.train.config import TrainConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+DEFAULT = ROOT / "configs" / "cpu" / "default.yaml"
+
+
+def test_every_field_is_listed_once_with_its_default_and_comment():
+    listed = rows(TrainConfig)
+    paths = [r[0] for r in listed]
+    assert len(paths) == len(set(paths)) and "kl.estimator" in paths and "rollout.sglang.api_key_env" in paths
+    by_path = {r[0]: r for r in listed}
+    assert by_path["kl.coef"][2] == KLConfig().coef and "beta" in by_path["kl.coef"][4]
+    assert field_docs(KLConfig)["clamp"].startswith("|log-ratio| bound")
+
+
+def test_config_show_prints_values_and_marks_changes(capsys):
+    assert config_main(["--config", str(DEFAULT), "--section", "kl", "kl.coef=0.25"]) == 0
+    out = capsys.readouterr().out
+    assert "kl.coef" in out and "0.25   (default 0.001)" in out and "train.steps" not in out
+    assert config_main(["--section", "nosuch"]) == 2
+    assert config_main(["kl.estimator=k9"]) == 2
+    assert "kl.estimator='k9' is unknown" in capsys.readouterr().err
+
+
+def test_the_configuration_document_is_current():
+    """docs/configuration.md is generated; regenerate with `megatron-kl config show --format md > docs/configuration.md`."""
+    assert (ROOT / "docs" / "configuration.md").read_text() == markdown(TrainConfig, "Configuration reference")
+
+
+def test_train_check_validates_prints_and_writes_nothing(tmp_path):
+    run = tmp_path / "run"
+    ok = subprocess.run([sys.executable, "-m", "megatron_kl.cli", "train", "--config", str(DEFAULT), "--check",
+                         f"train.output_dir={run}", "kl.estimator=k3", "kl.placement=loss"],
+                        capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert "estimator: k3" in ok.stdout and "# KL term: k3-loss-token" in ok.stdout and "# start: a new run" in ok.stdout
+    assert not run.exists()
+    bad = subprocess.run([sys.executable, "-m", "megatron_kl.cli", "train", "--config", str(DEFAULT), "--check",
+                          f"train.output_dir={run}", "parallel.tensor_parallel=3"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert bad.returncode == 2 and "parallel.tensor_parallel=3" in bad.stderr and not run.exists()
