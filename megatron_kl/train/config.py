@@ -79,7 +79,9 @@ class RunConfig:
     # a sampled KL estimator (k1/k2/k3, RPG) the exact full-vocabulary KL (kl/exact_*), which no term reads
     reference_metrics_interval: int = 1
     seed: int = 1234
-    output_dir: str = "runs/default"
+    # where the run writes; "{run_name}" is replaced by the run's name (estimator, placement, level, coefficient,
+    # loss, staleness, seed), so a changed configuration lands in a directory of its own
+    output_dir: str = "runs/{run_name}"
     # signals that end the run with a checkpoint of the finished steps (a rollout in flight is cut off) and exit
     # code 75 (requeue + resume), 130 for SIGINT: SIGUSR1 is what the Slurm scripts request ahead of the time
     # limit, SIGTERM comes with preemption/scancel, SIGINT with Ctrl-C, SIGHUP with a closed terminal
@@ -172,6 +174,8 @@ class TrainConfig:
             except ValueError as err:
                 raise ConfigError(str(err)) from err
 
+        if "{run_name}" in self.train.output_dir:
+            self.train.output_dir = self.train.output_dir.replace("{run_name}", self.run_name)
         length = self.algo.norm_length or self.rollout.sampling.max_new_tokens
         self.algo.norm_length = length
         if self.algo.rpg.norm_length is None:

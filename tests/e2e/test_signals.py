@@ -29,7 +29,7 @@ def _wait_for(condition, proc, seconds: float = 300) -> None:
         time.sleep(0.05)
 
 
-@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGHUP, 75)])
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGHUP, 75)], ids=["SIGINT", "SIGHUP"])
 def test_ctrl_c_and_hangup_checkpoint_the_finished_steps(tmp_path, sig, code):
     run = tmp_path / "run"
     job = Run(tmp_path / "log.txt", "--config", str(DEFAULT), f"train.output_dir={run}",
@@ -65,3 +65,38 @@ def test_a_stop_signal_during_a_hung_rollout_is_honoured_within_seconds(tmp_path
     finished = len(_trained(run))
     assert finished >= 1, output[-3000:]
     assert [p.name for p in complete_checkpoints(run / "checkpoints")] == [f"step_{finished:06d}"]
+
+
+def test_kill_9_takes_the_managed_rollout_server_with_the_trainer(tmp_path):
+    """A managed SGLang server runs in a session of its own (stop() takes its process group); when the trainer
+    is killed without stopping it, the kernel's parent-death signal ends it."""
+    import psutil
+
+    run = tmp_path / "run"
+    job = Run(tmp_path / "log.txt", "--config", str(DEFAULT), f"train.output_dir={run}",
+              f"warm_start.cache_dir={tmp_path / 'cache'}", *COMMON, "rollout.engine=sglang",
+              f"rollout.sglang.server_module={TEST_SERVER}", f"rollout.sglang.port={server_port()}")
+    _wait_for(lambda: len(_trained(run)) >= 1, job.proc)
+    children = psutil.Process(job.proc.pid).children(recursive=True)
+    servers = [p for p in children if "sglang_server" in " ".join(p.cmdline())]
+    assert servers, [p.cmdline() for p in children]
+    job.proc.send_signal(signal.SIGKILL)
+    job.wait(60)
+    _, alive = psutil.wait_procs(children, timeout=15)
+    for p in alive:
+        p.kill()
+    assert not alive, f"outlived the killed trainer: {[' '.join(p.cmdline())[:120] for p in alive]}"
+
+
+def test_a_stop_signal_while_starting_ends_the_run_with_a_message(tmp_path):
+    """SIGTERM during the start-up (here: the warm start) is recorded and honoured before the first step: exit 75,
+    one line, nothing trained."""
+    run = tmp_path / "run"
+    job = Run(tmp_path / "log.txt", "--config", str(DEFAULT), f"train.output_dir={run}",
+              f"warm_start.cache_dir={tmp_path / 'cache'}", *COMMON)
+    _wait_for(lambda: "warm start step" in job.log.read_text(errors="replace"), job.proc)
+    job.proc.send_signal(signal.SIGTERM)
+    rc, output = job.wait(300)
+    assert rc == 75, output[-3000:]
+    assert "received SIGTERM while starting" in output and "Traceback" not in output, output[-3000:]
+    assert _trained(run) == [] and not (run / "checkpoints").exists()

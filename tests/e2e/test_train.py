@@ -86,6 +86,10 @@ def test_every_kl_configuration_trains(tmp_path, warm_cache, overrides):
                     "grad_norm", "loss/total", "policy/clip_fraction", "mismatch/abs_logprob_mean", "time/update"):
             assert record.get(key) is not None, f"{key} missing or not finite in step {record['step']}"
     assert steps[0]["reward/std"] > 0, "precondition: mixed rewards in the first batch"
+    from megatron_kl.train.metric_registry import lookup
+
+    unregistered = sorted({k for r in out["metrics"] for k in r if lookup(k) is None})
+    assert not unregistered, f"logged but not in megatron_kl/train/metric_registry.py: {unregistered}"
     # training throughput leaves the step's evaluation out (step 0 evaluates before training)
     first = steps[0]
     assert first["time/eval"] > 0 and first["throughput/tokens_per_s"] == pytest.approx(

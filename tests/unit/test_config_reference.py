@@ -47,3 +47,12 @@ def test_train_check_validates_prints_and_writes_nothing(tmp_path):
                           f"train.output_dir={run}", "parallel.tensor_parallel=3"],
                          capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert bad.returncode == 2 and "parallel.tensor_parallel=3" in bad.stderr and not run.exists()
+
+
+def test_the_metrics_document_is_current_and_families_match():
+    """docs/metrics.md is generated: `python -m megatron_kl.train.metric_registry > docs/metrics.md`."""
+    from megatron_kl.train.metric_registry import lookup, markdown
+
+    assert (ROOT / "docs" / "metrics.md").read_text() == markdown()
+    assert lookup("eval/ood/mean@4").key == "eval/<split>/mean@<k>" and lookup("kl/exact_token").key == "kl/<estimator>_token"
+    assert lookup("kl/k3_tokens") is None and lookup("made/up") is None

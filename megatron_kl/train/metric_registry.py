@@ -1,0 +1,109 @@
+"""Every metric key the trainer logs (metrics.jsonl, TensorBoard, W&B): its unit, its meaning and when it is
+logged. ``docs/metrics.md`` is generated from :data:`METRICS` (``python -m megatron_kl.train.metric_registry``)
+and a test fails when a logged key is not registered or the document is stale.
+
+Keys with ``<...>`` are families: ``<split>`` is an evaluation split (``eval`` in-domain, ``ood``, or a math task's
+file group), ``<k>`` is ``eval.k``, ``<estimator>`` one of k1/k3/exact, ``<phase>`` a timed phase of the step,
+``<what>`` what a clamp applied to.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Metric:
+    key: str
+    unit: str
+    meaning: str
+    when: str = "every step"
+
+
+_REF = "every step with reference work (train.reference_metrics_interval)"
+METRICS = (
+    Metric("step", "step", "the RL step of the record (0-based); an evaluation after the last step has step = train.steps",
+           "every record"),
+    Metric("reward/mean", "reward", "mean task reward of the step's samples"),
+    Metric("reward/std", "reward", "standard deviation of the step's rewards"),
+    Metric("reward/accuracy", "fraction", "fraction of samples whose answer verified"),
+    Metric("response/length_mean", "tokens", "mean response length"),
+    Metric("response/stopped_fraction", "fraction", "fraction of responses that ended at a stop token (not the length limit)"),
+    Metric("batch/tokens", "tokens", "prompt + response tokens of the batch on this data-parallel rank"),
+    Metric("batch/padded_tokens", "tokens", "the same padded to the longest sequence (what the training passes see)"),
+    Metric("batch/microbatches", "count", "microbatches of the update (with train.micro_batch_tokens)", "with a token budget"),
+    Metric("loss/total", "loss", "the optimised loss (policy loss + KL term in the loss)"),
+    Metric("loss/policy", "loss", "the policy-gradient (PPO/GRPO/RPG) part of the loss"),
+    Metric("loss/kl_term", "loss", "beta x the KL term added to the loss (0 when the KL is in the reward)"),
+    Metric("entropy/mean", "nats/token", "mean per-token entropy of the policy on the sampled responses"),
+    Metric("kl/<estimator>_token", "nats/token", "mean per-token KL(pi || pi_ref) estimate: k1, k3, or exact "
+           "(full vocabulary)", _REF),
+    Metric("kl/<estimator>_sequence", "nats/sequence", "mean per-sequence sum of the KL estimate", _REF),
+    Metric("kl/biased", "0/1", "1 when the configured KL term's expected gradient is biased for kl.target (audit "
+           "verdict, docs/kl-math.md)", "every step with a KL term"),
+    Metric("kl/clamped_<what>", "count", "log-ratio entries clamped to kl.clamp before an exp (k3 terms, importance "
+           "and PPO ratios)", "when something was clamped"),
+    Metric("policy/clip_fraction", "fraction", "fraction of tokens whose PPO ratio was clipped"),
+    Metric("policy/ratio_max", "ratio", "largest PPO ratio pi / pi_old of the step"),
+    Metric("rpg/clip_fraction", "fraction", "fraction of tokens clipped by RPG's dual clip", "algo.loss=rpg"),
+    Metric("rpg/kl_coefficient", "coefficient", "RPG's KL coefficient", "algo.loss=rpg"),
+    Metric("rpg/kl_term", "loss", "RPG's KL part of the loss", "algo.loss=rpg"),
+    Metric("is/ratio_mean", "ratio", "mean over response tokens of w = pi_old / mu (trainer's old policy vs the "
+           "sampler's log-probs)"),
+    Metric("is/ratio_min", "ratio", "smallest importance ratio pi_old / mu"),
+    Metric("is/ratio_max", "ratio", "largest importance ratio pi_old / mu"),
+    Metric("correction/weight_mean", "weight", "mean behaviour-correction weight (algo.behavior_correction)",
+           "with a behaviour correction"),
+    Metric("correction/truncated_fraction", "fraction", "fraction of weights truncated (TIS)", "with a behaviour correction"),
+    Metric("correction/masked_fraction", "fraction", "fraction of tokens masked (MIS)", "with a behaviour correction"),
+    Metric("mismatch/abs_logprob_mean", "nats", "mean |log pi_train - log mu_rollout| per token (train-vs-rollout "
+           "mismatch; ~0 on-policy)"),
+    Metric("mismatch/abs_logprob_max", "nats", "largest |log pi_train - log mu_rollout|"),
+    Metric("mismatch/k1_token", "nats/token", "k1 estimate of KL(mu || pi_train) per token"),
+    Metric("mismatch/k3_token", "nats/token", "k3 estimate of KL(mu || pi_train) per token"),
+    Metric("staleness/mean", "steps", "mean age of the weights that generated the batch (async rollouts)"),
+    Metric("staleness/max", "steps", "oldest weights in the batch"),
+    Metric("grad_norm", "norm", "global gradient norm before clipping (mean over the step's optimizer steps)"),
+    Metric("lr", "lr", "learning rate of the step's last optimizer step"),
+    Metric("train/skipped_updates", "count", "optimizer steps skipped because a gradient was not finite"),
+    Metric("health/nonfinite_metrics", "count", "metric values that were NaN/inf and logged as null"),
+    Metric("throughput/response_tokens", "tokens", "response tokens trained this step, all data-parallel ranks"),
+    Metric("throughput/tokens_per_s", "tokens/s", "response tokens per second of training (evaluation time excluded)"),
+    Metric("time/step", "s", "wall time of the step, evaluation included"),
+    Metric("time/rollout", "s", "generation time of the step's batch (async: spent in the background)"),
+    Metric("time/<phase>", "s", "wall time of a phase of the step: rollout_wait (waiting for the batch), reference, "
+           "old_logprobs, update, weight_sync"),
+    Metric("time/eval", "s", "wall time of the evaluation", "every eval.interval steps, before and after training"),
+    Metric("eval/<split>/pass@1", "fraction", "greedy accuracy on the split",
+           "every eval.interval steps, before and after training"),
+    Metric("eval/<split>/mean@<k>", "fraction", "mean accuracy of eval.k samples per problem at eval.temperature",
+           "every eval.interval steps, before and after training"),
+)
+
+
+def _pattern(key: str) -> re.Pattern:
+    return re.compile("^" + re.sub(r"<[a-z]+>", r"[A-Za-z0-9_.-]+", re.escape(key).replace(r"\<", "<").replace(r"\>", ">")) + "$")
+
+
+_PATTERNS = [(m, _pattern(m.key)) for m in METRICS]
+
+
+def lookup(key: str):
+    """The registry entry a logged key belongs to, or None."""
+    return next((m for m, pattern in _PATTERNS if pattern.match(key)), None)
+
+
+def markdown() -> str:
+    lines = ["# Metrics", "",
+             "Generated from `megatron_kl/train/metric_registry.py` (`python -m megatron_kl.train.metric_registry > "
+             "docs/metrics.md`); every key the trainer logs to `metrics.jsonl`, TensorBoard and W&B is here (tested).",
+             "`<...>` marks a family of keys.", "",
+             "| key | unit | meaning | logged |", "|---|---|---|---|"]
+    for m in METRICS:
+        lines.append(f"| `{m.key}` | {m.unit} | {m.meaning.replace('|', '/')} | {m.when} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(markdown(), end="")

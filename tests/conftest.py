@@ -1,0 +1,33 @@
+"""Test tiers.
+
+* fast (``-m "fast and not gpu"``, about 5 minutes on 2 cores; run before every commit): every unit test, and from
+  the end-to-end and sharded suites one small representative per subject - sharded gloo results against one
+  rank, resume/identity refusals, checkpoint damage, signals, step-0 gates, engines.
+* full (``-m "not gpu and not slow"``, the CI command in README.md): everything.
+
+The fast tier is declared here by node-id prefix, so a test's tier is visible in one place.
+"""
+
+import pytest
+
+FAST = (
+    "tests/unit/",
+    "tests/distributed/test_vocab_parallel.py::test_matches_unsharded_float64_reference[2]",
+    "tests/distributed/test_model_layouts.py::test_layout_matches_single_rank[tp2]",
+    "tests/distributed/test_model_layouts.py::test_layout_matches_single_rank[pp2-1f1b]",
+    "tests/distributed/test_hf_conversion.py::test_config_derivation",
+    "tests/distributed/test_nonfinite_updates.py",
+    "tests/e2e/test_engine.py::test_engine_sharing_the_policy_weights_generates_what_a_copy_generates",
+    "tests/e2e/test_run_identity.py::test_a_changed_run_is_refused_naming_the_fields_and_nothing_changes",
+    "tests/e2e/test_run_identity.py::test_a_second_trainer_on_a_locked_directory_is_refused",
+    "tests/e2e/test_checkpoint_integrity.py::test_a_damaged_checkpoint_is_named_and_the_previous_one_used[flip_64_bits]",
+    "tests/e2e/test_signals.py::test_ctrl_c_and_hangup_checkpoint_the_finished_steps[SIGINT]",
+    "tests/e2e/test_step0_gates.py::test_step_0_policy_equals_reference_and_rollout[embedded-tp2]",
+    "tests/e2e/test_train.py::test_bad_config_values_fail_with_the_field_named[kl.estimator=k4-kl.estimator='k4' is unknown]",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.nodeid.startswith(FAST):
+            item.add_marker(pytest.mark.fast)
