@@ -215,6 +215,9 @@ def validate_train_config(cfg: TrainConfig, tokenizer_vocab: int, data_parallel:
     """Cross-field rules; single-field rules live in each dataclass's __post_init__."""
     if cfg.rollout.engine not in ENGINES:
         raise ConfigError(f"rollout.engine={cfg.rollout.engine!r} is unknown; use one of {list(ENGINES)}")
+    if cfg.rollout.engine == "local" and cfg.parallel.pipeline_parallel > 1:
+        raise ConfigError(f"rollout.engine=local supports parallel.pipeline_parallel=1 only (got "
+                          f"{cfg.parallel.pipeline_parallel}); use rollout.engine=sglang or vllm with pipeline parallelism")
     if cfg.rollout.sampling.temperature == 0:
         raise ConfigError("rollout.sampling.temperature=0 samples greedily: every sample of a group is the same "
                           "answer, every advantage is 0 and the policy gradient is exactly 0 (nothing trains); set "

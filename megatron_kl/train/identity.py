@@ -10,11 +10,11 @@ below the checkpointed step.
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 from typing import Any
 
 from megatron_kl.config import to_dict
+from megatron_kl.train.manifest import sha256_of
 
 # Dotted prefixes that may change on resume: where outputs go and how they are logged, evaluated and
 # checkpointed, timeouts and retry budgets, where servers are, how the job is launched. Evaluation draws
@@ -58,13 +58,8 @@ def _file_digests(cfg) -> dict[str, str]:
         paths.append(str(Path(cfg.init.hf_checkpoint) / "config.json"))
     digests = {}
     for path in paths:
-        p = Path(path)
-        if p.is_file():
-            digest = hashlib.sha256()
-            with open(p, "rb") as f:
-                while chunk := f.read(8 << 20):
-                    digest.update(chunk)
-            digests[f"file:{path}"] = digest.hexdigest()
+        if Path(path).is_file():
+            digests[f"file:{path}"] = sha256_of(Path(path))
     return digests
 
 

@@ -19,8 +19,9 @@ KL_BOUND, MISMATCH_BOUND = 1e-8, 1e-4
 CASES = [
     ("embedded-tp1", 1, []),
     ("embedded-tp2", 2, ["parallel.tensor_parallel=2"]),
-    ("embedded-pp2", 2, ["parallel.pipeline_parallel=2"]),
     ("sglang-test-server-tp1", 1, ["rollout.engine=sglang", f"rollout.sglang.server_module={TEST_SERVER}"]),
+    ("sglang-test-server-pp2", 2, ["rollout.engine=sglang", f"rollout.sglang.server_module={TEST_SERVER}",
+                                   "parallel.pipeline_parallel=2"]),  # the embedded engine has no PP
 ]
 
 
