@@ -88,6 +88,10 @@ class StopSignals:
         return signal.Signals(value).name if value else None
 
     def close(self) -> None:
+        """Restore the previous handlers; HTTP calls are allowed again (the cancellation was this run's)."""
+        from megatron_kl.rollout.http import clear_cancel
+
+        clear_cancel()
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)
         self._previous = {}
