@@ -42,11 +42,16 @@ def die_with_parent(parent_pid: Optional[int] = None) -> None:
     across ``exec``, and a server must stop on SIGTERM). The kernel sends the death signal when the *thread*
     that forked ends, so it is set only for forks from the main thread (a server restarted from a rollout
     thread relies on the trainer's own shutdown instead)."""
+    _bind_to_parent(parent_pid)
+    _set_stop_signals(signal.SIG_DFL)
+
+
+def _bind_to_parent(parent_pid: Optional[int]) -> None:
+    """The death signal (forks from the main thread only), then exit if the parent died before it was set."""
     if _state["from_main_thread"]:
         _prctl_death_signal()
     if parent_pid is not None and os.getppid() != parent_pid:
         os._exit(1)
-    _set_stop_signals(signal.SIG_DFL)
 
 
 def _set_stop_signals(handler) -> None:
@@ -66,10 +71,7 @@ def _before_fork() -> None:
 def _after_fork_in_child() -> None:
     if _state["trainer_pid"] is None or os.getppid() != _state["trainer_pid"]:
         return  # a grandchild, or a fork of a process that is not the trainer
-    if _state["from_main_thread"]:
-        _prctl_death_signal()
-    if os.getppid() != _state["trainer_pid"]:
-        os._exit(1)
+    _bind_to_parent(_state["trainer_pid"])
     _set_stop_signals(signal.SIG_IGN)
     for fd in list(_state["close_fds"]):
         try:

@@ -112,7 +112,7 @@ def _claim(cfg: TrainConfig, plan: run_dir.StartPlan, world_size: int) -> Option
     if dist.get_rank() == 0:
         try:
             lock = run_dir.RunLock(Path(cfg.train.output_dir))
-            again = run_dir.plan_start(cfg, world_size)  # under the lock: another trainer may have written meanwhile
+            again = run_dir.plan_start(cfg, world_size, plan.identity)  # under the lock: another writer?
             if (again.kind, again.checkpoint_step) != (plan.kind, plan.checkpoint_step):
                 raise run_dir.RunRefused(f"{cfg.train.output_dir} changed while this run started (another trainer "
                                          "wrote to it); run the command again")
@@ -168,17 +168,17 @@ def train(cfg: TrainConfig) -> dict:
         parallel.initialize(cfg.model, cfg.parallel, seed=cfg.train.seed)
         dp_rank, dp_size, dp_group, is_logger = _topology()
         lock = _claim(cfg, plan, world_size)
-        return _train(cfg, plan, task, hf_source, world_size, (dp_rank, dp_size, dp_group), is_logger, stop)
+        return _train(cfg, plan, task, hf_source, (dp_rank, dp_size, dp_group), is_logger, stop)
     finally:
         stop.close()
         if lock is not None:
             lock.release()
 
 
-def _train(cfg: TrainConfig, plan, task, hf_source, world_size: int, dp, is_logger: bool, stop: StopSignals) -> dict:
+def _train(cfg: TrainConfig, plan, task, hf_source, dp, is_logger: bool, stop: StopSignals) -> dict:
     dp_rank, dp_size, dp_group = dp
     run_path = Path(cfg.train.output_dir)
-    record = run_dir.run_record(cfg, plan.run_id, world_size)
+    record = run_dir.run_record(cfg, plan)
     log.info("run %s (%s start) -> %s", cfg.run_name, plan.kind, run_path)
 
     initial = warm_start_state(cfg, task) if hf_source is None else None

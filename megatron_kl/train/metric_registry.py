@@ -83,7 +83,7 @@ METRICS = (
 
 
 def _pattern(key: str) -> re.Pattern:
-    return re.compile("^" + re.sub(r"<[a-z]+>", r"[A-Za-z0-9_.-]+", re.escape(key).replace(r"\<", "<").replace(r"\>", ">")) + "$")
+    return re.compile("^" + re.sub(r"<[a-z]+>", r"[A-Za-z0-9_.-]+", re.escape(key)) + "$")  # escape keeps <>
 
 
 _PATTERNS = [(m, _pattern(m.key)) for m in METRICS]

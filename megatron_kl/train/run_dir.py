@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import fcntl
+import functools
 import json
 import logging
 import os
@@ -51,8 +52,10 @@ class StartPlan:
     run_id: str
     checkpoint_step: int = 0
     recorded_config: Optional[dict] = None
+    identity: dict = dataclasses.field(default_factory=dict)  # this configuration's (computed once per start)
 
 
+@functools.lru_cache(maxsize=1)
 def code_version() -> str:
     """The package version, and the git commit when running from a checkout."""
     from importlib.metadata import PackageNotFoundError, version
@@ -71,10 +74,10 @@ def code_version() -> str:
     return text
 
 
-def run_record(cfg, run_id: str, world_size: int) -> dict:
+def run_record(cfg, plan: StartPlan) -> dict:
     """What a checkpoint records of its run (``run.json``)."""
-    return {"run_id": run_id, "run_name": cfg.run_name, "code_version": code_version(),
-            "identity": identity.identity_of(cfg, world_size), "config": redact_secrets(to_dict(cfg))}
+    return {"run_id": plan.run_id, "run_name": cfg.run_name, "code_version": code_version(),
+            "identity": plan.identity, "config": redact_secrets(to_dict(cfg))}
 
 
 def _ways_out(run_dir: Path) -> str:
@@ -82,19 +85,21 @@ def _ways_out(run_dir: Path) -> str:
             f"(the files there are moved, not deleted, into {run_dir}/superseded-<time>/)")
 
 
-def plan_start(cfg, world_size: int) -> StartPlan:
+def plan_start(cfg, world_size: int, current: Optional[dict] = None) -> StartPlan:
+    """``current``: this configuration's identity when already computed (it hashes the data files)."""
     run_dir = Path(cfg.train.output_dir)
+    current = identity.identity_of(cfg, world_size) if current is None else current
     checkpoints = complete_checkpoints(run_dir / "checkpoints") if cfg.checkpoint.resume else []
     if not checkpoints:
-        return StartPlan("fresh", uuid.uuid4().hex)
-    records = [(path, read_run_record(path)) for path in reversed(checkpoints)]
-    readable = [(path, record) for path, record in records if record is not None]
-    if not readable:
+        return StartPlan("fresh", uuid.uuid4().hex, identity=current)
+    newest = next(((path, record) for path in reversed(checkpoints)
+                   if (record := read_run_record(path)) is not None), None)
+    if newest is None:
         raise RunRefused(f"the checkpoints under {run_dir / 'checkpoints'} record no run identity ({RUN_FILE} "
                          "missing or unreadable: written by an older megatron-kl, or damaged), so resuming them "
                          f"could mix two runs: {_ways_out(run_dir)}")
-    path, record = readable[0]
-    diffs = identity.differences(record["identity"], identity.identity_of(cfg, world_size))
+    path, record = newest
+    diffs = identity.differences(record["identity"], current)
     if diffs:
         raise RunRefused(f"{run_dir} holds run {record.get('run_name', '?')} (checkpoint {path.name}) and this "
                          f"configuration differs in {len(diffs)} field(s) that change what a run computes: "
@@ -108,7 +113,7 @@ def plan_start(cfg, world_size: int) -> StartPlan:
         summary = read_summary(run_dir)
         if summary is not None and summary.get("steps") == step and summary.get("run_id") == record.get("run_id"):
             kind = "finished"
-    return StartPlan(kind, str(record.get("run_id") or uuid.uuid4().hex), step, record.get("config"))
+    return StartPlan(kind, str(record.get("run_id") or uuid.uuid4().hex), step, record.get("config"), current)
 
 
 def read_summary(run_dir: Path) -> Optional[dict]:
