@@ -35,6 +35,7 @@ from typing import Optional
 
 import torch
 
+from megatron_kl.kl.truncation import Truncation, _world, support_threshold
 from megatron_kl.kl.vocab_parallel import (
     VocabParallelStats,
     Workspace,
@@ -63,30 +64,34 @@ def default_chunk_rows(local_vocab: int, single_pass: bool = False) -> int:
 class _FusedLinearStats(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, reference_hidden, reference_weight, targets, group, temperature,
-                vocab_size, chunk_size):
+                vocab_size, chunk_size, truncation):
         rows = hidden.shape[0]
         shard = _shard(weight.shape[0], group, vocab_size)
         dtype = compute_dtype(hidden.dtype)
         has_ref = reference_hidden is not None
         out = torch.empty(3, rows, dtype=dtype, device=hidden.device)  # logprob, entropy, kl
         norms = torch.empty(5, rows, dtype=dtype, device=hidden.device)
+        thresholds, support = _support_buffers(truncation, rows, dtype, hidden.device)
         ws = Workspace()
         for lo in range(0, rows, chunk_size):
             hi = min(rows, lo + chunk_size)
             z = _project(hidden[lo:hi], weight, shard.valid, dtype, ws, "z")
             r = _project(reference_hidden[lo:hi], reference_weight, shard.valid, dtype, ws, "r") if has_ref else None
             tgt = targets[lo:hi] if targets is not None else None
-            out[:, lo:hi], norms[:, lo:hi] = chunk_forward(z, r, tgt, shard, group, temperature, scratch=True,
-                                                           workspace=ws)
-        ctx.save_for_backward(hidden, weight, reference_hidden, reference_weight, targets, norms)
+            threshold = _chunk_threshold(z, group, truncation, temperature, vocab_size, thresholds, lo, hi)
+            out[:, lo:hi], norms[:, lo:hi] = chunk_forward(
+                z, r, tgt, shard, group, temperature, scratch=True, workspace=ws, threshold=threshold,
+                support=support[:, lo:hi] if threshold is not None else None)
+        ctx.save_for_backward(hidden, weight, reference_hidden, reference_weight, targets, norms, thresholds)
         ctx.shard, ctx.temperature, ctx.chunk_size, ctx.dtype = shard, temperature, chunk_size, dtype
         ctx.weight_param = weight  # the parameter object itself (a saved tensor loses its main_grad attribute)
         ctx.set_materialize_grads(False)  # an output nobody differentiates gets no backward work
-        return out[0], out[1], out[2]
+        ctx.mark_non_differentiable(support)
+        return out[0], out[1], out[2], support
 
     @staticmethod
-    def backward(ctx, grad_logprob, grad_entropy, grad_kl):
-        hidden, weight, reference_hidden, reference_weight, targets, norms = ctx.saved_tensors
+    def backward(ctx, grad_logprob, grad_entropy, grad_kl, _grad_support):
+        hidden, weight, reference_hidden, reference_weight, targets, norms, thresholds = ctx.saved_tensors
         shard, tau, dtype = ctx.shard, ctx.temperature, ctx.dtype
         want_hidden, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if targets is None:
@@ -106,21 +111,39 @@ class _FusedLinearStats(torch.autograd.Function):
                 z, r, targets[lo:hi] if targets is not None else None, shard, norms[:, lo:hi],
                 upstream(grad_logprob, lo, hi, dtype), upstream(grad_entropy, lo, hi, dtype),
                 upstream(grad_kl, lo, hi, dtype), tau, out=z, workspace=ws,
+                threshold=thresholds[lo:hi] if thresholds is not None else None,
             )  # dL/dz for this chunk's raw logits [c, valid], compute dtype
             _accumulate(grad, hidden, weight, lo, hi, valid, grad_hidden, grad_weight, dtype, ws)
         if want_weight:
             grad_weight = weight_grad_for_autograd(ctx.weight_param, grad_weight)
-        return grad_hidden, grad_weight, None, None, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None, None
+
+
+def _support_buffers(truncation, rows: int, dtype, device):
+    """(thresholds [rows] or None, support statistics [3, rows], empty when nothing is truncated)."""
+    if truncation is None:
+        return None, torch.zeros(3, 0, dtype=dtype, device=device)
+    return torch.empty(rows, dtype=dtype, device=device), torch.zeros(3, rows, dtype=dtype, device=device)
+
+
+def _chunk_threshold(z, group, truncation, temperature, vocab_size, thresholds, lo: int, hi: int):
+    """The truncated support's threshold of a chunk's rows (their logits are whole here), kept for backward."""
+    if thresholds is None:
+        return None
+    thresholds[lo:hi] = support_threshold(z, group, truncation, temperature, vocab_size)
+    return thresholds[lo:hi]
 
 
 @torch.no_grad()
 def fused_linear_grads(hidden, weight, reference_hidden, reference_weight, targets, group, temperature: float,
-                       vocab_size, chunk_size: int, probe, want_weight: bool = True):
+                       vocab_size, chunk_size: int, probe, want_weight: bool = True, truncation=None):
     """One pass over row chunks of ``hidden [R, H]``: the statistics ``out [3, R]`` (log-prob, entropy, KL),
     ``dL/dh [R, H]`` (this rank's partial sum over its vocabulary slice, before the TP reduction) and
     ``dL/dW [V/tp, H]`` (float32, or None), where ``probe(out, lo, hi) -> (g_lp, g_H, g_KL)`` returns
     dL/d(stats) for rows ``lo:hi`` given ``out[:, :hi]`` (entries None when the loss does not use them).
-    Exact only for row-separable losses (module docstring); no autograd graph is built."""
+    Exact only for row-separable losses (module docstring); no autograd graph is built. ``truncation``: the
+    truncated policy (``vocab_parallel.fused_stats``); then a fourth value, the support statistics [3, R]
+    (mass under the full softmax, size, target outside), is returned."""
     rows = hidden.shape[0]
     shard = _shard(weight.shape[0], group, vocab_size)
     dtype = compute_dtype(hidden.dtype)
@@ -130,6 +153,7 @@ def fused_linear_grads(hidden, weight, reference_hidden, reference_weight, targe
     valid = shard.valid
     grad_hidden = torch.empty_like(hidden) if valid else torch.zeros_like(hidden)  # every row is written
     grad_weight = _weight_grad_buffer(weight, valid, hidden.shape[0], dtype) if want_weight else None
+    thresholds, support = _support_buffers(truncation, rows, dtype, hidden.device)
     ws = Workspace()
     for lo in range(0, rows, chunk_size):
         hi = min(rows, lo + chunk_size)
@@ -137,14 +161,18 @@ def fused_linear_grads(hidden, weight, reference_hidden, reference_weight, targe
         r = _project(reference_hidden[lo:hi], reference_weight, valid, dtype, ws, "r") if has_ref else None
         tgt = targets[lo:hi] if targets is not None else None
         kept: dict = {}  # zc, exp(zc), -u: the gradient reuses the forward's work
+        threshold = _chunk_threshold(z, group, truncation, temperature, vocab_size, thresholds, lo, hi)
         out[:, lo:hi], norms[:, lo:hi] = chunk_forward(z, r, tgt, shard, group, temperature, keep=kept, scratch=True,
-                                                       workspace=ws)
+                                                       workspace=ws, threshold=threshold,
+                                                       support=support[:, lo:hi] if threshold is not None else None)
         g_lp, g_h, g_kl = probe(out, lo, hi)
         if not valid:  # a padding-only shard: its columns get no gradient, its rows a zero partial sum
             continue
         grad = chunk_grad(None, None, tgt, shard, norms[:, lo:hi], _as(g_lp, dtype), _as(g_h, dtype),
                           _as(g_kl, dtype), temperature, kept=kept)
         _accumulate(grad, hidden, weight, lo, hi, valid, grad_hidden, grad_weight, dtype, ws)
+    if truncation is not None:
+        return out, grad_hidden, grad_weight, support
     return out, grad_hidden, grad_weight
 
 
@@ -260,6 +288,7 @@ def fused_linear_stats(
     chunk_size: Optional[int] = None,
     sequence_parallel: bool = False,
     mask: Optional[torch.Tensor] = None,
+    truncation: Optional[Truncation] = None,
 ) -> VocabParallelStats:
     """Token log-prob (if ``targets``), entropy and exact KL(pi || pi_ref) (if ``reference_hidden``) of
     ``softmax((hidden @ weight^T) / temperature)`` over the TP-sharded vocabulary, without materialising
@@ -269,7 +298,8 @@ def fused_linear_stats(
     ``[s/tp, ...]`` (gathered along dim 0 here, as megatron's output layer does); ``targets [...]`` and
     ``mask [...]`` then have the full (gathered) leading shape. ``mask``: rows to compute; the others
     output 0 and get no gradient (the same mask on every TP rank). ``vocab_size``: the true vocabulary,
-    padding excluded. ``chunk_size``: rows per chunk (default :func:`default_chunk_rows`).
+    padding excluded. ``chunk_size``: rows per chunk (default :func:`default_chunk_rows`). ``truncation``:
+    the statistics of the truncated policy (``vocab_parallel.fused_stats``), its support found per chunk.
     """
     if temperature <= 0:
         raise ValueError(f"temperature={temperature} must be > 0")
@@ -308,16 +338,22 @@ def fused_linear_stats(
         tgt = tgt.index_select(0, index) if tgt is not None else None
     rows = rows.contiguous()
     ref_weight = reference_weight.detach() if reference_weight is not None else None
+    if truncation is not None and not truncation.active(vocab_size or weight.shape[0] * _world(tp_group)):
+        truncation = None
     values = _FusedLinearStats.apply(rows, weight, ref_rows, ref_weight, tgt, tp_group, float(temperature),
-                                     vocab_size, chunk_size)
+                                     vocab_size, chunk_size, truncation)
 
     def shaped(value):
         if index is not None:
             value = value.new_zeros(lead.numel()).index_copy(0, index, value)
         return value.reshape(lead)
 
+    support = values[3]
     return VocabParallelStats(
         logprobs=shaped(values[0]) if targets is not None else None,
         entropy=shaped(values[1]),
         kl=shaped(values[2]) if reference_hidden is not None else None,
+        **({} if support.shape[-1] == 0 else dict(
+            kept_mass=shaped(support[0]), support_size=shaped(support[1]),
+            outside_support=shaped(support[2]) if targets is not None else None)),
     )

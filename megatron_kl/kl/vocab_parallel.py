@@ -48,6 +48,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from megatron_kl.kl.truncation import Truncation, support_threshold
+
 DEFAULT_CHUNK = None  # auto: rows such that one chunk temporary is about CHUNK_ELEMENTS entries
 CHUNK_ELEMENTS = 1 << 20  # CPU, measured (module docstring)
 CUDA_CHUNK_ELEMENTS = 1 << 24  # GPU: fewer, larger chunks amortise kernel launches (not measured here)
@@ -129,7 +131,8 @@ def _owned(targets: torch.Tensor, shard: _Shard):
 
 
 def chunk_forward(x, y, targets, shard: _Shard, group, temperature: float, entropy: bool = True,
-                  keep: Optional[dict] = None, scratch: bool = False, workspace: Optional[Workspace] = None):
+                  keep: Optional[dict] = None, scratch: bool = False, workspace: Optional[Workspace] = None,
+                  threshold: Optional[torch.Tensor] = None, support: Optional[torch.Tensor] = None):
     """Globally reduced statistics of one chunk of rows.
 
     ``x`` / ``y``: this rank's valid columns of the policy / reference logits ``[n, valid]`` (``y`` may
@@ -141,6 +144,12 @@ def chunk_forward(x, y, targets, shard: _Shard, group, temperature: float, entro
     ``scratch``: zc and -u overwrite x and y; e is a ``workspace`` buffer, valid until its next use).
     ``workspace``: reusable temporaries. The elementwise work runs on blocks of rows of the automatic chunk
     size (cache-sized on CPU) between the chunk's two collectives.
+
+    ``threshold [n]`` (``kl.truncation.support_threshold``): the policy is the truncated distribution
+    mu = softmax(x / tau) restricted to ``{x >= threshold}`` and renormalised; every statistic is mu's (the
+    KL is KL(mu || pi_ref) with the full reference), a target outside the support gets the extended
+    log-prob zc_t - log S_support. ``support [3, n]`` then receives the support's mass under the full
+    distribution, its size and whether the target lies outside it (1.0 / 0.0).
     """
     if keep is not None and not scratch:
         raise ValueError("chunk_forward(keep=...) keeps zc and -u in x and y: pass scratch=True")
@@ -154,7 +163,8 @@ def chunk_forward(x, y, targets, shard: _Shard, group, temperature: float, entro
         if y is not None:
             maxes[1] = y.amax(-1)
     _all_reduce(maxes, dist.ReduceOp.MAX, group)
-    sums = torch.zeros(5, n, dtype=dtype, device=x.device)  # S, S E[zc], S E[u], sum(e_ref - e), zc[target]
+    # S, S E[zc], S E[u], sum(e_ref - e), zc[target]; truncated: S of the full softmax, support size, target out
+    sums = torch.zeros(5 if threshold is None else 8, n, dtype=dtype, device=x.device)
     if cols:
         ws = workspace or Workspace()
         e_kept = ws.get("e_kept", n, cols, dtype, x.device) if keep is not None else None
@@ -163,7 +173,7 @@ def chunk_forward(x, y, targets, shard: _Shard, group, temperature: float, entro
             rows = slice(a, min(n, a + block))
             _chunk_sums(x[rows], y[rows] if y is not None else None, targets[rows] if targets is not None else None,
                         shard, maxes[:, rows], temperature, entropy, e_kept[rows] if e_kept is not None else None,
-                        scratch, sums[:, rows], ws)
+                        scratch, sums[:, rows], ws, threshold[rows] if threshold is not None else None)
         if keep is not None:
             keep.update(zc=x, e=e_kept, neg_u=y)
     _all_reduce(sums, dist.ReduceOp.SUM, group)
@@ -181,12 +191,18 @@ def chunk_forward(x, y, targets, shard: _Shard, group, temperature: float, entro
         norms[MEAN_U] = sums[2] / total
         ratio_minus_one = (sums[3] / total).clamp_min(torch.finfo(dtype).eps - 1.0)  # E_pi[exp(-u)] - 1 > -1
         out[2] = (norms[MEAN_U] + torch.log1p(ratio_minus_one)).clamp_min(0.0)
+    if support is not None and threshold is not None:
+        support[0] = total / sums[5]
+        support[1] = sums[6]
+        support[2] = sums[7]
     return out, norms
 
 
-def _chunk_sums(x, y, targets, shard, maxes, temperature, entropy, e_kept, scratch, sums, ws: Workspace) -> None:
+def _chunk_sums(x, y, targets, shard, maxes, temperature, entropy, e_kept, scratch, sums, ws: Workspace,
+                threshold=None) -> None:
     """This rank's partial sums of a block of rows into ``sums`` (see ``chunk_forward``); ``e_kept``: where
-    exp(zc) goes when it is kept (then -u in y is kept too)."""
+    exp(zc) goes when it is kept (then -u in y is kept too); ``threshold``: the truncated support."""
+    drop = None if threshold is None else x < threshold[:, None]  # before x may be overwritten
     neg_u = None
     if y is not None:  # -u = ((y - x) + (M - M_r)) / tau: the log-ratio's differences first
         neg_u = torch.sub(y, x, out=y if scratch else ws.like("neg_u", x)).add_((maxes[0] - maxes[1])[:, None])
@@ -199,8 +215,15 @@ def _chunk_sums(x, y, targets, shard, maxes, temperature, entropy, e_kept, scrat
         local, owned = _owned(targets, shard)
         picked = zc.gather(-1, local.clamp(0, shard.valid - 1).unsqueeze(-1)).squeeze(-1)
         sums[4] = torch.where(owned, picked, torch.zeros_like(picked))
-    keep_zc = entropy or e_kept is not None or neg_u is not None
+        if drop is not None:
+            out_of_support = drop.gather(-1, local.clamp(0, shard.valid - 1).unsqueeze(-1)).squeeze(-1)
+            sums[7] = (owned & out_of_support).to(sums.dtype)
+    keep_zc = entropy or e_kept is not None or neg_u is not None or drop is not None
     e = torch.exp(zc, out=ws.like("e", zc) if e_kept is None else e_kept) if keep_zc else zc.exp_()
+    if drop is not None:
+        sums[5] = e.sum(-1)
+        sums[6] = (~drop).sum(-1).to(sums.dtype)
+        e.masked_fill_(drop, 0.0)
     sums[0] = e.sum(-1)
     product = ws.like("product", zc)
     if entropy:
@@ -210,16 +233,17 @@ def _chunk_sums(x, y, targets, shard, maxes, temperature, entropy, e_kept, scrat
         product = torch.mul(e, neg_u, out=product)
         sums[2] = -product.sum(-1)
         w = neg_u if e_kept is None else ws.like("w", neg_u).copy_(neg_u)
-        sums[3] = _reference_minus_policy(zc, e, neg_u, w, product)
+        sums[3] = _reference_minus_policy(zc, e, neg_u, w, product, drop)
 
 
-def _reference_minus_policy(zc, e, neg_u, w, buffer) -> torch.Tensor:
+def _reference_minus_policy(zc, e, neg_u, w, buffer, drop=None) -> torch.Tensor:
     """Row sums of exp(r - M_r) - exp(z - M) = e * expm1(-u), formed per token (``w``: -u, overwritten;
     may be ``neg_u`` itself); where -u > KL_DIRECT (e may underflow while exp(-u) overflows) from
-    exp(zc - u) directly."""
-    far = None
+    exp(zc - u) directly. ``drop``: columns outside the policy's support (e = 0 there), which contribute
+    the reference's exp(r - M_r) = exp(zc - u) alone."""
+    far = drop
     if bool(neg_u.amax() > KL_DIRECT):
-        far = neg_u > KL_DIRECT
+        far = neg_u > KL_DIRECT if drop is None else drop | (neg_u > KL_DIRECT)
     direct = torch.exp(zc + neg_u) if far is not None else None
     if far is not None:
         w.clamp_(max=KL_DIRECT)
@@ -230,7 +254,8 @@ def _reference_minus_policy(zc, e, neg_u, w, buffer) -> torch.Tensor:
 
 
 def chunk_grad(x, y, targets, shard: _Shard, norms, g_lp, g_h, g_kl, temperature: float, out=None,
-               kept: Optional[dict] = None, workspace: Optional[Workspace] = None):
+               kept: Optional[dict] = None, workspace: Optional[Workspace] = None,
+               threshold: Optional[torch.Tensor] = None):
     """dL/dx for this rank's valid logit columns of one chunk (module docstring), in the compute dtype.
 
     ``x`` / ``y`` as in ``chunk_forward`` (read only; ``y`` only when ``g_kl`` is given); ``norms``: its
@@ -238,7 +263,8 @@ def chunk_grad(x, y, targets, shard: _Shard, norms, g_lp, g_h, g_kl, temperature
     ``out``: where to write the result (compute dtype, may be ``x`` itself: x is read before it is
     overwritten; required unless ``kept``). ``kept``: ``chunk_forward``'s ``keep`` for these rows (then x
     and y are not read; its buffers are overwritten and hold the result). ``workspace``: reusable
-    temporaries. Runs on cache-sized blocks of rows, as ``chunk_forward``.
+    temporaries. Runs on cache-sized blocks of rows, as ``chunk_forward``. ``threshold``: the truncated
+    support, as in ``chunk_forward`` (with ``kept`` the kept e is already zero outside it).
     """
     if out is None and kept is None:
         raise ValueError("chunk_grad needs out= (or kept=)")
@@ -252,15 +278,18 @@ def chunk_grad(x, y, targets, shard: _Shard, norms, g_lp, g_h, g_kl, temperature
                     targets[rows] if targets is not None else None, shard, norms[:, rows],
                     *(None if g is None else g[rows] for g in (g_lp, g_h, g_kl)), temperature,
                     out[rows] if out is not None else None,
-                    {k: v[rows] for k, v in kept.items() if v is not None} if kept is not None else None, ws)
+                    {k: v[rows] for k, v in kept.items() if v is not None} if kept is not None else None, ws,
+                    threshold[rows] if threshold is not None and kept is None else None)
     if out is not None:
         return out
     return kept["zc"] if g_h is not None else kept["e"]  # where _block_grad's in-place result lands
 
 
-def _block_grad(x, y, targets, shard: _Shard, norms, g_lp, g_h, g_kl, temperature: float, out, kept, ws):
+def _block_grad(x, y, targets, shard: _Shard, norms, g_lp, g_h, g_kl, temperature: float, out, kept, ws,
+                threshold=None):
     """``chunk_grad`` on one block of rows."""
     dtype = compute_dtype(x.dtype if x is not None else kept["zc"].dtype)
+    drop = None if threshold is None else x < threshold.to(x.dtype)[:, None]  # before out (maybe x) is written
     scale = 1.0 / (norms[SUM] * temperature)  # pi = e / S; d/dx = d/dz / tau
     kl_term = None  # k (u - E[u]), k = g_KL / (S tau)
     if g_kl is not None:
@@ -282,6 +311,8 @@ def _block_grad(x, y, targets, shard: _Shard, norms, g_lp, g_h, g_kl, temperatur
         if temperature != 1.0:
             zc.div_(temperature)
         e = torch.exp(zc, out=ws.like("e", zc)) if g_h is not None else zc.exp_()
+        if drop is not None:
+            e.masked_fill_(drop, 0.0)
     constant = None if g_lp is None else -(g_lp.to(dtype) * scale)[:, None]  # -a
     if g_h is not None:  # bracket in zc's buffer: -b (zc - E[zc]) - a + k (u - E[u])
         centred = zc.sub_(norms[MEAN_ZC][:, None])
@@ -315,29 +346,38 @@ class _VocabParallelStats(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, reference_logits, targets, group, temperature, vocab_size, chunk_size, inplace_backward,
-                entropy):
+                entropy, truncation):
         rows, local_vocab = logits.shape
         shard = _shard(local_vocab, group, vocab_size)
         dtype = compute_dtype(logits.dtype)
         out = torch.empty(3, rows, dtype=dtype, device=logits.device)  # logprob, entropy, kl
         norms = torch.empty(5, rows, dtype=dtype, device=logits.device)
         valid = shard.valid
+        threshold = support = None
+        if truncation is not None:
+            threshold = support_threshold(logits[:, :valid], group, truncation, temperature, vocab_size)
+            support = torch.zeros(3, rows, dtype=dtype, device=logits.device)
         workspace = Workspace()
         for lo in range(0, rows, chunk_size):
             hi = min(rows, lo + chunk_size)
             y = reference_logits[lo:hi, :valid] if reference_logits is not None else None
             tgt = targets[lo:hi] if targets is not None else None
-            out[:, lo:hi], norms[:, lo:hi] = chunk_forward(logits[lo:hi, :valid], y, tgt, shard, group, temperature,
-                                                           entropy=entropy, workspace=workspace)
-        ctx.save_for_backward(logits, reference_logits, targets, norms)
+            out[:, lo:hi], norms[:, lo:hi] = chunk_forward(
+                logits[lo:hi, :valid], y, tgt, shard, group, temperature, entropy=entropy, workspace=workspace,
+                threshold=threshold[lo:hi] if threshold is not None else None,
+                support=support[:, lo:hi] if support is not None else None)
+        ctx.save_for_backward(logits, reference_logits, targets, norms, threshold)
         ctx.shard, ctx.temperature, ctx.chunk_size, ctx.dtype = shard, temperature, chunk_size, dtype
         ctx.inplace_backward = inplace_backward
         ctx.set_materialize_grads(False)  # an output nobody differentiates gets no backward work
-        return out[0], out[1], out[2]
+        if support is None:
+            support = torch.zeros(3, 0, dtype=dtype, device=logits.device)
+        ctx.mark_non_differentiable(support)
+        return out[0], out[1], out[2], support
 
     @staticmethod
-    def backward(ctx, grad_logprob, grad_entropy, grad_kl):
-        logits, reference_logits, targets, norms = ctx.saved_tensors
+    def backward(ctx, grad_logprob, grad_entropy, grad_kl, _grad_support):
+        logits, reference_logits, targets, norms, threshold = ctx.saved_tensors
         shard, tau, dtype = ctx.shard, ctx.temperature, ctx.dtype
         # In place: each chunk's gradient overwrites that chunk of the logits once it has been read, so
         # backward allocates nothing of full size (as megatron's vocab-parallel cross entropy does).
@@ -359,8 +399,9 @@ class _VocabParallelStats(torch.autograd.Function):
                 targets[lo:hi] if targets is not None else None, shard, norms[:, lo:hi],
                 upstream(grad_logprob, lo, hi, dtype), upstream(grad_entropy, lo, hi, dtype),
                 upstream(grad_kl, lo, hi, dtype), tau, out=target, workspace=workspace,
+                threshold=threshold[lo:hi] if threshold is not None else None,
             )
-        return grad_logits, None, None, None, None, None, None, None, None
+        return grad_logits, None, None, None, None, None, None, None, None, None
 
 
 @dataclass
@@ -370,6 +411,11 @@ class VocabParallelStats:
     logprobs: Optional[torch.Tensor]
     entropy: Optional[torch.Tensor]
     kl: Optional[torch.Tensor]
+    # truncated policy only (``truncation``): the support's mass under the full softmax(x / tau), its size,
+    # and 1.0 where the target lies outside it (its log-prob is then the extended zc_t - log S_support)
+    kept_mass: Optional[torch.Tensor] = None
+    support_size: Optional[torch.Tensor] = None
+    outside_support: Optional[torch.Tensor] = None
 
 
 def fused_stats(
@@ -382,6 +428,7 @@ def fused_stats(
     chunk_size: int = DEFAULT_CHUNK,
     inplace_backward: bool = False,
     entropy: bool = True,
+    truncation: Optional[Truncation] = None,
 ) -> VocabParallelStats:
     """Token log-prob (if ``targets``), entropy (if ``entropy``) and exact KL to the reference (if
     ``reference_logits``) from one pass over the local logits slice ``[..., V/tp]``, sharing one normaliser.
@@ -390,7 +437,10 @@ def fused_stats(
     vocabulary (padding excluded); default: the whole sharded vocabulary. ``tp_group``: the tensor-parallel
     group (None only in a single-process run). ``inplace_backward=True`` writes the gradient into the
     logits' storage (no full-size allocation in backward): use it only when the logits are a temporary
-    that nothing reads after backward, as in the training loss.
+    that nothing reads after backward, as in the training loss. ``truncation``: the statistics are those of
+    the truncated distribution mu = trunc(softmax(logits / temperature)) (top-k / top-p support, found
+    exactly over the shards by ``kl.truncation.support_threshold``), the KL is KL(mu || softmax(reference /
+    temperature)); None or an inactive rule: the full distribution.
     """
     if temperature <= 0:
         raise ValueError(f"temperature={temperature} must be > 0")
@@ -412,29 +462,43 @@ def fused_stats(
             )
         ref = reference_logits.detach().reshape(-1, logits.shape[-1])
     tgt = targets.reshape(-1).long() if targets is not None else None
-    logprob, ent, kl = _VocabParallelStats.apply(
-        flat, ref, tgt, tp_group, float(temperature), vocab_size, chunk_size, inplace_backward, entropy
+    if truncation is not None and not truncation.active(vocab_size or logits.shape[-1] * _group_size_rank(tp_group)[0]):
+        truncation = None
+    logprob, ent, kl, support = _VocabParallelStats.apply(
+        flat, ref, tgt, tp_group, float(temperature), vocab_size, chunk_size, inplace_backward, entropy, truncation
     )
     return VocabParallelStats(
         logprobs=logprob.reshape(lead) if targets is not None else None,
         entropy=ent.reshape(lead) if entropy else None,
         kl=kl.reshape(lead) if reference_logits is not None else None,
+        **support_fields(support, lead, targets is not None),
     )
 
 
-def token_logprobs(logits, targets, tp_group, temperature=1.0, vocab_size=None, chunk_size=DEFAULT_CHUNK):
-    """log softmax(logits / temperature)[target] over the full (sharded) vocabulary."""
-    return fused_stats(logits, tp_group, targets=targets, temperature=temperature,
-                       vocab_size=vocab_size, chunk_size=chunk_size, entropy=False).logprobs
+def support_fields(support: torch.Tensor, lead, has_targets: bool) -> dict:
+    """``VocabParallelStats``' support fields from a kernel's ``support [3, n]`` (empty: not truncated)."""
+    if support.shape[-1] == 0:
+        return {}
+    return dict(kept_mass=support[0].reshape(lead), support_size=support[1].reshape(lead),
+                outside_support=support[2].reshape(lead) if has_targets else None)
 
 
-def entropy(logits, tp_group, temperature=1.0, vocab_size=None, chunk_size=DEFAULT_CHUNK):
-    """-sum_a pi(a) log pi(a) of softmax(logits / temperature) over the full vocabulary."""
-    return fused_stats(logits, tp_group, temperature=temperature,
-                       vocab_size=vocab_size, chunk_size=chunk_size).entropy
+def token_logprobs(logits, targets, tp_group, temperature=1.0, vocab_size=None, chunk_size=DEFAULT_CHUNK,
+                   truncation=None):
+    """log softmax(logits / temperature)[target] over the full (sharded) vocabulary (or of its truncation)."""
+    return fused_stats(logits, tp_group, targets=targets, temperature=temperature, vocab_size=vocab_size,
+                       chunk_size=chunk_size, entropy=False, truncation=truncation).logprobs
 
 
-def full_kl(logits, reference_logits, tp_group, temperature=1.0, vocab_size=None, chunk_size=DEFAULT_CHUNK):
-    """Exact KL(pi_theta || pi_ref) per position; differentiable w.r.t. ``logits`` only."""
+def entropy(logits, tp_group, temperature=1.0, vocab_size=None, chunk_size=DEFAULT_CHUNK, truncation=None):
+    """-sum_a pi(a) log pi(a) of softmax(logits / temperature) over the full vocabulary (or its truncation)."""
+    return fused_stats(logits, tp_group, temperature=temperature, vocab_size=vocab_size, chunk_size=chunk_size,
+                       truncation=truncation).entropy
+
+
+def full_kl(logits, reference_logits, tp_group, temperature=1.0, vocab_size=None, chunk_size=DEFAULT_CHUNK,
+            truncation=None):
+    """Exact KL(pi_theta || pi_ref) per position (pi_theta truncated with ``truncation``, pi_ref never);
+    differentiable w.r.t. ``logits`` only."""
     return fused_stats(logits, tp_group, reference_logits=reference_logits, temperature=temperature,
-                       vocab_size=vocab_size, chunk_size=chunk_size, entropy=False).kl
+                       vocab_size=vocab_size, chunk_size=chunk_size, entropy=False, truncation=truncation).kl

@@ -13,6 +13,7 @@ output weight shard without ever materialising the logits (only the loss-masked 
 
 from __future__ import annotations
 
+import dataclasses
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from functools import partial
@@ -22,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_kl.kl.fused_linear import default_chunk_rows, fused_linear_stats
+from megatron_kl.kl.truncation import Truncation
 from megatron_kl.kl.vocab_parallel import DEFAULT_CHUNK, VocabParallelStats, fused_stats
 from megatron_kl.models.fused_loss import single_pass_loss
 from megatron_kl.models.output_head import ReferenceHead, bypass_output_layer, fused_layout, output_weight, unwrap
@@ -121,6 +123,9 @@ class VocabOptions:
     chunk_size: int = DEFAULT_CHUNK  # rows per chunk; None: automatic (per path)
     fused: Optional[bool] = False  # fused linear path: never materialise the logits; None: by size (auto)
     grad_in_forward: bool = False  # fused + row-separable loss: gradients formed in the forward pass
+    # the policy's statistics are those of the truncated sampling distribution (rollout.sampling.distribution);
+    # None: the full softmax (the reference's passes always use None)
+    truncation: Optional[Truncation] = None
 
     def use_fused(self, rows: int, local_vocab: int, single_sweep: bool = False) -> bool:
         """The path for a microbatch of ``rows`` token positions over ``local_vocab`` columns: as configured,
@@ -143,13 +148,15 @@ class VocabOptions:
         return rows >= FUSED_MIN_LOGITS_PER_CHUNK * chunk_rows
 
     @classmethod
-    def for_model(cls, model_cfg, parallel_cfg, temperature: float = 1.0) -> "VocabOptions":
+    def for_model(cls, model_cfg, parallel_cfg, temperature: float = 1.0,
+                  truncation: Optional[Truncation] = None) -> "VocabOptions":
         """Options from ``model.logprob_path`` (auto | fused | unfused), ``model.fused_grad`` (auto |
-        in_forward | recompute) and ``model.logprob_chunk_rows``."""
+        in_forward | recompute) and ``model.logprob_chunk_rows``; ``truncation``: the trained distribution's
+        support rule (``SamplingConfig.trained_truncation``)."""
         fused = {"fused": True, "unfused": False, "auto": None}[model_cfg.logprob_path]
         return cls(vocab_size=model_cfg.vocab_size, temperature=temperature,
                    chunk_size=model_cfg.logprob_chunk_rows, fused=fused,
-                   grad_in_forward=model_cfg.fused_grad != "recompute")
+                   grad_in_forward=model_cfg.fused_grad != "recompute", truncation=truncation)
 
 
 def _unfused_stats(vocab: VocabOptions, reference: Optional[ReferenceHead], mb: dict, logits, tp_group):
@@ -158,7 +165,7 @@ def _unfused_stats(vocab: VocabOptions, reference: Optional[ReferenceHead], mb: 
         reference_logits = reference.logits(mb["reference_hidden"].to(logits.device))[:, :-1]
     return fused_stats(logits[:, :-1], tp_group, targets=mb["tokens"].to(logits.device)[:, 1:],
                        reference_logits=reference_logits, temperature=vocab.temperature,
-                       vocab_size=vocab.vocab_size, chunk_size=vocab.chunk_size)
+                       vocab_size=vocab.vocab_size, chunk_size=vocab.chunk_size, truncation=vocab.truncation)
 
 
 def _fused_stats(vocab: VocabOptions, reference: Optional[ReferenceHead], mb: dict, hidden, weight, tp_group,
@@ -168,13 +175,13 @@ def _fused_stats(vocab: VocabOptions, reference: Optional[ReferenceHead], mb: di
     stats = fused_linear_stats(
         hidden.transpose(0, 1), weight, tp_group, targets=targets, reference_hidden=reference_hidden,
         reference_weight=reference_weight, temperature=vocab.temperature, vocab_size=vocab.vocab_size,
-        chunk_size=vocab.chunk_size, sequence_parallel=sequence_parallel, mask=rows,
+        chunk_size=vocab.chunk_size, sequence_parallel=sequence_parallel, mask=rows, truncation=vocab.truncation,
     )
 
     def per_sequence(value):
         return None if value is None else value.t()[:, :-1]
 
-    return VocabParallelStats(per_sequence(stats.logprobs), per_sequence(stats.entropy), per_sequence(stats.kl))
+    return VocabParallelStats(*(per_sequence(getattr(stats, f.name)) for f in dataclasses.fields(stats)))
 
 
 def _forward_step(vocab: VocabOptions, loss_fn: LossFn, num_microbatches: int, forward_only: bool,

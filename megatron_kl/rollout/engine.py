@@ -4,9 +4,11 @@ An engine turns prompts (token ids) into completions: the sampled response ids, 
 log-probs ``log mu(y_t | s_t)`` of the sampled tokens under the engine's sampling temperature, and the
 weight version that produced them. The trainer pushes new weights with ``update_weights``.
 
-Behaviour log-probs are those of the *tempered full distribution* softmax(logits / T), which is what the
-trainer recomputes. With top_p < 1 or top_k > 0 the true sampling distribution is the truncated one; the
-train-vs-rollout mismatch metric then shows it, and the configured off-policy correction applies.
+Behaviour log-probs are those of the distribution that sampled: mu = trunc(softmax(logits / T)) (top-k /
+top-p support, renormalised; the full softmax(logits / T) when nothing is truncated). With
+``rollout.sampling.distribution=truncated`` (the default) the trainer's log-probs, entropy and exact KL are
+mu's too, so training is on-policy; with ``full`` the trainer differentiates the full softmax while the
+samples come from mu: the run is tagged kl/biased and the mismatch metrics show the gap.
 """
 
 from __future__ import annotations
@@ -16,9 +18,11 @@ from dataclasses import dataclass, field
 from typing import Optional, Protocol, Sequence, runtime_checkable
 
 from megatron_kl.config import ConfigError
+from megatron_kl.kl.truncation import Truncation
 from megatron_kl.rollout.http import CorruptResponse
 
 FINISH_REASONS = ("stop", "length")
+DISTRIBUTIONS = ("truncated", "full")  # rollout.sampling.distribution: what the trainer differentiates
 
 
 @dataclass
@@ -29,6 +33,10 @@ class SamplingConfig:
     max_new_tokens: int = 16
     stop_token_ids: list[int] = field(default_factory=list)
     seed: int = 0
+    # the policy distribution the trainer computes log-probs, entropy and KL of: truncated (the engines'
+    # sampling distribution: on-policy) | full (softmax(logits / T) over the whole vocabulary: off-policy and
+    # biased whenever top_k / top_p truncate; kept to reproduce other libraries)
+    distribution: str = "truncated"
 
     def __post_init__(self):
         if self.temperature < 0:
@@ -39,6 +47,23 @@ class SamplingConfig:
             raise ConfigError(f"rollout.sampling.top_k={self.top_k} must be >= 0 (0 disables)")
         if self.max_new_tokens < 1:
             raise ConfigError(f"rollout.sampling.max_new_tokens={self.max_new_tokens} must be >= 1")
+        if self.distribution not in DISTRIBUTIONS:
+            raise ConfigError(f"rollout.sampling.distribution={self.distribution!r}: use one of {list(DISTRIBUTIONS)}")
+
+    @property
+    def truncation(self) -> Truncation:
+        """The engines' support rule (may be inactive)."""
+        return Truncation(top_k=self.top_k, top_p=self.top_p)
+
+    def truncates(self, vocab_size: Optional[int] = None) -> bool:
+        """Whether sampling uses a strict subset of the vocabulary (greedy decoding aside)."""
+        return self.temperature > 0 and self.truncation.active(vocab_size)
+
+    def trained_truncation(self, vocab_size: Optional[int] = None) -> Optional[Truncation]:
+        """The truncation the trainer applies to the policy: the engines' rule with distribution=truncated."""
+        if self.distribution == "truncated" and self.truncates(vocab_size):
+            return self.truncation
+        return None
 
     @property
     def logprob_temperature(self) -> float:

@@ -36,30 +36,29 @@ import torch
 import torch.distributed as dist
 
 from megatron_kl.config import ConfigError, ModelConfig, ParallelConfig
+from megatron_kl.kl.truncation import Truncation, support_threshold
 from megatron_kl.models.output_head import unwrap
 from megatron_kl.rollout.engine import Completion, SamplingConfig
 
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Mask (to -inf) all but the top-k tokens and the smallest nucleus holding top_p of the mass."""
-    if top_k > 0 and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        mass_before = probs.cumsum(-1) - probs
-        drop_sorted = mass_before >= top_p  # the top token always survives (mass_before = 0)
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    return logits
+    """Mask (to -inf) all but the top-k tokens and the smallest nucleus holding top_p of the top-k mass, ties
+    at either cut kept (``kl.truncation``: the rule the trainer's truncated distribution uses). ``logits``
+    [..., V] are already divided by the temperature."""
+    rule = Truncation(top_k=top_k, top_p=top_p)
+    if not rule.active(logits.shape[-1]):
+        return logits
+    flat = logits.reshape(-1, logits.shape[-1])
+    threshold = support_threshold(flat, None, rule).to(logits.dtype)
+    return flat.masked_fill(flat < threshold[:, None], float("-inf")).reshape(logits.shape)
 
 
 def sample_tokens(logits: torch.Tensor, sampling: SamplingConfig, draws: torch.Tensor):
     """Draw one token per row of full-vocabulary ``logits [B, V]`` (float32) with the rows' uniforms
     ``draws [B]`` (float64, U ~ Uniform[0, 1); unused when greedy).
 
-    Returns (tokens [B], behaviour log-probs [B]) with log-probs of the tempered full distribution.
+    Returns (tokens [B], behaviour log-probs [B]): log mu of the distribution that sampled (the tempered
+    softmax, truncated to ``filter_logits``' support and renormalised when top-k / top-p are set).
 
     Sampling inverts the CDF: with C_a = sum_{b<=a} p_b accumulated in float64 and one U ~ Uniform[0, 1)
     per row, the token is the first a with C_a > U * C_V, i.e. a with probability p_a exactly (up to float64
@@ -77,8 +76,10 @@ def sample_tokens(logits: torch.Tensor, sampling: SamplingConfig, draws: torch.T
         chosen = scaled.gather(-1, tokens[:, None]).squeeze(-1) - top.squeeze(-1)
         return tokens, chosen - torch.log(cdf[:, -1]).to(chosen.dtype)
     else:
-        filtered = filter_logits(logits / sampling.temperature, sampling.top_k, sampling.top_p)
+        filtered = filter_logits(scaled, sampling.top_k, sampling.top_p)
         tokens = _invert(torch.softmax(filtered, dim=-1).to(torch.float64).cumsum_(-1), draws)
+        chosen = filtered.gather(-1, tokens[:, None]).squeeze(-1)
+        return tokens, chosen - torch.logsumexp(filtered, dim=-1)
     chosen = scaled.gather(-1, tokens[:, None]).squeeze(-1)
     return tokens, chosen - torch.logsumexp(scaled, dim=-1)
 

@@ -107,7 +107,12 @@ def test_sampler_draws_the_tempered_filtered_distribution_over_a_large_vocabular
     expected = rows * probs[kept]
     chi2 = float(((counts[kept] - expected) ** 2 / expected).sum())
     assert chi2 < 48.0, chi2  # 17 or 19 degrees of freedom: P(chi2 > 48) < 3e-4
-    torch.testing.assert_close(logprobs, torch.log_softmax(logits / 0.7, -1)[tokens])  # unfiltered, tempered
+    # behaviour log-probs of the distribution that sampled: the tempered, truncated and renormalised one
+    expected_logprobs = torch.log_softmax(filter_logits(logits[None] / 0.7, sampling.top_k, 1.0), -1)[0][tokens]
+    torch.testing.assert_close(logprobs, expected_logprobs)
+    if top_k:  # with top-k they differ from the full softmax's by the log of the kept mass
+        full = torch.log_softmax(logits / 0.7, -1)[tokens]
+        assert float((logprobs - full).min()) > 1e-3
     assert counts[0] > 0 and counts[4098] > 0
 
 

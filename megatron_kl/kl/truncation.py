@@ -1,0 +1,172 @@
+"""Top-k / top-p supports over a tensor-parallel vocabulary, exact across shards, without gathering logits.
+
+The sampling distribution of an engine with truncation is mu = trunc(softmax(x / tau)): keep the support,
+renormalise. The rule (``filter_logits`` of the embedded engine; vLLM and SGLang agree up to how they break
+exact ties) is:
+
+    top-k:  keep every token whose logit is >= the k-th largest logit                (ties at the k-th kept)
+    top-p:  on the top-k distribution, sort by logit (descending), keep position i while the mass of the
+            positions before it is < top_p; then keep every token whose logit is >= the last kept one
+
+so the support is always ``{a : x_a >= threshold}`` for one threshold per row. This module finds that
+threshold with the vocabulary sharded over ``tp_group``:
+
+1. each rank's ``m`` largest logits (``m = top_k``, or a first guess for top-p) are all-gathered and merged:
+   every value above ``floor`` (the largest of the ranks' m-th values) is then known with its multiplicity;
+2. the k-th largest is the top-k threshold (the merged list holds the global top k);
+3. the normaliser of the top-k distribution is one all-reduced sum over the local slice;
+4. the top-p cut is found on the merged list (float64 cumulative mass); a row whose cut is not above
+   ``floor`` is retried with 8x more candidates per rank, at worst the whole shard, so the answer is exact.
+
+The kernels (``vocab_parallel``, ``fused_linear``) take the threshold and compute log-probs, entropy and
+the exact KL(mu || pi_ref) of the truncated distribution (docs/kl-math.md states which distributions).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+FIRST_CANDIDATES = 128  # per rank, top-p only: a first guess at the support size (retried x8 when short)
+RETRY_FACTOR = 8
+
+
+@dataclass(frozen=True)
+class Truncation:
+    """The engine's truncation rule: ``top_k`` (0: off) and ``top_p`` (1.0: off)."""
+
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self):
+        if self.top_k < 0:
+            raise ValueError(f"top_k={self.top_k} must be >= 0 (0 disables)")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
+
+    def active(self, vocab_size: Optional[int] = None) -> bool:
+        top_k_on = self.top_k > 0 and (vocab_size is None or self.top_k < vocab_size)
+        return top_k_on or self.top_p < 1.0
+
+
+def _world(group) -> int:
+    if group is None or not dist.is_initialized():
+        return 1
+    return dist.get_world_size(group)
+
+
+def _all_reduce(tensor, op, group):
+    if _world(group) > 1:
+        dist.all_reduce(tensor, op=op, group=group)
+    return tensor
+
+
+def _all_gather_columns(local: torch.Tensor, group) -> torch.Tensor:
+    """[n, m] per rank -> [n, world * m]."""
+    world = _world(group)
+    if world == 1:
+        return local
+    parts = [torch.empty_like(local) for _ in range(world)]
+    dist.all_gather(parts, local.contiguous(), group=group)
+    return torch.cat(parts, dim=-1)
+
+
+def _local_top(x: torch.Tensor, m: int) -> torch.Tensor:
+    """This rank's m largest values per row, descending; -inf where the shard has fewer columns."""
+    n, cols = x.shape
+    top = torch.full((n, m), float("-inf"), dtype=x.dtype, device=x.device)
+    k = min(m, cols)
+    if k and n:
+        top[:, :k] = torch.topk(x, k, dim=-1, sorted=True).values
+    return top
+
+
+def _candidates(x: torch.Tensor, m: int, group):
+    """Merged candidates [n, world*m] (descending) and the floor [n] above which they are complete."""
+    local = _local_top(x, m)
+    merged = _all_gather_columns(local, group)
+    world = merged.shape[-1] // m
+    floor = merged.view(merged.shape[0], world, m)[:, :, m - 1].amax(-1)  # every value > floor is present
+    return merged.sort(dim=-1, descending=True).values, floor
+
+
+def _row_blocks(n: int, cols: int):
+    block = max(1, (1 << 20) // max(1, cols))
+    return [slice(a, min(n, a + block)) for a in range(0, n, block)]
+
+
+def support_threshold(logits: torch.Tensor, tp_group, truncation: Truncation, temperature: float = 1.0,
+                      vocab_size: Optional[int] = None) -> torch.Tensor:
+    """Per row of the local logits slice ``[n, V_local]`` (valid columns only, no padding), the threshold t
+    with support ``{a : x_a >= t}`` of the truncated distribution over the whole sharded vocabulary; -inf
+    where nothing is truncated. Same value on every rank. No gradient (the support is piecewise constant).
+    ``vocab_size``: the true vocabulary (top_k >= vocab_size is no truncation)."""
+    x = logits.detach()
+    dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    n, cols = x.shape
+    threshold = torch.full((n,), float("-inf"), dtype=dtype, device=x.device)
+    total_cols = torch.tensor([cols], device=x.device)
+    _all_reduce(total_cols, dist.ReduceOp.SUM, tp_group)
+    vocab = int(total_cols.item()) if vocab_size is None else min(vocab_size, int(total_cols.item()))
+    if n == 0 or not truncation.active(vocab):
+        return threshold
+    x = x.to(dtype)
+    top_k = truncation.top_k if 0 < truncation.top_k < vocab else 0
+    if top_k:
+        merged, _ = _candidates(x, top_k, tp_group)
+        threshold = merged[:, top_k - 1].clone()
+    if truncation.top_p >= 1.0:
+        return threshold
+    # the top-k distribution's normaliser (float64), over the local slice in cache-sized blocks
+    row_max = x.amax(-1) if cols else torch.full((n,), float("-inf"), dtype=dtype, device=x.device)
+    _all_reduce(row_max, dist.ReduceOp.MAX, tp_group)
+    total = torch.zeros(n, dtype=torch.float64, device=x.device)
+    for rows in _row_blocks(n, cols):
+        z = (x[rows] - row_max[rows, None]).div_(temperature)
+        e = z.exp_().masked_fill_(x[rows] < threshold[rows, None], 0.0)
+        total[rows] = e.sum(-1, dtype=torch.float64)
+    _all_reduce(total, dist.ReduceOp.SUM, tp_group)
+    cut = _top_p_cut(x, row_max, total, threshold, truncation.top_p, temperature, tp_group,
+                     top_k or FIRST_CANDIDATES, cols)
+    return torch.maximum(threshold, cut)
+
+
+def _top_p_cut(x, row_max, total, top_k_threshold, top_p: float, temperature: float, group, m: int, cols: int):
+    """The top-p threshold per row from merged candidates, retrying unresolved rows with more candidates."""
+    n = x.shape[0]
+    cut = torch.full((n,), float("-inf"), dtype=x.dtype, device=x.device)
+    pending = torch.arange(n, device=x.device)
+    # every rank runs the same loop: sizes agree because the pending rows are computed from gathered data
+    max_cols = torch.tensor([cols], device=x.device)
+    _all_reduce(max_cols, dist.ReduceOp.MAX, group)
+    max_cols = int(max_cols.item())
+    m = max(1, min(m, max_cols))
+    while pending.numel():
+        merged, floor = _candidates(x[pending], m, group)
+        kept = merged >= top_k_threshold[pending, None]
+        probs = torch.exp((merged.double() - row_max[pending, None].double()) / temperature)
+        probs = torch.where(kept, probs / total[pending, None], torch.zeros_like(probs))
+        before = probs.cumsum(-1) - probs
+        inside = kept & (before < top_p)  # positions the rule keeps, in order
+        last = inside.sum(-1).clamp_min(1) - 1  # index of the last kept position
+        value = merged.gather(-1, last[:, None]).squeeze(-1)
+        # exact when the cut lies above the floor (every value >= it is present), or when the candidates are
+        # the whole shard (m == max_cols), or when the mass before the next position already reached top_p
+        complete = m >= max_cols
+        resolved = (value > floor) | complete
+        cut[pending[resolved]] = value[resolved]
+        pending = pending[~resolved]
+        m = min(max_cols, m * RETRY_FACTOR)
+        if complete:
+            break
+    return cut
+
+
+def support_mask(logits: torch.Tensor, threshold: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """True where a column lies outside the support (None: nothing truncated)."""
+    if threshold is None:
+        return None
+    return logits < threshold.to(logits.dtype)[:, None]

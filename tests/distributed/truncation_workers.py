@@ -1,0 +1,74 @@
+"""Rank function of the truncation tests: supports and truncated statistics on this rank's vocabulary slice."""
+
+import torch
+import torch.distributed as dist
+
+from megatron_kl.kl.fused_linear import fused_linear_stats
+from megatron_kl.kl.truncation import Truncation, support_threshold
+from megatron_kl.kl.vocab_parallel import fused_stats
+
+
+def make_case(case: dict):
+    """Full inputs of a case (identical on every rank and in the parent): logits [n, V] or, for the fused
+    linear path, hidden [n, H] and weight [V, H] with logits = hidden @ weight^T; reference likewise."""
+    g = torch.Generator().manual_seed(case["seed"])
+    n, vocab, padded = case["rows"], case["vocab"], case["padded_vocab"]
+    kind = case.get("kind", "random")
+    if kind == "linear":
+        hidden = torch.randn(n, 16, generator=g, dtype=torch.float64)
+        weight = case["scale"] * torch.randn(padded, 16, generator=g, dtype=torch.float64) / 4
+        ref_hidden = torch.randn(n, 16, generator=g, dtype=torch.float64)
+        ref_weight = case["scale"] * torch.randn(padded, 16, generator=g, dtype=torch.float64) / 4
+        logits, reference = hidden @ weight.T, ref_hidden @ ref_weight.T
+        extra = dict(hidden=hidden, weight=weight, ref_hidden=ref_hidden, ref_weight=ref_weight)
+    else:
+        if kind == "ties":  # few distinct values: exact ties at every cut
+            logits = torch.randint(0, 4, (n, padded), generator=g).double() * case["scale"]
+        elif kind == "shard_boundary":  # the first half of the vocabulary holds the support
+            logits = torch.randn(n, padded, generator=g, dtype=torch.float64) * 0.01
+            logits[:, : padded // 2] += case["scale"]
+        else:
+            logits = case["scale"] * torch.randn(n, padded, generator=g, dtype=torch.float64)
+        reference = case["scale"] * torch.randn(n, padded, generator=g, dtype=torch.float64)
+        extra = {}
+    weights = torch.randn(3, n, generator=g, dtype=torch.float64)
+    return logits, reference, weights, extra
+
+
+def truncation_worker(rank, world, cases):
+    group = dist.group.WORLD
+    results = []
+    for case in cases:
+        logits, reference, weights, extra = make_case(case)
+        dtype = getattr(torch, case["dtype"])
+        rule = Truncation(case["top_k"], case["top_p"])
+        tau, vocab = case["temperature"], case["vocab"]
+        targets = torch.as_tensor(case["targets"])
+        local_cols = case["padded_vocab"] // world
+        valid = max(0, min(local_cols, vocab - rank * local_cols))
+        local = logits.chunk(world, dim=-1)[rank].to(dtype)
+        threshold = support_threshold(local[:, :valid], group, rule, tau, vocab)
+        if case.get("kind") == "linear":
+            hidden = extra["hidden"].to(dtype).requires_grad_(True)
+            weight = extra["weight"].chunk(world, dim=0)[rank].to(dtype).contiguous().requires_grad_(True)
+            stats = fused_linear_stats(hidden, weight, group, targets=targets,
+                                       reference_hidden=extra["ref_hidden"].to(dtype),
+                                       reference_weight=extra["ref_weight"].chunk(world, dim=0)[rank].to(dtype),
+                                       temperature=tau, vocab_size=vocab, chunk_size=case["chunk"], truncation=rule)
+            inputs = (hidden, weight)
+        else:
+            x = local.contiguous().requires_grad_(True)
+            stats = fused_stats(x, group, targets=targets, reference_logits=reference.chunk(world, dim=-1)[rank].to(dtype),
+                                temperature=tau, vocab_size=vocab, chunk_size=case["chunk"], truncation=rule)
+            inputs = (x,)
+        w = weights.to(stats.logprobs.dtype)
+        loss = (w[0] * stats.logprobs + w[1] * stats.entropy + w[2] * stats.kl).sum()
+        grads = torch.autograd.grad(loss, inputs)
+        results.append({
+            "support": (local[:, :valid].double() >= threshold.double()[:, None]),
+            "logprobs": stats.logprobs.detach().double(), "entropy": stats.entropy.detach().double(),
+            "kl": stats.kl.detach().double(), "kept_mass": stats.kept_mass.double(),
+            "support_size": stats.support_size.double(), "outside": stats.outside_support.double(),
+            "grads": [g.double() for g in grads],
+        })
+    return results
