@@ -275,6 +275,9 @@ def broadcast_from_last_stage(tensor: Optional[torch.Tensor], shape, dtype) -> t
     return tensor.cpu()
 
 
+SUPPORT_KEYS = ("kept_mass", "support_size", "outside_support")  # the truncated policy's support statistics
+
+
 def masked_token_stats(stats: VocabParallelStats, mb: dict, keys) -> dict:
     """One microbatch's per-token ``keys`` of ``stats``, zero at masked positions, tagged with its ``rows``."""
     mask = mb["loss_mask"].to(stats.logprobs.dtype)
@@ -320,7 +323,8 @@ def compute_token_stats(
     """
     for chunk in chunks:
         chunk.eval()
-    keys = ("logprobs", "entropy") + (("kl",) if reference is not None else ())
+    keys = ("logprobs", "entropy") + (("kl",) if reference is not None else ()) + (
+        SUPPORT_KEYS if vocab.truncation is not None and vocab.truncation.active(vocab.vocab_size) else ())
     captured: list[torch.Tensor] = []
     hook = None
     if capture_hidden and getattr(chunks[-1], "post_process", False):

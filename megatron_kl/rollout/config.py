@@ -12,6 +12,7 @@ from megatron_kl.config import ConfigError
 
 WEIGHT_SYNC = ("from_disk", "from_tensor", "from_distributed")
 VLLM_MODES = ("llm", "server")
+VLLM_LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 
 
 @dataclass
@@ -39,6 +40,9 @@ class SGLangConfig:
     sync_dir: Optional[str] = None  # from_disk: shared with the servers; default <train.output_dir>/weight_sync
     server_module: str = "sglang.launch_server"  # tests: megatron_kl.testing.sglang_server (no SGLang needed)
     max_concurrency: int = 64  # in-flight /generate requests per engine
+    # top-p without top-k: top log-probs per position asked for to rebuild the truncated distribution's log-probs
+    # (SGLang returns those of the full tempered softmax); a support larger than this is an error naming it
+    top_logprobs_num: int = 256
     request_timeout_s: float = 300.0  # total per attempt; every attempt + backoff < parallel.distributed_timeout_s
     max_retries: int = 4  # per request, on 5xx / 429 / timeouts / dropped or cut-short answers / corrupt values
     backoff_s: float = 0.5  # first retry delay, doubled each retry
@@ -51,7 +55,7 @@ class SGLangConfig:
     def __post_init__(self):
         if self.weight_sync not in WEIGHT_SYNC:
             raise ConfigError(f"rollout.sglang.weight_sync={self.weight_sync!r}: use one of {list(WEIGHT_SYNC)}")
-        for name in ("num_servers", "tp_size", "dp_size", "max_concurrency"):
+        for name in ("num_servers", "tp_size", "dp_size", "max_concurrency", "top_logprobs_num"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"rollout.sglang.{name}={getattr(self, name)} must be >= 1")
         if self.max_retries < 0 or self.request_timeout_s <= 0 or self.backoff_s < 0:
@@ -81,8 +85,14 @@ class VLLMConfig:
     request_timeout_s: float = 300.0  # total per attempt (see rollout.sglang)
     max_retries: int = 4
     backoff_s: float = 0.5
+    # mode=server: the --logprobs-mode the server was started with (vLLM's default raw_logprobs are the full
+    # softmax's; top-k / top-p sampling needs processed_logprobs, the truncated distribution's). mode=llm sets it.
+    server_logprobs_mode: str = "raw_logprobs"
 
     def __post_init__(self):
+        if self.server_logprobs_mode not in VLLM_LOGPROBS_MODES:
+            raise ConfigError(f"rollout.vllm.server_logprobs_mode={self.server_logprobs_mode!r}: use one of "
+                              f"{list(VLLM_LOGPROBS_MODES)}")
         if self.mode not in VLLM_MODES:
             raise ConfigError(f"rollout.vllm.mode={self.mode!r}: use one of {list(VLLM_MODES)}")
         if self.mode == "server" and not self.url:

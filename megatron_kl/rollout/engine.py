@@ -37,6 +37,9 @@ class SamplingConfig:
     # sampling distribution: on-policy) | full (softmax(logits / T) over the whole vocabulary: off-policy and
     # biased whenever top_k / top_p truncate; kept to reproduce other libraries)
     distribution: str = "truncated"
+    # fraction of sampled response tokens allowed outside the trainer's truncated support at the weights that
+    # sampled them (an engine's logits differ from the trainer's by rounding at the cut); above it: an error
+    support_tolerance: float = 0.001
 
     def __post_init__(self):
         if self.temperature < 0:
@@ -47,6 +50,8 @@ class SamplingConfig:
             raise ConfigError(f"rollout.sampling.top_k={self.top_k} must be >= 0 (0 disables)")
         if self.max_new_tokens < 1:
             raise ConfigError(f"rollout.sampling.max_new_tokens={self.max_new_tokens} must be >= 1")
+        if not 0.0 <= self.support_tolerance <= 1.0:
+            raise ConfigError(f"rollout.sampling.support_tolerance={self.support_tolerance} must be in [0, 1]")
         if self.distribution not in DISTRIBUTIONS:
             raise ConfigError(f"rollout.sampling.distribution={self.distribution!r}: use one of {list(DISTRIBUTIONS)}")
 

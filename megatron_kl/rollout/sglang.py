@@ -7,9 +7,14 @@ routes in ``srt/entrypoints/http_server.py``):
 
 - ``POST /generate`` ``{input_ids, sampling_params, return_logprob: true}`` ->
   ``{output_ids, meta_info: {finish_reason: {type: stop|length|abort, ...}, output_token_logprobs:
-  [[logprob, token_id, text|null], ...], weight_version, ...}}``. SGLang's output log-probs are those of the
-  temperature-scaled distribution (the default since 0.5; ``SGLANG_RETURN_ORIGINAL_LOGPROB=1`` gives T=1
-  ones, which the trainer's rollout-mismatch metric then shows).
+  [[logprob, token_id, text|null], ...], output_top_logprobs: [[[logprob, token_id, text|null], ...], ...],
+  weight_version, ...}}``. SGLang's output log-probs are those of the temperature-scaled *full* distribution,
+  log softmax(z / T) (``srt/layers/sampler.py``: ``log(probs)`` with probs = softmax(logits / T), taken before
+  the top-k / top-p renormalisation that happens inside the sampling kernel; ``SGLANG_RETURN_ORIGINAL_LOGPROB=1``
+  gives T=1 ones, which the trainer's rollout-mismatch metric then shows). With top-k / top-p the client
+  asks for ``top_logprobs_num`` (top_k, or ``rollout.sglang.top_logprobs_num`` for top-p alone), finds the
+  support from them with the trainer's rule and reports log mu(y) = log pi_T(y) - log pi_T(support)
+  (:func:`processed_logprobs`).
 - ``GET /health``, ``POST /flush_cache``, ``/pause_generation``, ``/continue_generation``,
   ``/release_memory_occupation``, ``/resume_memory_occupation``, and the weight-update routes used by
   :mod:`megatron_kl.rollout.weight_sync`.
@@ -23,6 +28,7 @@ expected shape, or carries another weight version than the one last pushed, is a
 from __future__ import annotations
 
 import logging
+import math
 import os
 import secrets
 import sys
@@ -61,8 +67,57 @@ def sampling_params(sampling: SamplingConfig, seed: Optional[int]) -> dict:
     return params
 
 
+def top_logprobs_num(sampling: SamplingConfig, cfg_num: int, vocab_size: Optional[int]) -> int:
+    """How many top log-probs per position the client needs to rebuild the truncated distribution (0: none)."""
+    if not sampling.truncates(vocab_size):
+        return 0
+    top_k = sampling.top_k if sampling.top_k > 0 and (vocab_size is None or sampling.top_k < vocab_size) else 0
+    return top_k if top_k else (cfg_num if vocab_size is None else min(cfg_num, vocab_size))
+
+
+def processed_logprobs(logprobs: list[float], token_ids: list[int], top: list, sampling: SamplingConfig,
+                       requested: int, where: str) -> list[float]:
+    """log mu(y_t) of the truncated distribution from SGLang's log pi_T(y_t) and the ``requested`` largest
+    log pi_T per position (``top[t]``: [[logprob, token_id, ...], ...]), by the trainer's rule (ties at a cut
+    kept; kl.truncation). The sampled token must lie in the support (``CorruptResponse`` naming the position);
+    a top-p support that does not close within the top log-probs is a ``ResponseError`` naming the setting."""
+    top_k = sampling.top_k if 0 < sampling.top_k <= requested else 0  # top_k >= the vocabulary truncates nothing
+    top_p = sampling.top_p
+    result = []
+    for t, (value, token) in enumerate(zip(logprobs, token_ids)):
+        try:
+            ordered = sorted((float(e[0]) for e in top[t]), reverse=True)
+        except (TypeError, ValueError, IndexError):
+            raise ResponseError(f"{where}: meta_info.output_top_logprobs[{t}] is not [[logprob, token_id, ...], ...]") from None
+        if len(ordered) < requested or any(not math.isfinite(v) for v in ordered):
+            raise CorruptResponse(f"{where}: meta_info.output_top_logprobs[{t}] has {len(ordered)} finite entries, "
+                                  f"{requested} were requested")
+        cut, kept_mass = -math.inf, 1.0  # top-k: the distribution renormalised on the top-k set
+        if top_k:
+            cut = ordered[min(top_k, len(ordered)) - 1]
+            kept_mass = sum(math.exp(v) for v in ordered if v >= cut)
+        if top_p < 1.0:
+            before, last = 0.0, None
+            for v in ordered:
+                if v < cut or before >= top_p:
+                    break
+                last = v
+                before += math.exp(v) / kept_mass
+            if before < top_p and not top_k and len(ordered) >= requested:
+                raise ResponseError(
+                    f"{where}: the top-p={top_p} support at response position {t} holds more than the {requested} "
+                    "top log-probs asked for: raise rollout.sglang.top_logprobs_num (or set rollout.sampling.top_k)")
+            cut = max(cut, last)
+        if value < cut - 1e-6:  # the sampled token is outside the support (servers round log-probs)
+            raise CorruptResponse(f"{where}: sampled token {token} at response position {t} (log-prob {value:.6g}) lies "
+                                  f"outside the top-k/top-p support (cut at log-prob {cut:.6g})")
+        result.append(value - math.log(sum(math.exp(v) for v in ordered if v >= cut)))
+    return result
+
+
 def parse_generate(body, prompt_ids: Sequence[int], expected_version: int, where: str,
-                   sampling: Optional[SamplingConfig] = None, vocab_size: Optional[int] = None) -> Completion:
+                   sampling: Optional[SamplingConfig] = None, vocab_size: Optional[int] = None,
+                   requested_top: int = 0) -> Completion:
     """A /generate response body -> Completion; anything missing or inconsistent names the field
     (``ResponseError``); values that cannot be right - NaN/inf/positive log-probs, ids outside the
     vocabulary, more than ``max_new_tokens`` tokens, an empty completion without ``output_ids`` - are a
@@ -98,6 +153,12 @@ def parse_generate(body, prompt_ids: Sequence[int], expected_version: int, where
     if output_ids is not None and list(output_ids) != token_ids:
         raise ResponseError(f"{where}: output_ids ({len(output_ids)} tokens) disagree with "
                             f"meta_info.output_token_logprobs ({len(token_ids)} tokens)")
+    if requested_top and sampling is not None and token_ids:
+        top = meta.get("output_top_logprobs")
+        if not isinstance(top, list) or len(top) != len(token_ids):
+            raise CorruptResponse(f"{where}: meta_info.output_top_logprobs missing or not one list per output token "
+                                  f"(top_logprobs_num={requested_top} was sent: the truncated log-probs need it)")
+        logprobs = processed_logprobs(logprobs, token_ids, top, sampling, requested_top, where)
     version = meta.get("weight_version")
     if version is None or str(version) != str(expected_version):
         raise ResponseError(f"{where}: meta_info.weight_version={version!r} but version {expected_version} was "
@@ -221,15 +282,18 @@ class SGLangEngine:
         results: list[Optional[Completion]] = [None] * len(prompts)
         pending = list(range(len(prompts)))
         base_seed = sampling.seed if seed is None else seed
+        top_num = top_logprobs_num(sampling, self.cfg.top_logprobs_num, self.vocab_size)
         for round_ in range(3):
             failed_servers: dict[int, Exception] = {}
 
             def one(i: int, server: int) -> Completion:
                 payload = {"input_ids": list(prompts[i]), "sampling_params": sampling_params(sampling, base_seed + i),
                            "return_logprob": True}
+                if top_num:
+                    payload["top_logprobs_num"] = top_num
                 where = f"{self.urls[server]} prompt {i}"
                 return self.call(server, "/generate", payload, parse=lambda body: parse_generate(
-                    body, prompts[i], self.weight_version, where, sampling, self.vocab_size))
+                    body, prompts[i], self.weight_version, where, sampling, self.vocab_size, top_num))
 
             with ThreadPoolExecutor(self.cfg.max_concurrency) as pool:
                 futures = {i: (pool.submit(one, i, i % len(self.urls)), i % len(self.urls)) for i in pending}

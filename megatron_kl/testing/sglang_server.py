@@ -15,6 +15,9 @@ SGLang does: 401 without ``Authorization: Bearer <key>``, health checks exempt) 
     --fault-corrupt-every N    every N-th /generate answers a well-formed body with impossible values, cycling
                                through CORRUPTIONS (NaN / +inf / positive log-prob, id >= vocab, id < 0, more
                                tokens than max_new_tokens, an empty completion without output_ids)
+    --fault-off-support-every N
+                               every N-th /generate with top log-probs reports its first token as one outside
+                               the top-k / top-p support (log-prob below every returned top log-prob)
     --fault-hang-after N       every /generate after the N-th never answers (a hung server); writes
                                --fault-marker when the first one hangs
     --fault-exit-at N          the N-th /generate kills the process, once per --fault-marker file
@@ -131,14 +134,37 @@ class EmbeddedServer:
             finish = {"type": "stop", "matched": completion.response_ids[-1]}
         else:
             finish = {"type": "length", "length": len(completion.response_ids)}
-        logprobs = completion.response_logprobs if body.get("return_logprob") else None
-        return self._response(ids, completion.response_ids, logprobs, finish)
+        logprobs = top = None
+        if body.get("return_logprob"):  # as SGLang's sampler: log softmax(z / T) of the full distribution
+            logprobs, top = self._tempered_logprobs(ids, completion.response_ids, sampling.logprob_temperature,
+                                                    int(body.get("top_logprobs_num") or 0))
+        return self._response(ids, completion.response_ids, logprobs, finish, top)
 
-    def _response(self, ids, output_ids, logprobs, finish) -> dict:
+    @torch.no_grad()
+    def _tempered_logprobs(self, prompt, response, temperature: float, top_num: int):
+        """log softmax(z / T) of the sampled tokens over the whole vocabulary and the ``top_num`` largest per
+        position, recomputed from the sequence (SGLang takes them from the sampler's tempered probabilities,
+        before its top-k / top-p renormalisation)."""
+        if not response:
+            return [], [] if top_num else None
+        tokens = torch.as_tensor([list(prompt) + list(response)], device=self.engine.device)
+        positions = torch.arange(tokens.shape[1], device=tokens.device)[None]
+        logits = self.engine.model(tokens, positions, None)[0, len(prompt) - 1: -1, : self.vocab_size].float()
+        logp = torch.log_softmax(logits / temperature, -1)
+        chosen = logp.gather(-1, torch.as_tensor(response, device=logp.device)[:, None])[:, 0].tolist()
+        if not top_num:
+            return chosen, None
+        values, index = logp.topk(min(top_num, logp.shape[-1]), dim=-1)
+        top = [[[v, i, None] for v, i in zip(vs, ix)] for vs, ix in zip(values.tolist(), index.tolist())]
+        return chosen, top
+
+    def _response(self, ids, output_ids, logprobs, finish, top=None) -> dict:
         meta = {"id": uuid.uuid4().hex, "finish_reason": finish, "prompt_tokens": len(ids),
                 "completion_tokens": len(output_ids), "cached_tokens": 0, "weight_version": self.weight_version}
         if logprobs is not None:
             meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(logprobs, output_ids)]
+        if top is not None:
+            meta["output_top_logprobs"] = top
         return {"output_ids": list(output_ids), "meta_info": meta}
 
     def _set_version(self, body) -> None:
@@ -280,6 +306,7 @@ def _handler(server: EmbeddedServer, args):
             if args.fault_delay_every and n % args.fault_delay_every == 0:
                 time.sleep(args.fault_delay_s)
             self._bad_now = bool(args.fault_bad_every and n % args.fault_bad_every == 0)
+            self._off_support_now = bool(args.fault_off_support_every and n % args.fault_off_support_every == 0)
             self._corrupt_now = None
             if args.fault_corrupt_every and n % args.fault_corrupt_every == 0:
                 self._corrupt_now = CORRUPTIONS[(n // args.fault_corrupt_every - 1) % len(CORRUPTIONS)]
@@ -288,6 +315,9 @@ def _handler(server: EmbeddedServer, args):
         def _bad(self, response):
             if getattr(self, "_bad_now", False) and isinstance(response, dict):
                 response["meta_info"].pop("output_token_logprobs", None)
+            meta = response.get("meta_info", {}) if isinstance(response, dict) else {}
+            if getattr(self, "_off_support_now", False) and meta.get("output_top_logprobs"):
+                meta["output_token_logprobs"][0][0] = min(e[0] for e in meta["output_top_logprobs"][0]) - 5.0
             if getattr(self, "_corrupt_now", None) and isinstance(response, dict):
                 response = corrupt(response, self._corrupt_now, server.vocab_size)
             return response
@@ -307,7 +337,7 @@ def main(argv=None) -> None:
     parser.add_argument("--skip-tokenizer-init", action="store_true")
     parser.add_argument("--enable-memory-saver", action="store_true")
     parser.add_argument("--api-key", default=None)
-    for name in ("500", "delay", "drop", "bad", "corrupt"):
+    for name in ("500", "delay", "drop", "bad", "corrupt", "off-support"):
         parser.add_argument(f"--fault-{name}-every", type=int, default=0)
     parser.add_argument("--fault-delay-s", type=float, default=0.0)
     parser.add_argument("--fault-exit-at", type=int, default=0)

@@ -204,6 +204,11 @@ def _check_kl_target(cfg: TrainConfig) -> None:
             cfg.algo.loss != "ppo" or cfg.algo.behavior_correction == "none"):
         raise ConfigError("kl.off_policy=behavior weights the KL term with algo.behavior_correction's weights: set "
                           "algo.behavior_correction (with algo.loss=ppo) or choose another kl.off_policy")
+    sampling = cfg.rollout.sampling
+    if cfg.kl.strict and sampling.distribution == "full" and sampling.truncates(cfg.model.vocab_size):
+        raise ConfigError("kl.strict=true with rollout.sampling.distribution=full and top_k/top_p truncation: the "
+                          "samples come from the truncated distribution, the gradient is the full softmax's (biased); "
+                          "set rollout.sampling.distribution=truncated")
     if cfg.kl.strict:
         verdict = kl_verdict(cfg)
         if verdict is not None and not verdict.unbiased:
@@ -222,6 +227,14 @@ def validate_train_config(cfg: TrainConfig, tokenizer_vocab: int, data_parallel:
         raise ConfigError("rollout.sampling.temperature=0 samples greedily: every sample of a group is the same "
                           "answer, every advantage is 0 and the policy gradient is exactly 0 (nothing trains); set "
                           "rollout.sampling.temperature > 0 (e.g. 1.0; greedy evaluation is eval's pass@1)")
+    sampling, vllm = cfg.rollout.sampling, cfg.rollout.vllm
+    if (cfg.rollout.engine == "vllm" and vllm.mode == "server" and sampling.truncates(cfg.model.vocab_size)
+            and vllm.server_logprobs_mode != "processed_logprobs"):
+        raise ConfigError(
+            f"rollout.engine=vllm (mode=server) with rollout.sampling.top_k={sampling.top_k} / top_p={sampling.top_p}: "
+            f"the server returns {vllm.server_logprobs_mode} (log-probs of the full softmax), not those of the truncated "
+            "distribution it samples; start it with --logprobs-mode processed_logprobs and set "
+            "rollout.vllm.server_logprobs_mode=processed_logprobs")
     if cfg.model.vocab_size < tokenizer_vocab:
         raise ConfigError(
             f"model.vocab_size={cfg.model.vocab_size} is smaller than the task tokenizer's {tokenizer_vocab}: "

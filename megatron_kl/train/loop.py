@@ -90,9 +90,18 @@ def kl_tags(cfg: TrainConfig) -> dict:
     if cfg.kl_selection is not None:
         log.info("kl.estimator=auto chose %s", cfg.kl_selection.describe())
     verdict = kl_verdict(cfg)
+    sampling = cfg.rollout.sampling
+    untruncated = sampling.distribution == "full" and sampling.truncates(cfg.model.vocab_size)
+    if untruncated:
+        log.warning("rollout.sampling.distribution=full with top_k=%d / top_p=%g: the engines sample the truncated "
+                    "distribution mu while the trainer differentiates the full softmax, so the samples are off-policy "
+                    "and every KL estimate and the policy gradient are biased (the mismatch/* metrics show the gap); "
+                    "rollout.sampling.distribution=truncated trains mu itself", sampling.top_k, sampling.top_p)
     if verdict is None:
         log.info("no KL term in the loss or reward (kl.coef=0 or algo.loss=rpg): kl.target is not judged")
         return {}
+    if untruncated:
+        return {"kl/biased": 1.0}
     if verdict.unbiased:
         log.info("KL term %s", verdict.describe())
     else:

@@ -58,8 +58,17 @@ METRICS = (
     Metric("correction/truncated_fraction", "fraction", "fraction of weights truncated (TIS)", "with a behaviour correction"),
     Metric("correction/masked_fraction", "fraction", "fraction of tokens masked (MIS)", "with a behaviour correction"),
     Metric("mismatch/abs_logprob_mean", "nats", "mean |log pi_train - log mu_rollout| per token (train-vs-rollout "
-           "mismatch; ~0 on-policy)"),
+           "mismatch; ~0 on-policy; large when rollout.sampling.distribution=full with top-k/top-p: the engines "
+           "report log mu of the truncated distribution)"),
     Metric("mismatch/abs_logprob_max", "nats", "largest |log pi_train - log mu_rollout|"),
+    Metric("sampling/truncated_mass", "probability", "mean over response tokens of 1 - the top-k/top-p support's "
+           "mass under the full softmax(z / T): how much the engines' truncation cuts away",
+           "with top-k/top-p and rollout.sampling.distribution=truncated"),
+    Metric("sampling/support_size", "tokens", "mean size of the truncated support at the response tokens",
+           "with top-k/top-p and rollout.sampling.distribution=truncated"),
+    Metric("sampling/outside_support", "fraction", "response tokens outside the trainer's support (stale rows "
+           "legitimately; fresh rows only by rounding, an error above rollout.sampling.support_tolerance)",
+           "with top-k/top-p and rollout.sampling.distribution=truncated"),
     Metric("mismatch/k1_token", "nats/token", "k1 estimate of KL(mu || pi_train) per token"),
     Metric("mismatch/k3_token", "nats/token", "k3 estimate of KL(mu || pi_train) per token"),
     Metric("staleness/mean", "steps", "mean age of the weights that generated the batch (async rollouts)"),

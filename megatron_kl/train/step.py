@@ -12,6 +12,7 @@ Metrics compare pi_old with pi_ref (k1, k3, exact; per token and per sequence), 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 from contextlib import ExitStack, nullcontext
@@ -31,6 +32,7 @@ from megatron_kl.models import optim, output_head, pipeline
 from megatron_kl.models.offload import ReferenceOffload
 from megatron_kl.models.parallel import all_reduce_cpu
 from megatron_kl.train.profiling import phase
+from megatron_kl.rollout.http import CorruptResponse
 from megatron_kl.train.rollouts import RolloutBatch
 
 
@@ -111,6 +113,43 @@ def rollout_metrics(batch: RolloutBatch, old_logprobs: torch.Tensor, step: int) 
     }
 
 
+class OutsideSupport(CorruptResponse):
+    """Sampled tokens outside the trainer's truncated support at the weights that sampled them."""
+
+
+def support_metrics(batch: RolloutBatch, old: dict, step: int, sampling, dp_group) -> dict:
+    """The truncated policy's support over the response tokens (empty without truncation): the mass it leaves
+    out of the full softmax, its size, and the sampled tokens outside it. A token the engine sampled must lie
+    in the trainer's support at the weights that sampled it (rows of this step's weight version); more than
+    ``rollout.sampling.support_tolerance`` of them outside (over every data-parallel rank) is an error naming
+    the first one, raised on every rank together."""
+    if "kept_mass" not in old:
+        return {}
+    mask = batch.loss_mask
+    outside = old["outside_support"] * mask
+    fresh = (batch.weight_versions == step)[:, None] & (mask > 0)
+    stray = (outside > 0) & fresh
+    counts = torch.tensor([float(stray.sum()), float(fresh.sum())], dtype=torch.float64)
+    if dp_group is not None and dist.get_world_size(dp_group) > 1:
+        counts = all_reduce_cpu(counts, dp_group)
+    strays, fresh_tokens = int(counts[0]), int(counts[1])
+    if fresh_tokens and strays > sampling.support_tolerance * fresh_tokens:
+        where = "on another data-parallel rank"
+        if bool(stray.any()):
+            row, position = (int(i) for i in stray.nonzero()[0])
+            where = f"completion {row}, response position {position + 1 - len(batch.completions[row].prompt_ids)}"
+        raise OutsideSupport(
+            f"{strays} of {fresh_tokens} sampled tokens lie outside the trainer's top-k/top-p support at the weights "
+            f"that sampled them (first: {where}): the engine does not sample the distribution the trainer trains "
+            f"(rollout.sampling.top_k={sampling.top_k}, top_p={sampling.top_p}, temperature={sampling.temperature}) "
+            "or its logits differ beyond rounding; rollout.sampling.support_tolerance sets the fraction allowed")
+    return {
+        "sampling/truncated_mass": _masked_mean(1.0 - old["kept_mass"], mask),
+        "sampling/support_size": _masked_mean(old["support_size"], mask),
+        "sampling/outside_support": _masked_mean(outside, mask),
+    }
+
+
 def _reduce(metrics: dict, group) -> dict:
     if group is None or dist.get_world_size(group) == 1:
         return metrics
@@ -153,7 +192,9 @@ def _scoring_passes(ctx: StepContext, sequences, step: int, vocab, timings: dict
         with phase("reference", timings):  # bringing an offloaded reference back counts here
             resident.enter_context(ctx.offload.resident())
             if needs_reference(cfg, step):
-                reference = pipeline.compute_token_stats(ctx.reference, sequences, microbatches, vocab,
+                # the reference is never truncated: every KL is to the full softmax(r / T) (docs/kl-math.md)
+                reference = pipeline.compute_token_stats(ctx.reference, sequences, microbatches,
+                                                         dataclasses.replace(vocab, truncation=None),
                                                          capture_hidden=exact, token_budget=cfg.train.micro_batch_tokens)
                 if exact and reference["hidden"] is not None:
                     sequences.extras["reference_hidden"] = reference["hidden"]
@@ -190,7 +231,8 @@ def _update(ctx: StepContext, sequences, step: int, vocab, reference_head) -> tu
             shares = Shares(num_sequences=size, num_tokens=float(minibatch.loss_mask.sum()))
             loss = MicrobatchLoss(algo, cfg.kl, shares, ctx.counter,
                                   captured=[] if "old_logprobs" not in sequences.extras else None,
-                                  captured_keys=("logprobs", "entropy") + (("kl",) if reference_head is not None else ()))
+                                  captured_keys=("logprobs", "entropy") + (("kl",) if reference_head is not None else ())
+                                  + (pipeline.SUPPORT_KEYS if vocab.truncation is not None else ()))
             with ctx.offload.resident() if reference_head is not None else nullcontext():
                 out = optim.train_step(ctx.train_state, minibatch, run.micro_batches, loss, vocab,
                                        reference=reference_head, token_budget=run.micro_batch_tokens)
@@ -229,11 +271,15 @@ def _update(ctx: StepContext, sequences, step: int, vocab, reference_head) -> tu
 def rl_step(ctx: StepContext, batch: RolloutBatch, step: int) -> dict:
     cfg = ctx.cfg
     algo, kl, run = cfg.algo, cfg.kl, cfg.train
-    vocab = pipeline.VocabOptions.for_model(cfg.model, cfg.parallel, cfg.rollout.sampling.logprob_temperature)
+    sampling = cfg.rollout.sampling
+    vocab = pipeline.VocabOptions.for_model(cfg.model, cfg.parallel, sampling.logprob_temperature,
+                                            sampling.trained_truncation(cfg.model.vocab_size))
     mask = batch.loss_mask
     timings = {}
     sequences = pipeline.SequenceBatch(batch.tokens, mask)
     reference, old = _scoring_passes(ctx, sequences, step, vocab, timings)
+    # sampled tokens outside the trainer's support are an error before anything is updated (recomputed pi_old)
+    support = support_metrics(batch, old, step, sampling, ctx.dp_group) if old is not None else None
 
     ctx.counter.counts.clear()
     advantages = sequence_advantages(batch.rewards, run.group_size, algo.advantage, algo.std_normalize)
@@ -261,6 +307,7 @@ def rl_step(ctx: StepContext, batch: RolloutBatch, step: int) -> dict:
         metrics.update(kl_metrics(old["logprobs"], reference["logprobs"], old.get("kl"), mask))
     metrics["entropy/mean"] = _masked_mean(old["entropy"], mask)
     metrics.update(rollout_metrics(batch, old["logprobs"], step))
+    metrics.update(support if support is not None else support_metrics(batch, old, step, sampling, ctx.dp_group))
     if run.micro_batch_tokens > 0:  # what the scoring passes see: each microbatch padded to its own longest row
         groups = sequences.token_groups(run.micro_batch_tokens)
         metrics["batch/padded_tokens"] = float(sum(len(rows) * width for rows, width in groups))

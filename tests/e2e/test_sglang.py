@@ -462,3 +462,64 @@ def test_a_managed_server_that_fails_on_a_free_port_is_not_retried(tmp_path, mod
     with pytest.raises(ServerStartFailed, match=r"(?s)exited with code 1 while starting.*No module named"):
         _engine(tmp_path, models["a"], server_module="megatron_kl.testing.no_such_server")
     assert (tmp_path / "logs" / "sglang-0.log").read_text().count("==== start") == 1
+
+
+def _truncated_logprobs(model, completion, sampling):
+    """log mu of the sampled tokens from the HF model: the tempered logits truncated by the engines' rule."""
+    from megatron_kl.rollout.local import filter_logits
+
+    tokens = torch.tensor([completion.prompt_ids + completion.response_ids])
+    with torch.no_grad():
+        logits = model(tokens).logits[0, len(completion.prompt_ids) - 1: -1].double() / sampling.temperature
+    filtered = filter_logits(logits, sampling.top_k, sampling.top_p)
+    ids = torch.tensor(completion.response_ids)[:, None]
+    return torch.log_softmax(filtered, -1).gather(-1, ids)[:, 0], torch.isfinite(filtered.gather(-1, ids)[:, 0])
+
+
+@pytest.mark.parametrize("top_k, top_p", [(8, 1.0), (0, 0.8), (12, 0.9)], ids=["top-k", "top-p", "both"])
+def test_truncated_sampling_reports_the_processed_logprobs(clean, models, top_k, top_p):
+    """SGLang answers log softmax(z / T) of the full distribution (its sampler takes them before the top-k /
+    top-p renormalisation; so does the test server): the client asks for the top log-probs and reports log mu of
+    the truncated distribution, every sampled token inside the support."""
+    from transformers import AutoModelForCausalLM
+
+    clean.update_weights(_hf_tensors(models["a"]), 1)
+    clean.vocab_size = _model(models["a"]).vocab_size
+    model = AutoModelForCausalLM.from_pretrained(models["a"], dtype=torch.float32).eval()
+    sampling = SamplingConfig(temperature=0.8, top_k=top_k, top_p=top_p, max_new_tokens=6, stop_token_ids=[0])
+    truncated_away = 0.0
+    for completion in clean.generate(PROMPTS, sampling, seed=4):
+        expected, inside = _truncated_logprobs(model, completion, sampling)
+        assert bool(inside.all()), completion
+        got = torch.tensor(completion.response_logprobs, dtype=torch.float64)
+        assert torch.allclose(got, expected, atol=2e-4), (got, expected)
+        tokens = torch.tensor([completion.prompt_ids + completion.response_ids])
+        with torch.no_grad():
+            full = torch.log_softmax(model(tokens).logits[0, len(completion.prompt_ids) - 1: -1].double() / 0.8, -1)
+        truncated_away = max(truncated_away, float((got - full.gather(-1, torch.tensor(completion.response_ids)[:, None])[:, 0]).max()))
+    assert truncated_away > 1e-3  # the processed log-probs are not the full distribution's
+
+
+def test_a_sampled_token_outside_the_support_is_retried_and_named(tmp_path, models, clean):
+    """--fault-off-support-every: a response whose token lies outside the top-k support is a corrupt answer,
+    retried like a 5xx (the result equals a clean run); one that always does names the position."""
+    from megatron_kl.rollout.http import CorruptResponse
+    from megatron_kl.rollout.sglang import processed_logprobs
+
+    sampling = SamplingConfig(temperature=1.0, top_k=5, max_new_tokens=6, stop_token_ids=[0])
+    clean.update_weights(_hf_tensors(models["a"]), 5)
+    clean.vocab_size = _model(models["a"]).vocab_size
+    want = clean.generate(PROMPTS[:4], sampling, seed=9)
+    engine = _engine(tmp_path, models["a"], "--fault-off-support-every", "2", max_concurrency=1, max_retries=3)
+    engine.vocab_size = clean.vocab_size
+    try:
+        engine.update_weights(_hf_tensors(models["a"]), 5)
+        _same(engine.generate(PROMPTS[:4], sampling, seed=9), want)
+        assert engine.counters["retries"] >= 2
+    finally:
+        engine.shutdown()
+    top = [[[-0.5, 3, None], [-1.5, 4, None]]]
+    with pytest.raises(CorruptResponse, match="position 0"):
+        processed_logprobs([-9.0], [7], top, SamplingConfig(top_k=2), 2, "server")
+    with pytest.raises(ResponseError, match="rollout.sglang.top_logprobs_num"):  # top-p support beyond the top 2
+        processed_logprobs([-0.5], [3], top, SamplingConfig(top_p=0.95), 2, "server")
