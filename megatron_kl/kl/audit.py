@@ -16,6 +16,12 @@ Gradients are w.r.t. the policy's logit table and divided by ``coef`` so they es
 Behaviour corrections (algo.behavior_correction) are an axis of their own: a configuration with
 off_policy='behavior' is audited once per :class:`~megatron_kl.algo.corrections.Correction`, its weights
 computed from pi_old = pi (the policy at the audit point) and the sampler (mu off-policy, pi on-policy).
+
+Truncated sampler (``TabularProblem.truncation``): the samples come from mu = trunc(pi) (top-k / top-p on each
+state's logits, renormalised: the engines' rule, ``kl.truncation``), the behaviour log-probs are log mu, and the
+targets are the gradients of the sampled policy's KLs (KL(mu || pi_ref); the forward KL(pi_ref || mu) is infinite
+and left out). ``trained='truncated'`` gives the estimators log mu (rollout.sampling.distribution=truncated),
+``'full'`` gives them log pi (distribution=full). Only sequences with mu(y) > 0 are enumerated.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from megatron_kl.kl.objective import (
     CREDITS, KLConfig, LEVELS, OFF_POLICY, PLACEMENTS, kl_loss, kl_shaped_returns, policy_gradient_surrogate,
 )
 from megatron_kl.kl.estimators import ESTIMATORS
+from megatron_kl.kl.truncation import Truncation, support_threshold
 
 TARGETS = ("seq", "token", "forward")
 UNBIASED_TOL = 1e-9
@@ -47,6 +54,8 @@ class TabularProblem:
     policy_table: torch.Tensor  # [S, V] logits, requires grad
     reference_table: torch.Tensor
     behavior_table: torch.Tensor
+    truncation: Optional[Truncation] = None  # the on-policy sampler is trunc(pi) (module docstring)
+    trained: str = "truncated"  # with truncation: the estimators see log mu (truncated) or log pi (full)
 
     @classmethod
     def random(cls, vocab: int = 3, length: int = 3, seed: int = 0, scale: float = 1.0) -> "TabularProblem":
@@ -70,6 +79,17 @@ class TabularProblem:
         """[N, T, V] per-position log-distributions."""
         return torch.log_softmax(table[self.states], dim=-1)
 
+    def support(self) -> torch.Tensor:
+        """[S, V] the truncated sampler's support per state (everything without truncation)."""
+        table = self.policy_table.detach()
+        if self.truncation is None:
+            return torch.ones_like(table, dtype=torch.bool)
+        return table >= support_threshold(table, None, self.truncation)[:, None]
+
+    def sampler_log_probs(self) -> torch.Tensor:
+        """[N, T, V] log mu (-inf outside the support), differentiable w.r.t. the policy table."""
+        return torch.log_softmax(self.policy_table.masked_fill(~self.support(), float("-inf"))[self.states], dim=-1)
+
 
 @dataclass
 class AuditRow:
@@ -83,22 +103,40 @@ class AuditRow:
     correction: Optional[str] = None  # the behaviour correction's label for off_policy='behavior' rows
 
 
+def _kl_rows(logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
+    """sum_a p_a (log p_a - log q_a) per position; 0 where p_a = 0 (log p_a = -inf)."""
+    inside = torch.isfinite(logp)
+    safe = torch.where(inside, logp, torch.zeros_like(logp))  # no -inf in either branch: finite gradients
+    return torch.where(inside, safe.exp() * (safe - logq), torch.zeros_like(logp)).sum(-1)
+
+
 def _quantities(problem: TabularProblem):
-    logp = problem.log_probs(problem.policy_table)
+    """Per sequence and position (sequences the sampler can draw): the log-probs the estimators see, the
+    reference's, the sampler's (mu off-policy; on-policy pi, or trunc(pi) with a truncated sampler), the exact
+    KL of the estimators' distribution and of the sampler's to the reference, and the forward KL."""
     logq = problem.log_probs(problem.reference_table)
-    logmu = problem.log_probs(problem.behavior_table)
     y = problem.sequences[..., None]
-    lp = logp.gather(-1, y)[..., 0]
-    ref_lp = logq.gather(-1, y)[..., 0]
-    mu_lp = logmu.gather(-1, y)[..., 0]
-    p = logp.exp()
-    full_kl = (p * (logp - logq)).sum(-1)
-    forward_kl = (logq.exp() * (logq - logp)).sum(-1)
-    return lp, ref_lp, mu_lp, full_kl, forward_kl
+    if problem.truncation is not None:
+        logmu = problem.sampler_log_probs()
+        logp = logmu if problem.trained == "truncated" else problem.log_probs(problem.policy_table)
+        sampled = torch.isfinite(logmu.gather(-1, y)[..., 0]).all(-1)
+    else:
+        logp = problem.log_probs(problem.policy_table)
+        logmu = problem.log_probs(problem.behavior_table)
+        sampled = torch.ones(len(problem.sequences), dtype=torch.bool)
+    pick = lambda t: t.gather(-1, y)[..., 0][sampled]  # noqa: E731
+    full_kl = _kl_rows(logp, logq)[sampled]
+    sampler_kl = _kl_rows(logmu, logq)[sampled]
+    forward_kl = (logq.exp() * (logq - logp)).sum(-1)[sampled]
+    return pick(logp), pick(logq), pick(logmu), full_kl, sampler_kl, forward_kl
 
 
 def exact_targets(problem: TabularProblem, off_policy: bool) -> dict[str, torch.Tensor]:
-    lp, ref_lp, mu_lp, full_kl, forward_kl = _quantities(problem)
+    """Gradients of the three KLs (module docstring); with a truncated sampler, of the sampler's KLs."""
+    lp, ref_lp, mu_lp, full_kl, sampler_kl, forward_kl = _quantities(problem)
+    truncated = problem.truncation is not None
+    if truncated:
+        lp, full_kl = mu_lp, sampler_kl  # the sampled policy mu = trunc(pi) is differentiable w.r.t. the table
     seq_prob = lp.sum(-1).exp()
     q = (mu_lp.sum(-1).exp() if off_policy else seq_prob).detach()
     objectives = {
@@ -106,15 +144,19 @@ def exact_targets(problem: TabularProblem, off_policy: bool) -> dict[str, torch.
         "token": (q * full_kl.sum(-1)).sum(),
         "forward": (q * forward_kl.sum(-1)).sum(),
     }
-    return {k: torch.autograd.grad(v, problem.policy_table, retain_graph=True)[0] for k, v in objectives.items()}
+    targets = {k: torch.autograd.grad(v, problem.policy_table, retain_graph=True)[0] for k, v in objectives.items()}
+    if truncated:  # KL(pi_ref || mu) is infinite (pi_ref has mass outside mu's support)
+        targets["forward"] = torch.full_like(targets["forward"], float("nan"))
+    return targets
 
 
 def _estimator_gradients(problem: TabularProblem, cfg: KLConfig, off_policy: bool,
                          correction: Optional[Correction] = None):
     """Per-sample gradients g(y) [N, S, V] of the configuration's estimator of grad KL, and q(y)."""
-    lp, ref_lp, mu_lp, full_kl, _ = _quantities(problem)
-    q = (mu_lp if off_policy else lp).sum(-1).exp().detach()
-    behavior = mu_lp.detach() if off_policy else lp.detach()
+    lp, ref_lp, mu_lp, full_kl, _, _ = _quantities(problem)
+    sampler = mu_lp if off_policy or problem.truncation is not None else lp
+    q = sampler.sum(-1).exp().detach()
+    behavior = sampler.detach()
     mask = torch.ones(1, problem.length, dtype=torch.bool)
     weight = None
     if cfg.off_policy == "behavior":
@@ -122,7 +164,7 @@ def _estimator_gradients(problem: TabularProblem, cfg: KLConfig, off_policy: boo
             raise ValueError(f"{cfg.name}: off_policy='behavior' is audited with a behaviour correction")
         weight, _ = correction.weights(lp.detach(), behavior, torch.ones_like(lp, dtype=torch.bool))
     grads = []
-    for n in range(len(problem.sequences)):
+    for n in range(len(lp)):
         sl = slice(n, n + 1)
         args = dict(behavior_logprobs=behavior[sl], full_kl=full_kl[sl] if cfg.estimator == "full" else None)
         w = None if weight is None else weight[sl]
@@ -169,6 +211,12 @@ def _verdict(rel_bias: dict, expectation_norm: float, scale: float) -> str:
     return "biased"
 
 
+def _mode(problem: TabularProblem, off_policy: bool) -> str:
+    if problem.truncation is not None:
+        return f"mu-{problem.trained}"  # samples from trunc(pi); the estimators see log mu or log pi
+    return "off_policy" if off_policy else "on_policy"
+
+
 def audit(problem: TabularProblem, off_policy: bool, configs: Optional[list[KLConfig]] = None,
           corrections: tuple[Correction, ...] = AUDITED) -> list[AuditRow]:
     """One row per configuration; a configuration with off_policy='behavior' gets one row per correction."""
@@ -187,7 +235,8 @@ def audit(problem: TabularProblem, off_policy: bool, configs: Optional[list[KLCo
             denom = expectation.norm() * target.norm()
             cos[name] = float((expectation * target).sum() / denom) if denom > 0 else 0.0
         rows.append(AuditRow(
-            name=cfg.name + (f"[{correction.label}]" if correction else ""), mode="off_policy" if off_policy else "on_policy", config=asdict(cfg), rel_bias=rel,
+            name=cfg.name + (f"[{correction.label}]" if correction else ""), mode=_mode(problem, off_policy),
+            config=asdict(cfg), rel_bias=rel,
             cosine=cos, variance=variance,
             verdict=_verdict(rel, float(expectation.norm()), float(targets["seq"].norm())),
             correction=correction.label if correction else None,

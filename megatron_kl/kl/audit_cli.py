@@ -6,18 +6,23 @@ Prints, for on-policy and off-policy sampling, the relative bias and cosine of e
 expected gradient against the sequence-level reverse KL, the prefix-frozen token-level reverse KL and the
 token-level forward KL, the per-sample gradient variance, and a verdict. A third and fourth table pair
 every configuration with each behaviour correction (algo.behavior_correction) applied to its KL term
-(kl.off_policy=behavior), on- and off-policy; ``--no-corrections`` leaves them out.
+(kl.off_policy=behavior), on- and off-policy; ``--no-corrections`` leaves them out. With ``--top-k`` /
+``--top-p`` two more tables sample from the truncated policy mu = trunc(pi) and judge every configuration against
+the gradients of mu's KLs, once with the estimators seeing log mu (rollout.sampling.distribution=truncated) and
+once log pi (distribution=full).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from dataclasses import asdict
 from pathlib import Path
 
 from megatron_kl.kl.audit import TabularProblem, all_configs, audit, behavior_configs, format_table
+from megatron_kl.kl.truncation import Truncation
 
 
 def main(argv=None) -> int:
@@ -28,6 +33,8 @@ def main(argv=None) -> int:
     parser.add_argument("--truncate", type=float, default=None, help="cap on per-decision weights")
     parser.add_argument("--json", type=str, default=None)
     parser.add_argument("--no-corrections", action="store_true", help="skip the behaviour-correction tables")
+    parser.add_argument("--top-k", type=int, default=0, help="truncated-sampler tables: top-k of the sampler")
+    parser.add_argument("--top-p", type=float, default=1.0, help="truncated-sampler tables: top-p of the sampler")
     args = parser.parse_args(argv)
     problem = TabularProblem.random(args.vocab, args.length, args.seed)
     rows = []
@@ -42,6 +49,16 @@ def main(argv=None) -> int:
               f"seed={args.seed} ({args.vocab ** args.length} sequences, exact sums, float64)")
         print(format_table(part))
         rows += part
+    rule = Truncation(args.top_k, args.top_p)
+    if rule.active(args.vocab):
+        for trained in ("truncated", "full"):
+            part = audit(dataclasses.replace(problem, truncation=rule, trained=trained), off_policy=False,
+                         configs=all_configs(False))
+            print(f"\n== samples from mu = trunc(pi) (top_k={args.top_k}, top_p={args.top_p}), estimators see "
+                  f"{'log mu' if trained == 'truncated' else 'log pi (full softmax)'}; targets: mu's KLs "
+                  f"(forward KL(pi_ref || mu) is infinite: nan): V={args.vocab} T={args.length} seed={args.seed}")
+            print(format_table(part))
+            rows += part
     if args.json:
         Path(args.json).write_text(json.dumps([asdict(r) for r in rows], indent=1))
         print(f"\nwrote {args.json}")

@@ -205,6 +205,11 @@ def _check_kl_target(cfg: TrainConfig) -> None:
         raise ConfigError("kl.off_policy=behavior weights the KL term with algo.behavior_correction's weights: set "
                           "algo.behavior_correction (with algo.loss=ppo) or choose another kl.off_policy")
     sampling = cfg.rollout.sampling
+    if (cfg.kl.target == "token_forward" and cfg.kl.coef > 0 and sampling.distribution == "truncated"
+            and sampling.truncates(cfg.model.vocab_size)):
+        raise ConfigError("kl.target=token_forward with top_k/top_p truncation: KL(pi_ref || mu) is infinite (the "
+                          "reference has mass outside the truncated policy's support; megatron-kl audit --top-k/--top-p);"
+                          " declare kl.target=token_reverse or sequence_reverse")
     if cfg.kl.strict and sampling.distribution == "full" and sampling.truncates(cfg.model.vocab_size):
         raise ConfigError("kl.strict=true with rollout.sampling.distribution=full and top_k/top_p truncation: the "
                           "samples come from the truncated distribution, the gradient is the full softmax's (biased); "

@@ -185,3 +185,28 @@ def test_async_training_on_a_vllm_server(tmp_path):
     steps = [m for m in metrics if "staleness/max" in m]
     assert [m["staleness/max"] for m in steps] == [0.0, 1.0, 1.0, 1.0]
     assert steps[0]["mismatch/abs_logprob_max"] < 1e-2, steps[0]
+
+
+@pytest.mark.parametrize("top_k, top_p", [(8, 1.0), (0, 0.8)], ids=["top-k", "top-p"])
+def test_vllm_truncated_sampling_reports_log_mu_inside_the_trainers_support(engine_and_models, top_k, top_p):
+    """logprobs_mode=processed_logprobs: the sampled tokens' log-probs are those of the truncated, renormalised
+    distribution (the trainer's rule applied to the HF model's tempered logits), every token inside its support."""
+    from transformers import AutoModelForCausalLM
+
+    from megatron_kl.rollout.local import filter_logits
+
+    engine, a, b = engine_and_models
+    engine.update_weights([(n, HFCheckpoint(a).get(n)) for n in HFCheckpoint(a).files]
+                          + [("lm_head.weight", HFCheckpoint(a).get("model.embed_tokens.weight"))], 2)
+    sampling = SamplingConfig(temperature=0.7, top_k=top_k, top_p=top_p, max_new_tokens=6, stop_token_ids=[0])
+    model = AutoModelForCausalLM.from_pretrained(a, dtype=torch.float32).eval()
+    for completion in engine.generate(PROMPTS, sampling, seed=3):
+        tokens = torch.tensor([completion.prompt_ids + completion.response_ids])
+        with torch.no_grad():
+            logits = model(tokens).logits[0, len(completion.prompt_ids) - 1: -1].double() / sampling.temperature
+        filtered = filter_logits(logits, top_k, top_p)
+        ids = torch.tensor(completion.response_ids)[:, None]
+        assert bool(torch.isfinite(filtered.gather(-1, ids)).all()), "a sampled token outside the support"
+        expected = torch.log_softmax(filtered, -1).gather(-1, ids)[:, 0]
+        got = torch.tensor(completion.response_logprobs, dtype=torch.float64)
+        assert float((got - expected).abs().max()) < 1e-3, (got, expected)

@@ -72,3 +72,13 @@ def test_strict_refuses_the_full_distribution_under_truncation():
     cfg = from_dict(TrainConfig, {"kl": {"strict": True}, "rollout": {"sampling": {"top_k": 5, "distribution": "full"}}})
     with pytest.raises(ConfigError, match="rollout.sampling.distribution=truncated"):
         validate_train_config(cfg, cfg.model.vocab_size)
+
+
+def test_the_forward_kl_target_is_refused_under_truncation():
+    from megatron_kl.config import from_dict
+    from megatron_kl.train.config import TrainConfig, validate_train_config
+
+    cfg = from_dict(TrainConfig, {"kl": {"target": "token_forward", "estimator": "k3"},
+                                  "rollout": {"sampling": {"top_p": 0.9}}})
+    with pytest.raises(ConfigError, match="kl.target=token_forward .*infinite"):
+        validate_train_config(cfg, cfg.model.vocab_size)
