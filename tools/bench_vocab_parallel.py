@@ -13,12 +13,17 @@ Sections, each against baselines measured in the same run:
   large blocks by mmap so RSS follows live memory) as peak RSS minus the RSS with the inputs allocated,
   in units of one fp32 logits tensor.
 * ``chunks``: ours at TP=1 with chunks of 2^18 .. 2^24 entries, interleaved (the automatic chunk rule).
+* ``truncation`` (logits in, fp32, fwd+bwd, TP=1 and TP=2): log-prob + entropy + exact KL of the full
+  softmax (the baseline) vs the same of the top-k / top-p truncated distribution (support found over the shards,
+  ``kl.truncation``), on logits of two shapes: ``--logit-scale`` (default 2: flat, supports of thousands of
+  tokens at top-p 0.9) and 6 (peaked, as a trained LM's). Memory at TP=1 as in ``logits``.
 * ``linear`` (input: hidden states + output weight, the projection included, gradients w.r.t. both):
   naive (full logits, log_softmax) vs unfused (full logits, then fused_stats in place) vs fused linear
   (recompute in backward) vs the fused single pass (model.fused_grad=in_forward), interleaved.
 
     python tools/bench_vocab_parallel.py                                  # logits + chunks, 4096 x 32768
     python tools/bench_vocab_parallel.py --section linear --sizes 2048x152064 --hidden 896
+    python tools/bench_vocab_parallel.py --section truncation --sizes 4096x32768
 """
 
 from __future__ import annotations
@@ -40,6 +45,8 @@ TEMPERATURE = 1.0
 LOGITS_IMPLS = ("megatron_core_logprobs", "logprobs", "logprobs_no_inplace", "logprobs_entropy", "exact_kl",
                 "naive_logprobs", "naive_logprobs_entropy", "naive_exact_kl")
 LINEAR_IMPLS = ("naive", "unfused", "fused_linear", "fused_single_pass")
+TRUNCATIONS = {"full_stats": None, "top_k50_top_p0.95": (50, 0.95), "top_p0.9": (0, 0.9), "top_k20": (20, 1.0)}
+LOGIT_SCALES = (2.0, 6.0)
 
 
 def _rss_bytes() -> int:
@@ -47,16 +54,35 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * resource.getpagesize()
 
 
-def _logits_inputs(tokens: int, vocab: int, world: int, rank: int):
+def _logits_inputs(tokens: int, vocab: int, world: int, rank: int, scale: float = 2.0):
     import torch
 
     g = torch.Generator().manual_seed(0)
-    logits = 2 * torch.randn(tokens, vocab, generator=g)
+    logits = scale * torch.randn(tokens, vocab, generator=g)
     reference = logits + 0.05 * torch.randn(tokens, vocab, generator=g)
     targets = torch.randint(0, vocab, (tokens,), generator=g)
     local = vocab // world
     sl = slice(rank * local, (rank + 1) * local)
     return logits[:, sl].contiguous(), reference[:, sl].contiguous(), targets
+
+
+def _truncation_paths(tokens: int, vocab: int, chunk, group, world: int, rank: int, scale: float) -> dict:
+    """name -> prepare() for log-prob + entropy + exact KL, full and truncated (``TRUNCATIONS``), in place."""
+    from megatron_kl.kl.truncation import Truncation
+    from megatron_kl.kl.vocab_parallel import fused_stats
+
+    logits, reference, targets = _logits_inputs(tokens, vocab, world, rank, scale)
+
+    def prepare(rule):
+        x = logits.clone().requires_grad_(True)
+
+        def run():
+            stats = fused_stats(x, group, targets=targets, reference_logits=reference, chunk_size=chunk,
+                                inplace_backward=True, truncation=None if rule is None else Truncation(*rule))
+            (stats.logprobs.sum() + stats.entropy.sum() + stats.kl.sum()).backward()
+        return run
+
+    return {name: (lambda rule=rule: prepare(rule)) for name, rule in TRUNCATIONS.items()}
 
 
 def _logits_paths(tokens: int, vocab: int, chunk, group, world: int, rank: int) -> dict:
@@ -186,7 +212,7 @@ def _interleaved(paths: dict, repeats: int, group=None) -> dict:
     return times
 
 
-def _tp_worker(rank: int, world: int, tokens: int, vocab: int, repeats: int, chunk) -> dict:
+def _tp_worker(rank: int, world: int, tokens: int, vocab: int, repeats: int, chunk, scale=None) -> dict:
     import torch.distributed as dist
 
     from megatron_kl.models.compat import apply_cpu_shims
@@ -196,6 +222,8 @@ def _tp_worker(rank: int, world: int, tokens: int, vocab: int, repeats: int, chu
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
     group = parallel_state.get_tensor_model_parallel_group()
     try:
+        if scale is not None:
+            return _interleaved(_truncation_paths(tokens, vocab, chunk, group, world, rank, scale), repeats, group)
         return _interleaved(_logits_paths(tokens, vocab, chunk, group, world, rank), repeats, group)
     finally:
         parallel_state.destroy_model_parallel()
@@ -216,7 +244,7 @@ def _measure_memory(section: str, impl: str, size: str, hidden: int, chunk) -> d
 
     warnings.filterwarnings("ignore")
     tokens, vocab = map(int, size.split("x"))
-    if section == "logits":
+    if section.startswith("truncation") or section == "logits":
         import torch.distributed as dist
 
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + os.getpid() % 1000))
@@ -226,7 +254,11 @@ def _measure_memory(section: str, impl: str, size: str, hidden: int, chunk) -> d
 
         apply_cpu_shims()
         parallel_state.initialize_model_parallel(1)
-        paths = _logits_paths(tokens, vocab, chunk, parallel_state.get_tensor_model_parallel_group(), 1, 0)
+        group = parallel_state.get_tensor_model_parallel_group()
+        if section == "logits":
+            paths = _logits_paths(tokens, vocab, chunk, group, 1, 0)
+        else:  # truncation@<scale>
+            paths = _truncation_paths(tokens, vocab, chunk, group, 1, 0, float(section.split("@")[1]))
     else:
         paths = _linear_paths(tokens, vocab, hidden, chunk)
     prepare = paths[impl]
@@ -263,6 +295,26 @@ def run_logits(args) -> None:
                   + (f" {'peak MiB':>10s} {'x logits':>8s}" if world == 1 else ""))
             for name, values in times.items():
                 print(_row(name, values, base, memory[name] if world == 1 else None, unit))
+
+
+def run_truncation(args) -> None:
+    from megatron_kl.local_ranks import run_ranks
+
+    for size in args.sizes.split(","):
+        tokens, vocab = map(int, size.split("x"))
+        unit = tokens * vocab * 4
+        for scale in LOGIT_SCALES:
+            memory = {impl: _child_memory(f"truncation@{scale}", impl, size, args.hidden, args.chunk)["peak_extra_bytes"]
+                      for impl in TRUNCATIONS}
+            for world in (1, 2):
+                times = run_ranks(_tp_worker, world, tokens, vocab, args.repeats, args.chunk or None, scale,
+                                  timeout_s=3600, threads_per_rank=max(1, (os.cpu_count() or 2) // world))[0]
+                print(f"\nlogits in (scale {scale} x randn), fp32, log-prob + entropy + exact KL fwd+bwd in place, TP={world} "
+                      f"({size}, {args.repeats} rounds; ratios vs the full softmax; memory at TP=1 in fp32-logits units)")
+                print(f"{'impl':>26s} {'min s':>8s} {'median s':>8s} {'min x':>9s} {'median x':>9s}"
+                      + (f" {'peak MiB':>10s} {'x logits':>8s}" if world == 1 else ""))
+                for name, values in times.items():
+                    print(_row(name, values, times["full_stats"], memory[name] if world == 1 else None, unit))
 
 
 def run_chunks(args) -> None:
@@ -305,7 +357,7 @@ def run_linear(args) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--section", choices=("logits", "chunks", "linear", "all"), default="all")
+    parser.add_argument("--section", choices=("logits", "chunks", "linear", "truncation", "all"), default="all")
     parser.add_argument("--sizes", default=None, help="TOKENSxVOCAB,... (default: 4096x32768 for logits/chunks, "
                         "2048x152064 for linear)")
     parser.add_argument("--hidden", type=int, default=896, help="hidden size for the linear section "
@@ -318,12 +370,12 @@ def main(argv=None) -> int:
         section, impl = args.child.split(":")
         print(json.dumps(_measure_memory(section, impl, args.sizes, args.hidden, args.chunk or None)))
         return 0
-    sections = ("logits", "chunks", "linear") if args.section == "all" else (args.section,)
+    sections = ("logits", "chunks", "linear", "truncation") if args.section == "all" else (args.section,)
     for section in sections:
         sub = argparse.Namespace(**vars(args))
         if sub.sizes is None:
             sub.sizes = "2048x152064" if section == "linear" else "4096x32768"
-        {"logits": run_logits, "chunks": run_chunks, "linear": run_linear}[section](sub)
+        {"logits": run_logits, "chunks": run_chunks, "linear": run_linear, "truncation": run_truncation}[section](sub)
     return 0
 
 

@@ -202,7 +202,9 @@ def _chunk_sums(x, y, targets, shard, maxes, temperature, entropy, e_kept, scrat
                 threshold=None) -> None:
     """This rank's partial sums of a block of rows into ``sums`` (see ``chunk_forward``); ``e_kept``: where
     exp(zc) goes when it is kept (then -u in y is kept too); ``threshold``: the truncated support."""
-    drop = None if threshold is None else x < threshold[:, None]  # before x may be overwritten
+    drop = None  # 1.0 outside the support, 0.0 inside (float: bool masks cost ~3x a float pass on CPU)
+    if threshold is not None:  # before x may be overwritten
+        drop = torch.lt(x, threshold[:, None], out=ws.like("drop", x))
     neg_u = None
     if y is not None:  # -u = ((y - x) + (M - M_r)) / tau: the log-ratio's differences first
         neg_u = torch.sub(y, x, out=y if scratch else ws.like("neg_u", x)).add_((maxes[0] - maxes[1])[:, None])
@@ -217,33 +219,39 @@ def _chunk_sums(x, y, targets, shard, maxes, temperature, entropy, e_kept, scrat
         sums[4] = torch.where(owned, picked, torch.zeros_like(picked))
         if drop is not None:
             out_of_support = drop.gather(-1, local.clamp(0, shard.valid - 1).unsqueeze(-1)).squeeze(-1)
-            sums[7] = (owned & out_of_support).to(sums.dtype)
+            sums[7] = torch.where(owned, out_of_support, torch.zeros_like(out_of_support))
     keep_zc = entropy or e_kept is not None or neg_u is not None or drop is not None
     e = torch.exp(zc, out=ws.like("e", zc) if e_kept is None else e_kept) if keep_zc else zc.exp_()
-    if drop is not None:
-        sums[5] = e.sum(-1)
-        sums[6] = (~drop).sum(-1).to(sums.dtype)
-        e.masked_fill_(drop, 0.0)
-    sums[0] = e.sum(-1)
     product = ws.like("product", zc)
+    if drop is not None:  # e of the full softmax first: its total, and the reference's side of the KL sum
+        sums[5] = e.sum(-1)
+        sums[6] = drop.shape[-1] - drop.sum(-1)
+        if neg_u is not None:
+            # sum(e_ref - e_support) = sum_all e (expm1(-u)) [accurate near the reference] + sum_dropped e
+            dropped = torch.mul(e, drop, out=product).sum(-1)
+            product = torch.mul(e, neg_u, out=product)
+            sums[2] = -product.addcmul_(product, drop, value=-1.0).sum(-1)  # e (-u) on the support only
+            w = neg_u if e_kept is None else ws.like("w", neg_u).copy_(neg_u)
+            sums[3] = _reference_minus_policy(zc, e, neg_u, w, product) + dropped
+        e.addcmul_(e, drop, value=-1.0)  # exactly 0 outside the support
+    sums[0] = e.sum(-1)
     if entropy:
         product = torch.mul(e, zc, out=product)
         sums[1] = product.sum(-1)
-    if neg_u is not None:
+    if neg_u is not None and drop is None:
         product = torch.mul(e, neg_u, out=product)
         sums[2] = -product.sum(-1)
         w = neg_u if e_kept is None else ws.like("w", neg_u).copy_(neg_u)
-        sums[3] = _reference_minus_policy(zc, e, neg_u, w, product, drop)
+        sums[3] = _reference_minus_policy(zc, e, neg_u, w, product)
 
 
-def _reference_minus_policy(zc, e, neg_u, w, buffer, drop=None) -> torch.Tensor:
+def _reference_minus_policy(zc, e, neg_u, w, buffer) -> torch.Tensor:
     """Row sums of exp(r - M_r) - exp(z - M) = e * expm1(-u), formed per token (``w``: -u, overwritten;
     may be ``neg_u`` itself); where -u > KL_DIRECT (e may underflow while exp(-u) overflows) from
-    exp(zc - u) directly. ``drop``: columns outside the policy's support (e = 0 there), which contribute
-    the reference's exp(r - M_r) = exp(zc - u) alone."""
-    far = drop
+    exp(zc - u) directly."""
+    far = None
     if bool(neg_u.amax() > KL_DIRECT):
-        far = neg_u > KL_DIRECT if drop is None else drop | (neg_u > KL_DIRECT)
+        far = neg_u > KL_DIRECT
     direct = torch.exp(zc + neg_u) if far is not None else None
     if far is not None:
         w.clamp_(max=KL_DIRECT)
@@ -289,7 +297,9 @@ def _block_grad(x, y, targets, shard: _Shard, norms, g_lp, g_h, g_kl, temperatur
                 threshold=None):
     """``chunk_grad`` on one block of rows."""
     dtype = compute_dtype(x.dtype if x is not None else kept["zc"].dtype)
-    drop = None if threshold is None else x < threshold.to(x.dtype)[:, None]  # before out (maybe x) is written
+    drop = None  # before out (maybe x) is written; float as in _chunk_sums
+    if threshold is not None:
+        drop = torch.lt(x, threshold.to(x.dtype)[:, None], out=ws.get("drop", x.shape[0], x.shape[1], x.dtype, x.device))
     scale = 1.0 / (norms[SUM] * temperature)  # pi = e / S; d/dx = d/dz / tau
     kl_term = None  # k (u - E[u]), k = g_KL / (S tau)
     if g_kl is not None:
@@ -312,7 +322,7 @@ def _block_grad(x, y, targets, shard: _Shard, norms, g_lp, g_h, g_kl, temperatur
             zc.div_(temperature)
         e = torch.exp(zc, out=ws.like("e", zc)) if g_h is not None else zc.exp_()
         if drop is not None:
-            e.masked_fill_(drop, 0.0)
+            e.addcmul_(e, drop, value=-1.0)
     constant = None if g_lp is None else -(g_lp.to(dtype) * scale)[:, None]  # -a
     if g_h is not None:  # bracket in zc's buffer: -b (zc - E[zc]) - a + k (u - E[u])
         centred = zc.sub_(norms[MEAN_ZC][:, None])
