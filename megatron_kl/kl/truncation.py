@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 FIRST_CANDIDATES = 32  # per rank, top-p only: a first guess at the support size (retried x8 when short)
+CANDIDATE_ELEMENTS = 1 << 22  # merged candidates held at once (rows x world x m): bounds the retries' memory
 SUM_BLOCK = 256  # columns summed in float32 before the float64 total (a float64 sum costs ~9x on CPU)
 RETRY_FACTOR = 8
 
@@ -166,30 +167,42 @@ def _top_p_cut(x, row_max, total, top_k_threshold, top_p: float, temperature: fl
     _all_reduce(max_cols, dist.ReduceOp.MAX, group)
     max_cols = int(max_cols.item())
     m = max(1, min(m, max_cols))
+    world = _world(group)
     while pending.numel():
-        if first is not None:
-            merged, floor = first
-            first = None
-        else:
-            rows = x if pending.numel() == n else x[pending]  # the first round reads x in place (no copy)
-            merged, floor = _candidates(rows, m, group)
-        kept = merged >= top_k_threshold[pending, None]
-        probs = torch.exp((merged.double() - row_max[pending, None].double()) / temperature)
-        probs = torch.where(kept, probs / total[pending, None], torch.zeros_like(probs))
-        before = probs.cumsum(-1) - probs
-        inside = kept & (before < top_p)  # positions the rule keeps, in order
-        last = inside.sum(-1).clamp_min(1) - 1  # index of the last kept position
-        value = merged.gather(-1, last[:, None]).squeeze(-1)
-        # exact when the cut lies above the floor (every value >= it is present), or when the candidates are
-        # the whole shard (m == max_cols), or when the mass before the next position already reached top_p
-        complete = m >= max_cols
-        resolved = (value > floor) | complete
-        cut[pending[resolved]] = value[resolved]
-        pending = pending[~resolved]
-        m = min(max_cols, m * RETRY_FACTOR)
+        complete = m >= max_cols  # the candidates are the whole shard: every cut is exact
+        unresolved = []
+        # row blocks (the same on every rank: pending is computed from gathered data) bound the candidates' memory
+        block = max(1, CANDIDATE_ELEMENTS // (world * m)) if first is None else pending.numel()  # ``first``: all rows
+        for lo in range(0, pending.numel(), block):
+            rows_index = pending[lo: lo + block]
+            if first is not None:
+                merged, floor = first
+                first = None
+            else:
+                rows = x if rows_index.numel() == n else x[rows_index]  # all rows: read x in place (no copy)
+                merged, floor = _candidates(rows, m, group)
+            value = _cut_on_candidates(merged, row_max[rows_index], total[rows_index], top_k_threshold[rows_index],
+                                       top_p, temperature)
+            # exact when the cut lies above the floor (every value >= it is among the candidates)
+            resolved = (value > floor) | complete
+            cut[rows_index[resolved]] = value[resolved]
+            unresolved.append(rows_index[~resolved])
+        pending = torch.cat(unresolved) if unresolved else pending[:0]
         if complete:
             break
+        m = min(max_cols, m * RETRY_FACTOR)
     return cut
+
+
+def _cut_on_candidates(merged, row_max, total, top_k_threshold, top_p: float, temperature: float):
+    """The last value the top-p rule keeps among merged candidates (descending, float64 masses)."""
+    kept = merged >= top_k_threshold[:, None]
+    probs = torch.exp((merged.double() - row_max[:, None].double()) / temperature)
+    probs = torch.where(kept, probs / total[:, None], torch.zeros_like(probs))
+    before = probs.cumsum(-1) - probs
+    inside = kept & (before < top_p)  # positions the rule keeps, in order
+    last = inside.sum(-1).clamp_min(1) - 1  # index of the last kept position
+    return merged.gather(-1, last[:, None]).squeeze(-1)
 
 
 def support_mask(logits: torch.Tensor, threshold: Optional[torch.Tensor]) -> Optional[torch.Tensor]:

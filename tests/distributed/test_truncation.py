@@ -152,3 +152,17 @@ def test_no_truncation_is_the_full_distribution():
     for rule in (Truncation(0, 1.0), Truncation(40, 1.0), Truncation(100, 1.0)):
         same = fused_stats(x, None, targets=t, temperature=0.8, truncation=rule)
         assert torch.equal(same.logprobs, full.logprobs) and same.kept_mass is None
+
+
+def test_candidate_blocks_do_not_change_the_support(monkeypatch):
+    """The retries run on row blocks bounded by CANDIDATE_ELEMENTS; tiny blocks give the same thresholds."""
+    import megatron_kl.kl.truncation as truncation
+
+    g = torch.Generator().manual_seed(3)
+    x = 0.5 * torch.randn(300, 2000, generator=g, dtype=torch.float64)  # supports of hundreds: retries
+    rules = (truncation.Truncation(40, 0.9), truncation.Truncation(0, 0.95), truncation.Truncation(0, 0.5))
+    expected = [truncation.support_threshold(x, None, rule) for rule in rules]
+    monkeypatch.setattr(truncation, "CANDIDATE_ELEMENTS", 1000)
+    for rule, want in zip(rules, expected):
+        assert torch.equal(truncation.support_threshold(x, None, rule), want), rule
+        assert torch.equal(x >= want[:, None], direct_support(x, rule.top_k, rule.top_p, 1.0))

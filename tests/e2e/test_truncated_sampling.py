@@ -59,3 +59,13 @@ def test_full_distribution_under_truncation_shows_the_mismatch_and_is_tagged_bia
     assert steps[0]["mismatch/abs_logprob_mean"] > 1e-2, steps[0]  # log mu - log pi = -log pi(support) > 0
     assert steps[0]["kl/biased"] == 1.0
     assert "sampling/truncated_mass" not in steps[0]
+
+
+def test_pi_old_from_the_update_carries_the_support_statistics(tmp_path, warm_cache):
+    """algo.old_logprobs=from_update on the fused single pass: pi_old's truncated log-probs and support
+    statistics come out of the first update's forward (no scoring pass), on-policy at step 0."""
+    cfg = short_config(tmp_path / "from_update", warm_cache, *TRUNCATED, "algo.old_logprobs=from_update",
+                       "model.logprob_path=fused", "train.steps=1")
+    steps = _steps(run_ranks(train_worker, 1, cfg, timeout_s=300)[0]["metrics"])
+    assert steps[0]["mismatch/abs_logprob_max"] < 1e-4, steps[0]
+    assert steps[0]["sampling/truncated_mass"] > 0.01 and steps[0]["sampling/outside_support"] == 0.0
