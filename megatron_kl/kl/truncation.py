@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 FIRST_CANDIDATES = 32  # per rank, top-p only: a first guess at the support size (retried x8 when short)
-CANDIDATE_ELEMENTS = 1 << 22  # merged candidates held at once (rows x world x m): bounds the retries' memory
+CANDIDATE_ELEMENTS = 1 << 22  # entries held at once by a retry (candidates rows x world x m, copied logits)
 SUM_BLOCK = 256  # columns summed in float32 before the float64 total (a float64 sum costs ~9x on CPU)
 RETRY_FACTOR = 8
 
@@ -172,7 +172,8 @@ def _top_p_cut(x, row_max, total, top_k_threshold, top_p: float, temperature: fl
         complete = m >= max_cols  # the candidates are the whole shard: every cut is exact
         unresolved = []
         # row blocks (the same on every rank: pending is computed from gathered data) bound the candidates' memory
-        block = max(1, CANDIDATE_ELEMENTS // (world * m)) if first is None else pending.numel()  # ``first``: all rows
+        # rows per block: the merged candidates [rows, world * m] and a copy of the rows' logits stay bounded
+        block = max(1, CANDIDATE_ELEMENTS // max(world * m, cols)) if first is None else pending.numel()
         for lo in range(0, pending.numel(), block):
             rows_index = pending[lo: lo + block]
             if first is not None:
@@ -204,9 +205,3 @@ def _cut_on_candidates(merged, row_max, total, top_k_threshold, top_p: float, te
     last = inside.sum(-1).clamp_min(1) - 1  # index of the last kept position
     return merged.gather(-1, last[:, None]).squeeze(-1)
 
-
-def support_mask(logits: torch.Tensor, threshold: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """True where a column lies outside the support (None: nothing truncated)."""
-    if threshold is None:
-        return None
-    return logits < threshold.to(logits.dtype)[:, None]

@@ -32,6 +32,12 @@ summation), not BLAS dot products, whose sequential accumulation is ~80x less ac
 Math runs in float32 for half-precision inputs and in float64 for float64 inputs. Entries at global
 index >= ``vocab_size`` (Megatron's vocabulary padding) are excluded everywhere.
 
+Truncated policy (``truncation``: top-k / top-p, the support {x_a >= t} found by ``kl.truncation``): e_a is
+set to 0 off the support, so S, E[zc], E[u] and every gradient above are those of mu = e / S_support; the KL is
+to the full reference, KL(mu || pi_ref) = E_mu[u] + log(S_ref / S_support) with
+S_ref - S_support = sum_all e_a expm1(-u_a) + sum_off-support e_a (both terms formed directly, so the error
+still scales with the KL); masks are float multipliers (a bool pass costs ~3x a float one on CPU).
+
 Automatic chunk size (``chunk_size=None``): ``CHUNK_ELEMENTS // (V/tp)`` rows, at least one. Measured with
 ``tools/bench_vocab_parallel.py --section chunks`` (2 CPU cores, 32 MiB L3, 4096 x 32768 fp32, fwd+bwd in
 place): 2^20 entries per chunk (4 MiB per buffer; the few live buffers stay in L3) is fastest or within
