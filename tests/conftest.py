@@ -13,6 +13,7 @@ import pytest
 FAST = (
     "tests/unit/",
     "tests/distributed/test_vocab_parallel.py::test_matches_unsharded_float64_reference[2]",
+    "tests/distributed/test_truncation.py::test_sharded_support_and_truncated_statistics_match_the_direct_rule[2]",
     "tests/distributed/test_model_layouts.py::test_layout_matches_single_rank[tp2]",
     "tests/distributed/test_model_layouts.py::test_layout_matches_single_rank[pp2-1f1b]",
     "tests/distributed/test_hf_conversion.py::test_config_derivation",
