@@ -64,7 +64,7 @@ def test_full_distribution_under_truncation_shows_the_mismatch_and_is_tagged_bia
 def test_pi_old_from_the_update_carries_the_support_statistics(tmp_path, warm_cache):
     """algo.old_logprobs=from_update on the fused single pass: pi_old's truncated log-probs and support
     statistics come out of the first update's forward (no scoring pass), on-policy at step 0."""
-    cfg = short_config(tmp_path / "from_update", warm_cache, *TRUNCATED, "algo.old_logprobs=from_update",
+    cfg = short_config(tmp_path / "from_update", warm_cache, *TRUNCATED, "algo.old_logprobs=from_update", "algo.minibatches=1",
                        "model.logprob_path=fused", "train.steps=1")
     steps = _steps(run_ranks(train_worker, 1, cfg, timeout_s=300)[0]["metrics"])
     assert steps[0]["mismatch/abs_logprob_max"] < 1e-4, steps[0]
