@@ -16,7 +16,9 @@ threshold with the vocabulary sharded over ``tp_group``:
 2. the k-th largest is the top-k threshold (the merged list holds the global top k);
 3. the normaliser of the top-k distribution is one all-reduced sum over the local slice;
 4. the top-p cut is found on the merged list (float64 cumulative mass); a row whose cut is not above
-   ``floor`` is retried with 8x more candidates per rank, at worst the whole shard, so the answer is exact.
+   ``floor`` (a support larger than the candidates) gets it by bisection on the logit value - one all-reduced
+   pass per step - until at most BRACKET_CANDIDATES logits lie in the bracket, which are then gathered, so the
+   answer is exact (under top-k, where ties at the k-th value can leave the fast path: 8x more candidates).
 
 The kernels (``vocab_parallel``, ``fused_linear``) take the threshold and compute log-probs, entropy and
 the exact KL(mu || pi_ref) of the truncated distribution (docs/kl-math.md states which distributions).
@@ -30,10 +32,12 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-FIRST_CANDIDATES = 32  # per rank, top-p only: a first guess at the support size (retried x8 when short)
+FIRST_CANDIDATES = 32  # per rank, top-p only: a first guess at the support size (bisection where short)
 CANDIDATE_ELEMENTS = 1 << 22  # entries held at once by a retry (candidates rows x world x m, copied logits)
 SUM_BLOCK = 256  # columns summed in float32 before the float64 total (a float64 sum costs ~9x on CPU)
-RETRY_FACTOR = 8
+RETRY_FACTOR = 8  # under top-k, rows whose k-th value ties beyond the candidates: 8x more per round
+BRACKET_CANDIDATES = 256  # logits (over all ranks) left in the bisection bracket before the exact cut is taken
+MAX_BISECTIONS = 64
 
 
 @dataclass(frozen=True)
@@ -157,42 +161,87 @@ def _sum64(e: torch.Tensor) -> torch.Tensor:
 
 def _top_p_cut(x, row_max, total, top_k_threshold, top_p: float, temperature: float, group, m: int, cols: int,
                first=None):
-    """The top-p threshold per row from merged candidates, retrying unresolved rows with more candidates
-    (``first``: the first round's candidates of all rows, already gathered with ``m`` per rank)."""
+    """The top-p threshold per row: from the merged candidates of the first round (``first``, already gathered
+    with ``m`` per rank, or gathered here), exact where the cut lies above their floor; the other rows by
+    bisection (top-p alone, :func:`_bracket_cut`) or with 8x more candidates per round (under top-k)."""
     n = x.shape[0]
     cut = torch.full((n,), float("-inf"), dtype=x.dtype, device=x.device)
-    pending = torch.arange(n, device=x.device)
-    # every rank runs the same loop: sizes agree because the pending rows are computed from gathered data
+    # every rank takes the same steps: sizes agree because the pending rows are computed from gathered data
     max_cols = torch.tensor([cols], device=x.device)
     _all_reduce(max_cols, dist.ReduceOp.MAX, group)
     max_cols = int(max_cols.item())
     m = max(1, min(m, max_cols))
+    merged, floor = first if first is not None else _candidates(x, m, group)
+    value = _cut_on_candidates(merged, row_max, total, top_k_threshold, top_p, temperature)
+    resolved = (value > floor) | (m >= max_cols)  # exact above the floor (every value >= it is a candidate)
+    cut[resolved] = value[resolved]
+    pending = (~resolved).nonzero().squeeze(-1)
     world = _world(group)
-    while pending.numel():
-        complete = m >= max_cols  # the candidates are the whole shard: every cut is exact
-        unresolved = []
-        # row blocks (the same on every rank: pending is computed from gathered data) bound the candidates' memory
-        # rows per block: the merged candidates [rows, world * m] and a copy of the rows' logits stay bounded
-        block = max(1, CANDIDATE_ELEMENTS // max(world * m, cols)) if first is None else pending.numel()
+    if not bool(torch.isfinite(top_k_threshold).any()):  # top-p alone: bisection, in row blocks
+        block = max(1, CANDIDATE_ELEMENTS // max(1, cols))
         for lo in range(0, pending.numel(), block):
-            rows_index = pending[lo: lo + block]
-            if first is not None:
-                merged, floor = first
-                first = None
-            else:
-                rows = x if rows_index.numel() == n else x[rows_index]  # all rows: read x in place (no copy)
-                merged, floor = _candidates(rows, m, group)
-            value = _cut_on_candidates(merged, row_max[rows_index], total[rows_index], top_k_threshold[rows_index],
-                                       top_p, temperature)
-            # exact when the cut lies above the floor (every value >= it is among the candidates)
-            resolved = (value > floor) | complete
-            cut[rows_index[resolved]] = value[resolved]
-            unresolved.append(rows_index[~resolved])
-        pending = torch.cat(unresolved) if unresolved else pending[:0]
-        if complete:
-            break
+            rows = pending[lo: lo + block]
+            cut[rows] = _bracket_cut(x[rows], row_max[rows], total[rows], floor[rows], top_p, temperature, group)
+        return cut
+    while pending.numel():  # under top-k (ties at the k-th left out of the candidates): more candidates
         m = min(max_cols, m * RETRY_FACTOR)
+        complete = m >= max_cols
+        unresolved = []
+        # row blocks bound the merged candidates [rows, world * m] and the copy of the rows' logits
+        block = max(1, CANDIDATE_ELEMENTS // max(world * m, cols))
+        for lo in range(0, pending.numel(), block):
+            rows = pending[lo: lo + block]
+            merged, floor = _candidates(x[rows], m, group)
+            value = _cut_on_candidates(merged, row_max[rows], total[rows], top_k_threshold[rows], top_p, temperature)
+            resolved = (value > floor) | complete
+            cut[rows[resolved]] = value[resolved]
+            unresolved.append(rows[~resolved])
+        pending = torch.cat(unresolved)
     return cut
+
+
+def _bracket_cut(x, row_max, total, floor, top_p: float, temperature: float, group):
+    """The top-p cut of rows whose first candidates fell short (top-p alone), by bisection on the logit value:
+    keep a bracket (lo, hi] with mass{x > lo} >= top_p > mass{x > hi} (so the cut lies in it; hi starts at the
+    floor of the first candidates) until it holds at most BRACKET_CANDIDATES logits over all ranks, then take the
+    cut among those, gathered, with float64 masses offset by mass{x > hi}. One pass over the rows per bisection
+    (``e`` cached); every rank takes the same steps (the masses and counts are all-reduced)."""
+    b, cols = x.shape
+    e = torch.sub(x, row_max[:, None]).div_(temperature).exp_()
+    flag, product = torch.empty_like(x), torch.empty_like(x)  # reused: a fresh large buffer per pass page-faults
+    lo = x.amin(-1) if cols else torch.full((b,), float("inf"), dtype=x.dtype, device=x.device)
+    _all_reduce(lo, dist.ReduceOp.MIN, group)
+    lo = lo - 1.0  # every logit lies above lo
+    hi = torch.where(torch.isfinite(floor), floor, row_max).to(x.dtype)
+
+    def above(t):  # [mass, count] of the logits > t over all ranks, [2, b] float64
+        torch.lt(t[:, None], x, out=flag)  # 1.0 / 0.0 (float: a bool pass costs ~3x on CPU)
+        stats = torch.stack([_sum64(torch.mul(flag, e, out=product)), _sum64(flag)])  # counts exact below 2^24
+        return _all_reduce(stats, dist.ReduceOp.SUM, group)
+
+    hi_stats, lo_count = above(hi), above(lo)[1]
+    for _ in range(MAX_BISECTIONS):
+        mid = (lo + hi) / 2
+        # rows still wide, and with a float strictly between lo and hi (else the bracket is all ties)
+        wide = ((lo_count - hi_stats[1]) > BRACKET_CANDIDATES) & (mid > lo) & (mid < hi)
+        if not bool(wide.any()):
+            break
+        stats = above(torch.where(wide, mid, hi))
+        lower = wide & (stats[0] >= top_p * total)  # mass above mid still reaches top_p: the cut lies above mid
+        upper = wide & ~lower
+        lo, lo_count = torch.where(lower, mid, lo), torch.where(lower, stats[1], lo_count)
+        hi, hi_stats = torch.where(upper, mid, hi), torch.where(upper[None], stats, hi_stats)
+    width = int((lo_count - hi_stats[1]).max().item())
+    # the bracket's logits, the others -inf: x where lo < x <= hi, via float masks (NaN-free: -inf * 0 is avoided)
+    torch.lt(lo[:, None], x, out=flag).mul_(torch.le(x, hi[:, None], out=product))
+    values = torch.where(flag > 0, x, float("-inf"))
+    merged = _all_gather_columns(_local_top(values, max(1, width)), group).sort(dim=-1, descending=True).values
+    probs = torch.exp((merged.double() - row_max[:, None].double()) / temperature) / total[:, None]
+    probs = torch.where(torch.isfinite(merged), probs, torch.zeros_like(probs))
+    before = hi_stats[0][:, None] / total[:, None] + probs.cumsum(-1) - probs
+    kept = torch.isfinite(merged) & (before < top_p)  # the bracket's first logit is always kept
+    last = kept.sum(-1).clamp_min(1) - 1
+    return merged.gather(-1, last[:, None]).squeeze(-1)
 
 
 def _cut_on_candidates(merged, row_max, total, top_k_threshold, top_p: float, temperature: float):
