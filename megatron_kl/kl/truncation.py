@@ -155,8 +155,10 @@ def support_threshold(logits: torch.Tensor, tp_group, truncation: Truncation, te
 def _sum64(e: torch.Tensor) -> torch.Tensor:
     """Row sums in float64 from float32 partial sums of SUM_BLOCK columns (relative error ~1e-8, not 1e-7)."""
     full = e.shape[-1] // SUM_BLOCK * SUM_BLOCK
-    total = e[:, :full].reshape(e.shape[0], -1, SUM_BLOCK).sum(-1).sum(-1, dtype=torch.float64)
-    return total + e[:, full:].sum(-1, dtype=torch.float64)
+    total = e[:, full:].sum(-1, dtype=torch.float64)
+    if full:  # (a shard of padding only has no columns)
+        total += e[:, :full].reshape(e.shape[0], full // SUM_BLOCK, SUM_BLOCK).sum(-1).sum(-1, dtype=torch.float64)
+    return total
 
 
 def _top_p_cut(x, row_max, total, top_k_threshold, top_p: float, temperature: float, group, m: int, cols: int,

@@ -54,6 +54,9 @@ def _cases():
              chunk=2, scale=1e4 / 4),  # logits ~1e4
         dict(seed=55, rows=300, vocab=2000, padded_vocab=2000, dtype="float32", top_k=0, top_p=0.999,
              temperature=1.0, chunk=128, scale=0.3),  # supports of ~1000 tokens: the candidate retries
+        # vocabulary 20 padded to 64: at TP 4 two ranks hold padding only (no columns)
+        dict(seed=58, rows=5, vocab=20, padded_vocab=64, dtype="float64", top_k=0, top_p=0.8, temperature=1.0,
+             chunk=2, scale=0.2),
         dict(seed=56, rows=9, vocab=61, padded_vocab=64, dtype="float64", top_k=20, top_p=0.85, temperature=0.7,
              chunk=4, scale=2.0, kind="linear"),
         dict(seed=57, rows=9, vocab=64, padded_vocab=64, dtype="float32", top_k=0, top_p=0.9, temperature=1.0,
