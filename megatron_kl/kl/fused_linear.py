@@ -35,7 +35,7 @@ from typing import Optional
 
 import torch
 
-from megatron_kl.kl.truncation import Truncation, _world, support_threshold
+from megatron_kl.kl.truncation import Truncation, _world, effective, support_threshold
 from megatron_kl.kl.vocab_parallel import (
     VocabParallelStats,
     Workspace,
@@ -44,6 +44,7 @@ from megatron_kl.kl.vocab_parallel import (
     chunk_forward,
     chunk_grad,
     compute_dtype,
+    support_fields,
     upstream,
 )
 
@@ -136,14 +137,14 @@ def _chunk_threshold(z, group, truncation, temperature, vocab_size, thresholds, 
 
 @torch.no_grad()
 def fused_linear_grads(hidden, weight, reference_hidden, reference_weight, targets, group, temperature: float,
-                       vocab_size, chunk_size: int, probe, want_weight: bool = True, truncation=None):
+                       vocab_size, chunk_size: int, probe, want_weight: bool = True, truncation=None, support=None):
     """One pass over row chunks of ``hidden [R, H]``: the statistics ``out [3, R]`` (log-prob, entropy, KL),
     ``dL/dh [R, H]`` (this rank's partial sum over its vocabulary slice, before the TP reduction) and
     ``dL/dW [V/tp, H]`` (float32, or None), where ``probe(out, lo, hi) -> (g_lp, g_H, g_KL)`` returns
     dL/d(stats) for rows ``lo:hi`` given ``out[:, :hi]`` (entries None when the loss does not use them).
     Exact only for row-separable losses (module docstring); no autograd graph is built. ``truncation``: the
-    truncated policy (``vocab_parallel.fused_stats``); then a fourth value, the support statistics [3, R]
-    (mass under the full softmax, size, target outside), is returned."""
+    truncated policy (``vocab_parallel.fused_stats``); ``support [3, R]`` (given with it) receives the
+    support statistics (mass under the full softmax, size, target outside)."""
     rows = hidden.shape[0]
     shard = _shard(weight.shape[0], group, vocab_size)
     dtype = compute_dtype(hidden.dtype)
@@ -153,7 +154,9 @@ def fused_linear_grads(hidden, weight, reference_hidden, reference_weight, targe
     valid = shard.valid
     grad_hidden = torch.empty_like(hidden) if valid else torch.zeros_like(hidden)  # every row is written
     grad_weight = _weight_grad_buffer(weight, valid, hidden.shape[0], dtype) if want_weight else None
-    thresholds, support = _support_buffers(truncation, rows, dtype, hidden.device)
+    if truncation is not None and support is None:
+        raise ValueError("fused_linear_grads(truncation=...) writes the support statistics into support= [3, R]")
+    thresholds = torch.empty(rows, dtype=dtype, device=hidden.device) if truncation is not None else None
     ws = Workspace()
     for lo in range(0, rows, chunk_size):
         hi = min(rows, lo + chunk_size)
@@ -171,8 +174,6 @@ def fused_linear_grads(hidden, weight, reference_hidden, reference_weight, targe
         grad = chunk_grad(None, None, tgt, shard, norms[:, lo:hi], _as(g_lp, dtype), _as(g_h, dtype),
                           _as(g_kl, dtype), temperature, kept=kept)
         _accumulate(grad, hidden, weight, lo, hi, valid, grad_hidden, grad_weight, dtype, ws)
-    if truncation is not None:
-        return out, grad_hidden, grad_weight, support
     return out, grad_hidden, grad_weight
 
 
@@ -338,8 +339,7 @@ def fused_linear_stats(
         tgt = tgt.index_select(0, index) if tgt is not None else None
     rows = rows.contiguous()
     ref_weight = reference_weight.detach() if reference_weight is not None else None
-    if truncation is not None and not truncation.active(vocab_size or weight.shape[0] * _world(tp_group)):
-        truncation = None
+    truncation = effective(truncation, vocab_size or weight.shape[0] * _world(tp_group))
     values = _FusedLinearStats.apply(rows, weight, ref_rows, ref_weight, tgt, tp_group, float(temperature),
                                      vocab_size, chunk_size, truncation)
 
@@ -348,12 +348,9 @@ def fused_linear_stats(
             value = value.new_zeros(lead.numel()).index_copy(0, index, value)
         return value.reshape(lead)
 
-    support = values[3]
     return VocabParallelStats(
         logprobs=shaped(values[0]) if targets is not None else None,
         entropy=shaped(values[1]),
         kl=shaped(values[2]) if reference_hidden is not None else None,
-        **({} if support.shape[-1] == 0 else dict(
-            kept_mass=shaped(support[0]), support_size=shaped(support[1]),
-            outside_support=shaped(support[2]) if targets is not None else None)),
+        **support_fields(values[3], shaped, targets is not None),
     )

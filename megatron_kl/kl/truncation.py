@@ -58,6 +58,11 @@ class Truncation:
         return top_k_on or self.top_p < 1.0
 
 
+def effective(truncation: Optional[Truncation], vocab_size: Optional[int]) -> Optional[Truncation]:
+    """``truncation`` where it truncates a vocabulary of ``vocab_size``, else None (the full distribution)."""
+    return truncation if truncation is not None and truncation.active(vocab_size) else None
+
+
 def _world(group) -> int:
     if group is None or not dist.is_initialized():
         return 1
@@ -114,9 +119,10 @@ def support_threshold(logits: torch.Tensor, tp_group, truncation: Truncation, te
     dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
     n, cols = x.shape
     threshold = torch.full((n,), float("-inf"), dtype=dtype, device=x.device)
-    total_cols = torch.tensor([cols], device=x.device)
-    _all_reduce(total_cols, dist.ReduceOp.SUM, tp_group)
-    vocab = int(total_cols.item()) if vocab_size is None else min(vocab_size, int(total_cols.item()))
+    vocab = vocab_size
+    if vocab is None:  # the whole sharded vocabulary (a collective only when the caller does not know it)
+        total_cols = torch.tensor([cols], device=x.device)
+        vocab = int(_all_reduce(total_cols, dist.ReduceOp.SUM, tp_group).item())
     if n == 0 or not truncation.active(vocab):
         return threshold
     x = x.to(dtype)

@@ -54,7 +54,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megatron_kl.kl.truncation import Truncation, support_threshold
+from megatron_kl.kl.truncation import Truncation, effective, support_threshold
 
 DEFAULT_CHUNK = None  # auto: rows such that one chunk temporary is about CHUNK_ELEMENTS entries
 CHUNK_ELEMENTS = 1 << 20  # CPU, measured (module docstring)
@@ -229,26 +229,24 @@ def _chunk_sums(x, y, targets, shard, maxes, temperature, entropy, e_kept, scrat
     keep_zc = entropy or e_kept is not None or neg_u is not None or drop is not None
     e = torch.exp(zc, out=ws.like("e", zc) if e_kept is None else e_kept) if keep_zc else zc.exp_()
     product = ws.like("product", zc)
-    if drop is not None:  # e of the full softmax first: its total, and the reference's side of the KL sum
+    if drop is not None:  # e of the full softmax first: its total (and below, the reference's side of the KL)
         sums[5] = e.sum(-1)
         sums[6] = drop.shape[-1] - drop.sum(-1)
-        if neg_u is not None:
-            # sum(e_ref - e_support) = sum_all e (expm1(-u)) [accurate near the reference] + sum_dropped e
-            dropped = torch.mul(e, drop, out=product).sum(-1)
-            product = torch.mul(e, neg_u, out=product)
-            sums[2] = -product.addcmul_(product, drop, value=-1.0).sum(-1)  # e (-u) on the support only
-            w = neg_u if e_kept is None else ws.like("w", neg_u).copy_(neg_u)
-            sums[3] = _reference_minus_policy(zc, e, neg_u, w, product) + dropped
+    if neg_u is not None:
+        product = torch.mul(e, neg_u, out=product)
+        if drop is not None:
+            product.addcmul_(product, drop, value=-1.0)  # e (-u) on the support only
+        sums[2] = -product.sum(-1)
+        w = neg_u if e_kept is None else ws.like("w", neg_u).copy_(neg_u)
+        sums[3] = _reference_minus_policy(zc, e, neg_u, w, product)
+        if drop is not None:  # sum(e_ref - e_support) = sum_all e expm1(-u) [accurate near the reference] + sum_dropped e
+            sums[3] += torch.mul(e, drop, out=product).sum(-1)
+    if drop is not None:
         e.addcmul_(e, drop, value=-1.0)  # exactly 0 outside the support
     sums[0] = e.sum(-1)
     if entropy:
         product = torch.mul(e, zc, out=product)
         sums[1] = product.sum(-1)
-    if neg_u is not None and drop is None:
-        product = torch.mul(e, neg_u, out=product)
-        sums[2] = -product.sum(-1)
-        w = neg_u if e_kept is None else ws.like("w", neg_u).copy_(neg_u)
-        sums[3] = _reference_minus_policy(zc, e, neg_u, w, product)
 
 
 def _reference_minus_policy(zc, e, neg_u, w, buffer) -> torch.Tensor:
@@ -478,8 +476,7 @@ def fused_stats(
             )
         ref = reference_logits.detach().reshape(-1, logits.shape[-1])
     tgt = targets.reshape(-1).long() if targets is not None else None
-    if truncation is not None and not truncation.active(vocab_size or logits.shape[-1] * _group_size_rank(tp_group)[0]):
-        truncation = None
+    truncation = effective(truncation, vocab_size or logits.shape[-1] * _group_size_rank(tp_group)[0])
     logprob, ent, kl, support = _VocabParallelStats.apply(
         flat, ref, tgt, tp_group, float(temperature), vocab_size, chunk_size, inplace_backward, entropy, truncation
     )
@@ -487,16 +484,17 @@ def fused_stats(
         logprobs=logprob.reshape(lead) if targets is not None else None,
         entropy=ent.reshape(lead) if entropy else None,
         kl=kl.reshape(lead) if reference_logits is not None else None,
-        **support_fields(support, lead, targets is not None),
+        **support_fields(support, lambda value: value.reshape(lead), targets is not None),
     )
 
 
-def support_fields(support: torch.Tensor, lead, has_targets: bool) -> dict:
-    """``VocabParallelStats``' support fields from a kernel's ``support [3, n]`` (empty: not truncated)."""
-    if support.shape[-1] == 0:
+def support_fields(support: Optional[torch.Tensor], shaped, has_targets: bool) -> dict:
+    """``VocabParallelStats``' support fields from a kernel's ``support [3, n]`` (None or empty: not
+    truncated), each row laid out by ``shaped``."""
+    if support is None or support.shape[-1] == 0:
         return {}
-    return dict(kept_mass=support[0].reshape(lead), support_size=support[1].reshape(lead),
-                outside_support=support[2].reshape(lead) if has_targets else None)
+    return dict(kept_mass=shaped(support[0]), support_size=shaped(support[1]),
+                outside_support=shaped(support[2]) if has_targets else None)
 
 
 def token_logprobs(logits, targets, tp_group, temperature=1.0, vocab_size=None, chunk_size=DEFAULT_CHUNK,

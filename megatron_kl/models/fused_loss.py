@@ -11,10 +11,12 @@ flows back through the output layer's TP collective like any other gradient.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from megatron_kl.kl.fused_linear import PrecomputedGrad, _gather_rows, default_chunk_rows, fused_linear_grads
-from megatron_kl.kl.vocab_parallel import VocabParallelStats
+from megatron_kl.kl.vocab_parallel import VocabParallelStats, compute_dtype, support_fields
 from megatron_kl.models.output_head import fused_layout
 
 
@@ -40,13 +42,14 @@ def single_pass_loss(vocab, reference, mb: dict, hidden, weight, tp_group, seque
         padded = torch.cat([per_token, per_token.new_zeros(b, 1)], 1).t().reshape(-1)
         return padded.index_select(0, index[lo:hi])
 
-    support = None  # the truncated policy's support statistics [3, R], once the sweep is done
+    # the truncated policy's support statistics [3, R] (vocab.truncation is None or truncates: VocabOptions)
+    support = None
+    if vocab.truncation is not None:
+        support = torch.zeros(3, len(index), dtype=compute_dtype(full.dtype), device=full.device)
 
     def stats_of(out, requires_grad: bool) -> VocabParallelStats:
         values = [to_batch(out[i]).detach().requires_grad_(requires_grad) for i in range(3 if has_ref else 2)]
-        extra = {} if support is None else dict(kept_mass=to_batch(support[0]), support_size=to_batch(support[1]),
-                                                outside_support=to_batch(support[2]))
-        return VocabParallelStats(values[0], values[1], values[2] if has_ref else None, **extra)
+        return VocabParallelStats(values[0], values[1], values[2] if has_ref else None)
 
     def probe(out, lo, hi):
         with torch.enable_grad():
@@ -57,14 +60,10 @@ def single_pass_loss(vocab, reference, mb: dict, hidden, weight, tp_group, seque
         return grads[0], grads[1], grads[2] if has_ref else None
 
     chunk = vocab.chunk_size or default_chunk_rows(weight.shape[0], single_pass=True)
-    truncation = vocab.truncation
-    if truncation is not None and not truncation.active(vocab.vocab_size):
-        truncation = None
-    result = fused_linear_grads(
+    out, grad_hidden, grad_weight = fused_linear_grads(
         policy_rows.detach().contiguous(), weight.detach(), ref_rows, reference_weight, flat_targets, tp_group,
-        vocab.temperature, vocab.vocab_size, chunk, probe, want_weight=weight.requires_grad, truncation=truncation)
-    out, grad_hidden, grad_weight = result[:3]
-    if truncation is not None:
-        support = result[3]
-    loss, metrics = loss_fn(stats_of(out, False), mb)
+        vocab.temperature, vocab.vocab_size, chunk, probe, want_weight=weight.requires_grad,
+        truncation=vocab.truncation, support=support)
+    stats = dataclasses.replace(stats_of(out, False), **support_fields(support, to_batch, True))
+    loss, metrics = loss_fn(stats, mb)
     return PrecomputedGrad.apply(loss, policy_rows, weight, grad_hidden, grad_weight), metrics

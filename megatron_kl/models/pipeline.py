@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_kl.kl.fused_linear import default_chunk_rows, fused_linear_stats
-from megatron_kl.kl.truncation import Truncation
+from megatron_kl.kl.truncation import Truncation, effective
 from megatron_kl.kl.vocab_parallel import DEFAULT_CHUNK, VocabParallelStats, fused_stats
 from megatron_kl.models.fused_loss import single_pass_loss
 from megatron_kl.models.output_head import ReferenceHead, bypass_output_layer, fused_layout, output_weight, unwrap
@@ -124,8 +124,11 @@ class VocabOptions:
     fused: Optional[bool] = False  # fused linear path: never materialise the logits; None: by size (auto)
     grad_in_forward: bool = False  # fused + row-separable loss: gradients formed in the forward pass
     # the policy's statistics are those of the truncated sampling distribution (rollout.sampling.distribution);
-    # None: the full softmax (the reference's passes always use None)
+    # None: the full softmax (the reference's passes always use None); a rule that truncates nothing becomes None
     truncation: Optional[Truncation] = None
+
+    def __post_init__(self):
+        self.truncation = effective(self.truncation, self.vocab_size)
 
     def use_fused(self, rows: int, local_vocab: int, single_sweep: bool = False) -> bool:
         """The path for a microbatch of ``rows`` token positions over ``local_vocab`` columns: as configured,
@@ -324,7 +327,7 @@ def compute_token_stats(
     for chunk in chunks:
         chunk.eval()
     keys = ("logprobs", "entropy") + (("kl",) if reference is not None else ()) + (
-        SUPPORT_KEYS if vocab.truncation is not None and vocab.truncation.active(vocab.vocab_size) else ())
+        SUPPORT_KEYS if vocab.truncation is not None else ())
     captured: list[torch.Tensor] = []
     hook = None
     if capture_hidden and getattr(chunks[-1], "post_process", False):

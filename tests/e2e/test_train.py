@@ -45,6 +45,19 @@ def stable(records: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in records]
 
 
+def assert_same_metrics(a: list[dict], b: list[dict], what: str) -> None:
+    """Two runs' records agree key for key up to fp32 rounding of a different layout (timings aside)."""
+    assert len(a) == len(b), what
+    for x, y in zip(stable(a), stable(b)):
+        assert x.keys() == y.keys(), what
+        for key in x:
+            if x[key] is None:
+                assert y[key] is None, f"{what}: {key}"
+                continue
+            assert y[key] == pytest.approx(x[key], rel=1e-3, abs=1e-4), \
+                f"{what} step {x['step']} {key}: {x[key]} vs {y[key]}"
+
+
 class Run:
     """``megatron-kl train`` in a subprocess, output to a file (a killed run's helper processes may keep a
     pipe open)."""
@@ -111,13 +124,7 @@ def test_tp2_matches_tp1(tmp_path, warm_cache):
     tp2_cfg = short_config(tmp_path / "tp2", warm_cache, "parallel.tensor_parallel=2")
     tp2 = run_ranks(train_worker, 2, tp2_cfg, timeout_s=300)[0]["metrics"]
     assert len(tp1) == len(tp2) == 4
-    for a, b in zip(stable(tp1), stable(tp2)):
-        assert a.keys() == b.keys()
-        for key in a:
-            if a[key] is None:
-                assert b[key] is None, key
-                continue
-            assert b[key] == pytest.approx(a[key], rel=1e-3, abs=1e-4), f"step {a['step']} {key}: {a[key]} vs {b[key]}"
+    assert_same_metrics(tp1, tp2, "TP2 vs TP1")
 
 
 def test_fused_logprob_path_matches_unfused(tmp_path, warm_cache):

@@ -6,7 +6,7 @@ import pytest
 
 from megatron_kl.testing.distributed import run_ranks
 from megatron_kl.train.metric_registry import lookup
-from tests.e2e.test_train import short_config, stable
+from tests.e2e.test_train import assert_same_metrics, short_config
 from tests.e2e.workers import train_worker
 
 TRUNCATED = ("rollout.sampling.top_p=0.9", "rollout.sampling.top_k=20", "rollout.sampling.temperature=0.9")
@@ -19,17 +19,6 @@ def warm_cache(tmp_path_factory):
 
 def _steps(metrics):
     return [m for m in metrics if "mismatch/abs_logprob_max" in m]
-
-
-def _close(a: list, b: list, what: str):
-    assert len(a) == len(b)
-    for x, y in zip(stable(a), stable(b)):
-        assert x.keys() == y.keys(), what
-        for key in x:
-            if x[key] is None:
-                assert y[key] is None, key
-                continue
-            assert y[key] == pytest.approx(x[key], rel=1e-3, abs=1e-4), f"{what} step {x['step']} {key}: {x[key]} vs {y[key]}"
 
 
 def test_truncated_policy_trains_on_policy_at_tp1_tp2_and_fused(tmp_path, warm_cache):
@@ -47,10 +36,10 @@ def test_truncated_policy_trains_on_policy_at_tp1_tp2_and_fused(tmp_path, warm_c
             assert lookup(key) is not None, f"{key} is logged but not in the metric registry"
     tp2 = run_ranks(train_worker, 2, short_config(tmp_path / "tp2", warm_cache, *TRUNCATED,
                                                   "parallel.tensor_parallel=2"), timeout_s=300)[0]["metrics"]
-    _close(tp1, tp2, "TP2 vs TP1")
+    assert_same_metrics(tp1, tp2, "TP2 vs TP1")
     fused = run_ranks(train_worker, 1, short_config(tmp_path / "fused", warm_cache, *TRUNCATED,
                                                     "model.logprob_path=fused"), timeout_s=300)[0]["metrics"]
-    _close(tp1, fused, "fused vs unfused")
+    assert_same_metrics(tp1, fused, "fused vs unfused")
 
 
 def test_full_distribution_under_truncation_shows_the_mismatch_and_is_tagged_biased(tmp_path, warm_cache):
