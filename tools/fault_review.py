@@ -95,7 +95,7 @@ def _damage_case(name: str, damage):
         run = r.copy(name)
         file_name = damage(run / "checkpoints" / "step_000002")
         code, out = r.run(run, "train.steps=3", "checkpoint.interval=1")
-        fell_back = "resumed from" in out and "step_000001 at step 1" in out
+        fell_back = "resumed from" in out and "step_000001 at RL step 1" in out
         if code == 0 and not fell_back:
             r.record(name, "silent", "resumed from the damaged checkpoint")
         elif fell_back and file_name in out:
@@ -146,7 +146,7 @@ def planted_pickle(r: Review) -> None:
         code, out = r.run(run, "train.steps=3", "checkpoint.interval=1")
         if marker.exists():
             r.record(f"planted pickle in {target}", "silent", "the planted pickle ran")
-        elif "step_000001 at step 1" in out:
+        elif "step_000001 at RL step 1" in out:
             r.record(f"planted pickle in {target}", "handled", "not run; fell back to step 1")
         else:
             r.record(f"planted pickle in {target}", "unclear", f"not run; rc {code}")
@@ -182,7 +182,7 @@ def fresh_start_on_used_dir(r: Review) -> None:
     code, out = r.run(run, "train.steps=1", "checkpoint.interval=1", "checkpoint.resume=false", "kl.coef=0.05")
     old_kept = any(p.name == "step_000002" for p in run.rglob("step_*"))
     code2, out2 = r.run(run, "train.steps=2", "checkpoint.interval=1", "kl.coef=0.05", log="next")
-    resumed_new = "step_000001 at step 1" in out2
+    resumed_new = "step_000001 at RL step 1" in out2
     if code == 0 and old_kept and resumed_new:
         r.record("checkpoint.resume=false on a used directory", "handled", "old files kept aside; next start resumes the new run")
     else:

@@ -82,7 +82,7 @@ def behavior_weights(kind: str, old_logprobs: torch.Tensor, behavior_logprobs: t
     if kind == "none":
         return None, {}
     log_w = clamp_log_ratio(torch.where(m, old_logprobs - behavior_logprobs, torch.zeros_like(old_logprobs)),
-                            LOG_RATIO_CLAMP, mask, counter, "behavior_ratio").detach()
+                            LOG_RATIO_CLAMP, mask, counter, "correction/clamped_ratio").detach()
     tokens = m.sum().clamp_min(1)
     log_seq = log_w.sum(-1, keepdim=True).expand_as(log_w)  # log W, on every token of the sequence
     if kind in ("token_tis", "sequence_tis"):

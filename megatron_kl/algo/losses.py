@@ -119,7 +119,7 @@ def ppo_loss(logprobs, old_logprobs, advantages, mask, cfg: AlgoConfig, behavior
     log_ratio = torch.where(m, logprobs - old_logprobs.detach(), torch.zeros_like(logprobs))
     if cfg.ratio_level == "sequence":  # GSPO: exp(mean_t log ratio), the same on every token of the sequence
         log_ratio = (log_ratio.sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp_min(1)).expand_as(log_ratio)
-    log_ratio = clamp_log_ratio(log_ratio, 20.0, mask, counter, "ppo_ratio")
+    log_ratio = clamp_log_ratio(log_ratio, 20.0, mask, counter, "policy/clamped_ratio")
     ratio = torch.exp(log_ratio)
     adv = advantages.detach()
     unclipped = -adv * ratio

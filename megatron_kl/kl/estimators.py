@@ -29,7 +29,8 @@ def safe_exp_bound(dtype: torch.dtype) -> float:
 
 @dataclass
 class ClampCounter:
-    """Counts log-ratio entries that were clamped; the trainer logs ``as_dict()`` each step."""
+    """Counts log-ratio entries that were clamped; the trainer logs ``as_dict()`` each step. A name with a ``/``
+    is a metric key itself (``policy/clamped_ratio``); any other name is a KL term's, ``kl/clamped_<name>``."""
 
     counts: dict = field(default_factory=dict)
 
@@ -37,7 +38,7 @@ class ClampCounter:
         self.counts[name] = self.counts.get(name, 0) + int(n)
 
     def as_dict(self) -> dict:
-        return {f"kl/clamped_{k}": v for k, v in self.counts.items()}
+        return {k if "/" in k else f"kl/clamped_{k}": v for k, v in self.counts.items()}
 
 
 def clamp_log_ratio(

@@ -81,9 +81,9 @@ def rpg_loss(
     old = torch.where(m, old_logprobs.detach(), zero)
     ref = torch.where(m, ref_logprobs.detach(), zero)
     adv = torch.where(m, advantages.detach().to(lp.dtype), zero)
-    log_w = clamp_log_ratio(lp - old, cfg.clamp, mask, counter, "rpg_w")
+    log_w = clamp_log_ratio(lp - old, cfg.clamp, mask, counter, "rpg/clamped_w")
     w = torch.exp(log_w)
-    u = torch.exp(clamp_log_ratio(ref - old, cfg.clamp, mask, counter, "rpg_u"))
+    u = torch.exp(clamp_log_ratio(ref - old, cfg.clamp, mask, counter, "rpg/clamped_u"))
     log_ratio_ref = lp - ref  # log(pi_theta / pi_ref)
     if cfg.surrogate == "differentiable":
         term = {

@@ -42,7 +42,6 @@ class TrainState:
     chunks: list  # DDP-wrapped model chunks
     optimizer: object
     scheduler: object
-    step: int = 0
     extra: dict = field(default_factory=dict)
 
 
@@ -192,7 +191,6 @@ def train_step(
         update_successful, grad_norm = False, float("nan")
     if update_successful:
         state.scheduler.step(increment=1)
-    state.step += 1
     return {
         "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
         "lr": state.optimizer.param_groups[0]["lr"],

@@ -22,9 +22,9 @@ from typing import Optional
 from megatron_kl.study.grid import RunSpec, StudyConfig
 from megatron_kl.train.metrics import read_metrics
 
-CURVES = [("reward/mean", "reward"), ("eval/eval/pass@1", "in-domain pass@1"), ("kl/exact_token", "exact KL / token"),
-          ("entropy/mean", "entropy"), ("grad_norm", "grad norm")]
-FINAL = [("eval/eval/pass@1", "ID pass@1"), ("eval/eval/mean@k", "ID mean@k"), ("eval/ood/pass@1", "OOD pass@1"),
+CURVES = [("reward/mean", "reward"), ("eval/id/pass@1", "in-domain pass@1"), ("kl/exact_token", "exact KL / token"),
+          ("entropy/mean", "entropy"), ("optim/grad_norm", "grad norm")]
+FINAL = [("eval/id/pass@1", "ID pass@1"), ("eval/id/mean@k", "ID mean@k"), ("eval/ood/pass@1", "OOD pass@1"),
          ("eval/ood/mean@k", "OOD mean@k")]
 
 
@@ -38,7 +38,7 @@ def _series(records: list[dict], key: str) -> dict[int, float]:
 
 def _instabilities(records: list[dict], factor: float) -> int:
     events = 0
-    for key in ("kl/exact_token", "grad_norm"):
+    for key in ("kl/exact_token", "optim/grad_norm"):
         values = [r.get(key) for r in records if key in r]
         finite = [v for v in values if v is not None and math.isfinite(v)]
         median = statistics.median(finite) if finite else 0.0
@@ -128,7 +128,7 @@ def _figures(groups: dict, out: Path) -> list[str]:
     names = list(groups)
     fig, ax = plt.subplots(figsize=(max(5, 1.2 * len(names)), 3.6))
     width = 0.4
-    for offset, (key, label) in ((-width / 2, ("eval/eval/pass@1", "in-domain")),
+    for offset, (key, label) in ((-width / 2, ("eval/id/pass@1", "in-domain")),
                                  (width / 2, ("eval/ood/pass@1", "OOD"))):
         finals = [_mean(_final(records, key) for records in groups[n]["records"]) for n in names]
         present = [(i + offset, v) for i, v in enumerate(finals) if v is not None]  # missing: no bar, not 0
@@ -173,7 +173,7 @@ def write_report(study: StudyConfig, runs: list[RunSpec], status: dict) -> dict:
             "seeds_ok": len(records), "failed": [n for n, _ in group["failed"]],
             "final_reward": _mean(_final(r, "reward/mean") for r in records),
             **{key: _mean(_final(r, key) for r in records) for key, _ in FINAL},
-            "best_id_pass1": _mean(_best(r, "eval/eval/pass@1") for r in records),
+            "best_id_pass1": _mean(_best(r, "eval/id/pass@1") for r in records),
             "final_exact_kl": _mean(_final(r, "kl/exact_token") for r in records),
             "instability_events": sum(_instabilities(r, study.instability_factor) for r in records),
             "kl_biased": _tagged_biased(records),

@@ -1,6 +1,7 @@
-"""Checkpoints with megatron.core.dist_checkpointing: model and optimizer as sharded tensors (any rank
-layout reads them back), plus the trainer state: step, LR schedule, RNG states (per rank), the data cursor
-(the step) and the async rollout queue, and ``run.json``: the run's id and identity (train/run_dir.py).
+"""Checkpoints of a run's registered state (train/run_state.py): model and optimizer as sharded tensors with
+megatron.core.dist_checkpointing (any rank layout reads them back), the shared parts (LR schedule, RL-step and
+optimizer-step counters) in ``trainer.pt``, each rank's parts (RNG states, the async rollout queue) in
+``rank_XXXXX.pt``, and ``run.json``: the run's id and identity (train/run_dir.py).
 
 A checkpoint is written to ``step_XXXXXX.tmp``; once every rank has finished, the size and SHA-256 of every
 file go into ``MANIFEST.json`` (train/manifest.py), then rank 0 writes the completion marker ``COMPLETE``
@@ -19,18 +20,17 @@ from __future__ import annotations
 import errno
 import json
 import logging
-import random
 import re
 import shutil
 from pathlib import Path
 from typing import Optional
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from megatron_kl.models.output_head import unwrap
 from megatron_kl.train import manifest
+from megatron_kl.train.run_state import RunState
 from megatron_kl.train.safe_unpickle import restricted_checkpoint_reads
 
 _PREFIX = "step_"
@@ -54,32 +54,6 @@ def _sharded_state_dict(train_state, is_loading: bool) -> dict:
         model_flat.update(value)
     sharded["optimizer"] = train_state.optimizer.sharded_state_dict(model_flat, is_loading=is_loading)
     return sharded
-
-
-def rng_state() -> dict:
-    from megatron.core import tensor_parallel
-
-    name, keys, position, has_gauss, gauss = np.random.get_state()
-    return {
-        "python": random.getstate(),
-        "numpy": [name, torch.from_numpy(keys.copy()), int(position), int(has_gauss), float(gauss)],
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
-    }
-
-
-def set_rng_state(state: dict) -> None:
-    from megatron.core import tensor_parallel
-
-    version, internal, gauss_next = state["python"]
-    random.setstate((version, tuple(internal), gauss_next))
-    name, keys, position, has_gauss, gauss = state["numpy"]
-    np.random.set_state((name, keys.numpy(), position, has_gauss, gauss))
-    torch.set_rng_state(state["torch"])
-    if state.get("cuda") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
 
 def read_run_record(checkpoint: Path) -> Optional[dict]:
@@ -118,13 +92,15 @@ def _results_queue_without_spawn() -> None:
         filesystem_async._results_queue = mp.get_context("fork").Manager().Queue()
 
 
-def save_checkpoint(directory: Path, step: int, train_state, trainer_state: dict, rank_state: dict,
-                    run_record: dict, keep: int = 2) -> Path:
-    """Collective. ``trainer_state`` and ``run_record`` are the same on all ranks (saved by rank 0);
-    ``rank_state`` per rank. Keeps the ``keep`` (>= 1) newest complete checkpoints of this run (those whose
-    ``run.json`` names ``run_record["run_id"]``); another run's checkpoints are never deleted."""
+def save_checkpoint(directory: Path, step: int, run_state: RunState, run_record: dict, keep: int = 2) -> Path:
+    """Collective: the checkpoint of ``step`` finished RL steps. ``run_record`` and ``run_state.shared`` are
+    the same on all ranks (saved by rank 0), ``run_state.per_rank`` per rank. Keeps the ``keep`` (>= 1) newest
+    complete checkpoints of this run (those whose ``run.json`` names ``run_record["run_id"]``); another run's
+    checkpoints are never deleted."""
     if keep < 1:
         raise ValueError(f"checkpoint.keep={keep} must be >= 1 (the checkpoint just written)")
+    if run_state.counters.rl_steps != step:
+        raise ValueError(f"checkpoint of step {step} with the RL-step counter at {run_state.counters.rl_steps}")
     from megatron.core import dist_checkpointing
 
     directory = Path(directory)
@@ -140,11 +116,10 @@ def save_checkpoint(directory: Path, step: int, train_state, trainer_state: dict
     if error is None:
         try:
             _results_queue_without_spawn()
-            dist_checkpointing.save(_sharded_state_dict(train_state, is_loading=False), str(tmp))
-            torch.save(rank_state, tmp / f"rank_{dist.get_rank():05d}.pt")
+            dist_checkpointing.save(_sharded_state_dict(run_state.train_state, is_loading=False), str(tmp))
+            torch.save(run_state.rank_state(), tmp / f"rank_{dist.get_rank():05d}.pt")
             if dist.get_rank() == 0:
-                torch.save({**trainer_state, "step": step, "scheduler": train_state.scheduler.state_dict()},
-                           tmp / "trainer.pt")
+                torch.save(run_state.shared_state(), tmp / "trainer.pt")
                 (tmp / RUN_FILE).write_text(json.dumps(run_record, indent=1, default=str))
         except (KeyboardInterrupt, SystemExit):
             raise
@@ -232,10 +207,10 @@ def cpu_group():
     return _GLOO
 
 
-def load_checkpoint(path: Path, train_state, run_id: Optional[str] = None) -> tuple[dict, dict]:
-    """Load model + optimizer into ``train_state``; return (trainer_state, this rank's rank_state).
-    Raises (naming the file) when any part of this checkpoint is missing or damaged, or (``run_id`` given)
-    when it belongs to another run, on every rank."""
+def load_checkpoint(path: Path, run_state: RunState, run_id: Optional[str] = None) -> None:
+    """Load every registered part of ``run_state`` from the checkpoint at ``path``. Raises (naming the file)
+    when any part of this checkpoint is missing or damaged, or (``run_id`` given) when it belongs to another
+    run, on every rank (``run_state`` may then be partly loaded: load another checkpoint into it)."""
     from megatron.core import dist_checkpointing
 
     path = Path(path)
@@ -248,9 +223,13 @@ def load_checkpoint(path: Path, train_state, run_id: Optional[str] = None) -> tu
     if damage is not None:
         raise CheckpointError(f"checkpoint {path}: {damage}")
     error = None
+    train_state = run_state.train_state
     try:
-        trainer_state = _load_file(path / "trainer.pt")
+        shared = _load_file(path / "trainer.pt")
         rank_state = _load_file(path / f"rank_{dist.get_rank():05d}.pt")
+        for name, state in (("trainer.pt", shared), (f"rank_{dist.get_rank():05d}.pt", rank_state)):
+            if not isinstance(state, dict):
+                raise ValueError(f"{path / name} is not a dict of states")
     except Exception as err:  # noqa: BLE001 - reported and agreed on below
         error = err
     if not _all_ok(error is None):
@@ -267,9 +246,13 @@ def load_checkpoint(path: Path, train_state, run_id: Optional[str] = None) -> tu
         error = err  # .distcp surfaces here on every rank (DCP gathers the readers' errors)
     if not _all_ok(error is None):
         raise CheckpointError(f"checkpoint {path}: model/optimizer shards unreadable ({_reason(error)})")
-    train_state.scheduler.load_state_dict(trainer_state.pop("scheduler"))
-    train_state.step = trainer_state["step"]
-    return trainer_state, rank_state
+    try:
+        run_state.load_shared(shared, str(path / "trainer.pt"))
+        run_state.load_rank(rank_state, str(path / f"rank_{dist.get_rank():05d}.pt"))
+    except Exception as err:  # noqa: BLE001 - a state that does not fit this run's parts
+        error = err
+    if not _all_ok(error is None):
+        raise CheckpointError(f"checkpoint {path}: {_reason(error)}")
 
 
 def _reason(error: Optional[BaseException]) -> str:
@@ -286,19 +269,19 @@ def _reason(error: Optional[BaseException]) -> str:
     return f"{type(error).__name__}: {text[:400]}"
 
 
-def load_latest(directory: Path, train_state, run_id: Optional[str] = None) -> Optional[tuple[Path, dict, dict]]:
-    """The newest complete checkpoint under ``directory`` that loads, falling back to older ones (each
-    failure logged with its file); None when there is none. A directory whose checkpoints all fail to load
+def load_latest(directory: Path, run_state: RunState, run_id: Optional[str] = None) -> Optional[Path]:
+    """Load the newest complete checkpoint under ``directory`` that loads into ``run_state``, falling back to
+    older ones (each failure logged with its file); its path, or None when there is none. A directory whose checkpoints all fail to load
     is a CheckpointError listing why."""
     failures = []
     for path in reversed(complete_checkpoints(directory)):
         try:
-            trainer_state, rank_state = load_checkpoint(path, train_state, run_id)
+            load_checkpoint(path, run_state, run_id)
         except CheckpointError as err:
             log.error("%s; trying the previous checkpoint", err)
             failures.append(str(err))
             continue
-        return path, trainer_state, rank_state
+        return path
     if failures:
         raise CheckpointError("no checkpoint under {} loads: {}. Set checkpoint.resume=false to start a new run "
                               "there (its files are moved into superseded-<time>/, not deleted) or choose another "

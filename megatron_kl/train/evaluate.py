@@ -1,6 +1,7 @@
 """In-domain and out-of-distribution evaluation: pass@1 (greedy) and mean@k (k samples at a temperature).
 
-Each data-parallel rank evaluates a slice of the split; the sums are all-reduced over the DP group.
+Each data-parallel rank evaluates a slice of the split; the sums are all-reduced over the DP group. Scores are
+logged as ``eval/id/...`` (the task's in-domain split ``eval``) and ``eval/ood/...``.
 """
 
 from __future__ import annotations
@@ -32,7 +33,14 @@ def evaluate(engine, task, split: str, sampling: SamplingConfig, k: int, tempera
     if dp_group is not None and dist.get_world_size(dp_group) > 1:
         sums = all_reduce_cpu(sums, dp_group)
     n = max(float(sums[2]), 1.0)
-    return {f"eval/{split}/pass@1": float(sums[0]) / n, f"eval/{split}/mean@{k}": float(sums[1]) / n}
+    name = reported_name(split)
+    return {f"eval/{name}/pass@1": float(sums[0]) / n, f"eval/{name}/mean@{k}": float(sums[1]) / n}
+
+
+def reported_name(split: str) -> str:
+    """The name a task split is logged under: the in-domain split ``eval`` (and ``eval:<file>``) as ``id``."""
+    group, sep, part = split.partition(":")
+    return ("id" if group == "eval" else group) + sep + part
 
 
 def eval_groups(task) -> dict[str, list[str]]:
@@ -58,5 +66,6 @@ def evaluate_all(engine, task, sampling: SamplingConfig, k: int, temperature: fl
             out.update(evaluate(engine, task, part, sampling, k, temperature, seed, dp_rank, dp_size, dp_group))
         total = max(sum(sizes.values()), 1)
         for metric in ("pass@1", f"mean@{k}"):
-            out[f"eval/{group}/{metric}"] = sum(out[f"eval/{part}/{metric}"] * n for part, n in sizes.items()) / total
+            out[f"eval/{reported_name(group)}/{metric}"] = sum(
+                out[f"eval/{reported_name(part)}/{metric}"] * n for part, n in sizes.items()) / total
     return out

@@ -29,6 +29,7 @@ from megatron_kl.train.metrics import MetricsLogger, read_metrics
 from megatron_kl.train.preemption import Requeue, StopSignals
 from megatron_kl.train.profiling import StepProfiler, phase
 from megatron_kl.train.rollouts import RolloutSource
+from megatron_kl.train.run_state import Counters, RNGStates, RunState
 from megatron_kl.train.step import StepContext, rl_step
 from megatron_kl.train.warmstart import warm_start_state
 
@@ -206,36 +207,38 @@ def _train(cfg: TrainConfig, plan, task, hf_source, dp, is_logger: bool, stop: S
     source = RolloutSource(task, engine, cfg.rollout.sampling, cfg.train.prompts_per_step, cfg.train.group_size,
                            cfg.train.staleness, cfg.train.seed, dp_rank, dp_size)
     offload = ReferenceOffload(models.reference, cfg.parallel.offload_reference)
+    counters = Counters()
+    run_state = RunState(train_state, shared={"scheduler": train_state.scheduler, "counters": counters},
+                         per_rank={"rng": RNGStates(), "rollouts": source})
     ctx = StepContext(cfg, train_state, models.reference, output_head.ReferenceHead(models.reference), offload, dp_group,
-                      kl_tags=kl_tags(cfg))
+                      kl_tags=kl_tags(cfg), counters=counters)
 
-    start_step = 0
-    resumed = ckpt.load_latest(run_path / "checkpoints", train_state, plan.run_id) if plan.kind == "resume" else None
-    if resumed is not None:
-        latest, _, rank_state = resumed
-        start_step = train_state.step
-        ckpt.set_rng_state(rank_state["rng"])
-        source.load_state_dict(rank_state.get("rollouts"))
-        log.info("resumed from %s at step %d", latest, start_step)
+    latest = ckpt.load_latest(run_path / "checkpoints", run_state, plan.run_id) if plan.kind == "resume" else None
+    start_step = counters.rl_steps
+    if latest is not None:
+        log.info("resumed from %s at RL step %d (%d optimizer steps)", latest, start_step, counters.optimizer_steps)
 
     logger = MetricsLogger(run_path, is_logger, cfg.logging.tensorboard, cfg.logging.wandb_project, cfg.run_name,
                            redact_secrets(to_dict(cfg)), cfg.logging.progress, cfg.train.steps, start_step)
     profiler = StepProfiler(cfg.logging.profile_steps, run_path / "profile", dist.get_rank())
-    saved = {start_step: latest} if resumed is not None else {}
-    finished = start_step
+    saved = {start_step: latest} if latest is not None else {}
 
-    def save(done: int) -> Optional[Path]:
-        """The checkpoint of ``done`` finished steps (written once; none for step 0: nothing to lose)."""
+    def save() -> Optional[Path]:
+        """The checkpoint of the finished RL steps (written once; none for step 0: nothing to lose)."""
+        done = counters.rl_steps
         if done not in saved and done > 0:
-            saved[done] = _save_checkpoint(cfg, record, done, train_state, source, hf_source, tp_group)
+            saved[done] = _save_checkpoint(cfg, record, done, run_state, hf_source, tp_group)
         return saved.get(done)
+
+    def requeue(reason: str, signal_name: Optional[str] = None) -> Requeue:
+        return Requeue(reason, counters.rl_steps, save(), signal_name)
 
     try:
         try:
             engine.update_weights(train_state.chunks, version=start_step)
             signal_name = stop.agreed()
             if signal_name:
-                raise Requeue(f"received {signal_name} while starting", finished, saved.get(finished), signal_name)
+                raise requeue(f"received {signal_name} while starting", signal_name)
             for step in range(start_step, cfg.train.steps):
                 step_start = time.perf_counter()
                 metrics = {}
@@ -246,11 +249,11 @@ def _train(cfg: TrainConfig, plan, task, hf_source, dp, is_logger: bool, stop: S
                         batch = source.get(step)
                     metrics["time/rollout"] = batch.generate_seconds
                     metrics.update(rl_step(ctx, batch, step))
-                    finished = step + 1  # RL steps whose update is applied (train_state.step counts optimizer steps)
+                    counters.rl_steps = step + 1  # its update is applied (optimizer steps: counters.optimizer_steps)
                     try:
                         with phase("weight_sync", metrics):  # time/weight_sync recorded even if it raises
                             source.wait()
-                            engine.update_weights(train_state.chunks, version=finished)
+                            engine.update_weights(train_state.chunks, version=counters.rl_steps)
                     finally:  # the step is trained even if the servers are gone: its line is logged
                         metrics["time/step"] = time.perf_counter() - step_start
                         # training throughput: the step's evaluation (if any) is not part of it
@@ -259,20 +262,21 @@ def _train(cfg: TrainConfig, plan, task, hf_source, dp, is_logger: bool, stop: S
                         metrics["throughput/tokens_per_s"] = metrics["throughput/response_tokens"] / train_seconds
                         logger.log(step, metrics)
                         logger.advance(step + 1, metrics)
-                if finished == cfg.train.steps or (cfg.checkpoint.interval and finished % cfg.checkpoint.interval == 0):
-                    save(finished)
+                done = counters.rl_steps
+                if done == cfg.train.steps or (cfg.checkpoint.interval and done % cfg.checkpoint.interval == 0):
+                    save()
                 signal_name = stop.agreed()
-                if signal_name and finished < cfg.train.steps:
-                    raise Requeue(f"received {signal_name}", finished, save(finished), signal_name)
+                if signal_name and done < cfg.train.steps:
+                    raise requeue(f"received {signal_name}", signal_name)
             final = _evaluate_all(cfg, engine, task, cfg.train.steps, dp)
             logger.log(cfg.train.steps, final)
         except Cancelled as err:  # a stop signal cut off the rollout or weight sync in flight
             source.drop_unfinished()
             signal_name = stop.agreed()
-            raise Requeue(f"{err}; the rollout in flight was cut off", finished, save(finished), signal_name) from err
+            raise requeue(f"{err}; the rollout in flight was cut off", signal_name) from err
         except EngineLost as err:
             source.drop_unfinished()
-            raise Requeue(f"rollout engine lost: {err}", finished, save(finished)) from err
+            raise requeue(f"rollout engine lost: {err}") from err
     finally:
         source.close()
         engine.shutdown()
@@ -280,12 +284,11 @@ def _train(cfg: TrainConfig, plan, task, hf_source, dp, is_logger: bool, stop: S
     return _summary(cfg, plan.run_id, run_path, is_logger)
 
 
-def _save_checkpoint(cfg: TrainConfig, record: dict, done: int, train_state, source, hf_source, tp_group) -> Path:
-    rank_state = {"rng": ckpt.rng_state(), "rollouts": source.state_dict()}
-    path = ckpt.save_checkpoint(Path(cfg.train.output_dir) / "checkpoints", done, train_state,
-                                {"run_name": cfg.run_name}, rank_state, record, keep=cfg.checkpoint.keep)
+def _save_checkpoint(cfg: TrainConfig, record: dict, done: int, run_state: RunState, hf_source, tp_group) -> Path:
+    path = ckpt.save_checkpoint(Path(cfg.train.output_dir) / "checkpoints", done, run_state, record,
+                                keep=cfg.checkpoint.keep)
     if cfg.checkpoint.export_hf:
-        hf.export_hf([output_head.unwrap(c) for c in train_state.chunks], cfg.model, path / "hf",
+        hf.export_hf([output_head.unwrap(c) for c in run_state.train_state.chunks], cfg.model, path / "hf",
                      dtype=hf_source.dtype if hf_source is not None else cfg.model.params_dtype,
                      tp_group=tp_group, pp_group=parallel.pp_group(),
                      source_dir=hf_source.path if hf_source is not None else None)
@@ -298,7 +301,7 @@ def _summary(cfg: TrainConfig, run_id: str, run_path: Path, is_logger: bool) -> 
                "tensorboard": str(run_path / "tensorboard"), "plots": str(run_path / "plots")}
     if is_logger:
         records = read_metrics(run_path / "metrics.jsonl")
-        evals = [r for r in records if "eval/eval/pass@1" in r]
+        evals = [r for r in records if "eval/id/pass@1" in r]
         if evals:
             summary["eval_before"] = {k: v for k, v in evals[0].items() if k.startswith("eval/")}
             summary["eval_after"] = {k: v for k, v in evals[-1].items() if k.startswith("eval/")}
@@ -317,7 +320,7 @@ def _plots(records: list[dict], out: Path) -> str:
     except ImportError:
         return "(matplotlib not installed: no plots)"
     out.mkdir(parents=True, exist_ok=True)
-    panels = [("reward/mean", "kl/exact_token", "kl/k1_token", "kl/k3_token"), ("eval/eval/pass@1", "eval/ood/pass@1")]
+    panels = [("reward/mean", "kl/exact_token", "kl/k1_token", "kl/k3_token"), ("eval/id/pass@1", "eval/ood/pass@1")]
     fig, axes = plt.subplots(1, len(panels), figsize=(11, 3.5))
     for ax, keys in zip(axes, panels):
         for key in keys:

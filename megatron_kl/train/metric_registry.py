@@ -2,9 +2,12 @@
 logged. ``docs/metrics.md`` is generated from :data:`METRICS` (``python -m megatron_kl.train.metric_registry``)
 and a test fails when a logged key is not registered or the document is stale.
 
-Keys with ``<...>`` are families: ``<split>`` is an evaluation split (``eval`` in-domain, ``ood``, or a math task's
-file group), ``<k>`` is ``eval.k``, ``<estimator>`` one of k1/k3/exact, ``<phase>`` a timed phase of the step,
-``<what>`` what a clamp applied to.
+Keys with ``<...>`` are families: ``<split>`` is an evaluation split (``id`` in-domain, ``ood`` out of
+distribution, ``id:<file>`` / ``ood:<file>`` one benchmark file of a math task), ``<k>`` is ``eval.k``,
+``<estimator>`` one of k1/k3/exact, ``<phase>`` a timed phase of the step, ``<what>`` what a clamp applied to.
+
+Keys renamed since earlier versions are in :data:`RENAMED`; :func:`canonical` reads a record written with
+either spelling (the study report and plots use it, so old run directories stay readable).
 """
 
 from __future__ import annotations
@@ -42,13 +45,17 @@ METRICS = (
     Metric("kl/<estimator>_sequence", "nats/sequence", "mean per-sequence sum of the KL estimate", _REF),
     Metric("kl/biased", "0/1", "1 when the configured KL term's expected gradient is biased for kl.target (audit "
            "verdict, docs/kl-math.md)", "every step with a KL term"),
-    Metric("kl/clamped_<what>", "count", "log-ratio entries clamped to kl.clamp before an exp (k3 terms, importance "
-           "and PPO ratios)", "when something was clamped"),
+    Metric("kl/clamped_<what>", "count", "log-ratio entries of a KL term clamped to kl.clamp before an exp (k2/k3 "
+           "terms, token importance weights, prefix weights)", "when something was clamped"),
     Metric("policy/clip_fraction", "fraction", "fraction of tokens whose PPO ratio was clipped"),
-    Metric("policy/ratio_max", "ratio", "largest PPO ratio pi / pi_old of the step"),
+    Metric("policy/ratio_max", "ratio", "largest PPO ratio pi / pi_old of the step (the trainer's policy moving "
+           "away from the weights that produced the old log-probs; is/ratio_max is the sampler's gap)"),
+    Metric("policy/clamped_ratio", "count", "PPO log-ratios clamped to +-20 before the exp", "when something was clamped"),
     Metric("rpg/clip_fraction", "fraction", "fraction of tokens clipped by RPG's dual clip", "algo.loss=rpg"),
     Metric("rpg/kl_coefficient", "coefficient", "RPG's KL coefficient", "algo.loss=rpg"),
     Metric("rpg/kl_term", "loss", "RPG's KL part of the loss", "algo.loss=rpg"),
+    Metric("rpg/clamped_<what>", "count", "RPG log-ratios (w = pi / pi_old, u = pi_ref / pi_old) clamped to kl.clamp",
+           "algo.loss=rpg, when something was clamped"),
     Metric("is/ratio_mean", "ratio", "mean over response tokens of w = pi_old / mu (trainer's old policy vs the "
            "sampler's log-probs)"),
     Metric("is/ratio_min", "ratio", "smallest importance ratio pi_old / mu"),
@@ -57,6 +64,8 @@ METRICS = (
            "with a behaviour correction"),
     Metric("correction/truncated_fraction", "fraction", "fraction of weights truncated (TIS)", "with a behaviour correction"),
     Metric("correction/masked_fraction", "fraction", "fraction of tokens masked (MIS)", "with a behaviour correction"),
+    Metric("correction/clamped_ratio", "count", "behaviour log-ratios log pi_old - log mu clamped before the exp",
+           "when something was clamped"),
     Metric("mismatch/abs_logprob_mean", "nats", "mean |log pi_train - log mu_rollout| per token (train-vs-rollout "
            "mismatch; ~0 on-policy; large when rollout.sampling.distribution=full with top-k/top-p: the engines "
            "report log mu of the truncated distribution)"),
@@ -73,18 +82,25 @@ METRICS = (
     Metric("mismatch/k3_token", "nats/token", "k3 estimate of KL(mu || pi_train) per token"),
     Metric("staleness/mean", "steps", "mean age of the weights that generated the batch (async rollouts)"),
     Metric("staleness/max", "steps", "oldest weights in the batch"),
-    Metric("grad_norm", "norm", "global gradient norm before clipping (mean over the step's optimizer steps)"),
-    Metric("lr", "lr", "learning rate of the step's last optimizer step"),
-    Metric("train/skipped_updates", "count", "optimizer steps skipped because a gradient was not finite"),
+    Metric("optim/grad_norm", "norm", "global gradient norm before clipping (mean over the RL step's applied "
+           "optimizer steps)"),
+    Metric("optim/lr", "lr", "learning rate of the RL step's last optimizer step"),
+    Metric("optim/steps", "count", "optimizer steps applied since the run started (an RL step runs "
+           "algo.ppo_epochs x algo.minibatches of them; the LR schedule counts these)"),
+    Metric("optim/skipped_updates", "count", "optimizer steps of this RL step skipped because a gradient was not "
+           "finite"),
     Metric("health/nonfinite_metrics", "count", "metric values that were NaN/inf and logged as null"),
     Metric("throughput/response_tokens", "tokens", "response tokens trained this step, all data-parallel ranks"),
     Metric("throughput/tokens_per_s", "tokens/s", "response tokens per second of training (evaluation time excluded)"),
     Metric("time/step", "s", "wall time of the step, evaluation included"),
-    Metric("time/rollout", "s", "generation time of the step's batch (async: spent in the background)"),
-    Metric("time/<phase>", "s", "wall time of a phase of the step: rollout_wait (waiting for the batch), reference, "
-           "old_logprobs, update, weight_sync"),
+    Metric("time/rollout", "s", "generation time of the step's batch (async: spent in the background while "
+           "earlier steps trained, so it can exceed time/rollout_wait)"),
+    Metric("time/<phase>", "s", "wall time of a phase of the step: rollout_wait (how long the trainer waited for the "
+           "batch: time/rollout on-policy, ~0 when async generation keeps up), reference, old_logprobs, update, "
+           "weight_sync"),
     Metric("time/eval", "s", "wall time of the evaluation", "every eval.interval steps, before and after training"),
-    Metric("eval/<split>/pass@1", "fraction", "greedy accuracy on the split",
+    Metric("eval/<split>/pass@1", "fraction", "greedy accuracy on the split (id: in-domain, ood: out of "
+           "distribution)",
            "every eval.interval steps, before and after training"),
     Metric("eval/<split>/mean@<k>", "fraction", "mean accuracy of eval.k samples per problem at eval.temperature",
            "every eval.interval steps, before and after training"),
@@ -96,6 +112,34 @@ def _pattern(key: str) -> re.Pattern:
 
 
 _PATTERNS = [(m, _pattern(m.key)) for m in METRICS]
+
+# old key -> new key (exact names); the in-domain split was called ``eval`` (``eval/eval/pass@1``)
+RENAMED = {
+    "grad_norm": "optim/grad_norm",
+    "lr": "optim/lr",
+    "train/skipped_updates": "optim/skipped_updates",
+    "kl/clamped_ppo_ratio": "policy/clamped_ratio",
+    "kl/clamped_behavior_ratio": "correction/clamped_ratio",
+    "kl/clamped_rpg_w": "rpg/clamped_w",
+    "kl/clamped_rpg_u": "rpg/clamped_u",
+}
+_OLD_IN_DOMAIN = re.compile(r"^eval/eval(?=[/:])")
+
+
+def canonical_key(key: str) -> str:
+    """The current name of a metric key written by any version (unchanged when it is current)."""
+    return RENAMED.get(key) or _OLD_IN_DOMAIN.sub("eval/id", key)
+
+
+def canonical(record: dict) -> dict:
+    """A metrics record with every key under its current name (a key present in both spellings keeps the
+    current one's value)."""
+    out = {}
+    for key, value in record.items():
+        new = canonical_key(key)
+        if new == key or new not in record:
+            out[new] = value
+    return out
 
 
 def lookup(key: str):

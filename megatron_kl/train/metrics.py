@@ -12,6 +12,8 @@ import math
 from pathlib import Path
 from typing import Optional
 
+from megatron_kl.train.metric_registry import canonical
+
 log = logging.getLogger(__name__)
 
 
@@ -101,4 +103,6 @@ class MetricsLogger:
 
 
 def read_metrics(path: Path) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    """The records of a ``metrics.jsonl``, every key under its current name (older runs' spellings are
+    renamed: train/metric_registry.py)."""
+    return [canonical(json.loads(line)) for line in Path(path).read_text().splitlines() if line.strip()]

@@ -35,6 +35,7 @@ from megatron_kl import child_processes
 from megatron_kl.config import ConfigError, redact_secrets, to_dict
 from megatron_kl.train import identity
 from megatron_kl.train.checkpoint import RUN_FILE, complete_checkpoints, read_run_record, step_of
+from megatron_kl.train.metric_registry import canonical
 
 log = logging.getLogger("megatron_kl.train")
 
@@ -119,9 +120,14 @@ def plan_start(cfg, world_size: int, current: Optional[dict] = None) -> StartPla
 def read_summary(run_dir: Path) -> Optional[dict]:
     try:
         summary = json.loads((Path(run_dir) / "summary.json").read_text())
-        return summary if isinstance(summary, dict) else None
     except (OSError, ValueError):
         return None
+    if not isinstance(summary, dict):
+        return None
+    for key in ("eval_before", "eval_after"):  # scores under their current names (older runs: eval/eval/...)
+        if isinstance(summary.get(key), dict):
+            summary[key] = canonical(summary[key])
+    return summary
 
 
 class RunLock:

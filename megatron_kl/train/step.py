@@ -34,6 +34,7 @@ from megatron_kl.models.parallel import all_reduce_cpu
 from megatron_kl.train.profiling import phase
 from megatron_kl.rollout.http import CorruptResponse
 from megatron_kl.train.rollouts import RolloutBatch
+from megatron_kl.train.run_state import Counters
 
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,7 @@ class StepContext:
     dp_group: object = None
     counter: ClampCounter = field(default_factory=ClampCounter)
     consecutive_skips: int = 0  # optimizer steps skipped in a row (non-finite gradient)
+    counters: Counters = field(default_factory=Counters)  # optimizer steps applied / skipped (train/run_state.py)
     kl_tags: dict = field(default_factory=dict)  # logged every step: kl/biased (the audit's verdict for kl.target)
 
 
@@ -61,8 +63,10 @@ def record_update(ctx: StepContext, update_successful: bool, step: int, max_cons
     run stops (``NonFiniteUpdates``). Returns ``update_successful``."""
     if update_successful:
         ctx.consecutive_skips = 0
+        ctx.counters.optimizer_steps += 1
         return True
     ctx.consecutive_skips += 1
+    ctx.counters.skipped_updates += 1
     log.warning("step %d: gradient not finite, optimizer step skipped (%d in a row; limit "
                 "train.max_consecutive_skips=%d)", step, ctx.consecutive_skips, max_consecutive_skips)
     if ctx.consecutive_skips > max_consecutive_skips:
@@ -262,9 +266,10 @@ def _update(ctx: StepContext, sequences, step: int, vocab, reference_head) -> tu
     # loss/* are shares of their minibatch: the minibatch loss is their sum; report the mean minibatch loss.
     metrics.update({k: sums[k] / (algo.ppo_epochs * algo.minibatches) for k in sums if k.startswith("loss/")})
     # mean over the optimizer steps taken; 0 with a count of skips when every step of this RL step was skipped
-    metrics["grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else 0.0
-    metrics["train/skipped_updates"] = float(skipped)
-    metrics["lr"] = lr
+    metrics["optim/grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else 0.0
+    metrics["optim/skipped_updates"] = float(skipped)
+    metrics["optim/lr"] = lr
+    metrics["optim/steps"] = float(ctx.counters.optimizer_steps)
     return metrics, captured
 
 

@@ -117,7 +117,7 @@ def test_a_damaged_checkpoint_is_named_and_the_previous_one_used(tmp_path, base_
     assert code == 0, output[-3000:]
     line = next((l for l in output.splitlines() if "trying the previous checkpoint" in l), "")
     assert name in line and message in line, output[-3000:]
-    assert f"resumed from {run / 'checkpoints' / 'step_000001'} at step 1" in output, output[-3000:]
+    assert f"resumed from {run / 'checkpoints' / 'step_000001'} at RL step 1" in output, output[-3000:]
 
 
 def test_a_pickle_planted_in_any_file_never_runs(tmp_path, base_run):
@@ -141,5 +141,5 @@ def test_a_pickle_planted_in_any_file_never_runs(tmp_path, base_run):
         code, output = Run(tmp_path / f"{name}.log", *_args(run, cache, 3)).wait()
         assert not marker.exists(), f"a pickle planted in {name} was executed"
         assert code == 0, (name, output[-3000:])
-        assert f"resumed from {run / 'checkpoints' / 'step_000001'} at step 1" in output, (name, output[-3000:])
+        assert f"resumed from {run / 'checkpoints' / 'step_000001'} at RL step 1" in output, (name, output[-3000:])
         assert "trying the previous checkpoint" in output, (name, output[-3000:])

@@ -57,7 +57,7 @@ def warm_cache(tmp_path_factory):
 def _resume_and_check(tmp_path: Path, run: Path, steps: int, stopped_at: int, *overrides: str) -> None:
     code, output = Torchrun(tmp_path / "resumed.log", 2, *overrides).wait()
     assert code == 0, output[-3000:]
-    assert f"resumed from {run / 'checkpoints' / f'step_{stopped_at:06d}'} at step {stopped_at}" in output
+    assert f"resumed from {run / 'checkpoints' / f'step_{stopped_at:06d}'} at RL step {stopped_at}" in output
     assert _logged_steps(run) == list(range(steps))  # every step once: none lost, none repeated
 
 

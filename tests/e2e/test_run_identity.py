@@ -79,7 +79,7 @@ def test_the_cli_refuses_with_exit_code_2_and_a_finished_run_says_so(finished_ru
     code, output = Run(tmp_path / "again.log", "--config", str(DEFAULT), *_args(run, cache, "train.steps=2")).wait()
     assert code == 0 and "already finished at step 2" in output, output[-2000:]
     summary = json.loads((run / "summary.json").read_text())
-    assert f"eval/eval/pass@1={summary['eval_after']['eval/eval/pass@1']:.3f}" in output
+    assert f"eval/id/pass@1={summary['eval_after']['eval/id/pass@1']:.3f}" in output
     assert "done:" not in output
     assert snapshot(run) == before
 
@@ -96,7 +96,7 @@ def test_resumable_changes_continue_and_are_recorded(finished_run, tmp_path):
     code, output = Run(tmp_path / "more.log", "--config", str(DEFAULT),
                        *_args(run, cache, "train.steps=3", "eval.interval=2", "checkpoint.keep=1")).wait()
     assert code == 0, output[-3000:]
-    assert f"resumed from {run / 'checkpoints' / 'step_000002'} at step 2" in output
+    assert f"resumed from {run / 'checkpoints' / 'step_000002'} at RL step 2" in output
     assert (run / "config.yaml").read_text() == config_before
     starts = [json.loads(line) for line in (run / "starts.jsonl").read_text().splitlines()]
     assert [s["kind"] for s in starts] == ["fresh", "resume"] and starts[1]["from_step"] == 2
@@ -123,7 +123,7 @@ def test_a_fresh_start_moves_the_old_run_aside_and_owns_the_directory(finished_r
     assert [r["step"] for r in read_metrics(run / "metrics.jsonl") if "loss/total" in r] == [0]
     code, output = Run(tmp_path / "next.log", "--config", str(DEFAULT),
                        *_args(run, cache, "train.steps=2", "kl.coef=0.05")).wait()
-    assert code == 0 and f"resumed from {run / 'checkpoints' / 'step_000001'} at step 1" in output, output[-3000:]
+    assert code == 0 and f"resumed from {run / 'checkpoints' / 'step_000001'} at RL step 1" in output, output[-3000:]
     assert [r["step"] for r in read_metrics(run / "metrics.jsonl") if "loss/total" in r] == [0, 1]
 
 

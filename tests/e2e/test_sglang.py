@@ -235,7 +235,7 @@ def test_training_on_sglang_servers_matches_the_trainers_logprobs(tmp_path, warm
     assert [m["step"] for m in steps] == [0, 1, 2]
     for m in steps:
         assert m["mismatch/abs_logprob_max"] < 1e-4, m
-    assert any("eval/eval/pass@1" in m for m in metrics)
+    assert any("eval/id/pass@1" in m for m in metrics)
     log = (tmp_path / "run" / "sglang" / "sglang-0.log").read_text()
     assert "==== start:" in log and "megatron_kl.testing.sglang_server" in log
 

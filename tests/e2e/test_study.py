@@ -53,7 +53,7 @@ def test_study_runs_reports_and_keeps_failures(tmp_path, warm_cache):
     assert (out / "figures" / "final_pass1.png").stat().st_size > 1000
     results = json.loads((out / "results.json").read_text())
     assert results["broken"]["seeds_ok"] == 0 and results["broken"]["failed"] == ["broken-seed1"]
-    assert results["k3-loss"]["seeds_ok"] == 1 and results["k3-loss"]["eval/eval/pass@1"] is not None
+    assert results["k3-loss"]["seeds_ok"] == 1 and results["k3-loss"]["eval/id/pass@1"] is not None
     # k3 in the loss, token level, on-policy: biased for the sequence KL; the run logged the tag
     assert "BIASED" in results["k3-loss"]["audit"] and results["k3-loss"]["kl_biased"] is True
     assert "unbiased for kl.target=sequence_reverse" in results["k1-reward"]["audit"]

@@ -96,7 +96,7 @@ def test_every_kl_configuration_trains(tmp_path, warm_cache, overrides):
     assert [r["step"] for r in steps] == [0, 1]
     for record in steps:
         for key in ("kl/k1_token", "kl/k3_token", "kl/exact_token", "kl/exact_sequence", "entropy/mean",
-                    "grad_norm", "loss/total", "policy/clip_fraction", "mismatch/abs_logprob_mean", "time/update"):
+                    "optim/grad_norm", "loss/total", "policy/clip_fraction", "mismatch/abs_logprob_mean", "time/update"):
             assert record.get(key) is not None, f"{key} missing or not finite in step {record['step']}"
     assert steps[0]["reward/std"] > 0, "precondition: mixed rewards in the first batch"
     from megatron_kl.train.metric_registry import lookup
@@ -208,6 +208,9 @@ def test_kill_9_and_resume_reproduce_the_uninterrupted_run(tmp_path, warm_cache)
     expected, got = stable(read_metrics(tmp_path / "full" / "metrics.jsonl")), stable(read_metrics(run / "metrics.jsonl"))
     assert [r["step"] for r in got] == [r["step"] for r in expected]
     assert got == expected  # exact: same rollouts, same updates, same optimizer state
+    # two counters: 12 RL steps of ppo_epochs x minibatches = 1 x 2 optimizer steps (the resumed run's too)
+    steps = [r for r in got if "optim/steps" in r]
+    assert [r["optim/steps"] for r in steps] == [2.0 * (r["step"] + 1) for r in steps] and steps[-1]["step"] == 11
 
 
 @pytest.mark.parametrize("override, message", [
@@ -235,8 +238,8 @@ def test_default_config_improves_in_domain_accuracy_over_its_warm_start(tmp_path
     assert code == 0, output[-3000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     before, after = summary["eval_before"], summary["eval_after"]
-    assert after["eval/eval/pass@1"] > before["eval/eval/pass@1"] + 0.02, (before, after)
-    assert after["eval/eval/mean@4"] > before["eval/eval/mean@4"] + 0.02, (before, after)
+    assert after["eval/id/pass@1"] > before["eval/id/pass@1"] + 0.02, (before, after)
+    assert after["eval/id/mean@4"] > before["eval/id/mean@4"] + 0.02, (before, after)
     assert "eval/ood/pass@1" in after and Path(summary["plots"]).is_file()
     records = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert len([r for r in records if "reward/mean" in r]) == 60
@@ -353,7 +356,7 @@ def test_rollout_corrections_train_asynchronously(tmp_path, warm_cache, override
     assert [r["step"] for r in steps] == [0, 1, 2]
     assert steps[-1]["staleness/max"] == 2.0
     for record in steps:
-        for key in ("loss/total", "grad_norm", "mismatch/k1_token", "mismatch/k3_token", "is/ratio_min",
+        for key in ("loss/total", "optim/grad_norm", "mismatch/k1_token", "mismatch/k3_token", "is/ratio_min",
                     "is/ratio_max", "is/ratio_mean"):
             assert record.get(key) is not None, (key, record["step"])
     assert steps[-1]["mismatch/k3_token"] > 0  # a stale sampler
@@ -422,7 +425,7 @@ def test_old_logprobs_from_the_update_forward_match_their_own_pass(tmp_path, war
         for key, value in a.items():
             assert b[key] == pytest.approx(value, rel=1e-4, abs=1e-5), (key, a["step"])  # fp32 rounding
     assert all(r["time/old_logprobs"] < 1e-3 for r in from_update)
-    assert recompute[-1]["kl/exact_token"] > 0 and recompute[-1]["grad_norm"] > 0
+    assert recompute[-1]["kl/exact_token"] > 0 and recompute[-1]["optim/grad_norm"] > 0
 
 
 @pytest.mark.parametrize("overrides", [
@@ -444,7 +447,7 @@ def test_token_budget_microbatches_train_identically(tmp_path, warm_cache, overr
         for key, value in a.items():
             if key != "batch/padded_tokens":
                 assert b[key] == pytest.approx(value, rel=1e-4, abs=1e-5), (key, a["step"])
-    assert whole[-1]["grad_norm"] > 0 and whole[-1]["kl/exact_token"] > 0
+    assert whole[-1]["optim/grad_norm"] > 0 and whole[-1]["kl/exact_token"] > 0
 
 
 def test_full_activation_recomputation_trains_identically(tmp_path, warm_cache):
@@ -458,7 +461,7 @@ def test_full_activation_recomputation_trains_identically(tmp_path, warm_cache):
         assert set(a) == set(b)
         for key, value in a.items():
             assert b[key] == pytest.approx(value, rel=1e-5, abs=1e-7), (key, a["step"])
-    assert runs["none"][-1]["grad_norm"] > 0
+    assert runs["none"][-1]["optim/grad_norm"] > 0
 
 
 def test_bf16_mixed_precision_trains_and_resumes_exactly(tmp_path, warm_cache):
@@ -471,10 +474,10 @@ def test_bf16_mixed_precision_trains_and_resumes_exactly(tmp_path, warm_cache):
     steps = [r for r in full if "loss/total" in r]
     assert [r["step"] for r in steps] == [0, 1, 2]
     for record in steps:
-        for key in ("loss/total", "kl/exact_token", "kl/k3_token", "entropy/mean", "grad_norm",
+        for key in ("loss/total", "kl/exact_token", "kl/k3_token", "entropy/mean", "optim/grad_norm",
                     "mismatch/abs_logprob_mean"):
             assert record.get(key) is not None, f"{key} missing or not finite in step {record['step']}"
-    assert steps[-1]["kl/exact_token"] > 0 and steps[-1]["grad_norm"] > 0
+    assert steps[-1]["kl/exact_token"] > 0 and steps[-1]["optim/grad_norm"] > 0
     # engine and trainer hold the same bf16 weights: their log-probs of the sampled tokens agree to bf16 rounding
     assert all(r["mismatch/abs_logprob_mean"] < 1e-2 for r in steps)
 

@@ -158,14 +158,14 @@ def test_math_task_reports_each_benchmark_file_and_the_weighted_merge(tmp_path):
             return out
 
     metrics = evaluate_all(Oracle(), task, SamplingConfig(), k=2, temperature=1.0, seed=0)
-    assert metrics["eval/eval:math500/pass@1"] == 1.0 and metrics["eval/eval:aime2024/pass@1"] == 0.0
-    assert metrics["eval/eval/pass@1"] == pytest.approx(0.75) and metrics["eval/eval/mean@2"] == pytest.approx(0.75)
+    assert metrics["eval/id:math500/pass@1"] == 1.0 and metrics["eval/id:aime2024/pass@1"] == 0.0
+    assert metrics["eval/id/pass@1"] == pytest.approx(0.75) and metrics["eval/id/mean@2"] == pytest.approx(0.75)
     assert metrics["eval/ood/pass@1"] == 0.0 and "eval/ood:gsm8k/pass@1" not in metrics
     # no OOD files configured: nothing reported for ood (not a pass@1 of 0.0 for a benchmark never run)
     no_ood = MathTask(MathConfig(train_files=[train], eval_files=[str(tmp_path / "math500.jsonl")]),
                       tokenizer=_tiny_hf_tokenizer())
     metrics = evaluate_all(Oracle(), no_ood, SamplingConfig(), k=2, temperature=1.0, seed=0)
-    assert metrics["eval/eval/pass@1"] == 1.0 and not any(key.startswith("eval/ood") for key in metrics)
+    assert metrics["eval/id/pass@1"] == 1.0 and not any(key.startswith("eval/ood") for key in metrics)
 
 
 def test_data_errors_name_the_file_and_row(tmp_path, caplog):
