@@ -5,7 +5,11 @@ setup(
     version="0.1.0",
     description="KL-regularised RL for LLMs on Megatron-Core: every KL estimator configuration, audited and correct under TP/PP",
     python_requires=">=3.11",
-    packages=find_packages(include=["megatron_kl", "megatron_kl.*"]),
+    # the repository's configs/ ships as megatron_kl.configs (package data): `megatron-kl validate` and the
+    # recipes find them in an installed package too
+    packages=find_packages(include=["megatron_kl", "megatron_kl.*"]) + ["megatron_kl.configs"],
+    package_dir={"megatron_kl.configs": "configs"},
+    package_data={"megatron_kl.configs": ["*/*.yaml"]},
     install_requires=[
         # A range, so GPU clusters keep their container's torch; CPU installs pin 2.13.0 via constraints-cpu.txt.
         "torch>=2.6",

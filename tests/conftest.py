@@ -12,10 +12,10 @@ import pytest
 
 FAST = (
     "tests/unit/",
-    "tests/distributed/test_vocab_parallel.py::test_matches_unsharded_float64_reference[2]",
+    "megatron_kl/validation/test_vocab_parallel.py::test_matches_unsharded_float64_reference[2]",
     "tests/distributed/test_truncation.py::test_sharded_support_and_truncated_statistics_match_the_direct_rule[2]",
-    "tests/distributed/test_model_layouts.py::test_layout_matches_single_rank[tp2]",
-    "tests/distributed/test_model_layouts.py::test_layout_matches_single_rank[pp2-1f1b]",
+    "megatron_kl/validation/test_model_layouts.py::test_layout_matches_single_rank[tp2]",
+    "megatron_kl/validation/test_model_layouts.py::test_layout_matches_single_rank[pp2-1f1b]",
     "tests/distributed/test_hf_conversion.py::test_config_derivation",
     "tests/distributed/test_nonfinite_updates.py",
     "tests/e2e/test_engine.py::test_engine_sharing_the_policy_weights_generates_what_a_copy_generates",

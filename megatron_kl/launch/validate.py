@@ -1,5 +1,7 @@
 """One-command node validation (``megatron-kl validate``, ``python launch/validate.py``): run on one node of a
-new cluster or in multi-GPU CI, from a checkout of the repository (the checks are its tests).
+new cluster or in multi-GPU CI, from an installed package or a checkout. The checks are the pytest modules
+that ship in ``megatron_kl.validation`` (run with ``pytest --pyargs``), plus, in a checkout, the repository's
+other ``gpu``-marked tests.
 
 Checks, each a subprocess with a deadline, reported as pass / fail / skip with its wall time:
 
@@ -68,24 +70,31 @@ def _pytest(*args: str) -> list[str]:
     return [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *args]
 
 
-def plan_checks(gpus: int, run_dir: Path, hf_checkpoint: Optional[str] = None) -> list[Check]:
+def plan_checks(gpus: int, run_dir: Path, hf_checkpoint: Optional[str] = None,
+                checkout: Optional[Path] = None) -> list[Check]:
     kernel_world = 8 if gpus >= 8 else (2 if gpus == 0 else 0)
     kernel_skip = None if kernel_world else f"TP=8 needs 8 GPUs, this node has {gpus}"
     kernels_env = {"MEGATRON_KL_TEST_WORLDS": str(kernel_world)}
     layouts_skip = None if gpus == 0 or gpus >= 4 else f"TP=2 x PP=2 needs 4 GPUs, this node has {gpus}"
+    gpu_tests = (_pytest("-m", "gpu", "tests", "megatron_kl/validation") if checkout is not None
+                 else _pytest("-m", "gpu", *_checks()))
     checks = [
-        Check("gpu_tests", _pytest("-m", "gpu", "tests"), skip=None if gpus else "no GPU on this node"),
-        Check("layouts", _pytest("tests/distributed/test_model_layouts.py", "-k", "tp2 or pp2"), skip=layouts_skip),
-        Check("vocab_parallel", _pytest("tests/distributed/test_vocab_parallel.py",
-                                        "tests/distributed/test_vocab_parallel_accuracy.py", "-m", "not slow"),
-              env=kernels_env, skip=kernel_skip),
-        Check("fused_linear", _pytest("tests/distributed/test_fused_linear.py", "-m", "not slow"), env=kernels_env,
+        Check("gpu_tests", gpu_tests, skip=None if gpus else "no GPU on this node"),
+        Check("layouts", _pytest(*_checks("test_model_layouts"), "-k", "tp2 or pp2"), skip=layouts_skip),
+        Check("vocab_parallel", _pytest(*_checks("test_vocab_parallel", "test_vocab_parallel_accuracy"), "-m",
+                                        "not slow"), env=kernels_env, skip=kernel_skip),
+        Check("fused_linear", _pytest(*_checks("test_fused_linear"), "-m", "not slow"), env=kernels_env,
               skip=kernel_skip),
     ]
     train_skip = None if gpus == 0 or gpus >= 3 else f"TP=2 training plus one SGLang GPU needs 3 GPUs, has {gpus}"
     checks.append(Check("train", train_command(gpus, run_dir, hf_checkpoint), skip=train_skip,
                         env={"OMP_NUM_THREADS": "1"} if gpus == 0 else {}))
     return checks
+
+
+def _checks(*modules: str) -> list[str]:
+    """pytest arguments selecting the shipped check modules (all of them when none is named)."""
+    return ["--pyargs", *([f"megatron_kl.validation.{m}" for m in modules] or ["megatron_kl.validation"])]
 
 
 def train_command(gpus: int, run_dir: Path, hf_checkpoint: Optional[str]) -> list[str]:
@@ -107,7 +116,7 @@ def train_command(gpus: int, run_dir: Path, hf_checkpoint: Optional[str]) -> lis
             overrides += [f"init.hf_checkpoint={hf_checkpoint}"]
     return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(TRAIN_RANKS), "--master-port",
             str(server_port()),
-            "-m", "megatron_kl.cli", "train", "--config", DEFAULT_CONFIG, *overrides]
+            "-m", "megatron_kl.cli", "train", "--config", str(packaged_config(DEFAULT_CONFIG)), *overrides]
 
 
 def train_timings(metrics_path: Path, world: int) -> dict:
@@ -152,18 +161,19 @@ def table(results: list[Result]) -> str:
     return "\n".join(lines)
 
 
-def validate(root: Path, out_dir: Path, only: Optional[list[str]] = None, hf_checkpoint: Optional[str] = None,
+def validate(out_dir: Path, only: Optional[list[str]] = None, hf_checkpoint: Optional[str] = None,
              gpus: Optional[int] = None) -> dict:
     gpus = gpu_count() if gpus is None else gpus
     out_dir.mkdir(parents=True, exist_ok=True)
-    checks = [c for c in plan_checks(gpus, out_dir / "train", hf_checkpoint) if not only or c.name in only]
+    checkout = repository_checkout()
+    checks = [c for c in plan_checks(gpus, out_dir / "train", hf_checkpoint, checkout) if not only or c.name in only]
     if gpus == 0:
         print("validate: no GPU on this node: running the CPU subset (gloo, local layer spec, SGLang test server); "
               "GPU-only checks are skipped", file=sys.stderr)
     results = []
     for check in checks:
         print(f"validate: {check.name} ...", file=sys.stderr, flush=True)
-        results.append(run_check(check, root, out_dir))
+        results.append(run_check(check, checkout or out_dir, out_dir))
         print(f"validate: {check.name} {results[-1].status} ({results[-1].seconds:.1f}s)", file=sys.stderr)
     train = next((r for r in results if r.name == "train" and r.status == "pass"), None)
     report = {
@@ -204,7 +214,7 @@ def slurm_plan(args, cluster_overrides: list[str]):
     for item in args.overrides:
         if not item.startswith("launch."):
             raise ConfigError(f"validate takes launch.* overrides only, got {item!r}")
-    cfg = load_train_config(str(repository_root() / DEFAULT_CONFIG), overrides)
+    cfg = load_train_config(str(packaged_config(DEFAULT_CONFIG)), overrides)
     task = TaskSpec("validate", DEFAULT_CONFIG, overrides, cfg, command=node_arguments(args))
     return LaunchPlan(cfg.launch.experiment or "megatron-kl-validate", [task], cfg.launch.home, True)
 
@@ -239,11 +249,10 @@ def main(argv: list[str], clusters=None, prog: str = "megatron-kl validate") -> 
             if cluster.executor != "slurm":
                 raise ConfigError(f"--cluster {args.cluster} runs on this machine: drop --cluster")
             return submit("slurm", slurm_plan(args, cluster.overrides()), args.dryrun, args.detach, cluster.customize)
-        root = repository_root()
     except ConfigError as err:
         print(f"{prog}: config error: {err}", file=sys.stderr)
         return 2
-    report = validate(root, Path(args.out).absolute(), only, args.hf_checkpoint)
+    report = validate(Path(args.out).absolute(), only, args.hf_checkpoint)
     print(table([Result(**c) for c in report["checks"]]))
     text = json.dumps(report, indent=2)
     if args.json:
@@ -252,10 +261,24 @@ def main(argv: list[str], clusters=None, prog: str = "megatron-kl validate") -> 
     return 0 if report["passed"] else 1
 
 
-def repository_root() -> Path:
-    """The checkout the checks run in (they are its tests): the current directory or the package's parent."""
-    for candidate in (Path.cwd(), Path(__file__).resolve().parents[2]):
-        if (candidate / "tests" / "distributed").is_dir() and (candidate / "configs").is_dir():
+def repository_checkout() -> Optional[Path]:
+    """The megatron-kl checkout this package runs from (an editable install, or the current directory), whose
+    other ``gpu`` tests ``gpu_tests`` adds; None for an installed package."""
+    for candidate in (Path(__file__).resolve().parents[2], Path.cwd()):
+        if (candidate / "tests" / "e2e").is_dir() and (candidate / "megatron_kl" / "validation").is_dir():
             return candidate
-    raise ConfigError("megatron-kl validate runs the repository's tests: run it from a checkout of megatron-kl "
-                      "(the directory with tests/ and configs/)")
+    return None
+
+
+def packaged_config(relative: str) -> Path:
+    """A config shipped with megatron-kl (``configs/...``): the checkout's file, or the installed package's copy."""
+    from importlib import resources
+
+    checkout = repository_checkout()
+    if checkout is not None and (checkout / relative).is_file():
+        return checkout / relative
+    path = Path(str(resources.files("megatron_kl.configs").joinpath(relative.removeprefix("configs/"))))
+    if not path.is_file():
+        raise ConfigError(f"{relative} is neither in a checkout nor in the installed package ({path}): reinstall "
+                          "megatron-kl")
+    return path

@@ -62,7 +62,7 @@ def convert_worker(rank, world, hf_dir: str, parallel_cfg: ParallelConfig, token
     """Load the HF checkpoint into a Megatron GPTModel in the given layout; return the gathered logits
     (last stage) and, with ``export_dir``, export it back to HF from this layout."""
     from megatron_kl.models import builder, hf, parallel, pipeline
-    from tests.distributed.model_workers import _gather_logits
+    from megatron_kl.validation.model_workers import _gather_logits
 
     checkpoint = hf.HFCheckpoint(hf_dir)
     model_cfg = checkpoint.model_config(make_vocab_size_divisible_by=16)

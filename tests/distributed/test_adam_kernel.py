@@ -9,8 +9,8 @@ import torch
 from megatron_kl.config import ConfigError
 from megatron_kl.models.optim import OptimConfig, resolve_adam_kernel
 from megatron_kl.testing.distributed import run_ranks
-from tests.distributed.model_workers import adam_kernel_worker
-from tests.distributed.test_model_layouts import MODELS, _batch
+from megatron_kl.validation.model_workers import adam_kernel_worker
+from megatron_kl.validation.test_model_layouts import MODELS, _batch
 
 STEPS = 3
 

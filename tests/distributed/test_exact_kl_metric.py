@@ -8,7 +8,7 @@ import torch
 
 from megatron_kl.config import ModelConfig, ParallelConfig
 from megatron_kl.testing.distributed import run_ranks
-from tests.distributed.model_workers import exact_kl_metric_worker
+from megatron_kl.validation.model_workers import exact_kl_metric_worker
 
 MODEL = ModelConfig(architecture="qwen2", num_layers=2, vocab_size=50, make_vocab_size_divisible_by=16)
 TOLERANCE = {1e-2: 1e-2, 1e-3: 1e-2}

@@ -7,7 +7,7 @@ import torch
 from megatron_kl.config import ModelConfig, ParallelConfig
 from megatron_kl.testing.distributed import run_ranks
 from megatron_kl.train.step import NonFiniteUpdates, StepContext, record_update
-from tests.distributed.model_workers import nonfinite_step_worker
+from megatron_kl.validation.model_workers import nonfinite_step_worker
 
 MODEL = ModelConfig(architecture="qwen2", num_layers=2, vocab_size=50, make_vocab_size_divisible_by=16)
 

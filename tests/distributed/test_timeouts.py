@@ -6,7 +6,7 @@ import pytest
 from megatron_kl.config import ConfigError, ModelConfig, apply_overrides, from_dict
 from megatron_kl.testing.distributed import run_ranks
 from megatron_kl.train.config import TrainConfig, validate_train_config
-from tests.distributed.model_workers import hung_rank_worker
+from megatron_kl.validation.model_workers import hung_rank_worker
 
 
 def test_a_hung_rank_ends_the_tp_collective_after_the_configured_timeout():

@@ -2,7 +2,7 @@
 out here, forward and backward: causal prefill, KV-cache decode steps (one query over many keys), no-mask,
 grouped-query attention, 16-bit inputs, logits-scale inputs; and the cases it hands to megatron-core's
 DotProductAttention unchanged. The whole-model comparison with megatron's attention (logits, gradients,
-updated weights) is in tests/distributed/test_model_layouts.py."""
+updated weights) is in megatron_kl/validation/test_model_layouts.py."""
 
 import types
 

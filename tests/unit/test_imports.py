@@ -72,6 +72,15 @@ def test_no_import_cycles():
 
 
 def test_production_code_does_not_import_testing():
-    offenders = {name: sorted(t for t in targets if t.startswith("megatron_kl.testing"))
-                 for name, targets in _graph().items() if not name.startswith("megatron_kl.testing")}
+    """megatron_kl.testing (SGLang test server, rank spawning for tests) and megatron_kl.validation (the node
+    checks, pytest modules) are imported by nothing the trainer, the engines or the launcher run; no module of
+    the package imports the repository's tests/ (an installed package has none)."""
+    helpers = ("megatron_kl.testing", "megatron_kl.validation")
+    offenders = {name: sorted(t for t in targets if t.startswith(helpers))
+                 for name, targets in _graph().items() if not name.startswith(helpers)}
     assert {k: v for k, v in offenders.items() if v} == {}
+    for path in ROOT.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module] if isinstance(node, ast.ImportFrom) and node.module else [])
+            assert not any(n == "tests" or n.startswith("tests.") for n in names), f"{path} imports {names}"

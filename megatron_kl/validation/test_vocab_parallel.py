@@ -8,7 +8,7 @@ import torch
 
 from megatron_kl.testing.distributed import run_ranks
 from megatron_kl.testing.worlds import worlds
-from tests.distributed.vocab_workers import make_case, vocab_parallel_worker
+from megatron_kl.validation.vocab_workers import make_case, vocab_parallel_worker
 
 TOL = {"float64": 1e-12, "float32": 1e-5, "bfloat16": 2e-2}
 

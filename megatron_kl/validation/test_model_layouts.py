@@ -11,7 +11,7 @@ from megatron_kl.config import ModelConfig, ParallelConfig
 from megatron_kl.models.builder import have_transformer_engine
 from megatron_kl.models.optim import OptimConfig
 from megatron_kl.testing.distributed import run_ranks
-from tests.distributed.model_workers import layout_worker
+from megatron_kl.validation.model_workers import layout_worker
 
 MODELS = {
     # Qwen2 style: qkv bias, untied embeddings, GQA; vocab 50 padded to 64 (32 x TP=2)

@@ -16,7 +16,7 @@ import torch
 
 from megatron_kl.testing.distributed import run_ranks
 from megatron_kl.testing.worlds import worlds
-from tests.distributed.accuracy_workers import (
+from megatron_kl.validation.accuracy_workers import (
     logits_inputs,
     logprob_entropy_worker,
     near_reference_inputs,

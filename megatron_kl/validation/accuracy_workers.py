@@ -7,7 +7,7 @@ import torch.distributed as dist
 from megatron_kl.kl.fused_linear import fused_linear_grads, fused_linear_stats
 from megatron_kl.kl.vocab_parallel import fused_stats, full_kl
 from megatron_kl.local_ranks import to_device
-from tests.distributed.devices import rank_device
+from megatron_kl.validation.devices import rank_device
 
 
 def near_reference_inputs(case: dict) -> dict:

@@ -1,0 +1,50 @@
+"""`megatron-kl validate` from an installed package: the wheel built from this checkout, installed into a
+directory of its own and run from a directory that is not a checkout, finds its checks
+(megatron_kl.validation, through pytest --pyargs) and its configs (megatron_kl.configs) without tests/."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _run(args, cwd, env, timeout=600):
+    return subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_validate_runs_from_an_installed_wheel(tmp_path):
+    wheel_dir, site, elsewhere = tmp_path / "wheel", tmp_path / "site", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    built = _run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
+                  str(wheel_dir), str(ROOT)], ROOT, os.environ)
+    assert built.returncode == 0, built.stderr[-2000:]
+    (wheel,) = wheel_dir.glob("megatron_kl-*.whl")
+    installed = _run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), str(wheel)],
+                     ROOT, os.environ)
+    assert installed.returncode == 0, installed.stderr[-2000:]
+    assert not (site / "tests").exists()
+    env = {**os.environ, "PYTHONPATH": str(site)}
+
+    where = _run([sys.executable, "-c", "import megatron_kl; from megatron_kl.launch.validate import "
+                  "packaged_config, repository_checkout; print(megatron_kl.__file__); print(repository_checkout()); "
+                  "print(packaged_config('configs/cpu/default.yaml'))"], elsewhere, env)
+    module, checkout, config = where.stdout.split()
+    assert module.startswith(str(site)) and checkout == "None" and config.startswith(str(site)), where.stdout
+
+    checked = _run([sys.executable, "-m", "megatron_kl.cli", "train", "--check", "--config", config,
+                    f"train.output_dir={tmp_path / 'run'}"], elsewhere, env)
+    assert checked.returncode == 0, checked.stderr[-2000:]
+    assert not (tmp_path / "run").exists()
+
+    out = tmp_path / "out"
+    validated = _run([sys.executable, "-m", "megatron_kl.cli", "validate", "--only", "vocab_parallel", "--out",
+                      str(out)], elsewhere, env)
+    assert validated.returncode == 0, validated.stdout[-3000:] + validated.stderr[-3000:]
+    report = json.loads((out / "validate.json").read_text())
+    (check,) = report["checks"]
+    assert report["passed"] and check["status"] == "pass" and "--pyargs megatron_kl.validation" in check["command"]
+    log = Path(check["detail"]).read_text()
+    assert " passed" in log and " failed" not in log, log[-2000:]
