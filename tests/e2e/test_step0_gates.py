@@ -4,7 +4,9 @@ rollout's log-probs must equal the trainer's. A wrong weight load, a wrong shard
 one of them while every loss curve would still look plausible.
 
 Bounds (float32): exact KL per token < 1e-8; mean |train - rollout| log-prob < 1e-4 (the engines compute the
-same math with other kernels: decode attention, batch shapes)."""
+same math with other kernels: decode attention, batch shapes). The same gate for vLLM runs in CI's second stage
+(tests/e2e/test_vllm.py::test_training_on_vllm_rollouts); for a run from init.hf_checkpoint in
+tests/e2e/test_train.py::test_train_starts_from_hf_checkpoint_and_exports_hf."""
 
 import pytest
 

