@@ -33,6 +33,8 @@ setup(
         "vllm": ["vllm"],
         "launch": ["nemo-run==0.11.1", "leptonai<0.47"],
         "bench": ["trl==1.16.0"],  # tools/bench_trl.py only
+        # the docs site (mkdocs.yml); its strict build is a test
+        "docs": ["mkdocs==1.6.1", "mkdocs-material==9.8.2", "mkdocstrings==1.0.8", "mkdocstrings-python==2.0.11"],
     },
     entry_points={"console_scripts": ["megatron-kl=megatron_kl.cli:main"]},
 )
