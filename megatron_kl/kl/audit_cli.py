@@ -10,6 +10,10 @@ every configuration with each behaviour correction (algo.behavior_correction) ap
 ``--top-p`` two more tables sample from the truncated policy mu = trunc(pi) and judge every configuration against
 the gradients of mu's KLs, once with the estimators seeing log mu (rollout.sampling.distribution=truncated) and
 once log pi (distribution=full).
+
+``--dynamics`` trains instead: every configuration from pi = pi_ref by gradient ascent with its exact expected
+direction on E_pi[r] - beta KL(pi || pi_ref) (a random reward on whole sequences), and reports where it ends
+against the closed-form optimum pi* (kl/dynamics.py).
 """
 
 from __future__ import annotations
@@ -35,7 +39,13 @@ def main(argv=None) -> int:
     parser.add_argument("--no-corrections", action="store_true", help="skip the behaviour-correction tables")
     parser.add_argument("--top-k", type=int, default=0, help="truncated-sampler tables: top-k of the sampler")
     parser.add_argument("--top-p", type=float, default=1.0, help="truncated-sampler tables: top-p of the sampler")
+    parser.add_argument("--dynamics", action="store_true", help="exact training dynamics of every configuration")
+    parser.add_argument("--beta", type=float, default=0.5, help="--dynamics: the KL coefficient")
+    parser.add_argument("--lr", type=float, default=2.0, help="--dynamics: step size on the logit table")
+    parser.add_argument("--steps", type=int, default=3000, help="--dynamics: step budget per configuration")
     args = parser.parse_args(argv)
+    if args.dynamics:
+        return _dynamics(args)
     problem = TabularProblem.random(args.vocab, args.length, args.seed)
     rows = []
     sections = [(off, False) for off in (False, True)]
@@ -61,6 +71,25 @@ def main(argv=None) -> int:
             rows += part
     if args.json:
         Path(args.json).write_text(json.dumps([asdict(r) for r in rows], indent=1))
+        print(f"\nwrote {args.json}")
+    return 0
+
+
+def _dynamics(args) -> int:
+    from megatron_kl.kl.dynamics import dynamics_problem, exact_dynamics, format_dynamics
+
+    problem, rewards = dynamics_problem(args.vocab, args.length, args.seed)
+    rows = []
+    for off in (False, True):
+        part = exact_dynamics(problem, rewards, args.beta, off, all_configs(off), lr=args.lr, steps=args.steps)
+        print(f"\n== exact dynamics, {'off-policy (KL term estimated from a fixed mu)' if off else 'on-policy'}: "
+              f"V={args.vocab} T={args.length} seed={args.seed} beta={args.beta} lr={args.lr} steps<={args.steps}; "
+              "from pi = pi_ref, d = grad E[r] - beta E[g_KL]")
+        print(format_dynamics(part))
+        rows += part
+    if args.json:
+        Path(args.json).write_text(json.dumps([{**asdict(r.outcome), "mode": r.mode, "verdict": r.verdict,
+                                                "fixed_point": r.fixed_point} for r in rows], indent=1))
         print(f"\nwrote {args.json}")
     return 0
 

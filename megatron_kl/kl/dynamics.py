@@ -1,0 +1,210 @@
+"""Exact training dynamics of every KL configuration on the audit's tabular policy (float64).
+
+The audit (kl/audit.py) says which configurations' expected gradients are biased; this module shows what the
+bias does to training. A reward r(y) on whole sequences and the sequence-level objective
+
+    J(pi) = E_pi[r] - beta KL(pi || pi_ref)
+
+have the closed-form optimum pi*(y) = pi_ref(y) exp(r(y) / beta) / Z. Every configuration is trained from
+pi = pi_ref by gradient ascent on the policy's logit table with
+
+    d = grad E_pi[r] - beta E_q[g_KL]
+
+where grad E_pi[r] is exact and E_q[g_KL] is the configuration's per-sample KL-gradient estimator g (built through
+the public API, as the audit builds it) in exact expectation (q = pi on-policy; q = mu, a fixed behaviour policy,
+off-policy). A configuration unbiased for the sequence-level reverse KL follows grad J and reaches pi*; a biased
+one reaches another fixed point (e.g. the token-level optimum) or none (k1 in the loss: E[g] = 0, the reward
+maximiser, logits grow without bound).
+
+The expectation is one backward pass: every estimator is a sum of independent per-row terms under an equal-weight
+aggregation over rows, so scaling the gradient that reaches row y by N q(y) turns the batch gradient of all N
+sequences into sum_y q(y) g(y) (checked against the audit's per-sample sum in the tests).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from megatron_kl.kl.audit import TabularProblem, _quantities
+from megatron_kl.kl.objective import KLConfig, kl_loss, kl_shaped_returns, policy_gradient_surrogate
+
+
+class _RowScale(torch.autograd.Function):
+    """Identity forward; the backward gradient of row i is multiplied by ``scale[i]``."""
+
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.save_for_backward(scale)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (scale,) = ctx.saved_tensors
+        return grad * scale.view(-1, *([1] * (grad.dim() - 1))), None
+
+
+def kl_gradient(problem: TabularProblem, cfg: KLConfig, weights: torch.Tensor, off_policy: bool = False) -> torch.Tensor:
+    """sum_y weights[y] g(y): the configuration's per-sample estimator of grad KL (divided by ``cfg.coef``),
+    weighted per sequence (the exact expectation with weights = q(y); a minibatch average with weights = counts / B).
+    Behaviour corrections (``off_policy='behavior'``) are left to the audit."""
+    if cfg.off_policy == "behavior":
+        raise ValueError("kl.off_policy=behavior: the dynamics take the estimator's own corrections only")
+    lp, ref_lp, mu_lp, full_kl, _, _ = _quantities(problem)
+    n = len(lp)
+    scale = (weights * n).to(lp.dtype)
+    lp, full_kl = _RowScale.apply(lp, scale), _RowScale.apply(full_kl, scale)
+    behavior = (mu_lp if off_policy else lp).detach()
+    mask = torch.ones_like(lp, dtype=torch.bool)
+    args = dict(behavior_logprobs=behavior, full_kl=full_kl if cfg.estimator == "full" else None)
+    if cfg.placement == "loss":
+        estimate = kl_loss(cfg, lp, ref_lp, mask, **args) / cfg.coef
+    else:
+        returns = kl_shaped_returns(cfg, torch.zeros(n, dtype=lp.dtype), lp, ref_lp, mask, **args)
+        estimate = policy_gradient_surrogate(cfg, lp, -returns / cfg.coef, mask, behavior_logprobs=behavior)
+    (grad,) = torch.autograd.grad(estimate, problem.policy_table, allow_unused=True)
+    return grad if grad is not None else torch.zeros_like(problem.policy_table)
+
+
+def sequence_log_probs(problem: TabularProblem, table: torch.Tensor) -> torch.Tensor:
+    """log pi(y) of every sequence [N] under the logit table."""
+    return problem.log_probs(table).gather(-1, problem.sequences[..., None])[..., 0].sum(-1)
+
+
+def optimum_log_probs(problem: TabularProblem, rewards: torch.Tensor, beta: float) -> torch.Tensor:
+    """log pi*(y) = log pi_ref(y) + r(y) / beta - log Z."""
+    logits = sequence_log_probs(problem, problem.reference_table) + rewards / beta
+    return logits - torch.logsumexp(logits, 0)
+
+
+def _kl(logp: torch.Tensor, logq: torch.Tensor) -> float:
+    return float((logp.exp() * (logp - logq)).sum())
+
+
+@dataclass
+class Outcome:
+    name: str
+    steps: int
+    converged: bool  # |d| fell below the tolerance
+    kl_to_optimum: float  # KL(pi_final || pi*)
+    kl_to_reference: float  # KL(pi_final || pi_ref)
+    expected_reward: float
+    gradient_norm: float  # |d| at the end
+    logit_range: float  # max - min of the final logit table (grows without bound when nothing regularises)
+
+    def fixed_point(self, optimum_logit_range: float, tolerance: float = 1e-8) -> str:
+        if self.kl_to_optimum < tolerance:
+            return "pi* (the regularised optimum)"
+        if self.converged:
+            return "another fixed point (biased)"
+        if self.logit_range > 2 * optimum_logit_range:
+            return "none: logits grow without bound (under-regularised)"
+        return "not reached in the step budget"
+
+
+def reward_gradient(problem: TabularProblem, rewards: torch.Tensor, weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """grad E_pi[r] exactly (``weights`` None) or its REINFORCE estimate sum_y weights[y] r(y) grad log pi(y)."""
+    logp = sequence_log_probs(problem, problem.policy_table)
+    if weights is None:
+        objective = (logp.exp() * rewards).sum()
+    else:
+        objective = (weights * rewards * logp).sum()
+    (grad,) = torch.autograd.grad(objective, problem.policy_table)
+    return grad
+
+
+def direction(problem: TabularProblem, rewards: torch.Tensor, beta: float, cfg: Optional[KLConfig],
+              off_policy: bool = False) -> torch.Tensor:
+    """d = grad E_pi[r] - beta E_q[g_KL] at ``problem.policy_table`` (``cfg`` None: the reward's gradient alone)."""
+    d = reward_gradient(problem, rewards)
+    if cfg is None:
+        return d
+    table = problem.behavior_table if off_policy else problem.policy_table
+    q = sequence_log_probs(problem, table).exp().detach()
+    return d - beta * kl_gradient(problem, dataclasses.replace(cfg, coef=beta), q, off_policy)
+
+
+def train_exact(problem: TabularProblem, rewards: torch.Tensor, beta: float, cfg: Optional[KLConfig],
+                lr: float = 2.0, steps: int = 3000, tolerance: float = 1e-10, off_policy: bool = False) -> Outcome:
+    """Gradient ascent on the logit table from pi_ref with the configuration's exact expected direction
+    (``cfg`` None: beta = 0, the reward alone). Stops when |d| < tolerance or after ``steps``."""
+    table = problem.reference_table.clone().requires_grad_(True)
+    state = dataclasses.replace(problem, policy_table=table)
+    norm, step = math.inf, 0
+    for step in range(1, steps + 1):
+        d = direction(state, rewards, beta, cfg, off_policy)
+        norm = float(d.norm())
+        if not math.isfinite(norm) or norm < tolerance:
+            break
+        with torch.no_grad():
+            table += lr * d
+    return _outcome(cfg.name if cfg is not None else "no-kl", state, rewards, beta, step, norm < tolerance, norm)
+
+
+def optimum_table(problem: TabularProblem, rewards: torch.Tensor, beta: float) -> torch.Tensor:
+    """A logit table whose policy is pi* (every prefix state's next-token distribution, from pi*'s marginals)."""
+    logp = optimum_log_probs(problem, rewards, beta)
+    table = torch.zeros_like(problem.reference_table)
+    for t in range(problem.length):
+        for state in problem.states[:, t].unique():
+            rows = problem.states[:, t] == state
+            for a in range(problem.vocab):
+                pick = rows & (problem.sequences[:, t] == a)
+                table[state, a] = torch.logsumexp(logp[pick], 0) if pick.any() else float("-inf")
+    return torch.log_softmax(table, -1).clamp_min(-1e3)
+
+
+def _outcome(name: str, state: TabularProblem, rewards, beta, steps, converged, norm) -> Outcome:
+    with torch.no_grad():
+        logp = sequence_log_probs(state, state.policy_table)
+        ref = sequence_log_probs(state, state.reference_table)
+        table = state.policy_table
+        return Outcome(name, steps, converged, _kl(logp, optimum_log_probs(state, rewards, beta)), _kl(logp, ref),
+                       float((logp.exp() * rewards).sum()), norm, float(table.max() - table.min()))
+
+
+def dynamics_problem(vocab: int, length: int, seed: int = 0, scale: float = 1.0) -> tuple[TabularProblem, torch.Tensor]:
+    """A tabular problem and a reward in [0, 1] on whole sequences (random, seeded)."""
+    problem = TabularProblem.random(vocab, length, seed, scale)
+    g = torch.Generator().manual_seed(seed + 10_000)
+    return problem, torch.rand(len(problem.sequences), generator=g, dtype=torch.float64)
+
+
+@dataclass
+class DynamicsRow:
+    outcome: Outcome
+    mode: str  # on_policy | off_policy
+    verdict: str  # the audit's verdict at pi = pi_ref
+    fixed_point: str
+
+
+def exact_dynamics(problem: TabularProblem, rewards: torch.Tensor, beta: float, off_policy: bool,
+                   configs: list[KLConfig], lr: float = 2.0, steps: int = 3000) -> list[DynamicsRow]:
+    """One row per configuration (and beta = 0 as the control), each trained from pi_ref."""
+    from megatron_kl.kl.audit import audit
+
+    verdicts = {row.name: row.verdict for row in audit(problem, off_policy, configs)}
+    optimum = optimum_table(problem, rewards, beta)
+    optimum_range = float(optimum.max() - optimum.min())
+    rows = []
+    for cfg in [None, *configs]:
+        outcome = train_exact(problem, rewards, beta, cfg, lr=lr, steps=steps, off_policy=off_policy)
+        rows.append(DynamicsRow(outcome, "off_policy" if off_policy else "on_policy",
+                                verdicts.get(outcome.name, "beta = 0 (control)"), outcome.fixed_point(optimum_range)))
+    return rows
+
+
+def format_dynamics(rows: list[DynamicsRow]) -> str:
+    width = max([36] + [len(r.outcome.name) for r in rows])
+    header = (f"{'configuration':{width}s} {'audit verdict':22s} {'steps':>6s} {'KL(pi||pi*)':>12s} "
+              f"{'KL(pi||ref)':>12s} {'E[r]':>7s}  fixed point")
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        o = r.outcome
+        lines.append(f"{o.name:{width}s} {r.verdict:22s} {o.steps:6d} {max(o.kl_to_optimum, 0.0):12.3e} "
+                     f"{o.kl_to_reference:12.4f} {o.expected_reward:7.4f}  {r.fixed_point}")
+    return "\n".join(lines)
