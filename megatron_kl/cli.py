@@ -9,11 +9,8 @@ import sys
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megatron-kl", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    audit = sub.add_parser("audit", help="exact gradient audit of every KL configuration (tabular policy)")
-    audit.add_argument("--vocab", type=int, default=3)
-    audit.add_argument("--length", type=int, default=3)
-    audit.add_argument("--seed", type=int, default=0)
-    audit.add_argument("--json", type=str, default=None, help="also write the results as JSON here")
+    sub.add_parser("audit", add_help=False, help="exact gradient audit of every KL configuration (tabular policy); "
+                   "--dynamics: their exact training dynamics (megatron-kl audit --help)")
     train = sub.add_parser("train", help="RL training (torchrun for several ranks)")
     train.add_argument("--config", required=True, help="YAML config, e.g. configs/cpu/default.yaml")
     train.add_argument("--check", action="store_true", help="validate the configuration, print it resolved with the "
@@ -51,16 +48,15 @@ def main(argv=None) -> int:
         from megatron_kl.config_reference import main as config_main
 
         return config_main(argv[2:])
+    if argv[:1] == ["audit"]:
+        from megatron_kl.kl.audit_cli import main as audit_main
+
+        return audit_main(argv[1:])
     if argv[:1] == ["validate"]:
         from megatron_kl.launch.validate import main as validate_main
 
         return validate_main(argv[1:])
     args = _build_parser().parse_args(argv)
-    if args.command == "audit":
-        from megatron_kl.kl.audit_cli import main as audit_main
-
-        return audit_main(["--vocab", str(args.vocab), "--length", str(args.length), "--seed", str(args.seed)]
-                          + (["--json", args.json] if args.json else []))
     if args.command == "train":
         from megatron_kl.train.cli import main as train_main
 

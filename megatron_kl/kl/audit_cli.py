@@ -30,7 +30,8 @@ from megatron_kl.kl.truncation import Truncation
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="megatron-kl audit", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--vocab", type=int, default=3)
     parser.add_argument("--length", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)

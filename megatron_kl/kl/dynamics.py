@@ -101,9 +101,8 @@ class Outcome:
             return "pi* (the regularised optimum)"
         if self.converged:
             return "another fixed point (biased)"
-        if self.logit_range > 2 * optimum_logit_range:
-            return "none: logits grow without bound (under-regularised)"
-        return "not reached in the step budget"
+        return (f"none within {self.steps} steps (logit range {self.logit_range:.1f}; pi*'s "
+                f"{optimum_logit_range:.1f})")
 
 
 def reward_gradient(problem: TabularProblem, rewards: torch.Tensor, weights: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -3,12 +3,12 @@ table with the audit's verdict and where the run ended; the JSON agrees with the
 
 import json
 
-from megatron_kl.kl.audit_cli import main
+from megatron_kl.cli import main
 
 
 def test_the_dynamics_table_names_where_each_configuration_ends(tmp_path, capsys):
     out = tmp_path / "dynamics.json"
-    assert main(["--dynamics", "--vocab", "2", "--length", "2", "--seed", "3", "--steps", "3000",
+    assert main(["audit", "--dynamics", "--vocab", "2", "--length", "2", "--seed", "3", "--steps", "1200",
                  "--json", str(out)]) == 0
     printed = capsys.readouterr().out
     rows = json.loads(out.read_text())
