@@ -44,6 +44,12 @@ def main(argv=None) -> int:
     parser.add_argument("--beta", type=float, default=0.5, help="--dynamics: the KL coefficient")
     parser.add_argument("--lr", type=float, default=2.0, help="--dynamics: step size on the logit table")
     parser.add_argument("--steps", type=int, default=3000, help="--dynamics: step budget per configuration")
+    parser.add_argument("--sampled", type=int, default=0, metavar="B",
+                        help="--dynamics: also train on-policy with sampled minibatches of B sequences (the "
+                             "estimators as the trainer computes them), --seeds seeds, step --sampled-lr")
+    parser.add_argument("--seeds", type=int, default=5, help="--sampled: seeds per configuration")
+    parser.add_argument("--sampled-lr", type=float, default=0.5, help="--sampled: step size")
+    parser.add_argument("--sampled-steps", type=int, default=800, help="--sampled: steps per seed")
     args = parser.parse_args(argv)
     if args.dynamics:
         return _dynamics(args)
@@ -88,6 +94,19 @@ def _dynamics(args) -> int:
               "from pi = pi_ref, d = grad E[r] - beta E[g_KL]")
         print(format_dynamics(part))
         rows += part
+    if args.sampled:
+        from megatron_kl.kl.audit import audit
+        from megatron_kl.kl.dynamics import format_sampled, train_sampled
+
+        verdicts = {row.name: row.verdict for row in audit(problem, False, all_configs(False))}
+        sampled = [(train_sampled(problem, rewards, args.beta, cfg, batch=args.sampled, steps=args.sampled_steps,
+                                  lr=args.sampled_lr, seeds=args.seeds),
+                    verdicts.get(cfg.name, "") if cfg is not None else "beta = 0 (control)")
+                   for cfg in [None, *all_configs(False)]]
+        print(f"\n== sampled on-policy training: batch {args.sampled}, {args.seeds} seeds, lr {args.sampled_lr}, "
+              f"{args.sampled_steps} steps; reward by REINFORCE with the batch-mean baseline; unstable = a seed whose "
+              "KL(pi || pi_ref) exceeded 5x the optimum's (or a non-finite value) at any step")
+        print(format_sampled(sampled))
     if args.json:
         Path(args.json).write_text(json.dumps([{**asdict(r.outcome), "mode": r.mode, "verdict": r.verdict,
                                                 "fixed_point": r.fixed_point} for r in rows], indent=1))

@@ -207,3 +207,72 @@ def format_dynamics(rows: list[DynamicsRow]) -> str:
         lines.append(f"{o.name:{width}s} {r.verdict:22s} {o.steps:6d} {max(o.kl_to_optimum, 0.0):12.3e} "
                      f"{o.kl_to_reference:12.4f} {o.expected_reward:7.4f}  {r.fixed_point}")
     return "\n".join(lines)
+
+
+@dataclass
+class SampledOutcome:
+    """A configuration trained with sampled minibatches over several seeds (on-policy)."""
+
+    name: str
+    seeds: int
+    final_kl_to_optimum: list  # per seed, KL(pi_final || pi*)
+    final_kl_to_reference: list
+    unstable: int  # seeds with an instability event: KL(pi || pi_ref) > factor x KL(pi* || pi_ref), or non-finite
+
+    @property
+    def instability_rate(self) -> float:
+        return self.unstable / self.seeds
+
+
+def train_sampled(problem: TabularProblem, rewards: torch.Tensor, beta: float, cfg: Optional[KLConfig],
+                  batch: int = 64, steps: int = 1500, lr: float = 0.5, seeds: int = 5,
+                  instability_factor: float = 5.0) -> SampledOutcome:
+    """On-policy training with the estimators as the trainer computes them: each step draws ``batch`` sequences
+    from pi, the reward's REINFORCE estimate with the batch-mean baseline (GRPO's group mean) plus the
+    configuration's minibatch KL-gradient estimate (sum over the drawn rows / batch). The instability event is
+    defined before any run: KL(pi || pi_ref) above ``instability_factor`` times the optimum's, or a non-finite
+    value, at any step."""
+    optimum = optimum_log_probs(problem, rewards, beta)
+    reference = sequence_log_probs(problem, problem.reference_table)
+    bound = instability_factor * _kl(optimum, reference)
+    finals, drift, unstable = [], [], 0
+    for seed in range(seeds):
+        g = torch.Generator().manual_seed(seed)
+        table = problem.reference_table.clone().requires_grad_(True)
+        state = dataclasses.replace(problem, policy_table=table)
+        event = False
+        for _ in range(steps):
+            probs = sequence_log_probs(state, table).exp().detach()
+            draws = torch.multinomial(probs, batch, replacement=True, generator=g)
+            weights = torch.bincount(draws, minlength=len(probs)).to(probs.dtype) / batch
+            baseline = float((weights * rewards).sum())
+            d = reward_gradient(state, rewards - baseline, weights)
+            if cfg is not None:
+                d = d - beta * kl_gradient(state, dataclasses.replace(cfg, coef=beta), weights)
+            with torch.no_grad():
+                table += lr * d
+                kl_ref = _kl(sequence_log_probs(state, table), reference)
+            if not math.isfinite(kl_ref) or kl_ref > bound:
+                event = True
+                if not math.isfinite(kl_ref):
+                    break
+        with torch.no_grad():
+            logp = sequence_log_probs(state, table)
+            finals.append(_kl(logp, optimum))
+            drift.append(_kl(logp, reference))
+        unstable += int(event)
+    return SampledOutcome(cfg.name if cfg is not None else "no-kl", seeds, finals, drift, unstable)
+
+
+def format_sampled(rows: list[tuple[SampledOutcome, str]]) -> str:
+    """(outcome, audit verdict) rows: mean and spread over seeds of the final KLs, the instability count."""
+    width = max([36] + [len(o.name) for o, _ in rows])
+    header = (f"{'configuration':{width}s} {'audit verdict':22s} {'KL(pi||pi*) mean':>17s} {'(min, max)':>18s} "
+              f"{'KL(pi||ref)':>12s} {'unstable':>9s}")
+    lines = [header, "-" * len(header)]
+    for o, verdict in rows:
+        kl_opt = [max(v, 0.0) for v in o.final_kl_to_optimum]
+        lines.append(f"{o.name:{width}s} {verdict:22s} {sum(kl_opt) / len(kl_opt):17.4f} "
+                     f"({min(kl_opt):7.4f}, {max(kl_opt):7.4f}) {sum(o.final_kl_to_reference) / o.seeds:12.4f} "
+                     f"{o.unstable:>5d}/{o.seeds}")
+    return "\n".join(lines)

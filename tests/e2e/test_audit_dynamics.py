@@ -9,8 +9,10 @@ from megatron_kl.cli import main
 def test_the_dynamics_table_names_where_each_configuration_ends(tmp_path, capsys):
     out = tmp_path / "dynamics.json"
     assert main(["audit", "--dynamics", "--vocab", "2", "--length", "2", "--seed", "3", "--steps", "1200",
-                 "--json", str(out)]) == 0
+                 "--sampled", "32", "--seeds", "2", "--sampled-steps", "100", "--json", str(out)]) == 0
     printed = capsys.readouterr().out
+    sampled = printed.split("== sampled on-policy training")[1]
+    assert "full-loss-sequence" in sampled and "/2" in sampled
     rows = json.loads(out.read_text())
     assert {r["mode"] for r in rows} == {"on_policy", "off_policy"}
     for mode in ("on_policy", "off_policy"):

@@ -71,3 +71,16 @@ def test_k1_in_the_loss_is_the_unregularised_reward_maximiser():
     without = train_exact(problem, rewards, 0.5, None, steps=300)
     assert abs(with_k1.expected_reward - without.expected_reward) < 1e-10
     assert abs(with_k1.kl_to_reference - without.kl_to_reference) < 1e-10
+
+
+def test_sampled_training_separates_unbiased_and_reward_placed_biased_configurations():
+    """With sampled minibatches (the trainer's estimators), the unbiased sequence-level configuration ends near pi*
+    on every seed, the biased k3-in-reward drifts past the pre-defined instability bound on every seed."""
+    from megatron_kl.kl.dynamics import train_sampled
+
+    problem, rewards = dynamics_problem(3, 2, seed=0)
+    configs = {c.name: c for c in all_configs(False)}
+    unbiased = train_sampled(problem, rewards, 0.5, configs["full-loss-sequence"], batch=64, steps=400, seeds=2)
+    biased = train_sampled(problem, rewards, 0.5, configs["k3-reward-sequence"], batch=64, steps=400, seeds=2)
+    assert unbiased.unstable == 0 and max(unbiased.final_kl_to_optimum) < 2e-2, unbiased
+    assert biased.unstable == 2 and min(biased.final_kl_to_optimum) > 0.3, biased
