@@ -37,3 +37,11 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.nodeid.startswith(FAST) and not item.nodeid.startswith(FULL_ONLY):
             item.add_marker(pytest.mark.fast)
+
+
+@pytest.fixture(scope="session")
+def warm_cache(tmp_path_factory):
+    """One warm-start cache for the whole session: the cache is keyed by the model, task and warm-start settings,
+    so every run that shares them reuses one supervised phase (~40 s on 2 cores) instead of repeating it."""
+    return str(tmp_path_factory.mktemp("warm_start_cache"))
+

@@ -33,9 +33,9 @@ def _args(run: Path, cache: str, steps: int) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def base_run(tmp_path_factory):
+def base_run(tmp_path_factory, warm_cache):
     root = tmp_path_factory.mktemp("integrity")
-    cache = str(root / "cache")
+    cache = warm_cache
     code, output = Run(root / "base.log", *_args(root / "base", cache, 2)).wait()
     assert code == 0, output[-3000:]
     return root / "base", cache

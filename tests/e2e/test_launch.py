@@ -25,11 +25,6 @@ def _launch(*args, timeout=600):
                           text=True, timeout=timeout, cwd=ROOT)
 
 
-@pytest.fixture(scope="module")
-def warm_cache(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("warm"))
-
-
 def test_local_two_rank_training_and_status(tmp_path, warm_cache):
     out, home = tmp_path / "out", tmp_path / "home"
     done = _launch("local", "--config", BASE, *SMALL, f"warm_start.cache_dir={warm_cache}",

@@ -49,11 +49,6 @@ def _logged_steps(run: Path) -> list[int]:
     return [r["step"] for r in read_metrics(path) if "reward/mean" in r] if path.is_file() else []
 
 
-@pytest.fixture(scope="module")
-def warm_cache(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("warm"))
-
-
 def _resume_and_check(tmp_path: Path, run: Path, steps: int, stopped_at: int, *overrides: str) -> None:
     code, output = Torchrun(tmp_path / "resumed.log", 2, *overrides).wait()
     assert code == 0, output[-3000:]

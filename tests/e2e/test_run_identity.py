@@ -28,9 +28,9 @@ def snapshot(directory: Path) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def finished_run(tmp_path_factory):
+def finished_run(tmp_path_factory, warm_cache):
     root = tmp_path_factory.mktemp("identity")
-    cache = str(root / "cache")
+    cache = warm_cache
     code, output = Run(root / "base.log", "--config", str(DEFAULT), *_args(root / "run", cache, "train.steps=2")).wait()
     assert code == 0, output[-3000:]
     return root / "run", cache

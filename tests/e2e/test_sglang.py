@@ -213,11 +213,6 @@ def test_stale_weight_version_and_dead_external_server(clean, tmp_path, monkeypa
         dead.generate(PROMPTS[:2], SAMPLING, seed=0)
 
 
-@pytest.fixture(scope="module")
-def warm_cache(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("warm"))
-
-
 @pytest.mark.parametrize("tp, sync", [(1, "from_disk"), (1, "from_distributed"), (2, "from_tensor")])
 def test_training_on_sglang_servers_matches_the_trainers_logprobs(tmp_path, warm_cache, tp, sync):
     """rollout.engine=sglang (managed test server started from the trainer's initial HF export): every step's

@@ -30,10 +30,10 @@ def _wait_for(condition, proc, seconds: float = 300) -> None:
 
 
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGHUP, 75)], ids=["SIGINT", "SIGHUP"])
-def test_ctrl_c_and_hangup_checkpoint_the_finished_steps(tmp_path, sig, code):
+def test_ctrl_c_and_hangup_checkpoint_the_finished_steps(tmp_path, warm_cache, sig, code):
     run = tmp_path / "run"
     job = Run(tmp_path / "log.txt", "--config", str(DEFAULT), f"train.output_dir={run}",
-              f"warm_start.cache_dir={tmp_path / 'cache'}", *COMMON)
+              f"warm_start.cache_dir={warm_cache}", *COMMON)
     _wait_for(lambda: len(_trained(run)) >= 1, job.proc)
     job.proc.send_signal(sig)
     rc, output = job.wait(120)
@@ -44,15 +44,16 @@ def test_ctrl_c_and_hangup_checkpoint_the_finished_steps(tmp_path, sig, code):
 
 
 @pytest.mark.parametrize("staleness", [0, 1])
-def test_a_stop_signal_during_a_hung_rollout_is_honoured_within_seconds(tmp_path, staleness):
-    """The server stops answering /generate (connections stay open); SIGTERM ends the run in seconds - not
+def test_a_stop_signal_during_a_hung_rollout_is_honoured_within_seconds(tmp_path, warm_cache, staleness):
+    """The server stops answering /generate after 72 requests (48 of the step-0 evaluation, 16 of step 0, half of step
+    1; connections stay open); SIGTERM ends the run in seconds - not
     after (max_retries + 1) x request_timeout_s = 5 x 300 s - with the finished steps checkpointed, exit 75."""
     run, marker = tmp_path / "run", tmp_path / "hung"
     job = Run(tmp_path / "log.txt", "--config", str(DEFAULT), f"train.output_dir={run}",
-              f"warm_start.cache_dir={tmp_path / 'cache'}", *COMMON, "rollout.engine=sglang",
+              f"warm_start.cache_dir={warm_cache}", *COMMON, "rollout.engine=sglang",
               f"train.staleness={staleness}", f"rollout.sglang.server_module={TEST_SERVER}",
               f"rollout.sglang.port={server_port()}", "rollout.sglang.request_timeout_s=300",
-              f"rollout.sglang.extra_args=[--fault-hang-after, '120', --fault-marker, '{marker}']")
+              f"rollout.sglang.extra_args=[--fault-hang-after, '72', --fault-marker, '{marker}']")
     _wait_for(marker.is_file, job.proc)
     time.sleep(1.0)  # the trainer is now waiting on the hung request
     sent = time.monotonic()
@@ -67,14 +68,14 @@ def test_a_stop_signal_during_a_hung_rollout_is_honoured_within_seconds(tmp_path
     assert [p.name for p in complete_checkpoints(run / "checkpoints")] == [f"step_{finished:06d}"]
 
 
-def test_kill_9_takes_the_managed_rollout_server_with_the_trainer(tmp_path):
+def test_kill_9_takes_the_managed_rollout_server_with_the_trainer(tmp_path, warm_cache):
     """A managed SGLang server runs in a session of its own (stop() takes its process group); when the trainer
     is killed without stopping it, the kernel's parent-death signal ends it."""
     import psutil
 
     run = tmp_path / "run"
     job = Run(tmp_path / "log.txt", "--config", str(DEFAULT), f"train.output_dir={run}",
-              f"warm_start.cache_dir={tmp_path / 'cache'}", *COMMON, "rollout.engine=sglang",
+              f"warm_start.cache_dir={warm_cache}", *COMMON, "rollout.engine=sglang",
               f"rollout.sglang.server_module={TEST_SERVER}", f"rollout.sglang.port={server_port()}")
     _wait_for(lambda: len(_trained(run)) >= 1, job.proc)
     children = psutil.Process(job.proc.pid).children(recursive=True)
@@ -93,7 +94,7 @@ def test_a_stop_signal_while_starting_ends_the_run_with_a_message(tmp_path):
     one line, nothing trained."""
     run = tmp_path / "run"
     job = Run(tmp_path / "log.txt", "--config", str(DEFAULT), f"train.output_dir={run}",
-              f"warm_start.cache_dir={tmp_path / 'cache'}", *COMMON)
+              f"warm_start.cache_dir={tmp_path / 'cache'}", *COMMON, "warm_start.steps=200")  # its own: it must run
     _wait_for(lambda: "warm start step" in job.log.read_text(errors="replace"), job.proc)
     job.proc.send_signal(signal.SIGTERM)
     rc, output = job.wait(300)

@@ -27,11 +27,6 @@ CASES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def warm_cache(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("warm"))
-
-
 @pytest.mark.parametrize("name, world, overrides", CASES, ids=[c[0] for c in CASES])
 def test_step_0_policy_equals_reference_and_rollout(tmp_path, warm_cache, name, world, overrides):
     extra = [f"rollout.sglang.port={server_port()}"] if "rollout.engine=sglang" in overrides else []

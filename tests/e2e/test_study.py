@@ -28,11 +28,6 @@ def _study(tmp_path, warm_cache, configurations, grid=None) -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
-def warm_cache(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("warm"))
-
-
 def test_study_runs_reports_and_keeps_failures(tmp_path, warm_cache):
     configurations = [
         {"name": "k3-loss", "overrides": ["kl.estimator=k3", "kl.placement=loss"]},

@@ -25,11 +25,6 @@ DEFAULT = ROOT / "configs" / "cpu" / "default.yaml"
 VOLATILE = ("time/", "throughput/")
 
 
-@pytest.fixture(scope="session")
-def warm_cache(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("warm_start_cache"))
-
-
 def short_config(out: Path, cache: str, *overrides: str) -> dict:
     data = yaml.safe_load(DEFAULT.read_text())
     apply_overrides(data, [

@@ -12,11 +12,6 @@ from tests.e2e.workers import train_worker
 TRUNCATED = ("rollout.sampling.top_p=0.9", "rollout.sampling.top_k=20", "rollout.sampling.temperature=0.9")
 
 
-@pytest.fixture(scope="module")
-def warm_cache(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("warm"))
-
-
 def _steps(metrics):
     return [m for m in metrics if "mismatch/abs_logprob_max" in m]
 
