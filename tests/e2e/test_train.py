@@ -218,12 +218,24 @@ def test_kill_9_and_resume_reproduce_the_uninterrupted_run(tmp_path, warm_cache)
     ("parallel.tensor_parallel=3", "tensor_parallel"),
     ("model.fused_grad=in_forward kl.level=sequence", "model.fused_grad=in_forward needs a row-separable loss"),
 ])
-def test_bad_config_values_fail_with_the_field_named(tmp_path, override, message):
-    code, output = Run(tmp_path / "log.txt", "--config", str(DEFAULT), f"train.output_dir={tmp_path / 'run'}",
-                       "warm_start.enabled=false", *override.split()).wait(300)
+def test_bad_config_values_fail_with_the_field_named(tmp_path, capsys, override, message):
+    """In-process: ``train`` runs the same checks (loop.prepare) before anything starts as ``--check`` does here;
+    the CLI's own exit code is the next test's."""
+    from megatron_kl.train.cli import main as train_main
+
+    code = train_main(str(DEFAULT), [f"train.output_dir={tmp_path / 'run'}", "warm_start.enabled=false",
+                                     *override.split()], check_only=True)
+    output = capsys.readouterr().err
     assert code == 2, output[-2000:]
     assert message in output, output[-2000:]
-    assert not (tmp_path / "run" / "checkpoints").exists()
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_bad_config_value_exits_2_before_anything_starts(tmp_path):
+    code, output = Run(tmp_path / "log.txt", "--config", str(DEFAULT), f"train.output_dir={tmp_path / 'run'}",
+                       "warm_start.enabled=false", "parallel.tensor_parallel=3").wait(300)
+    assert code == 2 and "tensor_parallel" in output, output[-2000:]
+    assert "host_malloc" not in output and not (tmp_path / "run").exists()  # nothing was set up
 
 
 def test_default_config_improves_in_domain_accuracy_over_its_warm_start(tmp_path):
