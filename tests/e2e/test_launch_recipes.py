@@ -41,6 +41,8 @@ def _normalized(text: str) -> str:
     ("train.py", "h100_login", PAPER), ("study.py", "h100_login", STUDY), ("train.py", "local", CPU)])
 def test_recipe_dryrun_equals_megatron_kl_launch(tmp_path, recipe, cluster, config):
     places = [f"launch.home={tmp_path / 'home'}", f"launch.slurm.tunnel.job_dir={tmp_path / 'jobs'}"]
+    if recipe == "study.py":  # NeMo-Run git-archives the code once per task (102 here, ~0.9 s each); the
+        places.append("launch.slurm.packager=none")  # packager is compared on the train.py cases
     mine = _run(f"launch/{recipe}", "--cluster", cluster, "--config", config, "--dryrun", *places).stdout
     spec = CLUSTERS[cluster]()
     theirs = _run("-m", "megatron_kl.cli", "launch", spec.executor, "--config", config, "--dryrun",
@@ -87,7 +89,7 @@ print(json.dumps({"seen": seen, "tasks": len(plan.tasks), "scripts": list(script
 def test_customize_hook_edits_every_executor(tmp_path):
     """(NeMo-Run's dry run reads stdin: in a subprocess, not under pytest's capture.)"""
     out = _run("-c", CUSTOMIZED, STUDY, f"launch.home={tmp_path / 'home'}",
-               f"launch.slurm.tunnel.job_dir={tmp_path / 'jobs'}").stdout
+               f"launch.slurm.tunnel.job_dir={tmp_path / 'jobs'}", "launch.slurm.packager=none").stdout
     result = json.loads(out.strip().splitlines()[-1])
     # one executor per task, two for a heterogeneous (disaggregated SGLang) task
     assert len(result["seen"]) >= result["tasks"] > 1 and set(result["seen"]) == {"SlurmExecutor"}
