@@ -26,7 +26,8 @@ setup(
         "requests>=2.31",  # SGLang / vLLM server clients
     ],
     extras_require={
-        "test": ["pytest>=8", "hypothesis>=6"],
+        # setuptools >= 70.1 builds wheels itself: tests/e2e/test_installed_package.py builds one without isolation
+        "test": ["pytest>=8", "hypothesis>=6", "setuptools>=70.1"],
         # apex is built from source on clusters (see README, "GPU extras")
         "gpu": ["transformer-engine[pytorch]"],
         "sglang": ["sglang[srt]"],
