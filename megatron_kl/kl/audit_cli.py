@@ -95,14 +95,13 @@ def _dynamics(args) -> int:
         print(format_dynamics(part))
         rows += part
     if args.sampled:
-        from megatron_kl.kl.audit import audit
         from megatron_kl.kl.dynamics import format_sampled, train_sampled
 
-        verdicts = {row.name: row.verdict for row in audit(problem, False, all_configs(False))}
-        sampled = [(train_sampled(problem, rewards, args.beta, cfg, batch=args.sampled, steps=args.sampled_steps,
-                                  lr=args.sampled_lr, seeds=args.seeds),
-                    verdicts.get(cfg.name, "") if cfg is not None else "beta = 0 (control)")
-                   for cfg in [None, *all_configs(False)]]
+        verdicts = {r.outcome.name: r.verdict for r in rows if r.mode == "on_policy"}  # the control's included
+        sampled = [(outcome, verdicts[outcome.name])
+                   for outcome in (train_sampled(problem, rewards, args.beta, cfg, batch=args.sampled,
+                                                 steps=args.sampled_steps, lr=args.sampled_lr, seeds=args.seeds)
+                                   for cfg in [None, *all_configs(False)])]
         print(f"\n== sampled on-policy training: batch {args.sampled}, {args.seeds} seeds, lr {args.sampled_lr}, "
               f"{args.sampled_steps} steps; reward by REINFORCE with the batch-mean baseline; unstable = a seed whose "
               "KL(pi || pi_ref) exceeded 5x the optimum's (or a non-finite value) at any step")

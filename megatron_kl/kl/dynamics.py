@@ -219,10 +219,6 @@ class SampledOutcome:
     final_kl_to_reference: list
     unstable: int  # seeds with an instability event: KL(pi || pi_ref) > factor x KL(pi* || pi_ref), or non-finite
 
-    @property
-    def instability_rate(self) -> float:
-        return self.unstable / self.seeds
-
 
 def train_sampled(problem: TabularProblem, rewards: torch.Tensor, beta: float, cfg: Optional[KLConfig],
                   batch: int = 64, steps: int = 1500, lr: float = 0.5, seeds: int = 5,
@@ -235,6 +231,7 @@ def train_sampled(problem: TabularProblem, rewards: torch.Tensor, beta: float, c
     optimum = optimum_log_probs(problem, rewards, beta)
     reference = sequence_log_probs(problem, problem.reference_table)
     bound = instability_factor * _kl(optimum, reference)
+    cfg_at_beta = dataclasses.replace(cfg, coef=beta) if cfg is not None else None
     finals, drift, unstable = [], [], 0
     for seed in range(seeds):
         g = torch.Generator().manual_seed(seed)
@@ -247,8 +244,8 @@ def train_sampled(problem: TabularProblem, rewards: torch.Tensor, beta: float, c
             weights = torch.bincount(draws, minlength=len(probs)).to(probs.dtype) / batch
             baseline = float((weights * rewards).sum())
             d = reward_gradient(state, rewards - baseline, weights)
-            if cfg is not None:
-                d = d - beta * kl_gradient(state, dataclasses.replace(cfg, coef=beta), weights)
+            if cfg_at_beta is not None:
+                d = d - beta * kl_gradient(state, cfg_at_beta, weights)
             with torch.no_grad():
                 table += lr * d
                 kl_ref = _kl(sequence_log_probs(state, table), reference)

@@ -262,12 +262,11 @@ def main(argv: list[str], clusters=None, prog: str = "megatron-kl validate") -> 
 
 
 def repository_checkout() -> Optional[Path]:
-    """The megatron-kl checkout this package runs from (an editable install, or the current directory), whose
-    other ``gpu`` tests ``gpu_tests`` adds; None for an installed package."""
-    for candidate in (Path(__file__).resolve().parents[2], Path.cwd()):
-        if (candidate / "tests" / "e2e").is_dir() and (candidate / "megatron_kl" / "validation").is_dir():
-            return candidate
-    return None
+    """The megatron-kl checkout this package is imported from (a checkout or an editable install), whose other
+    ``gpu`` tests ``gpu_tests`` adds; None for an installed package (another checkout in the current directory
+    is never mixed with it)."""
+    candidate = Path(__file__).resolve().parents[2]
+    return candidate if (candidate / "tests" / "e2e").is_dir() and (candidate / "configs").is_dir() else None
 
 
 def packaged_config(relative: str) -> Path:

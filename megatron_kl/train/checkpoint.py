@@ -271,8 +271,8 @@ def _reason(error: Optional[BaseException]) -> str:
 
 def load_latest(directory: Path, run_state: RunState, run_id: Optional[str] = None) -> Optional[Path]:
     """Load the newest complete checkpoint under ``directory`` that loads into ``run_state``, falling back to
-    older ones (each failure logged with its file); its path, or None when there is none. A directory whose checkpoints all fail to load
-    is a CheckpointError listing why."""
+    older ones (each failure logged with its file); its path, or None when there is none. A directory whose
+    checkpoints all fail to load is a CheckpointError listing why."""
     failures = []
     for path in reversed(complete_checkpoints(directory)):
         try:
