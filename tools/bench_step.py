@@ -43,6 +43,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
+def _synchronize() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def gemm_rate(rows: int, hidden: int, ffn: int, dtype: str = "float32", repeats: int = 20) -> float:
     """Best FLOP/s of [rows, hidden] x [hidden, ffn] in ``dtype`` on this machine (the best of ``repeats``: a
     floor taken from a transiently slow machine would flatter the step - 5 repeats once measured half the rate)."""
@@ -50,11 +57,15 @@ def gemm_rate(rows: int, hidden: int, ffn: int, dtype: str = "float32", repeats:
 
     import torch
 
-    a, b = torch.randn(rows, hidden).to(getattr(torch, dtype)), torch.randn(hidden, ffn).to(getattr(torch, dtype))
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # where the trainer runs its model
+    a = torch.randn(rows, hidden).to(device, getattr(torch, dtype))
+    b = torch.randn(hidden, ffn).to(device, getattr(torch, dtype))
     best = float("inf")
     for _ in range(repeats):
+        _synchronize()
         start = time.perf_counter()
         torch.mm(a, b)
+        _synchronize()
         best = min(best, time.perf_counter() - start)
     return 2 * rows * hidden * ffn / best
 
@@ -65,11 +76,13 @@ def memory_bandwidth(nbytes: int = 1 << 29, repeats: int = 10) -> float:
 
     import torch
 
-    x = torch.ones(nbytes // 4)
+    x = torch.ones(nbytes // 4, device="cuda" if torch.cuda.is_available() else "cpu")
     best = float("inf")
     for _ in range(repeats):
+        _synchronize()
         start = time.perf_counter()
         x.sum()
+        _synchronize()
         best = min(best, time.perf_counter() - start)
     return nbytes / best
 

@@ -54,7 +54,7 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * resource.getpagesize()
 
 
-def _logits_inputs(tokens: int, vocab: int, world: int, rank: int, scale: float = 2.0):
+def _logits_inputs(tokens: int, vocab: int, world: int, rank: int, scale: float = 2.0, device: str = "cpu"):
     import torch
 
     g = torch.Generator().manual_seed(0)
@@ -63,15 +63,16 @@ def _logits_inputs(tokens: int, vocab: int, world: int, rank: int, scale: float 
     targets = torch.randint(0, vocab, (tokens,), generator=g)
     local = vocab // world
     sl = slice(rank * local, (rank + 1) * local)
-    return logits[:, sl].contiguous(), reference[:, sl].contiguous(), targets
+    return (logits[:, sl].contiguous().to(device), reference[:, sl].contiguous().to(device), targets.to(device))
 
 
-def _truncation_paths(tokens: int, vocab: int, chunk, group, world: int, rank: int, scale: float) -> dict:
+def _truncation_paths(tokens: int, vocab: int, chunk, group, world: int, rank: int, scale: float,
+                      device: str = "cpu") -> dict:
     """name -> prepare() for log-prob + entropy + exact KL, full and truncated (``TRUNCATIONS``), in place."""
     from megatron_kl.kl.truncation import Truncation
     from megatron_kl.kl.vocab_parallel import fused_stats
 
-    logits, reference, targets = _logits_inputs(tokens, vocab, world, rank, scale)
+    logits, reference, targets = _logits_inputs(tokens, vocab, world, rank, scale, device)
 
     def prepare(rule):
         x = logits.clone().requires_grad_(True)
@@ -85,13 +86,13 @@ def _truncation_paths(tokens: int, vocab: int, chunk, group, world: int, rank: i
     return {name: (lambda rule=rule: prepare(rule)) for name, rule in TRUNCATIONS.items()}
 
 
-def _logits_paths(tokens: int, vocab: int, chunk, group, world: int, rank: int) -> dict:
+def _logits_paths(tokens: int, vocab: int, chunk, group, world: int, rank: int, device: str = "cpu") -> dict:
     """name -> prepare(); prepare() makes the fresh input copy and returns the timed fwd+bwd closure."""
     import torch
 
     from megatron_kl.kl.vocab_parallel import fused_stats
 
-    logits, reference, targets = _logits_inputs(tokens, vocab, world, rank)
+    logits, reference, targets = _logits_inputs(tokens, vocab, world, rank, device=device)
 
     def megatron_core():
         from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -136,7 +137,7 @@ def _logits_paths(tokens: int, vocab: int, chunk, group, world: int, rank: int) 
     return paths
 
 
-def _linear_paths(tokens: int, vocab: int, hidden_size: int, chunk) -> dict:
+def _linear_paths(tokens: int, vocab: int, hidden_size: int, chunk, device: str = "cpu") -> dict:
     import torch
 
     from megatron_kl.kl.fused_linear import default_chunk_rows, fused_linear_grads, fused_linear_stats
@@ -148,6 +149,9 @@ def _linear_paths(tokens: int, vocab: int, hidden_size: int, chunk) -> dict:
     reference_hidden = torch.randn(tokens, hidden_size, generator=g)
     reference_weight = torch.randn(vocab, hidden_size, generator=g) / hidden_size ** 0.5
     targets = torch.randint(0, vocab, (tokens,), generator=g)
+    hidden, reference_hidden, reference_weight, targets = (
+        t.to(device) for t in (hidden, reference_hidden, reference_weight, targets))
+    weight = weight.detach().to(device).requires_grad_(True)
 
     def loss_of(stats):
         return stats.logprobs.sum() + stats.entropy.sum() + stats.kl.sum()
@@ -178,7 +182,7 @@ def _linear_paths(tokens: int, vocab: int, hidden_size: int, chunk) -> dict:
         return torch.autograd.grad(loss_of(stats), (h, weight))
 
     def single_pass():  # model.fused_grad=in_forward: the loss is row-separable, dL/d(stats) = 1 per row
-        ones = torch.ones(tokens)
+        ones = torch.ones(tokens, device=device)
         _, grad_hidden, grad_weight = fused_linear_grads(
             hidden, weight.detach(), reference_hidden, reference_weight, targets, None, TEMPERATURE, None,
             chunk or default_chunk_rows(vocab, single_pass=True),
@@ -201,8 +205,12 @@ def _interleaved(paths: dict, repeats: int, group=None) -> dict:
             run = prepare()
             if group is not None:
                 dist.barrier(group=group)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
             start = time.perf_counter()
             run()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
             elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
             if group is not None:
                 dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
@@ -355,6 +363,62 @@ def run_linear(args) -> None:
             print(_row(name, values, times["unfused"], memory[name], unit))
 
 
+def _gpu_memory(prepare) -> int:
+    """Peak extra CUDA memory of one run of ``prepare()()`` over what is allocated before it (inputs included)."""
+    import torch
+
+    prepare()()  # warm-up
+    run = prepare()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    baseline = torch.cuda.memory_allocated()
+    run()
+    torch.cuda.synchronize()
+    return max(0, torch.cuda.max_memory_allocated() - baseline)
+
+
+def run_gpu(args, section: str) -> None:
+    """``--device cuda``: one GPU, TP=1, in this process; CUDA-synchronised wall times, peak CUDA memory."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron.core import parallel_state
+
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+        dist.init_process_group("nccl", rank=0, world_size=1)
+        torch.cuda.set_device(0)
+        parallel_state.initialize_model_parallel(1)
+    group = parallel_state.get_tensor_model_parallel_group()
+    device = "cuda"
+    card = torch.cuda.get_device_name(0)
+    for size in args.sizes.split(","):
+        tokens, vocab = map(int, size.split("x"))
+        unit = tokens * vocab * 4
+        if section == "logits":
+            tables = [("logits in, fp32, fwd+bwd, TP=1; ratios vs megatron-core vocab_parallel_cross_entropy",
+                       _logits_paths(tokens, vocab, args.chunk or None, group, 1, 0, device), "megatron_core_logprobs")]
+        elif section == "truncation":
+            tables = [(f"logits in (scale {scale} x randn), fp32, log-prob + entropy + exact KL fwd+bwd in place, "
+                       "TP=1; ratios vs the full softmax",
+                       _truncation_paths(tokens, vocab, args.chunk or None, group, 1, 0, scale, device), "full_stats")
+                      for scale in LOGIT_SCALES]
+        else:
+            tables = [(f"hidden in (H={args.hidden}), fp32: projection + log-prob + entropy + exact KL, grads w.r.t. "
+                       "hidden and weight; ratios vs unfused",
+                       _linear_paths(tokens, vocab, args.hidden, args.chunk or None, device), "unfused")]
+        for title, paths, baseline in tables:
+            memory = {name: _gpu_memory(prepare) for name, prepare in paths.items()}
+            times = _interleaved(paths, args.repeats)
+            print(f"\n{card}: {title} ({size}, {args.repeats} rounds; peak CUDA memory over the inputs, "
+                  "in fp32-logits units)")
+            print(f"{'impl':>26s} {'min s':>8s} {'median s':>8s} {'min x':>9s} {'median x':>9s} {'peak MiB':>10s} "
+                  f"{'x logits':>8s}")
+            for name, values in times.items():
+                print(_row(name, values, times[baseline], memory[name], unit))
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--section", choices=("logits", "chunks", "linear", "truncation", "all"), default="all")
@@ -364,6 +428,9 @@ def main(argv=None) -> int:
                         "(896: Qwen2.5-0.5B, whose vocabulary is 151936 padded to 152064)")
     parser.add_argument("--chunk", type=int, default=0, help="rows per chunk; 0 = automatic")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: the logits, truncation and linear sections at TP=1 on one GPU (CUDA-synchronised "
+                        "times, peak CUDA memory); cpu: every section, TP=1 and TP=2 gloo ranks")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -375,6 +442,10 @@ def main(argv=None) -> int:
         sub = argparse.Namespace(**vars(args))
         if sub.sizes is None:
             sub.sizes = "2048x152064" if section == "linear" else "4096x32768"
+        if args.device == "cuda":
+            if section != "chunks":  # the chunk rule is tuned for CPU caches
+                run_gpu(sub, section)
+            continue
         {"logits": run_logits, "chunks": run_chunks, "linear": run_linear, "truncation": run_truncation}[section](sub)
     return 0
 

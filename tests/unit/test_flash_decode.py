@@ -22,10 +22,12 @@ BATCH, HEADS, GROUPS, DIM, MAX_LEN = 3, 6, 2, 16, 24
 @pytest.mark.parametrize("rotary_percent", [1.0, 0.5])
 def test_rotation_from_tables_equals_megatrons_training_rope(dtype, interleaved, rotary_percent):
     rope = RotaryEmbedding(DIM, rotary_percent, rotary_interleaved=interleaved, rotary_base=10000,
-                           use_cpu_initialization=True)  # a CPU kernel test, also where CUDA exists
+                           use_cpu_initialization=True)
     positions = 11
-    x = (torch.randn(positions, BATCH, HEADS, DIM, generator=torch.Generator().manual_seed(0)) * 30).to(dtype)
-    expected = _apply_rotary_pos_emb_bshd(x, rope(positions), rotary_interleaved=interleaved)  # [s, b, h, d]
+    embedding = rope(positions)  # megatron-core moves the frequencies to the GPU here where CUDA exists
+    x = (torch.randn(positions, BATCH, HEADS, DIM, generator=torch.Generator().manual_seed(0)) * 30).to(
+        embedding.device, dtype)
+    expected = _apply_rotary_pos_emb_bshd(x, embedding, rotary_interleaved=interleaved)  # [s, b, h, d]
     cos, sin = rope.get_cos_sin(MAX_LEN)
     actual = rotate_with_cos_sin(x.transpose(0, 1), cos[:positions], sin[:positions], interleaved).transpose(0, 1)
     assert actual.dtype == dtype

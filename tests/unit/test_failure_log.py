@@ -1,0 +1,18 @@
+"""The failure-log plugin names a failing test in its file while the run is still going."""
+
+import subprocess
+import sys
+
+
+def test_a_failing_test_is_written_with_its_traceback_and_a_passing_one_is_not(tmp_path):
+    (tmp_path / "test_planted.py").write_text(
+        "def test_fails():\n    assert 2 + 2 == 5, 'planted'\n\n"
+        "def test_passes():\n    assert True\n")
+    log = tmp_path / "failures.txt"
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           "-p", "megatron_kl.testing.failure_log", "--failure-log", str(log),
+                           str(tmp_path / "test_planted.py")], capture_output=True, text=True, cwd=tmp_path)
+    assert done.returncode == 1, done.stdout + done.stderr
+    text = log.read_text()
+    assert "test_planted.py::test_fails [call]" in text and "planted" in text
+    assert "test_passes" not in text
