@@ -1,4 +1,4 @@
-"""`megatron-kl` command line: subcommands register here as their issues land."""
+"""`megatron-kl` command line: one subcommand per job (audit, train, study, convert, launch, config, validate)."""
 
 from __future__ import annotations
 
