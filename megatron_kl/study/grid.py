@@ -42,6 +42,7 @@ class StudyConfig:
     configurations: list[Configuration] = field(default_factory=list)
     grid: dict = field(default_factory=dict)
     instability_factor: float = 10.0  # an event: KL or grad norm above factor x its run median
+    collapse_fraction: float = 0.5  # unstable: final in-domain pass@1 below this x its first evaluation (0: off)
 
 
 @dataclass
@@ -88,7 +89,8 @@ def load_study(path, overrides: Optional[list[str]] = None) -> StudyConfig:
                         seeds=[int(s) for s in data.get("seeds") or [1]],
                         common=[str(o) for o in data.get("common") or []] + list(overrides or []),
                         configurations=configs, grid=data.get("grid") or {},
-                        instability_factor=float(data.get("instability_factor", 10.0)))
+                        instability_factor=float(data.get("instability_factor", 10.0)),
+                        collapse_fraction=float(data.get("collapse_fraction", 0.5)))
     names = [c.name for c in study.configurations + _grid_configurations(study.grid)]
     if not names:
         raise ConfigError(f"study config {path}: give 'configurations' and/or a 'grid'")

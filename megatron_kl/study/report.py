@@ -37,13 +37,24 @@ def _series(records: list[dict], key: str) -> dict[int, float]:
 
 
 def _instabilities(records: list[dict], factor: float) -> int:
+    """Steps whose exact KL or grad norm is not finite or above ``factor`` x the run's median, plus the updates the
+    trainer skipped as non-finite (``optim/skipped_updates``, a running count)."""
     events = 0
     for key in ("kl/exact_token", "optim/grad_norm"):
         values = [r.get(key) for r in records if key in r]
         finite = [v for v in values if v is not None and math.isfinite(v)]
         median = statistics.median(finite) if finite else 0.0
         events += sum(1 for v in values if v is None or not math.isfinite(v) or (median > 0 and v > factor * median))
-    return events
+    skipped = [r["optim/skipped_updates"] for r in records if r.get("optim/skipped_updates") is not None]
+    return events + int(max(skipped, default=0))
+
+
+def collapsed(records: list[dict], fraction: float) -> bool:
+    """Final in-domain pass@1 below ``fraction`` x its first evaluation's (False without two evaluations)."""
+    series = _series(records, "eval/id/pass@1")
+    if len(series) < 2 or fraction <= 0:
+        return False
+    return series[max(series)] < fraction * series[min(series)]
 
 
 def audit_verdict(base: str, overrides: list[str]) -> str:
@@ -60,11 +71,12 @@ def audit_verdict(base: str, overrides: list[str]) -> str:
     return verdict.describe() + chosen
 
 
-def stability(seeds_ok: int, failed: int, events: int) -> str:
-    """``stable``: every seed finished without an instability event; else what went wrong."""
+def stability(seeds_ok: int, failed: int, events: int, collapses: int = 0) -> str:
+    """``stable``: every seed finished without an instability event or a collapse; else what went wrong."""
     if seeds_ok == 0:
         return "no finished seed"
-    problems = ([f"{failed} seed(s) failed"] if failed else []) + ([f"{events} events"] if events else [])
+    problems = (([f"{failed} seed(s) failed"] if failed else []) + ([f"{events} events"] if events else [])
+                + ([f"{collapses} collapsed"] if collapses else []))
     return "unstable: " + ", ".join(problems) if problems else "stable"
 
 
@@ -87,12 +99,15 @@ def collect(study: StudyConfig, runs: list[RunSpec], status: dict) -> dict:
     """Per configuration: its runs' metrics (ok runs only) and failures."""
     groups: dict[str, dict] = {}
     for spec in runs:
-        group = groups.setdefault(spec.configuration, {"records": [], "failed": [], "overrides": spec.overrides})
+        group = groups.setdefault(spec.configuration, {"records": [], "seeds": [], "failed": [], "failed_seeds": [],
+                                                       "overrides": spec.overrides})
         entry = status.get(spec.name, {"state": "not run"})
         metrics = spec.output_dir / "metrics.jsonl"
         if entry.get("state") == "ok" and metrics.is_file():
             group["records"].append(read_metrics(metrics))
+            group["seeds"].append(spec.seed)
         else:
+            group["failed_seeds"].append(spec.seed)
             group["failed"].append((spec.name, entry))
     return groups
 
@@ -153,16 +168,58 @@ def _best(records: list[dict], key: str) -> Optional[float]:
     return max(series.values()) if series else None
 
 
+def outcomes(study: StudyConfig, groups: dict) -> list:
+    """One :class:`claims.RunOutcome` per (configuration, seed), failed runs included (unstable)."""
+    from megatron_kl.study.claims import RunOutcome
+
+    result = []
+    for name, group in groups.items():
+        for seed, records in zip(group["seeds"], group["records"]):
+            unstable = (_instabilities(records, study.instability_factor) > 0
+                        or collapsed(records, study.collapse_fraction))
+            result.append(RunOutcome(name, seed, True, unstable, _final(records, "eval/id/pass@1"),
+                                     _final(records, "eval/ood/pass@1"), _final(records, "kl/exact_token")))
+        result += [RunOutcome(name, seed, False, True) for seed in group["failed_seeds"]]
+    return result
+
+
+def roles(study: StudyConfig, groups: dict) -> dict:
+    from megatron_kl.study.claims import role_of
+    from megatron_kl.train.config import load_train_config
+
+    return {name: role_of(load_train_config(study.base, group["overrides"])) for name, group in groups.items()}
+
+
+def instability_definition(study: StudyConfig) -> str:
+    return (f"a failed seed, a non-finite or skipped update, an exact KL or grad norm above "
+            f"{study.instability_factor:g}x its run median, or final in-domain pass@1 below "
+            f"{study.collapse_fraction:g}x its first evaluation")
+
+
+def _runtime(status: dict) -> str:
+    seconds = [entry.get("seconds") for entry in status.values() if entry.get("seconds") is not None]
+    if not seconds:
+        return ""
+    return f"Runtime: {sum(seconds) / 60:.1f} min for {len(seconds)} runs (the sum of the runs' wall times)."
+
+
 def write_report(study: StudyConfig, runs: list[RunSpec], status: dict) -> dict:
+    from megatron_kl.study import claims
+    from megatron_kl.study.claim_figures import claim_figures
+
     out = Path(study.output_dir)
     groups = collect(study, runs, status)
-    figures = _figures(groups, out / "figures")
+    run_roles = roles(study, groups)
+    claim_results = claims.evaluate(outcomes(study, groups), run_roles)
+    figures = claim_figures(groups, run_roles, out / "figures") + _figures(groups, out / "figures")
     lines = [f"# Study `{study.name}`", "",
              f"Base config `{study.base}`, seeds {study.seeds}, common overrides `{' '.join(study.common) or '-'}`.",
              "Scores are means over the seeds that finished; best = max over evaluations. Instability events: "
              f"steps where the exact KL or the grad norm exceeds {study.instability_factor:g}x the run median or "
-             "is not finite (summed over seeds).", "",
-             "## Results", "",
+             "is not finite, and skipped non-finite updates (summed over seeds); collapsed: final in-domain pass@1 "
+             f"below {study.collapse_fraction:g}x the first evaluation's.", _runtime(status), ""] + claims.markdown(claim_results, run_roles,
+                                                                        instability_definition(study)) + [
+             "", "## Results", "",
              "| configuration | seeds ok | failed | final reward | " + " | ".join(f"final {label}" for _, label in FINAL)
              + " | best ID pass@1 | final exact KL | instability events | stability | kl/biased | audit |",
              "|" + "---|" * (10 + len(FINAL))]
@@ -179,7 +236,9 @@ def write_report(study: StudyConfig, runs: list[RunSpec], status: dict) -> dict:
             "kl_biased": _tagged_biased(records),
             "audit": audit_verdict(study.base, group["overrides"]),
         }
-        row["stability"] = stability(row["seeds_ok"], len(row["failed"]), row["instability_events"])
+        row["collapsed_seeds"] = sum(collapsed(r, study.collapse_fraction) for r in records)
+        row["stability"] = stability(row["seeds_ok"], len(row["failed"]), row["instability_events"],
+                                     row["collapsed_seeds"])
         biased = {None: "n/a", True: "1", False: "0"}[row["kl_biased"]]
         summary[name] = row
         lines.append(f"| {name} | {row['seeds_ok']} | {len(row['failed'])} | {_fmt(row['final_reward'])} | "
@@ -197,5 +256,8 @@ def write_report(study: StudyConfig, runs: list[RunSpec], status: dict) -> dict:
     lines += ["", "## Raw metrics", "", "Each run's `metrics.jsonl` is under `runs/<configuration>-seed<seed>/`; "
               "`results.json` holds this table; `status.json` each run's state."]
     (out / "report.md").write_text("\n".join(lines) + "\n")
+    claims_json = [{"claim": c.claim, "comparison": c.comparison, "verdict": c.verdict, "note": c.note,
+                    "statistics": c.statistics} for c in claim_results]
     (out / "results.json").write_text(json.dumps(summary, indent=2))
-    return {"report": str(out / "report.md"), "figures": figures, "results": summary}
+    (out / "claims.json").write_text(json.dumps(claims_json, indent=2))
+    return {"report": str(out / "report.md"), "figures": figures, "results": summary, "claims": claims_json}

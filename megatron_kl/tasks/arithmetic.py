@@ -3,7 +3,8 @@
 Prompt ``<bos>37+45=``, answer ``82<eos>`` (reward 1 for the exact answer followed by EOS, 0 otherwise).
 In-domain: operands with ``min_digits..max_digits`` digits and ``operators``; OOD: operands with
 ``ood_min_digits..ood_max_digits`` digits and ``ood_operators`` (longer operands, possibly unseen
-operators). The tokenizer is character level, so the model's vocabulary only needs ``CHARS``.
+operators), or, with ``held_out_min_operand`` > 0, a region of the in-domain operand space that training never
+shows: both operands in ``[held_out_min_operand, held_out_max_operand]`` (systematic generalisation, which a small model partly achieves). The tokenizer is character level, so the model's vocabulary only needs ``CHARS``.
 """
 
 from __future__ import annotations
@@ -44,6 +45,16 @@ def _validate(cfg: ArithmeticConfig) -> None:
         ops = getattr(cfg, prefix + "operators")
         if not ops or any(o not in _OPS for o in ops):
             raise ConfigError(f"task.arithmetic.{prefix}operators={ops!r}: use a non-empty subset of {''.join(_OPS)!r}")
+    lo, hi = cfg.held_out_min_operand, _held_out_max(cfg)
+    if cfg.held_out_min_operand or cfg.held_out_max_operand:
+        if not 1 <= lo <= hi <= 10**cfg.max_digits - 1:
+            raise ConfigError(f"task.arithmetic.held_out_min_operand={lo} / held_out_max_operand="
+                              f"{cfg.held_out_max_operand}: need 1 <= min <= max <= {10**cfg.max_digits - 1} "
+                              f"(max_digits={cfg.max_digits}; max 0 = the largest), or both 0 (no held-out region)")
+
+
+def _held_out_max(cfg: ArithmeticConfig) -> int:
+    return cfg.held_out_max_operand or 10**cfg.max_digits - 1
 
 
 class ArithmeticTask:
@@ -65,10 +76,18 @@ class ArithmeticTask:
         if split not in SPLITS:
             raise ValueError(f"split={split!r}; use one of {SPLITS}")
         rng = random.Random(f"{self.seed}/{split}/{index}")
-        prefix = "ood_" if split == "ood" else ""
-        lo, hi = getattr(self.cfg, prefix + "min_digits"), getattr(self.cfg, prefix + "max_digits")
-        op = rng.choice(getattr(self.cfg, prefix + "operators"))
-        a, b = self._operand(rng, lo, hi), self._operand(rng, lo, hi)
+        held_out = self.cfg.held_out_min_operand
+        lo_h, hi_h = held_out, _held_out_max(self.cfg)
+        if held_out and split == "ood":  # the held-out region: both operands in [lo_h, hi_h]
+            op = rng.choice(self.cfg.operators)
+            a, b = rng.randint(lo_h, hi_h), rng.randint(lo_h, hi_h)
+        else:
+            prefix = "ood_" if split == "ood" else ""
+            lo, hi = getattr(self.cfg, prefix + "min_digits"), getattr(self.cfg, prefix + "max_digits")
+            op = rng.choice(getattr(self.cfg, prefix + "operators"))
+            a, b = self._operand(rng, lo, hi), self._operand(rng, lo, hi)
+            while held_out and lo_h <= a <= hi_h and lo_h <= b <= hi_h:  # never inside the held-out region
+                a, b = self._operand(rng, lo, hi), self._operand(rng, lo, hi)
         answer = str(_OPS[op](a, b))
         if self.cfg.reverse_answer:
             answer = answer[::-1]

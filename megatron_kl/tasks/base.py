@@ -58,6 +58,12 @@ class ArithmeticConfig:
     ood_max_digits: int = 3
     ood_operators: str = "+-"
     reverse_answer: bool = False  # write the answer least-significant digit first (easier for tiny models)
+    # held_out_min_operand > 0: a held-out region of the in-domain operand space. Training and in-domain evaluation
+    # never pose a problem whose operands both lie in [held_out_min_operand, held_out_max_operand]; the OOD split
+    # poses only those (the in-domain operators; ood_min_digits/ood_max_digits/ood_operators then unused).
+    # held_out_max_operand 0: the largest max_digits-digit number.
+    held_out_min_operand: int = 0
+    held_out_max_operand: int = 0
 
 
 @dataclass

@@ -1,0 +1,217 @@
+"""The paper's three claims, tested on a study's runs: the comparison, a paired bootstrap interval, a verdict.
+
+Each run is placed by its own config, never by its name: its regime (on-policy when ``train.staleness`` is 0),
+its KL coefficient ``beta`` (``kl.coef``; 0 or no KL term: the control) and, for ``beta`` > 0, the exact
+gradient audit's verdict on its KL term for its ``kl.target`` in that regime (:func:`train.config.kl_verdict`).
+RPG runs carry their own regulariser and are left out of the comparisons (listed as such).
+
+An *unstable* run (declared in the study config before any run): a seed that failed, or one with an instability
+event (:func:`study.report.instability_events`: a non-finite or skipped update, exact KL or grad norm above
+``instability_factor`` x its run median) or a collapse (final in-domain pass@1 below ``collapse_fraction`` x
+its step-0 value).
+
+1. *On-policy, biased gradients can make training unstable*: at each ``beta`` > 0 with both groups, per seed the
+   unstable fraction of the biased configurations minus that of the unbiased ones, averaged over the ``beta``s;
+   the statistic is its mean over seeds (> 0: the claim's direction).
+2. *On-policy, unbiased gradients give better in-domain and OOD performance*: the same pairing on final
+   in-domain and OOD pass@1, unbiased minus biased (> 0 for both: the claim's direction).
+3. *Off-policy, a KL term stabilises training*: at each staleness with runs of both kinds, per seed the unstable
+   fraction without a KL term minus with one (> 0: the claim's direction); final in-domain pass@1 is reported
+   beside it.
+
+Intervals: 95 % percentile bootstrap over seeds (the runs of one seed share the warm start and the RL seed, so
+differences are paired within a seed), 10 000 resamples. Verdict: ``reproduced`` when the interval lies above 0,
+``not reproduced`` when it lies below 0 (the opposite effect), ``inconclusive`` otherwise, or with fewer than
+two paired seeds; claim 2 needs both scores reproduced and is not reproduced when either is.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import statistics
+from dataclasses import dataclass, field
+from typing import Optional
+
+RESAMPLES = 10_000
+REPRODUCED, NOT_REPRODUCED, INCONCLUSIVE = "reproduced", "not reproduced", "inconclusive"
+
+
+@dataclass
+class RunOutcome:
+    """What the claims need of one (configuration, seed) run."""
+
+    configuration: str
+    seed: int
+    ok: bool
+    unstable: bool
+    final_id: Optional[float] = None
+    final_ood: Optional[float] = None
+    final_kl: Optional[float] = None
+
+
+@dataclass
+class Role:
+    """Where a configuration sits in the claims: regime, staleness, coefficient and bias (None: no KL term)."""
+
+    staleness: int
+    beta: float
+    biased: Optional[bool]
+    excluded: Optional[str] = None  # why it takes part in no comparison
+
+    @property
+    def on_policy(self) -> bool:
+        return self.staleness == 0
+
+
+@dataclass
+class ClaimResult:
+    claim: str
+    comparison: str
+    statistics: dict = field(default_factory=dict)  # name -> {estimate, low, high, seeds, verdict}
+    verdict: str = INCONCLUSIVE
+    note: str = ""
+
+
+def role_of(cfg) -> Role:
+    from megatron_kl.train.config import kl_verdict
+
+    staleness = cfg.train.staleness
+    if cfg.algo.loss == "rpg":
+        return Role(staleness, cfg.algo.rpg.coef, None, excluded="RPG: its own regulariser")
+    verdict = kl_verdict(cfg)
+    if verdict is None:
+        return Role(staleness, 0.0, None)
+    return Role(staleness, cfg.kl.coef, not verdict.unbiased)
+
+
+def bootstrap(per_seed: dict[int, float], resamples: int = RESAMPLES, seed: int = 0) -> tuple[float, float, float]:
+    """(mean, 2.5 %, 97.5 %) of the mean over seeds of a paired per-seed difference."""
+    values = list(per_seed.values())
+    estimate = statistics.fmean(values)
+    if len(values) < 2:
+        return estimate, math.nan, math.nan
+    rng = random.Random(seed)
+    means = sorted(statistics.fmean(rng.choices(values, k=len(values))) for _ in range(resamples))
+    return estimate, means[int(0.025 * resamples)], means[int(0.975 * resamples) - 1]
+
+
+def verdict_of(low: float, high: float, seeds: int) -> str:
+    if seeds < 2 or math.isnan(low):
+        return INCONCLUSIVE
+    if low > 0:
+        return REPRODUCED
+    if high < 0:
+        return NOT_REPRODUCED
+    return INCONCLUSIVE
+
+
+def _paired(outcomes: list[RunOutcome], roles: dict[str, Role], strata: dict, metric, first, second
+            ) -> dict[int, float]:
+    """Per seed: the mean over strata of mean(metric over ``first`` runs) - mean(metric over ``second`` runs).
+
+    ``strata``: stratum key -> predicate on a Role; ``first``/``second``: predicates on a Role. A stratum counts
+    for a seed when both sides have a value at that seed."""
+    by_seed: dict[int, list[float]] = {}
+    for predicate in strata.values():
+        seeds = sorted({o.seed for o in outcomes})
+        for seed in seeds:
+            sides = []
+            for side in (first, second):
+                values = [metric(o) for o in outcomes
+                          if o.seed == seed and predicate(roles[o.configuration]) and side(roles[o.configuration])]
+                values = [v for v in values if v is not None]
+                sides.append(statistics.fmean(values) if values else None)
+            if None not in sides:
+                by_seed.setdefault(seed, []).append(sides[0] - sides[1])
+    return {seed: statistics.fmean(diffs) for seed, diffs in by_seed.items()}
+
+
+def _statistic(per_seed: dict[int, float]) -> dict:
+    if not per_seed:
+        return {"estimate": None, "low": None, "high": None, "seeds": 0, "verdict": INCONCLUSIVE}
+    estimate, low, high = bootstrap(per_seed)
+    return {"estimate": estimate, "low": None if math.isnan(low) else low,
+            "high": None if math.isnan(high) else high, "seeds": len(per_seed),
+            "verdict": verdict_of(low, high, len(per_seed))}
+
+
+def _unstable(outcome: RunOutcome) -> float:
+    return float(outcome.unstable)
+
+
+def evaluate(outcomes: list[RunOutcome], roles: dict[str, Role]) -> list[ClaimResult]:
+    """The three claims on these runs (module docstring)."""
+    active = {name: role for name, role in roles.items() if role.excluded is None}
+    outcomes = [o for o in outcomes if o.configuration in active]
+    on_betas = sorted({r.beta for r in active.values() if r.on_policy and r.biased is not None})
+    strata_on = {beta: (lambda r, beta=beta: r.on_policy and r.beta == beta) for beta in on_betas}
+    is_biased, is_unbiased = (lambda r: r.biased is True), (lambda r: r.biased is False)
+    results = []
+
+    claim1 = ClaimResult("1. on-policy, biased gradients can make training unstable",
+                         "unstable fraction, biased minus unbiased KL configurations, paired by seed, averaged "
+                         f"over beta in {on_betas}")
+    claim1.statistics["unstable fraction (biased - unbiased)"] = _statistic(
+        _paired(outcomes, active, strata_on, _unstable, is_biased, is_unbiased))
+    claim1.verdict = claim1.statistics["unstable fraction (biased - unbiased)"]["verdict"]
+    if not any(o.unstable for o in outcomes if active[o.configuration].on_policy):
+        claim1.note = "no on-policy run was unstable at this scale"
+    results.append(claim1)
+
+    claim2 = ClaimResult("2. on-policy, unbiased gradients give better in-domain and OOD performance",
+                         "final pass@1, unbiased minus biased KL configurations, paired by seed, averaged over "
+                         f"beta in {on_betas}")
+    for label, metric in (("in-domain pass@1 (unbiased - biased)", lambda o: o.final_id),
+                          ("OOD pass@1 (unbiased - biased)", lambda o: o.final_ood)):
+        claim2.statistics[label] = _statistic(_paired(outcomes, active, strata_on, metric, is_unbiased, is_biased))
+    verdicts = [s["verdict"] for s in claim2.statistics.values()]
+    claim2.verdict = (NOT_REPRODUCED if NOT_REPRODUCED in verdicts
+                      else REPRODUCED if all(v == REPRODUCED for v in verdicts) else INCONCLUSIVE)
+    results.append(claim2)
+
+    stalenesses = sorted({r.staleness for r in active.values() if not r.on_policy})
+    strata_off = {s: (lambda r, s=s: r.staleness == s) for s in stalenesses}
+    no_kl, with_kl = (lambda r: r.biased is None), (lambda r: r.biased is not None)
+    claim3 = ClaimResult("3. off-policy, a KL term stabilises training",
+                         "unstable fraction without minus with a KL term at the same staleness "
+                         f"({stalenesses}), paired by seed")
+    claim3.statistics["unstable fraction (no KL - KL)"] = _statistic(
+        _paired(outcomes, active, strata_off, _unstable, no_kl, with_kl))
+    claim3.statistics["in-domain pass@1 (KL - no KL), not in the verdict"] = _statistic(
+        _paired(outcomes, active, strata_off, lambda o: o.final_id, with_kl, no_kl))
+    claim3.verdict = claim3.statistics["unstable fraction (no KL - KL)"]["verdict"]
+    if not any(o.unstable for o in outcomes if not active[o.configuration].on_policy):
+        claim3.note = "no off-policy run was unstable at this scale: nothing for the KL term to stabilise"
+    results.append(claim3)
+    return results
+
+
+def markdown(results: list[ClaimResult], roles: dict[str, Role], definition: str) -> list[str]:
+    """The report's Claims section."""
+
+    def fmt(value):
+        return "n/a" if value is None else f"{value:+.3f}"
+
+    lines = ["## Claims", "", f"Unstable run: {definition}. Intervals: 95 % bootstrap over seeds "
+             f"({RESAMPLES} resamples), paired within a seed. Verdict: reproduced when the interval lies above 0, not "
+             "reproduced when below, inconclusive otherwise (or with fewer than two seeds).", "",
+             "| claim | statistic | estimate | 95 % interval | seeds | verdict |", "|---|---|---|---|---|---|"]
+    for result in results:
+        for name, stat in result.statistics.items():
+            interval = "n/a" if stat["low"] is None else f"[{fmt(stat['low'])}, {fmt(stat['high'])}]"
+            lines.append(f"| {result.claim} | {name} | {fmt(stat['estimate'])} | {interval} | {stat['seeds']} | "
+                         f"{stat['verdict']} |")
+    lines += ["", "Verdicts:", ""]
+    for result in results:
+        note = f" ({result.note})" if result.note else ""
+        lines.append(f"- **{result.claim}**: {result.verdict}{note}. Comparison: {result.comparison}.")
+    lines += ["", "| configuration | regime | beta | audit for its kl.target | in the claims |", "|---|---|---|---|---|"]
+    for name, role in roles.items():
+        regime = "on-policy" if role.on_policy else f"off-policy (staleness {role.staleness})"
+        bias = "no KL term" if role.biased is None and role.excluded is None else (
+            "-" if role.biased is None else "biased" if role.biased else "unbiased")
+        used = role.excluded or ("1, 2" if role.on_policy and role.biased is not None
+                                 else "3" if not role.on_policy else "control")
+        lines.append(f"| {name} | {regime} | {role.beta:g} | {bias} | {used} |")
+    return lines
