@@ -6,15 +6,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from megatron_kl.study.series import final, series as metric_series
+
 
 def _group_curve(groups: dict, names: list[str], key: str):
     """(steps, mean, low, high) over seeds of the per-seed mean over ``names``; None when nothing was logged."""
-    from megatron_kl.study.report import _series
-
     per_seed: dict[int, list[dict]] = {}
     for name in names:
         for seed, records in zip(groups[name]["seeds"], groups[name]["records"]):
-            series = _series(records, key)
+            series = metric_series(records, key)
             if series:
                 per_seed.setdefault(seed, []).append(series)
     if not per_seed:
@@ -108,13 +108,11 @@ def claim_figures(groups: dict, roles: dict, out: Path) -> list[str]:
 
     finals = [(n, r) for n, r in roles.items() if groups[n]["records"]]
     if finals:  # final in-domain vs OOD pass@1, one point per run
-        from megatron_kl.study.report import _final
-
         fig, ax = plt.subplots(figsize=(5.5, 4.2))
         kinds = {"unbiased": lambda r: r.biased is False, "biased": lambda r: r.biased is True,
                  "no KL / other": lambda r: r.biased is None}
         for label, test in kinds.items():
-            points = [(_final(rec, "eval/id/pass@1"), _final(rec, "eval/ood/pass@1"))
+            points = [(final(rec, "eval/id/pass@1"), final(rec, "eval/ood/pass@1"))
                       for n, r in finals if test(r) for rec in groups[n]["records"]]
             points = [(x, y) for x, y in points if x is not None and y is not None]
             if points:

@@ -14,26 +14,18 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import statistics
 from pathlib import Path
 from typing import Optional
 
 from megatron_kl.study.grid import RunSpec, StudyConfig
+from megatron_kl.study.series import final as _final, series as _series
 from megatron_kl.train.metrics import read_metrics
 
 CURVES = [("reward/mean", "reward"), ("eval/id/pass@1", "in-domain pass@1"), ("kl/exact_token", "exact KL / token"),
           ("entropy/mean", "entropy"), ("optim/grad_norm", "grad norm")]
 FINAL = [("eval/id/pass@1", "ID pass@1"), ("eval/id/mean@k", "ID mean@k"), ("eval/ood/pass@1", "OOD pass@1"),
          ("eval/ood/mean@k", "OOD mean@k")]
-
-
-def _series(records: list[dict], key: str) -> dict[int, float]:
-    """step -> value; a key with ``mean@k`` matches the run's ``mean@<eval.k>``."""
-    if "mean@k" in key:
-        pattern = re.compile(re.escape(key).replace("mean@k", r"mean@\d+"))
-        return {r["step"]: v for r in records for name, v in r.items() if pattern.fullmatch(name) and v is not None}
-    return {r["step"]: r[key] for r in records if r.get(key) is not None}
 
 
 def _instabilities(records: list[dict], factor: float) -> int:
@@ -156,11 +148,6 @@ def _figures(groups: dict, out: Path) -> list[str]:
     fig.savefig(bars, dpi=100)
     plt.close(fig)
     return [str(curves), str(bars)]
-
-
-def _final(records: list[dict], key: str) -> Optional[float]:
-    series = _series(records, key)
-    return series[max(series)] if series else None
 
 
 def _best(records: list[dict], key: str) -> Optional[float]:
