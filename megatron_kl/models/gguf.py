@@ -39,33 +39,47 @@ def find_gguf(source: str) -> Path:
     return path
 
 
-def gguf_to_hf(source: str, out: str, dtype: str = "float32") -> Path:
-    """Write the HF directory (config.json, model.safetensors, tokenizer files) of the GGUF ``source``."""
+def load_gguf(path: Path):
+    """(model, tokenizer) as transformers reads the GGUF file: float32, the GGUF quantizer still attached."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if dtype not in ("float32", "bfloat16"):
-        raise ConfigError(f"--dtype {dtype}: use float32 (the GGUF's de-quantized values exactly) or bfloat16")
-    path = find_gguf(source)
     try:
         import accelerate  # noqa: F401  (transformers needs it to read GGUF)
         import gguf  # noqa: F401
     except ImportError as err:
         raise ConfigError(f"reading GGUF needs the '{err.name}' package: pip install -e '.[gguf]'") from None
-    loaded = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
-    for attribute in ("quantization_config",):
-        if hasattr(config, attribute):
-            delattr(config, attribute)
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    return model, AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
+def save_hf(model, tokenizer, out: str, dtype: str = "float32") -> Path:
+    """Save ``model``'s weights through a plain model of its config (no quantizer) in ``dtype``, and the tokenizer."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if dtype not in ("float32", "bfloat16"):
+        raise ConfigError(f"--dtype {dtype}: use float32 (the GGUF's de-quantized values exactly) or bfloat16")
+    config = model.config.__class__.from_dict(model.config.to_dict())
+    if hasattr(config, "quantization_config"):
+        delattr(config, "quantization_config")
     config.torch_dtype = getattr(torch, dtype)
     with torch.device("meta"):
         plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    state = {name: tensor.to(getattr(torch, dtype)) for name, tensor in loaded.state_dict().items()}
+    state = {name: tensor.to(getattr(torch, dtype)) for name, tensor in model.state_dict().items()}
     plain.load_state_dict(state, strict=True, assign=True)
     if config.tie_word_embeddings:
         plain.tie_weights()
     target = Path(out)
     target.mkdir(parents=True, exist_ok=True)
     plain.save_pretrained(target, safe_serialization=True)
-    AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name).save_pretrained(target)
+    tokenizer.save_pretrained(target)
     return target
+
+
+def gguf_to_hf(source: str, out: str, dtype: str = "float32") -> Path:
+    """Write the HF directory (config.json, model.safetensors, tokenizer files) of the GGUF ``source``."""
+    if dtype not in ("float32", "bfloat16"):
+        raise ConfigError(f"--dtype {dtype}: use float32 (the GGUF's de-quantized values exactly) or bfloat16")
+    model, tokenizer = load_gguf(find_gguf(source))
+    return save_hf(model, tokenizer, out, dtype)

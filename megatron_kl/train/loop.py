@@ -13,7 +13,7 @@ from typing import Optional
 import torch.distributed as dist
 
 from megatron_kl import child_processes
-from megatron_kl.config import redact_secrets, to_dict, validate_parallel
+from megatron_kl.config import ConfigError, redact_secrets, to_dict, validate_parallel
 from megatron_kl.models import builder, hf, optim, output_head, parallel, state
 from megatron_kl.models.offload import ReferenceOffload
 from megatron_kl.tasks import build_task
@@ -71,7 +71,11 @@ def _hf_source(cfg: TrainConfig):
     """The init HF checkpoint, with the run's model config checked against (and completed from) it."""
     if cfg.init.hf_checkpoint is None:
         return None
-    checkpoint = hf.HFCheckpoint(cfg.init.hf_checkpoint)
+    try:
+        checkpoint = hf.HFCheckpoint(cfg.init.hf_checkpoint)
+    except FileNotFoundError as err:
+        raise ConfigError(f"init.hf_checkpoint={cfg.init.hf_checkpoint}: {err}; give an HF model directory (write one "
+                          "with `megatron-kl convert --megatron CKPT --out DIR` or `--gguf FILE --out DIR`)") from None
     cfg.model = hf.model_config_for_run(cfg.model, checkpoint)
     return checkpoint
 

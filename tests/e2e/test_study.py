@@ -57,7 +57,8 @@ def test_study_runs_reports_and_keeps_failures(tmp_path, warm_cache):
                                                  else f"unstable: {results['k1-reward']['instability_events']} events")
     assert results["broken"]["stability"] == "no finished seed"
     assert "| stability | kl/biased | audit |" in report
-    row = next(line for line in report.splitlines() if line.startswith("| broken |"))
+    results_section = report[report.index("## Results"):]
+    row = next(line for line in results_section.splitlines() if line.startswith("| broken |"))
     assert "| 0 | 1 |" in row
     status = json.loads((out / "status.json").read_text())
     assert status["broken-seed1"]["state"] == "failed" and status["broken-seed1"]["error_tail"]

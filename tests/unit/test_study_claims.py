@@ -98,6 +98,10 @@ def test_runs_are_placed_by_their_config_and_the_paper_preset_has_every_arm():
     assert roles["k3-loss-token-b1"] == Role(0, 1.0, True)
     assert roles["no-kl"] == Role(0, 0.0, None) and roles["async4-no-kl"] == Role(4, 0.0, None)
     assert len(cpu.seeds) >= 5
+    smol = load_study(ROOT / "configs" / "study" / "smollm2-135m.yaml")
+    smol_roles = {c.name: role_of(load_train_config(smol.base, [*smol.common, *c.overrides]))
+                  for c in smol.configurations}
+    assert {r.biased for r in smol_roles.values()} == {True, False, None} and len(smol.seeds) >= 3
 
     paper = load_study(ROOT / "configs" / "study" / "qwen2.5-7b.yaml",
                        ["launch.slurm.account=acct", "launch.slurm.container_image=image"])
