@@ -25,6 +25,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
+from megatron_kl.algo.corrections import CORRECTIONS
 from megatron_kl.kl.audit import TabularProblem, all_configs, audit, behavior_configs, format_table
 from megatron_kl.kl.truncation import Truncation
 
@@ -50,6 +51,16 @@ def main(argv=None) -> int:
     parser.add_argument("--seeds", type=int, default=5, help="--sampled: seeds per configuration")
     parser.add_argument("--sampled-lr", type=float, default=0.5, help="--sampled: step size")
     parser.add_argument("--sampled-steps", type=int, default=800, help="--sampled: steps per seed")
+    parser.add_argument("--stale", type=int, nargs="+", default=[], metavar="S",
+                        help="--sampled: also train asynchronously on samples from the policy S steps old, for "
+                             "each S, with and without a KL term and with each --stale-corrections on the reward")
+    parser.add_argument("--stale-corrections", nargs="+", default=["none", "sequence_tis"], choices=CORRECTIONS,
+                        help="--stale: behaviour corrections (algo.behavior_correction; the truncated-IS kinds "
+                             "uncapped, their unbiased limit)")
+    parser.add_argument("--stale-configs", nargs="+", default=None,
+                        help="--stale: configuration names (default: kl/dynamics.py STALE_CONFIGS)")
+    parser.add_argument("--stale-only", action="store_true",
+                        help="--stale: print the stale-sample table only (skip the exact and on-policy tables)")
     args = parser.parse_args(argv)
     if args.dynamics:
         return _dynamics(args)
@@ -86,6 +97,13 @@ def _dynamics(args) -> int:
     from megatron_kl.kl.dynamics import dynamics_problem, exact_dynamics, format_dynamics
 
     problem, rewards = dynamics_problem(args.vocab, args.length, args.seed)
+    if args.stale and not args.sampled:
+        raise SystemExit("--stale needs --sampled B (the batch of each stale-sample step)")
+    if args.stale_only:
+        if not args.stale:
+            raise SystemExit("--stale-only needs --stale S [S ...]")
+        _stale(args, problem, rewards)
+        return 0
     rows = []
     for off in (False, True):
         part = exact_dynamics(problem, rewards, args.beta, off, all_configs(off), lr=args.lr, steps=args.steps)
@@ -106,11 +124,43 @@ def _dynamics(args) -> int:
               f"{args.sampled_steps} steps; reward by REINFORCE with the batch-mean baseline; unstable = a seed whose "
               "KL(pi || pi_ref) exceeded 5x the optimum's (or a non-finite value) at any step")
         print(format_sampled(sampled))
+        if args.stale:
+            _stale(args, problem, rewards)
     if args.json:
         Path(args.json).write_text(json.dumps([{**asdict(r.outcome), "mode": r.mode, "verdict": r.verdict,
                                                 "fixed_point": r.fixed_point} for r in rows], indent=1))
         print(f"\nwrote {args.json}")
     return 0
+
+
+def _stale(args, problem, rewards) -> None:
+    import math
+
+    from megatron_kl.algo.corrections import Correction, canonical
+    from megatron_kl.kl.dynamics import COLLAPSE_DROP, STALE_CONFIGS, format_stale, train_stale
+
+    configs = {cfg.name: cfg for cfg in all_configs(True)}
+    names = args.stale_configs or list(STALE_CONFIGS)
+    unknown = [name for name in names if name not in configs]
+    if unknown:
+        raise SystemExit(f"--stale-configs: unknown configuration(s) {unknown}; known: {sorted(configs)}")
+    verdicts = {row.name: row.verdict for row in audit(problem, True, [configs[name] for name in names])}
+    corrections = [None if canonical(kind) == "none" else
+                   Correction(kind, tis_cap=math.inf) if canonical(kind).endswith("_tis") else Correction(kind)
+                   for kind in args.stale_corrections]
+    rows = []
+    for staleness in args.stale:
+        for correction in corrections:
+            for name in [None, *names]:
+                outcome = train_stale(problem, rewards, args.beta, configs.get(name), staleness, correction,
+                                      batch=args.sampled, steps=args.sampled_steps, lr=args.sampled_lr,
+                                      seeds=args.seeds, collapse_drop=COLLAPSE_DROP)
+                rows.append((outcome, verdicts.get(outcome.name, "beta = 0 (control)")))
+    print(f"\n== stale samples (train.staleness = S: samples from the policy S updates old): batch {args.sampled}, "
+          f"{args.seeds} seeds, lr {args.sampled_lr}, {args.sampled_steps} steps, beta {args.beta}; the correction "
+          "weighs the reward's policy gradient, the KL term uses its own kl.off_policy; unstable = a seed whose "
+          f"E_pi[r] fell more than {COLLAPSE_DROP} below its best (or a non-finite value); verdicts: the off-policy audit")
+    print(format_stale(rows))
 
 
 if __name__ == "__main__":

@@ -273,3 +273,104 @@ def format_sampled(rows: list[tuple[SampledOutcome, str]]) -> str:
                      f"({min(kl_opt):7.4f}, {max(kl_opt):7.4f}) {sum(o.final_kl_to_reference) / o.seeds:12.4f} "
                      f"{o.unstable:>5d}/{o.seeds}")
     return "\n".join(lines)
+
+
+# the stale-sample runs' instability event: E_pi[r] (rewards in [0, 1]) falls this far below its best value so far
+COLLAPSE_DROP = 0.25
+
+
+@dataclass
+class StaleOutcome:
+    """A configuration trained on samples from a policy ``staleness`` steps old, over several seeds."""
+
+    name: str
+    staleness: int
+    correction: str  # the behaviour correction's label on the reward's policy gradient
+    seeds: int
+    final_reward: list  # per seed, E_pi[r] at the end
+    final_kl_to_reference: list
+    final_kl_to_optimum: list  # KL(pi_final || pi*) (beta = 0: pi* of the same beta, for comparison)
+    unstable: int  # seeds with an instability event (:func:`train_stale`)
+
+
+def token_log_probs(problem: TabularProblem, table: torch.Tensor) -> torch.Tensor:
+    """log pi(y_t | s_t) of every sequence and position [N, T]."""
+    return problem.log_probs(table).gather(-1, problem.sequences[..., None])[..., 0]
+
+
+def train_stale(problem: TabularProblem, rewards: torch.Tensor, beta: float, cfg: Optional[KLConfig],
+                staleness: int, correction=None, batch: int = 64, steps: int = 800, lr: float = 0.5,
+                seeds: int = 5, collapse_drop: float = COLLAPSE_DROP) -> StaleOutcome:
+    """Asynchronous training as the trainer runs it with ``train.staleness = s``: each step draws ``batch``
+    sequences from mu = pi_{t-s} (the policy s updates ago; pi_ref before that), the reward's policy gradient is
+    sum_y w(y) sum_t c_t (r(y) - b) grad log pi(y_t | s_t) with the batch-mean baseline b and the behaviour
+    correction's weights c_t from pi / mu (``correction``, an algo.corrections.Correction; None: c = 1), and the KL
+    term is the configuration's minibatch estimate with mu's log-probs as its behaviour log-probs (its own
+    kl.off_policy correction). s = 0 is on-policy.
+
+    The instability event is defined before any run and is the same with and without a KL term: a non-finite
+    value, or a reward collapse: the exact E_pi[r] falls more than ``collapse_drop`` below the best value the run
+    had reached."""
+    from collections import deque
+
+    optimum = optimum_log_probs(problem, rewards, beta)
+    reference = sequence_log_probs(problem, problem.reference_table)
+    cfg_at_beta = dataclasses.replace(cfg, coef=beta) if cfg is not None else None
+    mask = torch.ones_like(problem.sequences, dtype=torch.bool)
+    finals, drift, to_optimum, unstable = [], [], [], 0
+    for seed in range(seeds):
+        g = torch.Generator().manual_seed(seed)
+        table = problem.reference_table.clone().requires_grad_(True)
+        history = deque([problem.reference_table.clone()] * (staleness + 1), maxlen=staleness + 1)
+        best, event = -math.inf, False
+        for _ in range(steps):
+            state = dataclasses.replace(problem, policy_table=table, behavior_table=history[0])
+            behavior = token_log_probs(problem, history[0])
+            draws = torch.multinomial(behavior.sum(-1).exp(), batch, replacement=True, generator=g)
+            weights = torch.bincount(draws, minlength=len(rewards)).to(rewards.dtype) / batch
+            advantage = rewards - float((weights * rewards).sum())
+            logp = token_log_probs(problem, table)
+            c = None if correction is None else correction.weights(logp.detach(), behavior, mask)[0]
+            surrogate = (weights * advantage)[:, None] * logp * (1.0 if c is None else c)
+            (d,) = torch.autograd.grad(surrogate.sum(), table)
+            if cfg_at_beta is not None:
+                d = d - beta * kl_gradient(state, cfg_at_beta, weights, off_policy=True)
+            with torch.no_grad():
+                table += lr * d
+                history.append(table.detach().clone())
+                logp_seq = sequence_log_probs(problem, table)
+                reward = float((logp_seq.exp() * rewards).sum())
+            if not math.isfinite(reward) or not bool(torch.isfinite(table).all()):
+                event = True
+                break
+            best = max(best, reward)
+            event = event or reward < best - collapse_drop
+        with torch.no_grad():
+            logp_seq = sequence_log_probs(problem, table)
+            finals.append(float((logp_seq.exp() * rewards).sum()))
+            drift.append(_kl(logp_seq, reference))
+            to_optimum.append(_kl(logp_seq, optimum))
+        unstable += int(event)
+    label = "none" if correction is None else correction.label
+    return StaleOutcome(cfg.name if cfg is not None else "no-kl", staleness, label, seeds, finals, drift,
+                        to_optimum, unstable)
+
+
+# The configurations the stale-sample table trains by default: the control, the unbiased sequence-level ones and
+# their per-decision off-policy forms, and the two most used biased ones (k3 in the loss per token, k3 in the reward).
+STALE_CONFIGS = ("k1-reward-token-rtg", "k1-reward-token-rtg-per_decision", "k2-loss-sequence",
+                 "full-loss-sequence-per_decision", "k3-loss-token", "k3-reward-token-rtg")
+
+
+def format_stale(rows: list[tuple[StaleOutcome, str]]) -> str:
+    """(outcome, off-policy audit verdict) rows: final E[r] and KLs over seeds, the instability count."""
+    width = max([34] + [len(o.name) for o, _ in rows])
+    header = (f"{'stale':>5s} {'correction':22s} {'configuration':{width}s} {'audit verdict':22s} "
+              f"{'E[r] mean':>9s} {'(min, max)':>16s} {'KL(pi||ref)':>11s} {'KL(pi||pi*)':>11s} {'unstable':>9s}")
+    lines = [header, "-" * len(header)]
+    for o, verdict in rows:
+        mean = lambda v: sum(v) / len(v)  # noqa: E731
+        lines.append(f"{o.staleness:5d} {o.correction:22s} {o.name:{width}s} {verdict:22s} {mean(o.final_reward):9.4f} "
+                     f"({min(o.final_reward):6.4f}, {max(o.final_reward):6.4f}) {mean(o.final_kl_to_reference):11.4f} "
+                     f"{mean(o.final_kl_to_optimum):11.4f} {o.unstable:>5d}/{o.seeds}")
+    return "\n".join(lines)
