@@ -84,3 +84,81 @@ def test_sampled_training_separates_unbiased_and_reward_placed_biased_configurat
     biased = train_sampled(problem, rewards, 0.5, configs["k3-reward-sequence"], batch=64, steps=400, seeds=2)
     assert unbiased.unstable == 0 and max(unbiased.final_kl_to_optimum) < 2e-2, unbiased
     assert biased.unstable == 2 and min(biased.final_kl_to_optimum) > 0.3, biased
+
+
+def _recording_multinomial(monkeypatch):
+    """Record the sampler's sequence probabilities at every step of a dynamics run."""
+    seen = []
+    real = torch.multinomial
+
+    def record(probs, *args, **kwargs):
+        seen.append(probs.detach().clone())
+        return real(probs, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "multinomial", record)
+    return seen
+
+
+@pytest.mark.parametrize("staleness", [0, 2])
+def test_stale_training_samples_from_the_policy_s_updates_old(monkeypatch, staleness):
+    """With train.staleness = s, step t (the policy after t updates) samples from pi_{t-s}, pi_0 = pi_ref while
+    t <= s, and from a policy that moved after that."""
+    from megatron_kl.kl.dynamics import sequence_log_probs, train_stale
+
+    problem, rewards = dynamics_problem(3, 2, seed=0)
+    cfg = {c.name: c for c in all_configs(True)}["k2-loss-sequence"]
+    seen = _recording_multinomial(monkeypatch)
+    train_stale(problem, rewards, 0.5, cfg, staleness, batch=16, steps=6, lr=1.0, seeds=1)
+    reference = sequence_log_probs(problem, problem.reference_table).exp()
+    for t, probs in enumerate(seen):
+        assert torch.equal(probs, reference) == (t <= staleness), t
+    assert len(seen) == 6
+
+
+def test_stale_training_at_staleness_zero_is_the_on_policy_sampled_run():
+    """s = 0 with no correction draws the same minibatches and takes the same steps as on-policy training."""
+    from megatron_kl.kl.dynamics import train_sampled, train_stale
+
+    problem, rewards = dynamics_problem(3, 2, seed=0)
+    for name in ("k1-reward-token-rtg", "k3-loss-token", None):
+        cfg = {c.name: c for c in all_configs(False)}.get(name)
+        stale = train_stale(problem, rewards, 0.5, cfg, 0, batch=32, steps=60, seeds=2)
+        on_policy = train_sampled(problem, rewards, 0.5, cfg, batch=32, steps=60, seeds=2)
+        assert stale.final_kl_to_optimum == pytest.approx(on_policy.final_kl_to_optimum, rel=1e-9, abs=1e-12), name
+
+
+def test_uncapped_sequence_is_makes_the_stale_reward_gradient_unbiased():
+    """In expectation over mu's draws, the sequence-IS-corrected reward gradient on stale samples equals the exact
+    on-policy gradient of E_pi[r] (with the baseline held fixed, which the IS-weighted batch leaves unbiased only in
+    expectation of the advantage's mean - here the baseline is 0), and the uncorrected one does not."""
+    from megatron_kl.algo.corrections import Correction
+    from megatron_kl.kl.dynamics import reward_gradient, token_log_probs
+
+    problem, rewards = dynamics_problem(3, 2, seed=4)
+    table = problem.policy_table
+    mu = token_log_probs(problem, problem.behavior_table)
+    logp = token_log_probs(problem, table)
+    mask = torch.ones_like(logp, dtype=torch.bool)
+    exact = reward_gradient(problem, rewards)
+    q = mu.sum(-1).exp()
+    for correction, unbiased in ((Correction("sequence_tis", float("inf")), True), (None, False)):
+        c = 1.0 if correction is None else correction.weights(logp.detach(), mu, mask)[0]
+        (got,) = torch.autograd.grad(((q * rewards)[:, None] * logp * c).sum(), table)
+        error = float((got - exact).norm() / exact.norm())
+        assert (error < 1e-10) == unbiased, (correction, error)
+
+
+def test_instability_events_are_counted_and_a_stable_run_has_none():
+    """The declared event fires on a planted non-finite step (infinite step size), on a reward collapse (uncapped
+    sequence IS on samples 16 updates old at step 4: the IS weights' variance throws the policy around), and not
+    on the same configuration with small steps."""
+    from megatron_kl.algo.corrections import Correction
+    from megatron_kl.kl.dynamics import train_stale
+
+    problem, rewards = dynamics_problem(3, 2, seed=0)
+    cfg = {c.name: c for c in all_configs(True)}["k2-loss-sequence"]
+    stable = train_stale(problem, rewards, 0.5, cfg, 4, batch=64, steps=100, lr=0.5, seeds=2)
+    nonfinite = train_stale(problem, rewards, 0.5, cfg, 4, batch=64, steps=10, lr=float("inf"), seeds=2)
+    collapse = train_stale(problem, rewards, 0.5, cfg, 16, Correction("sequence_tis", float("inf")), batch=64,
+                           steps=300, lr=4.0, seeds=2)
+    assert stable.unstable == 0 and nonfinite.unstable == 2 and collapse.unstable == 2, (stable, nonfinite, collapse)
