@@ -13,10 +13,10 @@ def _group_curve(groups: dict, names: list[str], key: str):
     """(steps, mean, low, high) over seeds of the per-seed mean over ``names``; None when nothing was logged."""
     per_seed: dict[int, list[dict]] = {}
     for name in names:
-        for seed, records in zip(groups[name]["seeds"], groups[name]["records"]):
-            series = metric_series(records, key)
+        for run in groups[name].finished:
+            series = metric_series(run.records, key)
             if series:
-                per_seed.setdefault(seed, []).append(series)
+                per_seed.setdefault(run.seed, []).append(series)
     if not per_seed:
         return None
     seed_curves = []
@@ -46,7 +46,7 @@ def claim_figures(groups: dict, roles: dict, out: Path) -> list[str]:
     import matplotlib.pyplot as plt
 
     out.mkdir(parents=True, exist_ok=True)
-    active = {n: r for n, r in roles.items() if r.excluded is None and groups[n]["records"]}
+    active = {n: r for n, r in roles.items() if r.excluded is None and groups[n].records}
     betas = sorted({r.beta for r in active.values() if r.on_policy and r.biased is not None})
     control = [n for n, r in active.items() if r.on_policy and r.biased is None]
     written = []
@@ -106,14 +106,14 @@ def claim_figures(groups: dict, roles: dict, out: Path) -> list[str]:
         plt.close(fig)
         written.append(str(out / "claim3.png"))
 
-    finals = [(n, r) for n, r in roles.items() if groups[n]["records"]]
+    finals = [(n, r) for n, r in roles.items() if groups[n].records]
     if finals:  # final in-domain vs OOD pass@1, one point per run
         fig, ax = plt.subplots(figsize=(5.5, 4.2))
         kinds = {"unbiased": lambda r: r.biased is False, "biased": lambda r: r.biased is True,
                  "no KL / other": lambda r: r.biased is None}
         for label, test in kinds.items():
             points = [(final(rec, "eval/id/pass@1"), final(rec, "eval/ood/pass@1"))
-                      for n, r in finals if test(r) for rec in groups[n]["records"]]
+                      for n, r in finals if test(r) for rec in groups[n].records]
             points = [(x, y) for x, y in points if x is not None and y is not None]
             if points:
                 ax.scatter([x for x, _ in points], [y for _, y in points], label=f"{label} ({len(points)} runs)",

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
@@ -86,20 +87,53 @@ def _fmt(value: Optional[float]) -> str:
     return "n/a" if value is None else f"{value:.3f}"
 
 
-def collect(study: StudyConfig, runs: list[RunSpec], status: dict) -> dict:
-    """Per configuration: its runs' metrics (ok runs only) and failures."""
-    groups: dict[str, dict] = {}
+@dataclass
+class FinishedRun:
+    """One seed's finished run: its metrics and its stability, judged once by the study's definition."""
+
+    seed: int
+    records: list[dict]
+    events: int  # instability events (:func:`_instabilities`)
+    collapsed: bool
+
+    @property
+    def unstable(self) -> bool:
+        return self.events > 0 or self.collapsed
+
+
+@dataclass
+class FailedRun:
+    seed: int
+    name: str
+    entry: dict  # its status.json entry
+
+
+@dataclass
+class ConfigurationRuns:
+    """A configuration's runs, finished and failed."""
+
+    overrides: list[str]
+    finished: list[FinishedRun] = field(default_factory=list)
+    failed: list[FailedRun] = field(default_factory=list)
+
+    @property
+    def records(self) -> list[list[dict]]:
+        return [run.records for run in self.finished]
+
+
+def collect(study: StudyConfig, runs: list[RunSpec], status: dict) -> dict[str, ConfigurationRuns]:
+    """Per configuration: its finished runs (metrics and stability) and its failures."""
+    groups: dict[str, ConfigurationRuns] = {}
     for spec in runs:
-        group = groups.setdefault(spec.configuration, {"records": [], "seeds": [], "failed": [], "failed_seeds": [],
-                                                       "overrides": spec.overrides})
+        group = groups.setdefault(spec.configuration, ConfigurationRuns(spec.overrides))
         entry = status.get(spec.name, {"state": "not run"})
         metrics = spec.output_dir / "metrics.jsonl"
         if entry.get("state") == "ok" and metrics.is_file():
-            group["records"].append(read_metrics(metrics))
-            group["seeds"].append(spec.seed)
+            records = read_metrics(metrics)
+            group.finished.append(FinishedRun(spec.seed, records, _instabilities(records, study.instability_factor),
+                                              collapsed(records, study.collapse_fraction)))
         else:
-            group["failed_seeds"].append(spec.seed)
-            group["failed"].append((spec.name, entry))
+            group.failed.append(FailedRun(spec.seed, spec.name, entry))
     return groups
 
 
@@ -113,7 +147,7 @@ def _figures(groups: dict, out: Path) -> list[str]:
     fig, axes = plt.subplots(1, len(CURVES), figsize=(4 * len(CURVES), 3.6))
     for ax, (key, title) in zip(axes, CURVES):
         for name, group in groups.items():
-            series = [_series(records, key) for records in group["records"]]
+            series = [_series(records, key) for records in group.records]
             steps = sorted(set().union(*series)) if series else []
             if not steps:
                 continue
@@ -136,7 +170,7 @@ def _figures(groups: dict, out: Path) -> list[str]:
     width = 0.4
     for offset, (key, label) in ((-width / 2, ("eval/id/pass@1", "in-domain")),
                                  (width / 2, ("eval/ood/pass@1", "OOD"))):
-        finals = [_mean(_final(records, key) for records in groups[n]["records"]) for n in names]
+        finals = [_mean(_final(records, key) for records in groups[n].records) for n in names]
         present = [(i + offset, v) for i, v in enumerate(finals) if v is not None]  # missing: no bar, not 0
         ax.bar([x for x, _ in present], [v for _, v in present], width, label=label)
     ax.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=7)
@@ -154,18 +188,16 @@ def _best(records: list[dict], key: str) -> Optional[float]:
     return max(series.values()) if series else None
 
 
-def outcomes(study: StudyConfig, groups: dict) -> list:
+def outcomes(groups: dict[str, ConfigurationRuns]) -> list:
     """One :class:`claims.RunOutcome` per (configuration, seed), failed runs included (unstable)."""
     from megatron_kl.study.claims import RunOutcome
 
     result = []
     for name, group in groups.items():
-        for seed, records in zip(group["seeds"], group["records"]):
-            unstable = (_instabilities(records, study.instability_factor) > 0
-                        or collapsed(records, study.collapse_fraction))
-            result.append(RunOutcome(name, seed, True, unstable, _final(records, "eval/id/pass@1"),
-                                     _final(records, "eval/ood/pass@1"), _final(records, "kl/exact_token")))
-        result += [RunOutcome(name, seed, False, True) for seed in group["failed_seeds"]]
+        for run in group.finished:
+            result.append(RunOutcome(name, run.seed, True, run.unstable, _final(run.records, "eval/id/pass@1"),
+                                     _final(run.records, "eval/ood/pass@1"), _final(run.records, "kl/exact_token")))
+        result += [RunOutcome(name, run.seed, False, True) for run in group.failed]
     return result
 
 
@@ -190,9 +222,9 @@ def write_report(study: StudyConfig, runs: list[RunSpec], status: dict) -> dict:
 
     out = Path(study.output_dir)
     groups = collect(study, runs, status)
-    configs = {name: load_train_config(study.base, group["overrides"]) for name, group in groups.items()}
+    configs = {name: load_train_config(study.base, group.overrides) for name, group in groups.items()}
     run_roles = {name: claims.role_of(cfg) for name, cfg in configs.items()}
-    claim_results = claims.evaluate(outcomes(study, groups), run_roles)
+    claim_results = claims.evaluate(outcomes(groups), run_roles)
     figures = claim_figures(groups, run_roles, out / "figures") + _figures(groups, out / "figures")
     lines = [f"# Study `{study.name}`", "",
              f"Base config `{study.base}`, seeds {study.seeds}, common overrides `{' '.join(study.common) or '-'}`.",
@@ -207,18 +239,18 @@ def write_report(study: StudyConfig, runs: list[RunSpec], status: dict) -> dict:
              "|" + "---|" * (10 + len(FINAL))]
     summary = {}
     for name, group in groups.items():
-        records = group["records"]
+        records = group.records
         row = {
-            "seeds_ok": len(records), "failed": [n for n, _ in group["failed"]],
+            "seeds_ok": len(records), "failed": [run.name for run in group.failed],
             "final_reward": _mean(_final(r, "reward/mean") for r in records),
             **{key: _mean(_final(r, key) for r in records) for key, _ in FINAL},
             "best_id_pass1": _mean(_best(r, "eval/id/pass@1") for r in records),
             "final_exact_kl": _mean(_final(r, "kl/exact_token") for r in records),
-            "instability_events": sum(_instabilities(r, study.instability_factor) for r in records),
+            "instability_events": sum(run.events for run in group.finished),
             "kl_biased": _tagged_biased(records),
             "audit": audit_verdict(configs[name]),
         }
-        row["collapsed_seeds"] = sum(collapsed(r, study.collapse_fraction) for r in records)
+        row["collapsed_seeds"] = sum(run.collapsed for run in group.finished)
         row["stability"] = stability(row["seeds_ok"], len(row["failed"]), row["instability_events"],
                                      row["collapsed_seeds"])
         biased = {None: "n/a", True: "1", False: "0"}[row["kl_biased"]]
@@ -228,12 +260,13 @@ def write_report(study: StudyConfig, runs: list[RunSpec], status: dict) -> dict:
                      + f" | {_fmt(row['best_id_pass1'])} | {_fmt(row['final_exact_kl'])} | "
                        f"{row['instability_events']} | {row['stability']} | {biased} | {row['audit']} |")
     lines += ["", "## Figures", ""] + [f"![{Path(f).stem}](figures/{Path(f).name})" for f in figures]
-    failures = [(n, e) for g in groups.values() for n, e in g["failed"]]
+    failures = [run for group in groups.values() for run in group.failed]
     lines += ["", "## Failed runs", ""]
     if not failures:
         lines.append("None.")
-    for name, entry in failures:
-        lines += [f"### {name}", "", f"state: {entry.get('state')}, exit code {entry.get('returncode')}, "
+    for run in failures:
+        entry = run.entry
+        lines += [f"### {run.name}", "", f"state: {entry.get('state')}, exit code {entry.get('returncode')}, "
                   f"log `{entry.get('log')}`", "", "```", entry.get("error_tail", ""), "```", ""]
     lines += ["", "## Raw metrics", "", "Each run's `metrics.jsonl` is under `runs/<configuration>-seed<seed>/`; "
               "`results.json` holds this table; `status.json` each run's state."]
