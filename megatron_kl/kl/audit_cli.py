@@ -59,6 +59,9 @@ def main(argv=None) -> int:
                              "uncapped, their unbiased limit)")
     parser.add_argument("--stale-configs", nargs="+", default=None,
                         help="--stale: configuration names (default: kl/dynamics.py STALE_CONFIGS)")
+    parser.add_argument("--figures", type=str, default=None, metavar="DIR",
+                        help="--dynamics: write dynamics-exact.png (KL to pi* per step) and, with --stale, "
+                             "dynamics-stale.png (E[r] per step of every seed) into DIR")
     parser.add_argument("--stale-only", action="store_true",
                         help="--stale: print the stale-sample table only (skip the exact and on-policy tables)")
     args = parser.parse_args(argv)
@@ -104,14 +107,21 @@ def _dynamics(args) -> int:
             raise SystemExit("--stale-only needs --stale S [S ...]")
         _stale(args, problem, rewards)
         return 0
-    rows = []
+    rows, sections = [], []
     for off in (False, True):
-        part = exact_dynamics(problem, rewards, args.beta, off, all_configs(off), lr=args.lr, steps=args.steps)
+        traces = {} if args.figures else None
+        part = exact_dynamics(problem, rewards, args.beta, off, all_configs(off), lr=args.lr, steps=args.steps,
+                              traces=traces)
+        sections.append(("off-policy" if off else "on-policy", part, traces))
         print(f"\n== exact dynamics, {'off-policy (KL term estimated from a fixed mu)' if off else 'on-policy'}: "
               f"V={args.vocab} T={args.length} seed={args.seed} beta={args.beta} lr={args.lr} steps<={args.steps}; "
               "from pi = pi_ref, d = grad E[r] - beta E[g_KL]")
         print(format_dynamics(part))
         rows += part
+    if args.figures:
+        from megatron_kl.kl.dynamics_figures import exact_figure
+
+        print(f"\nwrote {exact_figure(sections, Path(args.figures))}")
     if args.sampled:
         from megatron_kl.kl.dynamics import format_sampled, train_sampled
 
@@ -148,19 +158,26 @@ def _stale(args, problem, rewards) -> None:
     corrections = [None if canonical(kind) == "none" else
                    Correction(kind, tis_cap=math.inf) if canonical(kind).endswith("_tis") else Correction(kind)
                    for kind in args.stale_corrections]
-    rows = []
+    rows, panels = [], {}
     for staleness in args.stale:
         for correction in corrections:
             for name in [None, *names]:
+                trace = [] if args.figures else None
                 outcome = train_stale(problem, rewards, args.beta, configs.get(name), staleness, correction,
                                       batch=args.sampled, steps=args.sampled_steps, lr=args.sampled_lr,
-                                      seeds=args.seeds, collapse_drop=COLLAPSE_DROP)
+                                      seeds=args.seeds, collapse_drop=COLLAPSE_DROP, trace=trace)
                 rows.append((outcome, verdicts.get(outcome.name, "beta = 0 (control)")))
+                if trace is not None:
+                    panels.setdefault((staleness, outcome.correction), {})[outcome.name] = trace
     print(f"\n== stale samples (train.staleness = S: samples from the policy S updates old): batch {args.sampled}, "
           f"{args.seeds} seeds, lr {args.sampled_lr}, {args.sampled_steps} steps, beta {args.beta}; the correction "
           "weighs the reward's policy gradient, the KL term uses its own kl.off_policy; unstable = a seed whose "
           f"E_pi[r] fell more than {COLLAPSE_DROP} below its best (or a non-finite value); verdicts: the off-policy audit")
     print(format_stale(rows))
+    if args.figures:
+        from megatron_kl.kl.dynamics_figures import stale_figure
+
+        print(f"\nwrote {stale_figure(panels, Path(args.figures))}")
 
 
 if __name__ == "__main__":

@@ -128,9 +128,12 @@ def direction(problem: TabularProblem, rewards: torch.Tensor, beta: float, cfg: 
 
 
 def train_exact(problem: TabularProblem, rewards: torch.Tensor, beta: float, cfg: Optional[KLConfig],
-                lr: float = 2.0, steps: int = 3000, tolerance: float = 1e-10, off_policy: bool = False) -> Outcome:
+                lr: float = 2.0, steps: int = 3000, tolerance: float = 1e-10, off_policy: bool = False,
+                trace: Optional[list] = None) -> Outcome:
     """Gradient ascent on the logit table from pi_ref with the configuration's exact expected direction
-    (``cfg`` None: beta = 0, the reward alone). Stops when |d| < tolerance or after ``steps``."""
+    (``cfg`` None: beta = 0, the reward alone). Stops when |d| < tolerance or after ``steps``. ``trace`` (a list)
+    receives KL(pi || pi*) after every step."""
+    optimum = optimum_log_probs(problem, rewards, beta) if trace is not None else None
     table = problem.reference_table.clone().requires_grad_(True)
     state = dataclasses.replace(problem, policy_table=table)
     norm, step = math.inf, 0
@@ -141,6 +144,8 @@ def train_exact(problem: TabularProblem, rewards: torch.Tensor, beta: float, cfg
             break
         with torch.no_grad():
             table += lr * d
+            if trace is not None:
+                trace.append(_kl(sequence_log_probs(state, table), optimum))
     return _outcome(cfg.name if cfg is not None else "no-kl", state, rewards, beta, step, norm < tolerance, norm)
 
 
@@ -182,8 +187,10 @@ class DynamicsRow:
 
 
 def exact_dynamics(problem: TabularProblem, rewards: torch.Tensor, beta: float, off_policy: bool,
-                   configs: list[KLConfig], lr: float = 2.0, steps: int = 3000) -> list[DynamicsRow]:
-    """One row per configuration (and beta = 0 as the control), each trained from pi_ref."""
+                   configs: list[KLConfig], lr: float = 2.0, steps: int = 3000,
+                   traces: Optional[dict] = None) -> list[DynamicsRow]:
+    """One row per configuration (and beta = 0 as the control), each trained from pi_ref; ``traces`` (a dict)
+    receives each configuration's KL(pi || pi*) per step under its name."""
     from megatron_kl.kl.audit import audit
 
     verdicts = {row.name: row.verdict for row in audit(problem, off_policy, configs)}
@@ -191,7 +198,10 @@ def exact_dynamics(problem: TabularProblem, rewards: torch.Tensor, beta: float, 
     optimum_range = float(optimum.max() - optimum.min())
     rows = []
     for cfg in [None, *configs]:
-        outcome = train_exact(problem, rewards, beta, cfg, lr=lr, steps=steps, off_policy=off_policy)
+        trace = [] if traces is not None else None
+        outcome = train_exact(problem, rewards, beta, cfg, lr=lr, steps=steps, off_policy=off_policy, trace=trace)
+        if traces is not None:
+            traces[outcome.name] = trace
         rows.append(DynamicsRow(outcome, "off_policy" if off_policy else "on_policy",
                                 verdicts.get(outcome.name, "beta = 0 (control)"), outcome.fixed_point(optimum_range)))
     return rows
@@ -300,7 +310,7 @@ def token_log_probs(problem: TabularProblem, table: torch.Tensor) -> torch.Tenso
 
 def train_stale(problem: TabularProblem, rewards: torch.Tensor, beta: float, cfg: Optional[KLConfig],
                 staleness: int, correction=None, batch: int = 64, steps: int = 800, lr: float = 0.5,
-                seeds: int = 5, collapse_drop: float = COLLAPSE_DROP) -> StaleOutcome:
+                seeds: int = 5, collapse_drop: float = COLLAPSE_DROP, trace: Optional[list] = None) -> StaleOutcome:
     """Asynchronous training as the trainer runs it with ``train.staleness = s``: each step draws ``batch``
     sequences from mu = pi_{t-s} (the policy s updates ago; pi_ref before that), the reward's policy gradient is
     sum_y w(y) sum_t c_t (r(y) - b) grad log pi(y_t | s_t) with the batch-mean baseline b and the behaviour
@@ -310,7 +320,7 @@ def train_stale(problem: TabularProblem, rewards: torch.Tensor, beta: float, cfg
 
     The instability event is defined before any run and is the same with and without a KL term: a non-finite
     value, or a reward collapse: the exact E_pi[r] falls more than ``collapse_drop`` below the best value the run
-    had reached."""
+    had reached. ``trace`` (a list) receives one list per seed: E_pi[r] after every step."""
     from collections import deque
 
     optimum = optimum_log_probs(problem, rewards, beta)
@@ -323,6 +333,9 @@ def train_stale(problem: TabularProblem, rewards: torch.Tensor, beta: float, cfg
         table = problem.reference_table.clone().requires_grad_(True)
         history = deque([problem.reference_table.clone()] * (staleness + 1), maxlen=staleness + 1)
         best, event = -math.inf, False
+        seed_trace = [] if trace is not None else None
+        if trace is not None:
+            trace.append(seed_trace)
         for _ in range(steps):
             state = dataclasses.replace(problem, policy_table=table, behavior_table=history[0])
             behavior = token_log_probs(problem, history[0])
@@ -340,6 +353,8 @@ def train_stale(problem: TabularProblem, rewards: torch.Tensor, beta: float, cfg
                 history.append(table.detach().clone())
                 logp_seq = sequence_log_probs(problem, table)
                 reward = float((logp_seq.exp() * rewards).sum())
+                if seed_trace is not None:
+                    seed_trace.append(reward)
             if not math.isfinite(reward) or not bool(torch.isfinite(table).all()):
                 event = True
                 break
