@@ -59,6 +59,9 @@ def main(argv=None) -> int:
                              "uncapped, their unbiased limit)")
     parser.add_argument("--stale-configs", nargs="+", default=None,
                         help="--stale: configuration names (default: kl/dynamics.py STALE_CONFIGS)")
+    parser.add_argument("--behavior", nargs="+", default=[], choices=CORRECTIONS, metavar="KIND",
+                        help="--dynamics: add to the off-policy table every configuration with each behaviour "
+                             "correction KIND on its KL term (kl.off_policy=behavior; truncated-IS kinds uncapped)")
     parser.add_argument("--figures", type=str, default=None, metavar="DIR",
                         help="--dynamics: write dynamics-exact.png (KL to pi* per step) and, with --stale, "
                              "dynamics-stale.png (E[r] per step of every seed) into DIR")
@@ -97,7 +100,7 @@ def main(argv=None) -> int:
 
 
 def _dynamics(args) -> int:
-    from megatron_kl.kl.dynamics import dynamics_problem, exact_dynamics, format_dynamics
+    from megatron_kl.kl.dynamics import dynamics_problem, exact_dynamics, format_dynamics, rpg_configs
 
     problem, rewards = dynamics_problem(args.vocab, args.length, args.seed)
     if args.stale and not args.sampled:
@@ -110,8 +113,9 @@ def _dynamics(args) -> int:
     rows, sections = [], []
     for off in (False, True):
         traces = {} if args.figures else None
-        part = exact_dynamics(problem, rewards, args.beta, off, all_configs(off), lr=args.lr, steps=args.steps,
-                              traces=traces)
+        configs = all_configs(off) + rpg_configs() + (behavior_configs() if off and args.behavior else [])
+        part = exact_dynamics(problem, rewards, args.beta, off, configs, lr=args.lr, steps=args.steps,
+                              traces=traces, corrections=_corrections(args.behavior) if off else ())
         sections.append(("off-policy" if off else "on-policy", part, traces))
         print(f"\n== exact dynamics, {'off-policy (KL term estimated from a fixed mu)' if off else 'on-policy'}: "
               f"V={args.vocab} T={args.length} seed={args.seed} beta={args.beta} lr={args.lr} steps<={args.steps}; "
@@ -129,7 +133,7 @@ def _dynamics(args) -> int:
         sampled = [(outcome, verdicts[outcome.name])
                    for outcome in (train_sampled(problem, rewards, args.beta, cfg, batch=args.sampled,
                                                  steps=args.sampled_steps, lr=args.sampled_lr, seeds=args.seeds)
-                                   for cfg in [None, *all_configs(False)])]
+                                   for cfg in [None, *all_configs(False), *rpg_configs()])]
         print(f"\n== sampled on-policy training: batch {args.sampled}, {args.seeds} seeds, lr {args.sampled_lr}, "
               f"{args.sampled_steps} steps; reward by REINFORCE with the batch-mean baseline; unstable = a seed whose "
               "KL(pi || pi_ref) exceeded 5x the optimum's (or a non-finite value) at any step")
@@ -143,10 +147,18 @@ def _dynamics(args) -> int:
     return 0
 
 
-def _stale(args, problem, rewards) -> None:
+def _corrections(kinds: list[str]) -> tuple:
+    """Behaviour corrections by kind at their defaults, the truncated-IS kinds uncapped (their unbiased limit)."""
     import math
 
     from megatron_kl.algo.corrections import Correction, canonical
+
+    return tuple(Correction(kind, tis_cap=math.inf) if canonical(kind).endswith("_tis") else Correction(kind)
+                 for kind in kinds)
+
+
+def _stale(args, problem, rewards) -> None:
+    from megatron_kl.algo.corrections import canonical
     from megatron_kl.kl.dynamics import COLLAPSE_DROP, STALE_CONFIGS, format_stale, train_stale
 
     configs = {cfg.name: cfg for cfg in all_configs(True)}
@@ -155,9 +167,8 @@ def _stale(args, problem, rewards) -> None:
     if unknown:
         raise SystemExit(f"--stale-configs: unknown configuration(s) {unknown}; known: {sorted(configs)}")
     verdicts = {row.name: row.verdict for row in audit(problem, True, [configs[name] for name in names])}
-    corrections = [None if canonical(kind) == "none" else
-                   Correction(kind, tis_cap=math.inf) if canonical(kind).endswith("_tis") else Correction(kind)
-                   for kind in args.stale_corrections]
+    corrections = [None if canonical(kind) == "none" else correction
+                   for kind, correction in zip(args.stale_corrections, _corrections(args.stale_corrections))]
     rows, panels = [], {}
     for staleness in args.stale:
         for correction in corrections:

@@ -26,12 +26,14 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
+from megatron_kl.algo.corrections import Correction
 from megatron_kl.kl.audit import TabularProblem, _quantities
 from megatron_kl.kl.objective import KLConfig, kl_loss, kl_shaped_returns, policy_gradient_surrogate
+from megatron_kl.kl.rpg import DIVERGENCES, SURROGATES, RPGConfig, rpg_loss
 
 
 class _RowScale(torch.autograd.Function):
@@ -48,26 +50,58 @@ class _RowScale(torch.autograd.Function):
         return grad * scale.view(-1, *([1] * (grad.dim() - 1))), None
 
 
-def kl_gradient(problem: TabularProblem, cfg: KLConfig, weights: torch.Tensor, off_policy: bool = False) -> torch.Tensor:
+def kl_gradient(problem: TabularProblem, cfg: Union[KLConfig, RPGConfig], weights: torch.Tensor,
+                off_policy: bool = False, correction: Optional[Correction] = None) -> torch.Tensor:
     """sum_y weights[y] g(y): the configuration's per-sample estimator of grad KL (divided by ``cfg.coef``),
     weighted per sequence (the exact expectation with weights = q(y); a minibatch average with weights = counts / B).
-    Behaviour corrections (``off_policy='behavior'``) are left to the audit."""
-    if cfg.off_policy == "behavior":
-        raise ValueError("kl.off_policy=behavior: the dynamics take the estimator's own corrections only")
+    A KL configuration with ``off_policy='behavior'`` takes the behaviour ``correction``'s weights on its KL term,
+    computed from pi / mu as the trainer computes them; an RPG loss (:class:`RPGConfig`) contributes its KL part
+    (its loss at zero advantages, with the sampler as pi_old), summed over tokens."""
     lp, ref_lp, mu_lp, full_kl, _, _ = _quantities(problem)
     n = len(lp)
     scale = (weights * n).to(lp.dtype)
-    lp, full_kl = _RowScale.apply(lp, scale), _RowScale.apply(full_kl, scale)
     behavior = (mu_lp if off_policy else lp).detach()
     mask = torch.ones_like(lp, dtype=torch.bool)
-    args = dict(behavior_logprobs=behavior, full_kl=full_kl if cfg.estimator == "full" else None)
-    if cfg.placement == "loss":
-        estimate = kl_loss(cfg, lp, ref_lp, mask, **args) / cfg.coef
+    weight = None
+    if isinstance(cfg, KLConfig) and cfg.off_policy == "behavior":
+        if correction is None:
+            raise ValueError(f"{cfg.name}: kl.off_policy=behavior needs the behaviour correction it borrows")
+        weight, _ = correction.weights(lp.detach(), behavior, mask)
+    lp, full_kl = _RowScale.apply(lp, scale), _RowScale.apply(full_kl, scale)
+    if isinstance(cfg, RPGConfig):
+        loss, _ = rpg_loss(dataclasses.replace(cfg, aggregation="seq_mean_token_sum"), lp, behavior, ref_lp,
+                           torch.zeros_like(lp), mask)
+        estimate = loss / cfg.coef
+    elif cfg.placement == "loss":
+        estimate = kl_loss(cfg, lp, ref_lp, mask, behavior_logprobs=behavior, behavior_weight=weight,
+                           full_kl=full_kl if cfg.estimator == "full" else None) / cfg.coef
     else:
-        returns = kl_shaped_returns(cfg, torch.zeros(n, dtype=lp.dtype), lp, ref_lp, mask, **args)
-        estimate = policy_gradient_surrogate(cfg, lp, -returns / cfg.coef, mask, behavior_logprobs=behavior)
+        returns = kl_shaped_returns(cfg, torch.zeros(n, dtype=lp.dtype), lp, ref_lp, mask, behavior_logprobs=behavior,
+                                    full_kl=full_kl if cfg.estimator == "full" else None)
+        estimate = policy_gradient_surrogate(cfg, lp, -returns / cfg.coef, mask, behavior_logprobs=behavior,
+                                             behavior_weight=weight)
     (grad,) = torch.autograd.grad(estimate, problem.policy_table, allow_unused=True)
     return grad if grad is not None else torch.zeros_like(problem.policy_table)
+
+
+def rpg_configs(coef: float = 0.1) -> list[RPGConfig]:
+    """Every RPG divergence with both surrogates (the differentiable one without clipping, as its config requires)."""
+    return [RPGConfig(divergence=d, surrogate=s, coef=coef,
+                      **({"clip_low": None, "clip_high": None, "dual_clip": None} if s == "differentiable" else {}))
+            for d in DIVERGENCES for s in SURROGATES]
+
+
+def verdict_of(problem: TabularProblem, cfg, off_policy: bool) -> str:
+    """The audit's verdict for any configuration this module trains: the expected gradient against the three KL
+    targets (used for the RPG losses, which the audit's table does not list)."""
+    from megatron_kl.kl.audit import _verdict, exact_targets
+
+    table = problem.behavior_table if off_policy else problem.policy_table
+    q = sequence_log_probs(problem, table).exp().detach()
+    expectation = kl_gradient(problem, cfg, q, off_policy)
+    targets = exact_targets(problem, off_policy)
+    rel = {name: float((expectation - target).norm() / target.norm()) for name, target in targets.items()}
+    return _verdict(rel, float(expectation.norm()), float(targets["seq"].norm()))
 
 
 def sequence_log_probs(problem: TabularProblem, table: torch.Tensor) -> torch.Tensor:
@@ -117,19 +151,19 @@ def reward_gradient(problem: TabularProblem, rewards: torch.Tensor, weights: Opt
 
 
 def direction(problem: TabularProblem, rewards: torch.Tensor, beta: float, cfg: Optional[KLConfig],
-              off_policy: bool = False) -> torch.Tensor:
+              off_policy: bool = False, correction: Optional[Correction] = None) -> torch.Tensor:
     """d = grad E_pi[r] - beta E_q[g_KL] at ``problem.policy_table`` (``cfg`` None: the reward's gradient alone)."""
     d = reward_gradient(problem, rewards)
     if cfg is None:
         return d
     table = problem.behavior_table if off_policy else problem.policy_table
     q = sequence_log_probs(problem, table).exp().detach()
-    return d - beta * kl_gradient(problem, dataclasses.replace(cfg, coef=beta), q, off_policy)
+    return d - beta * kl_gradient(problem, dataclasses.replace(cfg, coef=beta), q, off_policy, correction)
 
 
 def train_exact(problem: TabularProblem, rewards: torch.Tensor, beta: float, cfg: Optional[KLConfig],
                 lr: float = 2.0, steps: int = 3000, tolerance: float = 1e-10, off_policy: bool = False,
-                trace: Optional[list] = None) -> Outcome:
+                trace: Optional[list] = None, correction: Optional[Correction] = None) -> Outcome:
     """Gradient ascent on the logit table from pi_ref with the configuration's exact expected direction
     (``cfg`` None: beta = 0, the reward alone). Stops when |d| < tolerance or after ``steps``. ``trace`` (a list)
     receives KL(pi || pi*) after every step."""
@@ -138,7 +172,7 @@ def train_exact(problem: TabularProblem, rewards: torch.Tensor, beta: float, cfg
     state = dataclasses.replace(problem, policy_table=table)
     norm, step = math.inf, 0
     for step in range(1, steps + 1):
-        d = direction(state, rewards, beta, cfg, off_policy)
+        d = direction(state, rewards, beta, cfg, off_policy, correction)
         norm = float(d.norm())
         if not math.isfinite(norm) or norm < tolerance:
             break
@@ -146,7 +180,14 @@ def train_exact(problem: TabularProblem, rewards: torch.Tensor, beta: float, cfg
             table += lr * d
             if trace is not None:
                 trace.append(_kl(sequence_log_probs(state, table), optimum))
-    return _outcome(cfg.name if cfg is not None else "no-kl", state, rewards, beta, step, norm < tolerance, norm)
+    return _outcome(row_name(cfg, correction), state, rewards, beta, step, norm < tolerance, norm)
+
+
+def row_name(cfg, correction: Optional[Correction] = None) -> str:
+    """A configuration's row name: its name, with the behaviour correction's label when its KL term borrows one."""
+    if cfg is None:
+        return "no-kl"
+    return cfg.name + (f"[{correction.label}]" if correction is not None else "")
 
 
 def optimum_table(problem: TabularProblem, rewards: torch.Tensor, beta: float) -> torch.Tensor:
@@ -187,19 +228,25 @@ class DynamicsRow:
 
 
 def exact_dynamics(problem: TabularProblem, rewards: torch.Tensor, beta: float, off_policy: bool,
-                   configs: list[KLConfig], lr: float = 2.0, steps: int = 3000,
-                   traces: Optional[dict] = None) -> list[DynamicsRow]:
-    """One row per configuration (and beta = 0 as the control), each trained from pi_ref; ``traces`` (a dict)
-    receives each configuration's KL(pi || pi*) per step under its name."""
+                   configs: list, lr: float = 2.0, steps: int = 3000, traces: Optional[dict] = None,
+                   corrections: tuple[Correction, ...] = ()) -> list[DynamicsRow]:
+    """One row per configuration (and beta = 0 as the control), each trained from pi_ref; a KL configuration with
+    ``off_policy='behavior'`` gets one row per behaviour correction in ``corrections``; RPG losses are judged by
+    :func:`verdict_of`. ``traces`` (a dict) receives each row's KL(pi || pi*) per step under its name."""
     from megatron_kl.kl.audit import audit
 
-    verdicts = {row.name: row.verdict for row in audit(problem, off_policy, configs)}
+    kl_configs = [cfg for cfg in configs if isinstance(cfg, KLConfig)]
+    verdicts = {row.name: row.verdict for row in audit(problem, off_policy, kl_configs, corrections)}
+    verdicts.update({cfg.name: verdict_of(problem, cfg, off_policy) for cfg in configs if isinstance(cfg, RPGConfig)})
     optimum = optimum_table(problem, rewards, beta)
     optimum_range = float(optimum.max() - optimum.min())
+    pairs = [(cfg, c) for cfg in [None, *configs]
+             for c in (corrections if isinstance(cfg, KLConfig) and cfg.off_policy == "behavior" else (None,))]
     rows = []
-    for cfg in [None, *configs]:
+    for cfg, correction in pairs:
         trace = [] if traces is not None else None
-        outcome = train_exact(problem, rewards, beta, cfg, lr=lr, steps=steps, off_policy=off_policy, trace=trace)
+        outcome = train_exact(problem, rewards, beta, cfg, lr=lr, steps=steps, off_policy=off_policy, trace=trace,
+                              correction=correction)
         if traces is not None:
             traces[outcome.name] = trace
         rows.append(DynamicsRow(outcome, "off_policy" if off_policy else "on_policy",

@@ -3,14 +3,16 @@ configuration the audit calls unbiased for the sequence-level reverse KL trains 
 (KL < 1e-8) and every other one does not, on- and off-policy, on two problem shapes."""
 
 import dataclasses
+import math
 
 import pytest
 import torch
 
-from megatron_kl.kl.audit import TabularProblem, _estimator_gradients, all_configs, audit
+from megatron_kl.algo.corrections import Correction
+from megatron_kl.kl.audit import TabularProblem, _estimator_gradients, all_configs, audit, behavior_configs
 from megatron_kl.kl.dynamics import (
-    _kl as kl, direction, dynamics_problem, kl_gradient, optimum_log_probs, optimum_table,
-    sequence_log_probs, train_exact,
+    _kl as kl, direction, dynamics_problem, kl_gradient, optimum_log_probs, optimum_table, row_name, rpg_configs,
+    sequence_log_probs, train_exact, verdict_of,
 )
 
 
@@ -39,28 +41,65 @@ def test_the_optimum_maximises_the_objective():
         assert objective(other) < best
 
 
+BEHAVIOR = (Correction("sequence_tis", math.inf), Correction("token_tis"))
+
+
+def _rows(off_policy: bool) -> list:
+    """(configuration, behaviour correction) for every KL configuration, every RPG loss and, off-policy, every
+    configuration with a behaviour correction on its KL term."""
+    rows = [(cfg, None) for cfg in all_configs(off_policy) + rpg_configs()]
+    return rows + ([(cfg, c) for cfg in behavior_configs() for c in BEHAVIOR] if off_policy else [])
+
+
+@pytest.mark.parametrize("off_policy", [False, True], ids=["on-policy", "off-policy"])
+def test_one_backward_expectation_matches_separate_rows_for_rpg_and_behaviour_corrections(off_policy):
+    """The row-scaled expectation equals the audit's per-sample gradients (behaviour corrections) or one
+    evaluation per row (RPG losses, which the audit does not enumerate)."""
+    problem = TabularProblem.random(3, 2, seed=2)
+    table = problem.behavior_table if off_policy else problem.policy_table
+    q = sequence_log_probs(problem, table).exp().detach()
+    for cfg, correction in _rows(off_policy):
+        if cfg.name.startswith("rpg"):
+            expected = sum(q[n] * kl_gradient(problem, cfg, torch.eye(len(q), dtype=q.dtype)[n], off_policy)
+                           for n in range(len(q)))
+        elif correction is not None:
+            grads, weights = _estimator_gradients(problem, cfg, off_policy, correction)
+            expected = (weights.view(-1, 1, 1) * grads).sum(0)
+        else:
+            continue
+        got = kl_gradient(problem, cfg, q, off_policy, correction)
+        assert (got - expected).norm() <= 1e-12 * max(float(expected.norm()), 1.0), row_name(cfg, correction)
+
+
 @pytest.mark.parametrize("shape", [(3, 2), (2, 3)], ids=["V3-T2", "V2-T3"])
 @pytest.mark.parametrize("off_policy", [False, True], ids=["on-policy", "off-policy"])
 def test_unbiased_configurations_reach_the_optimum_and_biased_ones_do_not(shape, off_policy):
     """The unbiased ones are trained to pi* (KL < 1e-8); for every other one pi* is not a fixed point of its
-    expected direction (|d(pi*)| far from 0), so no run of it can end there, and a short run does not."""
+    expected direction (|d(pi*)| far from 0), so no run of it can end there, and a short run does not. Every KL
+    configuration, every RPG loss and, off-policy, every configuration with a behaviour correction on its KL term."""
     beta = 0.5
     problem, rewards = dynamics_problem(*shape, seed=0)
-    verdicts = {row.name: row.verdict for row in audit(problem, off_policy, all_configs(off_policy))}
+    kl_configs = [cfg for cfg, _ in _rows(off_policy) if not cfg.name.startswith("rpg")]
+    verdicts = {row.name: row.verdict for row in audit(problem, off_policy, list(dict.fromkeys(kl_configs)), BEHAVIOR)}
+    verdicts.update({cfg.name: verdict_of(problem, cfg, off_policy) for cfg in rpg_configs()})
     at_optimum = dataclasses.replace(problem, policy_table=optimum_table(problem, rewards, beta).requires_grad_(True))
     assert kl(sequence_log_probs(problem, at_optimum.policy_table), optimum_log_probs(problem, rewards, beta)) < 1e-12
     assert direction(at_optimum, rewards, beta, None).norm() > 1e-2  # beta = 0 (the control) does not stop at pi*
-    unbiased = [c for c in all_configs(off_policy) if "seq" in verdicts[c.name].split(": ")[-1].split(",")]
+    unbiased = [row_name(*row) for row in _rows(off_policy)
+                if "seq" in verdicts[row_name(*row)].split(": ")[-1].split(",")]
     assert unbiased, "no configuration unbiased for the sequence KL: the test is void"
-    for cfg in all_configs(off_policy):
-        stationary = float(direction(at_optimum, rewards, beta, cfg, off_policy).norm())
-        if cfg in unbiased:
-            assert stationary < 1e-9, (cfg.name, stationary)
-            outcome = train_exact(problem, rewards, beta, cfg, lr=2.0, steps=4000, off_policy=off_policy)
+    for cfg, correction in _rows(off_policy):
+        name = row_name(cfg, correction)
+        stationary = float(direction(at_optimum, rewards, beta, cfg, off_policy, correction).norm())
+        if name in unbiased:
+            assert stationary < 1e-9, (name, stationary)
+            outcome = train_exact(problem, rewards, beta, cfg, lr=2.0, steps=4000, off_policy=off_policy,
+                                  correction=correction)
             assert outcome.converged and outcome.kl_to_optimum < 1e-8, outcome
         else:
-            assert stationary > 1e-4, (cfg.name, verdicts[cfg.name], stationary)
-            assert train_exact(problem, rewards, beta, cfg, steps=200, off_policy=off_policy).kl_to_optimum > 1e-8
+            assert stationary > 1e-4, (name, verdicts[name], stationary)
+            assert train_exact(problem, rewards, beta, cfg, steps=200, off_policy=off_policy,
+                               correction=correction).kl_to_optimum > 1e-8, name
 
 
 def test_k1_in_the_loss_is_the_unregularised_reward_maximiser():
