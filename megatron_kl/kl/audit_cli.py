@@ -183,7 +183,8 @@ def _stale(args, problem, rewards) -> None:
     print(f"\n== stale samples (train.staleness = S: samples from the policy S updates old): batch {args.sampled}, "
           f"{args.seeds} seeds, lr {args.sampled_lr}, {args.sampled_steps} steps, beta {args.beta}; the correction "
           "weighs the reward's policy gradient, the KL term uses its own kl.off_policy; unstable = a seed whose "
-          f"E_pi[r] fell more than {COLLAPSE_DROP} below its best (or a non-finite value); verdicts: the off-policy audit")
+          f"E_pi[r] fell more than {COLLAPSE_DROP} below its best (or a non-finite value); verdicts: the off-policy "
+          "audit")
     print(format_stale(rows))
     if args.figures:
         from megatron_kl.kl.dynamics_figures import stale_figure

@@ -63,7 +63,8 @@ def claim_figures(groups: dict, roles: dict, out: Path) -> list[str]:
     for filename, (title, rows) in panels.items():
         if not betas:
             break
-        fig, axes = plt.subplots(len(rows), len(betas), figsize=(4.2 * len(betas), 3.2 * len(rows)), squeeze=False)
+        fig, axes = plt.subplots(len(rows), len(betas), figsize=(max(6.4, 4.2 * len(betas)), 3.2 * len(rows)),
+                                 squeeze=False)
         for col, beta in enumerate(betas):
             for row, (key, ylabel) in enumerate(rows):
                 ax = axes[row][col]
@@ -85,8 +86,8 @@ def claim_figures(groups: dict, roles: dict, out: Path) -> list[str]:
     if stalenesses:
         rows = [("eval/id/pass@1", "in-domain pass@1"), ("optim/grad_norm", "grad norm"),
                 ("kl/exact_token", "exact KL / token")]
-        fig, axes = plt.subplots(len(rows), len(stalenesses), figsize=(4.2 * len(stalenesses), 3.2 * len(rows)),
-                                 squeeze=False)
+        width = max(6.4, 4.2 * len(stalenesses))
+        fig, axes = plt.subplots(len(rows), len(stalenesses), figsize=(width, 3.2 * len(rows)), squeeze=False)
         for col, staleness in enumerate(stalenesses):
             here = {n: r for n, r in active.items() if r.staleness == staleness}
             for row, (key, ylabel) in enumerate(rows):
