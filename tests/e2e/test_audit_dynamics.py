@@ -9,7 +9,7 @@ from megatron_kl.cli import main
 def test_the_dynamics_table_names_where_each_configuration_ends(tmp_path, capsys):
     out = tmp_path / "dynamics.json"
     assert main(["audit", "--dynamics", "--vocab", "2", "--length", "2", "--seed", "3", "--steps", "500", "--lr", "4",
-                 "--sampled", "32", "--seeds", "2", "--sampled-steps", "100", "--json", str(out)]) == 0
+                 "--sampled", "32", "--seeds", "2", "--sampled-steps", "20", "--json", str(out)]) == 0
     printed = capsys.readouterr().out
     sampled = printed.split("== sampled on-policy training")[1]
     assert "full-loss-sequence" in sampled and "/2" in sampled
