@@ -211,6 +211,16 @@ def _verdict(rel_bias: dict, expectation_norm: float, scale: float) -> str:
     return "biased"
 
 
+def judge(expectation: torch.Tensor, targets: dict[str, torch.Tensor]) -> tuple[dict, dict, str]:
+    """(relative bias, cosine, verdict) of an expected KL gradient against each target gradient."""
+    rel, cos = {}, {}
+    for name, target in targets.items():
+        rel[name] = float((expectation - target).norm() / target.norm())
+        denom = expectation.norm() * target.norm()
+        cos[name] = float((expectation * target).sum() / denom) if denom > 0 else 0.0
+    return rel, cos, _verdict(rel, float(expectation.norm()), float(targets["seq"].norm()))
+
+
 def _mode(problem: TabularProblem, off_policy: bool) -> str:
     if problem.truncation is not None:
         return f"mu-{problem.trained}"  # samples from trunc(pi); the estimators see log mu or log pi
@@ -229,16 +239,10 @@ def audit(problem: TabularProblem, off_policy: bool, configs: Optional[list[KLCo
         weights = q.view(-1, *([1] * (grads.dim() - 1)))
         expectation = (weights * grads).sum(0)
         variance = float((weights * (grads - expectation).square()).sum())
-        rel, cos = {}, {}
-        for name, target in targets.items():
-            rel[name] = float((expectation - target).norm() / target.norm())
-            denom = expectation.norm() * target.norm()
-            cos[name] = float((expectation * target).sum() / denom) if denom > 0 else 0.0
+        rel, cos, verdict = judge(expectation, targets)
         rows.append(AuditRow(
             name=cfg.name + (f"[{correction.label}]" if correction else ""), mode=_mode(problem, off_policy),
-            config=asdict(cfg), rel_bias=rel,
-            cosine=cos, variance=variance,
-            verdict=_verdict(rel, float(expectation.norm()), float(targets["seq"].norm())),
+            config=asdict(cfg), rel_bias=rel, cosine=cos, variance=variance, verdict=verdict,
             correction=correction.label if correction else None,
         ))
     return rows

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections import deque
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -94,14 +95,11 @@ def rpg_configs(coef: float = 0.1) -> list[RPGConfig]:
 def verdict_of(problem: TabularProblem, cfg, off_policy: bool) -> str:
     """The audit's verdict for any configuration this module trains: the expected gradient against the three KL
     targets (used for the RPG losses, which the audit's table does not list)."""
-    from megatron_kl.kl.audit import _verdict, exact_targets
+    from megatron_kl.kl.audit import exact_targets, judge
 
     table = problem.behavior_table if off_policy else problem.policy_table
     q = sequence_log_probs(problem, table).exp().detach()
-    expectation = kl_gradient(problem, cfg, q, off_policy)
-    targets = exact_targets(problem, off_policy)
-    rel = {name: float((expectation - target).norm() / target.norm()) for name, target in targets.items()}
-    return _verdict(rel, float(expectation.norm()), float(targets["seq"].norm()))
+    return judge(kl_gradient(problem, cfg, q, off_policy), exact_targets(problem, off_policy))[2]
 
 
 def sequence_log_probs(problem: TabularProblem, table: torch.Tensor) -> torch.Tensor:
@@ -315,7 +313,7 @@ def train_sampled(problem: TabularProblem, rewards: torch.Tensor, beta: float, c
             finals.append(_kl(logp, optimum))
             drift.append(_kl(logp, reference))
         unstable += int(event)
-    return SampledOutcome(cfg.name if cfg is not None else "no-kl", seeds, finals, drift, unstable)
+    return SampledOutcome(row_name(cfg), seeds, finals, drift, unstable)
 
 
 def format_sampled(rows: list[tuple[SampledOutcome, str]]) -> str:
@@ -368,8 +366,6 @@ def train_stale(problem: TabularProblem, rewards: torch.Tensor, beta: float, cfg
     The instability event is defined before any run and is the same with and without a KL term: a non-finite
     value, or a reward collapse: the exact E_pi[r] falls more than ``collapse_drop`` below the best value the run
     had reached. ``trace`` (a list) receives one list per seed: E_pi[r] after every step."""
-    from collections import deque
-
     optimum = optimum_log_probs(problem, rewards, beta)
     reference = sequence_log_probs(problem, problem.reference_table)
     cfg_at_beta = dataclasses.replace(cfg, coef=beta) if cfg is not None else None
@@ -414,8 +410,7 @@ def train_stale(problem: TabularProblem, rewards: torch.Tensor, beta: float, cfg
             to_optimum.append(_kl(logp_seq, optimum))
         unstable += int(event)
     label = "none" if correction is None else correction.label
-    return StaleOutcome(cfg.name if cfg is not None else "no-kl", staleness, label, seeds, finals, drift,
-                        to_optimum, unstable)
+    return StaleOutcome(row_name(cfg), staleness, label, seeds, finals, drift, to_optimum, unstable)
 
 
 # The configurations the stale-sample table trains by default: the control, the unbiased sequence-level ones and

@@ -19,13 +19,28 @@ def _group(verdict: str) -> str:
     return "biased, zero expectation or no KL"
 
 
-def exact_figure(sections: list[tuple[str, list, dict]], out: Path) -> str:
-    """``sections``: (title, DynamicsRows, traces by name) per sampling mode."""
+def _pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def _save(fig, out: Path, name: str) -> str:
+    """Lay out, write ``out/name`` and close the figure; its path."""
+    fig.tight_layout()
+    path = Path(out) / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
+    _pyplot().close(fig)
+    return str(path)
+
+
+def exact_figure(sections: list[tuple[str, list, dict]], out: Path) -> str:
+    """``sections``: (title, DynamicsRows, traces by name) per sampling mode."""
+    plt = _pyplot()
     groups = ["unbiased for the sequence KL", "unbiased for another KL", "biased, zero expectation or no KL"]
     fig, axes = plt.subplots(len(sections), len(groups), figsize=(4.4 * len(groups), 3.4 * len(sections)),
                              squeeze=False, sharey=True)
@@ -45,24 +60,14 @@ def exact_figure(sections: list[tuple[str, list, dict]], out: Path) -> str:
                 ax.set_ylabel("KL(pi || pi*)")
             if ax.get_legend_handles_labels()[0]:
                 ax.legend(fontsize=4, ncol=2)
-    fig.tight_layout()
-    path = Path(out) / "dynamics-exact.png"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return str(path)
+    return _save(fig, out, "dynamics-exact.png")
 
 
 def stale_figure(panels: dict, out: Path) -> str:
     """``panels``: (staleness, correction label) -> {configuration name: per-seed E[r] traces}."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    keys = sorted(panels, key=lambda k: (k[1], k[0]))
-    corrections = sorted({c for _, c in keys})
-    stalenesses = sorted({s for s, _ in keys})
+    plt = _pyplot()
+    corrections = sorted({c for _, c in panels})
+    stalenesses = sorted({s for s, _ in panels})
     fig, axes = plt.subplots(len(corrections), len(stalenesses), figsize=(4.4 * len(stalenesses),
                                                                           3.2 * len(corrections)),
                              squeeze=False, sharey=True)
@@ -79,9 +84,4 @@ def stale_figure(panels: dict, out: Path) -> str:
                 ax.set_ylabel("E_pi[r]")
             if ax.get_legend_handles_labels()[0]:
                 ax.legend(fontsize=5)
-    fig.tight_layout()
-    path = Path(out) / "dynamics-stale.png"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return str(path)
+    return _save(fig, out, "dynamics-stale.png")
