@@ -231,8 +231,9 @@ def _chunk_sums(x, y, targets, shard, maxes, temperature, entropy, e_kept, scrat
     keep_zc = entropy or e_kept is not None or neg_u is not None or drop is not None
     e = torch.exp(zc, out=ws.like("e", zc) if e_kept is None else e_kept) if keep_zc else zc.exp_()
     product = ws.like("product", zc)
-    if drop is not None:  # e of the full softmax first: its total (and below, the reference's side of the KL)
-        sums[5] = e.sum(-1)
+    dropped = None  # the full softmax's e outside the support, summed directly (not as a difference of totals)
+    if drop is not None:
+        dropped = torch.mul(e, drop, out=product).sum(-1)
         sums[6] = drop.shape[-1] - drop.sum(-1)
     if neg_u is not None:
         product = torch.mul(e, neg_u, out=product)
@@ -242,10 +243,12 @@ def _chunk_sums(x, y, targets, shard, maxes, temperature, entropy, e_kept, scrat
         w = neg_u if e_kept is None else ws.like("w", neg_u).copy_(neg_u)
         sums[3] = _reference_minus_policy(zc, e, neg_u, w, product)
         if drop is not None:  # sum(e_ref - e_support) = sum_all e expm1(-u) [accurate near the reference] + sum_dropped e
-            sums[3] += torch.mul(e, drop, out=product).sum(-1)
+            sums[3] += dropped
     if drop is not None:
         e.addcmul_(e, drop, value=-1.0)  # exactly 0 outside the support
     sums[0] = e.sum(-1)
+    if dropped is not None:
+        sums[5] = sums[0] + dropped  # S of the full softmax
     if entropy:
         product = torch.mul(e, zc, out=product)
         sums[1] = product.sum(-1)

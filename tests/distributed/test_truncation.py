@@ -169,3 +169,36 @@ def test_candidate_blocks_do_not_change_the_support(monkeypatch):
     for rule, want in zip(rules, expected):
         assert torch.equal(truncation.support_threshold(x, None, rule), want), rule
         assert torch.equal(x >= want[:, None], direct_support(x, rule.top_k, rule.top_p, 1.0))
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.float64))
+def test_block_maxima_selection_is_the_exact_top_m(dtype):
+    """``_local_top`` picks its candidates from block maxima on wide rows: equal to torch.topk's values on
+    random rows, on rows of heavy ties, on column slices (as a padded shard is) whose row stride the block
+    width divides or not, with a ragged last block, and for m from 1 to where it selects directly."""
+    from megatron_kl.kl.truncation import _local_top
+
+    g = torch.Generator().manual_seed(11)
+    wide = torch.randn(33, 6000, generator=g, dtype=dtype)
+    ties = torch.randint(0, 7, (33, 6000), generator=g).to(dtype)
+    for x in (wide, ties, wide[:, :5000], ties[:, 64:5184], wide[:, :4999]):
+        for m in (1, 3, 8, 21, 64, 200):
+            want = torch.topk(x, m, dim=-1).values
+            assert torch.equal(_local_top(x, m), want), (x.shape, x.stride(), m)
+
+
+@pytest.mark.parametrize("rule", ((20, 0.9), (5, 0.5), (0, 0.9), (0, 0.3)))
+def test_wide_vocabulary_supports_equal_the_direct_rule(rule):
+    """Thresholds on a vocabulary wide enough for the block-maxima candidates and the top-k fast path: equal to
+    the rule written out, on logits whose k-th value ties far beyond k (integer logits; the fast path must
+    not take a normaliser from the candidates then), on peaked and on flat rows (the bisection)."""
+    from megatron_kl.kl.truncation import Truncation, support_threshold
+
+    top_k, top_p = rule
+    g = torch.Generator().manual_seed(12)
+    tied = torch.randint(0, 4, (24, 4096), generator=g).double()
+    tied[:, :3] += 4.0  # three clear leaders, then ties in the thousands
+    for x in (tied, 6.0 * torch.randn(24, 4096, generator=g, dtype=torch.float64),
+              0.5 * torch.randn(24, 4096, generator=g, dtype=torch.float64)):
+        threshold = support_threshold(x, None, Truncation(top_k, top_p), 0.8)
+        assert torch.equal(x >= threshold[:, None], direct_support(x, top_k, top_p, 0.8)), rule
