@@ -41,11 +41,11 @@ def base_run(tmp_path_factory, warm_cache):
     return root / "base", cache
 
 
-def _resign(checkpoint: Path) -> None:
+def _resign(checkpoint: Path, step: int = 2) -> None:
     """What someone who can write the directory can do: a manifest and marker that match the new bytes."""
     (checkpoint / manifest.MANIFEST).unlink()
     digest = manifest.write_manifest(checkpoint, MARKER)
-    (checkpoint / MARKER).write_text(manifest.marker_text(2, digest))
+    (checkpoint / MARKER).write_text(manifest.marker_text(step, digest))
 
 
 def _largest_shard(checkpoint: Path) -> Path:
@@ -120,26 +120,34 @@ def test_a_damaged_checkpoint_is_named_and_the_previous_one_used(tmp_path, base_
     assert f"resumed from {run / 'checkpoints' / 'step_000001'} at RL step 1" in output, output[-3000:]
 
 
-def test_a_pickle_planted_in_any_file_never_runs(tmp_path, base_run):
-    """Each file of the newest checkpoint in turn replaced by a code-running pickle AND the manifest re-signed
-    to match it (what a writer of the directory could do): the restricted loaders refuse it, the run falls
-    back to the previous checkpoint, and the payload's marker never appears."""
-    base, cache = base_run
-    checkpoint = base / "checkpoints" / "step_000002"
-    files = sorted(p.name for p in checkpoint.iterdir() if p.name not in (MARKER, manifest.MANIFEST))
+def test_a_pickle_planted_in_any_file_never_runs(tmp_path, warm_cache):
+    """Each file name of a checkpoint replaced by a code-running pickle AND the manifest re-signed to match it
+    (what a writer of the directory could do), one file per checkpoint from the newest down: the restricted
+    loaders refuse each, the run falls back through all of them to the one clean checkpoint, and no payload's
+    marker ever appears. One resume walks the whole chain."""
+    run, steps = tmp_path / "run", 10
+    code, output = Run(tmp_path / "base.log", *_args(run, warm_cache, steps), f"checkpoint.keep={steps}").wait()
+    assert code == 0, output[-3000:]
+    newest = run / "checkpoints" / f"step_{steps:06d}"
+    files = sorted(p.name for p in newest.iterdir() if p.name not in (MARKER, manifest.MANIFEST))
     assert {".metadata", "trainer.pt", "common.pt", "rank_00000.pt"} <= set(files)
-    for name in files:
-        marker = tmp_path / f"pwned-{name}"
-        run = tmp_path / f"run-{name}"
-        shutil.copytree(base, run)
-        target = run / "checkpoints" / "step_000002" / name
+    assert len(files) < steps, files
+    markers = []
+    for offset, name in enumerate(files):
+        checkpoint = run / "checkpoints" / f"step_{steps - offset:06d}"
+        markers.append(tmp_path / f"pwned-{name}")
+        target = checkpoint / name
         if name.endswith(".pt"):
-            torch.save({"state": Payload(marker)}, target)  # a torch zip archive with the payload inside
+            torch.save({"state": Payload(markers[-1])}, target)  # a torch zip archive with the payload inside
         else:
-            target.write_bytes(pickle.dumps(Payload(marker)))
-        _resign(target.parent)
-        code, output = Run(tmp_path / f"{name}.log", *_args(run, cache, 3)).wait()
-        assert not marker.exists(), f"a pickle planted in {name} was executed"
-        assert code == 0, (name, output[-3000:])
-        assert f"resumed from {run / 'checkpoints' / 'step_000001'} at RL step 1" in output, (name, output[-3000:])
-        assert "trying the previous checkpoint" in output, (name, output[-3000:])
+            target.write_bytes(pickle.dumps(Payload(markers[-1])))
+        _resign(checkpoint, steps - offset)
+    code, output = Run(tmp_path / "resume.log", *_args(run, warm_cache, steps + 1), f"checkpoint.keep={steps}").wait()
+    assert not [m.name for m in markers if m.exists()], "a planted pickle was executed"
+    assert code == 0, output[-3000:]
+    refused = [line for line in output.splitlines() if "trying the previous checkpoint" in line]
+    for offset, name in enumerate(files):  # each planted checkpoint refused (the message names the file where
+        step_dir = f"step_{steps - offset:06d}:"  # its loader knows it: DCP reports its shards as one)
+        assert any(step_dir in line for line in refused), (name, refused)
+    clean = run / "checkpoints" / f"step_{steps - len(files):06d}"
+    assert f"resumed from {clean} at RL step {steps - len(files)}" in output, output[-3000:]
