@@ -87,8 +87,8 @@ def test_quick_claims_preset_runs_and_its_claims_agree_with_the_runs(tmp_path, w
     path.write_text(yaml.safe_dump(data))
     # the preset as committed, shortened (fewer steps and problems) to keep the suite's time: the same machinery
     done = subprocess.run([sys.executable, "-m", "megatron_kl.cli", "study", "--config", str(path),
-                           f"warm_start.cache_dir={warm_cache}", "train.steps=8", "eval.interval=4",
-                           "task.eval_size=32", "train.prompts_per_step=16"],
+                           f"warm_start.cache_dir={warm_cache}", "train.steps=4", "eval.interval=4",
+                           "task.eval_size=24", "train.prompts_per_step=8"],
                           capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     out = tmp_path / "out"
