@@ -465,7 +465,8 @@ def test_full_activation_recomputation_trains_identically(tmp_path, warm_cache):
     backward: the same gradients, so every metric equals the run that keeps the activations."""
     runs = {}
     for mode in ("none", "full"):
-        cfg = short_config(tmp_path / mode, warm_cache, "train.steps=2", f"model.recompute={mode}")
+        cfg = short_config(tmp_path / mode, warm_cache, "train.steps=2", f"model.recompute={mode}",
+                           "train.prompts_per_step=4")
         runs[mode] = [r for r in run_ranks(train_worker, 1, cfg, timeout_s=300)[0]["metrics"] if "loss/total" in r]
     for a, b in zip(stable(runs["none"]), stable(runs["full"])):
         assert set(a) == set(b)
@@ -479,7 +480,8 @@ def test_bf16_mixed_precision_trains_and_resumes_exactly(tmp_path, warm_cache):
     weights and Adam state in megatron's mixed-precision optimizer): every metric finite, the policy moves, and
     a run stopped at its step-2 checkpoint and resumed logs exactly the uninterrupted run's step 2 - the
     checkpoint restores the float32 main weights, not only their bf16 copies."""
-    common = ["model.params_dtype=bfloat16", "checkpoint.interval=2", "rollout.sampling.temperature=1.0"]
+    common = ["model.params_dtype=bfloat16", "checkpoint.interval=2", "rollout.sampling.temperature=1.0",
+              "train.prompts_per_step=4"]
     full = run_ranks(train_worker, 1, short_config(tmp_path / "full", warm_cache, *common), timeout_s=300)[0]["metrics"]
     steps = [r for r in full if "loss/total" in r]
     assert [r["step"] for r in steps] == [0, 1, 2]
