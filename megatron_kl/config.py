@@ -32,9 +32,47 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
 DTYPES = ("float32", "bfloat16", "float16")
 
 
+MOE_DISPATCHERS = ("auto", "allgather", "alltoall")
+ROUTING_REPLAY = ("off", "rollout")
+
+
+@dataclass
+class MoEConfig:
+    """Mixture-of-experts MLPs (Qwen3-MoE; Qwen2-MoE with its shared expert): every layer's MLP is a top-k router
+    over ``num_experts`` SwiGLU experts (megatron-core's MoELayer). ``num_experts: 0`` is the dense model.
+
+    Router as in the HF models: p = softmax(router logits) over all experts, the top ``router_topk`` kept, and
+    with ``normalize_topk`` (Qwen3-MoE's norm_topk_prob) renormalised to sum to 1 (megatron: softmax over the
+    top-k logits); without it the kept probabilities are used as they are (Qwen2-MoE)."""
+
+    num_experts: int = 0
+    router_topk: int = 2
+    ffn_hidden_size: Optional[int] = None  # per expert (HF moe_intermediate_size); default model.ffn_hidden_size
+    # the shared expert every token also goes through, scaled by sigmoid(gate . x) (Qwen2-MoE); 0: none
+    shared_expert_ffn_hidden_size: int = 0
+    normalize_topk: bool = True
+    # load-balancing auxiliary loss (megatron's Switch-style aux_loss, per layer, added to the training
+    # gradient) and the router z-loss; 0 turns each off
+    aux_loss_coeff: float = 0.0
+    z_loss_coeff: float = 0.0
+    # tokens an expert takes per step, as a multiple of its even share; null: dropless (no token dropped)
+    capacity_factor: Optional[float] = None
+    # megatron's token dispatcher: alltoall (GPU; it needs CUDA streams), allgather (also on the CPU); auto
+    # picks alltoall with CUDA, allgather without
+    token_dispatcher: str = "auto"
+    # which experts the trainer's forwards use for rollout tokens: "off" routes them anew (the only choice in
+    # this release); "rollout" (replaying the experts the engine chose, megatron-core's RouterReplay) is refused
+    routing_replay: str = "off"
+
+    @property
+    def enabled(self) -> bool:
+        return self.num_experts > 0
+
+
 @dataclass
 class ModelConfig:
-    """A decoder-only transformer in the Llama / Qwen2 / Qwen3 family (RMSNorm, SwiGLU, GQA, RoPE)."""
+    """A decoder-only transformer in the Llama / Qwen2 / Qwen3 family (RMSNorm, SwiGLU, GQA, RoPE), dense or
+    with mixture-of-experts MLPs (``moe``)."""
 
     architecture: str = "qwen2"
     num_layers: int = 2
@@ -79,6 +117,7 @@ class ModelConfig:
     # copies of the activations), "auto" = lean for 16-bit params_dtype, torch in float32 (float32 runs stay
     # bit-identical to earlier releases)
     rms_norm: str = "auto"
+    moe: MoEConfig = field(default_factory=MoEConfig)
 
     def resolved(self) -> "ModelConfig":
         """A copy with the architecture defaults filled in for fields left as None."""
@@ -102,6 +141,11 @@ class ParallelConfig:
     virtual_pipeline: Optional[int] = None  # model chunks per pipeline rank (interleaved 1F1B)
     sequence_parallel: bool = False
     offload_reference: bool = False  # keep the reference model's weights on CPU between uses
+    # mixture-of-experts layouts (model.moe): experts split over expert_parallel ranks (carved out of the data-
+    # parallel ranks x TP, as megatron does), each expert's matrices over expert_tensor_parallel ranks (null:
+    # the same as tensor_parallel)
+    expert_parallel: int = 1
+    expert_tensor_parallel: Optional[int] = None
     # one timeout for every process group (torch.distributed's default group, megatron's TP/PP/DP groups,
     # the rollout engine's gloo group): a hung rank ends the job after this long instead of 30 min or never
     distributed_timeout_s: float = 1800.0
@@ -143,6 +187,36 @@ def validate_model(model: ModelConfig) -> None:
         raise ConfigError(f"model.logprob_chunk_rows={model.logprob_chunk_rows} must be > 0 (or null for automatic)")
     if model.params_dtype not in DTYPES:
         raise ConfigError(f"model.params_dtype={model.params_dtype!r}: use one of {list(DTYPES)}")
+    validate_moe(model.moe)
+
+
+def validate_moe(moe: MoEConfig) -> None:
+    if moe.num_experts < 0:
+        raise ConfigError(f"model.moe.num_experts={moe.num_experts} must be >= 0 (0: a dense model)")
+    if moe.token_dispatcher not in MOE_DISPATCHERS:
+        raise ConfigError(f"model.moe.token_dispatcher={moe.token_dispatcher!r}: use one of {list(MOE_DISPATCHERS)}")
+    if moe.routing_replay not in ROUTING_REPLAY:
+        raise ConfigError(f"model.moe.routing_replay={moe.routing_replay!r}: use one of {list(ROUTING_REPLAY)}")
+    if not moe.enabled:
+        if moe.routing_replay != "off":
+            raise ConfigError("model.moe.routing_replay=rollout needs a mixture-of-experts model: set "
+                              "model.moe.num_experts > 0, or routing_replay to off")
+        return
+    if moe.routing_replay == "rollout":
+        raise ConfigError("model.moe.routing_replay=rollout is not available in this release (the engines do not "
+                          "return their routing yet); set it to off")
+    if not 1 <= moe.router_topk <= moe.num_experts:
+        raise ConfigError(f"model.moe.router_topk={moe.router_topk} must be in [1, model.moe.num_experts="
+                          f"{moe.num_experts}]")
+    if moe.ffn_hidden_size is not None and moe.ffn_hidden_size <= 0:
+        raise ConfigError(f"model.moe.ffn_hidden_size={moe.ffn_hidden_size} must be > 0 (or null: model.ffn_hidden_size)")
+    if moe.shared_expert_ffn_hidden_size < 0:
+        raise ConfigError(f"model.moe.shared_expert_ffn_hidden_size={moe.shared_expert_ffn_hidden_size} must be >= 0")
+    for name in ("aux_loss_coeff", "z_loss_coeff"):
+        if not getattr(moe, name) >= 0.0:
+            raise ConfigError(f"model.moe.{name}={getattr(moe, name)} must be >= 0")
+    if moe.capacity_factor is not None and not moe.capacity_factor > 0.0:
+        raise ConfigError(f"model.moe.capacity_factor={moe.capacity_factor} must be > 0 (or null: dropless)")
 
 
 def validate_parallel(model: ModelConfig, parallel: ParallelConfig, world_size: int) -> None:
@@ -191,6 +265,37 @@ def validate_parallel(model: ModelConfig, parallel: ParallelConfig, world_size: 
         )
     if parallel.sequence_parallel and tp == 1:
         raise ConfigError("parallel.sequence_parallel=true needs parallel.tensor_parallel > 1")
+    _validate_expert_layout(model, parallel, world_size)
+
+
+def _validate_expert_layout(model: ModelConfig, parallel: ParallelConfig, world_size: int) -> None:
+    """Megatron's expert layout: per pipeline stage, the tp x dp ranks are regrouped as etp x ep x edp."""
+    ep, etp = parallel.expert_parallel, parallel.expert_tensor_parallel
+    tp, pp = parallel.tensor_parallel, parallel.pipeline_parallel
+    moe = model.moe
+    if ep < 1 or (etp is not None and etp < 1):
+        raise ConfigError(f"parallel.expert_parallel={ep} and parallel.expert_tensor_parallel={etp} must be >= 1")
+    if not moe.enabled:
+        if ep != 1 or etp not in (None, tp):
+            raise ConfigError(f"parallel.expert_parallel={ep} / expert_tensor_parallel={etp} need a mixture-of-"
+                              "experts model: set model.moe.num_experts, or leave them at 1 / null")
+        return
+    etp = tp if etp is None else etp
+    if moe.num_experts % ep:
+        raise ConfigError(f"model.moe.num_experts={moe.num_experts} is not divisible by parallel.expert_parallel="
+                          f"{ep}: every expert-parallel rank holds the same number of experts; pick a divisor")
+    per_stage = world_size // pp
+    if per_stage % (etp * ep):
+        raise ConfigError(f"parallel.expert_tensor_parallel*expert_parallel={etp}x{ep} must divide the "
+                          f"{per_stage} ranks of a pipeline stage (world size {world_size} / "
+                          f"parallel.pipeline_parallel={pp}); change expert_parallel or the number of ranks")
+    expert_ffn = moe.ffn_hidden_size or model.ffn_hidden_size
+    if expert_ffn % etp:
+        raise ConfigError(f"parallel.expert_tensor_parallel={etp} must divide the expert width "
+                          f"model.moe.ffn_hidden_size={expert_ffn}")
+    if moe.shared_expert_ffn_hidden_size % tp:
+        raise ConfigError(f"parallel.tensor_parallel={tp} must divide model.moe.shared_expert_ffn_hidden_size="
+                          f"{moe.shared_expert_ffn_hidden_size}")
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -68,7 +68,51 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, flash_decod
         flash_decode=flash_decode,
         **({"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
            if model.recompute == "full" else {}),
+        **moe_transformer_fields(model, parallel),
     )
+
+
+def moe_dispatcher(setting: str) -> str:
+    """``model.moe.token_dispatcher`` resolved: megatron's alltoall dispatcher creates CUDA streams."""
+    if setting == "auto":
+        return "alltoall" if torch.cuda.is_available() else "allgather"
+    if setting == "alltoall" and not torch.cuda.is_available():
+        raise ConfigError("model.moe.token_dispatcher=alltoall needs CUDA (megatron's alltoall dispatcher uses CUDA "
+                          "streams); use allgather or auto on the CPU")
+    return setting
+
+
+def moe_transformer_fields(model: ModelConfig, parallel: ParallelConfig) -> dict:
+    """TransformerConfig fields of ``model.moe`` (none for a dense model). The router is the HF one: softmax
+    over all experts then top-k (``moe_router_pre_softmax``) unless the kept probabilities are renormalised,
+    which is the softmax over the top-k logits (megatron's default order)."""
+    moe = model.moe
+    if not moe.enabled:
+        return {}
+    fields = dict(
+        num_moe_experts=moe.num_experts,
+        moe_router_topk=moe.router_topk,
+        moe_ffn_hidden_size=moe.ffn_hidden_size or model.ffn_hidden_size,
+        moe_router_pre_softmax=not moe.normalize_topk,
+        moe_router_score_function="softmax",
+        moe_router_load_balancing_type="aux_loss" if moe.aux_loss_coeff > 0 else "none",
+        moe_aux_loss_coeff=moe.aux_loss_coeff,
+        moe_z_loss_coeff=moe.z_loss_coeff or None,
+        moe_token_dispatcher_type=moe_dispatcher(moe.token_dispatcher),
+        moe_grouped_gemm=False,
+        moe_permute_fusion=False,
+        moe_router_dtype="fp32",
+        moe_enable_routing_replay=moe.routing_replay == "rollout",
+        expert_model_parallel_size=parallel.expert_parallel,
+        expert_tensor_parallel_size=parallel.expert_tensor_parallel or parallel.tensor_parallel,
+    )
+    if moe.capacity_factor is not None:
+        fields.update(moe_expert_capacity_factor=moe.capacity_factor, moe_token_drop_policy="probs",
+                      moe_pad_expert_input_to_capacity=False)
+    if moe.shared_expert_ffn_hidden_size:
+        fields.update(moe_shared_expert_intermediate_size=moe.shared_expert_ffn_hidden_size,
+                      moe_shared_expert_gate=True)
+    return fields
 
 
 def _local_kernel(setting: str, kernel: str, model: ModelConfig) -> bool:
@@ -83,9 +127,12 @@ def layer_spec(model: ModelConfig):
     from megatron.core.models.gpt import gpt_layer_specs
 
     model = model.resolved()
+    experts = model.moe.num_experts or None
     if have_transformer_engine():
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=model.qk_layernorm)
-    spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=model.qk_layernorm, normalization="RMSNorm")
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(num_experts=experts, moe_grouped_gemm=False,
+                                                                          qk_layernorm=model.qk_layernorm)
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False,
+                                                    qk_layernorm=model.qk_layernorm, normalization="RMSNorm")
     if _local_kernel(model.core_attention, "sdpa", model):
         from megatron_kl.models.attention import SDPAttention
 

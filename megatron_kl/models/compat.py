@@ -235,6 +235,11 @@ def apply_cpu_shims() -> bool:
     for cls in (optimizer.Float16OptimizerWithFloat16Params, distrib_optimizer.DistributedOptimizer):
         cls.__init__ = _with_cuda_type_names(cls.__init__)
 
+    from megatron.core.transformer.moe import moe_utils
+
+    if not moe_utils.HAVE_TE:  # the router's gating linear reads te_general_gemm, defined only when TE imports
+        moe_utils.te_general_gemm = None
+
     cuda_ns = _make_cuda_namespace()
     proxy = _TorchProxy(cuda_ns)
     for name in _MODULES_WITH_CUDA_LITERALS:

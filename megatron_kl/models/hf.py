@@ -20,6 +20,15 @@ Mapping (layer i; ``d`` = head dim, ``ng`` query groups, ``nq`` heads):
     mlp.down_proj.weight                           mlp.linear_fc2.weight
     model.norm.weight                              decoder.final_layernorm.weight
     lm_head.weight (absent when tied)              output_layer.weight
+
+Mixture-of-experts layers (Qwen3-MoE, Qwen2-MoE; expert j by its global index):
+
+    mlp.gate.weight                                mlp.router.weight
+    mlp.experts.j.{gate,up}_proj.weight            mlp.experts.local_experts.j.linear_fc1.weight = [gate; up]
+    mlp.experts.j.down_proj.weight                 mlp.experts.local_experts.j.linear_fc2.weight
+    mlp.shared_expert.{gate,up}_proj.weight        mlp.shared_experts.linear_fc1.weight = [gate; up]
+    mlp.shared_expert.down_proj.weight             mlp.shared_experts.linear_fc2.weight
+    mlp.shared_expert_gate.weight                  mlp.shared_experts.gate_weight
 """
 
 from __future__ import annotations
@@ -33,10 +42,14 @@ from typing import Iterable, Iterator, Mapping, Optional
 
 import torch
 
-from megatron_kl.config import ConfigError, ModelConfig
+from megatron_kl.config import ConfigError, ModelConfig, MoEConfig
 
-FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}  # HF model_type -> ModelConfig.architecture
-HF_ARCHITECTURE_CLASS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+# HF model_type -> ModelConfig.architecture (the *_moe types: the same attention, mixture-of-experts MLPs)
+FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen2_moe": "qwen2", "qwen3_moe": "qwen3"}
+HF_ARCHITECTURE_CLASS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                         "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+MOE_STRUCTURAL_FIELDS = ("num_experts", "router_topk", "ffn_hidden_size", "shared_expert_ffn_hidden_size",
+                         "normalize_topk")
 # megatron-core's llama3 RoPE scaling fixes these (RotaryEmbedding._apply_scaling); only the factor is free
 LLAMA3_ROPE_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
@@ -84,6 +97,7 @@ def model_config_from_hf(hf: dict, **overrides) -> ModelConfig:
     elif rope_type not in ("default", None):
         raise ConfigError(f"config.json rope_type={rope_type!r} is not supported (default or llama3)")
     heads = hf["num_attention_heads"]
+    moe = _moe_from_hf(hf) if model_type.endswith("_moe") else MoEConfig()
     values = dict(
         architecture=FAMILIES[model_type],
         num_layers=hf["num_hidden_layers"],
@@ -98,11 +112,28 @@ def model_config_from_hf(hf: dict, **overrides) -> ModelConfig:
         rope_scaling_factor=scaling,
         norm_epsilon=hf.get("rms_norm_eps", 1e-6),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        qkv_bias=True if model_type == "qwen2" else bool(hf.get("attention_bias", False)),
-        qk_layernorm=model_type == "qwen3",
+        qkv_bias=True if model_type in ("qwen2", "qwen2_moe") else bool(hf.get("attention_bias", False)),
+        qk_layernorm=model_type in ("qwen3", "qwen3_moe"),
+        moe=moe,
     )
     values.update(overrides)
     return ModelConfig(**values)
+
+
+def _moe_from_hf(hf: dict) -> MoEConfig:
+    """model.moe of a qwen2_moe / qwen3_moe config.json: every layer sparse (decoder_sparse_step 1, no
+    mlp_only_layers), the router's top-k renormalised as norm_topk_prob says, Qwen2-MoE's shared expert."""
+    step = hf.get("decoder_sparse_step", 1)
+    if step != 1 or hf.get("mlp_only_layers"):
+        raise ConfigError(f"config.json decoder_sparse_step={step} / mlp_only_layers={hf.get('mlp_only_layers')}: "
+                          "dense layers among the sparse ones are not supported; every layer must be sparse")
+    experts = hf.get("num_experts", hf.get("num_local_experts"))
+    if not experts:
+        raise ConfigError("config.json of a mixture-of-experts model has no num_experts (or num_local_experts)")
+    return MoEConfig(num_experts=int(experts), router_topk=int(hf["num_experts_per_tok"]),
+                     ffn_hidden_size=int(hf["moe_intermediate_size"]),
+                     shared_expert_ffn_hidden_size=int(hf.get("shared_expert_intermediate_size") or 0),
+                     normalize_topk=bool(hf.get("norm_topk_prob", False)))
 
 
 def check_model_config(derived: ModelConfig, given: ModelConfig, source: str = "the HF checkpoint") -> None:
@@ -111,9 +142,20 @@ def check_model_config(derived: ModelConfig, given: ModelConfig, source: str = "
     a, b = derived.resolved(), given.resolved()
     diffs = [f"model.{k}={getattr(b, k)!r} but {source} has {getattr(a, k)!r}"
              for k in STRUCTURAL_FIELDS if getattr(a, k) != getattr(b, k)]
+    if a.moe.enabled or b.moe.enabled:
+        diffs += [f"model.moe.{k}={getattr(b.moe, k)!r} but {source} has {getattr(a.moe, k)!r}"
+                  for k in MOE_STRUCTURAL_FIELDS
+                  if _expert_width(a, k) != _expert_width(b, k)]
     if diffs:
         raise ConfigError("model config does not match the checkpoint: " + "; ".join(diffs)
                           + " (make the model section of the YAML match config.json)")
+
+
+def _expert_width(model: ModelConfig, key: str):
+    """model.moe.<key>, the expert width resolved (null means model.ffn_hidden_size)."""
+    if key == "ffn_hidden_size" and model.moe.enabled:
+        return model.moe.ffn_hidden_size or model.ffn_hidden_size
+    return getattr(model.moe, key)
 
 
 def hf_config_from_model(model: ModelConfig, dtype: str = "bfloat16") -> dict:
@@ -134,6 +176,20 @@ def hf_config_from_model(model: ModelConfig, dtype: str = "bfloat16") -> dict:
     }
     if family == "llama":
         config.update(attention_bias=bool(m.qkv_bias), mlp_bias=False)
+    if m.moe.enabled:
+        if family == "llama":
+            raise ConfigError("model.moe with model.architecture=llama has no HF format; use qwen2 or qwen3")
+        model_type = f"{family}_moe"
+        config.update(architectures=[HF_ARCHITECTURE_CLASS[model_type]], model_type=model_type,
+                      num_experts=m.moe.num_experts, num_experts_per_tok=m.moe.router_topk,
+                      moe_intermediate_size=m.moe.ffn_hidden_size or m.ffn_hidden_size,
+                      norm_topk_prob=m.moe.normalize_topk, decoder_sparse_step=1, mlp_only_layers=[],
+                      router_aux_loss_coef=m.moe.aux_loss_coeff, output_router_logits=False)
+        if family == "qwen2":
+            config.update(shared_expert_intermediate_size=m.moe.shared_expert_ffn_hidden_size)
+        elif m.moe.shared_expert_ffn_hidden_size:
+            raise ConfigError("model.moe.shared_expert_ffn_hidden_size with qwen3 has no HF format (Qwen3-MoE has no "
+                              "shared expert); set it to 0 or use model.architecture=qwen2")
     return config
 
 
@@ -149,6 +205,12 @@ _PLAIN = {  # megatron suffix within a layer -> HF suffix within model.layers.i.
     "mlp.linear_fc1.layer_norm_weight": "post_attention_layernorm.weight",
     "mlp.linear_fc2.weight": "mlp.down_proj.weight",
 }
+_MOE_PLAIN = {
+    "mlp.router.weight": "mlp.gate.weight",
+    "mlp.shared_experts.linear_fc2.weight": "mlp.shared_expert.down_proj.weight",
+    "mlp.shared_experts.gate_weight": "mlp.shared_expert_gate.weight",
+}
+_EXPERT_SUFFIX = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
 _GLOBAL = {"embedding.word_embeddings.weight": "model.embed_tokens.weight",
            "decoder.final_layernorm.weight": "model.norm.weight", "output_layer.weight": "lm_head.weight"}
 
@@ -163,6 +225,16 @@ def hf_names(megatron_name: str) -> list[str]:
     prefix, suffix = f"model.layers.{match.group(1)}.", match.group(2)
     if suffix in _PLAIN:
         return [prefix + _PLAIN[suffix]]
+    if suffix in _MOE_PLAIN:
+        return [prefix + _MOE_PLAIN[suffix]]
+    expert = _EXPERT_SUFFIX.match(suffix)
+    if expert:
+        base = f"{prefix}mlp.experts.{expert.group(1)}."
+        if expert.group(2) == "linear_fc2":
+            return [base + "down_proj.weight"]
+        return [base + "gate_proj.weight", base + "up_proj.weight"]
+    if suffix == "mlp.shared_experts.linear_fc1.weight":
+        return [prefix + "mlp.shared_expert.gate_proj.weight", prefix + "mlp.shared_expert.up_proj.weight"]
     if suffix in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
         kind = suffix.rsplit(".", 1)[1]
         return [f"{prefix}self_attn.{p}_proj.{kind}" for p in "qkv"]
@@ -190,7 +262,7 @@ def to_megatron(megatron_name: str, tensors: list[torch.Tensor], model: ModelCon
     """The full-layout Megatron tensor from its HF tensors (``hf_names`` order)."""
     if ".linear_qkv." in megatron_name and not megatron_name.endswith("layer_norm_weight"):
         return _qkv_merge(*tensors, groups=model.resolved().num_query_groups)
-    if megatron_name.endswith("mlp.linear_fc1.weight"):
+    if megatron_name.endswith("linear_fc1.weight"):  # a SwiGLU [gate; up]: dense, routed or shared expert
         return torch.cat(tensors, dim=0)
     return tensors[0]
 
@@ -387,9 +459,12 @@ def model_config_for_run(given: Optional[ModelConfig], checkpoint: HFCheckpoint)
         return derived
     defaults = ModelConfig()
     unset = {k: getattr(derived, k) for k in STRUCTURAL_FIELDS if getattr(given, k) == getattr(defaults, k)}
-    given = dataclasses.replace(given, **unset)
+    moe_unset = {k: getattr(derived.moe, k) for k in MOE_STRUCTURAL_FIELDS
+                 if getattr(given.moe, k) == getattr(defaults.moe, k)}
+    given = dataclasses.replace(given, **unset, moe=dataclasses.replace(given.moe, **moe_unset))
     check_model_config(derived, given, f"{checkpoint.path}/config.json")
-    return dataclasses.replace(given, **{k: getattr(derived.resolved(), k) for k in STRUCTURAL_FIELDS})
+    moe = dataclasses.replace(given.moe, **{k: getattr(derived.moe, k) for k in MOE_STRUCTURAL_FIELDS})
+    return dataclasses.replace(given, **{k: getattr(derived.resolved(), k) for k in STRUCTURAL_FIELDS}, moe=moe)
 
 
 def load_hf_into(chunks: list, checkpoint: HFCheckpoint, model: ModelConfig, tp_group=None) -> None:

@@ -54,6 +54,8 @@ def initialize(model: ModelConfig, parallel: ParallelConfig, seed: int = 1234) -
         tensor_model_parallel_size=parallel.tensor_parallel,
         pipeline_model_parallel_size=parallel.pipeline_parallel,
         virtual_pipeline_model_parallel_size=parallel.virtual_pipeline,
+        expert_model_parallel_size=parallel.expert_parallel,
+        expert_tensor_parallel_size=parallel.expert_tensor_parallel,
         create_gloo_process_groups=False,
         distributed_timeout_minutes=parallel.distributed_timeout_s / 60.0,  # megatron: timedelta(minutes=...)
     )

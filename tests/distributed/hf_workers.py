@@ -26,13 +26,27 @@ FAMILIES = {
                   num_attention_heads=4, num_key_value_heads=2, head_dim=24, max_position_embeddings=512,
                   rms_norm_eps=1e-6, tie_word_embeddings=True, rope_theta=1000000.0),
 }
+MOE_FAMILIES = {
+    # Qwen3-MoE style: 8 experts, top-2 renormalised (norm_topk_prob), q/k RMSNorm, no shared expert
+    "qwen3_moe": dict(model_type="qwen3_moe", vocab_size=61, hidden_size=64, intermediate_size=96,
+                      moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+                      num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                      max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                      rope_theta=1000000.0, decoder_sparse_step=1, mlp_only_layers=[]),
+    # Qwen2-MoE style: top-4 of 8 not renormalised, a shared expert behind a sigmoid gate, qkv bias
+    "qwen2_moe": dict(model_type="qwen2_moe", vocab_size=61, hidden_size=64, intermediate_size=96,
+                      moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=8,
+                      num_experts_per_tok=4, norm_topk_prob=False, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6,
+                      tie_word_embeddings=False, rope_theta=1000000.0, decoder_sparse_step=1, mlp_only_layers=[]),
+}
 
 
 def make_hf_model(family: str, directory: Path, seed: int = 0) -> Path:
     """Build a random HF model with transformers' config class, save it (safetensors) plus tokenizer files."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    spec = dict(FAMILIES[family])
+    spec = dict({**FAMILIES, **MOE_FAMILIES}[family])
     dtype = spec.pop("dtype", "float32")
     config = AutoConfig.for_model(**spec)
     torch.manual_seed(seed)

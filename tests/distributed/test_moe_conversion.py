@@ -1,0 +1,61 @@
+"""Mixture-of-experts HF <-> Megatron: tiny random Qwen3-MoE and Qwen2-MoE models written by transformers load
+into megatron-core MoE GPTModels whose fp32 logits equal transformers' at EP=1 and across expert-parallel
+layouts (EP=2, TP=2 x EP=2, PP=2 x EP=2 on gloo ranks), and export back bit for bit from the sharded layouts."""
+
+import json
+
+import pytest
+import torch
+
+from megatron_kl.config import ConfigError, ParallelConfig
+from megatron_kl.models import hf
+from megatron_kl.testing.distributed import run_ranks
+from tests.distributed.hf_workers import MOE_FAMILIES, convert_worker, hf_logits, make_hf_model
+from tests.distributed.test_hf_conversion import _safetensors, _tokens
+
+LAYOUTS = {  # name -> (layout, world size)
+    "ep1": (ParallelConfig(), 1),
+    "ep2": (ParallelConfig(expert_parallel=2), 2),
+    "tp2xep2": (ParallelConfig(tensor_parallel=2, expert_parallel=2), 4),
+    "pp2xep2": (ParallelConfig(pipeline_parallel=2, expert_parallel=2), 4),
+}
+CASES = [("qwen3_moe", layout) for layout in LAYOUTS] + [("qwen2_moe", "ep1"), ("qwen2_moe", "tp2xep2")]
+
+
+@pytest.fixture(scope="module")
+def moe_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf_moe")
+    return {family: make_hf_model(family, root / family, seed=10 + i) for i, family in enumerate(MOE_FAMILIES)}
+
+
+@pytest.mark.parametrize("family,layout", CASES)
+def test_moe_logits_match_hf_and_export_is_bit_exact(moe_models, tmp_path, family, layout):
+    tokens = _tokens()
+    expected = hf_logits(moe_models[family], tokens)
+    parallel, world = LAYOUTS[layout]
+    export = tmp_path / "export"
+    outs = run_ranks(convert_worker, world, str(moe_models[family]), parallel, tokens, export)
+    logits = next(o["logits"] for o in outs if o["logits"] is not None)
+    assert logits.shape == expected.shape
+    assert expected.std() > 0.5, "precondition: logits far from uniform"
+    err = ((logits - expected).abs().max() / expected.abs().max()).item()
+    assert err < 1e-5, f"{family} {layout}: relative error {err:.2e}"
+    original, exported = _safetensors(moe_models[family]), _safetensors(export)
+    assert set(exported) == set(original)
+    for name, tensor in original.items():
+        assert exported[name].dtype == tensor.dtype and torch.equal(exported[name], tensor), name
+    assert json.loads((export / "config.json").read_text()) == json.loads((moe_models[family] / "config.json").read_text())
+
+
+def test_moe_config_derivation_and_refusals(moe_models, tmp_path):
+    derived = hf.HFCheckpoint(str(moe_models["qwen3_moe"])).model_config()
+    assert derived.architecture == "qwen3" and derived.moe.num_experts == 8 and derived.moe.router_topk == 2
+    assert derived.moe.ffn_hidden_size == 32 and derived.moe.normalize_topk and not derived.moe.shared_expert_ffn_hidden_size
+    qwen2 = hf.HFCheckpoint(str(moe_models["qwen2_moe"])).model_config()
+    assert qwen2.moe.shared_expert_ffn_hidden_size == 48 and not qwen2.moe.normalize_topk and qwen2.resolved().qkv_bias
+    config = json.loads((moe_models["qwen3_moe"] / "config.json").read_text())
+    with pytest.raises(ConfigError, match="mlp_only_layers"):
+        hf.model_config_from_hf({**config, "mlp_only_layers": [0]})
+    given = derived.__class__(moe=derived.moe.__class__(num_experts=4))
+    with pytest.raises(ConfigError, match="model.moe.num_experts=4 but"):
+        hf.check_model_config(derived, given)
