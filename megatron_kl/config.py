@@ -268,6 +268,17 @@ def validate_parallel(model: ModelConfig, parallel: ParallelConfig, world_size: 
     _validate_expert_layout(model, parallel, world_size)
 
 
+def validate_training_layout(model: ModelConfig, parallel: ParallelConfig) -> None:
+    """Layout rules of training only (forward-only uses - conversion, scoring - do not have them)."""
+    if model.moe.enabled and parallel.tensor_parallel > 1 and not parallel.sequence_parallel:
+        raise ConfigError(
+            f"model.moe with parallel.tensor_parallel={parallel.tensor_parallel} trains only with "
+            "parallel.sequence_parallel=true (megatron-core's MoE layer refuses tensor parallelism without it in "
+            "training; sequence parallelism needs the Transformer Engine spec, on GPUs): set sequence_parallel, or "
+            "tensor_parallel=1 and split the experts with parallel.expert_parallel"
+        )
+
+
 def _validate_expert_layout(model: ModelConfig, parallel: ParallelConfig, world_size: int) -> None:
     """Megatron's expert layout: per pipeline stage, the tp x dp ranks are regrouped as etp x ep x edp."""
     ep, etp = parallel.expert_parallel, parallel.expert_tensor_parallel

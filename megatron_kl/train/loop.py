@@ -13,8 +13,8 @@ from typing import Optional
 import torch.distributed as dist
 
 from megatron_kl import child_processes
-from megatron_kl.config import ConfigError, redact_secrets, to_dict, validate_parallel
-from megatron_kl.models import builder, hf, optim, output_head, parallel, state
+from megatron_kl.config import ConfigError, redact_secrets, to_dict, validate_parallel, validate_training_layout
+from megatron_kl.models import builder, hf, moe_load, optim, output_head, parallel, state
 from megatron_kl.models.offload import ReferenceOffload
 from megatron_kl.tasks import build_task
 from megatron_kl.train import checkpoint as ckpt
@@ -164,6 +164,7 @@ def prepare(cfg: TrainConfig) -> Prepared:
     if not cfg.rollout.sampling.stop_token_ids:
         cfg.rollout.sampling.stop_token_ids = default_stop_token_ids(task, hf_source)
     validate_parallel(cfg.model, cfg.parallel, world_size)
+    validate_training_layout(cfg.model, cfg.parallel)
     validate_train_config(cfg, task.tokenizer.vocab_size,
                           world_size // (cfg.parallel.tensor_parallel * cfg.parallel.pipeline_parallel))
     return Prepared(world_size, hf_source, task, run_dir.plan_start(cfg, world_size))
@@ -215,7 +216,8 @@ def _train(cfg: TrainConfig, plan, task, hf_source, dp, is_logger: bool, stop: S
     run_state = RunState(train_state, shared={"scheduler": train_state.scheduler, "counters": counters},
                          per_rank={"rng": RNGStates(), "rollouts": source})
     ctx = StepContext(cfg, train_state, models.reference, output_head.ReferenceHead(models.reference), offload, dp_group,
-                      kl_tags=kl_tags(cfg), counters=counters)
+                      kl_tags=kl_tags(cfg), counters=counters, pp_group=parallel.pp_group(),
+                      expert_load=moe_load.expert_load(train_state.chunks, cfg.model))
 
     latest = ckpt.load_latest(run_path / "checkpoints", run_state, plan.run_id) if plan.kind == "resume" else None
     start_step = counters.rl_steps

@@ -70,6 +70,17 @@ METRICS = (
            "mismatch; ~0 on-policy; large when rollout.sampling.distribution=full with top-k/top-p: the engines "
            "report log mu of the truncated distribution)"),
     Metric("mismatch/abs_logprob_max", "nats", "largest |log pi_train - log mu_rollout|"),
+    Metric("moe/tokens_per_expert_max", "tokens", "most tokens a router sent to one expert in one layer, summed "
+           "over data-parallel ranks, in the pass that computes pi_old (with algo.old_logprobs=from_update: every "
+           "forward of the update)", "mixture-of-experts models"),
+    Metric("moe/tokens_per_expert_min", "tokens", "fewest tokens of one expert in one layer (as the max)",
+           "mixture-of-experts models"),
+    Metric("moe/tokens_per_expert_mean", "tokens", "mean tokens per expert and layer (tokens x router_topk / "
+           "experts without drops)", "mixture-of-experts models"),
+    Metric("moe/load_imbalance", "ratio", "moe/tokens_per_expert_max / moe/tokens_per_expert_mean (1: balanced)",
+           "mixture-of-experts models"),
+    Metric("moe/dropped_fraction", "fraction", "routes (token, expert) dropped by the capacity factor over "
+           "tokens x router_topk", "model.moe.capacity_factor set"),
     Metric("sampling/truncated_mass", "probability", "mean over response tokens of 1 - the top-k/top-p support's "
            "mass under the full softmax(z / T): how much the engines' truncation cuts away",
            "with top-k/top-p and rollout.sampling.distribution=truncated"),

@@ -29,6 +29,7 @@ from megatron_kl.algo.losses import MICROBATCH_TOKENS, MicrobatchLoss, Shares
 from megatron_kl.kl.estimators import ClampCounter
 from megatron_kl.kl.objective import kl_shaped_returns
 from megatron_kl.models import optim, output_head, pipeline
+from megatron_kl.models.moe_load import ExpertLoad
 from megatron_kl.models.offload import ReferenceOffload
 from megatron_kl.models.parallel import all_reduce_cpu
 from megatron_kl.train.profiling import phase
@@ -52,6 +53,8 @@ class StepContext:
     consecutive_skips: int = 0  # optimizer steps skipped in a row (non-finite gradient)
     counters: Counters = field(default_factory=Counters)  # optimizer steps applied / skipped (train/run_state.py)
     kl_tags: dict = field(default_factory=dict)  # logged every step: kl/biased (the audit's verdict for kl.target)
+    expert_load: Optional[ExpertLoad] = None  # mixture-of-experts policies: router counts of the pi_old pass
+    pp_group: object = None
 
 
 class NonFiniteUpdates(RuntimeError):
@@ -204,11 +207,17 @@ def _scoring_passes(ctx: StepContext, sequences, step: int, vocab, timings: dict
                     sequences.extras["reference_hidden"] = reference["hidden"]
         with phase("old_logprobs", timings):
             if cfg.algo.old_logprobs == "recompute":
+                resident.enter_context(_recording(ctx))
                 old = pipeline.compute_token_stats(
                     ctx.train_state.chunks, sequences, microbatches, vocab,
                     reference=ctx.reference_head if reference is not None and exact else None,
                     token_budget=cfg.train.micro_batch_tokens)
     return reference, old
+
+
+def _recording(ctx: StepContext):
+    """Count the routers' choices of the pass computing pi_old (mixture-of-experts policies only)."""
+    return ctx.expert_load.recording() if ctx.expert_load is not None else nullcontext()
 
 
 def _stitch(loss: MicrobatchLoss, order: torch.Tensor, shape) -> dict:
@@ -304,7 +313,7 @@ def rl_step(ctx: StepContext, batch: RolloutBatch, step: int) -> dict:
     exact_in_loss = kl.estimator == "full" and kl.placement == "loss" and kl.coef > 0
     needs_head = reference is not None and needs_exact_kl(cfg, step) and (exact_in_loss or old is None)
 
-    with phase("update", timings):
+    with phase("update", timings), _recording(ctx) if cfg.algo.old_logprobs == "from_update" else nullcontext():
         metrics, captured = _update(ctx, sequences, step, vocab, ctx.reference_head if needs_head else None)
     old = old if old is not None else captured
 
@@ -319,6 +328,8 @@ def rl_step(ctx: StepContext, batch: RolloutBatch, step: int) -> dict:
         metrics["batch/microbatches"] = float(len(groups))
     metrics.update(ctx.counter.as_dict())
     metrics = _reduce(metrics, ctx.dp_group)
+    if ctx.expert_load is not None:  # counts summed over data-parallel ranks and pipeline stages
+        metrics.update(ctx.expert_load.metrics((ctx.dp_group, ctx.pp_group), cfg.model.moe.capacity_factor is not None))
     metrics.update(ctx.kl_tags)
     metrics.update(timings)
     return metrics

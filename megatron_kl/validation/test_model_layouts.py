@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from megatron_kl.config import ModelConfig, ParallelConfig
+from megatron_kl.config import ModelConfig, MoEConfig, ParallelConfig
 from megatron_kl.models.builder import have_transformer_engine
 from megatron_kl.models.optim import OptimConfig
 from megatron_kl.testing.distributed import run_ranks
@@ -19,6 +19,9 @@ MODELS = {
     # Qwen3 style: q/k RMSNorm, tied embeddings
     "qwen3": ModelConfig(architecture="qwen3", num_layers=4, vocab_size=50, make_vocab_size_divisible_by=16,
                          tie_word_embeddings=True),
+    # Qwen3-MoE style: 4 experts, top-2 renormalised, expert width 32 (megatron-core MoELayer, allgather dispatcher)
+    "qwen3_moe": ModelConfig(architecture="qwen3", num_layers=4, vocab_size=50, make_vocab_size_divisible_by=16,
+                             moe=MoEConfig(num_experts=4, router_topk=2, ffn_hidden_size=32)),
 }
 # Adam's first step is lr * g / (|g| + eps): a large eps keeps fp32 noise in near-zero grads from
 # being amplified (the key bias has zero true gradient: softmax is shift invariant, so its gradient is pure
@@ -217,3 +220,28 @@ def test_bf16_mixed_precision_tracks_float32(baselines, model_name, parallel, fu
     moved = max((result["updated"][k].float() - base["full_state"][k].to(torch.bfloat16).float()).abs().max().item()
                 for k in base["full_state"])
     assert moved > 1e-4
+
+
+@pytest.mark.parametrize(
+    "parallel,world,fused",
+    [
+        (ParallelConfig(expert_parallel=2), 2, False),
+        (ParallelConfig(expert_parallel=2), 2, True),
+        (ParallelConfig(pipeline_parallel=2, expert_parallel=2), 4, False),
+        pytest.param(ParallelConfig(tensor_parallel=2, sequence_parallel=True, expert_parallel=2), 4, True,
+                     marks=[pytest.mark.gpu, pytest.mark.skipif(not have_transformer_engine(),
+                                                                reason="sequence parallel needs Transformer Engine")]),
+    ],
+    ids=["ep2", "ep2-fused-single-pass", "pp2-ep2-1f1b", "tp2-sp-ep2-fused-single-pass"],
+)
+def test_expert_parallel_layouts_match_single_rank(baselines, parallel, world, fused):
+    """A mixture-of-experts policy split over expert-parallel ranks (the data-parallel ranks of a stage, here all
+    fed the same batch) reproduces EP=1: logits, log-probs, entropies (the vocab-parallel kernels and the fused
+    output path under EP), every expert's gradient and its weights after one optimizer step. TP x EP trains only
+    with sequence parallelism (megatron-core's MoE layer), so on GPUs with Transformer Engine."""
+    tokens, mask = _batch()
+    base = baselines["qwen3_moe"]
+    assert any(".mlp.experts.local_experts.3." in name for name in base["grads"])
+    outs = run_ranks(layout_worker, world, MODELS["qwen3_moe"], parallel, base["full_state"], tokens, mask,
+                     NUM_MICROBATCHES, OPTIM, fused, fused)
+    _compare(outs[0], base, outs)

@@ -142,3 +142,14 @@ def test_valid_expert_layouts_pass():
                             (dict(tensor_parallel=2, expert_parallel=2, pipeline_parallel=2), 8),
                             (dict(tensor_parallel=2, expert_tensor_parallel=1, expert_parallel=4), 8)):
         validate_parallel(model, ParallelConfig(**parallel), world)
+
+
+def test_moe_training_with_tensor_parallelism_needs_sequence_parallelism():
+    from megatron_kl.config import MoEConfig, validate_training_layout
+
+    moe = ModelConfig(moe=MoEConfig(num_experts=4))
+    with pytest.raises(ConfigError, match="parallel.sequence_parallel=true"):
+        validate_training_layout(moe, ParallelConfig(tensor_parallel=2, expert_parallel=2))
+    validate_training_layout(moe, ParallelConfig(tensor_parallel=2, sequence_parallel=True))
+    validate_training_layout(moe, ParallelConfig(expert_parallel=2))
+    validate_training_layout(ModelConfig(), ParallelConfig(tensor_parallel=2))
