@@ -268,8 +268,14 @@ def validate_parallel(model: ModelConfig, parallel: ParallelConfig, world_size: 
     _validate_expert_layout(model, parallel, world_size)
 
 
-def validate_training_layout(model: ModelConfig, parallel: ParallelConfig) -> None:
+def validate_training_layout(model: ModelConfig, parallel: ParallelConfig, micro_batch_tokens: int = 0) -> None:
     """Layout rules of training only (forward-only uses - conversion, scoring - do not have them)."""
+    if model.moe.enabled and parallel.expert_parallel > 1 and micro_batch_tokens > 0:
+        raise ConfigError(
+            f"train.micro_batch_tokens={micro_batch_tokens} with parallel.expert_parallel={parallel.expert_parallel}: "
+            "token-budget microbatches differ in number and shape between data-parallel ranks, whose expert-parallel "
+            "token dispatch must meet in every forward; set train.micro_batch_tokens=0 (equal microbatches)"
+        )
     if model.moe.enabled and parallel.tensor_parallel > 1 and not parallel.sequence_parallel:
         raise ConfigError(
             f"model.moe with parallel.tensor_parallel={parallel.tensor_parallel} trains only with "

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from megatron_kl.models.parallel import collective_device
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
-_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
+EXPERT_NAME = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
 _VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 
@@ -58,10 +58,10 @@ def _size_rank(group) -> tuple[int, int]:
 
 
 def is_expert(name: str) -> bool:
-    return _EXPERT.search(name) is not None
+    return EXPERT_NAME.search(name) is not None
 
 
-def _local_experts(chunks: list) -> int:
+def local_experts_per_layer(chunks: list) -> int:
     """Routed experts per layer on this rank (0: a dense model)."""
     for chunk in chunks:
         for layer in chunk.decoder.layers:
@@ -73,13 +73,13 @@ def _local_experts(chunks: list) -> int:
 
 def _expert_groups(chunks: list, experts: Optional[ExpertGroups]) -> Optional[ExpertGroups]:
     """The expert groups for a model with routed experts (megatron's when not given); None for a dense one."""
-    if not _local_experts(chunks):
+    if not local_experts_per_layer(chunks):
         return None
     return experts if experts is not None else ExpertGroups.from_megatron()
 
 
-def _with_expert_index(name: str, index: int) -> str:
-    return _EXPERT.sub(f".mlp.experts.local_experts.{index}.", name, count=1)
+def with_expert_index(name: str, index: int) -> str:
+    return EXPERT_NAME.sub(f".mlp.experts.local_experts.{index}.", name, count=1)
 
 
 def _is_glu_fc1(name: str) -> bool:
@@ -99,9 +99,9 @@ def _named_params_global(chunks: list, tied: bool, expert_offset: int = 0):
             if match:
                 global_index = layers[int(match.group(1))].layer_number - 1
                 name = f"decoder.layers.{global_index}." + name[match.end():]
-            expert = _EXPERT.search(name)
+            expert = EXPERT_NAME.search(name)
             if expert is not None and expert_offset:
-                name = _with_expert_index(name, expert_offset + int(expert.group(1)))
+                name = with_expert_index(name, expert_offset + int(expert.group(1)))
             yield name, param
 
 
@@ -160,7 +160,7 @@ def iter_full_state(
     experts = _expert_groups(chunks, experts)
     ep_size, ep_rank = experts.ep_size_rank() if experts is not None else (1, 0)
     etp_size = experts.etp_size_rank()[0] if experts is not None else tp_size
-    local_experts = _local_experts(chunks)
+    local_experts = local_experts_per_layer(chunks)
     params = list(_named_params_global(chunks, tied))  # local expert indices: the same names on every EP rank
     for stage in range(pp_size):
         meta = [[(name, _full_shape(name, p, etp_size if is_expert(name) else tp_size, vocab_size),
@@ -189,14 +189,14 @@ def iter_full_state(
             if not is_expert(name):
                 yield name, tensor.cpu()
                 continue
-            local = int(_EXPERT.search(name).group(1))
+            local = int(EXPERT_NAME.search(name).group(1))
             for source in range(ep_size):  # expert-parallel rank ``source`` holds global expert source * E_local + j
                 piece = tensor
                 if ep_size > 1:
                     piece = tensor.clone() if source == ep_rank else torch.empty_like(tensor)
                     piece = piece.to(collective_device(experts.ep))
                     dist.broadcast(piece, src=dist.get_global_rank(experts.ep, source), group=experts.ep)
-                yield _with_expert_index(name, source * local_experts + local), piece.cpu()
+                yield with_expert_index(name, source * local_experts + local), piece.cpu()
 
 
 def full_state_dict(chunks: list, vocab_size: int, tied: bool, tp_group=None, pp_group=None,
@@ -217,7 +217,7 @@ def load_full_state_dict(chunks: list, full: Mapping[str, torch.Tensor], tied: b
     experts = _expert_groups(chunks, experts)
     ep_rank = experts.ep_size_rank()[1] if experts is not None else 0
     etp_size, etp_rank = experts.etp_size_rank() if experts is not None else (tp_size, tp_rank)
-    for name, param in _named_params_global(chunks, tied, expert_offset=ep_rank * _local_experts(chunks)):
+    for name, param in _named_params_global(chunks, tied, expert_offset=ep_rank * local_experts_per_layer(chunks)):
         if name not in full:
             missing.append(name)
             continue

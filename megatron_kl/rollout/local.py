@@ -38,6 +38,7 @@ import torch.distributed as dist
 from megatron_kl.config import ConfigError, ModelConfig, ParallelConfig
 from megatron_kl.kl.truncation import Truncation, support_threshold
 from megatron_kl.models.output_head import unwrap
+from megatron_kl.models.state import ExpertGroups
 from megatron_kl.rollout.engine import Completion, SamplingConfig
 
 
@@ -167,6 +168,45 @@ def _engine_tp_group(tp_size: int):
     return mine
 
 
+def _replica_holds_all_experts(parallel: ParallelConfig, groups) -> ParallelConfig:
+    """The replica's layout when the policy splits its experts over ranks: every expert on every rank (each
+    data-parallel rank generates its own prompts, so the replica's forwards cannot meet in expert-parallel
+    collectives), sharded over the engine's TP group like the dense layers. Creates one-rank groups
+    (collectively)."""
+    import dataclasses
+
+    if parallel.expert_tensor_parallel not in (None, parallel.tensor_parallel):
+        raise ConfigError(
+            f"rollout.engine=local with parallel.expert_tensor_parallel={parallel.expert_tensor_parallel} != "
+            f"tensor_parallel={parallel.tensor_parallel}: the replica shards its experts like the dense layers; "
+            "leave expert_tensor_parallel null, or use rollout.engine=sglang / vllm"
+        )
+    alone, _ = dist.new_subgroups(group_size=1)
+    groups.ep, groups.expt_dp = alone, alone
+    groups.expt_tp, groups.tp_ep = groups.tp, groups.tp
+    return dataclasses.replace(parallel, expert_parallel=1, expert_tensor_parallel=None)
+
+
+def _gathered_experts(policy, ep_group):
+    """The policy's (name, tensor) pairs, routed experts gathered over ``ep_group`` when it is given (expert j of
+    expert-parallel rank r becomes local expert r E_local + j); a collective on every rank of the group."""
+    from megatron_kl.models.state import EXPERT_NAME, local_experts_per_layer, with_expert_index
+
+    if ep_group is None:
+        yield from ((name, param.detach()) for name, param in policy.named_parameters())
+        return
+    local = local_experts_per_layer([policy])
+    for name, param in policy.named_parameters():
+        match = EXPERT_NAME.search(name)
+        if match is None:
+            yield name, param.detach()
+            continue
+        pieces = [torch.empty_like(param) for _ in range(dist.get_world_size(ep_group))]
+        dist.all_gather(pieces, param.detach().contiguous(), group=ep_group)
+        for rank, piece in enumerate(pieces):
+            yield with_expert_index(name, rank * local + int(match.group(1))), piece
+
+
 class LocalEngine:
     """In-process engine over a GPTModel replica in the policy's TP layout (PP must be 1)."""
 
@@ -185,6 +225,10 @@ class LocalEngine:
         self.max_batch_size = max_batch_size
         groups = ProcessGroupCollection.use_mpu_process_groups()
         groups.tp = _engine_tp_group(parallel.tensor_parallel)
+        self.expert_gather = None  # the policy's expert-parallel group when the replica holds every expert
+        if model.moe.enabled and parallel.expert_parallel > 1:
+            parallel = _replica_holds_all_experts(parallel, groups)
+            self.expert_gather = ExpertGroups.from_megatron().ep
         if flash_decode:
             from megatron_kl.models import flash_decode as kernels
 
@@ -206,7 +250,7 @@ class LocalEngine:
         with self._lock:
             policy = unwrap(source[0])
             mine = dict(self.model.named_parameters())
-            for name, param in policy.named_parameters():
+            for name, param in _gathered_experts(policy, self.expert_gather):
                 if name not in mine:
                     raise KeyError(f"engine model has no parameter {name}")
                 target = mine[name]

@@ -164,7 +164,7 @@ def prepare(cfg: TrainConfig) -> Prepared:
     if not cfg.rollout.sampling.stop_token_ids:
         cfg.rollout.sampling.stop_token_ids = default_stop_token_ids(task, hf_source)
     validate_parallel(cfg.model, cfg.parallel, world_size)
-    validate_training_layout(cfg.model, cfg.parallel)
+    validate_training_layout(cfg.model, cfg.parallel, cfg.train.micro_batch_tokens)
     validate_train_config(cfg, task.tokenizer.vocab_size,
                           world_size // (cfg.parallel.tensor_parallel * cfg.parallel.pipeline_parallel))
     return Prepared(world_size, hf_source, task, run_dir.plan_start(cfg, world_size))

@@ -282,9 +282,27 @@ def _update(ctx: StepContext, sequences, step: int, vocab, reference_head) -> tu
     return metrics, captured
 
 
+def common_width(batch: RolloutBatch, group) -> RolloutBatch:
+    """The batch right-padded (pad id 0, masked) to the longest sequence over ``group``: experts split over
+    ranks meet in every layer's token dispatch, whose all-gather needs the same token count from each rank
+    (appended padding changes no earlier position: attention is causal)."""
+    if group is None or dist.get_world_size(group) == 1:
+        return batch
+    width = torch.tensor([float(batch.tokens.shape[1])])
+    width = int(all_reduce_cpu(width, group, op=dist.ReduceOp.MAX).item())
+    extra = width - batch.tokens.shape[1]
+    if extra == 0:
+        return batch
+    pad = torch.nn.functional.pad
+    return dataclasses.replace(batch, tokens=pad(batch.tokens, (0, extra)), loss_mask=pad(batch.loss_mask, (0, extra)),
+                               behavior_logprobs=pad(batch.behavior_logprobs, (0, extra)))
+
+
 def rl_step(ctx: StepContext, batch: RolloutBatch, step: int) -> dict:
     cfg = ctx.cfg
     algo, kl, run = cfg.algo, cfg.kl, cfg.train
+    if cfg.model.moe.enabled and cfg.parallel.expert_parallel > 1:
+        batch = common_width(batch, ctx.dp_group)
     sampling = cfg.rollout.sampling
     vocab = pipeline.VocabOptions.for_model(cfg.model, cfg.parallel, sampling.logprob_temperature,
                                             sampling.trained_truncation(cfg.model.vocab_size))
