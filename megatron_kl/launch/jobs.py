@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Optional
 from pathlib import Path
 
-from megatron_kl.config import ConfigError, validate_parallel
+from megatron_kl.config import ConfigError, validate_parallel, validate_training_layout
 from megatron_kl.train.config import TrainConfig
 
 URLS_VAR = "MEGATRON_KL_SGLANG_URLS"
@@ -77,6 +77,7 @@ def _check_slurm(cfg: TrainConfig) -> None:
         raise ConfigError(f"launch.slurm.retries={slurm.retries} restarts the job; set checkpoint.resume=true "
                           "so a restart continues from the latest checkpoint instead of step 0")
     validate_parallel(cfg.model, cfg.parallel, slurm.nodes * slurm.gpus_per_node)
+    validate_training_layout(cfg.model, cfg.parallel, cfg.train.micro_batch_tokens)
     if not SHELL_WORD.fullmatch(str(slurm.tunnel.job_dir)):
         raise ConfigError(f"launch.slurm.tunnel.job_dir={slurm.tunnel.job_dir!r}: NeMo-Run writes it unquoted into "
                           "the srun lines; use letters, digits and / . _ - : @ + = , ~ only")

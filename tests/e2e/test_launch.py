@@ -141,3 +141,21 @@ def test_slurm_config_errors_name_the_field(tmp_path, overrides, field):
     done = _launch("slurm", "--config", PAPER, "--dryrun", f"launch.home={tmp_path}", *SLURM, *overrides)
     assert done.returncode == 2
     assert field in done.stderr
+
+
+def test_slurm_dryrun_of_the_moe_paper_config(tmp_path):
+    """configs/paper/qwen3-30b-a3b.yaml (4 nodes, TP=1 x PP=2 x EP=8) writes its 4-node script; a TP=2 variant
+    without sequence parallelism is refused before anything is written."""
+    config = str(ROOT / "configs" / "paper" / "qwen3-30b-a3b.yaml")
+    common = [f"launch.home={tmp_path / 'home'}", f"launch.slurm.tunnel.job_dir={tmp_path / 'jobs'}",
+              "launch.slurm.account=rl-acct", "launch.slurm.container_image=nvcr.io/nvidia/nemo:25.09"]
+    done = _launch("slurm", "--config", config, "--dryrun", *common)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert "#SBATCH --nodes=4" in lines and "#SBATCH --gpus-per-node=8" in lines
+    srun = next(line for line in lines if line.startswith("srun "))
+    assert "--nnodes 4 --nproc-per-node 8 --node-rank $SLURM_NODEID" in srun
+    assert srun.endswith(f"-m megatron_kl.cli train --config {config}")
+    refused = _launch("slurm", "--config", config, "--dryrun", *common, "parallel.tensor_parallel=2")
+    assert refused.returncode != 0 and "parallel.sequence_parallel=true" in refused.stderr
+    assert not (tmp_path / "jobs").exists() or not any((tmp_path / "jobs").rglob("*.sh"))

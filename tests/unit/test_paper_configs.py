@@ -62,3 +62,45 @@ def test_gpu_study_crosses_every_kl_configuration_and_each_run_is_launchable():
     assert {c.algo.rpg.divergence for c in configs if c.algo.loss == "rpg"} == set(DIVERGENCES)
     async_runs = [c for c in configs if c.train.staleness > 0]
     assert async_runs and all(c.launch.rollout_servers.mode == "disaggregated" for c in async_runs)
+
+
+def test_moe_paper_config_matches_hf_config_and_fits_4_nodes():
+    """configs/paper/qwen3-30b-a3b.yaml: the model section is Qwen3-30B-A3B's config.json (128 experts, top-8
+    renormalised, width 768), the layout validates on its 4 x 8 GPUs (EP=8 within each PP stage) and trains
+    (no TP without sequence parallelism), and its exported config.json reads back as the same model."""
+    from megatron_kl.config import validate_training_layout
+
+    cfg = load_train_config(str(ROOT / "configs" / "paper" / "qwen3-30b-a3b.yaml"))
+    real = json.loads((ROOT / "tests" / "data" / "hf_configs" / "qwen3-30b-a3b.json").read_text())
+    hf.check_model_config(hf.model_config_from_hf(real), cfg.model, "qwen3-30b-a3b config.json")
+    gpus = cfg.launch.slurm.nodes * cfg.launch.slurm.gpus_per_node
+    assert gpus == 32 and cfg.model.moe.num_experts == 128 and cfg.parallel.expert_parallel == 8
+    validate_parallel(cfg.model, cfg.parallel, gpus)
+    validate_training_layout(cfg.model, cfg.parallel, cfg.train.micro_batch_tokens)
+    hf.check_model_config(hf.model_config_from_hf(hf.hf_config_from_model(cfg.model)), cfg.model)
+    # the layout's parameter arithmetic as the file states it: ~2.6B parameters per GPU
+    m = cfg.model.resolved()
+    experts = m.num_layers * m.moe.num_experts * 3 * m.hidden_size * m.moe.ffn_hidden_size
+    attention = m.num_layers * m.hidden_size * m.kv_channels * (2 * m.num_attention_heads + 2 * m.num_query_groups)
+    per_gpu = experts / cfg.parallel.pipeline_parallel / cfg.parallel.expert_parallel + \
+        attention / cfg.parallel.pipeline_parallel + m.vocab_size * m.hidden_size
+    assert 2.5e9 < per_gpu < 2.8e9 and 28.9e9 < experts < 29.1e9
+
+
+def test_moe_study_preset_runs_are_launchable():
+    """configs/study/qwen3-30b-a3b.yaml: every (configuration, seed) passes the trainer's checks and the Slurm
+    launcher's on 4 nodes."""
+    from megatron_kl.launch.experiment import plan
+    from megatron_kl.launch.jobs import _check_slurm
+    from megatron_kl.train.config import validate_train_config
+
+    launch_plan = plan(str(ROOT / "configs" / "study" / "qwen3-30b-a3b.yaml"),
+                       ["launch.slurm.account=acct", "launch.slurm.container_image=nvcr.io/megatron-kl:gpu"])
+    assert len(launch_plan.tasks) == 12 and len(launch_plan.study.seeds) == 2
+    for spec in launch_plan.tasks:
+        cfg = spec.cfg
+        assert cfg.launch.slurm.nodes == 4 and cfg.model.moe.num_experts == 128
+        gpus = cfg.launch.slurm.nodes * cfg.launch.slurm.gpus_per_node
+        validate_train_config(cfg, cfg.model.vocab_size, gpus // (cfg.parallel.tensor_parallel *
+                                                                   cfg.parallel.pipeline_parallel))
+        _check_slurm(cfg)
