@@ -2,6 +2,7 @@
 
     python tools/bench_step.py [--config configs/cpu/default.yaml] [--steps 12] [overrides ...]
     python tools/bench_step.py --trl-workload 135m [--steps 4] [overrides ...]   # tools/bench_trl.py's workload
+    python tools/bench_step.py --moe 4 2 [--rounds 2] [overrides ...]   # MoE vs the dense model, same active size
 
 Runs the trainer in-process (one rank) for ``--steps`` steps without evaluation or checkpoints, and
 reports the median of each timed phase as a share of the median step:
@@ -15,6 +16,11 @@ reports the median of each timed phase as a share of the median step:
 
 The baseline is the step itself, measured in the same run: orchestration = step - (rollout + reference +
 old_logprobs + update); the target is < 10 % of the step. The first step (warm-up) is excluded.
+
+``--moe E K``: the config's dense model against its mixture-of-experts twin with the same active parameters
+(E experts of width ffn / K, top-K routing: each token's MLP is K x 3 x hidden x ffn / K, the dense MLP's size,
+plus the router), alternating dense and MoE runs for ``--rounds`` rounds in one process; prints each model's
+median step and phases and the MoE / dense ratio (min and median over the rounds' medians).
 
 The floor: the work a step cannot avoid, at this machine's rates measured in the same run - the reference
 forward and the policy forward + backward over the batch's real tokens (2 + 6 FLOPs per parameter and token,
@@ -134,8 +140,13 @@ def main(argv=None) -> int:
                         help="tools/bench_trl.py's megatron-kl workload of this shape (built in a temporary directory)")
     parser.add_argument("--no-profile", action="store_true",
                         help="skip the extra profiled step (GEMM time per phase)")
+    parser.add_argument("--moe", nargs=2, type=int, metavar=("EXPERTS", "TOPK"),
+                        help="compare with the mixture-of-experts twin of the same active parameters")
+    parser.add_argument("--rounds", type=int, default=2, help="--moe: dense / MoE rounds (alternating)")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
+    if args.moe:
+        return compare_moe(args)
     if args.trl_workload:
         sys.path.insert(0, str(ROOT / "tools"))
         import bench_trl
@@ -210,6 +221,60 @@ def main(argv=None) -> int:
     if summary is not None:
         print_gemm_split(summary, floor["total"])
     return 0 if overhead / step < 0.10 else 1
+
+
+def _run(config: str, overrides: list[str], steps: int) -> list[dict]:
+    """The trainer in-process for ``steps`` steps (no evaluation, checkpoints or profile); the records of the
+    steps after the first."""
+    import tempfile
+
+    from megatron_kl.models import parallel
+    from megatron_kl.train.cli import _single_process_env
+    from megatron_kl.train.config import load_train_config
+    from megatron_kl.train.loop import train
+    from megatron_kl.train.metrics import read_metrics
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = load_train_config(config, [
+            f"train.steps={steps}", f"train.output_dir={tmp}/run", "eval.interval=0", "checkpoint.interval=0",
+            "logging.progress=false", "logging.tensorboard=false", *overrides])
+        _single_process_env()
+        try:
+            train(cfg)
+        finally:
+            parallel.destroy()
+        return [r for r in read_metrics(Path(tmp) / "run" / "metrics.jsonl") if "time/step" in r][1:]
+
+
+def compare_moe(args) -> int:
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    logging.basicConfig(level=logging.WARNING)
+    from megatron_kl.train.config import load_train_config
+
+    experts, topk = args.moe
+    model = load_train_config(args.config, list(args.overrides)).model
+    if model.ffn_hidden_size % topk:
+        raise SystemExit(f"--moe: model.ffn_hidden_size={model.ffn_hidden_size} is not divisible by top-k {topk}")
+    twin = [f"model.moe.num_experts={experts}", f"model.moe.router_topk={topk}",
+            f"model.moe.ffn_hidden_size={model.ffn_hidden_size // topk}"]
+    keys = ("time/step", "time/rollout_wait", "time/reference", "time/old_logprobs", "time/update")
+    medians = {"dense": [], "moe": []}
+    for _ in range(args.rounds):
+        for name, extra in (("dense", []), ("moe", twin)):
+            records = _run(args.config, [*args.overrides, *extra], args.steps)
+            medians[name].append({k: statistics.median(r[k] for r in records) for k in keys})
+    print(f"config {args.config} {' '.join(args.overrides)}; MoE twin: {' '.join(twin)}; {args.rounds} rounds x "
+          f"{args.steps} steps (first excluded), alternating")
+    print(f"{'phase':<16}{'dense s':>10}{'MoE s':>10}{'min x':>9}{'median x':>10}")
+    for key in keys:
+        ratios = [m[key] / d[key] for d, m in zip(medians["dense"], medians["moe"])]
+        dense = statistics.median(d[key] for d in medians["dense"])
+        moe = statistics.median(m[key] for m in medians["moe"])
+        print(f"{key.split('/')[1]:<16}{dense:>10.4f}{moe:>10.4f}{min(ratios):>9.2f}{statistics.median(ratios):>10.2f}")
+    return 0
 
 
 def print_gemm_split(summary: dict, floor_s: float) -> None:

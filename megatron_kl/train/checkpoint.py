@@ -196,15 +196,17 @@ def _all_ok(ok: bool) -> bool:
     return bool(flag.item())
 
 
-_GLOO = None
+_GLOO = None  # (the default group it was made for, the gloo group)
 
 
 def cpu_group():
-    """A CPU group for the load agreement (the default group may be NCCL)."""
+    """A CPU group for the load agreement (the default group may be NCCL); made again for a new default group
+    (a second run in the same process)."""
     global _GLOO
-    if _GLOO is None:
-        _GLOO = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else dist.group.WORLD
-    return _GLOO
+    world = dist.group.WORLD
+    if _GLOO is None or _GLOO[0] is not world:
+        _GLOO = (world, dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else world)
+    return _GLOO[1]
 
 
 def load_checkpoint(path: Path, run_state: RunState, run_id: Optional[str] = None) -> None:
