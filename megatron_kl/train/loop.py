@@ -216,7 +216,7 @@ def _train(cfg: TrainConfig, plan, task, hf_source, dp, is_logger: bool, stop: S
     run_state = RunState(train_state, shared={"scheduler": train_state.scheduler, "counters": counters},
                          per_rank={"rng": RNGStates(), "rollouts": source})
     ctx = StepContext(cfg, train_state, models.reference, output_head.ReferenceHead(models.reference), offload, dp_group,
-                      kl_tags=kl_tags(cfg), counters=counters, pp_group=parallel.pp_group(),
+                      kl_tags=kl_tags(cfg), counters=counters, pp_group=parallel.pp_group(), tp_group=tp_group,
                       expert_load=moe_load.expert_load(train_state.chunks, cfg.model))
 
     latest = ckpt.load_latest(run_path / "checkpoints", run_state, plan.run_id) if plan.kind == "resume" else None

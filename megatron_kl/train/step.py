@@ -55,6 +55,7 @@ class StepContext:
     kl_tags: dict = field(default_factory=dict)  # logged every step: kl/biased (the audit's verdict for kl.target)
     expert_load: Optional[ExpertLoad] = None  # mixture-of-experts policies: router counts of the pi_old pass
     pp_group: object = None
+    tp_group: object = None
 
 
 class NonFiniteUpdates(RuntimeError):
@@ -346,8 +347,10 @@ def rl_step(ctx: StepContext, batch: RolloutBatch, step: int) -> dict:
         metrics["batch/microbatches"] = float(len(groups))
     metrics.update(ctx.counter.as_dict())
     metrics = _reduce(metrics, ctx.dp_group)
-    if ctx.expert_load is not None:  # counts summed over data-parallel ranks and pipeline stages
-        metrics.update(ctx.expert_load.metrics((ctx.dp_group, ctx.pp_group), cfg.model.moe.capacity_factor is not None))
+    if ctx.expert_load is not None:  # counts summed over data-parallel ranks, pipeline stages and, with sequence
+        # parallelism (each TP rank routes its share of the tokens), tensor-parallel ranks
+        groups = (ctx.dp_group, ctx.pp_group) + ((ctx.tp_group,) if cfg.parallel.sequence_parallel else ())
+        metrics.update(ctx.expert_load.metrics(groups, cfg.model.moe.capacity_factor is not None))
     metrics.update(ctx.kl_tags)
     metrics.update(timings)
     return metrics

@@ -92,6 +92,7 @@ def layout_worker(rank, world, model_cfg: ModelConfig, parallel_cfg: ParallelCon
                                   if n.endswith("core_attention")}),
         "rms_norms": sorted({type(m).__name__ for c in inner for m in c.modules() if isinstance(m, torch.nn.RMSNorm)}),
         "param_dtypes": sorted({str(p.dtype) for c in inner for p in c.parameters()}),
+        "recompute": inner[0].config.recompute_granularity,
         "main_param_dtypes": sorted({str(p.dtype) for g in train.optimizer.param_groups for p in g["params"]}),
         "full_state": full_state,
         "logits": logits,

@@ -119,6 +119,19 @@ def test_local_kernels_match_megatron_and_torch_modules(baselines, model_name, p
     _compare(outs[0], base, outs)
 
 
+@pytest.mark.parametrize("parallel", [ParallelConfig(), ParallelConfig(pipeline_parallel=2)], ids=["tp1", "pp2-1f1b"])
+def test_full_activation_recomputation_matches_kept_activations(baselines, parallel):
+    """model.recompute=full (megatron's full, uniform recomputation, one layer per checkpoint: each layer rerun in
+    backward from its input) gives the baseline's logits, log-probs, gradients and updated weights."""
+    tokens, mask = _batch()
+    base = baselines["qwen2"]
+    recompute = dataclasses.replace(MODELS["qwen2"], recompute="full")
+    outs = run_ranks(layout_worker, parallel.pipeline_parallel, recompute, parallel, base["full_state"], tokens, mask,
+                     NUM_MICROBATCHES, OPTIM)
+    assert base["recompute"] is None and all(o["recompute"] == "full" for o in outs)
+    _compare(outs[0], base, outs)
+
+
 def test_reference_frozen_single_rank(baselines):
     base = baselines["qwen2"]
     assert not base["reference_requires_grad"]

@@ -31,6 +31,16 @@ def test_expert_parallel_training_matches_replicated_experts(tmp_path, warm_cach
     strip = [{k: v for k, v in r.items() if not k.endswith("@layout")} for r in runs[1] + runs[2]]
     assert_same_metrics(strip[:2], strip[2:], "EP=2 vs EP=1 (2 data-parallel ranks)")
     assert all(r["optim/grad_norm"] > 0 for r in strip)
+    # EP=2 stopped after step 0 (its checkpoint holds each rank's experts) and resumed: step 1 as uninterrupted
+    stopped = tmp_path / "ep2-stopped"
+    run_ranks(train_worker, 2, short_config(stopped, warm_cache, *MOE, "parallel.expert_parallel=2", "train.steps=1"),
+              timeout_s=600)
+    resumed = run_ranks(train_worker, 2, short_config(stopped, warm_cache, *MOE, "parallel.expert_parallel=2"),
+                        timeout_s=600)[0]["metrics"]
+    resumed = [{k: v for k, v in r.items() if not k.startswith("moe/") and k != "batch/padded_tokens"}
+               for r in resumed if "loss/total" in r]
+    assert [r["step"] for r in resumed] == [0, 1]
+    assert_same_metrics(resumed[1:], strip[3:], "EP=2 resumed at step 1 vs uninterrupted")
 
 
 def test_tensor_parallel_moe_training_without_sequence_parallel_is_refused(tmp_path, warm_cache):

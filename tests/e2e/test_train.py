@@ -460,31 +460,16 @@ def test_token_budget_microbatches_train_identically(tmp_path, warm_cache, overr
     assert whole[-1]["optim/grad_norm"] > 0 and whole[-1]["kl/exact_token"] > 0
 
 
-def test_full_activation_recomputation_trains_identically(tmp_path, warm_cache):
-    """model.recompute=full (megatron's full, uniform, one layer per checkpoint) recomputes each layer in
-    backward: the same gradients, so every metric equals the run that keeps the activations."""
-    runs = {}
-    for mode in ("none", "full"):
-        cfg = short_config(tmp_path / mode, warm_cache, "train.steps=2", f"model.recompute={mode}",
-                           "train.prompts_per_step=4")
-        runs[mode] = [r for r in run_ranks(train_worker, 1, cfg, timeout_s=300)[0]["metrics"] if "loss/total" in r]
-    for a, b in zip(stable(runs["none"]), stable(runs["full"])):
-        assert set(a) == set(b)
-        for key, value in a.items():
-            assert b[key] == pytest.approx(value, rel=1e-5, abs=1e-7), (key, a["step"])
-    assert runs["none"][-1]["optim/grad_norm"] > 0
-
-
 def test_bf16_mixed_precision_trains_and_resumes_exactly(tmp_path, warm_cache):
     """model.params_dtype=bfloat16 on the CPU job (bf16 weights, activations and rollout engine; float32 main
     weights and Adam state in megatron's mixed-precision optimizer): every metric finite, the policy moves, and
-    a run stopped at its step-2 checkpoint and resumed logs exactly the uninterrupted run's step 2 - the
+    a run stopped at its step-1 checkpoint and resumed logs exactly the uninterrupted run's step 1 - the
     checkpoint restores the float32 main weights, not only their bf16 copies."""
-    common = ["model.params_dtype=bfloat16", "checkpoint.interval=2", "rollout.sampling.temperature=1.0",
-              "train.prompts_per_step=4"]
+    common = ["model.params_dtype=bfloat16", "checkpoint.interval=1", "rollout.sampling.temperature=1.0",
+              "train.prompts_per_step=4", "train.steps=2"]
     full = run_ranks(train_worker, 1, short_config(tmp_path / "full", warm_cache, *common), timeout_s=300)[0]["metrics"]
     steps = [r for r in full if "loss/total" in r]
-    assert [r["step"] for r in steps] == [0, 1, 2]
+    assert [r["step"] for r in steps] == [0, 1]
     for record in steps:
         for key in ("loss/total", "kl/exact_token", "kl/k3_token", "entropy/mean", "optim/grad_norm",
                     "mismatch/abs_logprob_mean"):
@@ -494,9 +479,9 @@ def test_bf16_mixed_precision_trains_and_resumes_exactly(tmp_path, warm_cache):
     assert all(r["mismatch/abs_logprob_mean"] < 1e-2 for r in steps)
 
     stopped = tmp_path / "stopped"
-    run_ranks(train_worker, 1, short_config(stopped, warm_cache, *common, "train.steps=2"), timeout_s=300)
+    run_ranks(train_worker, 1, short_config(stopped, warm_cache, *common, "train.steps=1"), timeout_s=300)
     resumed = run_ranks(train_worker, 1, short_config(stopped, warm_cache, *common), timeout_s=300)[0]["metrics"]
-    assert [r["step"] for r in resumed if "loss/total" in r] == [0, 1, 2]
+    assert [r["step"] for r in resumed if "loss/total" in r] == [0, 1]
     assert stable(resumed) == stable(full)
 
 
