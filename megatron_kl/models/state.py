@@ -78,8 +78,13 @@ def _expert_groups(chunks: list, experts: Optional[ExpertGroups]) -> Optional[Ex
     return experts if experts is not None else ExpertGroups.from_megatron()
 
 
-def with_expert_index(name: str, index: int) -> str:
-    return EXPERT_NAME.sub(f".mlp.experts.local_experts.{index}.", name, count=1)
+def shift_expert_index(name: str, offset: int) -> str:
+    """``name`` with its local expert index j replaced by ``offset + j`` (the global index of expert j on the
+    expert-parallel rank whose first expert is ``offset``); other names unchanged."""
+    match = EXPERT_NAME.search(name)
+    if match is None or not offset:
+        return name
+    return EXPERT_NAME.sub(f".mlp.experts.local_experts.{offset + int(match.group(1))}.", name, count=1)
 
 
 def _is_glu_fc1(name: str) -> bool:
@@ -99,10 +104,7 @@ def _named_params_global(chunks: list, tied: bool, expert_offset: int = 0):
             if match:
                 global_index = layers[int(match.group(1))].layer_number - 1
                 name = f"decoder.layers.{global_index}." + name[match.end():]
-            expert = EXPERT_NAME.search(name)
-            if expert is not None and expert_offset:
-                name = with_expert_index(name, expert_offset + int(expert.group(1)))
-            yield name, param
+            yield shift_expert_index(name, expert_offset), param
 
 
 def shard_tensor(full: torch.Tensor, name: str, param: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
@@ -189,14 +191,13 @@ def iter_full_state(
             if not is_expert(name):
                 yield name, tensor.cpu()
                 continue
-            local = int(EXPERT_NAME.search(name).group(1))
             for source in range(ep_size):  # expert-parallel rank ``source`` holds global expert source * E_local + j
                 piece = tensor
                 if ep_size > 1:
                     piece = tensor.clone() if source == ep_rank else torch.empty_like(tensor)
                     piece = piece.to(collective_device(experts.ep))
                     dist.broadcast(piece, src=dist.get_global_rank(experts.ep, source), group=experts.ep)
-                yield with_expert_index(name, source * local_experts + local), piece.cpu()
+                yield shift_expert_index(name, source * local_experts), piece.cpu()
 
 
 def full_state_dict(chunks: list, vocab_size: int, tied: bool, tp_group=None, pp_group=None,

@@ -190,21 +190,17 @@ def _replica_holds_all_experts(parallel: ParallelConfig, groups) -> ParallelConf
 def _gathered_experts(policy, ep_group):
     """The policy's (name, tensor) pairs, routed experts gathered over ``ep_group`` when it is given (expert j of
     expert-parallel rank r becomes local expert r E_local + j); a collective on every rank of the group."""
-    from megatron_kl.models.state import EXPERT_NAME, local_experts_per_layer, with_expert_index
+    from megatron_kl.models.state import is_expert, local_experts_per_layer, shift_expert_index
 
-    if ep_group is None:
-        yield from ((name, param.detach()) for name, param in policy.named_parameters())
-        return
     local = local_experts_per_layer([policy])
     for name, param in policy.named_parameters():
-        match = EXPERT_NAME.search(name)
-        if match is None:
+        if ep_group is None or not is_expert(name):
             yield name, param.detach()
             continue
         pieces = [torch.empty_like(param) for _ in range(dist.get_world_size(ep_group))]
         dist.all_gather(pieces, param.detach().contiguous(), group=ep_group)
         for rank, piece in enumerate(pieces):
-            yield with_expert_index(name, rank * local + int(match.group(1))), piece
+            yield shift_expert_index(name, rank * local), piece
 
 
 class LocalEngine:
