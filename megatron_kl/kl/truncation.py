@@ -166,7 +166,7 @@ def support_threshold(logits: torch.Tensor, tp_group, truncation: Truncation, te
         # distribution's normaliser comes from them, no pass over the shard
         merged = first[0]
         row_max = merged[:, 0]
-        probs = torch.exp((merged.double() - row_max[:, None].double()) / temperature)
+        probs = _masses(merged, row_max, temperature)
         total = torch.where(merged >= threshold[:, None], probs, torch.zeros_like(probs)).sum(-1)
         cut = _top_p_cut(x, row_max, total, threshold, truncation.top_p, temperature, tp_group, m_first, cols,
                          first=first)
@@ -178,8 +178,7 @@ def support_threshold(logits: torch.Tensor, tp_group, truncation: Truncation, te
     # the (top-k) distribution's normaliser (float64), over the local slice in cache-sized blocks
     total = torch.zeros(n, dtype=torch.float64, device=x.device)
     for rows in _row_blocks(n, cols):
-        e = torch.sub(x[rows], row_max[rows, None])
-        e = (e.div_(temperature) if temperature != 1.0 else e).exp_()
+        e = _exp_shifted(x[rows], row_max[rows], temperature)
         if top_k:  # float mask arithmetic (a bool masked_fill costs ~3x a float pass on CPU)
             e.addcmul_(e, torch.lt(x[rows], threshold[rows, None]).to(e.dtype), value=-1.0)
         total[rows] = _sum64(e)
@@ -187,6 +186,17 @@ def support_threshold(logits: torch.Tensor, tp_group, truncation: Truncation, te
     cut = _top_p_cut(x, row_max, total, threshold, truncation.top_p, temperature, tp_group, m_first, cols,
                      first=first)
     return torch.maximum(threshold, cut)
+
+
+def _exp_shifted(x: torch.Tensor, row_max: torch.Tensor, temperature: float) -> torch.Tensor:
+    """exp((x - max) / tau) per row, in a new tensor of x's dtype (one pass fewer at tau = 1)."""
+    e = torch.sub(x, row_max[:, None])
+    return (e.div_(temperature) if temperature != 1.0 else e).exp_()
+
+
+def _masses(values: torch.Tensor, row_max: torch.Tensor, temperature: float) -> torch.Tensor:
+    """exp((v - max) / tau) in float64 for gathered candidate values (the cumulative masses of the top-p rule)."""
+    return torch.exp((values.double() - row_max[:, None].double()) / temperature)
 
 
 def _sum64(e: torch.Tensor) -> torch.Tensor:
@@ -248,8 +258,7 @@ def _bracket_cut(x, row_max, total, merged, floor, top_p: float, temperature: fl
     float64 masses offset by mass{x > hi}. One pass over the rows per bisection (``e`` cached); every rank takes
     the same steps (the masses and counts are all-reduced)."""
     b, cols = x.shape
-    e = torch.sub(x, row_max[:, None])
-    e = (e.div_(temperature) if temperature != 1.0 else e).exp_()
+    e = _exp_shifted(x, row_max, temperature)
     flag, product = torch.empty_like(x), torch.empty_like(x)  # reused: a fresh large buffer per pass page-faults
     lo = x.amin(-1) if cols else torch.full((b,), float("inf"), dtype=x.dtype, device=x.device)
     _all_reduce(lo, dist.ReduceOp.MIN, group)
@@ -258,7 +267,7 @@ def _bracket_cut(x, row_max, total, merged, floor, top_p: float, temperature: fl
     lo_stats = torch.stack([total.clone(), _all_reduce(count, dist.ReduceOp.SUM, group)])
     hi = floor.to(x.dtype)  # the candidates above the floor are all the logits above it
     above_floor = merged > floor[:, None]
-    probs = torch.exp((merged.double() - row_max[:, None].double()) / temperature)
+    probs = _masses(merged, row_max, temperature)
     hi_stats = torch.stack([torch.where(above_floor, probs, torch.zeros_like(probs)).sum(-1),
                             above_floor.sum(-1).double()])
     target = top_p * total
@@ -283,7 +292,7 @@ def _bracket_cut(x, row_max, total, merged, floor, top_p: float, temperature: fl
     torch.lt(lo[:, None], x, out=flag).mul_(torch.le(x, hi[:, None], out=product))
     values = torch.where(flag > 0, x, float("-inf"))
     bracket = _all_gather_columns(_local_top(values, max(1, width)), group).sort(dim=-1, descending=True).values
-    probs = torch.exp((bracket.double() - row_max[:, None].double()) / temperature) / total[:, None]
+    probs = _masses(bracket, row_max, temperature) / total[:, None]
     probs = torch.where(torch.isfinite(bracket), probs, torch.zeros_like(probs))
     before = hi_stats[0][:, None] / total[:, None] + probs.cumsum(-1) - probs
     kept = torch.isfinite(bracket) & (before < top_p)  # the bracket's first logit is always kept
@@ -294,7 +303,7 @@ def _bracket_cut(x, row_max, total, merged, floor, top_p: float, temperature: fl
 def _cut_on_candidates(merged, row_max, total, top_k_threshold, top_p: float, temperature: float):
     """The last value the top-p rule keeps among merged candidates (descending, float64 masses)."""
     kept = merged >= top_k_threshold[:, None]
-    probs = torch.exp((merged.double() - row_max[:, None].double()) / temperature)
+    probs = _masses(merged, row_max, temperature)
     probs = torch.where(kept, probs / total[:, None], torch.zeros_like(probs))
     before = probs.cumsum(-1) - probs
     inside = kept & (before < top_p)  # positions the rule keeps, in order
