@@ -208,11 +208,11 @@ def _scoring_passes(ctx: StepContext, sequences, step: int, vocab, timings: dict
                     sequences.extras["reference_hidden"] = reference["hidden"]
         with phase("old_logprobs", timings):
             if cfg.algo.old_logprobs == "recompute":
-                resident.enter_context(_recording(ctx))
-                old = pipeline.compute_token_stats(
-                    ctx.train_state.chunks, sequences, microbatches, vocab,
-                    reference=ctx.reference_head if reference is not None and exact else None,
-                    token_budget=cfg.train.micro_batch_tokens)
+                with _recording(ctx):
+                    old = pipeline.compute_token_stats(
+                        ctx.train_state.chunks, sequences, microbatches, vocab,
+                        reference=ctx.reference_head if reference is not None and exact else None,
+                        token_budget=cfg.train.micro_batch_tokens)
     return reference, old
 
 

@@ -43,19 +43,29 @@ def test_megatron_logits_match_hf(hf_models, tmp_path, family, layout):
     world = parallel.tensor_parallel * parallel.pipeline_parallel
     export = tmp_path / "export" if layout != "tp1" else None
     outs = run_ranks(convert_worker, world, str(hf_models[family]), parallel, tokens, export)
+    assert_logits_match(outs, expected, f"{family} {layout}")
+    if export is not None:  # round trip from a sharded layout: the same tensors, bit for bit
+        assert_bit_exact_export(hf_models[family], export)
+        assert len(list(export.glob("*.safetensors"))) > 1 and (export / "model.safetensors.index.json").is_file()
+        assert (export / "chat_template.jinja").read_text() == (hf_models[family] / "chat_template.jinja").read_text()
+
+
+def assert_logits_match(outs: list, expected: torch.Tensor, what: str) -> None:
+    """The last stage's gathered logits equal transformers' (relative error < 1e-5), on logits far from uniform."""
     logits = next(o["logits"] for o in outs if o["logits"] is not None)
     assert logits.shape == expected.shape
     assert expected.std() > 0.5, "precondition: logits far from uniform"
     err = ((logits - expected).abs().max() / expected.abs().max()).item()
-    assert err < 1e-5, f"{family} {layout}: relative error {err:.2e}"
-    if export is not None:  # round trip from a sharded layout: the same tensors, bit for bit
-        original, exported = _safetensors(hf_models[family]), _safetensors(export)
-        assert set(exported) == set(original)
-        for name, tensor in original.items():
-            assert exported[name].dtype == tensor.dtype and torch.equal(exported[name], tensor), name
-        assert len(list(export.glob("*.safetensors"))) > 1 and (export / "model.safetensors.index.json").is_file()
-        assert (export / "chat_template.jinja").read_text() == (hf_models[family] / "chat_template.jinja").read_text()
-        assert json.loads((export / "config.json").read_text()) == json.loads((hf_models[family] / "config.json").read_text())
+    assert err < 1e-5, f"{what}: relative error {err:.2e}"
+
+
+def assert_bit_exact_export(original_dir, export) -> None:
+    """The exported safetensors hold the original's tensors bit for bit (names, dtypes, values), and config.json."""
+    original, exported = _safetensors(original_dir), _safetensors(export)
+    assert set(exported) == set(original)
+    for name, tensor in original.items():
+        assert exported[name].dtype == tensor.dtype and torch.equal(exported[name], tensor), name
+    assert json.loads((export / "config.json").read_text()) == json.loads((original_dir / "config.json").read_text())
 
 
 def test_config_derivation(hf_models):

@@ -5,13 +5,12 @@ layouts (EP=2, TP=2 x EP=2, PP=2 x EP=2 on gloo ranks), and export back bit for 
 import json
 
 import pytest
-import torch
 
 from megatron_kl.config import ConfigError, ParallelConfig
 from megatron_kl.models import hf
 from megatron_kl.testing.distributed import run_ranks
 from tests.distributed.hf_workers import MOE_FAMILIES, convert_worker, hf_logits, make_hf_model
-from tests.distributed.test_hf_conversion import _safetensors, _tokens
+from tests.distributed.test_hf_conversion import _tokens, assert_bit_exact_export, assert_logits_match
 
 LAYOUTS = {  # name -> (layout, world size)
     "ep1": (ParallelConfig(), 1),
@@ -35,16 +34,8 @@ def test_moe_logits_match_hf_and_export_is_bit_exact(moe_models, tmp_path, famil
     parallel, world = LAYOUTS[layout]
     export = tmp_path / "export"
     outs = run_ranks(convert_worker, world, str(moe_models[family]), parallel, tokens, export)
-    logits = next(o["logits"] for o in outs if o["logits"] is not None)
-    assert logits.shape == expected.shape
-    assert expected.std() > 0.5, "precondition: logits far from uniform"
-    err = ((logits - expected).abs().max() / expected.abs().max()).item()
-    assert err < 1e-5, f"{family} {layout}: relative error {err:.2e}"
-    original, exported = _safetensors(moe_models[family]), _safetensors(export)
-    assert set(exported) == set(original)
-    for name, tensor in original.items():
-        assert exported[name].dtype == tensor.dtype and torch.equal(exported[name], tensor), name
-    assert json.loads((export / "config.json").read_text()) == json.loads((moe_models[family] / "config.json").read_text())
+    assert_logits_match(outs, expected, f"{family} {layout}")
+    assert_bit_exact_export(moe_models[family], export)
 
 
 def test_moe_config_derivation_and_refusals(moe_models, tmp_path):
