@@ -44,6 +44,7 @@ import statistics
 import sys
 import tempfile
 from pathlib import Path
+from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -160,34 +161,9 @@ def main(argv=None) -> int:
         config, overrides = bench_trl.megatron_kl_config(work, args.trl_workload, new_tokens=32)
         args.config, args.overrides = str(config), [*overrides, *args.overrides]
 
-    import warnings
-
-    warnings.filterwarnings("ignore")
-    import logging
-
-    logging.basicConfig(level=logging.WARNING)
-    from megatron_kl.models import parallel
-    from megatron_kl.train.cli import _single_process_env
-    from megatron_kl.train.config import load_train_config
-    from megatron_kl.train.loop import train
-    from megatron_kl.train.metrics import read_metrics
-
+    _quiet()
     profiled = None if args.no_profile else args.steps  # one more step, profiled, outside the medians
-    with tempfile.TemporaryDirectory() as tmp:
-        cfg = load_train_config(args.config, [
-            f"train.steps={args.steps + (profiled is not None)}", f"train.output_dir={tmp}/run", "eval.interval=0",
-            "checkpoint.interval=0", "logging.progress=false", "logging.tensorboard=false",
-            *([f"logging.profile_steps=[{profiled}]"] if profiled is not None else []), *args.overrides,
-        ])
-        _single_process_env()
-        try:
-            train(cfg)
-        finally:
-            parallel.destroy()
-        records = [r for r in read_metrics(Path(tmp) / "run" / "metrics.jsonl") if "time/step" in r]
-        records = [r for r in records if r["step"] != profiled][1:]
-        summary = (json.loads((Path(tmp) / "run" / "profile" / f"step_{profiled}.rank0.summary.json").read_text())
-                   if profiled is not None else None)
+    cfg, records, summary = _run(args.config, args.overrides, args.steps, profiled)
 
     def median(key: str) -> float:
         return statistics.median(r[key] for r in records)
@@ -223,11 +199,18 @@ def main(argv=None) -> int:
     return 0 if overhead / step < 0.10 else 1
 
 
-def _run(config: str, overrides: list[str], steps: int) -> list[dict]:
-    """The trainer in-process for ``steps`` steps (no evaluation, checkpoints or profile); the records of the
-    steps after the first."""
-    import tempfile
+def _quiet() -> None:
+    import logging
+    import warnings
 
+    warnings.filterwarnings("ignore")
+    logging.basicConfig(level=logging.WARNING)
+
+
+def _run(config: str, overrides: list[str], steps: int, profiled: Optional[int] = None):
+    """The trainer in-process for ``steps`` steps (no evaluation or checkpoints), plus step ``profiled`` under
+    the profiler when given: (the config, the records of the steps after the first and other than the profiled
+    one, the profiled step's summary or None)."""
     from megatron_kl.models import parallel
     from megatron_kl.train.cli import _single_process_env
     from megatron_kl.train.config import load_train_config
@@ -236,22 +219,23 @@ def _run(config: str, overrides: list[str], steps: int) -> list[dict]:
 
     with tempfile.TemporaryDirectory() as tmp:
         cfg = load_train_config(config, [
-            f"train.steps={steps}", f"train.output_dir={tmp}/run", "eval.interval=0", "checkpoint.interval=0",
-            "logging.progress=false", "logging.tensorboard=false", *overrides])
+            f"train.steps={steps + (profiled is not None)}", f"train.output_dir={tmp}/run", "eval.interval=0",
+            "checkpoint.interval=0", "logging.progress=false", "logging.tensorboard=false",
+            *([f"logging.profile_steps=[{profiled}]"] if profiled is not None else []), *overrides])
         _single_process_env()
         try:
             train(cfg)
         finally:
             parallel.destroy()
-        return [r for r in read_metrics(Path(tmp) / "run" / "metrics.jsonl") if "time/step" in r][1:]
+        records = [r for r in read_metrics(Path(tmp) / "run" / "metrics.jsonl") if "time/step" in r]
+        records = [r for r in records if r["step"] != profiled][1:]
+        summary = (json.loads((Path(tmp) / "run" / "profile" / f"step_{profiled}.rank0.summary.json").read_text())
+                   if profiled is not None else None)
+    return cfg, records, summary
 
 
 def compare_moe(args) -> int:
-    import logging
-    import warnings
-
-    warnings.filterwarnings("ignore")
-    logging.basicConfig(level=logging.WARNING)
+    _quiet()
     from megatron_kl.train.config import load_train_config
 
     experts, topk = args.moe
@@ -264,7 +248,7 @@ def compare_moe(args) -> int:
     medians = {"dense": [], "moe": []}
     for _ in range(args.rounds):
         for name, extra in (("dense", []), ("moe", twin)):
-            records = _run(args.config, [*args.overrides, *extra], args.steps)
+            records = _run(args.config, [*args.overrides, *extra], args.steps)[1]
             medians[name].append({k: statistics.median(r[k] for r in records) for k in keys})
     print(f"config {args.config} {' '.join(args.overrides)}; MoE twin: {' '.join(twin)}; {args.rounds} rounds x "
           f"{args.steps} steps (first excluded), alternating")
