@@ -60,9 +60,14 @@ class MoEConfig:
     # megatron's token dispatcher: alltoall (GPU; it needs CUDA streams), allgather (also on the CPU); auto
     # picks alltoall with CUDA, allgather without
     token_dispatcher: str = "auto"
-    # which experts the trainer's forwards use for rollout tokens: "off" routes them anew (the only choice in
-    # this release); "rollout" (replaying the experts the engine chose, megatron-core's RouterReplay) is refused
+    # which experts the policy's forwards in the trainer (pi_old and the update) send rollout tokens to: "off"
+    # routes them anew; "rollout" replays the experts the engine chose (megatron-core's RouterReplay; the engine
+    # must report its routing: rollout.engine local or sglang). The reference always routes itself
     routing_replay: str = "off"
+
+    def __post_init__(self):
+        if str(self.routing_replay).lower() in ("false", "off"):  # YAML 1.1 reads a bare `off` as false
+            self.routing_replay = "off"
 
     @property
     def enabled(self) -> bool:
@@ -202,9 +207,6 @@ def validate_moe(moe: MoEConfig) -> None:
             raise ConfigError("model.moe.routing_replay=rollout needs a mixture-of-experts model: set "
                               "model.moe.num_experts > 0, or routing_replay to off")
         return
-    if moe.routing_replay == "rollout":
-        raise ConfigError("model.moe.routing_replay=rollout is not available in this release (the engines do not "
-                          "return their routing yet); set it to off")
     if not 1 <= moe.router_topk <= moe.num_experts:
         raise ConfigError(f"model.moe.router_topk={moe.router_topk} must be in [1, model.moe.num_experts="
                           f"{moe.num_experts}]")

@@ -102,7 +102,8 @@ def moe_transformer_fields(model: ModelConfig, parallel: ParallelConfig) -> dict
         moe_grouped_gemm=False,
         moe_permute_fusion=False,
         moe_router_dtype="fp32",
-        moe_enable_routing_replay=moe.routing_replay == "rollout",
+        # replay is attached to the policy's routers alone (models/routing_replay.py), never to the reference's
+        moe_enable_routing_replay=False,
         expert_model_parallel_size=parallel.expert_parallel,
         expert_tensor_parallel_size=parallel.expert_tensor_parallel or parallel.tensor_parallel,
     )
@@ -213,9 +214,15 @@ def freeze(chunks: list) -> list:
 
 
 def build_policy_and_reference(model: ModelConfig, parallel: ParallelConfig) -> PolicyAndReference:
-    """Policy and reference with the same layout; the reference starts as a copy of the policy."""
+    """Policy and reference with the same layout; the reference starts as a copy of the policy. With
+    ``model.moe.routing_replay=rollout`` the policy's routers replay the rollout's experts; the reference's route
+    by themselves (models/routing_replay.py says why)."""
     policy = build_model_chunks(model, parallel)
     reference = build_model_chunks(model, parallel)
     for ref_chunk, pol_chunk in zip(reference, policy):
         ref_chunk.load_state_dict(pol_chunk.state_dict())
+    if model.moe.enabled and model.moe.routing_replay == "rollout":
+        from megatron_kl.models.routing_replay import attach_replay
+
+        attach_replay(policy)
     return PolicyAndReference(policy=policy, reference=freeze(reference))

@@ -27,6 +27,7 @@ from megatron_kl.kl.truncation import Truncation, effective
 from megatron_kl.kl.vocab_parallel import DEFAULT_CHUNK, VocabParallelStats, fused_stats
 from megatron_kl.models.fused_loss import single_pass_loss
 from megatron_kl.models.output_head import ReferenceHead, bypass_output_layer, fused_layout, output_weight, unwrap
+from megatron_kl.models import routing_replay
 from megatron_kl.models.parallel import collective_device
 
 # loss_fn(stats, microbatch) -> (loss, metrics). `loss` is this microbatch's share of the global loss
@@ -200,9 +201,12 @@ def _forward_step(vocab: VocabOptions, loss_fn: LossFn, num_microbatches: int, f
     single_pass = vocab.grad_in_forward and getattr(loss_fn, "row_separable", False) and not forward_only
     fused = inner.post_process and vocab.use_fused(tokens.numel(), output_weight(inner).shape[0],
                                                    single_sweep=forward_only or single_pass)
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    if "routed_experts" in mb:  # mixture of experts: the rollout's expert ids for this microbatch's routers
+        routing_replay.load_microbatch(inner, mb["routed_experts"], inner.config.sequence_parallel,
+                                       dist.get_rank(tp_group), dist.get_world_size(tp_group))
     with bypass_output_layer(inner) if fused else nullcontext():
         output = model(tokens, position_ids, None)
-    tp_group = parallel_state.get_tensor_model_parallel_group()
 
     def loss_func(output):
         if fused and single_pass and torch.is_grad_enabled():
@@ -254,15 +258,19 @@ def run_schedule(
     config.variable_seq_lengths = token_budget > 0  # pipeline stages exchange each microbatch's shape
     data = [iter(microbatches) for _ in chunks]
     forward_backward = get_forward_backward_func()
-    return forward_backward(
-        forward_step_func=partial(_forward_step, vocab, loss_fn, len(microbatches), forward_only, reference),
-        data_iterator=data if len(chunks) > 1 else data[0],
-        model=chunks if len(chunks) > 1 else chunks[0],
-        num_microbatches=len(microbatches),
-        seq_length=batch.tokens.shape[1],
-        micro_batch_size=microbatches[0]["tokens"].shape[0],
-        forward_only=forward_only,
-    )
+    try:
+        return forward_backward(
+            forward_step_func=partial(_forward_step, vocab, loss_fn, len(microbatches), forward_only, reference),
+            data_iterator=data if len(chunks) > 1 else data[0],
+            model=chunks if len(chunks) > 1 else chunks[0],
+            num_microbatches=len(microbatches),
+            seq_length=batch.tokens.shape[1],
+            micro_batch_size=microbatches[0]["tokens"].shape[0],
+            forward_only=forward_only,
+        )
+    finally:
+        if "routed_experts" in batch.extras:
+            routing_replay.clear([unwrap(chunk) for chunk in chunks])
 
 
 def broadcast_from_last_stage(tensor: Optional[torch.Tensor], shape, dtype) -> torch.Tensor:

@@ -17,6 +17,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional, Protocol, Sequence, runtime_checkable
 
+import torch
+
 from megatron_kl.config import ConfigError
 from megatron_kl.kl.truncation import Truncation
 from megatron_kl.rollout.http import CorruptResponse
@@ -83,12 +85,21 @@ class Completion:
     response_logprobs: list[float]  # behaviour log-probs, one per response token
     finish_reason: str  # "stop" | "length"
     weight_version: int
+    # mixture-of-experts engines that report their routing: the experts every fed token was routed to,
+    # [P + R - 1, layers, top-k] integer ids (the prompt and every response token but the last, which is sampled
+    # and never fed), as SGLang's meta_info.routed_experts; None when the engine does not report it
+    routed_experts: Optional[torch.Tensor] = field(default=None, compare=False)
 
     def __post_init__(self):
         if len(self.response_ids) != len(self.response_logprobs):
             raise ValueError(
                 f"completion has {len(self.response_ids)} response ids but {len(self.response_logprobs)} log-probs"
             )
+
+    @property
+    def routed_positions(self) -> int:
+        """How many positions a reported routing covers: every fed token (P + R - 1)."""
+        return len(self.prompt_ids) + len(self.response_ids) - 1
         if self.finish_reason not in FINISH_REASONS:
             raise ValueError(f"completion finish_reason={self.finish_reason!r}; expected one of {FINISH_REASONS}")
 
@@ -132,3 +143,23 @@ def check_completion(completion: "Completion", sampling: SamplingConfig, vocab_s
         if not math.isfinite(value) or value > LOGPROB_ROUNDING:
             raise CorruptResponse(f"{where}: behaviour log-prob {value} at response position {position} is not "
                                   "a finite value <= 0")
+
+
+def check_routing(completion: "Completion", num_layers: int, router_topk: int, num_experts: int, where: str) -> None:
+    """A reported routing's shape ``[P + R - 1, num_layers, router_topk]`` and ids in [0, num_experts), each token's
+    top-k distinct; raises ``CorruptResponse`` naming the first bad position."""
+    routing = completion.routed_experts
+    expected = (completion.routed_positions, num_layers, router_topk)
+    if routing is None or tuple(routing.shape) != expected:
+        shape = None if routing is None else tuple(routing.shape)
+        raise CorruptResponse(f"{where}: routed experts of shape {shape}, expected {expected} (prompt + response - 1 "
+                              "positions, model.num_layers, model.moe.router_topk)")
+    bad = (routing < 0) | (routing >= num_experts)
+    if routing.shape[-1] > 1:
+        ordered = routing.sort(-1).values
+        bad = bad | torch.nn.functional.pad(ordered[..., 1:] == ordered[..., :-1], (1, 0))
+    if bool(bad.any()):
+        position, layer, _ = (int(i) for i in bad.nonzero()[0])
+        raise CorruptResponse(f"{where}: routed experts at position {position}, layer {layer} are "
+                              f"{routing[position, layer].tolist()}: not {router_topk} distinct ids in "
+                              f"[0, model.moe.num_experts={num_experts})")

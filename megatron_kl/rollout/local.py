@@ -38,6 +38,7 @@ import torch.distributed as dist
 from megatron_kl.config import ConfigError, ModelConfig, ParallelConfig
 from megatron_kl.kl.truncation import Truncation, support_threshold
 from megatron_kl.models.output_head import unwrap
+from megatron_kl.models.routing_replay import UNKNOWN, RoutingRecorder
 from megatron_kl.models.state import ExpertGroups
 from megatron_kl.rollout.engine import Completion, SamplingConfig
 
@@ -143,6 +144,18 @@ class _Rows:
         self.stop_ids = torch.as_tensor(sampling.stop_token_ids or [-1], dtype=torch.long)
         self.finished = torch.zeros(batch, dtype=torch.bool)
         self.stopped = torch.zeros(batch, dtype=torch.bool)
+        self.routing: Optional[torch.Tensor] = None  # mixture-of-experts: [B, total, L, k] expert ids, -1 unrouted
+
+    def record_routing(self, ids: Optional[torch.Tensor], positions: torch.Tensor,
+                       rows: Optional[torch.Tensor] = None) -> None:
+        """Expert ids ``[b, n, L, k]`` of the tokens the engine fed at true ``positions [b, n]`` of ``rows`` (default:
+        every row)."""
+        if ids is None:
+            return
+        if self.routing is None:
+            self.routing = torch.full((*self.tokens.shape, *ids.shape[2:]), UNKNOWN, dtype=ids.dtype)
+        rows = torch.arange(ids.shape[0]) if rows is None else rows
+        self.routing[rows[:, None].expand_as(positions), positions] = ids
 
     def record(self, position: torch.Tensor, sampled, sampled_logprobs, generating: torch.Tensor) -> None:
         """The ``generating`` rows' sampled tokens at their ``position [B]``; marks rows done."""
@@ -230,6 +243,9 @@ class LocalEngine:
 
             kernels.install()
         self.model = freeze([build_gpt_model(model, parallel, pg_collection=groups, flash_decode=flash_decode)])[0]
+        # mixture-of-experts: every forward's expert choice, returned with the completions (routing replay)
+        self.routing = RoutingRecorder(self.model, model.num_layers) if model.moe.enabled else None
+        self._last_routing: Optional[torch.Tensor] = None
         self.device = next(self.model.parameters()).device
         self.cache_dtype = self._cache_dtype(flash_decode)
         self.weight_version = 0
@@ -280,29 +296,33 @@ class LocalEngine:
         positions = torch.arange(offset, offset + tokens.shape[1], device=self.device).unsqueeze(0).expand_as(tokens)
         logits = self.model(tokens, positions, None, inference_context=context, runtime_gather_output=True)
         context.sequence_len_offset += tokens.shape[1]
+        self._last_routing = self.routing.take(*tokens.shape) if self.routing is not None else None
         return logits[:, -1, : self.model_config.vocab_size].float()
 
     def _prefill(self, prefix: torch.Tensor, total: int):
-        """KV cache and last-position logits of ``prefix [B, first]`` (the prompts' common length), each distinct
-        prefix computed once: GRPO's group_size samples of a prompt share it, so the prefill runs on the
-        distinct rows and their cache entries and logits are copied to every row that has them."""
+        """KV cache, last-position logits and expert ids (mixture of experts; else None) of ``prefix [B, first]``
+        (the prompts' common length), each distinct prefix computed once: GRPO's group_size samples of a prompt
+        share it, so the prefill runs on the distinct rows and their cache entries, logits and routing are copied
+        to every row that has them."""
         from megatron.core.inference.contexts import StaticInferenceContext
 
         batch = prefix.shape[0]
         distinct, row_of = torch.unique(prefix, dim=0, return_inverse=True)
         if distinct.shape[0] == batch:
             return self._prefill_rows(prefix, total)
-        shared, logits = self._prefill_rows(distinct, total)
+        shared, logits, routing = self._prefill_rows(distinct, total)
+        routing = None if routing is None else routing.index_select(0, row_of)
         row_of = row_of.to(self.device)
         context = StaticInferenceContext(batch, total)
         # megatron's static cache: per layer (keys, values), each [max_sequence, max_batch, groups, head_dim]
         context.key_value_memory_dict = {layer: tuple(t.index_select(1, row_of) for t in kv)
                                          for layer, kv in shared.key_value_memory_dict.items()}
         context.sequence_len_offset = shared.sequence_len_offset
-        return context, logits.index_select(0, row_of)
+        return context, logits.index_select(0, row_of), routing
 
     def _prefill_rows(self, prefix: torch.Tensor, total: int):
-        """A fresh KV cache for ``prefix [B, first]`` row by row, and the last position's logits."""
+        """A fresh KV cache for ``prefix [B, first]`` row by row, the last position's logits and the prefix's expert
+        ids (None for a dense model)."""
         from megatron.core.inference.contexts import StaticInferenceContext
 
         context = StaticInferenceContext(prefix.shape[0], total)
@@ -312,7 +332,8 @@ class LocalEngine:
                 context.key_value_memory_dict[attention.layer_number] = tuple(
                     attention._allocate_memory(total, prefix.shape[0], size, self.cache_dtype)
                     for size in (attention.key_hidden_size, attention.val_hidden_size))
-        return context, self._forward(prefix, 0, context)
+        logits = self._forward(prefix, 0, context)
+        return context, logits, self._last_routing
 
     def _ragged_decoding(self) -> bool:
         """Rows decode at their own lengths where the flash-decoding kernels are models/flash_decode.py's."""
@@ -325,7 +346,8 @@ class LocalEngine:
         feeding the longer prompts' own tokens until each row's prompt is done."""
         first, longest = int(batch.prompt_len.min()), int(batch.prompt_len.max())
         total = batch.tokens.shape[1]
-        context, logits = self._prefill(batch.tokens[:, :first], total)
+        context, logits, routing = self._prefill(batch.tokens[:, :first], total)
+        batch.record_routing(routing, torch.arange(first).expand(len(batch.tokens), first))
         for pos in range(first, total):
             sampled, sampled_lp = sample_tokens(logits, sampling, draws.frame(pos - first))
             position = torch.full_like(batch.prompt_len, pos)
@@ -335,6 +357,7 @@ class LocalEngine:
             if pos + 1 >= longest:
                 context.enable_decode_mode()
             logits = self._forward(batch.tokens[:, pos : pos + 1], pos, context)
+            batch.record_routing(self._last_routing, torch.full((len(batch.tokens), 1), pos))
 
     def _decode_ragged(self, batch: _Rows, sampling: SamplingConfig, draws: PositionDraws) -> None:
         """Every row's prompt prefilled whole (one forward per distinct length), then every row decodes from the
@@ -343,7 +366,7 @@ class LocalEngine:
         from megatron_kl.models.flash_decode import ragged_rows
 
         longest = int(batch.prompt_len.max())
-        context, logits = self._prefill_ragged(batch.tokens, batch.prompt_len, batch.tokens.shape[1])
+        context, logits = self._prefill_ragged(batch)
         context.enable_decode_mode()
         with ragged_rows(batch.prompt_len, longest):
             for step in range(sampling.max_new_tokens):
@@ -353,18 +376,22 @@ class LocalEngine:
                 if bool(batch.finished.all()):
                     break
                 logits = self._forward(sampled[:, None], longest + step, context)
+                batch.record_routing(self._last_routing, (batch.prompt_len + step)[:, None])
 
-    def _prefill_ragged(self, tokens, prompt_len, total: int):
+    def _prefill_ragged(self, rows_state: _Rows):
         """One static context in which row i's prompt fills frame slots [0, len_i) (each length's rows prefilled
-        together, shared prefixes once), and every row's last-prompt-position logits; offset = longest prompt."""
+        together, shared prefixes once), and every row's last-prompt-position logits; offset = longest prompt.
+        The prompts' expert ids go into ``rows_state``."""
         from megatron.core.inference.contexts import StaticInferenceContext
 
+        tokens, prompt_len, total = rows_state.tokens, rows_state.prompt_len, rows_state.tokens.shape[1]
         batch, longest = tokens.shape[0], int(prompt_len.max())
         context = StaticInferenceContext(batch, total)
         logits = None
         for length in sorted(set(prompt_len.tolist())):
             rows = torch.nonzero(prompt_len == length).flatten()
-            part, part_logits = self._prefill(tokens[rows, :length], total)
+            part, part_logits, routing = self._prefill(tokens[rows, :length], total)
+            rows_state.record_routing(routing, torch.arange(length).expand(len(rows), length), rows)
             rows = rows.to(self.device)
             if logits is None:
                 logits = part_logits.new_empty(batch, part_logits.shape[-1])
@@ -423,5 +450,7 @@ class LocalEngine:
                 response_logprobs=rows.logprobs[i, len(p) : len(p) + n].tolist(),
                 finish_reason="stop" if rows.stopped[i] else "length",
                 weight_version=self.weight_version,
+                # every fed token's experts: the prompt and all response tokens but the last
+                routed_experts=None if rows.routing is None else rows.routing[i, : len(p) + n - 1].clone(),
             ))
         return completions

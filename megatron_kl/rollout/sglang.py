@@ -15,6 +15,10 @@ routes in ``srt/entrypoints/http_server.py``):
   asks for ``top_logprobs_num`` (top_k, or ``rollout.sglang.top_logprobs_num`` for top-p alone), finds the
   support from them with the trainer's rule and reports log mu(y) = log pi_T(y) - log pi_T(support)
   (:func:`processed_logprobs`).
+- Mixture-of-experts models with routing replay: the servers start with ``--enable-return-routed-experts`` and each
+  request sends ``return_routed_experts: true``; ``meta_info.routed_experts`` is then the base64 of int32 expert
+  ids ``[prompt + output - 1, layers, top-k]`` (every token the server fed through the model;
+  ``srt/layers/moe/routed_experts_capturer.py``), checked for shape and range (:func:`decode_routed_experts`).
 - ``GET /health``, ``POST /flush_cache``, ``/pause_generation``, ``/continue_generation``,
   ``/release_memory_occupation``, ``/resume_memory_occupation``, and the weight-update routes used by
   :mod:`megatron_kl.rollout.weight_sync`.
@@ -27,6 +31,8 @@ expected shape, or carries another weight version than the one last pushed, is a
 
 from __future__ import annotations
 
+import base64
+import binascii
 import logging
 import math
 import os
@@ -35,13 +41,14 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
 import requests
 
 from megatron_kl.rollout.config import SGLangConfig
-from megatron_kl.rollout.engine import FINISH_REASONS, Completion, SamplingConfig, check_completion
+from megatron_kl.rollout.engine import FINISH_REASONS, Completion, SamplingConfig, check_completion, check_routing
 from megatron_kl.rollout.http import (CorruptResponse, RetryPolicy, ServerError, ServerUnavailable, call, new_session,
                                       wait_healthy)
 from megatron_kl.rollout.servers import ManagedServer, start_on_free_port
@@ -115,12 +122,53 @@ def processed_logprobs(logprobs: list[float], token_ids: list[int], top: list, s
     return result
 
 
+@dataclass(frozen=True)
+class RoutingShape:
+    """What a mixture-of-experts model's routing looks like: ``[tokens, num_layers, router_topk]`` ids in
+    [0, num_experts)."""
+
+    num_layers: int
+    router_topk: int
+    num_experts: int
+
+    @classmethod
+    def of(cls, model) -> Optional["RoutingShape"]:
+        """The shape for a ModelConfig with mixture-of-experts layers (None for a dense model)."""
+        moe = model.moe
+        return cls(model.num_layers, moe.router_topk, moe.num_experts) if moe.enabled else None
+
+
+def decode_routed_experts(value, shape: RoutingShape, completion: Completion, where: str):
+    """SGLang's ``meta_info.routed_experts`` (base64 of int32 ids, token-major then layer then top-k slot) as a
+    checked ``[P + R - 1, L, k]`` int16 tensor."""
+    import numpy as np
+    import torch
+
+    if not isinstance(value, str):
+        raise CorruptResponse(f"{where}: meta_info.routed_experts missing or not a base64 string "
+                              "(return_routed_experts=true was sent: is the server started with "
+                              "--enable-return-routed-experts?)")
+    try:
+        raw = base64.b64decode(value.encode("ascii"), validate=True)
+    except (ValueError, binascii.Error):
+        raise CorruptResponse(f"{where}: meta_info.routed_experts is not valid base64") from None
+    per_token = 4 * shape.num_layers * shape.router_topk
+    if len(raw) % per_token:
+        raise CorruptResponse(f"{where}: meta_info.routed_experts has {len(raw)} bytes, not a whole number of "
+                              f"tokens x {shape.num_layers} layers x top-{shape.router_topk} int32 ids")
+    ids = np.frombuffer(raw, dtype="<i4").reshape(-1, shape.num_layers, shape.router_topk)
+    completion.routed_experts = torch.from_numpy(ids.astype(np.int16))
+    check_routing(completion, shape.num_layers, shape.router_topk, shape.num_experts, where)
+    return completion.routed_experts
+
+
 def parse_generate(body, prompt_ids: Sequence[int], expected_version: int, where: str,
                    sampling: Optional[SamplingConfig] = None, vocab_size: Optional[int] = None,
-                   requested_top: int = 0) -> Completion:
+                   requested_top: int = 0, routing: Optional[RoutingShape] = None) -> Completion:
     """A /generate response body -> Completion; anything missing or inconsistent names the field
     (``ResponseError``); values that cannot be right - NaN/inf/positive log-probs, ids outside the
-    vocabulary, more than ``max_new_tokens`` tokens, an empty completion without ``output_ids`` - are a
+    vocabulary, more than ``max_new_tokens`` tokens, an empty completion without ``output_ids``, with
+    ``routing`` a routed-experts field of another shape or with ids outside the experts - are a
     ``CorruptResponse`` (retried like a 5xx)."""
     if body is None:  # a 200 without a body: a server dying mid-answer (urllib3 does not always notice)
         raise CorruptResponse(f"{where}: /generate answered an empty body")
@@ -166,16 +214,21 @@ def parse_generate(body, prompt_ids: Sequence[int], expected_version: int, where
     completion = Completion(list(prompt_ids), token_ids, logprobs, finish_type, int(expected_version))
     if sampling is not None:
         check_completion(completion, sampling, vocab_size, where)
+    if routing is not None:
+        decode_routed_experts(meta.get("routed_experts"), routing, completion, where)
     return completion
 
 
-def server_command(cfg: SGLangConfig, model_path: str, port: int, seed: int, api_key: Optional[str] = None) -> list[str]:
+def server_command(cfg: SGLangConfig, model_path: str, port: int, seed: int, api_key: Optional[str] = None,
+                   routed_experts: bool = False) -> list[str]:
     command = [sys.executable, "-m", cfg.server_module, "--model-path", str(model_path), "--host", cfg.host,
                "--port", str(port), "--tp-size", str(cfg.tp_size), "--dp-size", str(cfg.dp_size),
                "--mem-fraction-static", str(cfg.mem_fraction_static), "--skip-tokenizer-init",
                "--random-seed", str(seed)]
     if api_key:
         command += ["--api-key", api_key]
+    if routed_experts:  # routing replay: the servers capture each token's experts
+        command.append("--enable-return-routed-experts")
     if cfg.enable_memory_saver:
         command.append("--enable-memory-saver")
     return command + list(cfg.extra_args)
@@ -200,9 +253,10 @@ class SGLangEngine:
     """The rollout-engine protocol over SGLang HTTP servers (used from one trainer process)."""
 
     def __init__(self, cfg: SGLangConfig, weight_sync, model_path: Optional[str] = None, log_dir="runs/sglang",
-                 seed: int = 0, vocab_size: Optional[int] = None):
+                 seed: int = 0, vocab_size: Optional[int] = None, routing: Optional[RoutingShape] = None):
         self.cfg = cfg
         self.vocab_size = vocab_size  # response ids are checked against it
+        self.routing = routing  # mixture of experts with routing replay: every completion carries its routing
         self.sync = weight_sync
         self.policy = RetryPolicy(cfg.max_retries, cfg.backoff_s, cfg.request_timeout_s)
         self.weight_version = 0
@@ -224,7 +278,8 @@ class SGLangEngine:
             next_port = cfg.port
             for index in range(cfg.num_servers):
                 server = start_on_free_port(
-                    f"sglang-{index}", lambda port: server_command(cfg, model_path, port, seed, self.api_key),
+                    f"sglang-{index}", lambda port: server_command(cfg, model_path, port, seed, self.api_key,
+                                                           routed_experts=routing is not None),
                     cfg.host, next_port, log_dir, cfg.startup_timeout_s, secrets=(self.api_key,))
                 self.urls.append(server.url)
                 self.servers.append(server)
@@ -291,9 +346,11 @@ class SGLangEngine:
                            "return_logprob": True}
                 if top_num:
                     payload["top_logprobs_num"] = top_num
+                if self.routing is not None:
+                    payload["return_routed_experts"] = True
                 where = f"{self.urls[server]} prompt {i}"
                 return self.call(server, "/generate", payload, parse=lambda body: parse_generate(
-                    body, prompts[i], self.weight_version, where, sampling, self.vocab_size, top_num))
+                    body, prompts[i], self.weight_version, where, sampling, self.vocab_size, top_num, self.routing))
 
             with ThreadPoolExecutor(self.cfg.max_concurrency) as pool:
                 futures = {i: (pool.submit(one, i, i % len(self.urls)), i % len(self.urls)) for i in pending}

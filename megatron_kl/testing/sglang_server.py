@@ -3,7 +3,9 @@ HTTP API that :mod:`megatron_kl.rollout.sglang` uses, served by the embedded eng
 
 Request and response shapes follow SGLang 0.5.x (``srt/managers/io_struct.py`` and
 ``srt/entrypoints/http_server.py``): ``/generate`` with ``input_ids`` answers ``output_ids`` and
-``meta_info.{finish_reason, output_token_logprobs, weight_version, prompt_tokens, completion_tokens}``;
+``meta_info.{finish_reason, output_token_logprobs, weight_version, prompt_tokens, completion_tokens}`` (and, for a
+mixture-of-experts model started with ``--enable-return-routed-experts`` and a request with
+``return_routed_experts: true``, ``routed_experts``: the engine's recorded routing in SGLang's base64 int32 format);
 the weight-update routes answer ``{success, message}``. It takes the same command-line flags as
 ``sglang.launch_server`` (those it does not need are accepted and ignored; ``--api-key`` is enforced as
 SGLang does: 401 without ``Authorization: Bearer <key>``, health checks exempt) plus failure injection:
@@ -18,6 +20,9 @@ SGLang does: 401 without ``Authorization: Bearer <key>``, health checks exempt) 
     --fault-off-support-every N
                                every N-th /generate with top log-probs reports its first token as one outside
                                the top-k / top-p support (log-prob below every returned top log-prob)
+    --fault-routing-every N    every N-th /generate that returns routed experts answers an impossible routing,
+                               cycling through ROUTING_CORRUPTIONS (a position fewer, an expert id past the
+                               experts, one expert twice in a token's top-k)
     --fault-hang-after N       every /generate after the N-th never answers (a hung server); writes
                                --fault-marker when the first one hangs
     --fault-exit-at N          the N-th /generate kills the process, once per --fault-marker file
@@ -30,6 +35,7 @@ Run ``python -m megatron_kl.testing.sglang_server --model-path DIR --port P``.
 from __future__ import annotations
 
 import argparse
+import base64
 import json
 import os
 import socket
@@ -62,6 +68,29 @@ def corrupt(response: dict, kind: str, vocab_size: int) -> dict:
     if "output_ids" in response:
         response["output_ids"] = [e[1] for e in entries]
     return response
+
+
+def encode_routed_experts(ids: torch.Tensor) -> str:
+    """SGLang's wire format of a routing: base64 of the int32 ids, token-major, then layer, then top-k slot."""
+    return base64.b64encode(ids.to(torch.int32).numpy().astype("<i4").tobytes()).decode("ascii")
+
+
+ROUTING_CORRUPTIONS = ("short", "out_of_range", "repeated")
+
+
+def corrupt_routing(meta: dict, kind: str, num_experts: int) -> None:
+    """``meta_info.routed_experts`` with one impossible value: a position fewer, an expert id past the experts, or
+    the same expert twice in one token's top-k."""
+    import numpy as np
+
+    raw = np.frombuffer(base64.b64decode(meta["routed_experts"]), dtype="<i4").copy()
+    if kind == "short":
+        raw = raw[: max(0, raw.size - raw.size // max(1, meta["prompt_tokens"] + meta["completion_tokens"] - 1))]
+    elif kind == "out_of_range":
+        raw[0] = num_experts
+    elif kind == "repeated" and raw.size > 1:
+        raw[1] = raw[0]
+    meta["routed_experts"] = base64.b64encode(raw.astype("<i4").tobytes()).decode("ascii")
 
 
 class _DictCheckpoint:
@@ -101,6 +130,7 @@ class EmbeddedServer:
         self.requests = 0
         self.updates = 0
         self.lock = threading.Lock()
+        self.model_lock = threading.Lock()
 
     def _reload(self) -> None:
         from megatron_kl.models import hf
@@ -129,6 +159,10 @@ class EmbeddedServer:
                                   max_new_tokens=int(params.get("max_new_tokens", 128)),
                                   stop_token_ids=list(params.get("stop_token_ids") or []))
         seed = params.get("sampling_seed")
+        with self.model_lock:  # one forward at a time: megatron's MoE layers keep per-call state on the module
+            return self._generate_one(body, ids, sampling, seed)
+
+    def _generate_one(self, body: dict, ids, sampling, seed) -> dict:
         completion = self.engine.generate([ids], sampling, seed=None if seed is None else int(seed))[0]
         if completion.finish_reason == "stop":
             finish = {"type": "stop", "matched": completion.response_ids[-1]}
@@ -137,19 +171,34 @@ class EmbeddedServer:
         logprobs = top = None
         if body.get("return_logprob"):  # as SGLang's sampler: log softmax(z / T) of the full distribution
             logprobs, top = self._tempered_logprobs(ids, completion.response_ids, sampling.logprob_temperature,
-                                                    int(body.get("top_logprobs_num") or 0))
-        return self._response(ids, completion.response_ids, logprobs, finish, top)
+                                                    int(body.get("top_logprobs_num") or 0), completion.routed_experts)
+        response = self._response(ids, completion.response_ids, logprobs, finish, top)
+        if body.get("return_routed_experts"):
+            if not self.args.enable_return_routed_experts:
+                raise ValueError("return_routed_experts needs the server flag --enable-return-routed-experts")
+            if completion.routed_experts is None:
+                raise ValueError("return_routed_experts: this model has no mixture-of-experts layers")
+            response["meta_info"]["routed_experts"] = encode_routed_experts(completion.routed_experts)
+        return response
 
     @torch.no_grad()
-    def _tempered_logprobs(self, prompt, response, temperature: float, top_num: int):
+    def _tempered_logprobs(self, prompt, response, temperature: float, top_num: int, routing=None):
         """log softmax(z / T) of the sampled tokens over the whole vocabulary and the ``top_num`` largest per
         position, recomputed from the sequence (SGLang takes them from the sampler's tempered probabilities,
-        before its top-k / top-p renormalisation)."""
+        before its top-k / top-p renormalisation); a mixture-of-experts model's forward routes each token to the
+        experts it had while sampling (``routing``), so the log-probs are those of the network that sampled."""
+        from contextlib import nullcontext
+
+        from megatron_kl.models.routing_replay import replayed
+
         if not response:
             return [], [] if top_num else None
         tokens = torch.as_tensor([list(prompt) + list(response)], device=self.engine.device)
         positions = torch.arange(tokens.shape[1], device=tokens.device)[None]
-        logits = self.engine.model(tokens, positions, None)[0, len(prompt) - 1: -1, : self.vocab_size].float()
+        if routing is not None:  # [P + R - 1, L, k] -> [1, P + R, L, k], the last position unrouted
+            routing = torch.nn.functional.pad(routing, (0, 0, 0, 0, 0, 1), value=-1)[None]
+        with replayed(self.engine.model, routing) if routing is not None else nullcontext():
+            logits = self.engine.model(tokens, positions, None)[0, len(prompt) - 1: -1, : self.vocab_size].float()
         logp = torch.log_softmax(logits / temperature, -1)
         chosen = logp.gather(-1, torch.as_tensor(response, device=logp.device)[:, None])[:, 0].tolist()
         if not top_num:
@@ -310,6 +359,9 @@ def _handler(server: EmbeddedServer, args):
             self._corrupt_now = None
             if args.fault_corrupt_every and n % args.fault_corrupt_every == 0:
                 self._corrupt_now = CORRUPTIONS[(n // args.fault_corrupt_every - 1) % len(CORRUPTIONS)]
+            self._routing_fault = None
+            if args.fault_routing_every and n % args.fault_routing_every == 0:
+                self._routing_fault = ROUTING_CORRUPTIONS[(n // args.fault_routing_every - 1) % len(ROUTING_CORRUPTIONS)]
             return False
 
         def _bad(self, response):
@@ -320,6 +372,8 @@ def _handler(server: EmbeddedServer, args):
                 meta["output_token_logprobs"][0][0] = min(e[0] for e in meta["output_top_logprobs"][0]) - 5.0
             if getattr(self, "_corrupt_now", None) and isinstance(response, dict):
                 response = corrupt(response, self._corrupt_now, server.vocab_size)
+            if getattr(self, "_routing_fault", None) and "routed_experts" in meta:
+                corrupt_routing(meta, self._routing_fault, server.model.moe.num_experts)
             return response
 
     return Handler
@@ -337,7 +391,8 @@ def main(argv=None) -> None:
     parser.add_argument("--skip-tokenizer-init", action="store_true")
     parser.add_argument("--enable-memory-saver", action="store_true")
     parser.add_argument("--api-key", default=None)
-    for name in ("500", "delay", "drop", "bad", "corrupt", "off-support"):
+    parser.add_argument("--enable-return-routed-experts", action="store_true")
+    for name in ("500", "delay", "drop", "bad", "corrupt", "off-support", "routing"):
         parser.add_argument(f"--fault-{name}-every", type=int, default=0)
     parser.add_argument("--fault-delay-s", type=float, default=0.0)
     parser.add_argument("--fault-exit-at", type=int, default=0)

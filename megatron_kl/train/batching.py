@@ -33,3 +33,15 @@ def pack(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], p
         if values is not None:
             values[i, lo:hi] = torch.as_tensor(list(per_token[i]), dtype=torch.float32)
     return tokens, mask, values
+
+
+def pack_routing(routings: Sequence[Optional[torch.Tensor]], length: int) -> Optional[torch.Tensor]:
+    """Per-row expert ids ``[n_i, L, k]`` (a row's first n_i input positions) as ``[B, length, L, k]``, -1 at
+    positions no engine routed (a row's last token, padding); None unless every row has them."""
+    if not routings or any(r is None for r in routings):
+        return None
+    first = routings[0]
+    out = torch.full((len(routings), length, *first.shape[1:]), -1, dtype=torch.int16)
+    for i, ids in enumerate(routings):
+        out[i, : ids.shape[0]] = torch.as_tensor(ids).to(torch.int16)
+    return out

@@ -19,6 +19,7 @@ from megatron_kl.rollout.engine import SamplingConfig
 from megatron_kl.tasks.base import TaskConfig
 
 ENGINES = ("local", "sglang", "vllm")
+ROUTING_ENGINES = ("local", "sglang")  # engines that report their mixture-of-experts routing (routing replay)
 
 
 @dataclass
@@ -240,6 +241,11 @@ def validate_train_config(cfg: TrainConfig, tokenizer_vocab: int, data_parallel:
             f"the server returns {vllm.server_logprobs_mode} (log-probs of the full softmax), not those of the truncated "
             "distribution it samples; start it with --logprobs-mode processed_logprobs and set "
             "rollout.vllm.server_logprobs_mode=processed_logprobs")
+    if cfg.model.moe.routing_replay == "rollout" and cfg.rollout.engine not in ROUTING_ENGINES:
+        raise ConfigError(
+            f"model.moe.routing_replay=rollout with rollout.engine={cfg.rollout.engine}: that engine does not report "
+            f"the experts it routed each token to; use rollout.engine in {list(ROUTING_ENGINES)} or set "
+            "model.moe.routing_replay=off")
     if cfg.model.vocab_size < tokenizer_vocab:
         raise ConfigError(
             f"model.vocab_size={cfg.model.vocab_size} is smaller than the task tokenizer's {tokenizer_vocab}: "

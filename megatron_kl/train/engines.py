@@ -38,11 +38,13 @@ def build_engine(cfg: TrainConfig, chunks: list, hf_source, run_dir: Path, dp_ra
         model_path = None if sglang.urls else _initial_model_path(cfg, chunks, hf_source, run_dir, sglang.model_path)
 
         def make():
-            from megatron_kl.rollout.sglang import SGLangEngine
+            from megatron_kl.rollout.sglang import RoutingShape, SGLangEngine
             from megatron_kl.rollout.weight_sync import build_weight_sync
 
+            routing = RoutingShape.of(cfg.model) if cfg.model.moe.routing_replay == "rollout" else None
             return SGLangEngine(sglang, build_weight_sync(sglang, cfg.model, source_dir), model_path,
-                                log_dir=run_dir / "sglang", seed=cfg.train.seed, vocab_size=cfg.model.vocab_size)
+                                log_dir=run_dir / "sglang", seed=cfg.train.seed, vocab_size=cfg.model.vocab_size,
+                                routing=routing)
 
         return DistributedEngine(make, cfg.model, dp_rank, parallel.tp_group(), parallel.pp_group(),
                                  timeout_s=cfg.parallel.distributed_timeout_s)

@@ -81,6 +81,12 @@ METRICS = (
            "mixture-of-experts models"),
     Metric("moe/dropped_fraction", "fraction", "routes (token, expert) dropped by the capacity factor over "
            "tokens x router_topk", "model.moe.capacity_factor set"),
+    Metric("moe/routing_agreement", "fraction", "of the experts the rollout engine routed each token to, the share "
+           "the trainer's routers pick by themselves in the pass that computes pi_old (own top-k of own logits, "
+           "whether or not routing replay overrides it), over prompt and response tokens and layers: 1 when engine "
+           "and trainer route alike; below 1 the trainer without model.moe.routing_replay=rollout scores another "
+           "network than the one that sampled (see mismatch/abs_logprob_mean)",
+           "mixture-of-experts models whose engine reports its routing (local always; sglang with routing replay)"),
     Metric("sampling/truncated_mass", "probability", "mean over response tokens of 1 - the top-k/top-p support's "
            "mass under the full softmax(z / T): how much the engines' truncation cuts away",
            "with top-k/top-p and rollout.sampling.distribution=truncated"),

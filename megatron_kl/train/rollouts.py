@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 
 from megatron_kl.rollout.engine import Completion, SamplingConfig
-from megatron_kl.train.batching import pack
+from megatron_kl.train.batching import pack, pack_routing
 
 
 @dataclass
@@ -36,6 +36,8 @@ class RolloutBatch:
     behavior_logprobs: torch.Tensor  # [N, S-1]
     weight_versions: torch.Tensor  # [N]
     generate_seconds: float
+    # mixture-of-experts engines that report routing: [N, S, L, k] expert ids per input position (-1: unrouted)
+    routed_experts: Optional[torch.Tensor] = None
 
     @property
     def num_response_tokens(self) -> int:
@@ -82,7 +84,8 @@ def _score(task, generated: _Generated, group_size: int) -> RolloutBatch:
     return RolloutBatch(step=step, completions=completions, rewards=rewards, tokens=tokens, loss_mask=mask,
                         behavior_logprobs=behavior,
                         weight_versions=torch.tensor([c.weight_version for c in completions]),
-                        generate_seconds=seconds)
+                        generate_seconds=seconds,
+                        routed_experts=pack_routing([c.routed_experts for c in completions], tokens.shape[1]))
 
 
 class RolloutSource:

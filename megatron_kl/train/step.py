@@ -295,8 +295,11 @@ def common_width(batch: RolloutBatch, group) -> RolloutBatch:
     if extra == 0:
         return batch
     pad = torch.nn.functional.pad
+    routing = batch.routed_experts
+    if routing is not None:  # [N, S, L, k]: unrouted (-1) at the new positions
+        routing = pad(routing, (0, 0, 0, 0, 0, extra), value=-1)
     return dataclasses.replace(batch, tokens=pad(batch.tokens, (0, extra)), loss_mask=pad(batch.loss_mask, (0, extra)),
-                               behavior_logprobs=pad(batch.behavior_logprobs, (0, extra)))
+                               behavior_logprobs=pad(batch.behavior_logprobs, (0, extra)), routed_experts=routing)
 
 
 def rl_step(ctx: StepContext, batch: RolloutBatch, step: int) -> dict:
@@ -310,6 +313,11 @@ def rl_step(ctx: StepContext, batch: RolloutBatch, step: int) -> dict:
     mask = batch.loss_mask
     timings = {}
     sequences = pipeline.SequenceBatch(batch.tokens, mask)
+    if batch.routed_experts is not None:  # the engine's routing: replayed by the policy, compared by the metrics
+        sequences.extras["routed_experts"] = batch.routed_experts
+    elif cfg.model.moe.routing_replay == "rollout":
+        raise CorruptResponse(f"step {step}: model.moe.routing_replay=rollout but the rollout batch carries no routing "
+                              f"(rollout.engine={cfg.rollout.engine} returned completions without routed experts)")
     reference, old = _scoring_passes(ctx, sequences, step, vocab, timings)
     # sampled tokens outside the trainer's support are an error before anything is updated (recomputed pi_old)
     support = support_metrics(batch, old, step, sampling, ctx.dp_group) if old is not None else None

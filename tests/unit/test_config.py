@@ -123,7 +123,7 @@ def test_secret_looking_launch_env_values_are_redacted_for_files_and_trackers():
     (dict(num_experts=0), dict(expert_parallel=2), 2, "need a mixture-of-experts model"),
     (dict(num_experts=4, router_topk=5), {}, 1, "router_topk=5"),
     (dict(num_experts=0, routing_replay="rollout"), {}, 1, "routing_replay=rollout needs a mixture-of-experts"),
-    (dict(num_experts=4, routing_replay="rollout"), {}, 1, "routing_replay=rollout is not available"),
+    (dict(num_experts=4, routing_replay="replay"), {}, 1, "routing_replay='replay': use one of"),
     (dict(num_experts=4, token_dispatcher="flex"), {}, 1, "token_dispatcher='flex'"),
     (dict(num_experts=4, capacity_factor=0.0), {}, 1, "capacity_factor=0.0"),
 ])
@@ -153,3 +153,22 @@ def test_moe_training_with_tensor_parallelism_needs_sequence_parallelism():
     validate_training_layout(moe, ParallelConfig(tensor_parallel=2, sequence_parallel=True))
     validate_training_layout(moe, ParallelConfig(expert_parallel=2))
     validate_training_layout(ModelConfig(), ParallelConfig(tensor_parallel=2))
+
+
+def test_routing_replay_needs_an_engine_that_reports_routing_and_reads_yaml_off():
+    """vLLM does not report the experts it routed to: routing replay with it is refused naming both fields; a bare
+    YAML `off` (read as false) is the "off" setting."""
+    import yaml
+
+    from megatron_kl.config import from_dict
+    from megatron_kl.train.config import TrainConfig, validate_train_config
+
+    data = yaml.safe_load("model: {moe: {num_experts: 4, routing_replay: off}}")
+    assert from_dict(TrainConfig, data).model.moe.routing_replay == "off"
+    replay = {"model": {"moe": {"num_experts": 4, "routing_replay": "rollout"}}}
+    for engine in ("local", "sglang"):
+        cfg = from_dict(TrainConfig, {**replay, "rollout": {"engine": engine}})
+        validate_train_config(cfg, cfg.model.vocab_size)
+    cfg = from_dict(TrainConfig, {**replay, "rollout": {"engine": "vllm"}})
+    with pytest.raises(ConfigError, match="model.moe.routing_replay=rollout with rollout.engine=vllm"):
+        validate_train_config(cfg, cfg.model.vocab_size)

@@ -5,6 +5,7 @@ import json
 import threading
 
 import pytest
+import torch
 
 from megatron_kl.rollout.engine import Completion
 from megatron_kl.tasks.math import MathConfig, MathTask
@@ -74,6 +75,51 @@ def test_sglang_response_with_impossible_values_is_a_corrupt_response(kind, mess
     with pytest.raises(CorruptResponse, match=message) as err:
         parse_generate(corrupt(copy.deepcopy(CLEAN_BODY), kind, 50), [1, 2], 3, "http://s:1 prompt 0", sampling,
                        vocab_size=50)
+    assert "http://s:1 prompt 0" in str(err.value)
+
+
+def _routed_body(ids):
+    import copy
+
+    from megatron_kl.testing.sglang_server import encode_routed_experts
+
+    body = copy.deepcopy(CLEAN_BODY)
+    body["meta_info"].update(prompt_tokens=2, completion_tokens=3, routed_experts=encode_routed_experts(ids))
+    return body
+
+
+@pytest.mark.parametrize("kind, message", [
+    ("short", r"shape \(3, 2, 2\), expected \(4, 2, 2\)"), ("out_of_range", "position 0, layer 0 are \\[8, "),
+    ("repeated", "not 2 distinct ids"), ("missing", "return_routed_experts=true was sent"),
+    ("not_base64", "not valid base64"), ("ragged_bytes", "not a whole number of tokens"),
+])
+def test_sglang_routed_experts_are_decoded_and_checked(kind, message):
+    """SGLang's meta_info.routed_experts (base64 int32 [prompt + output - 1, layers, top-k]) becomes the completion's
+    routing; a routing of another length, an id past the experts, an expert twice in one token's top-k, a missing
+    or undecodable field are a CorruptResponse naming it (retried like a 5xx)."""
+    import base64
+
+    from megatron_kl.rollout.engine import SamplingConfig
+    from megatron_kl.rollout.http import CorruptResponse
+    from megatron_kl.rollout.sglang import RoutingShape, parse_generate
+    from megatron_kl.testing.sglang_server import corrupt_routing
+
+    shape = RoutingShape(num_layers=2, router_topk=2, num_experts=8)
+    ids = torch.stack([torch.randperm(8, generator=torch.Generator().manual_seed(i))[:2] for i in range(8)]).view(4, 2, 2)
+    ok = parse_generate(_routed_body(ids), [1, 2], 3, "http://s:1 prompt 0", SamplingConfig(), 50, routing=shape)
+    assert torch.equal(ok.routed_experts.long(), ids)
+    body = _routed_body(ids)
+    meta = body["meta_info"]
+    if kind in ("short", "out_of_range", "repeated"):
+        corrupt_routing(meta, kind, shape.num_experts)
+    elif kind == "missing":
+        del meta["routed_experts"]
+    elif kind == "not_base64":
+        meta["routed_experts"] = "%%%"
+    else:
+        meta["routed_experts"] = base64.b64encode(b"\x01\x00\x00\x00" * 5).decode()
+    with pytest.raises(CorruptResponse, match=message) as err:
+        parse_generate(body, [1, 2], 3, "http://s:1 prompt 0", SamplingConfig(), 50, routing=shape)
     assert "http://s:1 prompt 0" in str(err.value)
 
 
