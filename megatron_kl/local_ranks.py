@@ -1,6 +1,6 @@
 """Spawn N ranks on this machine and run a function in each.
 
-``run_ranks(fn, world_size, *args)`` starts ``world_size`` spawned processes that join one process group
+``run_ranks(fn, world_size, *args)`` starts ``world_size`` processes that join one process group
 (nccl with one GPU per rank when there are enough GPUs; gloo otherwise, the ranks then seeing no GPU, so that they
 run the CPU path whole instead of placing models on a GPU that gloo's collectives cannot serve) through a file
 rendezvous, calls ``fn(rank, world_size,
@@ -70,11 +70,13 @@ def _gpus_hidden(hide: bool):
                 os.environ["CUDA_VISIBLE_DEVICES"] = previous
 
 
-def _worker(rank, world_size, init_file, fn, args, results, threads, backend):
+def _worker(rank, world_size, init_file, fn, args, results, threads, backend, environ):
     try:
         import warnings
 
         warnings.filterwarnings("ignore")
+        os.environ.clear()  # the caller's environment now (a forked child starts with the fork server's)
+        os.environ.update(environ)
         torch.set_num_threads(threads)
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
         if backend == "nccl":
@@ -97,20 +99,37 @@ def _worker(rank, world_size, init_file, fn, args, results, threads, backend):
                 pass
 
 
+def _context():
+    """Where ranks start: forked from a fork server that has imported torch, megatron-core and the trainer once
+    (each spawned interpreter would import them again: ~4 s per rank on 2 CPU cores), or spawned with
+    MEGATRON_KL_RANKS_START=spawn. The server imports only (no CUDA context, no process group), so a fork of it
+    is as clean as a fresh interpreter; the caller's environment is handed to each rank."""
+    if os.environ.get("MEGATRON_KL_RANKS_START", "forkserver") == "spawn":
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(PRELOAD))  # read when the server starts (the first call)
+    return ctx
+
+
+PRELOAD = ("torch", "torch.distributed", "megatron.core", "megatron_kl.train.loop")
+
+
 def run_ranks(fn, world_size: int, *args, timeout_s: float = 300.0, threads_per_rank: int = 1) -> list:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks; return values by rank."""
-    ctx = mp.get_context("spawn")
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` new processes; return values by rank."""
+    ctx = _context()
     results = ctx.Queue()
     backend = _backend(world_size)
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rendezvous")
+        with _gpus_hidden(backend == "gloo" and torch.cuda.is_available()):  # the ranks get this environment
+            environ = dict(os.environ)
         procs = [
-            ctx.Process(target=_worker, args=(r, world_size, init_file, fn, args, results, threads_per_rank, backend))
+            ctx.Process(target=_worker, args=(r, world_size, init_file, fn, args, results, threads_per_rank, backend,
+                                              environ))
             for r in range(world_size)
         ]
-        with _gpus_hidden(backend == "gloo" and torch.cuda.is_available()):  # spawned children copy os.environ
-            for p in procs:
-                p.start()
+        for p in procs:
+            p.start()
         values: dict[int, object] = {}
         failures: dict[int, str] = {}
         try:

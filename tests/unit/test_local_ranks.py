@@ -54,3 +54,21 @@ def test_values_come_back_on_the_cpu_with_their_structure():
     assert type(back) is Result and back.logprobs.device.type == "cpu" and back.extra["kl"].device.type == "cpu"
     assert back.name == "policy" and back.derived == 7
     assert result.logprobs.device.type == "meta" and result.extra["kl"].device.type == "meta"  # not mutated
+
+
+def _environment_worker(rank, world, name):
+    import sys
+
+    return os.environ.get(name), os.getcwd(), "megatron_kl.train.loop" in sys.modules
+
+
+def test_ranks_see_the_callers_environment_at_each_call(monkeypatch, tmp_path):
+    """Ranks are forked from a fork server started at the first call (its environment frozen then): each call's
+    ranks still get the caller's environment and working directory of that moment, and the trainer is already
+    imported in them."""
+    first = local_ranks.run_ranks(_environment_worker, 1, "MEGATRON_KL_TEST_VALUE")[0]
+    monkeypatch.setenv("MEGATRON_KL_TEST_VALUE", "changed after the server started")
+    monkeypatch.chdir(tmp_path)
+    second = local_ranks.run_ranks(_environment_worker, 2, "MEGATRON_KL_TEST_VALUE")
+    assert first[0] is None
+    assert all(value == ("changed after the server started", str(tmp_path), True) for value in second)
