@@ -34,6 +34,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from megatron_kl.kl.groups import group_size_rank
+
 FIRST_CANDIDATES = 64  # per rank, top-p only: a first guess at the support size (bisection where short)
 CANDIDATE_ELEMENTS = 1 << 22  # entries held at once by a retry (candidates rows x world x m, copied logits)
 SUM_BLOCK = 256  # columns summed in float32 before the float64 total (a float64 sum costs ~9x on CPU)
@@ -65,21 +67,15 @@ def effective(truncation: Optional[Truncation], vocab_size: Optional[int]) -> Op
     return truncation if truncation is not None and truncation.active(vocab_size) else None
 
 
-def _world(group) -> int:
-    if group is None or not dist.is_initialized():
-        return 1
-    return dist.get_world_size(group)
-
-
 def _all_reduce(tensor, op, group):
-    if _world(group) > 1:
+    if group_size_rank(group)[0] > 1:
         dist.all_reduce(tensor, op=op, group=group)
     return tensor
 
 
 def _all_gather_columns(local: torch.Tensor, group) -> torch.Tensor:
     """[n, m] per rank -> [n, world * m]."""
-    world = _world(group)
+    world = group_size_rank(group)[0]
     if world == 1:
         return local
     parts = [torch.empty_like(local) for _ in range(world)]
@@ -225,7 +221,7 @@ def _top_p_cut(x, row_max, total, top_k_threshold, top_p: float, temperature: fl
     resolved = (value > floor) | (m >= max_cols)  # exact above the floor (every value >= it is a candidate)
     cut[resolved] = value[resolved]
     pending = (~resolved).nonzero().squeeze(-1)
-    world = _world(group)
+    world = group_size_rank(group)[0]
     if not bool(torch.isfinite(top_k_threshold).any()):  # top-p alone: bisection, in row blocks
         block = max(1, CANDIDATE_ELEMENTS // max(1, cols))
         for lo in range(0, pending.numel(), block):

@@ -56,6 +56,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from megatron_kl.kl.groups import group_size_rank
 from megatron_kl.kl.truncation import Truncation, effective, support_threshold
 
 DEFAULT_CHUNK = None  # auto: rows such that one chunk temporary is about CHUNK_ELEMENTS entries
@@ -65,12 +66,6 @@ KL_DIRECT = 60.0  # -u above this: exp(r - M_r) directly (e * expm1(-u) could ov
 
 # rows of the per-position state saved for backward (``norms``)
 MAX, SHIFT, SUM, MEAN_ZC, MEAN_U = range(5)
-
-
-def _group_size_rank(group) -> tuple[int, int]:
-    if group is None or not dist.is_initialized():
-        return 1, 0
-    return dist.get_world_size(group), dist.get_rank(group)
 
 
 def check_group(group, name: str = "tp_group") -> None:
@@ -106,7 +101,7 @@ class _Shard:
 
 
 def _shard(local_vocab: int, group, vocab_size: Optional[int]) -> _Shard:
-    world, rank = _group_size_rank(group)
+    world, rank = group_size_rank(group)
     start = rank * local_vocab
     total = vocab_size if vocab_size is not None else local_vocab * world
     if total > local_vocab * world:
@@ -481,7 +476,7 @@ def fused_stats(
             )
         ref = reference_logits.detach().reshape(-1, logits.shape[-1])
     tgt = targets.reshape(-1).long() if targets is not None else None
-    truncation = effective(truncation, vocab_size or logits.shape[-1] * _group_size_rank(tp_group)[0])
+    truncation = effective(truncation, vocab_size or logits.shape[-1] * group_size_rank(tp_group)[0])
     logprob, ent, kl, support = _VocabParallelStats.apply(
         flat, ref, tgt, tp_group, float(temperature), vocab_size, chunk_size, inplace_backward, entropy, truncation
     )

@@ -22,6 +22,7 @@ from typing import Callable, Iterator, Mapping, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_kl.kl.groups import group_size_rank
 from megatron_kl.models.parallel import collective_device
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
@@ -45,16 +46,10 @@ class ExpertGroups:
                             etp=parallel_state.get_expert_tensor_parallel_group())
 
     def ep_size_rank(self) -> tuple[int, int]:
-        return _size_rank(self.ep)
+        return group_size_rank(self.ep)
 
     def etp_size_rank(self) -> tuple[int, int]:
-        return _size_rank(self.etp)
-
-
-def _size_rank(group) -> tuple[int, int]:
-    if group is None:
-        return 1, 0
-    return dist.get_world_size(group), dist.get_rank(group)
+        return group_size_rank(self.etp)
 
 
 def is_expert(name: str) -> bool:
