@@ -35,7 +35,8 @@ from typing import Optional
 
 import torch
 
-from megatron_kl.kl.truncation import Truncation, _world, effective, support_threshold
+from megatron_kl.kl.groups import group_size_rank
+from megatron_kl.kl.truncation import Truncation, effective, support_threshold
 from megatron_kl.kl.vocab_parallel import (
     VocabParallelStats,
     Workspace,
@@ -339,7 +340,7 @@ def fused_linear_stats(
         tgt = tgt.index_select(0, index) if tgt is not None else None
     rows = rows.contiguous()
     ref_weight = reference_weight.detach() if reference_weight is not None else None
-    truncation = effective(truncation, vocab_size or weight.shape[0] * _world(tp_group))
+    truncation = effective(truncation, vocab_size or weight.shape[0] * group_size_rank(tp_group)[0])
     values = _FusedLinearStats.apply(rows, weight, ref_rows, ref_weight, tgt, tp_group, float(temperature),
                                      vocab_size, chunk_size, truncation)
 
