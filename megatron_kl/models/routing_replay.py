@@ -68,6 +68,9 @@ def _choose_action(router, _args) -> None:
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
     replay = router.router_replay
+    if getattr(router, "_replay_suspended", False):
+        replay.clear_router_replay_action()
+        return
     if is_recompute(router):
         action = RouterReplayAction.REPLAY_BACKWARD if replay.replay_backward_list else None
     else:
@@ -84,6 +87,20 @@ def attach_replay(chunks: list) -> None:
         if getattr(router, "_replay_hook", None) is None:
             _new_replay(router)
             router._replay_hook = router.register_forward_pre_hook(_choose_action)
+
+
+@contextmanager
+def suspended(chunks: list):
+    """Inside the block the policy's routers route by themselves even where rollout ids are loaded (the metric
+    of what the mismatch would be without replay)."""
+    attached = [r for r in routers(chunks) if getattr(r, "_replay_hook", None) is not None]
+    for router in attached:
+        router._replay_suspended = True
+    try:
+        yield
+    finally:
+        for router in attached:
+            router._replay_suspended = False
 
 
 def replays(chunks: list) -> bool:

@@ -87,6 +87,10 @@ METRICS = (
            "and trainer route alike; below 1 the trainer without model.moe.routing_replay=rollout scores another "
            "network than the one that sampled (see mismatch/abs_logprob_mean)",
            "mixture-of-experts models whose engine reports its routing (local always; sglang with routing replay)"),
+    Metric("moe/mismatch_without_replay", "nats", "mean |log pi_old - log mu_rollout| over response tokens with the "
+           "trainer's own routing (the pi_old pass once more with replay off), next to the replayed mismatch/"
+           "abs_logprob_mean: what routing replay removes", "model.moe.routing_replay=rollout, every "
+           "train.reference_metrics_interval steps"),
     Metric("sampling/truncated_mass", "probability", "mean over response tokens of 1 - the top-k/top-p support's "
            "mass under the full softmax(z / T): how much the engines' truncation cuts away",
            "with top-k/top-p and rollout.sampling.distribution=truncated"),
@@ -113,8 +117,8 @@ METRICS = (
     Metric("time/rollout", "s", "generation time of the step's batch (async: spent in the background while "
            "earlier steps trained, so it can exceed time/rollout_wait)"),
     Metric("time/<phase>", "s", "wall time of a phase of the step: rollout_wait (how long the trainer waited for the "
-           "batch: time/rollout on-policy, ~0 when async generation keeps up), reference, old_logprobs, update, "
-           "weight_sync"),
+           "batch: time/rollout on-policy, ~0 when async generation keeps up), reference, old_logprobs, "
+           "unreplayed_logprobs (routing replay's metric pass), update, weight_sync"),
     Metric("time/eval", "s", "wall time of the evaluation", "every eval.interval steps, before and after training"),
     Metric("eval/<split>/pass@1", "fraction", "greedy accuracy on the split (id: in-domain, ood: out of "
            "distribution)",

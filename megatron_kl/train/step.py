@@ -28,7 +28,7 @@ from megatron_kl.algo.corrections import mismatch_metrics
 from megatron_kl.algo.losses import MICROBATCH_TOKENS, MicrobatchLoss, Shares
 from megatron_kl.kl.estimators import ClampCounter
 from megatron_kl.kl.objective import kl_shaped_returns
-from megatron_kl.models import optim, output_head, pipeline
+from megatron_kl.models import optim, output_head, pipeline, routing_replay
 from megatron_kl.models.moe_load import ExpertLoad
 from megatron_kl.models.offload import ReferenceOffload
 from megatron_kl.models.parallel import all_reduce_cpu
@@ -190,8 +190,9 @@ def needs_exact_kl(cfg, step: int) -> bool:
 
 
 def _scoring_passes(ctx: StepContext, sequences, step: int, vocab, timings: dict):
-    """The reference forward (when needed this step) and pi_old's forward (unless algo.old_logprobs=
-    from_update takes it from the update): ``(reference or None, old or None)``."""
+    """The reference forward (when needed this step), pi_old's forward (unless algo.old_logprobs=from_update
+    takes it from the update) and, with routing replay on metric steps, pi_old's log-probs under the trainer's own
+    routing: ``(reference or None, old or None, unreplayed log-probs or None)``."""
     cfg = ctx.cfg
     microbatches = cfg.algo.minibatches * cfg.train.micro_batches
     reference = old = None
@@ -213,7 +214,25 @@ def _scoring_passes(ctx: StepContext, sequences, step: int, vocab, timings: dict
                         ctx.train_state.chunks, sequences, microbatches, vocab,
                         reference=ctx.reference_head if reference is not None and exact else None,
                         token_budget=cfg.train.micro_batch_tokens)
-    return reference, old
+        unreplayed = None
+        if _replays(cfg, sequences) and _metrics_due(cfg, step):
+            with phase("unreplayed_logprobs", timings), routing_replay.suspended(ctx.train_state.chunks):
+                unreplayed = pipeline.compute_token_stats(ctx.train_state.chunks, sequences, microbatches, vocab,
+                                                          token_budget=cfg.train.micro_batch_tokens)["logprobs"]
+    return reference, old, unreplayed
+
+
+def _replays(cfg, sequences) -> bool:
+    return cfg.model.moe.routing_replay == "rollout" and "routed_experts" in sequences.extras
+
+
+def replay_metrics(own: Optional[torch.Tensor], batch: RolloutBatch) -> dict:
+    """With routing replay, on metric steps: the train-vs-rollout mismatch pi_old would have had with the trainer's
+    own routing (``own``: the pass without replay), next to the replayed one (mismatch/abs_logprob_mean)."""
+    if own is None:
+        return {}
+    mask = batch.loss_mask
+    return {"moe/mismatch_without_replay": _masked_mean((own - batch.behavior_logprobs).abs() * mask, mask)}
 
 
 def _recording(ctx: StepContext):
@@ -318,7 +337,7 @@ def rl_step(ctx: StepContext, batch: RolloutBatch, step: int) -> dict:
     elif cfg.model.moe.routing_replay == "rollout":
         raise CorruptResponse(f"step {step}: model.moe.routing_replay=rollout but the rollout batch carries no routing "
                               f"(rollout.engine={cfg.rollout.engine} returned completions without routed experts)")
-    reference, old = _scoring_passes(ctx, sequences, step, vocab, timings)
+    reference, old, unreplayed = _scoring_passes(ctx, sequences, step, vocab, timings)
     # sampled tokens outside the trainer's support are an error before anything is updated (recomputed pi_old)
     support = support_metrics(batch, old, step, sampling, ctx.dp_group) if old is not None else None
 
@@ -348,6 +367,7 @@ def rl_step(ctx: StepContext, batch: RolloutBatch, step: int) -> dict:
         metrics.update(kl_metrics(old["logprobs"], reference["logprobs"], old.get("kl"), mask))
     metrics["entropy/mean"] = _masked_mean(old["entropy"], mask)
     metrics.update(rollout_metrics(batch, old["logprobs"], step))
+    metrics.update(replay_metrics(unreplayed, batch))
     metrics.update(support if support is not None else support_metrics(batch, old, step, sampling, ctx.dp_group))
     if run.micro_batch_tokens > 0:  # what the scoring passes see: each microbatch padded to its own longest row
         groups = sequences.token_groups(run.micro_batch_tokens)

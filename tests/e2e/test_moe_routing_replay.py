@@ -54,6 +54,9 @@ def test_routing_replay_closes_the_rollout_mismatch(tmp_path, warm_cache, tied_c
     replayed = _step0(tmp_path / "on", warm_cache, tied_checkpoint, 1, "model.moe.routing_replay=rollout")
     assert replayed["mismatch/abs_logprob_mean"] < MISMATCH_BOUND, replayed["mismatch/abs_logprob_mean"]
     assert replayed["moe/routing_agreement"] < 0.95  # the trainer's own routing still differs: replay overrides it
+    # the same pass without replay, logged next to it: the off run's mismatch (same weights, same samples)
+    assert replayed["moe/mismatch_without_replay"] == pytest.approx(off["mismatch/abs_logprob_mean"], rel=1e-5)
+    assert "moe/mismatch_without_replay" not in off
     assert replayed["optim/grad_norm"] > 0
     recomputed = _step0(tmp_path / "recompute", warm_cache, tied_checkpoint, 1, "model.moe.routing_replay=rollout",
                         "model.recompute=full")
