@@ -3,7 +3,8 @@
 A forward hook on every megatron-core ``TopKRouter`` of the chunks adds its routing map (``[tokens, experts]``,
 after any capacity drop) into a ``[layers, experts]`` count while :meth:`ExpertLoad.recording` is active; the
 trainer records the pass that computes pi_old (one forward per token of the step). Counts cover the tokens the
-router saw, padding positions of a padded microbatch included.
+router saw, padding positions of a padded microbatch included - except where the engine reported its routing: then
+only the tokens it routed (every prompt and response token but each sequence's last) count.
 
 Where the engine reported its routing (``router.rollout_topk``, set per microbatch by
 :mod:`megatron_kl.models.routing_replay`) the same hook counts how many of the rollout's k experts the router would
@@ -50,13 +51,15 @@ class ExpertLoad:
     def _hook(self, router, inputs, output) -> None:
         if is_recompute(router):  # the layer recomputed in backward: its forward was counted
             return
-        routing_map = output[1]
+        routing_map = output[1].detach()
         layer = router.layer_number - 1  # megatron's global, 1-based layer number
-        self.counts[layer] += routing_map.detach().sum(0).to("cpu", torch.float64)
-        self.tokens[layer] += routing_map.shape[0]
         rollout = getattr(router, "rollout_topk", None)
+        routed = None if rollout is None else (rollout >= 0).all(-1)
+        if routed is not None:  # the tokens the engine routed: padding (and replay's placeholders) left out
+            routing_map = routing_map[routed]
+        self.counts[layer] += routing_map.sum(0).to("cpu", torch.float64)
+        self.tokens[layer] += routing_map.shape[0]
         if rollout is not None:
-            routed = (rollout >= 0).all(-1)
             own = own_routing_map(router, inputs[0])[routed]
             picked = own.gather(1, rollout[routed].long())
             self.agreement += torch.tensor([float(picked.sum()), float(picked.numel())], dtype=torch.float64)

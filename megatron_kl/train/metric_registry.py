@@ -72,7 +72,8 @@ METRICS = (
     Metric("mismatch/abs_logprob_max", "nats", "largest |log pi_train - log mu_rollout|"),
     Metric("moe/tokens_per_expert_max", "tokens", "most tokens a router sent to one expert in one layer, summed "
            "over data-parallel ranks, in the pass that computes pi_old (with algo.old_logprobs=from_update: every "
-           "forward of the update)", "mixture-of-experts models"),
+           "forward of the update); padding counts too, except where the engine reports its routing (then only the "
+           "tokens it routed)", "mixture-of-experts models"),
     Metric("moe/tokens_per_expert_min", "tokens", "fewest tokens of one expert in one layer (as the max)",
            "mixture-of-experts models"),
     Metric("moe/tokens_per_expert_mean", "tokens", "mean tokens per expert and layer (tokens x router_topk / "

@@ -50,6 +50,9 @@ def test_routing_replay_closes_the_rollout_mismatch(tmp_path, warm_cache, tied_c
     off = _step0(tmp_path / "off", warm_cache, tied_checkpoint, 1, "model.moe.routing_replay=off")
     assert off["moe/routing_agreement"] < 0.95, off["moe/routing_agreement"]
     assert off["mismatch/abs_logprob_mean"] > 100 * MISMATCH_BOUND, off["mismatch/abs_logprob_mean"]
+    # the load counts cover the tokens the engine routed (every token but each sequence's last; no padding):
+    # mean per expert and layer = routed tokens x top-2 / 8 experts, with 8 prompts x 4 samples
+    assert off["moe/tokens_per_expert_mean"] == pytest.approx((off["batch/tokens"] - 32) * 2 / 8)
 
     replayed = _step0(tmp_path / "on", warm_cache, tied_checkpoint, 1, "model.moe.routing_replay=rollout")
     assert replayed["mismatch/abs_logprob_mean"] < MISMATCH_BOUND, replayed["mismatch/abs_logprob_mean"]
