@@ -103,3 +103,18 @@ def test_impossible_routing_from_the_server_is_retried_without_loss(tmp_path, ti
         assert got.response_ids == want.response_ids
         assert torch.equal(got.routed_experts, want.routed_experts)
         assert tuple(got.routed_experts.shape) == (got.routed_positions, 4, 2)
+
+
+def test_routing_replay_with_experts_split_over_ranks_equals_replicated_experts(tmp_path, warm_cache,
+                                                                                tied_checkpoint):
+    """EP=2 on 2 data-parallel ranks (each rank's routers replay its own rollouts' experts by global index; the
+    engine replica holds every expert) logs what EP=1 logs - the expert-load counts too (over routed tokens, so
+    EP's extra padding does not count); the padded-token count may differ."""
+    runs = []
+    for ep in (1, 2):
+        step0 = _step0(tmp_path / f"ep{ep}", warm_cache, tied_checkpoint, 2, "model.moe.routing_replay=rollout",
+                       f"parallel.expert_parallel={ep}")
+        step0.pop("batch/padded_tokens")
+        runs.append(step0)
+    assert runs[0]["mismatch/abs_logprob_mean"] < MISMATCH_BOUND
+    assert_same_metrics(runs[:1], runs[1:], "routing replay at EP=2 vs EP=1")
