@@ -100,11 +100,12 @@ def _worker(rank, world_size, init_file, fn, args, results, threads, backend, en
 
 
 def _context():
-    """Where ranks start: forked from a fork server that has imported torch, megatron-core and the trainer once
-    (each spawned interpreter would import them again: ~4 s per rank on 2 CPU cores), or spawned with
-    MEGATRON_KL_RANKS_START=spawn. The server imports only (no CUDA context, no process group), so a fork of it
-    is as clean as a fresh interpreter; the caller's environment is handed to each rank."""
-    if os.environ.get("MEGATRON_KL_RANKS_START", "forkserver") == "spawn":
+    """Where ranks start: on a machine without CUDA, forked from a fork server that has imported torch,
+    megatron-core and the trainer once (each spawned interpreter would import them again: ~4 s per rank on 2 CPU
+    cores); the server imports only (no process group), so a fork of it is as clean as a fresh interpreter, and the
+    caller's environment is handed to each rank. With CUDA (where an import such as Transformer Engine's may create a
+    CUDA context, which a fork cannot inherit) or MEGATRON_KL_RANKS_START=spawn: spawned."""
+    if torch.cuda.is_available() or os.environ.get("MEGATRON_KL_RANKS_START", "forkserver") == "spawn":
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(list(PRELOAD))  # read when the server starts (the first call)
