@@ -95,13 +95,13 @@ class Completion:
             raise ValueError(
                 f"completion has {len(self.response_ids)} response ids but {len(self.response_logprobs)} log-probs"
             )
+        if self.finish_reason not in FINISH_REASONS:
+            raise ValueError(f"completion finish_reason={self.finish_reason!r}; expected one of {FINISH_REASONS}")
 
     @property
     def routed_positions(self) -> int:
         """How many positions a reported routing covers: every fed token (P + R - 1)."""
         return len(self.prompt_ids) + len(self.response_ids) - 1
-        if self.finish_reason not in FINISH_REASONS:
-            raise ValueError(f"completion finish_reason={self.finish_reason!r}; expected one of {FINISH_REASONS}")
 
 
 class EngineLost(RuntimeError):

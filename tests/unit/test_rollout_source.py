@@ -226,3 +226,12 @@ def test_every_estimator_clamps_an_infinite_log_ratio(estimator):
     value.sum().backward()
     assert torch.isfinite(value).all() and torch.isfinite(log_ratio.grad).all()
     assert counter.counts[estimator] == 2
+
+
+def test_completion_refuses_an_unknown_finish_reason_and_mismatched_logprobs():
+    """A Completion is checked when built: finish_reason is stop or length, one log-prob per response token."""
+    with pytest.raises(ValueError, match="finish_reason='abort'; expected one of"):
+        Completion([1, 2], [5], [-0.5], "abort", 0)
+    with pytest.raises(ValueError, match="1 response ids but 2 log-probs"):
+        Completion([1, 2], [5], [-0.5, -0.1], "stop", 0)
+    assert Completion([1, 2], [5, 7], [-0.5, -0.1], "length", 0).routed_positions == 3
