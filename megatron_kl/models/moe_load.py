@@ -54,15 +54,13 @@ class ExpertLoad:
         routing_map = output[1].detach()
         layer = router.layer_number - 1  # megatron's global, 1-based layer number
         rollout = getattr(router, "rollout_topk", None)
-        routed = None if rollout is None else (rollout >= 0).all(-1)
-        if routed is not None:  # the tokens the engine routed: padding (and replay's placeholders) left out
+        if rollout is not None:  # only the tokens the engine routed (padding and replay's placeholders left out)
+            routed = (rollout >= 0).all(-1)
             routing_map = routing_map[routed]
+            picked = own_routing_map(router, inputs[0])[routed].gather(1, rollout[routed].long())
+            self.agreement += torch.tensor([float(picked.sum()), float(picked.numel())], dtype=torch.float64)
         self.counts[layer] += routing_map.sum(0).to("cpu", torch.float64)
         self.tokens[layer] += routing_map.shape[0]
-        if rollout is not None:
-            own = own_routing_map(router, inputs[0])[routed]
-            picked = own.gather(1, rollout[routed].long())
-            self.agreement += torch.tensor([float(picked.sum()), float(picked.numel())], dtype=torch.float64)
 
     def metrics(self, groups: tuple = (), capacity: bool = False) -> dict:
         """``moe/tokens_per_expert_{max,min,mean}`` over experts and layers, ``moe/load_imbalance`` (the most

@@ -103,17 +103,13 @@ def suspended(chunks: list):
             router._replay_suspended = False
 
 
-def replays(chunks: list) -> bool:
-    """Whether the routers of ``chunks`` replay rollout routing."""
-    return any(getattr(router, "_replay_hook", None) is not None for router in routers(chunks))
-
-
-def _layer_ids(routed_experts: torch.Tensor, layer: int, tp_rank: int, tp_size: int) -> torch.Tensor:
-    """The ids one router sees: ``[B, S, L, k]`` -> layer ``layer``'s ``[S(/tp) * B, k]``, sequence-major."""
-    ids = routed_experts[:, :, layer].transpose(0, 1)
+def _router_ids(router, routed_experts: torch.Tensor, tp_rank: int = 0, tp_size: int = 1) -> torch.Tensor:
+    """The ids ``router`` sees, on its device: ``[B, S, L, k]`` -> its layer's ``[S(/tp) * B, k]``, sequence-major
+    (``tp_size`` > 1: this rank's sequence slice under sequence parallelism)."""
+    ids = routed_experts[:, :, router.layer_number - 1].transpose(0, 1)
     if tp_size > 1:
         ids = ids.chunk(tp_size, dim=0)[tp_rank]
-    return ids.reshape(-1, ids.shape[-1])
+    return ids.reshape(-1, ids.shape[-1]).to(router.weight.device)
 
 
 def _fill_unknown(ids: torch.Tensor) -> torch.Tensor:
@@ -130,7 +126,7 @@ def load_microbatch(chunk, routed_experts: torch.Tensor, sequence_parallel: bool
     on a replaying router, megatron's replay target (queued for a recomputation in backward too)."""
     split = tp_size if sequence_parallel else 1
     for router in routers([chunk]):
-        ids = _layer_ids(routed_experts, router.layer_number - 1, tp_rank, split).to(router.weight.device)
+        ids = _router_ids(router, routed_experts, tp_rank, split)
         router.rollout_topk = ids
         if getattr(router, "_replay_hook", None) is not None:
             router.router_replay.set_target_indices(_fill_unknown(ids))
@@ -155,8 +151,7 @@ def replayed(model, routed_experts: torch.Tensor):
     for router in routers([model]):
         replay = router.router_replay if router.router_replay is not None else _new_replay(router)
         saved.append((replay, replay.router_replay_action))
-        ids = _layer_ids(routed_experts, router.layer_number - 1, 0, 1).to(router.weight.device)
-        replay.set_target_indices(_fill_unknown(ids))
+        replay.set_target_indices(_fill_unknown(_router_ids(router, routed_experts)))
         replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
     try:
         yield

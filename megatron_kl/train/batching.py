@@ -11,6 +11,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from megatron_kl.models.routing_replay import UNKNOWN
+
 
 def pack(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_id: int,
          per_token: Optional[Sequence[Sequence[float]]] = None, length: Optional[int] = None):
@@ -36,12 +38,12 @@ def pack(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], p
 
 
 def pack_routing(routings: Sequence[Optional[torch.Tensor]], length: int) -> Optional[torch.Tensor]:
-    """Per-row expert ids ``[n_i, L, k]`` (a row's first n_i input positions) as ``[B, length, L, k]``, -1 at
+    """Per-row expert ids ``[n_i, L, k]`` (a row's first n_i input positions) as ``[B, length, L, k]``, UNKNOWN at
     positions no engine routed (a row's last token, padding); None unless every row has them."""
     if not routings or any(r is None for r in routings):
         return None
     first = routings[0]
-    out = torch.full((len(routings), length, *first.shape[1:]), -1, dtype=torch.int16)
+    out = torch.full((len(routings), length, *first.shape[1:]), UNKNOWN, dtype=torch.int16)
     for i, ids in enumerate(routings):
         out[i, : ids.shape[0]] = torch.as_tensor(ids).to(torch.int16)
     return out

@@ -315,8 +315,8 @@ def common_width(batch: RolloutBatch, group) -> RolloutBatch:
         return batch
     pad = torch.nn.functional.pad
     routing = batch.routed_experts
-    if routing is not None:  # [N, S, L, k]: unrouted (-1) at the new positions
-        routing = pad(routing, (0, 0, 0, 0, 0, extra), value=-1)
+    if routing is not None:  # [N, S, L, k]: unrouted at the new positions
+        routing = pad(routing, (0, 0, 0, 0, 0, extra), value=routing_replay.UNKNOWN)
     return dataclasses.replace(batch, tokens=pad(batch.tokens, (0, extra)), loss_mask=pad(batch.loss_mask, (0, extra)),
                                behavior_logprobs=pad(batch.behavior_logprobs, (0, extra)), routed_experts=routing)
 
