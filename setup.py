@@ -9,7 +9,8 @@ setup(
     # recipes find them in an installed package too
     packages=find_packages(include=["megatron_kl", "megatron_kl.*"]) + ["megatron_kl.configs"],
     package_dir={"megatron_kl.configs": "configs"},
-    package_data={"megatron_kl.configs": ["*/*.yaml"]},
+    # the C source of the CPU top-p search is compiled on first use (megatron_kl/kl/native.py)
+    package_data={"megatron_kl.configs": ["*/*.yaml"], "megatron_kl.kl": ["*.c"]},
     install_requires=[
         # A range, so GPU clusters keep their container's torch; CPU installs pin 2.13.0 via constraints-cpu.txt.
         "torch>=2.6",

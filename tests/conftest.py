@@ -14,6 +14,8 @@ FAST = (
     "tests/unit/",
     "megatron_kl/validation/test_vocab_parallel.py::test_matches_unsharded_float64_reference[2]",
     "tests/distributed/test_truncation.py::test_sharded_support_and_truncated_statistics_match_the_direct_rule[2]",
+    "tests/distributed/test_top_p_histogram.py::test_histogram_cut_equals_the_rule_over_shards[narrowing-2]",
+    "tests/distributed/test_top_p_histogram.py::test_without_a_compiler",
     "megatron_kl/validation/test_model_layouts.py::test_layout_matches_single_rank[tp2]",
     "megatron_kl/validation/test_model_layouts.py::test_layout_matches_single_rank[pp2-1f1b]",
     "tests/distributed/test_hf_conversion.py::test_config_derivation",

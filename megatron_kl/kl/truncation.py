@@ -34,6 +34,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from megatron_kl.kl import top_p_histogram
 from megatron_kl.kl.groups import group_size_rank
 
 FIRST_CANDIDATES = 64  # per rank, top-p only: a first guess at the support size (bisection where short)
@@ -167,6 +168,16 @@ def support_threshold(logits: torch.Tensor, tp_group, truncation: Truncation, te
         cut = _top_p_cut(x, row_max, total, threshold, truncation.top_p, temperature, tp_group, m_first, cols,
                          first=first)
         return torch.maximum(threshold, cut)
+    if first is None and top_p_histogram.supported(x):  # top-p alone, float32 on the CPU: mass histograms
+        world = group_size_rank(tp_group)[0]
+        cut, resolved, row_max, total = top_p_histogram.histogram_cut(
+            x, truncation.top_p, temperature, tp_group, top_p_histogram.buckets_for(vocab, world))
+        if not bool(resolved.all()):  # too narrow a spread for float32 buckets: bisection (no candidates)
+            rows = (~resolved).nonzero().squeeze(-1)
+            peak = row_max[rows].to(dtype)
+            cut[rows] = _bracket_cut(x[rows], peak, total[rows], peak[:, None], peak, truncation.top_p, temperature,
+                                     tp_group).double()
+        return cut.to(dtype)
     if first is None:  # top-p alone: the first candidates (their largest is the row's maximum over all ranks)
         m_first = FIRST_CANDIDATES
         first = _candidates(x, m_first, tp_group)

@@ -72,3 +72,44 @@ def truncation_worker(rank, world, cases):
             "grads": [g.double() for g in grads],
         })
     return results
+
+
+def histogram_rows(kind: str, seed: int, rows: int = 24, vocab: int = 6000) -> torch.Tensor:
+    """float32 rows of a logit shape users meet (full vocabulary; the same in every rank and the parent)."""
+    g = torch.Generator().manual_seed(seed)
+    if kind == "flat":  # supports of thousands at top-p 0.9
+        return 2.0 * torch.randn(rows, vocab, generator=g)
+    if kind == "peaked":  # a trained LM's: supports of a few tokens
+        return 6.0 * torch.randn(rows, vocab, generator=g)
+    if kind == "ties":  # integer logits: thousands of exact ties at every cut
+        return torch.randint(0, 5, (rows, vocab), generator=g).float()
+    if kind == "large":  # logits ~1e4, close together relative to their size
+        return 1e4 + 3.0 * torch.randn(rows, vocab, generator=g)
+    if kind == "masked":  # -inf logits (masked tokens), one row of a single finite value, one row all equal
+        x = 2.0 * torch.randn(rows, vocab, generator=g)
+        x[:, ::3] = float("-inf")
+        x[0] = float("-inf")
+        x[0, 17] = 1.5
+        x[1] = 0.25
+        return x
+    if kind == "shard_boundary":  # the first half holds almost all the mass: cuts at the shard boundary
+        x = 0.01 * torch.randn(rows, vocab, generator=g)
+        x[:, : vocab // 2] += 30.0
+        return x
+    raise ValueError(kind)
+
+
+def histogram_cut_worker(rank, world, cases, cap, max_levels):
+    """support_threshold on this rank's slice of each case's rows, with the mass-histogram search's ``CAP`` and
+    ``MAX_LEVELS`` set (a small cap forces narrowing levels; 0 levels leaves every row to the bisection)."""
+    from megatron_kl.kl import top_p_histogram
+
+    top_p_histogram.CAP, top_p_histogram.MAX_LEVELS = cap, max_levels
+    group = dist.group.WORLD if world > 1 else None
+    thresholds = []
+    for kind, seed, top_p, tau in cases:
+        x = histogram_rows(kind, seed)
+        local = x.chunk(world, dim=-1)[rank].contiguous()
+        assert top_p_histogram.supported(local), "the C kernels did not build"
+        thresholds.append(support_threshold(local, group, Truncation(0, top_p), tau, x.shape[-1]))
+    return thresholds

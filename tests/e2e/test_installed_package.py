@@ -1,6 +1,7 @@
 """`megatron-kl validate` from an installed package: the wheel built from this checkout, installed into a
 directory of its own and run from a directory that is not a checkout, finds its checks
-(megatron_kl.validation, through pytest --pyargs) and its configs (megatron_kl.configs) without tests/."""
+(megatron_kl.validation, through pytest --pyargs), its configs (megatron_kl.configs) and the C source of
+its top-p search (built there) without tests/."""
 
 import json
 import os
@@ -33,6 +34,11 @@ def test_validate_runs_from_an_installed_wheel(tmp_path):
                   "print(packaged_config('configs/cpu/default.yaml'))"], elsewhere, env)
     module, checkout, config = where.stdout.split()
     assert module.startswith(str(site)) and checkout == "None" and config.startswith(str(site)), where.stdout
+
+    kernels = _run([sys.executable, "-c", "from megatron_kl.kl import native; print(native.SOURCE); "
+                    "print(native.library() is not None)"], elsewhere, {**env, "MEGATRON_KL_CACHE": str(tmp_path / "c")})
+    source, loaded = kernels.stdout.split()
+    assert source.startswith(str(site)) and loaded == "True", kernels.stdout + kernels.stderr[-2000:]
 
     checked = _run([sys.executable, "-m", "megatron_kl.cli", "train", "--check", "--config", config,
                     f"train.output_dir={tmp_path / 'run'}"], elsewhere, env)
