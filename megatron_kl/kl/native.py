@@ -33,7 +33,8 @@ log = logging.getLogger(__name__)
 _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
 SIGNATURES = {
     "histogram_f32": [_P, _I64, _I64, _I64, _I64, _P, _P, _F32, _I32, _P],
-    "refine_f32": [_P, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _P, _P, _P, _F32, _I32, _P, _P, _P, _I32, _P, _P],
+    "refine_f32": [_P, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _P, _P, _P, _F32, _I32, _I32, _P, _P, _P, _I32, _P,
+                   _P],
     "extremes_f32": [_P, _I64, _I64, _I64, _I64, _P, _P],
 }
 

@@ -30,6 +30,7 @@ from megatron_kl.kl.groups import group_size_rank
 
 MAX_BUCKETS = 512
 MIN_BUCKETS = 16
+FINE_BUCKETS = 64  # of a narrowing pass
 CAP = 512  # logits per row and rank copied by a narrowing pass
 MAX_LEVELS = 6
 
@@ -83,13 +84,13 @@ def histogram_cut(x: torch.Tensor, top_p: float, temperature: float, group,
     total = mass.sum(-1)
     target = top_p * total
     bucket, above = _crossing(torch.zeros_like(total), mass, target)
-    # first narrowing: bucket j's logits, (max - x) * s in [j, j + 1); its finer buckets span that interval
+    # first narrowing: bucket j's logits, (max - x) * s in [j, j + 1); its fine buckets span that interval
     low = torch.full((n,), float("-inf"), dtype=torch.float32)
     high = torch.full((n,), float("inf"), dtype=torch.float32)
     top = (row_max - bucket.double() / scale.double()).float()
-    fine_scale = (scale.double() * buckets).float()
-    fine_mass = torch.empty(n, buckets, dtype=torch.float64)
-    fine_low, fine_high = torch.empty(n, buckets), torch.empty(n, buckets)
+    fine_scale = (scale.double() * FINE_BUCKETS).float()
+    fine_mass = torch.empty(n, FINE_BUCKETS, dtype=torch.float64)
+    fine_low, fine_high = torch.empty(n, FINE_BUCKETS), torch.empty(n, FINE_BUCKETS)
     members, held = torch.empty(n, CAP), torch.zeros(n, dtype=torch.int64)
     for _ in range(MAX_LEVELS):
         rows = pending.nonzero().squeeze(-1)
@@ -99,40 +100,42 @@ def histogram_cut(x: torch.Tensor, top_p: float, temperature: float, group,
         level1[rows] = bucket[rows].to(torch.int32)
         native.run_rows(lib.refine_f32, n, x.data_ptr(), x.stride(0), cols, row_max32.data_ptr(), scale.data_ptr(),
                         level1.data_ptr(), low.data_ptr(), high.data_ptr(), top.data_ptr(), fine_scale.data_ptr(),
-                        inv_tau, buckets, fine_mass.data_ptr(), fine_low.data_ptr(), fine_high.data_ptr(), CAP,
-                        members.data_ptr(), held.data_ptr())
-        most = _all_reduce(held[rows], dist.ReduceOp.MAX, group)  # the most any rank holds, per row
-        done, rows = rows[most <= CAP], rows[most > CAP]
-        if done.numel():  # every rank copied all its logits of the bucket: the exact cut among them
-            width = max(1, int(most[most <= CAP].max()))
-            gathered = _gather_columns(members[done, :width], group)
-            cut[done] = _cut_among(gathered, row_max[done], total[done], above[done], top_p, temperature)
-            resolved[done] = True
-            pending[done] = False
-        if not rows.numel():
-            break
-        # narrow to the fine bucket holding the cut: [min, max] of its logits
-        row_mass = _all_reduce(fine_mass[rows], dist.ReduceOp.SUM, group)
-        row_low = _all_reduce(fine_low[rows], dist.ReduceOp.MIN, group)
-        row_high = _all_reduce(fine_high[rows], dist.ReduceOp.MAX, group)
-        fine, above[rows] = _crossing(above[rows], row_mass, target[rows])
-        low[rows] = row_low.gather(-1, fine[:, None]).squeeze(-1)
-        high[rows] = row_high.gather(-1, fine[:, None]).squeeze(-1)
-        tied = rows[low[rows] == high[rows]]  # one logit value (repeated) holds the cut
-        cut[tied] = high[tied].double()
-        resolved[tied] = True
-        pending[tied] = False
+                        inv_tau, buckets, FINE_BUCKETS, fine_mass.data_ptr(), fine_low.data_ptr(),
+                        fine_high.data_ptr(), CAP, members.data_ptr(), held.data_ptr())
+        # the fine bucket holding the cut: the mass above it, [min, max] of its logits
+        fine, above_fine = _crossing(above[rows], _all_reduce(fine_mass[rows], dist.ReduceOp.SUM, group),
+                                     target[rows])
+        fine_low_rows = _all_reduce(fine_low[rows], dist.ReduceOp.MIN, group).gather(-1, fine[:, None]).squeeze(-1)
+        fine_high_rows = _all_reduce(fine_high[rows], dist.ReduceOp.MAX, group).gather(-1, fine[:, None]).squeeze(-1)
+        most = _all_reduce(held[rows].clone(), dist.ReduceOp.MAX, group)  # the most logits any rank holds
+        tied = fine_low_rows == fine_high_rows  # one logit value (repeated): the cut
+        copied = (most <= CAP) & ~tied  # every rank copied all its logits of the bucket: the cut among them
+        cut[rows[tied]] = fine_high_rows[tied].double()
+        if bool(copied.any()):
+            done = rows[copied]
+            cut[done] = _cut_in_bucket(members[done, : int(most[copied].max())], held[done], fine_low_rows[copied],
+                                       fine_high_rows[copied], row_max[done], total[done], above_fine[copied],
+                                       top_p, temperature, group)
+        finished = rows[tied | copied]
+        resolved[finished] = True
+        pending[finished] = False
+        rest = ~(tied | copied)  # narrow to the fine bucket: [min, max] of its logits
+        rows = rows[rest]
+        above[rows], low[rows], high[rows] = above_fine[rest], fine_low_rows[rest], fine_high_rows[rest]
         top = high
-        fine_scale = (buckets / (high.double() - low.double())).float()
+        fine_scale = (FINE_BUCKETS / (high.double() - low.double())).float()
         pending &= torch.isfinite(fine_scale)
     return cut, resolved, row_max, total
 
 
 def _crossing(above: torch.Tensor, mass: torch.Tensor, target: torch.Tensor):
     """The bucket [rows] where the descending cumulative mass (``above`` plus the buckets' masses, in order)
-    first reaches ``target``, and the mass above that bucket."""
+    first reaches ``target`` (a bucket holding logits: every logit's mass is > 0), and the mass above it."""
     cumulative = above[:, None] + mass.cumsum(-1)
-    index = torch.searchsorted(cumulative, target[:, None]).squeeze(-1).clamp_max(mass.shape[-1] - 1)
+    index = torch.searchsorted(cumulative, target[:, None]).squeeze(-1)
+    # never past the last bucket holding logits (rounding could leave the target above the buckets' sum)
+    occupied = torch.where(mass > 0, torch.arange(mass.shape[-1]), 0).amax(-1)
+    index = torch.minimum(index, occupied)
     before = cumulative.gather(-1, index[:, None]).squeeze(-1) - mass.gather(-1, index[:, None]).squeeze(-1)
     return index, before
 
@@ -146,13 +149,19 @@ def _gather_columns(local: torch.Tensor, group) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
-def _cut_among(values: torch.Tensor, row_max, total, above, top_p: float, temperature: float) -> torch.Tensor:
-    """The last logit the rule keeps among a bucket's logits ``values`` (-inf padded), whose preceding mass
-    outside them is ``above``: float64 masses exp((v - max) / tau) / total in descending order."""
-    ordered = values.sort(dim=-1, descending=True).values.double()  # (sorted in float32: the same order)
+def _cut_in_bucket(members, held, low, high, row_max, total, above, top_p: float, temperature: float, group):
+    """The rule's cut among the copied logits ``members [rows, w]`` (the first ``held`` valid on this rank) that
+    lie in the fine bucket [low, high] holding it, gathered from every rank: descending float64 masses
+    exp((v - max) / tau) / total after the mass ``above`` the bucket; the last one whose preceding mass is
+    < top_p (the first always is: the mass above the bucket is below the target)."""
+    valid = torch.arange(members.shape[-1])[None, :] < held[:, None]
+    inside = valid & (members >= low[:, None]) & (members <= high[:, None])
+    values = _gather_columns(torch.where(inside, members, float("-inf")), group)
+    count = _all_reduce(inside.sum(-1), dist.ReduceOp.SUM, group)
+    ordered = values.topk(max(1, int(count.max())), dim=-1).values.double()
     finite = torch.isfinite(ordered)
     probs = torch.where(finite, torch.exp((ordered - row_max[:, None]) / temperature), 0.0) / total[:, None]
     before = above[:, None] / total[:, None] + probs.cumsum(-1) - probs
-    kept = finite & (before < top_p)  # a prefix; its first logit is always kept (the mass above is < the target)
+    kept = finite & (before < top_p)  # a prefix
     last = kept.sum(-1).clamp_min(1) - 1
     return ordered.gather(-1, last[:, None]).squeeze(-1)

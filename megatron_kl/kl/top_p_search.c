@@ -7,10 +7,11 @@
      histogram:  bucket f(x) = min(B - 1, floor((max - x) * scale)) over the whole row (f is monotone in x, so
                  each bucket is an interval of logits); mass only. The caller all-reduces it over the
                  tensor-parallel ranks and finds the bucket where the cumulative mass crosses the target.
-     refine:     the logits of one level-1 bucket (f(x) == j) that also lie in [lo, hi], split into B finer
-                 buckets g(x) = clamp(floor((top - x) * scale2), 0, B - 1) with mass, count, min and max each;
-                 the first `cap` of them are copied out. The caller takes the cut among the copied logits once
-                 every rank holds at most `cap`, or narrows [lo, hi] to one fine bucket's [min, max].
+     refine:     the logits of one level-1 bucket (f(x) == j) that also lie in [lo, hi], split into F finer
+                 buckets g(x) = clamp(floor((top - x) * scale2), 0, F - 1) with mass, min and max each; the
+                 first `cap` of them are copied out (and counted). The caller takes the cut among the copied
+                 logits of the fine bucket holding it once every rank copied all its own, or narrows [lo, hi]
+                 to that fine bucket's [min, max].
 
    Rows with j < 0 are skipped. Masses are float32 exponentials (a polynomial after range reduction, within
    2 ulp of expf) summed in float64. Plain C, no intrinsics: the compiler vectorises the elementwise loops. */
@@ -112,17 +113,17 @@ void histogram_f32(const float *x, int64_t row_stride, int64_t cols, int64_t row
 
 void refine_f32(const float *x, int64_t row_stride, int64_t cols, int64_t row_begin, int64_t row_end,
                 const float *row_max, const float *scale, const int32_t *bucket, const float *lo, const float *hi,
-                const float *top, const float *scale2, float inv_tau, int32_t buckets, double *mass, float *low,
-                float *high, int32_t cap, float *members, int64_t *member_count) {
+                const float *top, const float *scale2, float inv_tau, int32_t buckets, int32_t fine_buckets,
+                double *mass, float *low, float *high, int32_t cap, float *members, int64_t *member_count) {
     uint8_t member[CHUNK];
     for (int64_t r = row_begin; r < row_end; ++r) {
         const int32_t j = bucket[r];
         if (j < 0) continue;
         const float *row = x + r * row_stride;
         const float m = row_max[r], s = scale[r], a = lo[r], b = hi[r], t = top[r], s2 = scale2[r];
-        double *h = mass + r * buckets;
-        float *lw = low + r * buckets, *hg = high + r * buckets, *out = members + r * (int64_t)cap;
-        for (int32_t k = 0; k < buckets; ++k) {
+        double *h = mass + r * fine_buckets;
+        float *lw = low + r * fine_buckets, *hg = high + r * fine_buckets, *out = members + r * (int64_t)cap;
+        for (int32_t k = 0; k < fine_buckets; ++k) {
             h[k] = 0.0;
             lw[k] = INFINITY;
             hg[k] = -INFINITY;
@@ -143,7 +144,7 @@ void refine_f32(const float *x, int64_t row_stride, int64_t cols, int64_t row_be
                     const int byte = __builtin_ctzll(word) >> 3;
                     word &= ~(0xFFull << (8 * byte));
                     const float v = part[w0 + byte];
-                    const int32_t k = bucket_of((t - v) * s2, buckets);
+                    const int32_t k = bucket_of((t - v) * s2, fine_buckets);
                     h[k] += exp_poly((v - m) * inv_tau);
                     if (v < lw[k]) lw[k] = v;
                     if (v > hg[k]) hg[k] = v;
@@ -152,7 +153,6 @@ void refine_f32(const float *x, int64_t row_stride, int64_t cols, int64_t row_be
                 }
             }
         }
-        for (int64_t f = found; f < cap; ++f) out[f] = -INFINITY;
         member_count[r] = found;
     }
 }

@@ -131,8 +131,24 @@ def _row_blocks(n: int, cols: int):
     return [slice(a, min(n, a + block)) for a in range(0, n, block)]
 
 
+@dataclass(frozen=True)
+class Support:
+    """``threshold [n]``: the support is ``{a : x_a >= threshold}`` (-inf where nothing is truncated);
+    ``row_max [n]``: each row's largest logit over all ranks, found on the way (None where nothing is
+    truncated), so that a kernel need not look for it again."""
+
+    threshold: torch.Tensor
+    row_max: Optional[torch.Tensor] = None
+
+
 def support_threshold(logits: torch.Tensor, tp_group, truncation: Truncation, temperature: float = 1.0,
                       vocab_size: Optional[int] = None) -> torch.Tensor:
+    """``find_support(...).threshold``."""
+    return find_support(logits, tp_group, truncation, temperature, vocab_size).threshold
+
+
+def find_support(logits: torch.Tensor, tp_group, truncation: Truncation, temperature: float = 1.0,
+                 vocab_size: Optional[int] = None) -> Support:
     """Per row of the local logits slice ``[n, V_local]`` (valid columns only, no padding), the threshold t
     with support ``{a : x_a >= t}`` of the truncated distribution over the whole sharded vocabulary; -inf
     where nothing is truncated. Same value on every rank. No gradient (the support is piecewise constant).
@@ -146,7 +162,7 @@ def support_threshold(logits: torch.Tensor, tp_group, truncation: Truncation, te
         total_cols = torch.tensor([cols], device=x.device)
         vocab = int(_all_reduce(total_cols, dist.ReduceOp.SUM, tp_group).item())
     if n == 0 or not truncation.active(vocab):
-        return threshold
+        return Support(threshold)
     x = x.to(dtype)
     top_k = truncation.top_k if 0 < truncation.top_k < vocab else 0
     first = None
@@ -157,7 +173,7 @@ def support_threshold(logits: torch.Tensor, tp_group, truncation: Truncation, te
         first = _candidates(x, m_first, tp_group)
         threshold = first[0][:, top_k - 1].clone()
     if truncation.top_p >= 1.0:
-        return threshold
+        return Support(threshold, first[0][:, 0])
     if top_k and bool((first[1] < threshold).all()):
         # every logit >= the k-th is among the candidates (no tie at the k-th left on a rank): the top-k
         # distribution's normaliser comes from them, no pass over the shard
@@ -167,17 +183,18 @@ def support_threshold(logits: torch.Tensor, tp_group, truncation: Truncation, te
         total = torch.where(merged >= threshold[:, None], probs, torch.zeros_like(probs)).sum(-1)
         cut = _top_p_cut(x, row_max, total, threshold, truncation.top_p, temperature, tp_group, m_first, cols,
                          first=first)
-        return torch.maximum(threshold, cut)
+        return Support(torch.maximum(threshold, cut), row_max)
     if first is None and top_p_histogram.supported(x):  # top-p alone, float32 on the CPU: mass histograms
         world = group_size_rank(tp_group)[0]
         cut, resolved, row_max, total = top_p_histogram.histogram_cut(
             x, truncation.top_p, temperature, tp_group, top_p_histogram.buckets_for(vocab, world))
+        row_max = row_max.to(dtype)
         if not bool(resolved.all()):  # too narrow a spread for float32 buckets: bisection (no candidates)
             rows = (~resolved).nonzero().squeeze(-1)
-            peak = row_max[rows].to(dtype)
+            peak = row_max[rows]
             cut[rows] = _bracket_cut(x[rows], peak, total[rows], peak[:, None], peak, truncation.top_p, temperature,
                                      tp_group).double()
-        return cut.to(dtype)
+        return Support(cut.to(dtype), row_max)
     if first is None:  # top-p alone: the first candidates (their largest is the row's maximum over all ranks)
         m_first = FIRST_CANDIDATES
         first = _candidates(x, m_first, tp_group)
@@ -192,7 +209,7 @@ def support_threshold(logits: torch.Tensor, tp_group, truncation: Truncation, te
     _all_reduce(total, dist.ReduceOp.SUM, tp_group)
     cut = _top_p_cut(x, row_max, total, threshold, truncation.top_p, temperature, tp_group, m_first, cols,
                      first=first)
-    return torch.maximum(threshold, cut)
+    return Support(torch.maximum(threshold, cut), row_max)
 
 
 def _exp_shifted(x: torch.Tensor, row_max: torch.Tensor, temperature: float) -> torch.Tensor:

@@ -57,7 +57,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_kl.kl.groups import group_size_rank
-from megatron_kl.kl.truncation import Truncation, effective, support_threshold
+from megatron_kl.kl.truncation import Truncation, effective, find_support
 
 DEFAULT_CHUNK = None  # auto: rows such that one chunk temporary is about CHUNK_ELEMENTS entries
 CHUNK_ELEMENTS = 1 << 20  # CPU, measured (module docstring)
@@ -135,7 +135,8 @@ def _owned(targets: torch.Tensor, shard: _Shard):
 
 def chunk_forward(x, y, targets, shard: _Shard, group, temperature: float, entropy: bool = True,
                   keep: Optional[dict] = None, scratch: bool = False, workspace: Optional[Workspace] = None,
-                  threshold: Optional[torch.Tensor] = None, support: Optional[torch.Tensor] = None):
+                  threshold: Optional[torch.Tensor] = None, support: Optional[torch.Tensor] = None,
+                  row_max: Optional[torch.Tensor] = None):
     """Globally reduced statistics of one chunk of rows.
 
     ``x`` / ``y``: this rank's valid columns of the policy / reference logits ``[n, valid]`` (``y`` may
@@ -148,11 +149,12 @@ def chunk_forward(x, y, targets, shard: _Shard, group, temperature: float, entro
     ``workspace``: reusable temporaries. The elementwise work runs on blocks of rows of the automatic chunk
     size (cache-sized on CPU) between the chunk's two collectives.
 
-    ``threshold [n]`` (``kl.truncation.support_threshold``): the policy is the truncated distribution
+    ``threshold [n]`` (``kl.truncation.find_support``): the policy is the truncated distribution
     mu = softmax(x / tau) restricted to ``{x >= threshold}`` and renormalised; every statistic is mu's (the
     KL is KL(mu || pi_ref) with the full reference), a target outside the support gets the extended
     log-prob zc_t - log S_support. ``support [3, n]`` then receives the support's mass under the full
-    distribution, its size and whether the target lies outside it (1.0 / 0.0).
+    distribution, its size and whether the target lies outside it (1.0 / 0.0). ``row_max [n]``: each row's
+    largest policy logit over all ranks where the caller knows it (``truncation.find_support`` does).
     """
     if keep is not None and not scratch:
         raise ValueError("chunk_forward(keep=...) keeps zc and -u in x and y: pass scratch=True")
@@ -161,8 +163,11 @@ def chunk_forward(x, y, targets, shard: _Shard, group, temperature: float, entro
     y = y.to(dtype) if y is not None else None
     n, cols = x.shape
     maxes = torch.full((2, n), torch.finfo(dtype).min, dtype=dtype, device=x.device)
-    if cols:
+    if row_max is not None:
+        maxes[0] = row_max
+    elif cols:
         maxes[0] = x.amax(-1)
+    if cols:
         if y is not None:
             maxes[1] = y.amax(-1)
     _all_reduce(maxes, dist.ReduceOp.MAX, group)
@@ -224,23 +229,24 @@ def _chunk_sums(x, y, targets, shard, maxes, temperature, entropy, e_kept, scrat
             out_of_support = drop.gather(-1, local.clamp(0, shard.valid - 1).unsqueeze(-1)).squeeze(-1)
             sums[7] = torch.where(owned, out_of_support, torch.zeros_like(out_of_support))
     keep_zc = entropy or e_kept is not None or neg_u is not None or drop is not None
-    e = torch.exp(zc, out=ws.like("e", zc) if e_kept is None else e_kept) if keep_zc else zc.exp_()
     product = ws.like("product", zc)
+    e_out = ws.like("e", zc) if e_kept is None else e_kept
+    full = e = None  # e of the full softmax; e (of the support only where truncated)
     dropped = None  # the full softmax's e outside the support, summed directly (not as a difference of totals)
     if drop is not None:
-        dropped = torch.mul(e, drop, out=product).sum(-1)
+        full = torch.exp(zc, out=ws.like("full", zc))
+        e_dropped = torch.mul(full, drop, out=product)
+        dropped = e_dropped.sum(-1)
         sums[6] = drop.shape[-1] - drop.sum(-1)
+        e = torch.sub(full, e_dropped, out=e_out)  # exactly 0 outside the support
+    else:
+        e = full = torch.exp(zc, out=e_out) if keep_zc else zc.exp_()
     if neg_u is not None:
-        product = torch.mul(e, neg_u, out=product)
-        if drop is not None:
-            product.addcmul_(product, drop, value=-1.0)  # e (-u) on the support only
-        sums[2] = -product.sum(-1)
+        sums[2] = -torch.mul(e, neg_u, out=product).sum(-1)
         w = neg_u if e_kept is None else ws.like("w", neg_u).copy_(neg_u)
-        sums[3] = _reference_minus_policy(zc, e, neg_u, w, product)
+        sums[3] = _reference_minus_policy(zc, full, neg_u, w, product)
         if drop is not None:  # sum(e_ref - e_support) = sum_all e expm1(-u) [accurate near the reference] + sum_dropped e
             sums[3] += dropped
-    if drop is not None:
-        e.addcmul_(e, drop, value=-1.0)  # exactly 0 outside the support
     sums[0] = e.sum(-1)
     if dropped is not None:
         sums[5] = sums[0] + dropped  # S of the full softmax
@@ -367,9 +373,10 @@ class _VocabParallelStats(torch.autograd.Function):
         out = torch.empty(3, rows, dtype=dtype, device=logits.device)  # logprob, entropy, kl
         norms = torch.empty(5, rows, dtype=dtype, device=logits.device)
         valid = shard.valid
-        threshold = support = None
+        threshold = support = row_max = None
         if truncation is not None:
-            threshold = support_threshold(logits[:, :valid], group, truncation, temperature, vocab_size)
+            found = find_support(logits[:, :valid], group, truncation, temperature, vocab_size)
+            threshold, row_max = found.threshold, found.row_max
             support = torch.zeros(3, rows, dtype=dtype, device=logits.device)
         workspace = Workspace()
         for lo in range(0, rows, chunk_size):
@@ -379,7 +386,8 @@ class _VocabParallelStats(torch.autograd.Function):
             out[:, lo:hi], norms[:, lo:hi] = chunk_forward(
                 logits[lo:hi, :valid], y, tgt, shard, group, temperature, entropy=entropy, workspace=workspace,
                 threshold=threshold[lo:hi] if threshold is not None else None,
-                support=support[:, lo:hi] if support is not None else None)
+                support=support[:, lo:hi] if support is not None else None,
+                row_max=row_max[lo:hi] if row_max is not None else None)
         ctx.save_for_backward(logits, reference_logits, targets, norms, threshold)
         ctx.shard, ctx.temperature, ctx.chunk_size, ctx.dtype = shard, temperature, chunk_size, dtype
         ctx.inplace_backward = inplace_backward
