@@ -36,6 +36,8 @@ SIGNATURES = {
     "refine_f32": [_P, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _P, _P, _P, _F32, _I32, _I32, _P, _P, _P, _I32, _P,
                    _P],
     "extremes_f32": [_P, _I64, _I64, _I64, _I64, _P, _P],
+    "top_p_rows_f32": [_P, _I64, _I64, _I64, _I64, ctypes.c_double, ctypes.c_double, _I32, _I32, _I32, _I32, _P, _P,
+                       _P, _P],
 }
 
 
@@ -62,8 +64,8 @@ def _build(compiler: str, cache: Path) -> Path:
     cache.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache) as scratch:
         built = Path(scratch) / target.name
-        result = subprocess.run([compiler, *FLAGS, "-o", str(built), str(SOURCE)], capture_output=True, text=True,
-                                timeout=300)
+        result = subprocess.run([compiler, *FLAGS, "-o", str(built), str(SOURCE), "-lm"], capture_output=True,
+                                text=True, timeout=300)
         if result.returncode:
             raise RuntimeError(f"{compiler} failed (rc {result.returncode}): {result.stderr.strip()[-2000:]}")
         os.replace(built, target)

@@ -33,6 +33,7 @@ MIN_BUCKETS = 16
 FINE_BUCKETS = 64  # of a narrowing pass
 CAP = 512  # logits per row and rank copied by a narrowing pass
 MAX_LEVELS = 6
+C_LIMITS = (512, 64, 512)  # the C buffers' sizes for buckets, fine buckets and copies (top_p_search.c)
 
 
 def _all_reduce(tensor: torch.Tensor, op, group) -> torch.Tensor:
@@ -69,6 +70,15 @@ def histogram_cut(x: torch.Tensor, top_p: float, temperature: float, group,
     row maximum over all ranks and the float64 normaliser sum exp((x - max) / tau) over the whole vocabulary."""
     lib = native.library()
     n, cols = x.shape
+    if any(size > limit for size, limit in zip((buckets, FINE_BUCKETS, CAP), C_LIMITS)):
+        raise ValueError(f"buckets={buckets}, FINE_BUCKETS={FINE_BUCKETS}, CAP={CAP} exceed the C buffers {C_LIMITS}")
+    if group_size_rank(group)[0] == 1:  # the whole vocabulary here: every step per row while it is in cache
+        cut, row_max, total = (torch.empty(n, dtype=torch.float64) for _ in range(3))
+        resolved = torch.empty(n, dtype=torch.uint8)
+        native.run_rows(lib.top_p_rows_f32, n, x.data_ptr(), x.stride(0), cols, top_p, temperature, buckets,
+                        FINE_BUCKETS, CAP, MAX_LEVELS, cut.data_ptr(), row_max.data_ptr(), total.data_ptr(),
+                        resolved.data_ptr())
+        return cut, resolved.bool(), row_max, total
     row_max, row_min = _row_extremes(x, group)
     cut = row_max.clone()
     spread = row_max - row_min
