@@ -94,7 +94,8 @@ def library() -> Optional[ctypes.CDLL]:
 
 
 @functools.cache
-def _pool(threads: int) -> ThreadPoolExecutor:
+def _pool(threads: int, pid: int) -> ThreadPoolExecutor:
+    """One pool per process (keyed by pid: a forked child inherits a pool whose threads it does not have)."""
     return ThreadPoolExecutor(threads, thread_name_prefix="megatron-kl-native")
 
 
@@ -108,6 +109,6 @@ def run_rows(function, rows: int, *arguments) -> None:
     if threads == 1:
         function(*head, 0, rows, *tail)
         return
-    pool = _pool(threads)
+    pool = _pool(threads, os.getpid())
     for future in [pool.submit(function, *head, begin, end, *tail) for begin, end in bounds]:
         future.result()

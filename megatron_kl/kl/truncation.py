@@ -21,6 +21,10 @@ threshold with the vocabulary sharded over ``tp_group``:
    pass per step - until at most BRACKET_CANDIDATES logits lie in the bracket, which are then gathered, so the
    answer is exact (under top-k, where ties at the k-th value can leave the fast path: 8x more candidates).
 
+Top-p alone on float32 CPU logits takes another route: ``top_p_histogram`` (mass histograms of logit value in
+C kernels, about three passes per row whatever the support's size; the bisection remains its fallback and the
+route without a C compiler).
+
 The kernels (``vocab_parallel``, ``fused_linear``) take the threshold and compute log-probs, entropy and
 the exact KL(mu || pi_ref) of the truncated distribution (docs/kl-math.md states which distributions).
 """

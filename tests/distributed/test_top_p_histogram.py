@@ -93,3 +93,41 @@ def test_the_build_is_cached_per_source_compiler_and_cpu(monkeypatch, tmp_path):
         assert len(list(tmp_path.glob("top_p_search-*.so"))) == 2  # another CPU gets its own build
     finally:
         native.library.cache_clear()
+
+
+def test_a_forked_child_runs_rows_on_threads_of_its_own(monkeypatch):
+    """run_rows' thread pool is per process: a child forked after the parent used it (the parent's pool threads
+    do not exist there) still runs every row range instead of waiting forever."""
+    import os
+    import threading
+    import time
+
+    from megatron_kl.kl import native
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    seen, meeting = [], [threading.Barrier(2)]
+
+    def record(a, b, c, begin, end):  # both ranges at once: the pool holds two threads, both idle afterwards
+        meeting[0].wait(timeout=30)
+        seen.append((begin, end))
+
+    native.run_rows(record, 10, 0, 0, 0)
+    assert sorted(seen) == [(0, 5), (5, 10)]
+    pid = os.fork()
+    if pid == 0:  # child: the same call, on a pool of its own
+        seen.clear()
+        meeting[0] = threading.Barrier(2)
+        try:
+            native.run_rows(record, 10, 0, 0, 0)
+        finally:
+            os._exit(0 if sorted(seen) == [(0, 5), (5, 10)] else 1)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0
+            return
+        time.sleep(0.05)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    raise AssertionError("the forked child never finished its rows (it used the parent's dead pool)")
