@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_kl.kl import native
-from megatron_kl.kl.groups import group_size_rank
+from megatron_kl.kl.groups import all_gather_columns, all_reduce, group_size_rank
 
 MAX_BUCKETS = 512
 MIN_BUCKETS = 16
@@ -34,12 +34,6 @@ FINE_BUCKETS = 64  # of a narrowing pass
 CAP = 512  # logits per row and rank copied by a narrowing pass
 MAX_LEVELS = 6
 C_LIMITS = (512, 64, 512)  # the C buffers' sizes for buckets, fine buckets and copies (top_p_search.c)
-
-
-def _all_reduce(tensor: torch.Tensor, op, group) -> torch.Tensor:
-    if group_size_rank(group)[0] > 1:
-        dist.all_reduce(tensor, op=op, group=group)
-    return tensor
 
 
 def supported(x: torch.Tensor) -> bool:
@@ -61,7 +55,7 @@ def _row_extremes(x: torch.Tensor, group) -> Tuple[torch.Tensor, torch.Tensor]:
     if cols:
         native.run_rows(native.library().extremes_f32, n, x.data_ptr(), x.stride(0), cols, high.data_ptr(),
                         low.data_ptr())
-    return _all_reduce(high, dist.ReduceOp.MAX, group), _all_reduce(low, dist.ReduceOp.MIN, group)
+    return all_reduce(high, dist.ReduceOp.MAX, group), all_reduce(low, dist.ReduceOp.MIN, group)
 
 
 def histogram_cut(x: torch.Tensor, top_p: float, temperature: float, group,
@@ -90,7 +84,7 @@ def histogram_cut(x: torch.Tensor, top_p: float, temperature: float, group,
     mass = torch.empty(n, buckets, dtype=torch.float64)
     native.run_rows(lib.histogram_f32, n, x.data_ptr(), x.stride(0), cols, row_max32.data_ptr(), scale.data_ptr(),
                     inv_tau, buckets, mass.data_ptr())
-    _all_reduce(mass, dist.ReduceOp.SUM, group)
+    all_reduce(mass, dist.ReduceOp.SUM, group)
     total = mass.sum(-1)
     target = top_p * total
     bucket, above = _crossing(torch.zeros_like(total), mass, target)
@@ -113,11 +107,11 @@ def histogram_cut(x: torch.Tensor, top_p: float, temperature: float, group,
                         inv_tau, buckets, FINE_BUCKETS, fine_mass.data_ptr(), fine_low.data_ptr(),
                         fine_high.data_ptr(), CAP, members.data_ptr(), held.data_ptr())
         # the fine bucket holding the cut: the mass above it, [min, max] of its logits
-        fine, above_fine = _crossing(above[rows], _all_reduce(fine_mass[rows], dist.ReduceOp.SUM, group),
+        fine, above_fine = _crossing(above[rows], all_reduce(fine_mass[rows], dist.ReduceOp.SUM, group),
                                      target[rows])
-        fine_low_rows = _all_reduce(fine_low[rows], dist.ReduceOp.MIN, group).gather(-1, fine[:, None]).squeeze(-1)
-        fine_high_rows = _all_reduce(fine_high[rows], dist.ReduceOp.MAX, group).gather(-1, fine[:, None]).squeeze(-1)
-        most = _all_reduce(held[rows].clone(), dist.ReduceOp.MAX, group)  # the most logits any rank holds
+        fine_low_rows = all_reduce(fine_low[rows], dist.ReduceOp.MIN, group).gather(-1, fine[:, None]).squeeze(-1)
+        fine_high_rows = all_reduce(fine_high[rows], dist.ReduceOp.MAX, group).gather(-1, fine[:, None]).squeeze(-1)
+        most = all_reduce(held[rows].clone(), dist.ReduceOp.MAX, group)  # the most logits any rank holds
         tied = fine_low_rows == fine_high_rows  # one logit value (repeated): the cut
         copied = (most <= CAP) & ~tied  # every rank copied all its logits of the bucket: the cut among them
         cut[rows[tied]] = fine_high_rows[tied].double()
@@ -150,15 +144,6 @@ def _crossing(above: torch.Tensor, mass: torch.Tensor, target: torch.Tensor):
     return index, before
 
 
-def _gather_columns(local: torch.Tensor, group) -> torch.Tensor:
-    world = group_size_rank(group)[0]
-    if world == 1:
-        return local
-    parts = [torch.empty_like(local) for _ in range(world)]
-    dist.all_gather(parts, local.contiguous(), group=group)
-    return torch.cat(parts, dim=-1)
-
-
 def _cut_in_bucket(members, held, low, high, row_max, total, above, top_p: float, temperature: float, group):
     """The rule's cut among the copied logits ``members [rows, w]`` (the first ``held`` valid on this rank) that
     lie in the fine bucket [low, high] holding it, gathered from every rank: descending float64 masses
@@ -166,8 +151,8 @@ def _cut_in_bucket(members, held, low, high, row_max, total, above, top_p: float
     < top_p (the first always is: the mass above the bucket is below the target)."""
     valid = torch.arange(members.shape[-1])[None, :] < held[:, None]
     inside = valid & (members >= low[:, None]) & (members <= high[:, None])
-    values = _gather_columns(torch.where(inside, members, float("-inf")), group)
-    count = _all_reduce(inside.sum(-1), dist.ReduceOp.SUM, group)
+    values = all_gather_columns(torch.where(inside, members, float("-inf")), group)
+    count = all_reduce(inside.sum(-1), dist.ReduceOp.SUM, group)
     ordered = values.topk(max(1, int(count.max())), dim=-1).values.double()
     finite = torch.isfinite(ordered)
     probs = torch.where(finite, torch.exp((ordered - row_max[:, None]) / temperature), 0.0) / total[:, None]

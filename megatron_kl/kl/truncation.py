@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_kl.kl import top_p_histogram
-from megatron_kl.kl.groups import group_size_rank
+from megatron_kl.kl.groups import all_gather_columns, all_reduce, group_size_rank
 
 FIRST_CANDIDATES = 64  # per rank, top-p only: a first guess at the support size (bisection where short)
 CANDIDATE_ELEMENTS = 1 << 22  # entries held at once by a retry (candidates rows x world x m, copied logits)
@@ -70,22 +70,6 @@ class Truncation:
 def effective(truncation: Optional[Truncation], vocab_size: Optional[int]) -> Optional[Truncation]:
     """``truncation`` where it truncates a vocabulary of ``vocab_size``, else None (the full distribution)."""
     return truncation if truncation is not None and truncation.active(vocab_size) else None
-
-
-def _all_reduce(tensor, op, group):
-    if group_size_rank(group)[0] > 1:
-        dist.all_reduce(tensor, op=op, group=group)
-    return tensor
-
-
-def _all_gather_columns(local: torch.Tensor, group) -> torch.Tensor:
-    """[n, m] per rank -> [n, world * m]."""
-    world = group_size_rank(group)[0]
-    if world == 1:
-        return local
-    parts = [torch.empty_like(local) for _ in range(world)]
-    dist.all_gather(parts, local.contiguous(), group=group)
-    return torch.cat(parts, dim=-1)
 
 
 def _local_top(x: torch.Tensor, m: int) -> torch.Tensor:
@@ -124,7 +108,7 @@ def _local_top(x: torch.Tensor, m: int) -> torch.Tensor:
 def _candidates(x: torch.Tensor, m: int, group):
     """Merged candidates [n, world*m] (descending) and the floor [n] above which they are complete."""
     local = _local_top(x, m)
-    merged = _all_gather_columns(local, group)
+    merged = all_gather_columns(local, group)
     world = merged.shape[-1] // m
     floor = merged.view(merged.shape[0], world, m)[:, :, m - 1].amax(-1)  # every value > floor is present
     return merged.sort(dim=-1, descending=True).values, floor
@@ -164,7 +148,7 @@ def find_support(logits: torch.Tensor, tp_group, truncation: Truncation, tempera
     vocab = vocab_size
     if vocab is None:  # the whole sharded vocabulary (a collective only when the caller does not know it)
         total_cols = torch.tensor([cols], device=x.device)
-        vocab = int(_all_reduce(total_cols, dist.ReduceOp.SUM, tp_group).item())
+        vocab = int(all_reduce(total_cols, dist.ReduceOp.SUM, tp_group).item())
     if n == 0 or not truncation.active(vocab):
         return Support(threshold)
     x = x.to(dtype)
@@ -210,7 +194,7 @@ def find_support(logits: torch.Tensor, tp_group, truncation: Truncation, tempera
         if top_k:  # float mask arithmetic (a bool masked_fill costs ~3x a float pass on CPU)
             e.addcmul_(e, torch.lt(x[rows], threshold[rows, None]).to(e.dtype), value=-1.0)
         total[rows] = _sum64(e)
-    _all_reduce(total, dist.ReduceOp.SUM, tp_group)
+    all_reduce(total, dist.ReduceOp.SUM, tp_group)
     cut = _top_p_cut(x, row_max, total, threshold, truncation.top_p, temperature, tp_group, m_first, cols,
                      first=first)
     return Support(torch.maximum(threshold, cut), row_max)
@@ -245,7 +229,7 @@ def _top_p_cut(x, row_max, total, top_k_threshold, top_p: float, temperature: fl
     cut = torch.full((n,), float("-inf"), dtype=x.dtype, device=x.device)
     # every rank takes the same steps: sizes agree because the pending rows are computed from gathered data
     max_cols = torch.tensor([cols], device=x.device)
-    _all_reduce(max_cols, dist.ReduceOp.MAX, group)
+    all_reduce(max_cols, dist.ReduceOp.MAX, group)
     max_cols = int(max_cols.item())
     m = max(1, min(m, max_cols))
     merged, floor = first if first is not None else _candidates(x, m, group)
@@ -289,10 +273,10 @@ def _bracket_cut(x, row_max, total, merged, floor, top_p: float, temperature: fl
     e = _exp_shifted(x, row_max, temperature)
     flag, product = torch.empty_like(x), torch.empty_like(x)  # reused: a fresh large buffer per pass page-faults
     lo = x.amin(-1) if cols else torch.full((b,), float("inf"), dtype=x.dtype, device=x.device)
-    _all_reduce(lo, dist.ReduceOp.MIN, group)
+    all_reduce(lo, dist.ReduceOp.MIN, group)
     lo = lo - 1.0  # every logit lies above lo: its mass is the total, its count the vocabulary's
     count = torch.full((b,), float(cols), dtype=torch.float64, device=x.device)
-    lo_stats = torch.stack([total.clone(), _all_reduce(count, dist.ReduceOp.SUM, group)])
+    lo_stats = torch.stack([total.clone(), all_reduce(count, dist.ReduceOp.SUM, group)])
     hi = floor.to(x.dtype)  # the candidates above the floor are all the logits above it
     above_floor = merged > floor[:, None]
     probs = _masses(merged, row_max, temperature)
@@ -310,7 +294,7 @@ def _bracket_cut(x, row_max, total, merged, floor, top_p: float, temperature: fl
         wide = ((lo_stats[1] - hi_stats[1]) > BRACKET_CANDIDATES) & (mid > lo) & (mid < hi)
         if not bool(wide.any()):
             break
-        stats = _all_reduce(above(torch.where(wide, mid, hi)), dist.ReduceOp.SUM, group)
+        stats = all_reduce(above(torch.where(wide, mid, hi)), dist.ReduceOp.SUM, group)
         lower = wide & (stats[0] >= target)  # mass above mid still reaches top_p: the cut lies above mid
         upper = wide & ~lower
         lo, lo_stats = torch.where(lower, mid, lo), torch.where(lower[None], stats, lo_stats)
@@ -319,7 +303,7 @@ def _bracket_cut(x, row_max, total, merged, floor, top_p: float, temperature: fl
     # the bracket's logits, the others -inf: x where lo < x <= hi, via float masks (NaN-free: -inf * 0 is avoided)
     torch.lt(lo[:, None], x, out=flag).mul_(torch.le(x, hi[:, None], out=product))
     values = torch.where(flag > 0, x, float("-inf"))
-    bracket = _all_gather_columns(_local_top(values, max(1, width)), group).sort(dim=-1, descending=True).values
+    bracket = all_gather_columns(_local_top(values, max(1, width)), group).sort(dim=-1, descending=True).values
     probs = _masses(bracket, row_max, temperature) / total[:, None]
     probs = torch.where(torch.isfinite(bracket), probs, torch.zeros_like(probs))
     before = hi_stats[0][:, None] / total[:, None] + probs.cumsum(-1) - probs

@@ -56,7 +56,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megatron_kl.kl.groups import group_size_rank
+from megatron_kl.kl.groups import all_reduce, group_size_rank
 from megatron_kl.kl.truncation import Truncation, effective, find_support
 
 DEFAULT_CHUNK = None  # auto: rows such that one chunk temporary is about CHUNK_ELEMENTS entries
@@ -75,12 +75,6 @@ def check_group(group, name: str = "tp_group") -> None:
             f"{name}=None while torch.distributed runs {dist.get_world_size()} ranks: pass the tensor-parallel "
             "group (megatron's parallel_state.get_tensor_model_parallel_group(), or a one-rank group for TP=1)"
         )
-
-
-def _all_reduce(tensor: torch.Tensor, op, group) -> torch.Tensor:
-    if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(tensor, op=op, group=group)
-    return tensor
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -170,7 +164,7 @@ def chunk_forward(x, y, targets, shard: _Shard, group, temperature: float, entro
     if cols:
         if y is not None:
             maxes[1] = y.amax(-1)
-    _all_reduce(maxes, dist.ReduceOp.MAX, group)
+    all_reduce(maxes, dist.ReduceOp.MAX, group)
     # S, S E[zc], S E[u], sum(e_ref - e), zc[target]; truncated: S of the full softmax, support size, target out
     sums = torch.zeros(5 if threshold is None else 8, n, dtype=dtype, device=x.device)
     if cols:
@@ -184,7 +178,7 @@ def chunk_forward(x, y, targets, shard: _Shard, group, temperature: float, entro
                         scratch, sums[:, rows], ws, threshold[rows] if threshold is not None else None)
         if keep is not None:
             keep.update(zc=x, e=e_kept, neg_u=y)
-    _all_reduce(sums, dist.ReduceOp.SUM, group)
+    all_reduce(sums, dist.ReduceOp.SUM, group)
     out = torch.zeros(3, n, dtype=dtype, device=x.device)
     norms = torch.zeros(5, n, dtype=dtype, device=x.device)
     total = sums[0]
