@@ -55,21 +55,33 @@ def _compiler() -> Optional[str]:
     return shutil.which(os.environ.get("CC") or "cc")
 
 
-def _build(compiler: str, cache: Path) -> Path:
+def _build(compiler: str, cache: Path, flags=FLAGS) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
-    digest = hashlib.sha256("\0".join([SOURCE.read_text(), version, " ".join(FLAGS), _cpu_digest()]).encode())
+    digest = hashlib.sha256("\0".join([SOURCE.read_text(), version, " ".join(flags), _cpu_digest()]).encode())
     target = cache / f"top_p_search-{digest.hexdigest()[:16]}.so"
     if target.exists():
         return target
     cache.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache) as scratch:
         built = Path(scratch) / target.name
-        result = subprocess.run([compiler, *FLAGS, "-o", str(built), str(SOURCE), "-lm"], capture_output=True,
+        result = subprocess.run([compiler, *flags, "-o", str(built), str(SOURCE), "-lm"], capture_output=True,
                                 text=True, timeout=300)
         if result.returncode:
             raise RuntimeError(f"{compiler} failed (rc {result.returncode}): {result.stderr.strip()[-2000:]}")
         os.replace(built, target)
     return target
+
+
+def _build_any(compiler: str, cache: Path) -> Path:
+    """``-march=native`` first; a compiler that does not know it (some targets spell it -mcpu) builds without."""
+    try:
+        return _build(compiler, cache)
+    except RuntimeError as native_error:
+        portable = tuple(flag for flag in FLAGS if not flag.startswith("-march="))
+        try:
+            return _build(compiler, cache, portable)
+        except RuntimeError:
+            raise native_error from None
 
 
 @functools.cache
@@ -83,7 +95,7 @@ def library() -> Optional[ctypes.CDLL]:
         return None
     cache = Path(os.environ.get("MEGATRON_KL_CACHE") or Path.home() / ".cache" / "megatron-kl")
     try:
-        lib = ctypes.CDLL(str(_build(compiler, cache)))
+        lib = ctypes.CDLL(str(_build_any(compiler, cache)))
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         log.warning("building %s failed, the top-p search uses its slower torch path: %s", SOURCE.name, exc)
         return None

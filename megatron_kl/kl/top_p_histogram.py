@@ -3,24 +3,25 @@
 The cut of a row is the last logit, in descending order, whose preceding mass is < top_p * total; every logit
 >= it is kept. Found in a few passes over the local slice, each of them all-reduced:
 
-1. the row's maximum and minimum (over all ranks);
+1. the row's maximum and smallest finite logit (over all ranks);
 2. one pass adds each logit's mass exp((x - max) / tau) to one of B buckets of logit value over
    [min, max]; all-reduced, the buckets give the normaliser (their sum) and the bucket j where the
    descending cumulative mass first reaches top_p * total: the cut lies in j (the mass above j is below the
    target, the mass through j is not), ties never straddle buckets;
-3. one pass over bucket j's logits splits it into B finer buckets (mass, count, min, max) and copies up to
-   ``cap`` of them per rank; if no rank holds more than ``cap``, the copies are gathered and the rule is
-   applied to them exactly (float64 masses, offset by the mass above j); else the narrowing goes on in the
-   fine bucket holding the cut, [min, max] of its logits (all equal: that value is the cut).
+3. one pass over bucket j's logits splits it into FINE_BUCKETS finer buckets (mass, min, max) and copies up to
+   ``CAP`` of them per rank; the fine bucket holding the cut is either one repeated value (the cut), or, where
+   no rank holds more than ``CAP``, its copies are gathered and the rule is applied to them exactly (float64
+   masses, offset by the mass above them); else the narrowing repeats within that fine bucket's [min, max].
 
-So a flat row of 32768 logits costs about three passes instead of one per bisection step. Rows left after
-``MAX_LEVELS`` narrowings (a spread too small for float32 buckets) are returned as unresolved; the caller
-finds them by bisection. Every rank takes the same steps (all decisions come from all-reduced values).
+With one rank (TP=1) the same steps run per row in one C call while the row is in cache. A flat row of 32768
+logits costs about three passes instead of one per bisection step. Rows left after ``MAX_LEVELS`` narrowings
+(a spread too small for float32 buckets) are returned as unresolved; the caller finds them by bisection. Every
+rank takes the same steps (all decisions come from all-reduced values).
 """
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Tuple
 
 import torch
 import torch.distributed as dist
