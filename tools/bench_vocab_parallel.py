@@ -16,7 +16,9 @@ Sections, each against baselines measured in the same run:
 * ``truncation`` (logits in, fp32, fwd+bwd, TP=1 and TP=2): log-prob + entropy + exact KL of the full
   softmax (the baseline) vs the same of the top-k / top-p truncated distribution (support found over the shards,
   ``kl.truncation``), on logits of two shapes: ``--logit-scale`` (default 2: flat, supports of thousands of
-  tokens at top-p 0.9) and 6 (peaked, as a trained LM's). Memory at TP=1 as in ``logits``.
+  tokens at top-p 0.9) and 6 (peaked, as a trained LM's). Memory at TP=1 as in ``logits``. Then the same
+  rules on the fused-linear path (hidden states and output weight in, ``--hidden``, a quarter of the tokens) at
+  TP=1 against its full softmax.
 * ``linear`` (input: hidden states + output weight, the projection included, gradients w.r.t. both):
   naive (full logits, log_softmax) vs unfused (full logits, then fused_stats in place) vs fused linear
   (recompute in backward) vs the fused single pass (model.fused_grad=in_forward), interleaved.
@@ -81,6 +83,32 @@ def _truncation_paths(tokens: int, vocab: int, chunk, group, world: int, rank: i
             stats = fused_stats(x, group, targets=targets, reference_logits=reference, chunk_size=chunk,
                                 inplace_backward=True, truncation=None if rule is None else Truncation(*rule))
             (stats.logprobs.sum() + stats.entropy.sum() + stats.kl.sum()).backward()
+        return run
+
+    return {name: (lambda rule=rule: prepare(rule)) for name, rule in TRUNCATIONS.items()}
+
+
+def _truncation_linear_paths(tokens: int, vocab: int, hidden_size: int, scale: float, chunk) -> dict:
+    """name -> prepare() for the fused-linear path (hidden + output weight in, grads w.r.t. both), full and
+    truncated (``TRUNCATIONS``), logits ~ ``scale`` x N(0, 1) as in ``_truncation_paths``."""
+    import torch
+
+    from megatron_kl.kl.fused_linear import fused_linear_stats
+    from megatron_kl.kl.truncation import Truncation
+
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(tokens, hidden_size, generator=g)
+    weight = scale * torch.randn(vocab, hidden_size, generator=g) / hidden_size ** 0.5
+    reference_weight = weight + 0.05 * torch.randn(vocab, hidden_size, generator=g) / hidden_size ** 0.5
+    targets = torch.randint(0, vocab, (tokens,), generator=g)
+
+    def prepare(rule):
+        def run():
+            h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+            stats = fused_linear_stats(h, w, None, targets=targets, reference_hidden=hidden,
+                                       reference_weight=reference_weight, temperature=TEMPERATURE, chunk_size=chunk,
+                                       truncation=None if rule is None else Truncation(*rule))
+            torch.autograd.grad(stats.logprobs.sum() + stats.entropy.sum() + stats.kl.sum(), (h, w))
         return run
 
     return {name: (lambda rule=rule: prepare(rule)) for name, rule in TRUNCATIONS.items()}
@@ -323,6 +351,15 @@ def run_truncation(args) -> None:
                       + (f" {'peak MiB':>10s} {'x logits':>8s}" if world == 1 else ""))
                 for name, values in times.items():
                     print(_row(name, values, times["full_stats"], memory[name] if world == 1 else None, unit))
+            linear_tokens = max(1, tokens // 4)  # the projection dominates: a quarter of the rows keeps it short
+            times = _interleaved(_truncation_linear_paths(linear_tokens, vocab, args.hidden, scale, args.chunk or None),
+                                 args.repeats)
+            print(f"\nhidden in (H={args.hidden}, logits ~ {scale} x randn), fp32, fused linear: projection + log-prob + "
+                  f"entropy + exact KL, grads w.r.t. hidden and weight, TP=1 ({linear_tokens}x{vocab}, "
+                  f"{args.repeats} rounds; ratios vs the full softmax)")
+            print(f"{'impl':>26s} {'min s':>8s} {'median s':>8s} {'min x':>9s} {'median x':>9s}")
+            for name, values in times.items():
+                print(_row(name, values, times["full_stats"]))
 
 
 def run_chunks(args) -> None:
