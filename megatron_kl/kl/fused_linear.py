@@ -36,7 +36,7 @@ from typing import Optional
 import torch
 
 from megatron_kl.kl.groups import group_size_rank
-from megatron_kl.kl.truncation import Truncation, effective, support_threshold
+from megatron_kl.kl.truncation import Truncation, effective, find_support
 from megatron_kl.kl.vocab_parallel import (
     VocabParallelStats,
     Workspace,
@@ -80,10 +80,10 @@ class _FusedLinearStats(torch.autograd.Function):
             z = _project(hidden[lo:hi], weight, shard.valid, dtype, ws, "z")
             r = _project(reference_hidden[lo:hi], reference_weight, shard.valid, dtype, ws, "r") if has_ref else None
             tgt = targets[lo:hi] if targets is not None else None
-            threshold = _chunk_threshold(z, group, truncation, temperature, vocab_size, thresholds, lo, hi)
+            threshold, row_max = _chunk_support(z, group, truncation, temperature, vocab_size, thresholds, lo, hi)
             out[:, lo:hi], norms[:, lo:hi] = chunk_forward(
                 z, r, tgt, shard, group, temperature, scratch=True, workspace=ws, threshold=threshold,
-                support=support[:, lo:hi] if threshold is not None else None)
+                support=support[:, lo:hi] if threshold is not None else None, row_max=row_max)
         ctx.save_for_backward(hidden, weight, reference_hidden, reference_weight, targets, norms, thresholds)
         ctx.shard, ctx.temperature, ctx.chunk_size, ctx.dtype = shard, temperature, chunk_size, dtype
         ctx.weight_param = weight  # the parameter object itself (a saved tensor loses its main_grad attribute)
@@ -128,12 +128,14 @@ def _support_buffers(truncation, rows: int, dtype, device):
     return torch.empty(rows, dtype=dtype, device=device), torch.zeros(3, rows, dtype=dtype, device=device)
 
 
-def _chunk_threshold(z, group, truncation, temperature, vocab_size, thresholds, lo: int, hi: int):
-    """The truncated support's threshold of a chunk's rows (their logits are whole here), kept for backward."""
+def _chunk_support(z, group, truncation, temperature, vocab_size, thresholds, lo: int, hi: int):
+    """(threshold, row maximum) of a chunk's rows under the truncated support (their logits are whole here;
+    the threshold is kept for backward), or (None, None) without truncation."""
     if thresholds is None:
-        return None
-    thresholds[lo:hi] = support_threshold(z, group, truncation, temperature, vocab_size)
-    return thresholds[lo:hi]
+        return None, None
+    found = find_support(z, group, truncation, temperature, vocab_size)
+    thresholds[lo:hi] = found.threshold
+    return thresholds[lo:hi], found.row_max
 
 
 @torch.no_grad()
@@ -165,10 +167,11 @@ def fused_linear_grads(hidden, weight, reference_hidden, reference_weight, targe
         r = _project(reference_hidden[lo:hi], reference_weight, valid, dtype, ws, "r") if has_ref else None
         tgt = targets[lo:hi] if targets is not None else None
         kept: dict = {}  # zc, exp(zc), -u: the gradient reuses the forward's work
-        threshold = _chunk_threshold(z, group, truncation, temperature, vocab_size, thresholds, lo, hi)
+        threshold, row_max = _chunk_support(z, group, truncation, temperature, vocab_size, thresholds, lo, hi)
         out[:, lo:hi], norms[:, lo:hi] = chunk_forward(z, r, tgt, shard, group, temperature, keep=kept, scratch=True,
                                                        workspace=ws, threshold=threshold,
-                                                       support=support[:, lo:hi] if threshold is not None else None)
+                                                       support=support[:, lo:hi] if threshold is not None else None,
+                                                       row_max=row_max)
         g_lp, g_h, g_kl = probe(out, lo, hi)
         if not valid:  # a padding-only shard: its columns get no gradient, its rows a zero partial sum
             continue

@@ -109,16 +109,21 @@ def test_routing_replay_with_experts_split_over_ranks_equals_replicated_experts(
                                                                                 tied_checkpoint):
     """EP=2 on 2 data-parallel ranks (each rank's routers replay its own rollouts' experts by global index; the
     engine replica holds every expert) logs what EP=1 logs - the expert-load counts too (over routed tokens, so
-    EP's extra padding does not count); the padded-token count may differ."""
+    EP's extra padding does not count); the padded-token count may differ.
+
+    What replay does not fix is left out of the comparison: the reference routes itself and the trainer's own
+    (unreplayed) routing is measured too, and on this checkpoint their near-tied routes flip with EP's other
+    token layout, differently on different CPUs (kl/*, moe/routing_agreement, moe/mismatch_without_replay:
+    several per cent apart on a 2-core AMD EPYC, within 1e-3 on an Intel Xeon). kl.coef=0 keeps the reference
+    out of the gradient, so the update is replay's alone."""
+    layout_dependent = ("kl/", "moe/routing_agreement", "moe/mismatch_without_replay")
     runs = []
     for ep in (1, 2):
         step0 = _step0(tmp_path / f"ep{ep}", warm_cache, tied_checkpoint, 2, "model.moe.routing_replay=rollout",
-                       f"parallel.expert_parallel={ep}")
+                       f"parallel.expert_parallel={ep}", "kl.coef=0")
         step0.pop("batch/padded_tokens")
-        runs.append(step0)
+        assert all(step0[key] is not None for key in step0 if key.startswith(layout_dependent))
+        assert step0["kl/exact_token"] > 0 and 0 < step0["moe/routing_agreement"] < 1
+        runs.append({key: value for key, value in step0.items() if not key.startswith(layout_dependent)})
     assert runs[0]["mismatch/abs_logprob_mean"] < MISMATCH_BOUND
-    # the reference routes itself, and on this checkpoint its near-tied routes flip with EP's other token layout:
-    # k3 = exp(-d) - 1 + d amplifies those few tokens (0.2 % here; k1 and the exact KL agree to 1e-3)
-    for run in runs:
-        assert run.pop("kl/k3_token") > 0 and run.pop("kl/k3_sequence") > 0
     assert_same_metrics(runs[:1], runs[1:], "routing replay at EP=2 vs EP=1")
