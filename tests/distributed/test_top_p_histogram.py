@@ -15,6 +15,14 @@ from megatron_kl.testing.worlds import worlds
 from tests.distributed.test_truncation import direct_support
 from tests.distributed.truncation_workers import histogram_cut_worker, histogram_rows
 
+def _no_compiler() -> bool:
+    from megatron_kl.kl import native
+
+    return native._compiler() is None
+
+
+needs_compiler = pytest.mark.skipif(_no_compiler(), reason="no C compiler (cc or $CC): the kernels cannot be built")
+
 CASES = [("flat", 1, 0.9, 1.0), ("flat", 2, 0.5, 0.7), ("peaked", 3, 0.9, 1.0), ("peaked", 4, 0.999, 1.3),
          ("ties", 5, 0.6, 1.0), ("large", 6, 0.9, 0.8), ("masked", 7, 0.95, 1.0), ("shard_boundary", 8, 0.999, 1.0)]
 
@@ -46,6 +54,7 @@ def _check(thresholds, cases=CASES):
         assert bool((want.sum(-1) < x.shape[-1]).any()), f"{kind}: nothing truncated"
 
 
+@needs_compiler
 @pytest.mark.parametrize("world", worlds([1, 2, 4]))
 @pytest.mark.parametrize("cap,levels", [(512, 6), (3, 64), (512, 0)], ids=["default", "narrowing", "bisection"])
 def test_histogram_cut_equals_the_rule_over_shards(world, cap, levels):
@@ -75,6 +84,7 @@ def test_without_a_compiler_the_torch_path_gives_the_same_supports(monkeypatch, 
     assert not list(tmp_path.glob("*.so"))
 
 
+@needs_compiler
 def test_the_build_is_cached_per_source_compiler_and_cpu(monkeypatch, tmp_path):
     from megatron_kl.kl import native
 
@@ -133,6 +143,7 @@ def test_a_forked_child_runs_rows_on_threads_of_its_own(monkeypatch):
     raise AssertionError("the forked child never finished its rows (it used the parent's dead pool)")
 
 
+@needs_compiler
 def test_a_compiler_without_march_native_builds_portably(monkeypatch, tmp_path):
     """A compiler that rejects -march=native (a stand-in script here) still gets the kernels built without it."""
     from megatron_kl.kl import native
