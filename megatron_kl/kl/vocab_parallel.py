@@ -161,9 +161,8 @@ def chunk_forward(x, y, targets, shard: _Shard, group, temperature: float, entro
         maxes[0] = row_max
     elif cols:
         maxes[0] = x.amax(-1)
-    if cols:
-        if y is not None:
-            maxes[1] = y.amax(-1)
+    if cols and y is not None:
+        maxes[1] = y.amax(-1)
     all_reduce(maxes, dist.ReduceOp.MAX, group)
     # S, S E[zc], S E[u], sum(e_ref - e), zc[target]; truncated: S of the full softmax, support size, target out
     sums = torch.zeros(5 if threshold is None else 8, n, dtype=dtype, device=x.device)
@@ -225,7 +224,7 @@ def _chunk_sums(x, y, targets, shard, maxes, temperature, entropy, e_kept, scrat
     keep_zc = entropy or e_kept is not None or neg_u is not None or drop is not None
     product = ws.like("product", zc)
     e_out = ws.like("e", zc) if e_kept is None else e_kept
-    full = e = None  # e of the full softmax; e (of the support only where truncated)
+    # full: e of the full softmax; e: of the support only where truncated (else the same tensor)
     dropped = None  # the full softmax's e outside the support, summed directly (not as a difference of totals)
     if drop is not None:
         full = torch.exp(zc, out=ws.like("full", zc))
