@@ -56,6 +56,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from megatron_kl.kl import triton_stats
 from megatron_kl.kl.groups import all_reduce, group_size_rank
 from megatron_kl.kl.truncation import Truncation, effective, find_support
 
@@ -152,6 +153,10 @@ def chunk_forward(x, y, targets, shard: _Shard, group, temperature: float, entro
     """
     if keep is not None and not scratch:
         raise ValueError("chunk_forward(keep=...) keeps zc and -u in x and y: pass scratch=True")
+    if triton_stats.enabled(x):  # GPU (or Triton's interpreter): one read of x and y, the same collectives
+        if keep is not None:  # the gradient re-reads x (and y) instead of keeping zc, e and -u
+            keep.update(triton=True, x=x, y=y, threshold=threshold)
+        return triton_stats.forward(x, y, targets, shard, group, temperature, entropy, threshold, support)
     dtype = compute_dtype(x.dtype)
     x = x.to(dtype)
     y = y.to(dtype) if y is not None else None
@@ -279,6 +284,12 @@ def chunk_grad(x, y, targets, shard: _Shard, norms, g_lp, g_h, g_kl, temperature
     """
     if out is None and kept is None:
         raise ValueError("chunk_grad needs out= (or kept=)")
+    if kept is not None and kept.get("triton"):  # chunk_forward ran the Triton kernels: x is scratch, write there
+        return triton_stats.backward(kept["x"], kept["y"], targets, shard, norms, g_lp, g_h, g_kl, temperature,
+                                     out=kept["x"] if out is None else out, threshold=kept["threshold"])
+    if kept is None and triton_stats.enabled(x):
+        return triton_stats.backward(x, y, targets, shard, norms, g_lp, g_h, g_kl, temperature, out=out,
+                                     threshold=threshold)
     ws = workspace or Workspace()
     first = x if x is not None else kept["zc"]
     n, cols = first.shape
@@ -460,8 +471,9 @@ def fused_stats(
     if temperature <= 0:
         raise ValueError(f"temperature={temperature} must be > 0")
     check_group(tp_group)
-    if chunk_size is None:
-        chunk_size = default_chunk_rows(logits.shape[-1], logits.device)
+    if chunk_size is None:  # the Triton kernels need no temporaries: one chunk of every row
+        rows = logits.numel() // max(1, logits.shape[-1])
+        chunk_size = max(1, rows) if triton_stats.enabled(logits) else default_chunk_rows(logits.shape[-1], logits.device)
     if chunk_size <= 0:
         raise ValueError(f"chunk_size={chunk_size} must be > 0 (or None for automatic)")
     lead = logits.shape[:-1]

@@ -1,0 +1,233 @@
+"""The GPU path of the vocab-parallel statistics: Triton kernels (``triton_kernels``) behind
+``vocab_parallel.chunk_forward`` / ``chunk_grad``, so ``fused_stats``, ``token_logprobs``, ``entropy``,
+``full_kl`` and ``fused_linear_stats`` take it without a change of API.
+
+Which path runs (``enabled``): CUDA tensors take the Triton kernels where Triton imports; CPU tensors the torch /
+C path. ``MEGATRON_KL_TRITON=0`` forces the torch path on GPU; ``MEGATRON_KL_TRITON=1`` with
+``TRITON_INTERPRET=1`` runs the kernels on CPU tensors through Triton's interpreter (how the tests check them
+without a GPU; float32 and float64 only - bfloat16 / float16 inputs are upcast to float32 there first).
+
+Per chunk of rows the forward reads each rank's logits once (``row_partials``: running maxima and the partial
+sums relative to them), then combines the ranks' partials here with the collectives of the torch path - one
+all-reduce MAX of the maxima and one all-reduce SUM of the rescaled partials ([2, n] and [8, n] floats) - and
+the backward reads the logits once more and writes the gradient once (``row_grad``; in place when the caller
+passes the logits as ``out``). The target's log-prob and whether it lies outside a truncated support come from
+one gathered logit per row. The combination runs in float64 ([8, n] values: exact to the partials' rounding).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+import os
+import sys
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_kl.kl.groups import all_reduce
+
+ENV = "MEGATRON_KL_TRITON"
+BLOCK_ENV = "MEGATRON_KL_TRITON_BLOCK"
+BLOCK = 4096  # columns per step of a program's loop (GPU); smaller powers of two for narrow rows
+INTERPRETER_BLOCK = 1024  # the interpreter's numpy arrays: fewer, larger steps are faster
+NUM_WARPS = 8
+log = logging.getLogger(__name__)
+launches = {"forward": 0, "backward": 0}  # kernel launches in this process (tests check which path ran)
+
+# per compute dtype: below -LOW a logit is read as -LOW (its mass exp(-LOW) is 0; no inf - inf); Taylor terms of
+# expm1 below |v| = 1/2 (the truncation error (1/2)^(n+1) / (n+1)! is under the dtype's rounding)
+LOW = {torch.float32: 1e30, torch.float64: 1e300}
+TAYLOR_TERMS = {torch.float32: 9, torch.float64: 17}
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def enabled(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s statistics run on the Triton kernels (module docstring)."""
+    choice = os.environ.get(ENV, "").strip()
+    if choice == "0":
+        return False
+    if tensor.device.type == "cuda":
+        if not _triton_available():
+            if choice == "1":
+                raise RuntimeError(f"{ENV}=1 but triton is not importable: pip install triton, or set {ENV}=0")
+            return False
+        return True
+    if choice == "1" and tensor.device.type == "cpu":
+        if not _interpreting():
+            raise RuntimeError(f"{ENV}=1 on CPU tensors needs TRITON_INTERPRET=1 (Triton's interpreter); unset {ENV} "
+                               "to use the CPU kernels")
+        if not _triton_available():
+            raise RuntimeError(f"{ENV}=1 but triton is not importable: pip install triton")
+        return True
+    return False
+
+
+def describe(device: torch.device) -> str:
+    """One line naming the statistics path for tensors on ``device`` (the trainer logs it once)."""
+    probe = torch.empty(0, device=device)
+    if enabled(probe):
+        import triton
+
+        mode = "Triton interpreter" if _interpreting() else "Triton kernels"
+        return f"vocab-parallel statistics: {mode} (triton {triton.__version__}) on {device.type}"
+    if device.type == "cuda":
+        reason = f"{ENV}=0" if os.environ.get(ENV, "").strip() == "0" else "triton not installed"
+        return f"vocab-parallel statistics: torch path on cuda ({reason})"
+    return "vocab-parallel statistics: CPU kernels (torch, C top-p search)"
+
+
+def _kernels():
+    """The kernel module, decorated for the current mode (compiled or interpreted)."""
+    name = "megatron_kl.kl.triton_kernels"
+    module = sys.modules.get(name)
+    if module is None:
+        module = importlib.import_module(name)
+        module.INTERPRETED = _interpreting()
+    elif module.INTERPRETED != _interpreting():
+        module = importlib.reload(module)
+        module.INTERPRETED = _interpreting()
+    return module
+
+
+def _block(cols: int) -> int:
+    """Columns per loop step: a power of two up to BLOCK (``MEGATRON_KL_TRITON_BLOCK`` overrides the cap: the
+    tests use it for rows that span many blocks and end mid-block)."""
+    cap = INTERPRETER_BLOCK if _interpreting() else BLOCK
+    override = os.environ.get(BLOCK_ENV, "").strip()
+    if override:
+        cap = int(override)
+        if cap < 16 or cap & (cap - 1):
+            raise ValueError(f"{BLOCK_ENV}={override} must be a power of two >= 16")
+    return max(16, min(cap, 1 << max(0, cols - 1).bit_length()))
+
+
+def _kernel_input(x: torch.Tensor, dtype) -> torch.Tensor:
+    """``x`` with unit column stride; upcast where the interpreter cannot do its arithmetic."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if _interpreting() and x.dtype not in (torch.float32, torch.float64):
+        x = x.to(dtype)
+    return x
+
+
+def forward(x, y, targets, shard, group, temperature: float, entropy: bool, threshold=None, support=None):
+    """``vocab_parallel.chunk_forward``'s ``(out [3, n], norms [5, n])`` from the Triton kernels (x / y: this
+    rank's valid columns [n, valid], read only; ``support [3, n]`` filled under ``threshold``)."""
+    dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    n, cols = x.shape
+    device = x.device
+    partials = torch.empty(8, n, dtype=dtype, device=device)
+    if n:
+        xk = _kernel_input(x, dtype)
+        yk = _kernel_input(y, dtype) if y is not None else xk
+        thr = threshold.to(dtype).contiguous() if threshold is not None else partials
+        launches["forward"] += 1
+        _kernels().row_partials[(n,)](
+            xk, yk, thr, partials, xk.stride(0), yk.stride(0), cols, 1.0 / temperature,
+            HAS_Y=y is not None, ENTROPY=entropy, TRUNCATED=threshold is not None, LOW=LOW[dtype],
+            TERMS=TAYLOR_TERMS[dtype], BLOCK=_block(cols), num_warps=NUM_WARPS)
+    return combine(partials, x, targets, shard, group, temperature, y is not None, entropy, threshold, support)
+
+
+def combine(partials, x, targets, shard, group, temperature: float, has_y: bool, entropy: bool, threshold=None,
+            support=None):
+    """Every rank's row partials [8, n] (m, n, S, A, B, C, D, K relative to its own maxima) -> the globally
+    reduced statistics, rescaled to the global maxima M / M_r (``triton_kernels`` docstring) in float64."""
+    dtype = partials.dtype
+    n = partials.shape[1]
+    p = partials.double()
+    maxes = p[:2].clone()
+    all_reduce(maxes, dist.ReduceOp.MAX, group)
+    inv_tau = 1.0 / temperature
+    delta = (p[0] - maxes[0]) * inv_tau
+    alpha = torch.exp(delta)
+    sums = torch.zeros(8, n, dtype=torch.float64, device=p.device)  # S, S E[zc], S E[u], C + D, zc_t, D, K, out
+    sums[0] = alpha * p[2]
+    if entropy:
+        sums[1] = alpha * (p[3] + delta * p[2])
+    if has_y:
+        gamma = ((maxes[0] - maxes[1]) - (p[0] - p[1])) * inv_tau
+        beta = torch.exp((p[1] - maxes[1]) * inv_tau)
+        moved = torch.where(gamma.abs() < 0.5, alpha * torch.expm1(gamma), beta - alpha)
+        sums[2] = alpha * (p[4] - gamma * p[2])
+        sums[3] = beta * p[5] + moved * (p[2] + p[6]) + alpha * p[6]
+    sums[5] = alpha * p[6]
+    sums[6] = p[7]
+    if targets is not None:
+        local = targets - shard.start
+        owned = (local >= 0) & (local < shard.valid)
+        picked = x.gather(-1, local.clamp(0, max(0, shard.valid - 1)).unsqueeze(-1)).squeeze(-1).double() \
+            if shard.valid else torch.zeros(n, dtype=torch.float64, device=p.device)
+        picked = picked.clamp_min(-LOW[dtype])
+        sums[4] = torch.where(owned, (picked - maxes[0]) * inv_tau, torch.zeros_like(picked))
+        if threshold is not None:
+            sums[7] = (owned & (picked < threshold.double())).double()
+    all_reduce(sums, dist.ReduceOp.SUM, group)
+    total = sums[0]
+    log_s = torch.log(total)
+    out = torch.zeros(3, n, dtype=torch.float64, device=p.device)
+    norms = torch.zeros(5, n, dtype=torch.float64, device=p.device)
+    norms[0], norms[1], norms[2] = maxes[0], maxes[0] - maxes[1], total
+    if targets is not None:
+        out[0] = sums[4] - log_s
+    if entropy:
+        norms[3] = sums[1] / total
+        out[1] = log_s - norms[3]
+    if has_y:
+        norms[4] = sums[2] / total
+        ratio_minus_one = (sums[3] / total).clamp_min(torch.finfo(dtype).eps - 1.0)
+        out[2] = (norms[4] + torch.log1p(ratio_minus_one)).clamp_min(0.0)
+    if support is not None and threshold is not None:
+        support[0] = total / (total + sums[5])
+        support[1] = sums[6]
+        support[2] = sums[7]
+    return out.to(dtype), norms.to(dtype)
+
+
+def backward(x, y, targets, shard, norms, g_lp, g_h, g_kl, temperature: float, out, threshold=None):
+    """``vocab_parallel.chunk_grad`` from the Triton kernel: dL/dx of this rank's valid columns [n, valid] into
+    ``out`` (may be ``x`` itself: each block is read before it is written); returns ``out``."""
+    n, cols = x.shape
+    if not n or not cols:
+        return out
+    dtype = norms.dtype
+    device = x.device
+    xk = _kernel_input(x, dtype)
+    yk = _kernel_input(y, dtype) if (y is not None and g_kl is not None) else xk
+    target = torch.full((n,), -1, dtype=torch.int64, device=device)
+    if targets is not None and g_lp is not None:
+        local = targets - shard.start
+        target = torch.where((local >= 0) & (local < shard.valid), local, target)
+    upstream = torch.zeros(3, n, dtype=dtype, device=device)
+    for slot, grad in enumerate((g_lp, g_h, g_kl)):
+        if grad is not None:
+            upstream[slot] = grad.to(dtype)
+    destination = out
+    writable = out.stride(-1) == 1 and not (_interpreting() and out.dtype not in (torch.float32, torch.float64))
+    if not writable:
+        destination = torch.empty(n, cols, dtype=dtype, device=device)
+    thr = threshold.to(dtype).contiguous() if threshold is not None else norms
+    launches["backward"] += 1
+    _kernels().row_grad[(n,)](
+        xk, yk, destination, norms.contiguous(), upstream, target, thr, xk.stride(0), yk.stride(0),
+        destination.stride(0), cols, 1.0 / temperature, HAS_LP=g_lp is not None, HAS_H=g_h is not None,
+        HAS_KL=g_kl is not None and y is not None, TRUNCATED=threshold is not None, LOW=LOW[dtype],
+        BLOCK=_block(cols), num_warps=NUM_WARPS)
+    if destination is not out:
+        out.copy_(destination)
+    return out
