@@ -19,10 +19,14 @@ are carried block to block. When the maxima move to m' / n' (delta = (m - m') / 
 
     S' = alpha S    A' = alpha (A + delta S)    B' = alpha (B - gamma S)    D' = alpha D
     C' = beta C + (alpha expm1(gamma)) (S + D)          [expm1(a + b) = e^b expm1(a) + expm1(b)]
+    G' = G + |gamma|
 
-so nothing is re-read; ``alpha expm1(gamma)`` is formed as beta - alpha where |gamma| >= 1/2 (always finite)
-and with the polynomial below (near the reference gamma = O(eps) and the term stays O(eps), as C does). Where
-nu > KL_DIRECT the element's C term is exp((y - n) / tau) directly (el may underflow while exp(nu) overflows).
+so nothing is re-read. B carries the rounding of the shifts it went through: each element's u was formed
+relative to the shift of its block's maxima, so E[u] is off by about eps |gamma| from the u that the backward
+forms with the global shift, and where one token holds nearly all the mass the gradient's u_a - E[u] is that
+rounding. G = sum |gamma| (with the ranks' own |gamma|: the drift) measures it; rows whose drift exceeds
+DRIFT_LIMIT (unrelated logits of 1e4, say; never near the reference, where gamma = O(eps)) get E[u] once more
+from ``row_mean_u``, a second read with the global M and M - M_r, the u of the backward exactly.
 The same rescaling combines the ranks' partials (``triton_stats.combine``). Logits below -LOW (-inf included)
 are read as -LOW (no inf - inf or 0 * inf anywhere; their mass is exp(-LOW) = 0); masked lanes get el = 0.
 
@@ -46,15 +50,15 @@ def _expm1(v, TERMS: tl.constexpr):
     for k in tl.static_range(TERMS, 1, -1):
         p = 1 + p * (v / k)
     series = v * p
-    return tl.where(tl.abs(v) < 0.5, series, tl.exp(v) - 1)
+    return tl.where(tl.abs(v) < 0.5, series, tl.exp(tl.minimum(v, 80.0)) - 1)  # callers discard v > 80
 
 
 @triton.jit
 def row_partials(x_ptr, y_ptr, threshold_ptr, partial_ptr, x_stride, y_stride, valid, inv_tau,
                  HAS_Y: tl.constexpr, ENTROPY: tl.constexpr, TRUNCATED: tl.constexpr, LOW: tl.constexpr,
                  TERMS: tl.constexpr, BLOCK: tl.constexpr):
-    """partial [8, rows]: m, n, S, A, B, C, D, K of each row (module docstring); float32 or float64 math as the
-    partial buffer's dtype."""
+    """partial [9, rows]: m, n, S, A, B, C, D, K, G of each row (module docstring); float32 or float64 math as
+    the partial buffer's dtype."""
     row = tl.program_id(0).to(tl.int64)
     rows = tl.num_programs(0).to(tl.int64)
     dtype = partial_ptr.dtype.element_ty
@@ -69,6 +73,7 @@ def row_partials(x_ptr, y_ptr, threshold_ptr, partial_ptr, x_stride, y_stride, v
     c_sum = zero
     d_sum = zero
     k_sum = zero
+    drift = zero
     threshold = zero - LOW
     if TRUNCATED:
         threshold = tl.load(threshold_ptr + row).to(dtype)
@@ -97,6 +102,7 @@ def row_partials(x_ptr, y_ptr, threshold_ptr, partial_ptr, x_stride, y_stride, v
             c_terms = tl.where(nu > KL_DIRECT, direct, e_full * _expm1(tl.minimum(nu, KL_DIRECT), TERMS))
             c_sum = beta * c_sum + moved * (s + d_sum) + tl.sum(tl.where(inside, c_terms, 0.0), 0)
             b_sum = alpha * (b_sum - gamma * s) - tl.sum(e * nu, 0)
+            drift += tl.where(s > 0, tl.abs(gamma), 0.0)
             n = n_new
         if ENTROPY:
             a_sum = alpha * (a_sum + delta * s) + tl.sum(e * zl, 0)
@@ -112,6 +118,7 @@ def row_partials(x_ptr, y_ptr, threshold_ptr, partial_ptr, x_stride, y_stride, v
     tl.store(partial_ptr + 5 * rows + row, c_sum)
     tl.store(partial_ptr + 6 * rows + row, d_sum)
     tl.store(partial_ptr + 7 * rows + row, k_sum)
+    tl.store(partial_ptr + 8 * rows + row, drift)
 
 
 @triton.jit
@@ -169,3 +176,31 @@ def row_grad(x_ptr, y_ptr, out_ptr, norms_ptr, upstream_ptr, target_ptr, thresho
         if HAS_LP:
             grad += tl.where(cols == target, g_lp * inv_tau, 0.0)
         tl.store(out_row + cols, grad.to(out_ptr.dtype.element_ty), mask=inside)
+
+
+@triton.jit
+def row_mean_u(x_ptr, y_ptr, index_ptr, norms_ptr, threshold_ptr, out_ptr, x_stride, y_stride, norms_stride, valid,
+               inv_tau, TRUNCATED: tl.constexpr, LOW: tl.constexpr, BLOCK: tl.constexpr):
+    """out[i] = sum_a e_a u_a over this rank's valid columns of row ``index[i]``, with e and u formed as
+    ``row_grad`` forms them (``norms [2, norms_stride]``: M and M - M_r in the compute dtype)."""
+    i = tl.program_id(0)
+    row = tl.load(index_ptr + i)
+    dtype = norms_ptr.dtype.element_ty
+    x_row = x_ptr + row * x_stride
+    y_row = y_ptr + row * y_stride
+    row_max = tl.load(norms_ptr + row)
+    shift = tl.load(norms_ptr + norms_stride + row)
+    total = tl.sum(tl.zeros([BLOCK], dtype), 0)
+    threshold = total - LOW
+    if TRUNCATED:
+        threshold = tl.load(threshold_ptr + row).to(dtype)
+    for start in range(0, valid, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        inside = cols < valid
+        x = tl.maximum(tl.load(x_row + cols, mask=inside, other=-LOW).to(dtype), -LOW)
+        y = tl.maximum(tl.load(y_row + cols, mask=inside, other=-LOW).to(dtype), -LOW)
+        e = tl.where(inside, tl.exp((x - row_max) * inv_tau), 0.0)
+        if TRUNCATED:
+            e = tl.where(x >= threshold, e, 0.0)
+        total += tl.sum(e * (((x - y) - shift) * inv_tau), 0)
+    tl.store(out_ptr + i, total)

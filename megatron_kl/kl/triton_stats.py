@@ -34,8 +34,9 @@ BLOCK_ENV = "MEGATRON_KL_TRITON_BLOCK"
 BLOCK = 4096  # columns per step of a program's loop (GPU); smaller powers of two for narrow rows
 INTERPRETER_BLOCK = 1024  # the interpreter's numpy arrays: fewer, larger steps are faster
 NUM_WARPS = 8
+DRIFT_LIMIT = 1.0  # shift drift (logit / tau units) above which a row's E[u] is read again (triton_kernels docstring)
 log = logging.getLogger(__name__)
-launches = {"forward": 0, "backward": 0}  # kernel launches in this process (tests check which path ran)
+launches = {"forward": 0, "backward": 0, "mean_u": 0}  # kernel launches in this process (tests check which path ran)
 
 # per compute dtype: below -LOW a logit is read as -LOW (its mass exp(-LOW) is 0; no inf - inf); Taylor terms of
 # expm1 below |v| = 1/2 (the truncation error (1/2)^(n+1) / (n+1)! is under the dtype's rounding)
@@ -131,7 +132,7 @@ def forward(x, y, targets, shard, group, temperature: float, entropy: bool, thre
     dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
     n, cols = x.shape
     device = x.device
-    partials = torch.empty(8, n, dtype=dtype, device=device)
+    partials = torch.empty(9, n, dtype=dtype, device=device)
     if n:
         xk = _kernel_input(x, dtype)
         yk = _kernel_input(y, dtype) if y is not None else xk
@@ -141,13 +142,15 @@ def forward(x, y, targets, shard, group, temperature: float, entropy: bool, thre
             xk, yk, thr, partials, xk.stride(0), yk.stride(0), cols, 1.0 / temperature,
             HAS_Y=y is not None, ENTROPY=entropy, TRUNCATED=threshold is not None, LOW=LOW[dtype],
             TERMS=TAYLOR_TERMS[dtype], BLOCK=_block(cols), num_warps=NUM_WARPS)
-    return combine(partials, x, targets, shard, group, temperature, y is not None, entropy, threshold, support)
+    return combine(partials, x, targets, shard, group, temperature, y is not None, entropy, threshold, support,
+                   y=y)
 
 
 def combine(partials, x, targets, shard, group, temperature: float, has_y: bool, entropy: bool, threshold=None,
-            support=None):
-    """Every rank's row partials [8, n] (m, n, S, A, B, C, D, K relative to its own maxima) -> the globally
-    reduced statistics, rescaled to the global maxima M / M_r (``triton_kernels`` docstring) in float64."""
+            support=None, y=None):
+    """Every rank's row partials [10, n] (m, n, S, A, B, C, D, K, R, G relative to its own maxima) -> the globally
+    reduced statistics, rescaled to the global maxima M / M_r (``triton_kernels`` docstring) in float64; rows
+    whose shifts drifted get S E[u] from a second read (``_mean_u_again``)."""
     dtype = partials.dtype
     n = partials.shape[1]
     p = partials.double()
@@ -156,7 +159,7 @@ def combine(partials, x, targets, shard, group, temperature: float, has_y: bool,
     inv_tau = 1.0 / temperature
     delta = (p[0] - maxes[0]) * inv_tau
     alpha = torch.exp(delta)
-    sums = torch.zeros(8, n, dtype=torch.float64, device=p.device)  # S, S E[zc], S E[u], C + D, zc_t, D, K, out
+    sums = torch.zeros(9, n, dtype=torch.float64, device=p.device)  # S, S E[zc], S E[u], C + D, zc_t, D, K, out, drift
     sums[0] = alpha * p[2]
     if entropy:
         sums[1] = alpha * (p[3] + delta * p[2])
@@ -165,6 +168,7 @@ def combine(partials, x, targets, shard, group, temperature: float, has_y: bool,
         beta = torch.exp((p[1] - maxes[1]) * inv_tau)
         moved = torch.where(gamma.abs() < 0.5, alpha * torch.expm1(gamma), beta - alpha)
         sums[2] = alpha * (p[4] - gamma * p[2])
+        sums[8] = ((p[8] + gamma.abs()) * (p[2] > 0) > DRIFT_LIMIT).double()  # this rank's E[u] needs a 2nd read
         sums[3] = beta * p[5] + moved * (p[2] + p[6]) + alpha * p[6]
     sums[5] = alpha * p[6]
     sums[6] = p[7]
@@ -189,6 +193,9 @@ def combine(partials, x, targets, shard, group, temperature: float, has_y: bool,
         norms[3] = sums[1] / total
         out[1] = log_s - norms[3]
     if has_y:
+        drifted = (sums[8] > 0).nonzero().squeeze(-1)  # the same rows on every rank (after the all-reduce)
+        if drifted.numel():
+            sums[2, drifted] = _mean_u_again(x, y, drifted, norms[:2].to(dtype), threshold, temperature, group)
         norms[4] = sums[2] / total
         ratio_minus_one = (sums[3] / total).clamp_min(torch.finfo(dtype).eps - 1.0)
         out[2] = (norms[4] + torch.log1p(ratio_minus_one)).clamp_min(0.0)
@@ -197,6 +204,21 @@ def combine(partials, x, targets, shard, group, temperature: float, has_y: bool,
         support[1] = sums[6]
         support[2] = sums[7]
     return out.to(dtype), norms.to(dtype)
+
+
+def _mean_u_again(x, y, rows, row_norms, threshold, temperature: float, group) -> torch.Tensor:
+    """S E[u] of ``rows`` over all ranks, each element's u formed as the backward forms it (``row_mean_u``)."""
+    dtype = row_norms.dtype
+    found = torch.zeros(rows.numel(), dtype=dtype, device=x.device)
+    if x.shape[1]:
+        xk, yk = _kernel_input(x, dtype), _kernel_input(y, dtype)
+        thr = threshold.to(dtype).contiguous() if threshold is not None else row_norms
+        launches["mean_u"] += 1
+        _kernels().row_mean_u[(rows.numel(),)](
+            xk, yk, rows, row_norms.contiguous(), thr, found, xk.stride(0), yk.stride(0), row_norms.shape[1],
+            x.shape[1], 1.0 / temperature, TRUNCATED=threshold is not None, LOW=LOW[dtype], BLOCK=_block(x.shape[1]),
+            num_warps=NUM_WARPS)
+    return all_reduce(found.double(), dist.ReduceOp.SUM, group)
 
 
 def backward(x, y, targets, shard, norms, g_lp, g_h, g_kl, temperature: float, out, threshold=None):

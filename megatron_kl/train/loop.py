@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from megatron_kl import child_processes
 from megatron_kl.config import ConfigError, redact_secrets, to_dict, validate_parallel, validate_training_layout
+from megatron_kl.kl import triton_stats
 from megatron_kl.models import builder, hf, moe_load, optim, output_head, parallel, state
 from megatron_kl.models.offload import ReferenceOffload
 from megatron_kl.tasks import build_task
@@ -199,6 +200,7 @@ def _train(cfg: TrainConfig, plan, task, hf_source, dp, is_logger: bool, stop: S
     initial = warm_start_state(cfg, task) if hf_source is None else None
     models = builder.build_policy_and_reference(cfg.model, cfg.parallel)
     tp_group = parallel.tp_group()
+    log.info(triton_stats.describe(parallel.collective_device()))
     if hf_source is not None:
         for chunks in (models.policy, models.reference):
             hf.load_hf_into(chunks, hf_source, cfg.model, tp_group)

@@ -1,0 +1,146 @@
+"""The Triton kernels of the vocab-parallel statistics, run on CPU tensors through Triton's interpreter
+(``TRITON_INTERPRET=1``, ``MEGATRON_KL_TRITON=1``) at TP 1 and 2 (gloo ranks): the same float64-reference tests
+the CPU kernels pass (log-probs, entropy, exact KL, fused and unfused, padded vocabularies, bf16 inputs upcast,
+logits ~1e4, the exact KL near the reference judged by relative error, top-k / top-p supports with ties and a cut
+on a shard boundary, the fused-linear path and its single pass), each rank asserting that the Triton kernels
+computed it; then the edges (-inf entries, all-masked rows, one row, no rows, a rank holding padding only, rows
+spanning many blocks and ending mid-block) against closed-form float64 gradients."""
+
+import functools
+
+import pytest
+import torch
+
+from megatron_kl.kl import triton_stats
+from megatron_kl.testing import distributed
+from megatron_kl.validation import test_fused_linear, test_vocab_parallel, test_vocab_parallel_accuracy
+from tests.distributed import test_truncation
+from tests.distributed.triton_workers import edge_inputs, edge_worker, through_triton
+
+pytest.importorskip("triton")
+
+
+@pytest.fixture
+def interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv(triton_stats.ENV, "1")
+
+
+def _checked_run_ranks(fn, world, *args, **kwargs):
+    """``run_ranks`` whose ranks report their Triton launches: every rank must have launched the kernels."""
+    wrapped = functools.partial(through_triton, fn)
+    wrapped.__name__ = fn.__name__
+    reports = distributed.run_ranks(wrapped, world, *args, **kwargs)
+    for rank, report in enumerate(reports):
+        assert report["enabled"], f"rank {rank}: the Triton path was not enabled"
+        assert report["launches"]["forward"] > 0, f"rank {rank} of {fn.__name__}: no Triton forward kernel ran"
+    return [report["result"] for report in reports]
+
+
+@pytest.fixture
+def checked(monkeypatch, interpreter):
+    for module in (test_vocab_parallel, test_vocab_parallel_accuracy, test_truncation, test_fused_linear):
+        monkeypatch.setattr(module, "run_ranks", _checked_run_ranks)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_fused_and_unfused_statistics_match_float64(world, checked):
+    test_vocab_parallel.test_matches_unsharded_float64_reference(world)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_exact_kl_near_the_reference_has_small_relative_error(world, checked):
+    test_vocab_parallel_accuracy.test_exact_kl_near_the_reference_has_small_relative_error(world)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_logprobs_and_entropy_at_logits_of_1e4(world, checked):
+    test_vocab_parallel_accuracy.test_logprobs_and_entropy_at_most_twice_naive_fp32_error(world)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_truncated_statistics_match_the_direct_rule(world, checked):
+    test_truncation.test_sharded_support_and_truncated_statistics_match_the_direct_rule(world)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_fused_linear_single_pass_gradients_equal_autograd(world, checked):
+    test_fused_linear.test_single_pass_gradients_equal_autograd(world)
+
+
+def _edge_cases():
+    base = dict(vocab=61, padded_vocab=64, temperature=0.8, scale=3.0, gap=0.5)
+    return [
+        dict(base, seed=1, rows=5, dtype="float64", masked_tokens=True),
+        dict(base, seed=2, rows=5, dtype="float32", masked_tokens=True),
+        dict(base, seed=3, rows=3, dtype="float32", all_masked=True),
+        dict(base, seed=4, rows=1, dtype="float64"),
+        dict(base, seed=5, rows=0, dtype="float32"),
+        dict(base, seed=6, rows=4, dtype="float32", scale=2500.0, gap=1.0, temperature=1.3),  # logits ~1e4
+        dict(base, seed=7, rows=4, dtype="float64", vocab=30),  # at TP 2 rank 1 holds padding only
+        dict(base, seed=8, rows=6, dtype="float32", gap=1e-4, temperature=1.0),  # KL ~1e-9
+    ]
+
+
+def _closed_form(case):
+    """log-probs, entropy, KL and dL/dx in float64 from log_softmax and the gradient formulas, with 0 log 0 = 0."""
+    logits, reference, targets, weights = edge_inputs(case)
+    dtype = getattr(torch, case["dtype"])
+    v, tau = case["vocab"], case["temperature"]
+    logp = torch.log_softmax(logits.to(dtype).double()[:, :v] / tau, -1)
+    logq = torch.log_softmax(reference.to(dtype).double()[:, :v] / tau, -1)
+    p = logp.exp()
+    live = p > 0
+    valid_target = targets >= 0
+    lp = torch.where(valid_target, logp.gather(1, targets.clamp_min(0)[:, None])[:, 0], torch.zeros(len(targets)).double())
+    entropy = -torch.where(live, p * logp, torch.zeros_like(p)).sum(-1)
+    diff = torch.where(live, logp - logq, torch.zeros_like(p))
+    kl = (p * diff).sum(-1)
+    onehot = torch.zeros_like(p).scatter_(1, targets.clamp_min(0)[:, None], 1.0) * valid_target[:, None]
+    g_lp = (onehot - p * valid_target[:, None]) / tau
+    g_h = -p * (torch.where(live, logp, torch.zeros_like(p)) + entropy[:, None]) / tau
+    g_kl = p * (diff - kl[:, None]) / tau
+    grad = torch.zeros_like(logits)
+    grad[:, :v] = weights[0][:, None] * g_lp + weights[1][:, None] * g_h + weights[2][:, None] * g_kl
+    return {"logprobs": lp, "entropy": entropy, "kl": kl, "grad": grad}
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_edges_match_the_closed_form(world, interpreter, monkeypatch):
+    monkeypatch.setenv(triton_stats.BLOCK_ENV, "16")  # 61 columns: four blocks, the last one partial
+    cases = _edge_cases()
+    per_rank = _checked_run_ranks(edge_worker, world, cases)
+    for index, case in enumerate(cases):
+        expected = _closed_form(case)
+        tol = 1e-10 if case["dtype"] == "float64" else 2e-5
+        for key in ("logprobs", "entropy", "kl", "grad"):
+            got = torch.cat([r[index][key] for r in per_rank], -1) if key == "grad" else per_rank[0][index][key]
+            assert torch.isfinite(got).all(), (case, key)
+            error = (got - expected[key]).abs()
+            if key == "logprobs":
+                error = error * (edge_inputs(case)[2] >= 0)
+            assert (error <= tol * (1.0 + expected[key].abs())).all(), (case, key, error.max())
+        if case["gap"] < 1e-3:  # near the reference: the KL's relative error
+            true_kl = expected["kl"]
+            assert (true_kl < 1e-7).all() and (true_kl > 0).all(), true_kl
+            relative = ((per_rank[0][index]["kl"] - true_kl).abs() / true_kl).max().item()
+            assert relative < 1e-2, (case, relative)  # the accuracy suite's bound at eps = 1e-4 is 5e-2
+
+
+def test_dispatch_follows_the_device_and_the_switch(monkeypatch):
+    cpu = torch.empty(0)
+    monkeypatch.delenv(triton_stats.ENV, raising=False)
+    assert not triton_stats.enabled(cpu)
+    assert "CPU kernels" in triton_stats.describe(cpu.device)
+    monkeypatch.setenv(triton_stats.ENV, "0")
+    assert not triton_stats.enabled(cpu)
+    monkeypatch.setenv(triton_stats.ENV, "1")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        triton_stats.enabled(cpu)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert triton_stats.enabled(cpu)
+    assert "Triton interpreter" in triton_stats.describe(cpu.device)
+    monkeypatch.setenv(triton_stats.BLOCK_ENV, "24")
+    with pytest.raises(ValueError, match="power of two"):
+        triton_stats._block(100)
