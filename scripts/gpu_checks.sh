@@ -1,67 +1,116 @@
 #!/usr/bin/env bash
-# The GPU checks of docs/gpu.md on one GPU node, each under a deadline, every log under OUT_DIR.
+# The GPU checks of docs/gpu.md on one GPU, most valuable first, within one time budget, every result written the
+# moment it exists (OUT_DIR/summary.txt a line per check, OUT_DIR/<check>.log, failing tests named in
+# OUT_DIR/failures.txt as they fail).
 #
-#   bash scripts/gpu_checks.sh [OUT_DIR]                       # default gpu-checks/
-#   CHECKS="environment e2e_train" bash scripts/gpu_checks.sh  # a subset, in this script's order
+#   bash scripts/gpu_wheels.sh                                 # here, with network: .gpu-wheels/ (~4 MB)
+#   bash scripts/gpu_checks.sh [OUT_DIR]                       # there: default gpu-checks/
+#   CHECKS="environment rl_steps" bash scripts/gpu_checks.sh   # a subset, in this script's order
+#   DRY_RUN=1 bash scripts/gpu_checks.sh OUT                   # on a CPU: every command at toy sizes through
+#                                                              # Triton's interpreter (checks the script itself)
 #
-# The project must be importable (pip install -e ".[test]", or PYTHONPATH). A check that fails or runs out of time
-# is recorded in OUT_DIR/summary.txt and the next one runs; the exit code is the number of checks that did not
-# pass. Failing tests are named in OUT_DIR/failures.txt the moment they fail (also when a deadline cuts the run).
-# Environment: PYTHON (interpreter), CHECK_SCALE (multiplies every deadline), PYTEST_WORKERS (pytest-xdist workers
-# where it is installed, default 8). All checks together take about 15 minutes on one H200.
+# Checks: environment (versions, which statistics path runs), rl_steps (a few RL steps of the CPU job's config on
+# the GPU: step-0 exact KL < 1e-8 and train-vs-rollout mismatch < 1e-4, then a bf16 run that checkpoints and
+# resumes exactly), kernel_tests (the kernel tests on CUDA tensors against float64), bench_logits,
+# bench_truncation, bench_linear (tools/bench_vocab_parallel.py --device cuda), rest (the remaining suite).
+# Wheels in .gpu-wheels/ are installed first (--no-index --no-deps); the project is imported from this checkout.
+# A check that fails or runs out of time is recorded and the next one runs; the exit code is the number of checks
+# that did not pass. BUDGET_S (default 480) bounds all checks together: each gets min(its deadline, what is left).
+# Environment: PYTHON, CHECK_SCALE (multiplies every deadline), PYTEST_WORKERS (pytest-xdist, default 8).
 set -u
+cd "$(dirname "$0")/.."
 out=${1:-gpu-checks}
 py=${PYTHON:-python3}
 scale=${CHECK_SCALE:-1}
 workers=${PYTEST_WORKERS:-8}
-selected=" ${CHECKS:-environment validate e2e_train unit_distributed bench_logits bench_truncation bench_linear bench_step_135m_bf16} "
+dry=${DRY_RUN:-0}
+budget=${BUDGET_S:-480}
+selected=" ${CHECKS:-environment rl_steps kernel_tests bench_logits bench_truncation bench_linear rest} "
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
 : >>"$out/summary.txt"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+started=$(date +%s)
 failed=0
 
+if [ -d .gpu-wheels ] && [ "$dry" = 0 ]; then
+    "$py" -m pip install --quiet --no-index --no-deps .gpu-wheels/*.whl >"$out/wheels.log" 2>&1 \
+        || echo "wheels: install failed (see wheels.log)" | tee -a "$out/summary.txt"
+fi
+
 check() {  # check NAME DEADLINE_S COMMAND...
-    local name=$1 limit=$(( $2 * scale )) start rc
+    local name=$1 limit=$(( $2 * scale )) start rc left
     shift 2
     [[ $selected == *" $name "* ]] || return 0
+    left=$(( budget * scale - ($(date +%s) - started) ))
+    if [ "$left" -lt 10 ]; then
+        printf '%-18s skipped: the budget (%ss) is spent\n' "$name" "$(( budget * scale ))" | tee -a "$out/summary.txt"
+        failed=$(( failed + 1 ))
+        return 0
+    fi
+    [ "$limit" -gt "$left" ] && limit=$left
     start=$(date +%s)
-    timeout --kill-after=15 "$limit" "$@" >"$out/$name.log" 2>&1
+    timeout --kill-after=10 "$limit" "$@" >"$out/$name.log" 2>&1
     rc=$?
     [ "$rc" -eq 0 ] || failed=$(( failed + 1 ))
-    printf '%-22s rc=%-4s %5ss  (deadline %ss)\n' "$name" "$rc" "$(( $(date +%s) - start ))" "$limit" \
+    printf '%-18s rc=%-4s %5ss  (deadline %ss)\n' "$name" "$rc" "$(( $(date +%s) - start ))" "$limit" \
         | tee -a "$out/summary.txt"
 }
 
-pytest_args=(-q -rfE --tb=short -m "not slow and not vllm" -p megatron_kl.testing.failure_log
-             --failure-log "$out/failures.txt")
-"$py" -c "import xdist" 2>/dev/null && pytest_args+=(-n "$workers")
+pytest_args=(-q -rfE --tb=short -p megatron_kl.testing.failure_log --failure-log "$out/failures.txt")
+parallel_args=()
+"$py" -c "import xdist" 2>/dev/null && parallel_args=(-n "$workers")
+# kernel tests: one rank on the GPU (CUDA tensors: the Triton path); on a dry run, CPU tensors through the interpreter
+kernel_env=(MEGATRON_KL_TEST_WORLDS=1)
+bench=(--device cuda)
+sizes_logits=8192x152064,4096x32768 sizes_truncation=4096x32768 sizes_linear=4096x152064 hidden=896
+collect=()
+if [ "$dry" != 0 ]; then  # the tests' node ids are collected, not run (the suite runs them on CPU anyway)
+    collect=(--collect-only)
+    kernel_env+=(TRITON_INTERPRET=1 MEGATRON_KL_TRITON=1)
+    bench+=(--dry-run)
+    sizes_logits=16x300 sizes_truncation=16x300 sizes_linear=64x300 hidden=32
+fi
 
-# 1. the machine and the software
-check environment 30 bash -c "nvidia-smi; $py - <<'EOF'
+# 1. the machine, the software, and which path the statistics take
+check environment 30 bash -c "command -v nvidia-smi >/dev/null && nvidia-smi; $py - <<'EOF'
 import platform, torch
 print('python', platform.python_version(), 'torch', torch.__version__, 'cuda', torch.version.cuda)
-print('device', torch.cuda.get_device_name(0), torch.cuda.get_device_properties(0))
+if torch.cuda.is_available():
+    print('device', torch.cuda.get_device_name(0), torch.cuda.get_device_properties(0))
 import megatron.core, transformers
 print('megatron-core', megatron.core.__version__, 'transformers', transformers.__version__)
-try:
-    import transformer_engine
-    print('transformer-engine', transformer_engine.__version__)
-except ImportError:
-    print('transformer-engine: not installed')
+for name in ('triton', 'liger_kernel', 'transformer_engine'):
+    try:
+        module = __import__(name)
+        print(name, getattr(module, '__version__', 'installed'))
+    except ImportError:
+        print(name + ': not installed')
+from megatron_kl.kl import triton_stats
+print(triton_stats.describe(torch.device('cuda' if torch.cuda.is_available() else 'cpu')))
 EOF"
-# 2. correctness: the node validation, end-to-end training on the GPU, then the unit and distributed suites
-#    (1-rank tests on the GPU, multi-rank ones on gloo)
-check validate 90 "$py" -m megatron_kl.cli validate --out "$out/validate" --json "$out/validate.json"
-check e2e_train 240 "$py" -m pytest "${pytest_args[@]}" tests/e2e/test_train.py tests/e2e/test_engine.py \
-    tests/e2e/test_step0_gates.py tests/e2e/test_checkpoint_integrity.py tests/e2e/test_offload.py
-check unit_distributed 300 "$py" -m pytest "${pytest_args[@]}" tests/unit tests/distributed megatron_kl/validation
-# 3. kernels and the trainer's step at GPU speed (times only mean something next to their same-run baselines)
-check bench_logits 60 "$py" tools/bench_vocab_parallel.py --device cuda --section logits --sizes 8192x152064 \
-    --repeats 5
-check bench_truncation 90 "$py" tools/bench_vocab_parallel.py --device cuda --section truncation \
-    --sizes 4096x152064 --repeats 3
-check bench_linear 90 "$py" tools/bench_vocab_parallel.py --device cuda --section linear --sizes 4096x152064 \
-    --hidden 896 --repeats 3
-check bench_step_135m_bf16 150 "$py" tools/bench_step.py --trl-workload 135m --steps 4 model.params_dtype=bfloat16
-echo "checks not passed: $failed" | tee -a "$out/summary.txt"
+# 2. does an RL step train on this GPU: the step-0 gates, then a bf16 run that checkpoints and resumes exactly
+check rl_steps 150 "$py" -m pytest "${pytest_args[@]}" "${collect[@]}" \
+    "tests/e2e/test_step0_gates.py::test_step_0_policy_equals_reference_and_rollout[embedded-tp1]" \
+    tests/e2e/test_train.py::test_bf16_mixed_precision_trains_and_resumes_exactly
+# 3. the kernels on CUDA tensors against the float64 references (the tests the interpreter runs on CPU)
+check kernel_tests 100 env "${kernel_env[@]}" "$py" -m pytest "${pytest_args[@]}" "${collect[@]}" \
+    megatron_kl/validation/test_vocab_parallel.py megatron_kl/validation/test_vocab_parallel_accuracy.py \
+    megatron_kl/validation/test_fused_linear.py tests/distributed/test_truncation.py \
+    tests/distributed/test_triton_kernels.py
+# 4. the kernel benchmarks, every peer in the same rounds (times only mean something next to their baselines)
+check bench_logits 75 "$py" tools/bench_vocab_parallel.py "${bench[@]}" --section logits --sizes "$sizes_logits" \
+    --repeats 3
+check bench_truncation 45 "$py" tools/bench_vocab_parallel.py "${bench[@]}" --section truncation \
+    --sizes "$sizes_truncation" --dtypes float32 --repeats 3
+check bench_linear 60 "$py" tools/bench_vocab_parallel.py "${bench[@]}" --section linear --sizes "$sizes_linear" \
+    --hidden "$hidden" --repeats 3
+# 5. the rest of the suite (1-rank tests on the GPU, multi-rank ones on gloo), failures named as they happen
+if [ "$dry" = 0 ]; then
+    check rest 300 "$py" -m pytest "${pytest_args[@]}" "${parallel_args[@]}" -m "not slow and not vllm" \
+        tests/unit tests/distributed tests/e2e megatron_kl/validation
+else  # the selection only: collecting the suite proves the command
+    check rest 60 "$py" -m pytest -q --collect-only -m "not slow and not vllm" tests/unit
+fi
+echo "checks not passed: $failed ($(( $(date +%s) - started )) s)" | tee -a "$out/summary.txt"
 exit "$failed"

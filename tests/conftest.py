@@ -8,7 +8,16 @@
 The fast tier is declared here by node-id prefix, so a test's tier is visible in one place.
 """
 
+import os
+
 import pytest
+import torch
+
+# Triton decides between compiled and interpreted functions when triton.language is first imported (the test ranks'
+# fork server imports it with torch), so on a machine without CUDA the interpreter is chosen for the whole session,
+# before any rank starts; it changes nothing unless MEGATRON_KL_TRITON=1 asks for the Triton kernels on CPU tensors
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 FAST = (
     "tests/unit/",
@@ -16,6 +25,9 @@ FAST = (
     "tests/distributed/test_truncation.py::test_sharded_support_and_truncated_statistics_match_the_direct_rule[2]",
     "tests/distributed/test_top_p_histogram.py::test_histogram_cut_equals_the_rule_over_shards[narrowing-2]",
     "tests/distributed/test_top_p_histogram.py::test_without_a_compiler",
+    "tests/distributed/test_triton_kernels.py::test_fused_and_unfused_statistics_match_float64[2]",
+    "tests/distributed/test_triton_kernels.py::test_edges_match_the_closed_form[2]",
+    "tests/distributed/test_triton_kernels.py::test_dispatch_follows_the_device_and_the_switch",
     "megatron_kl/validation/test_model_layouts.py::test_layout_matches_single_rank[tp2]",
     "megatron_kl/validation/test_model_layouts.py::test_layout_matches_single_rank[pp2-1f1b]",
     "tests/distributed/test_hf_conversion.py::test_config_derivation",

@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT))  # the package and tools.bench_gpu_paths
 
 TEMPERATURE = 1.0
 LOGITS_IMPLS = ("megatron_core_logprobs", "logprobs", "logprobs_no_inplace", "logprobs_entropy", "exact_kl",
@@ -414,46 +414,102 @@ def _gpu_memory(prepare) -> int:
     return max(0, torch.cuda.max_memory_allocated() - baseline)
 
 
+def _gpu_inputs(tokens: int, vocab: int, dtype, hidden_size: int = 0, scale: float = 2.0, device: str = "cuda"):
+    """Logits (policy, reference near it, targets) or hidden states + weights, made on ``device`` in ``dtype``."""
+    import torch
+
+    g = torch.Generator(device=device).manual_seed(0)
+    if hidden_size:
+        hidden = torch.randn(tokens, hidden_size, generator=g, device=device).to(dtype)
+        weight = (scale * torch.randn(vocab, hidden_size, generator=g, device=device) / hidden_size ** 0.5)
+        reference_weight = weight + 0.05 * torch.randn(vocab, hidden_size, generator=g, device=device) / hidden_size ** 0.5
+        targets = torch.randint(0, vocab, (tokens,), generator=g, device=device)
+        return hidden, weight.to(dtype), reference_weight.to(dtype), targets
+    logits = scale * torch.randn(tokens, vocab, generator=g, device=device)
+    reference = (logits + 0.05 * torch.randn(tokens, vocab, generator=g, device=device)).to(dtype)
+    targets = torch.randint(0, vocab, (tokens,), generator=g, device=device)
+    return logits.to(dtype), reference, targets
+
+
 def run_gpu(args, section: str) -> None:
-    """``--device cuda``: one GPU, TP=1, in this process; CUDA-synchronised wall times, peak CUDA memory."""
+    """``--device cuda``: one GPU, TP=1, in this process; CUDA-synchronised wall times, peak CUDA memory, and for
+    logits in the share of a device-to-device copy's bandwidth each statistic's floor bytes reach
+    (``tools/bench_gpu_paths.py``)."""
     import torch
     import torch.distributed as dist
 
     from megatron.core import parallel_state
 
+    from tools.bench_gpu_paths import linear_paths, logits_paths
+
+    device = "cpu" if args.dry_run else "cuda"
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
-        dist.init_process_group("nccl", rank=0, world_size=1)
-        torch.cuda.set_device(0)
+        dist.init_process_group("gloo" if args.dry_run else "nccl", rank=0, world_size=1)
+        if not args.dry_run:
+            torch.cuda.set_device(0)
+        from megatron_kl.models.compat import apply_cpu_shims
+
+        apply_cpu_shims()  # a no-op with CUDA
         parallel_state.initialize_model_parallel(1)
     group = parallel_state.get_tensor_model_parallel_group()
-    device = "cuda"
-    card = torch.cuda.get_device_name(0)
+    card = "dry run on the CPU (Triton interpreter)" if args.dry_run else torch.cuda.get_device_name(0)
     for size in args.sizes.split(","):
         tokens, vocab = map(int, size.split("x"))
-        unit = tokens * vocab * 4
-        if section == "logits":
-            tables = [("logits in, fp32, fwd+bwd, TP=1; ratios vs megatron-core vocab_parallel_cross_entropy",
-                       _logits_paths(tokens, vocab, args.chunk or None, group, 1, 0, device), "megatron_core_logprobs")]
-        elif section == "truncation":
-            tables = [(f"logits in (scale {scale} x randn), fp32, log-prob + entropy + exact KL fwd+bwd in place, "
-                       "TP=1; ratios vs the full softmax",
-                       _truncation_paths(tokens, vocab, args.chunk or None, group, 1, 0, scale, device), "full_stats")
-                      for scale in LOGIT_SCALES]
-        else:
-            tables = [(f"hidden in (H={args.hidden}), fp32: projection + log-prob + entropy + exact KL, grads w.r.t. "
-                       "hidden and weight; ratios vs unfused",
-                       _linear_paths(tokens, vocab, args.hidden, args.chunk or None, device), "unfused")]
-        for title, paths, baseline in tables:
-            memory = {name: _gpu_memory(prepare) for name, prepare in paths.items()}
-            times = _interleaved(paths, args.repeats)
-            print(f"\n{card}: {title} ({size}, {args.repeats} rounds; peak CUDA memory over the inputs, "
-                  "in fp32-logits units)")
-            print(f"{'impl':>26s} {'min s':>8s} {'median s':>8s} {'min x':>9s} {'median x':>9s} {'peak MiB':>10s} "
-                  f"{'x logits':>8s}")
-            for name, values in times.items():
-                print(_row(name, values, times[baseline], memory[name], unit))
+        for dtype_name in args.dtypes.split(","):
+            dtype = getattr(torch, dtype_name)
+            unit = tokens * vocab * torch.finfo(dtype).bits // 8
+            floors = {}
+            if section == "logits":
+                paths = logits_paths(*_gpu_inputs(tokens, vocab, dtype, device=device))
+                floors = {name: floor for name, (_, floor) in paths.items()}
+                tables = [(f"logits in, {dtype_name}, fwd+bwd, TP=1; ratios vs megatron-core vocab_parallel_cross_entropy",
+                           {name: prepare for name, (prepare, _) in paths.items()}, "megatron_core_logprobs")]
+            elif section == "truncation":
+                tables = []
+                for scale in LOGIT_SCALES:
+                    logits, reference, targets = _gpu_inputs(tokens, vocab, dtype, scale=scale, device=device)
+                    tables.append((f"logits in (scale {scale} x randn), {dtype_name}, log-prob + entropy + exact KL "
+                                   "fwd+bwd in place, TP=1; ratios vs the full softmax",
+                                   _gpu_truncation_paths(logits, reference, targets, group), "full_stats"))
+            else:
+                paths = linear_paths(*_gpu_inputs(tokens, vocab, dtype, hidden_size=args.hidden, device=device))
+                baseline = "liger_flce_logprobs" if "liger_flce_logprobs" in paths else "unfused_logprobs_entropy"
+                tables = [(f"hidden in (H={args.hidden}), {dtype_name}: projection + statistics, grads w.r.t. hidden "
+                           f"and weight; ratios vs {baseline}",
+                           {name: prepare for name, (prepare, _) in paths.items()}, baseline)]
+            for title, prepared, baseline in tables:
+                memory = {name: _gpu_memory(prepare) if device == "cuda" else 0 for name, prepare in prepared.items()}
+                times = _interleaved(prepared, args.repeats)
+                print(f"\n{card}: {title} ({size}, {args.repeats} rounds; peak CUDA memory over the inputs, "
+                      f"in units of one {dtype_name} logits tensor)", flush=True)
+                bandwidth = 2 * unit / min(times["copy"]) if "copy" in times else None
+                print(f"{'impl':>30s} {'min s':>8s} {'median s':>8s} {'min x':>9s} {'median x':>9s} {'peak MiB':>10s} "
+                      f"{'x logits':>8s}" + (f" {'% copy bw':>9s}" if bandwidth else ""))
+                for name, values in times.items():
+                    line = _row(name, values, times[baseline], memory[name], unit)
+                    if bandwidth and floors.get(name):
+                        line += f" {100 * floors[name] / min(values) / bandwidth:9.1f}"
+                    print(line, flush=True)
+                if bandwidth:
+                    print(f"copy bandwidth: {bandwidth / 1e9:.0f} GB/s (a device-to-device copy of one logits tensor)")
+
+
+def _gpu_truncation_paths(logits, reference, targets, group) -> dict:
+    from megatron_kl.kl.truncation import Truncation
+    from megatron_kl.kl.vocab_parallel import fused_stats
+
+    def prepare(rule):
+        x = logits.clone().requires_grad_(True)
+
+        def run():
+            stats = fused_stats(x, group, targets=targets, reference_logits=reference, inplace_backward=True,
+                                truncation=None if rule is None else Truncation(*rule))
+            (stats.logprobs.float().sum() + stats.entropy.float().sum() + stats.kl.float().sum()).backward()
+        return run
+
+    return {name: (lambda rule=rule: prepare(rule)) for name, rule in TRUNCATIONS.items()}
 
 
 def main(argv=None) -> int:
@@ -468,8 +524,15 @@ def main(argv=None) -> int:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cuda: the logits, truncation and linear sections at TP=1 on one GPU (CUDA-synchronised "
                         "times, peak CUDA memory); cpu: every section, TP=1 and TP=2 gloo ranks")
+    parser.add_argument("--dtypes", default="float32,bfloat16",
+                        help="--device cuda: the input dtypes, comma-separated (float32, bfloat16, float16)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="--device cuda on the CPU: every GPU path once through Triton's interpreter at the given "
+                        "(small) sizes, to check the script itself without a GPU (times mean nothing)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.dry_run:  # the Triton kernels on CPU tensors (read when the kernels are first imported)
+        os.environ["TRITON_INTERPRET"] = "1"
     if args.child:
         section, impl = args.child.split(":")
         print(json.dumps(_measure_memory(section, impl, args.sizes, args.hidden, args.chunk or None)))

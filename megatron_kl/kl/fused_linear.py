@@ -51,14 +51,19 @@ from megatron_kl.kl.vocab_parallel import (
 
 MIN_CHUNK_ROWS = 64  # below this the per-chunk GEMMs re-read W too often to be efficient
 LINEAR_CHUNK_ELEMENTS = 1 << 23  # logits entries per chunk: the GEMMs want more rows than the softmax passes
+# GPU: each chunk's GEMMs re-read the whole [V/tp, H] weight, so fewer, larger chunks (2^25 float32 entries = 128
+# MiB per chunk logits tensor: 220 rows at V = 152064); not yet tuned on a GPU
+LINEAR_CUDA_CHUNK_ELEMENTS = 1 << 25
 
 
-def default_chunk_rows(local_vocab: int, single_pass: bool = False) -> int:
+def default_chunk_rows(local_vocab: int, single_pass: bool = False, device: Optional[torch.device] = None) -> int:
     """Rows per chunk: one float32 chunk of logits is about LINEAR_CHUNK_ELEMENTS entries, at least 64 rows;
     four times that for the single pass, whose dL/dW accumulation reads and writes the whole [V/tp, H]
     weight gradient once per chunk (measured on 2 CPU cores, 2048 x 152064, H=896: 256 rows at the
     unfused time, 128 rows ~5 % slower; tools/bench_vocab_parallel.py). The softmax passes inside a chunk
     run on cache-sized row blocks (vocab_parallel.chunk_forward), so large chunks cost no extra passes."""
+    if device is not None and device.type == "cuda":
+        return max(MIN_CHUNK_ROWS, LINEAR_CUDA_CHUNK_ELEMENTS // max(1, local_vocab))
     rows = max(MIN_CHUNK_ROWS, LINEAR_CHUNK_ELEMENTS // max(1, local_vocab))
     return 4 * rows if single_pass else rows
 
@@ -327,7 +332,7 @@ def fused_linear_stats(
     if targets is not None and tuple(targets.shape) != tuple(lead):
         raise ValueError(f"targets shape {tuple(targets.shape)} != hidden leading shape {tuple(lead)}")
     if chunk_size is None:
-        chunk_size = default_chunk_rows(weight.shape[0])
+        chunk_size = default_chunk_rows(weight.shape[0], device=weight.device)
     if chunk_size <= 0:
         raise ValueError(f"chunk_size={chunk_size} must be > 0 (or None for automatic)")
     rows = hidden.reshape(-1, hidden.shape[-1])

@@ -94,6 +94,13 @@ def describe(device: torch.device) -> str:
 
 def _kernels():
     """The kernel module, decorated for the current mode (compiled or interpreted)."""
+    if _interpreting():
+        from triton.language import standard
+
+        if type(standard.zeros).__name__ != "InterpretedFunction":
+            raise RuntimeError("TRITON_INTERPRET=1 was set after triton.language had been imported in compiled mode, "
+                               "so its library functions cannot run in the interpreter: set TRITON_INTERPRET=1 before "
+                               "the process starts (or before anything imports triton)")
     name = "megatron_kl.kl.triton_kernels"
     module = sys.modules.get(name)
     if module is None:

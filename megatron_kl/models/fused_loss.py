@@ -59,7 +59,7 @@ def single_pass_loss(vocab, reference, mb: dict, hidden, weight, tp_group, seque
         grads = [None if g is None else to_rows(g, lo, hi) for g in grads]
         return grads[0], grads[1], grads[2] if has_ref else None
 
-    chunk = vocab.chunk_size or default_chunk_rows(weight.shape[0], single_pass=True)
+    chunk = vocab.chunk_size or default_chunk_rows(weight.shape[0], single_pass=True, device=weight.device)
     out, grad_hidden, grad_weight = fused_linear_grads(
         policy_rows.detach().contiguous(), weight.detach(), ref_rows, reference_weight, flat_targets, tp_group,
         vocab.temperature, vocab.vocab_size, chunk, probe, want_weight=weight.requires_grad,

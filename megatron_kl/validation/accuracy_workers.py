@@ -82,7 +82,7 @@ def logprob_entropy_worker(rank, world, cases):
     group = dist.group.WORLD
     results = []
     for case in cases:
-        logits, targets, weights = logits_inputs(case)
+        logits, targets, weights = to_device(logits_inputs(case), rank_device())
         x = logits.chunk(world, -1)[rank].contiguous().requires_grad_(True)
         stats = fused_stats(x, group, targets=targets, temperature=case["temperature"], chunk_size=case.get("chunk"))
         (grad,) = torch.autograd.grad((weights[0] * stats.logprobs + weights[1] * stats.entropy).sum(), x)

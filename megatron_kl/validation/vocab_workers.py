@@ -4,6 +4,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_kl.kl.vocab_parallel import entropy, full_kl, fused_stats, token_logprobs
+from megatron_kl.local_ranks import to_device
+from megatron_kl.validation.devices import rank_device
 
 
 def make_case(case: dict):
@@ -23,7 +25,7 @@ def vocab_parallel_worker(rank, world, cases):
     group = dist.group.WORLD
     results = []
     for case in cases:
-        logits, reference, targets, weights, mask = make_case(case)
+        logits, reference, targets, weights, mask = to_device(make_case(case), rank_device())
         dtype = getattr(torch, case["dtype"])
         local = logits.chunk(world, dim=-1)[rank].to(dtype).contiguous().requires_grad_(True)
         local_ref = reference.chunk(world, dim=-1)[rank].to(dtype).contiguous()

@@ -13,6 +13,7 @@ import torch
 
 from megatron_kl.kl import triton_stats
 from megatron_kl.testing import distributed
+from megatron_kl.testing.worlds import worlds
 from megatron_kl.validation import test_fused_linear, test_vocab_parallel, test_vocab_parallel_accuracy
 from tests.distributed import test_truncation
 from tests.distributed.triton_workers import edge_inputs, edge_worker, through_triton
@@ -22,7 +23,10 @@ pytest.importorskip("triton")
 
 @pytest.fixture
 def interpreter(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    """The Triton path for every rank: compiled kernels on CUDA tensors where a GPU is there (one rank:
+    MEGATRON_KL_TEST_WORLDS=1), the interpreter on CPU tensors elsewhere."""
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setenv(triton_stats.ENV, "1")
 
 
@@ -43,27 +47,27 @@ def checked(monkeypatch, interpreter):
         monkeypatch.setattr(module, "run_ranks", _checked_run_ranks)
 
 
-@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("world", worlds([1, 2]))
 def test_fused_and_unfused_statistics_match_float64(world, checked):
     test_vocab_parallel.test_matches_unsharded_float64_reference(world)
 
 
-@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("world", worlds([1, 2]))
 def test_exact_kl_near_the_reference_has_small_relative_error(world, checked):
     test_vocab_parallel_accuracy.test_exact_kl_near_the_reference_has_small_relative_error(world)
 
 
-@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("world", worlds([1, 2]))
 def test_logprobs_and_entropy_at_logits_of_1e4(world, checked):
     test_vocab_parallel_accuracy.test_logprobs_and_entropy_at_most_twice_naive_fp32_error(world)
 
 
-@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("world", worlds([1, 2]))
 def test_truncated_statistics_match_the_direct_rule(world, checked):
     test_truncation.test_sharded_support_and_truncated_statistics_match_the_direct_rule(world)
 
 
-@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("world", worlds([1, 2]))
 def test_fused_linear_single_pass_gradients_equal_autograd(world, checked):
     test_fused_linear.test_single_pass_gradients_equal_autograd(world)
 
@@ -105,7 +109,7 @@ def _closed_form(case):
     return {"logprobs": lp, "entropy": entropy, "kl": kl, "grad": grad}
 
 
-@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("world", worlds([1, 2]))
 def test_edges_match_the_closed_form(world, interpreter, monkeypatch):
     monkeypatch.setenv(triton_stats.BLOCK_ENV, "16")  # 61 columns: four blocks, the last one partial
     cases = _edge_cases()

@@ -5,6 +5,8 @@ import torch.distributed as dist
 
 from megatron_kl.kl import triton_stats
 from megatron_kl.kl.vocab_parallel import fused_stats
+from megatron_kl.local_ranks import to_device
+from megatron_kl.validation.devices import rank_device
 
 
 def through_triton(worker, rank, world, *args):
@@ -42,7 +44,7 @@ def edge_inputs(case: dict):
 def edge_worker(rank, world, cases):
     results = []
     for case in cases:
-        logits, reference, targets, weights = edge_inputs(case)
+        logits, reference, targets, weights = to_device(edge_inputs(case), rank_device())
         dtype = getattr(torch, case["dtype"])
         local = logits.chunk(world, dim=-1)[rank].to(dtype).contiguous().requires_grad_(True)
         local_ref = reference.chunk(world, dim=-1)[rank].to(dtype).contiguous()

@@ -6,6 +6,8 @@ import torch.distributed as dist
 from megatron_kl.kl.fused_linear import fused_linear_stats
 from megatron_kl.kl.truncation import Truncation, support_threshold
 from megatron_kl.kl.vocab_parallel import fused_stats
+from megatron_kl.local_ranks import to_device
+from megatron_kl.validation.devices import rank_device
 
 
 def make_case(case: dict):
@@ -39,11 +41,11 @@ def truncation_worker(rank, world, cases):
     group = dist.group.WORLD
     results = []
     for case in cases:
-        logits, reference, weights, extra = make_case(case)
+        logits, reference, weights, extra = to_device(make_case(case), rank_device())
         dtype = getattr(torch, case["dtype"])
         rule = Truncation(case["top_k"], case["top_p"])
         tau, vocab = case["temperature"], case["vocab"]
-        targets = torch.as_tensor(case["targets"])
+        targets = torch.as_tensor(case["targets"], device=logits.device)
         local_cols = case["padded_vocab"] // world
         valid = max(0, min(local_cols, vocab - rank * local_cols))
         local = logits.chunk(world, dim=-1)[rank].to(dtype)
