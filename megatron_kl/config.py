@@ -17,6 +17,8 @@ from typing import Any, Optional, get_args, get_origin, get_type_hints
 
 import yaml
 
+from megatron_kl.constraints import checked, constraint_of
+
 
 class ConfigError(ValueError):
     """A configuration value is invalid; the message names the field and how to fix it."""
@@ -33,6 +35,11 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 
 MOE_DISPATCHERS = ("auto", "allgather", "alltoall")
+LOGPROB_PATHS = ("auto", "fused", "unfused")
+FUSED_GRADS = ("auto", "in_forward", "recompute")
+RECOMPUTE = ("none", "full")
+CORE_ATTENTION = ("auto", "sdpa", "unfused")
+RMS_NORMS = ("auto", "lean", "torch")
 ROUTING_REPLAY = ("off", "rollout")
 
 
@@ -45,25 +52,25 @@ class MoEConfig:
     with ``normalize_topk`` (Qwen3-MoE's norm_topk_prob) renormalised to sum to 1 (megatron: softmax over the
     top-k logits); without it the kept probabilities are used as they are (Qwen2-MoE)."""
 
-    num_experts: int = 0
-    router_topk: int = 2
-    ffn_hidden_size: Optional[int] = None  # per expert (HF moe_intermediate_size); default model.ffn_hidden_size
+    num_experts: int = checked(0, ge=0)
+    router_topk: int = checked(2, ge=1)
+    ffn_hidden_size: Optional[int] = checked(None, ge=1)  # per expert (HF moe_intermediate_size); default model.ffn_hidden_size
     # the shared expert every token also goes through, scaled by sigmoid(gate . x) (Qwen2-MoE); 0: none
-    shared_expert_ffn_hidden_size: int = 0
+    shared_expert_ffn_hidden_size: int = checked(0, ge=0)
     normalize_topk: bool = True
     # load-balancing auxiliary loss (megatron's Switch-style aux_loss, per layer, added to the training
     # gradient) and the router z-loss; 0 turns each off
-    aux_loss_coeff: float = 0.0
-    z_loss_coeff: float = 0.0
+    aux_loss_coeff: float = checked(0.0, ge=0)
+    z_loss_coeff: float = checked(0.0, ge=0)
     # tokens an expert takes per step, as a multiple of its even share; null: dropless (no token dropped)
-    capacity_factor: Optional[float] = None
+    capacity_factor: Optional[float] = checked(None, gt=0)
     # megatron's token dispatcher: alltoall (GPU; it needs CUDA streams), allgather (also on the CPU); auto
     # picks alltoall with CUDA, allgather without
-    token_dispatcher: str = "auto"
+    token_dispatcher: str = checked("auto", choices=MOE_DISPATCHERS)
     # which experts the policy's forwards in the trainer (pi_old and the update) send rollout tokens to: "off"
     # routes them anew; "rollout" replays the experts the engine chose (megatron-core's RouterReplay; the engine
     # must report its routing: rollout.engine local or sglang). The reference always routes itself
-    routing_replay: str = "off"
+    routing_replay: str = checked("off", choices=ROUTING_REPLAY)
 
     def __post_init__(self):
         if str(self.routing_replay).lower() in ("false", "off"):  # YAML 1.1 reads a bare `off` as false
@@ -79,49 +86,49 @@ class ModelConfig:
     """A decoder-only transformer in the Llama / Qwen2 / Qwen3 family (RMSNorm, SwiGLU, GQA, RoPE), dense or
     with mixture-of-experts MLPs (``moe``)."""
 
-    architecture: str = "qwen2"
-    num_layers: int = 2
-    hidden_size: int = 64
-    ffn_hidden_size: int = 128
-    num_attention_heads: int = 4
-    num_query_groups: int = 2
-    kv_channels: Optional[int] = None  # head dim; default hidden_size // num_attention_heads
-    vocab_size: int = 32
-    max_position_embeddings: int = 256
-    rope_theta: Optional[float] = None
-    rope_scaling_factor: Optional[float] = None  # Llama-3.1 style frequency scaling when set
-    norm_epsilon: float = 1e-6
+    architecture: str = checked("qwen2", choices=tuple(ARCHITECTURES))
+    num_layers: int = checked(2, ge=1)
+    hidden_size: int = checked(64, ge=1)
+    ffn_hidden_size: int = checked(128, ge=1)
+    num_attention_heads: int = checked(4, ge=1)
+    num_query_groups: int = checked(2, ge=1)
+    kv_channels: Optional[int] = checked(None, ge=1)  # head dim; default hidden_size // num_attention_heads
+    vocab_size: int = checked(32, ge=1)
+    max_position_embeddings: int = checked(256, ge=1)
+    rope_theta: Optional[float] = checked(None, gt=0)
+    rope_scaling_factor: Optional[float] = checked(None, gt=0)  # Llama-3.1 style frequency scaling when set
+    norm_epsilon: float = checked(1e-6, gt=0)
     tie_word_embeddings: bool = False
     qkv_bias: Optional[bool] = None
     qk_layernorm: Optional[bool] = None
-    make_vocab_size_divisible_by: int = 128
-    params_dtype: str = "float32"
-    init_method_std: float = 0.02
+    make_vocab_size_divisible_by: int = checked(128, ge=1)
+    params_dtype: str = checked("float32", choices=DTYPES)
+    init_method_std: float = checked(0.02, gt=0)
     # how per-token log-probs / entropy / exact KL are computed on the last stage: "fused" never
     # materialises the logits (output projection inside the chunk loop), "unfused" runs the output layer
     # then the vocab-parallel stats, "auto" fuses forward-only passes and single-pass training microbatches of
     # at least one chunk, and a training microbatch that recomputes logits in backward when its logits
     # (tokens x V/tp) would exceed four fused chunks (models/pipeline.py VocabOptions.use_fused: measured)
-    logprob_path: str = "auto"
-    logprob_chunk_rows: Optional[int] = None  # rows per chunk on either path; None: automatic
+    logprob_path: str = checked("auto", choices=LOGPROB_PATHS)
+    logprob_chunk_rows: Optional[int] = checked(None, ge=1)  # rows per chunk on either path; None: automatic
     # fused path, training: in_forward forms the gradients in the forward sweep (no recomputed logits) when
     # the loss is row-separable, recompute always recomputes them in backward; auto = in_forward
-    fused_grad: str = "auto"
+    fused_grad: str = checked("auto", choices=FUSED_GRADS)
     # activation recomputation in training (megatron's recompute_granularity): "full" keeps only each layer's
     # input and recomputes the layer in backward (activation memory ~ layers x tokens x hidden, about one more
     # forward of compute); "none" keeps every activation. Frozen models (reference, engine) never recompute.
-    recompute: str = "none"
+    recompute: str = checked("none", choices=RECOMPUTE)
     # core attention of the pure-PyTorch layer spec (no Transformer Engine): "sdpa" computes it with torch's
     # scaled_dot_product_attention (flash kernel, GQA without repeating keys; float32 math for 16-bit models on
     # the CPU), "unfused" keeps megatron-core's DotProductAttention, "auto" = sdpa for 16-bit params_dtype
     # (where megatron's bf16 batched GEMMs are slow), unfused for float32 (decoding no faster with sdpa; training
     # attention 2x faster but ~1 % of a step; runs stay bit-identical to earlier releases); TE's spec uses TE's own
-    core_attention: str = "auto"
+    core_attention: str = checked("auto", choices=CORE_ATTENTION)
     # RMSNorm of the pure-PyTorch layer spec in training: "lean" saves only x and 1/rms for backward
     # (models/norm.py; as TE's and apex's fused norms do), "torch" keeps torch.nn.RMSNorm's composite graph (float32
     # copies of the activations), "auto" = lean for 16-bit params_dtype, torch in float32 (float32 runs stay
     # bit-identical to earlier releases)
-    rms_norm: str = "auto"
+    rms_norm: str = checked("auto", choices=RMS_NORMS)
     moe: MoEConfig = field(default_factory=MoEConfig)
 
     def resolved(self) -> "ModelConfig":
@@ -141,19 +148,19 @@ class ModelConfig:
 
 @dataclass
 class ParallelConfig:
-    tensor_parallel: int = 1
-    pipeline_parallel: int = 1
-    virtual_pipeline: Optional[int] = None  # model chunks per pipeline rank (interleaved 1F1B)
+    tensor_parallel: int = checked(1, ge=1)
+    pipeline_parallel: int = checked(1, ge=1)
+    virtual_pipeline: Optional[int] = checked(None, ge=1)  # model chunks per pipeline rank (interleaved 1F1B)
     sequence_parallel: bool = False
     offload_reference: bool = False  # keep the reference model's weights on CPU between uses
     # mixture-of-experts layouts (model.moe): experts split over expert_parallel ranks (carved out of the data-
     # parallel ranks x TP, as megatron does), each expert's matrices over expert_tensor_parallel ranks (null:
     # the same as tensor_parallel)
-    expert_parallel: int = 1
-    expert_tensor_parallel: Optional[int] = None
+    expert_parallel: int = checked(1, ge=1)
+    expert_tensor_parallel: Optional[int] = checked(None, ge=1)
     # one timeout for every process group (torch.distributed's default group, megatron's TP/PP/DP groups,
     # the rollout engine's gloo group): a hung rank ends the job after this long instead of 30 min or never
-    distributed_timeout_s: float = 1800.0
+    distributed_timeout_s: float = checked(1800.0, gt=0)
 
 
 def validate_model(model: ModelConfig) -> None:
@@ -332,6 +339,8 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
         if not isinstance(value, dict):
             raise ConfigError(f"{where} must be a mapping, got {value!r}")
         return from_dict(hint, value, prefix=where + ".")
+    if value is None and hint in (bool, int, float, str):
+        raise ConfigError(f"{where} must be set (null is not a {hint.__name__} here)")
     if hint is bool:
         if isinstance(value, bool):
             return value
@@ -339,14 +348,21 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
             return value.lower() in ("true", "1", "yes")
         raise ConfigError(f"{where}={value!r} must be true or false")
     if hint in (int, float):
+        if isinstance(value, bool):
+            raise ConfigError(f"{where}={str(value).lower()} must be a{'n integer' if hint is int else ' number'}, "
+                              "not true/false")
         try:
             out = hint(value)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):
             raise ConfigError(f"{where}={value!r} must be a{'n int' if hint is int else ' float'}") from None
         if hint is int and isinstance(value, float) and value != out:
             raise ConfigError(f"{where}={value!r} must be an integer")
         return out
     if hint is str:
+        if isinstance(value, bool):  # YAML 1.1 reads a bare off / on (and no / yes) as false / true
+            return "on" if value else "off"
+        if isinstance(value, (dict, list)):
+            raise ConfigError(f"{where}={value!r} must be a string")
         return str(value)
     return value
 
@@ -361,12 +377,26 @@ def from_dict(cls, data: dict, prefix: str = ""):
             f"unknown config key(s) {sorted(prefix + k for k in unknown)}; valid keys here: {sorted(names)}"
         )
     kwargs = {k: _coerce(v, hints[k], prefix + k) for k, v in data.items()}
+    for item in fields(cls):
+        rule = constraint_of(item)
+        if rule is not None and item.name in kwargs:
+            why = rule.violation(kwargs[item.name])
+            if why:
+                value = kwargs[item.name] if isinstance(kwargs[item.name], (int, float)) else data[item.name]
+                raise ConfigError(f"{prefix}{item.name}={_shown(value)} {why}" + (f"; {rule.fix}" if rule.fix else ""))
     try:
         return cls(**kwargs)
     except ConfigError:
         raise
     except ValueError as err:  # a library dataclass (KLConfig, RPGConfig...) names itself: say the YAML path
         raise ConfigError(str(err).replace(f"{cls.__name__}.", prefix)) from None
+
+
+def _shown(value) -> str:
+    """A value as the user typed it (YAML spelling for true/false/null)."""
+    if value is None or isinstance(value, bool):
+        return yaml.safe_dump(value).split("\n")[0]
+    return repr(value) if isinstance(value, str) else str(value)
 
 
 def to_dict(obj) -> dict:
@@ -405,10 +435,29 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     return data
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a key given twice in one mapping (PyYAML would keep the last silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"key {key!r} is given twice (lines {seen[key] + 1} and "
+                        f"{key_node.start_mark.line + 1}): keep one", key_node.start_mark)
+                seen[key] = key_node.start_mark.line
+            except TypeError:  # an unhashable key: PyYAML's own error follows
+                pass
+        return super().construct_mapping(node, deep=deep)
+
+
 def parse_yaml(text: str, where: str):
-    """``yaml.safe_load`` with a one-line ConfigError naming ``where`` and the position instead of a traceback."""
+    """``yaml.safe_load`` (keys given twice refused) with a one-line ConfigError naming ``where`` and the position
+    instead of a traceback."""
     try:
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=_UniqueKeyLoader)
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""

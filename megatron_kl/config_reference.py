@@ -1,5 +1,5 @@
 """The configuration reference, read from the config dataclasses themselves: every field's YAML path, type,
-default, current value and its one-line description - the comment on (or the comment block above) its line
+default, current value, what it may hold (its declared constraint) and its one-line description - the comment on (or the comment block above) its line
 in the dataclass's source, or the class docstring for a section. ``megatron-kl config show`` prints it;
 ``--format md`` writes the Markdown reference (docs/configuration.md is generated that way and a test keeps
 it current), so the reference cannot drift from the code.
@@ -53,8 +53,16 @@ def _default(f: dataclasses.Field) -> Any:
     return None
 
 
-def rows(cls, value=None, prefix: str = "") -> list[tuple[str, str, Any, Any, str]]:
-    """(path, type, default, current value, description) for every leaf field under ``cls``."""
+def allowed(f: dataclasses.Field) -> str:
+    """What the field may hold (its declared constraint, ``megatron_kl.constraints``); "" where none is declared."""
+    from megatron_kl.constraints import constraint_of
+
+    rule = constraint_of(f)
+    return rule.describe() if rule is not None else ""
+
+
+def rows(cls, value=None, prefix: str = "") -> list[tuple[str, str, Any, Any, str, str]]:
+    """(path, type, default, current value, description, allowed values) for every leaf field under ``cls``."""
     hints = typing.get_type_hints(cls)
     docs = field_docs(cls)
     out = []
@@ -65,7 +73,7 @@ def rows(cls, value=None, prefix: str = "") -> list[tuple[str, str, Any, Any, st
         if dataclasses.is_dataclass(hint):
             out += rows(hint, current, f"{prefix}{f.name}.")
             continue
-        out.append((f"{prefix}{f.name}", _type_name(hint), _default(f), current, docs.get(f.name, "")))
+        out.append((f"{prefix}{f.name}", _type_name(hint), _default(f), current, docs.get(f.name, ""), allowed(f)))
     return out
 
 
@@ -93,19 +101,22 @@ def markdown(cls, title: str) -> str:
     lines = [f"# {title}", "",
              "Generated from the config dataclasses by `megatron-kl config show --format md` (do not edit by hand).",
              "Every field can be set in the YAML file or as a dotted override: `megatron-kl train --config X "
-             "section.field=value`.", ""]
+             "section.field=value`. The column *allowed* is each field's declared constraint: a value outside it, NaN, "
+             "an infinity, true/false for a number, null for a required field or a key given twice is refused when "
+             "the config is loaded (`train`, `--check`, `study`, `launch`; `launch` leaves paths to the job, which checks "
+             "them where it starts), in one line naming the field.", ""]
     sections = section_docs(cls)
     current = None
-    for path, type_name, default, _, doc in rows(cls):
+    for path, type_name, default, _, doc, rule in rows(cls):
         top = path.split(".")[0]
         if top != current:
             current = top
             lines += ["", f"## `{top}`", ""]
             if sections.get(top):
                 lines += [sections[top], ""]
-            lines += ["| field | type | default | description |", "|---|---|---|---|"]
+            lines += ["| field | type | default | allowed | description |", "|---|---|---|---|---|"]
         cell = doc.replace("|", "\\|")
-        lines.append(f"| `{path}` | `{type_name}` | `{_show(default)}` | {cell} |")
+        lines.append(f"| `{path}` | `{type_name}` | `{_show(default)}` | {rule} | {cell} |")
     return "\n".join(lines) + "\n"
 
 
@@ -135,8 +146,9 @@ def main(argv: Optional[list[str]] = None) -> int:
               f"{sorted({r[0].split('.')[0] for r in rows(TrainConfig)})}", file=sys.stderr)
         return 2
     width = max(len(r[0]) for r in shown)
-    for path, type_name, default, value, doc in shown:
+    for path, type_name, default, value, doc, rule in shown:
         changed = "" if value == default else f"   (default {_show(default)})"
         print(f"{path:<{width}}  {_show(value)}{changed}")
-        print(f"{'':<{width}}  {type_name}. {doc}" if doc else f"{'':<{width}}  {type_name}")
+        kind = f"{type_name}, {rule}" if rule else type_name
+        print(f"{'':<{width}}  {kind}. {doc}" if doc else f"{'':<{width}}  {kind}")
     return 0

@@ -28,7 +28,9 @@ from typing import Optional
 import torch
 
 from megatron_kl.algo.corrections import CORRECTIONS, Correction
+from megatron_kl.algo.advantages import ESTIMATORS as ADVANTAGES
 from megatron_kl.config import ConfigError
+from megatron_kl.constraints import checked
 from megatron_kl.kl.estimators import ClampCounter, clamp_log_ratio
 from megatron_kl.kl.objective import (AGGREGATIONS, KLConfig, aggregate_tokens, kl_loss, kl_penalty_credit,
                                      policy_gradient_surrogate)
@@ -45,23 +47,23 @@ RATIO_LEVELS = ("token", "sequence")
 
 @dataclass
 class AlgoConfig:
-    advantage: str = "grpo"
+    advantage: str = checked("grpo", choices=ADVANTAGES)
     std_normalize: bool = True
-    loss: str = "ppo"  # ppo | rpg
-    clip_low: float = 0.2
-    clip_high: float = 0.28
-    dual_clip: Optional[float] = 3.0
-    aggregation: str = "token_mean"  # policy-loss aggregation
-    entropy_coef: float = 0.0
-    ppo_epochs: int = 1
-    minibatches: int = 1  # optimizer steps per epoch
-    behavior_correction: str = "none"  # megatron_kl.algo.corrections.CORRECTIONS
-    tis_cap: float = 2.0  # truncation of token_tis / sequence_tis
-    mask_low: float = 0.5  # band kept by token_mask / sequence_mask / geometric_mask / icepop
-    mask_high: float = 2.0
-    ratio_level: str = "token"  # token: PPO's per-token ratio; sequence: GSPO's length-normalised sequence ratio
-    norm_length: Optional[float] = None  # aggregation=seq_mean_token_sum_norm (Dr. GRPO); default max_new_tokens
-    old_logprobs: str = "recompute"  # OLD_LOGPROBS
+    loss: str = checked("ppo", choices=LOSSES)  # ppo | rpg
+    clip_low: float = checked(0.2, ge=0, lt=1)
+    clip_high: float = checked(0.28, ge=0)
+    dual_clip: Optional[float] = checked(3.0, gt=1)
+    aggregation: str = checked("token_mean", choices=AGGREGATIONS)  # policy-loss aggregation
+    entropy_coef: float = checked(0.0, fix='negative values penalise entropy')
+    ppo_epochs: int = checked(1, ge=1)
+    minibatches: int = checked(1, ge=1)  # optimizer steps per epoch
+    behavior_correction: str = checked("none", choices=CORRECTIONS)  # megatron_kl.algo.corrections.CORRECTIONS
+    tis_cap: float = checked(2.0, gt=0)  # truncation of token_tis / sequence_tis
+    mask_low: float = checked(0.5, ge=0)  # band kept by token_mask / sequence_mask / geometric_mask / icepop
+    mask_high: float = checked(2.0, gt=0)
+    ratio_level: str = checked("token", choices=RATIO_LEVELS)  # token: PPO's per-token ratio; sequence: GSPO's length-normalised sequence ratio
+    norm_length: Optional[float] = checked(None, gt=0)  # aggregation=seq_mean_token_sum_norm (Dr. GRPO); default max_new_tokens
+    old_logprobs: str = checked("recompute", choices=OLD_LOGPROBS)  # OLD_LOGPROBS
     rpg: RPGConfig = field(default_factory=RPGConfig)
 
     def __post_init__(self):

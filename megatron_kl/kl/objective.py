@@ -47,6 +47,7 @@ from typing import Optional
 
 import torch
 
+from megatron_kl.constraints import checked
 from megatron_kl.kl.estimators import ESTIMATORS, ClampCounter, clamp_log_ratio, token_estimate
 
 PLACEMENTS = ("reward", "loss")
@@ -75,19 +76,19 @@ def _choice(name: str, value, allowed) -> None:
 class KLConfig:
     # k1 | k2 | k3 | full (exact over the vocabulary) | auto: estimator, placement, level, credit and off_policy
     # chosen by the audit for kl.target
-    estimator: str = "k1"
-    placement: str = "reward"  # reward: -beta * KL added to the reward; loss: beta * KL added to the loss
-    level: str = "token"  # token: per-token estimates; sequence: the sequence sum as one estimate
-    credit: Optional[str] = None  # reward placement: reward_to_go | immediate; None means reward_to_go there
+    estimator: str = checked("k1", choices=ESTIMATORS + (AUTO,))
+    placement: str = checked("reward", choices=PLACEMENTS)  # reward: -beta * KL added to the reward; loss: beta * KL added to the loss
+    level: str = checked("token", choices=LEVELS)  # token: per-token estimates; sequence: the sequence sum as one estimate
+    credit: Optional[str] = checked(None, choices=CREDITS)  # reward placement: reward_to_go | immediate; None means reward_to_go there
     # importance weighting of the KL term for off-policy samples: none | token_is | per_decision | behavior
-    off_policy: str = "none"
-    coef: float = 0.001  # beta, the KL coefficient
-    clamp: Optional[float] = 20.0  # |log-ratio| bound before any exp (k3, importance weights)
-    truncate: Optional[float] = None  # cap on per-decision weights rho_{1:t}
-    aggregation: str = "seq_mean_token_sum"  # how per-token terms become the loss (AGGREGATIONS)
-    norm_length: Optional[float] = None  # the constant of aggregation='seq_mean_token_sum_norm'
-    target: str = "sequence_reverse"  # the declared objective (TARGETS); runs biased for it are tagged kl/biased
-    regime: str = "auto"  # on_policy | off_policy | auto (from train.staleness)
+    off_policy: str = checked("none", choices=OFF_POLICY)
+    coef: float = checked(0.001, ge=0)  # beta, the KL coefficient
+    clamp: Optional[float] = checked(20.0, gt=0)  # |log-ratio| bound before any exp (k3, importance weights)
+    truncate: Optional[float] = checked(None, gt=0)  # cap on per-decision weights rho_{1:t}
+    aggregation: str = checked("seq_mean_token_sum", choices=AGGREGATIONS)  # how per-token terms become the loss (AGGREGATIONS)
+    norm_length: Optional[float] = checked(None, gt=0)  # the constant of aggregation='seq_mean_token_sum_norm'
+    target: str = checked("sequence_reverse", choices=tuple(TARGETS))  # the declared objective (TARGETS); runs biased for it are tagged kl/biased
+    regime: str = checked("auto", choices=REGIMES)  # on_policy | off_policy | auto (from train.staleness)
     strict: bool = False  # a configuration biased for the target is an error instead of a warning
 
     def __post_init__(self):

@@ -28,6 +28,7 @@ from typing import Optional
 
 import torch
 
+from megatron_kl.constraints import checked
 from megatron_kl.kl.estimators import ClampCounter, clamp_log_ratio
 from megatron_kl.kl.objective import AGGREGATIONS, aggregate_tokens
 
@@ -37,15 +38,15 @@ SURROGATES = ("differentiable", "reinforce")
 
 @dataclass(frozen=True)
 class RPGConfig:
-    divergence: str = "urkl"
-    surrogate: str = "reinforce"
-    coef: float = 0.001  # beta
-    clip_low: Optional[float] = 0.2
-    clip_high: Optional[float] = 0.28
-    dual_clip: Optional[float] = 3.0
-    clamp: Optional[float] = 20.0
-    aggregation: str = "token_mean"
-    norm_length: Optional[float] = None  # aggregation='seq_mean_token_sum_norm' (the trainer sets it)
+    divergence: str = checked("urkl", choices=DIVERGENCES)
+    surrogate: str = checked("reinforce", choices=SURROGATES)
+    coef: float = checked(0.001, ge=0)  # beta
+    clip_low: Optional[float] = checked(0.2, ge=0, lt=1)
+    clip_high: Optional[float] = checked(0.28, ge=0)
+    dual_clip: Optional[float] = checked(3.0, gt=1)
+    clamp: Optional[float] = checked(20.0, gt=0)
+    aggregation: str = checked("token_mean", choices=AGGREGATIONS)
+    norm_length: Optional[float] = checked(None, gt=0)  # aggregation='seq_mean_token_sum_norm' (the trainer sets it)
 
     def __post_init__(self):
         for name, allowed in (("divergence", DIVERGENCES), ("surrogate", SURROGATES), ("aggregation", AGGREGATIONS)):

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from megatron_kl.config import ConfigError
+from megatron_kl.constraints import checked
 
 # NCCL / H100 defaults put into every Slurm job's environment (``launch.slurm.nccl_defaults: false`` drops
 # them; ``launch.slurm.env`` overrides single ones). Why each:
@@ -43,11 +44,11 @@ def _check_env(env, where: str) -> dict:
 class TunnelConfig:
     """Where sbatch runs: ``local`` (this machine is a Slurm login node) or ``ssh`` to a login node."""
 
-    kind: str = "local"
-    host: Optional[str] = None
-    user: Optional[str] = None
-    identity: Optional[str] = None  # ssh private key file
-    job_dir: str = "runs/nemo_run_jobs"  # on the cluster's shared filesystem: code archive, sbatch, logs
+    kind: str = checked("local", choices=TUNNELS)
+    host: Optional[str] = checked(None, free=True)
+    user: Optional[str] = checked(None, free=True)
+    identity: Optional[str] = checked(None, free=True)  # ssh private key file
+    job_dir: str = checked("runs/nemo_run_jobs", free=True, nonempty=True)  # on the cluster's shared filesystem: code archive, sbatch, logs
 
     def __post_init__(self):
         if self.kind not in TUNNELS:
@@ -58,26 +59,26 @@ class TunnelConfig:
 
 @dataclass
 class SlurmConfig:
-    account: Optional[str] = None
-    partition: Optional[str] = None
-    nodes: int = 1  # training nodes
-    gpus_per_node: int = 8
-    time: str = "04:00:00"
-    container_image: Optional[str] = None  # pyxis/enroot image with megatron-kl's GPU stack
+    account: Optional[str] = checked(None, free=True)
+    partition: Optional[str] = checked(None, free=True)
+    nodes: int = checked(1, ge=1)  # training nodes
+    gpus_per_node: int = checked(8, ge=0)
+    time: str = checked("04:00:00", free=True, nonempty=True)
+    container_image: Optional[str] = checked(None, free=True)  # pyxis/enroot image with megatron-kl's GPU stack
     container_mounts: list[str] = field(default_factory=list)  # "/lustre:/lustre"
-    container_workdir: Optional[str] = None  # default: the packaged code (/nemo_run/code)
+    container_workdir: Optional[str] = checked(None, free=True)  # default: the packaged code (/nemo_run/code)
     exclusive: bool = True
-    qos: Optional[str] = None
-    constraint: Optional[str] = None
+    qos: Optional[str] = checked(None, free=True)
+    constraint: Optional[str] = checked(None, free=True)
     env: dict = field(default_factory=dict)  # extra variables, override NCCL_H100_ENV
     nccl_defaults: bool = True
-    retries: int = 2  # requeues after a failure; the trainer resumes from its latest checkpoint
-    rdzv_port: int = 29500  # torchrun c10d rendezvous port on the head node
+    retries: int = checked(2, ge=0)  # requeues after a failure; the trainer resumes from its latest checkpoint
+    rdzv_port: int = checked(29500, ge=1, le=65535)  # torchrun c10d rendezvous port on the head node
     # seconds before the time limit at which Slurm sends SIGUSR1 (sbatch --signal); the trainer finishes its
     # step, checkpoints and exits 75 so the job requeues and resumes. Also torchrun's grace period for that.
     # 0: no signal (the job is killed at the limit and resumes from its last interval checkpoint).
-    signal_lead_s: int = 300
-    packager: str = "git"  # git: `git archive` of HEAD goes to the cluster; none: the image has the code
+    signal_lead_s: int = checked(300, ge=0)
+    packager: str = checked("git", choices=PACKAGERS)  # git: `git archive` of HEAD goes to the cluster; none: the image has the code
     tunnel: TunnelConfig = field(default_factory=TunnelConfig)
 
     def __post_init__(self):
@@ -123,13 +124,13 @@ class RolloutServersConfig:
     their addresses as ``rollout.sglang.urls``.
     """
 
-    mode: str = "colocated"
-    nodes: int = 1
-    gpus_per_node: int = 8
-    tp_size: int = 1
-    port: int = 30000
-    model_path: Optional[str] = None  # default: init.hf_checkpoint
-    mem_fraction_static: float = 0.85
+    mode: str = checked("colocated", choices=ROLLOUT_MODES)
+    nodes: int = checked(1, ge=1)
+    gpus_per_node: int = checked(8, ge=0)
+    tp_size: int = checked(1, ge=1)
+    port: int = checked(30000, ge=1, le=65535)
+    model_path: Optional[str] = checked(None, free=True)  # default: init.hf_checkpoint
+    mem_fraction_static: float = checked(0.85, gt=0, lt=1)
     extra_args: list[str] = field(default_factory=list)
 
     def __post_init__(self):
@@ -144,9 +145,9 @@ class RolloutServersConfig:
 
 @dataclass
 class LaunchConfig:
-    experiment: Optional[str] = None  # NeMo-Run experiment title; default: the run's name
-    home: str = "runs/nemo_run"  # NEMORUN_HOME: experiment records, local logs
-    nproc_per_node: Optional[int] = None  # local: default tensor_parallel x pipeline_parallel ranks
+    experiment: Optional[str] = checked(None, free=True)  # NeMo-Run experiment title; default: the run's name
+    home: str = checked("runs/nemo_run", free=True, nonempty=True)  # NEMORUN_HOME: experiment records, local logs
+    nproc_per_node: Optional[int] = checked(None, ge=1)  # local: default tensor_parallel x pipeline_parallel ranks
     sequential: bool = True  # study tasks one after another (local); Slurm jobs chain with afterany
     env: dict = field(default_factory=dict)  # environment of every task
     slurm: SlurmConfig = field(default_factory=SlurmConfig)

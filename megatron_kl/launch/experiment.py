@@ -14,6 +14,7 @@ from typing import Optional
 
 
 from megatron_kl.config import ConfigError, read_yaml_file
+from megatron_kl.constraints import paths_unchecked
 from megatron_kl.launch.jobs import (TaskSpec, _nemo_run, disaggregated_tasks, local_task, single_node_task,
                                      slurm_task)
 from megatron_kl.train.config import load_train_config
@@ -33,7 +34,13 @@ class LaunchPlan:
 
 
 def plan(config_path: str, overrides: list[str]) -> LaunchPlan:
-    """A training YAML gives one task; a study YAML (it has ``base:``) one task per (configuration, seed)."""
+    """A training YAML gives one task; a study YAML (it has ``base:``) one task per (configuration, seed). Every
+    constraint is checked except the paths', which the job checks where it starts (a cluster's paths)."""
+    with paths_unchecked():
+        return _plan(config_path, overrides)
+
+
+def _plan(config_path: str, overrides: list[str]) -> LaunchPlan:
     data = read_yaml_file(config_path) if Path(config_path).is_file() else None
     if data is None:
         raise ConfigError(f"config file {config_path} does not exist or is empty")

@@ -9,10 +9,12 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from megatron_kl.config import ConfigError
+from megatron_kl.constraints import checked
 
 WEIGHT_SYNC = ("from_disk", "from_tensor", "from_distributed")
 VLLM_MODES = ("llm", "server")
 VLLM_LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
+VLLM_DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")  # vLLM's --dtype
 
 
 @dataclass
@@ -26,31 +28,31 @@ class SGLangConfig:
     """
 
     urls: list[str] = field(default_factory=list)  # empty: launch managed servers
-    model_path: Optional[str] = None  # HF directory the servers start from; default init.hf_checkpoint
-    host: str = "127.0.0.1"
-    port: int = 30000  # first managed server's port; the others count up, skipping ports in use
-    num_servers: int = 1
-    tp_size: int = 1
-    dp_size: int = 1
-    mem_fraction_static: float = 0.85
+    model_path: Optional[str] = checked(None, free=True)  # HF directory the servers start from; default init.hf_checkpoint
+    host: str = checked("127.0.0.1", free=True, nonempty=True)
+    port: int = checked(30000, ge=1, le=65535)  # first managed server's port; the others count up, skipping ports in use
+    num_servers: int = checked(1, ge=1)
+    tp_size: int = checked(1, ge=1)
+    dp_size: int = checked(1, ge=1)
+    mem_fraction_static: float = checked(0.85, gt=0, lt=1)
     enable_memory_saver: bool = False  # needed for release/resume_memory_occupation when colocated
     colocated: bool = False  # release the servers' memory while the trainer runs
     extra_args: list[str] = field(default_factory=list)  # more sglang.launch_server flags
-    weight_sync: str = "from_disk"
-    sync_dir: Optional[str] = None  # from_disk: shared with the servers; default <train.output_dir>/weight_sync
-    server_module: str = "sglang.launch_server"  # tests: megatron_kl.testing.sglang_server (no SGLang needed)
-    max_concurrency: int = 64  # in-flight /generate requests per engine
+    weight_sync: str = checked("from_disk", choices=WEIGHT_SYNC)
+    sync_dir: Optional[str] = checked(None, free=True)  # from_disk: shared with the servers; default <train.output_dir>/weight_sync
+    server_module: str = checked("sglang.launch_server", free=True, nonempty=True)  # tests: megatron_kl.testing.sglang_server (no SGLang needed)
+    max_concurrency: int = checked(64, ge=1)  # in-flight /generate requests per engine
     # top-p without top-k: top log-probs per position asked for to rebuild the truncated distribution's log-probs
     # (SGLang returns those of the full tempered softmax); a support larger than this is an error naming it
-    top_logprobs_num: int = 256
-    request_timeout_s: float = 300.0  # total per attempt; every attempt + backoff < parallel.distributed_timeout_s
-    max_retries: int = 4  # per request, on 5xx / 429 / timeouts / dropped or cut-short answers / corrupt values
-    backoff_s: float = 0.5  # first retry delay, doubled each retry
-    startup_timeout_s: float = 900.0  # /health of a starting server
+    top_logprobs_num: int = checked(256, ge=1)
+    request_timeout_s: float = checked(300.0, gt=0)  # total per attempt; every attempt + backoff < parallel.distributed_timeout_s
+    max_retries: int = checked(4, ge=0)  # per request, on 5xx / 429 / timeouts / dropped or cut-short answers / corrupt values
+    backoff_s: float = checked(0.5, ge=0)  # first retry delay, doubled each retry
+    startup_timeout_s: float = checked(900.0, gt=0)  # /health of a starting server
     restart_dead_servers: bool = True  # managed servers only
     # the servers' --api-key comes from this environment variable (the launcher's disaggregated job sets a
     # per-job key there); managed servers get a fresh random key when it is unset
-    api_key_env: str = "MEGATRON_KL_SGLANG_API_KEY"
+    api_key_env: str = checked("MEGATRON_KL_SGLANG_API_KEY", free=True, nonempty=True)
 
     def __post_init__(self):
         if self.weight_sync not in WEIGHT_SYNC:
@@ -73,21 +75,21 @@ class SGLangConfig:
 class VLLMConfig:
     """vLLM: ``mode: llm`` runs vllm.LLM in the trainer process; ``mode: server`` talks to an OpenAI server."""
 
-    mode: str = "llm"
-    url: Optional[str] = None  # server mode
-    model_path: Optional[str] = None  # default: init.hf_checkpoint
-    tensor_parallel_size: int = 1
-    gpu_memory_utilization: float = 0.5
-    dtype: str = "auto"
-    max_model_len: Optional[int] = None
+    mode: str = checked("llm", choices=VLLM_MODES)
+    url: Optional[str] = checked(None, free=True)  # server mode
+    model_path: Optional[str] = checked(None, free=True)  # default: init.hf_checkpoint
+    tensor_parallel_size: int = checked(1, ge=1)
+    gpu_memory_utilization: float = checked(0.5, gt=0, le=1)
+    dtype: str = checked("auto", choices=VLLM_DTYPES)
+    max_model_len: Optional[int] = checked(None, ge=1)
     enable_sleep_mode: bool = False  # colocated: sleep while the trainer runs
-    sync_dir: Optional[str] = None  # default <train.output_dir>/weight_sync
-    request_timeout_s: float = 300.0  # total per attempt (see rollout.sglang)
-    max_retries: int = 4
-    backoff_s: float = 0.5
+    sync_dir: Optional[str] = checked(None, free=True)  # default <train.output_dir>/weight_sync
+    request_timeout_s: float = checked(300.0, gt=0)  # total per attempt (see rollout.sglang)
+    max_retries: int = checked(4, ge=0)
+    backoff_s: float = checked(0.5, ge=0)
     # mode=server: the --logprobs-mode the server was started with (vLLM's default raw_logprobs are the full
     # softmax's; top-k / top-p sampling needs processed_logprobs, the truncated distribution's). mode=llm sets it.
-    server_logprobs_mode: str = "raw_logprobs"
+    server_logprobs_mode: str = checked("raw_logprobs", choices=VLLM_LOGPROBS_MODES)
 
     def __post_init__(self):
         if self.server_logprobs_mode not in VLLM_LOGPROBS_MODES:

@@ -20,6 +20,7 @@ from typing import Optional, Protocol, Sequence, runtime_checkable
 import torch
 
 from megatron_kl.config import ConfigError
+from megatron_kl.constraints import checked
 from megatron_kl.kl.truncation import Truncation
 from megatron_kl.rollout.http import CorruptResponse
 
@@ -29,19 +30,19 @@ DISTRIBUTIONS = ("truncated", "full")  # rollout.sampling.distribution: what the
 
 @dataclass
 class SamplingConfig:
-    temperature: float = 1.0  # 0 means greedy
-    top_p: float = 1.0
-    top_k: int = 0  # 0 disables
-    max_new_tokens: int = 16
+    temperature: float = checked(1.0, ge=0)  # 0 means greedy
+    top_p: float = checked(1.0, gt=0, le=1)
+    top_k: int = checked(0, ge=0)  # 0 disables
+    max_new_tokens: int = checked(16, ge=1)
     stop_token_ids: list[int] = field(default_factory=list)
-    seed: int = 0
+    seed: int = checked(0, ge=0)
     # the policy distribution the trainer computes log-probs, entropy and KL of: truncated (the engines'
     # sampling distribution: on-policy) | full (softmax(logits / T) over the whole vocabulary: off-policy and
     # biased whenever top_k / top_p truncate; kept to reproduce other libraries)
-    distribution: str = "truncated"
+    distribution: str = checked("truncated", choices=DISTRIBUTIONS)
     # fraction of sampled response tokens allowed outside the trainer's truncated support at the weights that
     # sampled them (an engine's logits differ from the trainer's by rounding at the cut); above it: an error
-    support_tolerance: float = 0.001
+    support_tolerance: float = checked(0.001, ge=0, le=1)
 
     def __post_init__(self):
         if self.temperature < 0:

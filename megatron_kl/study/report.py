@@ -222,7 +222,10 @@ def write_report(study: StudyConfig, runs: list[RunSpec], status: dict) -> dict:
 
     out = Path(study.output_dir)
     groups = collect(study, runs, status)
-    configs = {name: load_train_config(study.base, group.overrides) for name, group in groups.items()}
+    from megatron_kl.constraints import paths_unchecked
+
+    with paths_unchecked():  # the runs' recorded configurations, read for their roles: their paths may be gone
+        configs = {name: load_train_config(study.base, group.overrides) for name, group in groups.items()}
     run_roles = {name: claims.role_of(cfg) for name, cfg in configs.items()}
     claim_results = claims.evaluate(outcomes(groups), run_roles)
     figures = claim_figures(groups, run_roles, out / "figures") + _figures(groups, out / "figures")

@@ -12,6 +12,9 @@ from dataclasses import dataclass, field
 from typing import Optional, Protocol, runtime_checkable
 
 from megatron_kl.config import ConfigError
+from megatron_kl.constraints import checked
+
+TASK_NAMES = ("arithmetic", "math")  # tasks.registry builds them
 
 SPLITS = ("train", "eval", "ood")
 
@@ -51,19 +54,19 @@ class ArithmeticConfig:
     """Integer arithmetic ``a op b =`` with a verifiable answer; the OOD split changes the operands' size
     and may add operators never seen in training."""
 
-    min_digits: int = 1
-    max_digits: int = 2
-    operators: str = "+-"
-    ood_min_digits: int = 3
-    ood_max_digits: int = 3
-    ood_operators: str = "+-"
+    min_digits: int = checked(1, ge=1)
+    max_digits: int = checked(2, ge=1)
+    operators: str = checked("+-", free=True, nonempty=True)
+    ood_min_digits: int = checked(3, ge=1)
+    ood_max_digits: int = checked(3, ge=1)
+    ood_operators: str = checked("+-", free=True, nonempty=True)
     reverse_answer: bool = False  # write the answer least-significant digit first (easier for tiny models)
     # held_out_min_operand > 0: a held-out region of the in-domain operand space. Training and in-domain evaluation
     # never pose a problem whose operands both lie in [held_out_min_operand, held_out_max_operand]; the OOD split
     # poses only those (the in-domain operators; ood_min_digits/ood_max_digits/ood_operators then unused).
     # held_out_max_operand 0: the largest max_digits-digit number.
-    held_out_min_operand: int = 0
-    held_out_max_operand: int = 0
+    held_out_min_operand: int = checked(0, ge=0)
+    held_out_max_operand: int = checked(0, ge=0)
 
 
 @dataclass
@@ -73,17 +76,21 @@ class MathConfig:
     train_files: list[str] = field(default_factory=list)  # jsonl / parquet in a supported shape
     eval_files: list[str] = field(default_factory=list)
     ood_files: list[str] = field(default_factory=list)
-    tokenizer: str = ""  # HF tokenizer path or name (chat template taken from it)
-    system_prompt: Optional[str] = None
-    instruction: str = "Let's think step by step and output the final answer within \\boxed{}."
-    max_prompt_tokens: int = 1024
+    tokenizer: str = checked("", free=True)  # HF tokenizer path or name (chat template taken from it)
+    system_prompt: Optional[str] = checked(None, free=True)
+    instruction: str = checked("Let's think step by step and output the final answer within \\boxed{}.", free=True)
+    max_prompt_tokens: int = checked(1024, ge=1)
+    # evaluation questions that also appear in train_files (compared after lower-casing and dropping whitespace):
+    # refuse names each file and its count; drop leaves them out of the scores (counted in the log); report keeps
+    # them and warns with the counts
+    eval_overlap: str = checked("refuse", choices=("refuse", "drop", "report"))
 
 
 @dataclass
 class TaskConfig:
-    name: str = "arithmetic"  # arithmetic | math
-    seed: int = 0
-    eval_size: int = 64  # problems in each generated evaluation split
+    name: str = checked("arithmetic", choices=TASK_NAMES)  # arithmetic | math
+    seed: int = checked(0, ge=0)
+    eval_size: int = checked(64, ge=1)  # problems in each generated evaluation split
     arithmetic: ArithmeticConfig = field(default_factory=ArithmeticConfig)
     math: MathConfig = field(default_factory=MathConfig)
 

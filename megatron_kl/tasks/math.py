@@ -15,6 +15,7 @@ row. Prompts use the tokenizer's chat template (system prompt optional, instruct
 from __future__ import annotations
 
 import gzip
+import re
 import zlib
 import json
 import logging
@@ -131,6 +132,11 @@ def score_answer(gold: str, response: str) -> float:
         return 0.0
 
 
+def normalized_question(text: str) -> str:
+    """A question as overlap checks compare it: lower case, no whitespace."""
+    return re.sub(r"\s+", "", text.lower())
+
+
 def _file_names(files: list[str]) -> dict[str, str]:
     """A short unique name per file: its stem (math500, aime2024, ...), numbered when stems repeat."""
     names: dict[str, str] = {}
@@ -169,11 +175,41 @@ class MathTask:
                 self.groups[group] = [group]
         if not self.splits["train"]:
             raise ConfigError(f"task.math.train_files {cfg.train_files} hold no usable rows (see the log)")
+        self.overlap = self._check_overlap()
         for group, files in (("eval", cfg.eval_files), ("ood", cfg.ood_files)):
             for name, path in _file_names(files).items():
                 key = f"{group}:{name}" if len(files) > 1 else group
                 if not self.splits[key]:  # would report pass@1 = 0.0 for a benchmark that was never run
                     raise ConfigError(f"task.math.{group}_files: {path} holds no usable rows (see the log)")
+
+    def _check_overlap(self) -> dict[str, int]:
+        """Evaluation questions also in the training files, per eval / OOD split (task.math.eval_overlap)."""
+        trained = {normalized_question(p.prompt_text) for p in self.splits["train"]}
+        per_file = [k for group, names in self.groups.items() for k in names]
+        overlap = {k: sum(normalized_question(p.prompt_text) in trained for p in self.splits[k]) for k in per_file}
+        overlap = {k: n for k, n in overlap.items() if n}
+        if not overlap:
+            return {}
+        counts = ", ".join(f"{k}: {n} of {len(self.splits[k])}" for k, n in overlap.items())
+        mode = self.cfg.eval_overlap
+        if mode == "refuse":
+            raise ConfigError(f"task.math: evaluation questions also in task.math.train_files ({counts}): their scores "
+                              "would include trained-on questions. Remove them from the files, or set "
+                              "task.math.eval_overlap=drop (leave them out of the scores) or report (keep them)")
+        if mode == "drop":
+            for key in list(self.splits):
+                if key != "train":
+                    self.splits[key] = [p for p in self.splits[key] if normalized_question(p.prompt_text) not in trained]
+            log.warning("task.math: left %s evaluation question(s) also in the training files out of the scores (%s)",
+                        sum(overlap.values()), counts)
+            emptied = [k for k in overlap if not self.splits[k]]
+            if emptied:
+                raise ConfigError(f"task.math.eval_overlap=drop leaves no question in {emptied}: every one of them is "
+                                  "in task.math.train_files")
+        else:
+            log.warning("task.math: evaluation questions also in the training files are scored (%s; "
+                        "task.math.eval_overlap=report)", counts)
+        return overlap
 
     def _prompt_ids(self, question: str) -> list[int]:
         messages = [{"role": "system", "content": self.cfg.system_prompt}] if self.cfg.system_prompt else []

@@ -72,7 +72,7 @@ def main(config_path: str, overrides: list[str], check_only: bool = False) -> in
     from megatron_kl.rollout.http import Cancelled, ServerError
     from megatron_kl.rollout.servers import ServerStartFailed
     from megatron_kl.train.checkpoint import CheckpointError, CheckpointWriteError
-    from megatron_kl.train.preemption import INTERRUPT_EXIT_CODE, REQUEUE_EXIT_CODE, Requeue
+    from megatron_kl.train.preemption import INTERRUPT_EXIT_CODE, REQUEUE_EXIT_CODE, Requeue, TrainingFailed
 
     from megatron_kl.train.run_dir import RunRefused
 
@@ -89,6 +89,10 @@ def main(config_path: str, overrides: list[str], check_only: bool = False) -> in
         return err.exit_code
     except (ServerStartFailed, ServerError) as err:  # permanent: a requeue would fail the same way
         print(f"megatron-kl train: rollout engine error: {err}", file=sys.stderr)
+        return 1
+    except TrainingFailed as err:  # after the finished steps were saved where they could be (the message says)
+        kind = "rollout engine error" if isinstance(err.__cause__, (ServerStartFailed, ServerError)) else "failed"
+        print(f"megatron-kl train: {kind}: {err}", file=sys.stderr)
         return 1
     except (CheckpointError, CheckpointWriteError) as err:
         print(f"megatron-kl train: {err}", file=sys.stderr)

@@ -11,12 +11,14 @@ from typing import Optional
 
 from megatron_kl.algo.losses import AlgoConfig, row_separable
 from megatron_kl.config import ConfigError, ModelConfig, ParallelConfig, load_yaml
+from megatron_kl.constraints import checked
 from megatron_kl.kl.objective import AUTO, KLConfig
 from megatron_kl.launch.config import LaunchConfig
 from megatron_kl.models.optim import OptimConfig
 from megatron_kl.rollout.config import SGLangConfig, VLLMConfig
 from megatron_kl.rollout.engine import SamplingConfig
 from megatron_kl.tasks.base import TaskConfig
+from megatron_kl.train.host_malloc import MODES as HOST_MALLOC_MODES
 
 ENGINES = ("local", "sglang", "vllm")
 ROUTING_ENGINES = ("local", "sglang")  # engines that report their mixture-of-experts routing (routing replay)
@@ -24,9 +26,9 @@ ROUTING_ENGINES = ("local", "sglang")  # engines that report their mixture-of-ex
 
 @dataclass
 class RolloutConfig:
-    engine: str = "local"
+    engine: str = checked("local", choices=ENGINES)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    max_batch_size: int = 256  # sequences per engine forward
+    max_batch_size: int = checked(256, ge=1)  # sequences per engine forward
     # local engine: megatron's flash-decoding mode (each new key rotated once and cached rotated; a float32 cache for
     # 16-bit models on the CPU) instead of its static decode (keys cached before RoPE, every one re-rotated per step);
     # the same tokens and log-probs (tested)
@@ -41,14 +43,14 @@ class WarmStartConfig:
     the model/task/warm-start config) initialises both the policy and the reference."""
 
     enabled: bool = True
-    steps: int = 200
-    batch_size: int = 64
-    lr: float = 3e-3
-    cache_dir: str = "runs/cache"
-    checkpoint: Optional[str] = None  # a full-state .pt to start from instead of training one
+    steps: int = checked(200, ge=0)
+    batch_size: int = checked(64, ge=1)
+    lr: float = checked(3e-3, gt=0)
+    cache_dir: str = checked("runs/cache", path='writable')
+    checkpoint: Optional[str] = checked(None, path='file')  # a full-state .pt to start from instead of training one
     # seed of the warm start's init and data order; null: train.seed. Fix it to share one starting model
     # (and reference) across the RL seeds of a study.
-    seed: Optional[int] = None
+    seed: Optional[int] = checked(None, ge=0)
 
 
 @dataclass
@@ -57,32 +59,32 @@ class InitConfig:
     safetensors) streamed into both models at train start; the model section must match its config.json
     (a mismatch is an error naming the fields) and the warm start is skipped. None: warm start / random."""
 
-    hf_checkpoint: Optional[str] = None
+    hf_checkpoint: Optional[str] = checked(None, path='dir')
 
 
 @dataclass
 class RunConfig:
-    steps: int = 40
-    prompts_per_step: int = 16
-    group_size: int = 8  # samples per prompt
-    micro_batches: int = 1  # pipeline microbatches per optimizer minibatch
+    steps: int = checked(40, ge=1)
+    prompts_per_step: int = checked(16, ge=1)
+    group_size: int = checked(8, ge=1)  # samples per prompt
+    micro_batches: int = checked(1, ge=1)  # pipeline microbatches per optimizer minibatch
     # > 0: microbatches by a token budget instead (verl's use_dynamic_bsz, slime's max_tokens_per_gpu): rows sorted
     # by length, packed greedily into microbatches of at most this many padded tokens, each padded only to its
     # own longest row; activation memory then follows the budget, not the batch (0: train.micro_batches slices)
-    micro_batch_tokens: int = 0
+    micro_batch_tokens: int = checked(0, ge=0)
     # auto: on a CPU-only process, glibc malloc keeps blocks < 32 MiB and up to 1 GiB of freed memory for reuse
     # instead of page-faulting them anew every step (train/host_malloc.py, measured); off: glibc's defaults
-    host_malloc: str = "auto"
-    staleness: int = 0  # async bound s: rollouts of step t come from weights of step t - s (0: on-policy)
-    max_consecutive_skips: int = 3  # optimizer steps with a NaN/inf gradient skipped in a row before the run stops
+    host_malloc: str = checked("auto", choices=HOST_MALLOC_MODES)
+    staleness: int = checked(0, ge=0)  # async bound s: rollouts of step t come from weights of step t - s (0: on-policy)
+    max_consecutive_skips: int = checked(3, ge=0)  # optimizer steps with a NaN/inf gradient skipped in a row before the run stops
     # metric-only reference work every N steps (1: every step, the default; the other metrics are identical
     # either way): without a term that uses the reference (kl.coef=0 with PPO) its whole forward (kl/*); with
     # a sampled KL estimator (k1/k2/k3, RPG) the exact full-vocabulary KL (kl/exact_*), which no term reads
-    reference_metrics_interval: int = 1
-    seed: int = 1234
+    reference_metrics_interval: int = checked(1, ge=1)
+    seed: int = checked(1234, ge=0)
     # where the run writes; "{run_name}" is replaced by the run's name (estimator, placement, level, coefficient,
     # loss, staleness, seed), so a changed configuration lands in a directory of its own
-    output_dir: str = "runs/{run_name}"
+    output_dir: str = checked("runs/{run_name}", path='writable')
     # signals that end the run with a checkpoint of the finished steps (a rollout in flight is cut off) and exit
     # code 75 (requeue + resume), 130 for SIGINT: SIGUSR1 is what the Slurm scripts request ahead of the time
     # limit, SIGTERM comes with preemption/scancel, SIGINT with Ctrl-C, SIGHUP with a closed terminal
@@ -107,24 +109,24 @@ class RunConfig:
 
 @dataclass
 class EvalConfig:
-    interval: int = 10  # steps between evaluations (0: only before and after training)
-    k: int = 4  # samples per problem for mean@k
-    temperature: float = 1.0  # for mean@k; pass@1 is greedy
-    max_new_tokens: Optional[int] = None  # default: rollout.sampling.max_new_tokens
+    interval: int = checked(10, ge=0)  # steps between evaluations (0: only before and after training)
+    k: int = checked(4, ge=1)  # samples per problem for mean@k
+    temperature: float = checked(1.0, gt=0)  # for mean@k; pass@1 is greedy
+    max_new_tokens: Optional[int] = checked(None, ge=1)  # default: rollout.sampling.max_new_tokens
 
 
 @dataclass
 class CheckpointConfig:
-    interval: int = 10  # steps between checkpoints (0: only at the end)
+    interval: int = checked(10, ge=0)  # steps between checkpoints (0: only at the end)
     resume: bool = True  # continue from the latest checkpoint in train.output_dir when there is one
-    keep: int = 2
+    keep: int = checked(2, ge=1)
     export_hf: bool = False  # also write the policy as an HF checkpoint (step_XXXXXX/hf) at each checkpoint
 
 
 @dataclass
 class LoggingConfig:
     tensorboard: bool = True
-    wandb_project: Optional[str] = None
+    wandb_project: Optional[str] = checked(None, free=True)
     progress: bool = True
     # RL steps (0-based, as in metrics.jsonl) run under torch.profiler: Chrome trace, op table and a per-phase
     # GEMM / op-time summary in <output_dir>/profile/ (train/profiling.py); [] = none
@@ -165,6 +167,7 @@ class TrainConfig:
         (and RPG's): algo.norm_length, by default rollout.sampling.max_new_tokens; logged with the config."""
         import dataclasses
 
+        _cross_field_rules(self)
         self.kl_selection = None
         if self.kl.estimator == AUTO:
             from megatron_kl.kl.targets import regime_of, select
@@ -188,6 +191,27 @@ class TrainConfig:
     def run_name(self) -> str:
         """Names every configuration axis that the estimator study varies."""
         return f"{self.kl.name}-coef{self.kl.coef:g}-{self.algo.name}-s{self.train.staleness}-seed{self.train.seed}"
+
+
+def _cross_field_rules(cfg: TrainConfig) -> None:
+    """Rules between fields that need nothing but the config (checked at load, beside the per-field constraints)."""
+    optim = cfg.optim
+    if optim.lr_decay_style != "constant" and optim.decay_steps <= optim.warmup_steps:
+        raise ConfigError(f"optim.decay_steps={optim.decay_steps} with optim.lr_decay_style={optim.lr_decay_style} must "
+                          f"exceed optim.warmup_steps={optim.warmup_steps} (the decay runs from the end of the warmup "
+                          "to decay_steps); raise optim.decay_steps, e.g. to train.steps x algo.minibatches x "
+                          "algo.ppo_epochs")
+    if optim.min_lr > optim.lr:
+        raise ConfigError(f"optim.min_lr={optim.min_lr:g} must not exceed optim.lr={optim.lr:g}")
+    if cfg.init.hf_checkpoint is None:  # an HF checkpoint brings its own positions (checked when it is read)
+        positions = cfg.model.max_position_embeddings
+        for name, tokens in (("rollout.sampling.max_new_tokens", cfg.rollout.sampling.max_new_tokens),
+                             ("eval.max_new_tokens", cfg.eval.max_new_tokens)):
+            if tokens is not None and tokens >= positions:
+                raise ConfigError(f"{name}={tokens} leaves no position for the prompt: model.max_position_embeddings="
+                                  f"{positions} holds prompt + response; lower {name} or raise the positions")
+    if cfg.algo.mask_low >= cfg.algo.mask_high:
+        raise ConfigError(f"algo.mask_low={cfg.algo.mask_low:g} must be below algo.mask_high={cfg.algo.mask_high:g}")
 
 
 def kl_verdict(cfg: TrainConfig):

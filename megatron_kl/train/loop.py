@@ -27,14 +27,16 @@ from megatron_kl.train.evaluate import evaluate_all
 from megatron_kl.rollout.engine import EngineLost
 from megatron_kl.rollout.http import Cancelled
 from megatron_kl.train.metrics import MetricsLogger, read_metrics
-from megatron_kl.train.preemption import Requeue, StopSignals
+from megatron_kl.train.preemption import Requeue, StopSignals, TrainingFailed
 from megatron_kl.train.profiling import StepProfiler, phase
 from megatron_kl.train.rollouts import RolloutSource
 from megatron_kl.train.run_state import Counters, RNGStates, RunState
-from megatron_kl.train.step import StepContext, rl_step
+from megatron_kl.train.step import NonFiniteUpdates, StepContext, rl_step
 from megatron_kl.train.warmstart import warm_start_state
 
 log = logging.getLogger("megatron_kl.train")
+# failures every rank raises at the same point (their condition is all-reduced), so a collective save is safe
+AGREED_FAILURES = (NonFiniteUpdates,)
 
 
 def _topology():
@@ -241,6 +243,27 @@ def _train(cfg: TrainConfig, plan, task, hf_source, dp, is_logger: bool, stop: S
     def requeue(reason: str, signal_name: Optional[str] = None) -> Requeue:
         return Requeue(reason, counters.rl_steps, save(), signal_name)
 
+    boundary = {"optimizer_steps": counters.optimizer_steps}  # optimizer steps when the last RL step finished
+
+    def failed(err: BaseException) -> TrainingFailed:
+        """Save the finished steps before the error ends the run, where the state is theirs (no update of the
+        unfinished step applied) and every rank is known to be here (one rank, or an error all ranks raise)."""
+        done = counters.rl_steps
+        complete = ckpt.complete_checkpoints(run_path / "checkpoints")
+        last = complete[-1] if complete else None
+        if done == 0 or done in saved:
+            return TrainingFailed(err, done, saved.get(done), "no step finished" if done == 0 else "", last)
+        if counters.optimizer_steps != boundary["optimizer_steps"]:
+            return TrainingFailed(err, done, None, f"step {done + 1} had already applied "
+                                  f"{counters.optimizer_steps - boundary['optimizer_steps']} optimizer update(s)", last)
+        if dist.get_world_size() > 1 and not isinstance(err, AGREED_FAILURES):
+            return TrainingFailed(err, done, None, "an error on some ranks only: a collective save could hang", last)
+        source.drop_unfinished()
+        try:
+            return TrainingFailed(err, done, save())
+        except Exception as save_error:  # noqa: BLE001 - the original error is the one to report
+            return TrainingFailed(err, done, None, f"the save failed too: {save_error}", last)
+
     try:
         try:
             engine.update_weights(train_state.chunks, version=start_step)
@@ -258,6 +281,7 @@ def _train(cfg: TrainConfig, plan, task, hf_source, dp, is_logger: bool, stop: S
                     metrics["time/rollout"] = batch.generate_seconds
                     metrics.update(rl_step(ctx, batch, step))
                     counters.rl_steps = step + 1  # its update is applied (optimizer steps: counters.optimizer_steps)
+                    boundary["optimizer_steps"] = counters.optimizer_steps
                     try:
                         with phase("weight_sync", metrics):  # time/weight_sync recorded even if it raises
                             source.wait()
@@ -285,6 +309,10 @@ def _train(cfg: TrainConfig, plan, task, hf_source, dp, is_logger: bool, stop: S
         except EngineLost as err:
             source.drop_unfinished()
             raise requeue(f"rollout engine lost: {err}") from err
+        except (Requeue, ConfigError, KeyboardInterrupt):
+            raise
+        except Exception as err:  # engine errors, NaN/inf aborts, anything unexpected: keep the finished steps
+            raise failed(err) from err
     finally:
         source.close()
         engine.shutdown()

@@ -45,6 +45,21 @@ class Requeue(Exception):
         self.reason, self.step, self.checkpoint = reason, step, checkpoint
 
 
+class TrainingFailed(RuntimeError):
+    """The run failed after ``step`` finished RL steps; ``checkpoint``: where they were saved first (None: they
+    could not be, ``why_unsaved`` says why). The original exception is the ``__cause__``."""
+
+    def __init__(self, error: BaseException, step: int, checkpoint, why_unsaved: str = "", last_checkpoint=None):
+        if checkpoint is not None:
+            where = (f"the {step} finished step{'s' if step != 1 else ''} are saved in {checkpoint}; run the same "
+                     "command again to resume from step " + str(step))
+        else:
+            last = f"the newest checkpoint is {last_checkpoint}" if last_checkpoint is not None else "no checkpoint exists"
+            where = f"no checkpoint written ({why_unsaved}); {last}"
+        super().__init__(f"{type(error).__name__}: {error}; {where}")
+        self.step, self.checkpoint = step, checkpoint
+
+
 def check_signal_names(names: Sequence[str], where: str = "train.stop_signals") -> list[str]:
     from megatron_kl.config import ConfigError
 

@@ -93,8 +93,10 @@ def warm_start_state(cfg, task) -> dict[str, torch.Tensor] | None:
         return None
     path = cache_path(cfg)
     if path.is_file():
-        log.info("warm start: cached %s", path)
-        return torch.load(path, map_location="cpu", weights_only=True)
+        cached = _load_verified(path)
+        if cached is not None:
+            log.info("warm start: cached %s (SHA-256 verified)", path)
+            return cached
     log.info("warm start: %d supervised steps, seed %d (cache miss: %s)", ws.steps, warm_start_seed(cfg), path)
     parallel.reseed(warm_start_seed(cfg))
     full = _train(cfg, task)
@@ -103,6 +105,38 @@ def warm_start_state(cfg, task) -> dict[str, torch.Tensor] | None:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp{os.getpid()}")
         torch.save(full, tmp)
+        digest_tmp = digest_path(path).with_suffix(f".tmp{os.getpid()}")
+        digest_tmp.write_text(f"{file_digest(tmp)}  {path.name}\n")
         os.replace(tmp, path)  # atomic: a killed run never leaves a truncated cache
+        os.replace(digest_tmp, digest_path(path))  # a kill between the two: digest missing, recomputed next time
     dist.barrier()
     return full
+
+
+def digest_path(path: Path) -> Path:
+    return path.with_name(path.name + ".sha256")
+
+
+def file_digest(path: Path) -> str:
+    """SHA-256 of a file's bytes, read in 1 MiB blocks."""
+    sha = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            sha.update(block)
+    return sha.hexdigest()
+
+
+def _load_verified(path: Path):
+    """The cached warm start if its bytes match the SHA-256 written with it; None (and a warning saying why: the
+    policy and the KL reference of every run sharing the cache start from it) to recompute it."""
+    recorded = digest_path(path)
+    if not recorded.is_file():
+        log.warning("warm start: cache %s has no digest beside it (%s): recomputing it", path, recorded.name)
+        return None
+    expected = recorded.read_text().split()[0] if recorded.read_text().split() else ""
+    actual = file_digest(path)
+    if actual != expected:
+        log.warning("warm start: cache %s does not match its SHA-256 (%s, recorded %s): the file is damaged; "
+                    "recomputing it", path, actual[:16], expected[:16])
+        return None
+    return torch.load(path, map_location="cpu", weights_only=True)

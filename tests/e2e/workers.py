@@ -146,3 +146,35 @@ def ragged_engine_worker(rank, world, model_dict: dict, tp: int, prompts, sampli
     forcing.update_weights(policy, version=1)
     return {"together": together, "alone": alone, "forwards": forwards,
             "forcing": forcing.generate(prompts, sampling, seed=4)}
+
+
+def failing_train_worker(rank, world, cfg_dict: dict, fail_at: int, kind: str):
+    """``train`` with an error injected at RL step ``fail_at`` (``kind``: unexpected - a RuntimeError before the
+    step; nonfinite - the NaN/inf abort every rank raises; after_update - a RuntimeError once the step has applied
+    an optimizer update); returns the error's message and the checkpoints written."""
+    from pathlib import Path
+
+    from megatron_kl.train import loop
+    from megatron_kl.train.preemption import TrainingFailed
+    from megatron_kl.train.step import NonFiniteUpdates
+
+    real_step = loop.rl_step
+
+    def injected(ctx, batch, step):
+        if step == fail_at:
+            if kind == "nonfinite":
+                raise NonFiniteUpdates(f"step {step}: injected")
+            if kind == "after_update":
+                ctx.counters.optimizer_steps += 1
+            raise RuntimeError(f"step {step}: injected")
+        return real_step(ctx, batch, step)
+
+    loop.rl_step = injected
+    cfg = from_dict(TrainConfig, cfg_dict)
+    try:
+        loop.train(cfg)
+    except TrainingFailed as err:
+        checkpoints = sorted(p.name for p in (Path(cfg.train.output_dir) / "checkpoints").glob("step_*"))
+        return {"error": str(err), "cause": type(err.__cause__).__name__, "step": err.step,
+                "checkpoint": str(err.checkpoint) if err.checkpoint else None, "checkpoints": checkpoints}
+    return {"error": None}

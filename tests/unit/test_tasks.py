@@ -166,7 +166,7 @@ def test_math_task_reports_each_benchmark_file_and_the_weighted_merge(tmp_path):
         (tmp_path / name).write_text("\n".join(json.dumps({"problem": f"Q{a}", "answer": str(a)}) for a in answers))
         return str(tmp_path / name)
 
-    train = write("train.jsonl", [1])
+    train = write("train.jsonl", [9])
     task = MathTask(MathConfig(train_files=[train], eval_files=[write("math500.jsonl", [1, 2, 3]),
                                                                   write("aime2024.jsonl", [4])],
                                ood_files=[write("gsm8k.jsonl", [5, 6])]), tokenizer=_tiny_hf_tokenizer())
@@ -265,3 +265,27 @@ def test_damaged_gzip_unverifiable_answers_and_duplicates_are_named(tmp_path, ca
     assert task.skipped[str(data)] == 2 and task.skipped[str(again)] == 1
     assert "rows.jsonl: skipped 2 row(s)" in caplog.text and "row 2: answer '\\\\boxed{6' has unbalanced braces" in caplog.text
     assert "again.jsonl: skipped 1 row(s)" in caplog.text and "row 0: duplicate question" in caplog.text
+
+
+def test_evaluation_questions_also_trained_on_are_refused_dropped_or_reported_per_file(tmp_path, caplog):
+    def write(name, questions):
+        (tmp_path / name).write_text("\n".join(json.dumps({"problem": q, "answer": "1"}) for q in questions))
+        return str(tmp_path / name)
+
+    train = write("train.jsonl", ["What is 1+1?", "Solve x = 3", "Q unique"])
+    files = dict(eval_files=[write("math500.jsonl", ["what is 1 + 1?", "Other"]), write("aime.jsonl", ["A", "B"])],
+                 ood_files=[write("gsm8k.jsonl", ["SOLVE  x=3", "C", "D"])])
+    with pytest.raises(ConfigError, match=r"eval:math500: 1 of 2.*ood: 1 of 3.*eval_overlap=drop"):
+        MathTask(MathConfig(train_files=[train], **files), tokenizer=_tiny_hf_tokenizer())
+    with caplog.at_level("WARNING"):
+        dropped = MathTask(MathConfig(train_files=[train], eval_overlap="drop", **files), tokenizer=_tiny_hf_tokenizer())
+    assert dropped.overlap == {"eval:math500": 1, "ood": 1} and "left 2 evaluation question(s)" in caplog.text
+    assert [p.prompt_text for p in dropped.splits["eval:math500"]] == ["Other"] and len(dropped.splits["eval"]) == 3
+    assert [p.prompt_text for p in dropped.splits["ood"]] == ["C", "D"] and len(dropped.splits["train"]) == 3
+    reported = MathTask(MathConfig(train_files=[train], eval_overlap="report", **files), tokenizer=_tiny_hf_tokenizer())
+    assert reported.overlap == {"eval:math500": 1, "ood": 1} and len(reported.splits["eval:math500"]) == 2
+    clean = MathTask(MathConfig(train_files=[train], eval_files=[files["eval_files"][1]]), tokenizer=_tiny_hf_tokenizer())
+    assert clean.overlap == {}
+    with pytest.raises(ConfigError, match="leaves no question"):
+        MathTask(MathConfig(train_files=[train], eval_overlap="drop", eval_files=[write("same.jsonl", ["Q unique"])]),
+                 tokenizer=_tiny_hf_tokenizer())
