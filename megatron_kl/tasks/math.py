@@ -115,6 +115,8 @@ def read_rows(path: str) -> list:
             rows.append(json.loads(line))
         except json.JSONDecodeError as err:
             rows.append(ValueError(f"line {number}: invalid JSON ({err.msg})"))
+        except RecursionError:  # nesting deeper than Python's parser recursion (a hostile or broken row)
+            rows.append(ValueError(f"line {number}: JSON nested too deeply to read"))
     return rows
 
 

@@ -60,7 +60,7 @@ def read_run_record(checkpoint: Path) -> Optional[dict]:
     try:
         record = json.loads((Path(checkpoint) / RUN_FILE).read_text())
         return record if isinstance(record, dict) and isinstance(record.get("identity"), dict) else None
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
 
 
@@ -68,14 +68,48 @@ def step_of(checkpoint: Path) -> int:
     return int(_NAME.fullmatch(Path(checkpoint).name).group(1))
 
 
+def marker_step(checkpoint: Path) -> Optional[int]:
+    """The step the completion marker records (written with the manifest's digest); None where unreadable."""
+    try:
+        for line in (Path(checkpoint) / MARKER).read_text(errors="replace").splitlines():
+            if line.startswith("step "):
+                return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+_MISNAMED: set = set()  # checkpoints already reported as misnamed (complete_checkpoints runs often)
+
+
 def complete_checkpoints(directory: Path) -> list[Path]:
-    """``step_<digits>`` directories with the completion marker, oldest first."""
+    """``step_<digits>`` directories with the completion marker, oldest first; one whose marker records another
+    step than its name (renamed or copied into place) is left out, said once."""
     directory = Path(directory)
     if not directory.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in directory.iterdir()
-             if (m := _NAME.fullmatch(p.name)) and p.is_dir() and (p / MARKER).is_file()]
+    found = []
+    for p in directory.iterdir():
+        if (m := _NAME.fullmatch(p.name)) and p.is_dir() and (p / MARKER).is_file():
+            recorded = marker_step(p)
+            if recorded != int(m.group(1)):
+                if str(p) not in _MISNAMED:
+                    _MISNAMED.add(str(p))
+                    log.warning("%s: its %s records step %s, not the step %d of its name (renamed or copied into "
+                                "place): not used", p, MARKER, recorded, int(m.group(1)))
+                continue
+            found.append((int(m.group(1)), p))
     return [p for _, p in sorted(found)]
+
+
+def verified_run_record(checkpoint: Path) -> tuple[Optional[dict], Optional[str]]:
+    """(``run.json``'s record, None) when the file matches the checkpoint's manifest, else (None, why): a start
+    compares identities only with a record it has verified."""
+    problem = manifest.verify_file(Path(checkpoint), MARKER, RUN_FILE)
+    if problem is not None:
+        return None, problem
+    record = read_run_record(checkpoint)
+    return (record, None) if record is not None else (None, f"{Path(checkpoint) / RUN_FILE} is not a run record")
 
 
 def _results_queue_without_spawn() -> None:
@@ -92,11 +126,13 @@ def _results_queue_without_spawn() -> None:
         filesystem_async._results_queue = mp.get_context("fork").Manager().Queue()
 
 
-def save_checkpoint(directory: Path, step: int, run_state: RunState, run_record: dict, keep: int = 2) -> Path:
+def save_checkpoint(directory: Path, step: int, run_state: RunState, run_record: dict, keep: int = 2,
+                    free_before_write: bool = False) -> Path:
     """Collective: the checkpoint of ``step`` finished RL steps. ``run_record`` and ``run_state.shared`` are
     the same on all ranks (saved by rank 0), ``run_state.per_rank`` per rank. Keeps the ``keep`` (>= 1) newest
     complete checkpoints of this run (those whose ``run.json`` names ``run_record["run_id"]``); another run's
-    checkpoints are never deleted."""
+    checkpoints are never deleted. ``free_before_write``: where the free space is short of the previous
+    checkpoint's size, this run's older checkpoints are deleted first (oldest first, never the newest)."""
     if keep < 1:
         raise ValueError(f"checkpoint.keep={keep} must be >= 1 (the checkpoint just written)")
     if run_state.counters.rl_steps != step:
@@ -111,6 +147,8 @@ def save_checkpoint(directory: Path, step: int, run_state: RunState, run_record:
     if dist.get_rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
+        if free_before_write and _no_space(directory, needed, step):
+            _free_space(directory, needed, step, run_record["run_id"])
     dist.barrier()
     error = _no_space(directory, needed, step)
     if error is None:
@@ -151,6 +189,17 @@ class CheckpointWriteError(RuntimeError):
     """A checkpoint could not be written (no space left, an I/O error); the partial one is removed."""
 
 
+def _free_space(directory: Path, needed: int, step: int, run_id: str) -> None:
+    """Delete this run's older complete checkpoints, oldest first, keeping the newest, until ``needed`` fits."""
+    own = [p for p in complete_checkpoints(directory) if (read_run_record(p) or {}).get("run_id") == run_id]
+    for old in own[:-1]:
+        if not _no_space(directory, needed, step):
+            return
+        log.warning("checkpoint of step %d: %s deleted first to make room (checkpoint.free_before_write=true)",
+                    step, old)
+        shutil.rmtree(old, ignore_errors=True)
+
+
 def _size_of(directory: Path) -> int:
     return sum(p.stat().st_size for p in Path(directory).rglob("*") if p.is_file())
 
@@ -159,8 +208,9 @@ def _no_space(directory: Path, needed: int, step: int) -> Optional[str]:
     free = shutil.disk_usage(directory).free
     if needed and free < needed * 1.05:
         return (f"no space left on device for the checkpoint of step {step}: it needs about {needed / 2**20:.1f} MiB "
-                f"(the size of the previous one) under {directory}, {free / 2**20:.1f} MiB are free; free space there "
-                "or lower checkpoint.keep, then run the same command again")
+                f"(the size of the previous one) under {directory}, {free / 2**20:.1f} MiB are free; free space there, "
+                "or set checkpoint.free_before_write=true (this run's older checkpoints are deleted first, the newest "
+                "kept), then run the same command again")
     return None
 
 
@@ -173,8 +223,8 @@ def _write_error(err: BaseException, tmp: Path, needed: int, step: int) -> str:
         free = shutil.disk_usage(tmp.parent).free
         need = f"about {needed / 2**20:.1f} MiB" if needed else "more space than is free"
         return (f"no space left on device writing the checkpoint of step {step} to {tmp} (it needs {need}; "
-                f"{free / 2**20:.1f} MiB free): free space there or lower checkpoint.keep, then run the same command "
-                "again")
+                f"{free / 2**20:.1f} MiB free): free space there, or set checkpoint.free_before_write=true (this run's "
+                "older checkpoints are deleted first, the newest kept), then run the same command again")
     return f"writing the checkpoint of step {step} to {tmp} failed: {text}"
 
 
@@ -247,7 +297,8 @@ def load_checkpoint(path: Path, run_state: RunState, run_id: Optional[str] = Non
     except BaseException as err:  # noqa: BLE001 - DCP's CheckpointException is a BaseException; a truncated
         error = err  # .distcp surfaces here on every rank (DCP gathers the readers' errors)
     if not _all_ok(error is None):
-        raise CheckpointError(f"checkpoint {path}: model/optimizer shards unreadable ({_reason(error)})")
+        shard = _shard_problem(path) if error is not None else None
+        raise CheckpointError(f"checkpoint {path}: model/optimizer shards unreadable ({shard or _reason(error)})")
     try:
         run_state.load_shared(shared, str(path / "trainer.pt"))
         run_state.load_rank(rank_state, str(path / f"rank_{dist.get_rank():05d}.pt"))
@@ -255,6 +306,37 @@ def load_checkpoint(path: Path, run_state: RunState, run_id: Optional[str] = Non
         error = err
     if not _all_ok(error is None):
         raise CheckpointError(f"checkpoint {path}: {_reason(error)}")
+
+
+def _shard_problem(path: Path) -> Optional[str]:
+    """Which shard file DCP could not read, where its own error does not say (a truncated or replaced .distcp
+    gives a bare EOFError): each file the .metadata addresses must exist and hold the bytes it addresses."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        with restricted_checkpoint_reads():
+            metadata = FileSystemReader(str(path)).read_metadata()
+        extent: dict = {}
+        for info in (getattr(metadata, "storage_data", None) or {}).values():
+            extent[info.relative_path] = max(extent.get(info.relative_path, 0), info.offset + info.length)
+    except Exception as err:  # noqa: BLE001 - the .metadata itself is the bad file
+        return f"{path / '.metadata'} does not load ({_reason(err)})"
+    for name, end in sorted(extent.items()):
+        shard = path / name
+        if not shard.is_file():
+            return f"{shard} is missing (addressed by {path / '.metadata'})"
+        if shard.stat().st_size < end:
+            return (f"{shard} holds {shard.stat().st_size} bytes, {path / '.metadata'} addresses {end} (not the shard "
+                    "written with it)")
+    for extra in sorted(path.glob("*.json")) + sorted(path.glob("common*.pt")):  # megatron's own files beside DCP's
+        try:
+            if extra.suffix == ".json":
+                json.loads(extra.read_text())
+            else:
+                torch.load(extra, map_location="cpu", weights_only=True)
+        except Exception as err:  # noqa: BLE001 - named, never run (weights_only)
+            return f"{extra} does not load ({_reason(err)})"
+    return None
 
 
 def _reason(error: Optional[BaseException]) -> str:

@@ -120,6 +120,9 @@ class CheckpointConfig:
     interval: int = checked(10, ge=0)  # steps between checkpoints (0: only at the end)
     resume: bool = True  # continue from the latest checkpoint in train.output_dir when there is one
     keep: int = checked(2, ge=1)
+    # a checkpoint that would not fit on the disk (about the size of the previous one): true deletes this run's
+    # older checkpoints first, oldest first, always keeping the newest; false stops the run saying so
+    free_before_write: bool = False
     export_hf: bool = False  # also write the policy as an HF checkpoint (step_XXXXXX/hf) at each checkpoint
 
 

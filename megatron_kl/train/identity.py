@@ -22,7 +22,7 @@ from megatron_kl.train.manifest import sha256_of
 RESUMABLE = (
     "train.output_dir", "train.steps", "train.host_malloc", "train.stop_signals", "train.max_consecutive_skips",
     "train.reference_metrics_interval",
-    "logging.", "eval.", "checkpoint.", "launch.", "warm_start.cache_dir",
+    "logging.", "eval.", "checkpoint.", "launch.", "warm_start.cache_dir", "task.math.eval_overlap",
     "parallel.distributed_timeout_s",
     "rollout.sglang.urls", "rollout.sglang.host", "rollout.sglang.port", "rollout.sglang.api_key_env",
     "rollout.sglang.sync_dir", "rollout.sglang.request_timeout_s", "rollout.sglang.max_retries",

@@ -227,6 +227,8 @@ def _train(cfg: TrainConfig, plan, task, hf_source, dp, is_logger: bool, stop: S
     start_step = counters.rl_steps
     if latest is not None:
         log.info("resumed from %s at RL step %d (%d optimizer steps)", latest, start_step, counters.optimizer_steps)
+    if dist.get_rank() == 0 and plan.start_entry is not None:
+        run_dir.record_start(run_path, plan.start_entry, start_step)
 
     logger = MetricsLogger(run_path, is_logger, cfg.logging.tensorboard, cfg.logging.wandb_project, cfg.run_name,
                            redact_secrets(to_dict(cfg)), cfg.logging.progress, cfg.train.steps, start_step)
@@ -322,7 +324,7 @@ def _train(cfg: TrainConfig, plan, task, hf_source, dp, is_logger: bool, stop: S
 
 def _save_checkpoint(cfg: TrainConfig, record: dict, done: int, run_state: RunState, hf_source, tp_group) -> Path:
     path = ckpt.save_checkpoint(Path(cfg.train.output_dir) / "checkpoints", done, run_state, record,
-                                keep=cfg.checkpoint.keep)
+                                keep=cfg.checkpoint.keep, free_before_write=cfg.checkpoint.free_before_write)
     if cfg.checkpoint.export_hf:
         hf.export_hf([output_head.unwrap(c) for c in run_state.train_state.chunks], cfg.model, path / "hf",
                      dtype=hf_source.dtype if hf_source is not None else cfg.model.params_dtype,

@@ -91,8 +91,26 @@ def _read_manifest(directory: Path, marker: str) -> dict:
         if data.get("format") != FORMAT or not isinstance(files, dict):
             raise ValueError(f"format {data.get('format')!r}")
         return {str(k): (int(v["size"]), str(v["sha256"])) for k, v in files.items()}
-    except (ValueError, KeyError, TypeError, AttributeError) as err:
-        raise ValueError(f"{manifest} is not a megatron-kl manifest ({err})") from None
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as err:
+        raise ValueError(f"{manifest} is not a megatron-kl manifest ({type(err).__name__}: {err})") from None
+
+
+def verify_file(directory: Path, marker: str, name: str) -> Optional[str]:
+    """Not collective: None when ``name`` matches the manifest (itself matching the marker's digest); else why."""
+    directory = Path(directory)
+    try:
+        listed = _read_manifest(directory, marker)
+    except (OSError, ValueError) as err:
+        return str(err)
+    if name not in listed:
+        return f"{directory / name} is not in {MANIFEST}"
+    path = directory / name
+    size, digest = listed[name]
+    if not path.is_file():
+        return f"{path} is missing (listed in {MANIFEST})"
+    if path.stat().st_size != size or sha256_of(path) != digest:
+        return f"{path} does not match its size / SHA-256 in {MANIFEST} (its bytes changed after the checkpoint was written)"
+    return None
 
 
 def verify(directory: Path, marker: str, group=None) -> Optional[str]:

@@ -60,7 +60,7 @@ class MetricsLogger:
                 continue
             try:
                 record = json.loads(line)
-            except ValueError:  # e.g. the partial last line of a killed run
+            except (ValueError, RecursionError):  # e.g. the partial last line of a killed run
                 log.warning("%s line %d is not a JSON record (a write cut short?): dropped on resume", self.jsonl, number)
                 continue
             if record.get("step", -1) < step:

@@ -10,8 +10,8 @@
   trainer is refused naming the holder's pid and host.
 * :func:`begin`: a fresh start in a directory that holds an earlier run's files moves them, untouched, into
   ``superseded-<UTC time>/`` (one log line); ``config.yaml`` is written by a fresh start only, and every start
-  appends a line to ``starts.jsonl`` (time, kind, from which step, code version, host, the resumable fields
-  it changed).
+  appends a line to ``starts.jsonl`` (:func:`record_start`, once its checkpoint is loaded: time, kind, the step
+  of the checkpoint actually loaded, code version, host, the resumable fields it changed).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import yaml
 from megatron_kl import child_processes
 from megatron_kl.config import ConfigError, redact_secrets, to_dict
 from megatron_kl.train import identity
-from megatron_kl.train.checkpoint import RUN_FILE, complete_checkpoints, read_run_record, step_of
+from megatron_kl.train.checkpoint import RUN_FILE, complete_checkpoints, step_of, verified_run_record
 from megatron_kl.train.metric_registry import canonical
 
 log = logging.getLogger("megatron_kl.train")
@@ -54,6 +54,7 @@ class StartPlan:
     checkpoint_step: int = 0
     recorded_config: Optional[dict] = None
     identity: dict = dataclasses.field(default_factory=dict)  # this configuration's (computed once per start)
+    start_entry: Optional[dict] = None  # begin()'s starts.jsonl line, written once the checkpoint is loaded
 
 
 @functools.lru_cache(maxsize=1)
@@ -93,8 +94,13 @@ def plan_start(cfg, world_size: int, current: Optional[dict] = None) -> StartPla
     checkpoints = complete_checkpoints(run_dir / "checkpoints") if cfg.checkpoint.resume else []
     if not checkpoints:
         return StartPlan("fresh", uuid.uuid4().hex, identity=current)
-    newest = next(((path, record) for path in reversed(checkpoints)
-                   if (record := read_run_record(path)) is not None), None)
+    newest = None
+    for path in reversed(checkpoints):  # the newest checkpoint whose run record matches its manifest
+        record, problem = verified_run_record(path)
+        if record is not None:
+            newest = (path, record)
+            break
+        log.warning("checkpoint %s: %s; trying the previous checkpoint", path, problem)
     if newest is None:
         raise RunRefused(f"the checkpoints under {run_dir / 'checkpoints'} record no run identity ({RUN_FILE} "
                          "missing or unreadable: written by an older megatron-kl, or damaged), so resuming them "
@@ -105,7 +111,7 @@ def plan_start(cfg, world_size: int, current: Optional[dict] = None) -> StartPla
         raise RunRefused(f"{run_dir} holds run {record.get('run_name', '?')} (checkpoint {path.name}) and this "
                          f"configuration differs in {len(diffs)} field(s) that change what a run computes: "
                          + "; ".join(diffs) + f". Nothing was changed: {_ways_out(run_dir)}")
-    step = step_of(checkpoints[-1])
+    step = step_of(path)
     if cfg.train.steps < step:
         raise RunRefused(f"train.steps={cfg.train.steps} is below the step of the newest checkpoint in {run_dir} "
                          f"({step}): set train.steps >= {step} to continue the run, or {_ways_out(run_dir)}")
@@ -120,7 +126,7 @@ def plan_start(cfg, world_size: int, current: Optional[dict] = None) -> StartPla
 def read_summary(run_dir: Path) -> Optional[dict]:
     try:
         summary = json.loads((Path(run_dir) / "summary.json").read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
     if not isinstance(summary, dict):
         return None
@@ -191,5 +197,12 @@ def begin(cfg, plan: StartPlan, world_size: int) -> None:
         (run_dir / "config.yaml").write_text(yaml.safe_dump(redact_secrets(to_dict(cfg)), sort_keys=False))
     else:
         entry["changed"] = identity.changed_resumable(plan.recorded_config or {}, redact_secrets(to_dict(cfg)))
-    with open(run_dir / STARTS, "a") as f:
+    plan.start_entry = entry
+
+
+def record_start(run_dir: Path, entry: dict, from_step: int) -> None:
+    """Rank 0: append this start's line to ``starts.jsonl`` with the step of the checkpoint actually loaded (a
+    damaged newer one may have been passed over)."""
+    entry = {**entry, "from_step": from_step}
+    with open(Path(run_dir) / STARTS, "a") as f:
         f.write(json.dumps(entry) + "\n")

@@ -104,7 +104,15 @@ def edited_manifest(ckpt):
     return manifest.MANIFEST, "does not match the digest"
 
 
-DAMAGES = [flip_64_bits, zeros_4k, random_4k, truncated_shard, zeroed_trainer_file, planted_file, edited_manifest]
+def edited_run_record(ckpt):
+    """Still valid JSON, with another identity: compared before verification it read as a configuration change."""
+    path = ckpt / "run.json"
+    path.write_text(path.read_text().replace('"kl.coef": 0.01', '"kl.coef": 0.02', 1))
+    return "run.json", "does not match its size / SHA-256"
+
+
+DAMAGES = [flip_64_bits, zeros_4k, random_4k, truncated_shard, zeroed_trainer_file, planted_file, edited_manifest,
+           edited_run_record]
 
 
 @pytest.mark.parametrize("damage", DAMAGES, ids=lambda d: d.__name__)
@@ -117,6 +125,21 @@ def test_a_damaged_checkpoint_is_named_and_the_previous_one_used(tmp_path, base_
     assert code == 0, output[-3000:]
     line = next((l for l in output.splitlines() if "trying the previous checkpoint" in l), "")
     assert name in line and message in line, output[-3000:]
+    assert f"resumed from {run / 'checkpoints' / 'step_000001'} at RL step 1" in output, output[-3000:]
+    import json
+
+    starts = [json.loads(line) for line in (run / "starts.jsonl").read_text().splitlines()]
+    assert starts[-1]["kind"] == "resume" and starts[-1]["from_step"] == 1, starts  # the step actually loaded
+
+
+def test_a_checkpoint_renamed_to_a_later_step_is_not_resumed_at_that_step(tmp_path, base_run):
+    base, cache = base_run
+    run = tmp_path / "run"
+    shutil.copytree(base, run)
+    (run / "checkpoints" / "step_000002").rename(run / "checkpoints" / "step_000005")
+    code, output = Run(tmp_path / "resume.log", *_args(run, cache, 3)).wait()
+    assert code == 0, output[-3000:]
+    assert "step_000005: its COMPLETE records step 2, not the step 5 of its name" in output, output[-3000:]
     assert f"resumed from {run / 'checkpoints' / 'step_000001'} at RL step 1" in output, output[-3000:]
 
 
@@ -146,8 +169,8 @@ def test_a_pickle_planted_in_any_file_never_runs(tmp_path, warm_cache):
     assert not [m.name for m in markers if m.exists()], "a planted pickle was executed"
     assert code == 0, output[-3000:]
     refused = [line for line in output.splitlines() if "trying the previous checkpoint" in line]
-    for offset, name in enumerate(files):  # each planted checkpoint refused (the message names the file where
-        step_dir = f"step_{steps - offset:06d}:"  # its loader knows it: DCP reports its shards as one)
-        assert any(step_dir in line for line in refused), (name, refused)
+    for offset, name in enumerate(files):  # each planted checkpoint refused, the message naming the planted file
+        step_dir = f"step_{steps - offset:06d}"
+        assert any(f"{step_dir}:" in line and f"{step_dir}/{name}" in line for line in refused), (name, refused)
     clean = run / "checkpoints" / f"step_{steps - len(files):06d}"
     assert f"resumed from {clean} at RL step {steps - len(files)}" in output, output[-3000:]

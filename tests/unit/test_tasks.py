@@ -289,3 +289,13 @@ def test_evaluation_questions_also_trained_on_are_refused_dropped_or_reported_pe
     with pytest.raises(ConfigError, match="leaves no question"):
         MathTask(MathConfig(train_files=[train], eval_overlap="drop", eval_files=[write("same.jsonl", ["Q unique"])]),
                  tokenizer=_tiny_hf_tokenizer())
+
+
+def test_a_row_nested_too_deeply_is_a_counted_skip_naming_its_line(tmp_path, caplog):
+    path = tmp_path / "train.jsonl"
+    path.write_text(json.dumps({"problem": "What is 1+1?", "answer": "2"}) + "\n" + "[" * 200_000 + "]" * 200_000
+                    + "\n" + json.dumps({"problem": "What is 2+2?", "answer": "4"}) + "\n")
+    with caplog.at_level("WARNING"):
+        task = MathTask(MathConfig(train_files=[str(path)]), tokenizer=_tiny_hf_tokenizer())
+    assert len(task.splits["train"]) == 2 and task.skipped[str(path)] == 1
+    assert "line 2: JSON nested too deeply" in caplog.text and str(path) in caplog.text
