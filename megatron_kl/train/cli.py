@@ -73,6 +73,7 @@ def main(config_path: str, overrides: list[str], check_only: bool = False) -> in
     from megatron_kl.rollout.servers import ServerStartFailed
     from megatron_kl.train.checkpoint import CheckpointError, CheckpointWriteError
     from megatron_kl.train.preemption import INTERRUPT_EXIT_CODE, REQUEUE_EXIT_CODE, Requeue, TrainingFailed
+    from megatron_kl.train.warmstart import WarmStartStopped
 
     from megatron_kl.train.run_dir import RunRefused
 
@@ -100,7 +101,7 @@ def main(config_path: str, overrides: list[str], check_only: bool = False) -> in
     except EngineLost as err:  # nothing was trained yet
         print(f"megatron-kl train: {err}", file=sys.stderr)
         return REQUEUE_EXIT_CODE
-    except Cancelled as err:  # a stop signal while starting (e.g. waiting for the rollout servers)
+    except (Cancelled, WarmStartStopped) as err:  # a stop signal while starting (the warm start, the servers)
         code = INTERRUPT_EXIT_CODE if "SIGINT" in str(err) else REQUEUE_EXIT_CODE
         print(f"megatron-kl train: stopped while starting ({err}); nothing was trained; run the same command "
               f"again to start (exit code {code})", file=sys.stderr)

@@ -199,7 +199,7 @@ def _train(cfg: TrainConfig, plan, task, hf_source, dp, is_logger: bool, stop: S
     record = run_dir.run_record(cfg, plan)
     log.info("run %s (%s start) -> %s", cfg.run_name, plan.kind, run_path)
 
-    initial = warm_start_state(cfg, task) if hf_source is None else None
+    initial = warm_start_state(cfg, task, stop.agreed) if hf_source is None else None
     models = builder.build_policy_and_reference(cfg.model, cfg.parallel)
     tp_group = parallel.tp_group()
     log.info(triton_stats.describe(parallel.collective_device()))

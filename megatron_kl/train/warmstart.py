@@ -48,7 +48,11 @@ def _sft_batch(task, step: int, batch_size: int) -> pipeline.SequenceBatch:
     return pipeline.SequenceBatch(tokens, mask)
 
 
-def _train(cfg, task) -> dict[str, torch.Tensor]:
+class WarmStartStopped(RuntimeError):
+    """A stop signal ended the warm start at a step boundary (every rank agreed); nothing was cached or trained."""
+
+
+def _train(cfg, task, should_stop=None) -> dict[str, torch.Tensor]:
     from megatron.core import parallel_state
 
     ws = cfg.warm_start
@@ -69,6 +73,9 @@ def _train(cfg, task) -> dict[str, torch.Tensor]:
         return loss, {"nll": loss.detach(), "tokens": mask.sum()}
 
     for step in range(ws.steps):
+        signal_name = should_stop() if should_stop is not None else None  # collective: every rank, every step
+        if signal_name:
+            raise WarmStartStopped(f"received {signal_name} at warm-start step {step}/{ws.steps}")
         batch = _sft_batch(task, step, ws.batch_size)
         local = batch.select(torch.arange(dp_rank * per_rank, (dp_rank + 1) * per_rank))
         out = optim.train_step(train_state, local, cfg.train.micro_batches, loss_fn, vocab)
@@ -81,8 +88,9 @@ def _train(cfg, task) -> dict[str, torch.Tensor]:
     return full
 
 
-def warm_start_state(cfg, task) -> dict[str, torch.Tensor] | None:
-    """The full state to initialise policy and reference with (None: keep the random init)."""
+def warm_start_state(cfg, task, should_stop=None) -> dict[str, torch.Tensor] | None:
+    """The full state to initialise policy and reference with (None: keep the random init). ``should_stop()``:
+    the stop signal the ranks agree on (or None), asked before every warm-start step."""
     ws = cfg.warm_start
     if ws.checkpoint:
         path = Path(ws.checkpoint)
@@ -99,7 +107,7 @@ def warm_start_state(cfg, task) -> dict[str, torch.Tensor] | None:
             return cached
     log.info("warm start: %d supervised steps, seed %d (cache miss: %s)", ws.steps, warm_start_seed(cfg), path)
     parallel.reseed(warm_start_seed(cfg))
-    full = _train(cfg, task)
+    full = _train(cfg, task, should_stop)
     parallel.reseed(cfg.train.seed)  # the RL phase draws the same numbers on a cache hit and a miss
     if dist.get_rank() == 0:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -90,14 +90,18 @@ def test_kill_9_takes_the_managed_rollout_server_with_the_trainer(tmp_path, warm
 
 
 def test_a_stop_signal_while_starting_ends_the_run_with_a_message(tmp_path):
-    """SIGTERM during the start-up (here: the warm start) is recorded and honoured before the first step: exit 75,
-    one line, nothing trained."""
-    run = tmp_path / "run"
+    """SIGTERM during the start-up (here: the warm start) is honoured at the next warm-start step, not after the
+    warm start (schedulers' grace periods are 30-120 s): exit 75, one line naming the step, nothing trained or
+    cached."""
+    run, cache = tmp_path / "run", tmp_path / "cache"
     job = Run(tmp_path / "log.txt", "--config", str(DEFAULT), f"train.output_dir={run}",
-              f"warm_start.cache_dir={tmp_path / 'cache'}", *COMMON, "warm_start.steps=200")  # its own: it must run
+              f"warm_start.cache_dir={cache}", *COMMON, "warm_start.steps=2000")  # its own: it must run
     _wait_for(lambda: "warm start step" in job.log.read_text(errors="replace"), job.proc)
+    sent = time.time()
     job.proc.send_signal(signal.SIGTERM)
     rc, output = job.wait(300)
     assert rc == 75, output[-3000:]
-    assert "received SIGTERM while starting" in output and "Traceback" not in output, output[-3000:]
-    assert _trained(run) == [] and not (run / "checkpoints").exists()
+    assert time.time() - sent < 20, f"{time.time() - sent:.0f} s from the signal to the exit"
+    assert "received SIGTERM at warm-start step" in output and "/2000" in output, output[-3000:]
+    assert "Traceback" not in output and "nothing was trained" in output, output[-3000:]
+    assert _trained(run) == [] and not (run / "checkpoints").exists() and not list(cache.glob("warmstart-*"))
