@@ -335,6 +335,13 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
             return None
         inner = [a for a in get_args(hint) if a is not type(None)]
         return _coerce(value, inner[0], where)
+    if origin is list and get_args(hint) and get_args(hint)[0] in (str, int, float):
+        if isinstance(value, dict):
+            raise ConfigError(f"{where}={value!r} must be a list, e.g. {where}=[a,b]")
+        if not isinstance(value, (list, tuple)):
+            value = [value]  # one item: `train_files: data.jsonl`, `logging.profile_steps=3`
+        item = get_args(hint)[0]
+        return [_coerce(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
     if is_dataclass(hint):
         if not isinstance(value, dict):
             raise ConfigError(f"{where} must be a mapping, got {value!r}")

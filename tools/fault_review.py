@@ -256,6 +256,131 @@ def temperature_zero(r: Review) -> None:
         r.record("rollout.sampling.temperature=0", "silent", f"rc {code}: trains with a zero gradient")
 
 
+def _bad_value(*overrides: str, field: str):
+    """A config value that must be refused before anything starts: rc 2, one line naming the field."""
+    name = " ".join(overrides)
+
+    def case(r: Review) -> None:
+        run = r.work / f"bad-{abs(hash(name)) % 10**8}"
+        start = time.time()
+        code, out = r.run(run, "train.steps=1", *overrides)
+        seconds = time.time() - start
+        lines = [line for line in out.splitlines() if "config error" in line]
+        if code == 0:
+            r.record(name, "silent", "rc 0: trained with it")
+        elif code == 2 and lines and field in lines[-1] and "Traceback" not in out and not (run / "metrics.jsonl").exists():
+            r.record(name, "handled", f"rc 2 in {seconds:.0f} s: {lines[-1].split('config error: ')[-1][:90]}")
+        else:
+            r.record(name, "unclear", f"rc {code} after {seconds:.0f} s; field named in one line: {bool(lines)}; "
+                     f"traceback: {'Traceback' in out}")
+    case.__name__ = f"bad value {name}"
+    return case
+
+
+def duplicate_key(r: Review) -> None:
+    config = r.work / "twice.yaml"
+    text = (r.repo / "configs/cpu/default.yaml").read_text()
+    config.write_text(text + "\nkl:\n  coef: 0.5\n")  # a second top-level kl: section
+    proc = subprocess.run([sys.executable, "-m", "megatron_kl.cli", "train", "--config", str(config), "--check",
+                           f"train.output_dir={r.work / 'twice'}", f"warm_start.cache_dir={r.cache}"],
+                          cwd=r.repo, capture_output=True, text=True, timeout=300)
+    if proc.returncode == 2 and "twice" in proc.stderr:
+        r.record("a YAML key given twice", "handled", "refused naming the key and its lines")
+    elif proc.returncode == 0:
+        r.record("a YAML key given twice", "silent", "--check OK: the last value silently wins")
+    else:
+        r.record("a YAML key given twice", "unclear", f"rc {proc.returncode}")
+
+
+def damaged_warm_start_cache(r: Review) -> None:
+    cache = r.work / "own-cache"
+    args = [f"warm_start.cache_dir={cache}", "warm_start.steps=40", "train.steps=1"]
+    first = r.work / "cache-a"
+    code, out = r.run(first, *args, "train.steps=1")
+    weights = next(iter(sorted(cache.glob("warmstart-*.pt"))), None)
+    if code != 0 or weights is None:
+        r.record("bit-flipped warm-start cache", "unclear", f"the first run failed (rc {code})")
+        return
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    weights.write_bytes(bytes(data))
+    code, out = r.run(r.work / "cache-b", *args, log="second")
+    kl = [[m.get("kl/exact_token") for m in map(json.loads, (d / "metrics.jsonl").read_text().splitlines())
+           if "kl/exact_token" in m] for d in (first, r.work / "cache-b")]
+    if code == 0 and "recomputing" in out and kl[0] == kl[1]:
+        r.record("bit-flipped warm-start cache", "handled", "digest mismatch said; recomputed; same KL as before")
+    elif code == 0 and kl[0] != kl[1]:
+        r.record("bit-flipped warm-start cache", "silent", "loaded: policy and reference from damaged weights")
+    else:
+        r.record("bit-flipped warm-start cache", "unclear", f"rc {code}")
+
+
+def engine_error_mid_run(r: Review) -> None:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    run = r.work / "engine-error"
+    code, out = r.run(run, "train.steps=6", "checkpoint.interval=0", "rollout.engine=sglang",
+                      "rollout.sglang.server_module=megatron_kl.testing.sglang_server", f"rollout.sglang.port={port}",
+                      "rollout.sglang.extra_args=[--fault-malformed-every,70]")
+    trained = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()
+               if '"loss/total"' in line] if (run / "metrics.jsonl").is_file() else []
+    saved = sorted(p.name for p in (run / "checkpoints").glob("step_*")) if (run / "checkpoints").is_dir() else []
+    last = out.strip().splitlines()[-1] if out.strip() else ""
+    if code == 0 or not trained:
+        r.record("malformed engine answer mid-run", "unclear", f"rc {code}; steps trained before it: {trained}")
+    elif saved and saved[-1] == f"step_{len(trained):06d}" and saved[-1] in last:
+        r.record("malformed engine answer mid-run", "handled", f"{len(trained)} trained steps saved, named in the last line")
+    else:
+        r.record("malformed engine answer mid-run", "silent", f"{len(trained)} trained steps, checkpoints {saved}: lost")
+
+
+def damaged_run_record(r: Review) -> None:
+    run = r.copy("run-json")
+    record = run / "checkpoints" / "step_000002" / "run.json"
+    record.write_text(record.read_text().replace('"kl.coef": 0.01', '"kl.coef": 0.02', 1))
+    code, out = r.run(run, "train.steps=3", "checkpoint.interval=1")
+    starts = [json.loads(line) for line in (run / "starts.jsonl").read_text().splitlines()]
+    if code == 0 and "step_000001 at RL step 1" in out and "run.json" in out and starts[-1]["from_step"] == 1:
+        r.record("an edited run.json in the newest checkpoint", "handled", "named, fell back to step 1, recorded so")
+    elif code == 2:
+        r.record("an edited run.json in the newest checkpoint", "unclear", "refused as a configuration change")
+    else:
+        r.record("an edited run.json in the newest checkpoint", "unclear",
+                 f"rc {code}; starts.jsonl from_step {starts[-1].get('from_step')}")
+
+
+def renamed_checkpoint(r: Review) -> None:
+    run = r.copy("renamed")
+    (run / "checkpoints" / "step_000002").rename(run / "checkpoints" / "step_000005")
+    code, out = r.run(run, "train.steps=6", "checkpoint.interval=1")
+    if code == 0 and "step_000001 at RL step 1" in out:
+        r.record("a checkpoint renamed to a later step", "handled", "not used; resumed from step 1")
+    elif "at RL step 2" in out or "step_000005" in out.split("resumed from")[-1][:200]:
+        r.record("a checkpoint renamed to a later step", "silent", "resumed from it as if it were step 5")
+    else:
+        r.record("a checkpoint renamed to a later step", "unclear", f"rc {code}")
+
+
+def stop_during_warm_start(r: Review) -> None:
+    run = r.work / "warm-stop"
+    proc = r.start(run, f"warm_start.cache_dir={r.work / 'warm-stop-cache'}", "warm_start.steps=2000")
+    log_file = r.work / f"{run.name}.log.txt"
+    deadline = time.time() + 300
+    while "warm start step" not in log_file.read_text(errors="replace") and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    sent = time.time()
+    proc.send_signal(signal.SIGTERM)
+    code = proc.wait(timeout=600)
+    seconds = time.time() - sent
+    if code == 75 and seconds < 20:
+        r.record("SIGTERM during the warm start", "handled", f"rc 75 after {seconds:.1f} s")
+    else:
+        r.record("SIGTERM during the warm start", "unclear", f"rc {code} after {seconds:.0f} s (grace periods: 30-120 s)")
+
+
 CASES = [
     _damage_case("64 flipped bits in a shard", _flip),
     _damage_case("4 KB of zeros in a shard", _overwrite(bytes(4096))),
@@ -273,6 +398,29 @@ CASES = [
     _signal_case(signal.SIGINT, 130),
     _signal_case(signal.SIGHUP, 75),
     temperature_zero,
+    _bad_value("kl.coef=nan", field="kl.coef"),
+    _bad_value("rollout.sampling.temperature=nan", field="rollout.sampling.temperature"),
+    _bad_value("optim.lr_decay_style=cosine", "optim.decay_steps=0", field="optim.decay_steps"),
+    _bad_value("warm_start.steps=-1", field="warm_start.steps"),
+    _bad_value("optim.clip_grad=-1", field="optim.clip_grad"),
+    _bad_value("train.steps=true", field="train.steps"),
+    _bad_value("train.output_dir=", field="train.output_dir"),
+    _bad_value("optim.lr=-1", field="optim.lr"),
+    _bad_value("optim.lr=nan", field="optim.lr"),
+    _bad_value("kl.coef=inf", field="kl.coef"),
+    _bad_value("optim.adam_beta1=1.5", field="optim.adam_beta1"),
+    _bad_value("optim.adam_eps=0", field="optim.adam_eps"),
+    _bad_value("optim.lr_decay_style=bogus", field="optim.lr_decay_style"),
+    _bad_value("warm_start.checkpoint=/no/such/file.pt", field="warm_start.checkpoint"),
+    _bad_value("rollout.sampling.max_new_tokens=40", field="max_new_tokens"),
+    _bad_value("warm_start.cache_dir=/dev/null", field="warm_start.cache_dir"),
+    _bad_value("optim.warmup_steps=-3", field="optim.warmup_steps"),
+    duplicate_key,
+    damaged_warm_start_cache,
+    engine_error_mid_run,
+    damaged_run_record,
+    renamed_checkpoint,
+    stop_during_warm_start,
 ]
 
 

@@ -14,6 +14,7 @@ SGLang does: 401 without ``Authorization: Bearer <key>``, health checks exempt) 
     --fault-delay-every N      every N-th /generate sleeps --fault-delay-s before answering (client timeouts)
     --fault-drop-every N       every N-th /generate closes the connection without an answer
     --fault-bad-every N        every N-th /generate answers without meta_info.output_token_logprobs
+    --fault-malformed-every N  every N-th /generate answers meta_info: null (a structural error, not retried)
     --fault-corrupt-every N    every N-th /generate answers a well-formed body with impossible values, cycling
                                through CORRUPTIONS (NaN / +inf / positive log-prob, id >= vocab, id < 0, more
                                tokens than max_new_tokens, an empty completion without output_ids)
@@ -355,6 +356,7 @@ def _handler(server: EmbeddedServer, args):
             if args.fault_delay_every and n % args.fault_delay_every == 0:
                 time.sleep(args.fault_delay_s)
             self._bad_now = bool(args.fault_bad_every and n % args.fault_bad_every == 0)
+            self._malformed_now = bool(args.fault_malformed_every and n % args.fault_malformed_every == 0)
             self._off_support_now = bool(args.fault_off_support_every and n % args.fault_off_support_every == 0)
             self._corrupt_now = None
             if args.fault_corrupt_every and n % args.fault_corrupt_every == 0:
@@ -367,6 +369,8 @@ def _handler(server: EmbeddedServer, args):
         def _bad(self, response):
             if getattr(self, "_bad_now", False) and isinstance(response, dict):
                 response["meta_info"].pop("output_token_logprobs", None)
+            if getattr(self, "_malformed_now", False) and isinstance(response, dict):
+                response["meta_info"] = None  # a structural error: not retried, the run's engine error
             meta = response.get("meta_info", {}) if isinstance(response, dict) else {}
             if getattr(self, "_off_support_now", False) and meta.get("output_top_logprobs"):
                 meta["output_token_logprobs"][0][0] = min(e[0] for e in meta["output_top_logprobs"][0]) - 5.0
@@ -392,7 +396,7 @@ def main(argv=None) -> None:
     parser.add_argument("--enable-memory-saver", action="store_true")
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--enable-return-routed-experts", action="store_true")
-    for name in ("500", "delay", "drop", "bad", "corrupt", "off-support", "routing"):
+    for name in ("500", "delay", "drop", "bad", "corrupt", "off-support", "routing", "malformed"):
         parser.add_argument(f"--fault-{name}-every", type=int, default=0)
     parser.add_argument("--fault-delay-s", type=float, default=0.0)
     parser.add_argument("--fault-exit-at", type=int, default=0)

@@ -38,3 +38,24 @@ def test_an_error_before_any_step_says_nothing_was_trained(tmp_path, warm_cache)
     cfg = short_config(tmp_path / "run", warm_cache, "train.steps=2")
     got = run_ranks(failing_train_worker, 1, cfg, 0, "unexpected", timeout_s=600)[0]
     assert got["checkpoints"] == [] and "no step finished" in got["error"], got
+
+
+def test_a_malformed_engine_answer_mid_run_exits_1_naming_the_saved_checkpoint(tmp_path, warm_cache):
+    """The SGLang test server answers meta_info: null at its 70th /generate (steps 0 and 1 trained by then, no
+    interval checkpoint): exit 1, the last line names the engine error and the checkpoint of the finished steps."""
+    from megatron_kl.rollout.servers import server_port
+    from tests.e2e.test_sglang import TEST_SERVER
+    from tests.e2e.test_train import DEFAULT, Run
+
+    run = tmp_path / "run"
+    code, output = Run(tmp_path / "log.txt", "--config", str(DEFAULT), f"train.output_dir={run}",
+                       f"warm_start.cache_dir={warm_cache}", "train.steps=6", "checkpoint.interval=0",
+                       "train.prompts_per_step=4", "train.group_size=4", "task.eval_size=8", "eval.k=2",
+                       "eval.interval=0", "logging.progress=false", "logging.tensorboard=false",
+                       "rollout.engine=sglang", f"rollout.sglang.server_module={TEST_SERVER}",
+                       f"rollout.sglang.port={server_port()}",
+                       "rollout.sglang.extra_args=[--fault-malformed-every,70]").wait()
+    assert code == 1, output[-3000:]
+    last = output.strip().splitlines()[-1]
+    saved = sorted(p.name for p in (run / "checkpoints").glob("step_*"))
+    assert len(saved) == 1 and saved[0] in last and "rollout engine error" in last and "meta_info" in last, last
