@@ -25,7 +25,7 @@ FAST = (
     "tests/distributed/test_truncation.py::test_sharded_support_and_truncated_statistics_match_the_direct_rule[2]",
     "tests/distributed/test_top_p_histogram.py::test_histogram_cut_equals_the_rule_over_shards[narrowing-2]",
     "tests/distributed/test_top_p_histogram.py::test_without_a_compiler",
-    "tests/distributed/test_triton_kernels.py::test_fused_and_unfused_statistics_match_float64[2]",
+    "tests/distributed/test_triton_kernels.py::test_the_cpu_kernels_float64_suites_pass_on_the_triton_path[fused_and_unfused_statistics-2]",
     "tests/distributed/test_triton_kernels.py::test_edges_match_the_closed_form[2]",
     "tests/distributed/test_triton_kernels.py::test_dispatch_follows_the_device_and_the_switch",
     "megatron_kl/validation/test_model_layouts.py::test_layout_matches_single_rank[tp2]",

@@ -54,6 +54,15 @@ def _expm1(v, TERMS: tl.constexpr):
 
 
 @triton.jit
+def _logits_block(row_ptr, start, valid, dtype: tl.constexpr, LOW: tl.constexpr, BLOCK: tl.constexpr):
+    """Columns ``start .. start + BLOCK`` of one row: (column ids, in range, logits in ``dtype``, those below
+    -LOW - -inf included - read as -LOW)."""
+    cols = start + tl.arange(0, BLOCK)
+    inside = cols < valid
+    return cols, inside, tl.maximum(tl.load(row_ptr + cols, mask=inside, other=-LOW).to(dtype), -LOW)
+
+
+@triton.jit
 def row_partials(x_ptr, y_ptr, threshold_ptr, partial_ptr, x_stride, y_stride, valid, inv_tau,
                  HAS_Y: tl.constexpr, ENTROPY: tl.constexpr, TRUNCATED: tl.constexpr, LOW: tl.constexpr,
                  TERMS: tl.constexpr, BLOCK: tl.constexpr):
@@ -78,9 +87,7 @@ def row_partials(x_ptr, y_ptr, threshold_ptr, partial_ptr, x_stride, y_stride, v
     if TRUNCATED:
         threshold = tl.load(threshold_ptr + row).to(dtype)
     for start in range(0, valid, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        inside = cols < valid
-        x = tl.maximum(tl.load(x_row + cols, mask=inside, other=-LOW).to(dtype), -LOW)
+        cols, inside, x = _logits_block(x_row, start, valid, dtype, LOW, BLOCK)
         m_new = tl.maximum(m, tl.max(x, 0))
         delta = (m - m_new) * inv_tau
         alpha = tl.exp(delta)
@@ -92,7 +99,7 @@ def row_partials(x_ptr, y_ptr, threshold_ptr, partial_ptr, x_stride, y_stride, v
             e = tl.where(kept, e_full, 0.0)
             k_sum += tl.sum(kept.to(dtype), 0)
         if HAS_Y:
-            y = tl.maximum(tl.load(y_row + cols, mask=inside, other=-LOW).to(dtype), -LOW)
+            y = _logits_block(y_row, start, valid, dtype, LOW, BLOCK)[2]
             n_new = tl.maximum(n, tl.max(y, 0))
             gamma = ((m_new - n_new) - (m - n)) * inv_tau
             beta = tl.exp((n - n_new) * inv_tau)
@@ -159,9 +166,7 @@ def row_grad(x_ptr, y_ptr, out_ptr, norms_ptr, upstream_ptr, target_ptr, thresho
     if TRUNCATED:
         threshold = tl.load(threshold_ptr + row).to(dtype)
     for start in range(0, valid, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        inside = cols < valid
-        x = tl.maximum(tl.load(x_row + cols, mask=inside, other=-LOW).to(dtype), -LOW)
+        cols, inside, x = _logits_block(x_row, start, valid, dtype, LOW, BLOCK)
         zc = (x - row_max) * inv_tau
         e = tl.exp(zc)
         if TRUNCATED:
@@ -170,7 +175,7 @@ def row_grad(x_ptr, y_ptr, out_ptr, norms_ptr, upstream_ptr, target_ptr, thresho
         if HAS_H:
             bracket += neg_b * (zc - mean_zc)
         if HAS_KL:
-            y = tl.maximum(tl.load(y_row + cols, mask=inside, other=-LOW).to(dtype), -LOW)
+            y = _logits_block(y_row, start, valid, dtype, LOW, BLOCK)[2]
             bracket += k * (((x - y) - shift) * inv_tau - mean_u)
         grad = e * bracket
         if HAS_LP:
@@ -195,10 +200,8 @@ def row_mean_u(x_ptr, y_ptr, index_ptr, norms_ptr, threshold_ptr, out_ptr, x_str
     if TRUNCATED:
         threshold = tl.load(threshold_ptr + row).to(dtype)
     for start in range(0, valid, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        inside = cols < valid
-        x = tl.maximum(tl.load(x_row + cols, mask=inside, other=-LOW).to(dtype), -LOW)
-        y = tl.maximum(tl.load(y_row + cols, mask=inside, other=-LOW).to(dtype), -LOW)
+        cols, inside, x = _logits_block(x_row, start, valid, dtype, LOW, BLOCK)
+        y = _logits_block(y_row, start, valid, dtype, LOW, BLOCK)[2]
         e = tl.where(inside, tl.exp((x - row_max) * inv_tau), 0.0)
         if TRUNCATED:
             e = tl.where(x >= threshold, e, 0.0)

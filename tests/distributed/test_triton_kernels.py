@@ -50,29 +50,22 @@ def checked(monkeypatch, interpreter):
         monkeypatch.setattr(module, "run_ranks", _checked_run_ranks)
 
 
-@pytest.mark.parametrize("world", worlds([1, 2]))
-def test_fused_and_unfused_statistics_match_float64(world, checked):
-    test_vocab_parallel.test_matches_unsharded_float64_reference(world)
+SUITES = {  # the float64-reference suites of the CPU kernels, run here on the Triton path
+    "fused_and_unfused_statistics": (test_vocab_parallel, "test_matches_unsharded_float64_reference"),
+    "exact_kl_near_the_reference": (test_vocab_parallel_accuracy,
+                                    "test_exact_kl_near_the_reference_has_small_relative_error"),
+    "logprobs_and_entropy_at_logits_of_1e4": (test_vocab_parallel_accuracy,
+                                              "test_logprobs_and_entropy_at_most_twice_naive_fp32_error"),
+    "truncated_statistics": (test_truncation, "test_sharded_support_and_truncated_statistics_match_the_direct_rule"),
+    "fused_linear_single_pass": (test_fused_linear, "test_single_pass_gradients_equal_autograd"),
+}
 
 
 @pytest.mark.parametrize("world", worlds([1, 2]))
-def test_exact_kl_near_the_reference_has_small_relative_error(world, checked):
-    test_vocab_parallel_accuracy.test_exact_kl_near_the_reference_has_small_relative_error(world)
-
-
-@pytest.mark.parametrize("world", worlds([1, 2]))
-def test_logprobs_and_entropy_at_logits_of_1e4(world, checked):
-    test_vocab_parallel_accuracy.test_logprobs_and_entropy_at_most_twice_naive_fp32_error(world)
-
-
-@pytest.mark.parametrize("world", worlds([1, 2]))
-def test_truncated_statistics_match_the_direct_rule(world, checked):
-    test_truncation.test_sharded_support_and_truncated_statistics_match_the_direct_rule(world)
-
-
-@pytest.mark.parametrize("world", worlds([1, 2]))
-def test_fused_linear_single_pass_gradients_equal_autograd(world, checked):
-    test_fused_linear.test_single_pass_gradients_equal_autograd(world)
+@pytest.mark.parametrize("suite", list(SUITES))
+def test_the_cpu_kernels_float64_suites_pass_on_the_triton_path(suite, world, checked):
+    module, name = SUITES[suite]
+    getattr(module, name)(world)
 
 
 def _edge_cases():
