@@ -28,9 +28,10 @@ setup(
     ],
     extras_require={
         # setuptools >= 70.1 builds wheels itself: tests/e2e/test_installed_package.py builds one without isolation
-        # triton: the GPU kernels' tests run them on CPU tensors through Triton's interpreter (CPU installs pin
-        # the version in constraints-cpu.txt; GPU images keep the one their torch came with)
-        "test": ["pytest>=8", "hypothesis>=6", "setuptools>=70.1", "triton>=3.6"],
+        "test": ["pytest>=8", "hypothesis>=6", "setuptools>=70.1"],
+        # the GPU kernels (Triton); on CPU their tests run them through Triton's interpreter (CPU installs pin the
+        # version in constraints-cpu.txt; GPU images keep the triton their torch came with)
+        "kernels": ["triton>=3.6"],
         # apex is built from source on clusters (see README, "GPU extras")
         "gpu": ["transformer-engine[pytorch]"],
         "sglang": ["sglang[srt]"],
