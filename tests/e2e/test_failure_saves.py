@@ -21,9 +21,10 @@ def test_an_error_after_trained_steps_saves_them_first_and_the_run_resumes(tmp_p
         assert got["checkpoints"] == ["step_000002"], got
         assert "the 2 finished steps are saved in" in got["error"] and "step_000002" in got["error"], got["error"]
         assert got["cause"] == ("NonFiniteUpdates" if kind == "nonfinite" else "RuntimeError")
-    resumed = run_ranks(train_worker, world, cfg, timeout_s=600)[0]
-    steps = [r["step"] for r in resumed["metrics"] if "loss/total" in r]
-    assert steps == [0, 1, 2, 3], steps  # steps 0, 1 from the first run, 2, 3 after the resume
+    if kind == "unexpected":  # the saved steps resume (one case: the resume path is the same for every kind)
+        resumed = run_ranks(train_worker, world, cfg, timeout_s=600)[0]
+        steps = [r["step"] for r in resumed["metrics"] if "loss/total" in r]
+        assert steps == [0, 1, 2, 3], steps  # steps 0, 1 from the first run, 2, 3 after the resume
 
 
 def test_a_step_that_applied_an_update_is_not_saved_as_finished(tmp_path, warm_cache):

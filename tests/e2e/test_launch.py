@@ -50,7 +50,7 @@ def test_failing_task_exits_nonzero_with_its_log(tmp_path, warm_cache):
                    f"init.hf_checkpoint={tmp_path / 'missing'}")
     assert done.returncode == 1
     assert "task train ended FAILED" in done.stderr
-    assert "config.json is missing" in done.stderr  # the task's own error, from its log
+    assert "init.hf_checkpoint=" in done.stderr and "names no directory" in done.stderr  # the task's own error
 
 
 def test_study_as_one_experiment_reports_failed_run(tmp_path, warm_cache):
@@ -66,7 +66,7 @@ def test_study_as_one_experiment_reports_failed_run(tmp_path, warm_cache):
     status = json.loads((tmp_path / "study" / "status.json").read_text())
     assert status["k3-loss-seed1"]["state"] == "ok" and status["broken-seed1"]["state"] == "failed"
     report = (tmp_path / "study" / "report.md").read_text()
-    assert "### broken-seed1" in report and "config.json is missing" in report
+    assert "### broken-seed1" in report and "names no directory" in report
 
 
 SLURM = ["launch.slurm.account=rl-acct", "launch.slurm.partition=h100", "launch.slurm.nodes=2",
@@ -132,7 +132,7 @@ def test_slurm_dryrun_disaggregated_sglang(tmp_path):
     (["launch.slurm.account=null"], "launch.slurm.account"),
     (["launch.slurm.nodes=1", "launch.slurm.gpus_per_node=3"], "parallel.tensor_parallel"),
     (["checkpoint.resume=false"], "checkpoint.resume"),
-    (["launch.rollout_servers.mode=disaggregated", "rollout.engine=embedded"], "rollout.engine=sglang"),
+    (["launch.rollout_servers.mode=disaggregated", "rollout.engine=local"], "rollout.engine=sglang"),
     (["launch.rollout_servers.mode=disaggregated"], "rollout.sglang.colocated=false"),
     (["launch.rollout_servers.mode=disaggregated", "rollout.sglang.colocated=false"], "weight_sync=from_tensor"),
     (["launch.slurm.tunnel.kind=ssh"], "launch.slurm.tunnel.host"),
