@@ -8,6 +8,7 @@
 The fast tier is declared here by node-id prefix, so a test's tier is visible in one place.
 """
 
+import importlib.util
 import os
 
 import pytest
@@ -15,8 +16,9 @@ import torch
 
 # Triton decides between compiled and interpreted functions when triton.language is first imported (the test ranks'
 # fork server imports it with torch), so on a machine without CUDA the interpreter is chosen for the whole session,
-# before any rank starts; it changes nothing unless MEGATRON_KL_TRITON=1 asks for the Triton kernels on CPU tensors
-if not torch.cuda.is_available():
+# before any rank starts; it changes nothing unless MEGATRON_KL_TRITON=1 asks for the Triton kernels on CPU tensors.
+# Not in the vLLM environment (CI's second stage runs only the vLLM tests, and vLLM's own kernels are its business).
+if not torch.cuda.is_available() and importlib.util.find_spec("vllm") is None:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 FAST = (
