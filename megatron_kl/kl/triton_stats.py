@@ -9,10 +9,10 @@ without a GPU; float32 and float64 only - bfloat16 / float16 inputs are upcast t
 
 Per chunk of rows the forward reads each rank's logits once (``row_partials``: running maxima and the partial
 sums relative to them), then combines the ranks' partials here with the collectives of the torch path - one
-all-reduce MAX of the maxima and one all-reduce SUM of the rescaled partials ([2, n] and [8, n] floats) - and
+all-reduce MAX of the maxima and one all-reduce SUM of the rescaled partials ([2, n] and [9, n] floats) - and
 the backward reads the logits once more and writes the gradient once (``row_grad``; in place when the caller
 passes the logits as ``out``). The target's log-prob and whether it lies outside a truncated support come from
-one gathered logit per row. The combination runs in float64 ([8, n] values: exact to the partials' rounding).
+one gathered logit per row. The combination runs in float64 ([9, n] values: exact to the partials' rounding).
 """
 
 from __future__ import annotations
@@ -155,7 +155,7 @@ def forward(x, y, targets, shard, group, temperature: float, entropy: bool, thre
 
 def combine(partials, x, targets, shard, group, temperature: float, has_y: bool, entropy: bool, threshold=None,
             support=None, y=None):
-    """Every rank's row partials [10, n] (m, n, S, A, B, C, D, K, R, G relative to its own maxima) -> the globally
+    """Every rank's row partials [9, n] (m, n, S, A, B, C, D, K, G relative to its own maxima) -> the globally
     reduced statistics, rescaled to the global maxima M / M_r (``triton_kernels`` docstring) in float64; rows
     whose shifts drifted get S E[u] from a second read (``_mean_u_again``)."""
     dtype = partials.dtype

@@ -173,9 +173,7 @@ def save_checkpoint(directory: Path, step: int, run_state: RunState, run_record:
         (tmp / MARKER).write_text(manifest.marker_text(step, digest))  # last: everything before it is on disk
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
-        own = [p for p in complete_checkpoints(directory)
-               if (read_run_record(p) or {}).get("run_id") == run_record["run_id"]]
-        for old in own[:-keep]:
+        for old in _own_checkpoints(directory, run_record["run_id"])[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
     return final
@@ -189,10 +187,14 @@ class CheckpointWriteError(RuntimeError):
     """A checkpoint could not be written (no space left, an I/O error); the partial one is removed."""
 
 
+def _own_checkpoints(directory: Path, run_id: str) -> list[Path]:
+    """The complete checkpoints whose ``run.json`` names ``run_id``, oldest first (the only ones ever deleted)."""
+    return [p for p in complete_checkpoints(directory) if (read_run_record(p) or {}).get("run_id") == run_id]
+
+
 def _free_space(directory: Path, needed: int, step: int, run_id: str) -> None:
     """Delete this run's older complete checkpoints, oldest first, keeping the newest, until ``needed`` fits."""
-    own = [p for p in complete_checkpoints(directory) if (read_run_record(p) or {}).get("run_id") == run_id]
-    for old in own[:-1]:
+    for old in _own_checkpoints(directory, run_id)[:-1]:
         if not _no_space(directory, needed, step):
             return
         log.warning("checkpoint of step %d: %s deleted first to make room (checkpoint.free_before_write=true)",

@@ -104,12 +104,19 @@ def verify_file(directory: Path, marker: str, name: str) -> Optional[str]:
         return str(err)
     if name not in listed:
         return f"{directory / name} is not in {MANIFEST}"
-    path = directory / name
-    size, digest = listed[name]
-    if not path.is_file():
-        return f"{path} is missing (listed in {MANIFEST})"
-    if path.stat().st_size != size or sha256_of(path) != digest:
-        return f"{path} does not match its size / SHA-256 in {MANIFEST} (its bytes changed after the checkpoint was written)"
+    if not (directory / name).is_file():
+        return f"{directory / name} is missing (listed in {MANIFEST})"
+    return _file_problem(directory / name, *listed[name])
+
+
+def _file_problem(path: Path, size: int, digest: str) -> Optional[str]:
+    """None when ``path`` has the manifest's size and SHA-256; else which one it misses."""
+    actual = path.stat().st_size
+    if actual != size:
+        return f"{path} has {actual} bytes, the manifest says {size} (truncated or overwritten)"
+    if sha256_of(path) != digest:
+        return (f"{path} does not match its SHA-256 in {MANIFEST} (its bytes changed after the checkpoint was "
+                "written: disk or copy corruption, or an edit)")
     return None
 
 
@@ -130,13 +137,8 @@ def verify(directory: Path, marker: str, group=None) -> Optional[str]:
         problems += [f"{directory / n} is not in {MANIFEST} (not written with this checkpoint)" for n in planted]
     if not problems:
         for name in _my_share(sorted(listed), group):
-            size, digest = listed[name]
-            path = directory / name
-            actual = path.stat().st_size
-            if actual != size:
-                problems.append(f"{path} has {actual} bytes, the manifest says {size} (truncated or overwritten)")
-            elif sha256_of(path) != digest:
-                problems.append(f"{path} does not match its SHA-256 in {MANIFEST} (its bytes changed after the "
-                                "checkpoint was written: disk or copy corruption, or an edit)")
+            problem = _file_problem(directory / name, *listed[name])
+            if problem is not None:
+                problems.append(problem)
     problems = _gather(problems, group)
     return problems[0] if problems else None

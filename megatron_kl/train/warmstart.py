@@ -19,6 +19,7 @@ import torch.distributed as dist
 from megatron_kl.config import ConfigError, to_dict
 from megatron_kl.models import builder, optim, output_head, parallel, pipeline, state
 from megatron_kl.train.batching import pack
+from megatron_kl.train.manifest import sha256_of
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +115,7 @@ def warm_start_state(cfg, task, should_stop=None) -> dict[str, torch.Tensor] | N
         tmp = path.with_suffix(f".tmp{os.getpid()}")
         torch.save(full, tmp)
         digest_tmp = digest_path(path).with_suffix(f".tmp{os.getpid()}")
-        digest_tmp.write_text(f"{file_digest(tmp)}  {path.name}\n")
+        digest_tmp.write_text(f"{sha256_of(tmp)}  {path.name}\n")
         os.replace(tmp, path)  # atomic: a killed run never leaves a truncated cache
         os.replace(digest_tmp, digest_path(path))  # a kill between the two: digest missing, recomputed next time
     dist.barrier()
@@ -125,15 +126,6 @@ def digest_path(path: Path) -> Path:
     return path.with_name(path.name + ".sha256")
 
 
-def file_digest(path: Path) -> str:
-    """SHA-256 of a file's bytes, read in 1 MiB blocks."""
-    sha = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            sha.update(block)
-    return sha.hexdigest()
-
-
 def _load_verified(path: Path):
     """The cached warm start if its bytes match the SHA-256 written with it; None (and a warning saying why: the
     policy and the KL reference of every run sharing the cache start from it) to recompute it."""
@@ -141,8 +133,8 @@ def _load_verified(path: Path):
     if not recorded.is_file():
         log.warning("warm start: cache %s has no digest beside it (%s): recomputing it", path, recorded.name)
         return None
-    expected = recorded.read_text().split()[0] if recorded.read_text().split() else ""
-    actual = file_digest(path)
+    expected = (recorded.read_text().split() or [""])[0]
+    actual = sha256_of(path)
     if actual != expected:
         log.warning("warm start: cache %s does not match its SHA-256 (%s, recorded %s): the file is damaged; "
                     "recomputing it", path, actual[:16], expected[:16])

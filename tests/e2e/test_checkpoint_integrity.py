@@ -108,7 +108,7 @@ def edited_run_record(ckpt):
     """Still valid JSON, with another identity: compared before verification it read as a configuration change."""
     path = ckpt / "run.json"
     path.write_text(path.read_text().replace('"kl.coef": 0.01', '"kl.coef": 0.02', 1))
-    return "run.json", "does not match its size / SHA-256"
+    return "run.json", "does not match its SHA-256"
 
 
 DAMAGES = [flip_64_bits, zeros_4k, random_4k, truncated_shard, zeroed_trainer_file, planted_file, edited_manifest,
