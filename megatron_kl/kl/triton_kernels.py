@@ -40,7 +40,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-KL_DIRECT = 60.0  # as vocab_parallel.KL_DIRECT
+KL_DIRECT = tl.constexpr(60.0)  # as vocab_parallel.KL_DIRECT (a jit function reads only constexpr globals)
 
 
 @triton.jit
