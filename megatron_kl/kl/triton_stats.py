@@ -124,6 +124,14 @@ def _block(cols: int) -> int:
     return max(16, min(cap, 1 << max(0, cols - 1).bit_length()))
 
 
+@functools.lru_cache(maxsize=64)
+def _inverse_temperature(temperature: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """1 / tau as a one-element tensor of the compute dtype: a Python float argument of a compiled kernel is
+    float32 (Triton's signature for ``float``), which would round 1 / tau to 2^-24 relative and put that error into
+    every float64 statistic (the interpreter keeps the float's 64 bits, so only the GPU would show it)."""
+    return torch.full((1,), 1.0 / temperature, dtype=dtype, device=device)
+
+
 def _kernel_input(x: torch.Tensor, dtype) -> torch.Tensor:
     """``x`` with unit column stride; upcast where the interpreter cannot do its arithmetic."""
     if x.stride(-1) != 1:
@@ -146,7 +154,7 @@ def forward(x, y, targets, shard, group, temperature: float, entropy: bool, thre
         thr = threshold.to(dtype).contiguous() if threshold is not None else partials
         launches["forward"] += 1
         _kernels().row_partials[(n,)](
-            xk, yk, thr, partials, xk.stride(0), yk.stride(0), cols, 1.0 / temperature,
+            xk, yk, thr, partials, xk.stride(0), yk.stride(0), cols, _inverse_temperature(temperature, dtype, device),
             HAS_Y=y is not None, ENTROPY=entropy, TRUNCATED=threshold is not None, LOW=LOW[dtype],
             TERMS=TAYLOR_TERMS[dtype], BLOCK=_block(cols), num_warps=NUM_WARPS)
     return combine(partials, x, targets, shard, group, temperature, y is not None, entropy, threshold, support,
@@ -223,7 +231,7 @@ def _mean_u_again(x, y, rows, row_norms, threshold, temperature: float, group) -
         launches["mean_u"] += 1
         _kernels().row_mean_u[(rows.numel(),)](
             xk, yk, rows, row_norms.contiguous(), thr, found, xk.stride(0), yk.stride(0), row_norms.shape[1],
-            x.shape[1], 1.0 / temperature, TRUNCATED=threshold is not None, LOW=LOW[dtype], BLOCK=_block(x.shape[1]),
+            x.shape[1], _inverse_temperature(temperature, dtype, x.device), TRUNCATED=threshold is not None, LOW=LOW[dtype], BLOCK=_block(x.shape[1]),
             num_warps=NUM_WARPS)
     return all_reduce(found.double(), dist.ReduceOp.SUM, group)
 
@@ -254,7 +262,7 @@ def backward(x, y, targets, shard, norms, g_lp, g_h, g_kl, temperature: float, o
     launches["backward"] += 1
     _kernels().row_grad[(n,)](
         xk, yk, destination, norms.contiguous(), upstream, target, thr, xk.stride(0), yk.stride(0),
-        destination.stride(0), cols, 1.0 / temperature, HAS_LP=g_lp is not None, HAS_H=g_h is not None,
+        destination.stride(0), cols, _inverse_temperature(temperature, dtype, device), HAS_LP=g_lp is not None, HAS_H=g_h is not None,
         HAS_KL=g_kl is not None and y is not None, TRUNCATED=threshold is not None, LOW=LOW[dtype],
         BLOCK=_block(cols), num_warps=NUM_WARPS)
     if destination is not out:

@@ -7,6 +7,11 @@ computed it; then the edges (-inf entries, all-masked rows, one row, no rows, a 
 spanning many blocks and ending mid-block) against closed-form float64 gradients."""
 
 import functools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,7 +21,7 @@ from megatron_kl.testing import distributed
 from megatron_kl.testing.worlds import worlds
 from megatron_kl.validation import test_fused_linear, test_vocab_parallel, test_vocab_parallel_accuracy
 from tests.distributed import test_truncation
-from tests.distributed.triton_workers import edge_inputs, edge_worker, through_triton
+from tests.distributed.triton_workers import edge_inputs, edge_worker, launch_worker, through_triton
 
 pytest.importorskip("triton")
 
@@ -125,6 +130,50 @@ def test_edges_match_the_closed_form(world, interpreter, monkeypatch):
             assert (true_kl < 1e-7).all() and (true_kl > 0).all(), true_kl
             relative = ((per_rank[0][index]["kl"] - true_kl).abs() / true_kl).max().item()
             assert relative < 1e-2, (case, relative)  # the accuracy suite's bound at eps = 1e-4 is 5e-2
+
+
+def _as_the_gpu_passes_them(launches):
+    """The recorded launches, the same at the GPU's widest block, and those the GPU makes for bf16 / fp16 logits:
+    compiled kernels read them as they are (the interpreter's launches upcast them first)."""
+    variants = list(launches)
+    for launch in launches:  # the GPU's widest block, too
+        variants.append(dict(launch, constexprs=dict(launch["constexprs"], BLOCK=triton_stats.BLOCK)))
+    for launch in launches:
+        if launch["signature"].get("x_ptr") != "*fp32":
+            continue
+        for low in ("*bf16", "*fp16"):
+            signature = dict(launch["signature"])
+            for name in ("x_ptr", "y_ptr", "out_ptr"):
+                if signature.get(name) == "*fp32" and (name != "out_ptr" or launch["kernel"] == "row_grad"):
+                    signature[name] = low
+            variants.append(dict(launch, signature=signature))
+    return variants
+
+
+def test_every_launch_compiles_for_hopper_and_passes_no_float_scalar(interpreter, monkeypatch):
+    """What the interpreter does not check, checked without a GPU: every launch the dispatcher makes (float32 and
+    float64, truncated or not, the second read of E[u], bf16 / fp16 logits) compiles through Triton's front end,
+    LLVM and ptxas for sm_90 (an H100), and no launch passes a float scalar (compiled kernels type a Python float
+    as float32: 1 / tau would carry 2^-24 relative error into every float64 statistic)."""
+    cases = [case for case in _edge_cases() if case["seed"] in (1, 2, 3)]
+    cases += [dict(case, scale=2500.0, gap=2500.0) for case in cases[:2]]  # unrelated logits ~1e4: E[u] read again
+    monkeypatch.setenv(triton_stats.BLOCK_ENV, "16")  # several blocks a row (the drift that sends E[u] to a 2nd read)
+    launches = distributed.run_ranks(launch_worker, 1, cases)[0]
+    assert {launch["kernel"] for launch in launches} == {"row_partials", "row_grad", "row_mean_u"}
+    assert {launch["constexprs"].get("TRUNCATED") for launch in launches} == {False, True}
+    floats = sorted({(launch["kernel"], name, kind) for launch in launches
+                     for name, kind in launch["signature"].items() if not kind.startswith(("*", "i", "u"))})
+    assert not floats, f"float scalar arguments (float32 once compiled): {floats}"
+    unique = {json.dumps(launch, sort_keys=True): launch for launch in _as_the_gpu_passes_them(launches)}
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    root = Path(__file__).resolve().parents[2]
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
+    done = subprocess.run([sys.executable, "-m", "tests.distributed.triton_compile", "90"], cwd=root, env=env,
+                          input=json.dumps(list(unique.values())), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert not result["errors"], json.dumps(result["errors"][:3], indent=1)
+    assert result["compiled"] == len(unique)
 
 
 def test_dispatch_follows_the_device_and_the_switch(monkeypatch):

@@ -56,3 +56,56 @@ def edge_worker(rank, world, cases):
         results.append({"logprobs": stats.logprobs.detach().double(), "entropy": stats.entropy.detach().double(),
                         "kl": stats.kl.detach().double(), "grad": grad.double()})
     return results
+
+
+class _RecordedKernel:
+    """A kernel whose launches are written down (name, argument types, constexprs, warps) before they run."""
+
+    def __init__(self, name, kernel, calls):
+        self.name, self.kernel, self.calls = name, kernel, calls
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            from triton.runtime.jit import mangle_type
+
+            options = {"num_warps": kwargs.pop("num_warps", 4)}
+            names = self.kernel.arg_names
+            signature = {name: mangle_type(arg) for name, arg in zip(names, args)}
+            self.calls.append({"kernel": self.name, "signature": signature, "constexprs": dict(kwargs),
+                               "options": options})
+            return self.kernel[grid](*args, **kwargs, **options)
+
+        return launch
+
+
+class _Recorder:
+    def __init__(self, module, calls):
+        self.module, self.calls = module, calls
+
+    def __getattr__(self, name):
+        return _RecordedKernel(name, getattr(self.module, name), self.calls)
+
+
+def launch_worker(rank, world, cases):
+    """Every kernel launch the dispatcher makes for ``cases`` (the edge cases, with and without a truncated
+    support): ``[{kernel, signature {arg: Triton type}, constexprs {name: value}, options}]``."""
+    from megatron_kl.kl.truncation import Truncation
+
+    calls = []
+    kernels = triton_stats._kernels
+    triton_stats._kernels = lambda: _Recorder(kernels(), calls)
+    try:
+        for case in cases:
+            logits, reference, targets, _ = to_device(edge_inputs(case), rank_device())
+            dtype = getattr(torch, case["dtype"])
+            local = logits.chunk(world, dim=-1)[rank].to(dtype).contiguous().requires_grad_(True)
+            local_ref = reference.chunk(world, dim=-1)[rank].to(dtype).contiguous()
+            for truncation in (None, Truncation(top_k=7, top_p=0.9)):
+                stats = fused_stats(local, dist.group.WORLD, targets=targets, reference_logits=local_ref,
+                                    temperature=case["temperature"], vocab_size=case["vocab"],
+                                    truncation=truncation)
+                if case["rows"]:
+                    (stats.logprobs.sum() + stats.entropy.sum() + stats.kl.sum()).backward()
+    finally:
+        triton_stats._kernels = kernels
+    return calls
