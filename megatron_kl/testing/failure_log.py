@@ -8,9 +8,7 @@ summary, which a run killed at its deadline never reaches. Works with pytest-xdi
 
 from __future__ import annotations
 
-import os
-
-_path = None  # --failure-log, set in pytest_configure
+_path = None  # --failure-log, set in pytest_configure (None on an xdist worker: its controller writes)
 
 
 def pytest_addoption(parser):
@@ -20,8 +18,6 @@ def pytest_addoption(parser):
 def pytest_runtest_logreport(report):
     if _path is None or not report.failed:
         return
-    if os.environ.get("PYTEST_XDIST_WORKER"):  # a worker: its controller gets the same report and writes it
-        return
     text = str(report.longrepr)
     with open(_path, "a") as handle:
         handle.write(f"==== {report.nodeid} [{report.when}]\n{text[-4000:]}\n")
@@ -29,4 +25,6 @@ def pytest_runtest_logreport(report):
 
 def pytest_configure(config):
     global _path
-    _path = config.getoption("--failure-log")
+    # an xdist worker (``config.workerinput``) sends its reports to the controller, which writes them; the
+    # environment's PYTEST_XDIST_WORKER would also mark a pytest that a worker's test starts as a worker
+    _path = None if hasattr(config, "workerinput") else config.getoption("--failure-log")
