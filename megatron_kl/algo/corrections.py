@@ -27,6 +27,7 @@ from typing import Optional
 import torch
 
 from megatron_kl.kl.estimators import ClampCounter, clamp_log_ratio
+from megatron_kl.kl.sequence_axis import LOCAL, SequenceAxis
 
 CORRECTIONS = ("none", "tis", "token_tis", "sequence_tis", "token_mask", "sequence_mask", "geometric_mask", "icepop")
 LOG_RATIO_CLAMP = 20.0
@@ -59,9 +60,9 @@ class Correction:
             return kind
         return f"{kind}[{self.mask_low:g},{self.mask_high:g}]"
 
-    def weights(self, old_logprobs, behavior_logprobs, mask, counter=None):
+    def weights(self, old_logprobs, behavior_logprobs, mask, counter=None, axis: SequenceAxis = LOCAL):
         return behavior_weights(self.kind, old_logprobs, behavior_logprobs, mask, self.tis_cap, self.mask_low,
-                                self.mask_high, counter)
+                                self.mask_high, counter, axis)
 
 
 # the corrections the exact audit pairs with every KL configuration: each kind at the defaults, and the two
@@ -72,7 +73,8 @@ AUDITED = tuple(Correction(kind) for kind in CORRECTIONS if kind not in ("none",
 
 def behavior_weights(kind: str, old_logprobs: torch.Tensor, behavior_logprobs: torch.Tensor, mask: torch.Tensor,
                      tis_cap: float, mask_low: float, mask_high: float,
-                     counter: Optional[ClampCounter] = None) -> tuple[Optional[torch.Tensor], dict]:
+                     counter: Optional[ClampCounter] = None,
+                     axis: SequenceAxis = LOCAL) -> tuple[Optional[torch.Tensor], dict]:
     """(c [B, T] detached, or None for 'none'; metrics) for the correction ``kind`` (module docstring).
 
     Metrics: ``correction/truncated_fraction`` and ``correction/masked_fraction`` (of response tokens),
@@ -83,8 +85,9 @@ def behavior_weights(kind: str, old_logprobs: torch.Tensor, behavior_logprobs: t
         return None, {}
     log_w = clamp_log_ratio(torch.where(m, old_logprobs - behavior_logprobs, torch.zeros_like(old_logprobs)),
                             LOG_RATIO_CLAMP, mask, counter, "correction/clamped_ratio").detach()
-    tokens = m.sum().clamp_min(1)
-    log_seq = log_w.sum(-1, keepdim=True).expand_as(log_w)  # log W, on every token of the sequence
+    mf = m.to(log_w.dtype)
+    tokens = axis.total(mf).clamp_min(1)
+    log_seq = axis.seq_sum(log_w, keepdim=True).expand_as(log_w)  # log W, on every token of the sequence
     if kind in ("token_tis", "sequence_tis"):
         ratio = torch.exp(log_w if kind == "token_tis" else log_seq.clamp(max=LOG_RATIO_CLAMP))
         weight = ratio.clamp(max=tis_cap)
@@ -96,28 +99,34 @@ def behavior_weights(kind: str, old_logprobs: torch.Tensor, behavior_logprobs: t
         elif kind == "sequence_mask":
             tested = log_seq
         else:  # geometric_mask: the mean log-ratio over the sequence's response tokens
-            tested = (log_w.sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp_min(1)).expand_as(log_w)
+            tested = (log_seq[..., :1] / axis.seq_sum(mf, keepdim=True).clamp_min(1)).expand_as(log_w)
         value = torch.exp(tested.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
         kept = (value >= mask_low) & (value <= mask_high)
         weight = kept.to(log_w.dtype) * (torch.exp(log_w) if kind == "icepop" else 1.0)
         truncated = torch.zeros_like(m)
     weight = torch.where(m, weight, torch.zeros_like(weight))
-    metrics = {"correction/truncated_fraction": truncated.sum() / tokens,
-               "correction/masked_fraction": (~kept & m).sum() / tokens,
-               "correction/weight_mean": weight.sum() / tokens}
+    metrics = {"correction/truncated_fraction": axis.total(truncated.to(mf.dtype)) / tokens,
+               "correction/masked_fraction": axis.total((~kept & m).to(mf.dtype)) / tokens,
+               "correction/weight_mean": axis.total(weight) / tokens}
     return weight, metrics
 
 
-def mismatch_metrics(old_logprobs: torch.Tensor, behavior_logprobs: torch.Tensor, mask: torch.Tensor) -> dict:
+def mismatch_metrics(old_logprobs: torch.Tensor, behavior_logprobs: torch.Tensor, mask: torch.Tensor,
+                     axis: SequenceAxis = LOCAL) -> dict:
     """KL(mu || pi_old) per response token, estimated on mu's samples: k1 = log mu - log pi_old and
     k3 = w - 1 - log w with w = pi_old / mu; and the ratio w's mean / min / max over response tokens."""
     m = mask.bool()
     log_w = torch.where(m, old_logprobs - behavior_logprobs, torch.zeros_like(old_logprobs)).clamp(
         -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     w = torch.exp(log_w)
-    tokens = m.sum().clamp_min(1)
+    mf = m.to(w.dtype)
+    count = axis.total(mf)
+    tokens = count.clamp_min(1)
     k3 = torch.where(m, w - 1 - log_w, torch.zeros_like(w))
-    inside = w[m] if m.any() else torch.ones(1)
-    return {"mismatch/k1_token": float((-log_w).sum() / tokens), "mismatch/k3_token": float(k3.sum() / tokens),
-            "is/ratio_mean": float(inside.mean()),
-            "is/ratio_min": float(inside.min()), "is/ratio_max": float(inside.max())}
+    if float(count) == 0:  # no response token: the ratio's statistics are those of w = 1
+        low = high = torch.ones(())
+    else:
+        low, high = axis.minimum(w[m]), axis.maximum(w[m])
+    return {"mismatch/k1_token": float(axis.total(-log_w) / tokens), "mismatch/k3_token": float(axis.total(k3) / tokens),
+            "is/ratio_mean": float(axis.total(w * mf) / tokens) if float(count) else 1.0,
+            "is/ratio_min": float(low), "is/ratio_max": float(high)}

@@ -35,6 +35,7 @@ from megatron_kl.kl.estimators import ClampCounter, clamp_log_ratio
 from megatron_kl.kl.objective import (AGGREGATIONS, KLConfig, aggregate_tokens, kl_loss, kl_penalty_credit,
                                      policy_gradient_surrogate)
 from megatron_kl.kl.rpg import RPGConfig, rpg_loss
+from megatron_kl.kl.sequence_axis import LOCAL, SequenceAxis
 from megatron_kl.models.pipeline import masked_token_stats
 
 LOSSES = ("ppo", "rpg")
@@ -108,19 +109,20 @@ class Shares:
     num_sequences: int
     num_tokens: float
 
-    def factor(self, aggregation: str, mask: torch.Tensor) -> float:
+    def factor(self, aggregation: str, mask: torch.Tensor, axis: SequenceAxis = LOCAL) -> float:
         if aggregation == "token_mean":
-            return float(mask.sum().clamp_min(1.0)) / max(self.num_tokens, 1.0)
+            return float(axis.total(mask.to(torch.float64)).clamp_min(1.0)) / max(self.num_tokens, 1.0)
         return mask.shape[0] / self.num_sequences
 
 
 def ppo_loss(logprobs, old_logprobs, advantages, mask, cfg: AlgoConfig, behavior_weight=None,
-             counter: Optional[ClampCounter] = None):
+             counter: Optional[ClampCounter] = None, axis: SequenceAxis = LOCAL):
     """Per-token PPO-clip loss [B, T] (masked positions 0) and the clipped-token indicator."""
     m = mask.bool()
     log_ratio = torch.where(m, logprobs - old_logprobs.detach(), torch.zeros_like(logprobs))
     if cfg.ratio_level == "sequence":  # GSPO: exp(mean_t log ratio), the same on every token of the sequence
-        log_ratio = (log_ratio.sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp_min(1)).expand_as(log_ratio)
+        log_ratio = (axis.seq_sum(log_ratio, keepdim=True)
+                     / axis.seq_sum(m.to(log_ratio.dtype), keepdim=True).clamp_min(1)).expand_as(log_ratio)
     log_ratio = clamp_log_ratio(log_ratio, 20.0, mask, counter, "policy/clamped_ratio")
     ratio = torch.exp(log_ratio)
     adv = advantages.detach()
@@ -172,6 +174,7 @@ class MicrobatchLoss:
     # masked_token_stats of ``captured_keys``), for pipeline.assemble_token_stats
     captured: Optional[list] = None
     captured_keys: tuple = ("logprobs", "entropy")
+    axis: SequenceAxis = LOCAL  # the token axis: whole, or this rank's zigzag shard of a context-parallel group
 
     @property
     def row_separable(self) -> bool:
@@ -181,21 +184,25 @@ class MicrobatchLoss:
         if self.captured is not None:
             with torch.no_grad():
                 self.captured.append(masked_token_stats(stats, mb, self.captured_keys))
-        return microbatch_loss(stats, mb, self.algo, self.kl, self.shares, self.counter)
+        return microbatch_loss(stats, mb, self.algo, self.kl, self.shares, self.counter, self.axis)
 
     def probe(self, stats, mb: dict) -> torch.Tensor:
-        return microbatch_loss(stats, mb, self.algo, self.kl, self.shares, None)[0]
+        return microbatch_loss(stats, mb, self.algo, self.kl, self.shares, None, self.axis)[0]
 
 
 MICROBATCH_TOKENS = "_tokens"  # a microbatch's response tokens, the weight of its per-token metrics
 
 
 def microbatch_loss(stats, mb: dict, algo: AlgoConfig, kl: KLConfig, shares: Shares,
-                    counter: Optional[ClampCounter] = None) -> tuple[torch.Tensor, dict]:
+                    counter: Optional[ClampCounter] = None,
+                    axis: SequenceAxis = LOCAL) -> tuple[torch.Tensor, dict]:
     """This microbatch's share of the minibatch loss, and metrics (sums to be averaged by the caller).
 
     ``mb`` holds [b, T] tensors: loss_mask, old_logprobs, behavior_logprobs, reference_logprobs,
     advantages (the reward part, broadcast per token) and kl_returns (-coef * c_t, reward placement).
+    With a context-parallel ``axis`` they are this rank's zigzag shard [b, 2 L] and every reduction over the
+    sequence crosses the group (``kl.sequence_axis``): the loss and metrics are the whole sequences' on every
+    rank, and back-propagating ``loss * axis.share`` on each gives each rank its shard of the gradient.
     """
     mask = mb["loss_mask"].to(stats.logprobs.dtype)
     logprobs = stats.logprobs
@@ -205,39 +212,40 @@ def microbatch_loss(stats, mb: dict, algo: AlgoConfig, kl: KLConfig, shares: Sha
         if kl.coef > 0 and kl.placement == "reward":
             mb["kl_returns"] = -kl.coef * kl_penalty_credit(
                 kl, mb["old_logprobs"], mb["reference_logprobs"], mask.bool(), mb["behavior_logprobs"],
-                full_kl=None if stats.kl is None else stats.kl.detach(), counter=counter)
+                full_kl=None if stats.kl is None else stats.kl.detach(), counter=counter, axis=axis)
     weight = None
     if algo.loss == "ppo":
-        weight, correction = algo.correction.weights(mb["old_logprobs"], mb["behavior_logprobs"], mask, counter)
+        weight, correction = algo.correction.weights(mb["old_logprobs"], mb["behavior_logprobs"], mask, counter, axis)
         metrics.update(correction)
-        per_token, clipped, ratio = ppo_loss(logprobs, mb["old_logprobs"], mb["advantages"], mask, algo, weight, counter)
-        policy = aggregate_tokens(per_token, mask, algo.aggregation, algo.norm_length)
-        metrics["policy/clip_fraction"] = clipped.sum().float() / mask.sum().clamp_min(1)
-        metrics["policy/ratio_max"] = ratio.max()
+        per_token, clipped, ratio = ppo_loss(logprobs, mb["old_logprobs"], mb["advantages"], mask, algo, weight, counter,
+                                             axis)
+        policy = aggregate_tokens(per_token, mask, algo.aggregation, algo.norm_length, axis)
+        metrics["policy/clip_fraction"] = axis.total(clipped.to(mask.dtype)) / axis.total(mask).clamp_min(1)
+        metrics["policy/ratio_max"] = axis.maximum(ratio)
     else:
         policy, rpg_metrics = rpg_loss(algo.rpg, logprobs, mb["old_logprobs"], mb["reference_logprobs"],
-                                       mb["advantages"], mask, counter)
+                                       mb["advantages"], mask, counter, axis)
         metrics.update(rpg_metrics)
         metrics["policy/clip_fraction"] = rpg_metrics.get("rpg/clip_fraction", torch.zeros(()))
-    policy_share = shares.factor(algo.aggregation, mask)
+    policy_share = shares.factor(algo.aggregation, mask, axis)
     total = policy * policy_share
     if kl.coef > 0:
         if kl.placement == "reward":
             surrogate = policy_gradient_surrogate(kl, logprobs, mb["kl_returns"], mask, mb["behavior_logprobs"], counter,
-                                                  behavior_weight=weight)
+                                                  behavior_weight=weight, axis=axis)
             kl_term = -surrogate
         else:
             kl_term = kl_loss(kl, logprobs, mb["reference_logprobs"], mask, mb["behavior_logprobs"],
-                              full_kl=stats.kl, counter=counter, behavior_weight=weight)
-        kl_share = kl_term * shares.factor(kl.aggregation, mask)
+                              full_kl=stats.kl, counter=counter, behavior_weight=weight, axis=axis)
+        kl_share = kl_term * shares.factor(kl.aggregation, mask, axis)
         total = total + kl_share
         metrics["loss/kl_term"] = kl_share.detach()
     if algo.entropy_coef:
-        entropy = aggregate_tokens(stats.entropy, mask, algo.aggregation, algo.norm_length)
-        total = total - algo.entropy_coef * entropy * shares.factor(algo.aggregation, mask)
+        entropy = aggregate_tokens(stats.entropy, mask, algo.aggregation, algo.norm_length, axis)
+        total = total - algo.entropy_coef * entropy * shares.factor(algo.aggregation, mask, axis)
     # loss/* are this microbatch's shares of the minibatch value (they add up over its microbatches); the rest
     # are means over its response tokens, averaged by the caller with weight MICROBATCH_TOKENS
     metrics["loss/policy"] = (policy * policy_share).detach()
     metrics["loss/total"] = total.detach()
-    metrics[MICROBATCH_TOKENS] = mask.sum()
+    metrics[MICROBATCH_TOKENS] = axis.total(mask)
     return total, metrics

@@ -49,6 +49,7 @@ import torch
 
 from megatron_kl.constraints import checked
 from megatron_kl.kl.estimators import ESTIMATORS, ClampCounter, clamp_log_ratio, token_estimate
+from megatron_kl.kl.sequence_axis import LOCAL, SequenceAxis
 
 PLACEMENTS = ("reward", "loss")
 LEVELS = ("token", "sequence")
@@ -175,22 +176,23 @@ def check_norm_length(aggregation: str, norm_length, where: str) -> None:
 
 
 def aggregate_tokens(values: torch.Tensor, mask: torch.Tensor, aggregation: str,
-                     norm_length: Optional[float] = None) -> torch.Tensor:
+                     norm_length: Optional[float] = None, axis: SequenceAxis = LOCAL) -> torch.Tensor:
     """Reduce per-token values [B, T] (masked positions are zeroed here) to a scalar."""
-    return aggregate_sequences((values * mask.to(values.dtype)).sum(-1), mask, aggregation, norm_length)
+    return aggregate_sequences(axis.seq_sum(values * mask.to(values.dtype)), mask, aggregation, norm_length, axis)
 
 
 def aggregate_sequences(values: torch.Tensor, mask: torch.Tensor, aggregation: str,
-                        norm_length: Optional[float] = None) -> torch.Tensor:
-    """Reduce per-sequence values [B] (each the sum over that sequence's tokens) to a scalar."""
+                        norm_length: Optional[float] = None, axis: SequenceAxis = LOCAL) -> torch.Tensor:
+    """Reduce per-sequence values [B] (each the sum over that sequence's tokens) to a scalar (``mask``: [B, T],
+    this rank's positions of the sequences, for the token counts)."""
     m = mask.to(values.dtype)
     batch = values.shape[0]
     if aggregation == "seq_mean_token_sum":
         return values.sum() / batch
     if aggregation == "token_mean":
-        return values.sum() / m.sum().clamp_min(1.0)
+        return values.sum() / axis.total(m).clamp_min(1.0)
     if aggregation == "seq_mean_token_mean":
-        return (values / m.sum(-1).clamp_min(1.0)).sum() / batch
+        return (values / axis.seq_sum(m).clamp_min(1.0)).sum() / batch
     if aggregation == "seq_mean_token_sum_norm":
         check_norm_length(aggregation, norm_length, "aggregation")
         return values.sum() / (batch * norm_length)
@@ -198,8 +200,8 @@ def aggregate_sequences(values: torch.Tensor, mask: torch.Tensor, aggregation: s
 
 
 def reverse_cumsum(x: torch.Tensor) -> torch.Tensor:
-    """out_t = sum_{s>=t} x_s along the last dim."""
-    return x.flip(-1).cumsum(-1).flip(-1)
+    """out_t = sum_{s>=t} x_s along the last dim (a whole sequence: ``SequenceAxis.suffix`` for a shard)."""
+    return LOCAL.suffix(x)
 
 
 def _masked(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -239,18 +241,23 @@ def _correction(cfg: KLConfig, behavior_weight: Optional[torch.Tensor], mask: to
     return _masked(behavior_weight.detach(), mask)
 
 
-def _sequence_weight(weight: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def _sequence_weight(weight: torch.Tensor, mask: torch.Tensor, axis: SequenceAxis = LOCAL) -> torch.Tensor:
     """One weight per sequence [B]: the mean of omega_t over its response tokens (the value itself for the
     sequence-wise corrections, whose omega_t is the same on every token)."""
     m = mask.to(weight.dtype)
-    return (weight * m).sum(-1) / m.sum(-1).clamp_min(1.0)
+    return axis.seq_sum(weight * m) / axis.seq_sum(m).clamp_min(1.0)
+
+
+def _sequence_counter(counter: Optional[ClampCounter], axis: SequenceAxis) -> Optional[ClampCounter]:
+    """The counter of per-sequence clamps: one rank of a context-parallel group counts each sequence once."""
+    return counter if axis.counts_sequences else None
 
 
 def _prefix_weights(cfg: KLConfig, logprobs, behavior_logprobs, mask, inclusive: bool,
-                    counter: Optional[ClampCounter]) -> torch.Tensor:
+                    counter: Optional[ClampCounter], axis: SequenceAxis = LOCAL) -> torch.Tensor:
     """Detached rho_{1:t} (inclusive) or rho_{1:t-1} (exclusive), clamped in log space and truncated."""
     log_rho = _masked((logprobs - behavior_logprobs).detach(), mask)
-    cumulative = log_rho.cumsum(-1)
+    cumulative = axis.prefix(log_rho)
     if not inclusive:
         cumulative = cumulative - log_rho
     rho = torch.exp(clamp_log_ratio(cumulative, cfg.clamp, mask, counter, "prefix_weight"))
@@ -272,6 +279,7 @@ def kl_loss(
     full_kl: Optional[torch.Tensor] = None,
     counter: Optional[ClampCounter] = None,
     behavior_weight: Optional[torch.Tensor] = None,
+    axis: SequenceAxis = LOCAL,
 ) -> torch.Tensor:
     """The KL term to ADD to the loss (already times ``coef``); zero for placement='reward'.
 
@@ -287,30 +295,32 @@ def kl_loss(
         kl_t = _masked(full_kl, mask)
         if cfg.level == "token":
             values = kl_t if weight is None else weight * kl_t
-            return cfg.coef * aggregate_tokens(values, mask, cfg.aggregation, cfg.norm_length)
+            return cfg.coef * aggregate_tokens(values, mask, cfg.aggregation, cfg.norm_length, axis)
         if cfg.off_policy == "per_decision":
-            rho_prev = _prefix_weights(cfg, logprobs, behavior_logprobs, mask, inclusive=False, counter=counter)
+            rho_prev = _prefix_weights(cfg, logprobs, behavior_logprobs, mask, inclusive=False, counter=counter,
+                                       axis=axis)
             pathwise = rho_prev * kl_t
         else:
             pathwise = kl_t
-        future = reverse_cumsum(pathwise.detach()) - pathwise.detach()  # sum_{s>t}
+        future = axis.suffix(pathwise.detach()) - pathwise.detach()  # sum_{s>t}
         values = pathwise + lp * future
         if weight is not None:
-            values = _sequence_weight(weight, mask)[:, None] * values
-        return cfg.coef * aggregate_tokens(values, mask, cfg.aggregation, cfg.norm_length)
+            values = _sequence_weight(weight, mask, axis)[:, None] * values
+        return cfg.coef * aggregate_tokens(values, mask, cfg.aggregation, cfg.norm_length, axis)
     if cfg.level == "sequence":
-        total = d.sum(-1)
-        values = token_estimate(cfg.estimator, total, cfg.clamp, mask.any(-1), counter)
+        total = axis.seq_sum(d)
+        values = token_estimate(cfg.estimator, total, cfg.clamp, axis.seq_sum(mask.to(d.dtype)) > 0,
+                                _sequence_counter(counter, axis))
         if weight is not None:
-            values = _sequence_weight(weight, mask) * values
-        return cfg.coef * aggregate_sequences(values, mask, cfg.aggregation, cfg.norm_length)
+            values = _sequence_weight(weight, mask, axis) * values
+        return cfg.coef * aggregate_sequences(values, mask, cfg.aggregation, cfg.norm_length, axis)
     values = token_estimate(cfg.estimator, d, cfg.clamp, mask, counter)
     if cfg.off_policy == "token_is":
         log_w = clamp_log_ratio(lp - _masked(behavior_logprobs.detach(), mask), cfg.clamp, mask, counter, "token_is")
         values = torch.exp(log_w) * values
     elif weight is not None:
         values = weight * values
-    return cfg.coef * aggregate_tokens(_masked(values, mask), mask, cfg.aggregation, cfg.norm_length)
+    return cfg.coef * aggregate_tokens(_masked(values, mask), mask, cfg.aggregation, cfg.norm_length, axis)
 
 
 @torch.no_grad()
@@ -322,6 +332,7 @@ def kl_penalty_credit(
     behavior_logprobs: Optional[torch.Tensor] = None,
     full_kl: Optional[torch.Tensor] = None,
     counter: Optional[ClampCounter] = None,
+    axis: SequenceAxis = LOCAL,
 ) -> torch.Tensor:
     """The detached credited penalty c_t [B, T] of a reward-placed KL (not times coef)."""
     _check(cfg, logprobs, ref_logprobs, mask, behavior_logprobs, full_kl)
@@ -333,17 +344,18 @@ def kl_penalty_credit(
         per_token = _masked(token_estimate(cfg.estimator, d, cfg.clamp, mask, counter), mask)
     if cfg.level == "sequence":
         if cfg.estimator == "full":
-            seq = per_token.sum(-1)
+            seq = axis.seq_sum(per_token)
         else:
-            seq = token_estimate(cfg.estimator, d.sum(-1), cfg.clamp, mask.any(-1), counter)
+            seq = token_estimate(cfg.estimator, axis.seq_sum(d), cfg.clamp, axis.seq_sum(m) > 0,
+                                 _sequence_counter(counter, axis))
         return seq[:, None] * m
     if cfg.off_policy == "per_decision":
         per_token = per_token * _prefix_weights(
-            cfg, logprobs, behavior_logprobs, mask, inclusive=cfg.estimator != "full", counter=counter
+            cfg, logprobs, behavior_logprobs, mask, inclusive=cfg.estimator != "full", counter=counter, axis=axis
         )
     if cfg.effective_credit == "immediate":
         return per_token * m
-    return reverse_cumsum(per_token * m) * m
+    return axis.suffix(per_token * m) * m
 
 
 def kl_shaped_returns(
@@ -355,6 +367,7 @@ def kl_shaped_returns(
     behavior_logprobs: Optional[torch.Tensor] = None,
     full_kl: Optional[torch.Tensor] = None,
     counter: Optional[ClampCounter] = None,
+    axis: SequenceAxis = LOCAL,
 ) -> torch.Tensor:
     """Per-token returns [B, T]: rewards[b] - coef * c_t for placement='reward', the broadcast rewards
     for placement='loss'; zero at masked positions. Detached."""
@@ -365,7 +378,7 @@ def kl_shaped_returns(
     if cfg.placement == "loss":
         _check(cfg, logprobs, ref_logprobs, mask, behavior_logprobs, full_kl)
         return returns
-    credit = kl_penalty_credit(cfg, logprobs, ref_logprobs, mask, behavior_logprobs, full_kl, counter)
+    credit = kl_penalty_credit(cfg, logprobs, ref_logprobs, mask, behavior_logprobs, full_kl, counter, axis)
     return returns - cfg.coef * credit
 
 
@@ -377,6 +390,7 @@ def policy_gradient_surrogate(
     behavior_logprobs: Optional[torch.Tensor] = None,
     counter: Optional[ClampCounter] = None,
     behavior_weight: Optional[torch.Tensor] = None,
+    axis: SequenceAxis = LOCAL,
 ) -> torch.Tensor:
     """Scalar whose gradient is agg_t weight_t * values_t * grad log pi(y_t), values detached.
 
@@ -397,4 +411,4 @@ def policy_gradient_surrogate(
         weighted = torch.exp(log_w) * values
     else:
         weighted = lp * values
-    return aggregate_tokens(weighted, mask, cfg.aggregation, cfg.norm_length)
+    return aggregate_tokens(weighted, mask, cfg.aggregation, cfg.norm_length, axis)

@@ -31,6 +31,7 @@ import torch
 from megatron_kl.constraints import checked
 from megatron_kl.kl.estimators import ClampCounter, clamp_log_ratio
 from megatron_kl.kl.objective import AGGREGATIONS, aggregate_tokens
+from megatron_kl.kl.sequence_axis import LOCAL, SequenceAxis
 
 DIVERGENCES = ("rkl", "fkl", "urkl", "ufkl")
 SURROGATES = ("differentiable", "reinforce")
@@ -74,6 +75,7 @@ def rpg_loss(
     advantages: torch.Tensor,
     mask: torch.Tensor,
     counter: Optional[ClampCounter] = None,
+    axis: SequenceAxis = LOCAL,
 ) -> tuple[torch.Tensor, dict]:
     """The RPG loss (to minimise) and metrics {clip_fraction, kl_term}. All inputs [B, T]."""
     m = mask.bool()
@@ -94,8 +96,8 @@ def rpg_loss(
             "ufkl": u * (ref - lp) - u + w,
         }[cfg.divergence]
         per_token = -w * adv + cfg.coef * term
-        metrics = {"rpg/kl_term": aggregate_tokens(torch.where(m, term, zero).detach(), mask, cfg.aggregation, cfg.norm_length)}
-        return aggregate_tokens(torch.where(m, per_token, zero), mask, cfg.aggregation, cfg.norm_length), metrics
+        metrics = {"rpg/kl_term": aggregate_tokens(torch.where(m, term, zero).detach(), mask, cfg.aggregation, cfg.norm_length, axis)}
+        return aggregate_tokens(torch.where(m, per_token, zero), mask, cfg.aggregation, cfg.norm_length, axis), metrics
 
     w_d = w.detach()
     g_kl = {
@@ -116,7 +118,7 @@ def rpg_loss(
     weight = (w_d * effective * (~inactive)).detach()
     per_token = -weight * lp
     metrics = {
-        "rpg/clip_fraction": inactive.sum() / m.sum().clamp_min(1),
-        "rpg/kl_coefficient": aggregate_tokens(torch.where(m, g_kl, zero), mask, cfg.aggregation, cfg.norm_length),
+        "rpg/clip_fraction": axis.total(inactive.to(lp.dtype)) / axis.total(m.to(lp.dtype)).clamp_min(1),
+        "rpg/kl_coefficient": aggregate_tokens(torch.where(m, g_kl, zero), mask, cfg.aggregation, cfg.norm_length, axis),
     }
-    return aggregate_tokens(torch.where(m, per_token, zero), mask, cfg.aggregation, cfg.norm_length), metrics
+    return aggregate_tokens(torch.where(m, per_token, zero), mask, cfg.aggregation, cfg.norm_length, axis), metrics
