@@ -152,6 +152,9 @@ class ParallelConfig:
     pipeline_parallel: int = checked(1, ge=1)
     virtual_pipeline: Optional[int] = checked(None, ge=1)  # model chunks per pipeline rank (interleaved 1F1B)
     sequence_parallel: bool = False
+    # each sequence split over context_parallel ranks (megatron-core's zigzag: 2 cp chunks, rank r holding chunks r
+    # and 2cp-1-r); needs Transformer Engine's attention (GPUs); the loss side crosses the group exactly
+    context_parallel: int = checked(1, ge=1)
     offload_reference: bool = False  # keep the reference model's weights on CPU between uses
     # mixture-of-experts layouts (model.moe): experts split over expert_parallel ranks (carved out of the data-
     # parallel ranks x TP, as megatron does), each expert's matrices over expert_tensor_parallel ranks (null:
@@ -161,6 +164,14 @@ class ParallelConfig:
     # one timeout for every process group (torch.distributed's default group, megatron's TP/PP/DP groups,
     # the rollout engine's gloo group): a hung rank ends the job after this long instead of 30 min or never
     distributed_timeout_s: float = checked(1800.0, gt=0)
+
+    @property
+    def sequence_multiple(self) -> int:
+        """Sequences are padded to a multiple of this under context parallelism: 2 cp chunks, each split over
+        the tp ranks with sequence parallelism (1 without context parallelism)."""
+        if self.context_parallel == 1:
+            return 1
+        return 2 * self.context_parallel * (self.tensor_parallel if self.sequence_parallel else 1)
 
 
 def validate_model(model: ModelConfig) -> None:
@@ -267,11 +278,13 @@ def validate_parallel(model: ModelConfig, parallel: ParallelConfig, world_size: 
             "parallel.virtual_pipeline (interleaved 1F1B) is not supported yet: its gradients did not match "
             "PP=1 in the layout tests; set it to null and use pipeline_parallel alone"
         )
-    if world_size % (tp * pp):
+    cp = parallel.context_parallel
+    if world_size % (tp * pp * cp):
         raise ConfigError(
-            f"world size {world_size} is not divisible by parallel.tensor_parallel*pipeline_parallel="
-            f"{tp * pp}; launch a multiple of {tp * pp} ranks"
+            f"world size {world_size} is not divisible by parallel.tensor_parallel*pipeline_parallel*"
+            f"context_parallel={tp * pp * cp}; launch a multiple of {tp * pp * cp} ranks"
         )
+    _validate_context_parallel(model, parallel)
     if parallel.sequence_parallel and tp == 1:
         raise ConfigError("parallel.sequence_parallel=true needs parallel.tensor_parallel > 1")
     _validate_expert_layout(model, parallel, world_size)
@@ -292,6 +305,28 @@ def validate_training_layout(model: ModelConfig, parallel: ParallelConfig, micro
             "training; sequence parallelism needs the Transformer Engine spec, on GPUs): set sequence_parallel, or "
             "tensor_parallel=1 and split the experts with parallel.expert_parallel"
         )
+
+
+def _validate_context_parallel(model: ModelConfig, parallel: ParallelConfig) -> None:
+    """What context parallelism is combined with, and the positions its padding reaches (config only; that it
+    needs Transformer Engine is checked where the model is built: models/context_parallel.check_runnable)."""
+    cp = parallel.context_parallel
+    if cp == 1:
+        return
+    if parallel.pipeline_parallel > 1 or parallel.virtual_pipeline is not None:
+        raise ConfigError(f"parallel.context_parallel={cp} with parallel.pipeline_parallel="
+                          f"{parallel.pipeline_parallel}: the pipeline schedule's shapes under context parallelism are "
+                          "not supported here yet; set pipeline_parallel=1 (use tensor and context parallelism)")
+    if model.moe.enabled:
+        raise ConfigError(f"parallel.context_parallel={cp} with a mixture-of-experts model (model.moe): routing "
+                          "replay and the expert layouts are not checked under context parallelism yet; set "
+                          "parallel.context_parallel=1")
+    multiple = parallel.sequence_multiple
+    if model.max_position_embeddings % multiple:
+        raise ConfigError(f"model.max_position_embeddings={model.max_position_embeddings} must be a multiple of "
+                          f"{multiple} (2 x parallel.context_parallel={cp}"
+                          f"{' x tensor_parallel with sequence_parallel' if multiple != 2 * cp else ''}): every "
+                          "sequence is padded to that multiple and its positions must stay within the model's")
 
 
 def _validate_expert_layout(model: ModelConfig, parallel: ParallelConfig, world_size: int) -> None:

@@ -11,7 +11,8 @@
 #
 # Checks: environment (versions, which statistics path runs), kernel_tests (the kernel tests on CUDA tensors against
 # float64), rl_steps (a few RL steps of the CPU job's config on the GPU: step-0 exact KL < 1e-8 and train-vs-rollout
-# mismatch < 1e-4, then a bf16 run that checkpoints and resumes exactly), bench_logits,
+# mismatch < 1e-4, then a bf16 run that checkpoints and resumes exactly), context_parallel (CP=2 against one rank,
+# where Transformer Engine and two GPUs are), bench_logits,
 # bench_truncation, bench_linear (tools/bench_vocab_parallel.py --device cuda), rest (the remaining suite).
 # Wheels in .gpu-wheels/ are installed first (--no-index --no-deps); the project is imported from this checkout.
 # A check that fails or runs out of time is recorded and the next one runs; the exit code is the number of checks
@@ -25,7 +26,7 @@ scale=${CHECK_SCALE:-1}
 workers=${PYTEST_WORKERS:-8}
 dry=${DRY_RUN:-0}
 budget=${BUDGET_S:-540}
-selected=" ${CHECKS:-environment kernel_tests rl_steps bench_logits bench_truncation bench_linear rest} "
+selected=" ${CHECKS:-environment kernel_tests rl_steps context_parallel bench_logits bench_truncation bench_linear rest} "
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
 : >>"$out/summary.txt"
@@ -99,6 +100,10 @@ check kernel_tests 200 env "${kernel_env[@]}" "$py" -m pytest "${pytest_args[@]}
 check rl_steps 150 "$py" -m pytest "${pytest_args[@]}" "${collect[@]}" \
     "tests/e2e/test_step0_gates.py::test_step_0_policy_equals_reference_and_rollout[embedded-tp1]" \
     tests/e2e/test_train.py::test_bf16_mixed_precision_trains_and_resumes_exactly
+# 3b. context parallelism (CP=2 forward/backward/update equal to one rank): runs where Transformer Engine and two
+#     GPUs are (skipped, and said so, elsewhere)
+check context_parallel 90 "$py" -m pytest "${pytest_args[@]}" -rs "${collect[@]}" \
+    "megatron_kl/validation/test_model_layouts.py::test_layout_matches_single_rank[cp2]"
 # 4. the kernel benchmarks, every peer in the same rounds (times only mean something next to their baselines)
 check bench_logits 75 "$py" tools/bench_vocab_parallel.py "${bench[@]}" --section logits --sizes "$sizes_logits" \
     --repeats 3

@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import re
 from dataclasses import asdict, dataclass
 from typing import Optional
 
@@ -39,6 +40,7 @@ from megatron_kl.kl.objective import (
     CREDITS, KLConfig, LEVELS, OFF_POLICY, PLACEMENTS, kl_loss, kl_shaped_returns, policy_gradient_surrogate,
 )
 from megatron_kl.kl.estimators import ESTIMATORS
+from megatron_kl.kl.sequence_axis import crossing
 from megatron_kl.kl.truncation import Truncation, support_threshold
 
 TARGETS = ("seq", "token", "forward")
@@ -248,15 +250,25 @@ def audit(problem: TabularProblem, off_policy: bool, configs: Optional[list[KLCo
     return rows
 
 
+def across_cp_ranks(row: AuditRow) -> str:
+    """The row's ``kl.sequence_axis.crossing``: what its KL term needs from the other context-parallel ranks."""
+    kind = re.match(r"[a-z_]+", row.correction).group(0) if row.correction else None
+    return "+".join(crossing(KLConfig(**row.config), kind)) or "-"
+
+
 def format_table(rows: list[AuditRow]) -> str:
+    """The audit table; ``across CP`` names what crosses context-parallel ranks beyond the aggregation's sums
+    (``kl.sequence_axis.crossing``: sum = an all-reduced per-sequence sum, prefix / suffix = an exclusive scan of
+    chunk totals)."""
     width = max([38] + [len(r.name) for r in rows])
     header = f"{'configuration':{width}s} {'mode':10s} " + " ".join(f"{'bias:' + t:>12s}" for t in TARGETS) + \
-        " " + " ".join(f"{'cos:' + t:>11s}" for t in TARGETS) + f" {'variance':>11s}  verdict"
+        " " + " ".join(f"{'cos:' + t:>11s}" for t in TARGETS) + f" {'variance':>11s} {'across CP':>17s}  verdict"
     lines = [header, "-" * len(header)]
     for r in rows:
         lines.append(
             f"{r.name:{width}s} {r.mode:10s} " + " ".join(f"{r.rel_bias[t]:12.3e}" for t in TARGETS) + " "
-            + " ".join(f"{r.cosine[t]:11.3f}" for t in TARGETS) + f" {r.variance:11.3e}  {r.verdict}"
+            + " ".join(f"{r.cosine[t]:11.3f}" for t in TARGETS) + f" {r.variance:11.3e} {across_cp_ranks(r):>17s}"
+            + f"  {r.verdict}"
         )
     return "\n".join(lines)
 

@@ -197,3 +197,27 @@ def zigzag_unshard(shards: list[torch.Tensor], length: int) -> torch.Tensor:
     for rank, shard in enumerate(shards):
         out[..., zigzag_positions(length, size, rank).to(out.device)] = shard
     return out[..., :length]
+
+
+SEQUENCE_CORRECTIONS = ("sequence_tis", "sequence_mask", "geometric_mask")  # weights read the whole sequence
+
+
+def crossing(kl, correction: Optional[str] = None) -> tuple[str, ...]:
+    """What a KL configuration (``KLConfig``; ``correction``: the behaviour correction whose weights it carries with
+    ``off_policy='behavior'``) needs from the other CP ranks beyond the aggregation's per-sequence sums and token
+    counts (which every term all-reduces): ``sum`` - a per-sequence sum fed to a non-linear function (the sequence
+    estimators' D, the exact sequence KL's total, a sequence correction's log W or mean weight), all-reduced;
+    ``prefix`` / ``suffix`` - cumulative sums over earlier / later positions (per-decision weights exp(prefix of log
+    rho); reward-to-go credit and the Rao-Blackwellised sum over later positions), from one all-gather of two chunk
+    totals per sequence and rank and an exclusive scan in sequence order."""
+    needs = []
+    if kl.level == "sequence" and not (kl.estimator == "full" and kl.placement == "loss"):
+        needs.append("sum")
+    if kl.off_policy == "per_decision":
+        needs.append("prefix")
+    if (kl.level == "sequence" and kl.estimator == "full" and kl.placement == "loss") or \
+            kl.effective_credit == "reward_to_go":
+        needs.append("suffix")
+    if kl.off_policy == "behavior" and (correction in SEQUENCE_CORRECTIONS or kl.level == "sequence"):
+        needs.append("sum")
+    return tuple(dict.fromkeys(needs))

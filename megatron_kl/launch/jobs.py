@@ -56,7 +56,8 @@ def local_task(spec: TaskSpec):
     """(executor, script) for torchrun on this machine, ``nproc_per_node`` ranks."""
     run = _nemo_run()
     cfg = spec.cfg
-    nproc = cfg.launch.nproc_per_node or cfg.parallel.tensor_parallel * cfg.parallel.pipeline_parallel
+    nproc = cfg.launch.nproc_per_node or (cfg.parallel.tensor_parallel * cfg.parallel.pipeline_parallel
+                                          * cfg.parallel.context_parallel)
     validate_parallel(cfg.model, cfg.parallel, nproc)
     # torchrun and python of this environment, whether or not it is activated
     os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")

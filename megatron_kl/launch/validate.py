@@ -5,7 +5,8 @@ other ``gpu``-marked tests.
 
 Checks, each a subprocess with a deadline, reported as pass / fail / skip with its wall time:
 
-- ``gpu_tests``: every ``-m gpu`` test (Transformer Engine layouts, real SGLang, offload).
+- ``gpu_tests``: every ``-m gpu`` test (Transformer Engine layouts - sequence parallel, context parallel CP=2 on two
+  GPUs - real SGLang, offload).
 - ``layouts``: TP=2, PP=2 and TP=2 x PP=2 forward/backward/update equal to one rank (NCCL and the Transformer
   Engine spec on a GPU node, gloo and the local spec on CPU).
 - ``vocab_parallel`` and ``fused_linear``: the float64-referenced kernel tests at TP=8 (NCCL; TP=2 gloo on CPU).

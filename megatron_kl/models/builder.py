@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from megatron_kl.config import ConfigError, ModelConfig, ParallelConfig
 from megatron_kl.models.norm import use_lean_rms_norm
+from megatron_kl.models.context_parallel import check_runnable
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -56,6 +57,7 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, flash_decod
         pipeline_model_parallel_size=parallel.pipeline_parallel,
         virtual_pipeline_model_parallel_size=parallel.virtual_pipeline,
         sequence_parallel=parallel.sequence_parallel,
+        context_parallel_size=parallel.context_parallel,
         use_cpu_initialization=True,
         perform_initialization=True,
         bias_activation_fusion=False,
@@ -153,6 +155,7 @@ def build_gpt_model(model: ModelConfig, parallel: ParallelConfig, vp_stage: Opti
     from megatron.core.models.gpt import GPTModel
 
     resolved = model.resolved()
+    check_runnable(parallel, have_transformer_engine())
     if parallel.sequence_parallel and not have_transformer_engine():
         raise ConfigError(
             "parallel.sequence_parallel=true needs the Transformer Engine layer spec (megatron-core's "

@@ -36,7 +36,8 @@ def single_pass_loss(vocab, reference, mb: dict, hidden, weight, tp_group, seque
     flat_targets = targets.reshape(-1).long().index_select(0, index)
 
     def to_batch(flat: torch.Tensor) -> torch.Tensor:  # computed rows [R] -> [b, s-1]
-        return flat.new_zeros(s * b).index_copy(0, index, flat).reshape(s, b).t()[:, :-1]
+        full = flat.new_zeros(s * b).index_copy(0, index, flat).reshape(s, b).t()
+        return full if "labels" in mb else full[:, :-1]  # a context-parallel shard keeps every position
 
     def to_rows(per_token: torch.Tensor, lo: int, hi: int) -> torch.Tensor:  # [b, s-1] -> rows lo:hi
         padded = torch.cat([per_token, per_token.new_zeros(b, 1)], 1).t().reshape(-1)

@@ -54,6 +54,7 @@ def initialize(model: ModelConfig, parallel: ParallelConfig, seed: int = 1234) -
         tensor_model_parallel_size=parallel.tensor_parallel,
         pipeline_model_parallel_size=parallel.pipeline_parallel,
         virtual_pipeline_model_parallel_size=parallel.virtual_pipeline,
+        context_parallel_size=parallel.context_parallel,
         expert_model_parallel_size=parallel.expert_parallel,
         expert_tensor_parallel_size=parallel.expert_tensor_parallel,
         create_gloo_process_groups=False,

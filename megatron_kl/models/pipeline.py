@@ -27,7 +27,7 @@ from megatron_kl.kl.truncation import Truncation, effective
 from megatron_kl.kl.vocab_parallel import DEFAULT_CHUNK, VocabParallelStats, fused_stats
 from megatron_kl.models.fused_loss import single_pass_loss
 from megatron_kl.models.output_head import ReferenceHead, bypass_output_layer, fused_layout, output_weight, unwrap
-from megatron_kl.models import routing_replay
+from megatron_kl.models import context_parallel, routing_replay
 from megatron_kl.models.parallel import collective_device
 
 # loss_fn(stats, microbatch) -> (loss, metrics). `loss` is this microbatch's share of the global loss
@@ -164,10 +164,12 @@ class VocabOptions:
 
 
 def _unfused_stats(vocab: VocabOptions, reference: Optional[ReferenceHead], mb: dict, logits, tp_group):
+    last = None if "labels" in mb else -1  # a context-parallel shard: every position has its target (labels)
+    targets = mb["labels"] if "labels" in mb else mb["tokens"][:, 1:]
     reference_logits = None
     if reference is not None and "reference_hidden" in mb:
-        reference_logits = reference.logits(mb["reference_hidden"].to(logits.device))[:, :-1]
-    return fused_stats(logits[:, :-1], tp_group, targets=mb["tokens"].to(logits.device)[:, 1:],
+        reference_logits = reference.logits(mb["reference_hidden"].to(logits.device))[:, :last]
+    return fused_stats(logits[:, :last], tp_group, targets=targets.to(logits.device),
                        reference_logits=reference_logits, temperature=vocab.temperature,
                        vocab_size=vocab.vocab_size, chunk_size=vocab.chunk_size, truncation=vocab.truncation)
 
@@ -182,8 +184,10 @@ def _fused_stats(vocab: VocabOptions, reference: Optional[ReferenceHead], mb: di
         chunk_size=vocab.chunk_size, sequence_parallel=sequence_parallel, mask=rows, truncation=vocab.truncation,
     )
 
+    last = None if "labels" in mb else -1  # a context-parallel shard keeps every position
+
     def per_sequence(value):
-        return None if value is None else value.t()[:, :-1]
+        return None if value is None else value.t()[:, :last]
 
     return VocabParallelStats(*(per_sequence(getattr(stats, f.name)) for f in dataclasses.fields(stats)))
 
@@ -195,9 +199,16 @@ def _forward_step(vocab: VocabOptions, loss_fn: LossFn, num_microbatches: int, f
     device = next(model.parameters()).device
     mb = {key: value.to(device) if isinstance(value, torch.Tensor) and key != "rows" else value
           for key, value in next(data_iterator).items()}
-    tokens = mb["tokens"]
-    position_ids = torch.arange(tokens.shape[1], device=device).unsqueeze(0).expand_as(tokens)
     inner = unwrap(model)
+    cp_group = context_parallel_group()
+    if cp_group is not None:  # this rank's zigzag shard of every sequence
+        tp = dist.get_world_size(parallel_state.get_tensor_model_parallel_group())
+        multiple = 2 * dist.get_world_size(cp_group) * (tp if inner.config.sequence_parallel else 1)
+        mb = context_parallel.shard_microbatch(mb, dist.get_world_size(cp_group), dist.get_rank(cp_group), multiple)
+        tokens, position_ids = mb["tokens"], mb["position_ids"]
+    else:
+        tokens = mb["tokens"]
+        position_ids = torch.arange(tokens.shape[1], device=device).unsqueeze(0).expand_as(tokens)
     single_pass = vocab.grad_in_forward and getattr(loss_fn, "row_separable", False) and not forward_only
     fused = inner.post_process and vocab.use_fused(tokens.numel(), output_weight(inner).shape[0],
                                                    single_sweep=forward_only or single_pass)
@@ -273,6 +284,14 @@ def run_schedule(
             routing_replay.clear([unwrap(chunk) for chunk in chunks])
 
 
+def context_parallel_group():
+    """megatron's context-parallel group when it has more than one rank, else None."""
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_context_parallel_group(check_initialized=False)
+    return group if group is not None and dist.get_world_size(group) > 1 else None
+
+
 def broadcast_from_last_stage(tensor: Optional[torch.Tensor], shape, dtype) -> torch.Tensor:
     """Give every pipeline rank the last stage's tensor."""
     from megatron.core import parallel_state
@@ -290,9 +309,14 @@ SUPPORT_KEYS = ("kept_mass", "support_size", "outside_support")  # the truncated
 
 
 def masked_token_stats(stats: VocabParallelStats, mb: dict, keys) -> dict:
-    """One microbatch's per-token ``keys`` of ``stats``, zero at masked positions, tagged with its ``rows``."""
+    """One microbatch's per-token ``keys`` of ``stats``, zero at masked positions, tagged with its ``rows``; on a
+    context-parallel shard gathered back to the whole sequences [b, S-1]."""
     mask = mb["loss_mask"].to(stats.logprobs.dtype)
-    return {"rows": mb["rows"], **{key: getattr(stats, key) * mask for key in keys}}
+    out = {key: getattr(stats, key) * mask for key in keys}
+    if "cp_targets" in mb:
+        group = context_parallel_group()
+        out = {key: context_parallel.gather_positions(value, group, mb["cp_targets"]) for key, value in out.items()}
+    return {"rows": mb["rows"], **out}
 
 
 def scatter_rows(parts: list[torch.Tensor], rows: list[torch.Tensor], shape,
@@ -355,6 +379,10 @@ def compute_token_stats(
     result = assemble_token_stats(outputs, keys, tuple(batch.loss_mask.shape))
     if capture_hidden:
         result["hidden"] = None
+        cp_group = context_parallel_group()
+        if captured and cp_group is not None:  # each rank's zigzag shard of the hidden states, gathered back
+            captured = [context_parallel.gather_positions(h, cp_group, o[keys[0]].shape[1] + 1)
+                        for h, o in zip(captured, outputs)]
         if captured:  # both in schedule order: each forward's hidden states, then its collect()
             rows = [o["rows"] for o in outputs]
             result["hidden"] = scatter_rows(captured, rows, (*batch.tokens.shape, captured[0].shape[-1]),

@@ -256,6 +256,14 @@ def validate_train_config(cfg: TrainConfig, tokenizer_vocab: int, data_parallel:
     if cfg.rollout.engine == "local" and cfg.parallel.pipeline_parallel > 1:
         raise ConfigError(f"rollout.engine=local supports parallel.pipeline_parallel=1 only (got "
                           f"{cfg.parallel.pipeline_parallel}); use rollout.engine=sglang or vllm with pipeline parallelism")
+    cp = cfg.parallel.context_parallel
+    if cp > 1 and cfg.rollout.engine == "local":
+        raise ConfigError(f"rollout.engine=local generates with the training layout, which holds a shard of each "
+                          f"sequence under parallel.context_parallel={cp}; use rollout.engine=sglang or vllm")
+    if cp > 1 and cfg.warm_start.enabled and not cfg.warm_start.checkpoint and cfg.init.hf_checkpoint is None:
+        raise ConfigError(f"warm_start (the supervised phase) does not split its sequences under "
+                          f"parallel.context_parallel={cp}; start from init.hf_checkpoint or warm_start.checkpoint, or "
+                          "set warm_start.enabled=false")
     if cfg.rollout.sampling.temperature == 0:
         raise ConfigError("rollout.sampling.temperature=0 samples greedily: every sample of a group is the same "
                           "answer, every advantage is 0 and the policy gradient is exactly 0 (nothing trains); set "

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from megatron_kl import child_processes
 from megatron_kl.config import ConfigError, redact_secrets, to_dict, validate_parallel, validate_training_layout
 from megatron_kl.kl import triton_stats
-from megatron_kl.models import builder, hf, moe_load, optim, output_head, parallel, state
+from megatron_kl.models import builder, context_parallel, hf, moe_load, optim, output_head, parallel, pipeline, state
 from megatron_kl.models.offload import ReferenceOffload
 from megatron_kl.tasks import build_task
 from megatron_kl.train import checkpoint as ckpt
@@ -168,8 +168,9 @@ def prepare(cfg: TrainConfig) -> Prepared:
         cfg.rollout.sampling.stop_token_ids = default_stop_token_ids(task, hf_source)
     validate_parallel(cfg.model, cfg.parallel, world_size)
     validate_training_layout(cfg.model, cfg.parallel, cfg.train.micro_batch_tokens)
-    validate_train_config(cfg, task.tokenizer.vocab_size,
-                          world_size // (cfg.parallel.tensor_parallel * cfg.parallel.pipeline_parallel))
+    model_parallel = cfg.parallel.tensor_parallel * cfg.parallel.pipeline_parallel * cfg.parallel.context_parallel
+    validate_train_config(cfg, task.tokenizer.vocab_size, world_size // model_parallel)
+    context_parallel.check_runnable(cfg.parallel, builder.have_transformer_engine())  # where it can run at all
     return Prepared(world_size, hf_source, task, run_dir.plan_start(cfg, world_size))
 
 
@@ -221,6 +222,7 @@ def _train(cfg: TrainConfig, plan, task, hf_source, dp, is_logger: bool, stop: S
                          per_rank={"rng": RNGStates(), "rollouts": source})
     ctx = StepContext(cfg, train_state, models.reference, output_head.ReferenceHead(models.reference), offload, dp_group,
                       kl_tags=kl_tags(cfg), counters=counters, pp_group=parallel.pp_group(), tp_group=tp_group,
+                      cp_group=pipeline.context_parallel_group(),
                       expert_load=moe_load.expert_load(train_state.chunks, cfg.model))
 
     latest = ckpt.load_latest(run_path / "checkpoints", run_state, plan.run_id) if plan.kind == "resume" else None

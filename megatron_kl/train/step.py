@@ -28,7 +28,7 @@ from megatron_kl.algo.corrections import mismatch_metrics
 from megatron_kl.algo.losses import MICROBATCH_TOKENS, MicrobatchLoss, Shares
 from megatron_kl.kl.estimators import ClampCounter
 from megatron_kl.kl.objective import kl_shaped_returns
-from megatron_kl.models import optim, output_head, pipeline, routing_replay
+from megatron_kl.models import context_parallel, optim, output_head, pipeline, routing_replay
 from megatron_kl.models.moe_load import ExpertLoad
 from megatron_kl.models.offload import ReferenceOffload
 from megatron_kl.models.parallel import all_reduce_cpu
@@ -56,6 +56,7 @@ class StepContext:
     expert_load: Optional[ExpertLoad] = None  # mixture-of-experts policies: router counts of the pi_old pass
     pp_group: object = None
     tp_group: object = None
+    cp_group: object = None  # the context-parallel group (None without context parallelism)
 
 
 class NonFiniteUpdates(RuntimeError):
@@ -262,7 +263,7 @@ def _update(ctx: StepContext, sequences, step: int, vocab, reference_head) -> tu
         for i in range(algo.minibatches):
             minibatch = sequences.select(order[i * size : (i + 1) * size])
             shares = Shares(num_sequences=size, num_tokens=float(minibatch.loss_mask.sum()))
-            loss = MicrobatchLoss(algo, cfg.kl, shares, ctx.counter,
+            loss = MicrobatchLoss(algo, cfg.kl, shares, ctx.counter, axis=context_parallel.sequence_axis(ctx.cp_group),
                                   captured=[] if "old_logprobs" not in sequences.extras else None,
                                   captured_keys=("logprobs", "entropy") + (("kl",) if reference_head is not None else ())
                                   + (pipeline.SUPPORT_KEYS if vocab.truncation is not None else ()))
@@ -373,7 +374,7 @@ def rl_step(ctx: StepContext, batch: RolloutBatch, step: int) -> dict:
         groups = sequences.token_groups(run.micro_batch_tokens)
         metrics["batch/padded_tokens"] = float(sum(len(rows) * width for rows, width in groups))
         metrics["batch/microbatches"] = float(len(groups))
-    metrics.update(ctx.counter.as_dict())
+    metrics.update(context_parallel.sum_counts(ctx.counter.as_dict(), ctx.cp_group))
     metrics = _reduce(metrics, ctx.dp_group)
     if ctx.expert_load is not None:  # counts summed over data-parallel ranks, pipeline stages and, with sequence
         # parallelism (each TP rank routes its share of the tokens), tensor-parallel ranks

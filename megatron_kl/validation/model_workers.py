@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_kl.config import ModelConfig, ParallelConfig
-from megatron_kl.models import builder, optim, output_head, parallel, pipeline, state
+from megatron_kl.models import builder, context_parallel, optim, output_head, parallel, pipeline, state
 
 
 class _SFTLikeLoss:
@@ -23,8 +23,10 @@ class _SFTLikeLoss:
         self.probes = 0
 
     def __call__(self, stats, mb):
+        # on a context-parallel shard the sums cross the group (the same loss on every CP rank: kl.sequence_axis)
+        axis = context_parallel.sequence_axis(pipeline.context_parallel_group())
         mask = mb["loss_mask"].to(stats.logprobs.dtype)
-        loss = (-(stats.logprobs * mask).sum() + 0.1 * (stats.entropy * mask).sum()) / self.batch_size
+        loss = axis.total(-(stats.logprobs * mask) + 0.1 * (stats.entropy * mask)) / self.batch_size
         return loss, {"loss": loss.detach()}
 
     def probe(self, stats, mb):
@@ -42,6 +44,8 @@ def _gather_logits(model_cfg: ModelConfig):
         pieces = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
         dist.all_gather(pieces, local, group=group)
         full = torch.cat(pieces, dim=-1)[..., : model_cfg.vocab_size]
+        if "cp_targets" in mb:  # a context-parallel shard of the input positions
+            full = context_parallel.gather_positions(full, pipeline.context_parallel_group(), mb["cp_targets"] + 1)
         return torch.zeros(()), {"index": mb["index"], "logits": full}
 
     return loss_fn

@@ -1,4 +1,5 @@
-"""TP=2, PP=2 (1F1B, several microbatches), VPP and sequence parallel reproduce TP=1/PP=1:
+"""TP=2, PP=2 (1F1B, several microbatches), sequence parallel and context parallel (CP=2: Transformer Engine, two
+GPUs) reproduce TP=1/PP=1:
 logits, per-token log-probs, entropies, parameter gradients and the weights after one optimizer step.
 Also: the reference model is frozen and unchanged by a policy update."""
 
@@ -87,13 +88,17 @@ def _compare(result: dict, base: dict, outs: list):
                                                                 reason="sequence parallel needs Transformer Engine")]),
         ("qwen3", ParallelConfig(pipeline_parallel=2)),
         ("qwen2", ParallelConfig(tensor_parallel=2, pipeline_parallel=2)),
+        pytest.param("qwen3", ParallelConfig(context_parallel=2),
+                     marks=[pytest.mark.gpu, pytest.mark.skipif(
+                         not have_transformer_engine() or torch.cuda.device_count() < 2,
+                         reason="context parallelism needs Transformer Engine and two GPUs")]),
     ],
-    ids=["tp2", "pp2-1f1b", "tp2-tied-qknorm", "tp2-sp-tied-qknorm", "pp2-tied-qknorm", "tp2-pp2-4ranks"],
+    ids=["tp2", "pp2-1f1b", "tp2-tied-qknorm", "tp2-sp-tied-qknorm", "pp2-tied-qknorm", "tp2-pp2-4ranks", "cp2"],
 )
 def test_layout_matches_single_rank(baselines, model_name, parallel):
     tokens, mask = _batch()
     base = baselines[model_name]
-    world = parallel.tensor_parallel * parallel.pipeline_parallel
+    world = parallel.tensor_parallel * parallel.pipeline_parallel * parallel.context_parallel
     outs = run_ranks(layout_worker, world, MODELS[model_name], parallel, base["full_state"], tokens, mask,
                      NUM_MICROBATCHES, OPTIM)
     _compare(outs[0], base, outs)

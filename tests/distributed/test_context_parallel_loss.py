@@ -9,7 +9,7 @@ rank, the clamp counts summed over the CP ranks, and the gradient w.r.t. the log
 import pytest
 import torch
 
-from megatron_kl.kl.sequence_axis import (ContextParallelAxis, padded_length, zigzag_positions, zigzag_shard,
+from megatron_kl.kl.sequence_axis import (LOCAL, ContextParallelAxis, padded_length, zigzag_positions, zigzag_shard,
                                           zigzag_unshard)
 from megatron_kl.algo.corrections import CORRECTIONS
 from megatron_kl.algo.losses import RATIO_LEVELS
@@ -118,3 +118,44 @@ def test_zigzag_shards_cover_the_padded_sequence_once():
     assert torch.equal(zigzag_unshard(shards, 10), x)
     with pytest.raises(ValueError, match="two chunks of equal length"):
         ContextParallelAxis(None, size=2, rank=0).prefix(torch.zeros(1, 3))
+
+
+class _RecordingAxis(type(LOCAL)):
+    """The whole-sequence axis, writing down which cumulative sums a computation asks for."""
+
+    def __init__(self):
+        self.used = set()
+
+    def prefix(self, x):
+        self.used.add("prefix")
+        return super().prefix(x)
+
+    def suffix(self, x):
+        self.used.add("suffix")
+        return super().suffix(x)
+
+
+def test_the_audit_tables_cp_column_names_the_cumulative_sums_the_code_takes():
+    """``crossing`` (the audit tables' "across CP" column, docs/kl-math.md) names prefix / suffix exactly where the
+    KL term's code asks the sequence axis for them, for every audited configuration and behaviour correction."""
+    from megatron_kl.algo.corrections import AUDITED
+    from megatron_kl.kl.objective import kl_loss, kl_penalty_credit, policy_gradient_surrogate
+    from megatron_kl.kl.sequence_axis import crossing
+
+    g = torch.Generator().manual_seed(0)
+    lp, ref, mu, full = (torch.randn(3, 6, generator=g, dtype=torch.float64) * 0.3 for _ in range(4))
+    mask = torch.ones(3, 6, dtype=torch.bool)
+    pairs = [(cfg, None) for cfg in all_configs(True) + all_configs(False)]
+    pairs += [(cfg, c) for cfg in behavior_configs() for c in AUDITED]
+    for cfg, correction in pairs:
+        axis = _RecordingAxis()
+        weight = None if correction is None else correction.weights(lp, mu, mask, axis=axis)[0]
+        kind = None if correction is None else correction.kind
+        axis.used.clear()  # the correction's own sums are in ``crossing`` as "sum", not prefix / suffix
+        if cfg.placement == "reward":
+            credit = kl_penalty_credit(cfg, lp, ref, mask, mu, full_kl=full.abs(), axis=axis)
+            policy_gradient_surrogate(cfg, lp, -cfg.coef * credit, mask, mu, behavior_weight=weight, axis=axis)
+        else:
+            kl_loss(cfg, lp, ref, mask, mu, full_kl=full.abs(), behavior_weight=weight, axis=axis)
+        declared = {need for need in crossing(cfg, kind) if need in ("prefix", "suffix")}
+        assert axis.used == declared, (cfg.name, kind, axis.used, declared)

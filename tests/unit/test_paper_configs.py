@@ -111,3 +111,19 @@ def test_moe_study_preset_runs_are_launchable():
         validate_train_config(cfg, cfg.model.vocab_size, gpus // (cfg.parallel.tensor_parallel *
                                                                    cfg.parallel.pipeline_parallel))
         _check_slurm(cfg)
+
+
+def test_long_trace_recipe_states_its_context_parallel_layout():
+    """configs/paper/qwen3-4b-instruct-2507-32k.yaml: 32k-token responses on 8 GPUs as TP=2 (sequence parallel) x
+    CP=2 x DP=2, the model section Qwen3-4B's; its sequences pad to the zigzag layout within the model's positions."""
+    cfg = load_train_config(str(ROOT / "configs" / "paper" / "qwen3-4b-instruct-2507-32k.yaml"))
+    real = json.loads((ROOT / "tests" / "data" / "hf_configs" / "qwen3-4b-instruct-2507.json").read_text())
+    hf.check_model_config(hf.model_config_from_hf(real), cfg.model, "qwen3-4b-instruct-2507 config.json")
+    validate_parallel(cfg.model, cfg.parallel, 8)
+    assert cfg.parallel.context_parallel == 2 and cfg.parallel.sequence_parallel
+    assert cfg.rollout.sampling.max_new_tokens >= 32768 and cfg.rollout.engine == "sglang"
+    longest = cfg.task.math.max_prompt_tokens + cfg.rollout.sampling.max_new_tokens
+    padded = -(-longest // cfg.parallel.sequence_multiple) * cfg.parallel.sequence_multiple
+    assert padded <= cfg.model.max_position_embeddings
+    data_parallel = 8 // (cfg.parallel.tensor_parallel * cfg.parallel.context_parallel)
+    assert data_parallel == 2 and (cfg.train.prompts_per_step * cfg.train.group_size) % data_parallel == 0
