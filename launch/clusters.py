@@ -64,4 +64,31 @@ def h100_login() -> Cluster:
                    description="Slurm H100 nodes, submitted on the login node")
 
 
-CLUSTERS = {"local": local, "h100": h100, "h100_login": h100_login}
+def ci() -> Cluster:
+    """The two-node Slurm cluster of ``scripts/slurm_cluster.sh`` (CI, or a workstation as root): CPU nodes, one
+    trainer rank per node, the nodes' own Python (no container), sbatch on this machine. Start it first and export
+    what it prints (``SLURM_CONF``). Its home holds no ``/nemo_run`` component: without a container NeMo-Run
+    rewrites that name (its in-container run directory) in every path of the job."""
+    home = "runs/launch_ci"
+    return Cluster("slurm", {
+        "home": home,
+        "slurm": {
+            "account": "ci",
+            "partition": "ci",
+            "nodes": 2,
+            "gpus_per_node": 0,
+            "ranks_per_node": 1,
+            "runtime": "host",
+            "time": "00:15:00",
+            "exclusive": False,
+            "nccl_defaults": False,
+            "retries": 1,
+            "signal_lead_s": 30,
+            "rdzv_port": 29531,
+            "env": {"OMP_NUM_THREADS": "1"},
+            "tunnel": {"kind": "local", "job_dir": f"{home}/experiments"},  # NeMo-Run's LocalTunnel wants home's
+        },
+    }, description="two CPU nodes of scripts/slurm_cluster.sh, submitted on this machine")
+
+
+CLUSTERS = {"local": local, "h100": h100, "h100_login": h100_login, "ci": ci}

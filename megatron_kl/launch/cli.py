@@ -1,9 +1,11 @@
-"""``megatron-kl launch {local,slurm} --config X.yaml [--dryrun] [--detach] [overrides]``,
+"""``megatron-kl launch {local,slurm} --config X.yaml [--cluster NAME] [--dryrun] [--detach] [overrides]``,
 ``megatron-kl launch status|logs <experiment id> [--home DIR] [--task NAME]``.
 
 The config is a training YAML (one task) or a study YAML (one task per configuration x seed; after a local
-run the study report is written). Exit 0 when every task succeeded, 1 when one failed (its log tail is
-printed), 2 on a config error.
+run the study report is written). ``--cluster NAME`` applies a cluster of ``launch/clusters.py`` (``--clusters``
+names another file): its executor must match the subcommand, its ``launch:`` settings come before the
+command-line overrides. Exit 0 when every task succeeded, 1 when one failed (its log tail is printed), 2 on a
+config error.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ def _parser() -> argparse.ArgumentParser:
         p = sub.add_parser(kind, help=f"run with NeMo-Run's {kind} executor")
         p.add_argument("--config", required=True, help="training YAML or study YAML")
         p.add_argument("--dryrun", action="store_true", help="print what would be submitted, run nothing")
+        p.add_argument("--cluster", default=None, help="a cluster function of --clusters (launch/clusters.py)")
+        p.add_argument("--clusters", default="launch/clusters.py", help="the file defining the clusters")
         if kind == "slurm":
             p.add_argument("--detach", action="store_true", help="return after submitting")
         p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. launch.slurm.nodes=4")
@@ -84,10 +88,36 @@ def submit(executor_kind: str, launch_plan, dryrun: bool = False, detach: bool =
     return 1 if failed else 0
 
 
+def load_clusters(path: str) -> dict:
+    """``CLUSTERS`` (name -> function returning a Cluster) of a clusters file such as launch/clusters.py."""
+    import importlib.util
+
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"--clusters {path} does not exist (run from the repository root, or name the file)")
+    spec = importlib.util.spec_from_file_location("megatron_kl_user_clusters", file)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    clusters = getattr(module, "CLUSTERS", None)
+    if not isinstance(clusters, dict):
+        raise ConfigError(f"{path} defines no CLUSTERS mapping (name -> function returning a Cluster)")
+    return clusters
+
+
 def _run(args) -> int:
     from megatron_kl.launch.experiment import plan
 
-    return submit(args.action, plan(args.config, args.overrides), args.dryrun, getattr(args, "detach", False))
+    overrides, customize = list(args.overrides), None
+    if args.cluster is not None:
+        clusters = load_clusters(args.clusters)
+        if args.cluster not in clusters:
+            raise ConfigError(f"--cluster {args.cluster!r} is not in {args.clusters}: {sorted(clusters)}")
+        cluster = clusters[args.cluster]()
+        if cluster.executor != args.action:
+            raise ConfigError(f"--cluster {args.cluster} runs with the {cluster.executor} executor: use "
+                              f"`megatron-kl launch {cluster.executor}`")
+        overrides, customize = cluster.overrides() + overrides, cluster.customize
+    return submit(args.action, plan(args.config, overrides), args.dryrun, getattr(args, "detach", False), customize)
 
 
 def _inspect(args) -> int:

@@ -31,6 +31,7 @@ NCCL_H100_ENV = {
 
 ROLLOUT_MODES = ("colocated", "disaggregated")
 TUNNELS = ("local", "ssh")
+RUNTIMES = ("container", "host")
 PACKAGERS = ("git", "none")
 
 
@@ -62,7 +63,11 @@ class SlurmConfig:
     account: Optional[str] = checked(None, free=True)
     partition: Optional[str] = checked(None, free=True)
     nodes: int = checked(1, ge=1)  # training nodes
-    gpus_per_node: int = checked(8, ge=0)
+    gpus_per_node: int = checked(8, ge=0)  # 0: CPU nodes (set ranks_per_node)
+    ranks_per_node: Optional[int] = checked(None, ge=1)  # trainer ranks per node; null: one per GPU
+    # container: tasks run in container_image (pyxis/enroot); host: in the nodes' own environment (the Python that
+    # submits, which must exist on every node at the same path: a workstation's or CI's own cluster)
+    runtime: str = checked("container", choices=RUNTIMES)
     time: str = checked("04:00:00", free=True, nonempty=True)
     container_image: Optional[str] = checked(None, free=True)  # pyxis/enroot image with megatron-kl's GPU stack
     container_mounts: list[str] = field(default_factory=list)  # "/lustre:/lustre"
@@ -82,9 +87,15 @@ class SlurmConfig:
     tunnel: TunnelConfig = field(default_factory=TunnelConfig)
 
     def __post_init__(self):
-        for name in ("nodes", "gpus_per_node"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"launch.slurm.{name}={getattr(self, name)} must be >= 1")
+        if self.nodes < 1:
+            raise ConfigError(f"launch.slurm.nodes={self.nodes} must be >= 1")
+        if self.gpus_per_node < 0:
+            raise ConfigError(f"launch.slurm.gpus_per_node={self.gpus_per_node} must be >= 0")
+        if self.gpus_per_node == 0 and self.ranks_per_node is None:
+            raise ConfigError("launch.slurm.gpus_per_node=0 (CPU nodes) needs launch.slurm.ranks_per_node, the trainer "
+                              "ranks per node")
+        if self.runtime not in RUNTIMES:
+            raise ConfigError(f"launch.slurm.runtime={self.runtime!r}: use one of {list(RUNTIMES)}")
         if self.signal_lead_s < 0:
             raise ConfigError(f"launch.slurm.signal_lead_s={self.signal_lead_s} must be >= 0 (0: no signal)")
         if self.retries < 0:
@@ -94,6 +105,11 @@ class SlurmConfig:
         if not isinstance(self.container_mounts, list):
             raise ConfigError("launch.slurm.container_mounts must be a list of 'src:dst' strings")
         self.env = _check_env(self.env, "launch.slurm.env")
+
+    @property
+    def tasks_per_node(self) -> int:
+        """Trainer ranks per node: ``ranks_per_node``, else one per GPU."""
+        return self.ranks_per_node or self.gpus_per_node
 
     def environment(self) -> dict:
         env = dict(NCCL_H100_ENV) if self.nccl_defaults else {}

@@ -71,13 +71,21 @@ def _check_slurm(cfg: TrainConfig) -> None:
     slurm = cfg.launch.slurm
     if not slurm.account:
         raise ConfigError("launch.slurm.account is required for `megatron-kl launch slurm`")
-    if not slurm.container_image:
+    if slurm.runtime == "container" and not slurm.container_image:
         raise ConfigError("launch.slurm.container_image is required (NeMo-Run's Slurm executor runs tasks "
-                          "in a pyxis/enroot container)")
+                          "in a pyxis/enroot container); or set launch.slurm.runtime=host to run in the nodes' own "
+                          "environment")
+    if slurm.runtime == "host" and "/nemo_run" in str(Path(slurm.tunnel.job_dir).absolute()):
+        raise ConfigError(f"launch.slurm.tunnel.job_dir={slurm.tunnel.job_dir!r} (or launch.home) has a 'nemo_run' "
+                          "directory: with launch.slurm.runtime=host NeMo-Run rewrites '/nemo_run' (its in-container "
+                          "run directory) in every path of the job; choose another directory name")
+    if slurm.runtime == "host" and slurm.container_image:
+        raise ConfigError(f"launch.slurm.runtime=host runs without a container: drop launch.slurm.container_image="
+                          f"{slurm.container_image!r}, or set launch.slurm.runtime=container")
     if slurm.retries and not cfg.checkpoint.resume:
         raise ConfigError(f"launch.slurm.retries={slurm.retries} restarts the job; set checkpoint.resume=true "
                           "so a restart continues from the latest checkpoint instead of step 0")
-    validate_parallel(cfg.model, cfg.parallel, slurm.nodes * slurm.gpus_per_node)
+    validate_parallel(cfg.model, cfg.parallel, slurm.nodes * slurm.tasks_per_node)
     validate_training_layout(cfg.model, cfg.parallel, cfg.train.micro_batch_tokens)
     if not SHELL_WORD.fullmatch(str(slurm.tunnel.job_dir)):
         raise ConfigError(f"launch.slurm.tunnel.job_dir={slurm.tunnel.job_dir!r}: NeMo-Run writes it unquoted into "
@@ -131,9 +139,11 @@ def _slurm_executor(cfg: TrainConfig, nodes: int, tasks_per_node: int, launcher,
     else:
         tunnel = run.LocalTunnel(job_dir=str(Path(tunnel_cfg.job_dir).absolute()))
     packager = run.GitArchivePackager() if slurm.packager == "git" else run.Packager()
+    if slurm.runtime == "host":  # sbatch hands its environment to the job: this Python and its torchrun first
+        os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
     return run.SlurmExecutor(
         account=slurm.account, partition=slurm.partition, nodes=nodes, ntasks_per_node=tasks_per_node,
-        gpus_per_node=slurm.gpus_per_node, time=slurm.time, container_image=slurm.container_image,
+        gpus_per_node=slurm.gpus_per_node or None, time=slurm.time, container_image=slurm.container_image,
         container_mounts=list(slurm.container_mounts), exclusive=slurm.exclusive or None, qos=slurm.qos,
         constraint=slurm.constraint, tunnel=tunnel, packager=packager, launcher=launcher,
         env_vars=shell_env(cfg), retries=slurm.retries, heterogeneous=heterogeneous,
@@ -149,7 +159,7 @@ def slurm_task(spec: TaskSpec):
     _check_slurm(cfg)
     slurm = cfg.launch.slurm
     launcher = run.Torchrun(rdzv_port=slurm.rdzv_port)
-    executor = _slurm_executor(cfg, slurm.nodes, slurm.gpus_per_node, launcher, heterogeneous=False)
+    executor = _slurm_executor(cfg, slurm.nodes, slurm.tasks_per_node, launcher, heterogeneous=False)
     script = run.Script(path="megatron_kl.cli", m=True, entrypoint="python", args=spec.train_args())
     return executor, script
 
@@ -195,7 +205,7 @@ def disaggregated_tasks(spec: TaskSpec):
     # NeMo-Run joins a heterogeneous group's arguments unquoted: quote them here
     server = run.Script(path="sglang.launch_server", m=True, entrypoint="python",
                         args=[shlex.quote(a) for a in sglang_server_args(cfg)] + ["--api-key", f'"${API_KEY_VAR}"'])
-    torchrun = ["torchrun", "--nnodes", str(slurm.nodes), "--nproc-per-node", str(slurm.gpus_per_node),
+    torchrun = ["torchrun", "--nnodes", str(slurm.nodes), "--nproc-per-node", str(slurm.tasks_per_node),
                 "--rdzv-backend", "c10d", "--rdzv-endpoint", f"${TRAIN_HEAD_VAR}:{slurm.rdzv_port}",
                 "--rdzv-id", "$SLURM_JOB_ID", "-m", "megatron_kl.cli"]
     # every user value shell-quoted; the one intended expansion is the server URLs, from a fixed template

@@ -1,0 +1,71 @@
+"""A real two-node Slurm cluster (scripts/slurm_cluster.sh) for the tests of this folder, started once per session
+and stopped at its end. They run where ``MEGATRON_KL_SLURM=1`` (CI's Slurm stage, or a root shell with the Debian
+packages installable); elsewhere they are skipped, so the full tier does not need Slurm."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "scripts" / "slurm_cluster.sh"
+ENABLE = "MEGATRON_KL_SLURM"
+
+
+@dataclass
+class SlurmCluster:
+    directory: Path
+    env: dict
+
+    def run(self, *command: str, timeout: float = 60, check: bool = True) -> subprocess.CompletedProcess:
+        return subprocess.run(list(command), env=self.env, capture_output=True, text=True, timeout=timeout,
+                              check=check, cwd=ROOT)
+
+    def launch(self, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+        """``megatron-kl launch`` with the CI cluster of launch/clusters.py."""
+        return self.run(sys.executable, "-m", "megatron_kl.cli", "launch", *args, timeout=timeout, check=False)
+
+    def sacct(self, job_id: str) -> list[dict]:
+        out = self.run("sacct", "-n", "-P", "-j", job_id, "-o", "JobID,State,ExitCode,Restarts,NodeList").stdout
+        keys = ("job", "state", "exit", "restarts", "nodes")
+        return [dict(zip(keys, line.split("|"))) for line in out.splitlines() if line.strip()]
+
+
+def start(directory: Path, port: int | None = None) -> SlurmCluster:
+    env = {**os.environ, "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]}
+    if port is not None:
+        env["SLURM_CLUSTER_PORT"] = str(port)
+    done = subprocess.run(["bash", str(SCRIPT), "start", str(directory)], env=env, capture_output=True, text=True,
+                          timeout=300)
+    if done.returncode:
+        subprocess.run(["bash", str(SCRIPT), "stop", str(directory)], env=env, capture_output=True, timeout=120)
+        pytest.fail(f"the Slurm cluster did not start:\n{done.stderr[-3000:]}")
+    env["SLURM_CONF"] = str(directory / "etc" / "slurm.conf")
+    return SlurmCluster(directory, env)
+
+
+def stop(cluster: SlurmCluster) -> None:
+    subprocess.run(["bash", str(SCRIPT), "stop", str(cluster.directory)], env=cluster.env, capture_output=True,
+                   timeout=120)
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster(tmp_path_factory):
+    if os.environ.get(ENABLE) != "1":
+        pytest.skip(f"Slurm tests run with {ENABLE}=1 (CI's Slurm stage; root and the Debian packages needed)")
+    cluster = start(tmp_path_factory.mktemp("slurm"))
+    try:
+        yield cluster
+    finally:
+        stop(cluster)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "tests/slurm/" in item.nodeid:
+            item.add_marker(pytest.mark.slurm)
