@@ -30,9 +30,11 @@ class SlurmCluster:
         """``megatron-kl launch`` with the CI cluster of launch/clusters.py."""
         return self.run(sys.executable, "-m", "megatron_kl.cli", "launch", *args, timeout=timeout, check=False)
 
-    def sacct(self, job_id: str) -> list[dict]:
-        out = self.run("sacct", "-n", "-P", "-j", job_id, "-o", "JobID,State,ExitCode,Restarts,NodeList").stdout
-        keys = ("job", "state", "exit", "restarts", "nodes")
+    def sacct(self, job_id: str, duplicates: bool = False) -> list[dict]:
+        """sacct's records of a job and its steps; ``duplicates``: every start of a requeued job, oldest first."""
+        out = self.run("sacct", "-n", "-P", *(["-D"] if duplicates else []), "-j", job_id,
+                       "-o", "JobID,State,ExitCode,NodeList,Start").stdout
+        keys = ("job", "state", "exit", "nodes", "start")
         return [dict(zip(keys, line.split("|"))) for line in out.splitlines() if line.strip()]
 
 

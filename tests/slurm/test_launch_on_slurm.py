@@ -60,3 +60,85 @@ def test_a_training_job_runs_on_two_nodes_and_equals_torchrun(slurm_cluster, war
     assert done.returncode == 0, done.stderr[-3000:]
     assert metrics(run) == metrics(reference)
     assert json.loads((run / "summary.json").read_text())["steps"] == 2
+
+
+def wait_until(predicate, timeout: float, what: str, interval: float = 1.0):
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def by_step(run: Path) -> dict:
+    """The last row logged for each step (a resumed run logs the steps after its checkpoint again)."""
+    return {row["step"]: row for row in metrics(run) if "step" in row}
+
+
+def steps_done(run: Path) -> int:
+    path = run / "metrics.jsonl"
+    if not path.is_file():
+        return 0
+    return max([json.loads(line).get("step", 0) for line in path.read_text().splitlines() if line.strip()] or [0])
+
+
+def job_state(cluster, job: str) -> str:
+    out = cluster.run("squeue", "-h", "-j", job, "-o", "%T", check=False).stdout.strip()
+    return out or "GONE"
+
+
+PREEMPTED = ["train.steps=8", "eval.interval=0", "checkpoint.interval=2", "logging.tensorboard=false"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(warm_cache, tmp_path_factory):
+    """The preemption tests' configuration run once without interruption (torchrun, two ranks)."""
+    out = tmp_path_factory.mktemp("uninterrupted") / "run"
+    torchrun = Path(sys.executable).with_name("torchrun")
+    done = subprocess.run([str(torchrun), "--nproc-per-node", "2", "-m", "megatron_kl.cli", "train", "--config", CONFIG,
+                           f"train.output_dir={out}", f"warm_start.cache_dir={warm_cache}", *PREEMPTED], cwd=ROOT,
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out
+
+
+def _requeued_and_resumed(cluster, exp: str, job: str, run: Path) -> None:
+    """After the stop: the job requeues itself (its sbatch script), runs again at once (Slurm would hold a requeued
+    job ~2 minutes: its start time is moved to now, its time limit restored), resumes and completes."""
+    wait_until(lambda: job_state(cluster, job) == "PENDING", 180, f"job {job} to requeue itself")
+    cluster.run("scontrol", "update", f"JobId={job}", "StartTime=now", "TimeLimit=15")
+    wait_until(lambda: job_state(cluster, job) == "GONE", 600, f"job {job} to finish its second run")
+    records = cluster.sacct(job, duplicates=True)
+    starts = [r for r in records if r["job"] == job]
+    assert [r["state"] for r in starts] == ["REQUEUED", "COMPLETED"], records
+    logs = list(Path(ROOT, "runs", "launch_ci", "experiments").rglob(f"log-megatron-kl.train_{job}_1.out"))
+    assert logs, "no log of the second run (SLURM_RESTART_COUNT=1)"
+    lines = (run / "starts.jsonl").read_text().splitlines()
+    assert len(lines) == 2 and json.loads(lines[1]).get("kind") == "resume", lines
+    status = cluster.launch("status", exp, "--home", "runs/launch_ci", timeout=120)
+    assert "SUCCEEDED" in status.stdout, status.stdout + status.stderr
+
+
+@pytest.mark.parametrize("how", ["scancel_signal", "time_limit"])
+def test_a_preempted_job_checkpoints_requeues_and_resumes_to_the_same_metrics(slurm_cluster, warm_cache, tmp_path,
+                                                                              uninterrupted, how):
+    run = tmp_path / "run"
+    launched = slurm_cluster.launch("slurm", "--cluster", "ci", "--config", CONFIG, "--detach",
+                                    f"train.output_dir={run}", f"warm_start.cache_dir={warm_cache}", *PREEMPTED,
+                                    "launch.slurm.signal_lead_s=180")
+    assert launched.returncode == 0, launched.stdout[-3000:] + launched.stderr[-3000:]
+    exp = experiment_id(launched.stdout)
+    job = job_id(slurm_cluster, exp)
+    wait_until(lambda: steps_done(run) >= 2, 300, "two training steps")
+    if how == "scancel_signal":
+        slurm_cluster.run("scancel", "--signal=USR1", job)
+    else:  # a time limit 2-3 minutes away: Slurm signals USR1 180 s before it, at its next check (up to a minute)
+        used = slurm_cluster.run("squeue", "-h", "-j", job, "-o", "%M").stdout.strip()  # [H:]M:SS
+        seconds = sum(int(part) * 60 ** i for i, part in enumerate(reversed(used.split(":"))))
+        slurm_cluster.run("scontrol", "update", f"JobId={job}", f"TimeLimit={-(-(seconds + 120) // 60)}")
+    _requeued_and_resumed(slurm_cluster, exp, job, run)
+    assert by_step(run) == by_step(uninterrupted)
