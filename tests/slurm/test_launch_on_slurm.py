@@ -91,7 +91,10 @@ def job_state(cluster, job: str) -> str:
     return out or "GONE"
 
 
-PREEMPTED = ["train.steps=8", "eval.interval=0", "checkpoint.interval=2", "logging.tensorboard=false"]
+# long enough (~1-2 s a step on 2 cores) that a time-limit signal, which Slurm sends at its next periodic check
+# (every ~30 s), still finds the job training
+PREEMPTED = ["train.steps=50", "train.prompts_per_step=64", "eval.interval=0", "checkpoint.interval=5",
+             "logging.tensorboard=false"]
 
 
 @pytest.fixture(scope="module")
@@ -127,18 +130,16 @@ def _requeued_and_resumed(cluster, exp: str, job: str, run: Path) -> None:
 def test_a_preempted_job_checkpoints_requeues_and_resumes_to_the_same_metrics(slurm_cluster, warm_cache, tmp_path,
                                                                               uninterrupted, how):
     run = tmp_path / "run"
+    time_limit = ["launch.slurm.time=00:02:00", "launch.slurm.signal_lead_s=90"] if how == "time_limit" else []
     launched = slurm_cluster.launch("slurm", "--cluster", "ci", "--config", CONFIG, "--detach",
                                     f"train.output_dir={run}", f"warm_start.cache_dir={warm_cache}", *PREEMPTED,
-                                    "launch.slurm.signal_lead_s=180")
+                                    *time_limit)
     assert launched.returncode == 0, launched.stdout[-3000:] + launched.stderr[-3000:]
     exp = experiment_id(launched.stdout)
     job = job_id(slurm_cluster, exp)
-    wait_until(lambda: steps_done(run) >= 2, 300, "two training steps")
+    wait_until(lambda: steps_done(run) >= 2, 300, "two training steps", interval=0.2)
     if how == "scancel_signal":
         slurm_cluster.run("scancel", "--signal=USR1", job)
-    else:  # a time limit 2-3 minutes away: Slurm signals USR1 180 s before it, at its next check (up to a minute)
-        used = slurm_cluster.run("squeue", "-h", "-j", job, "-o", "%M").stdout.strip()  # [H:]M:SS
-        seconds = sum(int(part) * 60 ** i for i, part in enumerate(reversed(used.split(":"))))
-        slurm_cluster.run("scontrol", "update", f"JobId={job}", f"TimeLimit={-(-(seconds + 120) // 60)}")
+    # time_limit: 2 minutes, USR1 90 s before (Slurm sends it at its first check after 30 s: up to ~30 s later)
     _requeued_and_resumed(slurm_cluster, exp, job, run)
     assert by_step(run) == by_step(uninterrupted)
