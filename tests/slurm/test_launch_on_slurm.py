@@ -91,10 +91,9 @@ def job_state(cluster, job: str) -> str:
     return out or "GONE"
 
 
-# long enough (~1-2 s a step on 2 cores) that a time-limit signal, which Slurm sends at its next periodic check
-# (every ~30 s), still finds the job training
-PREEMPTED = ["train.steps=50", "train.prompts_per_step=64", "eval.interval=0", "checkpoint.interval=5",
-             "logging.tensorboard=false"]
+# long enough (~0.5 s a step on 2 cores: ~50 s of training) that a time-limit signal, which Slurm sends at its
+# first periodic check (every ~30 s) after it is due, still finds the job training
+PREEMPTED = ["train.steps=100", "eval.interval=0", "checkpoint.interval=5", "logging.tensorboard=false"]
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +129,7 @@ def _requeued_and_resumed(cluster, exp: str, job: str, run: Path) -> None:
 def test_a_preempted_job_checkpoints_requeues_and_resumes_to_the_same_metrics(slurm_cluster, warm_cache, tmp_path,
                                                                               uninterrupted, how):
     run = tmp_path / "run"
-    time_limit = ["launch.slurm.time=00:02:00", "launch.slurm.signal_lead_s=90"] if how == "time_limit" else []
+    time_limit = ["launch.slurm.time=00:02:00", "launch.slurm.signal_lead_s=105"] if how == "time_limit" else []
     launched = slurm_cluster.launch("slurm", "--cluster", "ci", "--config", CONFIG, "--detach",
                                     f"train.output_dir={run}", f"warm_start.cache_dir={warm_cache}", *PREEMPTED,
                                     *time_limit)
@@ -140,6 +139,6 @@ def test_a_preempted_job_checkpoints_requeues_and_resumes_to_the_same_metrics(sl
     wait_until(lambda: steps_done(run) >= 2, 300, "two training steps", interval=0.2)
     if how == "scancel_signal":
         slurm_cluster.run("scancel", "--signal=USR1", job)
-    # time_limit: 2 minutes, USR1 90 s before (Slurm sends it at its first check after 30 s: up to ~30 s later)
+    # time_limit: 2 minutes, USR1 due 105 s before it (at 15 s; Slurm sends it at its next check, <= ~30 s later)
     _requeued_and_resumed(slurm_cluster, exp, job, run)
     assert by_step(run) == by_step(uninterrupted)
