@@ -15,6 +15,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "slurm_cluster.sh"
 ENABLE = "MEGATRON_KL_SLURM"
+CONFIG = "configs/cpu/default.yaml"
+# long enough (~0.5 s a step on 2 cores: ~50 s of training) that a time-limit signal, which Slurm sends at its
+# first periodic check (every ~30 s) after it is due, still finds the job training
+PREEMPTED = ["train.steps=100", "eval.interval=0", "checkpoint.interval=5", "logging.tensorboard=false"]
 
 
 @dataclass
@@ -65,6 +69,18 @@ def slurm_cluster(tmp_path_factory):
         yield cluster
     finally:
         stop(cluster)
+
+
+@pytest.fixture(scope="session")
+def uninterrupted(warm_cache, tmp_path_factory):
+    """PREEMPTED run once without interruption under torchrun (two ranks): what every Slurm run of it must equal."""
+    out = tmp_path_factory.mktemp("uninterrupted") / "run"
+    torchrun = Path(sys.executable).with_name("torchrun")
+    done = subprocess.run([str(torchrun), "--nproc-per-node", "2", "-m", "megatron_kl.cli", "train", "--config", CONFIG,
+                           f"train.output_dir={out}", f"warm_start.cache_dir={warm_cache}", *PREEMPTED], cwd=ROOT,
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out
 
 
 def pytest_collection_modifyitems(config, items):

@@ -6,21 +6,13 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.slurm.conftest import ROOT
+from tests.slurm.conftest import CONFIG, PREEMPTED, ROOT
 
-CONFIG = "configs/cpu/default.yaml"
 VOLATILE = ("time/", "throughput/")
-
-
-def common(cache: str) -> list[str]:
-    return ["train.steps=2", "eval.interval=0", "checkpoint.interval=1", f"warm_start.cache_dir={cache}",
-            "logging.tensorboard=false"]
 
 
 def metrics(run: Path) -> list[dict]:
@@ -41,10 +33,11 @@ def job_id(cluster, exp: str) -> str:
     return found.group(1)
 
 
-def test_a_training_job_runs_on_two_nodes_and_equals_torchrun(slurm_cluster, warm_cache, tmp_path):
-    run, reference = tmp_path / "slurm", tmp_path / "torchrun"
+def test_a_training_job_runs_on_two_nodes_and_equals_torchrun(slurm_cluster, warm_cache, tmp_path, uninterrupted):
+    """The run the preemption tests interrupt, launched whole: the same metrics as under torchrun."""
+    run = tmp_path / "slurm"
     launched = slurm_cluster.launch("slurm", "--cluster", "ci", "--config", CONFIG, f"train.output_dir={run}",
-                                    *common(warm_cache))
+                                    f"warm_start.cache_dir={warm_cache}", *PREEMPTED)
     assert launched.returncode == 0, launched.stdout[-3000:] + launched.stderr[-3000:]
     assert "train: SUCCEEDED" in launched.stdout
     exp = experiment_id(launched.stdout)
@@ -53,13 +46,8 @@ def test_a_training_job_runs_on_two_nodes_and_equals_torchrun(slurm_cluster, war
     job = job_id(slurm_cluster, exp)
     steps = {row["job"]: row for row in slurm_cluster.sacct(job)}
     assert steps[job]["state"] == "COMPLETED" and steps[job]["nodes"] == "mkl-n[1-2]", steps
-    torchrun = Path(sys.executable).with_name("torchrun")
-    done = subprocess.run([str(torchrun), "--nproc-per-node", "2", "-m", "megatron_kl.cli", "train", "--config", CONFIG,
-                           f"train.output_dir={reference}", *common(warm_cache)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert metrics(run) == metrics(reference)
-    assert json.loads((run / "summary.json").read_text())["steps"] == 2
+    assert metrics(run) == metrics(uninterrupted)
+    assert json.loads((run / "summary.json").read_text())["steps"] == 100
 
 
 def wait_until(predicate, timeout: float, what: str, interval: float = 1.0):
@@ -89,23 +77,6 @@ def steps_done(run: Path) -> int:
 def job_state(cluster, job: str) -> str:
     out = cluster.run("squeue", "-h", "-j", job, "-o", "%T", check=False).stdout.strip()
     return out or "GONE"
-
-
-# long enough (~0.5 s a step on 2 cores: ~50 s of training) that a time-limit signal, which Slurm sends at its
-# first periodic check (every ~30 s) after it is due, still finds the job training
-PREEMPTED = ["train.steps=100", "eval.interval=0", "checkpoint.interval=5", "logging.tensorboard=false"]
-
-
-@pytest.fixture(scope="module")
-def uninterrupted(warm_cache, tmp_path_factory):
-    """The preemption tests' configuration run once without interruption (torchrun, two ranks)."""
-    out = tmp_path_factory.mktemp("uninterrupted") / "run"
-    torchrun = Path(sys.executable).with_name("torchrun")
-    done = subprocess.run([str(torchrun), "--nproc-per-node", "2", "-m", "megatron_kl.cli", "train", "--config", CONFIG,
-                           f"train.output_dir={out}", f"warm_start.cache_dir={warm_cache}", *PREEMPTED], cwd=ROOT,
-                          capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return out
 
 
 def _requeued_and_resumed(cluster, exp: str, job: str, run: Path) -> None:
