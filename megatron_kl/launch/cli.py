@@ -82,7 +82,7 @@ def submit(executor_kind: str, launch_plan, dryrun: bool = False, detach: bool =
     for name, info in failed.items():
         print(f"megatron-kl launch: task {name} ended {info['state']}; log tail:\n"
               f"{experiment.task_log(info['job_dir'])}", file=sys.stderr)
-    if launch_plan.study is not None and executor_kind == "local":
+    if launch_plan.study is not None:  # every task ended (local, or Slurm without --detach): the study's report
         failed_runs = _study_report(launch_plan, states)
         return 1 if failed or failed_runs else 0
     return 1 if failed else 0

@@ -31,7 +31,10 @@ class SlurmCluster:
                               check=check, cwd=ROOT)
 
     def launch(self, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-        """``megatron-kl launch`` with the CI cluster of launch/clusters.py."""
+        """``megatron-kl launch`` with the CI cluster of launch/clusters.py; a submission gets a rendezvous port of its
+        own (a run killed in a fault test can leave its c10d store listening on the old one)."""
+        if args and args[0] == "slurm":
+            args = (*args, f"launch.slurm.rdzv_port={free_port()}")
         return self.run(sys.executable, "-m", "megatron_kl.cli", "launch", *args, timeout=timeout, check=False)
 
     def sacct(self, job_id: str, duplicates: bool = False) -> list[dict]:
@@ -40,6 +43,14 @@ class SlurmCluster:
                        "-o", "JobID,State,ExitCode,NodeList,Start").stdout
         keys = ("job", "state", "exit", "nodes", "start")
         return [dict(zip(keys, line.split("|"))) for line in out.splitlines() if line.strip()]
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def start(directory: Path, port: int | None = None) -> SlurmCluster:
