@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -106,6 +107,9 @@ def _local_command(exp_dir: Path, name: str) -> str:
     return config.read_text() if config.is_file() else ""
 
 
+_CAUSE = re.compile(r"megatron-kl [a-z]+(?: --[a-z]+)?: ")  # the CLI's one-line messages (a failure's cause)
+
+
 def task_log(job_dir: str, lines: int = 40) -> str:
     """Tail of a task's log: torchelastic's per-rank stderr/stdout (local) or the srun log (Slurm)."""
     root = Path(job_dir)
@@ -115,7 +119,10 @@ def task_log(job_dir: str, lines: int = 40) -> str:
     for path in candidates:
         text = path.read_text(errors="replace").strip()
         if text:
-            texts.append(f"--- {path}\n" + "\n".join(text.splitlines()[-lines:]))
+            # the trainer's own one-line error first (torchrun's failure summary fills the tail after it)
+            causes = dict.fromkeys(line for line in text.splitlines() if _CAUSE.search(line))
+            texts.append(f"--- {path}\n" + "".join(f"{line}\n" for line in list(causes)[:3])
+                         + "\n".join(text.splitlines()[-lines:]))
     return "\n".join(texts[:4]) if texts else f"(no log files under {job_dir})"
 
 

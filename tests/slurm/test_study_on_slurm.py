@@ -13,8 +13,8 @@ def test_a_study_runs_as_sbatch_jobs_and_reports_a_failed_run_with_its_log(slurm
     study = {
         "name": "slurm-study", "base": "configs/cpu/default.yaml", "output_dir": str(tmp_path / "study"),
         "seeds": [1],
-        "common": ["train.steps=4", "eval.interval=2", "checkpoint.interval=0", "logging.tensorboard=false",
-                   "kl.target=sequence_reverse", "task.eval_size=32", f"warm_start.cache_dir={warm_cache}",
+        "common": ["train.steps=2", "eval.interval=2", "checkpoint.interval=0", "logging.tensorboard=false",
+                   "kl.target=sequence_reverse", "task.eval_size=16", f"warm_start.cache_dir={warm_cache}",
                    "launch.slurm.retries=0"],
         "configurations": [
             {"name": "k1-reward-rtg", "overrides": ["kl.estimator=k1", "kl.placement=reward", "kl.coef=0.1"]},
@@ -29,7 +29,7 @@ def test_a_study_runs_as_sbatch_jobs_and_reports_a_failed_run_with_its_log(slurm
     status = json.loads((tmp_path / "study" / "status.json").read_text())
     assert {name: entry["state"] for name, entry in status.items()} == {
         "k1-reward-rtg-seed1": "ok", "k3-loss-token-seed1": "ok", "broken-seed1": "failed"}
-    assert str(missing) in status["broken-seed1"]["error_tail"]
+    assert f"warm_start.checkpoint='{missing}' names no file" in status["broken-seed1"]["error_tail"]
     for name in ("k1-reward-rtg-seed1", "k3-loss-token-seed1"):
         assert (tmp_path / "study" / "runs" / name / "summary.json").is_file()
     assert (tmp_path / "study" / "report.md").is_file()
