@@ -167,11 +167,16 @@ class ParallelConfig:
 
     @property
     def sequence_multiple(self) -> int:
-        """Sequences are padded to a multiple of this under context parallelism: 2 cp chunks, each split over
-        the tp ranks with sequence parallelism (1 without context parallelism)."""
-        if self.context_parallel == 1:
-            return 1
-        return 2 * self.context_parallel * (self.tensor_parallel if self.sequence_parallel else 1)
+        """:func:`sequence_multiple` of this layout."""
+        return sequence_multiple(self.context_parallel, self.tensor_parallel, self.sequence_parallel)
+
+
+def sequence_multiple(context_parallel: int, tensor_parallel: int, sequence_parallel: bool) -> int:
+    """Sequences are padded to a multiple of this under context parallelism: 2 cp chunks, each split over the tp
+    ranks with sequence parallelism (1 without context parallelism)."""
+    if context_parallel == 1:
+        return 1
+    return 2 * context_parallel * (tensor_parallel if sequence_parallel else 1)
 
 
 def validate_model(model: ModelConfig) -> None:

@@ -199,11 +199,6 @@ def aggregate_sequences(values: torch.Tensor, mask: torch.Tensor, aggregation: s
     raise ValueError(f"aggregation={aggregation!r} is unknown; use one of {list(AGGREGATIONS)}")
 
 
-def reverse_cumsum(x: torch.Tensor) -> torch.Tensor:
-    """out_t = sum_{s>=t} x_s along the last dim (a whole sequence: ``SequenceAxis.suffix`` for a shard)."""
-    return LOCAL.suffix(x)
-
-
 def _masked(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Zero masked positions without letting garbage there (inf/NaN) reach any gradient."""
     return torch.where(mask.bool(), x, torch.zeros_like(x))

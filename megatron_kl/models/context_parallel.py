@@ -6,8 +6,8 @@ group exchanging keys and values); its RoPE takes each rank's positions from the
 (``get_pos_emb_on_this_cp_rank``), and its DDP averages gradients over the data- x context-parallel ranks. This
 module prepares what the model and the loss read on a CP rank:
 
-- inputs: the microbatch's tokens and their positions, padded to a multiple of ``chunk_multiple`` (2 cp, times tp
-  with sequence parallelism), rank r keeping chunks r and 2cp-1-r (``kl.sequence_axis.zigzag_shard``);
+- inputs: the microbatch's tokens and their positions, padded to a multiple of ``config.sequence_multiple``
+  (2 cp, times tp with sequence parallelism), rank r keeping chunks r and 2cp-1-r (``kl.sequence_axis.zigzag_shard``);
 - targets: the next token of every input position, ``labels`` (formed on the whole sequence, before the split,
   since a chunk's last target is the next chunk's first token), and the per-target tensors (``loss_mask``,
   log-probs of pi_old / mu / the reference, advantages, ...) padded by one column to the inputs' length and split
@@ -29,11 +29,6 @@ from megatron_kl.config import ConfigError, ParallelConfig
 from megatron_kl.kl.sequence_axis import LOCAL, ContextParallelAxis, SequenceAxis, zigzag_shard, zigzag_unshard
 
 PER_SEQUENCE_KEYS = ("rows", "index")  # bookkeeping keys a microbatch carries unchanged
-
-
-def chunk_multiple(parallel: ParallelConfig) -> int:
-    """Sequences are padded to a multiple of this: 2 cp chunks, each split over tp ranks with sequence parallelism."""
-    return parallel.sequence_multiple
 
 
 def check_runnable(parallel: ParallelConfig, have_transformer_engine: bool) -> None:

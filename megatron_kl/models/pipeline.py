@@ -22,6 +22,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_kl.config import sequence_multiple
 from megatron_kl.kl.fused_linear import default_chunk_rows, fused_linear_stats
 from megatron_kl.kl.truncation import Truncation, effective
 from megatron_kl.kl.vocab_parallel import DEFAULT_CHUNK, VocabParallelStats, fused_stats
@@ -202,8 +203,9 @@ def _forward_step(vocab: VocabOptions, loss_fn: LossFn, num_microbatches: int, f
     inner = unwrap(model)
     cp_group = context_parallel_group()
     if cp_group is not None:  # this rank's zigzag shard of every sequence
-        tp = dist.get_world_size(parallel_state.get_tensor_model_parallel_group())
-        multiple = 2 * dist.get_world_size(cp_group) * (tp if inner.config.sequence_parallel else 1)
+        config = inner.config
+        multiple = sequence_multiple(config.context_parallel_size, config.tensor_model_parallel_size,
+                                     config.sequence_parallel)
         mb = context_parallel.shard_microbatch(mb, dist.get_world_size(cp_group), dist.get_rank(cp_group), multiple)
         tokens, position_ids = mb["tokens"], mb["position_ids"]
     else:
