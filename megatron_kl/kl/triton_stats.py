@@ -34,6 +34,11 @@ BLOCK_ENV = "MEGATRON_KL_TRITON_BLOCK"
 BLOCK = 4096  # columns per step of a program's loop (GPU); smaller powers of two for narrow rows
 INTERPRETER_BLOCK = 1024  # the interpreter's numpy arrays: fewer, larger steps are faster
 NUM_WARPS = 8
+# No fused multiply-add: the forward and the backward must round u = (x - y - shift) / tau alike. Contracted into
+# an fma (compiled Triton's default; the interpreter never contracts), the backward's u_a - E[u] differs from the
+# forward's by ~eps |u| where tau != 1, and where one token holds the mass that difference is the whole gradient
+# (seen on an H100: 1e-4 relative error at logits ~2500, temperature 0.9).
+LAUNCH_OPTIONS = {"num_warps": NUM_WARPS, "enable_fp_fusion": False}
 DRIFT_LIMIT = 1.0  # shift drift (logit / tau units) above which a row's E[u] is read again (triton_kernels docstring)
 log = logging.getLogger(__name__)
 launches = {"forward": 0, "backward": 0, "mean_u": 0}  # kernel launches in this process (tests check which path ran)
@@ -156,7 +161,7 @@ def forward(x, y, targets, shard, group, temperature: float, entropy: bool, thre
         _kernels().row_partials[(n,)](
             xk, yk, thr, partials, xk.stride(0), yk.stride(0), cols, _inverse_temperature(temperature, dtype, device),
             HAS_Y=y is not None, ENTROPY=entropy, TRUNCATED=threshold is not None, LOW=LOW[dtype],
-            TERMS=TAYLOR_TERMS[dtype], BLOCK=_block(cols), num_warps=NUM_WARPS)
+            TERMS=TAYLOR_TERMS[dtype], BLOCK=_block(cols), **LAUNCH_OPTIONS)
     return combine(partials, x, targets, shard, group, temperature, y is not None, entropy, threshold, support,
                    y=y)
 
@@ -232,7 +237,7 @@ def _mean_u_again(x, y, rows, row_norms, threshold, temperature: float, group) -
         _kernels().row_mean_u[(rows.numel(),)](
             xk, yk, rows, row_norms.contiguous(), thr, found, xk.stride(0), yk.stride(0), row_norms.shape[1],
             x.shape[1], _inverse_temperature(temperature, dtype, x.device), TRUNCATED=threshold is not None, LOW=LOW[dtype], BLOCK=_block(x.shape[1]),
-            num_warps=NUM_WARPS)
+            **LAUNCH_OPTIONS)
     return all_reduce(found.double(), dist.ReduceOp.SUM, group)
 
 
@@ -264,7 +269,7 @@ def backward(x, y, targets, shard, norms, g_lp, g_h, g_kl, temperature: float, o
         xk, yk, destination, norms.contiguous(), upstream, target, thr, xk.stride(0), yk.stride(0),
         destination.stride(0), cols, _inverse_temperature(temperature, dtype, device), HAS_LP=g_lp is not None, HAS_H=g_h is not None,
         HAS_KL=g_kl is not None and y is not None, TRUNCATED=threshold is not None, LOW=LOW[dtype],
-        BLOCK=_block(cols), num_warps=NUM_WARPS)
+        BLOCK=_block(cols), **LAUNCH_OPTIONS)
     if destination is not out:
         out.copy_(destination)
     return out

@@ -7,6 +7,7 @@ Triton (only constexpr globals in a jit function, the types its scalar arguments
 Run in a process without ``TRITON_INTERPRET`` (the kernels must be decorated in compiled mode)."""
 
 import json
+import re
 import sys
 
 
@@ -33,6 +34,10 @@ def compile_launches(launches, arch: int = 90):
             binary = triton.compile(ASTSource(kernel, signature, constexprs=constexprs), target=target,
                                     options=launch["options"])
             assert binary.asm.get("cubin"), "no cubin"
+            # float32 arithmetic not contracted into fmas (triton_stats.LAUNCH_OPTIONS); float64's come from
+            # libdevice's exp, written with explicit fmas, the same in the forward and the backward
+            fused = sorted(set(re.findall(r"\bfma\.\w+\.f32", binary.asm["ptx"])))
+            assert not fused, f"fused multiply-adds in the PTX: {fused} (forward and backward would round apart)"
             compiled += 1
         except Exception as error:  # noqa: BLE001 - every failure is reported with its launch
             errors.append({"launch": launch, "error": f"{type(error).__name__}: {error}"[-2000:]})

@@ -14,7 +14,7 @@ def through_triton(worker, rank, world, *args):
     before = dict(triton_stats.launches)
     result = worker(rank, world, *args)
     launched = {key: triton_stats.launches[key] - before[key] for key in before}
-    return {"result": result, "launches": launched, "enabled": triton_stats.enabled(torch.empty(0))}
+    return {"result": result, "launches": launched, "enabled": triton_stats.enabled(torch.empty(0, device=rank_device()))}
 
 
 def edge_inputs(case: dict):
@@ -68,7 +68,7 @@ class _RecordedKernel:
         def launch(*args, **kwargs):
             from triton.runtime.jit import mangle_type
 
-            options = {"num_warps": kwargs.pop("num_warps", 4)}
+            options = {key: kwargs.pop(key) for key in ("num_warps", "enable_fp_fusion") if key in kwargs}
             names = self.kernel.arg_names
             signature = {name: mangle_type(arg) for name, arg in zip(names, args)}
             self.calls.append({"kernel": self.name, "signature": signature, "constexprs": dict(kwargs),
