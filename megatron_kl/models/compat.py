@@ -17,7 +17,8 @@ megatron-core assumes CUDA in a handful of places that have nothing to do with t
    dtype, so CPU bf16 parameters get the same fp32 main parameters they get on a GPU.
 
 ``apply_cpu_shims()`` patches exactly these, and only when ``torch.cuda.is_available()`` is False:
-on a GPU machine it returns immediately and megatron-core runs unmodified. The shims never change a
+on a GPU machine it returns after one fix that holds on every device (``define_missing_te_names``: without
+Transformer Engine, megatron-core's MoE router reads a name only a successful TE import defines). The shims never change a
 numerical result: they redirect device placement to the CPU and the RNG tracker to the CPU generator.
 """
 
@@ -201,12 +202,23 @@ def _with_cuda_type_names(init):
     return wrapper
 
 
+def define_missing_te_names() -> None:
+    """Without Transformer Engine, megatron-core 0.16.1's ``moe_utils`` never defines ``te_general_gemm``, yet
+    the router's gating linear tests ``te_general_gemm is not None``: a NameError on any device (seen on an H100
+    without TE). Defined as None there, the gating linear takes its torch.mm branch."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not moe_utils.HAVE_TE and not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
 def apply_cpu_shims() -> bool:
     """Patch megatron-core for CPU execution. Returns True when shims were applied.
 
-    Idempotent; a no-op (returns False) whenever CUDA is available.
+    Idempotent; on a machine with CUDA only ``define_missing_te_names`` runs (returns False).
     """
     global _APPLIED
+    define_missing_te_names()
     if torch.cuda.is_available():
         return False
     if _APPLIED:
@@ -234,11 +246,6 @@ def apply_cpu_shims() -> bool:
 
     for cls in (optimizer.Float16OptimizerWithFloat16Params, distrib_optimizer.DistributedOptimizer):
         cls.__init__ = _with_cuda_type_names(cls.__init__)
-
-    from megatron.core.transformer.moe import moe_utils
-
-    if not moe_utils.HAVE_TE:  # the router's gating linear reads te_general_gemm, defined only when TE imports
-        moe_utils.te_general_gemm = None
 
     cuda_ns = _make_cuda_namespace()
     proxy = _TorchProxy(cuda_ns)

@@ -35,7 +35,7 @@ def _tie_routers(chunks: list, relative: float, seed: int = 0) -> None:
     with torch.no_grad():
         for name, param in chunks[0].named_parameters():
             if name.endswith("mlp.router.weight"):
-                noise = torch.randn(param.shape, generator=generator)
+                noise = torch.randn(param.shape, generator=generator).to(param.device)
                 param.copy_(param[:1].expand_as(param) * (1 + relative * noise))
 
 

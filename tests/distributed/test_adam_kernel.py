@@ -15,11 +15,20 @@ from megatron_kl.validation.test_model_layouts import MODELS, _batch
 STEPS = 3
 
 
-def _run(params_dtype: str, kernel: str):
+def _run(params_dtype: str, kernel: str, steps: int = STEPS):
     tokens, mask = _batch()
     model = dataclasses.replace(MODELS["qwen3"], params_dtype=params_dtype)
     optim = OptimConfig(lr=1e-3, adam_eps=1e-3, weight_decay=0.1, adam_kernel=kernel)
-    return run_ranks(adam_kernel_worker, 1, model, tokens, mask, optim, STEPS)[0]
+    return run_ranks(adam_kernel_worker, 1, model, tokens, mask, optim, steps)[0]
+
+
+def _assert_same_update(fused, unfused, slack: float):
+    """The same float32 update rule: differences at float32 rounding of the weights, plus ``slack`` of the
+    largest step (what a 16-bit model's forward makes of weights one rounding apart, after the first step)."""
+    for a, b, start in zip(fused["main"], unfused["main"], unfused["start"]):
+        step_scale = (b - start).abs().max().item() + 1e-12
+        error = (a - b).abs().max().item()
+        assert error <= 1e-6 * max(b.abs().max().item(), 1.0) + slack * step_scale, (error, step_scale)
 
 
 @pytest.mark.parametrize("params_dtype", ["bfloat16", "float32"])
@@ -30,10 +39,13 @@ def test_fused_adam_matches_unfused_on_main_weights(params_dtype):
     assert fused["fused_calls"] >= STEPS and unfused["fused_calls"] == 0
     moved = max((m - s).abs().max().item() for m, s in zip(unfused["main"], unfused["start"]))
     assert moved > 1e-3  # three steps of ~lr each really happened
-    for a, b, start in zip(fused["main"], unfused["main"], unfused["start"]):
-        # the same float32 update rule: differences at float32 rounding of the weights and of the steps
-        step_scale = (b - start).abs().max().item() + 1e-12
-        assert (a - b).abs().max().item() <= 1e-6 * max(b.abs().max().item(), 1.0) + 1e-4 * step_scale
+    # one step: the same gradients in both, so only the update's float32 rounding differs (weight decay alone,
+    # lr * 0.1 * |w| ~ 1e-5, is ten times this bound)
+    _assert_same_update(_run(params_dtype, "fused", 1), _run(params_dtype, "unfused", 1), slack=1e-4)
+    # several steps: a float32 model sees the same weights; a bf16 model's copies of main weights one float32
+    # rounding apart can round to neighbouring bf16 values (2^-8 relative), and its later gradients differ by that
+    # (seen on an H100: 2.4 % of a step after three; a different update rule is off by the whole step)
+    _assert_same_update(fused, unfused, slack=1e-4 if params_dtype == "float32" else 0.1)
 
 
 def test_auto_kernel_is_fused_for_16_bit_models_on_the_cpu():
