@@ -88,6 +88,9 @@ def ci() -> Cluster:
             "env": {"OMP_NUM_THREADS": "1"},
             "tunnel": {"kind": "local", "job_dir": f"{home}/experiments"},  # NeMo-Run's LocalTunnel wants home's
         },
+        # disaggregated rollouts: the server's group on one node (CPU: the SGLang test server stands in where
+        # SGLang is not installed, rollout.sglang.server_module), checked every few seconds
+        "rollout_servers": {"gpus_per_node": 0, "trainer_start_delay_s": 2, "monitor_interval_s": 5},
     }, description="two CPU nodes of scripts/slurm_cluster.sh, submitted on this machine")
 
 

@@ -4,8 +4,8 @@
 - slurm: ``SlurmExecutor`` (pyxis container, mounts, NCCL/H100 environment, git-archive packager, local or
   SSH tunnel) + torchrun across nodes with the c10d rendezvous on the head node; failures requeue the job
   up to ``retries`` times and the trainer resumes from its latest checkpoint (``checkpoint.resume``).
-- disaggregated SGLang: a heterogeneous Slurm job, group 0 the rollout nodes (one ``sglang.launch_server``
-  per node), group 1 the trainer; the rollout hosts are resolved in the sbatch script and passed to the
+- disaggregated SGLang: a heterogeneous Slurm job, group 0 the rollout nodes (one ``sglang.launch_server``, or
+  ``rollout.sglang.server_module``, per node), group 1 the trainer; the rollout hosts are resolved in the sbatch script and passed to the
   trainer as ``rollout.sglang.urls``.
 """
 
@@ -103,12 +103,17 @@ def _check_slurm(cfg: TrainConfig) -> None:
         if cfg.rollout.sglang.weight_sync == "from_tensor":
             raise ConfigError("rollout.sglang.weight_sync=from_tensor hands tensors to servers on the same node; "
                               "disaggregated servers need from_distributed (NCCL) or from_disk (shared filesystem)")
+        if not MODULE.fullmatch(cfg.rollout.sglang.server_module):
+            raise ConfigError(f"rollout.sglang.server_module={cfg.rollout.sglang.server_module!r} is run as "
+                              "`python -m MODULE` in the job script: a dotted Python module name "
+                              "(sglang.launch_server)")
         if not (servers.model_path or cfg.init.hf_checkpoint):
             raise ConfigError("disaggregated SGLang servers need launch.rollout_servers.model_path "
                               "(or init.hf_checkpoint)")
 
 
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*")
 SHELL_WORD = re.compile(r"[A-Za-z0-9_./@%+=:,~-]+")  # needs no quoting in a shell command line
 
 
@@ -178,7 +183,7 @@ def sglang_server_args(cfg: TrainConfig) -> list[str]:
     servers = cfg.launch.rollout_servers
     return ["--model-path", servers.model_path or cfg.init.hf_checkpoint, "--host", "0.0.0.0",
             "--port", str(servers.port), "--tp-size", str(servers.tp_size),
-            "--dp-size", str(servers.gpus_per_node // servers.tp_size),
+            "--dp-size", str(max(1, servers.gpus_per_node // servers.tp_size)),
             "--mem-fraction-static", str(servers.mem_fraction_static), "--skip-tokenizer-init",
             "--random-seed", str(cfg.train.seed), *servers.extra_args]
 
@@ -199,11 +204,14 @@ def disaggregated_tasks(spec: TaskSpec):
     ])
     rollout_executor = _slurm_executor(cfg, servers.nodes, 1, None, heterogeneous=True, setup_lines=setup,
                                        stop_signal=False)
-    rollout_executor.gpus_per_node = servers.gpus_per_node
+    rollout_executor.gpus_per_node = servers.gpus_per_node or None  # 0: CPU nodes (the CI cluster's test server)
     # one srun task per trainer node, each running torchrun for that node's GPUs
     trainer_executor = _slurm_executor(cfg, slurm.nodes, 1, None, heterogeneous=True)
+    for executor in (rollout_executor, trainer_executor):
+        executor.wait_time_for_group_job = servers.trainer_start_delay_s
+        executor.monitor_group_job_wait_time = servers.monitor_interval_s
     # NeMo-Run joins a heterogeneous group's arguments unquoted: quote them here
-    server = run.Script(path="sglang.launch_server", m=True, entrypoint="python",
+    server = run.Script(path=cfg.rollout.sglang.server_module, m=True, entrypoint="python",
                         args=[shlex.quote(a) for a in sglang_server_args(cfg)] + ["--api-key", f'"${API_KEY_VAR}"'])
     torchrun = ["torchrun", "--nnodes", str(slurm.nodes), "--nproc-per-node", str(slurm.tasks_per_node),
                 "--rdzv-backend", "c10d", "--rdzv-endpoint", f"${TRAIN_HEAD_VAR}:{slurm.rdzv_port}",
