@@ -196,8 +196,12 @@ def disaggregated_tasks(spec: TaskSpec):
     slurm, servers = cfg.launch.slurm, cfg.launch.rollout_servers
     # Resolved in the sbatch script (outside the containers), exported into both groups' srun steps.
     setup = "\n".join([
-        # a fresh key per job (never in a file): the servers bind 0.0.0.0 and one route unpickles its input
+        # a fresh key per job (never in a file, nor in the job's log: NeMo-Run's script traces every command with
+        # set -x, so tracing is off while the key is made); the servers bind 0.0.0.0 and one route unpickles its
+        # input
+        "{ xtrace=$(set +o | grep xtrace); set +x; } 2>/dev/null",
         f"export {API_KEY_VAR}=$(head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \\n')",
+        'eval "$xtrace"',
         f"export {URLS_VAR}=$(scontrol show hostnames \"$SLURM_JOB_NODELIST_HET_GROUP_0\" "
         f"| sed 's|.*|\"http://&:{servers.port}\"|' | paste -sd, -)",
         f"export {TRAIN_HEAD_VAR}=$(scontrol show hostnames \"$SLURM_JOB_NODELIST_HET_GROUP_1\" | head -n1)",
@@ -210,9 +214,10 @@ def disaggregated_tasks(spec: TaskSpec):
     for executor in (rollout_executor, trainer_executor):
         executor.wait_time_for_group_job = servers.trainer_start_delay_s
         executor.monitor_group_job_wait_time = servers.monitor_interval_s
-    # NeMo-Run joins a heterogeneous group's arguments unquoted: quote them here
-    server = run.Script(path=cfg.rollout.sglang.server_module, m=True, entrypoint="python",
-                        args=[shlex.quote(a) for a in sglang_server_args(cfg)] + ["--api-key", f'"${API_KEY_VAR}"'])
+    # an inline script (srun runs `bash server.sh`): the key is expanded there, not in the traced job script
+    server = run.Script(inline=" ".join(["python", "-m", cfg.rollout.sglang.server_module,
+                                         *(shlex.quote(a) for a in sglang_server_args(cfg)),
+                                         "--api-key", f'"${API_KEY_VAR}"']))
     torchrun = ["torchrun", "--nnodes", str(slurm.nodes), "--nproc-per-node", str(slurm.tasks_per_node),
                 "--rdzv-backend", "c10d", "--rdzv-endpoint", f"${TRAIN_HEAD_VAR}:{slurm.rdzv_port}",
                 "--rdzv-id", "$SLURM_JOB_ID", "-m", "megatron_kl.cli"]

@@ -17,7 +17,7 @@ pytest.importorskip("nemo_run")
 ROOT = Path(__file__).resolve().parents[2]
 PAPER = str(ROOT / "configs" / "paper" / "qwen2.5-7b.yaml")
 STUB = """#!/usr/bin/env bash
-{{ printf '%s\\n' "--- $(basename "$0") EVIL=$EVIL TOKEN=$TOKEN URLS=$MEGATRON_KL_SGLANG_URLS"; printf '[%s]\\n' "$@"; }} >> {log}
+{{ printf '%s\\n' "--- $(basename "$0") EVIL=$EVIL TOKEN=$TOKEN URLS=$MEGATRON_KL_SGLANG_URLS KEY=$MEGATRON_KL_SGLANG_API_KEY"; printf '[%s]\\n' "$@"; }} >> {log}
 """
 
 
@@ -57,15 +57,20 @@ def test_generated_slurm_scripts_run_no_injected_command(tmp_path):
                            *overrides], capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     text = done.stdout[done.stdout.index("#!/bin/bash"):]
-    sbatch, trainer = text.split("# ---- train-1.sh (run by srun above)\n")
+    sbatch, rest = text.split("\n# ---- train-0.sh (run by srun above)\n")
+    server, trainer = rest.split("\n# ---- train-1.sh (run by srun above)\n")
     stubs = _stubs(tmp_path)
     urls = '"http://node1:30000"'  # what the sbatch script resolves for the server group (checked below)
-    for name, script in (("sbatch.sh", sbatch), ("train-1.sh", trainer)):
+    traces = {}
+    for name, script in (("sbatch.sh", sbatch), ("train-0.sh", server), ("train-1.sh", trainer)):
         (tmp_path / name).write_text(script)
-        env = {**stubs["env"], "MEGATRON_KL_SGLANG_URLS": urls} if name == "train-1.sh" else stubs["env"]
+        env = dict(stubs["env"])
+        if name != "sbatch.sh":  # what the srun steps inherit from the sbatch script
+            env.update({"MEGATRON_KL_SGLANG_URLS": urls, "MEGATRON_KL_SGLANG_API_KEY": "c0ffee" * 10 + "beef"})
         run = subprocess.run(["bash", str(tmp_path / name)], env=env, cwd=tmp_path, capture_output=True,
                              text=True, timeout=120)
         assert run.returncode == 0, (name, run.stderr[-3000:])
+        traces[name] = run.stdout + run.stderr
     assert not list(tmp_path.glob("pwned*")), "a config value ran as a shell command"
     calls = stubs["log"].read_text()
     # every value arrived literally, as one argument / the variable's exact value
@@ -73,8 +78,12 @@ def test_generated_slurm_scripts_run_no_injected_command(tmp_path):
     assert f"[{evil['arg']}]" in calls  # the SGLang server's argument
     assert f"[train.output_dir={evil['output']}]" in calls  # the trainer override
     assert f"[rollout.sglang.urls=[{urls}]]" in calls  # the intended expansions still work
-    key = re.search(r"\[--api-key\]\n\[([0-9a-f]+)\]", calls)
-    assert key and len(key.group(1)) == 64  # the servers got the job's random key
+    assert "[--api-key]\n[" + "c0ffee" * 10 + "beef]" in calls  # the server got the key its step inherits
+    # the sbatch script made a random key for its steps, and its trace (set -x: the job's log) does not show it
+    made = set(re.findall(r"KEY=([0-9a-f]{64})", calls)) - {"c0ffee" * 10 + "beef"}
+    assert len(made) == 1, calls
+    assert made.pop() not in traces["sbatch.sh"], "the API key is in the job's log"
+    assert "xtrace" in traces["sbatch.sh"] or "+ " in traces["sbatch.sh"]  # the script does trace (set -x)
 
 
 @pytest.mark.parametrize("override, field", [
