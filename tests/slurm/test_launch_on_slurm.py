@@ -26,6 +26,14 @@ def experiment_id(stdout: str) -> str:
     return found.group(1)
 
 
+def experiment_dir(exp: str) -> Path:
+    """The experiment's directory under the CI cluster's home (job ids restart at 1 with every new cluster: a
+    search by job id alone finds older experiments' logs)."""
+    found = list(Path(ROOT, "runs", "launch_ci", "experiments").glob(f"*/{exp}"))
+    assert len(found) == 1, found
+    return found[0]
+
+
 def job_id(cluster, exp: str) -> str:
     status = cluster.launch("status", exp, "--home", "runs/launch_ci", timeout=120)
     found = re.search(r"job (\d+)", status.stdout)
@@ -91,7 +99,7 @@ def _requeued_and_resumed(cluster, exp: str, job: str, run: Path) -> None:
     records = cluster.sacct(job, duplicates=True)
     starts = [r for r in records if r["job"] == job]
     assert [r["state"] for r in starts] == ["REQUEUED", "COMPLETED"], records
-    logs = list(Path(ROOT, "runs", "launch_ci", "experiments").rglob(f"log-megatron-kl.train_{job}_1.out"))
+    logs = list(experiment_dir(exp).rglob(f"log-megatron-kl.train_{job}_1.out"))
     assert logs, "no log of the second run (SLURM_RESTART_COUNT=1)"
     lines = (run / "starts.jsonl").read_text().splitlines()
     assert len(lines) == 2 and json.loads(lines[1]).get("kind") == "resume", lines

@@ -17,7 +17,7 @@ import psutil
 from megatron_kl.train import checkpoint
 from megatron_kl.train.preemption import REQUEUE_EXIT_CODE
 from tests.slurm.conftest import CONFIG, ROOT, free_port
-from tests.slurm.test_launch_on_slurm import by_step, experiment_id, job_id, job_state, steps_done, wait_until
+from tests.slurm.test_launch_on_slurm import by_step, experiment_dir, experiment_id, job_id, job_state, steps_done, wait_until
 
 sys.path.insert(0, str(ROOT / "tests" / "distributed"))
 from hf_workers import make_hf_model  # noqa: E402
@@ -40,9 +40,9 @@ def _server_processes(port: int) -> list:
     return found
 
 
-def _logs(job: str, group: int, restart: int) -> str:
-    found = list(Path(ROOT, "runs", "launch_ci", "experiments").rglob(
-        f"log-megatron-kl.train-{group}_{job}_{restart}.out"))
+def _logs(exp: str, job: str, group: int, restart: int) -> str:
+    """The log of one component's start: NeMo-Run names it by the component's own job id (``job`` + ``group``)."""
+    found = list(experiment_dir(exp).rglob(f"log-megatron-kl.train-{group}_{int(job) + group}_{restart}.out"))
     assert found, f"no log of group {group}, start {restart}"
     return found[0].read_text(errors="replace")
 
@@ -53,6 +53,7 @@ def test_the_trainer_and_the_sglang_server_run_as_a_heterogeneous_job(slurm_clus
     launched = slurm_cluster.launch(
         "slurm", "--cluster", "ci", "--config", CONFIG, "--detach", f"train.output_dir={run}",
         f"warm_start.cache_dir={warm_cache}", f"train.steps={STEPS}", "train.prompts_per_step=4", "train.group_size=4", "eval.interval=0",
+        "task.eval_size=4", "eval.k=1",
         "checkpoint.interval=0",
         "logging.tensorboard=false", "launch.slurm.nodes=1", "launch.rollout_servers.mode=disaggregated",
         f"launch.rollout_servers.port={port}", "rollout.engine=sglang", f"rollout.sglang.server_module={TEST_SERVER}",
@@ -65,32 +66,35 @@ def test_the_trainer_and_the_sglang_server_run_as_a_heterogeneous_job(slurm_clus
     wait_until(lambda: steps_done(run) >= 2, 300, "two steps trained from the server", interval=0.2)
     nodes = {row["job"]: row["nodes"] for row in slurm_cluster.sacct(job)}
     assert nodes.get(f"{job}+0") == "mkl-n1" and nodes.get(f"{job}+1") == "mkl-n2", nodes  # one component a node
-    trainer = _logs(job, 1, 0)
+    trainer = _logs(exp, job, 1, 0)
     assert "mkl-n1" in trainer and "is healthy" in trainer, trainer[-3000:]  # the address the job script resolved
 
     servers = wait_until(lambda: _server_processes(port), 30, "the server's process")
     for process in servers:  # the server's component dies (its process; srun then ends the component's step)
         process.send_signal(signal.SIGKILL)
-    wait_until(lambda: f"exit code {REQUEUE_EXIT_CODE}" in _logs(job, 1, 0), 120, "the trainer to stop")
-    trainer = _logs(job, 1, 0)
+    wait_until(lambda: f"exit code {REQUEUE_EXIT_CODE}" in _logs(exp, job, 1, 0), 120, "the trainer to stop")
+    trainer = _logs(exp, job, 1, 0)
     assert "rollout engine lost" in trainer, trainer[-3000:]
-    stopped_at = max(by_step(run))  # steps 0..stopped_at logged, and checkpointed
+    stopped_at = len(by_step(run))  # steps 0 .. stopped_at - 1 logged, and checkpointed
     assert 1 <= stopped_at < STEPS, trainer[-3000:]
     assert [p.name for p in checkpoint.complete_checkpoints(run / "checkpoints")] == [f"step_{stopped_at:06d}"]
 
     # the job script sees a component fail and requeues the job (launch.slurm.retries=1): both components again
-    wait_until(lambda: "REQUEUED" in [r["state"] for r in slurm_cluster.sacct(job, duplicates=True)
-                                      if r["job"] == job], 120, "the job to requeue itself")
-    if job_state(slurm_cluster, job) == "PENDING":  # Slurm may hold a requeued job ~2 minutes
+    def starts() -> list[str]:  # the states of the job's starts (sacct names a het job by its first component)
+        return [r["state"] for r in slurm_cluster.sacct(job, duplicates=True) if r["job"] == f"{job}+0"]
+
+    wait_until(lambda: "REQUEUED" in starts() or job_state(slurm_cluster, job) == "PENDING", 120,
+               "the job to requeue itself")
+    if job_state(slurm_cluster, job) == "PENDING":  # Slurm holds a requeued job ~2 minutes: start it now
         slurm_cluster.run("scontrol", "update", f"JobId={job}", "StartTime=now", check=False)
     wait_until(lambda: job_state(slurm_cluster, job) == "GONE", 400, "the requeued job to finish")
-    starts = [r["state"] for r in slurm_cluster.sacct(job, duplicates=True) if r["job"] == job]
-    assert starts == ["REQUEUED", "COMPLETED"], slurm_cluster.sacct(job, duplicates=True)
-    assert sorted(by_step(run)) == list(range(STEPS + 1))
+    assert starts() == ["REQUEUED", "COMPLETED"], slurm_cluster.sacct(job, duplicates=True)
+    assert sorted(by_step(run))[:STEPS] == list(range(STEPS))
+    assert json.loads((run / "summary.json").read_text())["steps"] == STEPS
     lines = (run / "starts.jsonl").read_text().splitlines()
     assert len(lines) == 2 and json.loads(lines[1]).get("kind") == "resume", lines
-    assert "is healthy" in _logs(job, 1, 1)
+    assert "is healthy" in _logs(exp, job, 1, 1)
     assert not _server_processes(port), "the server outlived its job"
     # the job's log (NeMo-Run traces its script) does not show the servers' API key
-    for log in Path(ROOT, "runs", "launch_ci", "experiments").rglob(f"*_{job}*.out"):
+    for log in experiment_dir(exp).rglob("*.out"):
         assert not re.search(r"API_KEY=[0-9a-f]{16}|--api-key [0-9a-f]{16}", log.read_text(errors="replace")), log
