@@ -83,10 +83,12 @@ def test_the_trainer_and_the_sglang_server_run_as_a_heterogeneous_job(slurm_clus
     def starts() -> list[str]:  # the states of the job's starts (sacct names a het job by its first component)
         return [r["state"] for r in slurm_cluster.sacct(job, duplicates=True) if r["job"] == f"{job}+0"]
 
-    wait_until(lambda: "REQUEUED" in starts() or job_state(slurm_cluster, job) == "PENDING", 120,
-               "the job to requeue itself")
-    if job_state(slurm_cluster, job) == "PENDING":  # Slurm holds a requeued job ~2 minutes: start it now
-        slurm_cluster.run("scontrol", "update", f"JobId={job}", "StartTime=now", check=False)
+    def pending() -> bool:  # squeue lists a het job once per component
+        return set(job_state(slurm_cluster, job).split()) == {"PENDING"}
+
+    wait_until(lambda: pending() or job_state(slurm_cluster, job) == "GONE", 120, "the job to requeue itself")
+    for component in (job, str(int(job) + 1)):  # Slurm holds a requeued job ~2 minutes: start it now
+        slurm_cluster.run("scontrol", "update", f"JobId={component}", "StartTime=now", check=False)
     wait_until(lambda: job_state(slurm_cluster, job) == "GONE", 400, "the requeued job to finish")
     assert starts() == ["REQUEUED", "COMPLETED"], slurm_cluster.sacct(job, duplicates=True)
     assert sorted(by_step(run))[:STEPS] == list(range(STEPS))
