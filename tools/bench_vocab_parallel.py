@@ -497,19 +497,28 @@ def run_gpu(args, section: str) -> None:
 
 
 def _gpu_truncation_paths(logits, reference, targets, group) -> dict:
+    """``TRUNCATIONS``, plus top-p 0.9 with the bisection's older lookup (a pass over the rows per step) beside
+    the GPU's default (rows sorted once, a binary search per step)."""
+    from megatron_kl.kl import truncation
     from megatron_kl.kl.truncation import Truncation
     from megatron_kl.kl.vocab_parallel import fused_stats
 
-    def prepare(rule):
+    def prepare(rule, lookup="auto"):
         x = logits.clone().requires_grad_(True)
 
         def run():
-            stats = fused_stats(x, group, targets=targets, reference_logits=reference, inplace_backward=True,
-                                truncation=None if rule is None else Truncation(*rule))
-            (stats.logprobs.float().sum() + stats.entropy.float().sum() + stats.kl.float().sum()).backward()
+            truncation.BISECTION_LOOKUP = lookup
+            try:
+                stats = fused_stats(x, group, targets=targets, reference_logits=reference, inplace_backward=True,
+                                    truncation=None if rule is None else Truncation(*rule))
+                (stats.logprobs.float().sum() + stats.entropy.float().sum() + stats.kl.float().sum()).backward()
+            finally:
+                truncation.BISECTION_LOOKUP = "auto"
         return run
 
-    return {name: (lambda rule=rule: prepare(rule)) for name, rule in TRUNCATIONS.items()}
+    paths = {name: (lambda rule=rule: prepare(rule)) for name, rule in TRUNCATIONS.items()}
+    paths["top_p0.9_bisection_by_passes"] = lambda: prepare((0, 0.9), "pass")
+    return paths
 
 
 def main(argv=None) -> int:

@@ -23,7 +23,10 @@ threshold with the vocabulary sharded over ``tp_group``:
 
 Top-p alone on float32 CPU logits takes another route: ``top_p_histogram`` (mass histograms of logit value in
 C kernels, about three passes per row whatever the support's size; the bisection remains its fallback and the
-route without a C compiler).
+route without a C compiler). On a GPU the bisection does not pass over the logits at each step: each rank sorts
+its rows once and keeps float64 suffix masses, so the mass and count above a value are a binary search
+(``BISECTION_LOOKUP``; the pass per step was 56-64x the full statistics on an H100 where the nucleus holds most
+of the vocabulary).
 
 The kernels (``vocab_parallel``, ``fused_linear``) take the threshold and compute log-probs, entropy and
 the exact KL(mu || pi_ref) of the truncated distribution (docs/kl-math.md states which distributions).
@@ -47,6 +50,11 @@ SUM_BLOCK = 256  # columns summed in float32 before the float64 total (a float64
 RETRY_FACTOR = 8  # under top-k, rows whose k-th value ties beyond the candidates: 8x more per round
 BRACKET_CANDIDATES = 256  # logits (over all ranks) left in the bisection bracket before the exact cut is taken
 MAX_BISECTIONS = 64
+# how the bisection finds the mass and count of the logits above a value: "pass" (a pass over the rows per step:
+# no extra memory, the CPU's way), "sorted" (rows sorted once, float64 suffix masses, a binary search per step:
+# a sorted copy and two float64 arrays of a row block of CANDIDATE_ELEMENTS, the GPU's way), "auto" (sorted on
+# CUDA tensors)
+BISECTION_LOOKUP = "auto"
 
 
 @dataclass(frozen=True)
@@ -270,8 +278,16 @@ def _bracket_cut(x, row_max, total, merged, floor, top_p: float, temperature: fl
     float64 masses offset by mass{x > hi}. One pass over the rows per bisection (``e`` cached); every rank takes
     the same steps (the masses and counts are all-reduced)."""
     b, cols = x.shape
-    e = _exp_shifted(x, row_max, temperature)
     flag, product = torch.empty_like(x), torch.empty_like(x)  # reused: a fresh large buffer per pass page-faults
+    if _sorted_lookup(x):
+        above = _SortedRows(x, row_max, temperature).above
+    else:
+        e = _exp_shifted(x, row_max, temperature)
+
+        def above(t):  # [mass, count] of this rank's logits > t, [2, b] float64
+            torch.lt(t[:, None], x, out=flag)  # 1.0 / 0.0 (float: a bool pass costs ~3x on CPU)
+            return torch.stack([_sum64(torch.mul(flag, e, out=product)), _sum64(flag)])  # counts exact below 2^24
+
     lo = x.amin(-1) if cols else torch.full((b,), float("inf"), dtype=x.dtype, device=x.device)
     all_reduce(lo, dist.ReduceOp.MIN, group)
     lo = lo - 1.0  # every logit lies above lo: its mass is the total, its count the vocabulary's
@@ -283,11 +299,6 @@ def _bracket_cut(x, row_max, total, merged, floor, top_p: float, temperature: fl
     hi_stats = torch.stack([torch.where(above_floor, probs, torch.zeros_like(probs)).sum(-1),
                             above_floor.sum(-1).double()])
     target = top_p * total
-
-    def above(t):  # [mass, count] of the logits > t over all ranks, [2, b] float64
-        torch.lt(t[:, None], x, out=flag)  # 1.0 / 0.0 (float: a bool pass costs ~3x on CPU)
-        return torch.stack([_sum64(torch.mul(flag, e, out=product)), _sum64(flag)])  # counts exact below 2^24
-
     for _ in range(MAX_BISECTIONS):
         mid = (lo + hi) / 2
         # rows still wide, and with a float strictly between lo and hi (else the bracket is all ties)
@@ -310,6 +321,30 @@ def _bracket_cut(x, row_max, total, merged, floor, top_p: float, temperature: fl
     kept = torch.isfinite(bracket) & (before < top_p)  # the bracket's first logit is always kept
     last = kept.sum(-1).clamp_min(1) - 1
     return bracket.gather(-1, last[:, None]).squeeze(-1)
+
+
+def _sorted_lookup(x: torch.Tensor) -> bool:
+    if BISECTION_LOOKUP not in ("auto", "sorted", "pass"):
+        raise ValueError(f"truncation.BISECTION_LOOKUP={BISECTION_LOOKUP!r}: use auto, sorted or pass")
+    return BISECTION_LOOKUP == "sorted" or (BISECTION_LOOKUP == "auto" and x.is_cuda)
+
+
+class _SortedRows:
+    """A row block's logits sorted ascending once, with suffix sums of exp((v - max) / tau) in float64 (from the
+    largest down, so a small mass above a high value is not the difference of two large ones): the mass and count
+    of the logits > t are one binary search a row."""
+
+    def __init__(self, x: torch.Tensor, row_max: torch.Tensor, temperature: float):
+        self.values = x.sort(dim=-1).values
+        masses = _masses(self.values, row_max, temperature)  # exp(-inf) = 0 for masked logits
+        suffix = masses.flip(-1).cumsum(-1).flip(-1)
+        self.suffix = torch.cat([suffix, suffix.new_zeros(suffix.shape[0], 1)], -1)  # [b, cols + 1]
+
+    def above(self, t: torch.Tensor) -> torch.Tensor:
+        """[mass, count] of this rank's logits > t, [2, b] float64."""
+        first = torch.searchsorted(self.values, t[:, None].to(self.values.dtype).contiguous(), right=True)
+        mass = self.suffix.gather(-1, first).squeeze(-1)
+        return torch.stack([mass, (self.values.shape[-1] - first.squeeze(-1)).double()])
 
 
 def _cut_on_candidates(merged, row_max, total, top_k_threshold, top_p: float, temperature: float):

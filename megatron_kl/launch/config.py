@@ -148,10 +148,9 @@ class RolloutServersConfig:
     model_path: Optional[str] = checked(None, free=True)  # default: init.hf_checkpoint
     mem_fraction_static: float = checked(0.85, gt=0, lt=1)
     extra_args: list[str] = field(default_factory=list)
-    # the heterogeneous job's script: the trainer's group starts this long after the servers' (it also waits for
-    # their /health), and every monitor_interval_s it checks whether a group has ended (then, as long again
-    # later, it ends the other: a finished trainer takes its servers down, a lost server its trainer)
+    # the trainer's group starts this long after the servers' in the het job's script (it also waits for /health)
     trainer_start_delay_s: int = checked(30, ge=0)
+    # the het job's script checks this often whether a group has ended, and as long later ends the other
     monitor_interval_s: int = checked(60, ge=1)
 
     def __post_init__(self):

@@ -116,7 +116,19 @@ def _relative(got, expected, floor=1.0):
 @pytest.mark.parametrize("world", worlds([1, 2, 4]))
 def test_sharded_support_and_truncated_statistics_match_the_direct_rule(world):
     cases = _cases()
-    per_rank = run_ranks(truncation_worker, world, cases)
+    _check(cases, run_ranks(truncation_worker, world, cases))
+
+
+@pytest.mark.parametrize("world", worlds([1, 2, 4]))
+def test_the_bisection_by_sorted_rows_matches_the_direct_rule(world):
+    """The GPU's bisection (rows sorted once, float64 suffix masses, a binary search a step) on every top-p-alone
+    case, float32 too (no histograms), on CPU tensors: the same supports and statistics as the rule."""
+    cases = [dict(case, lookup="sorted", histogram=False) for case in _cases() if case["top_k"] == 0]
+    assert len(cases) >= 4 and {case["dtype"] for case in cases} == {"float32", "float64"}
+    _check(cases, run_ranks(truncation_worker, world, cases))
+
+
+def _check(cases, per_rank):
     for index, case in enumerate(cases):
         expected = _expected(case)
         tol = TOL[case["dtype"]]
@@ -187,13 +199,16 @@ def test_block_maxima_selection_is_the_exact_top_m(dtype):
             assert torch.equal(_local_top(x, m), want), (x.shape, x.stride(), m)
 
 
+@pytest.mark.parametrize("lookup", ("pass", "sorted"))
 @pytest.mark.parametrize("rule", ((20, 0.9), (5, 0.5), (0, 0.9), (0, 0.3)))
-def test_wide_vocabulary_supports_equal_the_direct_rule(rule):
+def test_wide_vocabulary_supports_equal_the_direct_rule(rule, lookup, monkeypatch):
     """Thresholds on a vocabulary wide enough for the block-maxima candidates and the top-k fast path: equal to
     the rule written out, on logits whose k-th value ties far beyond k (integer logits; the fast path must
     not take a normaliser from the candidates then), on peaked and on flat rows (the bisection)."""
+    from megatron_kl.kl import truncation
     from megatron_kl.kl.truncation import Truncation, support_threshold
 
+    monkeypatch.setattr(truncation, "BISECTION_LOOKUP", lookup)
     top_k, top_p = rule
     g = torch.Generator().manual_seed(12)
     tied = torch.randint(0, 4, (24, 4096), generator=g).double()

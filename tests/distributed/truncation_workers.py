@@ -38,9 +38,16 @@ def make_case(case: dict):
 
 
 def truncation_worker(rank, world, cases):
+    """``case["lookup"]``: the bisection's lookup (``truncation.BISECTION_LOOKUP``); ``case["histogram"]`` False:
+    float32 top-p alone by the bisection too (not the CPU's mass histograms)."""
+    from megatron_kl.kl import top_p_histogram, truncation
+
     group = dist.group.WORLD
     results = []
+    supported = top_p_histogram.supported
     for case in cases:
+        truncation.BISECTION_LOOKUP = case.get("lookup", "auto")
+        top_p_histogram.supported = supported if case.get("histogram", True) else (lambda x: False)
         logits, reference, weights, extra = to_device(make_case(case), rank_device())
         dtype = getattr(torch, case["dtype"])
         rule = Truncation(case["top_k"], case["top_p"])
@@ -73,6 +80,7 @@ def truncation_worker(rank, world, cases):
             "support_size": stats.support_size.double(), "outside": stats.outside_support.double(),
             "grads": [g.double() for g in grads],
         })
+    truncation.BISECTION_LOOKUP, top_p_histogram.supported = "auto", supported
     return results
 
 

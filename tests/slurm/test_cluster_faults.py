@@ -8,11 +8,11 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 from tests.slurm.conftest import CONFIG, PREEMPTED, start, stop
-from tests.slurm.test_launch_on_slurm import by_step, experiment_id, job_id, job_state, steps_done, wait_until
+from tests.slurm.test_launch_on_slurm import (by_step, experiment_id, job_id, job_state, start_requeued_now,
+                                              steps_done, wait_until)
 
 DAEMONS = ("slurmctld", "slurmd", "slurmstepd", "munged", "mariadbd")
 
@@ -74,12 +74,8 @@ def test_a_node_lost_mid_run_leaves_whole_checkpoints_and_the_requeued_job_resum
     slurm_cluster.run("scontrol", "update", "NodeName=mkl-n2", "State=RESUME", check=False)  # or back by itself
     wait_until(lambda: "idle" in slurm_cluster.run("sinfo", "-h", "-n", "mkl-n2", "-o", "%T").stdout, 60, "mkl-n2 idle")
     if job_state(slurm_cluster, job) == "PENDING":  # requeued (sbatch --requeue): start it now, not in ~2 minutes,
-        # once the lost run's batch script (on the surviving node) has ended: its end would be taken for the new run's
-        wait_until(lambda: not [p for p in psutil.process_iter(["cmdline"])
-                                if f"[{job}.batch]" in " ".join(p.info["cmdline"] or [])], 120,
-                   "the lost run's batch step to end")
-        time.sleep(5)  # and its completion to reach the controller (it arrives after the process is gone)
-        slurm_cluster.run("scontrol", "update", f"JobId={job}", "StartTime=now")
+        # once the lost run's batch script (on the surviving node) has ended
+        start_requeued_now(slurm_cluster, job)
         wait_until(lambda: job_state(slurm_cluster, job) == "GONE", 600, "the requeued run to finish")
         assert by_step(run) == by_step(uninterrupted)
     else:  # failed for good: the same command resumes it

@@ -90,11 +90,30 @@ def job_state(cluster, job: str) -> str:
 LONG = 250
 
 
+def start_requeued_now(cluster, job: str, *updates: str, components: int = 1) -> None:
+    """Start a requeued (PENDING) job at once - Slurm would hold it ~2 minutes (its begin time) - once the previous
+    run's batch script has ended and its completion has reached the controller: started earlier, the old batch
+    step's end is taken for the new run's (its second start then FAILS at once, with no log)."""
+    import time
+
+    import psutil
+
+    def old_batch_running() -> bool:
+        titles = (f"[{job}.batch]", f"[{job}+0.batch]")
+        return any(any(t in " ".join(p.info["cmdline"] or []) for t in titles)
+                   for p in psutil.process_iter(["cmdline"]))
+
+    wait_until(lambda: not old_batch_running(), 120, "the previous run's batch step to end")
+    time.sleep(5)
+    for component in range(components):  # a het job: every component's start time
+        cluster.run("scontrol", "update", f"JobId={int(job) + component}", "StartTime=now", *updates, check=False)
+
+
 def _requeued_and_resumed(cluster, exp: str, job: str, run: Path) -> None:
     """After the stop: the job requeues itself (its sbatch script), runs again at once (Slurm would hold a requeued
     job ~2 minutes: its start time is moved to now, its time limit restored), resumes and completes."""
     wait_until(lambda: job_state(cluster, job) == "PENDING", 180, f"job {job} to requeue itself")
-    cluster.run("scontrol", "update", f"JobId={job}", "StartTime=now", "TimeLimit=15")
+    start_requeued_now(cluster, job, "TimeLimit=15")
     wait_until(lambda: job_state(cluster, job) == "GONE", 600, f"job {job} to finish its second run")
     records = cluster.sacct(job, duplicates=True)
     starts = [r for r in records if r["job"] == job]

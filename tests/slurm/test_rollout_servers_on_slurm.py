@@ -17,7 +17,8 @@ import psutil
 from megatron_kl.train import checkpoint
 from megatron_kl.train.preemption import REQUEUE_EXIT_CODE
 from tests.slurm.conftest import CONFIG, ROOT, free_port
-from tests.slurm.test_launch_on_slurm import by_step, experiment_dir, experiment_id, job_id, job_state, steps_done, wait_until
+from tests.slurm.test_launch_on_slurm import (by_step, experiment_dir, experiment_id, job_id, job_state,
+                                              start_requeued_now, steps_done, wait_until)
 
 sys.path.insert(0, str(ROOT / "tests" / "distributed"))
 from hf_workers import make_hf_model  # noqa: E402
@@ -87,8 +88,7 @@ def test_the_trainer_and_the_sglang_server_run_as_a_heterogeneous_job(slurm_clus
         return set(job_state(slurm_cluster, job).split()) == {"PENDING"}
 
     wait_until(lambda: pending() or job_state(slurm_cluster, job) == "GONE", 120, "the job to requeue itself")
-    for component in (job, str(int(job) + 1)):  # Slurm holds a requeued job ~2 minutes: start it now
-        slurm_cluster.run("scontrol", "update", f"JobId={component}", "StartTime=now", check=False)
+    start_requeued_now(slurm_cluster, job, components=2)
     wait_until(lambda: job_state(slurm_cluster, job) == "GONE", 400, "the requeued job to finish")
     assert starts() == ["REQUEUED", "COMPLETED"], slurm_cluster.sacct(job, duplicates=True)
     assert sorted(by_step(run))[:STEPS] == list(range(STEPS))
