@@ -121,12 +121,21 @@ def markdown(cls, title: str) -> str:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="megatron-kl config show", description="Every field of the training "
-                                     "configuration: type, default, current value, description.")
-    parser.add_argument("--config", default=None, help="a YAML config to show the values of (default: the defaults)")
-    parser.add_argument("--section", default=None, help="only this section, e.g. kl or rollout.sglang")
-    parser.add_argument("--format", choices=("text", "md"), default="text")
-    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. kl.estimator=k3")
+    """``megatron-kl config show ...``; ``megatron-kl config`` alone prints this command's help."""
+    from megatron_kl.cli import help_when_bare
+
+    parser = argparse.ArgumentParser(prog="megatron-kl config", description="The training configuration's fields.")
+    sub = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
+    show = sub.add_parser("show", help="every field: type, default, current value, description",
+                          description="Every field of the training configuration: type, default, current value, "
+                          "description.")
+    show.add_argument("--config", default=None, help="a YAML config to show the values of (default: the defaults)")
+    show.add_argument("--section", default=None, help="only this section, e.g. kl or rollout.sglang")
+    show.add_argument("--format", choices=("text", "md"), default="text")
+    show.add_argument("overrides", nargs="*", help="dotted overrides, e.g. kl.estimator=k3")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if help_when_bare(parser, argv):
+        return 0
     args = parser.parse_args(argv)
     from megatron_kl.config import ConfigError, apply_overrides, from_dict, read_yaml_file
     from megatron_kl.train.config import TrainConfig

@@ -4,13 +4,24 @@ locally (one process per run, resumable), then write figures and report.md. Exit
 
 from __future__ import annotations
 
+import argparse
 import logging
 import sys
 
 from megatron_kl.config import ConfigError
 
 
-def main(config: str, overrides: list[str], report_only: bool = False) -> int:
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="megatron-kl study", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True, help="study YAML, e.g. configs/study/cpu.yaml")
+    parser.add_argument("--report-only", action="store_true", help="only (re)write the report from finished runs")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides applied to every run")
+    args = parser.parse_args(argv)
+    return run(args.config, args.overrides, args.report_only)
+
+
+def run(config: str, overrides: list[str], report_only: bool = False) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
     from megatron_kl.study.grid import expand, load_study
     from megatron_kl.study.report import write_report

@@ -3,6 +3,7 @@ under torchrun (``torchrun --nproc-per-node 2 -m megatron_kl.cli train ...``).""
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import socket
@@ -49,7 +50,23 @@ def check(cfg) -> int:
     return 0
 
 
-def main(config_path: str, overrides: list[str], check_only: bool = False) -> int:
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="megatron-kl train", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", required=True, help="YAML config, e.g. configs/cpu/default.yaml")
+    p.add_argument("--check", action="store_true", help="validate the configuration, print it resolved with the KL "
+                   "verdict and what a start would do (fresh / resume / finished); exit 0, or 2 naming the field; "
+                   "nothing is written")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. kl.estimator=k3 train.steps=5")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    args = parser().parse_args(argv)
+    return run(args.config, args.overrides, args.check)
+
+
+def run(config_path: str, overrides: list[str], check_only: bool = False) -> int:
     import warnings
 
     warnings.filterwarnings("ignore")

@@ -222,7 +222,7 @@ def test_kill_9_and_resume_reproduce_the_uninterrupted_run(tmp_path, warm_cache)
 def test_bad_config_values_fail_with_the_field_named(tmp_path, capsys, override, message):
     """In-process: ``train`` runs the same checks (loop.prepare) before anything starts as ``--check`` does here;
     the CLI's own exit code is the next test's."""
-    from megatron_kl.train.cli import main as train_main
+    from megatron_kl.train.cli import run as train_main
 
     code = train_main(str(DEFAULT), [f"train.output_dir={tmp_path / 'run'}", "warm_start.enabled=false",
                                      *override.split()], check_only=True)

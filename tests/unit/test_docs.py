@@ -155,3 +155,37 @@ def test_the_docs_site_builds_strictly_and_a_broken_link_fails_it(tmp_path):
         f.write("\nSee [the missing page](no-such-page.md).\n")
     broken = _mkdocs(copy, tmp_path / "site2")
     assert broken.returncode != 0 and "no-such-page.md" in broken.stdout + broken.stderr
+
+
+def _code_tour():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("code_tour", ROOT / "tools" / "code_tour.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_code_tour_is_current_and_names_every_file():
+    """docs/code-tour.md is generated from the files' own docstrings: `python tools/code_tour.py >
+    docs/code-tour.md`."""
+    tour = _code_tour()
+    text = (ROOT / "docs" / "code-tour.md").read_text()
+    assert text == tour.tour(), "docs/code-tour.md is stale: python tools/code_tour.py > docs/code-tour.md"
+    for path in sorted((ROOT / "megatron_kl").rglob("*.py")) + sorted((ROOT / "tools").glob("*.py")):
+        if path.name != "__init__.py":
+            assert f"| `{path.name}` |" in text, path
+    assert tour.summary("Gradients w.r.t. the hidden states. More.") == "Gradients w.r.t. the hidden states."
+
+
+def test_a_file_without_a_docstring_stops_the_code_tour(tmp_path, monkeypatch):
+    tour = _code_tour()
+    package = tmp_path / "megatron_kl"
+    package.mkdir()
+    (package / "documented.py").write_text('"""What it is. More."""\n')
+    (package / "silent.py").write_text("x = 1\n")
+    monkeypatch.setattr(tour, "ROOT", tmp_path)
+    monkeypatch.setattr(tour, "PACKAGE", package)
+    monkeypatch.setattr(tour, "BESIDE", ())
+    with pytest.raises(SystemExit, match="silent.py has no module docstring"):
+        tour.tour()
