@@ -16,9 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from megatron_kl.algo.config import ADVANTAGES as ESTIMATORS
 from megatron_kl.config import ConfigError
-
-ESTIMATORS = ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "none")
 
 
 def _whiten(x: torch.Tensor, eps: float) -> torch.Tensor:

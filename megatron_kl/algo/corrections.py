@@ -26,10 +26,10 @@ from typing import Optional
 
 import torch
 
+from megatron_kl.algo.config import CORRECTIONS  # noqa: F401
 from megatron_kl.kl.estimators import ClampCounter, clamp_log_ratio
 from megatron_kl.kl.sequence_axis import LOCAL, SequenceAxis
 
-CORRECTIONS = ("none", "tis", "token_tis", "sequence_tis", "token_mask", "sequence_mask", "geometric_mask", "icepop")
 LOG_RATIO_CLAMP = 20.0
 
 
@@ -63,6 +63,11 @@ class Correction:
     def weights(self, old_logprobs, behavior_logprobs, mask, counter=None, axis: SequenceAxis = LOCAL):
         return behavior_weights(self.kind, old_logprobs, behavior_logprobs, mask, self.tis_cap, self.mask_low,
                                 self.mask_high, counter, axis)
+
+
+def correction_of(algo) -> Correction:
+    """The behaviour correction an ``algo.config.AlgoConfig`` configures (behavior_correction and its thresholds)."""
+    return Correction(algo.behavior_correction, algo.tis_cap, algo.mask_low, algo.mask_high)
 
 
 # the corrections the exact audit pairs with every KL configuration: each kind at the defaults, and the two

@@ -22,85 +22,19 @@ reduction into its exact share of the minibatch reduction, so gradient accumulat
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from megatron_kl.algo.corrections import CORRECTIONS, Correction
-from megatron_kl.algo.advantages import ESTIMATORS as ADVANTAGES
-from megatron_kl.config import ConfigError
-from megatron_kl.constraints import checked
+from megatron_kl.algo.config import LOSSES, OLD_LOGPROBS, RATIO_LEVELS, AlgoConfig  # noqa: F401
+from megatron_kl.algo.corrections import correction_of
 from megatron_kl.kl.estimators import ClampCounter, clamp_log_ratio
-from megatron_kl.kl.objective import (AGGREGATIONS, KLConfig, aggregate_tokens, kl_loss, kl_penalty_credit,
+from megatron_kl.kl.objective import (KLConfig, aggregate_tokens, kl_loss, kl_penalty_credit,
                                      policy_gradient_surrogate)
-from megatron_kl.kl.rpg import RPGConfig, rpg_loss
+from megatron_kl.kl.rpg import rpg_loss
 from megatron_kl.kl.sequence_axis import LOCAL, SequenceAxis
 from megatron_kl.models.pipeline import masked_token_stats
-
-LOSSES = ("ppo", "rpg")
-# where pi_old's log-probs come from: a forward pass of their own before the update (recompute), or - for an
-# update of one epoch over one minibatch, whose only optimizer step happens after every forward - the update's
-# own forward (from_update: the same weights and inputs, one policy forward per step fewer)
-OLD_LOGPROBS = ("recompute", "from_update")
-RATIO_LEVELS = ("token", "sequence")
-
-
-@dataclass
-class AlgoConfig:
-    advantage: str = checked("grpo", choices=ADVANTAGES)
-    std_normalize: bool = True
-    loss: str = checked("ppo", choices=LOSSES)  # ppo | rpg
-    clip_low: float = checked(0.2, ge=0, lt=1)
-    clip_high: float = checked(0.28, ge=0)
-    dual_clip: Optional[float] = checked(3.0, gt=1)
-    aggregation: str = checked("token_mean", choices=AGGREGATIONS)  # policy-loss aggregation
-    entropy_coef: float = checked(0.0, fix='negative values penalise entropy')
-    ppo_epochs: int = checked(1, ge=1)
-    minibatches: int = checked(1, ge=1)  # optimizer steps per epoch
-    behavior_correction: str = checked("none", choices=CORRECTIONS)  # megatron_kl.algo.corrections.CORRECTIONS
-    tis_cap: float = checked(2.0, gt=0)  # truncation of token_tis / sequence_tis
-    mask_low: float = checked(0.5, ge=0)  # band kept by token_mask / sequence_mask / geometric_mask / icepop
-    mask_high: float = checked(2.0, gt=0)
-    ratio_level: str = checked("token", choices=RATIO_LEVELS)  # token: PPO's per-token ratio; sequence: GSPO's length-normalised sequence ratio
-    norm_length: Optional[float] = checked(None, gt=0)  # aggregation=seq_mean_token_sum_norm (Dr. GRPO); default max_new_tokens
-    old_logprobs: str = checked("recompute", choices=OLD_LOGPROBS)  # OLD_LOGPROBS
-    rpg: RPGConfig = field(default_factory=RPGConfig)
-
-    def __post_init__(self):
-        from megatron_kl.algo.advantages import ESTIMATORS
-
-        for name, allowed in (("advantage", ESTIMATORS), ("loss", LOSSES), ("aggregation", AGGREGATIONS),
-                              ("behavior_correction", CORRECTIONS), ("ratio_level", RATIO_LEVELS),
-                              ("old_logprobs", OLD_LOGPROBS)):
-            if getattr(self, name) not in allowed:
-                raise ConfigError(f"algo.{name}={getattr(self, name)!r} is unknown; use one of {list(allowed)}")
-        if self.clip_low < 0 or self.clip_high < 0:
-            raise ConfigError("algo.clip_low and algo.clip_high must be >= 0")
-        if self.dual_clip is not None and self.dual_clip <= 1.0:
-            raise ConfigError(f"algo.dual_clip={self.dual_clip} must be > 1 (or null to disable)")
-        if self.ppo_epochs < 1 or self.minibatches < 1:
-            raise ConfigError("algo.ppo_epochs and algo.minibatches must be >= 1")
-        if self.tis_cap <= 0:
-            raise ConfigError(f"algo.tis_cap={self.tis_cap} must be > 0")
-        if not 0 <= self.mask_low < 1 < self.mask_high:
-            raise ConfigError(f"algo.mask_low={self.mask_low}, algo.mask_high={self.mask_high}: the kept band must "
-                              "contain 1 (0 <= mask_low < 1 < mask_high)")
-        if self.old_logprobs == "from_update" and (self.ppo_epochs, self.minibatches) != (1, 1):
-            raise ConfigError(f"algo.old_logprobs=from_update takes pi_old from the update's forward, which is pi_old "
-                              f"only when it precedes every optimizer step: set algo.ppo_epochs=1 and "
-                              f"algo.minibatches=1 (have {self.ppo_epochs} and {self.minibatches}) or use recompute")
-        if self.norm_length is not None and self.norm_length <= 0:
-            raise ConfigError(f"algo.norm_length={self.norm_length} must be > 0 (null: rollout.sampling.max_new_tokens)")
-
-    @property
-    def name(self) -> str:
-        return self.rpg.name if self.loss == "rpg" else f"{self.advantage}-ppo"
-
-    @property
-    def correction(self) -> Correction:
-        return Correction(self.behavior_correction, self.tis_cap, self.mask_low, self.mask_high)
-
 
 @dataclass
 class Shares:
@@ -154,7 +88,7 @@ def row_separable(kl: KLConfig, algo: Optional[AlgoConfig] = None) -> bool:
     if algo is not None and algo.ratio_level == "sequence":
         return False
     if algo is not None and algo.old_logprobs == "from_update" and (
-            not algo.correction.per_token or (kl.coef > 0 and kl.placement == "reward")):
+            not correction_of(algo).per_token or (kl.coef > 0 and kl.placement == "reward")):
         return False
     if kl.coef > 0 and kl.placement == "loss" and (kl.level != "token" or kl.off_policy == "per_decision"):
         return False
@@ -215,7 +149,7 @@ def microbatch_loss(stats, mb: dict, algo: AlgoConfig, kl: KLConfig, shares: Sha
                 full_kl=None if stats.kl is None else stats.kl.detach(), counter=counter, axis=axis)
     weight = None
     if algo.loss == "ppo":
-        weight, correction = algo.correction.weights(mb["old_logprobs"], mb["behavior_logprobs"], mask, counter, axis)
+        weight, correction = correction_of(algo).weights(mb["old_logprobs"], mb["behavior_logprobs"], mask, counter, axis)
         metrics.update(correction)
         per_token, clipped, ratio = ppo_loss(logprobs, mb["old_logprobs"], mb["advantages"], mask, algo, weight, counter,
                                              axis)

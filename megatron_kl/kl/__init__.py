@@ -1,14 +1,19 @@
 """The KL library: estimators, placements, levels, credit, off-policy corrections, aggregation.
 
     from megatron_kl.kl import KLConfig, kl_loss, kl_shaped_returns
+
+The names load on first use (``kl.config`` alone, for a configuration, needs no torch).
 """
 
-from megatron_kl.kl.estimators import ClampCounter
-from megatron_kl.kl.objective import (
-    KLConfig, aggregate_tokens, kl_loss, kl_penalty_credit, kl_shaped_returns, policy_gradient_surrogate,
-)
+import importlib
 
-__all__ = [
-    "ClampCounter", "KLConfig", "aggregate_tokens", "kl_loss", "kl_penalty_credit", "kl_shaped_returns",
-    "policy_gradient_surrogate",
-]
+_HOMES = {"ClampCounter": "estimators", "KLConfig": "config", "aggregate_tokens": "objective",
+          "kl_loss": "objective", "kl_penalty_credit": "objective", "kl_shaped_returns": "objective",
+          "policy_gradient_surrogate": "objective"}
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name):
+    if name in _HOMES:
+        return getattr(importlib.import_module(f"megatron_kl.kl.{_HOMES[name]}"), name)
+    raise AttributeError(f"module 'megatron_kl.kl' has no attribute {name!r}")

@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-ESTIMATORS = ("k1", "k2", "k3", "full")
+from megatron_kl.kl.config import ESTIMATORS  # noqa: F401
 
 
 def safe_exp_bound(dtype: torch.dtype) -> float:

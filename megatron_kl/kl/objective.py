@@ -42,126 +42,14 @@ sum_{b,t} / #tokens; seq_mean_token_mean = (1/B) sum_b (1/L_b) sum_t. Masked pos
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from megatron_kl.constraints import checked
-from megatron_kl.kl.estimators import ESTIMATORS, ClampCounter, clamp_log_ratio, token_estimate
+from megatron_kl.kl.config import (AGGREGATIONS, AUTO, CREDITS, LEVELS, OFF_POLICY, PLACEMENTS, REGIMES,  # noqa: F401
+                                   TARGETS, KLConfig)
+from megatron_kl.kl.estimators import ClampCounter, clamp_log_ratio, token_estimate
 from megatron_kl.kl.sequence_axis import LOCAL, SequenceAxis
-
-PLACEMENTS = ("reward", "loss")
-LEVELS = ("token", "sequence")
-CREDITS = ("reward_to_go", "immediate")
-# behavior: the trainer's behaviour-correction weights omega_t (algo.behavior_correction, detached, from
-# pi_old / mu) multiply the KL term's per-token integrand; which gradient that gives is the audit's verdict.
-OFF_POLICY = ("none", "token_is", "per_decision", "behavior")
-# kl.target: the KL whose gradient the term should estimate (audit names: seq, token, forward)
-TARGETS = {"sequence_reverse": "seq", "token_reverse": "token", "token_forward": "forward"}
-# kl.regime: where the samples come from; auto: off_policy when train.staleness > 0
-REGIMES = ("auto", "on_policy", "off_policy")
-AUTO = "auto"  # kl.estimator=auto: the trainer picks the configuration (megatron_kl.kl.targets)
-# seq_mean_token_sum_norm (Dr. GRPO): each sequence's token sum divided by a fixed length ``norm_length``
-# (the trainer sets rollout.sampling.max_new_tokens unless algo.norm_length is given), then the mean over
-# sequences: no length-dependent weight per token, unlike token_mean and seq_mean_token_mean.
-AGGREGATIONS = ("seq_mean_token_sum", "token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
-
-
-def _choice(name: str, value, allowed) -> None:
-    if value not in allowed:
-        raise ValueError(f"KLConfig.{name}={value!r} is unknown; use one of {list(allowed)}")
-
-
-@dataclass(frozen=True)
-class KLConfig:
-    # k1 | k2 | k3 | full (exact over the vocabulary) | auto: estimator, placement, level, credit and off_policy
-    # chosen by the audit for kl.target
-    estimator: str = checked("k1", choices=ESTIMATORS + (AUTO,))
-    placement: str = checked("reward", choices=PLACEMENTS)  # reward: -beta * KL added to the reward; loss: beta * KL added to the loss
-    level: str = checked("token", choices=LEVELS)  # token: per-token estimates; sequence: the sequence sum as one estimate
-    credit: Optional[str] = checked(None, choices=CREDITS)  # reward placement: reward_to_go | immediate; None means reward_to_go there
-    # importance weighting of the KL term for off-policy samples: none | token_is | per_decision | behavior
-    off_policy: str = checked("none", choices=OFF_POLICY)
-    coef: float = checked(0.001, ge=0)  # beta, the KL coefficient
-    clamp: Optional[float] = checked(20.0, gt=0)  # |log-ratio| bound before any exp (k3, importance weights)
-    truncate: Optional[float] = checked(None, gt=0)  # cap on per-decision weights rho_{1:t}
-    aggregation: str = checked("seq_mean_token_sum", choices=AGGREGATIONS)  # how per-token terms become the loss (AGGREGATIONS)
-    norm_length: Optional[float] = checked(None, gt=0)  # the constant of aggregation='seq_mean_token_sum_norm'
-    target: str = checked("sequence_reverse", choices=tuple(TARGETS))  # the declared objective (TARGETS); runs biased for it are tagged kl/biased
-    regime: str = checked("auto", choices=REGIMES)  # on_policy | off_policy | auto (from train.staleness)
-    strict: bool = False  # a configuration biased for the target is an error instead of a warning
-
-    def __post_init__(self):
-        _choice("estimator", self.estimator, ESTIMATORS + (AUTO,))
-        _choice("target", self.target, TARGETS)
-        _choice("regime", self.regime, REGIMES)
-        _choice("placement", self.placement, PLACEMENTS)
-        _choice("level", self.level, LEVELS)
-        _choice("off_policy", self.off_policy, OFF_POLICY)
-        _choice("aggregation", self.aggregation, AGGREGATIONS)
-        if self.norm_length is not None and self.norm_length <= 0:  # None: set by the trainer, or an error when used
-            raise ValueError(f"KLConfig.norm_length={self.norm_length} must be > 0")
-        if self.credit is not None:
-            _choice("credit", self.credit, CREDITS)
-            if self.placement != "reward":
-                raise ValueError("KLConfig.credit applies to placement='reward' only; remove it for placement='loss'")
-            if self.level == "sequence":
-                raise ValueError("KLConfig.credit does not apply at level='sequence' (every token gets the sequence estimate)")
-        if self.coef < 0:
-            raise ValueError(f"KLConfig.coef={self.coef} must be >= 0")
-        if self.clamp is not None and self.clamp <= 0:
-            raise ValueError(f"KLConfig.clamp={self.clamp} must be > 0 or None")
-        if self.truncate is not None:
-            if self.truncate <= 0:
-                raise ValueError(f"KLConfig.truncate={self.truncate} must be > 0 or None")
-            if self.off_policy != "per_decision":
-                raise ValueError("KLConfig.truncate caps per-decision weights: set off_policy='per_decision' or drop it")
-        self._check_off_policy()
-
-    def _check_off_policy(self):
-        op = self.off_policy
-        if op in ("none", "behavior") or self.estimator == AUTO:
-            return
-        if self.placement == "loss":
-            if self.estimator == "full":
-                if not (op == "per_decision" and self.level == "sequence"):
-                    raise ValueError(
-                        "KLConfig.off_policy: with estimator='full' in the loss only 'per_decision' at level='sequence' "
-                        "(Rao-Blackwellised) is defined; the exact token-level KL needs no weight"
-                    )
-            elif op != "token_is" or self.level != "token":
-                raise ValueError(
-                    f"KLConfig.off_policy={op!r} with placement='loss' and estimator={self.estimator!r}: "
-                    "use 'token_is' at level='token' (w_t * k_t), or estimator='full', level='sequence' for per_decision"
-                )
-        else:
-            if self.level == "sequence":
-                raise ValueError(f"KLConfig.off_policy={op!r} with placement='reward' needs level='token'")
-            if op == "per_decision" and self.effective_credit != "reward_to_go":
-                raise ValueError("KLConfig.off_policy='per_decision' needs credit='reward_to_go'")
-
-    @property
-    def effective_credit(self) -> Optional[str]:
-        if self.placement != "reward" or self.level == "sequence":
-            return None
-        return self.credit or "reward_to_go"
-
-    @property
-    def name(self) -> str:
-        """A readable, unique label for logs and plots, e.g. ``k1-reward-token-rtg``."""
-        if self.estimator == AUTO:
-            return f"auto-{self.target}"
-        parts = [self.estimator, self.placement, self.level]
-        credit = self.effective_credit
-        if credit:
-            parts.append({"reward_to_go": "rtg", "immediate": "imm"}[credit])
-        if self.off_policy != "none":
-            parts.append(self.off_policy)
-        if self.truncate is not None:
-            parts.append(f"trunc{self.truncate:g}")
-        return "-".join(parts)
-
 
 # ------------------------------------------------------------------------------------------------
 # helpers

@@ -23,49 +23,14 @@ PPO's clipped objective, when A_eff > 0 and w > 1 + clip_high, when A_eff < 0 an
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from megatron_kl.constraints import checked
+from megatron_kl.kl.config import DIVERGENCES, SURROGATES, RPGConfig  # noqa: F401
 from megatron_kl.kl.estimators import ClampCounter, clamp_log_ratio
-from megatron_kl.kl.objective import AGGREGATIONS, aggregate_tokens
+from megatron_kl.kl.objective import aggregate_tokens
 from megatron_kl.kl.sequence_axis import LOCAL, SequenceAxis
-
-DIVERGENCES = ("rkl", "fkl", "urkl", "ufkl")
-SURROGATES = ("differentiable", "reinforce")
-
-
-@dataclass(frozen=True)
-class RPGConfig:
-    divergence: str = checked("urkl", choices=DIVERGENCES)
-    surrogate: str = checked("reinforce", choices=SURROGATES)
-    coef: float = checked(0.001, ge=0)  # beta
-    clip_low: Optional[float] = checked(0.2, ge=0, lt=1)
-    clip_high: Optional[float] = checked(0.28, ge=0)
-    dual_clip: Optional[float] = checked(3.0, gt=1)
-    clamp: Optional[float] = checked(20.0, gt=0)
-    aggregation: str = checked("token_mean", choices=AGGREGATIONS)
-    norm_length: Optional[float] = checked(None, gt=0)  # aggregation='seq_mean_token_sum_norm' (the trainer sets it)
-
-    def __post_init__(self):
-        for name, allowed in (("divergence", DIVERGENCES), ("surrogate", SURROGATES), ("aggregation", AGGREGATIONS)):
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"RPGConfig.{name}={getattr(self, name)!r} is unknown; use one of {list(allowed)}")
-        if self.norm_length is not None and self.norm_length <= 0:
-            raise ValueError(f"RPGConfig.norm_length={self.norm_length} must be > 0")
-        if self.dual_clip is not None and self.dual_clip <= 1.0:
-            raise ValueError(f"RPGConfig.dual_clip={self.dual_clip} must be > 1 (or None)")
-        if self.surrogate == "differentiable" and any(
-            v is not None for v in (self.clip_low, self.clip_high, self.dual_clip)
-        ):
-            raise ValueError("RPGConfig clip_low/clip_high/dual_clip apply to surrogate='reinforce'; set them to None")
-
-    @property
-    def name(self) -> str:
-        return f"rpg-{self.divergence}-{self.surrogate}"
-
 
 def rpg_loss(
     cfg: RPGConfig,

@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_kl.kl import top_p_histogram
+from megatron_kl.kl.config import Truncation  # noqa: F401
 from megatron_kl.kl.groups import all_gather_columns, all_reduce, group_size_rank
 
 FIRST_CANDIDATES = 64  # per rank, top-p only: a first guess at the support size (bisection where short)
@@ -55,24 +56,6 @@ MAX_BISECTIONS = 64
 # a sorted copy and two float64 arrays of a row block of CANDIDATE_ELEMENTS, the GPU's way), "auto" (sorted on
 # CUDA tensors)
 BISECTION_LOOKUP = "auto"
-
-
-@dataclass(frozen=True)
-class Truncation:
-    """The engine's truncation rule: ``top_k`` (0: off) and ``top_p`` (1.0: off)."""
-
-    top_k: int = 0
-    top_p: float = 1.0
-
-    def __post_init__(self):
-        if self.top_k < 0:
-            raise ValueError(f"top_k={self.top_k} must be >= 0 (0 disables)")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
-
-    def active(self, vocab_size: Optional[int] = None) -> bool:
-        top_k_on = self.top_k > 0 and (vocab_size is None or self.top_k < vocab_size)
-        return top_k_on or self.top_p < 1.0
 
 
 def effective(truncation: Optional[Truncation], vocab_size: Optional[int]) -> Optional[Truncation]:

@@ -1,6 +1,8 @@
-"""Config sections of the serving engines: ``rollout.sglang`` and ``rollout.vllm``.
+"""Config sections of the rollout: ``rollout.sampling`` and the serving engines' ``rollout.sglang`` and
+``rollout.vllm``.
 
-Plain dataclasses with no serving imports, so a config can be loaded on a machine without SGLang or vLLM.
+Plain dataclasses with no serving (and no torch) imports, so a config can be loaded on a machine without SGLang
+or vLLM, and a config error is reported before any model code is imported.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from typing import Optional
 
 from megatron_kl.config import ConfigError
 from megatron_kl.constraints import checked
+from megatron_kl.kl.config import Truncation
 
 WEIGHT_SYNC = ("from_disk", "from_tensor", "from_distributed")
 VLLM_MODES = ("llm", "server")
@@ -101,3 +104,57 @@ class VLLMConfig:
             raise ConfigError("rollout.vllm.mode=server needs rollout.vllm.url (http://host:port)")
         if self.tensor_parallel_size < 1:
             raise ConfigError("rollout.vllm.tensor_parallel_size must be >= 1")
+
+
+DISTRIBUTIONS = ("truncated", "full")  # rollout.sampling.distribution: what the trainer differentiates
+
+
+@dataclass
+class SamplingConfig:
+    temperature: float = checked(1.0, ge=0)  # 0 means greedy
+    top_p: float = checked(1.0, gt=0, le=1)
+    top_k: int = checked(0, ge=0)  # 0 disables
+    max_new_tokens: int = checked(16, ge=1)
+    stop_token_ids: list[int] = field(default_factory=list)
+    seed: int = checked(0, ge=0)
+    # the policy distribution the trainer computes log-probs, entropy and KL of: truncated (the engines'
+    # sampling distribution: on-policy) | full (softmax(logits / T) over the whole vocabulary: off-policy and
+    # biased whenever top_k / top_p truncate; kept to reproduce other libraries)
+    distribution: str = checked("truncated", choices=DISTRIBUTIONS)
+    # fraction of sampled response tokens allowed outside the trainer's truncated support at the weights that
+    # sampled them (an engine's logits differ from the trainer's by rounding at the cut); above it: an error
+    support_tolerance: float = checked(0.001, ge=0, le=1)
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ConfigError(f"rollout.sampling.temperature={self.temperature} must be >= 0 (0 = greedy)")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ConfigError(f"rollout.sampling.top_p={self.top_p} must be in (0, 1]")
+        if self.top_k < 0:
+            raise ConfigError(f"rollout.sampling.top_k={self.top_k} must be >= 0 (0 disables)")
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"rollout.sampling.max_new_tokens={self.max_new_tokens} must be >= 1")
+        if not 0.0 <= self.support_tolerance <= 1.0:
+            raise ConfigError(f"rollout.sampling.support_tolerance={self.support_tolerance} must be in [0, 1]")
+        if self.distribution not in DISTRIBUTIONS:
+            raise ConfigError(f"rollout.sampling.distribution={self.distribution!r}: use one of {list(DISTRIBUTIONS)}")
+
+    @property
+    def truncation(self) -> Truncation:
+        """The engines' support rule (may be inactive)."""
+        return Truncation(top_k=self.top_k, top_p=self.top_p)
+
+    def truncates(self, vocab_size: Optional[int] = None) -> bool:
+        """Whether sampling uses a strict subset of the vocabulary (greedy decoding aside)."""
+        return self.temperature > 0 and self.truncation.active(vocab_size)
+
+    def trained_truncation(self, vocab_size: Optional[int] = None) -> Optional[Truncation]:
+        """The truncation the trainer applies to the policy: the engines' rule with distribution=truncated."""
+        if self.distribution == "truncated" and self.truncates(vocab_size):
+            return self.truncation
+        return None
+
+    @property
+    def logprob_temperature(self) -> float:
+        """The temperature the behaviour log-probs (and the trainer's recomputation) use."""
+        return self.temperature if self.temperature > 0 else 1.0

@@ -19,64 +19,10 @@ from typing import Optional, Protocol, Sequence, runtime_checkable
 
 import torch
 
-from megatron_kl.config import ConfigError
-from megatron_kl.constraints import checked
-from megatron_kl.kl.truncation import Truncation
+from megatron_kl.rollout.config import DISTRIBUTIONS, SamplingConfig  # noqa: F401
 from megatron_kl.rollout.http import CorruptResponse
 
 FINISH_REASONS = ("stop", "length")
-DISTRIBUTIONS = ("truncated", "full")  # rollout.sampling.distribution: what the trainer differentiates
-
-
-@dataclass
-class SamplingConfig:
-    temperature: float = checked(1.0, ge=0)  # 0 means greedy
-    top_p: float = checked(1.0, gt=0, le=1)
-    top_k: int = checked(0, ge=0)  # 0 disables
-    max_new_tokens: int = checked(16, ge=1)
-    stop_token_ids: list[int] = field(default_factory=list)
-    seed: int = checked(0, ge=0)
-    # the policy distribution the trainer computes log-probs, entropy and KL of: truncated (the engines'
-    # sampling distribution: on-policy) | full (softmax(logits / T) over the whole vocabulary: off-policy and
-    # biased whenever top_k / top_p truncate; kept to reproduce other libraries)
-    distribution: str = checked("truncated", choices=DISTRIBUTIONS)
-    # fraction of sampled response tokens allowed outside the trainer's truncated support at the weights that
-    # sampled them (an engine's logits differ from the trainer's by rounding at the cut); above it: an error
-    support_tolerance: float = checked(0.001, ge=0, le=1)
-
-    def __post_init__(self):
-        if self.temperature < 0:
-            raise ConfigError(f"rollout.sampling.temperature={self.temperature} must be >= 0 (0 = greedy)")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ConfigError(f"rollout.sampling.top_p={self.top_p} must be in (0, 1]")
-        if self.top_k < 0:
-            raise ConfigError(f"rollout.sampling.top_k={self.top_k} must be >= 0 (0 disables)")
-        if self.max_new_tokens < 1:
-            raise ConfigError(f"rollout.sampling.max_new_tokens={self.max_new_tokens} must be >= 1")
-        if not 0.0 <= self.support_tolerance <= 1.0:
-            raise ConfigError(f"rollout.sampling.support_tolerance={self.support_tolerance} must be in [0, 1]")
-        if self.distribution not in DISTRIBUTIONS:
-            raise ConfigError(f"rollout.sampling.distribution={self.distribution!r}: use one of {list(DISTRIBUTIONS)}")
-
-    @property
-    def truncation(self) -> Truncation:
-        """The engines' support rule (may be inactive)."""
-        return Truncation(top_k=self.top_k, top_p=self.top_p)
-
-    def truncates(self, vocab_size: Optional[int] = None) -> bool:
-        """Whether sampling uses a strict subset of the vocabulary (greedy decoding aside)."""
-        return self.temperature > 0 and self.truncation.active(vocab_size)
-
-    def trained_truncation(self, vocab_size: Optional[int] = None) -> Optional[Truncation]:
-        """The truncation the trainer applies to the policy: the engines' rule with distribution=truncated."""
-        if self.distribution == "truncated" and self.truncates(vocab_size):
-            return self.truncation
-        return None
-
-    @property
-    def logprob_temperature(self) -> float:
-        """The temperature the behaviour log-probs (and the trainer's recomputation) use."""
-        return self.temperature if self.temperature > 0 else 1.0
 
 
 @dataclass

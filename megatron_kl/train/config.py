@@ -9,15 +9,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from megatron_kl.algo.losses import AlgoConfig, row_separable
+from megatron_kl.algo.config import AlgoConfig
 from megatron_kl.config import ConfigError, ModelConfig, ParallelConfig, load_yaml
 from megatron_kl.constraints import checked
-from megatron_kl.kl.objective import AUTO, KLConfig
+from megatron_kl.kl.config import AUTO, KLConfig
 from megatron_kl.launch.config import LaunchConfig
-from megatron_kl.models.optim import OptimConfig
-from megatron_kl.rollout.config import SGLangConfig, VLLMConfig
-from megatron_kl.rollout.engine import SamplingConfig
+from megatron_kl.models.optim_config import OptimConfig
+from megatron_kl.rollout.config import SamplingConfig, SGLangConfig, VLLMConfig
 from megatron_kl.tasks.base import TaskConfig
+
 from megatron_kl.train.host_malloc import MODES as HOST_MALLOC_MODES
 
 ENGINES = ("local", "sglang", "vllm")
@@ -173,11 +173,12 @@ class TrainConfig:
         _cross_field_rules(self)
         self.kl_selection = None
         if self.kl.estimator == AUTO:
+            from megatron_kl.algo.corrections import correction_of
             from megatron_kl.kl.targets import regime_of, select
 
             try:
                 self.kl, self.kl_selection, _ = select(self.kl, regime_of(self.kl, self.train.staleness),
-                                                       self.algo.correction)
+                                                       correction_of(self.algo))
             except ValueError as err:
                 raise ConfigError(str(err)) from err
 
@@ -220,11 +221,12 @@ def _cross_field_rules(cfg: TrainConfig) -> None:
 def kl_verdict(cfg: TrainConfig):
     """The audit's verdict (megatron_kl.kl.targets.Verdict) on the run's KL term for kl.target in its regime;
     None without a KL term (kl.coef=0, or RPG's own KL)."""
+    from megatron_kl.algo.corrections import correction_of
     from megatron_kl.kl.targets import judge, regime_of
 
     if cfg.kl.coef == 0 or cfg.algo.loss == "rpg":
         return None
-    return judge(cfg.kl, regime_of(cfg.kl, cfg.train.staleness), cfg.algo.correction)
+    return judge(cfg.kl, regime_of(cfg.kl, cfg.train.staleness), correction_of(cfg.algo))
 
 
 def _check_kl_target(cfg: TrainConfig) -> None:
@@ -320,7 +322,7 @@ def validate_train_config(cfg: TrainConfig, tokenizer_vocab: int, data_parallel:
     for section in ("eval", "checkpoint"):
         if getattr(cfg, section).interval < 0:
             raise ConfigError(f"{section}.interval={getattr(cfg, section).interval} must be >= 0 (0: only at the end)")
-    if cfg.model.fused_grad == "in_forward" and not row_separable(cfg.kl, cfg.algo):
+    if cfg.model.fused_grad == "in_forward" and not _row_separable(cfg):
         raise ConfigError("model.fused_grad=in_forward needs a row-separable loss (PPO or RPG with the KL in the "
                           "reward or a token-level KL in the loss, no per-decision weights, algo.ratio_level=token, algo.old_logprobs="
                           "recompute); use auto or "
@@ -373,3 +375,10 @@ def _check_async_rollouts(cfg: TrainConfig) -> None:
 
 def load_train_config(path: str, overrides: Optional[list[str]] = None) -> TrainConfig:
     return load_yaml(path, TrainConfig, overrides)
+
+
+def _row_separable(cfg: TrainConfig) -> bool:
+    """``algo.losses.row_separable`` (imported here only when model.fused_grad=in_forward asks: it needs torch)."""
+    from megatron_kl.algo.losses import row_separable
+
+    return row_separable(cfg.kl, cfg.algo)

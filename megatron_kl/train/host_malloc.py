@@ -33,7 +33,6 @@ import logging
 import os
 from typing import Optional
 
-import torch
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +59,10 @@ def tune_host_malloc(mode: str, cuda: Optional[bool] = None) -> dict:
     """Apply ``mode`` (module docstring); returns the settings applied ({name: bytes}; empty when none)."""
     if mode not in MODES:
         raise ValueError(f"train.host_malloc={mode!r}: use one of {list(MODES)}")
-    cuda = torch.cuda.is_available() if cuda is None else cuda
+    if cuda is None:
+        import torch
+
+        cuda = torch.cuda.is_available()
     if mode == "off" or cuda:
         return {}
     libc = _glibc()

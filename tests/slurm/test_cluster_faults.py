@@ -94,7 +94,8 @@ def test_stop_ends_every_daemon_and_job_the_cluster_started(tmp_path):
         pytest.skip("Slurm tests run with MEGATRON_KL_SLURM=1")
     cluster = start(tmp_path / "cluster", port=17817)  # beside the session's cluster, on its own ports
     try:
-        job = cluster.run("sbatch", "--parsable", "-N2", "--wrap", "srun sleep 300").stdout.strip()
+        job = cluster.run("sbatch", "--parsable", "-N2", "-o", str(cluster.directory / "job-%j.out"), "--wrap",
+                          "srun sleep 300").stdout.strip()
         wait_until(lambda: job_state(cluster, job) == "RUNNING", 60, "the job to run")
         pids = {name: int((cluster.directory / "run" / f"{name}.pid").read_text())
                 for name in ("slurmctld", "slurmdbd", "munged", "mariadbd", "slurmd-mkl-n1", "slurmd-mkl-n2")}

@@ -22,11 +22,11 @@ def test_every_field_is_listed_once_with_its_default_and_comment():
 
 
 def test_config_show_prints_values_and_marks_changes(capsys):
-    assert config_main(["--config", str(DEFAULT), "--section", "kl", "kl.coef=0.25"]) == 0
+    assert config_main(["show", "--config", str(DEFAULT), "--section", "kl", "kl.coef=0.25"]) == 0
     out = capsys.readouterr().out
     assert "kl.coef" in out and "0.25   (default 0.001)" in out and "train.steps" not in out
-    assert config_main(["--section", "nosuch"]) == 2
-    assert config_main(["kl.estimator=k9"]) == 2
+    assert config_main(["show", "--section", "nosuch"]) == 2
+    assert config_main(["show", "kl.estimator=k9"]) == 2
     assert "kl.estimator='k9' must be one of" in capsys.readouterr().err
 
 

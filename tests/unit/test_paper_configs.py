@@ -45,7 +45,7 @@ def test_gpu_study_crosses_every_kl_configuration_and_each_run_is_launchable():
     trainer's cross-field checks and the Slurm launcher's checks (disaggregated servers for the async runs)."""
     import itertools
 
-    from megatron_kl.kl.objective import ESTIMATORS, LEVELS, OFF_POLICY, PLACEMENTS
+    from megatron_kl.kl.config import ESTIMATORS, LEVELS, OFF_POLICY, PLACEMENTS
     from megatron_kl.kl.rpg import DIVERGENCES
     from megatron_kl.launch.experiment import plan
     from megatron_kl.launch.jobs import _check_slurm

@@ -1,0 +1,175 @@
+"""The KL library's configuration, without torch: ``KLConfig`` (the KL term: estimator, placement, level,
+credit, off-policy correction, aggregation; their meaning is in ``kl/objective.py`` and docs/kl-math.md),
+``RPGConfig`` (``kl/rpg.py``) and ``Truncation`` (the sampler's top-k / top-p rule, ``kl/truncation.py``).
+Loading and validating a configuration imports this module, not the kernels."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from megatron_kl.constraints import checked
+
+ESTIMATORS = ("k1", "k2", "k3", "full")
+PLACEMENTS = ("reward", "loss")
+LEVELS = ("token", "sequence")
+CREDITS = ("reward_to_go", "immediate")
+# behavior: the trainer's behaviour-correction weights omega_t (algo.behavior_correction, detached, from
+# pi_old / mu) multiply the KL term's per-token integrand; which gradient that gives is the audit's verdict.
+OFF_POLICY = ("none", "token_is", "per_decision", "behavior")
+# kl.target: the KL whose gradient the term should estimate (audit names: seq, token, forward)
+TARGETS = {"sequence_reverse": "seq", "token_reverse": "token", "token_forward": "forward"}
+# kl.regime: where the samples come from; auto: off_policy when train.staleness > 0
+REGIMES = ("auto", "on_policy", "off_policy")
+AUTO = "auto"  # kl.estimator=auto: the trainer picks the configuration (megatron_kl.kl.targets)
+# seq_mean_token_sum_norm (Dr. GRPO): each sequence's token sum divided by a fixed length ``norm_length``
+# (the trainer sets rollout.sampling.max_new_tokens unless algo.norm_length is given), then the mean over
+# sequences: no length-dependent weight per token, unlike token_mean and seq_mean_token_mean.
+AGGREGATIONS = ("seq_mean_token_sum", "token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+
+
+def _choice(name: str, value, allowed) -> None:
+    if value not in allowed:
+        raise ValueError(f"KLConfig.{name}={value!r} is unknown; use one of {list(allowed)}")
+
+
+@dataclass(frozen=True)
+class KLConfig:
+    # k1 | k2 | k3 | full (exact over the vocabulary) | auto: estimator, placement, level, credit and off_policy
+    # chosen by the audit for kl.target
+    estimator: str = checked("k1", choices=ESTIMATORS + (AUTO,))
+    placement: str = checked("reward", choices=PLACEMENTS)  # reward: -beta * KL added to the reward; loss: beta * KL added to the loss
+    level: str = checked("token", choices=LEVELS)  # token: per-token estimates; sequence: the sequence sum as one estimate
+    credit: Optional[str] = checked(None, choices=CREDITS)  # reward placement: reward_to_go | immediate; None means reward_to_go there
+    # importance weighting of the KL term for off-policy samples: none | token_is | per_decision | behavior
+    off_policy: str = checked("none", choices=OFF_POLICY)
+    coef: float = checked(0.001, ge=0)  # beta, the KL coefficient
+    clamp: Optional[float] = checked(20.0, gt=0)  # |log-ratio| bound before any exp (k3, importance weights)
+    truncate: Optional[float] = checked(None, gt=0)  # cap on per-decision weights rho_{1:t}
+    aggregation: str = checked("seq_mean_token_sum", choices=AGGREGATIONS)  # how per-token terms become the loss (AGGREGATIONS)
+    norm_length: Optional[float] = checked(None, gt=0)  # the constant of aggregation='seq_mean_token_sum_norm'
+    target: str = checked("sequence_reverse", choices=tuple(TARGETS))  # the declared objective (TARGETS); runs biased for it are tagged kl/biased
+    regime: str = checked("auto", choices=REGIMES)  # on_policy | off_policy | auto (from train.staleness)
+    strict: bool = False  # a configuration biased for the target is an error instead of a warning
+
+    def __post_init__(self):
+        _choice("estimator", self.estimator, ESTIMATORS + (AUTO,))
+        _choice("target", self.target, TARGETS)
+        _choice("regime", self.regime, REGIMES)
+        _choice("placement", self.placement, PLACEMENTS)
+        _choice("level", self.level, LEVELS)
+        _choice("off_policy", self.off_policy, OFF_POLICY)
+        _choice("aggregation", self.aggregation, AGGREGATIONS)
+        if self.norm_length is not None and self.norm_length <= 0:  # None: set by the trainer, or an error when used
+            raise ValueError(f"KLConfig.norm_length={self.norm_length} must be > 0")
+        if self.credit is not None:
+            _choice("credit", self.credit, CREDITS)
+            if self.placement != "reward":
+                raise ValueError("KLConfig.credit applies to placement='reward' only; remove it for placement='loss'")
+            if self.level == "sequence":
+                raise ValueError("KLConfig.credit does not apply at level='sequence' (every token gets the sequence estimate)")
+        if self.coef < 0:
+            raise ValueError(f"KLConfig.coef={self.coef} must be >= 0")
+        if self.clamp is not None and self.clamp <= 0:
+            raise ValueError(f"KLConfig.clamp={self.clamp} must be > 0 or None")
+        if self.truncate is not None:
+            if self.truncate <= 0:
+                raise ValueError(f"KLConfig.truncate={self.truncate} must be > 0 or None")
+            if self.off_policy != "per_decision":
+                raise ValueError("KLConfig.truncate caps per-decision weights: set off_policy='per_decision' or drop it")
+        self._check_off_policy()
+
+    def _check_off_policy(self):
+        op = self.off_policy
+        if op in ("none", "behavior") or self.estimator == AUTO:
+            return
+        if self.placement == "loss":
+            if self.estimator == "full":
+                if not (op == "per_decision" and self.level == "sequence"):
+                    raise ValueError(
+                        "KLConfig.off_policy: with estimator='full' in the loss only 'per_decision' at level='sequence' "
+                        "(Rao-Blackwellised) is defined; the exact token-level KL needs no weight"
+                    )
+            elif op != "token_is" or self.level != "token":
+                raise ValueError(
+                    f"KLConfig.off_policy={op!r} with placement='loss' and estimator={self.estimator!r}: "
+                    "use 'token_is' at level='token' (w_t * k_t), or estimator='full', level='sequence' for per_decision"
+                )
+        else:
+            if self.level == "sequence":
+                raise ValueError(f"KLConfig.off_policy={op!r} with placement='reward' needs level='token'")
+            if op == "per_decision" and self.effective_credit != "reward_to_go":
+                raise ValueError("KLConfig.off_policy='per_decision' needs credit='reward_to_go'")
+
+    @property
+    def effective_credit(self) -> Optional[str]:
+        if self.placement != "reward" or self.level == "sequence":
+            return None
+        return self.credit or "reward_to_go"
+
+    @property
+    def name(self) -> str:
+        """A readable, unique label for logs and plots, e.g. ``k1-reward-token-rtg``."""
+        if self.estimator == AUTO:
+            return f"auto-{self.target}"
+        parts = [self.estimator, self.placement, self.level]
+        credit = self.effective_credit
+        if credit:
+            parts.append({"reward_to_go": "rtg", "immediate": "imm"}[credit])
+        if self.off_policy != "none":
+            parts.append(self.off_policy)
+        if self.truncate is not None:
+            parts.append(f"trunc{self.truncate:g}")
+        return "-".join(parts)
+
+
+DIVERGENCES = ("rkl", "fkl", "urkl", "ufkl")
+SURROGATES = ("differentiable", "reinforce")
+
+
+@dataclass(frozen=True)
+class RPGConfig:
+    divergence: str = checked("urkl", choices=DIVERGENCES)
+    surrogate: str = checked("reinforce", choices=SURROGATES)
+    coef: float = checked(0.001, ge=0)  # beta
+    clip_low: Optional[float] = checked(0.2, ge=0, lt=1)
+    clip_high: Optional[float] = checked(0.28, ge=0)
+    dual_clip: Optional[float] = checked(3.0, gt=1)
+    clamp: Optional[float] = checked(20.0, gt=0)
+    aggregation: str = checked("token_mean", choices=AGGREGATIONS)
+    norm_length: Optional[float] = checked(None, gt=0)  # aggregation='seq_mean_token_sum_norm' (the trainer sets it)
+
+    def __post_init__(self):
+        for name, allowed in (("divergence", DIVERGENCES), ("surrogate", SURROGATES), ("aggregation", AGGREGATIONS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"RPGConfig.{name}={getattr(self, name)!r} is unknown; use one of {list(allowed)}")
+        if self.norm_length is not None and self.norm_length <= 0:
+            raise ValueError(f"RPGConfig.norm_length={self.norm_length} must be > 0")
+        if self.dual_clip is not None and self.dual_clip <= 1.0:
+            raise ValueError(f"RPGConfig.dual_clip={self.dual_clip} must be > 1 (or None)")
+        if self.surrogate == "differentiable" and any(
+            v is not None for v in (self.clip_low, self.clip_high, self.dual_clip)
+        ):
+            raise ValueError("RPGConfig clip_low/clip_high/dual_clip apply to surrogate='reinforce'; set them to None")
+
+    @property
+    def name(self) -> str:
+        return f"rpg-{self.divergence}-{self.surrogate}"
+
+
+@dataclass(frozen=True)
+class Truncation:
+    """The engine's truncation rule: ``top_k`` (0: off) and ``top_p`` (1.0: off)."""
+
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self):
+        if self.top_k < 0:
+            raise ValueError(f"top_k={self.top_k} must be >= 0 (0 disables)")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
+
+    def active(self, vocab_size: Optional[int] = None) -> bool:
+        top_k_on = self.top_k > 0 and (vocab_size is None or self.top_k < vocab_size)
+        return top_k_on or self.top_p < 1.0
