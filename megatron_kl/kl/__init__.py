@@ -16,4 +16,9 @@ __all__ = sorted(_HOMES)
 def __getattr__(name):
     if name in _HOMES:
         return getattr(importlib.import_module(f"megatron_kl.kl.{_HOMES[name]}"), name)
-    raise AttributeError(f"module 'megatron_kl.kl' has no attribute {name!r}")
+    try:  # a submodule (megatron_kl.kl.objective after `import megatron_kl.kl`)
+        return importlib.import_module(f"megatron_kl.kl.{name}")
+    except ModuleNotFoundError as err:
+        if err.name != f"megatron_kl.kl.{name}":  # the submodule exists and failed to import: say why
+            raise
+        raise AttributeError(f"module 'megatron_kl.kl' has no attribute {name!r}") from err
