@@ -27,10 +27,10 @@ from typing import Optional
 import torch
 
 from megatron_kl.algo.config import CORRECTIONS  # noqa: F401
-from megatron_kl.kl.estimators import ClampCounter, clamp_log_ratio
+from megatron_kl.kl.config import LOG_RATIO_CLAMP
+from megatron_kl.kl.estimators import ClampCounter, clamp_log_ratio, token_estimate
 from megatron_kl.kl.sequence_axis import LOCAL, SequenceAxis
 
-LOG_RATIO_CLAMP = 20.0
 
 
 def canonical(kind: str) -> str:
@@ -127,7 +127,7 @@ def mismatch_metrics(old_logprobs: torch.Tensor, behavior_logprobs: torch.Tensor
     mf = m.to(w.dtype)
     count = axis.total(mf)
     tokens = count.clamp_min(1)
-    k3 = torch.where(m, w - 1 - log_w, torch.zeros_like(w))
+    k3 = torch.where(m, token_estimate("k3", -log_w, None, m), torch.zeros_like(w))  # w - 1 - log w
     if float(count) == 0:  # no response token: the ratio's statistics are those of w = 1
         low = high = torch.ones(())
     else:

@@ -29,6 +29,7 @@ import torch
 
 from megatron_kl.algo.config import LOSSES, OLD_LOGPROBS, RATIO_LEVELS, AlgoConfig  # noqa: F401
 from megatron_kl.algo.corrections import correction_of
+from megatron_kl.kl.config import LOG_RATIO_CLAMP
 from megatron_kl.kl.estimators import ClampCounter, clamp_log_ratio
 from megatron_kl.kl.objective import (KLConfig, aggregate_tokens, kl_loss, kl_penalty_credit,
                                      policy_gradient_surrogate)
@@ -57,7 +58,7 @@ def ppo_loss(logprobs, old_logprobs, advantages, mask, cfg: AlgoConfig, behavior
     if cfg.ratio_level == "sequence":  # GSPO: exp(mean_t log ratio), the same on every token of the sequence
         log_ratio = (axis.seq_sum(log_ratio, keepdim=True)
                      / axis.seq_sum(m.to(log_ratio.dtype), keepdim=True).clamp_min(1)).expand_as(log_ratio)
-    log_ratio = clamp_log_ratio(log_ratio, 20.0, mask, counter, "policy/clamped_ratio")
+    log_ratio = clamp_log_ratio(log_ratio, LOG_RATIO_CLAMP, mask, counter, "policy/clamped_ratio")
     ratio = torch.exp(log_ratio)
     adv = advantages.detach()
     unclipped = -adv * ratio

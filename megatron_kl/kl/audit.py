@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
 import re
 from dataclasses import asdict, dataclass
 from typing import Optional
@@ -271,7 +270,3 @@ def format_table(rows: list[AuditRow]) -> str:
             + f"  {r.verdict}"
         )
     return "\n".join(lines)
-
-
-def is_finite_rows(rows: list[AuditRow]) -> bool:
-    return all(math.isfinite(r.variance) and all(math.isfinite(v) for v in r.rel_bias.values()) for r in rows)

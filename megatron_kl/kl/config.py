@@ -11,6 +11,7 @@ from typing import Optional
 from megatron_kl.constraints import checked
 
 ESTIMATORS = ("k1", "k2", "k3", "full")
+LOG_RATIO_CLAMP = 20.0  # |log-ratio| bound before any exp: the KL term's, RPG's, the policy ratio's, the corrections'
 PLACEMENTS = ("reward", "loss")
 LEVELS = ("token", "sequence")
 CREDITS = ("reward_to_go", "immediate")
@@ -44,7 +45,7 @@ class KLConfig:
     # importance weighting of the KL term for off-policy samples: none | token_is | per_decision | behavior
     off_policy: str = checked("none", choices=OFF_POLICY)
     coef: float = checked(0.001, ge=0)  # beta, the KL coefficient
-    clamp: Optional[float] = checked(20.0, gt=0)  # |log-ratio| bound before any exp (k3, importance weights)
+    clamp: Optional[float] = checked(LOG_RATIO_CLAMP, gt=0)  # |log-ratio| bound before any exp (k3, importance weights)
     truncate: Optional[float] = checked(None, gt=0)  # cap on per-decision weights rho_{1:t}
     aggregation: str = checked("seq_mean_token_sum", choices=AGGREGATIONS)  # how per-token terms become the loss (AGGREGATIONS)
     norm_length: Optional[float] = checked(None, gt=0)  # the constant of aggregation='seq_mean_token_sum_norm'
@@ -135,7 +136,7 @@ class RPGConfig:
     clip_low: Optional[float] = checked(0.2, ge=0, lt=1)
     clip_high: Optional[float] = checked(0.28, ge=0)
     dual_clip: Optional[float] = checked(3.0, gt=1)
-    clamp: Optional[float] = checked(20.0, gt=0)
+    clamp: Optional[float] = checked(LOG_RATIO_CLAMP, gt=0)
     aggregation: str = checked("token_mean", choices=AGGREGATIONS)
     norm_length: Optional[float] = checked(None, gt=0)  # aggregation='seq_mean_token_sum_norm' (the trainer sets it)
 

@@ -42,7 +42,6 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Optional, Sequence
 
 import requests
@@ -402,7 +401,3 @@ class SGLangEngine:
         for session in self._sessions:
             session.close()
         self.sync.close()
-
-
-def logs_dir(output_dir) -> Path:
-    return Path(output_dir) / "sglang"

@@ -7,6 +7,7 @@ import dataclasses
 from pathlib import Path
 
 from megatron_kl.models import hf, output_head, parallel
+from megatron_kl.rollout.engine import RolloutEngine
 from megatron_kl.rollout.local import LocalEngine
 from megatron_kl.train.config import TrainConfig
 
@@ -23,7 +24,7 @@ def _initial_model_path(cfg: TrainConfig, chunks: list, hf_source, run_dir: Path
     return str(out) if out is not None else None
 
 
-def build_engine(cfg: TrainConfig, chunks: list, hf_source, run_dir: Path, dp_rank: int):
+def build_engine(cfg: TrainConfig, chunks: list, hf_source, run_dir: Path, dp_rank: int) -> RolloutEngine:
     engine = cfg.rollout.engine
     if engine == "local":  # synchronous: the replica shares the policy's tensors (no second copy of the weights)
         return LocalEngine(cfg.model, cfg.parallel, cfg.rollout.max_batch_size,

@@ -12,10 +12,10 @@ import torch
 import torch.distributed as dist
 
 from megatron_kl.models.parallel import all_reduce_cpu
-from megatron_kl.rollout.engine import SamplingConfig
+from megatron_kl.rollout.engine import RolloutEngine, SamplingConfig
 
 
-def evaluate(engine, task, split: str, sampling: SamplingConfig, k: int, temperature: float,
+def evaluate(engine: RolloutEngine, task, split: str, sampling: SamplingConfig, k: int, temperature: float,
              seed: int, dp_rank: int = 0, dp_size: int = 1, dp_group=None) -> dict:
     total = task.num_problems(split)
     indices = list(range(total))[dp_rank::dp_size]
@@ -50,7 +50,7 @@ def eval_groups(task) -> dict[str, list[str]]:
     return groups() if groups is not None else {"eval": ["eval"], "ood": ["ood"]}
 
 
-def evaluate_all(engine, task, sampling: SamplingConfig, k: int, temperature: float, seed: int,
+def evaluate_all(engine: RolloutEngine, task, sampling: SamplingConfig, k: int, temperature: float, seed: int,
                  dp_rank: int = 0, dp_size: int = 1, dp_group=None) -> dict:
     """Every reported split that has problems, with per-file scores (``eval/<split>:<file>/...``) where a split
     has several."""

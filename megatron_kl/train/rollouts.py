@@ -22,7 +22,7 @@ from typing import Optional
 
 import torch
 
-from megatron_kl.rollout.engine import Completion, SamplingConfig
+from megatron_kl.rollout.engine import Completion, RolloutEngine, SamplingConfig
 from megatron_kl.train.batching import pack, pack_routing
 
 
@@ -57,7 +57,7 @@ class _Generated:
     generate_seconds: float
 
 
-def _generate(task, engine, step: int, prompt_indices: list[int], group_size: int, sampling: SamplingConfig,
+def _generate(task, engine: RolloutEngine, step: int, prompt_indices: list[int], group_size: int, sampling: SamplingConfig,
               seed: int) -> _Generated:
     problems = [task.problem("train", i) for i in prompt_indices]
     prompts = [p.prompt_ids for p in problems for _ in range(group_size)]
@@ -89,7 +89,7 @@ def _score(task, generated: _Generated, group_size: int) -> RolloutBatch:
 
 
 class RolloutSource:
-    def __init__(self, task, engine, sampling: SamplingConfig, prompts_per_step: int, group_size: int,
+    def __init__(self, task, engine: RolloutEngine, sampling: SamplingConfig, prompts_per_step: int, group_size: int,
                  staleness: int, seed: int, dp_rank: int = 0, dp_size: int = 1):
         self.task, self.engine, self.sampling = task, engine, sampling
         self.prompts_per_step, self.group_size, self.staleness = prompts_per_step, group_size, staleness

@@ -26,7 +26,8 @@ import torch.distributed as dist
 from megatron_kl.algo.advantages import sequence_advantages
 from megatron_kl.algo.corrections import mismatch_metrics
 from megatron_kl.algo.losses import MICROBATCH_TOKENS, MicrobatchLoss, Shares
-from megatron_kl.kl.estimators import ClampCounter
+from megatron_kl.kl.config import LOG_RATIO_CLAMP
+from megatron_kl.kl.estimators import ClampCounter, token_estimate
 from megatron_kl.kl.objective import kl_shaped_returns
 from megatron_kl.models import context_parallel, optim, output_head, pipeline, routing_replay
 from megatron_kl.models.moe_load import ExpertLoad
@@ -91,7 +92,7 @@ def kl_metrics(logprobs, reference_logprobs, exact_kl, mask) -> dict:
     """k1, k3 and exact KL(pi_old || pi_ref) (when ``exact_kl`` is given), per response token and per sequence
     (sum over its tokens)."""
     d = (logprobs - reference_logprobs) * mask
-    k3 = (torch.exp(-d.clamp(-20, 20)) - 1 + d) * mask
+    k3 = token_estimate("k3", d, LOG_RATIO_CLAMP, mask) * mask
     out = {}
     for name, per_token in (("k1", d), ("k3", k3), ("exact", None if exact_kl is None else exact_kl * mask)):
         if per_token is None:  # not computed this step (train.reference_metrics_interval)
