@@ -5,8 +5,8 @@
   SSH tunnel) + torchrun across nodes with the c10d rendezvous on the head node; failures requeue the job
   up to ``retries`` times and the trainer resumes from its latest checkpoint (``checkpoint.resume``).
 - disaggregated SGLang: a heterogeneous Slurm job, group 0 the rollout nodes (one ``sglang.launch_server``, or
-  ``rollout.sglang.server_module``, per node), group 1 the trainer; the rollout hosts are resolved in the sbatch script and passed to the
-  trainer as ``rollout.sglang.urls``.
+  ``rollout.sglang.server_module``, per node), group 1 the trainer; the rollout hosts are resolved in the sbatch
+  script and passed to the trainer as ``rollout.sglang.urls``.
 """
 
 from __future__ import annotations

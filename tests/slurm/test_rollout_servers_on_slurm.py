@@ -53,10 +53,9 @@ def test_the_trainer_and_the_sglang_server_run_as_a_heterogeneous_job(slurm_clus
     run, port = tmp_path / "run", free_port()
     launched = slurm_cluster.launch(
         "slurm", "--cluster", "ci", "--config", CONFIG, "--detach", f"train.output_dir={run}",
-        f"warm_start.cache_dir={warm_cache}", f"train.steps={STEPS}", "train.prompts_per_step=4", "train.group_size=4", "eval.interval=0",
-        "task.eval_size=4", "eval.k=1",
-        "checkpoint.interval=0",
-        "logging.tensorboard=false", "launch.slurm.nodes=1", "launch.rollout_servers.mode=disaggregated",
+        f"warm_start.cache_dir={warm_cache}", f"train.steps={STEPS}", "train.prompts_per_step=4", "train.group_size=4",
+        "eval.interval=0", "task.eval_size=4", "eval.k=1", "checkpoint.interval=0", "logging.tensorboard=false",
+        "launch.slurm.nodes=1", "launch.rollout_servers.mode=disaggregated",
         f"launch.rollout_servers.port={port}", "rollout.engine=sglang", f"rollout.sglang.server_module={TEST_SERVER}",
         "rollout.sglang.colocated=false", "rollout.sglang.enable_memory_saver=false",
         "rollout.sglang.weight_sync=from_disk", "rollout.sglang.max_retries=1", "rollout.sglang.backoff_s=0.05",
