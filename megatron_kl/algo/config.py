@@ -9,10 +9,17 @@ from typing import Optional
 
 from megatron_kl.config import ConfigError
 from megatron_kl.constraints import checked
-from megatron_kl.kl.config import AGGREGATIONS, RPGConfig
+from megatron_kl.kl.config import AGGREGATIONS, KLConfig, RPGConfig
 
 ADVANTAGES = ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "none")  # algo/advantages.py
 CORRECTIONS = ("none", "tis", "token_tis", "sequence_tis", "token_mask", "sequence_mask", "geometric_mask", "icepop")
+# corrections whose weight c_t depends on token t's own ratio w_t only (not on the rest of its sequence)
+PER_TOKEN_CORRECTIONS = ("none", "token_tis", "token_mask", "icepop")
+
+
+def canonical(kind: str) -> str:
+    """A correction's name with its alias resolved (tis is token_tis)."""
+    return "token_tis" if kind == "tis" else kind
 LOSSES = ("ppo", "rpg")
 # where pi_old's log-probs come from: a forward pass of their own before the update (recompute), or - for an
 # update of one epoch over one minibatch, whose only optimizer step happens after every forward - the update's
@@ -69,3 +76,24 @@ class AlgoConfig:
     @property
     def name(self) -> str:
         return self.rpg.name if self.loss == "rpg" else f"{self.advantage}-ppo"
+
+
+def row_separable(kl: KLConfig, algo: Optional[AlgoConfig] = None) -> bool:
+    """Whether the microbatch loss is sum_t w_t l_t(logprob_t, H_t, KL_t) with fixed weights, i.e. its
+    gradient w.r.t. row t's statistics depends on row t only: PPO-clip (with TIS), the RPG losses (both
+    surrogates: per-token importance weights and divergence terms, fixed aggregation weights), the entropy
+    bonus, any KL in the reward (the credited values are fixed inputs), a token-level KL in the loss without
+    per-decision weights. Not: a sequence-level KL in the loss (its gradient at t carries the other tokens'
+    log-ratios through k'(D)), per-decision prefix weights in the loss, a sequence-level (GSPO) ratio.
+    With ``algo.old_logprobs=from_update`` pi_old is the forward's own detached statistics, so also not: a
+    sequence-level behaviour correction (its weight reads the other rows' pi_old) or a KL in the reward (its
+    credit sums over the other rows)."""
+    if algo is not None and algo.ratio_level == "sequence":
+        return False
+    if algo is not None and algo.old_logprobs == "from_update" and (
+            canonical(algo.behavior_correction) not in PER_TOKEN_CORRECTIONS
+            or (kl.coef > 0 and kl.placement == "reward")):
+        return False
+    if kl.coef > 0 and kl.placement == "loss" and (kl.level != "token" or kl.off_policy == "per_decision"):
+        return False
+    return True

@@ -26,15 +26,10 @@ from typing import Optional
 
 import torch
 
-from megatron_kl.algo.config import CORRECTIONS  # noqa: F401
+from megatron_kl.algo.config import CORRECTIONS, PER_TOKEN_CORRECTIONS, canonical  # noqa: F401
 from megatron_kl.kl.config import LOG_RATIO_CLAMP
 from megatron_kl.kl.estimators import ClampCounter, clamp_log_ratio, token_estimate
 from megatron_kl.kl.sequence_axis import LOCAL, SequenceAxis
-
-
-
-def canonical(kind: str) -> str:
-    return "token_tis" if kind == "tis" else kind
 
 
 @dataclass(frozen=True)
@@ -49,7 +44,7 @@ class Correction:
     @property
     def per_token(self) -> bool:
         """c_t depends on token t's own ratio w_t only (not on the rest of its sequence)."""
-        return canonical(self.kind) in ("none", "token_tis", "token_mask", "icepop")
+        return canonical(self.kind) in PER_TOKEN_CORRECTIONS
 
     @property
     def label(self) -> str:

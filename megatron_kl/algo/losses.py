@@ -27,7 +27,7 @@ from typing import Optional
 
 import torch
 
-from megatron_kl.algo.config import LOSSES, OLD_LOGPROBS, RATIO_LEVELS, AlgoConfig  # noqa: F401
+from megatron_kl.algo.config import LOSSES, OLD_LOGPROBS, RATIO_LEVELS, AlgoConfig, row_separable  # noqa: F401
 from megatron_kl.algo.corrections import correction_of
 from megatron_kl.kl.config import LOG_RATIO_CLAMP
 from megatron_kl.kl.estimators import ClampCounter, clamp_log_ratio
@@ -74,26 +74,6 @@ def ppo_loss(logprobs, old_logprobs, advantages, mask, cfg: AlgoConfig, behavior
         loss = loss * behavior_weight.detach()
     zero = torch.zeros_like(loss)
     return torch.where(m, loss, zero), was_clipped & m, torch.where(m, ratio.detach(), zero)
-
-
-def row_separable(kl: KLConfig, algo: Optional[AlgoConfig] = None) -> bool:
-    """Whether the microbatch loss is sum_t w_t l_t(logprob_t, H_t, KL_t) with fixed weights, i.e. its
-    gradient w.r.t. row t's statistics depends on row t only: PPO-clip (with TIS), the RPG losses (both
-    surrogates: per-token importance weights and divergence terms, fixed aggregation weights), the entropy
-    bonus, any KL in the reward (the credited values are fixed inputs), a token-level KL in the loss without
-    per-decision weights. Not: a sequence-level KL in the loss (its gradient at t carries the other tokens'
-    log-ratios through k'(D)), per-decision prefix weights in the loss, a sequence-level (GSPO) ratio.
-    With ``algo.old_logprobs=from_update`` pi_old is the forward's own detached statistics, so also not: a
-    sequence-level behaviour correction (its weight reads the other rows' pi_old) or a KL in the reward (its
-    credit sums over the other rows)."""
-    if algo is not None and algo.ratio_level == "sequence":
-        return False
-    if algo is not None and algo.old_logprobs == "from_update" and (
-            not correction_of(algo).per_token or (kl.coef > 0 and kl.placement == "reward")):
-        return False
-    if kl.coef > 0 and kl.placement == "loss" and (kl.level != "token" or kl.off_policy == "per_decision"):
-        return False
-    return True
 
 
 @dataclass
@@ -150,7 +130,8 @@ def microbatch_loss(stats, mb: dict, algo: AlgoConfig, kl: KLConfig, shares: Sha
                 full_kl=None if stats.kl is None else stats.kl.detach(), counter=counter, axis=axis)
     weight = None
     if algo.loss == "ppo":
-        weight, correction = correction_of(algo).weights(mb["old_logprobs"], mb["behavior_logprobs"], mask, counter, axis)
+        weight, correction = correction_of(algo).weights(mb["old_logprobs"], mb["behavior_logprobs"], mask, counter,
+                                                         axis)
         metrics.update(correction)
         per_token, clipped, ratio = ppo_loss(logprobs, mb["old_logprobs"], mb["advantages"], mask, algo, weight, counter,
                                              axis)

@@ -140,10 +140,11 @@ def _inspect(args) -> int:
 def main(argv: list[str]) -> int:
     from megatron_kl.cli import help_when_bare
 
-    if help_when_bare(_parser(), argv):
+    parser = _parser()
+    if help_when_bare(parser, argv):
         return 0
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
-    args = _parser().parse_args(argv)
+    args = parser.parse_args(argv)
     try:
         return _inspect(args) if args.action in ("status", "logs") else _run(args)
     except ConfigError as err:

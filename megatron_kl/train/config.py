@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from megatron_kl.algo.config import AlgoConfig
+from megatron_kl.algo.config import AlgoConfig, row_separable
 from megatron_kl.config import ConfigError, ModelConfig, ParallelConfig, load_yaml
 from megatron_kl.constraints import checked
 from megatron_kl.kl.config import AUTO, KLConfig
@@ -17,7 +17,6 @@ from megatron_kl.launch.config import LaunchConfig
 from megatron_kl.models.optim_config import OptimConfig
 from megatron_kl.rollout.config import SamplingConfig, SGLangConfig, VLLMConfig
 from megatron_kl.tasks.base import TaskConfig
-
 from megatron_kl.train.host_malloc import MODES as HOST_MALLOC_MODES
 
 ENGINES = ("local", "sglang", "vllm")
@@ -322,7 +321,7 @@ def validate_train_config(cfg: TrainConfig, tokenizer_vocab: int, data_parallel:
     for section in ("eval", "checkpoint"):
         if getattr(cfg, section).interval < 0:
             raise ConfigError(f"{section}.interval={getattr(cfg, section).interval} must be >= 0 (0: only at the end)")
-    if cfg.model.fused_grad == "in_forward" and not _row_separable(cfg):
+    if cfg.model.fused_grad == "in_forward" and not row_separable(cfg.kl, cfg.algo):
         raise ConfigError("model.fused_grad=in_forward needs a row-separable loss (PPO or RPG with the KL in the "
                           "reward or a token-level KL in the loss, no per-decision weights, algo.ratio_level=token, algo.old_logprobs="
                           "recompute); use auto or "
@@ -375,10 +374,3 @@ def _check_async_rollouts(cfg: TrainConfig) -> None:
 
 def load_train_config(path: str, overrides: Optional[list[str]] = None) -> TrainConfig:
     return load_yaml(path, TrainConfig, overrides)
-
-
-def _row_separable(cfg: TrainConfig) -> bool:
-    """``algo.losses.row_separable`` (imported here only when model.fused_grad=in_forward asks: it needs torch)."""
-    from megatron_kl.algo.losses import row_separable
-
-    return row_separable(cfg.kl, cfg.algo)

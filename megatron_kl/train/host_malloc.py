@@ -33,7 +33,6 @@ import logging
 import os
 from typing import Optional
 
-
 log = logging.getLogger(__name__)
 
 MODES = ("auto", "off")
