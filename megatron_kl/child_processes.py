@@ -23,6 +23,7 @@ import sys
 import threading
 from typing import Optional
 
+SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP")  # the signals that can stop a run (train.stop_signals)
 _PR_SET_PDEATHSIG = 1
 _state = {"installed": False, "close_fds": set(), "trainer_pid": None, "from_main_thread": True}
 
@@ -55,8 +56,6 @@ def _bind_to_parent(parent_pid: Optional[int]) -> None:
 
 
 def _set_stop_signals(handler) -> None:
-    from megatron_kl.train.preemption import SIGNALS
-
     for name in SIGNALS:
         try:
             signal.signal(getattr(signal, name), handler)

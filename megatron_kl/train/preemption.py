@@ -24,13 +24,13 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron_kl.child_processes import SIGNALS
 from megatron_kl.models.parallel import all_reduce_cpu
 
 log = logging.getLogger("megatron_kl.train")
 
 REQUEUE_EXIT_CODE = 75  # EX_TEMPFAIL: stopped early with a checkpoint; run the same command again to resume
 INTERRUPT_EXIT_CODE = 130  # 128 + SIGINT: the shell's code for Ctrl-C (checkpoint written as well)
-SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP")
 
 
 class Requeue(Exception):
