@@ -10,7 +10,9 @@ setup(
     packages=find_packages(include=["megatron_kl", "megatron_kl.*"]) + ["megatron_kl.configs"],
     package_dir={"megatron_kl.configs": "configs"},
     # the C source of the CPU top-p search is compiled on first use (megatron_kl/kl/native.py)
-    package_data={"megatron_kl.configs": ["*/*.yaml"], "megatron_kl.kl": ["*.c"]},
+    # and the shipped warm starts (megatron_kl/train/shipped_warmstart.py)
+    package_data={"megatron_kl.configs": ["*/*.yaml"], "megatron_kl.kl": ["*.c"],
+                  "megatron_kl.data": ["warm_starts/*.json", "warm_starts/*.safetensors"]},
     install_requires=[
         # A range, so GPU clusters keep their container's torch; CPU installs pin 2.13.0 via constraints-cpu.txt.
         "torch>=2.6",
@@ -24,6 +26,7 @@ setup(
         "transformers>=4.51",  # tokenizers and chat templates of the math task, HF checkpoints
         "math-verify>=0.7",
         "pyarrow>=15",  # parquet datasets
+        "safetensors>=0.4",  # shipped warm starts (no pickle)
         "requests>=2.31",  # SGLang / vLLM server clients
     ],
     extras_require={

@@ -36,6 +36,9 @@ class RolloutConfig:
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
 
 
+WARM_START_SOURCES = ("auto", "shipped", "train")
+
+
 @dataclass
 class WarmStartConfig:
     """A short supervised phase on the task's reference answers; its result (cached on disk, keyed by
@@ -50,6 +53,10 @@ class WarmStartConfig:
     # seed of the warm start's init and data order; null: train.seed. Fix it to share one starting model
     # (and reference) across the RL seeds of a study.
     seed: Optional[int] = checked(None, ge=0)
+    # where the weights come from: auto = the package's shipped warm start when this recipe has one (the same
+    # model on every machine; megatron_kl/data/warm_starts), else trained and cached; shipped = require it;
+    # train = always train (float32 rounding makes the result machine-dependent)
+    source: str = checked("auto", choices=WARM_START_SOURCES)
 
 
 @dataclass

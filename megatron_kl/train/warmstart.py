@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from megatron_kl.config import ConfigError, to_dict
 from megatron_kl.models import builder, optim, output_head, parallel, pipeline, state
+from megatron_kl.train import shipped_warmstart
 from megatron_kl.train.batching import pack
 from megatron_kl.train.manifest import sha256_of
 
@@ -25,20 +26,44 @@ log = logging.getLogger(__name__)
 
 
 # implementation choices of the same computation (equal to float32 rounding, tested): not part of the key
-NOT_IN_KEY = {"model": ("logprob_path", "logprob_chunk_rows", "fused_grad"), "warm_start": ("cache_dir", "enabled")}
+# and how the weights are obtained; the seed enters resolved (warm_start.seed null = train.seed: one key)
+NOT_IN_KEY = {"model": ("logprob_path", "logprob_chunk_rows", "fused_grad"),
+              "warm_start": ("cache_dir", "enabled", "source", "seed")}
 
 
 def warm_start_seed(cfg) -> int:
     return cfg.train.seed if cfg.warm_start.seed is None else cfg.warm_start.seed
 
 
-def cache_path(cfg) -> Path:
+def recipe_key(cfg) -> str:
+    """16 hex digits of the SHA-256 of what determines the warm start's weights (model, task, recipe, seed)."""
     recipe = {k: v for k, v in to_dict(cfg.warm_start).items() if k not in NOT_IN_KEY["warm_start"]}
     model = {k: v for k, v in to_dict(cfg.model).items() if k not in NOT_IN_KEY["model"]}
     key = json.dumps({"model": model, "task": to_dict(cfg.task), "warm_start": recipe,
                       "seed": warm_start_seed(cfg), "micro_batches": cfg.train.micro_batches}, sort_keys=True)
-    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-    return Path(cfg.warm_start.cache_dir) / f"warmstart-{digest}.pt"
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def cache_path(cfg) -> Path:
+    return Path(cfg.warm_start.cache_dir) / f"warmstart-{recipe_key(cfg)}.pt"
+
+
+def shipped_state(cfg) -> dict[str, torch.Tensor] | None:
+    """The package's warm start for this recipe (verified), per ``warm_start.source``; None: train one."""
+    if cfg.warm_start.source == "train":
+        return None
+    key = recipe_key(cfg)
+    entry = shipped_warmstart.find(key)
+    if entry is None:
+        if cfg.warm_start.source == "shipped":
+            known = ", ".join(e.made_with for e in shipped_warmstart.read_manifest().values()) or "none"
+            raise ConfigError(f"warm_start.source=shipped: the package ships no warm start for this recipe (key {key}; "
+                              f"shipped: {known}); set warm_start.source=auto to train one")
+        return None
+    state_dict = shipped_warmstart.load(entry)
+    log.info("warm start: shipped %s (made with %s; file and weights SHA-256 verified, weights %s)",
+             entry.path.name, entry.made_with, entry.weights_sha256[:16])
+    return state_dict
 
 
 def _sft_batch(task, step: int, batch_size: int) -> pipeline.SequenceBatch:
@@ -100,6 +125,9 @@ def warm_start_state(cfg, task, should_stop=None) -> dict[str, torch.Tensor] | N
         return torch.load(path, map_location="cpu", weights_only=True)
     if not ws.enabled:
         return None
+    shipped = shipped_state(cfg)
+    if shipped is not None:
+        return shipped
     path = cache_path(cfg)
     if path.is_file():
         cached = _load_verified(path)

@@ -1,0 +1,1 @@
+"""Data shipped with the package: the warm starts (train/shipped_warmstart.py)."""
