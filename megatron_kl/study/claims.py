@@ -16,8 +16,12 @@ its step-0 value).
 2. *On-policy, unbiased gradients give better in-domain and OOD performance*: the same pairing on final
    in-domain and OOD pass@1, unbiased minus biased (> 0 for both: the claim's direction).
 3. *Off-policy, a KL term stabilises training*: at each staleness with runs of both kinds, per seed the unstable
-   fraction without a KL term minus with one (> 0: the claim's direction); final in-domain pass@1 is reported
-   beside it.
+   fraction without a KL term minus with one (> 0: the claim's direction), and the same for the collapsed
+   fraction (a collapse: final in-domain pass@1 below ``collapse_fraction`` x its first evaluation; a failed run
+   counts as collapsed). The first counts a grad-norm or KL spike that training recovers from as much as a
+   collapse; the second is the severity statistic, blind to recovered spikes. Which one decides the verdict is
+   declared in the study config (``claim3_statistic``) before its runs; the other is reported beside it, with
+   final in-domain pass@1.
 
 Intervals: 95 % percentile bootstrap over seeds (the runs of one seed share the warm start and the RL seed, so
 differences are paired within a seed), 10 000 resamples. Verdict: ``reproduced`` when the interval lies above 0,
@@ -48,6 +52,7 @@ class RunOutcome:
     final_id: Optional[float] = None
     final_ood: Optional[float] = None
     final_kl: Optional[float] = None
+    collapsed: bool = False  # final in-domain pass@1 below the declared fraction of its first (failed: True)
 
 
 @dataclass
@@ -140,8 +145,17 @@ def _unstable(outcome: RunOutcome) -> float:
     return float(outcome.unstable)
 
 
-def evaluate(outcomes: list[RunOutcome], roles: dict[str, Role]) -> list[ClaimResult]:
-    """The three claims on these runs (module docstring)."""
+def _collapsed(outcome: RunOutcome) -> float:
+    return float(outcome.collapsed or not outcome.ok)
+
+
+CLAIM3 = {"unstable": "unstable fraction (no KL - KL)", "collapsed": "collapsed fraction (no KL - KL)"}
+
+
+def evaluate(outcomes: list[RunOutcome], roles: dict[str, Role], claim3_statistic: str = "unstable"
+             ) -> list[ClaimResult]:
+    """The three claims on these runs (module docstring); ``claim3_statistic`` (a key of :data:`CLAIM3`) decides
+    the third."""
     active = {name: role for name, role in roles.items() if role.excluded is None}
     outcomes = [o for o in outcomes if o.configuration in active]
     on_betas = sorted({r.beta for r in active.values() if r.on_policy and r.biased is not None})
@@ -174,13 +188,14 @@ def evaluate(outcomes: list[RunOutcome], roles: dict[str, Role]) -> list[ClaimRe
     strata_off = {s: (lambda r, s=s: r.staleness == s) for s in stalenesses}
     no_kl, with_kl = (lambda r: r.biased is None), (lambda r: r.biased is not None)
     claim3 = ClaimResult("3. off-policy, a KL term stabilises training",
-                         "unstable fraction without minus with a KL term at the same staleness "
-                         f"({stalenesses}), paired by seed")
-    claim3.statistics["unstable fraction (no KL - KL)"] = _statistic(
-        _paired(outcomes, active, strata_off, _unstable, no_kl, with_kl))
+                         f"{CLAIM3[claim3_statistic].split(' (')[0]} (declared) without minus with a KL term at the "
+                         f"same staleness ({stalenesses}), paired by seed")
+    for name, metric in (("unstable", _unstable), ("collapsed", _collapsed)):
+        label = CLAIM3[name] + ("" if name == claim3_statistic else ", not in the verdict")
+        claim3.statistics[label] = _statistic(_paired(outcomes, active, strata_off, metric, no_kl, with_kl))
     claim3.statistics["in-domain pass@1 (KL - no KL), not in the verdict"] = _statistic(
         _paired(outcomes, active, strata_off, lambda o: o.final_id, with_kl, no_kl))
-    claim3.verdict = claim3.statistics["unstable fraction (no KL - KL)"]["verdict"]
+    claim3.verdict = claim3.statistics[CLAIM3[claim3_statistic]]["verdict"]
     if not any(o.unstable for o in outcomes if not active[o.configuration].on_policy):
         claim3.note = "no off-policy run was unstable at this scale: nothing for the KL term to stabilise"
     results.append(claim3)
@@ -214,4 +229,40 @@ def markdown(results: list[ClaimResult], roles: dict[str, Role], definition: str
         used = role.excluded or ("1, 2" if role.on_policy and role.biased is not None
                                  else "3" if not role.on_policy else "control")
         lines.append(f"| {name} | {regime} | {role.beta:g} | {bias} | {used} |")
+    return lines
+
+
+def _number(claim: str) -> str:
+    return claim.split(".")[0].strip()
+
+
+def _statistic_name(name: str) -> str:
+    return name.replace(", not in the verdict", "")
+
+
+def beside_published(results: list[ClaimResult], published: list[dict], source: str) -> list[str]:
+    """A section putting each claim's statistics beside a published ``claims.json``'s (matched by claim number and
+    statistic name): estimate, interval and verdict, then whether the verdicts agree."""
+
+    def cell(stat):
+        if stat is None:
+            return "not published"
+        if stat.get("estimate") is None:
+            return f"n/a, {stat.get('verdict')}"
+        interval = "" if stat.get("low") is None else f" [{stat['low']:+.3f}, {stat['high']:+.3f}]"
+        return f"{stat['estimate']:+.3f}{interval}, {stat['seeds']} seeds, {stat['verdict']}"
+
+    by_number = {_number(entry["claim"]): entry for entry in published}
+    lines = ["## Beside the published verdicts", "", f"Published: `{source}`. Same statistics, same bootstrap.", "",
+             "| claim | statistic | published | this study | verdicts agree |", "|---|---|---|---|---|"]
+    for result in results:
+        entry = by_number.get(_number(result.claim), {})
+        theirs = {_statistic_name(name): stat for name, stat in entry.get("statistics", {}).items()}
+        for name, stat in result.statistics.items():
+            other = theirs.get(_statistic_name(name))
+            agree = "-" if other is None else ("yes" if other.get("verdict") == stat["verdict"] else "no")
+            lines.append(f"| {result.claim} | {name} | {cell(other)} | {cell(stat)} | {agree} |")
+        if entry:
+            agree = "yes" if entry.get("verdict") == result.verdict else "no"
+            lines.append(f"| {result.claim} | **verdict** | {entry.get('verdict')} | {result.verdict} | {agree} |")
     return lines

@@ -12,11 +12,15 @@ name and its dotted overrides; or a ``grid`` whose axes are crossed) and the see
       - {name: k3-loss, overrides: [kl.estimator=k3, kl.placement=loss]}
     grid: {kl.estimator: [k1, k3], kl.placement: [reward, loss]}     # optional, crossed
 
-Each run is ``<configuration>-seed<seed>``; its directory is ``output_dir/runs/<run>``.
+Each run is ``<configuration>-seed<seed>``; its directory is ``output_dir/runs/<run>``. A study can start from
+another (``extends: cpu.yaml``, relative to its own folder; its keys replace the other's), run a subset
+(``only: ["async4-*"]``, name patterns) and name a published ``claims.json`` whose verdicts its report puts beside
+its own (``published``). ``claim3_statistic`` declares which statistic decides the third claim.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +47,12 @@ class StudyConfig:
     grid: dict = field(default_factory=dict)
     instability_factor: float = 10.0  # an event: KL or grad norm above factor x its run median
     collapse_fraction: float = 0.5  # unstable: final in-domain pass@1 below this x its first evaluation (0: off)
+    # which statistic decides claim 3 (both are reported): "unstable" (any event or a collapse) or "collapsed"
+    # (the severe kind alone: a spike that training recovers from is not counted)
+    claim3_statistic: str = "unstable"
+    only: list[str] = field(default_factory=list)  # run only the configurations whose names match (fnmatch)
+    published: Optional[str] = None  # a published claims.json whose verdicts the report puts beside these
+    extends: Optional[str] = None  # the study YAML this one starts from (its keys, replaced by the ones here)
 
 
 @dataclass
@@ -71,12 +81,37 @@ def _grid_configurations(grid: dict) -> list[Configuration]:
     return out
 
 
-def load_study(path, overrides: Optional[list[str]] = None) -> StudyConfig:
+CLAIM3_STATISTICS = ("unstable", "collapsed")
+
+
+def _beside(path, relative: str) -> str:
+    """``relative`` as written in the study file ``path``: relative to that file's folder, else as given."""
+    candidate = Path(path).parent / relative
+    return str(candidate) if candidate.exists() else relative
+
+
+def _read(path, seen: tuple = ()) -> dict:
+    """The study file's keys over those of the file it ``extends`` (recursively)."""
     data = read_yaml_file(path)
     unknown = set(data) - set(StudyConfig.__dataclass_fields__)
     if unknown:
         raise ConfigError(f"study config {path}: unknown key(s) {sorted(unknown)}; "
                           f"use {sorted(StudyConfig.__dataclass_fields__)}")
+    for key in ("published",):
+        if data.get(key):
+            data[key] = _beside(path, str(data[key]))
+    if not data.get("extends"):
+        return data
+    parent = _beside(path, str(data["extends"]))
+    if not Path(parent).is_file():
+        raise ConfigError(f"study config {path}: extends={data['extends']} is not a file (relative to {Path(path).parent})")
+    if Path(parent).resolve() in seen:
+        raise ConfigError(f"study config {path}: extends={data['extends']} makes a cycle")
+    return {**_read(parent, seen + (Path(path).resolve(),)), **data}
+
+
+def load_study(path, overrides: Optional[list[str]] = None) -> StudyConfig:
+    data = _read(path)
     for key in ("name", "base", "output_dir"):
         if not data.get(key):
             raise ConfigError(f"study config {path}: '{key}' is required")
@@ -90,14 +125,33 @@ def load_study(path, overrides: Optional[list[str]] = None) -> StudyConfig:
                         common=[str(o) for o in data.get("common") or []] + list(overrides or []),
                         configurations=configs, grid=data.get("grid") or {},
                         instability_factor=float(data.get("instability_factor", 10.0)),
-                        collapse_fraction=float(data.get("collapse_fraction", 0.5)))
+                        collapse_fraction=float(data.get("collapse_fraction", 0.5)),
+                        claim3_statistic=str(data.get("claim3_statistic", "unstable")),
+                        only=[str(p) for p in data.get("only") or []], published=data.get("published"),
+                        extends=data.get("extends"))
+    if study.claim3_statistic not in CLAIM3_STATISTICS:
+        raise ConfigError(f"study config {path}: claim3_statistic={study.claim3_statistic!r}; use one of "
+                          f"{list(CLAIM3_STATISTICS)}")
+    if study.published and not Path(study.published).is_file():
+        raise ConfigError(f"study config {path}: published={study.published} is not a file (a claims.json)")
     names = [c.name for c in study.configurations + _grid_configurations(study.grid)]
     if not names:
         raise ConfigError(f"study config {path}: give 'configurations' and/or a 'grid'")
+    unmatched = [p for p in study.only if not any(fnmatch.fnmatchcase(n, p) for n in names)]
+    if unmatched:
+        raise ConfigError(f"study config {path}: only={unmatched} matches no configuration; names: {names}")
     duplicates = {n for n in names if names.count(n) > 1}
     if duplicates:
         raise ConfigError(f"study config {path}: configuration names must be unique, repeated: {sorted(duplicates)}")
     return study
+
+
+def selected(study: StudyConfig) -> list[Configuration]:
+    """The configurations this study runs: all, or those whose names match a pattern of ``only``."""
+    every = study.configurations + _grid_configurations(study.grid)
+    if not study.only:
+        return every
+    return [c for c in every if any(fnmatch.fnmatchcase(c.name, p) for p in study.only)]
 
 
 def expand(study: StudyConfig) -> list[RunSpec]:
@@ -106,7 +160,7 @@ def expand(study: StudyConfig) -> list[RunSpec]:
 
     runs = []
     root = Path(study.output_dir) / "runs"
-    for configuration in study.configurations + _grid_configurations(study.grid):
+    for configuration in selected(study):
         for seed in study.seeds:
             spec = RunSpec(configuration.name, seed, [], root / f"{configuration.name}-seed{seed}")
             spec.overrides = [*study.common, *configuration.overrides, f"train.seed={seed}",

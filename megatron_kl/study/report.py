@@ -196,7 +196,8 @@ def outcomes(groups: dict[str, ConfigurationRuns]) -> list:
     for name, group in groups.items():
         for run in group.finished:
             result.append(RunOutcome(name, run.seed, True, run.unstable, _final(run.records, "eval/id/pass@1"),
-                                     _final(run.records, "eval/ood/pass@1"), _final(run.records, "kl/exact_token")))
+                                     _final(run.records, "eval/ood/pass@1"), _final(run.records, "kl/exact_token"),
+                                     run.collapsed))
         result += [RunOutcome(name, run.seed, False, True) for run in group.failed]
     return result
 
@@ -227,15 +228,19 @@ def write_report(study: StudyConfig, runs: list[RunSpec], status: dict) -> dict:
     with paths_unchecked():  # the runs' recorded configurations, read for their roles: their paths may be gone
         configs = {name: load_train_config(study.base, group.overrides) for name, group in groups.items()}
     run_roles = {name: claims.role_of(cfg) for name, cfg in configs.items()}
-    claim_results = claims.evaluate(outcomes(groups), run_roles)
+    claim_results = claims.evaluate(outcomes(groups), run_roles, study.claim3_statistic)
     figures = claim_figures(groups, run_roles, out / "figures") + _figures(groups, out / "figures")
     lines = [f"# Study `{study.name}`", "",
-             f"Base config `{study.base}`, seeds {study.seeds}, common overrides `{' '.join(study.common) or '-'}`.",
+             f"Base config `{study.base}`, seeds {study.seeds}, common overrides `{' '.join(study.common) or '-'}`"
+             + (f", configurations matching {study.only}" if study.only else "") + ".",
              "Scores are means over the seeds that finished; best = max over evaluations. Instability events: "
              f"steps where the exact KL or the grad norm exceeds {study.instability_factor:g}x the run median or "
              "is not finite, and skipped non-finite updates (summed over seeds); collapsed: final in-domain pass@1 "
              f"below {study.collapse_fraction:g}x the first evaluation's.", _runtime(status), ""]
     lines += claims.markdown(claim_results, run_roles, instability_definition(study))
+    if study.published:
+        lines += [""] + claims.beside_published(claim_results, json.loads(Path(study.published).read_text()),
+                                                study.published)
     lines += ["", "## Results", "",
              "| configuration | seeds ok | failed | final reward | " + " | ".join(f"final {label}" for _, label in FINAL)
              + " | best ID pass@1 | final exact KL | instability events | stability | kl/biased | audit |",

@@ -117,3 +117,76 @@ def test_runs_are_placed_by_their_config_and_the_paper_preset_has_every_arm():
     outcomes = [RunOutcome(r.configuration, r.seed, True, False, 0.5, 0.4, 0.1) for r in runs]
     for claim in evaluate(outcomes, paper_roles):
         assert all(stat["seeds"] == len(paper.seeds) for stat in claim.statistics.values()), claim.claim
+
+
+def _claim3_outcomes(no_kl_collapses: bool, kl_spikes: bool, seeds=range(1, 6)):
+    """Off-policy runs: without a KL term (collapsed or merely spiking) against a KL term (spiking or not)."""
+    out = _outcomes(effect=0.0, unstable_biased=False, unstable_no_kl=False, seeds=seeds)
+    out = [o for o in out if not o.configuration.startswith("async")]
+    for seed in seeds:
+        out.append(RunOutcome("async-no-kl", seed, True, True, 0.1 if no_kl_collapses else 0.5, 0.1, 0.1,
+                              collapsed=no_kl_collapses))
+        out.append(RunOutcome("async-kl", seed, True, kl_spikes, 0.5, 0.1, 0.1, collapsed=False))
+    return out
+
+
+def test_claim3_is_decided_by_the_declared_statistic_with_the_other_beside_it():
+    # every run spikes, only the runs without a KL term collapse: spike-based inconclusive, severity reproduced
+    outcomes = _claim3_outcomes(no_kl_collapses=True, kl_spikes=True)
+    by_spikes, by_collapse = evaluate(outcomes, ROLES)[2], evaluate(outcomes, ROLES, "collapsed")[2]
+    assert by_spikes.verdict == INCONCLUSIVE and by_collapse.verdict == REPRODUCED
+    assert by_spikes.statistics["unstable fraction (no KL - KL)"]["estimate"] == pytest.approx(0.0)
+    assert by_spikes.statistics["collapsed fraction (no KL - KL), not in the verdict"]["estimate"] == pytest.approx(1)
+    assert by_collapse.statistics["collapsed fraction (no KL - KL)"]["verdict"] == REPRODUCED
+    assert "unstable fraction (no KL - KL), not in the verdict" in by_collapse.statistics
+    # spikes without collapses: the severity statistic sees nothing to stabilise
+    spikes_only = evaluate(_claim3_outcomes(no_kl_collapses=False, kl_spikes=False), ROLES, "collapsed")[2]
+    assert spikes_only.verdict == INCONCLUSIVE
+    assert spikes_only.statistics["unstable fraction (no KL - KL), not in the verdict"]["verdict"] == REPRODUCED
+    # a failed run counts as collapsed
+    failed = [o for o in _claim3_outcomes(False, False) if o.configuration != "async-no-kl"]
+    failed += [RunOutcome("async-no-kl", seed, False, True) for seed in range(1, 6)]
+    assert evaluate(failed, ROLES, "collapsed")[2].verdict == REPRODUCED
+
+
+def test_a_report_beside_published_verdicts_matches_claims_and_statistics():
+    from megatron_kl.study.claims import beside_published
+
+    ours = evaluate(_claim3_outcomes(no_kl_collapses=True, kl_spikes=True), ROLES, "collapsed")
+    theirs = evaluate(_claim3_outcomes(no_kl_collapses=True, kl_spikes=True), ROLES, "unstable")
+    published = [{"claim": c.claim, "verdict": c.verdict, "statistics": c.statistics} for c in theirs]
+    lines = beside_published(ours, published, "published.json")
+    table = [line for line in lines if line.startswith("| 3.")]
+    verdict_row = next(line for line in table if "**verdict**" in line)
+    assert f"| {INCONCLUSIVE} | {REPRODUCED} | no |" in verdict_row  # declared statistics differ: verdicts too
+    collapsed_row = next(line for line in table if "| collapsed fraction (no KL - KL) |" in line)
+    assert collapsed_row.endswith("| yes |") and "+1.000" in collapsed_row  # matched across the label suffix
+    lines = beside_published(ours, published[:2], "published.json")  # a claim the published study lacks
+    assert all(line.endswith("| - |") for line in lines if line.startswith("| 3."))
+
+
+def test_a_study_extends_another_runs_a_subset_and_checks_its_declarations(tmp_path):
+    from megatron_kl.config import ConfigError
+    from megatron_kl.study.grid import expand, load_study, selected
+
+    cpu = load_study(ROOT / "configs" / "study" / "cpu.yaml")
+    assert cpu.claim3_statistic == "collapsed"
+    confirm = load_study(ROOT / "configs" / "study" / "cpu-claim3.yaml")
+    assert confirm.common == cpu.common and confirm.base == cpu.base and confirm.claim3_statistic == "collapsed"
+    assert {c.name for c in selected(confirm)} == {c.name for c in cpu.configurations if c.name.startswith("async4")}
+    assert not set(confirm.seeds) & set(range(1, 6))  # seeds never used to design the statistic
+    replication = load_study(ROOT / "configs" / "study" / "cpu-replication.yaml")
+    assert [c.name for c in selected(replication)] == [c.name for c in cpu.configurations]
+    assert not set(replication.seeds) & set(cpu.seeds) and Path(replication.published).is_file()
+    assert len(expand(replication)) <= 48  # the preset's promise: under 30 minutes on 2 cores at ~25 s a run
+
+    base = tmp_path / "a.yaml"
+    base.write_text("name: a\nbase: configs/cpu/default.yaml\noutput_dir: x\nconfigurations: [{name: one}]\n")
+    for text, message in (("extends: a.yaml\nname: b\nonly: [two*]\n", "matches no configuration"),
+                          ("extends: a.yaml\nclaim3_statistic: spikes\n", "claim3_statistic"),
+                          ("extends: missing.yaml\n", "is not a file"),
+                          ("extends: b.yaml\n", "cycle"),
+                          ("extends: a.yaml\npublished: none.json\n", "published=")):
+        (tmp_path / "b.yaml").write_text(text)
+        with pytest.raises(ConfigError, match=message):
+            load_study(tmp_path / "b.yaml")
