@@ -45,6 +45,7 @@ FAST = (
     "tests/e2e/test_signals.py::test_ctrl_c_and_hangup_checkpoint_the_finished_steps[SIGINT]",
     "tests/e2e/test_step0_gates.py::test_step_0_policy_equals_reference_and_rollout[embedded-tp2]",
     "tests/e2e/test_train.py::test_bad_config_values_fail_with_the_field_named",
+    "tests/e2e/test_trainer.py",
     "tests/e2e/test_train.py::test_a_bad_config_value_exits_2_before_anything_starts",
 )
 # unit tests left to the full tier: the same check on more shapes (one representative stays fast)

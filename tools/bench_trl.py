@@ -174,19 +174,19 @@ def run_megatron_kl(work: Path, shape: str, steps: int, new_tokens: int, extra: 
     logging.basicConfig(level=logging.WARNING)
     sys.path.insert(0, str(ROOT))
     from megatron_kl.models import parallel
-    from megatron_kl.train import loop
+    from megatron_kl.train import loop, trainer
     from megatron_kl.train.cli import _single_process_env
     from megatron_kl.train.config import load_train_config
     from megatron_kl.train.metrics import read_metrics
 
     peak = {}
-    save = loop._save_checkpoint
+    save = trainer.Trainer.save
 
-    def record_then_save(*args, **kwargs):  # the final checkpoint follows the last step: peak RSS first
+    def record_then_save(self):  # the final checkpoint follows the last step: peak RSS first
         peak.setdefault("gib", peak_rss_gib())
-        return save(*args, **kwargs)
+        return save(self)
 
-    loop._save_checkpoint = record_then_save
+    trainer.Trainer.save = record_then_save
     out = work / f"mk-{shape}-{time.time_ns()}"
     config, overrides = megatron_kl_config(work, shape, new_tokens)
     cfg = load_train_config(str(config), [*overrides, f"train.steps={steps}", f"train.output_dir={out}", *extra])

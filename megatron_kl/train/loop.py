@@ -1,4 +1,6 @@
-"""The main training loop: rollout -> reward -> KL -> update -> weight sync, with eval and checkpoints."""
+"""A run from its configuration: the checks that need no process group (``prepare``, also ``--check``), then the
+process groups, the output directory's lock and the :class:`~megatron_kl.train.trainer.Trainer`, then the summary
+and its plot."""
 
 from __future__ import annotations
 
@@ -6,56 +8,25 @@ import dataclasses
 import json
 import logging
 import os
-import time
 from pathlib import Path
 from typing import Optional
 
 import torch.distributed as dist
 
 from megatron_kl import child_processes
-from megatron_kl.config import ConfigError, redact_secrets, to_dict, validate_parallel, validate_training_layout
-from megatron_kl.kl import triton_stats
-from megatron_kl.models import builder, context_parallel, hf, moe_load, optim, output_head, parallel, pipeline, state
-from megatron_kl.models.offload import ReferenceOffload
+from megatron_kl.config import ConfigError, validate_parallel, validate_training_layout
+from megatron_kl.models import builder, context_parallel, hf, parallel
 from megatron_kl.tasks import build_task
 from megatron_kl.train import checkpoint as ckpt
 from megatron_kl.train import run_dir
-from megatron_kl.train.config import TrainConfig, kl_verdict, validate_train_config
-from megatron_kl.train.engines import build_engine
+from megatron_kl.train.config import TrainConfig, validate_train_config
 from megatron_kl.train.host_malloc import tune_host_malloc
-from megatron_kl.train.evaluate import evaluate_all
-from megatron_kl.rollout.engine import EngineLost
-from megatron_kl.rollout.http import Cancelled
-from megatron_kl.train.metrics import MetricsLogger, read_metrics
-from megatron_kl.train.preemption import Requeue, StopSignals, TrainingFailed
-from megatron_kl.train.profiling import StepProfiler, phase
-from megatron_kl.train.rollouts import RolloutSource
-from megatron_kl.train.run_state import Counters, RNGStates, RunState
-from megatron_kl.train.step import NonFiniteUpdates, StepContext, rl_step
-from megatron_kl.train.warmstart import warm_start_state
+from megatron_kl.train.metrics import read_metrics
+from megatron_kl.train.preemption import StopSignals
+from megatron_kl.train.topology import Topology
+from megatron_kl.train.trainer import Trainer
 
 log = logging.getLogger("megatron_kl.train")
-# failures every rank raises at the same point (their condition is all-reduced), so a collective save is safe
-AGREED_FAILURES = (NonFiniteUpdates,)
-
-
-def _topology():
-    from megatron.core import parallel_state as ps
-
-    dp_group = ps.get_data_parallel_group()
-    is_logger = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
-    return ps.get_data_parallel_rank(), dist.get_world_size(dp_group), dp_group, is_logger
-
-
-def _evaluate_all(cfg: TrainConfig, engine, task, step: int, dp) -> dict:
-    start = time.perf_counter()
-    sampling = cfg.rollout.sampling
-    if cfg.eval.max_new_tokens:
-        sampling = dataclasses.replace(sampling, max_new_tokens=cfg.eval.max_new_tokens)
-    out = evaluate_all(engine, task, sampling, cfg.eval.k, cfg.eval.temperature, seed=cfg.train.seed * 31 + step,
-                       dp_rank=dp[0], dp_size=dp[1], dp_group=dp[2])
-    out["time/eval"] = time.perf_counter() - start
-    return out
 
 
 def seed_everything(seed: int) -> None:
@@ -90,32 +61,6 @@ def default_stop_token_ids(task, hf_source) -> list[int]:
     if hf_source is not None:
         ids += [i for i in hf_source.eos_token_ids() if i not in ids]
     return ids
-
-
-def kl_tags(cfg: TrainConfig) -> dict:
-    """Say once which gradient the KL term estimates (and what kl.estimator=auto chose); ``kl/biased`` for
-    every step's metrics: 1 when the configuration is biased for kl.target in the run's regime."""
-    if cfg.kl_selection is not None:
-        log.info("kl.estimator=auto chose %s", cfg.kl_selection.describe())
-    verdict = kl_verdict(cfg)
-    sampling = cfg.rollout.sampling
-    untruncated = sampling.distribution == "full" and sampling.truncates(cfg.model.vocab_size)
-    if untruncated:
-        log.warning("rollout.sampling.distribution=full with top_k=%d / top_p=%g: the engines sample the truncated "
-                    "distribution mu while the trainer differentiates the full softmax, so the samples are off-policy "
-                    "and every KL estimate and the policy gradient are biased (the mismatch/* metrics show the gap); "
-                    "rollout.sampling.distribution=truncated trains mu itself", sampling.top_k, sampling.top_p)
-    if verdict is None:
-        log.info("no KL term in the loss or reward (kl.coef=0 or algo.loss=rpg): kl.target is not judged")
-        return {}
-    if untruncated:
-        return {"kl/biased": 1.0}
-    if verdict.unbiased:
-        log.info("KL term %s", verdict.describe())
-    else:
-        log.warning("KL term %s; the run is tagged kl/biased=1 (kl.estimator=auto picks an unbiased one, "
-                    "kl.strict=true refuses biased runs; docs/kl-math.md)", verdict.describe())
-    return {"kl/biased": 0.0 if verdict.unbiased else 1.0}
 
 
 def _world_size() -> int:
@@ -175,6 +120,7 @@ def prepare(cfg: TrainConfig) -> Prepared:
 
 
 def train(cfg: TrainConfig) -> dict:
+    """Run (or resume) the training the configuration describes; its summary (also ``summary.json``)."""
     prepared = prepare(cfg)  # a refused start changes nothing (train/run_dir.py)
     world_size, hf_source, task, plan = (prepared.world_size, prepared.hf_source, prepared.task, prepared.plan)
     if plan.kind == "finished":
@@ -185,154 +131,15 @@ def train(cfg: TrainConfig) -> dict:
         tune_host_malloc(cfg.train.host_malloc)
         child_processes.install()  # helpers forked from here on die with this process
         parallel.initialize(cfg.model, cfg.parallel, seed=cfg.train.seed)
-        dp_rank, dp_size, dp_group, is_logger = _topology()
+        topology = Topology.from_parallel_state()
         lock = _claim(cfg, plan, world_size)
-        return _train(cfg, plan, task, hf_source, (dp_rank, dp_size, dp_group), is_logger, stop)
+        with Trainer(cfg, plan, task, hf_source, topology, stop) as trainer:
+            trainer.fit()
+        return _summary(cfg, plan.run_id, Path(cfg.train.output_dir), topology.is_logger)
     finally:
         stop.close()
         if lock is not None:
             lock.release()
-
-
-def _train(cfg: TrainConfig, plan, task, hf_source, dp, is_logger: bool, stop: StopSignals) -> dict:
-    dp_rank, dp_size, dp_group = dp
-    run_path = Path(cfg.train.output_dir)
-    record = run_dir.run_record(cfg, plan)
-    log.info("run %s (%s start) -> %s", cfg.run_name, plan.kind, run_path)
-
-    initial = warm_start_state(cfg, task, stop.agreed) if hf_source is None else None
-    models = builder.build_policy_and_reference(cfg.model, cfg.parallel)
-    tp_group = parallel.tp_group()
-    log.info(triton_stats.describe(parallel.collective_device()))
-    if hf_source is not None:
-        for chunks in (models.policy, models.reference):
-            hf.load_hf_into(chunks, hf_source, cfg.model, tp_group)
-        log.info("policy and reference loaded from %s", hf_source.path)
-    elif initial is not None:
-        for chunks in (models.policy, models.reference):
-            state.load_full_state_dict(chunks, initial, cfg.model.tie_word_embeddings, dist.get_rank(tp_group),
-                                       dist.get_world_size(tp_group))
-    train_state = optim.build_train_state(models.policy, cfg.optim)
-    engine = build_engine(cfg, train_state.chunks, hf_source, run_path, dp_rank)
-    source = RolloutSource(task, engine, cfg.rollout.sampling, cfg.train.prompts_per_step, cfg.train.group_size,
-                           cfg.train.staleness, cfg.train.seed, dp_rank, dp_size)
-    offload = ReferenceOffload(models.reference, cfg.parallel.offload_reference)
-    counters = Counters()
-    run_state = RunState(train_state, shared={"scheduler": train_state.scheduler, "counters": counters},
-                         per_rank={"rng": RNGStates(), "rollouts": source})
-    ctx = StepContext(cfg, train_state, models.reference, output_head.ReferenceHead(models.reference), offload, dp_group,
-                      kl_tags=kl_tags(cfg), counters=counters, pp_group=parallel.pp_group(), tp_group=tp_group,
-                      cp_group=pipeline.context_parallel_group(),
-                      expert_load=moe_load.expert_load(train_state.chunks, cfg.model))
-
-    latest = ckpt.load_latest(run_path / "checkpoints", run_state, plan.run_id) if plan.kind == "resume" else None
-    start_step = counters.rl_steps
-    if latest is not None:
-        log.info("resumed from %s at RL step %d (%d optimizer steps)", latest, start_step, counters.optimizer_steps)
-    if dist.get_rank() == 0 and plan.start_entry is not None:
-        run_dir.record_start(run_path, plan.start_entry, start_step)
-
-    logger = MetricsLogger(run_path, is_logger, cfg.logging.tensorboard, cfg.logging.wandb_project, cfg.run_name,
-                           redact_secrets(to_dict(cfg)), cfg.logging.progress, cfg.train.steps, start_step)
-    profiler = StepProfiler(cfg.logging.profile_steps, run_path / "profile", dist.get_rank())
-    saved = {start_step: latest} if latest is not None else {}
-
-    def save() -> Optional[Path]:
-        """The checkpoint of the finished RL steps (written once; none for step 0: nothing to lose)."""
-        done = counters.rl_steps
-        if done not in saved and done > 0:
-            saved[done] = _save_checkpoint(cfg, record, done, run_state, hf_source, tp_group)
-        return saved.get(done)
-
-    def requeue(reason: str, signal_name: Optional[str] = None) -> Requeue:
-        return Requeue(reason, counters.rl_steps, save(), signal_name)
-
-    boundary = {"optimizer_steps": counters.optimizer_steps}  # optimizer steps when the last RL step finished
-
-    def failed(err: BaseException) -> TrainingFailed:
-        """Save the finished steps before the error ends the run, where the state is theirs (no update of the
-        unfinished step applied) and every rank is known to be here (one rank, or an error all ranks raise)."""
-        done = counters.rl_steps
-        complete = ckpt.complete_checkpoints(run_path / "checkpoints")
-        last = complete[-1] if complete else None
-        if done == 0 or done in saved:
-            return TrainingFailed(err, done, saved.get(done), "no step finished" if done == 0 else "", last)
-        if counters.optimizer_steps != boundary["optimizer_steps"]:
-            return TrainingFailed(err, done, None, f"step {done + 1} had already applied "
-                                  f"{counters.optimizer_steps - boundary['optimizer_steps']} optimizer update(s)", last)
-        if dist.get_world_size() > 1 and not isinstance(err, AGREED_FAILURES):
-            return TrainingFailed(err, done, None, "an error on some ranks only: a collective save could hang", last)
-        source.drop_unfinished()
-        try:
-            return TrainingFailed(err, done, save())
-        except Exception as save_error:  # noqa: BLE001 - the original error is the one to report
-            return TrainingFailed(err, done, None, f"the save failed too: {save_error}", last)
-
-    try:
-        try:
-            engine.update_weights(train_state.chunks, version=start_step)
-            signal_name = stop.agreed()
-            if signal_name:
-                raise requeue(f"received {signal_name} while starting", signal_name)
-            for step in range(start_step, cfg.train.steps):
-                step_start = time.perf_counter()
-                metrics = {}
-                if step == 0 or (cfg.eval.interval and step % cfg.eval.interval == 0):
-                    metrics.update(_evaluate_all(cfg, engine, task, step, dp))
-                with profiler.step(step):  # logging.profile_steps (train/profiling.py)
-                    with phase("rollout_wait", metrics):
-                        batch = source.get(step)
-                    metrics["time/rollout"] = batch.generate_seconds
-                    metrics.update(rl_step(ctx, batch, step))
-                    counters.rl_steps = step + 1  # its update is applied (optimizer steps: counters.optimizer_steps)
-                    boundary["optimizer_steps"] = counters.optimizer_steps
-                    try:
-                        with phase("weight_sync", metrics):  # time/weight_sync recorded even if it raises
-                            source.wait()
-                            engine.update_weights(train_state.chunks, version=counters.rl_steps)
-                    finally:  # the step is trained even if the servers are gone: its line is logged
-                        metrics["time/step"] = time.perf_counter() - step_start
-                        # training throughput: the step's evaluation (if any) is not part of it
-                        train_seconds = metrics["time/step"] - metrics.get("time/eval", 0.0)
-                        metrics["throughput/response_tokens"] = batch.num_response_tokens * dp_size
-                        metrics["throughput/tokens_per_s"] = metrics["throughput/response_tokens"] / train_seconds
-                        logger.log(step, metrics)
-                        logger.advance(step + 1, metrics)
-                done = counters.rl_steps
-                if done == cfg.train.steps or (cfg.checkpoint.interval and done % cfg.checkpoint.interval == 0):
-                    save()
-                signal_name = stop.agreed()
-                if signal_name and done < cfg.train.steps:
-                    raise requeue(f"received {signal_name}", signal_name)
-            final = _evaluate_all(cfg, engine, task, cfg.train.steps, dp)
-            logger.log(cfg.train.steps, final)
-        except Cancelled as err:  # a stop signal cut off the rollout or weight sync in flight
-            source.drop_unfinished()
-            signal_name = stop.agreed()
-            raise requeue(f"{err}; the rollout in flight was cut off", signal_name) from err
-        except EngineLost as err:
-            source.drop_unfinished()
-            raise requeue(f"rollout engine lost: {err}") from err
-        except (Requeue, ConfigError, KeyboardInterrupt):
-            raise
-        except Exception as err:  # engine errors, NaN/inf aborts, anything unexpected: keep the finished steps
-            raise failed(err) from err
-    finally:
-        source.close()
-        engine.shutdown()
-        logger.close()
-    return _summary(cfg, plan.run_id, run_path, is_logger)
-
-
-def _save_checkpoint(cfg: TrainConfig, record: dict, done: int, run_state: RunState, hf_source, tp_group) -> Path:
-    path = ckpt.save_checkpoint(Path(cfg.train.output_dir) / "checkpoints", done, run_state, record,
-                                keep=cfg.checkpoint.keep, free_before_write=cfg.checkpoint.free_before_write)
-    if cfg.checkpoint.export_hf:
-        hf.export_hf([output_head.unwrap(c) for c in run_state.train_state.chunks], cfg.model, path / "hf",
-                     dtype=hf_source.dtype if hf_source is not None else cfg.model.params_dtype,
-                     tp_group=tp_group, pp_group=parallel.pp_group(),
-                     source_dir=hf_source.path if hf_source is not None else None)
-    return path
 
 
 def _summary(cfg: TrainConfig, run_id: str, run_path: Path, is_logger: bool) -> dict:

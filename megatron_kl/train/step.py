@@ -18,7 +18,7 @@ import logging
 from contextlib import ExitStack, nullcontext
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.distributed as dist
@@ -37,6 +37,10 @@ from megatron_kl.train.profiling import phase
 from megatron_kl.rollout.http import CorruptResponse
 from megatron_kl.train.rollouts import RolloutBatch
 from megatron_kl.train.run_state import Counters
+from megatron_kl.train.topology import Topology
+
+if TYPE_CHECKING:
+    from megatron_kl.train.config import TrainConfig
 
 
 log = logging.getLogger(__name__)
@@ -44,20 +48,20 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class StepContext:
-    cfg: object  # TrainConfig
+    """What one RL step reads and updates besides its batch: the models, the optimizer state, the process groups,
+    and the step-to-step counts (clamped log-ratios, skipped updates)."""
+
+    cfg: "TrainConfig"
     train_state: optim.TrainState
     reference: list  # frozen reference chunks
     reference_head: output_head.ReferenceHead
     offload: ReferenceOffload
-    dp_group: object = None
-    counter: ClampCounter = field(default_factory=ClampCounter)
+    topology: Topology = field(default_factory=Topology)
+    clamps: ClampCounter = field(default_factory=ClampCounter)  # log-ratios clamped this step (kl/clamped_*)
     consecutive_skips: int = 0  # optimizer steps skipped in a row (non-finite gradient)
     counters: Counters = field(default_factory=Counters)  # optimizer steps applied / skipped (train/run_state.py)
     kl_tags: dict = field(default_factory=dict)  # logged every step: kl/biased (the audit's verdict for kl.target)
     expert_load: Optional[ExpertLoad] = None  # mixture-of-experts policies: router counts of the pi_old pass
-    pp_group: object = None
-    tp_group: object = None
-    cp_group: object = None  # the context-parallel group (None without context parallelism)
 
 
 class NonFiniteUpdates(RuntimeError):
@@ -264,7 +268,8 @@ def _update(ctx: StepContext, sequences, step: int, vocab, reference_head) -> tu
         for i in range(algo.minibatches):
             minibatch = sequences.select(order[i * size : (i + 1) * size])
             shares = Shares(num_sequences=size, num_tokens=float(minibatch.loss_mask.sum()))
-            loss = MicrobatchLoss(algo, cfg.kl, shares, ctx.counter, axis=context_parallel.sequence_axis(ctx.cp_group),
+            axis = context_parallel.sequence_axis(ctx.topology.cp_group)
+            loss = MicrobatchLoss(algo, cfg.kl, shares, ctx.clamps, axis=axis,
                                   captured=[] if "old_logprobs" not in sequences.extras else None,
                                   captured_keys=("logprobs", "entropy") + (("kl",) if reference_head is not None else ())
                                   + (pipeline.SUPPORT_KEYS if vocab.truncation is not None else ()))
@@ -324,10 +329,10 @@ def common_width(batch: RolloutBatch, group) -> RolloutBatch:
 
 
 def rl_step(ctx: StepContext, batch: RolloutBatch, step: int) -> dict:
-    cfg = ctx.cfg
+    cfg, groups = ctx.cfg, ctx.topology
     algo, kl, run = cfg.algo, cfg.kl, cfg.train
     if cfg.model.moe.enabled and cfg.parallel.expert_parallel > 1:
-        batch = common_width(batch, ctx.dp_group)
+        batch = common_width(batch, groups.dp_group)
     sampling = cfg.rollout.sampling
     vocab = pipeline.VocabOptions.for_model(cfg.model, cfg.parallel, sampling.logprob_temperature,
                                             sampling.trained_truncation(cfg.model.vocab_size))
@@ -341,9 +346,9 @@ def rl_step(ctx: StepContext, batch: RolloutBatch, step: int) -> dict:
                               f"(rollout.engine={cfg.rollout.engine} returned completions without routed experts)")
     reference, old, unreplayed = _scoring_passes(ctx, sequences, step, vocab, timings)
     # sampled tokens outside the trainer's support are an error before anything is updated (recomputed pi_old)
-    support = support_metrics(batch, old, step, sampling, ctx.dp_group) if old is not None else None
+    support = support_metrics(batch, old, step, sampling, groups.dp_group) if old is not None else None
 
-    ctx.counter.counts.clear()
+    ctx.clamps.counts.clear()
     advantages = sequence_advantages(batch.rewards, run.group_size, algo.advantage, algo.std_normalize)
     zeros = torch.zeros(mask.shape, dtype=torch.float32)
     sequences.extras.update(
@@ -355,7 +360,7 @@ def rl_step(ctx: StepContext, batch: RolloutBatch, step: int) -> dict:
         returns = batch.rewards[:, None].to(old["logprobs"].dtype) * mask
         if reference is not None:
             returns = kl_shaped_returns(kl, batch.rewards, old["logprobs"], reference["logprobs"], mask,
-                                        batch.behavior_logprobs, full_kl=old.get("kl"), counter=ctx.counter)
+                                        batch.behavior_logprobs, full_kl=old.get("kl"), counter=ctx.clamps)
         sequences.extras.update(old_logprobs=old["logprobs"], kl_returns=returns - batch.rewards[:, None] * mask)
     # the update's forward needs the exact KL for a full KL in the loss, and to be pi_old's stats (from_update)
     exact_in_loss = kl.estimator == "full" and kl.placement == "loss" and kl.coef > 0
@@ -370,17 +375,18 @@ def rl_step(ctx: StepContext, batch: RolloutBatch, step: int) -> dict:
     metrics["entropy/mean"] = _masked_mean(old["entropy"], mask)
     metrics.update(rollout_metrics(batch, old["logprobs"], step))
     metrics.update(replay_metrics(unreplayed, batch))
-    metrics.update(support if support is not None else support_metrics(batch, old, step, sampling, ctx.dp_group))
+    metrics.update(support if support is not None else support_metrics(batch, old, step, sampling, groups.dp_group))
     if run.micro_batch_tokens > 0:  # what the scoring passes see: each microbatch padded to its own longest row
-        groups = sequences.token_groups(run.micro_batch_tokens)
-        metrics["batch/padded_tokens"] = float(sum(len(rows) * width for rows, width in groups))
-        metrics["batch/microbatches"] = float(len(groups))
-    metrics.update(context_parallel.sum_counts(ctx.counter.as_dict(), ctx.cp_group))
-    metrics = _reduce(metrics, ctx.dp_group)
+        token_groups = sequences.token_groups(run.micro_batch_tokens)
+        metrics["batch/padded_tokens"] = float(sum(len(rows) * width for rows, width in token_groups))
+        metrics["batch/microbatches"] = float(len(token_groups))
+    metrics.update(context_parallel.sum_counts(ctx.clamps.as_dict(), groups.cp_group))
+    metrics = _reduce(metrics, groups.dp_group)
     if ctx.expert_load is not None:  # counts summed over data-parallel ranks, pipeline stages and, with sequence
         # parallelism (each TP rank routes its share of the tokens), tensor-parallel ranks
-        groups = (ctx.dp_group, ctx.pp_group) + ((ctx.tp_group,) if cfg.parallel.sequence_parallel else ())
-        metrics.update(ctx.expert_load.metrics(groups, cfg.model.moe.capacity_factor is not None))
+        summed_over = (groups.dp_group, groups.pp_group)
+        summed_over += (groups.tp_group,) if cfg.parallel.sequence_parallel else ()
+        metrics.update(ctx.expert_load.metrics(summed_over, cfg.model.moe.capacity_factor is not None))
     metrics.update(ctx.kl_tags)
     metrics.update(timings)
     return metrics

@@ -178,3 +178,25 @@ def failing_train_worker(rank, world, cfg_dict: dict, fail_at: int, kind: str):
         return {"error": str(err), "cause": type(err.__cause__).__name__, "step": err.step,
                 "checkpoint": str(err.checkpoint) if err.checkpoint else None, "checkpoints": checkpoints}
     return {"error": None}
+
+
+def trainer_steps_worker(rank, world, cfg_dict: dict, steps: int):
+    """One RL step at a time through the Trainer object, without fit(): its metrics per step."""
+    from megatron_kl.models import parallel
+    from megatron_kl.train.loop import prepare
+    from megatron_kl.train.preemption import StopSignals
+    from megatron_kl.train.topology import Topology
+    from megatron_kl.train.trainer import Trainer
+
+    cfg = from_dict(TrainConfig, cfg_dict)
+    prepared = prepare(cfg)
+    parallel.initialize(cfg.model, cfg.parallel, seed=cfg.train.seed)
+    stop = StopSignals(cfg.train.stop_signals)
+    try:
+        with Trainer(cfg, prepared.plan, prepared.task, prepared.hf_source, Topology.from_parallel_state(),
+                     stop) as trainer:
+            records = [{"step": step, **trainer.step(step)} for step in range(steps)]
+            rl_steps = trainer.counters.rl_steps
+    finally:
+        stop.close()
+    return {"records": records, "rl_steps": rl_steps}
