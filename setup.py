@@ -9,9 +9,9 @@ setup(
     # recipes find them in an installed package too
     packages=find_packages(include=["megatron_kl", "megatron_kl.*"]) + ["megatron_kl.configs"],
     package_dir={"megatron_kl.configs": "configs"},
-    # the C source of the CPU top-p search is compiled on first use (megatron_kl/kl/native.py)
+    # the C source of the CPU top-p search is compiled on first use (megatron_kl/kl/kernels/native.py)
     # and the shipped warm starts (megatron_kl/train/shipped_warmstart.py)
-    package_data={"megatron_kl.configs": ["*/*.yaml", "study/published/*.json"], "megatron_kl.kl": ["*.c"],
+    package_data={"megatron_kl.configs": ["*/*.yaml", "study/published/*.json"], "megatron_kl.kl.kernels": ["*.c"],
                   "megatron_kl.data": ["warm_starts/*.json", "warm_starts/*.safetensors"]},
     install_requires=[
         # A range, so GPU clusters keep their container's torch; CPU installs pin 2.13.0 via constraints-cpu.txt.

@@ -9,11 +9,13 @@ import argparse
 import importlib
 import sys
 
+from megatron_kl.cli_help import help_when_bare
+
 # name -> (the module whose main(argv) runs it, its one-line help)
 COMMANDS = {
     "train": ("megatron_kl.train.cli", "RL training (torchrun for several ranks)"),
     "study": ("megatron_kl.study.cli", "run a grid of KL configurations x seeds and write the report"),
-    "audit": ("megatron_kl.kl.audit_cli", "exact gradient audit of every KL configuration (tabular policy); "
+    "audit": ("megatron_kl.kl.audit.cli", "exact gradient audit of every KL configuration (tabular policy); "
               "--dynamics: their exact training dynamics"),
     "config": ("megatron_kl.config_reference", "every configuration field with its type, default, value and "
                "description (config show)"),
@@ -40,14 +42,6 @@ def main(argv=None) -> int:
         return 0
     parser.parse_args(argv)  # -h, or an unknown command: argparse's message and exit code
     return 2
-
-
-def help_when_bare(parser: argparse.ArgumentParser, argv: list[str]) -> bool:
-    """A command with sub-actions called alone (``megatron-kl config``): print its help; True when it did."""
-    if argv:
-        return False
-    parser.print_help()
-    return True
 
 
 if __name__ == "__main__":

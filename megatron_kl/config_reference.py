@@ -122,7 +122,7 @@ def markdown(cls, title: str) -> str:
 
 def main(argv: Optional[list[str]] = None) -> int:
     """``megatron-kl config show ...``; ``megatron-kl config`` alone prints this command's help."""
-    from megatron_kl.cli import help_when_bare
+    from megatron_kl.cli_help import help_when_bare
 
     parser = argparse.ArgumentParser(prog="megatron-kl config", description="The training configuration's fields.")
     sub = parser.add_subparsers(dest="action", required=True, metavar="ACTION")

@@ -1,6 +1,6 @@
 """The RL algorithm's configuration, without torch: ``AlgoConfig`` (advantage estimator, policy loss, clipping,
 aggregation, behaviour correction, PPO epochs; the code is in ``algo/advantages.py``, ``algo/losses.py`` and
-``algo/corrections.py``)."""
+``kl/corrections.py``)."""
 
 from __future__ import annotations
 
@@ -9,17 +9,9 @@ from typing import Optional
 
 from megatron_kl.config import ConfigError
 from megatron_kl.constraints import checked
-from megatron_kl.kl.config import AGGREGATIONS, KLConfig, RPGConfig
+from megatron_kl.kl.config import AGGREGATIONS, CORRECTIONS, PER_TOKEN_CORRECTIONS, KLConfig, RPGConfig, canonical
 
 ADVANTAGES = ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "none")  # algo/advantages.py
-CORRECTIONS = ("none", "tis", "token_tis", "sequence_tis", "token_mask", "sequence_mask", "geometric_mask", "icepop")
-# corrections whose weight c_t depends on token t's own ratio w_t only (not on the rest of its sequence)
-PER_TOKEN_CORRECTIONS = ("none", "token_tis", "token_mask", "icepop")
-
-
-def canonical(kind: str) -> str:
-    """A correction's name with its alias resolved (tis is token_tis)."""
-    return "token_tis" if kind == "tis" else kind
 LOSSES = ("ppo", "rpg")
 # where pi_old's log-probs come from: a forward pass of their own before the update (recompute), or - for an
 # update of one epoch over one minibatch, whose only optimizer step happens after every forward - the update's
@@ -40,7 +32,7 @@ class AlgoConfig:
     entropy_coef: float = checked(0.0, fix='negative values penalise entropy')
     ppo_epochs: int = checked(1, ge=1)
     minibatches: int = checked(1, ge=1)  # optimizer steps per epoch
-    behavior_correction: str = checked("none", choices=CORRECTIONS)  # megatron_kl.algo.corrections.CORRECTIONS
+    behavior_correction: str = checked("none", choices=CORRECTIONS)  # megatron_kl.kl.corrections.CORRECTIONS
     tis_cap: float = checked(2.0, gt=0)  # truncation of token_tis / sequence_tis
     mask_low: float = checked(0.5, ge=0)  # band kept by token_mask / sequence_mask / geometric_mask / icepop
     mask_high: float = checked(2.0, gt=0)

@@ -4,7 +4,7 @@ Per token, with rho = pi_theta / pi_old (pi_old: the policy at the start of the 
 
   ppo   max(-A rho, -A clip(rho, 1 - clip_low, 1 + clip_high)), and for A < 0 at most -A * dual_clip
         (dual clip, Ye et al. 2020); times the behaviour correction c_t of algo.behavior_correction
-        (megatron_kl.algo.corrections: truncated / masked IS per token or sequence, ICEPOP; mu is the
+        (megatron_kl.kl.corrections: truncated / masked IS per token or sequence, ICEPOP; mu is the
         rollout engine's sampler, stale in async mode). algo.ratio_level=sequence (GSPO): rho is the
         sequence's length-normalised ratio exp(mean_t log(pi_theta/pi_old)), clipped per sequence and
         shared by its tokens.
@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 
 from megatron_kl.algo.config import LOSSES, OLD_LOGPROBS, RATIO_LEVELS, AlgoConfig, row_separable  # noqa: F401
-from megatron_kl.algo.corrections import correction_of
+from megatron_kl.kl.corrections import correction_of
 from megatron_kl.kl.config import LOG_RATIO_CLAMP
 from megatron_kl.kl.estimators import ClampCounter, clamp_log_ratio
 from megatron_kl.kl.objective import (KLConfig, aggregate_tokens, kl_loss, kl_penalty_credit,

@@ -2,7 +2,11 @@
 
     from megatron_kl.kl import KLConfig, kl_loss, kl_shaped_returns
 
-The names load on first use (``kl.config`` alone, for a configuration, needs no torch).
+Here: the configuration (``config``), the estimators and the one log-ratio clamp (``estimators``), the KL term in
+the reward or the loss (``objective``), RPG's losses (``rpg``), the behaviour corrections (``corrections``) and
+sums along a sequence split over context-parallel ranks (``sequence_axis``). Below: ``kernels/`` (the
+vocab-parallel statistics) and ``audit/`` (exact gradients on a tabular policy). The names load on first use
+(``kl.config`` alone, for a configuration, needs no torch).
 """
 
 import importlib

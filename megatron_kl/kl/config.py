@@ -1,6 +1,6 @@
 """The KL library's configuration, without torch: ``KLConfig`` (the KL term: estimator, placement, level,
 credit, off-policy correction, aggregation; their meaning is in ``kl/objective.py`` and docs/kl-math.md),
-``RPGConfig`` (``kl/rpg.py``) and ``Truncation`` (the sampler's top-k / top-p rule, ``kl/truncation.py``).
+``RPGConfig`` (``kl/rpg.py``) and ``Truncation`` (the sampler's top-k / top-p rule, ``kl/kernels/truncation.py``).
 Loading and validating a configuration imports this module, not the kernels."""
 
 from __future__ import annotations
@@ -22,11 +22,20 @@ OFF_POLICY = ("none", "token_is", "per_decision", "behavior")
 TARGETS = {"sequence_reverse": "seq", "token_reverse": "token", "token_forward": "forward"}
 # kl.regime: where the samples come from; auto: off_policy when train.staleness > 0
 REGIMES = ("auto", "on_policy", "off_policy")
-AUTO = "auto"  # kl.estimator=auto: the trainer picks the configuration (megatron_kl.kl.targets)
+AUTO = "auto"  # kl.estimator=auto: the trainer picks the configuration (megatron_kl.kl.audit.targets)
 # seq_mean_token_sum_norm (Dr. GRPO): each sequence's token sum divided by a fixed length ``norm_length``
 # (the trainer sets rollout.sampling.max_new_tokens unless algo.norm_length is given), then the mean over
 # sequences: no length-dependent weight per token, unlike token_mean and seq_mean_token_mean.
 AGGREGATIONS = ("seq_mean_token_sum", "token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+# behaviour corrections (algo.behavior_correction; their weights: kl/corrections.py)
+CORRECTIONS = ("none", "tis", "token_tis", "sequence_tis", "token_mask", "sequence_mask", "geometric_mask", "icepop")
+# corrections whose weight c_t depends on token t's own ratio w_t only (not on the rest of its sequence)
+PER_TOKEN_CORRECTIONS = ("none", "token_tis", "token_mask", "icepop")
+
+
+def canonical(kind: str) -> str:
+    """A correction's name with its alias resolved (tis is token_tis)."""
+    return "token_tis" if kind == "tis" else kind
 
 
 def _choice(name: str, value, allowed) -> None:

@@ -29,12 +29,12 @@ give the penalty part NO further ratio (compute the reward part's advantage with
 and add -coef * c_t unweighted).
 
 off_policy='behavior': the KL term borrows the behaviour correction of the policy loss (algo.behavior_correction,
-megatron_kl.algo.corrections): its detached weights omega_t (from pi_old / mu) multiply each token's KL integrand
+megatron_kl.kl.corrections): its detached weights omega_t (from pi_old / mu) multiply each token's KL integrand
 (loss placement: omega_t k(d_t), omega_t KL_t; a sequence-level term by the sequence's weight; reward placement:
 omega_t sg(c_t) grad log pi(y_t)). Untruncated sequence IS (omega = prod_t pi/mu) turns every configuration that
 is unbiased on-policy into one unbiased for the same target from mu's samples; truncation and masks are biased.
 ``megatron-kl audit`` measures each pairing; kl.target + kl.estimator=auto choose from those verdicts
-(:mod:`megatron_kl.kl.targets`).
+(:mod:`megatron_kl.kl.audit.targets`).
 
 Aggregation (a named, logged choice): seq_mean_token_sum = (1/B) sum_b sum_t; token_mean =
 sum_{b,t} / #tokens; seq_mean_token_mean = (1/B) sum_b (1/L_b) sum_t. Masked positions never contribute.
@@ -94,7 +94,7 @@ def _masked(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 def _check(cfg: KLConfig, logprobs, ref_logprobs, mask, behavior_logprobs, full_kl, behavior_weight=None) -> None:
     if cfg.estimator == AUTO:
-        raise ValueError("KLConfig.estimator='auto' is resolved by the trainer (megatron_kl.kl.targets.select) "
+        raise ValueError("KLConfig.estimator='auto' is resolved by the trainer (megatron_kl.kl.audit.targets.select) "
                          "before any KL is computed")
     if logprobs.shape != ref_logprobs.shape or logprobs.shape != mask.shape or logprobs.dim() != 2:
         raise ValueError(

@@ -138,7 +138,7 @@ def _inspect(args) -> int:
 
 
 def main(argv: list[str]) -> int:
-    from megatron_kl.cli import help_when_bare
+    from megatron_kl.cli_help import help_when_bare
 
     parser = _parser()
     if help_when_bare(parser, argv):

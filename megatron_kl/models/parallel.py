@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_kl.config import ModelConfig, ParallelConfig, validate_parallel
-from megatron_kl.models.compat import apply_cpu_shims
+from megatron_kl.megatron_compat import apply_cpu_shims
 
 
 def default_backend() -> str:

@@ -3,9 +3,9 @@
 A batch is ``tokens [B, S]`` (prompt + response, right-padded) and ``loss_mask [B, S-1]`` aligned with the
 targets ``tokens[:, 1:]``: position t of every per-token output refers to predicting ``tokens[:, t+1]``
 from ``tokens[:, :t+1]``. Logits stay vocab-sharded: the last stage turns them into log-probs and
-entropies with :mod:`megatron_kl.kl.vocab_parallel` (temperature applied as the rollout engine does), or,
+entropies with :mod:`megatron_kl.kl.kernels.vocab_parallel` (temperature applied as the rollout engine does), or,
 on the fused path (``VocabOptions.fused``), the output layer is bypassed and
-:mod:`megatron_kl.kl.fused_linear` computes the same quantities from the final hidden states and the
+:mod:`megatron_kl.kl.kernels.fused_linear` computes the same quantities from the final hidden states and the
 output weight shard without ever materialising the logits (only the loss-masked rows are computed).
 
 ``run_schedule`` is the one entry point, forward-only or forward+backward, with any TP/PP/VPP layout.
@@ -23,9 +23,9 @@ import torch
 import torch.distributed as dist
 
 from megatron_kl.config import sequence_multiple
-from megatron_kl.kl.fused_linear import default_chunk_rows, fused_linear_stats
-from megatron_kl.kl.truncation import Truncation, effective
-from megatron_kl.kl.vocab_parallel import DEFAULT_CHUNK, VocabParallelStats, fused_stats
+from megatron_kl.kl.kernels.fused_linear import default_chunk_rows, fused_linear_stats
+from megatron_kl.kl.kernels.truncation import Truncation, effective
+from megatron_kl.kl.kernels.vocab_parallel import DEFAULT_CHUNK, VocabParallelStats, fused_stats
 from megatron_kl.models.fused_loss import single_pass_loss
 from megatron_kl.models.output_head import ReferenceHead, bypass_output_layer, fused_layout, output_weight, unwrap
 from megatron_kl.models import context_parallel, routing_replay

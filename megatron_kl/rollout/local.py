@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_kl.config import ConfigError, ModelConfig, ParallelConfig
-from megatron_kl.kl.truncation import Truncation, support_threshold
+from megatron_kl.kl.kernels.truncation import Truncation, support_threshold
 from megatron_kl.models.output_head import unwrap
 from megatron_kl.models.routing_replay import UNKNOWN, RoutingRecorder
 from megatron_kl.models.state import ExpertGroups
@@ -45,7 +45,7 @@ from megatron_kl.rollout.engine import Completion, SamplingConfig
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     """Mask (to -inf) all but the top-k tokens and the smallest nucleus holding top_p of the top-k mass, ties
-    at either cut kept (``kl.truncation``: the rule the trainer's truncated distribution uses). ``logits``
+    at either cut kept (``kl.kernels.truncation``: the rule the trainer's truncated distribution uses). ``logits``
     [..., V] are already divided by the temperature."""
     rule = Truncation(top_k=top_k, top_p=top_p)
     if not rule.active(logits.shape[-1]):

@@ -85,7 +85,7 @@ def processed_logprobs(logprobs: list[float], token_ids: list[int], top: list, s
                        requested: int, where: str) -> list[float]:
     """log mu(y_t) of the truncated distribution from SGLang's log pi_T(y_t) and the ``requested`` largest
     log pi_T per position (``top[t]``: [[logprob, token_id, ...], ...]), by the trainer's rule (ties at a cut
-    kept; kl.truncation). The sampled token must lie in the support (``CorruptResponse`` naming the position);
+    kept; kl.kernels.truncation). The sampled token must lie in the support (``CorruptResponse`` naming the position);
     a top-p support that does not close within the top log-probs is a ``ResponseError`` naming the setting."""
     top_k = sampling.top_k if 0 < sampling.top_k <= requested else 0  # top_k >= the vocabulary truncates nothing
     top_p = sampling.top_p

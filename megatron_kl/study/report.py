@@ -6,7 +6,7 @@ OOD pass@1 bars. Report (``report.md``): one table row per configuration - seeds
 scores, instability events (steps where the exact KL or the grad norm exceeds ``instability_factor`` x
 the run's median, or is not finite), stability (``stable``: every seed finished without an event), the
 ``kl/biased`` tag the runs logged, and the exact gradient audit's verdict on that KL configuration for its
-``kl.target`` in its regime (:mod:`megatron_kl.kl.targets`). Failed runs are listed with their log tail.
+``kl.target`` in its regime (:mod:`megatron_kl.kl.audit.targets`). Failed runs are listed with their log tail.
 A score no run reported (e.g. OOD without OOD problems) is ``n/a`` in the table and has no bar.
 """
 
@@ -51,7 +51,7 @@ def collapsed(records: list[dict], fraction: float) -> bool:
 
 
 def audit_verdict(cfg) -> str:
-    """The audit's verdict on the run's KL term for its kl.target, in its regime (megatron_kl.kl.targets)."""
+    """The audit's verdict on the run's KL term for its kl.target, in its regime (megatron_kl.kl.audit.targets)."""
     from megatron_kl.train.config import kl_verdict
 
     if cfg.algo.loss == "rpg":

@@ -13,7 +13,7 @@ from megatron_kl.algo.config import AlgoConfig, row_separable
 from megatron_kl.config import ConfigError, ModelConfig, ParallelConfig, load_yaml
 from megatron_kl.constraints import checked
 from megatron_kl.kl.config import AUTO, KLConfig
-from megatron_kl.launch.config import LaunchConfig
+from megatron_kl.launch_config import LaunchConfig
 from megatron_kl.models.optim_config import OptimConfig
 from megatron_kl.rollout.config import SamplingConfig, SGLangConfig, VLLMConfig
 from megatron_kl.tasks.base import TaskConfig
@@ -179,8 +179,8 @@ class TrainConfig:
         _cross_field_rules(self)
         self.kl_selection = None
         if self.kl.estimator == AUTO:
-            from megatron_kl.algo.corrections import correction_of
-            from megatron_kl.kl.targets import regime_of, select
+            from megatron_kl.kl.corrections import correction_of
+            from megatron_kl.kl.audit.targets import regime_of, select
 
             try:
                 self.kl, self.kl_selection, _ = select(self.kl, regime_of(self.kl, self.train.staleness),
@@ -225,10 +225,10 @@ def _cross_field_rules(cfg: TrainConfig) -> None:
 
 
 def kl_verdict(cfg: TrainConfig):
-    """The audit's verdict (megatron_kl.kl.targets.Verdict) on the run's KL term for kl.target in its regime;
+    """The audit's verdict (megatron_kl.kl.audit.targets.Verdict) on the run's KL term for kl.target in its regime;
     None without a KL term (kl.coef=0, or RPG's own KL)."""
-    from megatron_kl.algo.corrections import correction_of
-    from megatron_kl.kl.targets import judge, regime_of
+    from megatron_kl.kl.corrections import correction_of
+    from megatron_kl.kl.audit.targets import judge, regime_of
 
     if cfg.kl.coef == 0 or cfg.algo.loss == "rpg":
         return None

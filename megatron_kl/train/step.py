@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_kl.algo.advantages import sequence_advantages
-from megatron_kl.algo.corrections import mismatch_metrics
+from megatron_kl.kl.corrections import mismatch_metrics
 from megatron_kl.algo.losses import MICROBATCH_TOKENS, MicrobatchLoss, Shares
 from megatron_kl.kl.config import LOG_RATIO_CLAMP
 from megatron_kl.kl.estimators import ClampCounter, token_estimate

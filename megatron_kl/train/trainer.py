@@ -25,7 +25,7 @@ from typing import Optional
 import torch.distributed as dist
 
 from megatron_kl.config import ConfigError, redact_secrets, to_dict
-from megatron_kl.kl import triton_stats
+from megatron_kl.kl.kernels import triton_stats
 from megatron_kl.models import builder, hf, moe_load, optim, output_head, parallel, state
 from megatron_kl.models.offload import ReferenceOffload
 from megatron_kl.rollout.engine import EngineLost

@@ -9,14 +9,14 @@ import math
 import torch
 import torch.distributed as dist
 
-from megatron_kl.algo.corrections import Correction
+from megatron_kl.kl.corrections import Correction
 from megatron_kl.algo.losses import AlgoConfig, MicrobatchLoss, Shares
-from megatron_kl.kl.audit import all_configs, behavior_configs
+from megatron_kl.kl.audit.exact import all_configs, behavior_configs
 from megatron_kl.kl.estimators import ClampCounter
 from megatron_kl.kl.objective import kl_penalty_credit
 from megatron_kl.kl.rpg import DIVERGENCES, RPGConfig
 from megatron_kl.kl.sequence_axis import LOCAL, ContextParallelAxis, zigzag_shard
-from megatron_kl.kl.vocab_parallel import fused_stats
+from megatron_kl.kl.kernels.vocab_parallel import fused_stats
 
 VOCAB = 12
 TEMPERATURE = 0.9

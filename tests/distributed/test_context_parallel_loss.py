@@ -11,9 +11,9 @@ import torch
 
 from megatron_kl.kl.sequence_axis import (LOCAL, ContextParallelAxis, padded_length, zigzag_positions, zigzag_shard,
                                           zigzag_unshard)
-from megatron_kl.algo.corrections import CORRECTIONS
+from megatron_kl.kl.corrections import CORRECTIONS
 from megatron_kl.algo.losses import RATIO_LEVELS
-from megatron_kl.kl.audit import all_configs, behavior_configs
+from megatron_kl.kl.audit.exact import all_configs, behavior_configs
 from megatron_kl.kl.objective import AGGREGATIONS
 from megatron_kl.kl.rpg import DIVERGENCES, SURROGATES
 from megatron_kl.testing import distributed
@@ -138,7 +138,7 @@ class _RecordingAxis(type(LOCAL)):
 def test_the_audit_tables_cp_column_names_the_cumulative_sums_the_code_takes():
     """``crossing`` (the audit tables' "across CP" column, docs/kl-math.md) names prefix / suffix exactly where the
     KL term's code asks the sequence axis for them, for every audited configuration and behaviour correction."""
-    from megatron_kl.algo.corrections import AUDITED
+    from megatron_kl.kl.corrections import AUDITED
     from megatron_kl.kl.objective import kl_loss, kl_penalty_credit, policy_gradient_surrogate
     from megatron_kl.kl.sequence_axis import crossing
 

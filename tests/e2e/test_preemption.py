@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_kl.launch.config import stop_signal_env
+from megatron_kl.launch_config import stop_signal_env
 from megatron_kl.rollout.servers import server_port
 from megatron_kl.train.checkpoint import complete_checkpoints
 from megatron_kl.train.metrics import read_metrics

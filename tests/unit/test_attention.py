@@ -9,7 +9,7 @@ import types
 import pytest
 import torch
 
-from megatron_kl.models.compat import apply_cpu_shims
+from megatron_kl.megatron_compat import apply_cpu_shims
 
 apply_cpu_shims()
 

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from megatron_kl.algo.corrections import CORRECTIONS, behavior_weights, mismatch_metrics
+from megatron_kl.kl.corrections import CORRECTIONS, behavior_weights, mismatch_metrics
 from megatron_kl.algo.losses import AlgoConfig, Shares, ppo_loss, row_separable
 from megatron_kl.config import ConfigError
 from megatron_kl.kl.objective import KLConfig, aggregate_tokens, kl_loss

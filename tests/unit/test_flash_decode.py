@@ -5,7 +5,7 @@ rotates the new query/key at their positions, writes the cache in place and matc
 import pytest
 import torch
 
-from megatron_kl.models.compat import apply_cpu_shims
+from megatron_kl.megatron_compat import apply_cpu_shims
 
 apply_cpu_shims()
 

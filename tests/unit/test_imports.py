@@ -84,3 +84,49 @@ def test_production_code_does_not_import_testing():
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
                 [node.module] if isinstance(node, ast.ImportFrom) and node.module else [])
             assert not any(n == "tests" or n.startswith("tests.") for n in names), f"{path} imports {names}"
+
+
+# The package's layers, bottom first: a module may import its own layer and the ones below, never one above. A module
+# belongs to the layer of the longest prefix that names it.
+LAYERS = (
+    ("foundations", ("megatron_kl", "megatron_kl.constraints", "megatron_kl.child_processes", "megatron_kl.local_ranks",
+                     "megatron_kl.megatron_compat", "megatron_kl.cli_help", "megatron_kl.data")),
+    ("configuration", ("megatron_kl.config", "megatron_kl.kl.config", "megatron_kl.launch_config")),
+    ("KL kernels", ("megatron_kl.kl.kernels",)),
+    ("KL objective", ("megatron_kl.kl",)),
+    ("KL audit", ("megatron_kl.kl.audit",)),
+    ("models and tasks", ("megatron_kl.models", "megatron_kl.tasks")),
+    ("algorithms and rollouts", ("megatron_kl.algo", "megatron_kl.rollout")),
+    ("training", ("megatron_kl.train", "megatron_kl.testing", "megatron_kl.validation")),
+    ("studies", ("megatron_kl.study", "megatron_kl.config_reference")),
+    ("launching", ("megatron_kl.launch",)),
+    ("commands", ("megatron_kl.cli",)),
+)
+
+
+def layer_of(module: str) -> int:
+    best, depth = None, -1
+    for index, (_, prefixes) in enumerate(LAYERS):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and prefix.count(".") > depth:
+                best, depth = index, prefix.count(".")
+    assert best is not None, f"{module} is in no layer: add it to LAYERS"
+    return best
+
+
+def imports_up(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(f"{a} ({LAYERS[layer_of(a)][0]}) imports {t} ({LAYERS[layer_of(t)][0]})"
+                  for a, targets in graph.items() for t in targets if layer_of(t) > layer_of(a))
+
+
+def test_every_import_runs_down_the_layers():
+    assert imports_up(_graph()) == []
+
+
+def test_the_layer_check_sees_a_planted_import_up():
+    graph = _graph()
+    graph["megatron_kl.kl.objective"] = graph["megatron_kl.kl.objective"] | {"megatron_kl.algo.losses"}
+    graph["megatron_kl.kl.kernels.truncation"] = graph["megatron_kl.kl.kernels.truncation"] | {"megatron_kl.kl.rpg"}
+    assert imports_up(graph) == [
+        "megatron_kl.kl.kernels.truncation (KL kernels) imports megatron_kl.kl.rpg (KL objective)",
+        "megatron_kl.kl.objective (KL objective) imports megatron_kl.algo.losses (algorithms and rollouts)"]

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from megatron_kl.kl import KLConfig
-from megatron_kl.kl.audit import TabularProblem, all_configs, audit
+from megatron_kl.kl.audit.exact import TabularProblem, all_configs, audit
 
 ZERO = 1e-9  # exact sums in float64: unbiased means ~1e-15
 BIASED = 0.02  # anything biased is off by far more than this on random tables
@@ -49,7 +49,7 @@ def test_on_policy_table(tables):
 
 def test_full_in_reward_misses_the_pathwise_term():
     problem = TabularProblem.random(3, 3, 5)
-    from megatron_kl.kl.audit import _estimator_gradients, exact_targets
+    from megatron_kl.kl.audit.exact import _estimator_gradients, exact_targets
 
     targets = exact_targets(problem, off_policy=False)
     grads, q = _estimator_gradients(problem, KLConfig(estimator="full", placement="reward", coef=0.1), False)

@@ -10,8 +10,8 @@ import math
 import pytest
 import torch
 
-from megatron_kl.kl.audit import TabularProblem, all_configs, audit, exact_targets
-from megatron_kl.kl.truncation import Truncation
+from megatron_kl.kl.audit.exact import TabularProblem, all_configs, audit, exact_targets
+from megatron_kl.kl.kernels.truncation import Truncation
 
 ZERO = 1e-9
 BIASED = 1e-3

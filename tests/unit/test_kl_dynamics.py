@@ -1,4 +1,4 @@
-"""Exact training dynamics (kl/dynamics.py): the one-backward expectation equals the audit's per-sample sum; every
+"""Exact training dynamics (kl/audit/dynamics.py): the one-backward expectation equals the audit's per-sample sum; every
 configuration the audit calls unbiased for the sequence-level reverse KL trains to the closed-form optimum pi*
 (KL < 1e-8) and every other one does not, on- and off-policy, on two problem shapes."""
 
@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
-from megatron_kl.algo.corrections import Correction
-from megatron_kl.kl.audit import TabularProblem, _estimator_gradients, all_configs, audit, behavior_configs
-from megatron_kl.kl.dynamics import (
+from megatron_kl.kl.corrections import Correction
+from megatron_kl.kl.audit.exact import TabularProblem, _estimator_gradients, all_configs, audit, behavior_configs
+from megatron_kl.kl.audit.dynamics import (
     _kl as kl, direction, dynamics_problem, kl_gradient, optimum_log_probs, optimum_table, row_name, rpg_configs,
     sequence_log_probs, train_exact, verdict_of,
 )
@@ -116,7 +116,7 @@ def test_k1_in_the_loss_is_the_unregularised_reward_maximiser():
 def test_sampled_training_separates_unbiased_and_reward_placed_biased_configurations():
     """With sampled minibatches (the trainer's estimators), the unbiased sequence-level configuration ends near pi*
     on every seed, the biased k3-in-reward drifts past the pre-defined instability bound on every seed."""
-    from megatron_kl.kl.dynamics import train_sampled
+    from megatron_kl.kl.audit.dynamics import train_sampled
 
     problem, rewards = dynamics_problem(3, 2, seed=0)
     configs = {c.name: c for c in all_configs(False)}
@@ -143,7 +143,7 @@ def _recording_multinomial(monkeypatch):
 def test_stale_training_samples_from_the_policy_s_updates_old(monkeypatch, staleness):
     """With train.staleness = s, step t (the policy after t updates) samples from pi_{t-s}, pi_0 = pi_ref while
     t <= s, and from a policy that moved after that."""
-    from megatron_kl.kl.dynamics import sequence_log_probs, train_stale
+    from megatron_kl.kl.audit.dynamics import sequence_log_probs, train_stale
 
     problem, rewards = dynamics_problem(3, 2, seed=0)
     cfg = {c.name: c for c in all_configs(True)}["k2-loss-sequence"]
@@ -157,7 +157,7 @@ def test_stale_training_samples_from_the_policy_s_updates_old(monkeypatch, stale
 
 def test_stale_training_at_staleness_zero_is_the_on_policy_sampled_run():
     """s = 0 with no correction draws the same minibatches and takes the same steps as on-policy training."""
-    from megatron_kl.kl.dynamics import train_sampled, train_stale
+    from megatron_kl.kl.audit.dynamics import train_sampled, train_stale
 
     problem, rewards = dynamics_problem(3, 2, seed=0)
     for name in ("k1-reward-token-rtg", "k3-loss-token", None):
@@ -170,8 +170,8 @@ def test_stale_training_at_staleness_zero_is_the_on_policy_sampled_run():
 def test_uncapped_sequence_is_makes_the_stale_reward_gradient_unbiased():
     """In expectation over mu's draws (no baseline), the sequence-IS-corrected reward gradient on stale samples
     equals the exact on-policy gradient of E_pi[r], and the uncorrected one does not."""
-    from megatron_kl.algo.corrections import Correction
-    from megatron_kl.kl.dynamics import reward_gradient, token_log_probs
+    from megatron_kl.kl.corrections import Correction
+    from megatron_kl.kl.audit.dynamics import reward_gradient, token_log_probs
 
     problem, rewards = dynamics_problem(3, 2, seed=4)
     table = problem.policy_table
@@ -191,8 +191,8 @@ def test_instability_events_are_counted_and_a_stable_run_has_none():
     """The declared event fires on a planted non-finite step (infinite step size), on a reward collapse (uncapped
     sequence IS on samples 16 updates old at step 4: the IS weights' variance throws the policy around), and not
     on the same configuration with small steps."""
-    from megatron_kl.algo.corrections import Correction
-    from megatron_kl.kl.dynamics import train_stale
+    from megatron_kl.kl.corrections import Correction
+    from megatron_kl.kl.audit.dynamics import train_stale
 
     problem, rewards = dynamics_problem(3, 2, seed=0)
     cfg = {c.name: c for c in all_configs(True)}["k2-loss-sequence"]

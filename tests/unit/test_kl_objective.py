@@ -204,7 +204,7 @@ def test_clamp_counts_and_bounds():
 
 
 def test_names_are_unique_and_readable():
-    from megatron_kl.kl.audit import all_configs
+    from megatron_kl.kl.audit.exact import all_configs
 
     names = [c.name for c in all_configs(True)]
     assert len(names) == len(set(names))

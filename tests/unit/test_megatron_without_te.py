@@ -8,7 +8,7 @@ import pytest
 PROBE = """
 import torch
 torch.cuda.is_available = lambda: True  # a GPU machine, as far as the shims can tell
-from megatron_kl.models.compat import apply_cpu_shims
+from megatron_kl.megatron_compat import apply_cpu_shims
 from megatron.core.transformer.moe import moe_utils
 assert apply_cpu_shims() is False  # no CPU shim on a GPU machine
 assert moe_utils.te_general_gemm is None

@@ -26,8 +26,7 @@ from typing import Optional
 
 import torch
 
-from megatron_kl.algo.config import CORRECTIONS, PER_TOKEN_CORRECTIONS, canonical  # noqa: F401
-from megatron_kl.kl.config import LOG_RATIO_CLAMP
+from megatron_kl.kl.config import CORRECTIONS, LOG_RATIO_CLAMP, PER_TOKEN_CORRECTIONS, canonical  # noqa: F401
 from megatron_kl.kl.estimators import ClampCounter, clamp_log_ratio, token_estimate
 from megatron_kl.kl.sequence_axis import LOCAL, SequenceAxis
 

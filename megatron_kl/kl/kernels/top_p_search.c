@@ -1,5 +1,5 @@
-/* Mass histograms of logit rows for the top-p cut (megatron_kl/kl/top_p_histogram.py calls these through
-   megatron_kl/kl/native.py).
+/* Mass histograms of logit rows for the top-p cut (megatron_kl/kl/kernels/top_p_histogram.py calls these through
+   megatron_kl/kl/kernels/native.py).
 
    A row's top-p cut is the last logit, in descending order, whose preceding mass of exp((x - max) / tau) is
    below top_p * total. Each pass here reads a row once and adds every logit's mass to one of B buckets of

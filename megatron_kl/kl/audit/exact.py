@@ -14,11 +14,11 @@ are compared with the exact gradients of
 Gradients are w.r.t. the policy's logit table and divided by ``coef`` so they estimate grad KL.
 
 Behaviour corrections (algo.behavior_correction) are an axis of their own: a configuration with
-off_policy='behavior' is audited once per :class:`~megatron_kl.algo.corrections.Correction`, its weights
+off_policy='behavior' is audited once per :class:`~megatron_kl.kl.corrections.Correction`, its weights
 computed from pi_old = pi (the policy at the audit point) and the sampler (mu off-policy, pi on-policy).
 
 Truncated sampler (``TabularProblem.truncation``): the samples come from mu = trunc(pi) (top-k / top-p on each
-state's logits, renormalised: the engines' rule, ``kl.truncation``), the behaviour log-probs are log mu, and the
+state's logits, renormalised: the engines' rule, ``kl.kernels.truncation``), the behaviour log-probs are log mu, and the
 targets are the gradients of the sampled policy's KLs (KL(mu || pi_ref); the forward KL(pi_ref || mu) is infinite
 and left out). ``trained='truncated'`` gives the estimators log mu (rollout.sampling.distribution=truncated),
 ``'full'`` gives them log pi (distribution=full). Only sequences with mu(y) > 0 are enumerated.
@@ -34,13 +34,13 @@ from typing import Optional
 
 import torch
 
-from megatron_kl.algo.corrections import AUDITED, Correction
+from megatron_kl.kl.corrections import AUDITED, Correction
 from megatron_kl.kl.objective import (
     CREDITS, KLConfig, LEVELS, OFF_POLICY, PLACEMENTS, kl_loss, kl_shaped_returns, policy_gradient_surrogate,
 )
 from megatron_kl.kl.estimators import ESTIMATORS
 from megatron_kl.kl.sequence_axis import crossing
-from megatron_kl.kl.truncation import Truncation, support_threshold
+from megatron_kl.kl.kernels.truncation import Truncation, support_threshold
 
 TARGETS = ("seq", "token", "forward")
 UNBIASED_TOL = 1e-9

@@ -1,6 +1,6 @@
 """Exact training dynamics of every KL configuration on the audit's tabular policy (float64).
 
-The audit (kl/audit.py) says which configurations' expected gradients are biased; this module shows what the
+The audit (kl/audit/exact.py) says which configurations' expected gradients are biased; this module shows what the
 bias does to training. A reward r(y) on whole sequences and the sequence-level objective
 
     J(pi) = E_pi[r] - beta KL(pi || pi_ref)
@@ -31,8 +31,8 @@ from typing import Optional, Union
 
 import torch
 
-from megatron_kl.algo.corrections import Correction
-from megatron_kl.kl.audit import TabularProblem, _quantities
+from megatron_kl.kl.corrections import Correction
+from megatron_kl.kl.audit.exact import TabularProblem, _quantities
 from megatron_kl.kl.objective import KLConfig, kl_loss, kl_shaped_returns, policy_gradient_surrogate
 from megatron_kl.kl.rpg import DIVERGENCES, SURROGATES, RPGConfig, rpg_loss
 
@@ -95,7 +95,7 @@ def rpg_configs(coef: float = 0.1) -> list[RPGConfig]:
 def verdict_of(problem: TabularProblem, cfg, off_policy: bool) -> str:
     """The audit's verdict for any configuration this module trains: the expected gradient against the three KL
     targets (used for the RPG losses, which the audit's table does not list)."""
-    from megatron_kl.kl.audit import exact_targets, judge
+    from megatron_kl.kl.audit.exact import exact_targets, judge
 
     table = problem.behavior_table if off_policy else problem.policy_table
     q = sequence_log_probs(problem, table).exp().detach()
@@ -231,7 +231,7 @@ def exact_dynamics(problem: TabularProblem, rewards: torch.Tensor, beta: float, 
     """One row per configuration (and beta = 0 as the control), each trained from pi_ref; a KL configuration with
     ``off_policy='behavior'`` gets one row per behaviour correction in ``corrections``; RPG losses are judged by
     :func:`verdict_of`. ``traces`` (a dict) receives each row's KL(pi || pi*) per step under its name."""
-    from megatron_kl.kl.audit import audit
+    from megatron_kl.kl.audit.exact import audit
 
     kl_configs = [cfg for cfg in configs if isinstance(cfg, KLConfig)]
     verdicts = {row.name: row.verdict for row in audit(problem, off_policy, kl_configs, corrections)}
@@ -359,7 +359,7 @@ def train_stale(problem: TabularProblem, rewards: torch.Tensor, beta: float, cfg
     """Asynchronous training as the trainer runs it with ``train.staleness = s``: each step draws ``batch``
     sequences from mu = pi_{t-s} (the policy s updates ago; pi_ref before that), the reward's policy gradient is
     sum_y w(y) sum_t c_t (r(y) - b) grad log pi(y_t | s_t) with the batch-mean baseline b and the behaviour
-    correction's weights c_t from pi / mu (``correction``, an algo.corrections.Correction; None: c = 1), and the KL
+    correction's weights c_t from pi / mu (``correction``, a kl.corrections.Correction; None: c = 1), and the KL
     term is the configuration's minibatch estimate with mu's log-probs as its behaviour log-probs (its own
     kl.off_policy correction). s = 0 is on-policy.
 

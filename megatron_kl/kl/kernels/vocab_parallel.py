@@ -32,7 +32,7 @@ summation), not BLAS dot products, whose sequential accumulation is ~80x less ac
 Math runs in float32 for half-precision inputs and in float64 for float64 inputs. Entries at global
 index >= ``vocab_size`` (Megatron's vocabulary padding) are excluded everywhere.
 
-Truncated policy (``truncation``: top-k / top-p, the support {x_a >= t} found by ``kl.truncation``): e_a is
+Truncated policy (``truncation``: top-k / top-p, the support {x_a >= t} found by ``kl.kernels.truncation``): e_a is
 set to 0 off the support, so S, E[zc], E[u] and every gradient above are those of mu = e / S_support; the KL is
 to the full reference, KL(mu || pi_ref) = E_mu[u] + log(S_ref / S_support) with
 S_ref - S_support = sum_all e_a expm1(-u_a) + sum_off-support e_a (both terms formed directly, so the error
@@ -56,9 +56,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megatron_kl.kl import triton_stats
-from megatron_kl.kl.groups import all_reduce, group_size_rank
-from megatron_kl.kl.truncation import Truncation, effective, find_support
+from megatron_kl.kl.kernels import triton_stats
+from megatron_kl.kl.kernels.groups import all_reduce, group_size_rank
+from megatron_kl.kl.kernels.truncation import Truncation, effective, find_support
 
 DEFAULT_CHUNK = None  # auto: rows such that one chunk temporary is about CHUNK_ELEMENTS entries
 CHUNK_ELEMENTS = 1 << 20  # CPU, measured (module docstring)
@@ -144,7 +144,7 @@ def chunk_forward(x, y, targets, shard: _Shard, group, temperature: float, entro
     ``workspace``: reusable temporaries. The elementwise work runs on blocks of rows of the automatic chunk
     size (cache-sized on CPU) between the chunk's two collectives.
 
-    ``threshold [n]`` (``kl.truncation.find_support``): the policy is the truncated distribution
+    ``threshold [n]`` (``kl.kernels.truncation.find_support``): the policy is the truncated distribution
     mu = softmax(x / tau) restricted to ``{x >= threshold}`` and renormalised; every statistic is mu's (the
     KL is KL(mu || pi_ref) with the full reference), a target outside the support gets the extended
     log-prob zc_t - log S_support. ``support [3, n]`` then receives the support's mass under the full
@@ -465,7 +465,7 @@ def fused_stats(
     logits' storage (no full-size allocation in backward): use it only when the logits are a temporary
     that nothing reads after backward, as in the training loss. ``truncation``: the statistics are those of
     the truncated distribution mu = trunc(softmax(logits / temperature)) (top-k / top-p support, found
-    exactly over the shards by ``kl.truncation.support_threshold``), the KL is KL(mu || softmax(reference /
+    exactly over the shards by ``kl.kernels.truncation.support_threshold``), the KL is KL(mu || softmax(reference /
     temperature)); None or an inactive rule: the full distribution.
     """
     if temperature <= 0:

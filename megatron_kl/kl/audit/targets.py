@@ -13,7 +13,7 @@ update and the engine's numeric mismatch are treated as on-policy, as in every P
 behaviour correction's metrics measure the mismatch.)
 
 A configuration is *unbiased for the target* when its exact expected gradient equals the target's on every
-audit problem (:mod:`megatron_kl.kl.audit`: tabular policies V=3, T=3, seeds ``AUDIT_SEEDS``, float64, all
+audit problem (:mod:`megatron_kl.kl.audit.exact`: tabular policies V=3, T=3, seeds ``AUDIT_SEEDS``, float64, all
 sequences enumerated) to a relative error below ``UNBIASED_TOL``; ``kl.off_policy=behavior`` is judged with
 the run's own behaviour correction and thresholds. ``kl.estimator=auto`` picks, among the unbiased
 configurations, the one with the lowest per-sample gradient variance on those problems (ties: the simpler
@@ -28,8 +28,8 @@ import functools
 from dataclasses import dataclass
 from typing import Optional
 
-from megatron_kl.algo.corrections import Correction, canonical
-from megatron_kl.kl.audit import UNBIASED_TOL, TabularProblem, all_configs, audit, behavior_configs
+from megatron_kl.kl.corrections import Correction, canonical
+from megatron_kl.kl.audit.exact import UNBIASED_TOL, TabularProblem, all_configs, audit, behavior_configs
 from megatron_kl.kl.objective import AUTO, TARGETS, KLConfig
 
 AUDIT_SEEDS = (0, 1)

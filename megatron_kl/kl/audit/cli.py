@@ -13,7 +13,7 @@ once log pi (distribution=full).
 
 ``--dynamics`` trains instead: every configuration from pi = pi_ref by gradient ascent with its exact expected
 direction on E_pi[r] - beta KL(pi || pi_ref) (a random reward on whole sequences), and reports where it ends
-against the closed-form optimum pi* (kl/dynamics.py).
+against the closed-form optimum pi* (kl/audit/dynamics.py).
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from megatron_kl.algo.corrections import CORRECTIONS
-from megatron_kl.kl.audit import TabularProblem, all_configs, audit, behavior_configs, format_table
-from megatron_kl.kl.truncation import Truncation
+from megatron_kl.kl.corrections import CORRECTIONS
+from megatron_kl.kl.audit.exact import TabularProblem, all_configs, audit, behavior_configs, format_table
+from megatron_kl.kl.kernels.truncation import Truncation
 
 
 def main(argv=None) -> int:
@@ -58,7 +58,7 @@ def main(argv=None) -> int:
                         help="--stale: behaviour corrections (algo.behavior_correction; the truncated-IS kinds "
                              "uncapped, their unbiased limit)")
     parser.add_argument("--stale-configs", nargs="+", default=None,
-                        help="--stale: configuration names (default: kl/dynamics.py STALE_CONFIGS)")
+                        help="--stale: configuration names (default: kl/audit/dynamics.py STALE_CONFIGS)")
     parser.add_argument("--behavior", nargs="+", default=[], choices=CORRECTIONS, metavar="KIND",
                         help="--dynamics: add to the off-policy table every configuration with each behaviour "
                              "correction KIND on its KL term (kl.off_policy=behavior; truncated-IS kinds uncapped)")
@@ -100,7 +100,7 @@ def main(argv=None) -> int:
 
 
 def _dynamics(args) -> int:
-    from megatron_kl.kl.dynamics import dynamics_problem, exact_dynamics, format_dynamics, rpg_configs
+    from megatron_kl.kl.audit.dynamics import dynamics_problem, exact_dynamics, format_dynamics, rpg_configs
 
     problem, rewards = dynamics_problem(args.vocab, args.length, args.seed)
     if args.stale and not args.sampled:
@@ -123,11 +123,11 @@ def _dynamics(args) -> int:
         print(format_dynamics(part))
         rows += part
     if args.figures:
-        from megatron_kl.kl.dynamics_figures import exact_figure
+        from megatron_kl.kl.audit.figures import exact_figure
 
         print(f"\nwrote {exact_figure(sections, Path(args.figures))}")
     if args.sampled:
-        from megatron_kl.kl.dynamics import format_sampled, train_sampled
+        from megatron_kl.kl.audit.dynamics import format_sampled, train_sampled
 
         verdicts = {r.outcome.name: r.verdict for r in rows if r.mode == "on_policy"}  # the control's included
         sampled = [(outcome, verdicts[outcome.name])
@@ -151,15 +151,15 @@ def _corrections(kinds: list[str]) -> tuple:
     """Behaviour corrections by kind at their defaults, the truncated-IS kinds uncapped (their unbiased limit)."""
     import math
 
-    from megatron_kl.algo.corrections import Correction, canonical
+    from megatron_kl.kl.corrections import Correction, canonical
 
     return tuple(Correction(kind, tis_cap=math.inf) if canonical(kind).endswith("_tis") else Correction(kind)
                  for kind in kinds)
 
 
 def _stale(args, problem, rewards) -> None:
-    from megatron_kl.algo.corrections import canonical
-    from megatron_kl.kl.dynamics import COLLAPSE_DROP, STALE_CONFIGS, format_stale, train_stale
+    from megatron_kl.kl.corrections import canonical
+    from megatron_kl.kl.audit.dynamics import COLLAPSE_DROP, STALE_CONFIGS, format_stale, train_stale
 
     configs = {cfg.name: cfg for cfg in all_configs(True)}
     names = args.stale_configs or list(STALE_CONFIGS)
@@ -187,7 +187,7 @@ def _stale(args, problem, rewards) -> None:
           "audit")
     print(format_stale(rows))
     if args.figures:
-        from megatron_kl.kl.dynamics_figures import stale_figure
+        from megatron_kl.kl.audit.figures import stale_figure
 
         print(f"\nwrote {stale_figure(panels, Path(args.figures))}")
 

@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megatron_kl.kl.groups import all_reduce
+from megatron_kl.kl.kernels.groups import all_reduce
 
 ENV = "MEGATRON_KL_TRITON"
 BLOCK_ENV = "MEGATRON_KL_TRITON_BLOCK"
@@ -106,7 +106,7 @@ def _kernels():
             raise RuntimeError("TRITON_INTERPRET=1 was set after triton.language had been imported in compiled mode, "
                                "so its library functions cannot run in the interpreter: set TRITON_INTERPRET=1 before "
                                "the process starts (or before anything imports triton)")
-    name = "megatron_kl.kl.triton_kernels"
+    name = "megatron_kl.kl.kernels.triton_kernels"
     module = sys.modules.get(name)
     if module is None:
         module = importlib.import_module(name)

@@ -4,7 +4,7 @@ Inputs are the final hidden states ``h [N, H]`` (N rows, the full sequence on ev
 rank's vocabulary shard of the output weight ``W [V/tp, H]`` (the embedding when they are tied); for the
 KL also the reference's ``h_ref [N, H_ref]`` and ``W_ref [V/tp, H_ref]``. Rows are processed in chunks of
 ``c``: the raw logits ``z = h_chunk W^T`` and ``r = h_ref_chunk W_ref^T`` exist for one chunk at a time and
-are reduced over the TP group exactly as in :mod:`megatron_kl.kl.vocab_parallel` (``chunk_forward``), so
+are reduced over the TP group exactly as in :mod:`megatron_kl.kl.kernels.vocab_parallel` (``chunk_forward``), so
 no tensor of size N x V/tp is ever allocated. Backward recomputes each chunk's logits instead of saving
 them; with ``G = dL/dz_chunk`` from ``chunk_grad`` (the softmax-weighted bracket over the full, TP-reduced
 vocabulary):
@@ -35,9 +35,9 @@ from typing import Optional
 
 import torch
 
-from megatron_kl.kl.groups import group_size_rank
-from megatron_kl.kl.truncation import Truncation, effective, find_support
-from megatron_kl.kl.vocab_parallel import (
+from megatron_kl.kl.kernels.groups import group_size_rank
+from megatron_kl.kl.kernels.truncation import Truncation, effective, find_support
+from megatron_kl.kl.kernels.vocab_parallel import (
     VocabParallelStats,
     Workspace,
     _shard,
@@ -278,7 +278,7 @@ def _gather_rows(hidden: torch.Tensor, tp_group, sequence_parallel: bool) -> tor
 
     if tp_group is None or torch.distributed.get_world_size(tp_group) == 1:
         return hidden
-    from megatron_kl.models.compat import apply_cpu_shims
+    from megatron_kl.megatron_compat import apply_cpu_shims
 
     apply_cpu_shims()  # megatron's mappings allocate on torch.cuda.current_device(); a no-op with CUDA
     if sequence_parallel:  # [s/tp, b, H] -> [s, b, H]; backward reduce-scatters the partial dL/dh
