@@ -38,6 +38,7 @@ def check(cfg) -> int:
         kind = "refused" if isinstance(err, RunRefused) else "config error"
         print(f"megatron-kl train --check: {kind}: {err}", file=sys.stderr)
         return 2
+    cfg = prepared.config
     print(yaml.safe_dump(redact_secrets(to_dict(cfg)), sort_keys=False), end="")
     verdict = kl_verdict(cfg)
     print(f"# run name: {cfg.run_name}")

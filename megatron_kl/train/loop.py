@@ -42,16 +42,28 @@ def seed_everything(seed: int) -> None:
 
 
 def _hf_source(cfg: TrainConfig):
-    """The init HF checkpoint, with the run's model config checked against (and completed from) it."""
+    """The init HF checkpoint (None without one)."""
     if cfg.init.hf_checkpoint is None:
         return None
     try:
-        checkpoint = hf.HFCheckpoint(cfg.init.hf_checkpoint)
+        return hf.HFCheckpoint(cfg.init.hf_checkpoint)
     except FileNotFoundError as err:
         raise ConfigError(f"init.hf_checkpoint={cfg.init.hf_checkpoint}: {err}; give an HF model directory (write one "
                           "with `megatron-kl convert --megatron CKPT --out DIR` or `--gguf FILE --out DIR`)") from None
-    cfg.model = hf.model_config_for_run(cfg.model, checkpoint)
-    return checkpoint
+
+
+def resolve(cfg: TrainConfig, task, hf_source) -> TrainConfig:
+    """The configuration the run uses, as a new object (``cfg`` is left as loaded): the model section checked
+    against and completed from the init HF checkpoint, and the stop tokens when none are given (the tokenizer's eos
+    and the checkpoint's). What loading resolved already (``kl.estimator=auto``'s choice, ``{run_name}`` in the
+    output directory, the Dr. GRPO length) is kept."""
+    model = hf.model_config_for_run(cfg.model, hf_source) if hf_source is not None else cfg.model
+    sampling = cfg.rollout.sampling
+    if not sampling.stop_token_ids:
+        sampling = dataclasses.replace(sampling, stop_token_ids=default_stop_token_ids(task, hf_source))
+    resolved = dataclasses.replace(cfg, model=model, rollout=dataclasses.replace(cfg.rollout, sampling=sampling))
+    resolved.kl_selection = cfg.kl_selection  # loading resolved kl.estimator=auto; kl is no longer "auto" here
+    return resolved
 
 
 def default_stop_token_ids(task, hf_source) -> list[int]:
@@ -95,6 +107,7 @@ def _claim(cfg: TrainConfig, plan: run_dir.StartPlan, world_size: int) -> Option
 class Prepared:
     """What a start decides from the configuration alone (no process group, server, model or file written)."""
 
+    config: TrainConfig  # resolved (:func:`resolve`)
     world_size: int
     hf_source: object
     task: object
@@ -103,26 +116,27 @@ class Prepared:
 
 def prepare(cfg: TrainConfig) -> Prepared:
     """Every check the configuration alone decides - values, combinations, layout vs the world size, tokenizer
-    vs model vocabulary, files that must exist - and the start plan (fresh / resume / finished / refused).
-    Raises ConfigError (RunRefused) naming the fields; touches nothing (``megatron-kl train --check``)."""
+    vs model vocabulary, files that must exist - on the resolved configuration, and the start plan (fresh / resume
+    / finished / refused). Raises ConfigError (RunRefused) naming the fields; touches nothing, ``cfg`` and the
+    random generators included (``megatron-kl train --check``)."""
     world_size = _world_size()
     hf_source = _hf_source(cfg)
-    seed_everything(cfg.train.seed)
     task = build_task(cfg.task)
-    if not cfg.rollout.sampling.stop_token_ids:
-        cfg.rollout.sampling.stop_token_ids = default_stop_token_ids(task, hf_source)
+    cfg = resolve(cfg, task, hf_source)
     validate_parallel(cfg.model, cfg.parallel, world_size)
     validate_training_layout(cfg.model, cfg.parallel, cfg.train.micro_batch_tokens)
     model_parallel = cfg.parallel.tensor_parallel * cfg.parallel.pipeline_parallel * cfg.parallel.context_parallel
     validate_train_config(cfg, task.tokenizer.vocab_size, world_size // model_parallel)
     context_parallel.check_runnable(cfg.parallel, builder.have_transformer_engine())  # where it can run at all
-    return Prepared(world_size, hf_source, task, run_dir.plan_start(cfg, world_size))
+    return Prepared(cfg, world_size, hf_source, task, run_dir.plan_start(cfg, world_size))
 
 
 def train(cfg: TrainConfig) -> dict:
     """Run (or resume) the training the configuration describes; its summary (also ``summary.json``)."""
+    seed_everything(cfg.train.seed)  # model initialisation and the task's data draw from the global generators
     prepared = prepare(cfg)  # a refused start changes nothing (train/run_dir.py)
-    world_size, hf_source, task, plan = (prepared.world_size, prepared.hf_source, prepared.task, prepared.plan)
+    cfg, world_size, hf_source, task, plan = (prepared.config, prepared.world_size, prepared.hf_source, prepared.task,
+                                              prepared.plan)
     if plan.kind == "finished":
         return {**run_dir.read_summary(Path(cfg.train.output_dir)), "already_finished": True}
     stop = StopSignals(cfg.train.stop_signals)  # from here on a stop signal ends the run cleanly

@@ -183,13 +183,15 @@ def failing_train_worker(rank, world, cfg_dict: dict, fail_at: int, kind: str):
 def trainer_steps_worker(rank, world, cfg_dict: dict, steps: int):
     """One RL step at a time through the Trainer object, without fit(): its metrics per step."""
     from megatron_kl.models import parallel
-    from megatron_kl.train.loop import prepare
+    from megatron_kl.train.loop import prepare, seed_everything
     from megatron_kl.train.preemption import StopSignals
     from megatron_kl.train.topology import Topology
     from megatron_kl.train.trainer import Trainer
 
     cfg = from_dict(TrainConfig, cfg_dict)
+    seed_everything(cfg.train.seed)
     prepared = prepare(cfg)
+    cfg = prepared.config
     parallel.initialize(cfg.model, cfg.parallel, seed=cfg.train.seed)
     stop = StopSignals(cfg.train.stop_signals)
     try:
