@@ -22,6 +22,7 @@ reduction into its exact share of the minibatch reduction, so gradient accumulat
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -36,6 +37,47 @@ from megatron_kl.kl.objective import (KLConfig, aggregate_tokens, kl_loss, kl_pe
 from megatron_kl.kl.rpg import rpg_loss
 from megatron_kl.kl.sequence_axis import LOCAL, SequenceAxis
 from megatron_kl.models.pipeline import masked_token_stats
+
+@dataclass(frozen=True)
+class LossInputs:
+    """One (micro)batch's per-token inputs to the policy loss, each [b, T] and aligned with ``loss_mask`` (T = S - 1:
+    position t scores token t + 1; with context parallelism, this rank's zigzag shard [b, 2L]).
+
+    - ``loss_mask``: 1 on response tokens;
+    - ``behavior_logprobs``: log mu(y_t), the sampler's (the rollout engine's, stale in async mode);
+    - ``reference_logprobs``: log pi_ref(y_t) (zeros without a KL term: then unread);
+    - ``advantages``: the reward part's sequence advantage (GRPO/RLOO/...) broadcast over the response;
+    - ``old_logprobs``: log pi_old(y_t), the policy at the start of the update (None: the update's own forward
+      is pi_old's, ``algo.old_logprobs=from_update``);
+    - ``kl_returns``: the credited KL penalty -coef * c_t of the reward placement (None: formed from this forward,
+      with ``old_logprobs``).
+
+    The trainer writes them into the batch under these names (:meth:`extras`); the loss reads them back
+    (:meth:`from_microbatch`), so a missing input is an error naming it, not a KeyError on some rank.
+    """
+
+    loss_mask: torch.Tensor
+    behavior_logprobs: torch.Tensor
+    reference_logprobs: torch.Tensor
+    advantages: torch.Tensor
+    old_logprobs: Optional[torch.Tensor] = None
+    kl_returns: Optional[torch.Tensor] = None
+
+    def extras(self) -> dict:
+        """The tensors to carry in a ``SequenceBatch``'s extras (split with its rows): every field but the mask
+        (the batch's own) and those left None."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name != "loss_mask" and getattr(self, f.name) is not None}
+
+    @classmethod
+    def from_microbatch(cls, mb: dict) -> "LossInputs":
+        required = [f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING]
+        missing = [name for name in required if name not in mb]
+        if missing:
+            raise KeyError(f"the microbatch carries no {missing}: the policy loss needs {required} "
+                           "(LossInputs.extras() writes them into the batch)")
+        return cls(**{f.name: mb.get(f.name) for f in dataclasses.fields(cls)})
+
 
 @dataclass
 class Shares:
@@ -113,45 +155,45 @@ def microbatch_loss(stats, mb: dict, algo: AlgoConfig, kl: KLConfig, shares: Sha
                     axis: SequenceAxis = LOCAL) -> tuple[torch.Tensor, dict]:
     """This microbatch's share of the minibatch loss, and metrics (sums to be averaged by the caller).
 
-    ``mb`` holds [b, T] tensors: loss_mask, old_logprobs, behavior_logprobs, reference_logprobs,
-    advantages (the reward part, broadcast per token) and kl_returns (-coef * c_t, reward placement).
+    ``mb`` carries the :class:`LossInputs` under their names (with the microbatch's tokens and rows).
     With a context-parallel ``axis`` they are this rank's zigzag shard [b, 2 L] and every reduction over the
     sequence crosses the group (``kl.sequence_axis``): the loss and metrics are the whole sequences' on every
     rank, and back-propagating ``loss * axis.share`` on each gives each rank its shard of the gradient.
     """
-    mask = mb["loss_mask"].to(stats.logprobs.dtype)
+    inputs = LossInputs.from_microbatch(mb)
+    mask = inputs.loss_mask.to(stats.logprobs.dtype)
     logprobs = stats.logprobs
     metrics: dict = {}
-    if "old_logprobs" not in mb:  # algo.old_logprobs=from_update: this forward is pi_old's
-        mb = {**mb, "old_logprobs": logprobs.detach()}
+    if inputs.old_logprobs is None:  # algo.old_logprobs=from_update: this forward is pi_old's
+        inputs = dataclasses.replace(inputs, old_logprobs=logprobs.detach())
         if kl.coef > 0 and kl.placement == "reward":
-            mb["kl_returns"] = -kl.coef * kl_penalty_credit(
-                kl, mb["old_logprobs"], mb["reference_logprobs"], mask.bool(), mb["behavior_logprobs"],
-                full_kl=None if stats.kl is None else stats.kl.detach(), counter=counter, axis=axis)
+            inputs = dataclasses.replace(inputs, kl_returns=-kl.coef * kl_penalty_credit(
+                kl, inputs.old_logprobs, inputs.reference_logprobs, mask.bool(), inputs.behavior_logprobs,
+                full_kl=None if stats.kl is None else stats.kl.detach(), counter=counter, axis=axis))
     weight = None
     if algo.loss == "ppo":
-        weight, correction = correction_of(algo).weights(mb["old_logprobs"], mb["behavior_logprobs"], mask, counter,
-                                                         axis)
+        weight, correction = correction_of(algo).weights(inputs.old_logprobs, inputs.behavior_logprobs, mask,
+                                                         counter, axis)
         metrics.update(correction)
-        per_token, clipped, ratio = ppo_loss(logprobs, mb["old_logprobs"], mb["advantages"], mask, algo, weight, counter,
-                                             axis)
+        per_token, clipped, ratio = ppo_loss(logprobs, inputs.old_logprobs, inputs.advantages, mask, algo, weight,
+                                             counter, axis)
         policy = aggregate_tokens(per_token, mask, algo.aggregation, algo.norm_length, axis)
         metrics["policy/clip_fraction"] = axis.total(clipped.to(mask.dtype)) / axis.total(mask).clamp_min(1)
         metrics["policy/ratio_max"] = axis.maximum(ratio)
     else:
-        policy, rpg_metrics = rpg_loss(algo.rpg, logprobs, mb["old_logprobs"], mb["reference_logprobs"],
-                                       mb["advantages"], mask, counter, axis)
+        policy, rpg_metrics = rpg_loss(algo.rpg, logprobs, inputs.old_logprobs, inputs.reference_logprobs,
+                                       inputs.advantages, mask, counter, axis)
         metrics.update(rpg_metrics)
         metrics["policy/clip_fraction"] = rpg_metrics.get("rpg/clip_fraction", torch.zeros(()))
     policy_share = shares.factor(algo.aggregation, mask, axis)
     total = policy * policy_share
     if kl.coef > 0:
         if kl.placement == "reward":
-            surrogate = policy_gradient_surrogate(kl, logprobs, mb["kl_returns"], mask, mb["behavior_logprobs"], counter,
-                                                  behavior_weight=weight, axis=axis)
+            surrogate = policy_gradient_surrogate(kl, logprobs, inputs.kl_returns, mask, inputs.behavior_logprobs,
+                                                  counter, behavior_weight=weight, axis=axis)
             kl_term = -surrogate
         else:
-            kl_term = kl_loss(kl, logprobs, mb["reference_logprobs"], mask, mb["behavior_logprobs"],
+            kl_term = kl_loss(kl, logprobs, inputs.reference_logprobs, mask, inputs.behavior_logprobs,
                               full_kl=stats.kl, counter=counter, behavior_weight=weight, axis=axis)
         kl_share = kl_term * shares.factor(kl.aggregation, mask, axis)
         total = total + kl_share

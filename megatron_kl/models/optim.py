@@ -142,17 +142,28 @@ def initialize_adam_state(optimizer) -> None:
                     state[name] = torch.zeros_like(param, memory_format=torch.preserve_format)
 
 
+@dataclass(frozen=True)
+class UpdateResult:
+    """One optimizer step over a minibatch: whether it was applied (False: a NaN/inf gradient entry somewhere,
+    weights and LR schedule unchanged), the gradient norm before clipping (nan when skipped), the learning rate
+    it used, and the loss function's (loss, metrics) outputs per microbatch in schedule order."""
+
+    update_successful: bool
+    grad_norm: float
+    lr: float
+    microbatch_metrics: list
+
+
 def train_step(
     state: TrainState, batch: SequenceBatch, num_microbatches: int, loss_fn: LossFn, vocab: VocabOptions,
     reference: Optional[ReferenceHead] = None, token_budget: int = 0,
-) -> dict:
+) -> UpdateResult:
     """Forward/backward over all microbatches (``num_microbatches`` slices, or microbatches of at most
     ``token_budget`` padded tokens: pipeline.SequenceBatch.split), grad reduction, clipping, optimizer and LR
     step.
 
     A gradient with a NaN/inf entry on any model-parallel rank skips the optimizer and LR step on every
     rank (megatron's ``update_successful`` semantics): the weights stay as they were.
-    Returns ``{"grad_norm", "lr", "update_successful", "microbatch_metrics"}``.
     """
     for chunk in state.chunks:
         chunk.train()
@@ -166,12 +177,9 @@ def train_step(
         update_successful, grad_norm = False, float("nan")
     if update_successful:
         state.scheduler.step(increment=1)
-    return {
-        "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
-        "lr": state.optimizer.param_groups[0]["lr"],
-        "update_successful": bool(update_successful),
-        "microbatch_metrics": outputs,
-    }
+    return UpdateResult(update_successful=bool(update_successful),
+                        grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
+                        lr=state.optimizer.param_groups[0]["lr"], microbatch_metrics=outputs)
 
 
 def grads_finite(chunks: list) -> bool:

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from megatron_kl.algo.advantages import sequence_advantages
 from megatron_kl.kl.corrections import mismatch_metrics
-from megatron_kl.algo.losses import MICROBATCH_TOKENS, MicrobatchLoss, Shares
+from megatron_kl.algo.losses import MICROBATCH_TOKENS, LossInputs, MicrobatchLoss, Shares
 from megatron_kl.kl.config import LOG_RATIO_CLAMP
 from megatron_kl.kl.estimators import ClampCounter, token_estimate
 from megatron_kl.kl.objective import kl_shaped_returns
@@ -276,11 +276,11 @@ def _update(ctx: StepContext, sequences, step: int, vocab, reference_head) -> tu
             with ctx.offload.resident() if reference_head is not None else nullcontext():
                 out = optim.train_step(ctx.train_state, minibatch, run.micro_batches, loss, vocab,
                                        reference=reference_head, token_budget=run.micro_batch_tokens)
-            if record_update(ctx, out["update_successful"], step, run.max_consecutive_skips):
-                grad_norms.append(out["grad_norm"])
+            if record_update(ctx, out.update_successful, step, run.max_consecutive_skips):
+                grad_norms.append(out.grad_norm)
             else:
                 skipped += 1
-            for metrics in out["microbatch_metrics"]:
+            for metrics in out.microbatch_metrics:
                 weight = float(metrics.get(MICROBATCH_TOKENS, 1.0))
                 for key, value in metrics.items():
                     if key == MICROBATCH_TOKENS:
@@ -292,7 +292,7 @@ def _update(ctx: StepContext, sequences, step: int, vocab, reference_head) -> tu
                     else:
                         sums[key] += float(value) * weight
                         counts[key] += weight
-            lr = out["lr"]
+            lr = out.lr
             if loss.captured is not None:
                 captured = _stitch(loss, order, tuple(sequences.loss_mask.shape))
     # per-token metrics: weighted by each microbatch's response tokens (the minibatch value however the rows
@@ -351,17 +351,17 @@ def rl_step(ctx: StepContext, batch: RolloutBatch, step: int) -> dict:
     ctx.clamps.counts.clear()
     advantages = sequence_advantages(batch.rewards, run.group_size, algo.advantage, algo.std_normalize)
     zeros = torch.zeros(mask.shape, dtype=torch.float32)
-    sequences.extras.update(
-        behavior_logprobs=batch.behavior_logprobs,
-        reference_logprobs=reference["logprobs"] if reference is not None else zeros,  # unread without a KL term
-        advantages=advantages[:, None] * mask,
-    )
+    inputs = LossInputs(loss_mask=mask, behavior_logprobs=batch.behavior_logprobs,
+                        reference_logprobs=reference["logprobs"] if reference is not None else zeros,  # unread: no KL
+                        advantages=advantages[:, None] * mask)
     if old is not None:
         returns = batch.rewards[:, None].to(old["logprobs"].dtype) * mask
         if reference is not None:
             returns = kl_shaped_returns(kl, batch.rewards, old["logprobs"], reference["logprobs"], mask,
                                         batch.behavior_logprobs, full_kl=old.get("kl"), counter=ctx.clamps)
-        sequences.extras.update(old_logprobs=old["logprobs"], kl_returns=returns - batch.rewards[:, None] * mask)
+        inputs = dataclasses.replace(inputs, old_logprobs=old["logprobs"],
+                                     kl_returns=returns - batch.rewards[:, None] * mask)
+    sequences.extras.update(inputs.extras())
     # the update's forward needs the exact KL for a full KL in the loss, and to be pi_old's stats (from_update)
     exact_in_loss = kl.estimator == "full" and kl.placement == "loss" and kl.coef > 0
     needs_head = reference is not None and needs_exact_kl(cfg, step) and (exact_in_loss or old is None)

@@ -106,7 +106,7 @@ def _train(cfg, task, should_stop=None) -> dict[str, torch.Tensor]:
         local = batch.select(torch.arange(dp_rank * per_rank, (dp_rank + 1) * per_rank))
         out = optim.train_step(train_state, local, cfg.train.micro_batches, loss_fn, vocab)
         if step % 50 == 0 or step == ws.steps - 1:
-            nll = sum(float(m["nll"]) for m in out["microbatch_metrics"])
+            nll = sum(float(m["nll"]) for m in out.microbatch_metrics)
             log.info("warm start step %d/%d: nll/sequence %.4f", step + 1, ws.steps, nll)
     tied = cfg.model.tie_word_embeddings
     full = state.full_state_dict([output_head.unwrap(c) for c in train_state.chunks], cfg.model.vocab_size, tied,

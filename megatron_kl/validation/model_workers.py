@@ -108,7 +108,7 @@ def layout_worker(rank, world, model_cfg: ModelConfig, parallel_cfg: ParallelCon
         "probes": loss_fn.probes,
         "grads": grads,
         "updated": updated,
-        "grad_norm": step["grad_norm"],
+        "grad_norm": step.grad_norm,
         "is_last_stage": parallel_state.is_pipeline_last_stage(),
     }
 
@@ -179,8 +179,8 @@ def nonfinite_step_worker(rank, world, model_cfg: ModelConfig, parallel_cfg: Par
     after_bad, lr_after_bad = weights(), train.optimizer.param_groups[0]["lr"]
     good = optim.train_step(train, batch, 2, _PoisonedLoss(tokens.shape[0], False), vocab)
     after_good = weights()
-    return {"bad": {k: bad[k] for k in ("update_successful", "grad_norm")},
-            "good": {k: good[k] for k in ("update_successful", "grad_norm")},
+    return {"bad": {"update_successful": bad.update_successful, "grad_norm": bad.grad_norm},
+            "good": {"update_successful": good.update_successful, "grad_norm": good.grad_norm},
             "unchanged": all(torch.equal(before[k], after_bad[k]) for k in before),
             "changed_after_good": any(not torch.equal(before[k], after_good[k]) for k in before),
             "finite_after_good": all(torch.isfinite(v).all() for v in after_good.values()),

@@ -241,3 +241,18 @@ def test_position_draws_follow_the_forcing_schemes_stream():
     assert torch.equal(draws.generator.get_state(), forcing.generator.get_state())
     greedy = PositionDraws(torch.Generator().manual_seed(9), prompt_len, 9, random=False)
     assert not greedy.response(0, active).any() and greedy.drawn_steps == 0
+
+
+def test_loss_inputs_travel_by_name_and_a_missing_one_is_named():
+    from megatron_kl.algo.losses import LossInputs
+
+    mask = torch.ones(2, 3)
+    inputs = LossInputs(loss_mask=mask, behavior_logprobs=torch.randn(2, 3), reference_logprobs=torch.randn(2, 3),
+                        advantages=torch.randn(2, 3), old_logprobs=torch.randn(2, 3))
+    extras = inputs.extras()
+    assert set(extras) == {"behavior_logprobs", "reference_logprobs", "advantages", "old_logprobs"}  # None left out
+    back = LossInputs.from_microbatch({"loss_mask": mask, "tokens": torch.zeros(2, 4), **extras})
+    assert back.kl_returns is None and all(torch.equal(getattr(back, k), v) for k, v in extras.items())
+    del extras["reference_logprobs"]
+    with pytest.raises(KeyError, match="reference_logprobs"):
+        LossInputs.from_microbatch({"loss_mask": mask, **extras})
