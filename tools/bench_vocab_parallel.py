@@ -168,7 +168,7 @@ def _logits_paths(tokens: int, vocab: int, chunk, group, world: int, rank: int, 
 def _linear_paths(tokens: int, vocab: int, hidden_size: int, chunk, device: str = "cpu") -> dict:
     import torch
 
-    from megatron_kl.kl.kernels.fused_linear import default_chunk_rows, fused_linear_grads, fused_linear_stats
+    from megatron_kl.kl.kernels.fused_linear import linear_chunk_rows, fused_linear_grads, fused_linear_stats
     from megatron_kl.kl.kernels.vocab_parallel import fused_stats
 
     g = torch.Generator().manual_seed(0)
@@ -213,7 +213,7 @@ def _linear_paths(tokens: int, vocab: int, hidden_size: int, chunk, device: str 
         ones = torch.ones(tokens, device=device)
         _, grad_hidden, grad_weight = fused_linear_grads(
             hidden, weight.detach(), reference_hidden, reference_weight, targets, None, TEMPERATURE, None,
-            chunk or default_chunk_rows(vocab, single_pass=True),
+            chunk or linear_chunk_rows(vocab, single_pass=True),
             lambda out, lo, hi: (ones[lo:hi], ones[lo:hi], ones[lo:hi]))
         return grad_hidden, grad_weight
 

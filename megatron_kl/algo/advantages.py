@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_kl.algo.config import ADVANTAGES as ESTIMATORS
+from megatron_kl.algo.config import ADVANTAGES
 from megatron_kl.config import ConfigError
 
 
@@ -26,8 +26,8 @@ def _whiten(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 def sequence_advantages(rewards: torch.Tensor, group_size: int, estimator: str,
                         std_normalize: bool = True, eps: float = 1e-6) -> torch.Tensor:
-    if estimator not in ESTIMATORS:
-        raise ConfigError(f"algo.advantage={estimator!r} is unknown; use one of {list(ESTIMATORS)}")
+    if estimator not in ADVANTAGES:
+        raise ConfigError(f"algo.advantage={estimator!r} is unknown; use one of {list(ADVANTAGES)}")
     if rewards.dim() != 1 or rewards.numel() % group_size:
         raise ValueError(f"rewards {tuple(rewards.shape)} must be [N] with N divisible by group_size={group_size}")
     r = rewards.double()

@@ -19,8 +19,6 @@ from typing import Optional
 
 import torch
 
-from megatron_kl.kl.config import ESTIMATORS  # noqa: F401
-
 
 def safe_exp_bound(dtype: torch.dtype) -> float:
     """Largest |x| such that exp(x) and its products stay finite in ``dtype`` (half the log of max)."""

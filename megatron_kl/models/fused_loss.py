@@ -15,7 +15,7 @@ import dataclasses
 
 import torch
 
-from megatron_kl.kl.kernels.fused_linear import PrecomputedGrad, _gather_rows, default_chunk_rows, fused_linear_grads
+from megatron_kl.kl.kernels.fused_linear import PrecomputedGrad, _gather_rows, linear_chunk_rows, fused_linear_grads
 from megatron_kl.kl.kernels.vocab_parallel import VocabParallelStats, compute_dtype, support_fields
 from megatron_kl.models.output_head import fused_layout
 
@@ -60,7 +60,7 @@ def single_pass_loss(vocab, reference, mb: dict, hidden, weight, tp_group, seque
         grads = [None if g is None else to_rows(g, lo, hi) for g in grads]
         return grads[0], grads[1], grads[2] if has_ref else None
 
-    chunk = vocab.chunk_size or default_chunk_rows(weight.shape[0], single_pass=True, device=weight.device)
+    chunk = vocab.chunk_size or linear_chunk_rows(weight.shape[0], single_pass=True, device=weight.device)
     out, grad_hidden, grad_weight = fused_linear_grads(
         policy_rows.detach().contiguous(), weight.detach(), ref_rows, reference_weight, flat_targets, tp_group,
         vocab.temperature, vocab.vocab_size, chunk, probe, want_weight=weight.requires_grad,

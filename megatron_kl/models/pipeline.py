@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_kl.config import sequence_multiple
-from megatron_kl.kl.kernels.fused_linear import default_chunk_rows, fused_linear_stats
+from megatron_kl.kl.kernels.fused_linear import linear_chunk_rows, fused_linear_stats
 from megatron_kl.kl.kernels.truncation import Truncation, effective
 from megatron_kl.kl.kernels.vocab_parallel import DEFAULT_CHUNK, VocabParallelStats, fused_stats
 from megatron_kl.models.fused_loss import single_pass_loss
@@ -148,8 +148,8 @@ class VocabOptions:
         if self.fused is not None:
             return self.fused
         if single_sweep:
-            return rows >= (self.chunk_size or default_chunk_rows(local_vocab))
-        chunk_rows = self.chunk_size or default_chunk_rows(local_vocab, single_pass=self.grad_in_forward)
+            return rows >= (self.chunk_size or linear_chunk_rows(local_vocab))
+        chunk_rows = self.chunk_size or linear_chunk_rows(local_vocab, single_pass=self.grad_in_forward)
         return rows >= FUSED_MIN_LOGITS_PER_CHUNK * chunk_rows
 
     @classmethod

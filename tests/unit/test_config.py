@@ -79,18 +79,18 @@ def test_sequence_parallel_without_transformer_engine_is_a_clear_error():
 
 def test_logprob_path_auto_fuses_when_the_logits_outgrow_the_fused_chunks():
     from megatron_kl.models.pipeline import FUSED_MIN_LOGITS_PER_CHUNK, VocabOptions
-    from megatron_kl.kl.kernels.fused_linear import default_chunk_rows
+    from megatron_kl.kl.kernels.fused_linear import linear_chunk_rows
 
     auto = VocabOptions.for_model(_model(vocab_size=151936), ParallelConfig())
     assert auto.fused is None and auto.grad_in_forward
     for local_vocab in (64, 32000, 152064, 152064 // 8):
-        threshold = FUSED_MIN_LOGITS_PER_CHUNK * default_chunk_rows(local_vocab, single_pass=True)
+        threshold = FUSED_MIN_LOGITS_PER_CHUNK * linear_chunk_rows(local_vocab, single_pass=True)
         assert not auto.use_fused(threshold - 1, local_vocab) and auto.use_fused(threshold, local_vocab)
     assert not auto.use_fused(1024, 32000)  # recomputing backward: unfused needs less memory there (README)
     assert auto.use_fused(4096, 152064)
     # a forward-only pass or the single-pass gradient: fused from one full chunk of rows (measured faster)
     for local_vocab in (64, 32000, 49152, 152064 // 8):
-        chunk = default_chunk_rows(local_vocab)
+        chunk = linear_chunk_rows(local_vocab)
         assert not auto.use_fused(chunk - 1, local_vocab, single_sweep=True)
         assert auto.use_fused(chunk, local_vocab, single_sweep=True)
     assert auto.use_fused(1824, 49152, single_sweep=True) and not auto.use_fused(1824, 49152)

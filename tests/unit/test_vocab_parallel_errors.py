@@ -68,6 +68,6 @@ def test_row_blocks_inside_a_chunk_do_not_change_results(monkeypatch, block_elem
 
     one_block = run()
     monkeypatch.setattr(vocab_parallel, "CHUNK_ELEMENTS", block_elements)
-    assert vocab_parallel.default_chunk_rows(33) < 5  # several blocks per chunk
+    assert vocab_parallel.block_rows(33) < 5  # several blocks per chunk
     for a, b in zip(one_block, run()):
         torch.testing.assert_close(a.detach(), b.detach(), rtol=0, atol=1e-12)

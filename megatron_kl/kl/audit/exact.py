@@ -38,11 +38,11 @@ from megatron_kl.kl.corrections import AUDITED, Correction
 from megatron_kl.kl.objective import (
     CREDITS, KLConfig, LEVELS, OFF_POLICY, PLACEMENTS, kl_loss, kl_shaped_returns, policy_gradient_surrogate,
 )
-from megatron_kl.kl.estimators import ESTIMATORS
+from megatron_kl.kl.config import ESTIMATORS, TARGETS as KL_TARGETS
 from megatron_kl.kl.sequence_axis import crossing
 from megatron_kl.kl.kernels.truncation import Truncation, support_threshold
 
-TARGETS = ("seq", "token", "forward")
+TARGETS = tuple(KL_TARGETS.values())  # the audit's names of kl.target's values: seq, token, forward
 UNBIASED_TOL = 1e-9
 
 

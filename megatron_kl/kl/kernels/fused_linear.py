@@ -56,7 +56,7 @@ LINEAR_CHUNK_ELEMENTS = 1 << 23  # logits entries per chunk: the GEMMs want more
 LINEAR_CUDA_CHUNK_ELEMENTS = 1 << 25
 
 
-def default_chunk_rows(local_vocab: int, single_pass: bool = False, device: Optional[torch.device] = None) -> int:
+def linear_chunk_rows(local_vocab: int, single_pass: bool = False, device: Optional[torch.device] = None) -> int:
     """Rows per chunk: one float32 chunk of logits is about LINEAR_CHUNK_ELEMENTS entries, at least 64 rows;
     four times that for the single pass, whose dL/dW accumulation reads and writes the whole [V/tp, H]
     weight gradient once per chunk (measured on 2 CPU cores, 2048 x 152064, H=896: 256 rows at the
@@ -308,7 +308,7 @@ def fused_linear_stats(
     ``[s/tp, ...]`` (gathered along dim 0 here, as megatron's output layer does); ``targets [...]`` and
     ``mask [...]`` then have the full (gathered) leading shape. ``mask``: rows to compute; the others
     output 0 and get no gradient (the same mask on every TP rank). ``vocab_size``: the true vocabulary,
-    padding excluded. ``chunk_size``: rows per chunk (default :func:`default_chunk_rows`). ``truncation``:
+    padding excluded. ``chunk_size``: rows per chunk (default :func:`linear_chunk_rows`). ``truncation``:
     the statistics of the truncated policy (``vocab_parallel.fused_stats``), its support found per chunk.
     """
     if temperature <= 0:
@@ -332,7 +332,7 @@ def fused_linear_stats(
     if targets is not None and tuple(targets.shape) != tuple(lead):
         raise ValueError(f"targets shape {tuple(targets.shape)} != hidden leading shape {tuple(lead)}")
     if chunk_size is None:
-        chunk_size = default_chunk_rows(weight.shape[0], device=weight.device)
+        chunk_size = linear_chunk_rows(weight.shape[0], device=weight.device)
     if chunk_size <= 0:
         raise ValueError(f"chunk_size={chunk_size} must be > 0 (or None for automatic)")
     rows = hidden.reshape(-1, hidden.shape[-1])

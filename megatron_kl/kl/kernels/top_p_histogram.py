@@ -157,7 +157,16 @@ def _cut_in_bucket(members, held, low, high, row_max, total, above, top_p: float
     ordered = values.topk(max(1, int(count.max())), dim=-1).values.double()
     finite = torch.isfinite(ordered)
     probs = torch.where(finite, torch.exp((ordered - row_max[:, None]) / temperature), 0.0) / total[:, None]
-    before = above[:, None] / total[:, None] + probs.cumsum(-1) - probs
-    kept = finite & (before < top_p)  # a prefix
+    return last_kept(ordered, probs, finite, top_p, above[:, None] / total[:, None])
+
+
+def last_kept(ordered: torch.Tensor, probs: torch.Tensor, candidate: torch.Tensor, top_p: float,
+              mass_above: torch.Tensor = None) -> torch.Tensor:
+    """The top-p rule's cut among descending candidate values ``ordered [rows, n]``: the last position whose
+    preceding mass - ``mass_above [rows, 1]`` (the mass above the first position; None: 0) plus the normalised
+    ``probs`` of the positions before it - is below ``top_p``. Only ``candidate`` positions count (a prefix); the
+    first position is always kept."""
+    before = probs.cumsum(-1) - probs if mass_above is None else mass_above + probs.cumsum(-1) - probs
+    kept = candidate & (before < top_p)  # a prefix
     last = kept.sum(-1).clamp_min(1) - 1
     return ordered.gather(-1, last[:, None]).squeeze(-1)

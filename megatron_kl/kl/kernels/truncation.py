@@ -300,10 +300,8 @@ def _bracket_cut(x, row_max, total, merged, floor, top_p: float, temperature: fl
     bracket = all_gather_columns(_local_top(values, max(1, width)), group).sort(dim=-1, descending=True).values
     probs = _masses(bracket, row_max, temperature) / total[:, None]
     probs = torch.where(torch.isfinite(bracket), probs, torch.zeros_like(probs))
-    before = hi_stats[0][:, None] / total[:, None] + probs.cumsum(-1) - probs
-    kept = torch.isfinite(bracket) & (before < top_p)  # the bracket's first logit is always kept
-    last = kept.sum(-1).clamp_min(1) - 1
-    return bracket.gather(-1, last[:, None]).squeeze(-1)
+    return top_p_histogram.last_kept(bracket, probs, torch.isfinite(bracket), top_p,
+                                     hi_stats[0][:, None] / total[:, None])
 
 
 def _sorted_lookup(x: torch.Tensor) -> bool:
@@ -335,8 +333,5 @@ def _cut_on_candidates(merged, row_max, total, top_k_threshold, top_p: float, te
     kept = merged >= top_k_threshold[:, None]
     probs = _masses(merged, row_max, temperature)
     probs = torch.where(kept, probs / total[:, None], torch.zeros_like(probs))
-    before = probs.cumsum(-1) - probs
-    inside = kept & (before < top_p)  # positions the rule keeps, in order
-    last = inside.sum(-1).clamp_min(1) - 1  # index of the last kept position
-    return merged.gather(-1, last[:, None]).squeeze(-1)
+    return top_p_histogram.last_kept(merged, probs, kept, top_p)
 

@@ -82,7 +82,9 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def default_chunk_rows(local_vocab: int, device: Optional[torch.device] = None) -> int:
+def block_rows(local_vocab: int, device: Optional[torch.device] = None) -> int:
+    """Rows per cache-sized block of the softmax passes: about CHUNK_ELEMENTS (CUDA_CHUNK_ELEMENTS on a GPU)
+    logits per block (the fused-linear path's chunks of logits are another size: fused_linear.linear_chunk_rows)."""
     elements = CUDA_CHUNK_ELEMENTS if device is not None and device.type == "cuda" else CHUNK_ELEMENTS
     return max(1, elements // max(1, local_vocab))
 
@@ -174,7 +176,7 @@ def chunk_forward(x, y, targets, shard: _Shard, group, temperature: float, entro
     if cols:
         ws = workspace or Workspace()
         e_kept = ws.get("e_kept", n, cols, dtype, x.device) if keep is not None else None
-        block = default_chunk_rows(cols, x.device)
+        block = block_rows(cols, x.device)
         for a in range(0, n, block):
             rows = slice(a, min(n, a + block))
             _chunk_sums(x[rows], y[rows] if y is not None else None, targets[rows] if targets is not None else None,
@@ -293,7 +295,7 @@ def chunk_grad(x, y, targets, shard: _Shard, norms, g_lp, g_h, g_kl, temperature
     ws = workspace or Workspace()
     first = x if x is not None else kept["zc"]
     n, cols = first.shape
-    block = default_chunk_rows(cols, first.device)
+    block = block_rows(cols, first.device)
     for a in range(0, n, block):
         rows = slice(a, min(n, a + block))
         _block_grad(x[rows] if x is not None else None, y[rows] if y is not None else None,
@@ -473,7 +475,7 @@ def fused_stats(
     check_group(tp_group)
     if chunk_size is None:  # the Triton kernels need no temporaries: one chunk of every row
         rows = logits.numel() // max(1, logits.shape[-1])
-        chunk_size = max(1, rows) if triton_stats.enabled(logits) else default_chunk_rows(logits.shape[-1], logits.device)
+        chunk_size = max(1, rows) if triton_stats.enabled(logits) else block_rows(logits.shape[-1], logits.device)
     if chunk_size <= 0:
         raise ValueError(f"chunk_size={chunk_size} must be > 0 (or None for automatic)")
     lead = logits.shape[:-1]
