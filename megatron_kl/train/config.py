@@ -69,7 +69,9 @@ class InitConfig:
 
 
 @dataclass
-class RunConfig:
+class LoopConfig:
+    """The ``train:`` section: the RL loop - steps, batch shape, staleness, seed, output directory, stop handling."""
+
     steps: int = checked(40, ge=1)
     prompts_per_step: int = checked(16, ge=1)
     group_size: int = checked(8, ge=1)  # samples per prompt
@@ -164,7 +166,7 @@ class TrainConfig:
     kl: KLConfig = field(default_factory=KLConfig)
     init: InitConfig = field(default_factory=InitConfig)
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
-    train: RunConfig = field(default_factory=RunConfig)
+    train: LoopConfig = field(default_factory=LoopConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)

@@ -9,7 +9,7 @@ import pytest
 
 from megatron_kl.config import ConfigError
 from megatron_kl.testing.distributed import run_ranks
-from megatron_kl.train.config import RunConfig
+from megatron_kl.train.config import LoopConfig
 from megatron_kl.train.preemption import StopSignals
 
 
@@ -33,7 +33,7 @@ def test_signal_is_recorded_and_previous_handler_restored():
 @pytest.mark.parametrize("names", [["SIGKILL"], "SIGTERM", ["SIGTERM", 15]])
 def test_bad_stop_signal_names_are_config_errors(names):
     with pytest.raises(ConfigError, match="train.stop_signals"):
-        RunConfig(stop_signals=names)
+        LoopConfig(stop_signals=names)
 
 
 def _agree_worker(rank, world, signalled_rank):
