@@ -49,6 +49,11 @@ LOW = {torch.float32: 1e30, torch.float64: 1e300}
 TAYLOR_TERMS = {torch.float32: 9, torch.float64: 17}
 
 
+# rows of the globally reduced sums (``_reduce``): S = sum_a e_a, S E[zc], S E[u], sum_a (e_ref - e) (C + D), the
+# target's zc, the full softmax's mass outside the support (D), the support's size (K), whether the target lies
+# outside it, and whether a row's shifts drifted (its S E[u] read again)
+REDUCED = (S, S_ZC, S_U, REF_MINUS_POLICY, TARGET_ZC, DROPPED, SUPPORT_SIZE, TARGET_OUT, DRIFTED) = range(9)
+
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
@@ -179,50 +184,50 @@ def combine(partials, x, targets, shard, group, temperature: float, has_y: bool,
     inv_tau = 1.0 / temperature
     delta = (p[0] - maxes[0]) * inv_tau
     alpha = torch.exp(delta)
-    sums = torch.zeros(9, n, dtype=torch.float64, device=p.device)  # S, S E[zc], S E[u], C + D, zc_t, D, K, out, drift
-    sums[0] = alpha * p[2]
+    sums = torch.zeros(len(REDUCED), n, dtype=torch.float64, device=p.device)
+    sums[S] = alpha * p[2]
     if entropy:
-        sums[1] = alpha * (p[3] + delta * p[2])
+        sums[S_ZC] = alpha * (p[3] + delta * p[2])
     if has_y:
         gamma = ((maxes[0] - maxes[1]) - (p[0] - p[1])) * inv_tau
         beta = torch.exp((p[1] - maxes[1]) * inv_tau)
         moved = torch.where(gamma.abs() < 0.5, alpha * torch.expm1(gamma), beta - alpha)
-        sums[2] = alpha * (p[4] - gamma * p[2])
-        sums[8] = ((p[8] + gamma.abs()) * (p[2] > 0) > DRIFT_LIMIT).double()  # this rank's E[u] needs a 2nd read
-        sums[3] = beta * p[5] + moved * (p[2] + p[6]) + alpha * p[6]
-    sums[5] = alpha * p[6]
-    sums[6] = p[7]
+        sums[S_U] = alpha * (p[4] - gamma * p[2])
+        sums[DRIFTED] = ((p[8] + gamma.abs()) * (p[2] > 0) > DRIFT_LIMIT).double()  # this rank's E[u] needs a 2nd read
+        sums[REF_MINUS_POLICY] = beta * p[5] + moved * (p[2] + p[6]) + alpha * p[6]
+    sums[DROPPED] = alpha * p[6]
+    sums[SUPPORT_SIZE] = p[7]
     if targets is not None:
         local = targets - shard.start
         owned = (local >= 0) & (local < shard.valid)
         picked = x.gather(-1, local.clamp(0, max(0, shard.valid - 1)).unsqueeze(-1)).squeeze(-1).double() \
             if shard.valid else torch.zeros(n, dtype=torch.float64, device=p.device)
         picked = picked.clamp_min(-LOW[dtype])
-        sums[4] = torch.where(owned, (picked - maxes[0]) * inv_tau, torch.zeros_like(picked))
+        sums[TARGET_ZC] = torch.where(owned, (picked - maxes[0]) * inv_tau, torch.zeros_like(picked))
         if threshold is not None:
-            sums[7] = (owned & (picked < threshold.double())).double()
+            sums[TARGET_OUT] = (owned & (picked < threshold.double())).double()
     all_reduce(sums, dist.ReduceOp.SUM, group)
-    total = sums[0]
+    total = sums[S]
     log_s = torch.log(total)
     out = torch.zeros(3, n, dtype=torch.float64, device=p.device)
     norms = torch.zeros(5, n, dtype=torch.float64, device=p.device)
     norms[0], norms[1], norms[2] = maxes[0], maxes[0] - maxes[1], total
     if targets is not None:
-        out[0] = sums[4] - log_s
+        out[0] = sums[TARGET_ZC] - log_s
     if entropy:
-        norms[3] = sums[1] / total
+        norms[3] = sums[S_ZC] / total
         out[1] = log_s - norms[3]
     if has_y:
-        drifted = (sums[8] > 0).nonzero().squeeze(-1)  # the same rows on every rank (after the all-reduce)
+        drifted = (sums[DRIFTED] > 0).nonzero().squeeze(-1)  # the same rows on every rank (after the all-reduce)
         if drifted.numel():
-            sums[2, drifted] = _mean_u_again(x, y, drifted, norms[:2].to(dtype), threshold, temperature, group)
-        norms[4] = sums[2] / total
-        ratio_minus_one = (sums[3] / total).clamp_min(torch.finfo(dtype).eps - 1.0)
+            sums[S_U, drifted] = _mean_u_again(x, y, drifted, norms[:2].to(dtype), threshold, temperature, group)
+        norms[4] = sums[S_U] / total
+        ratio_minus_one = (sums[REF_MINUS_POLICY] / total).clamp_min(torch.finfo(dtype).eps - 1.0)
         out[2] = (norms[4] + torch.log1p(ratio_minus_one)).clamp_min(0.0)
     if support is not None and threshold is not None:
-        support[0] = total / (total + sums[5])
-        support[1] = sums[6]
-        support[2] = sums[7]
+        support[0] = total / (total + sums[DROPPED])
+        support[1] = sums[SUPPORT_SIZE]
+        support[2] = sums[TARGET_OUT]
     return out.to(dtype), norms.to(dtype)
 
 

@@ -67,6 +67,10 @@ KL_DIRECT = 60.0  # -u above this: exp(r - M_r) directly (e * expm1(-u) could ov
 
 # rows of the per-position state saved for backward (``norms``)
 MAX, SHIFT, SUM, MEAN_ZC, MEAN_U = range(5)
+# rows of the per-position partial sums reduced over the TP group (``sums``): S = sum_a e_a, S E[zc], S E[u],
+# sum_a (e_ref - e), the target's zc; with a truncated support also S of the full softmax, the support's size and
+# whether the target lies outside it
+S, S_ZC, S_U, REF_MINUS_POLICY, TARGET_ZC, FULL_S, SUPPORT_SIZE, TARGET_OUT = range(8)
 
 
 def check_group(group, name: str = "tp_group") -> None:
@@ -187,22 +191,23 @@ def chunk_forward(x, y, targets, shard: _Shard, group, temperature: float, entro
     all_reduce(sums, dist.ReduceOp.SUM, group)
     out = torch.zeros(3, n, dtype=dtype, device=x.device)
     norms = torch.zeros(5, n, dtype=dtype, device=x.device)
-    total = sums[0]
+    total = sums[S]
     log_s = torch.log(total)
     norms[MAX], norms[SHIFT], norms[SUM] = maxes[0], maxes[0] - maxes[1], total
     if targets is not None:
-        out[0] = sums[4] - log_s
+        out[0] = sums[TARGET_ZC] - log_s
     if entropy:
-        norms[MEAN_ZC] = sums[1] / total
+        norms[MEAN_ZC] = sums[S_ZC] / total
         out[1] = log_s - norms[MEAN_ZC]
     if y is not None:
-        norms[MEAN_U] = sums[2] / total
-        ratio_minus_one = (sums[3] / total).clamp_min(torch.finfo(dtype).eps - 1.0)  # E_pi[exp(-u)] - 1 > -1
+        norms[MEAN_U] = sums[S_U] / total
+        # E_pi[exp(-u)] - 1 > -1
+        ratio_minus_one = (sums[REF_MINUS_POLICY] / total).clamp_min(torch.finfo(dtype).eps - 1.0)
         out[2] = (norms[MEAN_U] + torch.log1p(ratio_minus_one)).clamp_min(0.0)
     if support is not None and threshold is not None:
-        support[0] = total / sums[5]
-        support[1] = sums[6]
-        support[2] = sums[7]
+        support[0] = total / sums[FULL_S]
+        support[1] = sums[SUPPORT_SIZE]
+        support[2] = sums[TARGET_OUT]
     return out, norms
 
 
@@ -224,10 +229,10 @@ def _chunk_sums(x, y, targets, shard, maxes, temperature, entropy, e_kept, scrat
     if targets is not None:
         local, owned = _owned(targets, shard)
         picked = zc.gather(-1, local.clamp(0, shard.valid - 1).unsqueeze(-1)).squeeze(-1)
-        sums[4] = torch.where(owned, picked, torch.zeros_like(picked))
+        sums[TARGET_ZC] = torch.where(owned, picked, torch.zeros_like(picked))
         if drop is not None:
             out_of_support = drop.gather(-1, local.clamp(0, shard.valid - 1).unsqueeze(-1)).squeeze(-1)
-            sums[7] = torch.where(owned, out_of_support, torch.zeros_like(out_of_support))
+            sums[TARGET_OUT] = torch.where(owned, out_of_support, torch.zeros_like(out_of_support))
     keep_zc = entropy or e_kept is not None or neg_u is not None or drop is not None
     product = ws.like("product", zc)
     e_out = ws.like("e", zc) if e_kept is None else e_kept
@@ -237,22 +242,22 @@ def _chunk_sums(x, y, targets, shard, maxes, temperature, entropy, e_kept, scrat
         full = torch.exp(zc, out=ws.like("full", zc))
         e_dropped = torch.mul(full, drop, out=product)
         dropped = e_dropped.sum(-1)
-        sums[6] = drop.shape[-1] - drop.sum(-1)
+        sums[SUPPORT_SIZE] = drop.shape[-1] - drop.sum(-1)
         e = torch.sub(full, e_dropped, out=e_out)  # exactly 0 outside the support
     else:
         e = full = torch.exp(zc, out=e_out) if keep_zc else zc.exp_()
     if neg_u is not None:
-        sums[2] = -torch.mul(e, neg_u, out=product).sum(-1)
+        sums[S_U] = -torch.mul(e, neg_u, out=product).sum(-1)
         w = neg_u if e_kept is None else ws.like("w", neg_u).copy_(neg_u)
-        sums[3] = _reference_minus_policy(zc, full, neg_u, w, product)
+        sums[REF_MINUS_POLICY] = _reference_minus_policy(zc, full, neg_u, w, product)
         if drop is not None:  # sum(e_ref - e_support) = sum_all e expm1(-u) [accurate near the reference] + sum_dropped e
-            sums[3] += dropped
-    sums[0] = e.sum(-1)
+            sums[REF_MINUS_POLICY] += dropped
+    sums[S] = e.sum(-1)
     if dropped is not None:
-        sums[5] = sums[0] + dropped  # S of the full softmax
+        sums[FULL_S] = sums[S] + dropped  # S of the full softmax
     if entropy:
         product = torch.mul(e, zc, out=product)
-        sums[1] = product.sum(-1)
+        sums[S_ZC] = product.sum(-1)
 
 
 def _reference_minus_policy(zc, e, neg_u, w, buffer) -> torch.Tensor:
