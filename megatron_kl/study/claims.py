@@ -199,6 +199,12 @@ def evaluate(outcomes: list[RunOutcome], roles: dict[str, Role], claim3_statisti
     if not any(o.unstable for o in outcomes if not active[o.configuration].on_policy):
         claim3.note = "no off-policy run was unstable at this scale: nothing for the KL term to stabilise"
     results.append(claim3)
+    untested = {claim1.claim: "on-policy runs of biased and of unbiased KL configurations",
+                claim2.claim: "on-policy runs of biased and of unbiased KL configurations",
+                claim3.claim: "off-policy runs with and without a KL term at one staleness"}
+    for result in results:
+        if all(stat["seeds"] == 0 for stat in result.statistics.values()):
+            result.note = f"not tested: the study has no {untested[result.claim]} to pair"
     return results
 
 

@@ -190,3 +190,11 @@ def test_a_study_extends_another_runs_a_subset_and_checks_its_declarations(tmp_p
         (tmp_path / "b.yaml").write_text(text)
         with pytest.raises(ConfigError, match=message):
             load_study(tmp_path / "b.yaml")
+
+
+def test_a_claim_without_runs_to_pair_says_it_was_not_tested():
+    off_policy_only = {n: r for n, r in ROLES.items() if n.startswith("async")}
+    outcomes = [o for o in _claim3_outcomes(True, True) if o.configuration in off_policy_only]
+    claims = evaluate(outcomes, off_policy_only, "collapsed")
+    assert [c.note.startswith("not tested") for c in claims] == [True, True, False]
+    assert claims[2].verdict == REPRODUCED
