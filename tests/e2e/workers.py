@@ -154,11 +154,11 @@ def failing_train_worker(rank, world, cfg_dict: dict, fail_at: int, kind: str):
     an optimizer update); returns the error's message and the checkpoints written."""
     from pathlib import Path
 
-    from megatron_kl.train import loop
+    from megatron_kl.train import loop, trainer
     from megatron_kl.train.preemption import TrainingFailed
     from megatron_kl.train.step import NonFiniteUpdates
 
-    real_step = loop.rl_step
+    real_step = trainer.rl_step
 
     def injected(ctx, batch, step):
         if step == fail_at:
@@ -169,7 +169,7 @@ def failing_train_worker(rank, world, cfg_dict: dict, fail_at: int, kind: str):
             raise RuntimeError(f"step {step}: injected")
         return real_step(ctx, batch, step)
 
-    loop.rl_step = injected
+    trainer.rl_step = injected  # the name the Trainer calls
     cfg = from_dict(TrainConfig, cfg_dict)
     try:
         loop.train(cfg)
