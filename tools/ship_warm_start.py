@@ -15,22 +15,23 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def _train(rank: int, world_size: int, config: str, overrides: list[str]):
+def _train(rank: int, world_size: int, config: str, overrides: list[str], cache_dir: str):
+    """The trainer's own warm start (``warm_start_state``), forced to train into an empty cache."""
     from megatron_kl.models import parallel
     from megatron_kl.tasks import build_task
     from megatron_kl.train import warmstart
     from megatron_kl.train.config import load_train_config
 
-    cfg = load_train_config(config, overrides + ["warm_start.source=train"])
+    cfg = load_train_config(config, overrides + ["warm_start.source=train", f"warm_start.cache_dir={cache_dir}"])
     parallel.initialize(cfg.model, cfg.parallel, seed=cfg.train.seed)
-    parallel.reseed(warmstart.warm_start_seed(cfg))
-    return warmstart._train(cfg, build_task(cfg.task))
+    return warmstart.warm_start_state(cfg, build_task(cfg.task))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
         print("ship_warm_start: train it with parallel.tensor_parallel=1 and parallel.pipeline_parallel=1 "
               "(the state is layout-independent)", file=sys.stderr)
         return 2
-    state = run_ranks(_train, 1, ns.config, ns.overrides, timeout_s=3600)[0]
+    with tempfile.TemporaryDirectory() as cache_dir:
+        state = run_ranks(_train, 1, ns.config, ns.overrides, cache_dir, timeout_s=3600)[0]
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
     made_with = " ".join([ns.config, *ns.overrides]) + f" at {commit.strip() or 'an unknown commit'}"
     entry = shipped_warmstart.write(state, warmstart.recipe_key(cfg), made_with)

@@ -149,7 +149,7 @@ def _collapsed(outcome: RunOutcome) -> float:
     return float(outcome.collapsed or not outcome.ok)
 
 
-CLAIM3 = {"unstable": "unstable fraction (no KL - KL)", "collapsed": "collapsed fraction (no KL - KL)"}
+CLAIM3 = {"unstable": "unstable fraction", "collapsed": "collapsed fraction"}  # claim3_statistic -> what it counts
 
 
 def evaluate(outcomes: list[RunOutcome], roles: dict[str, Role], claim3_statistic: str = "unstable"
@@ -188,14 +188,14 @@ def evaluate(outcomes: list[RunOutcome], roles: dict[str, Role], claim3_statisti
     strata_off = {s: (lambda r, s=s: r.staleness == s) for s in stalenesses}
     no_kl, with_kl = (lambda r: r.biased is None), (lambda r: r.biased is not None)
     claim3 = ClaimResult("3. off-policy, a KL term stabilises training",
-                         f"{CLAIM3[claim3_statistic].split(' (')[0]} (declared) without minus with a KL term at the "
+                         f"{CLAIM3[claim3_statistic]} (declared) without minus with a KL term at the "
                          f"same staleness ({stalenesses}), paired by seed")
     for name, metric in (("unstable", _unstable), ("collapsed", _collapsed)):
-        label = CLAIM3[name] + ("" if name == claim3_statistic else ", not in the verdict")
+        label = f"{CLAIM3[name]} (no KL - KL)" + ("" if name == claim3_statistic else ", not in the verdict")
         claim3.statistics[label] = _statistic(_paired(outcomes, active, strata_off, metric, no_kl, with_kl))
     claim3.statistics["in-domain pass@1 (KL - no KL), not in the verdict"] = _statistic(
         _paired(outcomes, active, strata_off, lambda o: o.final_id, with_kl, no_kl))
-    claim3.verdict = claim3.statistics[CLAIM3[claim3_statistic]]["verdict"]
+    claim3.verdict = claim3.statistics[f"{CLAIM3[claim3_statistic]} (no KL - KL)"]["verdict"]
     if not any(o.unstable for o in outcomes if not active[o.configuration].on_policy):
         claim3.note = "no off-policy run was unstable at this scale: nothing for the KL term to stabilise"
     results.append(claim3)

@@ -28,6 +28,7 @@ from typing import Optional
 
 
 from megatron_kl.config import ConfigError, read_yaml_file
+from megatron_kl.study.claims import CLAIM3
 
 
 @dataclass
@@ -81,9 +82,6 @@ def _grid_configurations(grid: dict) -> list[Configuration]:
     return out
 
 
-CLAIM3_STATISTICS = ("unstable", "collapsed")
-
-
 def _beside(path, relative: str) -> str:
     """``relative`` as written in the study file ``path``: relative to that file's folder, else as given."""
     candidate = Path(path).parent / relative
@@ -97,9 +95,8 @@ def _read(path, seen: tuple = ()) -> dict:
     if unknown:
         raise ConfigError(f"study config {path}: unknown key(s) {sorted(unknown)}; "
                           f"use {sorted(StudyConfig.__dataclass_fields__)}")
-    for key in ("published",):
-        if data.get(key):
-            data[key] = _beside(path, str(data[key]))
+    if data.get("published"):
+        data["published"] = _beside(path, str(data["published"]))
     if not data.get("extends"):
         return data
     parent = _beside(path, str(data["extends"]))
@@ -129,15 +126,15 @@ def load_study(path, overrides: Optional[list[str]] = None) -> StudyConfig:
                         claim3_statistic=str(data.get("claim3_statistic", "unstable")),
                         only=[str(p) for p in data.get("only") or []], published=data.get("published"),
                         extends=data.get("extends"))
-    if study.claim3_statistic not in CLAIM3_STATISTICS:
+    if study.claim3_statistic not in CLAIM3:
         raise ConfigError(f"study config {path}: claim3_statistic={study.claim3_statistic!r}; use one of "
-                          f"{list(CLAIM3_STATISTICS)}")
+                          f"{list(CLAIM3)}")
     if study.published and not Path(study.published).is_file():
         raise ConfigError(f"study config {path}: published={study.published} is not a file (a claims.json)")
-    names = [c.name for c in study.configurations + _grid_configurations(study.grid)]
+    names = [c.name for c in _every(study)]
     if not names:
         raise ConfigError(f"study config {path}: give 'configurations' and/or a 'grid'")
-    unmatched = [p for p in study.only if not any(fnmatch.fnmatchcase(n, p) for n in names)]
+    unmatched = [p for p in study.only if not any(_matches(n, [p]) for n in names)]
     if unmatched:
         raise ConfigError(f"study config {path}: only={unmatched} matches no configuration; names: {names}")
     duplicates = {n for n in names if names.count(n) > 1}
@@ -146,12 +143,17 @@ def load_study(path, overrides: Optional[list[str]] = None) -> StudyConfig:
     return study
 
 
+def _every(study: StudyConfig) -> list[Configuration]:
+    return study.configurations + _grid_configurations(study.grid)
+
+
+def _matches(name: str, patterns: list[str]) -> bool:
+    return any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns)
+
+
 def selected(study: StudyConfig) -> list[Configuration]:
     """The configurations this study runs: all, or those whose names match a pattern of ``only``."""
-    every = study.configurations + _grid_configurations(study.grid)
-    if not study.only:
-        return every
-    return [c for c in every if any(fnmatch.fnmatchcase(c.name, p) for p in study.only)]
+    return [c for c in _every(study) if not study.only or _matches(c.name, study.only)]
 
 
 def expand(study: StudyConfig) -> list[RunSpec]:

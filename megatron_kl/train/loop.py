@@ -4,6 +4,7 @@ and its plot."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import logging
@@ -61,8 +62,9 @@ def resolve(cfg: TrainConfig, task, hf_source) -> TrainConfig:
     sampling = cfg.rollout.sampling
     if not sampling.stop_token_ids:
         sampling = dataclasses.replace(sampling, stop_token_ids=default_stop_token_ids(task, hf_source))
-    resolved = dataclasses.replace(cfg, model=model, rollout=dataclasses.replace(cfg.rollout, sampling=sampling))
-    resolved.kl_selection = cfg.kl_selection  # loading resolved kl.estimator=auto; kl is no longer "auto" here
+    resolved = copy.copy(cfg)  # what loading resolved is kept as it is (no second __post_init__)
+    resolved.model = model
+    resolved.rollout = dataclasses.replace(cfg.rollout, sampling=sampling)
     return resolved
 
 
