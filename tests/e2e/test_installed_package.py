@@ -5,6 +5,7 @@ its top-p search (built there) without tests/."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,11 +17,24 @@ def _run(args, cwd, env, timeout=600):
     return subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+def _tracked_copy(dest: Path) -> Path:
+    """The checkout's tracked files only: a wheel built in place would also pack whatever a stale build/ directory
+    still holds (a module since moved, say), which a clean clone does not have."""
+    listed = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+    for name in filter(None, listed.decode().split("\0")):
+        source = ROOT / name
+        if source.is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, dest / name)
+    return dest
+
+
 def test_validate_runs_from_an_installed_wheel(tmp_path):
     wheel_dir, site, elsewhere = tmp_path / "wheel", tmp_path / "site", tmp_path / "elsewhere"
     elsewhere.mkdir()
+    source_tree = _tracked_copy(tmp_path / "source")
     built = _run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
-                  str(wheel_dir), str(ROOT)], ROOT, os.environ)
+                  str(wheel_dir), str(source_tree)], source_tree, os.environ)
     assert built.returncode == 0, built.stderr[-2000:]
     (wheel,) = wheel_dir.glob("megatron_kl-*.whl")
     installed = _run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), str(wheel)],
@@ -35,8 +49,9 @@ def test_validate_runs_from_an_installed_wheel(tmp_path):
     module, checkout, config = where.stdout.split()
     assert module.startswith(str(site)) and checkout == "None" and config.startswith(str(site)), where.stdout
 
-    kernels = _run([sys.executable, "-c", "from megatron_kl.kl import native; print(native.SOURCE); "
+    kernels = _run([sys.executable, "-c", "from megatron_kl.kl.kernels import native; print(native.SOURCE); "
                     "print(native.library() is not None)"], elsewhere, {**env, "MEGATRON_KL_CACHE": str(tmp_path / "c")})
+    assert kernels.returncode == 0, kernels.stderr[-2000:]
     source, loaded = kernels.stdout.split()
     assert source.startswith(str(site)) and loaded == "True", kernels.stdout + kernels.stderr[-2000:]
 
