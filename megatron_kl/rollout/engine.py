@@ -23,6 +23,7 @@ from megatron_kl.rollout.config import DISTRIBUTIONS, SamplingConfig  # noqa: F4
 from megatron_kl.rollout.http import CorruptResponse
 
 FINISH_REASONS = ("stop", "length")
+PAUSED = "abort"  # a generation cut off by a pause (SGLang's finish_reason type): its response is a prefix to resume
 
 
 @dataclass
@@ -30,20 +31,38 @@ class Completion:
     prompt_ids: list[int]
     response_ids: list[int]
     response_logprobs: list[float]  # behaviour log-probs, one per response token
-    finish_reason: str  # "stop" | "length"
-    weight_version: int
+    finish_reason: str  # "stop" | "length", or "abort" for a partial response paused by ``pause``
+    weight_version: int  # the newest weights that sampled any of its tokens
     # mixture-of-experts engines that report their routing: the experts every fed token was routed to,
     # [P + R - 1, layers, top-k] integer ids (the prompt and every response token but the last, which is sampled
     # and never fed), as SGLang's meta_info.routed_experts; None when the engine does not report it
     routed_experts: Optional[torch.Tensor] = field(default=None, compare=False)
+    # the weight version that sampled each response token (a response resumed across weight updates spans several);
+    # None: every token is ``weight_version``'s
+    token_versions: Optional[list[int]] = None
 
     def __post_init__(self):
         if len(self.response_ids) != len(self.response_logprobs):
             raise ValueError(
                 f"completion has {len(self.response_ids)} response ids but {len(self.response_logprobs)} log-probs"
             )
-        if self.finish_reason not in FINISH_REASONS:
-            raise ValueError(f"completion finish_reason={self.finish_reason!r}; expected one of {FINISH_REASONS}")
+        if self.finish_reason not in FINISH_REASONS + (PAUSED,):
+            raise ValueError(f"completion finish_reason={self.finish_reason!r}; expected one of "
+                             f"{FINISH_REASONS + (PAUSED,)}")
+        if self.token_versions is not None and len(self.token_versions) != len(self.response_ids):
+            raise ValueError(f"completion has {len(self.response_ids)} response ids but {len(self.token_versions)} "
+                             "token versions")
+
+    @property
+    def finished(self) -> bool:
+        """False for a response paused mid-generation (to be resumed from its prefix)."""
+        return self.finish_reason != PAUSED
+
+    @property
+    def versions(self) -> list[int]:
+        """The weight version of every response token (the behaviour policy that sampled it)."""
+        return list(self.token_versions) if self.token_versions is not None else \
+            [self.weight_version] * len(self.response_ids)
 
     @property
     def routed_positions(self) -> int:
@@ -69,6 +88,18 @@ class RolloutEngine(Protocol):
 
     def shutdown(self) -> None:
         """Release resources (servers, memory)."""
+
+
+@runtime_checkable
+class PausableEngine(RolloutEngine, Protocol):
+    """An engine whose generation can be paused at a token boundary (``rollout.partial``): ``pause`` makes every
+    ``generate`` call in flight (or started before ``resume``) return promptly, responses not yet finished cut where
+    they are with finish_reason ``"abort"`` (their tokens and behaviour log-probs kept, from the weights that were
+    loaded); ``resume`` lets generation run again."""
+
+    def pause(self) -> None: ...
+
+    def resume(self) -> None: ...
 
 
 LOGPROB_ROUNDING = 1e-4  # servers round log-probs; a positive value beyond this is not a probability

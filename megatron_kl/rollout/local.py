@@ -21,6 +21,11 @@ static mode re-rotates every cached key at every step; 16-bit models on the CPU 
 without a cast. Same tokens and log-probs as the static mode (tested); 135M bf16, 192 new tokens: 15.4 -> 10.8 s.
 Pipeline parallelism is not supported by this engine (use SGLang or vLLM); configs are rejected early.
 
+Pausing (``rollout.partial``): :meth:`LocalEngine.pause` stops every generation at the next token boundary; the
+responses not finished there come back with finish_reason ``abort``, their tokens and log-probs those of the weights
+that were loaded, and are resumed later from prompt + partial response (the KV cache recomputed). With tensor
+parallelism the ranks agree on the boundary (a one-element all-reduce per token, only in an interruptible engine).
+
 ``share_policy_weights`` (synchronous training, where generation never overlaps an optimizer step): the
 replica's parameters point at the policy's own tensors instead of holding a copy - one set of weights fewer in
 memory and no copy per sync; the generated tokens are the same (the weights are the same values at generation
@@ -40,7 +45,7 @@ from megatron_kl.kl.kernels.truncation import Truncation, support_threshold
 from megatron_kl.models.output_head import unwrap
 from megatron_kl.models.routing_replay import UNKNOWN, RoutingRecorder
 from megatron_kl.models.state import ExpertGroups
-from megatron_kl.rollout.engine import Completion, SamplingConfig
+from megatron_kl.rollout.engine import PAUSED, Completion, SamplingConfig
 
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -133,9 +138,10 @@ class _Rows:
     """The batch being generated: tokens and behaviour log-probs at each row's true positions (prompt, then
     response), each row's budget end, and which rows are finished / stopped by a stop token."""
 
-    def __init__(self, prompts, sampling: SamplingConfig):
+    def __init__(self, prompts, sampling: SamplingConfig, budgets: Optional[Sequence[int]] = None):
         self.prompt_len = torch.as_tensor([len(p) for p in prompts])
-        self.end = self.prompt_len + sampling.max_new_tokens  # exclusive end of each row's budget
+        budget = sampling.max_new_tokens if budgets is None else torch.as_tensor(list(budgets))
+        self.end = self.prompt_len + budget  # exclusive end of each row's budget
         batch, total = len(prompts), int(self.end.max())
         self.tokens = torch.zeros(batch, total, dtype=torch.long)
         for i, p in enumerate(prompts):
@@ -144,6 +150,7 @@ class _Rows:
         self.stop_ids = torch.as_tensor(sampling.stop_token_ids or [-1], dtype=torch.long)
         self.finished = torch.zeros(batch, dtype=torch.bool)
         self.stopped = torch.zeros(batch, dtype=torch.bool)
+        self.generated = torch.zeros(batch, dtype=torch.long)  # response tokens recorded per row
         self.routing: Optional[torch.Tensor] = None  # mixture-of-experts: [B, total, L, k] expert ids, -1 unrouted
 
     def record_routing(self, ids: Optional[torch.Tensor], positions: torch.Tensor,
@@ -163,6 +170,7 @@ class _Rows:
         rows = torch.arange(position.shape[0])
         self.tokens[rows, position] = torch.where(generating, sampled, self.tokens[rows, position])
         self.logprobs[rows, position] = torch.where(generating, sampled_logprobs, self.logprobs[rows, position])
+        self.generated += generating.long()
         hit_stop = generating & torch.isin(sampled, self.stop_ids)
         self.stopped |= hit_stop
         self.finished |= hit_stop | (generating & (position + 1 >= self.end))
@@ -216,11 +224,21 @@ def _gathered_experts(policy, ep_group):
             yield shift_expert_index(name, rank * local), piece
 
 
+def _checked_budgets(budgets, count: int, sampling: SamplingConfig) -> Optional[list[int]]:
+    if budgets is None:
+        return None
+    budgets = [int(b) for b in budgets]
+    if len(budgets) != count or any(not 1 <= b <= sampling.max_new_tokens for b in budgets):
+        raise ValueError(f"budgets: one per prompt ({count}), each in [1, max_new_tokens={sampling.max_new_tokens}]")
+    return budgets
+
+
 class LocalEngine:
     """In-process engine over a GPTModel replica in the policy's TP layout (PP must be 1)."""
 
     def __init__(self, model: ModelConfig, parallel: ParallelConfig, max_batch_size: int = 256,
-                 share_policy_weights: bool = False, flash_decode: bool = True, ragged_decoding: bool = True):
+                 share_policy_weights: bool = False, flash_decode: bool = True, ragged_decoding: bool = True,
+                 interruptible: bool = False):
         from megatron.core.process_groups_config import ProcessGroupCollection
 
         from megatron_kl.models.builder import build_gpt_model, freeze
@@ -234,6 +252,7 @@ class LocalEngine:
         self.max_batch_size = max_batch_size
         groups = ProcessGroupCollection.use_mpu_process_groups()
         groups.tp = _engine_tp_group(parallel.tensor_parallel)
+        self.tp_group, self.tp_size = groups.tp, parallel.tensor_parallel
         self.expert_gather = None  # the policy's expert-parallel group when the replica holds every expert
         if model.moe.enabled and parallel.expert_parallel > 1:
             parallel = _replica_holds_all_experts(parallel, groups)
@@ -252,6 +271,30 @@ class LocalEngine:
         self.share_policy_weights = share_policy_weights
         self.ragged_decoding = ragged_decoding  # False: always megatron's forcing scheme (benchmarks, tests)
         self._lock = threading.Lock()
+        self.interruptible = interruptible
+        self._paused = threading.Event()
+
+    # -- pausing ---------------------------------------------------------------------------------
+    def pause(self) -> None:
+        """Generation in flight (or started before :meth:`resume`) stops at the next token boundary; unfinished
+        responses return with finish_reason ``abort``."""
+        if self.tp_size > 1 and not self.interruptible:
+            raise RuntimeError("this engine was built with interruptible=False: its tensor-parallel ranks do not "
+                               "agree on a pause point (rollout.partial=true builds it interruptible)")
+        self._paused.set()
+
+    def resume(self) -> None:
+        self._paused.clear()
+
+    def _pause_agreed(self) -> bool:
+        """Whether to stop at this token boundary: any tensor-parallel rank's pause stops them all together."""
+        if self.tp_size == 1:
+            return self._paused.is_set()
+        if not self.interruptible:
+            return False
+        flag = torch.tensor([1.0 if self._paused.is_set() else 0.0], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.tp_group)
+        return bool(flag.item() > 0)
 
     # -- weights ---------------------------------------------------------------------------------
     @torch.no_grad()
@@ -281,14 +324,22 @@ class LocalEngine:
     # -- generation ------------------------------------------------------------------------------
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig,
-                 seed: Optional[int] = None) -> list[Completion]:
+                 seed: Optional[int] = None, budgets: Optional[Sequence[int]] = None) -> list[Completion]:
+        """One completion per prompt; ``budgets`` (per prompt, each <= sampling.max_new_tokens): the new tokens each
+        may take instead of max_new_tokens (resumed responses)."""
         if not prompts:
             return []
+        budgets = _checked_budgets(budgets, len(prompts), sampling)
         out: list[Completion] = []
         generator = torch.Generator().manual_seed(sampling.seed if seed is None else seed)
         with self._lock:
             for start in range(0, len(prompts), self.max_batch_size):
-                out.extend(self._generate_batch(prompts[start : start + self.max_batch_size], sampling, generator))
+                chunk = prompts[start : start + self.max_batch_size]
+                if self._pause_agreed():  # paused before this chunk began: nothing generated for it
+                    out.extend(Completion(list(p), [], [], PAUSED, self.weight_version) for p in chunk)
+                    continue
+                out.extend(self._generate_batch(chunk, sampling, generator,
+                                                None if budgets is None else budgets[start : start + len(chunk)]))
         return out
 
     def _forward(self, tokens: torch.Tensor, offset: int, context) -> torch.Tensor:
@@ -352,7 +403,7 @@ class LocalEngine:
             sampled, sampled_lp = sample_tokens(logits, sampling, draws.frame(pos - first))
             position = torch.full_like(batch.prompt_len, pos)
             batch.record(position, sampled, sampled_lp, (pos >= batch.prompt_len) & ~batch.finished)
-            if bool(batch.finished.all()) or pos + 1 == total:
+            if bool(batch.finished.all()) or pos + 1 == total or self._pause_agreed():
                 break
             if pos + 1 >= longest:
                 context.enable_decode_mode()
@@ -369,11 +420,11 @@ class LocalEngine:
         context, logits = self._prefill_ragged(batch)
         context.enable_decode_mode()
         with ragged_rows(batch.prompt_len, longest):
-            for step in range(sampling.max_new_tokens):
+            for step in range(int((batch.end - batch.prompt_len).max())):
                 generating = ~batch.finished
                 sampled, sampled_lp = sample_tokens(logits, sampling, draws.response(step, generating))
                 batch.record(batch.prompt_len + step, sampled, sampled_lp, generating)
-                if bool(batch.finished.all()):
+                if bool(batch.finished.all()) or self._pause_agreed():
                     break
                 logits = self._forward(sampled[:, None], longest + step, context)
                 batch.record_routing(self._last_routing, (batch.prompt_len + step)[:, None])
@@ -417,20 +468,20 @@ class LocalEngine:
         sdpa = all(isinstance(layer.self_attention.core_attention, SDPAttention) for layer in self.model.decoder.layers)
         return cache if flash_decode and sdpa and kernels.uses_cpu_kernels() and cache != dtype else None
 
-    def _generate_batch(self, prompts, sampling: SamplingConfig, generator) -> list[Completion]:
+    def _generate_batch(self, prompts, sampling: SamplingConfig, generator, budgets=None) -> list[Completion]:
         """Either scheme samples with the same uniforms (:class:`PositionDraws`)."""
         lengths = [len(p) for p in prompts]
         first, longest = min(lengths), max(lengths)
         if first == 0:
             raise ValueError("rollout prompt with no tokens: every prompt needs at least one token")
-        new = sampling.max_new_tokens
+        new = sampling.max_new_tokens if budgets is None else max(budgets)
         total = longest + new
         if total > self.model_config.max_position_embeddings:
             raise ValueError(
                 f"prompt ({longest}) + max_new_tokens ({new}) exceeds "
                 f"model.max_position_embeddings={self.model_config.max_position_embeddings}"
             )
-        rows = _Rows(prompts, sampling)
+        rows = _Rows(prompts, sampling, budgets)
         draws = PositionDraws(generator, rows.prompt_len, new, random=sampling.temperature > 0)
         self.model.eval()
         # one prefill forward per distinct length against one forward per forced position (both small)
@@ -440,7 +491,7 @@ class LocalEngine:
             self._decode_forcing_prompts(rows, sampling, draws)
         completions = []
         for i, p in enumerate(prompts):
-            response = rows.tokens[i, len(p) : int(rows.end[i])]
+            response = rows.tokens[i, len(p) : len(p) + int(rows.generated[i])]
             # Trim the tokens after a stop token (rows stop at different steps).
             stop_at = torch.nonzero(torch.isin(response, rows.stop_ids)).flatten()
             n = int(stop_at[0]) + 1 if len(stop_at) else len(response)
@@ -448,7 +499,7 @@ class LocalEngine:
                 prompt_ids=list(p),
                 response_ids=response[:n].tolist(),
                 response_logprobs=rows.logprobs[i, len(p) : len(p) + n].tolist(),
-                finish_reason="stop" if rows.stopped[i] else "length",
+                finish_reason="stop" if rows.stopped[i] else "length" if rows.finished[i] else PAUSED,
                 weight_version=self.weight_version,
                 # every fed token's experts: the prompt and all response tokens but the last
                 routed_experts=None if rows.routing is None else rows.routing[i, : len(p) + n - 1].clone(),

@@ -67,6 +67,9 @@ class DistributedEngine:
         self.model, self.dp_rank, self.tp_group, self.pp_group = model, dp_rank, tp_group, pp_group
         self.include_tied_head = include_tied_head
         self.weight_version = 0
+        # several ranks: every generate is a collective, so calls must not overlap (rollouts run them in one thread)
+        self.collective_generate = self.world > 1
+        self.overlapping_generate = self.world == 1  # calls from several threads run concurrently on the servers
         self.object_group = (dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
                              if self.world > 1 else None)
         self.engine, error = None, None
@@ -90,8 +93,10 @@ class DistributedEngine:
         _raise_marker(self._agree(None if error is None else _marker(error)), error, what)
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig,
-                 seed: Optional[int] = None) -> list[Completion]:
-        mine = (self.dp_rank, [list(p) for p in prompts], seed)
+                 seed: Optional[int] = None, budgets: Optional[Sequence[int]] = None) -> list[Completion]:
+        """Collective over the trainer's ranks when there are several (each rank calls it the same number of times,
+        in the same order, even with no prompts)."""
+        mine = (self.dp_rank, [list(p) for p in prompts], seed, None if budgets is None else list(budgets))
         if self.world == 1:
             try:
                 return self._generate_replicas([mine], sampling)[self.dp_rank]
@@ -118,14 +123,25 @@ class DistributedEngine:
     def _generate_replicas(self, gathered, sampling: SamplingConfig) -> dict[int, list[Completion]]:
         """One generation per data-parallel replica, all replicas' prompts in one concurrent batch."""
         replicas: dict[int, tuple] = {}
-        for dp_rank, prompts, seed in gathered:
-            replicas.setdefault(dp_rank, (prompts, seed))
+        for dp_rank, prompts, seed, budgets in gathered:
+            replicas.setdefault(dp_rank, (prompts, seed, budgets))
         out = {}
-        for dp_rank, (prompts, seed) in replicas.items():
-            out[dp_rank] = self.engine.generate(prompts, sampling, seed=seed)
+        for dp_rank, (prompts, seed, budgets) in replicas.items():
+            extra = {} if budgets is None else {"budgets": budgets}  # engines without partial rollouts lack it
+            out[dp_rank] = self.engine.generate(prompts, sampling, seed=seed, **extra) if prompts else []
         if hasattr(self.engine, "release_memory"):
             self.engine.release_memory()
         return out
+
+    def pause(self) -> None:
+        """Partial rollouts: rank 0's engine cuts the generations in flight short (every rank's prompts go through
+        it); the other ranks receive the partial completions through the scatter of their ``generate``."""
+        if self.rank == 0:
+            self.engine.pause()
+
+    def resume(self) -> None:
+        if self.rank == 0:
+            self.engine.resume()
 
     def update_weights(self, chunks: list, version: int) -> None:
         from megatron_kl.models.output_head import unwrap

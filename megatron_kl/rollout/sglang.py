@@ -47,7 +47,8 @@ from typing import Optional, Sequence
 import requests
 
 from megatron_kl.rollout.config import SGLangConfig
-from megatron_kl.rollout.engine import FINISH_REASONS, Completion, SamplingConfig, check_completion, check_routing
+from megatron_kl.rollout.engine import (FINISH_REASONS, PAUSED, Completion, SamplingConfig, check_completion,
+                                       check_routing)
 from megatron_kl.rollout.http import (CorruptResponse, RetryPolicy, ServerError, ServerUnavailable, call, new_session,
                                       wait_healthy)
 from megatron_kl.rollout.servers import ManagedServer, start_on_free_port
@@ -163,12 +164,14 @@ def decode_routed_experts(value, shape: RoutingShape, completion: Completion, wh
 
 def parse_generate(body, prompt_ids: Sequence[int], expected_version: int, where: str,
                    sampling: Optional[SamplingConfig] = None, vocab_size: Optional[int] = None,
-                   requested_top: int = 0, routing: Optional[RoutingShape] = None) -> Completion:
+                   requested_top: int = 0, routing: Optional[RoutingShape] = None,
+                   paused: bool = False) -> Completion:
     """A /generate response body -> Completion; anything missing or inconsistent names the field
     (``ResponseError``); values that cannot be right - NaN/inf/positive log-probs, ids outside the
     vocabulary, more than ``max_new_tokens`` tokens, an empty completion without ``output_ids``, with
     ``routing`` a routed-experts field of another shape or with ids outside the experts - are a
-    ``CorruptResponse`` (retried like a 5xx)."""
+    ``CorruptResponse`` (retried like a 5xx). An aborted request is re-issued (``ServerUnavailable``) unless the
+    client ``paused`` generation: then it is a partial completion (finish_reason ``abort``) to resume later."""
     if body is None:  # a 200 without a body: a server dying mid-answer (urllib3 does not always notice)
         raise CorruptResponse(f"{where}: /generate answered an empty body")
     if not isinstance(body, dict):
@@ -178,9 +181,9 @@ def parse_generate(body, prompt_ids: Sequence[int], expected_version: int, where
         raise ResponseError(f"{where}: /generate response has no meta_info object")
     finish = meta.get("finish_reason")
     finish_type = finish.get("type") if isinstance(finish, dict) else finish
-    if finish_type == "abort":
+    if finish_type == "abort" and not paused:
         raise ServerUnavailable(f"{where}: request aborted by the server ({finish})")  # re-issued
-    if finish_type not in FINISH_REASONS:
+    if finish_type not in FINISH_REASONS + ((PAUSED,) if paused else ()):
         raise ResponseError(f"{where}: meta_info.finish_reason={finish!r}; expected type in {FINISH_REASONS}")
     entries = meta.get("output_token_logprobs")
     if not isinstance(entries, list) or not all(isinstance(e, (list, tuple)) and len(e) >= 2 for e in entries):
@@ -194,7 +197,7 @@ def parse_generate(body, prompt_ids: Sequence[int], expected_version: int, where
     except (TypeError, ValueError):
         raise ResponseError(f"{where}: meta_info.output_token_logprobs has a non-numeric entry") from None
     output_ids = body.get("output_ids")
-    if not token_ids and output_ids is None:
+    if not token_ids and output_ids is None and finish_type != PAUSED:
         raise CorruptResponse(f"{where}: empty meta_info.output_token_logprobs and no output_ids (a completion has "
                               "at least its stop token)")
     if output_ids is not None and list(output_ids) != token_ids:
@@ -213,7 +216,7 @@ def parse_generate(body, prompt_ids: Sequence[int], expected_version: int, where
     completion = Completion(list(prompt_ids), token_ids, logprobs, finish_type, int(expected_version))
     if sampling is not None:
         check_completion(completion, sampling, vocab_size, where)
-    if routing is not None:
+    if routing is not None and not (finish_type == PAUSED and not token_ids):
         decode_routed_experts(meta.get("routed_experts"), routing, completion, where)
     return completion
 
@@ -260,6 +263,7 @@ class SGLangEngine:
         self.policy = RetryPolicy(cfg.max_retries, cfg.backoff_s, cfg.request_timeout_s)
         self.weight_version = 0
         self.released = False  # colocated: memory handed back to the trainer
+        self._paused = threading.Event()  # partial rollouts: no request goes out, those in flight come back cut
         self.counters = {"retries": 0, "restarts": 0, "reissued": 0}
         self._lock = threading.RLock()  # recover() runs inside update_weights()
         self.servers: list[Optional[ManagedServer]]
@@ -328,8 +332,22 @@ class SGLangEngine:
             self.sync.after_restart(self, index)
 
     # -- generation ------------------------------------------------------------------------------
+    def pause(self) -> None:
+        """Partial rollouts: requests not yet sent are answered at once with nothing generated, and the servers
+        abort those in flight (``/pause_generation`` mode abort), which come back with their partial output."""
+        self._paused.set()
+        self.broadcast("/pause_generation", {"mode": "abort"}, recover=True)
+
+    def resume(self) -> None:
+        self.broadcast("/continue_generation", {}, recover=True)
+        self._paused.clear()
+
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig,
-                 seed: Optional[int] = None) -> list[Completion]:
+                 seed: Optional[int] = None, budgets: Optional[Sequence[int]] = None) -> list[Completion]:
+        """One completion per prompt; ``budgets``: per prompt, the new tokens it may take (resumed responses)."""
+        if budgets is not None and (len(budgets) != len(prompts)
+                                    or any(not 1 <= int(b) <= sampling.max_new_tokens for b in budgets)):
+            raise ValueError(f"budgets: one per prompt, each in [1, max_new_tokens={sampling.max_new_tokens}]")
         if self.released:
             self.broadcast("/resume_memory_occupation", {})
             self.released = False
@@ -341,15 +359,20 @@ class SGLangEngine:
             failed_servers: dict[int, Exception] = {}
 
             def one(i: int, server: int) -> Completion:
-                payload = {"input_ids": list(prompts[i]), "sampling_params": sampling_params(sampling, base_seed + i),
-                           "return_logprob": True}
+                if self._paused.is_set():  # not sent: resumed later from the prompt alone
+                    return Completion(list(prompts[i]), [], [], PAUSED, self.weight_version)
+                params = sampling_params(sampling, base_seed + i)
+                if budgets is not None:
+                    params["max_new_tokens"] = int(budgets[i])
+                payload = {"input_ids": list(prompts[i]), "sampling_params": params, "return_logprob": True}
                 if top_num:
                     payload["top_logprobs_num"] = top_num
                 if self.routing is not None:
                     payload["return_routed_experts"] = True
                 where = f"{self.urls[server]} prompt {i}"
                 return self.call(server, "/generate", payload, parse=lambda body: parse_generate(
-                    body, prompts[i], self.weight_version, where, sampling, self.vocab_size, top_num, self.routing))
+                    body, prompts[i], self.weight_version, where, sampling, self.vocab_size, top_num, self.routing,
+                    paused=self._paused.is_set()))
 
             with ThreadPoolExecutor(self.cfg.max_concurrency) as pool:
                 futures = {i: (pool.submit(one, i, i % len(self.urls)), i % len(self.urls)) for i in pending}

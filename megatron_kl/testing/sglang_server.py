@@ -30,6 +30,15 @@ SGLang does: 401 without ``Authorization: Bearer <key>``, health checks exempt) 
     --fault-exit-on-update N   the N-th weight update (/update_weights_from_*) kills the process before
                                answering, once per --fault-marker file
 
+and latency, for measuring rollouts:
+
+    --token-latency-s S        every generated token takes S seconds to come out (as a GPU server's decode step;
+                               requests overlap, as under continuous batching); /pause_generation (mode abort) cuts
+                               the requests in flight at the tokens already out and answers them with finish_reason
+                               abort, SGLang's partial answer
+    --long-every N             every N-th /generate ignores its stop tokens and runs to max_new_tokens: a heavy tail
+                               of long responses (with a model whose answers stop early, N-th ones ~10x the median)
+
 Run ``python -m megatron_kl.testing.sglang_server --model-path DIR --port P``.
 """
 
@@ -126,6 +135,7 @@ class EmbeddedServer:
         self._reload()
         self.weight_version = "default"  # SGLang's initial version
         self.paused = False
+        self.abort_epoch = 0  # advanced by /pause_generation: requests begun before it are cut
         self.released: set[str] = set()  # memory regions handed back (SGLang's tags: weights, kv_cache)
         self.groups: dict[str, object] = {}
         self.requests = 0
@@ -141,14 +151,14 @@ class EmbeddedServer:
         hf.load_hf_into([self.engine.model], _DictCheckpoint(self.tensors), self.model)
 
     # -- routes ----------------------------------------------------------------------------------
-    def generate(self, body: dict) -> dict | list:
+    def generate(self, body: dict, long: bool = False) -> dict | list:
         from megatron_kl.rollout.engine import SamplingConfig
 
         ids = body.get("input_ids")
         if ids is None:
             raise ValueError("this test server needs input_ids (it has no tokenizer: --skip-tokenizer-init)")
         if ids and isinstance(ids[0], list):
-            return [self.generate({**body, "input_ids": one}) for one in ids]
+            return [self.generate({**body, "input_ids": one}, long) for one in ids]
         if self.paused:
             return self._response(ids, [], [], {"type": "abort", "message": "generation paused"})
         if self.released:
@@ -158,14 +168,38 @@ class EmbeddedServer:
                                   top_p=float(params.get("top_p", 1.0)),
                                   top_k=max(0, int(params.get("top_k", -1))),
                                   max_new_tokens=int(params.get("max_new_tokens", 128)),
-                                  stop_token_ids=list(params.get("stop_token_ids") or []))
+                                  stop_token_ids=[] if long else list(params.get("stop_token_ids") or []))
         seed = params.get("sampling_seed")
+        epoch = self.abort_epoch
         with self.model_lock:  # one forward at a time: megatron's MoE layers keep per-call state on the module
-            return self._generate_one(body, ids, sampling, seed)
+            completion = self.engine.generate([ids], sampling, seed=None if seed is None else int(seed))[0]
+        kept = self._stream(len(completion.response_ids), epoch)
+        with self.model_lock:
+            return self._generate_one(body, ids, sampling, completion, kept)
 
-    def _generate_one(self, body: dict, ids, sampling, seed) -> dict:
-        completion = self.engine.generate([ids], sampling, seed=None if seed is None else int(seed))[0]
-        if completion.finish_reason == "stop":
+    def _stream(self, tokens: int, epoch: int) -> int:
+        """With --token-latency-s: the tokens come out one per latency; a pause (abort) since the request began cuts
+        them at those already out. Returns how many are kept (all without latency)."""
+        latency = self.args.token_latency_s
+        for out in range(tokens):
+            if latency <= 0:
+                break
+            if self.abort_epoch != epoch:
+                return out
+            time.sleep(latency)
+        return tokens
+
+    def _generate_one(self, body: dict, ids, sampling, completion, kept: int) -> dict:
+        import dataclasses
+
+        if kept < len(completion.response_ids):  # cut by /pause_generation: SGLang's aborted answer
+            completion = dataclasses.replace(completion, response_ids=completion.response_ids[:kept],
+                                             response_logprobs=completion.response_logprobs[:kept],
+                                             finish_reason="abort", routed_experts=None if completion.routed_experts
+                                             is None else completion.routed_experts[: len(ids) + kept - 1])
+        if completion.finish_reason == "abort":
+            finish = {"type": "abort", "message": "Abort before the request finished (pause_generation)"}
+        elif completion.finish_reason == "stop":
             finish = {"type": "stop", "matched": completion.response_ids[-1]}
         else:
             finish = {"type": "length", "length": len(completion.response_ids)}
@@ -263,6 +297,7 @@ class EmbeddedServer:
     def control(self, path: str, body: dict) -> dict:
         if path == "/pause_generation":
             self.paused = True
+            self.abort_epoch += 1
         elif path == "/continue_generation":
             self.paused = False
         elif path == "/release_memory_occupation":
@@ -315,7 +350,7 @@ def _handler(server: EmbeddedServer, args):
                 if self.path == "/generate":
                     if self._fault():
                         return
-                    self._send(200, self._bad(server.generate(body)))
+                    self._send(200, self._bad(server.generate(body, long=self._long_now)))
                 elif self.path in ("/update_weights_from_disk", "/update_weights_from_tensor",
                                    "/init_weights_update_group", "/update_weights_from_distributed"):
                     if self.path.startswith("/update_weights") and args.fault_exit_on_update:
@@ -361,6 +396,7 @@ def _handler(server: EmbeddedServer, args):
             self._corrupt_now = None
             if args.fault_corrupt_every and n % args.fault_corrupt_every == 0:
                 self._corrupt_now = CORRUPTIONS[(n // args.fault_corrupt_every - 1) % len(CORRUPTIONS)]
+            self._long_now = bool(args.long_every and n % args.long_every == 0)
             self._routing_fault = None
             if args.fault_routing_every and n % args.fault_routing_every == 0:
                 self._routing_fault = ROUTING_CORRUPTIONS[(n // args.fault_routing_every - 1) % len(ROUTING_CORRUPTIONS)]
@@ -403,6 +439,8 @@ def main(argv=None) -> None:
     parser.add_argument("--fault-hang-after", type=int, default=0)
     parser.add_argument("--fault-exit-on-update", type=int, default=0)
     parser.add_argument("--fault-marker", default="")
+    parser.add_argument("--token-latency-s", type=float, default=0.0)
+    parser.add_argument("--long-every", type=int, default=0)
     args, _unknown = parser.parse_known_args(argv)
     torch.set_num_threads(1)
     server = EmbeddedServer(args)

@@ -32,6 +32,10 @@ class RolloutConfig:
     # 16-bit models on the CPU) instead of its static decode (keys cached before RoPE, every one re-rotated per step);
     # the same tokens and log-probs (tested)
     flash_decode: bool = True
+    # asynchronous rollouts (train.staleness > 0): a weight update pauses the generations in flight instead of
+    # waiting for them; their partial responses continue from prompt + partial response with the new weights, each
+    # token keeping the version (and behaviour log-prob) of the weights that sampled it
+    partial: bool = False
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
 
@@ -327,6 +331,7 @@ def validate_train_config(cfg: TrainConfig, tokenizer_vocab: int, data_parallel:
         raise ConfigError(f"algo.advantage={cfg.algo.advantage} needs train.group_size >= 2")
     if run.staleness > 0:
         _check_async_rollouts(cfg)
+    _check_partial_rollouts(cfg)
     for section in ("eval", "checkpoint"):
         if getattr(cfg, section).interval < 0:
             raise ConfigError(f"{section}.interval={getattr(cfg, section).interval} must be >= 0 (0: only at the end)")
@@ -366,6 +371,24 @@ def _check_timeouts(cfg) -> None:
     if startup is not None and startup >= limit:
         raise ConfigError(f"rollout.{engine}.startup_timeout_s={startup:g} must be below parallel.distributed_timeout_s="
                           f"{limit:g} (the other ranks wait for the servers in a barrier)")
+
+
+PARTIAL_ENGINES = ("local", "sglang")  # engines that pause at a token boundary and return the partial responses
+
+
+def _check_partial_rollouts(cfg: TrainConfig) -> None:
+    """rollout.partial needs generations that overlap a weight update (train.staleness > 0) and an engine that can
+    pause them mid-response."""
+    if not cfg.rollout.partial:
+        return
+    if cfg.train.staleness == 0:
+        raise ConfigError("rollout.partial=true resumes generations across weight updates, but train.staleness=0 "
+                          "generates each batch with the current weights (none is in flight at an update): set "
+                          "train.staleness >= 1 or rollout.partial=false")
+    if cfg.rollout.engine not in PARTIAL_ENGINES:
+        raise ConfigError(f"rollout.partial=true with rollout.engine={cfg.rollout.engine}: that engine cannot pause a "
+                          f"generation and return its partial response; use rollout.engine in {list(PARTIAL_ENGINES)} "
+                          "or rollout.partial=false")
 
 
 def _check_async_rollouts(cfg: TrainConfig) -> None:

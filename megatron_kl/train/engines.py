@@ -28,7 +28,8 @@ def build_engine(cfg: TrainConfig, chunks: list, hf_source, run_dir: Path, dp_ra
     engine = cfg.rollout.engine
     if engine == "local":  # synchronous: the replica shares the policy's tensors (no second copy of the weights)
         return LocalEngine(cfg.model, cfg.parallel, cfg.rollout.max_batch_size,
-                           share_policy_weights=cfg.train.staleness == 0, flash_decode=cfg.rollout.flash_decode)
+                           share_policy_weights=cfg.train.staleness == 0, flash_decode=cfg.rollout.flash_decode,
+                           interruptible=cfg.rollout.partial)
     from megatron_kl.rollout.remote import DistributedEngine
 
     source_dir = hf_source.path if hf_source is not None else None

@@ -104,6 +104,13 @@ METRICS = (
     Metric("mismatch/k3_token", "nats/token", "k3 estimate of KL(mu || pi_train) per token"),
     Metric("staleness/mean", "steps", "mean age of the weights that generated the batch (async rollouts)"),
     Metric("staleness/max", "steps", "oldest weights in the batch"),
+    Metric("staleness/token_mean", "steps", "mean age of the weights that sampled each response token (partial "
+           "rollouts: a response can span several weight versions)"),
+    Metric("staleness/token_max", "steps", "oldest weights that sampled any response token (<= train.staleness)"),
+    Metric("staleness/older_token_fraction", "fraction", "response tokens sampled by weights older than the step's "
+           "policy"),
+    Metric("staleness/mixed_response_fraction", "fraction", "responses whose tokens come from more than one weight "
+           "version (resumed across a weight update: rollout.partial)"),
     Metric("optim/grad_norm", "norm", "global gradient norm before clipping (mean over the RL step's applied "
            "optimizer steps)"),
     Metric("optim/lr", "lr", "learning rate of the RL step's last optimizer step"),

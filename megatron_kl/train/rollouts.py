@@ -9,6 +9,14 @@ thread, generated from the engine's weights of version t while step t trains; be
 sync the trainer waits for it. The batch used at step t therefore comes from weights of version
 max(0, t - s): staleness t - version <= s, logged per sample. Completed queued batches are part of the
 checkpoint, so a resumed run consumes exactly the batches the uninterrupted run would have.
+
+Partial rollouts (``rollout.partial``): a weight sync no longer waits for the generations in flight. They are
+paused at a token boundary (the engine's ``pause``), the new weights loaded, and every unfinished response continues
+from prompt + partial response with them (the engine recomputes the prefix's KV cache), with a seed of its own per
+resumption. Every response token keeps the version of the weights that sampled it and its behaviour log-prob under
+them (``Completion.token_versions``): the trainer's mu is per token, and a response can span several versions. A
+batch for step t + s is started at step t with weights of version t, so every token's staleness is still <= s
+(checked per token when the batch is used).
 """
 
 from __future__ import annotations
@@ -16,9 +24,11 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from collections import defaultdict
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 
@@ -38,10 +48,41 @@ class RolloutBatch:
     generate_seconds: float
     # mixture-of-experts engines that report routing: [N, S, L, k] expert ids per input position (-1: unrouted)
     routed_experts: Optional[torch.Tensor] = None
+    # [N, S-1] the weight version that sampled each response token (aligned with loss_mask; 0 elsewhere); None in a
+    # batch saved before it existed: every token is its sample's weight_versions entry
+    token_versions: Optional[torch.Tensor] = None
 
     @property
     def num_response_tokens(self) -> int:
         return int(self.loss_mask.sum())
+
+    @property
+    def versions(self) -> torch.Tensor:
+        """[N, S-1] the behaviour policy's version per position (meaningful where loss_mask is 1)."""
+        if self.token_versions is not None:
+            return self.token_versions
+        return self.weight_versions[:, None].expand_as(self.loss_mask)
+
+
+def resumed(prefix: Completion, continuation: Completion) -> Completion:
+    """``prefix`` (a paused completion) followed by ``continuation`` (generated from prompt + prefix's response): one
+    completion whose tokens keep the versions and behaviour log-probs of the weights that sampled them. A routing is
+    the prefix's for the positions it fed and the continuation's from there on."""
+    fed = list(prefix.prompt_ids) + list(prefix.response_ids)
+    if list(continuation.prompt_ids) != fed:
+        raise RuntimeError("a resumed generation's prompt is not the paused completion's prompt + response")
+    routing = continuation.routed_experts
+    if routing is not None and prefix.routed_experts is not None and prefix.response_ids:
+        kept = prefix.routed_positions  # the positions the prefix's engine fed: prompt + its response but the last
+        routing = torch.cat([prefix.routed_experts[:kept], routing[kept:]])
+    versions = prefix.versions + continuation.versions
+    return Completion(prompt_ids=list(prefix.prompt_ids),
+                      response_ids=list(prefix.response_ids) + list(continuation.response_ids),
+                      response_logprobs=list(prefix.response_logprobs) + list(continuation.response_logprobs),
+                      finish_reason=continuation.finish_reason,
+                      weight_version=max(versions) if versions else continuation.weight_version,
+                      routed_experts=routing,
+                      token_versions=versions if len(set(versions)) > 1 else None)
 
 
 @dataclass
@@ -55,6 +96,12 @@ class _Generated:
     prompts: list
     completions: list[Completion]
     generate_seconds: float
+    seed: int = 0
+    segments: int = 1  # generation rounds so far (1 + resumptions)
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finished for c in self.completions)
 
 
 def _generate(task, engine: RolloutEngine, step: int, prompt_indices: list[int], group_size: int, sampling: SamplingConfig,
@@ -66,7 +113,40 @@ def _generate(task, engine: RolloutEngine, step: int, prompt_indices: list[int],
     seconds = time.perf_counter() - start
     if len(completions) != len(prompts):
         raise RuntimeError(f"engine returned {len(completions)} completions for {len(prompts)} prompts")
-    return _Generated(step, problems, prompts, completions, seconds)
+    return _Generated(step, problems, prompts, completions, seconds, seed)
+
+
+def _resume(engine: RolloutEngine, generated: _Generated, sampling: SamplingConfig) -> _Generated:
+    """The unfinished completions of ``generated`` continued from prompt + partial response with the engine's current
+    weights, in one ``generate`` call (made even when nothing is unfinished here: with several trainer ranks a served
+    engine's generate is collective), each with its remaining budget (max_new_tokens - tokens so far) and a seed of
+    this resumption's own."""
+    start = time.perf_counter()
+    completions = list(generated.completions)
+    rows, budgets = [], []
+    for i, completion in enumerate(completions):
+        if completion.finished:
+            continue
+        budget = sampling.max_new_tokens - len(completion.response_ids)
+        if budget <= 0:  # cut exactly at its budget: a finished response
+            completions[i] = dataclasses.replace(completion, finish_reason="length")
+            continue
+        rows.append(i)
+        budgets.append(budget)
+    prefixes = [list(completions[i].prompt_ids) + list(completions[i].response_ids) for i in rows]
+    seed = (generated.seed * 1_000_033 + generated.segments) % (2**62)
+    continued = engine.generate(prefixes, sampling, seed=seed, budgets=budgets) if rows or _collective(engine) else []
+    if len(continued) != len(rows):
+        raise RuntimeError(f"engine returned {len(continued)} completions for {len(rows)} resumed prompts")
+    for i, continuation in zip(rows, continued):
+        completions[i] = resumed(completions[i], continuation)
+    return dataclasses.replace(generated, completions=completions, segments=generated.segments + 1,
+                               generate_seconds=generated.generate_seconds + time.perf_counter() - start)
+
+
+def _collective(engine) -> bool:
+    """Whether every trainer rank must make each generate call (a served engine behind several ranks)."""
+    return bool(getattr(engine, "collective_generate", False))
 
 
 def _score(task, generated: _Generated, group_size: int) -> RolloutBatch:
@@ -81,21 +161,34 @@ def _score(task, generated: _Generated, group_size: int) -> RolloutBatch:
     rewards = torch.tensor([float(x) for x in scores])
     tokens, mask, behavior = pack(prompts, [c.response_ids for c in completions], task.tokenizer.pad_id,
                                   per_token=[c.response_logprobs for c in completions])
+    _, _, versions = pack(prompts, [c.response_ids for c in completions], task.tokenizer.pad_id,
+                          per_token=[c.versions for c in completions])
     return RolloutBatch(step=step, completions=completions, rewards=rewards, tokens=tokens, loss_mask=mask,
                         behavior_logprobs=behavior,
-                        weight_versions=torch.tensor([c.weight_version for c in completions]),
+                        weight_versions=torch.tensor([min(c.versions, default=c.weight_version) for c in completions]),
                         generate_seconds=seconds,
-                        routed_experts=pack_routing([c.routed_experts for c in completions], tokens.shape[1]))
+                        routed_experts=pack_routing([c.routed_experts for c in completions], tokens.shape[1]),
+                        token_versions=versions.round().long())
+
+
+class StalenessExceeded(RuntimeError):
+    """A batch holds tokens sampled by weights older than ``train.staleness`` allows."""
 
 
 class RolloutSource:
     def __init__(self, task, engine: RolloutEngine, sampling: SamplingConfig, prompts_per_step: int, group_size: int,
-                 staleness: int, seed: int, dp_rank: int = 0, dp_size: int = 1):
+                 staleness: int, seed: int, dp_rank: int = 0, dp_size: int = 1, partial: bool = False):
         self.task, self.engine, self.sampling = task, engine, sampling
         self.prompts_per_step, self.group_size, self.staleness = prompts_per_step, group_size, staleness
         self.seed, self.dp_rank, self.dp_size = seed, dp_rank, dp_size
-        self.queue: dict[int, RolloutBatch | Future] = {}  # futures resolve to _Generated (unscored)
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout") if staleness else None
+        self.partial = partial and staleness > 0
+        # futures resolve to _Generated (unscored; with partial rollouts possibly unfinished right after a pause)
+        self.queue: dict[int, RolloutBatch | _Generated | Future] = {}
+        # partial rollouts: a paused batch's resumption runs beside the next batch where the engine overlaps calls (a
+        # served engine behind one rank); otherwise one thread, so every rank makes its calls in the same order
+        overlaps = self.partial and bool(getattr(engine, "overlapping_generate", False))
+        workers = staleness + 1 if overlaps else 1
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rollout") if staleness else None
 
     def _generate(self, step: int) -> _Generated:
         per_rank = self.prompts_per_step // self.dp_size
@@ -104,12 +197,21 @@ class RolloutSource:
         return _generate(self.task, self.engine, step, list(range(first, first + per_rank)), self.group_size,
                          self.sampling, seed)
 
+    def _finish(self, generated: _Generated) -> _Generated:
+        """Resume an unfinished batch until every response is done (the calling thread; nothing pauses it)."""
+        while not generated.finished:
+            generated = _resume(self.engine, generated, self.sampling)
+        return generated
+
     def _make(self, step: int) -> RolloutBatch:
-        return _score(self.task, self._generate(step), self.group_size)
+        return _score(self.task, self._finish(self._generate(step)), self.group_size)
 
     def _resolve(self, item) -> RolloutBatch:
         """A queued item as a scored batch, in the calling (main) thread."""
-        return _score(self.task, item.result(), self.group_size) if isinstance(item, Future) else item
+        if isinstance(item, RolloutBatch):
+            return item
+        generated = item.result() if isinstance(item, Future) else item
+        return _score(self.task, self._finish(generated), self.group_size)
 
     def get(self, step: int) -> RolloutBatch:
         """The batch for ``step``; in async mode also submits the batch for ``step + staleness``."""
@@ -119,7 +221,34 @@ class RolloutSource:
             if ahead not in self.queue:
                 self.queue[ahead] = self._make(ahead)  # warm-up (or a queue lost with a checkpoint)
         self.queue[step + self.staleness] = self._pool.submit(self._generate, step + self.staleness)
-        return self._resolve(self.queue.pop(step))
+        batch = self._resolve(self.queue.pop(step))
+        lag = (step - batch.versions)[batch.loss_mask > 0]
+        if self.partial and lag.numel() and int(lag.max()) > self.staleness:  # resumed responses: checked per token
+            raise StalenessExceeded(f"step {step}: a response token was sampled by weights {int(lag.max())} updates "
+                                    f"old, more than train.staleness={self.staleness}")
+        return batch
+
+    @contextmanager
+    def weight_update(self) -> Iterator[None]:
+        """Around a weight sync. Without partial rollouts the generation in flight finishes first, with the weights
+        it started with. With them it is paused at a token boundary, the sync runs, and every unfinished response
+        continues with the new weights (submitted again in the background)."""
+        if not self.partial:
+            self.wait()
+            yield
+            return
+        self.engine.pause()
+        in_flight = [step for step, item in self.queue.items() if isinstance(item, Future)]
+        try:
+            for step in in_flight:  # promptly done: the engine returns what it has
+                self.queue[step] = self.queue[step].result()
+            yield
+        finally:
+            self.engine.resume()
+        for step in in_flight:  # every rank resumes the same batches, in order (collective engines)
+            item = self.queue[step]
+            if not item.finished or _collective(self.engine):
+                self.queue[step] = self._pool.submit(_resume, self.engine, item, self.sampling)
 
     def wait(self) -> None:
         """Finish in-flight generation (before a weight sync or a checkpoint)."""
@@ -134,6 +263,10 @@ class RolloutSource:
                 wait([item])
                 if item.exception() is not None:
                     del self.queue[step]
+                    continue
+                item = item.result()
+            if isinstance(item, _Generated) and not item.finished:
+                del self.queue[step]
 
     def state_dict(self) -> dict:
         """Completed queued batches as plain data (tensors, numbers, strings, lists, dicts): checkpoints

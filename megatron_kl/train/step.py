@@ -109,7 +109,9 @@ def kl_metrics(logprobs, reference_logprobs, exact_kl, mask) -> dict:
 def rollout_metrics(batch: RolloutBatch, old_logprobs: torch.Tensor, step: int) -> dict:
     mask = batch.loss_mask
     mismatch = ((old_logprobs - batch.behavior_logprobs) * mask).abs()
-    staleness = (step - batch.weight_versions).float()
+    staleness = (step - batch.weight_versions).float()  # per sample: its oldest token's
+    token_lag = (step - batch.versions).float() * mask
+    versions = [set(c.versions) for c in batch.completions]
     return {
         **mismatch_metrics(old_logprobs, batch.behavior_logprobs, mask),
         "reward/mean": float(batch.rewards.mean()),
@@ -124,6 +126,11 @@ def rollout_metrics(batch: RolloutBatch, old_logprobs: torch.Tensor, step: int) 
         "mismatch/abs_logprob_max": float(mismatch.max()),
         "staleness/mean": float(staleness.mean()),
         "staleness/max": float(staleness.max()),
+        # per response token: the weights that sampled it (partial rollouts: a response can span several versions)
+        "staleness/token_mean": _masked_mean(token_lag, mask),
+        "staleness/token_max": float(token_lag.max()) if mask.numel() else 0.0,
+        "staleness/older_token_fraction": _masked_mean((token_lag > 0).float(), mask),
+        "staleness/mixed_response_fraction": sum(len(v) > 1 for v in versions) / max(len(versions), 1),
     }
 
 
@@ -141,7 +148,7 @@ def support_metrics(batch: RolloutBatch, old: dict, step: int, sampling, dp_grou
         return {}
     mask = batch.loss_mask
     outside = old["outside_support"] * mask
-    fresh = (batch.weight_versions == step)[:, None] & (mask > 0)
+    fresh = (batch.versions == step) & (mask > 0)  # tokens sampled by this step's weights
     stray = (outside > 0) & fresh
     counts = torch.tensor([float(stray.sum()), float(fresh.sum())], dtype=torch.float64)
     if dp_group is not None and dist.get_world_size(dp_group) > 1:

@@ -110,7 +110,7 @@ class Trainer:
         cfg, plan, topology = self.cfg, self.plan, self.topology
         self.source = RolloutSource(self.task, self.engine, cfg.rollout.sampling, cfg.train.prompts_per_step,
                                     cfg.train.group_size, cfg.train.staleness, cfg.train.seed, topology.dp_rank,
-                                    topology.dp_size)
+                                    topology.dp_size, partial=cfg.rollout.partial)
         offload = ReferenceOffload(models.reference, cfg.parallel.offload_reference)
         self.counters = Counters()
         # what a checkpoint holds: shared by every rank, or each rank's own
@@ -183,8 +183,8 @@ class Trainer:
             self.boundary_optimizer_steps = self.counters.optimizer_steps
             try:
                 with phase("weight_sync", metrics):  # time/weight_sync recorded even if it raises
-                    self.source.wait()
-                    self.sync_engine()
+                    with self.source.weight_update():  # finish, or pause and later resume, the generation in flight
+                        self.sync_engine()
             finally:  # the step is trained even if the servers are gone: its line is logged
                 metrics["time/step"] = time.perf_counter() - step_start
                 # training throughput: the step's evaluation (if any) is not part of it

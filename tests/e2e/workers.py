@@ -202,3 +202,56 @@ def trainer_steps_worker(rank, world, cfg_dict: dict, steps: int):
     finally:
         stop.close()
     return {"records": records, "rl_steps": rl_steps}
+
+
+def partial_engine_worker(rank, world, model_dict: dict, tp: int, prompts, sampling_dict: dict, pause_at: int):
+    """Generate with weights A (version 1), paused after ``pause_at`` token steps, then resumed with weights B (version
+    2); return the resumed completions and the trainer's log-probs of them under A and under B."""
+    from megatron_kl.config import ModelConfig, ParallelConfig
+    from megatron_kl.models import builder, parallel, pipeline, state
+    from megatron_kl.rollout.engine import SamplingConfig
+    from megatron_kl.rollout.local import LocalEngine
+    from megatron_kl.train.batching import pack
+    from megatron_kl.train.rollouts import _Generated, _resume
+
+    model = from_dict(ModelConfig, model_dict)
+    layout = ParallelConfig(tensor_parallel=tp)
+    torch.manual_seed(0)
+    parallel.initialize(model, layout)
+    models = builder.build_policy_and_reference(model, layout)
+    tp_group = parallel.tp_group()
+    full = state.full_state_dict(models.policy, model.vocab_size, False, tp_group, parallel.pp_group())
+
+    def load(seed):
+        generator = torch.Generator().manual_seed(seed)
+        weights = {k: torch.randn(v.shape, generator=generator) * 0.3 for k, v in full.items()}
+        state.load_full_state_dict(models.policy, weights, False, dist.get_rank(tp_group), tp)
+
+    sampling = from_dict(SamplingConfig, sampling_dict)
+    engine = LocalEngine(model, layout, interruptible=True)
+    boundaries = {"seen": 0}
+    agreed = engine._pause_agreed
+
+    def pause_at_boundary():  # the trainer's pause, arriving at a chosen token boundary on every rank
+        boundaries["seen"] += 1
+        if boundaries["seen"] == pause_at:
+            engine.pause()
+        return agreed()
+
+    engine._pause_agreed = pause_at_boundary
+    load(5)
+    engine.update_weights(models.policy, version=1)
+    first = engine.generate(prompts, sampling, seed=11)
+    engine._pause_agreed = agreed
+    load(6)
+    engine.update_weights(models.policy, version=2)
+    engine.resume()
+    done = _resume(engine, _Generated(0, [], prompts, first, 0.0, seed=11), sampling)
+    tokens, mask, _ = pack(prompts, [c.response_ids for c in done.completions], 0)
+    vocab = pipeline.VocabOptions(model.vocab_size, sampling.logprob_temperature)
+    logprobs = {}
+    for version, seed in ((2, 6), (1, 5)):
+        load(seed)
+        logprobs[version] = pipeline.compute_token_stats(models.policy, pipeline.SequenceBatch(tokens, mask), 1,
+                                                         vocab)["logprobs"]
+    return {"first": first, "done": done.completions, "mask": mask, "logprobs": logprobs}

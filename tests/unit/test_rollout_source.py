@@ -229,9 +229,13 @@ def test_every_estimator_clamps_an_infinite_log_ratio(estimator):
 
 
 def test_completion_refuses_an_unknown_finish_reason_and_mismatched_logprobs():
-    """A Completion is checked when built: finish_reason is stop or length, one log-prob per response token."""
-    with pytest.raises(ValueError, match="finish_reason='abort'; expected one of"):
-        Completion([1, 2], [5], [-0.5], "abort", 0)
+    """A Completion is checked when built: finish_reason is stop, length or abort (a paused partial response), one
+    log-prob and (when given) one weight version per response token."""
+    with pytest.raises(ValueError, match="finish_reason='cancelled'; expected one of"):
+        Completion([1, 2], [5], [-0.5], "cancelled", 0)
+    assert not Completion([1, 2], [5], [-0.5], "abort", 0).finished
+    with pytest.raises(ValueError, match="1 response ids but 2 token versions"):
+        Completion([1, 2], [5], [-0.5], "stop", 3, token_versions=[2, 3])
     with pytest.raises(ValueError, match="1 response ids but 2 log-probs"):
         Completion([1, 2], [5], [-0.5, -0.1], "stop", 0)
     assert Completion([1, 2], [5, 7], [-0.5, -0.1], "length", 0).routed_positions == 3
