@@ -36,8 +36,10 @@ and latency, for measuring rollouts:
                                requests overlap, as under continuous batching); /pause_generation (mode abort) cuts
                                the requests in flight at the tokens already out and answers them with finish_reason
                                abort, SGLang's partial answer
-    --long-every N             every N-th /generate ignores its stop tokens and runs to max_new_tokens: a heavy tail
-                               of long responses (with a model whose answers stop early, N-th ones ~10x the median)
+    --long-every N             the requests of one prompt in N (by a hash of the first --long-prefix-tokens input ids,
+                               so a resumed request, whose input starts with its prompt, stays long) ignore their stop
+                               tokens and run to max_new_tokens: a heavy tail of long responses (with a model whose
+                               answers stop after a few tokens, ~10x the median)
 
 Run ``python -m megatron_kl.testing.sglang_server --model-path DIR --port P``.
 """
@@ -52,6 +54,7 @@ import socket
 import threading
 import time
 import uuid
+import zlib
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -350,7 +353,7 @@ def _handler(server: EmbeddedServer, args):
                 if self.path == "/generate":
                     if self._fault():
                         return
-                    self._send(200, self._bad(server.generate(body, long=self._long_now)))
+                    self._send(200, self._bad(server.generate(body, long=self._long(body))))
                 elif self.path in ("/update_weights_from_disk", "/update_weights_from_tensor",
                                    "/init_weights_update_group", "/update_weights_from_distributed"):
                     if self.path.startswith("/update_weights") and args.fault_exit_on_update:
@@ -369,6 +372,13 @@ def _handler(server: EmbeddedServer, args):
                     self._send(404, {"error": f"no route {self.path}"})
             except Exception as err:  # noqa: BLE001 - a server answers errors as 500s, as SGLang does
                 self._send(500, {"error": {"message": f"{type(err).__name__}: {err}"}})
+
+        def _long(self, body: dict) -> bool:
+            ids = body.get("input_ids") or []
+            if not args.long_every or not ids or isinstance(ids[0], list):
+                return False
+            prefix = ",".join(str(int(i)) for i in ids[: args.long_prefix_tokens]).encode()
+            return zlib.crc32(prefix) % args.long_every == 0
 
         def _fault(self) -> bool:
             with server.lock:
@@ -396,7 +406,6 @@ def _handler(server: EmbeddedServer, args):
             self._corrupt_now = None
             if args.fault_corrupt_every and n % args.fault_corrupt_every == 0:
                 self._corrupt_now = CORRUPTIONS[(n // args.fault_corrupt_every - 1) % len(CORRUPTIONS)]
-            self._long_now = bool(args.long_every and n % args.long_every == 0)
             self._routing_fault = None
             if args.fault_routing_every and n % args.fault_routing_every == 0:
                 self._routing_fault = ROUTING_CORRUPTIONS[(n // args.fault_routing_every - 1) % len(ROUTING_CORRUPTIONS)]
@@ -441,6 +450,7 @@ def main(argv=None) -> None:
     parser.add_argument("--fault-marker", default="")
     parser.add_argument("--token-latency-s", type=float, default=0.0)
     parser.add_argument("--long-every", type=int, default=0)
+    parser.add_argument("--long-prefix-tokens", type=int, default=4)
     args, _unknown = parser.parse_known_args(argv)
     torch.set_num_threads(1)
     server = EmbeddedServer(args)

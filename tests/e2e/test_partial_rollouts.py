@@ -124,3 +124,30 @@ def test_sglang_pause_cuts_requests_in_flight_and_they_resume_with_the_pushed_we
                 if tagged == version:
                     worst = max(worst, abs(logprob - float(expected[t, 0])))
     assert worst < 2e-4, worst  # the server's float32 forward against transformers' (the existing check's bound)
+
+
+def test_training_with_partial_rollouts_on_sglang_servers(tmp_path, warm_cache):
+    """train.staleness=2 with rollout.partial on the test server, every 3rd response running to max_new_tokens at
+    0.4 s a token: the weight update after each step cuts the batches in flight, and they finish with the next
+    weights. Responses span versions, every token is at most 2 updates old, and step 0 (generated whole before the
+    first update) is on-policy."""
+    from megatron_kl.rollout.servers import server_port
+    from tests.e2e.test_sglang import TEST_SERVER
+    from tests.e2e.test_train import short_config
+    from tests.e2e.workers import train_worker
+
+    cfg = short_config(tmp_path / "run", warm_cache, "rollout.engine=sglang", "rollout.sglang.weight_sync=from_disk",
+                       f"rollout.sglang.server_module={TEST_SERVER}", f"rollout.sglang.port={server_port()}",
+                       "rollout.sglang.extra_args=[--token-latency-s, '0.4', --long-every, '3']",
+                       "rollout.partial=true", "train.staleness=2", "train.steps=4",
+                       "kl.estimator=k3", "kl.placement=loss", "kl.off_policy=token_is")
+    metrics = run_ranks(train_worker, 1, cfg, timeout_s=600)[0]["metrics"]
+    steps = [m for m in metrics if "staleness/token_max" in m]
+    assert [m["step"] for m in steps] == [0, 1, 2, 3]
+    assert steps[0]["staleness/token_max"] == 0 and steps[0]["mismatch/abs_logprob_max"] < 1e-4
+    assert all(m["staleness/token_max"] <= 2 for m in steps)
+    assert sum(m["staleness/mixed_response_fraction"] for m in steps) > 0, steps
+    mixed = [m for m in steps if m["staleness/mixed_response_fraction"] > 0]
+    assert all(0 < m["staleness/older_token_fraction"] <= 1 for m in mixed)
+    for m in steps:
+        assert all(v == v and abs(v) != float("inf") for v in m.values() if isinstance(v, float)), m

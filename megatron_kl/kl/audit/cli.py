@@ -9,7 +9,9 @@ every configuration with each behaviour correction (algo.behavior_correction) ap
 (kl.off_policy=behavior), on- and off-policy; ``--no-corrections`` leaves them out. With ``--top-k`` /
 ``--top-p`` two more tables sample from the truncated policy mu = trunc(pi) and judge every configuration against
 the gradients of mu's KLs, once with the estimators seeing log mu (rollout.sampling.distribution=truncated) and
-once log pi (distribution=full).
+once log pi (distribution=full). With ``--mixed-switch K`` three more tables sample each response's first K tokens
+from one behaviour policy and the rest from another (a response resumed across a weight update: rollout.partial) and
+give the estimators the behaviour log-probs per token, or one version's for the whole response (first / last).
 
 ``--dynamics`` trains instead: every configuration from pi = pi_ref by gradient ascent with its exact expected
 direction on E_pi[r] - beta KL(pi || pi_ref) (a random reward on whole sequences), and reports where it ends
@@ -26,8 +28,13 @@ from dataclasses import asdict
 from pathlib import Path
 
 from megatron_kl.kl.corrections import CORRECTIONS
-from megatron_kl.kl.audit.exact import TabularProblem, all_configs, audit, behavior_configs, format_table
+from megatron_kl.kl.audit.exact import RECORDED, TabularProblem, all_configs, audit, behavior_configs, format_table
 from megatron_kl.kl.kernels.truncation import Truncation
+
+
+_RECORDED_WORDS = {"per_token": "each token's own behaviour log-prob (what the trainer records)",
+                   "first": "mu_1's log-probs for every token (one version per response: the first)",
+                   "last": "mu_2's log-probs for every token (one version per response: the last)"}
 
 
 def main(argv=None) -> int:
@@ -41,6 +48,8 @@ def main(argv=None) -> int:
     parser.add_argument("--no-corrections", action="store_true", help="skip the behaviour-correction tables")
     parser.add_argument("--top-k", type=int, default=0, help="truncated-sampler tables: top-k of the sampler")
     parser.add_argument("--top-p", type=float, default=1.0, help="truncated-sampler tables: top-p of the sampler")
+    parser.add_argument("--mixed-switch", type=int, default=0, metavar="K",
+                        help="mixed-behaviour tables: tokens before K from one behaviour policy, the rest from another")
     parser.add_argument("--dynamics", action="store_true", help="exact training dynamics of every configuration")
     parser.add_argument("--beta", type=float, default=0.5, help="--dynamics: the KL coefficient")
     parser.add_argument("--lr", type=float, default=2.0, help="--dynamics: step size on the logit table")
@@ -83,6 +92,15 @@ def main(argv=None) -> int:
               f"seed={args.seed} ({args.vocab ** args.length} sequences, exact sums, float64)")
         print(format_table(part))
         rows += part
+    if args.mixed_switch:
+        for recorded in RECORDED:
+            mixed = TabularProblem.mixed(args.vocab, args.length, args.seed, args.mixed_switch, recorded)
+            part = audit(mixed, off_policy=True, configs=all_configs(True, truncate=args.truncate)
+                         + ([] if args.no_corrections else behavior_configs()))
+            print(f"\n== mixed behaviour: tokens < {args.mixed_switch} from mu_1, the rest from mu_2; the estimators "
+                  f"are given {_RECORDED_WORDS[recorded]}: V={args.vocab} T={args.length} seed={args.seed}")
+            print(format_table(part))
+            rows += part
     rule = Truncation(args.top_k, args.top_p)
     if rule.active(args.vocab):
         for trained in ("truncated", "full"):

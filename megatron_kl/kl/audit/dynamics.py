@@ -58,10 +58,10 @@ def kl_gradient(problem: TabularProblem, cfg: Union[KLConfig, RPGConfig], weight
     A KL configuration with ``off_policy='behavior'`` takes the behaviour ``correction``'s weights on its KL term,
     computed from pi / mu as the trainer computes them; an RPG loss (:class:`RPGConfig`) contributes its KL part
     (its loss at zero advantages, with the sampler as pi_old), summed over tokens."""
-    lp, ref_lp, mu_lp, full_kl, _, _ = _quantities(problem)
+    lp, ref_lp, _, full_kl, _, _, recorded = _quantities(problem)
     n = len(lp)
     scale = (weights * n).to(lp.dtype)
-    behavior = (mu_lp if off_policy else lp).detach()
+    behavior = (recorded if off_policy else lp).detach()
     mask = torch.ones_like(lp, dtype=torch.bool)
     weight = None
     if isinstance(cfg, KLConfig) and cfg.off_policy == "behavior":

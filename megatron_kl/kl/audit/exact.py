@@ -22,6 +22,15 @@ state's logits, renormalised: the engines' rule, ``kl.kernels.truncation``), the
 targets are the gradients of the sampled policy's KLs (KL(mu || pi_ref); the forward KL(pi_ref || mu) is infinite
 and left out). ``trained='truncated'`` gives the estimators log mu (rollout.sampling.distribution=truncated),
 ``'full'`` gives them log pi (distribution=full). Only sequences with mu(y) > 0 are enumerated.
+
+Mixed behaviour (``TabularProblem.mixed``; partial rollouts, rollout.partial): the first ``switch`` tokens of every
+sequence are sampled by one behaviour policy mu_1 and the rest by another, mu_2 (a response paused at a weight
+update and resumed with the next weights): the sampler is q(y) = prod_{t<k} mu_1(y_t|s_t) prod_{t>=k} mu_2(y_t|s_t),
+the off-policy targets take their states from it. ``recorded`` is what the estimators are told the behaviour
+log-probs were: ``per_token`` (each token's own policy: what the trainer records), ``first`` or ``last`` (one policy
+for the whole response, as bookkeeping of one version per response would). Importance weights built from the
+recorded log-probs are exact only when they are the sampler's: per-decision weights rho_t = pi/mu_t(y_t) and the
+sequence ratio prod_t pi/mu_t(y_t) stay unbiased with per-token mu and are biased with either single version.
 """
 
 from __future__ import annotations
@@ -43,6 +52,7 @@ from megatron_kl.kl.sequence_axis import crossing
 from megatron_kl.kl.kernels.truncation import Truncation, support_threshold
 
 TARGETS = tuple(KL_TARGETS.values())  # the audit's names of kl.target's values: seq, token, forward
+RECORDED = ("per_token", "first", "last")  # mixed behaviour: the behaviour log-probs the estimators are given
 UNBIASED_TOL = 1e-9
 
 
@@ -57,6 +67,10 @@ class TabularProblem:
     behavior_table: torch.Tensor
     truncation: Optional[Truncation] = None  # the on-policy sampler is trunc(pi) (module docstring)
     trained: str = "truncated"  # with truncation: the estimators see log mu (truncated) or log pi (full)
+    # mixed behaviour (module docstring): positions >= switch sampled by second_behavior_table's policy
+    second_behavior_table: Optional[torch.Tensor] = None
+    switch: Optional[int] = None
+    recorded: str = "per_token"  # per_token | first | last: the behaviour log-probs the estimators are given
 
     @classmethod
     def random(cls, vocab: int = 3, length: int = 3, seed: int = 0, scale: float = 1.0) -> "TabularProblem":
@@ -75,6 +89,28 @@ class TabularProblem:
             return (scale * torch.randn(n_states, vocab, generator=g, dtype=torch.float64))
 
         return cls(vocab, length, seqs, states, table().requires_grad_(True), table(), table())
+
+    @classmethod
+    def mixed(cls, vocab: int = 3, length: int = 3, seed: int = 0, switch: int = 1,
+              recorded: str = "per_token") -> "TabularProblem":
+        """A random problem whose samples come from one behaviour policy before position ``switch`` and from a
+        second one (a fresh random table) from there on."""
+        if recorded not in RECORDED or not 0 < switch < length:
+            raise ValueError(f"recorded in {RECORDED} and 0 < switch < length={length}")
+        base = cls.random(vocab, length, seed)
+        second = torch.randn(base.behavior_table.shape, generator=torch.Generator().manual_seed(10_000 + seed),
+                             dtype=torch.float64)
+        return dataclasses.replace(base, second_behavior_table=second, switch=switch, recorded=recorded)
+
+    def behavior_log_probs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """[N, T, V] the sampler's per-position log-distributions off-policy, and those the estimators are told
+        (the same unless ``recorded`` names one version for a mixed-behaviour response)."""
+        first = self.log_probs(self.behavior_table)
+        if self.switch is None:
+            return first, first
+        second = self.log_probs(self.second_behavior_table)
+        sampler = torch.cat([first[:, : self.switch], second[:, self.switch:]], dim=1)
+        return sampler, {"per_token": sampler, "first": first, "last": second}[self.recorded]
 
     def log_probs(self, table: torch.Tensor) -> torch.Tensor:
         """[N, T, V] per-position log-distributions."""
@@ -121,20 +157,21 @@ def _quantities(problem: TabularProblem):
         logmu = problem.sampler_log_probs()
         logp = logmu if problem.trained == "truncated" else problem.log_probs(problem.policy_table)
         sampled = torch.isfinite(logmu.gather(-1, y)[..., 0]).all(-1)
+        recorded = logmu
     else:
         logp = problem.log_probs(problem.policy_table)
-        logmu = problem.log_probs(problem.behavior_table)
+        logmu, recorded = problem.behavior_log_probs()
         sampled = torch.ones(len(problem.sequences), dtype=torch.bool)
     pick = lambda t: t.gather(-1, y)[..., 0][sampled]  # noqa: E731
     full_kl = _kl_rows(logp, logq)[sampled]
     sampler_kl = _kl_rows(logmu, logq)[sampled]
     forward_kl = (logq.exp() * (logq - logp)).sum(-1)[sampled]
-    return pick(logp), pick(logq), pick(logmu), full_kl, sampler_kl, forward_kl
+    return pick(logp), pick(logq), pick(logmu), full_kl, sampler_kl, forward_kl, pick(recorded)
 
 
 def exact_targets(problem: TabularProblem, off_policy: bool) -> dict[str, torch.Tensor]:
     """Gradients of the three KLs (module docstring); with a truncated sampler, of the sampler's KLs."""
-    lp, ref_lp, mu_lp, full_kl, sampler_kl, forward_kl = _quantities(problem)
+    lp, ref_lp, mu_lp, full_kl, sampler_kl, forward_kl, _ = _quantities(problem)
     truncated = problem.truncation is not None
     if truncated:
         lp, full_kl = mu_lp, sampler_kl  # the sampled policy mu = trunc(pi) is differentiable w.r.t. the table
@@ -154,10 +191,10 @@ def exact_targets(problem: TabularProblem, off_policy: bool) -> dict[str, torch.
 def _estimator_gradients(problem: TabularProblem, cfg: KLConfig, off_policy: bool,
                          correction: Optional[Correction] = None):
     """Per-sample gradients g(y) [N, S, V] of the configuration's estimator of grad KL, and q(y)."""
-    lp, ref_lp, mu_lp, full_kl, _, _ = _quantities(problem)
+    lp, ref_lp, mu_lp, full_kl, _, _, recorded = _quantities(problem)
     sampler = mu_lp if off_policy or problem.truncation is not None else lp
     q = sampler.sum(-1).exp().detach()
-    behavior = sampler.detach()
+    behavior = (recorded if off_policy else sampler).detach()  # what the trainer was told mu was
     mask = torch.ones(1, problem.length, dtype=torch.bool)
     weight = None
     if cfg.off_policy == "behavior":
@@ -223,6 +260,8 @@ def judge(expectation: torch.Tensor, targets: dict[str, torch.Tensor]) -> tuple[
 
 
 def _mode(problem: TabularProblem, off_policy: bool) -> str:
+    if problem.switch is not None and off_policy:
+        return f"mixed-{problem.recorded}"  # two behaviour policies in one response; the estimators told ...
     if problem.truncation is not None:
         return f"mu-{problem.trained}"  # samples from trunc(pi); the estimators see log mu or log pi
     return "off_policy" if off_policy else "on_policy"
