@@ -238,7 +238,7 @@ class LocalEngine:
 
     def __init__(self, model: ModelConfig, parallel: ParallelConfig, max_batch_size: int = 256,
                  share_policy_weights: bool = False, flash_decode: bool = True, ragged_decoding: bool = True,
-                 interruptible: bool = False):
+                 interruptible: bool = False, quantization: str = "none"):
         from megatron.core.process_groups_config import ProcessGroupCollection
 
         from megatron_kl.models.builder import build_gpt_model, freeze
@@ -268,7 +268,8 @@ class LocalEngine:
         self.device = next(self.model.parameters()).device
         self.cache_dtype = self._cache_dtype(flash_decode)
         self.weight_version = 0
-        self.share_policy_weights = share_policy_weights
+        self.quantization = quantization  # fp8: the replica holds block-wise FP8 weights (a copy, never shared)
+        self.share_policy_weights = share_policy_weights and quantization == "none"
         self.ragged_decoding = ragged_decoding  # False: always megatron's forcing scheme (benchmarks, tests)
         self._lock = threading.Lock()
         self.interruptible = interruptible
@@ -316,6 +317,10 @@ class LocalEngine:
                     target.data = param.detach()
                 else:
                     target.copy_(param.detach())
+            if self.quantization == "fp8":
+                from megatron_kl.rollout.quantization import quantize_model_
+
+                quantize_model_(self.model)
             self.weight_version = version
 
     def shutdown(self) -> None:

@@ -51,6 +51,7 @@ from megatron_kl.rollout.engine import (FINISH_REASONS, PAUSED, Completion, Samp
                                        check_routing)
 from megatron_kl.rollout.http import (CorruptResponse, RetryPolicy, ServerError, ServerUnavailable, call, new_session,
                                       wait_healthy)
+from megatron_kl.rollout.quantization import check_served_quantization
 from megatron_kl.rollout.servers import ManagedServer, start_on_free_port
 
 log = logging.getLogger(__name__)
@@ -222,7 +223,7 @@ def parse_generate(body, prompt_ids: Sequence[int], expected_version: int, where
 
 
 def server_command(cfg: SGLangConfig, model_path: str, port: int, seed: int, api_key: Optional[str] = None,
-                   routed_experts: bool = False) -> list[str]:
+                   routed_experts: bool = False, quantization: str = "none") -> list[str]:
     command = [sys.executable, "-m", cfg.server_module, "--model-path", str(model_path), "--host", cfg.host,
                "--port", str(port), "--tp-size", str(cfg.tp_size), "--dp-size", str(cfg.dp_size),
                "--mem-fraction-static", str(cfg.mem_fraction_static), "--skip-tokenizer-init",
@@ -233,6 +234,8 @@ def server_command(cfg: SGLangConfig, model_path: str, port: int, seed: int, api
         command.append("--enable-return-routed-experts")
     if cfg.enable_memory_saver:
         command.append("--enable-memory-saver")
+    if quantization != "none":  # FP8 rollouts: the servers quantize the linear layers' weights
+        command += ["--quantization", quantization]
     return command + list(cfg.extra_args)
 
 
@@ -255,7 +258,8 @@ class SGLangEngine:
     """The rollout-engine protocol over SGLang HTTP servers (used from one trainer process)."""
 
     def __init__(self, cfg: SGLangConfig, weight_sync, model_path: Optional[str] = None, log_dir="runs/sglang",
-                 seed: int = 0, vocab_size: Optional[int] = None, routing: Optional[RoutingShape] = None):
+                 seed: int = 0, vocab_size: Optional[int] = None, routing: Optional[RoutingShape] = None,
+                 quantization: str = "none"):
         self.cfg = cfg
         self.vocab_size = vocab_size  # response ids are checked against it
         self.routing = routing  # mixture of experts with routing replay: every completion carries its routing
@@ -282,12 +286,24 @@ class SGLangEngine:
             for index in range(cfg.num_servers):
                 server = start_on_free_port(
                     f"sglang-{index}", lambda port: server_command(cfg, model_path, port, seed, self.api_key,
-                                                           routed_experts=routing is not None),
+                                                           routed_experts=routing is not None,
+                                                           quantization=quantization),
                     cfg.host, next_port, log_dir, cfg.startup_timeout_s, secrets=(self.api_key,))
                 self.urls.append(server.url)
                 self.servers.append(server)
                 next_port = int(server.url.rsplit(":", 1)[1]) + 1
         self._sessions = [self._session(cfg.max_concurrency, self.api_key) for _ in self.urls]
+        for index, url in enumerate(self.urls if cfg.urls else []):  # they sample with the weights the run declares
+            try:
+                info = self.call(index, "/get_server_info", method="GET")
+            except ServerError as err:  # a router without the route, say: only an FP8 run needs the answer
+                if quantization == "none":
+                    log.warning("%s: /get_server_info failed (%s); its quantization is not checked", url, err)
+                    continue
+                raise ValueError(f"rollout.quantization={quantization}: rollout.sglang.urls: {url} did not say which "
+                                 f"weights it serves (/get_server_info: {err}); give the servers' own addresses") from err
+            check_served_quantization(info.get("quantization") if isinstance(info, dict) else None, quantization,
+                                      f"rollout.sglang.urls: {url}")
 
     @staticmethod
     def _session(pool: int, api_key: Optional[str] = None) -> requests.Session:

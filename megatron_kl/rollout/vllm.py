@@ -30,7 +30,8 @@ from megatron_kl.rollout.engine import FINISH_REASONS, Completion, SamplingConfi
 from megatron_kl.rollout.http import RetryPolicy, ServerError, call
 
 class VLLMEngine:
-    def __init__(self, cfg: VLLMConfig, model, model_path: str, seed: int = 0, source_dir=None):
+    def __init__(self, cfg: VLLMConfig, model, model_path: str, seed: int = 0, source_dir=None,
+                 quantization: str = "none"):
         self.cfg, self.model, self.source_dir = cfg, model, source_dir
         self.weight_version = 0
         self.asleep = False
@@ -52,6 +53,8 @@ class VLLMEngine:
                       logprobs_mode="processed_logprobs")
         if cfg.max_model_len:
             kwargs["max_model_len"] = cfg.max_model_len
+        if quantization != "none":  # FP8 rollouts: vLLM's online FP8 quantization of the linear layers
+            kwargs["quantization"] = quantization
         if torch.cuda.is_available():
             kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
         self.llm = LLM(**kwargs)

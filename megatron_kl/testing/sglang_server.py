@@ -152,6 +152,10 @@ class EmbeddedServer:
         if "weights" in getattr(self, "released", ()):
             raise RuntimeError("weights memory released: /resume_memory_occupation {tags: [weights]} first")
         hf.load_hf_into([self.engine.model], _DictCheckpoint(self.tensors), self.model)
+        if self.args.quantization == "fp8":  # as SGLang's --quantization fp8: block-wise FP8 linear weights
+            from megatron_kl.rollout.quantization import quantize_model_
+
+            quantize_model_(self.engine.model)
 
     # -- routes ----------------------------------------------------------------------------------
     def generate(self, body: dict, long: bool = False) -> dict | list:
@@ -333,7 +337,8 @@ def _handler(server: EmbeddedServer, args):
             elif self.path == "/get_weight_version":
                 self._send(200, {"weight_version": server.weight_version})
             elif self.path == "/get_server_info":
-                self._send(200, {"model_path": args.model_path, "tp_size": args.tp_size, "version": "test-0.5"})
+                self._send(200, {"model_path": args.model_path, "tp_size": args.tp_size, "version": "test-0.5",
+                                 "quantization": args.quantization})
             else:
                 self._send(404, {"error": f"no route {self.path}"})
 
@@ -450,6 +455,7 @@ def main(argv=None) -> None:
     parser.add_argument("--fault-marker", default="")
     parser.add_argument("--token-latency-s", type=float, default=0.0)
     parser.add_argument("--long-every", type=int, default=0)
+    parser.add_argument("--quantization", default=None, choices=[None, "fp8"])
     parser.add_argument("--long-prefix-tokens", type=int, default=4)
     args, _unknown = parser.parse_known_args(argv)
     torch.set_num_threads(1)

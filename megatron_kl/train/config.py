@@ -15,7 +15,7 @@ from megatron_kl.constraints import checked
 from megatron_kl.kl.config import AUTO, KLConfig
 from megatron_kl.launch_config import LaunchConfig
 from megatron_kl.models.optim_config import OptimConfig
-from megatron_kl.rollout.config import SamplingConfig, SGLangConfig, VLLMConfig
+from megatron_kl.rollout.config import QUANTIZATIONS, SamplingConfig, SGLangConfig, VLLMConfig
 from megatron_kl.tasks.base import TaskConfig
 from megatron_kl.train.host_malloc import MODES as HOST_MALLOC_MODES
 
@@ -36,6 +36,10 @@ class RolloutConfig:
     # waiting for them; their partial responses continue from prompt + partial response with the new weights, each
     # token keeping the version (and behaviour log-prob) of the weights that sampled it
     partial: bool = False
+    # fp8: the engines sample with block-wise float8_e4m3 linear weights (SGLang / vLLM started with their FP8 option,
+    # the embedded engine quantizing its copy after every sync); the trainer keeps its own weights, so mu is the FP8
+    # policy's (mismatch/* show the gap; algo.behavior_correction corrects it)
+    quantization: str = checked("none", choices=QUANTIZATIONS)
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
 
@@ -332,6 +336,10 @@ def validate_train_config(cfg: TrainConfig, tokenizer_vocab: int, data_parallel:
     if run.staleness > 0:
         _check_async_rollouts(cfg)
     _check_partial_rollouts(cfg)
+    if cfg.rollout.quantization == "fp8" and cfg.rollout.engine == "vllm" and cfg.rollout.vllm.mode == "server":
+        raise ConfigError("rollout.quantization=fp8 with rollout.vllm.mode=server: the client cannot see which "
+                          "weights a running vLLM server samples with; use rollout.vllm.mode=llm (started here with "
+                          "quantization=fp8) or rollout.engine=sglang / local")
     for section in ("eval", "checkpoint"):
         if getattr(cfg, section).interval < 0:
             raise ConfigError(f"{section}.interval={getattr(cfg, section).interval} must be >= 0 (0: only at the end)")

@@ -29,7 +29,7 @@ def build_engine(cfg: TrainConfig, chunks: list, hf_source, run_dir: Path, dp_ra
     if engine == "local":  # synchronous: the replica shares the policy's tensors (no second copy of the weights)
         return LocalEngine(cfg.model, cfg.parallel, cfg.rollout.max_batch_size,
                            share_policy_weights=cfg.train.staleness == 0, flash_decode=cfg.rollout.flash_decode,
-                           interruptible=cfg.rollout.partial)
+                           interruptible=cfg.rollout.partial, quantization=cfg.rollout.quantization)
     from megatron_kl.rollout.remote import DistributedEngine
 
     source_dir = hf_source.path if hf_source is not None else None
@@ -46,7 +46,7 @@ def build_engine(cfg: TrainConfig, chunks: list, hf_source, run_dir: Path, dp_ra
             routing = RoutingShape.of(cfg.model) if cfg.model.moe.routing_replay == "rollout" else None
             return SGLangEngine(sglang, build_weight_sync(sglang, cfg.model, source_dir), model_path,
                                 log_dir=run_dir / "sglang", seed=cfg.train.seed, vocab_size=cfg.model.vocab_size,
-                                routing=routing)
+                                routing=routing, quantization=cfg.rollout.quantization)
 
         return DistributedEngine(make, cfg.model, dp_rank, parallel.tp_group(), parallel.pp_group(),
                                  timeout_s=cfg.parallel.distributed_timeout_s)
@@ -58,7 +58,8 @@ def build_engine(cfg: TrainConfig, chunks: list, hf_source, run_dir: Path, dp_ra
     def make_vllm():
         from megatron_kl.rollout.vllm import VLLMEngine
 
-        return VLLMEngine(vllm, cfg.model, model_path, seed=cfg.train.seed, source_dir=source_dir)
+        return VLLMEngine(vllm, cfg.model, model_path, seed=cfg.train.seed, source_dir=source_dir,
+                          quantization=cfg.rollout.quantization)
 
     return DistributedEngine(make_vllm, cfg.model, dp_rank, parallel.tp_group(), parallel.pp_group(),
                              include_tied_head=True, timeout_s=cfg.parallel.distributed_timeout_s)

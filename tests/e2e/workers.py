@@ -255,3 +255,42 @@ def partial_engine_worker(rank, world, model_dict: dict, tp: int, prompts, sampl
         logprobs[version] = pipeline.compute_token_stats(models.policy, pipeline.SequenceBatch(tokens, mask), 1,
                                                          vocab)["logprobs"]
     return {"first": first, "done": done.completions, "mask": mask, "logprobs": logprobs}
+
+
+def fp8_engine_worker(rank, world, model_dict: dict, tp: int, prompts, sampling_dict: dict):
+    """An FP8 engine (rollout.quantization=fp8) and the trainer: the engine's behaviour log-probs against the trainer's
+    recomputation with the policy's own weights and with them quantized block-wise (rollout/quantization.py)."""
+    from megatron_kl.config import ModelConfig, ParallelConfig
+    from megatron_kl.models import builder, parallel, pipeline, state
+    from megatron_kl.rollout.engine import SamplingConfig
+    from megatron_kl.rollout.local import LocalEngine
+    from megatron_kl.rollout.quantization import quantize_model_
+    from megatron_kl.train.batching import pack
+
+    model = from_dict(ModelConfig, model_dict)
+    layout = ParallelConfig(tensor_parallel=tp)
+    torch.manual_seed(0)
+    parallel.initialize(model, layout)
+    models = builder.build_policy_and_reference(model, layout)
+    tp_group = parallel.tp_group()
+    full = state.full_state_dict(models.policy, model.vocab_size, False, tp_group, parallel.pp_group())
+    generator = torch.Generator().manual_seed(5)
+    full = {k: torch.randn(v.shape, generator=generator) * 0.3 for k, v in full.items()}
+    state.load_full_state_dict(models.policy, full, False, dist.get_rank(tp_group), tp)
+    sampling = from_dict(SamplingConfig, sampling_dict)
+    engine = LocalEngine(model, layout, share_policy_weights=True, quantization="fp8")
+    engine.update_weights(models.policy, version=3)
+    completions = engine.generate(prompts, sampling, seed=11)
+    policy_unchanged = all(torch.equal(p, engine_p) for p, engine_p in
+                           zip(models.policy[0].parameters(), models.reference[0].parameters())) is False
+    tokens, mask, behavior = pack(prompts, [c.response_ids for c in completions], 0,
+                                  per_token=[c.response_logprobs for c in completions])
+    vocab = pipeline.VocabOptions(model.vocab_size, sampling.logprob_temperature)
+    batch = pipeline.SequenceBatch(tokens, mask)
+    own = pipeline.compute_token_stats(models.policy, batch, 1, vocab)["logprobs"]
+    shared = [p.data_ptr() for p in models.policy[0].parameters()]
+    engine_ptrs = {p.data_ptr() for p in engine.model.parameters()}
+    quantize_model_(models.policy[0])
+    quantized = pipeline.compute_token_stats(models.policy, batch, 1, vocab)["logprobs"]
+    return {"behavior": behavior, "mask": mask, "own": own, "quantized": quantized,
+            "shares_memory": any(ptr in engine_ptrs for ptr in shared), "policy_unchanged": policy_unchanged}
