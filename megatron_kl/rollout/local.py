@@ -34,7 +34,9 @@ time). Asynchronous training needs the copy (the trainer updates the policy whil
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from typing import Optional, Sequence
 
 import torch
@@ -46,6 +48,8 @@ from megatron_kl.models.output_head import unwrap
 from megatron_kl.models.routing_replay import UNKNOWN, RoutingRecorder
 from megatron_kl.models.state import ExpertGroups
 from megatron_kl.rollout.engine import PAUSED, Completion, SamplingConfig
+
+log = logging.getLogger(__name__)
 
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -238,7 +242,8 @@ class LocalEngine:
 
     def __init__(self, model: ModelConfig, parallel: ParallelConfig, max_batch_size: int = 256,
                  share_policy_weights: bool = False, flash_decode: bool = True, ragged_decoding: bool = True,
-                 interruptible: bool = False, quantization: str = "none"):
+                 interruptible: bool = False, quantization: str = "none", delta_sync: bool = False,
+                 delta_check_interval: int = 10):
         from megatron.core.process_groups_config import ProcessGroupCollection
 
         from megatron_kl.models.builder import build_gpt_model, freeze
@@ -270,6 +275,10 @@ class LocalEngine:
         self.weight_version = 0
         self.quantization = quantization  # fp8: the replica holds block-wise FP8 weights (a copy, never shared)
         self.share_policy_weights = share_policy_weights and quantization == "none"
+        # rollout.delta_sync: after the first sync, copy only the elements whose bits changed (rollout/delta.py)
+        self.delta_sync, self.delta_check_interval = delta_sync, delta_check_interval
+        self._delta_syncs = None  # delta syncs since the last full one (None: no full sync yet)
+        self.last_sync = None  # rollout/delta.SyncStats of the last update_weights
         self.ragged_decoding = ragged_decoding  # False: always megatron's forcing scheme (benchmarks, tests)
         self._lock = threading.Lock()
         self.interruptible = interruptible
@@ -303,9 +312,18 @@ class LocalEngine:
         """Copy this rank's shards of the policy chunks ``source`` (possibly DDP-wrapped), or with
         ``share_policy_weights`` point the replica's parameters at them (re-pointed at every call, so a policy
         whose tensors were replaced, e.g. by a checkpoint load, is followed)."""
+        from megatron_kl.rollout.delta import SyncStats, TensorUpdate, diff, tensor_checksum
+
         with self._lock:
+            start = time.perf_counter()
             policy = unwrap(source[0])
             mine = dict(self.model.named_parameters())
+            delta = self.delta_sync and not self.share_policy_weights and self._delta_syncs is not None
+            stats = SyncStats(kind="delta" if delta else "full",
+                              reason="" if delta else "first sync" if self.delta_sync else "rollout.delta_sync=false")
+            check = delta and (self._delta_syncs + 1) % self.delta_check_interval == 0
+            stats.checked = check
+            mismatched = []
             for name, param in _gathered_experts(policy, self.expert_gather):
                 if name not in mine:
                     raise KeyError(f"engine model has no parameter {name}")
@@ -315,12 +333,31 @@ class LocalEngine:
                                      f"{tuple(param.shape)}: different layouts")
                 if self.share_policy_weights and target.dtype == param.dtype:
                     target.data = param.detach()
+                    stats.add(None, param)  # nothing copied
+                elif delta:
+                    update = diff(name, target, param.detach(), checksum=False)
+                    if update is not None:
+                        update.apply_to(target)
+                    stats.add(update, param)
+                    if check and tensor_checksum(target) != tensor_checksum(param):
+                        mismatched.append(name)
                 else:
                     target.copy_(param.detach())
+                    stats.add(TensorUpdate(name, tuple(param.shape), full=param), param)
+            if mismatched:  # the replica drifted from the policy: every tensor copied again
+                log.warning("weight sync version %d: %d tensor(s) differ from the policy after the delta (first: %s); "
+                            "copying every tensor", version, len(mismatched), mismatched[0])
+                for name, param in _gathered_experts(policy, self.expert_gather):
+                    mine[name].copy_(param.detach())
+                stats.kind, stats.reason = "full", f"checksum mismatch in {mismatched[0]}"
             if self.quantization == "fp8":
                 from megatron_kl.rollout.quantization import quantize_model_
 
                 quantize_model_(self.model)
+            if self.delta_sync and not self.share_policy_weights:
+                self._delta_syncs = 0 if stats.kind == "full" else self._delta_syncs + 1
+            stats.seconds = time.perf_counter() - start
+            self.last_sync = stats
             self.weight_version = version
 
     def shutdown(self) -> None:

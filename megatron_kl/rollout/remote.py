@@ -160,6 +160,11 @@ class DistributedEngine:
         self._settle(error, f"pushing weight version {version}")
         self.weight_version = version
 
+    @property
+    def last_sync(self):
+        """Rank 0's last weight sync statistics (rollout/delta.SyncStats; None elsewhere)."""
+        return getattr(self.engine, "last_sync", None) if self.engine is not None else None
+
     def shutdown(self) -> None:
         if self.engine is not None:
             self.engine.shutdown()

@@ -223,7 +223,8 @@ def parse_generate(body, prompt_ids: Sequence[int], expected_version: int, where
 
 
 def server_command(cfg: SGLangConfig, model_path: str, port: int, seed: int, api_key: Optional[str] = None,
-                   routed_experts: bool = False, quantization: str = "none") -> list[str]:
+                   routed_experts: bool = False, quantization: str = "none",
+                   weight_loaders: Sequence[str] = ()) -> list[str]:
     command = [sys.executable, "-m", cfg.server_module, "--model-path", str(model_path), "--host", cfg.host,
                "--port", str(port), "--tp-size", str(cfg.tp_size), "--dp-size", str(cfg.dp_size),
                "--mem-fraction-static", str(cfg.mem_fraction_static), "--skip-tokenizer-init",
@@ -236,6 +237,8 @@ def server_command(cfg: SGLangConfig, model_path: str, port: int, seed: int, api
         command.append("--enable-memory-saver")
     if quantization != "none":  # FP8 rollouts: the servers quantize the linear layers' weights
         command += ["--quantization", quantization]
+    if weight_loaders:  # delta sync: the loader that applies deltas (rollout/delta.py)
+        command += ["--custom-weight-loader", *weight_loaders]
     return command + list(cfg.extra_args)
 
 
@@ -287,7 +290,8 @@ class SGLangEngine:
                 server = start_on_free_port(
                     f"sglang-{index}", lambda port: server_command(cfg, model_path, port, seed, self.api_key,
                                                            routed_experts=routing is not None,
-                                                           quantization=quantization),
+                                                           quantization=quantization,
+                                                           weight_loaders=weight_sync.loaders),
                     cfg.host, next_port, log_dir, cfg.startup_timeout_s, secrets=(self.api_key,))
                 self.urls.append(server.url)
                 self.servers.append(server)
@@ -426,6 +430,11 @@ class SGLangEngine:
                 self.broadcast("/resume_memory_occupation", {"tags": ["kv_cache"]}, recover=True)
                 self.released = False
             self.weight_version = version
+
+    @property
+    def last_sync(self):
+        """The last weight sync's :class:`~megatron_kl.rollout.delta.SyncStats` (None before the first)."""
+        return self.sync.last_sync
 
     def release_memory(self) -> None:
         """Colocated: hand the GPU memory (weights and KV cache) back to the trainer until the next update."""

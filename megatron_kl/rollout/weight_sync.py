@@ -15,6 +15,12 @@ the last pushed version.
   world_size, group_name, backend}`` once (trainer rank 0 is rank 0 of that group), then per bucket ``POST
   /update_weights_from_distributed {names, dtypes, shapes, group_name, flush_cache, weight_version}`` while
   the trainer broadcasts each tensor over the group.
+
+Delta sync (``rollout.delta_sync``; :mod:`megatron_kl.rollout.delta`): after a full first sync each strategy sends
+what changed since the committed version - FromTensor the changed elements (or whole tensors where that is smaller)
+through the servers' custom weight loader (``load_format``), FromDisk and FromDistributed the changed tensors whole
+(SGLang's routes for them load dense tensors). A restarted server, one reporting another version than the committed
+one, and a delta the loader rejects (a checksum differs after applying: nothing loaded) get a full sync, logged.
 """
 
 from __future__ import annotations
@@ -25,12 +31,20 @@ import shutil
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, Optional
 
 import torch
 
+import logging
+import time
+from dataclasses import dataclass
+
 from megatron_kl.rollout.config import SGLangConfig
+from megatron_kl.rollout.delta import DeltaTracker, SyncStats, TensorUpdate, encode
 from megatron_kl.rollout.servers import server_port
+
+log = logging.getLogger(__name__)
+DELTA_LOADER = "megatron_kl.rollout.delta.sglang_delta_loader"  # the servers' --custom-weight-loader
 
 Named = tuple[str, torch.Tensor]
 
@@ -105,14 +119,28 @@ class WeightSync:
     recorded (``committed``) only after every server confirmed it. ``after_restart(engine, index)`` sends the
     committed version; ``close()``."""
 
-    def __init__(self, cfg: SGLangConfig):
+    elementwise = False  # delta syncs send changed elements (True) or changed tensors whole
+
+    @property
+    def loaders(self) -> list[str]:
+        """The --custom-weight-loader entries the servers need."""
+        return [DELTA_LOADER] if self.delta is not None and self.elementwise else []
+
+    def __init__(self, cfg: SGLangConfig, delta: Optional[DeltaTracker] = None):
         self.cfg = cfg
         self.version = None
         self.committed = None  # what every server holds: prepare()'s result for self.version
+        self.delta = delta  # rollout.delta_sync: the record of what the servers hold
+        self.last_sync: Optional[SyncStats] = None
 
     def push(self, engine, named: Iterable[Named], version: int) -> None:
         from megatron_kl.rollout.http import ServerUnavailable
 
+        start = time.perf_counter()
+        if self.delta is not None:
+            named = self._plan(engine, named)
+        else:
+            named = _counted(named, self)
         prepared = self.prepare(named, version)
         failed: list[int] = []
 
@@ -129,7 +157,24 @@ class WeightSync:
             self.send(engine, index, prepared, version)
         self.retire(self.committed)
         self.committed, self.version = prepared, version
+        self.last_sync.seconds = time.perf_counter() - start
+        if self.delta is not None:
+            self.delta.commit(self._planned_tensors, version, self.last_sync)
 
+    def _plan(self, engine, named: Iterable[Named]) -> list[Named]:
+        """Delta sync: the updates to send (kept for ``send``) and the tensors to prepare - the changed ones, or all
+        of them when a full sync is due (the first, a version gap on a server)."""
+        reason = ""
+        if self.delta.version is not None:
+            for index in range(len(engine.urls)):
+                held = _served_version(engine, index)
+                if held != str(self.delta.version):
+                    reason = f"{engine.urls[index]} holds version {held!r}, the trainer committed {self.delta.version}"
+                    break
+        updates, tensors, stats = self.delta.plan(named, reason, elementwise=self.elementwise)
+        self._planned_tensors, self._updates, self.last_sync = tensors, updates, stats
+        self._checksums = self.delta.checksums(tensors, stats.checked or stats.kind == "full", updates)
+        return [(u.name, u.full if u.full is not None else dict(tensors)[u.name]) for u in updates]
     parallel_servers = True  # send to the servers concurrently
 
     def prepare(self, named: Iterable[Named], version: int):
@@ -142,8 +187,15 @@ class WeightSync:
         """Free a version no server needs any more."""
 
     def after_restart(self, engine, index: int) -> None:
-        if self.committed is not None:
+        if self.delta is not None and self.delta.version is not None:  # back at the start weights: all of them
+            log.warning("weight sync: %s restarted, sending version %s in full", engine.urls[index], self.version)
+            self.send_full(engine, index, list(self.delta.held.items()), self.version)
+        elif self.committed is not None:
             self.send(engine, index, self.committed, self.version)
+
+    def send_full(self, engine, index: int, tensors: list[Named], version) -> None:
+        """Delta sync: every tensor, to a server whose weights are not the committed ones."""
+        self.send(engine, index, self.prepare(tensors, version, full=True), version)
 
     def close(self) -> None:
         pass
@@ -156,8 +208,8 @@ class WeightSync:
 
 
 class FromDisk(WeightSync):
-    def __init__(self, cfg: SGLangConfig, model, source_dir=None):
-        super().__init__(cfg)
+    def __init__(self, cfg: SGLangConfig, model, source_dir=None, delta: Optional[DeltaTracker] = None):
+        super().__init__(cfg, delta)
         self.model, self.source_dir = model, source_dir
         self.root = Path(cfg.sync_dir)
 
@@ -165,10 +217,10 @@ class FromDisk(WeightSync):
     def path(self):
         return self.committed
 
-    def prepare(self, named: Iterable[Named], version: int) -> Path:
+    def prepare(self, named: Iterable[Named], version: int, full: bool = False) -> Path:
         from megatron_kl.models.hf import write_hf_tensors
 
-        path = self.root / f"version_{version:06d}"
+        path = self.root / f"version_{version:06d}" if not full else self.root / f"version_{version:06d}_full"
         if path.exists() and path != self.committed:
             shutil.rmtree(path)
         return write_hf_tensors(named, self.model, path, self.model.params_dtype, self.source_dir)
@@ -183,6 +235,13 @@ class FromDisk(WeightSync):
         if prepared is not None:
             shutil.rmtree(prepared, ignore_errors=True)
 
+    def send_full(self, engine, index: int, tensors: list[Named], version) -> None:
+        path = self.prepare(tensors, version, full=True)  # a full checkpoint of its own, gone once loaded
+        try:
+            self.send(engine, index, path, version)
+        finally:
+            shutil.rmtree(path, ignore_errors=True)
+
 
 class _Buffered(WeightSync):
     """Strategies that send tensors: the committed tensors stay on the host so a restarted server can be
@@ -190,7 +249,7 @@ class _Buffered(WeightSync):
 
     bucket_bytes = 512 << 20
 
-    def prepare(self, named, version) -> list[Named]:
+    def prepare(self, named, version, full: bool = False) -> list[Named]:
         return [(n, t.detach().cpu().contiguous()) for n, t in named]
 
     def send(self, engine, index, prepared, version) -> None:
@@ -202,18 +261,51 @@ class _Buffered(WeightSync):
 
 
 class FromTensor(_Buffered):
-    def send_bucket(self, engine, index, bucket, version) -> None:
+    elementwise = True
+
+    def prepare(self, named, version, full: bool = False):
+        if self.delta is None:
+            return super().prepare(named, version)
+        if full:  # every tensor whole, every checksum
+            from megatron_kl.rollout.delta import tensor_checksum
+
+            tensors = super().prepare(named, version)
+            updates = [TensorUpdate(n, tuple(t.shape), full=t, checksum=tensor_checksum(t)) for n, t in tensors]
+            return _Encoded(encode(updates, {u.name: u.checksum for u in updates}, version))
+        for _ in named:  # the planned tensors (the updates carry what is sent)
+            pass
+        return _Encoded(encode(self._updates, self._checksums, version))
+
+    def send(self, engine, index, prepared, version) -> None:
+        if not isinstance(prepared, _Encoded):
+            return super().send(engine, index, prepared, version)
+        try:
+            for bucket in buckets(prepared.entries, self.bucket_bytes):
+                self.send_bucket(engine, index, bucket, version, load_format=DELTA_LOADER)
+        except DeltaRefused as err:  # nothing was loaded: the server is still at the committed version
+            log.warning("weight sync: %s rejected the delta (%s); sending version %s in full", engine.urls[index],
+                        err, version)
+            if self.last_sync is not None:
+                self.last_sync.kind, self.last_sync.reason = "full", f"delta rejected: {err}"
+            self.send_full(engine, index, self._planned_tensors, version)
+
+    def send_bucket(self, engine, index, bucket, version, load_format=None) -> None:
         payload = {"serialized_named_tensors": [serialize_tensors(bucket)] * self.cfg.tp_size,
-                   "load_format": None, "flush_cache": False, "weight_version": str(version)}
-        self._check(engine.call(index, "/update_weights_from_tensor", payload), "/update_weights_from_tensor")
+                   "load_format": load_format, "flush_cache": False, "weight_version": str(version)}
+        answer = engine.call(index, "/update_weights_from_tensor", payload)
+        if load_format is not None and isinstance(answer, dict) and answer.get("success") is False \
+                and "DeltaRejected" in str(answer.get("message")):
+            raise DeltaRefused(answer.get("message"))
+        self._check(answer, "/update_weights_from_tensor")
 
 
 class FromDistributed(_Buffered):
     group_name = "megatron_kl_weights"
     parallel_servers = False  # trainer rank 0 broadcasts to one server's group at a time
 
-    def __init__(self, cfg: SGLangConfig, backend: str | None = None, master_address: str = "127.0.0.1"):
-        super().__init__(cfg)
+    def __init__(self, cfg: SGLangConfig, backend: str | None = None, master_address: str = "127.0.0.1",
+                 delta: Optional[DeltaTracker] = None):
+        super().__init__(cfg, delta)
         self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         self.master_address = master_address
         self.groups: dict[int, object] = {}  # server index -> group with that server
@@ -252,10 +344,37 @@ class FromDistributed(_Buffered):
         super().after_restart(engine, index)
 
 
-def build_weight_sync(cfg: SGLangConfig, model, source_dir=None) -> WeightSync:
+class DeltaRefused(RuntimeError):
+    """A server's delta loader rejected a sync (see :class:`megatron_kl.rollout.delta.DeltaRejected`)."""
+
+
+@dataclass
+class _Encoded:
+    """A delta sync's entries for /update_weights_from_tensor (rollout/delta.encode)."""
+
+    entries: list
+
+
+def _counted(named: Iterable[Named], sync: WeightSync) -> Iterator[Named]:
+    """A full sync's tensors, counted into ``sync.last_sync`` as they stream past."""
+    sync.last_sync = SyncStats(kind="full", reason="rollout.delta_sync=false")
+    for name, tensor in named:
+        sync.last_sync.add(TensorUpdate(name, tuple(tensor.shape), full=tensor), tensor)
+        yield name, tensor
+
+
+def _served_version(engine, index: int) -> Optional[str]:
+    try:
+        answer = engine.call(index, "/get_weight_version", method="GET")
+    except Exception:  # noqa: BLE001 - unknown: a full sync
+        return None
+    return str(answer.get("weight_version")) if isinstance(answer, dict) else None
+
+
+def build_weight_sync(cfg: SGLangConfig, model, source_dir=None, delta: Optional[DeltaTracker] = None) -> WeightSync:
     if cfg.weight_sync == "from_disk":
-        return FromDisk(cfg, model, source_dir)
+        return FromDisk(cfg, model, source_dir, delta=delta)
     if cfg.weight_sync == "from_tensor":
-        return FromTensor(cfg)
-    return FromDistributed(cfg)
+        return FromTensor(cfg, delta=delta)
+    return FromDistributed(cfg, delta=delta)
 

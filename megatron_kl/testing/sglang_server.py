@@ -29,6 +29,8 @@ SGLang does: 401 without ``Authorization: Bearer <key>``, health checks exempt) 
     --fault-exit-at N          the N-th /generate kills the process, once per --fault-marker file
     --fault-exit-on-update N   the N-th weight update (/update_weights_from_*) kills the process before
                                answering, once per --fault-marker file
+    --fault-delta-at N         the N-th /update_weights_from_tensor through a custom weight loader arrives with one
+                               delta value altered (the loader's checksum must catch it)
 
 and latency, for measuring rollouts:
 
@@ -118,6 +120,21 @@ class _DictCheckpoint:
         return self.tensors[name]
 
 
+class _LoaderModel:
+    """The server's model as SGLang's weight loaders see it: ``load_weights([(hf_name, tensor), ...])`` loads the
+    tensors given and keeps the others."""
+
+    def __init__(self, server: "EmbeddedServer"):
+        self.server = server
+
+    def load_weights(self, named) -> None:
+        for name, tensor in named:
+            if name not in self.server.tensors:
+                raise KeyError(f"no HF tensor {name!r} in this model")
+            self.server.tensors[name] = tensor.float().clone()
+        self.server._reload()
+
+
 class EmbeddedServer:
     def __init__(self, args):
         from megatron_kl.config import ParallelConfig
@@ -143,6 +160,8 @@ class EmbeddedServer:
         self.groups: dict[str, object] = {}
         self.requests = 0
         self.updates = 0
+        self.loader_model = _LoaderModel(self)  # what a weight loader calls load_weights on
+        self.loader_calls = 0
         self.lock = threading.Lock()
         self.model_lock = threading.Lock()
 
@@ -265,8 +284,8 @@ class EmbeddedServer:
     def update_weights_from_disk(self, body: dict) -> dict:
         from megatron_kl.models import hf
 
-        checkpoint = hf.HFCheckpoint(body["model_path"])
-        self.tensors = {name: checkpoint.get(name).float() for name in checkpoint.files}
+        checkpoint = hf.HFCheckpoint(body["model_path"])  # the tensors it holds (SGLang loads what the files have)
+        self.tensors.update({name: checkpoint.get(name).float() for name in checkpoint.files})
         self._reload()
         self._set_version(body)
         return {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
@@ -274,10 +293,27 @@ class EmbeddedServer:
     def update_weights_from_tensor(self, body: dict) -> dict:
         from megatron_kl.rollout.weight_sync import deserialize_tensors
 
-        serialized = body["serialized_named_tensors"]
-        for name, tensor in deserialize_tensors(serialized[0]):  # one entry per server TP rank
-            self.tensors[name] = tensor.float().clone()
-        self._reload()
+        named = deserialize_tensors(body["serialized_named_tensors"][0])  # one entry per server TP rank
+        load_format = body.get("load_format")
+        if load_format:  # SGLang: a dotted path registered with --custom-weight-loader, called (model, named)
+            if load_format not in (self.args.custom_weight_loader or []):
+                return {"success": False, "message": f"Unknown load_format={load_format} (not in "
+                                                     "--custom-weight-loader)"}
+            import importlib
+
+            self.loader_calls += 1
+            if self.loader_calls == self.args.fault_delta_at:
+                for name, tensor in named:  # one changed element's value arrives altered (a corrupted delta)
+                    if name.endswith("@delta:values") and tensor.numel():
+                        tensor.view(-1)[0] += 1
+                        break
+            module, function = load_format.rsplit(".", 1)
+            try:
+                getattr(importlib.import_module(module), function)(self.loader_model, named)
+            except Exception as err:  # noqa: BLE001 - answered as a failed update, weights unchanged
+                return {"success": False, "message": f"{type(err).__name__}: {err}"}
+        else:
+            self.loader_model.load_weights(named)
         self._set_version(body)
         return {"success": True, "message": "Succeeded to update model weights."}
 
@@ -456,6 +492,8 @@ def main(argv=None) -> None:
     parser.add_argument("--token-latency-s", type=float, default=0.0)
     parser.add_argument("--long-every", type=int, default=0)
     parser.add_argument("--quantization", default=None, choices=[None, "fp8"])
+    parser.add_argument("--custom-weight-loader", nargs="*", default=[])
+    parser.add_argument("--fault-delta-at", type=int, default=0)
     parser.add_argument("--long-prefix-tokens", type=int, default=4)
     args, _unknown = parser.parse_known_args(argv)
     torch.set_num_threads(1)

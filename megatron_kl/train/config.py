@@ -40,6 +40,11 @@ class RolloutConfig:
     # the embedded engine quantizing its copy after every sync); the trainer keeps its own weights, so mu is the FP8
     # policy's (mismatch/* show the gap; algo.behavior_correction corrects it)
     quantization: str = checked("none", choices=QUANTIZATIONS)
+    # after a full first sync, send only what changed since the version the engine holds (changed elements, or
+    # tensors whole where the route loads dense tensors); every delta_check_interval syncs all tensors' checksums
+    # are compared; a mismatch, a restart or a version gap falls back to a full sync (rollout/delta.py)
+    delta_sync: bool = False
+    delta_check_interval: int = checked(10, ge=1)
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
 
@@ -336,6 +341,10 @@ def validate_train_config(cfg: TrainConfig, tokenizer_vocab: int, data_parallel:
     if run.staleness > 0:
         _check_async_rollouts(cfg)
     _check_partial_rollouts(cfg)
+    if cfg.rollout.delta_sync and cfg.rollout.engine == "local" and cfg.rollout.quantization == "fp8":
+        raise ConfigError("rollout.delta_sync=true with rollout.engine=local and rollout.quantization=fp8: the embedded "
+                          "engine's FP8 replica is requantized whole at every sync (nothing to send in deltas); set "
+                          "rollout.delta_sync=false, or use rollout.engine=sglang")
     if cfg.rollout.quantization == "fp8" and cfg.rollout.engine == "vllm" and cfg.rollout.vllm.mode == "server":
         raise ConfigError("rollout.quantization=fp8 with rollout.vllm.mode=server: the client cannot see which "
                           "weights a running vLLM server samples with; use rollout.vllm.mode=llm (started here with "

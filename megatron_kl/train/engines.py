@@ -29,7 +29,8 @@ def build_engine(cfg: TrainConfig, chunks: list, hf_source, run_dir: Path, dp_ra
     if engine == "local":  # synchronous: the replica shares the policy's tensors (no second copy of the weights)
         return LocalEngine(cfg.model, cfg.parallel, cfg.rollout.max_batch_size,
                            share_policy_weights=cfg.train.staleness == 0, flash_decode=cfg.rollout.flash_decode,
-                           interruptible=cfg.rollout.partial, quantization=cfg.rollout.quantization)
+                           interruptible=cfg.rollout.partial, quantization=cfg.rollout.quantization,
+                           delta_sync=cfg.rollout.delta_sync, delta_check_interval=cfg.rollout.delta_check_interval)
     from megatron_kl.rollout.remote import DistributedEngine
 
     source_dir = hf_source.path if hf_source is not None else None
@@ -44,7 +45,10 @@ def build_engine(cfg: TrainConfig, chunks: list, hf_source, run_dir: Path, dp_ra
             from megatron_kl.rollout.weight_sync import build_weight_sync
 
             routing = RoutingShape.of(cfg.model) if cfg.model.moe.routing_replay == "rollout" else None
-            return SGLangEngine(sglang, build_weight_sync(sglang, cfg.model, source_dir), model_path,
+            from megatron_kl.rollout.delta import DeltaTracker
+
+            delta = DeltaTracker(cfg.rollout.delta_check_interval) if cfg.rollout.delta_sync else None
+            return SGLangEngine(sglang, build_weight_sync(sglang, cfg.model, source_dir, delta), model_path,
                                 log_dir=run_dir / "sglang", seed=cfg.train.seed, vocab_size=cfg.model.vocab_size,
                                 routing=routing, quantization=cfg.rollout.quantization)
 

@@ -104,6 +104,14 @@ METRICS = (
     Metric("mismatch/k3_token", "nats/token", "k3 estimate of KL(mu || pi_train) per token"),
     Metric("staleness/mean", "steps", "mean age of the weights that generated the batch (async rollouts)"),
     Metric("staleness/max", "steps", "oldest weights in the batch"),
+    Metric("weight_sync/full", "flag", "1 when the step's weight sync sent every tensor (the first sync, "
+           "rollout.delta_sync=false, or a fallback: restart, version gap, checksum mismatch)", "every step (trainer rank 0)"),
+    Metric("weight_sync/bytes", "bytes", "bytes the step's weight sync sent (delta sync: changed elements as int32 "
+           "index + value, or changed tensors whole)", "every step (trainer rank 0)"),
+    Metric("weight_sync/bytes_full", "bytes", "bytes a full sync of the same weights sends", "every step (trainer rank 0)"),
+    Metric("weight_sync/changed_tensors", "fraction", "tensors the sync sent, of all", "every step (trainer rank 0)"),
+    Metric("weight_sync/changed_elements", "fraction", "elements the sync sent, of all (changed bits since the "
+           "engine's version with rollout.delta_sync)", "every step (trainer rank 0)"),
     Metric("staleness/token_mean", "steps", "mean age of the weights that sampled each response token (partial "
            "rollouts: a response can span several weight versions)"),
     Metric("staleness/token_max", "steps", "oldest weights that sampled any response token (<= train.staleness)"),

@@ -166,6 +166,11 @@ class Trainer:
         self.engine.update_weights(self.train_state.chunks, version=self.counters.rl_steps)
         self.engine_version = self.counters.rl_steps
 
+    def sync_metrics(self) -> dict:
+        """weight_sync/*: what the last sync sent (rollout/delta.SyncStats; a served engine's on trainer rank 0)."""
+        stats = getattr(self.engine, "last_sync", None)
+        return stats.metrics() if stats is not None else {}
+
     def step(self, step: int) -> dict:
         """RL step ``step`` (0-based): its metrics, logged; the engine holds the updated weights after it (and is
         given the current ones first if it has none yet)."""
@@ -185,6 +190,7 @@ class Trainer:
                 with phase("weight_sync", metrics):  # time/weight_sync recorded even if it raises
                     with self.source.weight_update():  # finish, or pause and later resume, the generation in flight
                         self.sync_engine()
+                metrics.update(self.sync_metrics())
             finally:  # the step is trained even if the servers are gone: its line is logged
                 metrics["time/step"] = time.perf_counter() - step_start
                 # training throughput: the step's evaluation (if any) is not part of it

@@ -294,3 +294,40 @@ def fp8_engine_worker(rank, world, model_dict: dict, tp: int, prompts, sampling_
     quantized = pipeline.compute_token_stats(models.policy, batch, 1, vocab)["logprobs"]
     return {"behavior": behavior, "mask": mask, "own": own, "quantized": quantized,
             "shares_memory": any(ptr in engine_ptrs for ptr in shared), "policy_unchanged": policy_unchanged}
+
+
+def delta_engine_worker(rank, world, model_dict: dict, tp: int):
+    """The embedded engine with rollout.delta_sync: a full first sync, then deltas after optimizer-like changes; every
+    replica tensor against the policy's (bit for bit) and the stats; before the 4th sync a replica element drifts."""
+    from megatron_kl.config import ModelConfig, ParallelConfig
+    from megatron_kl.models import builder, parallel
+    from megatron_kl.rollout.delta import tensor_checksum
+    from megatron_kl.rollout.local import LocalEngine
+
+    model = from_dict(ModelConfig, model_dict)
+    layout = ParallelConfig(tensor_parallel=tp)
+    torch.manual_seed(0)
+    parallel.initialize(model, layout)
+    policy = builder.build_policy_and_reference(model, layout).policy
+    engine = LocalEngine(model, layout, delta_sync=True, delta_check_interval=3)
+    generator = torch.Generator().manual_seed(rank)
+
+    def identical():
+        mine = dict(engine.model.named_parameters())
+        return all(tensor_checksum(mine[n]) == tensor_checksum(p) for n, p in policy[0].named_parameters())
+
+    out = {"stats": [], "identical": []}
+    for version in range(1, 6):
+        if version > 1:
+            with torch.no_grad():
+                for i, param in enumerate(policy[0].parameters()):
+                    if i % 3 == version % 3:
+                        moved = torch.rand(param.shape, generator=generator) < 0.02
+                        param.add_(moved * 1e-2)
+        if version == 4:  # a replica element changed behind the trainer's back
+            with torch.no_grad():
+                next(iter(engine.model.parameters())).view(-1)[0] += 1.0
+        engine.update_weights(policy, version)
+        out["stats"].append(engine.last_sync)
+        out["identical"].append(identical())
+    return out
