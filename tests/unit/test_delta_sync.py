@@ -130,3 +130,18 @@ def test_the_tracker_keeps_copies_not_the_live_parameters():
         param[0, :8] += 1.0  # the optimizer step
     updates, _, stats = tracker.plan([("w", param), ("view", param[:32])])
     assert [u.name for u in updates] == ["w", "view"] and all(u.changed == 8 for u in updates)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["rollout.delta_sync=true", "rollout.engine=vllm"], "rollout.delta_sync=true with rollout.engine=vllm"),
+    (["rollout.delta_sync=true", "rollout.quantization=fp8"], "rollout.delta_sync=true with rollout.engine=local and"),
+    (["rollout.delta_check_interval=0"], "rollout.delta_check_interval"),
+])
+def test_delta_syncs_that_cannot_work_are_refused_naming_the_field(tmp_path, overrides, message):
+    from megatron_kl.config import ConfigError, from_dict
+    from megatron_kl.train.config import TrainConfig, validate_train_config
+    from tests.e2e.test_train import short_config
+
+    with pytest.raises(ConfigError, match=message):
+        cfg = from_dict(TrainConfig, short_config(tmp_path, str(tmp_path / "cache"), *overrides))
+        validate_train_config(cfg, cfg.model.vocab_size, 1)
