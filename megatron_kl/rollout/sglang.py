@@ -262,7 +262,7 @@ class SGLangEngine:
 
     def __init__(self, cfg: SGLangConfig, weight_sync, model_path: Optional[str] = None, log_dir="runs/sglang",
                  seed: int = 0, vocab_size: Optional[int] = None, routing: Optional[RoutingShape] = None,
-                 quantization: str = "none"):
+                 quantization: str = "none", partial: bool = False):
         self.cfg = cfg
         self.vocab_size = vocab_size  # response ids are checked against it
         self.routing = routing  # mixture of experts with routing replay: every completion carries its routing
@@ -297,6 +297,14 @@ class SGLangEngine:
                 self.servers.append(server)
                 next_port = int(server.url.rsplit(":", 1)[1]) + 1
         self._sessions = [self._session(cfg.max_concurrency, self.api_key) for _ in self.urls]
+        if partial:  # rollout.partial pauses them mid-generation: the routes must exist (harmless when not paused)
+            for index, url in enumerate(self.urls):
+                try:
+                    self.call(index, "/continue_generation", {})
+                except ServerError as err:
+                    raise ValueError(f"rollout.partial=true: {url} cannot pause and continue generation "
+                                     f"(/continue_generation: {err}); use an SGLang with /pause_generation or set "
+                                     "rollout.partial=false") from err
         for index, url in enumerate(self.urls if cfg.urls else []):  # they sample with the weights the run declares
             try:
                 info = self.call(index, "/get_server_info", method="GET")

@@ -29,6 +29,7 @@ SGLang does: 401 without ``Authorization: Bearer <key>``, health checks exempt) 
     --fault-exit-at N          the N-th /generate kills the process, once per --fault-marker file
     --fault-exit-on-update N   the N-th weight update (/update_weights_from_*) kills the process before
                                answering, once per --fault-marker file
+    --no-pause-routes          /pause_generation and /continue_generation answer 404 (an SGLang without them)
     --fault-delta-at N         the N-th /update_weights_from_tensor through a custom weight loader arrives with one
                                delta value altered (the loader's checksum must catch it)
 
@@ -406,6 +407,8 @@ def _handler(server: EmbeddedServer, args):
                         self._send(200, getattr(server, self.path[1:])(body))
                 elif self.path == "/flush_cache":
                     self._send(200, {"success": True})
+                elif self.path in ("/pause_generation", "/continue_generation") and args.no_pause_routes:
+                    self._send(404, {"error": f"no route {self.path}"})
                 elif self.path in ("/pause_generation", "/continue_generation", "/release_memory_occupation",
                                    "/resume_memory_occupation"):
                     self._send(200, server.control(self.path, body))
@@ -494,6 +497,7 @@ def main(argv=None) -> None:
     parser.add_argument("--quantization", default=None, choices=[None, "fp8"])
     parser.add_argument("--custom-weight-loader", nargs="*", default=[])
     parser.add_argument("--fault-delta-at", type=int, default=0)
+    parser.add_argument("--no-pause-routes", action="store_true")
     parser.add_argument("--long-prefix-tokens", type=int, default=4)
     args, _unknown = parser.parse_known_args(argv)
     torch.set_num_threads(1)

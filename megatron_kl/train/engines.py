@@ -50,7 +50,7 @@ def build_engine(cfg: TrainConfig, chunks: list, hf_source, run_dir: Path, dp_ra
             delta = DeltaTracker(cfg.rollout.delta_check_interval) if cfg.rollout.delta_sync else None
             return SGLangEngine(sglang, build_weight_sync(sglang, cfg.model, source_dir, delta), model_path,
                                 log_dir=run_dir / "sglang", seed=cfg.train.seed, vocab_size=cfg.model.vocab_size,
-                                routing=routing, quantization=cfg.rollout.quantization)
+                                routing=routing, quantization=cfg.rollout.quantization, partial=cfg.rollout.partial)
 
         return DistributedEngine(make, cfg.model, dp_rank, parallel.tp_group(), parallel.pp_group(),
                                  timeout_s=cfg.parallel.distributed_timeout_s)

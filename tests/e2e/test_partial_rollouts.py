@@ -151,3 +151,20 @@ def test_training_with_partial_rollouts_on_sglang_servers(tmp_path, warm_cache):
     assert all(0 < m["staleness/older_token_fraction"] <= 1 for m in mixed)
     for m in steps:
         assert all(v == v and abs(v) != float("inf") for v in m.values() if isinstance(v, float)), m
+
+
+def test_a_server_that_cannot_pause_is_refused_at_start_naming_the_field(tmp_path):
+    import tests.e2e.test_sglang  # noqa: F401 - puts tests/distributed on the path
+    from hf_workers import make_hf_model
+
+    from megatron_kl.rollout.config import SGLangConfig
+    from megatron_kl.rollout.servers import server_port
+    from megatron_kl.rollout.sglang import SGLangEngine
+    from megatron_kl.rollout.weight_sync import FromTensor
+    from tests.e2e.test_sglang import TEST_SERVER
+
+    model_dir = make_hf_model("qwen2", tmp_path / "a", seed=0)
+    config = SGLangConfig(server_module=TEST_SERVER, port=server_port(), extra_args=["--no-pause-routes"],
+                          startup_timeout_s=120, weight_sync="from_tensor")
+    with pytest.raises(ValueError, match="rollout.partial=true: .* cannot pause and continue generation"):
+        SGLangEngine(config, FromTensor(config), str(model_dir), log_dir=tmp_path / "logs", partial=True)
