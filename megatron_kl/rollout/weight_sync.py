@@ -39,12 +39,11 @@ import logging
 import time
 from dataclasses import dataclass
 
-from megatron_kl.rollout.config import SGLangConfig
+from megatron_kl.rollout.config import DELTA_LOADER, SGLangConfig
 from megatron_kl.rollout.delta import DeltaTracker, SyncStats, TensorUpdate, encode
 from megatron_kl.rollout.servers import server_port
 
 log = logging.getLogger(__name__)
-DELTA_LOADER = "megatron_kl.rollout.delta.sglang_delta_loader"  # the servers' --custom-weight-loader
 
 Named = tuple[str, torch.Tensor]
 

@@ -393,7 +393,7 @@ def _check_timeouts(cfg) -> None:
                           f"{limit:g} (the other ranks wait for the servers in a barrier)")
 
 
-PARTIAL_ENGINES = ("local", "sglang")  # engines that pause at a token boundary and return the partial responses
+PARTIAL_ENGINES = ("local", "sglang", "vllm")  # engines that can pause mid-response and return it (vLLM: server mode)
 
 
 def _check_partial_rollouts(cfg: TrainConfig) -> None:
@@ -405,10 +405,12 @@ def _check_partial_rollouts(cfg: TrainConfig) -> None:
         raise ConfigError("rollout.partial=true resumes generations across weight updates, but train.staleness=0 "
                           "generates each batch with the current weights (none is in flight at an update): set "
                           "train.staleness >= 1 or rollout.partial=false")
-    if cfg.rollout.engine not in PARTIAL_ENGINES:
-        raise ConfigError(f"rollout.partial=true with rollout.engine={cfg.rollout.engine}: that engine cannot pause a "
-                          f"generation and return its partial response; use rollout.engine in {list(PARTIAL_ENGINES)} "
-                          "or rollout.partial=false")
+    if cfg.rollout.engine not in PARTIAL_ENGINES or (cfg.rollout.engine == "vllm" and cfg.rollout.vllm.mode != "server"):
+        raise ConfigError(f"rollout.partial=true with rollout.engine={cfg.rollout.engine}"
+                          + (f" and rollout.vllm.mode={cfg.rollout.vllm.mode}" if cfg.rollout.engine == "vllm" else "")
+                          + ": that engine cannot pause a generation and return its partial response; use "
+                          f"rollout.engine in {list(PARTIAL_ENGINES)} (vllm with rollout.vllm.mode=server) or "
+                          "rollout.partial=false")
 
 
 def _check_async_rollouts(cfg: TrainConfig) -> None:

@@ -63,7 +63,7 @@ def build_engine(cfg: TrainConfig, chunks: list, hf_source, run_dir: Path, dp_ra
         from megatron_kl.rollout.vllm import VLLMEngine
 
         return VLLMEngine(vllm, cfg.model, model_path, seed=cfg.train.seed, source_dir=source_dir,
-                          quantization=cfg.rollout.quantization)
+                          quantization=cfg.rollout.quantization, interruptible=cfg.rollout.partial)
 
     return DistributedEngine(make_vllm, cfg.model, dp_rank, parallel.tp_group(), parallel.pp_group(),
                              include_tied_head=True, timeout_s=cfg.parallel.distributed_timeout_s)

@@ -19,13 +19,11 @@ def train_worker(rank, world, cfg_dict: dict):
     return {"summary": summary, "metrics": read_metrics(f"{cfg.train.output_dir}/metrics.jsonl")}
 
 
-def engine_worker(rank, world, model_dict: dict, tp: int, prompts, sampling_dict: dict):
-    """Generate from a fixed random policy; return completions and the trainer's recomputed log-probs."""
+def _seeded_policy(model_dict: dict, tp: int):
+    """A policy (and reference) at TP=``tp`` and ``load(seed)``, which gives the policy seeded random weights, the
+    same full state in every layout (sharded here)."""
     from megatron_kl.config import ModelConfig, ParallelConfig
-    from megatron_kl.models import builder, parallel, pipeline, state
-    from megatron_kl.rollout.engine import SamplingConfig
-    from megatron_kl.rollout.local import LocalEngine
-    from megatron_kl.train.batching import pack
+    from megatron_kl.models import builder, parallel, state
 
     model = from_dict(ModelConfig, model_dict)
     layout = ParallelConfig(tensor_parallel=tp)
@@ -33,11 +31,25 @@ def engine_worker(rank, world, model_dict: dict, tp: int, prompts, sampling_dict
     parallel.initialize(model, layout)
     models = builder.build_policy_and_reference(model, layout)
     tp_group = parallel.tp_group()
-    # identical weights in every layout: a seeded full state, sharded here
-    generator = torch.Generator().manual_seed(5)
     full = state.full_state_dict(models.policy, model.vocab_size, False, tp_group, parallel.pp_group())
-    full = {k: torch.randn(v.shape, generator=generator) * 0.3 for k, v in full.items()}
-    state.load_full_state_dict(models.policy, full, False, dist.get_rank(tp_group), tp)
+
+    def load(seed: int) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        weights = {k: torch.randn(v.shape, generator=generator) * 0.3 for k, v in full.items()}
+        state.load_full_state_dict(models.policy, weights, False, dist.get_rank(tp_group), tp)
+
+    return model, layout, models, load
+
+
+def engine_worker(rank, world, model_dict: dict, tp: int, prompts, sampling_dict: dict):
+    """Generate from a fixed random policy; return completions and the trainer's recomputed log-probs."""
+    from megatron_kl.models import pipeline
+    from megatron_kl.rollout.engine import SamplingConfig
+    from megatron_kl.rollout.local import LocalEngine
+    from megatron_kl.train.batching import pack
+
+    model, layout, models, load = _seeded_policy(model_dict, tp)
+    load(5)  # identical weights in every layout
     engine = LocalEngine(model, layout)
     engine.update_weights(models.policy, version=7)
     sampling = from_dict(SamplingConfig, sampling_dict)
@@ -207,26 +219,13 @@ def trainer_steps_worker(rank, world, cfg_dict: dict, steps: int):
 def partial_engine_worker(rank, world, model_dict: dict, tp: int, prompts, sampling_dict: dict, pause_at: int):
     """Generate with weights A (version 1), paused after ``pause_at`` token steps, then resumed with weights B (version
     2); return the resumed completions and the trainer's log-probs of them under A and under B."""
-    from megatron_kl.config import ModelConfig, ParallelConfig
-    from megatron_kl.models import builder, parallel, pipeline, state
+    from megatron_kl.models import pipeline
     from megatron_kl.rollout.engine import SamplingConfig
     from megatron_kl.rollout.local import LocalEngine
     from megatron_kl.train.batching import pack
     from megatron_kl.train.rollouts import _Generated, _resume
 
-    model = from_dict(ModelConfig, model_dict)
-    layout = ParallelConfig(tensor_parallel=tp)
-    torch.manual_seed(0)
-    parallel.initialize(model, layout)
-    models = builder.build_policy_and_reference(model, layout)
-    tp_group = parallel.tp_group()
-    full = state.full_state_dict(models.policy, model.vocab_size, False, tp_group, parallel.pp_group())
-
-    def load(seed):
-        generator = torch.Generator().manual_seed(seed)
-        weights = {k: torch.randn(v.shape, generator=generator) * 0.3 for k, v in full.items()}
-        state.load_full_state_dict(models.policy, weights, False, dist.get_rank(tp_group), tp)
-
+    model, layout, models, load = _seeded_policy(model_dict, tp)
     sampling = from_dict(SamplingConfig, sampling_dict)
     engine = LocalEngine(model, layout, interruptible=True)
     boundaries = {"seen": 0}
@@ -260,29 +259,18 @@ def partial_engine_worker(rank, world, model_dict: dict, tp: int, prompts, sampl
 def fp8_engine_worker(rank, world, model_dict: dict, tp: int, prompts, sampling_dict: dict):
     """An FP8 engine (rollout.quantization=fp8) and the trainer: the engine's behaviour log-probs against the trainer's
     recomputation with the policy's own weights and with them quantized block-wise (rollout/quantization.py)."""
-    from megatron_kl.config import ModelConfig, ParallelConfig
-    from megatron_kl.models import builder, parallel, pipeline, state
+    from megatron_kl.models import pipeline
     from megatron_kl.rollout.engine import SamplingConfig
     from megatron_kl.rollout.local import LocalEngine
     from megatron_kl.rollout.quantization import quantize_model_
     from megatron_kl.train.batching import pack
 
-    model = from_dict(ModelConfig, model_dict)
-    layout = ParallelConfig(tensor_parallel=tp)
-    torch.manual_seed(0)
-    parallel.initialize(model, layout)
-    models = builder.build_policy_and_reference(model, layout)
-    tp_group = parallel.tp_group()
-    full = state.full_state_dict(models.policy, model.vocab_size, False, tp_group, parallel.pp_group())
-    generator = torch.Generator().manual_seed(5)
-    full = {k: torch.randn(v.shape, generator=generator) * 0.3 for k, v in full.items()}
-    state.load_full_state_dict(models.policy, full, False, dist.get_rank(tp_group), tp)
+    model, layout, models, load = _seeded_policy(model_dict, tp)
+    load(5)
     sampling = from_dict(SamplingConfig, sampling_dict)
     engine = LocalEngine(model, layout, share_policy_weights=True, quantization="fp8")
     engine.update_weights(models.policy, version=3)
     completions = engine.generate(prompts, sampling, seed=11)
-    policy_unchanged = all(torch.equal(p, engine_p) for p, engine_p in
-                           zip(models.policy[0].parameters(), models.reference[0].parameters())) is False
     tokens, mask, behavior = pack(prompts, [c.response_ids for c in completions], 0,
                                   per_token=[c.response_logprobs for c in completions])
     vocab = pipeline.VocabOptions(model.vocab_size, sampling.logprob_temperature)
@@ -293,7 +281,7 @@ def fp8_engine_worker(rank, world, model_dict: dict, tp: int, prompts, sampling_
     quantize_model_(models.policy[0])
     quantized = pipeline.compute_token_stats(models.policy, batch, 1, vocab)["logprobs"]
     return {"behavior": behavior, "mask": mask, "own": own, "quantized": quantized,
-            "shares_memory": any(ptr in engine_ptrs for ptr in shared), "policy_unchanged": policy_unchanged}
+            "shares_memory": any(ptr in engine_ptrs for ptr in shared)}
 
 
 def delta_engine_worker(rank, world, model_dict: dict, tp: int):

@@ -158,7 +158,7 @@ def test_a_checkpoint_in_between_holds_only_finished_batches():
 
 @pytest.mark.parametrize("overrides, message", [
     (["rollout.partial=true"], "train.staleness >= 1"),
-    (["rollout.partial=true", "train.staleness=2", "rollout.engine=vllm"], "rollout.engine in"),
+    (["rollout.partial=true", "train.staleness=2", "rollout.engine=vllm"], "rollout.vllm.mode=llm: that engine cannot pause"),
 ])
 def test_partial_rollouts_that_cannot_work_are_refused_naming_the_field(tmp_path, overrides, message):
     from megatron_kl.train.config import TrainConfig, validate_train_config
