@@ -297,6 +297,16 @@ class SGLangEngine:
                 self.servers.append(server)
                 next_port = int(server.url.rsplit(":", 1)[1]) + 1
         self._sessions = [self._session(cfg.max_concurrency, self.api_key) for _ in self.urls]
+        try:
+            self._check_servers(partial, quantization)
+        except BaseException:  # refused at start: the servers started here do not outlive the refusal
+            self.shutdown()
+            raise
+
+    def _check_servers(self, partial: bool, quantization: str) -> None:
+        """What the run needs from the servers, asked once they answer: the pause routes (rollout.partial) and, for
+        given servers, the quantization they sample with."""
+        cfg = self.cfg
         if partial:  # rollout.partial pauses them mid-generation: the routes must exist (harmless when not paused)
             for index, url in enumerate(self.urls):
                 try:

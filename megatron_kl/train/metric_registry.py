@@ -107,7 +107,8 @@ METRICS = (
     Metric("weight_sync/full", "flag", "1 when the step's weight sync sent every tensor (the first sync, "
            "rollout.delta_sync=false, or a fallback: restart, version gap, checksum mismatch)", "every step (trainer rank 0)"),
     Metric("weight_sync/bytes", "bytes", "bytes the step's weight sync sent (delta sync: changed elements as int32 "
-           "index + value, or changed tensors whole)", "every step (trainer rank 0)"),
+           "index + value, or changed tensors whole); the embedded engine counts this rank's shards",
+           "every step (trainer rank 0)"),
     Metric("weight_sync/bytes_full", "bytes", "bytes a full sync of the same weights sends", "every step (trainer rank 0)"),
     Metric("weight_sync/changed_tensors", "fraction", "tensors the sync sent, of all", "every step (trainer rank 0)"),
     Metric("weight_sync/changed_elements", "fraction", "elements the sync sent, of all (changed bits since the "

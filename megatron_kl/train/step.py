@@ -331,8 +331,10 @@ def common_width(batch: RolloutBatch, group) -> RolloutBatch:
     routing = batch.routed_experts
     if routing is not None:  # [N, S, L, k]: unrouted at the new positions
         routing = pad(routing, (0, 0, 0, 0, 0, extra), value=routing_replay.UNKNOWN)
+    versions = batch.token_versions
     return dataclasses.replace(batch, tokens=pad(batch.tokens, (0, extra)), loss_mask=pad(batch.loss_mask, (0, extra)),
-                               behavior_logprobs=pad(batch.behavior_logprobs, (0, extra)), routed_experts=routing)
+                               behavior_logprobs=pad(batch.behavior_logprobs, (0, extra)), routed_experts=routing,
+                               token_versions=None if versions is None else pad(versions, (0, extra)))
 
 
 def rl_step(ctx: StepContext, batch: RolloutBatch, step: int) -> dict:

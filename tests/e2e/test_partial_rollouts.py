@@ -168,3 +168,27 @@ def test_a_server_that_cannot_pause_is_refused_at_start_naming_the_field(tmp_pat
                           startup_timeout_s=120, weight_sync="from_tensor")
     with pytest.raises(ValueError, match="rollout.partial=true: .* cannot pause and continue generation"):
         SGLangEngine(config, FromTensor(config), str(model_dir), log_dir=tmp_path / "logs", partial=True)
+    import subprocess
+
+    left = subprocess.run(["pgrep", "-f", f"--model-path {model_dir}"], capture_output=True, text=True).stdout
+    assert not left.strip(), f"the refused engine left its server running: {left}"  # stopped with the refusal
+
+
+def test_training_with_partial_rollouts_on_the_embedded_engine(tmp_path, warm_cache):
+    """The embedded engine with rollout.partial and staleness 2: the run finishes, step 0 is on-policy, and whatever
+    the pauses cut (their timing is the machine's), every token is at most 2 updates old and the per-token metrics
+    are consistent."""
+    from tests.e2e.test_train import short_config
+    from tests.e2e.workers import train_worker
+
+    cfg = short_config(tmp_path / "run", warm_cache, "rollout.partial=true", "train.staleness=2", "train.steps=4",
+                       "rollout.sampling.max_new_tokens=12", "kl.estimator=k3", "kl.placement=loss",
+                       "kl.off_policy=token_is")
+    metrics = run_ranks(train_worker, 1, cfg, timeout_s=600)[0]["metrics"]
+    steps = [m for m in metrics if "staleness/token_max" in m]
+    assert [m["step"] for m in steps] == [0, 1, 2, 3]
+    assert steps[0]["staleness/token_max"] == 0 and steps[0]["mismatch/abs_logprob_max"] < 1e-4
+    for m in steps:
+        assert m["staleness/token_max"] <= 2 and 0 <= m["staleness/older_token_fraction"] <= 1
+        assert m["staleness/token_mean"] <= m["staleness/token_max"]
+        assert (m["staleness/mixed_response_fraction"] > 0) <= (m["staleness/older_token_fraction"] > 0)
