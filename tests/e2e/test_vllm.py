@@ -253,12 +253,15 @@ def test_vllm_server_partial_rollouts_stream_pause_and_resume(vllm_server):
     result = {}
     worker = threading.Thread(target=lambda: result.setdefault("first", streamed.generate(PROMPTS, long, seed=5)))
     worker.start()
-    time.sleep(0.5)
+    time.sleep(0.3)
     streamed.pause()
     worker.join(timeout=120)
     first = result["first"]
-    assert all(c.finish_reason == PAUSED for c in first)
-    assert 0 < len(first[0].response_ids) < 200 and not first[-1].response_ids
+    # the prompts run one after another: those done before the pause are whole, the one in flight is cut, the rest
+    # were never sent (how many fall in each group is the machine's timing)
+    assert all(c.finish_reason == PAUSED or len(c.response_ids) == 200 for c in first)
+    assert first[-1].finish_reason == PAUSED and not first[-1].response_ids
+    assert sum(c.finish_reason == PAUSED and bool(c.response_ids) for c in first) <= 1
     _push(streamed, b, 2)
     streamed.resume()
     done = _resume(streamed, _Generated(0, [], PROMPTS, first, 0.0, seed=5), long).completions
@@ -266,7 +269,8 @@ def test_vllm_server_partial_rollouts_stream_pause_and_resume(vllm_server):
     for before, after in zip(first, done):
         assert after.finished and len(after.response_ids) == 200
         assert after.response_ids[: len(before.response_ids)] == before.response_ids
-        assert after.versions == [1] * len(before.response_ids) + [2] * (200 - len(before.response_ids))
+        kept = len(before.response_ids)
+        assert after.versions == [1] * kept + [2] * (200 - kept)
         got = torch.tensor(after.response_logprobs, dtype=torch.float64)
         expected = {1: _hf_logprobs(a, after, 0.7), 2: _hf_logprobs(b, after, 0.7)}
         for t, version in enumerate(after.versions):
