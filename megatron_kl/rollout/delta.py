@@ -147,7 +147,7 @@ class SyncStats:
                 "weight_sync/changed_elements": self.elements / max(self.elements_total, 1)}
 
 
-def _snapshot(tensor: torch.Tensor) -> torch.Tensor:
+def snapshot(tensor: torch.Tensor) -> torch.Tensor:
     """A host copy that no later optimizer step can change: a CPU tensor (or a view of one, as the HF conversion
     hands out for a parameter it did not reshape) is cloned, not referenced."""
     host = tensor.detach().cpu().contiguous()
@@ -173,7 +173,7 @@ class DeltaTracker:
         stats = SyncStats(kind="full" if reason else "delta", reason=reason)
         updates, tensors = [], []
         for name, tensor in named:
-            host = _snapshot(tensor)
+            host = snapshot(tensor)
             tensors.append((name, host))
             update = diff(name, None if reason else self.held.get(name), host, elementwise)
             stats.add(update, host)

@@ -40,7 +40,7 @@ import time
 from dataclasses import dataclass
 
 from megatron_kl.rollout.config import DELTA_LOADER, SGLangConfig
-from megatron_kl.rollout.delta import DeltaTracker, SyncStats, TensorUpdate, encode
+from megatron_kl.rollout.delta import DeltaTracker, SyncStats, TensorUpdate, encode, snapshot
 from megatron_kl.rollout.servers import server_port
 
 log = logging.getLogger(__name__)
@@ -249,7 +249,8 @@ class _Buffered(WeightSync):
     bucket_bytes = 512 << 20
 
     def prepare(self, named, version, full: bool = False) -> list[Named]:
-        return [(n, t.detach().cpu().contiguous()) for n, t in named]
+        # copies, not views: a CPU parameter would otherwise change under the committed version with the next step
+        return [(n, snapshot(t)) for n, t in named]
 
     def send(self, engine, index, prepared, version) -> None:
         for bucket in buckets(prepared, self.bucket_bytes):

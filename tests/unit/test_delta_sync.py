@@ -145,3 +145,17 @@ def test_delta_syncs_that_cannot_work_are_refused_naming_the_field(tmp_path, ove
     with pytest.raises(ConfigError, match=message):
         cfg = from_dict(TrainConfig, short_config(tmp_path, str(tmp_path / "cache"), *overrides))
         validate_train_config(cfg, cfg.model.vocab_size, 1)
+
+
+def test_the_committed_tensors_a_restarted_server_is_sent_are_copies():
+    """What a restarted server is brought back to (the committed version) must not follow the CPU parameters an
+    optimizer step changes in place after the sync."""
+    from megatron_kl.rollout.config import SGLangConfig
+    from megatron_kl.rollout.weight_sync import FromTensor
+
+    param = torch.randn(16, 16)
+    prepared = FromTensor(SGLangConfig(weight_sync="from_tensor")).prepare([("w", param), ("half", param[:8])], 3)
+    before = [t.clone() for _, t in prepared]
+    with torch.no_grad():
+        param.add_(1.0)
+    assert all(torch.equal(t, b) for (_, t), b in zip(prepared, before))
