@@ -102,6 +102,17 @@ class PausableEngine(RolloutEngine, Protocol):
     def resume(self) -> None: ...
 
 
+def checked_budgets(budgets, count: int, sampling: SamplingConfig) -> Optional[list[int]]:
+    """Per-prompt new-token budgets (resumed responses) as ints, one per prompt, each in [1, max_new_tokens];
+    None stays None (every prompt gets max_new_tokens)."""
+    if budgets is None:
+        return None
+    budgets = [int(b) for b in budgets]
+    if len(budgets) != count or any(not 1 <= b <= sampling.max_new_tokens for b in budgets):
+        raise ValueError(f"budgets: one per prompt ({count}), each in [1, max_new_tokens={sampling.max_new_tokens}]")
+    return budgets
+
+
 LOGPROB_ROUNDING = 1e-4  # servers round log-probs; a positive value beyond this is not a probability
 
 

@@ -47,7 +47,7 @@ from megatron_kl.kl.kernels.truncation import Truncation, support_threshold
 from megatron_kl.models.output_head import unwrap
 from megatron_kl.models.routing_replay import UNKNOWN, RoutingRecorder
 from megatron_kl.models.state import ExpertGroups
-from megatron_kl.rollout.engine import PAUSED, Completion, SamplingConfig
+from megatron_kl.rollout.engine import PAUSED, Completion, SamplingConfig, checked_budgets
 
 log = logging.getLogger(__name__)
 
@@ -228,15 +228,6 @@ def _gathered_experts(policy, ep_group):
             yield shift_expert_index(name, rank * local), piece
 
 
-def _checked_budgets(budgets, count: int, sampling: SamplingConfig) -> Optional[list[int]]:
-    if budgets is None:
-        return None
-    budgets = [int(b) for b in budgets]
-    if len(budgets) != count or any(not 1 <= b <= sampling.max_new_tokens for b in budgets):
-        raise ValueError(f"budgets: one per prompt ({count}), each in [1, max_new_tokens={sampling.max_new_tokens}]")
-    return budgets
-
-
 class LocalEngine:
     """In-process engine over a GPTModel replica in the policy's TP layout (PP must be 1)."""
 
@@ -371,7 +362,7 @@ class LocalEngine:
         may take instead of max_new_tokens (resumed responses)."""
         if not prompts:
             return []
-        budgets = _checked_budgets(budgets, len(prompts), sampling)
+        budgets = checked_budgets(budgets, len(prompts), sampling)
         out: list[Completion] = []
         generator = torch.Generator().manual_seed(sampling.seed if seed is None else seed)
         with self._lock:

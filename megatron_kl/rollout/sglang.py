@@ -48,7 +48,7 @@ import requests
 
 from megatron_kl.rollout.config import SGLangConfig
 from megatron_kl.rollout.engine import (FINISH_REASONS, PAUSED, Completion, SamplingConfig, check_completion,
-                                       check_routing)
+                                       check_routing, checked_budgets)
 from megatron_kl.rollout.http import (CorruptResponse, RetryPolicy, ServerError, ServerUnavailable, call, new_session,
                                       wait_healthy)
 from megatron_kl.rollout.quantization import check_served_quantization
@@ -383,9 +383,7 @@ class SGLangEngine:
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig,
                  seed: Optional[int] = None, budgets: Optional[Sequence[int]] = None) -> list[Completion]:
         """One completion per prompt; ``budgets``: per prompt, the new tokens it may take (resumed responses)."""
-        if budgets is not None and (len(budgets) != len(prompts)
-                                    or any(not 1 <= int(b) <= sampling.max_new_tokens for b in budgets)):
-            raise ValueError(f"budgets: one per prompt, each in [1, max_new_tokens={sampling.max_new_tokens}]")
+        budgets = checked_budgets(budgets, len(prompts), sampling)
         if self.released:
             self.broadcast("/resume_memory_occupation", {})
             self.released = False
@@ -401,7 +399,7 @@ class SGLangEngine:
                     return Completion(list(prompts[i]), [], [], PAUSED, self.weight_version)
                 params = sampling_params(sampling, base_seed + i)
                 if budgets is not None:
-                    params["max_new_tokens"] = int(budgets[i])
+                    params["max_new_tokens"] = budgets[i]
                 payload = {"input_ids": list(prompts[i]), "sampling_params": params, "return_logprob": True}
                 if top_num:
                     payload["top_logprobs_num"] = top_num

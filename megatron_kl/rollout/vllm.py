@@ -33,7 +33,8 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from megatron_kl.rollout.config import VLLMConfig
-from megatron_kl.rollout.engine import FINISH_REASONS, PAUSED, Completion, SamplingConfig, check_completion
+from megatron_kl.rollout.engine import (FINISH_REASONS, PAUSED, Completion, SamplingConfig, check_completion,
+                                       checked_budgets)
 from megatron_kl.rollout.http import RetryPolicy, ServerError, ServerUnavailable, call, check_cancelled, new_session
 
 class VLLMEngine:
@@ -85,9 +86,7 @@ class VLLMEngine:
         """One completion per prompt; ``budgets``: per prompt, the new tokens it may take (resumed responses)."""
         self._wake()
         base = sampling.seed if seed is None else seed
-        budgets = list(budgets) if budgets is not None else [sampling.max_new_tokens] * len(prompts)
-        if len(budgets) != len(prompts) or any(not 1 <= int(b) <= sampling.max_new_tokens for b in budgets):
-            raise ValueError(f"budgets: one per prompt, each in [1, max_new_tokens={sampling.max_new_tokens}]")
+        budgets = checked_budgets(budgets, len(prompts), sampling) or [sampling.max_new_tokens] * len(prompts)
         if self.llm is None:
             return [self._complete_remote(p, sampling, base + i, int(budgets[i])) for i, p in enumerate(prompts)]
         from vllm import SamplingParams

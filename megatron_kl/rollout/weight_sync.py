@@ -27,20 +27,19 @@ from __future__ import annotations
 
 import base64
 import io
+import logging
 import shutil
+import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Iterable, Iterator, Optional
 
 import torch
 
-import logging
-import time
-from dataclasses import dataclass
-
 from megatron_kl.rollout.config import DELTA_LOADER, SGLangConfig
-from megatron_kl.rollout.delta import DeltaTracker, SyncStats, TensorUpdate, encode, snapshot
+from megatron_kl.rollout.delta import DeltaTracker, SyncStats, TensorUpdate, diff, encode, snapshot
 from megatron_kl.rollout.servers import server_port
 
 log = logging.getLogger(__name__)
@@ -173,7 +172,8 @@ class WeightSync:
         updates, tensors, stats = self.delta.plan(named, reason, elementwise=self.elementwise)
         self._planned_tensors, self._updates, self.last_sync = tensors, updates, stats
         self._checksums = self.delta.checksums(tensors, stats.checked or stats.kind == "full", updates)
-        return [(u.name, u.full if u.full is not None else dict(tensors)[u.name]) for u in updates]
+        by_name = dict(tensors)
+        return [(u.name, u.full if u.full is not None else by_name[u.name]) for u in updates]
     parallel_servers = True  # send to the servers concurrently
 
     def prepare(self, named: Iterable[Named], version: int):
@@ -266,11 +266,8 @@ class FromTensor(_Buffered):
     def prepare(self, named, version, full: bool = False):
         if self.delta is None:
             return super().prepare(named, version)
-        if full:  # every tensor whole, every checksum
-            from megatron_kl.rollout.delta import tensor_checksum
-
-            tensors = super().prepare(named, version)
-            updates = [TensorUpdate(n, tuple(t.shape), full=t, checksum=tensor_checksum(t)) for n, t in tensors]
+        if full:  # every tensor whole (a diff against nothing), every checksum
+            updates = [diff(n, None, t) for n, t in super().prepare(named, version)]
             return _Encoded(encode(updates, {u.name: u.checksum for u in updates}, version))
         for _ in named:  # the planned tensors (the updates carry what is sent)
             pass

@@ -24,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections import defaultdict
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass
