@@ -1,7 +1,8 @@
 """FP8 rollouts against unquantized ones: the step-0 train-vs-rollout mismatch, and short training runs with and
 without a behaviour correction.
 
-    python tools/bench_fp8_rollouts.py [--mismatch cpu,smollm2] [--train-seeds 1234 1] [--train-steps 60]
+    python tools/bench_fp8_rollouts.py [--mismatch cpu,smollm2] [--train-job cpu] [--train-seeds 1234 1]
+                                       [--train-steps 60]
 
 Mismatch: each job's first step with ``rollout.quantization`` none and fp8 (same seed, same prompts); printed from
 its step-0 record: mean and max |log mu - log pi_old| per response token (``mismatch/abs_logprob_mean|max``) and
@@ -9,7 +10,8 @@ KL(mu || pi_old) per token (``mismatch/k1_token``: E_mu[log mu - log pi_old]; ``
 (configs/cpu/default.yaml, float32, its shipped warm start) and ``smollm2`` (configs/cpu/smollm2-135m.yaml,
 SmolLM2-135M-Instruct in bf16; prepare it as that file says).
 
-Training: the CPU job for ``--train-steps`` steps per seed in three arms - unquantized rollouts; FP8 rollouts with no
+Training: ``--train-job`` (``cpu`` or ``smollm2``, each with its config's own evaluation) for ``--train-steps`` steps
+per seed in three arms - unquantized rollouts; FP8 rollouts with no
 correction; FP8 rollouts with token TIS (``algo.behavior_correction=token_tis``) - printed side by side: the mean
 train-vs-rollout gap over the run, the exact KL(pi || pi_ref) per token at the last step that computed it
 (``kl/exact_token``), and the final in-domain / OOD pass@1.
@@ -61,14 +63,14 @@ ARMS = (("unquantized", ["rollout.quantization=none"]),
         ("fp8, token TIS", ["rollout.quantization=fp8", "algo.behavior_correction=token_tis"]))
 
 
-def training(seeds: list[int], steps: int, tmp: Path) -> None:
-    print(f"\n== the CPU job, {steps} steps per seed (seeds {' '.join(map(str, seeds))}), arms interleaved")
+def training(job: str, seeds: list[int], steps: int, tmp: Path) -> None:
+    print(f"\n== the {job} job, {steps} steps per seed (seeds {' '.join(map(str, seeds))}), arms interleaved")
     print(f"{'arm':20s} {'seed':>5s} {'mean |log mu - log pi_old|':>27s} {'exact KL to ref (last)':>23s} "
           f"{'pass@1 in-domain':>17s} {'OOD':>6s}")
     summary: dict[str, list] = {name: [] for name, _ in ARMS}
     for seed in seeds:
         for arm, (name, overrides) in enumerate(ARMS):
-            records = train(JOBS["cpu"][0], tmp / f"train-{seed}-arm{arm}",
+            records = train(JOBS[job][0], tmp / f"train-{job}-{seed}-arm{arm}",
                             [f"train.steps={steps}", f"train.seed={seed}", *overrides])
             steps_ = [r for r in records if "mismatch/abs_logprob_mean" in r]
             gap = statistics.mean(r["mismatch/abs_logprob_mean"] for r in steps_)
@@ -86,6 +88,7 @@ def training(seeds: list[int], steps: int, tmp: Path) -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mismatch", default="cpu,smollm2", help="jobs for the step-0 mismatch (comma-separated)")
+    parser.add_argument("--train-job", choices=sorted(JOBS), default="cpu", help="the job of the training arms")
     parser.add_argument("--train-seeds", type=int, nargs="*", default=[1234, 1])
     parser.add_argument("--train-steps", type=int, default=60)
     args = parser.parse_args(argv)
@@ -93,7 +96,7 @@ def main(argv=None) -> int:
         if args.mismatch:
             mismatch([j for j in args.mismatch.split(",") if j], Path(tmp))
         if args.train_seeds:
-            training(args.train_seeds, args.train_steps, Path(tmp))
+            training(args.train_job, args.train_seeds, args.train_steps, Path(tmp))
     return 0
 
 
