@@ -147,6 +147,14 @@ class SyncStats:
                 "weight_sync/changed_elements": self.elements / max(self.elements_total, 1)}
 
 
+def counted(named: Iterable[Named], sync) -> Iterable[Named]:
+    """A full sync's tensors (rollout.delta_sync=false), counted into ``sync.last_sync`` as they stream past."""
+    sync.last_sync = SyncStats(kind="full", reason="rollout.delta_sync=false")
+    for name, tensor in named:
+        sync.last_sync.add(TensorUpdate(name, tuple(tensor.shape), full=tensor), tensor)
+        yield name, tensor
+
+
 def snapshot(tensor: torch.Tensor) -> torch.Tensor:
     """A host copy that no later optimizer step can change: a CPU tensor (or a view of one, as the HF conversion
     hands out for a parameter it did not reshape) is cloned, not referenced."""

@@ -12,6 +12,12 @@
   RPC serialiser cannot carry tensors nested in lists), for a server via the dev-mode ``/collective_rpc``
   route (start it with ``VLLM_SERVER_DEV_MODE=1``). The prefix cache is reset after each update. With tied
   embeddings ``lm_head.weight`` is sent too.
+- Delta sync (``rollout.delta_sync``; :mod:`megatron_kl.rollout.vllm_delta`): after a full first sync only the
+  changed elements travel (in this process as tensors, otherwise as a safetensors file under ``sync_dir``) to the
+  workers' ``megatron_kl_load`` (vLLM's ``worker_extension_cls``; a server must be started with
+  ``--worker-extension-cls megatron_kl.rollout.vllm_delta.DeltaWorkerExtension``, checked at start), which applies
+  them to its host copy, checks the checksums and reloads only the layers that changed. A rejected delta (nothing
+  loaded) or a worker at another version than the committed one gets a full sync, logged.
 - Colocated (``enable_sleep_mode``, GPU): ``sleep(level=1)`` after generating, ``wake_up`` before the next
   update or generation.
 - Partial rollouts (``rollout.partial``, server mode): completions are streamed token by token; ``pause`` closes the
@@ -25,6 +31,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import threading
@@ -37,11 +44,16 @@ from megatron_kl.rollout.engine import (FINISH_REASONS, PAUSED, Completion, Samp
                                        checked_budgets)
 from megatron_kl.rollout.http import RetryPolicy, ServerError, ServerUnavailable, call, check_cancelled, new_session
 
+log = logging.getLogger(__name__)
+
+
 class VLLMEngine:
     def __init__(self, cfg: VLLMConfig, model, model_path: str, seed: int = 0, source_dir=None,
-                 quantization: str = "none", interruptible: bool = False):
+                 quantization: str = "none", interruptible: bool = False, delta=None):
         self.cfg, self.model, self.source_dir = cfg, model, source_dir
         self.weight_version = 0
+        self.delta = delta  # rollout.delta_sync: a rollout/delta.DeltaTracker (what the workers hold)
+        self.last_sync = None  # rollout/delta.SyncStats of the last update_weights
         # partial rollouts (server mode): stream completions, cut by pause()
         self.interruptible = interruptible
         self._paused = threading.Event()
@@ -51,6 +63,8 @@ class VLLMEngine:
         if cfg.mode == "server":
             self.llm = None
             self.served_model = call(cfg.url, "/v1/models", None, self.policy, "GET")["data"][0]["id"]
+            if delta is not None:
+                self._check_delta_receiver()
             return
         import torch
         import torch.distributed as dist
@@ -67,6 +81,10 @@ class VLLMEngine:
             kwargs["max_model_len"] = cfg.max_model_len
         if quantization != "none":  # FP8 rollouts: vLLM's online FP8 quantization of the linear layers
             kwargs["quantization"] = quantization
+        if delta is not None:
+            from megatron_kl.rollout.vllm_delta import WORKER_EXTENSION
+
+            kwargs["worker_extension_cls"] = WORKER_EXTENSION
         if torch.cuda.is_available():
             kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
         self.llm = LLM(**kwargs)
@@ -185,8 +203,19 @@ class VLLMEngine:
 
     # -- weights ---------------------------------------------------------------------------------
     def update_weights(self, named_tensors, version: int) -> None:
+        from megatron_kl.rollout.delta import counted
+
         self._wake()
-        if self.llm is not None and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
+        start = time.perf_counter()
+        if self.delta is not None:
+            self._update_delta(named_tensors, version)
+        else:
+            self._update_full(counted(named_tensors, self), version)
+        self.last_sync.seconds = time.perf_counter() - start
+        self.weight_version = version  # only once the reload was confirmed
+
+    def _update_full(self, named_tensors, version: int) -> None:
+        if self._in_process:
             named = [(n, t.detach().cpu().contiguous()) for n, t in named_tensors]  # same process: no copy out
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named})
             self.llm.reset_prefix_cache()
@@ -200,7 +229,82 @@ class VLLMEngine:
                               {"method": "reload_weights", "kwargs": {"weights_path": path}}, self.policy)
                 check_rpc_answer(answer, f"{self.cfg.url}/collective_rpc reload_weights (version {version})")
                 call(self.cfg.url, "/reset_prefix_cache", None, self.policy)
-        self.weight_version = version  # only once the reload was confirmed
+
+    @property
+    def _in_process(self) -> bool:
+        return self.llm is not None and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+
+    # -- delta sync (rollout/vllm_delta.py) -------------------------------------------------------
+    def _rpc(self, method: str, **kwargs) -> list:
+        """Every worker's answer to an extension method."""
+        if self.llm is not None:
+            return list(self.llm.collective_rpc(method, kwargs=kwargs))
+        answer = call(self.cfg.url, "/collective_rpc", {"method": method, "kwargs": kwargs}, self.policy)
+        results = answer.get("results") if isinstance(answer, dict) else None
+        if not isinstance(results, list):
+            raise ServerError(f"{self.cfg.url}/collective_rpc {method}: expected {{'results': [...]}}, "
+                              f"got {str(answer)[:300]}")
+        return results
+
+    def _check_delta_receiver(self) -> None:
+        """A server must run the delta extension: refused at start naming the field otherwise."""
+        from megatron_kl.config import ConfigError
+        from megatron_kl.rollout.vllm_delta import WORKER_EXTENSION
+
+        try:
+            self._rpc("megatron_kl_weight_version")
+        except (ServerError, ServerUnavailable) as err:
+            raise ConfigError(f"rollout.delta_sync=true: the vLLM server at {self.cfg.url} does not answer the delta "
+                              f"extension's RPC ({str(err)[:200]}); start it with VLLM_SERVER_DEV_MODE=1 and "
+                              f"--worker-extension-cls {WORKER_EXTENSION}, or set rollout.delta_sync=false") from None
+
+    def _update_delta(self, named_tensors, version: int) -> None:
+        from megatron_kl.rollout.delta import diff, encode
+
+        tracker, reason = self.delta, ""
+        if tracker.version is not None:
+            held = [answer.get("version") if isinstance(answer, dict) else answer
+                    for answer in self._rpc("megatron_kl_weight_version")]
+            if any(v != tracker.version for v in held):
+                reason = f"the vLLM workers hold version {held}, the trainer committed {tracker.version}"
+        updates, tensors, stats = tracker.plan(named_tensors, reason, elementwise=True)
+        self.last_sync = stats
+        checksums = tracker.checksums(tensors, stats.checked or stats.kind == "full", updates)
+        try:
+            self._load_entries(encode(updates, checksums, version), version)
+        except DeltaRefused as err:  # nothing was loaded: the workers are still at the committed version
+            log.warning("weight sync: vLLM rejected the delta (%s); sending version %s in full", err, version)
+            stats.kind, stats.reason = "full", f"delta rejected: {err}"
+            whole = [diff(name, None, tensor) for name, tensor in tensors]
+            self._load_entries(encode(whole, {u.name: u.checksum for u in whole}, version), version)
+        tracker.commit(tensors, version, stats)
+
+    def _load_entries(self, entries, version: int) -> None:
+        """One sync's entries into every worker (tensors in this process, else a safetensors file)."""
+        from megatron_kl.rollout.vllm_delta import REJECTED, write_entries
+
+        where = f"vLLM megatron_kl_load (version {version})"
+        if self._in_process:
+            results = self._rpc("megatron_kl_load", entries=entries)
+        else:
+            path = write_entries(entries, Path(self.cfg.sync_dir or "runs/weight_sync") / f"delta_{version:06d}"
+                                 ".safetensors")
+            try:
+                results = self._rpc("megatron_kl_load", path=str(path.absolute()))
+            finally:
+                path.unlink(missing_ok=True)
+        for worker, result in enumerate(results):
+            if not isinstance(result, dict):
+                raise ServerError(f"{where}: worker {worker} answered {str(result)[:300]}")
+            if result.get("success") is not True:
+                message = str(result.get("message"))
+                if message.startswith(REJECTED):
+                    raise DeltaRefused(message)
+                raise ServerError(f"{where}: worker {worker} reported {message[:300]}")
+        if self.llm is not None:
+            self.llm.reset_prefix_cache()
+        else:
+            call(self.cfg.url, "/reset_prefix_cache", None, self.policy)
 
     def _write(self, named_tensors, version: int) -> str:
         from megatron_kl.models.hf import write_hf_tensors
@@ -233,6 +337,10 @@ class VLLMEngine:
         if self.llm is not None:
             del self.llm
             self.llm = None
+
+
+class DeltaRefused(RuntimeError):
+    """A worker rejected a delta sync (rollout/delta.DeltaRejected): nothing was loaded."""
 
 
 def check_rpc_answer(answer, where: str) -> None:

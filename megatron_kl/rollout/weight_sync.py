@@ -39,7 +39,7 @@ from typing import Iterable, Iterator, Optional
 import torch
 
 from megatron_kl.rollout.config import DELTA_LOADER, SGLangConfig
-from megatron_kl.rollout.delta import DeltaTracker, SyncStats, TensorUpdate, diff, encode, snapshot
+from megatron_kl.rollout.delta import DeltaTracker, SyncStats, counted, diff, encode, snapshot
 from megatron_kl.rollout.servers import server_port
 
 log = logging.getLogger(__name__)
@@ -138,7 +138,7 @@ class WeightSync:
         if self.delta is not None:
             named = self._plan(engine, named)
         else:
-            named = _counted(named, self)
+            named = counted(named, self)
         prepared = self.prepare(named, version)
         failed: list[int] = []
 
@@ -350,14 +350,6 @@ class _Encoded:
     """A delta sync's entries for /update_weights_from_tensor (rollout/delta.encode)."""
 
     entries: list
-
-
-def _counted(named: Iterable[Named], sync: WeightSync) -> Iterator[Named]:
-    """A full sync's tensors, counted into ``sync.last_sync`` as they stream past."""
-    sync.last_sync = SyncStats(kind="full", reason="rollout.delta_sync=false")
-    for name, tensor in named:
-        sync.last_sync.add(TensorUpdate(name, tuple(tensor.shape), full=tensor), tensor)
-        yield name, tensor
 
 
 def _served_version(engine, index: int) -> Optional[str]:

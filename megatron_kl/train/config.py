@@ -341,9 +341,6 @@ def validate_train_config(cfg: TrainConfig, tokenizer_vocab: int, data_parallel:
     if run.staleness > 0:
         _check_async_rollouts(cfg)
     _check_partial_rollouts(cfg)
-    if cfg.rollout.delta_sync and cfg.rollout.engine == "vllm":
-        raise ConfigError("rollout.delta_sync=true with rollout.engine=vllm: vLLM's reload_weights is given the whole "
-                          "model here; use rollout.engine=sglang or local for delta syncs, or rollout.delta_sync=false")
     if cfg.rollout.delta_sync and cfg.rollout.engine == "local" and cfg.rollout.quantization == "fp8":
         raise ConfigError("rollout.delta_sync=true with rollout.engine=local and rollout.quantization=fp8: the embedded "
                           "engine's FP8 replica is requantized whole at every sync (nothing to send in deltas); set "

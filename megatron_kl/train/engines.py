@@ -60,10 +60,12 @@ def build_engine(cfg: TrainConfig, chunks: list, hf_source, run_dir: Path, dp_ra
     model_path = _initial_model_path(cfg, chunks, hf_source, run_dir, vllm.model_path)
 
     def make_vllm():
+        from megatron_kl.rollout.delta import DeltaTracker
         from megatron_kl.rollout.vllm import VLLMEngine
 
+        delta = DeltaTracker(cfg.rollout.delta_check_interval) if cfg.rollout.delta_sync else None
         return VLLMEngine(vllm, cfg.model, model_path, seed=cfg.train.seed, source_dir=source_dir,
-                          quantization=cfg.rollout.quantization, interruptible=cfg.rollout.partial)
+                          quantization=cfg.rollout.quantization, interruptible=cfg.rollout.partial, delta=delta)
 
     return DistributedEngine(make_vllm, cfg.model, dp_rank, parallel.tp_group(), parallel.pp_group(),
                              include_tied_head=True, timeout_s=cfg.parallel.distributed_timeout_s)

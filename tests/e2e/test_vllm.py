@@ -20,6 +20,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine core in t
 from megatron_kl.models.hf import HFCheckpoint  # noqa: E402
 from megatron_kl.rollout.config import VLLMConfig  # noqa: E402
 from megatron_kl.rollout.engine import SamplingConfig  # noqa: E402
+from megatron_kl.rollout.vllm_delta import WORKER_EXTENSION  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 PROMPTS = [[1 + (i * 7 + j) % 50 for j in range(3 + i % 4)] for i in range(8)]
@@ -141,7 +142,8 @@ def _start_vllm_server(model_dir: Path, log_dir: Path, *extra: str):
 def vllm_server(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm_server")
     a, b = _make(root / "a", 0), _make(root / "b", 1)
-    server = _start_vllm_server(a, root / "logs", "--max-model-len", "256")
+    server = _start_vllm_server(a, root / "logs", "--max-model-len", "256", "--worker-extension-cls",
+                                WORKER_EXTENSION)
     yield server, root, a, b
     server.stop()
 
@@ -276,3 +278,128 @@ def test_vllm_server_partial_rollouts_stream_pause_and_resume(vllm_server):
         for t, version in enumerate(after.versions):
             worst = max(worst, abs(float(got[t] - expected[version][t])))
     assert worst < 1e-3, worst
+
+
+def _checkpoint_tensors(model_dir: Path) -> dict:
+    checkpoint = HFCheckpoint(model_dir)
+    named = {name: checkpoint.get(name) for name in checkpoint.files}
+    named["lm_head.weight"] = named["model.embed_tokens.weight"]  # tied: vLLM wants it too
+    return named
+
+
+def _moved(named: dict, names: list[str], fraction: float, seed: int) -> dict:
+    """``named`` with about ``fraction`` of the elements of ``names`` moved (an RL step that most elements skip)."""
+    g = torch.Generator().manual_seed(seed)
+    out = dict(named)
+    for name in names:
+        moved = torch.rand(named[name].shape, generator=g) < fraction
+        out[name] = torch.where(moved, named[name] + 0.05 * torch.randn(named[name].shape, generator=g), named[name])
+    return out
+
+
+def _same_samples(first, second) -> bool:
+    return ([c.response_ids for c in first] == [c.response_ids for c in second]
+            and [c.response_logprobs for c in first] == [c.response_logprobs for c in second])
+
+
+def _check_delta_versions(engine, versions: list[dict]) -> list:
+    """Push ``versions`` (1, 2, ...) as delta syncs; after each, the engine samples exactly what it samples once vLLM's
+    own full reload has been given the same tensors (ids and log-probs bit for bit). Returns each sync's stats."""
+    stats, previous = [], None
+    for version, named in enumerate(versions, 1):
+        engine.update_weights(list(named.items()), version)
+        stats.append(engine.last_sync)
+        by_delta = engine.generate(PROMPTS, SAMPLING, seed=3)
+        assert {c.weight_version for c in by_delta} == {version}
+        engine._update_full(list(named.items()), version)  # the same weights, every layer reloaded
+        assert _same_samples(by_delta, engine.generate(PROMPTS, SAMPLING, seed=3)), version
+        if previous is not None:  # the change reached the engine: other log-probs than the previous version's
+            assert [c.response_logprobs for c in by_delta] != [c.response_logprobs for c in previous]
+        previous = by_delta
+    return stats
+
+
+DELTA_LAYERS = (["model.layers.0.self_attn.k_proj.weight", "model.layers.1.mlp.up_proj.weight"],
+                ["model.layers.1.self_attn.q_proj.bias", "model.norm.weight"],
+                ["model.embed_tokens.weight"])
+
+
+def _delta_versions(base: dict) -> list[dict]:
+    """Version 1 = ``base`` (a full sync), then one version per group of DELTA_LAYERS, 1-2 % of their elements moved."""
+    versions = [base]
+    for seed, names in enumerate(DELTA_LAYERS):
+        moved = _moved(versions[-1], names, 0.015, seed)
+        if "model.embed_tokens.weight" in names:
+            moved["lm_head.weight"] = moved["model.embed_tokens.weight"]
+        versions.append(moved)
+    return versions
+
+
+def test_vllm_delta_sync_loads_what_a_full_reload_loads(tmp_path):
+    """rollout.delta_sync on the in-process engine: a full first sync, then changed elements only (fused qkv / gate_up
+    layers reloaded whole from the workers' host copies, unchanged layers left out) - samples bit-identical to vLLM's
+    full reload of the same tensors; a delta the workers reject (the sender's record drifted) and a version gap fall
+    back to full syncs."""
+    from megatron_kl.rollout.delta import DeltaTracker
+    from megatron_kl.rollout.vllm import VLLMEngine
+
+    a, b = _make(tmp_path / "a", 0), _make(tmp_path / "b", 1)
+    engine = VLLMEngine(VLLMConfig(dtype="float32"), HFCheckpoint(a).model_config(), str(a), seed=0,
+                        delta=DeltaTracker(check_interval=3))
+    try:
+        versions = _delta_versions(_checkpoint_tensors(b))
+        stats = _check_delta_versions(engine, versions)
+        assert [s.kind for s in stats] == ["full", "delta", "delta", "delta"]
+        assert [s.tensors for s in stats[1:]] == [2, 2, 2]  # lm_head travels with the tied embedding
+        assert all(0 < s.bytes_sent < 0.05 * s.bytes_full for s in stats[1:]), [s.bytes_sent for s in stats]
+        assert [s.checked for s in stats[1:]] == [False, False, True]  # every checksum on the cadence
+        # the sender's record is not what the workers hold (element 0 of down_proj): the new tensor agrees with the
+        # record there, so the delta leaves it out, the workers' result fails its checksum, nothing is loaded and
+        # the version goes in full
+        name = "model.layers.0.mlp.down_proj.weight"
+        engine.delta.held[name].view(-1)[0] += 1.0
+        rejected = _moved(versions[-1], [name], 0.01, 7)
+        rejected[name] = rejected[name].clone()
+        rejected[name].view(-1)[0] = engine.delta.held[name].view(-1)[0]
+        engine.update_weights(list(rejected.items()), 5)
+        assert engine.last_sync.kind == "full" and engine.last_sync.reason.startswith("delta rejected")
+        by_delta = engine.generate(PROMPTS, SAMPLING, seed=3)
+        engine._update_full(list(rejected.items()), 5)
+        assert _same_samples(by_delta, engine.generate(PROMPTS, SAMPLING, seed=3))
+        engine.delta.version = 4  # the trainer's record names another version than the workers hold
+        engine.update_weights(list(rejected.items()), 6)
+        assert engine.last_sync.kind == "full" and "hold version" in engine.last_sync.reason
+    finally:
+        engine.shutdown()
+
+
+def test_vllm_server_delta_sync_loads_what_a_full_reload_loads(vllm_server):
+    """rollout.delta_sync in server mode (`vllm serve --worker-extension-cls ...`): the sync's entries travel as a
+    safetensors file under sync_dir to the workers' megatron_kl_load through the dev-mode /collective_rpc; samples
+    bit-identical to the server's full reload of the same tensors."""
+    from megatron_kl.rollout.delta import DeltaTracker
+    from megatron_kl.rollout.vllm import VLLMEngine
+
+    server, root, a, b = vllm_server
+    config = VLLMConfig(mode="server", url=server.url, sync_dir=str(root / "sync-delta"), backoff_s=0.1)
+    engine = VLLMEngine(config, HFCheckpoint(a).model_config(), None, delta=DeltaTracker())
+    stats = _check_delta_versions(engine, _delta_versions(_checkpoint_tensors(b)))
+    assert [s.kind for s in stats] == ["full", "delta", "delta", "delta"]
+    assert not list((root / "sync-delta").glob("delta_*"))  # each sync's file is gone once loaded
+
+
+def test_training_on_vllm_rollouts_with_delta_sync(tmp_path):
+    """rollout.delta_sync=true on the trainer's vLLM engine (engine core in a child process: the deltas travel as
+    files): a full first sync, deltas after it, and the rollouts stay the trainer's policy every step."""
+    from megatron_kl.testing.distributed import run_ranks
+    from tests.e2e.test_train import short_config
+    from tests.e2e.workers import train_worker
+
+    cfg = short_config(tmp_path / "run", str(tmp_path / "warm"), "rollout.engine=vllm", "rollout.vllm.dtype=float32",
+                       "warm_start.steps=50", "rollout.delta_sync=true", "rollout.delta_check_interval=2")
+    metrics = run_ranks(train_worker, 1, cfg, timeout_s=900)[0]["metrics"]
+    steps = [m for m in metrics if "mismatch/abs_logprob_max" in m]
+    assert [m["step"] for m in steps] == [0, 1, 2]
+    for m in steps:  # each step's sync (after its update; the full first one came before step 0)
+        assert m["weight_sync/full"] == 0 and 0 < m["weight_sync/bytes"] < m["weight_sync/bytes_full"], m
+        assert m["mismatch/abs_logprob_max"] < 1e-2, m  # the existing vLLM bound (different kernels, same weights)

@@ -133,7 +133,6 @@ def test_the_tracker_keeps_copies_not_the_live_parameters():
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["rollout.delta_sync=true", "rollout.engine=vllm"], "rollout.delta_sync=true with rollout.engine=vllm"),
     (["rollout.delta_sync=true", "rollout.quantization=fp8"], "rollout.delta_sync=true with rollout.engine=local and"),
     (["rollout.delta_check_interval=0"], "rollout.delta_check_interval"),
 ])
@@ -159,3 +158,102 @@ def test_the_committed_tensors_a_restarted_server_is_sent_are_copies():
     with torch.no_grad():
         param.add_(1.0)
     assert all(torch.equal(t, b) for (_, t), b in zip(prepared, before))
+
+
+# -- vLLM's receiver (rollout/vllm_delta.py), with a stand-in for vLLM's worker ------------------------------------
+
+PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+
+
+def test_a_changed_tensor_reloads_every_tensor_of_its_vllm_layer():
+    from megatron_kl.rollout.vllm_delta import layer_of, layers_to_reload
+
+    held = [f"model.layers.{i}.{m}.{p}" for i in (0, 1)
+            for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+                      "mlp.up_proj", "mlp.down_proj", "input_layernorm") for p in ("weight", "bias")
+            if p == "weight" or "_proj" in m and "self_attn" in m and "o_proj" not in m]
+    held = ["model.embed_tokens.weight", *held, "model.norm.weight", "lm_head.weight"]
+    assert layer_of("model.layers.3.self_attn.k_proj.bias", PACKED) == "model.layers.3.self_attn.qkv_proj"
+    assert layer_of("model.layers.3.mlp.down_proj.weight", PACKED) == "model.layers.3.mlp.down_proj"
+    assert layer_of("model.norm.weight", PACKED) == "model.norm"
+    reload = layers_to_reload(["model.layers.1.self_attn.k_proj.weight", "model.layers.0.mlp.up_proj.weight"], held,
+                              PACKED)
+    assert reload == [f"model.layers.0.mlp.{m}_proj.weight" for m in ("gate", "up")] + [
+        f"model.layers.1.self_attn.{m}_proj.{p}" for m in "qkv" for p in ("weight", "bias")]
+    assert layers_to_reload([], held, PACKED) == []
+
+
+class _Runner:
+    def __init__(self, model):
+        self.model = model
+
+    def get_model(self):
+        return self.model
+
+
+class _Worker:
+    """What the extension uses of vLLM's worker: model_runner.get_model() and reload_weights."""
+
+    def __init__(self):
+        from types import SimpleNamespace
+
+        self.model_runner = _Runner(SimpleNamespace(packed_modules_mapping=PACKED))
+        self.reloads = []
+
+    def reload_weights(self, weights_iterator):
+        self.reloads.append({name: tensor.clone() for name, tensor in weights_iterator})
+
+
+def _vllm_worker():
+    from megatron_kl.rollout.vllm_delta import DeltaWorkerExtension
+
+    return type("Extended", (_Worker, DeltaWorkerExtension), {})()
+
+
+def test_the_vllm_extension_reloads_changed_layers_whole_and_nothing_on_a_rejected_sync(tmp_path):
+    from megatron_kl.rollout.vllm_delta import read_entries, write_entries
+
+    names = [f"model.layers.0.self_attn.{m}_proj.weight" for m in "qkvo"] + ["model.norm.weight"]
+    weights = {n: torch.randn(48, 32, generator=torch.Generator().manual_seed(i)).bfloat16()
+               for i, n in enumerate(names)}
+    worker = _vllm_worker()
+    assert worker.megatron_kl_weight_version() == {"version": None}
+    path = write_entries(_encoded_sync({}, weights, 1), tmp_path / "full.safetensors")
+    assert worker.megatron_kl_load(path=str(path)) == {"success": True, "version": 1, "reloaded_tensors": 5}
+    assert sorted(worker.reloads[0]) == sorted(names) and worker.megatron_kl_weight_version() == {"version": 1}
+    # a step that changes 1 % of k_proj: q, k and v reload whole (from the host copy), o_proj and the norm do not
+    new = dict(weights, **{names[1]: _step(weights[names[1]], 0.01, 3)})
+    entries = read_entries(str(write_entries(_encoded_sync(weights, new, 2), tmp_path / "delta.safetensors")))
+    assert f"{names[1]}@delta:indices" in dict(entries)
+    assert worker.megatron_kl_load(entries=entries)["reloaded_tensors"] == 3
+    assert sorted(worker.reloads[1]) == sorted(names[:3])
+    assert all(torch.equal(worker.reloads[1][n], new[n]) for n in names[:3])
+    # a delta computed against another base than the receiver's (its o_proj differs at one element the delta does
+    # not touch): rejected, nothing reloaded, the version and the host copy kept
+    drifted = dict(new, **{names[3]: new[names[3]].clone()})
+    drifted[names[3]].view(-1)[0] += 1
+    newer = dict(drifted, **{names[3]: _step(drifted[names[3]], 0.01, 5)})
+    newer[names[3]].view(-1)[0] = drifted[names[3]].view(-1)[0]
+    answer = worker.megatron_kl_load(entries=_encoded_sync(drifted, newer, 3))
+    assert answer["success"] is False and answer["message"].startswith("DeltaRejected: ")
+    assert len(worker.reloads) == 2 and worker.megatron_kl_weight_version() == {"version": 2}
+    assert torch.equal(worker._megatron_kl_held[names[3]], new[names[3]])
+
+
+def test_a_vllm_server_without_the_delta_extension_is_refused_at_start_naming_the_field(monkeypatch):
+    from megatron_kl.config import ConfigError
+    from megatron_kl.rollout import vllm
+    from megatron_kl.rollout.config import VLLMConfig
+    from megatron_kl.rollout.http import ServerError
+
+    def call(url, route, payload, policy, method="POST", **_):
+        if route == "/v1/models":
+            return {"data": [{"id": "served"}]}
+        raise ServerError(f"{url}{route} answered 404: Not Found")  # no dev mode, or no extension method
+
+    monkeypatch.setattr(vllm, "call", call)
+    config = VLLMConfig(mode="server", url="http://127.0.0.1:1")
+    assert vllm.VLLMEngine(config, None, None).delta is None  # without delta sync nothing is asked
+    with pytest.raises(ConfigError, match="rollout.delta_sync=true: .*--worker-extension-cls "
+                                          "megatron_kl.rollout.vllm_delta.DeltaWorkerExtension"):
+        vllm.VLLMEngine(config, None, None, delta=DeltaTracker())
