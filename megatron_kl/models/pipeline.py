@@ -310,6 +310,45 @@ def broadcast_from_last_stage(tensor: Optional[torch.Tensor], shape, dtype) -> t
 SUPPORT_KEYS = ("kept_mass", "support_size", "outside_support")  # the truncated policy's support statistics
 
 
+@dataclass(frozen=True)
+class TokenStats:
+    """A batch's per-token statistics of one model, each ``[B, S-1]`` float32 on the CPU, aligned with
+    ``loss_mask`` (position t scores token t + 1) and 0 at masked positions, on every pipeline rank.
+
+    - ``logprobs``: log pi(y_{t+1} | y_<=t) of the (tempered; with truncation, truncated) distribution;
+    - ``entropy``: H(pi(. | y_<=t));
+    - ``kl``: the exact KL(pi || pi_ref) at the position over the whole vocabulary (with a reference head);
+    - ``kept_mass``, ``support_size``, ``outside_support``: the truncated policy's support (with truncation);
+    - ``hidden``: ``[B, S, H]`` final hidden states feeding the output layer, in the model's dtype (when captured;
+      None off the last pipeline stage).
+    """
+
+    logprobs: torch.Tensor
+    entropy: torch.Tensor
+    kl: Optional[torch.Tensor] = None
+    kept_mass: Optional[torch.Tensor] = None
+    support_size: Optional[torch.Tensor] = None
+    outside_support: Optional[torch.Tensor] = None
+    hidden: Optional[torch.Tensor] = None
+
+    @property
+    def truncated(self) -> bool:
+        """Whether the support statistics are present (the policy's distribution is truncated)."""
+        return self.kept_mass is not None
+
+    def placed(self, order: torch.Tensor) -> "TokenStats":
+        """The statistics of rows computed in the order ``order`` put back in batch order (row i -> row order[i])."""
+        return dataclasses.replace(self, **{f.name: torch.empty_like(value).index_copy_(0, order, value)
+                                            for f in dataclasses.fields(self)
+                                            if (value := getattr(self, f.name)) is not None})
+
+    @classmethod
+    def keys(cls, exact_kl: bool, truncated: bool) -> tuple:
+        """The per-token fields a pass computes: always log-probs and entropy, the exact KL with a reference head,
+        the support statistics with truncation."""
+        return ("logprobs", "entropy") + (("kl",) if exact_kl else ()) + (SUPPORT_KEYS if truncated else ())
+
+
 def masked_token_stats(stats: VocabParallelStats, mb: dict, keys) -> dict:
     """One microbatch's per-token ``keys`` of ``stats``, zero at masked positions, tagged with its ``rows``; on a
     context-parallel shard gathered back to the whole sequences [b, S-1]."""
@@ -331,14 +370,14 @@ def scatter_rows(parts: list[torch.Tensor], rows: list[torch.Tensor], shape,
     return full
 
 
-def assemble_token_stats(parts: list[dict], keys, shape) -> dict[str, torch.Tensor]:
+def assemble_token_stats(parts: list[dict], keys, shape) -> TokenStats:
     """The batch's ``[B, S-1]`` float32 stats from its microbatches' :func:`masked_token_stats` (on the last
     pipeline stage; empty elsewhere), on every pipeline rank."""
     result = {}
     for key in keys:
         full = scatter_rows([p[key] for p in parts], [p["rows"] for p in parts], shape) if parts else None
         result[key] = broadcast_from_last_stage(full, shape, torch.float32)
-    return result
+    return TokenStats(**result)
 
 
 @torch.no_grad()
@@ -350,18 +389,16 @@ def compute_token_stats(
     reference: Optional[ReferenceHead] = None,
     capture_hidden: bool = False,
     token_budget: int = 0,
-) -> dict[str, torch.Tensor]:
-    """Forward-only per-token log-probs and entropies ``[B, S-1]`` of ``batch``, on every rank.
+) -> TokenStats:
+    """Forward-only per-token statistics of ``batch`` (:class:`TokenStats`), on every rank.
 
-    Masked positions are set to 0. Works for the policy and for the frozen reference alike. With
-    ``reference`` (and ``batch.extras["reference_hidden"]``) also the exact KL ``"kl"``; with
-    ``capture_hidden`` also ``"hidden"`` ``[B, S, H]``, the final hidden states feeding the output
-    layer in the model's dtype (last pipeline stage only; None elsewhere).
+    Works for the policy and for the frozen reference alike. With ``reference`` (and
+    ``batch.extras["reference_hidden"]``) also the exact KL; with ``capture_hidden`` also the final hidden states
+    (last pipeline stage only; None elsewhere); with ``vocab.truncation`` the support statistics.
     """
     for chunk in chunks:
         chunk.eval()
-    keys = ("logprobs", "entropy") + (("kl",) if reference is not None else ()) + (
-        SUPPORT_KEYS if vocab.truncation is not None else ())
+    keys = TokenStats.keys(reference is not None, vocab.truncation is not None)
     captured: list[torch.Tensor] = []
     hook = None
     if capture_hidden and getattr(chunks[-1], "post_process", False):
@@ -380,13 +417,13 @@ def compute_token_stats(
             hook.remove()
     result = assemble_token_stats(outputs, keys, tuple(batch.loss_mask.shape))
     if capture_hidden:
-        result["hidden"] = None
+        hidden = None
         cp_group = context_parallel_group()
         if captured and cp_group is not None:  # each rank's zigzag shard of the hidden states, gathered back
             captured = [context_parallel.gather_positions(h, cp_group, o[keys[0]].shape[1] + 1)
                         for h, o in zip(captured, outputs)]
         if captured:  # both in schedule order: each forward's hidden states, then its collect()
             rows = [o["rows"] for o in outputs]
-            result["hidden"] = scatter_rows(captured, rows, (*batch.tokens.shape, captured[0].shape[-1]),
-                                            captured[0].dtype)
+            hidden = scatter_rows(captured, rows, (*batch.tokens.shape, captured[0].shape[-1]), captured[0].dtype)
+        result = dataclasses.replace(result, hidden=hidden)
     return result

@@ -138,16 +138,16 @@ class OutsideSupport(CorruptResponse):
     """Sampled tokens outside the trainer's truncated support at the weights that sampled them."""
 
 
-def support_metrics(batch: RolloutBatch, old: dict, step: int, sampling, dp_group) -> dict:
+def support_metrics(batch: RolloutBatch, old: pipeline.TokenStats, step: int, sampling, dp_group) -> dict:
     """The truncated policy's support over the response tokens (empty without truncation): the mass it leaves
     out of the full softmax, its size, and the sampled tokens outside it. A token the engine sampled must lie
     in the trainer's support at the weights that sampled it (rows of this step's weight version); more than
     ``rollout.sampling.support_tolerance`` of them outside (over every data-parallel rank) is an error naming
     the first one, raised on every rank together."""
-    if "kept_mass" not in old:
+    if not old.truncated:
         return {}
     mask = batch.loss_mask
-    outside = old["outside_support"] * mask
+    outside = old.outside_support * mask
     fresh = (batch.versions == step) & (mask > 0)  # tokens sampled by this step's weights
     stray = (outside > 0) & fresh
     counts = torch.tensor([float(stray.sum()), float(fresh.sum())], dtype=torch.float64)
@@ -165,8 +165,8 @@ def support_metrics(batch: RolloutBatch, old: dict, step: int, sampling, dp_grou
             f"(rollout.sampling.top_k={sampling.top_k}, top_p={sampling.top_p}, temperature={sampling.temperature}) "
             "or its logits differ beyond rounding; rollout.sampling.support_tolerance sets the fraction allowed")
     return {
-        "sampling/truncated_mass": _masked_mean(1.0 - old["kept_mass"], mask),
-        "sampling/support_size": _masked_mean(old["support_size"], mask),
+        "sampling/truncated_mass": _masked_mean(1.0 - old.kept_mass, mask),
+        "sampling/support_size": _masked_mean(old.support_size, mask),
         "sampling/outside_support": _masked_mean(outside, mask),
     }
 
@@ -218,8 +218,8 @@ def _scoring_passes(ctx: StepContext, sequences, step: int, vocab, timings: dict
                 reference = pipeline.compute_token_stats(ctx.reference, sequences, microbatches,
                                                          dataclasses.replace(vocab, truncation=None),
                                                          capture_hidden=exact, token_budget=cfg.train.micro_batch_tokens)
-                if exact and reference["hidden"] is not None:
-                    sequences.extras["reference_hidden"] = reference["hidden"]
+                if exact and reference.hidden is not None:
+                    sequences.extras["reference_hidden"] = reference.hidden
         with phase("old_logprobs", timings):
             if cfg.algo.old_logprobs == "recompute":
                 with _recording(ctx):
@@ -231,7 +231,7 @@ def _scoring_passes(ctx: StepContext, sequences, step: int, vocab, timings: dict
         if _replays(cfg, sequences) and _metrics_due(cfg, step):
             with phase("unreplayed_logprobs", timings), routing_replay.suspended(ctx.train_state.chunks):
                 unreplayed = pipeline.compute_token_stats(ctx.train_state.chunks, sequences, microbatches, vocab,
-                                                          token_budget=cfg.train.micro_batch_tokens)["logprobs"]
+                                                          token_budget=cfg.train.micro_batch_tokens).logprobs
     return reference, old, unreplayed
 
 
@@ -253,13 +253,12 @@ def _recording(ctx: StepContext):
     return ctx.expert_load.recording() if ctx.expert_load is not None else nullcontext()
 
 
-def _stitch(loss: MicrobatchLoss, order: torch.Tensor, shape) -> dict:
+def _stitch(loss: MicrobatchLoss, order: torch.Tensor, shape) -> pipeline.TokenStats:
     """pi_old's stats [N, T] from the update's microbatches (whose rows are ``order``), on every pipeline rank."""
-    permuted = pipeline.assemble_token_stats(loss.captured, loss.captured_keys, shape)
-    return {key: torch.empty_like(value).index_copy_(0, order, value) for key, value in permuted.items()}
+    return pipeline.assemble_token_stats(loss.captured, loss.captured_keys, shape).placed(order)
 
 
-def _update(ctx: StepContext, sequences, step: int, vocab, reference_head) -> tuple[dict, Optional[dict]]:
+def _update(ctx: StepContext, sequences, step: int, vocab, reference_head) -> tuple[dict, Optional[pipeline.TokenStats]]:
     """``algo.ppo_epochs x algo.minibatches`` optimizer steps; (summed metrics, pi_old's stats captured from
     the update's forward when there was no pass of their own)."""
     cfg = ctx.cfg
@@ -278,8 +277,8 @@ def _update(ctx: StepContext, sequences, step: int, vocab, reference_head) -> tu
             axis = context_parallel.sequence_axis(ctx.topology.cp_group)
             loss = MicrobatchLoss(algo, cfg.kl, shares, ctx.clamps, axis=axis,
                                   captured=[] if "old_logprobs" not in sequences.extras else None,
-                                  captured_keys=("logprobs", "entropy") + (("kl",) if reference_head is not None else ())
-                                  + (pipeline.SUPPORT_KEYS if vocab.truncation is not None else ()))
+                                  captured_keys=pipeline.TokenStats.keys(reference_head is not None,
+                                                                         vocab.truncation is not None))
             with ctx.offload.resident() if reference_head is not None else nullcontext():
                 out = optim.train_step(ctx.train_state, minibatch, run.micro_batches, loss, vocab,
                                        reference=reference_head, token_budget=run.micro_batch_tokens)
@@ -361,14 +360,14 @@ def rl_step(ctx: StepContext, batch: RolloutBatch, step: int) -> dict:
     advantages = sequence_advantages(batch.rewards, run.group_size, algo.advantage, algo.std_normalize)
     zeros = torch.zeros(mask.shape, dtype=torch.float32)
     inputs = LossInputs(loss_mask=mask, behavior_logprobs=batch.behavior_logprobs,
-                        reference_logprobs=reference["logprobs"] if reference is not None else zeros,  # unread: no KL
+                        reference_logprobs=reference.logprobs if reference is not None else zeros,  # unread: no KL
                         advantages=advantages[:, None] * mask)
     if old is not None:
-        returns = batch.rewards[:, None].to(old["logprobs"].dtype) * mask
+        returns = batch.rewards[:, None].to(old.logprobs.dtype) * mask
         if reference is not None:
-            returns = kl_shaped_returns(kl, batch.rewards, old["logprobs"], reference["logprobs"], mask,
-                                        batch.behavior_logprobs, full_kl=old.get("kl"), counter=ctx.clamps)
-        inputs = dataclasses.replace(inputs, old_logprobs=old["logprobs"],
+            returns = kl_shaped_returns(kl, batch.rewards, old.logprobs, reference.logprobs, mask,
+                                        batch.behavior_logprobs, full_kl=old.kl, counter=ctx.clamps)
+        inputs = dataclasses.replace(inputs, old_logprobs=old.logprobs,
                                      kl_returns=returns - batch.rewards[:, None] * mask)
     sequences.extras.update(inputs.extras())
     # the update's forward needs the exact KL for a full KL in the loss, and to be pi_old's stats (from_update)
@@ -380,9 +379,9 @@ def rl_step(ctx: StepContext, batch: RolloutBatch, step: int) -> dict:
     old = old if old is not None else captured
 
     if reference is not None:
-        metrics.update(kl_metrics(old["logprobs"], reference["logprobs"], old.get("kl"), mask))
-    metrics["entropy/mean"] = _masked_mean(old["entropy"], mask)
-    metrics.update(rollout_metrics(batch, old["logprobs"], step))
+        metrics.update(kl_metrics(old.logprobs, reference.logprobs, old.kl, mask))
+    metrics["entropy/mean"] = _masked_mean(old.entropy, mask)
+    metrics.update(rollout_metrics(batch, old.logprobs, step))
     metrics.update(replay_metrics(unreplayed, batch))
     metrics.update(support if support is not None else support_metrics(batch, old, step, sampling, groups.dp_group))
     if run.micro_batch_tokens > 0:  # what the scoring passes see: each microbatch padded to its own longest row

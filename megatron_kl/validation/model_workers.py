@@ -100,10 +100,10 @@ def layout_worker(rank, world, model_cfg: ModelConfig, parallel_cfg: ParallelCon
         "main_param_dtypes": sorted({str(p.dtype) for g in train.optimizer.param_groups for p in g["params"]}),
         "full_state": full_state,
         "logits": logits,
-        "logprobs": policy_stats["logprobs"],
-        "entropy": policy_stats["entropy"],
-        "reference_before": reference_before["logprobs"],
-        "reference_after": reference_after["logprobs"],
+        "logprobs": policy_stats.logprobs,
+        "entropy": policy_stats.entropy,
+        "reference_before": reference_before.logprobs,
+        "reference_after": reference_after.logprobs,
         "reference_requires_grad": reference_requires_grad,
         "probes": loss_fn.probes,
         "grads": grads,
@@ -136,12 +136,12 @@ def exact_kl_metric_worker(rank, world, model_cfg: ModelConfig, parallel_cfg: Pa
         vocab = pipeline.VocabOptions(vocab_size=model_cfg.vocab_size, temperature=1.0, chunk_size=5, fused=fused)
         batch = pipeline.SequenceBatch(tokens=tokens, loss_mask=loss_mask)
         reference = pipeline.compute_token_stats(models.reference, batch, 2, vocab, capture_hidden=True)
-        batch.extras["reference_hidden"] = reference["hidden"]
+        batch.extras["reference_hidden"] = reference.hidden
         old = pipeline.compute_token_stats(models.policy, batch, 2, vocab, reference=output_head.ReferenceHead(models.reference),
                                            capture_hidden=True)
-        assert old["hidden"].shape[0] == batch_size
-        results.append({"eps": eps, "fused": fused, "kl": old["kl"], "hidden": old["hidden"],
-                        "reference_hidden": reference["hidden"], "weight": weight, "reference_weight": reference_weight})
+        assert old.hidden.shape[0] == batch_size
+        results.append({"eps": eps, "fused": fused, "kl": old.kl, "hidden": old.hidden,
+                        "reference_hidden": reference.hidden, "weight": weight, "reference_weight": reference_weight})
     return results
 
 

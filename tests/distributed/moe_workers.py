@@ -90,7 +90,7 @@ def replay_worker(rank, world, model_cfg: ModelConfig, prompts, sampling_dict: d
 
     def logprobs(chunks, routed: bool):
         batch = pipeline.SequenceBatch(tokens, mask, {"routed_experts": routing} if routed else {})
-        return pipeline.compute_token_stats(chunks, batch, 2, vocab)["logprobs"]
+        return pipeline.compute_token_stats(chunks, batch, 2, vocab).logprobs
 
     return {"mask": mask, "behavior": behavior, "replayed": logprobs(models.policy, True),
             "own": logprobs(models.policy, False), "reference_given_routing": logprobs(models.reference, True),

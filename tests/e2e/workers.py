@@ -64,7 +64,7 @@ def engine_worker(rank, world, model_dict: dict, tp: int, prompts, sampling_dict
     # megatron's own static-batching decode (keys cached before RoPE, all re-rotated every step)
     megatron_decode = LocalEngine(model, layout, flash_decode=False)
     megatron_decode.update_weights(models.policy, version=7)
-    return {"completions": completions, "recomputed": stats["logprobs"], "behavior": behavior, "mask": mask,
+    return {"completions": completions, "recomputed": stats.logprobs, "behavior": behavior, "mask": mask,
             "every_row": every_row, "megatron_decode": megatron_decode.generate(prompts, sampling, seed=11),
             "cache_dtype": engine.cache_dtype}
 
@@ -86,11 +86,11 @@ def offload_worker(rank, world, model_dict: dict):
     tokens = torch.randint(0, model.vocab_size, (4, 12), generator=torch.Generator().manual_seed(0))
     batch = pipeline.SequenceBatch(tokens, torch.ones(4, 11))
     vocab = pipeline.VocabOptions(model.vocab_size)
-    resident = pipeline.compute_token_stats(models.reference, batch, 1, vocab)["logprobs"]
+    resident = pipeline.compute_token_stats(models.reference, batch, 1, vocab).logprobs
     offload = ReferenceOffload(models.reference, enabled=True)
     host_between = offload.on_host
     with offload.resident():
-        offloaded = pipeline.compute_token_stats(models.reference, batch, 1, vocab)["logprobs"]
+        offloaded = pipeline.compute_token_stats(models.reference, batch, 1, vocab).logprobs
     return {"resident": resident, "offloaded": offloaded, "host_between": host_between,
             "host_after": offload.on_host, "enabled": offload.enabled}
 
@@ -252,7 +252,7 @@ def partial_engine_worker(rank, world, model_dict: dict, tp: int, prompts, sampl
     for version, seed in ((2, 6), (1, 5)):
         load(seed)
         logprobs[version] = pipeline.compute_token_stats(models.policy, pipeline.SequenceBatch(tokens, mask), 1,
-                                                         vocab)["logprobs"]
+                                                         vocab).logprobs
     return {"first": first, "done": done.completions, "mask": mask, "logprobs": logprobs}
 
 
@@ -275,11 +275,11 @@ def fp8_engine_worker(rank, world, model_dict: dict, tp: int, prompts, sampling_
                                   per_token=[c.response_logprobs for c in completions])
     vocab = pipeline.VocabOptions(model.vocab_size, sampling.logprob_temperature)
     batch = pipeline.SequenceBatch(tokens, mask)
-    own = pipeline.compute_token_stats(models.policy, batch, 1, vocab)["logprobs"]
+    own = pipeline.compute_token_stats(models.policy, batch, 1, vocab).logprobs
     shared = [p.data_ptr() for p in models.policy[0].parameters()]
     engine_ptrs = {p.data_ptr() for p in engine.model.parameters()}
     quantize_model_(models.policy[0])
-    quantized = pipeline.compute_token_stats(models.policy, batch, 1, vocab)["logprobs"]
+    quantized = pipeline.compute_token_stats(models.policy, batch, 1, vocab).logprobs
     return {"behavior": behavior, "mask": mask, "own": own, "quantized": quantized,
             "shares_memory": any(ptr in engine_ptrs for ptr in shared)}
 

@@ -6,6 +6,7 @@ import torch
 from megatron_kl.config import ConfigError
 from megatron_kl.rollout.engine import Completion, SamplingConfig
 from megatron_kl.train.rollouts import RolloutBatch
+from megatron_kl.models.pipeline import TokenStats
 from megatron_kl.train.step import OutsideSupport, support_metrics
 
 
@@ -19,7 +20,8 @@ def _batch(versions):
 
 def _old(outside):
     shape = outside.shape
-    return {"kept_mass": torch.full(shape, 0.9), "support_size": torch.full(shape, 5.0), "outside_support": outside}
+    return TokenStats(logprobs=torch.zeros(shape), entropy=torch.zeros(shape), kept_mass=torch.full(shape, 0.9),
+                      support_size=torch.full(shape, 5.0), outside_support=outside)
 
 
 def test_a_fresh_token_outside_the_support_is_named():
@@ -39,7 +41,8 @@ def test_stale_rows_may_leave_the_support_and_masked_positions_do_not_count():
     outside[:, 0] = 1.0  # prompt positions: masked
     metrics = support_metrics(_batch([2, 3]), _old(outside), 3, SamplingConfig(top_k=5, support_tolerance=0.0), None)
     assert metrics["sampling/outside_support"] == pytest.approx(1 / 8)
-    assert support_metrics(_batch([3]), {"logprobs": torch.zeros(1, 6)}, 3, SamplingConfig(), None) == {}
+    untruncated = TokenStats(logprobs=torch.zeros(1, 6), entropy=torch.zeros(1, 6))
+    assert support_metrics(_batch([3]), untruncated, 3, SamplingConfig(), None) == {}
 
 
 def test_sampling_fields_are_validated():
