@@ -43,7 +43,7 @@ RMS_NORMS = ("auto", "lean", "torch")
 ROUTING_REPLAY = ("off", "rollout")
 
 
-@dataclass
+@dataclass(frozen=True)
 class MoEConfig:
     """Mixture-of-experts MLPs (Qwen3-MoE; Qwen2-MoE with its shared expert): every layer's MLP is a top-k router
     over ``num_experts`` SwiGLU experts (megatron-core's MoELayer). ``num_experts: 0`` is the dense model.
@@ -74,14 +74,14 @@ class MoEConfig:
 
     def __post_init__(self):
         if str(self.routing_replay).lower() in ("false", "off"):  # YAML 1.1 reads a bare `off` as false
-            self.routing_replay = "off"
+            object.__setattr__(self, "routing_replay", "off")
 
     @property
     def enabled(self) -> bool:
         return self.num_experts > 0
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelConfig:
     """A decoder-only transformer in the Llama / Qwen2 / Qwen3 family (RMSNorm, SwiGLU, GQA, RoPE), dense or
     with mixture-of-experts MLPs (``moe``)."""
@@ -146,7 +146,7 @@ class ModelConfig:
         return int(math.ceil(self.vocab_size / multiple) * multiple)
 
 
-@dataclass
+@dataclass(frozen=True)
 class ParallelConfig:
     tensor_parallel: int = checked(1, ge=1)
     pipeline_parallel: int = checked(1, ge=1)
@@ -530,7 +530,7 @@ def load_yaml(path: str | Path, cls, overrides: Optional[list[str]] = None):
     return from_dict(cls, apply_overrides(read_yaml_file(path), overrides or []))
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelParallelConfig:
     """The model/parallel part of a job config (the trainer's config nests this shape)."""
 

@@ -41,7 +41,7 @@ def _check_env(env, where: str) -> dict:
     return {k: str(v) for k, v in env.items()}
 
 
-@dataclass
+@dataclass(frozen=True)
 class TunnelConfig:
     """Where sbatch runs: ``local`` (this machine is a Slurm login node) or ``ssh`` to a login node."""
 
@@ -58,7 +58,7 @@ class TunnelConfig:
             raise ConfigError("launch.slurm.tunnel.kind=ssh needs launch.slurm.tunnel.host and .user")
 
 
-@dataclass
+@dataclass(frozen=True)
 class SlurmConfig:
     account: Optional[str] = checked(None, free=True)
     partition: Optional[str] = checked(None, free=True)
@@ -104,7 +104,7 @@ class SlurmConfig:
             raise ConfigError(f"launch.slurm.packager={self.packager!r}: use one of {list(PACKAGERS)}")
         if not isinstance(self.container_mounts, list):
             raise ConfigError("launch.slurm.container_mounts must be a list of 'src:dst' strings")
-        self.env = _check_env(self.env, "launch.slurm.env")
+        object.__setattr__(self, "env", _check_env(self.env, "launch.slurm.env"))
 
     @property
     def tasks_per_node(self) -> int:
@@ -130,7 +130,7 @@ def stop_signal_env(grace_s: int) -> dict:
             "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(grace_s)}
 
 
-@dataclass
+@dataclass(frozen=True)
 class RolloutServersConfig:
     """SGLang servers for ``rollout.engine=sglang``.
 
@@ -163,7 +163,7 @@ class RolloutServersConfig:
                 f"launch.rollout_servers.tp_size={self.tp_size} must divide gpus_per_node={self.gpus_per_node}")
 
 
-@dataclass
+@dataclass(frozen=True)
 class LaunchConfig:
     experiment: Optional[str] = checked(None, free=True)  # NeMo-Run experiment title; default: the run's name
     home: str = checked("runs/nemo_run", free=True, nonempty=True)  # NEMORUN_HOME: experiment records, local logs
@@ -176,4 +176,4 @@ class LaunchConfig:
     def __post_init__(self):
         if self.nproc_per_node is not None and self.nproc_per_node < 1:
             raise ConfigError(f"launch.nproc_per_node={self.nproc_per_node} must be >= 1")
-        self.env = _check_env(self.env, "launch.env")
+        object.__setattr__(self, "env", _check_env(self.env, "launch.env"))

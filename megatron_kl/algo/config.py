@@ -20,7 +20,7 @@ OLD_LOGPROBS = ("recompute", "from_update")
 RATIO_LEVELS = ("token", "sequence")
 
 
-@dataclass
+@dataclass(frozen=True)
 class AlgoConfig:
     advantage: str = checked("grpo", choices=ADVANTAGES)
     std_normalize: bool = True

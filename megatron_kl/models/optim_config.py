@@ -12,7 +12,7 @@ ADAM_KERNELS = ("auto", "fused", "unfused")
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 
 
-@dataclass
+@dataclass(frozen=True)
 class OptimConfig:
     lr: float = checked(1e-5, ge=0)
     min_lr: float = checked(0.0, ge=0)

@@ -22,7 +22,7 @@ VLLM_LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 VLLM_DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")  # vLLM's --dtype
 
 
-@dataclass
+@dataclass(frozen=True)
 class SGLangConfig:
     """SGLang servers: connect to ``urls`` (servers or one sglang-router), or start ``num_servers`` of them.
 
@@ -76,7 +76,7 @@ class SGLangConfig:
                               "(SGLang releases memory only with --enable-memory-saver)")
 
 
-@dataclass
+@dataclass(frozen=True)
 class VLLMConfig:
     """vLLM: ``mode: llm`` runs vllm.LLM in the trainer process; ``mode: server`` talks to an OpenAI server."""
 
@@ -111,7 +111,7 @@ class VLLMConfig:
 DISTRIBUTIONS = ("truncated", "full")  # rollout.sampling.distribution: what the trainer differentiates
 
 
-@dataclass
+@dataclass(frozen=True)
 class SamplingConfig:
     temperature: float = checked(1.0, ge=0)  # 0 means greedy
     top_p: float = checked(1.0, gt=0, le=1)

@@ -148,11 +148,16 @@ class SyncStats:
 
 
 def counted(named: Iterable[Named], sync) -> Iterable[Named]:
-    """A full sync's tensors (rollout.delta_sync=false), counted into ``sync.last_sync`` as they stream past."""
-    sync.last_sync = SyncStats(kind="full", reason="rollout.delta_sync=false")
-    for name, tensor in named:
-        sync.last_sync.add(TensorUpdate(name, tuple(tensor.shape), full=tensor), tensor)
-        yield name, tensor
+    """A full sync's tensors (rollout.delta_sync=false), counted into ``sync.last_sync`` (set now) as they stream
+    past."""
+    stats = sync.last_sync = SyncStats(kind="full", reason="rollout.delta_sync=false")
+
+    def count():
+        for name, tensor in named:
+            stats.add(TensorUpdate(name, tuple(tensor.shape), full=tensor), tensor)
+            yield name, tensor
+
+    return count()
 
 
 def snapshot(tensor: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,7 @@ TASK_NAMES = ("arithmetic", "math")  # tasks.registry builds them
 SPLITS = ("train", "eval", "ood")
 
 
-@dataclass
+@dataclass(frozen=True)
 class Problem:
     prompt_ids: list[int]
     answer: str
@@ -49,7 +49,7 @@ class Task(Protocol):
     def score(self, problem: Problem, response_ids: list[int]) -> float: ...
 
 
-@dataclass
+@dataclass(frozen=True)
 class ArithmeticConfig:
     """Integer arithmetic ``a op b =`` with a verifiable answer; the OOD split changes the operands' size
     and may add operators never seen in training."""
@@ -69,7 +69,7 @@ class ArithmeticConfig:
     held_out_max_operand: int = checked(0, ge=0)
 
 
-@dataclass
+@dataclass(frozen=True)
 class MathConfig:
     """Math word problems with \\boxed{} answers checked by math-verify."""
 
@@ -86,7 +86,7 @@ class MathConfig:
     eval_overlap: str = checked("refuse", choices=("refuse", "drop", "report"))
 
 
-@dataclass
+@dataclass(frozen=True)
 class TaskConfig:
     name: str = checked("arithmetic", choices=TASK_NAMES)  # arithmetic | math
     seed: int = checked(0, ge=0)

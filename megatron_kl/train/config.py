@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -23,7 +24,7 @@ ENGINES = ("local", "sglang", "vllm")
 ROUTING_ENGINES = ("local", "sglang")  # engines that report their mixture-of-experts routing (routing replay)
 
 
-@dataclass
+@dataclass(frozen=True)
 class RolloutConfig:
     engine: str = checked("local", choices=ENGINES)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
@@ -52,7 +53,7 @@ class RolloutConfig:
 WARM_START_SOURCES = ("auto", "shipped", "train")
 
 
-@dataclass
+@dataclass(frozen=True)
 class WarmStartConfig:
     """A short supervised phase on the task's reference answers; its result (cached on disk, keyed by
     the model/task/warm-start config) initialises both the policy and the reference."""
@@ -72,7 +73,7 @@ class WarmStartConfig:
     source: str = checked("auto", choices=WARM_START_SOURCES)
 
 
-@dataclass
+@dataclass(frozen=True)
 class InitConfig:
     """Where policy and reference start. ``hf_checkpoint``: an HF model directory (Llama-3.x / Qwen2 / Qwen3
     safetensors) streamed into both models at train start; the model section must match its config.json
@@ -81,7 +82,7 @@ class InitConfig:
     hf_checkpoint: Optional[str] = checked(None, path='dir')
 
 
-@dataclass
+@dataclass(frozen=True)
 class LoopConfig:
     """The ``train:`` section: the RL loop - steps, batch shape, staleness, seed, output directory, stop handling."""
 
@@ -115,9 +116,9 @@ class LoopConfig:
         from megatron_kl.train.host_malloc import MODES as HOST_MALLOC_MODES
         from megatron_kl.train.preemption import check_signal_names
 
-        self.stop_signals = check_signal_names(self.stop_signals)
+        object.__setattr__(self, "stop_signals", check_signal_names(self.stop_signals))
         if str(self.host_malloc).lower() in ("false", "off"):  # YAML 1.1 reads a bare `off` as false
-            self.host_malloc = "off"
+            object.__setattr__(self, "host_malloc", "off")
         if self.host_malloc not in HOST_MALLOC_MODES:
             raise ConfigError(f"train.host_malloc={self.host_malloc!r}: use one of {list(HOST_MALLOC_MODES)}")
         if self.micro_batch_tokens < 0:
@@ -128,7 +129,7 @@ class LoopConfig:
                               "leave train.micro_batches at 1)")
 
 
-@dataclass
+@dataclass(frozen=True)
 class EvalConfig:
     interval: int = checked(10, ge=0)  # steps between evaluations (0: only before and after training)
     k: int = checked(4, ge=1)  # samples per problem for mean@k
@@ -136,7 +137,7 @@ class EvalConfig:
     max_new_tokens: Optional[int] = checked(None, ge=1)  # default: rollout.sampling.max_new_tokens
 
 
-@dataclass
+@dataclass(frozen=True)
 class CheckpointConfig:
     interval: int = checked(10, ge=0)  # steps between checkpoints (0: only at the end)
     resume: bool = True  # continue from the latest checkpoint in train.output_dir when there is one
@@ -147,7 +148,7 @@ class CheckpointConfig:
     export_hf: bool = False  # also write the policy as an HF checkpoint (step_XXXXXX/hf) at each checkpoint
 
 
-@dataclass
+@dataclass(frozen=True)
 class LoggingConfig:
     tensorboard: bool = True
     wandb_project: Optional[str] = checked(None, free=True)
@@ -158,7 +159,7 @@ class LoggingConfig:
 
     def __post_init__(self):
         if isinstance(self.profile_steps, int) and not isinstance(self.profile_steps, bool):
-            self.profile_steps = [self.profile_steps]  # logging.profile_steps=3: that one step
+            object.__setattr__(self, "profile_steps", [self.profile_steps])  # logging.profile_steps=3: that step
         if not isinstance(self.profile_steps, (list, tuple)):
             raise ConfigError(f"logging.profile_steps={self.profile_steps!r} must be a list of 0-based steps, "
                               "e.g. logging.profile_steps=[2,10]")
@@ -168,7 +169,7 @@ class LoggingConfig:
                               "steps (integers >= 0), e.g. logging.profile_steps=[2,10]")
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -192,30 +193,46 @@ class TrainConfig:
         import dataclasses
 
         _cross_field_rules(self)
-        self.kl_selection = None
+        resolved = {"kl_selection": None}  # set once here (the config is frozen); nothing changes it later
         if self.kl.estimator == AUTO:
             from megatron_kl.kl.corrections import correction_of
             from megatron_kl.kl.audit.targets import regime_of, select
 
             try:
-                self.kl, self.kl_selection, _ = select(self.kl, regime_of(self.kl, self.train.staleness),
-                                                       correction_of(self.algo))
+                resolved["kl"], resolved["kl_selection"], _ = select(self.kl, regime_of(self.kl, self.train.staleness),
+                                                                     correction_of(self.algo))
             except ValueError as err:
                 raise ConfigError(str(err)) from err
-
+        kl = resolved.get("kl", self.kl)
         if "{run_name}" in self.train.output_dir:
-            self.train.output_dir = self.train.output_dir.replace("{run_name}", self.run_name)
+            run_name = _run_name(kl, self.algo, self.train)
+            resolved["train"] = dataclasses.replace(self.train,
+                                                    output_dir=self.train.output_dir.replace("{run_name}", run_name))
         length = self.algo.norm_length or self.rollout.sampling.max_new_tokens
-        self.algo.norm_length = length
-        if self.algo.rpg.norm_length is None:
-            self.algo.rpg = dataclasses.replace(self.algo.rpg, norm_length=length)
-        if self.kl.norm_length is None:
-            self.kl = dataclasses.replace(self.kl, norm_length=length)
+        rpg = self.algo.rpg if self.algo.rpg.norm_length is not None else dataclasses.replace(self.algo.rpg,
+                                                                                              norm_length=length)
+        resolved["algo"] = dataclasses.replace(self.algo, norm_length=length, rpg=rpg)
+        if kl.norm_length is None:
+            resolved["kl"] = dataclasses.replace(kl, norm_length=length)
+        for name, value in resolved.items():
+            object.__setattr__(self, name, value)
+
+    def with_sections(self, **sections) -> "TrainConfig":
+        """A copy with whole sections replaced (``model=...``), not resolved again: what loading resolved - the
+        ``kl.estimator=auto`` choice, ``{run_name}``, the Dr. GRPO length - is kept as it is."""
+        out = copy.copy(self)
+        for name, value in sections.items():
+            object.__setattr__(out, name, value)
+        return out
 
     @property
     def run_name(self) -> str:
         """Names every configuration axis that the estimator study varies."""
-        return f"{self.kl.name}-coef{self.kl.coef:g}-{self.algo.name}-s{self.train.staleness}-seed{self.train.seed}"
+        return _run_name(self.kl, self.algo, self.train)
+
+
+def _run_name(kl, algo, train) -> str:
+    return f"{kl.name}-coef{kl.coef:g}-{algo.name}-s{train.staleness}-seed{train.seed}"
 
 
 def _cross_field_rules(cfg: TrainConfig) -> None:

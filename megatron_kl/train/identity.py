@@ -74,15 +74,32 @@ def identity_of(cfg, world_size: int) -> dict[str, Any]:
 
 
 def differences(recorded: dict, current: dict) -> list[str]:
-    """``field: old -> new`` for every identity field that differs (added and removed fields included)."""
+    """``field: old -> new`` for every identity field that differs (removed fields included). A field the checkpoint
+    does not record - one a later version of megatron-kl added - differs only when it is set to other than its
+    default: a new option's default is the behaviour the run had before it existed."""
     missing = object()
+    defaults = None
     out = []
     for key in sorted(set(recorded) | set(current)):
         old, new = recorded.get(key, missing), current.get(key, missing)
+        if old is missing and new is not missing:
+            defaults = _default_identity() if defaults is None else defaults
+            if key in defaults and defaults[key] == new:
+                continue
         if old != new:
             show = lambda v: "(absent)" if v is missing else repr(v)  # noqa: E731
             out.append(f"{key}: {show(old)} -> {show(new)}")
     return out
+
+
+def _default_identity() -> dict:
+    """The default configuration's identity fields (JSON-safe, as recorded)."""
+    import json
+
+    from megatron_kl.train.config import TrainConfig
+
+    values = {k: v for k, v in flatten(to_dict(TrainConfig())).items() if not resumable(k)}
+    return json.loads(json.dumps(values, default=str))
 
 
 def changed_resumable(recorded_config: dict, current_config: dict) -> dict[str, list]:

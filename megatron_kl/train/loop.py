@@ -4,7 +4,6 @@ and its plot."""
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 import logging
@@ -62,10 +61,7 @@ def resolve(cfg: TrainConfig, task, hf_source) -> TrainConfig:
     sampling = cfg.rollout.sampling
     if not sampling.stop_token_ids:
         sampling = dataclasses.replace(sampling, stop_token_ids=default_stop_token_ids(task, hf_source))
-    resolved = copy.copy(cfg)  # what loading resolved is kept as it is (no second __post_init__)
-    resolved.model = model
-    resolved.rollout = dataclasses.replace(cfg.rollout, sampling=sampling)
-    return resolved
+    return cfg.with_sections(model=model, rollout=dataclasses.replace(cfg.rollout, sampling=sampling))
 
 
 def default_stop_token_ids(task, hf_source) -> list[int]:

@@ -187,7 +187,7 @@ def test_vllm_reload_reporting_an_error_in_a_200_body_keeps_the_version(monkeypa
     engine = vllm.VLLMEngine.__new__(vllm.VLLMEngine)
     engine.cfg = type("Cfg", (), {"url": "http://v:2", "sync_dir": str(tmp_path)})()
     engine.model, engine.weight_version, engine.asleep, engine.llm = ModelConfig(vocab_size=50), 3, False, None
-    engine.policy = None
+    engine.policy, engine.delta, engine.last_sync = None, None, None
     monkeypatch.setattr(vllm.VLLMEngine, "_write", lambda self, named, version: str(tmp_path / "v"))
     monkeypatch.setattr(vllm, "call", lambda url, path, payload, policy, *a, **k: answer)
     with pytest.raises(ServerError, match="collective_rpc"):
