@@ -36,6 +36,7 @@ from megatron_kl.kl.objective import (KLConfig, aggregate_tokens, kl_loss, kl_pe
                                      policy_gradient_surrogate)
 from megatron_kl.kl.rpg import rpg_loss
 from megatron_kl.kl.sequence_axis import LOCAL, SequenceAxis
+from megatron_kl.models.batch import Microbatch, SequenceBatch
 from megatron_kl.models.pipeline import masked_token_stats
 
 @dataclass(frozen=True)
@@ -52,8 +53,8 @@ class LossInputs:
     - ``kl_returns``: the credited KL penalty -coef * c_t of the reward placement (None: formed from this forward,
       with ``old_logprobs``).
 
-    The trainer writes them into the batch under these names (:meth:`extras`); the loss reads them back
-    (:meth:`from_microbatch`), so a missing input is an error naming it, not a KeyError on some rank.
+    The trainer writes them into the batch's fields of the same names (:meth:`into`); the loss reads them back
+    (:meth:`from_microbatch`), so a missing input is an error naming it.
     """
 
     loss_mask: torch.Tensor
@@ -63,20 +64,20 @@ class LossInputs:
     old_logprobs: Optional[torch.Tensor] = None
     kl_returns: Optional[torch.Tensor] = None
 
-    def extras(self) -> dict:
-        """The tensors to carry in a ``SequenceBatch``'s extras (split with its rows): every field but the mask
-        (the batch's own) and those left None."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                if f.name != "loss_mask" and getattr(self, f.name) is not None}
+    def into(self, batch: SequenceBatch) -> SequenceBatch:
+        """``batch`` carrying these inputs (split with its rows): every field but the mask (the batch's own); those
+        left None are not carried."""
+        return dataclasses.replace(batch, **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                                             if f.name != "loss_mask"})
 
     @classmethod
-    def from_microbatch(cls, mb: dict) -> "LossInputs":
+    def from_microbatch(cls, mb: Microbatch) -> "LossInputs":
         required = [f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING]
-        missing = [name for name in required if name not in mb]
+        missing = [name for name in required if getattr(mb, name) is None]
         if missing:
-            raise KeyError(f"the microbatch carries no {missing}: the policy loss needs {required} "
-                           "(LossInputs.extras() writes them into the batch)")
-        return cls(**{f.name: mb.get(f.name) for f in dataclasses.fields(cls)})
+            raise ValueError(f"the microbatch carries no {missing}: the policy loss needs {required} "
+                             "(LossInputs.into writes them into the batch)")
+        return cls(**{f.name: getattr(mb, f.name) for f in dataclasses.fields(cls)})
 
 
 @dataclass
@@ -137,25 +138,25 @@ class MicrobatchLoss:
     def row_separable(self) -> bool:
         return row_separable(self.kl, self.algo)
 
-    def __call__(self, stats, mb: dict):
+    def __call__(self, stats, mb: Microbatch):
         if self.captured is not None:
             with torch.no_grad():
                 self.captured.append(masked_token_stats(stats, mb, self.captured_keys))
         return microbatch_loss(stats, mb, self.algo, self.kl, self.shares, self.counter, self.axis)
 
-    def probe(self, stats, mb: dict) -> torch.Tensor:
+    def probe(self, stats, mb: Microbatch) -> torch.Tensor:
         return microbatch_loss(stats, mb, self.algo, self.kl, self.shares, None, self.axis)[0]
 
 
 MICROBATCH_TOKENS = "_tokens"  # a microbatch's response tokens, the weight of its per-token metrics
 
 
-def microbatch_loss(stats, mb: dict, algo: AlgoConfig, kl: KLConfig, shares: Shares,
+def microbatch_loss(stats, mb: Microbatch, algo: AlgoConfig, kl: KLConfig, shares: Shares,
                     counter: Optional[ClampCounter] = None,
                     axis: SequenceAxis = LOCAL) -> tuple[torch.Tensor, dict]:
     """This microbatch's share of the minibatch loss, and metrics (sums to be averaged by the caller).
 
-    ``mb`` carries the :class:`LossInputs` under their names (with the microbatch's tokens and rows).
+    ``mb`` carries the :class:`LossInputs` in its fields of the same names (with its tokens and rows).
     With a context-parallel ``axis`` they are this rank's zigzag shard [b, 2 L] and every reduction over the
     sequence crosses the group (``kl.sequence_axis``): the loss and metrics are the whole sequences' on every
     rank, and back-propagating ``loss * axis.share`` on each gives each rank its shard of the gradient.

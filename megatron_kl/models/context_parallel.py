@@ -22,13 +22,15 @@ gathered back to [b, S-1] (``gather_positions``).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 
 from megatron_kl.config import ConfigError, ParallelConfig
 from megatron_kl.kl.sequence_axis import LOCAL, ContextParallelAxis, SequenceAxis, zigzag_shard, zigzag_unshard
+from megatron_kl.models.batch import Microbatch
 
-PER_SEQUENCE_KEYS = ("rows", "index")  # bookkeeping keys a microbatch carries unchanged
 
 
 def check_runnable(parallel: ParallelConfig, have_transformer_engine: bool) -> None:
@@ -47,14 +49,13 @@ def sequence_axis(group) -> SequenceAxis:
     return ContextParallelAxis(group)
 
 
-def shard_microbatch(mb: dict, size: int, rank: int, multiple: int) -> dict:
+def shard_microbatch(mb: Microbatch, size: int, rank: int, multiple: int) -> Microbatch:
     """This CP rank's part of a microbatch (module docstring): ``tokens`` / ``position_ids`` [b, 2 L] inputs,
     ``labels`` and every per-target tensor [b, 2 L] (the same positions' next tokens), per-input tensors split
     like the tokens, per-sequence ones whole; ``cp_targets`` = S - 1, the whole microbatch's target count."""
-    tokens = mb["tokens"]
+    tokens = mb.tokens
     batch, length = tokens.shape
     padded = -(-length // multiple) * multiple
-    out = {"cp_targets": length - 1}
     labels = torch.cat([tokens[:, 1:], tokens.new_zeros(batch, 1)], dim=1)
     positions = torch.arange(padded, device=tokens.device).unsqueeze(0).expand(batch, padded)  # padding's too
 
@@ -62,8 +63,9 @@ def shard_microbatch(mb: dict, size: int, rank: int, multiple: int) -> dict:
         value = torch.nn.functional.pad(value.movedim(1, -1), (0, padded - width), value=0)
         return zigzag_shard(value, size, rank).movedim(-1, 1).contiguous()
 
-    for key, value in mb.items():
-        if key in PER_SEQUENCE_KEYS or not isinstance(value, torch.Tensor) or value.dim() < 2:
+    out = {}
+    for key, value in {"tokens": tokens, "loss_mask": mb.loss_mask, **mb.row_tensors()}.items():
+        if value.dim() < 2:  # per sequence: whole
             out[key] = value
         elif key == "tokens" or value.shape[1] == length:  # per input position
             out[key] = split(value, length)
@@ -72,9 +74,8 @@ def shard_microbatch(mb: dict, size: int, rank: int, multiple: int) -> dict:
         else:
             raise ValueError(f"microbatch tensor {key!r} of shape {tuple(value.shape)} is neither per sequence, per "
                              f"input position ({length}) nor per target position ({length - 1})")
-    out["labels"] = split(labels, length)
-    out["position_ids"] = split(positions, padded)
-    return out
+    return dataclasses.replace(mb, **out, labels=split(labels, length), position_ids=split(positions, padded),
+                               cp_targets=length - 1)
 
 
 def gather_positions(local: torch.Tensor, group, targets: int) -> torch.Tensor:

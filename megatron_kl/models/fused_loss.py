@@ -17,10 +17,11 @@ import torch
 
 from megatron_kl.kl.kernels.fused_linear import PrecomputedGrad, _gather_rows, linear_chunk_rows, fused_linear_grads
 from megatron_kl.kl.kernels.vocab_parallel import VocabParallelStats, compute_dtype, support_fields
+from megatron_kl.models.batch import Microbatch
 from megatron_kl.models.output_head import fused_layout
 
 
-def single_pass_loss(vocab, reference, mb: dict, hidden, weight, tp_group, sequence_parallel: bool, loss_fn):
+def single_pass_loss(vocab, reference, mb: Microbatch, hidden, weight, tp_group, sequence_parallel: bool, loss_fn):
     targets, rows, reference_hidden, reference_weight = fused_layout(reference, mb, hidden.device)
     full = _gather_rows(hidden.transpose(0, 1), tp_group, sequence_parallel)  # [s, b, H], TP-aware backward
     s, b = rows.shape
@@ -37,7 +38,7 @@ def single_pass_loss(vocab, reference, mb: dict, hidden, weight, tp_group, seque
 
     def to_batch(flat: torch.Tensor) -> torch.Tensor:  # computed rows [R] -> [b, s-1]
         full = flat.new_zeros(s * b).index_copy(0, index, flat).reshape(s, b).t()
-        return full if "labels" in mb else full[:, :-1]  # a context-parallel shard keeps every position
+        return full if mb.labels is not None else full[:, :-1]  # a context-parallel shard keeps every position
 
     def to_rows(per_token: torch.Tensor, lo: int, hi: int) -> torch.Tensor:  # [b, s-1] -> rows lo:hi
         padded = torch.cat([per_token, per_token.new_zeros(b, 1)], 1).t().reshape(-1)

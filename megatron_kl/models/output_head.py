@@ -12,6 +12,8 @@ from typing import Optional
 
 import torch
 
+from megatron_kl.models.batch import Microbatch
+
 
 def unwrap(chunk):
     """The GPTModel inside a (possibly DDP-wrapped) model chunk."""
@@ -61,21 +63,21 @@ class ReferenceHead:
         return output_weight(self.chunk).detach()
 
 
-def fused_layout(vocab_reference: Optional[ReferenceHead], mb: dict, device):
+def fused_layout(vocab_reference: Optional[ReferenceHead], mb: Microbatch, device):
     """The fused path's row layout, megatron's [s, b] order: targets, the rows to compute (loss-masked
     positions with a target) and the reference's hidden states and output weight (or None). On a context-parallel
-    shard (``labels`` in ``mb``: models/context_parallel) every position has its target."""
-    tokens = mb["tokens"].to(device)
+    shard (``mb.labels`` set: models/context_parallel) every position has its target."""
+    tokens = mb.tokens.to(device)
     b, s = tokens.shape
-    if "labels" in mb:  # a context-parallel shard: every input position's target, split with it
-        targets = mb["labels"].to(device).t()
-        rows = mb["loss_mask"].to(device).bool().t()
+    if mb.labels is not None:  # a context-parallel shard: every input position's target, split with it
+        targets = mb.labels.to(device).t()
+        rows = mb.loss_mask.to(device).bool().t()
     else:
         targets = torch.cat([tokens[:, 1:], tokens.new_zeros(b, 1)], dim=1).t()  # [s, b]; last row has no target
-        rows = torch.cat([mb["loss_mask"].to(device).bool(), torch.zeros(b, 1, dtype=torch.bool, device=device)],
+        rows = torch.cat([mb.loss_mask.to(device).bool(), torch.zeros(b, 1, dtype=torch.bool, device=device)],
                          1).t()
     reference_hidden = reference_weight = None
-    if vocab_reference is not None and "reference_hidden" in mb:
-        reference_hidden = mb["reference_hidden"].to(device).transpose(0, 1)
+    if vocab_reference is not None and mb.reference_hidden is not None:
+        reference_hidden = mb.reference_hidden.to(device).transpose(0, 1)
         reference_weight = vocab_reference.weight()
     return targets, rows.contiguous(), reference_hidden, reference_weight

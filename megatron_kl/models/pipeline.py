@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from typing import Callable, Optional
 
@@ -27,88 +27,17 @@ from megatron_kl.kl.kernels.fused_linear import linear_chunk_rows, fused_linear_
 from megatron_kl.kl.kernels.truncation import Truncation, effective
 from megatron_kl.kl.kernels.vocab_parallel import DEFAULT_CHUNK, VocabParallelStats, fused_stats
 from megatron_kl.models.fused_loss import single_pass_loss
+from megatron_kl.models.batch import Microbatch, SequenceBatch  # noqa: F401  (SequenceBatch: pipeline's callers)
 from megatron_kl.models.output_head import ReferenceHead, bypass_output_layer, fused_layout, output_weight, unwrap
 from megatron_kl.models import context_parallel, routing_replay
 from megatron_kl.models.parallel import collective_device
 
 # loss_fn(stats, microbatch) -> (loss, metrics). `loss` is this microbatch's share of the global loss
 # (already divided by the global normaliser), so the microbatch shares add up to the batch loss.
-# The microbatch dict carries "tokens", "loss_mask", "index" (its ordinal), "rows" (its rows of the batch), the
-# batch extras (cut to the microbatch's columns) and, on the unfused path,
-# the local logits slice under "logits". On the fused path the stats are 0 outside loss_mask (those rows
-# are not computed).
-LossFn = Callable[[VocabParallelStats, dict], tuple[torch.Tensor, dict]]
-
-
-@dataclass
-class SequenceBatch:
-    """Right-padded sequences. ``extras`` are [B] (per sequence), [B, S-1] (per target position, like
-    ``loss_mask``) or [B, S, ...] (per input position, e.g. hidden states) tensors, split with the batch."""
-
-    tokens: torch.Tensor  # [B, S] int64
-    loss_mask: torch.Tensor  # [B, S-1], 1 where tokens[:, t+1] is a response token
-    extras: dict = field(default_factory=dict)
-
-    def __post_init__(self):
-        if self.tokens.dim() != 2:
-            raise ValueError(f"tokens must be [batch, seq], got shape {tuple(self.tokens.shape)}")
-        expected = (self.tokens.shape[0], self.tokens.shape[1] - 1)
-        if tuple(self.loss_mask.shape) != expected:
-            raise ValueError(f"loss_mask must be {expected} (aligned with tokens[:, 1:]), got {tuple(self.loss_mask.shape)}")
-
-    def lengths(self) -> torch.Tensor:
-        """[B] tokens each row needs: through its last response token (at least 2; a row without response
-        tokens has nothing to score)."""
-        width = self.loss_mask.shape[1]
-        last = torch.where(self.loss_mask.bool(), torch.arange(width), -1).amax(-1)
-        return (last + 2).clamp_min(2)
-
-    def split(self, num_microbatches: int, token_budget: int = 0) -> list[dict]:
-        """Microbatches: ``num_microbatches`` equal slices of rows (``token_budget`` 0), or, with a budget,
-        rows sorted by :meth:`lengths` (longest first) packed greedily into microbatches of at most
-        ``token_budget`` padded tokens (rows x the microbatch's longest row), each cut to its own longest
-        row; a row longer than the budget is a microbatch of its own."""
-        if token_budget > 0:
-            return self._budgeted(token_budget)
-        batch = self.tokens.shape[0]
-        if batch % num_microbatches:
-            raise ValueError(f"batch size {batch} is not divisible by num_microbatches={num_microbatches}")
-        size = batch // num_microbatches
-        return [
-            {"tokens": self.tokens[i : i + size], "loss_mask": self.loss_mask[i : i + size], "index": n,
-             "rows": torch.arange(i, i + size), **{k: v[i : i + size] for k, v in self.extras.items()}}
-            for n, i in enumerate(range(0, batch, size))
-        ]
-
-    def token_groups(self, token_budget: int) -> list[tuple[torch.Tensor, int]]:
-        """The budgeted split's (rows, width) per microbatch, without cutting any tensor: rows sorted by
-        :meth:`lengths` (longest first, ties by row) packed greedily while rows x the first row's length
-        <= ``token_budget``."""
-        lengths = self.lengths().tolist()
-        order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-        groups: list[list[int]] = []
-        for i in order:
-            if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= token_budget:
-                groups[-1].append(i)
-            else:
-                groups.append([i])
-        return [(torch.tensor(group), lengths[group[0]]) for group in groups]
-
-    def _budgeted(self, token_budget: int) -> list[dict]:
-        seq = self.tokens.shape[1]
-        out = []
-        for n, (rows, width) in enumerate(self.token_groups(token_budget)):
-            mb = {"tokens": self.tokens[rows, :width], "loss_mask": self.loss_mask[rows, : width - 1], "index": n,
-                  "rows": rows}
-            for key, value in self.extras.items():
-                if value.dim() >= 2 and value.shape[1] in (seq, seq - 1):
-                    value = value[:, : width if value.shape[1] == seq else width - 1]
-                mb[key] = value[rows]
-            out.append(mb)
-        return out
-
-    def select(self, index: torch.Tensor) -> "SequenceBatch":
-        return SequenceBatch(self.tokens[index], self.loss_mask[index], {k: v[index] for k, v in self.extras.items()})
+# The Microbatch (models/batch.py) carries its rows of the batch's tensors (cut to its columns) and, on the unfused
+# path, the local logits slice (``logits``). On the fused path the stats are 0 outside loss_mask (those rows are not
+# computed).
+LossFn = Callable[[VocabParallelStats, Microbatch], tuple[torch.Tensor, dict]]
 
 
 # "auto" on a training microbatch whose gradient needs recomputed logits in backward (not row-separable, or
@@ -164,18 +93,18 @@ class VocabOptions:
                    grad_in_forward=model_cfg.fused_grad != "recompute", truncation=truncation)
 
 
-def _unfused_stats(vocab: VocabOptions, reference: Optional[ReferenceHead], mb: dict, logits, tp_group):
-    last = None if "labels" in mb else -1  # a context-parallel shard: every position has its target (labels)
-    targets = mb["labels"] if "labels" in mb else mb["tokens"][:, 1:]
+def _unfused_stats(vocab: VocabOptions, reference: Optional[ReferenceHead], mb: Microbatch, logits, tp_group):
+    last = None if mb.labels is not None else -1  # a context-parallel shard: every position has its target
+    targets = mb.labels if mb.labels is not None else mb.tokens[:, 1:]
     reference_logits = None
-    if reference is not None and "reference_hidden" in mb:
-        reference_logits = reference.logits(mb["reference_hidden"].to(logits.device))[:, :last]
+    if reference is not None and mb.reference_hidden is not None:
+        reference_logits = reference.logits(mb.reference_hidden.to(logits.device))[:, :last]
     return fused_stats(logits[:, :last], tp_group, targets=targets.to(logits.device),
                        reference_logits=reference_logits, temperature=vocab.temperature,
                        vocab_size=vocab.vocab_size, chunk_size=vocab.chunk_size, truncation=vocab.truncation)
 
 
-def _fused_stats(vocab: VocabOptions, reference: Optional[ReferenceHead], mb: dict, hidden, weight, tp_group,
+def _fused_stats(vocab: VocabOptions, reference: Optional[ReferenceHead], mb: Microbatch, hidden, weight, tp_group,
                  sequence_parallel: bool) -> VocabParallelStats:
     """Stats ``[b, s-1]`` from the hidden states ``[b, s(/tp), H]``, computed in megatron's [s, b] order."""
     targets, rows, reference_hidden, reference_weight = fused_layout(reference, mb, hidden.device)
@@ -185,7 +114,7 @@ def _fused_stats(vocab: VocabOptions, reference: Optional[ReferenceHead], mb: di
         chunk_size=vocab.chunk_size, sequence_parallel=sequence_parallel, mask=rows, truncation=vocab.truncation,
     )
 
-    last = None if "labels" in mb else -1  # a context-parallel shard keeps every position
+    last = None if mb.labels is not None else -1  # a context-parallel shard keeps every position
 
     def per_sequence(value):
         return None if value is None else value.t()[:, :last]
@@ -198,8 +127,7 @@ def _forward_step(vocab: VocabOptions, loss_fn: LossFn, num_microbatches: int, f
     from megatron.core import parallel_state
 
     device = next(model.parameters()).device
-    mb = {key: value.to(device) if isinstance(value, torch.Tensor) and key != "rows" else value
-          for key, value in next(data_iterator).items()}
+    mb = next(data_iterator).to(device)
     inner = unwrap(model)
     cp_group = context_parallel_group()
     if cp_group is not None:  # this rank's zigzag shard of every sequence
@@ -207,16 +135,16 @@ def _forward_step(vocab: VocabOptions, loss_fn: LossFn, num_microbatches: int, f
         multiple = sequence_multiple(config.context_parallel_size, config.tensor_model_parallel_size,
                                      config.sequence_parallel)
         mb = context_parallel.shard_microbatch(mb, dist.get_world_size(cp_group), dist.get_rank(cp_group), multiple)
-        tokens, position_ids = mb["tokens"], mb["position_ids"]
+        tokens, position_ids = mb.tokens, mb.position_ids
     else:
-        tokens = mb["tokens"]
+        tokens = mb.tokens
         position_ids = torch.arange(tokens.shape[1], device=device).unsqueeze(0).expand_as(tokens)
     single_pass = vocab.grad_in_forward and getattr(loss_fn, "row_separable", False) and not forward_only
     fused = inner.post_process and vocab.use_fused(tokens.numel(), output_weight(inner).shape[0],
                                                    single_sweep=forward_only or single_pass)
     tp_group = parallel_state.get_tensor_model_parallel_group()
-    if "routed_experts" in mb:  # mixture of experts: the rollout's expert ids for this microbatch's routers
-        routing_replay.load_microbatch(inner, mb["routed_experts"], inner.config.sequence_parallel,
+    if mb.routed_experts is not None:  # mixture of experts: the rollout's expert ids for this microbatch's routers
+        routing_replay.load_microbatch(inner, mb.routed_experts, inner.config.sequence_parallel,
                                        dist.get_rank(tp_group), dist.get_world_size(tp_group))
     with bypass_output_layer(inner) if fused else nullcontext():
         output = model(tokens, position_ids, None)
@@ -231,7 +159,7 @@ def _forward_step(vocab: VocabOptions, loss_fn: LossFn, num_microbatches: int, f
             loss, metrics = loss_fn(stats, mb)
         else:
             stats = _unfused_stats(vocab, reference, mb, output, tp_group)
-            loss, metrics = loss_fn(stats, {**mb, "logits": output})
+            loss, metrics = loss_fn(stats, dataclasses.replace(mb, logits=output))
         # The schedule divides a 2-tuple loss by num_microbatches; undo it so shares add up exactly.
         return loss * num_microbatches, metrics
 
@@ -263,7 +191,7 @@ def run_schedule(
     """Run the pipeline schedule over ``batch`` split by :meth:`SequenceBatch.split` (``num_microbatches``
     slices, or microbatches of at most ``token_budget`` padded tokens); returns the per-microbatch metrics
     dicts (on the last pipeline stage; an empty list elsewhere). With ``reference`` and a
-    ``reference_hidden`` extra, the stats carry the exact per-position KL(pi || pi_ref)."""
+    ``batch.reference_hidden``, the stats carry the exact per-position KL(pi || pi_ref)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     microbatches = batch.split(num_microbatches, token_budget)
@@ -278,11 +206,11 @@ def run_schedule(
             model=chunks if len(chunks) > 1 else chunks[0],
             num_microbatches=len(microbatches),
             seq_length=batch.tokens.shape[1],
-            micro_batch_size=microbatches[0]["tokens"].shape[0],
+            micro_batch_size=microbatches[0].tokens.shape[0],
             forward_only=forward_only,
         )
     finally:
-        if "routed_experts" in batch.extras:
+        if batch.routed_experts is not None:
             routing_replay.clear([unwrap(chunk) for chunk in chunks])
 
 
@@ -349,15 +277,15 @@ class TokenStats:
         return ("logprobs", "entropy") + (("kl",) if exact_kl else ()) + (SUPPORT_KEYS if truncated else ())
 
 
-def masked_token_stats(stats: VocabParallelStats, mb: dict, keys) -> dict:
+def masked_token_stats(stats: VocabParallelStats, mb: Microbatch, keys) -> dict:
     """One microbatch's per-token ``keys`` of ``stats``, zero at masked positions, tagged with its ``rows``; on a
     context-parallel shard gathered back to the whole sequences [b, S-1]."""
-    mask = mb["loss_mask"].to(stats.logprobs.dtype)
+    mask = mb.loss_mask.to(stats.logprobs.dtype)
     out = {key: getattr(stats, key) * mask for key in keys}
-    if "cp_targets" in mb:
+    if mb.cp_targets is not None:
         group = context_parallel_group()
-        out = {key: context_parallel.gather_positions(value, group, mb["cp_targets"]) for key, value in out.items()}
-    return {"rows": mb["rows"], **out}
+        out = {key: context_parallel.gather_positions(value, group, mb.cp_targets) for key, value in out.items()}
+    return {"rows": mb.rows, **out}
 
 
 def scatter_rows(parts: list[torch.Tensor], rows: list[torch.Tensor], shape,
@@ -393,7 +321,7 @@ def compute_token_stats(
     """Forward-only per-token statistics of ``batch`` (:class:`TokenStats`), on every rank.
 
     Works for the policy and for the frozen reference alike. With ``reference`` (and
-    ``batch.extras["reference_hidden"]``) also the exact KL; with ``capture_hidden`` also the final hidden states
+    ``batch.reference_hidden``) also the exact KL; with ``capture_hidden`` also the final hidden states
     (last pipeline stage only; None elsewhere); with ``vocab.truncation`` the support statistics.
     """
     for chunk in chunks:

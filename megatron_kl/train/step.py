@@ -202,7 +202,7 @@ def needs_exact_kl(cfg, step: int) -> bool:
     return _metrics_due(cfg, step)
 
 
-def _scoring_passes(ctx: StepContext, sequences, step: int, vocab, timings: dict):
+def _scoring_passes(ctx: StepContext, sequences: pipeline.SequenceBatch, step: int, vocab, timings: dict):
     """The reference forward (when needed this step), pi_old's forward (unless algo.old_logprobs=from_update
     takes it from the update) and, with routing replay on metric steps, pi_old's log-probs under the trainer's own
     routing: ``(reference or None, old or None, unreplayed log-probs or None)``."""
@@ -219,7 +219,7 @@ def _scoring_passes(ctx: StepContext, sequences, step: int, vocab, timings: dict
                                                          dataclasses.replace(vocab, truncation=None),
                                                          capture_hidden=exact, token_budget=cfg.train.micro_batch_tokens)
                 if exact and reference.hidden is not None:
-                    sequences.extras["reference_hidden"] = reference.hidden
+                    sequences.reference_hidden = reference.hidden
         with phase("old_logprobs", timings):
             if cfg.algo.old_logprobs == "recompute":
                 with _recording(ctx):
@@ -236,7 +236,7 @@ def _scoring_passes(ctx: StepContext, sequences, step: int, vocab, timings: dict
 
 
 def _replays(cfg, sequences) -> bool:
-    return cfg.model.moe.routing_replay == "rollout" and "routed_experts" in sequences.extras
+    return cfg.model.moe.routing_replay == "rollout" and sequences.routed_experts is not None
 
 
 def replay_metrics(own: Optional[torch.Tensor], batch: RolloutBatch) -> dict:
@@ -258,7 +258,8 @@ def _stitch(loss: MicrobatchLoss, order: torch.Tensor, shape) -> pipeline.TokenS
     return pipeline.assemble_token_stats(loss.captured, loss.captured_keys, shape).placed(order)
 
 
-def _update(ctx: StepContext, sequences, step: int, vocab, reference_head) -> tuple[dict, Optional[pipeline.TokenStats]]:
+def _update(ctx: StepContext, sequences: pipeline.SequenceBatch, step: int, vocab,
+            reference_head) -> tuple[dict, Optional[pipeline.TokenStats]]:
     """``algo.ppo_epochs x algo.minibatches`` optimizer steps; (summed metrics, pi_old's stats captured from
     the update's forward when there was no pass of their own)."""
     cfg = ctx.cfg
@@ -276,7 +277,7 @@ def _update(ctx: StepContext, sequences, step: int, vocab, reference_head) -> tu
             shares = Shares(num_sequences=size, num_tokens=float(minibatch.loss_mask.sum()))
             axis = context_parallel.sequence_axis(ctx.topology.cp_group)
             loss = MicrobatchLoss(algo, cfg.kl, shares, ctx.clamps, axis=axis,
-                                  captured=[] if "old_logprobs" not in sequences.extras else None,
+                                  captured=[] if sequences.old_logprobs is None else None,
                                   captured_keys=pipeline.TokenStats.keys(reference_head is not None,
                                                                          vocab.truncation is not None))
             with ctx.offload.resident() if reference_head is not None else nullcontext():
@@ -346,10 +347,9 @@ def rl_step(ctx: StepContext, batch: RolloutBatch, step: int) -> dict:
                                             sampling.trained_truncation(cfg.model.vocab_size))
     mask = batch.loss_mask
     timings = {}
-    sequences = pipeline.SequenceBatch(batch.tokens, mask)
-    if batch.routed_experts is not None:  # the engine's routing: replayed by the policy, compared by the metrics
-        sequences.extras["routed_experts"] = batch.routed_experts
-    elif cfg.model.moe.routing_replay == "rollout":
+    # the engine's routing (None without): replayed by the policy, compared by the metrics
+    sequences = pipeline.SequenceBatch(batch.tokens, mask, routed_experts=batch.routed_experts)
+    if batch.routed_experts is None and cfg.model.moe.routing_replay == "rollout":
         raise CorruptResponse(f"step {step}: model.moe.routing_replay=rollout but the rollout batch carries no routing "
                               f"(rollout.engine={cfg.rollout.engine} returned completions without routed experts)")
     reference, old, unreplayed = _scoring_passes(ctx, sequences, step, vocab, timings)
@@ -369,7 +369,7 @@ def rl_step(ctx: StepContext, batch: RolloutBatch, step: int) -> dict:
                                         batch.behavior_logprobs, full_kl=old.kl, counter=ctx.clamps)
         inputs = dataclasses.replace(inputs, old_logprobs=old.logprobs,
                                      kl_returns=returns - batch.rewards[:, None] * mask)
-    sequences.extras.update(inputs.extras())
+    sequences = inputs.into(sequences)
     # the update's forward needs the exact KL for a full KL in the loss, and to be pi_old's stats (from_update)
     exact_in_loss = kl.estimator == "full" and kl.placement == "loss" and kl.coef > 0
     needs_head = reference is not None and needs_exact_kl(cfg, step) and (exact_in_loss or old is None)

@@ -94,7 +94,7 @@ def _train(cfg, task, should_stop=None) -> dict[str, torch.Tensor]:
     per_rank = ws.batch_size // dp
 
     def loss_fn(stats, mb):
-        mask = mb["loss_mask"].to(stats.logprobs.dtype)
+        mask = mb.loss_mask.to(stats.logprobs.dtype)
         loss = -(stats.logprobs * mask).sum() / per_rank
         return loss, {"nll": loss.detach(), "tokens": mask.sum()}
 

@@ -25,7 +25,7 @@ class _SFTLikeLoss:
     def __call__(self, stats, mb):
         # on a context-parallel shard the sums cross the group (the same loss on every CP rank: kl.sequence_axis)
         axis = context_parallel.sequence_axis(pipeline.context_parallel_group())
-        mask = mb["loss_mask"].to(stats.logprobs.dtype)
+        mask = mb.loss_mask.to(stats.logprobs.dtype)
         loss = axis.total(-(stats.logprobs * mask) + 0.1 * (stats.entropy * mask)) / self.batch_size
         return loss, {"loss": loss.detach()}
 
@@ -39,14 +39,14 @@ def _gather_logits(model_cfg: ModelConfig):
     from megatron.core import parallel_state
 
     def loss_fn(stats, mb):
-        local = mb["logits"].detach().contiguous()
+        local = mb.logits.detach().contiguous()
         group = parallel_state.get_tensor_model_parallel_group()
         pieces = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
         dist.all_gather(pieces, local, group=group)
         full = torch.cat(pieces, dim=-1)[..., : model_cfg.vocab_size]
-        if "cp_targets" in mb:  # a context-parallel shard of the input positions
-            full = context_parallel.gather_positions(full, pipeline.context_parallel_group(), mb["cp_targets"] + 1)
-        return torch.zeros(()), {"index": mb["index"], "logits": full}
+        if mb.cp_targets is not None:  # a context-parallel shard of the input positions
+            full = context_parallel.gather_positions(full, pipeline.context_parallel_group(), mb.cp_targets + 1)
+        return torch.zeros(()), {"index": mb.index, "logits": full}
 
     return loss_fn
 
@@ -136,7 +136,7 @@ def exact_kl_metric_worker(rank, world, model_cfg: ModelConfig, parallel_cfg: Pa
         vocab = pipeline.VocabOptions(vocab_size=model_cfg.vocab_size, temperature=1.0, chunk_size=5, fused=fused)
         batch = pipeline.SequenceBatch(tokens=tokens, loss_mask=loss_mask)
         reference = pipeline.compute_token_stats(models.reference, batch, 2, vocab, capture_hidden=True)
-        batch.extras["reference_hidden"] = reference.hidden
+        batch.reference_hidden = reference.hidden
         old = pipeline.compute_token_stats(models.policy, batch, 2, vocab, reference=output_head.ReferenceHead(models.reference),
                                            capture_hidden=True)
         assert old.hidden.shape[0] == batch_size

@@ -189,7 +189,7 @@ def test_token_budget_microbatches_match_equal_slices(baselines, model_name, par
 
     tokens, mask = _batch()
     plan = SequenceBatch(tokens, mask).split(1, 24)
-    assert [tuple(mb["tokens"].shape) for mb in plan] == [(2, 12), (2, 12), (2, 12), (2, 8)]
+    assert [tuple(mb.tokens.shape) for mb in plan] == [(2, 12), (2, 12), (2, 12), (2, 8)]
     base = baselines[model_name]
     world = parallel.tensor_parallel * parallel.pipeline_parallel
     outs = run_ranks(layout_worker, world, MODELS[model_name], parallel, base["full_state"], tokens, mask,

@@ -17,6 +17,7 @@ from megatron_kl.kl.objective import kl_penalty_credit
 from megatron_kl.kl.rpg import DIVERGENCES, RPGConfig
 from megatron_kl.kl.sequence_axis import LOCAL, ContextParallelAxis, zigzag_shard
 from megatron_kl.kl.kernels.vocab_parallel import fused_stats
+from megatron_kl.models.batch import Microbatch
 
 VOCAB = 12
 TEMPERATURE = 0.9
@@ -96,14 +97,15 @@ def _case_losses(data: dict, axis, tp_group, tp_size: int, tp_rank: int) -> list
             behavior = old + data["behavior_shift"]
             old_kl = stats.kl.detach() * (1.0 + data["old_shift"].abs())
         counter = ClampCounter()
-        mb = {"loss_mask": mask.to(logits.dtype), "behavior_logprobs": behavior,
-              "reference_logprobs": stats.logprobs.detach() - data["old_shift"] * 0.5,
-              "advantages": data["advantages"]}
+        reference_logprobs = stats.logprobs.detach() - data["old_shift"] * 0.5
+        mb = Microbatch(tokens=torch.zeros(mask.shape, dtype=torch.long), loss_mask=mask.to(logits.dtype),
+                        behavior_logprobs=behavior, reference_logprobs=reference_logprobs,
+                        advantages=data["advantages"])
         if not case.get("from_update"):
-            mb["old_logprobs"] = old
+            mb.old_logprobs = old
         if kl.coef > 0 and kl.placement == "reward" and not case.get("from_update"):
-            mb["kl_returns"] = -kl.coef * kl_penalty_credit(kl, old, mb["reference_logprobs"], mask, behavior,
-                                                            full_kl=old_kl, counter=counter, axis=axis)
+            mb.kl_returns = -kl.coef * kl_penalty_credit(kl, old, reference_logprobs, mask, behavior,
+                                                         full_kl=old_kl, counter=counter, axis=axis)
         loss_fn = MicrobatchLoss(algo=algo, kl=kl, shares=shares, counter=counter, axis=axis)
         loss, metrics = loss_fn(stats, mb)
         (grad,) = torch.autograd.grad(loss * axis.share, logits, allow_unused=True)

@@ -89,7 +89,7 @@ def replay_worker(rank, world, model_cfg: ModelConfig, prompts, sampling_dict: d
     vocab = pipeline.VocabOptions(model_cfg.vocab_size, sampling.logprob_temperature)
 
     def logprobs(chunks, routed: bool):
-        batch = pipeline.SequenceBatch(tokens, mask, {"routed_experts": routing} if routed else {})
+        batch = pipeline.SequenceBatch(tokens, mask, routed_experts=routing if routed else None)
         return pipeline.compute_token_stats(chunks, batch, 2, vocab).logprobs
 
     return {"mask": mask, "behavior": behavior, "replayed": logprobs(models.policy, True),

@@ -5,6 +5,8 @@ exact KL from logits through ``_unfused_stats``, then the microbatch loss with a
 per-token statistics equal the whole sequences', clamp counts sum over the group; and every layout that cannot
 run is refused naming the field."""
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -14,13 +16,14 @@ from megatron_kl.config import ConfigError, ModelConfig, ParallelConfig, validat
 from megatron_kl.kl.objective import KLConfig
 from megatron_kl.kl.sequence_axis import LOCAL
 from megatron_kl.models import context_parallel
+from megatron_kl.models.batch import Microbatch
 from megatron_kl.models.pipeline import VocabOptions, _unfused_stats, masked_token_stats
 from megatron_kl.testing import distributed
 
 VOCAB, BATCH, LENGTH = 10, 3, 11
 
 
-def _microbatch(seed: int = 0) -> dict:
+def _microbatch(seed: int = 0) -> Microbatch:
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, VOCAB, (BATCH, LENGTH), generator=g)
     loss_mask = torch.zeros(BATCH, LENGTH - 1)
@@ -29,8 +32,8 @@ def _microbatch(seed: int = 0) -> dict:
     per_target = {key: 0.1 * torch.randn(BATCH, LENGTH - 1, generator=g, dtype=torch.float64)
                   for key in ("old_logprobs", "behavior_logprobs", "reference_logprobs")}
     advantages = torch.randn(BATCH, 1, generator=g, dtype=torch.float64).expand(BATCH, LENGTH - 1).contiguous()
-    return {"tokens": tokens, "loss_mask": loss_mask, "rows": torch.arange(BATCH), "index": 0,
-            "advantages": advantages, **per_target}
+    return Microbatch(tokens=tokens, loss_mask=loss_mask, rows=torch.arange(BATCH), index=0, advantages=advantages,
+                      **per_target)
 
 
 def _logits(tokens: torch.Tensor) -> torch.Tensor:
@@ -39,14 +42,14 @@ def _logits(tokens: torch.Tensor) -> torch.Tensor:
     return table[tokens].clone().requires_grad_(True)
 
 
-def _loss(mb: dict, axis, tp_group=None):
-    logits = _logits(mb["tokens"])
+def _loss(mb: Microbatch, axis, tp_group=None):
+    logits = _logits(mb.tokens)
     stats = _unfused_stats(VocabOptions(vocab_size=VOCAB, temperature=0.8), None, mb, logits, tp_group)
-    for key in ("old_logprobs", "behavior_logprobs", "reference_logprobs"):
-        mb[key] = stats.logprobs.detach() + mb[key]
+    mb = dataclasses.replace(mb, **{key: stats.logprobs.detach() + getattr(mb, key)
+                                    for key in ("old_logprobs", "behavior_logprobs", "reference_logprobs")})
     kl = KLConfig(estimator="k3", placement="loss", level="sequence", coef=0.2, off_policy="none")
     algo = AlgoConfig(behavior_correction="sequence_tis")
-    shares = Shares(num_sequences=BATCH, num_tokens=float(_microbatch()["loss_mask"].sum()))
+    shares = Shares(num_sequences=BATCH, num_tokens=float(_microbatch().loss_mask.sum()))
     loss, metrics = MicrobatchLoss(algo, kl, shares, axis=axis)(stats, mb)
     (grad,) = torch.autograd.grad(loss * axis.share, logits)
     gathered = masked_token_stats(stats, mb, ("logprobs", "entropy"))
@@ -58,10 +61,10 @@ def _worker(rank, world):
 
     group = dist.group.WORLD
     mb = _microbatch()
-    local = context_parallel.shard_microbatch(dict(mb), world, rank, 2 * world)
+    local = context_parallel.shard_microbatch(mb, world, rank, 2 * world)
     padded = -(-LENGTH // (2 * world)) * (2 * world)
     megatrons = get_batch_on_this_cp_rank(
-        {"tokens": torch.nn.functional.pad(mb["tokens"], (0, padded - LENGTH)).clone()}, group)["tokens"]
+        {"tokens": torch.nn.functional.pad(mb.tokens, (0, padded - LENGTH)).clone()}, group)["tokens"]
     # the pipeline's gather reads megatron's context-parallel group; here the world is that group
     import megatron_kl.models.pipeline as pipeline
 
@@ -70,7 +73,7 @@ def _worker(rank, world):
     loss, metrics, grad, gathered = _loss(local, context_parallel.ContextParallelAxis(group), tp_group)
     counts = context_parallel.sum_counts({"kl/clamped_k3": rank + 1, **({"only_rank_0": 2} if rank == 0 else {})},
                                          group)
-    return {"local": local, "megatrons_tokens": megatrons, "loss": loss, "metrics": metrics, "grad": grad,
+    return {"local": {f.name: getattr(local, f.name) for f in dataclasses.fields(local)}, "megatrons_tokens": megatrons, "loss": loss, "metrics": metrics, "grad": grad,
             "gathered": gathered, "counts": counts}
 
 
@@ -78,7 +81,7 @@ def _worker(rank, world):
 def test_shards_are_megatrons_and_the_loss_equals_one_rank(world):
     results = distributed.run_ranks(_worker, world)
     mb = _microbatch()
-    labels = torch.cat([mb["tokens"][:, 1:], torch.zeros(BATCH, 1, dtype=mb["tokens"].dtype)], 1)
+    labels = torch.cat([mb.tokens[:, 1:], torch.zeros(BATCH, 1, dtype=mb.tokens.dtype)], 1)
     for rank, r in enumerate(results):
         local = r["local"]
         assert torch.equal(local["tokens"], r["megatrons_tokens"])  # megatron-core's zigzag split
@@ -86,11 +89,11 @@ def test_shards_are_megatrons_and_the_loss_equals_one_rank(world):
         for column, position in enumerate(positions.tolist()):  # every input keeps its own next token and mask
             if position < LENGTH:
                 assert torch.equal(local["labels"][:, column], labels[:, position])
-                expected_mask = mb["loss_mask"][:, position] if position < LENGTH - 1 else torch.zeros(BATCH)
+                expected_mask = mb.loss_mask[:, position] if position < LENGTH - 1 else torch.zeros(BATCH)
                 assert torch.equal(local["loss_mask"][:, column], expected_mask)
             else:
                 assert not local["loss_mask"][:, column].any()
-        assert local["cp_targets"] == LENGTH - 1 and torch.equal(local["rows"], mb["rows"])
+        assert local["cp_targets"] == LENGTH - 1 and torch.equal(local["rows"], mb.rows)
     loss, metrics, grad, gathered = _loss(_microbatch(), LOCAL)
     for r in results:
         assert r["loss"] == pytest.approx(loss, rel=1e-12, abs=1e-14)
@@ -129,8 +132,8 @@ def test_layouts_that_cannot_run_are_refused_naming_the_field():
     context_parallel.check_runnable(_parallel(context_parallel=2), have_transformer_engine=True)
     context_parallel.check_runnable(_parallel(), have_transformer_engine=False)
     with pytest.raises(ValueError, match="neither per sequence"):
-        context_parallel.shard_microbatch({"tokens": torch.zeros(1, 6, dtype=torch.long),
-                                           "odd": torch.zeros(1, 3)}, 2, 0, 4)
+        context_parallel.shard_microbatch(Microbatch(tokens=torch.zeros(1, 6, dtype=torch.long),
+                                                     loss_mask=torch.zeros(1, 5), advantages=torch.zeros(1, 3)), 2, 0, 4)
 
 
 @pytest.mark.parametrize("overrides,named", [

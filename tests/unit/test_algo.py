@@ -49,21 +49,25 @@ def test_ppo_clip_and_dual_clip_gradients():
                                 KLConfig(estimator="k1", placement="reward", coef=0.1),
                                 KLConfig(estimator="full", placement="loss", level="sequence", coef=0.1)])
 def test_microbatch_shares_add_up_to_the_minibatch_loss_and_gradient(aggregation, kl):
+    from megatron_kl.models.batch import SequenceBatch
+
     g = torch.Generator().manual_seed(1)
     b, t = 6, 5
     mask = (torch.rand(b, t, generator=g) > 0.3).double()
     mask[:, 0] = 1
     logprobs = (-torch.rand(b, t, generator=g, dtype=torch.float64)).requires_grad_()
     full_kl = torch.rand(b, t, generator=g, dtype=torch.float64).requires_grad_()
-    mb = {"loss_mask": mask, "old_logprobs": logprobs.detach() - 0.05, "behavior_logprobs": logprobs.detach() - 0.1,
-          "reference_logprobs": logprobs.detach() + 0.2, "advantages": torch.randn(b, 1, generator=g, dtype=torch.float64) * mask,
-          "kl_returns": -0.1 * torch.rand(b, t, generator=g, dtype=torch.float64) * mask}
+    batch = SequenceBatch(torch.zeros(b, t + 1, dtype=torch.long), mask, old_logprobs=logprobs.detach() - 0.05,
+                          behavior_logprobs=logprobs.detach() - 0.1, reference_logprobs=logprobs.detach() + 0.2,
+                          advantages=torch.randn(b, 1, generator=g, dtype=torch.float64) * mask,
+                          kl_returns=-0.1 * torch.rand(b, t, generator=g, dtype=torch.float64) * mask)
     algo = AlgoConfig(aggregation=aggregation, entropy_coef=0.01)
     entropy = torch.rand(b, t, generator=g, dtype=torch.float64)
 
     def run(rows, shares):
         stats = VocabParallelStats(logprobs=logprobs[rows], entropy=entropy[rows], kl=full_kl[rows])
-        return microbatch_loss(stats, {k: v[rows] for k, v in mb.items()}, algo, kl, shares)[0]
+        (mb,) = batch.select(torch.arange(b)[rows]).split(1)
+        return microbatch_loss(stats, mb, algo, kl, shares)[0]
 
     everything = slice(0, b)
     whole = run(everything, Shares(b, float(mask.sum())))
@@ -171,7 +175,7 @@ def test_old_logprobs_from_update_needs_one_epoch_of_one_minibatch():
 
 def test_token_budget_split_covers_every_row_once_within_the_budget():
     """SequenceBatch.split(token_budget): every row in exactly one microbatch, rows x width <= budget unless a
-    single row is longer, no response token cut off, extras cut with their rows and columns."""
+    single row is longer, no response token cut off, the carried tensors cut with their rows and columns."""
     from megatron_kl.models.pipeline import SequenceBatch, scatter_rows
 
     g = torch.Generator().manual_seed(5)
@@ -184,26 +188,31 @@ def test_token_budget_split_covers_every_row_once_within_the_budget():
         mask[i, start:end] = 1
     per_position = torch.randn(rows, width - 1, generator=g)
     hidden = torch.randn(rows, width, 4, generator=g)
-    batch = SequenceBatch(tokens, mask, {"values": per_position, "hidden": hidden, "rewards": torch.arange(rows)})
+    batch = SequenceBatch(tokens, mask, advantages=per_position, reference_hidden=hidden)
     lengths = batch.lengths()
     for budget in (1, 29, 64, 200, 10**6):
         plan = batch.split(1, budget)
         groups = batch.token_groups(budget)  # the same plan without cutting tensors (batch/padded_tokens)
-        assert [(mb["rows"].tolist(), mb["tokens"].shape[1]) for mb in plan] == [(r.tolist(), w) for r, w in groups]
-        seen = torch.cat([mb["rows"] for mb in plan])
+        assert [(mb.rows.tolist(), mb.tokens.shape[1]) for mb in plan] == [(r.tolist(), w) for r, w in groups]
+        assert [mb.index for mb in plan] == list(range(len(plan)))
+        seen = torch.cat([mb.rows for mb in plan])
         assert sorted(seen.tolist()) == list(range(rows))
         for mb in plan:
-            count, cut = mb["tokens"].shape
+            count, cut = mb.tokens.shape
             assert count * cut <= budget or count == 1
-            assert cut == int(lengths[mb["rows"]].max())
-            torch.testing.assert_close(mb["tokens"], tokens[mb["rows"], :cut])
-            torch.testing.assert_close(mb["values"], per_position[mb["rows"], : cut - 1])
-            torch.testing.assert_close(mb["hidden"], hidden[mb["rows"], :cut])
-            assert mb["rewards"].tolist() == mb["rows"].tolist()
-            assert mb["loss_mask"].sum() == mask[mb["rows"]].sum()  # nothing of a response was cut
-        assembled = scatter_rows([mb["values"] * mb["loss_mask"] for mb in plan], [mb["rows"] for mb in plan],
+            assert cut == int(lengths[mb.rows].max())
+            torch.testing.assert_close(mb.tokens, tokens[mb.rows, :cut])
+            torch.testing.assert_close(mb.advantages, per_position[mb.rows, : cut - 1])
+            torch.testing.assert_close(mb.reference_hidden, hidden[mb.rows, :cut])
+            assert mb.old_logprobs is None  # not carried by the batch: not invented
+            assert mb.loss_mask.sum() == mask[mb.rows].sum()  # nothing of a response was cut
+        assembled = scatter_rows([mb.advantages * mb.loss_mask for mb in plan], [mb.rows for mb in plan],
                                  tuple(mask.shape))
         torch.testing.assert_close(assembled, per_position * mask)
+    equal = batch.split(1)[0]  # without a budget: the rows whole, every tensor a view of the batch's
+    assert equal.tokens.data_ptr() == tokens.data_ptr() and torch.equal(equal.reference_hidden, hidden)
+    with pytest.raises(AttributeError):
+        batch.reference_hiden = hidden  # a misspelt name is an error where it is written
     assert len(batch.split(1, 10**6)) == 1 and len(batch.split(1, 1)) == rows
 
 
@@ -245,14 +254,16 @@ def test_position_draws_follow_the_forcing_schemes_stream():
 
 def test_loss_inputs_travel_by_name_and_a_missing_one_is_named():
     from megatron_kl.algo.losses import LossInputs
+    from megatron_kl.models.batch import SequenceBatch
 
     mask = torch.ones(2, 3)
     inputs = LossInputs(loss_mask=mask, behavior_logprobs=torch.randn(2, 3), reference_logprobs=torch.randn(2, 3),
                         advantages=torch.randn(2, 3), old_logprobs=torch.randn(2, 3))
-    extras = inputs.extras()
-    assert set(extras) == {"behavior_logprobs", "reference_logprobs", "advantages", "old_logprobs"}  # None left out
-    back = LossInputs.from_microbatch({"loss_mask": mask, "tokens": torch.zeros(2, 4), **extras})
-    assert back.kl_returns is None and all(torch.equal(getattr(back, k), v) for k, v in extras.items())
-    del extras["reference_logprobs"]
-    with pytest.raises(KeyError, match="reference_logprobs"):
-        LossInputs.from_microbatch({"loss_mask": mask, **extras})
+    batch = inputs.into(SequenceBatch(torch.zeros(2, 4, dtype=torch.long), mask))
+    assert set(batch.row_tensors()) == {"behavior_logprobs", "reference_logprobs", "advantages", "old_logprobs"}
+    (mb,) = batch.split(1)
+    back = LossInputs.from_microbatch(mb)
+    assert back.kl_returns is None and all(torch.equal(getattr(back, k), v) for k, v in batch.row_tensors().items())
+    mb.reference_logprobs = None
+    with pytest.raises(ValueError, match="reference_logprobs"):
+        LossInputs.from_microbatch(mb)
