@@ -35,18 +35,17 @@ from typing import Optional
 
 import torch
 
+from megatron_kl.kl.kernels.chunks import Kept, Rows, Sweep, Upstream, Workspace
 from megatron_kl.kl.kernels.groups import group_size_rank
 from megatron_kl.kl.kernels.truncation import Truncation, effective, find_support
 from megatron_kl.kl.kernels.vocab_parallel import (
     VocabParallelStats,
-    Workspace,
     _shard,
     check_group,
     chunk_forward,
     chunk_grad,
     compute_dtype,
     support_fields,
-    upstream,
 )
 
 MIN_CHUNK_ROWS = 64  # below this the per-chunk GEMMs re-read W too often to be efficient
@@ -79,7 +78,8 @@ class _FusedLinearStats(torch.autograd.Function):
         out = torch.empty(3, rows, dtype=dtype, device=hidden.device)  # logprob, entropy, kl
         norms = torch.empty(5, rows, dtype=dtype, device=hidden.device)
         thresholds, support = _support_buffers(truncation, rows, dtype, hidden.device)
-        ws = Workspace()
+        sweep = Sweep(shard, group, temperature, scratch=True)
+        ws = sweep.workspace
         for lo in range(0, rows, chunk_size):
             hi = min(rows, lo + chunk_size)
             z = _project(hidden[lo:hi], weight, shard.valid, dtype, ws, "z")
@@ -87,8 +87,8 @@ class _FusedLinearStats(torch.autograd.Function):
             tgt = targets[lo:hi] if targets is not None else None
             threshold, row_max = _chunk_support(z, group, truncation, temperature, vocab_size, thresholds, lo, hi)
             out[:, lo:hi], norms[:, lo:hi] = chunk_forward(
-                z, r, tgt, shard, group, temperature, scratch=True, workspace=ws, threshold=threshold,
-                support=support[:, lo:hi] if threshold is not None else None, row_max=row_max)
+                Rows(z, r, tgt, threshold, row_max), sweep,
+                support=support[:, lo:hi] if threshold is not None else None)
         ctx.save_for_backward(hidden, weight, reference_hidden, reference_weight, targets, norms, thresholds)
         ctx.shard, ctx.temperature, ctx.chunk_size, ctx.dtype = shard, temperature, chunk_size, dtype
         ctx.weight_param = weight  # the parameter object itself (a saved tensor loses its main_grad attribute)
@@ -109,17 +109,17 @@ class _FusedLinearStats(torch.autograd.Function):
         valid = shard.valid
         grad_weight = _weight_grad_buffer(weight, valid, hidden.shape[0], dtype) if want_weight else None
         rows = hidden.shape[0]
-        ws = Workspace()
+        sweep = Sweep(shard, None, tau)  # no collective in the gradient
+        ws = sweep.workspace
+        grads = (grad_logprob, grad_entropy, grad_kl)
         for lo in range(0, rows if valid else 0, ctx.chunk_size):  # a padding-only shard has no gradient
             hi = min(rows, lo + ctx.chunk_size)
             z = _project(hidden[lo:hi], weight, valid, dtype, ws, "z")
             r = _project(reference_hidden[lo:hi], reference_weight, valid, dtype, ws, "r") if grad_kl is not None else None
-            grad = chunk_grad(
-                z, r, targets[lo:hi] if targets is not None else None, shard, norms[:, lo:hi],
-                upstream(grad_logprob, lo, hi, dtype), upstream(grad_entropy, lo, hi, dtype),
-                upstream(grad_kl, lo, hi, dtype), tau, out=z, workspace=ws,
-                threshold=thresholds[lo:hi] if thresholds is not None else None,
-            )  # dL/dz for this chunk's raw logits [c, valid], compute dtype
+            chunk = Rows(z, r, targets[lo:hi] if targets is not None else None,
+                         thresholds[lo:hi] if thresholds is not None else None)
+            # dL/dz for this chunk's raw logits [c, valid], compute dtype
+            grad = chunk_grad(chunk, norms[:, lo:hi], Upstream.of(grads, lo, hi, dtype), sweep, out=z)
             _accumulate(grad, hidden, weight, lo, hi, valid, grad_hidden, grad_weight, dtype, ws)
         if want_weight:
             grad_weight = weight_grad_for_autograd(ctx.weight_param, grad_weight)
@@ -165,23 +165,22 @@ def fused_linear_grads(hidden, weight, reference_hidden, reference_weight, targe
     if truncation is not None and support is None:
         raise ValueError("fused_linear_grads(truncation=...) writes the support statistics into support= [3, R]")
     thresholds = torch.empty(rows, dtype=dtype, device=hidden.device) if truncation is not None else None
-    ws = Workspace()
+    sweep = Sweep(shard, group, temperature, scratch=True)
+    ws = sweep.workspace
     for lo in range(0, rows, chunk_size):
         hi = min(rows, lo + chunk_size)
         z = _project(hidden[lo:hi], weight, valid, dtype, ws, "z")
         r = _project(reference_hidden[lo:hi], reference_weight, valid, dtype, ws, "r") if has_ref else None
         tgt = targets[lo:hi] if targets is not None else None
-        kept: dict = {}  # zc, exp(zc), -u: the gradient reuses the forward's work
+        kept = Kept()  # zc, exp(zc), -u: the gradient reuses the forward's work
         threshold, row_max = _chunk_support(z, group, truncation, temperature, vocab_size, thresholds, lo, hi)
-        out[:, lo:hi], norms[:, lo:hi] = chunk_forward(z, r, tgt, shard, group, temperature, keep=kept, scratch=True,
-                                                       workspace=ws, threshold=threshold,
-                                                       support=support[:, lo:hi] if threshold is not None else None,
-                                                       row_max=row_max)
+        out[:, lo:hi], norms[:, lo:hi] = chunk_forward(Rows(z, r, tgt, threshold, row_max), sweep, keep=kept,
+                                                       support=support[:, lo:hi] if threshold is not None else None)
         g_lp, g_h, g_kl = probe(out, lo, hi)
         if not valid:  # a padding-only shard: its columns get no gradient, its rows a zero partial sum
             continue
-        grad = chunk_grad(None, None, tgt, shard, norms[:, lo:hi], _as(g_lp, dtype), _as(g_h, dtype),
-                          _as(g_kl, dtype), temperature, kept=kept)
+        upstream = Upstream(_as(g_lp, dtype), _as(g_h, dtype), _as(g_kl, dtype))
+        grad = chunk_grad(Rows(None, targets=tgt), norms[:, lo:hi], upstream, sweep, kept=kept)
         _accumulate(grad, hidden, weight, lo, hi, valid, grad_hidden, grad_weight, dtype, ws)
     return out, grad_hidden, grad_weight
 

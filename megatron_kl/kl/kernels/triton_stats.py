@@ -27,6 +27,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from megatron_kl.kl.kernels.chunks import MAX, MEAN_U, MEAN_ZC, SHIFT, SUM, Rows, Sweep, Upstream
 from megatron_kl.kl.kernels.groups import all_reduce
 
 ENV = "MEGATRON_KL_TRITON"
@@ -53,6 +54,9 @@ TAYLOR_TERMS = {torch.float32: 9, torch.float64: 17}
 # target's zc, the full softmax's mass outside the support (D), the support's size (K), whether the target lies
 # outside it, and whether a row's shifts drifted (its S E[u] read again)
 REDUCED = (S, S_ZC, S_U, REF_MINUS_POLICY, TARGET_ZC, DROPPED, SUPPORT_SIZE, TARGET_OUT, DRIFTED) = range(9)
+# rows of one rank's row partials (``row_partials``, relative to its own running maxima; ``triton_kernels``
+# docstring): the maxima m and n of x and y, S, A, B, C, D, K and the drift G
+PARTIALS = (P_MAX, P_REF_MAX, P_S, P_A, P_B, P_C, P_D, P_K, P_G) = range(9)
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -151,9 +155,12 @@ def _kernel_input(x: torch.Tensor, dtype) -> torch.Tensor:
     return x
 
 
-def forward(x, y, targets, shard, group, temperature: float, entropy: bool, threshold=None, support=None):
-    """``vocab_parallel.chunk_forward``'s ``(out [3, n], norms [5, n])`` from the Triton kernels (x / y: this
-    rank's valid columns [n, valid], read only; ``support [3, n]`` filled under ``threshold``)."""
+def forward(rows: Rows, sweep: Sweep, support=None):
+    """``vocab_parallel.chunk_forward``'s ``(out [3, n], norms [5, n])`` from the Triton kernels (``rows.x`` /
+    ``rows.y``: this rank's valid columns [n, valid], read only; ``support [3, n]`` filled under
+    ``rows.threshold``)."""
+    x, y, threshold = rows.x, rows.y, rows.threshold
+    temperature = sweep.temperature
     dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
     n, cols = x.shape
     device = x.device
@@ -165,38 +172,39 @@ def forward(x, y, targets, shard, group, temperature: float, entropy: bool, thre
         launches["forward"] += 1
         _kernels().row_partials[(n,)](
             xk, yk, thr, partials, xk.stride(0), yk.stride(0), cols, _inverse_temperature(temperature, dtype, device),
-            HAS_Y=y is not None, ENTROPY=entropy, TRUNCATED=threshold is not None, LOW=LOW[dtype],
+            HAS_Y=y is not None, ENTROPY=sweep.entropy, TRUNCATED=threshold is not None, LOW=LOW[dtype],
             TERMS=TAYLOR_TERMS[dtype], BLOCK=_block(cols), **LAUNCH_OPTIONS)
-    return combine(partials, x, targets, shard, group, temperature, y is not None, entropy, threshold, support,
-                   y=y)
+    return combine(partials, rows, sweep, support)
 
 
-def combine(partials, x, targets, shard, group, temperature: float, has_y: bool, entropy: bool, threshold=None,
-            support=None, y=None):
-    """Every rank's row partials [9, n] (m, n, S, A, B, C, D, K, G relative to its own maxima) -> the globally
-    reduced statistics, rescaled to the global maxima M / M_r (``triton_kernels`` docstring) in float64; rows
-    whose shifts drifted get S E[u] from a second read (``_mean_u_again``)."""
+def combine(partials, rows: Rows, sweep: Sweep, support=None):
+    """Every rank's row partials [9, n] (m, n, S, A, B, C, D, K, G relative to its own maxima) of ``rows`` -> the
+    globally reduced statistics, rescaled to the global maxima M / M_r (``triton_kernels`` docstring) in float64;
+    rows whose shifts drifted get S E[u] from a second read (``_mean_u_again``)."""
+    x, targets, threshold, shard, group = rows.x, rows.targets, rows.threshold, sweep.shard, sweep.group
+    has_y, entropy, temperature = rows.y is not None, sweep.entropy, sweep.temperature
     dtype = partials.dtype
     n = partials.shape[1]
     p = partials.double()
-    maxes = p[:2].clone()
+    maxes = p[[P_MAX, P_REF_MAX]]  # a copy (advanced indexing)
     all_reduce(maxes, dist.ReduceOp.MAX, group)
     inv_tau = 1.0 / temperature
-    delta = (p[0] - maxes[0]) * inv_tau
+    delta = (p[P_MAX] - maxes[0]) * inv_tau
     alpha = torch.exp(delta)
     sums = torch.zeros(len(REDUCED), n, dtype=torch.float64, device=p.device)
-    sums[S] = alpha * p[2]
+    sums[S] = alpha * p[P_S]
     if entropy:
-        sums[S_ZC] = alpha * (p[3] + delta * p[2])
+        sums[S_ZC] = alpha * (p[P_A] + delta * p[P_S])
     if has_y:
-        gamma = ((maxes[0] - maxes[1]) - (p[0] - p[1])) * inv_tau
-        beta = torch.exp((p[1] - maxes[1]) * inv_tau)
+        gamma = ((maxes[0] - maxes[1]) - (p[P_MAX] - p[P_REF_MAX])) * inv_tau
+        beta = torch.exp((p[P_REF_MAX] - maxes[1]) * inv_tau)
         moved = torch.where(gamma.abs() < 0.5, alpha * torch.expm1(gamma), beta - alpha)
-        sums[S_U] = alpha * (p[4] - gamma * p[2])
-        sums[DRIFTED] = ((p[8] + gamma.abs()) * (p[2] > 0) > DRIFT_LIMIT).double()  # this rank's E[u] needs a 2nd read
-        sums[REF_MINUS_POLICY] = beta * p[5] + moved * (p[2] + p[6]) + alpha * p[6]
-    sums[DROPPED] = alpha * p[6]
-    sums[SUPPORT_SIZE] = p[7]
+        sums[S_U] = alpha * (p[P_B] - gamma * p[P_S])
+        # this rank's E[u] needs a second read
+        sums[DRIFTED] = ((p[P_G] + gamma.abs()) * (p[P_S] > 0) > DRIFT_LIMIT).double()
+        sums[REF_MINUS_POLICY] = beta * p[P_C] + moved * (p[P_S] + p[P_D]) + alpha * p[P_D]
+    sums[DROPPED] = alpha * p[P_D]
+    sums[SUPPORT_SIZE] = p[P_K]
     if targets is not None:
         local = targets - shard.start
         owned = (local >= 0) & (local < shard.valid)
@@ -211,19 +219,19 @@ def combine(partials, x, targets, shard, group, temperature: float, has_y: bool,
     log_s = torch.log(total)
     out = torch.zeros(3, n, dtype=torch.float64, device=p.device)
     norms = torch.zeros(5, n, dtype=torch.float64, device=p.device)
-    norms[0], norms[1], norms[2] = maxes[0], maxes[0] - maxes[1], total
+    norms[MAX], norms[SHIFT], norms[SUM] = maxes[0], maxes[0] - maxes[1], total
     if targets is not None:
         out[0] = sums[TARGET_ZC] - log_s
     if entropy:
-        norms[3] = sums[S_ZC] / total
-        out[1] = log_s - norms[3]
+        norms[MEAN_ZC] = sums[S_ZC] / total
+        out[1] = log_s - norms[MEAN_ZC]
     if has_y:
         drifted = (sums[DRIFTED] > 0).nonzero().squeeze(-1)  # the same rows on every rank (after the all-reduce)
         if drifted.numel():
-            sums[S_U, drifted] = _mean_u_again(x, y, drifted, norms[:2].to(dtype), threshold, temperature, group)
-        norms[4] = sums[S_U] / total
+            sums[S_U, drifted] = _mean_u_again(rows, drifted, norms[[MAX, SHIFT]].to(dtype), sweep)
+        norms[MEAN_U] = sums[S_U] / total
         ratio_minus_one = (sums[REF_MINUS_POLICY] / total).clamp_min(torch.finfo(dtype).eps - 1.0)
-        out[2] = (norms[4] + torch.log1p(ratio_minus_one)).clamp_min(0.0)
+        out[2] = (norms[MEAN_U] + torch.log1p(ratio_minus_one)).clamp_min(0.0)
     if support is not None and threshold is not None:
         support[0] = total / (total + sums[DROPPED])
         support[1] = sums[SUPPORT_SIZE]
@@ -231,8 +239,10 @@ def combine(partials, x, targets, shard, group, temperature: float, has_y: bool,
     return out.to(dtype), norms.to(dtype)
 
 
-def _mean_u_again(x, y, rows, row_norms, threshold, temperature: float, group) -> torch.Tensor:
-    """S E[u] of ``rows`` over all ranks, each element's u formed as the backward forms it (``row_mean_u``)."""
+def _mean_u_again(chunk: Rows, rows: torch.Tensor, row_norms, sweep: Sweep) -> torch.Tensor:
+    """S E[u] of the chunk's ``rows`` over all ranks, each element's u formed as the backward forms it
+    (``row_mean_u``)."""
+    x, y, threshold, temperature = chunk.x, chunk.y, chunk.threshold, sweep.temperature
     dtype = row_norms.dtype
     found = torch.zeros(rows.numel(), dtype=dtype, device=x.device)
     if x.shape[1]:
@@ -243,12 +253,14 @@ def _mean_u_again(x, y, rows, row_norms, threshold, temperature: float, group) -
             xk, yk, rows, row_norms.contiguous(), thr, found, xk.stride(0), yk.stride(0), row_norms.shape[1],
             x.shape[1], _inverse_temperature(temperature, dtype, x.device), TRUNCATED=threshold is not None, LOW=LOW[dtype], BLOCK=_block(x.shape[1]),
             **LAUNCH_OPTIONS)
-    return all_reduce(found.double(), dist.ReduceOp.SUM, group)
+    return all_reduce(found.double(), dist.ReduceOp.SUM, sweep.group)
 
 
-def backward(x, y, targets, shard, norms, g_lp, g_h, g_kl, temperature: float, out, threshold=None):
+def backward(rows: Rows, norms, upstream: Upstream, sweep: Sweep, out):
     """``vocab_parallel.chunk_grad`` from the Triton kernel: dL/dx of this rank's valid columns [n, valid] into
-    ``out`` (may be ``x`` itself: each block is read before it is written); returns ``out``."""
+    ``out`` (may be ``rows.x`` itself: each block is read before it is written); returns ``out``."""
+    x, y, targets, threshold, shard = rows.x, rows.y, rows.targets, rows.threshold, sweep.shard
+    g_lp, g_h, g_kl, temperature = upstream.logprob, upstream.entropy, upstream.kl, sweep.temperature
     n, cols = x.shape
     if not n or not cols:
         return out
@@ -260,10 +272,10 @@ def backward(x, y, targets, shard, norms, g_lp, g_h, g_kl, temperature: float, o
     if targets is not None and g_lp is not None:
         local = targets - shard.start
         target = torch.where((local >= 0) & (local < shard.valid), local, target)
-    upstream = torch.zeros(3, n, dtype=dtype, device=device)
+    grads = torch.zeros(3, n, dtype=dtype, device=device)
     for slot, grad in enumerate((g_lp, g_h, g_kl)):
         if grad is not None:
-            upstream[slot] = grad.to(dtype)
+            grads[slot] = grad.to(dtype)
     destination = out
     writable = out.stride(-1) == 1 and not (_interpreting() and out.dtype not in (torch.float32, torch.float64))
     if not writable:
@@ -271,7 +283,7 @@ def backward(x, y, targets, shard, norms, g_lp, g_h, g_kl, temperature: float, o
     thr = threshold.to(dtype).contiguous() if threshold is not None else norms
     launches["backward"] += 1
     _kernels().row_grad[(n,)](
-        xk, yk, destination, norms.contiguous(), upstream, target, thr, xk.stride(0), yk.stride(0),
+        xk, yk, destination, norms.contiguous(), grads, target, thr, xk.stride(0), yk.stride(0),
         destination.stride(0), cols, _inverse_temperature(temperature, dtype, device), HAS_LP=g_lp is not None, HAS_H=g_h is not None,
         HAS_KL=g_kl is not None and y is not None, TRUNCATED=threshold is not None, LOW=LOW[dtype],
         BLOCK=_block(cols), **LAUNCH_OPTIONS)

@@ -50,6 +50,7 @@ chunk size, sets the GPU time.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -57,6 +58,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_kl.kl.kernels import triton_stats
+from megatron_kl.kl.kernels.chunks import (MAX, MEAN_U, MEAN_ZC, SHIFT, SUM, Kept, Rows, Shard, Sweep, Upstream,
+                                           Workspace)  # noqa: F401 (Workspace: fused_linear's)
 from megatron_kl.kl.kernels.groups import all_reduce, group_size_rank
 from megatron_kl.kl.kernels.truncation import Truncation, effective, find_support
 
@@ -65,8 +68,6 @@ CHUNK_ELEMENTS = 1 << 20  # CPU, measured (module docstring)
 CUDA_CHUNK_ELEMENTS = 1 << 24  # GPU: fewer, larger chunks amortise kernel launches (docs/gpu.md)
 KL_DIRECT = 60.0  # -u above this: exp(r - M_r) directly (e * expm1(-u) could overflow as 0 * inf)
 
-# rows of the per-position state saved for backward (``norms``)
-MAX, SHIFT, SUM, MEAN_ZC, MEAN_U = range(5)
 # rows of the per-position partial sums reduced over the TP group (``sums``): S = sum_a e_a, S E[zc], S E[u],
 # sum_a (e_ref - e), the target's zc; with a truncated support also S of the full softmax, the support's size and
 # whether the target lies outside it
@@ -93,110 +94,67 @@ def block_rows(local_vocab: int, device: Optional[torch.device] = None) -> int:
     return max(1, elements // max(1, local_vocab))
 
 
-@dataclass
-class _Shard:
-    """Where this rank's slice sits in the global vocabulary and how much of it is real."""
-
-    start: int  # global index of the first local column
-    valid: int  # local columns below vocab_size (the rest is padding)
-
-
-def _shard(local_vocab: int, group, vocab_size: Optional[int]) -> _Shard:
+def _shard(local_vocab: int, group, vocab_size: Optional[int]) -> Shard:
     world, rank = group_size_rank(group)
     start = rank * local_vocab
     total = vocab_size if vocab_size is not None else local_vocab * world
     if total > local_vocab * world:
         raise ValueError(f"vocab_size={total} exceeds the sharded vocabulary {local_vocab} x {world}")
-    return _Shard(start=start, valid=max(0, min(local_vocab, total - start)))
+    return Shard(start=start, valid=max(0, min(local_vocab, total - start)))
 
 
-class Workspace:
-    """Chunk temporaries reused from chunk to chunk: one allocation per name for a whole loop. On CPU a
-    fresh large allocation is page-faulted on every use (~1 GB/s; glibc maps blocks over 32 MiB anew each
-    time), which costs more than the arithmetic on it."""
+def chunk_forward(rows: Rows, sweep: Sweep, keep: Optional[Kept] = None, support: Optional[torch.Tensor] = None):
+    """Globally reduced statistics of one chunk of ``rows`` (``x``, ``y`` in any float dtype, left intact unless
+    ``sweep.scratch``: then both may be overwritten). Returns ``out [3, n]`` (log-prob of the target, entropy, KL;
+    zero where not requested: no targets, ``sweep.entropy`` false, no ``y``) and ``norms [5, n]`` (M, M - M_r, S,
+    E_pi[zc], E_pi[u]), all ``chunk_grad`` needs. ``keep``: receives what a gradient in the same pass reuses
+    (:class:`Kept`; needs ``sweep.scratch``: zc and -u overwrite x and y). The elementwise work runs on blocks of
+    rows of the automatic chunk size (cache-sized on CPU) between the chunk's two collectives.
 
-    def __init__(self):
-        self._buffers: dict = {}
-
-    def get(self, name: str, rows: int, cols: int, dtype, device) -> torch.Tensor:
-        numel = rows * cols
-        buffer = self._buffers.get(name)
-        if buffer is None or buffer.numel() < numel or buffer.dtype != dtype or buffer.device != device:
-            buffer = self._buffers[name] = torch.empty(numel, dtype=dtype, device=device)
-        return buffer[:numel].view(rows, cols)
-
-    def like(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        return self.get(name, tensor.shape[0], tensor.shape[1], tensor.dtype, tensor.device)
-
-
-def _owned(targets: torch.Tensor, shard: _Shard):
-    local = targets - shard.start
-    return local, (local >= 0) & (local < shard.valid)
-
-
-def chunk_forward(x, y, targets, shard: _Shard, group, temperature: float, entropy: bool = True,
-                  keep: Optional[dict] = None, scratch: bool = False, workspace: Optional[Workspace] = None,
-                  threshold: Optional[torch.Tensor] = None, support: Optional[torch.Tensor] = None,
-                  row_max: Optional[torch.Tensor] = None):
-    """Globally reduced statistics of one chunk of rows.
-
-    ``x`` / ``y``: this rank's valid columns of the policy / reference logits ``[n, valid]`` (``y`` may
-    be None: no KL), any float dtype, not divided by tau; left intact unless ``scratch`` (then both may be
-    overwritten). ``targets``: global ids of the rows (or None). ``entropy``: compute H. Returns
-    ``out [3, n]`` (log-prob of the target, entropy, KL; zero where not requested) and ``norms [5, n]``
-    (M, M - M_r, S, E_pi[zc], E_pi[u]), all ``chunk_grad`` needs. ``keep``: a dict that receives ``zc``,
-    ``e`` and ``neg_u`` (= -u; [n, valid], compute dtype) for a gradient in the same pass (needs
-    ``scratch``: zc and -u overwrite x and y; e is a ``workspace`` buffer, valid until its next use).
-    ``workspace``: reusable temporaries. The elementwise work runs on blocks of rows of the automatic chunk
-    size (cache-sized on CPU) between the chunk's two collectives.
-
-    ``threshold [n]`` (``kl.kernels.truncation.find_support``): the policy is the truncated distribution
-    mu = softmax(x / tau) restricted to ``{x >= threshold}`` and renormalised; every statistic is mu's (the
-    KL is KL(mu || pi_ref) with the full reference), a target outside the support gets the extended
-    log-prob zc_t - log S_support. ``support [3, n]`` then receives the support's mass under the full
-    distribution, its size and whether the target lies outside it (1.0 / 0.0). ``row_max [n]``: each row's
-    largest policy logit over all ranks where the caller knows it (``truncation.find_support`` does).
+    ``rows.threshold``: the policy is the truncated distribution mu = softmax(x / tau) restricted to
+    ``{x >= threshold}`` and renormalised; every statistic is mu's (the KL is KL(mu || pi_ref) with the full
+    reference), a target outside the support gets the extended log-prob zc_t - log S_support. ``support [3, n]``
+    then receives the support's mass under the full distribution, its size and whether the target lies outside
+    it (1.0 / 0.0).
     """
-    if keep is not None and not scratch:
-        raise ValueError("chunk_forward(keep=...) keeps zc and -u in x and y: pass scratch=True")
-    if triton_stats.enabled(x):  # GPU (or Triton's interpreter): one read of x and y, the same collectives
+    if keep is not None and not sweep.scratch:
+        raise ValueError("chunk_forward(keep=...) keeps zc and -u in x and y: use a Sweep with scratch=True")
+    if triton_stats.enabled(rows.x):  # GPU (or Triton's interpreter): one read of x and y, the same collectives
         if keep is not None:  # the gradient re-reads x (and y) instead of keeping zc, e and -u
-            keep.update(triton=True, x=x, y=y, threshold=threshold)
-        return triton_stats.forward(x, y, targets, shard, group, temperature, entropy, threshold, support)
-    dtype = compute_dtype(x.dtype)
-    x = x.to(dtype)
-    y = y.to(dtype) if y is not None else None
+            keep.rows = rows
+        return triton_stats.forward(rows, sweep, support)
+    dtype = compute_dtype(rows.x.dtype)
+    x = rows.x.to(dtype)
+    y = rows.y.to(dtype) if rows.y is not None else None
+    rows = dataclasses.replace(rows, x=x, y=y)
     n, cols = x.shape
     maxes = torch.full((2, n), torch.finfo(dtype).min, dtype=dtype, device=x.device)
-    if row_max is not None:
-        maxes[0] = row_max
+    if rows.row_max is not None:
+        maxes[0] = rows.row_max
     elif cols:
         maxes[0] = x.amax(-1)
     if cols and y is not None:
         maxes[1] = y.amax(-1)
-    all_reduce(maxes, dist.ReduceOp.MAX, group)
+    all_reduce(maxes, dist.ReduceOp.MAX, sweep.group)
     # S, S E[zc], S E[u], sum(e_ref - e), zc[target]; truncated: S of the full softmax, support size, target out
-    sums = torch.zeros(5 if threshold is None else 8, n, dtype=dtype, device=x.device)
+    sums = torch.zeros(5 if rows.threshold is None else 8, n, dtype=dtype, device=x.device)
     if cols:
-        ws = workspace or Workspace()
-        e_kept = ws.get("e_kept", n, cols, dtype, x.device) if keep is not None else None
+        e_kept = sweep.workspace.get("e_kept", n, cols, dtype, x.device) if keep is not None else None
         block = block_rows(cols, x.device)
         for a in range(0, n, block):
-            rows = slice(a, min(n, a + block))
-            _chunk_sums(x[rows], y[rows] if y is not None else None, targets[rows] if targets is not None else None,
-                        shard, maxes[:, rows], temperature, entropy, e_kept[rows] if e_kept is not None else None,
-                        scratch, sums[:, rows], ws, threshold[rows] if threshold is not None else None)
+            part = slice(a, min(n, a + block))
+            _chunk_sums(rows[part], maxes[:, part], sums[:, part], sweep, _cut(e_kept, part))
         if keep is not None:
-            keep.update(zc=x, e=e_kept, neg_u=y)
-    all_reduce(sums, dist.ReduceOp.SUM, group)
+            keep.zc, keep.e, keep.neg_u = x, e_kept, y
+    all_reduce(sums, dist.ReduceOp.SUM, sweep.group)
     out = torch.zeros(3, n, dtype=dtype, device=x.device)
     norms = torch.zeros(5, n, dtype=dtype, device=x.device)
     total = sums[S]
     log_s = torch.log(total)
     norms[MAX], norms[SHIFT], norms[SUM] = maxes[0], maxes[0] - maxes[1], total
-    if targets is not None:
+    if rows.targets is not None:
         out[0] = sums[TARGET_ZC] - log_s
-    if entropy:
+    if sweep.entropy:
         norms[MEAN_ZC] = sums[S_ZC] / total
         out[1] = log_s - norms[MEAN_ZC]
     if y is not None:
@@ -204,36 +162,41 @@ def chunk_forward(x, y, targets, shard: _Shard, group, temperature: float, entro
         # E_pi[exp(-u)] - 1 > -1
         ratio_minus_one = (sums[REF_MINUS_POLICY] / total).clamp_min(torch.finfo(dtype).eps - 1.0)
         out[2] = (norms[MEAN_U] + torch.log1p(ratio_minus_one)).clamp_min(0.0)
-    if support is not None and threshold is not None:
+    if support is not None and rows.threshold is not None:
         support[0] = total / sums[FULL_S]
         support[1] = sums[SUPPORT_SIZE]
         support[2] = sums[TARGET_OUT]
     return out, norms
 
 
-def _chunk_sums(x, y, targets, shard, maxes, temperature, entropy, e_kept, scratch, sums, ws: Workspace,
-                threshold=None) -> None:
-    """This rank's partial sums of a block of rows into ``sums`` (see ``chunk_forward``); ``e_kept``: where
-    exp(zc) goes when it is kept (then -u in y is kept too); ``threshold``: the truncated support."""
+def _cut(value: Optional[torch.Tensor], rows: slice) -> Optional[torch.Tensor]:
+    return None if value is None else value[rows]
+
+
+def _chunk_sums(rows: Rows, maxes, sums, sweep: Sweep, e_kept=None) -> None:
+    """This rank's partial sums of a block of ``rows`` (compute dtype) into ``sums`` (see ``chunk_forward``),
+    relative to ``maxes [2, n]``; ``e_kept``: where exp(zc) goes when it is kept (then -u in y is kept too)."""
+    x, y, threshold, ws = rows.x, rows.y, rows.threshold, sweep.workspace
     drop = None  # 1.0 outside the support, 0.0 inside (float: bool masks cost ~3x a float pass on CPU)
     if threshold is not None:  # before x may be overwritten
         drop = torch.lt(x, threshold[:, None], out=ws.like("drop", x))
     neg_u = None
     if y is not None:  # -u = ((y - x) + (M - M_r)) / tau: the log-ratio's differences first
-        neg_u = torch.sub(y, x, out=y if scratch else ws.like("neg_u", x)).add_((maxes[0] - maxes[1])[:, None])
-        if temperature != 1.0:
-            neg_u.div_(temperature)
-    zc = torch.sub(x, maxes[0, :, None], out=x if scratch else ws.like("zc", x))
-    if temperature != 1.0:
-        zc.div_(temperature)
-    if targets is not None:
-        local, owned = _owned(targets, shard)
+        neg_u = torch.sub(y, x, out=y if sweep.scratch else ws.like("neg_u", x)).add_((maxes[0] - maxes[1])[:, None])
+        if sweep.temperature != 1.0:
+            neg_u.div_(sweep.temperature)
+    zc = torch.sub(x, maxes[0, :, None], out=x if sweep.scratch else ws.like("zc", x))
+    if sweep.temperature != 1.0:
+        zc.div_(sweep.temperature)
+    if rows.targets is not None:
+        shard = sweep.shard
+        local, owned = shard.owned(rows.targets)
         picked = zc.gather(-1, local.clamp(0, shard.valid - 1).unsqueeze(-1)).squeeze(-1)
         sums[TARGET_ZC] = torch.where(owned, picked, torch.zeros_like(picked))
         if drop is not None:
             out_of_support = drop.gather(-1, local.clamp(0, shard.valid - 1).unsqueeze(-1)).squeeze(-1)
             sums[TARGET_OUT] = torch.where(owned, out_of_support, torch.zeros_like(out_of_support))
-    keep_zc = entropy or e_kept is not None or neg_u is not None or drop is not None
+    keep_zc = sweep.entropy or e_kept is not None or neg_u is not None or drop is not None
     product = ws.like("product", zc)
     e_out = ws.like("e", zc) if e_kept is None else e_kept
     # full: e of the full softmax; e: of the support only where truncated (else the same tensor)
@@ -255,7 +218,7 @@ def _chunk_sums(x, y, targets, shard, maxes, temperature, entropy, e_kept, scrat
     sums[S] = e.sum(-1)
     if dropped is not None:
         sums[FULL_S] = sums[S] + dropped  # S of the full softmax
-    if entropy:
+    if sweep.entropy:
         product = torch.mul(e, zc, out=product)
         sums[S_ZC] = product.sum(-1)
 
@@ -276,48 +239,43 @@ def _reference_minus_policy(zc, e, neg_u, w, buffer) -> torch.Tensor:
     return delta.sum(-1)
 
 
-def chunk_grad(x, y, targets, shard: _Shard, norms, g_lp, g_h, g_kl, temperature: float, out=None,
-               kept: Optional[dict] = None, workspace: Optional[Workspace] = None,
-               threshold: Optional[torch.Tensor] = None):
-    """dL/dx for this rank's valid logit columns of one chunk (module docstring), in the compute dtype.
+def chunk_grad(rows: Rows, norms, upstream: Upstream, sweep: Sweep, out: Optional[torch.Tensor] = None,
+               kept: Optional[Kept] = None) -> torch.Tensor:
+    """dL/dx for this rank's valid logit columns of one chunk of ``rows`` (module docstring), in the compute dtype.
 
-    ``x`` / ``y`` as in ``chunk_forward`` (read only; ``y`` only when ``g_kl`` is given); ``norms``: its
-    row state for these rows; ``g_lp`` / ``g_h`` / ``g_kl``: upstream gradients [n] (None when absent).
-    ``out``: where to write the result (compute dtype, may be ``x`` itself: x is read before it is
-    overwritten; required unless ``kept``). ``kept``: ``chunk_forward``'s ``keep`` for these rows (then x
-    and y are not read; its buffers are overwritten and hold the result). ``workspace``: reusable
-    temporaries. Runs on cache-sized blocks of rows, as ``chunk_forward``. ``threshold``: the truncated
-    support, as in ``chunk_forward`` (with ``kept`` the kept e is already zero outside it).
+    ``rows`` as in ``chunk_forward`` (read only; ``y`` only when ``upstream.kl`` is given); ``norms``: its row
+    state for these rows. ``out``: where to write the result (compute dtype, may be ``rows.x`` itself: x is read
+    before it is overwritten; required unless ``kept``). ``kept``: ``chunk_forward``'s keep for these rows (then x
+    and y are not read; its buffers are overwritten and hold the result). Runs on cache-sized blocks of rows, as
+    ``chunk_forward``; under ``rows.threshold`` the gradient is the truncated policy's (with ``kept`` the kept e
+    is already zero outside the support).
     """
     if out is None and kept is None:
         raise ValueError("chunk_grad needs out= (or kept=)")
-    if kept is not None and kept.get("triton"):  # chunk_forward ran the Triton kernels: x is scratch, write there
-        return triton_stats.backward(kept["x"], kept["y"], targets, shard, norms, g_lp, g_h, g_kl, temperature,
-                                     out=kept["x"] if out is None else out, threshold=kept["threshold"])
-    if kept is None and triton_stats.enabled(x):
-        return triton_stats.backward(x, y, targets, shard, norms, g_lp, g_h, g_kl, temperature, out=out,
-                                     threshold=threshold)
-    ws = workspace or Workspace()
-    first = x if x is not None else kept["zc"]
+    if kept is not None and kept.rows is not None:  # chunk_forward ran the Triton kernels: x is scratch, write there
+        forward = dataclasses.replace(kept.rows, targets=rows.targets)
+        return triton_stats.backward(forward, norms, upstream, sweep, out=forward.x if out is None else out)
+    if kept is None and triton_stats.enabled(rows.x):
+        return triton_stats.backward(rows, norms, upstream, sweep, out=out)
+    if kept is not None:
+        rows = dataclasses.replace(rows, threshold=None)
+    first = rows.x if rows.x is not None else kept.zc
     n, cols = first.shape
     block = block_rows(cols, first.device)
     for a in range(0, n, block):
-        rows = slice(a, min(n, a + block))
-        _block_grad(x[rows] if x is not None else None, y[rows] if y is not None else None,
-                    targets[rows] if targets is not None else None, shard, norms[:, rows],
-                    *(None if g is None else g[rows] for g in (g_lp, g_h, g_kl)), temperature,
-                    out[rows] if out is not None else None,
-                    {k: v[rows] for k, v in kept.items() if v is not None} if kept is not None else None, ws,
-                    threshold[rows] if threshold is not None and kept is None else None)
+        part = slice(a, min(n, a + block))
+        _block_grad(rows[part], norms[:, part], upstream[part], sweep, _cut(out, part),
+                    kept[part] if kept is not None else None)
     if out is not None:
         return out
-    return kept["zc"] if g_h is not None else kept["e"]  # where _block_grad's in-place result lands
+    return kept.zc if upstream.entropy is not None else kept.e  # where _block_grad's in-place result lands
 
 
-def _block_grad(x, y, targets, shard: _Shard, norms, g_lp, g_h, g_kl, temperature: float, out, kept, ws,
-                threshold=None):
+def _block_grad(rows: Rows, norms, upstream: Upstream, sweep: Sweep, out, kept: Optional[Kept]):
     """``chunk_grad`` on one block of rows."""
-    dtype = compute_dtype(x.dtype if x is not None else kept["zc"].dtype)
+    x, y, threshold, ws, temperature = rows.x, rows.y, rows.threshold, sweep.workspace, sweep.temperature
+    g_lp, g_h, g_kl = upstream.logprob, upstream.entropy, upstream.kl
+    dtype = compute_dtype(x.dtype if x is not None else kept.zc.dtype)
     drop = None  # before out (maybe x) is written; float as in _chunk_sums
     if threshold is not None:
         drop = torch.lt(x, threshold.to(x.dtype)[:, None], out=ws.get("drop", x.shape[0], x.shape[1], x.dtype, x.device))
@@ -326,7 +284,7 @@ def _block_grad(x, y, targets, shard: _Shard, norms, g_lp, g_h, g_kl, temperatur
     if g_kl is not None:
         k = (g_kl.to(dtype) * scale)[:, None]
         if kept is not None:  # u - E[u] = -(-u + E[u])
-            kl_term = kept["neg_u"].add_(norms[MEAN_U][:, None]).mul_(-k)
+            kl_term = kept.neg_u.add_(norms[MEAN_U][:, None]).mul_(-k)
         else:
             kl_term = torch.sub(x.to(dtype), y.to(dtype), out=ws.get("kl", x.shape[0], x.shape[1], dtype, x.device))
             kl_term.sub_(norms[SHIFT][:, None])
@@ -334,7 +292,7 @@ def _block_grad(x, y, targets, shard: _Shard, norms, g_lp, g_h, g_kl, temperatur
                 kl_term.div_(temperature)
             kl_term.sub_(norms[MEAN_U][:, None]).mul_(k)
     if kept is not None:
-        zc, e = kept["zc"], kept["e"]
+        zc, e = kept.zc, kept.e
     else:
         zc = torch.sub(x.to(dtype) if x.dtype != dtype else x, norms[MAX][:, None],
                        out=out if out is not None and out.dtype == dtype else
@@ -358,18 +316,14 @@ def _block_grad(x, y, targets, shard: _Shard, norms, g_lp, g_h, g_kl, temperatur
         grad = e.mul_(constant)
     else:
         grad = e.zero_()
-    if g_lp is not None and targets is not None:
-        local, owned = _owned(targets, shard)
+    if g_lp is not None and rows.targets is not None:
+        local, owned = sweep.shard.owned(rows.targets)
         idx = owned.nonzero().squeeze(-1)
         grad[idx, local[idx]] += g_lp[idx].to(dtype) / temperature
     if out is not None and grad.data_ptr() != out.data_ptr():
         out.copy_(grad)
         return out
     return grad
-
-
-def upstream(grad: Optional[torch.Tensor], lo: int, hi: int, dtype) -> Optional[torch.Tensor]:
-    return None if grad is None else grad[lo:hi].to(dtype)
 
 
 class _VocabParallelStats(torch.autograd.Function):
@@ -389,16 +343,13 @@ class _VocabParallelStats(torch.autograd.Function):
             found = find_support(logits[:, :valid], group, truncation, temperature, vocab_size)
             threshold, row_max = found.threshold, found.row_max
             support = torch.zeros(3, rows, dtype=dtype, device=logits.device)
-        workspace = Workspace()
+        sweep = Sweep(shard, group, temperature, entropy=entropy)
+        reference = reference_logits[:, :valid] if reference_logits is not None else None
+        every = Rows(logits[:, :valid], reference, targets, threshold, row_max)
         for lo in range(0, rows, chunk_size):
             hi = min(rows, lo + chunk_size)
-            y = reference_logits[lo:hi, :valid] if reference_logits is not None else None
-            tgt = targets[lo:hi] if targets is not None else None
             out[:, lo:hi], norms[:, lo:hi] = chunk_forward(
-                logits[lo:hi, :valid], y, tgt, shard, group, temperature, entropy=entropy, workspace=workspace,
-                threshold=threshold[lo:hi] if threshold is not None else None,
-                support=support[:, lo:hi] if support is not None else None,
-                row_max=row_max[lo:hi] if row_max is not None else None)
+                every[lo:hi], sweep, support=support[:, lo:hi] if support is not None else None)
         ctx.save_for_backward(logits, reference_logits, targets, norms, threshold)
         ctx.shard, ctx.temperature, ctx.chunk_size, ctx.dtype = shard, temperature, chunk_size, dtype
         ctx.inplace_backward = inplace_backward
@@ -423,17 +374,14 @@ class _VocabParallelStats(torch.autograd.Function):
         if valid < logits.shape[1]:
             grad_logits[:, valid:] = 0
         rows = logits.shape[0]
-        workspace = Workspace()
+        sweep = Sweep(shard, None, tau)  # no collective in the gradient
+        reference = reference_logits[:, :valid] if grad_kl is not None else None
+        every = Rows(logits[:, :valid], reference, targets, threshold)
+        grads = (grad_logprob, grad_entropy, grad_kl)
         for lo in range(0, rows if valid else 0, ctx.chunk_size):
             hi = min(rows, lo + ctx.chunk_size)
-            target = grad_logits[lo:hi, :valid]
-            chunk_grad(
-                logits[lo:hi, :valid], reference_logits[lo:hi, :valid] if grad_kl is not None else None,
-                targets[lo:hi] if targets is not None else None, shard, norms[:, lo:hi],
-                upstream(grad_logprob, lo, hi, dtype), upstream(grad_entropy, lo, hi, dtype),
-                upstream(grad_kl, lo, hi, dtype), tau, out=target, workspace=workspace,
-                threshold=threshold[lo:hi] if threshold is not None else None,
-            )
+            chunk_grad(every[lo:hi], norms[:, lo:hi], Upstream.of(grads, lo, hi, dtype), sweep,
+                       out=grad_logits[lo:hi, :valid])
         return grad_logits, None, None, None, None, None, None, None, None, None
 
 
