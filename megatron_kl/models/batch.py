@@ -1,4 +1,5 @@
-"""The batch the trainer's model passes run over, and its microbatches: named tensors, not string-keyed dicts.
+"""The batch the trainer's model passes run over, its microbatches, and the per-token statistics a pass returns:
+named tensors, not string-keyed dicts.
 
 A :class:`SequenceBatch` is right-padded sequences plus the tensors that travel with their rows - what the
 rollout produced and the scoring passes added - each with its shape stated below; a misspelt name is an
@@ -132,3 +133,45 @@ class Microbatch(SequenceBatch):
         moved = {f.name: value.to(device) for f in dataclasses.fields(self)
                  if isinstance(value := getattr(self, f.name), torch.Tensor) and f.name != "rows"}
         return dataclasses.replace(self, **moved)
+
+
+SUPPORT_KEYS = ("kept_mass", "support_size", "outside_support")  # the truncated policy's support statistics
+
+
+@dataclass(frozen=True)
+class TokenStats:
+    """A batch's per-token statistics of one model, each ``[B, S-1]`` float32 on the CPU, aligned with
+    ``loss_mask`` (position t scores token t + 1) and 0 at masked positions, on every pipeline rank.
+
+    - ``logprobs``: log pi(y_{t+1} | y_<=t) of the (tempered; with truncation, truncated) distribution;
+    - ``entropy``: H(pi(. | y_<=t));
+    - ``kl``: the exact KL(pi || pi_ref) at the position over the whole vocabulary (with a reference head);
+    - ``kept_mass``, ``support_size``, ``outside_support``: the truncated policy's support (with truncation);
+    - ``hidden``: ``[B, S, H]`` final hidden states feeding the output layer, in the model's dtype (when captured;
+      None off the last pipeline stage).
+    """
+
+    logprobs: torch.Tensor
+    entropy: torch.Tensor
+    kl: Optional[torch.Tensor] = None
+    kept_mass: Optional[torch.Tensor] = None
+    support_size: Optional[torch.Tensor] = None
+    outside_support: Optional[torch.Tensor] = None
+    hidden: Optional[torch.Tensor] = None
+
+    @property
+    def truncated(self) -> bool:
+        """Whether the support statistics are present (the policy's distribution is truncated)."""
+        return self.kept_mass is not None
+
+    def placed(self, order: torch.Tensor) -> "TokenStats":
+        """The statistics of rows computed in the order ``order`` put back in batch order (row i -> row order[i])."""
+        return dataclasses.replace(self, **{f.name: torch.empty_like(value).index_copy_(0, order, value)
+                                            for f in dataclasses.fields(self)
+                                            if (value := getattr(self, f.name)) is not None})
+
+    @classmethod
+    def keys(cls, exact_kl: bool, truncated: bool) -> tuple:
+        """The per-token fields a pass computes: always log-probs and entropy, the exact KL with a reference head,
+        the support statistics with truncation."""
+        return ("logprobs", "entropy") + (("kl",) if exact_kl else ()) + (SUPPORT_KEYS if truncated else ())

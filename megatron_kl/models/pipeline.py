@@ -27,7 +27,7 @@ from megatron_kl.kl.kernels.fused_linear import linear_chunk_rows, fused_linear_
 from megatron_kl.kl.kernels.truncation import Truncation, effective
 from megatron_kl.kl.kernels.vocab_parallel import DEFAULT_CHUNK, VocabParallelStats, fused_stats
 from megatron_kl.models.fused_loss import single_pass_loss
-from megatron_kl.models.batch import Microbatch, SequenceBatch  # noqa: F401  (SequenceBatch: pipeline's callers)
+from megatron_kl.models.batch import SUPPORT_KEYS, Microbatch, SequenceBatch, TokenStats  # noqa: F401 (callers')
 from megatron_kl.models.output_head import ReferenceHead, bypass_output_layer, fused_layout, output_weight, unwrap
 from megatron_kl.models import context_parallel, routing_replay
 from megatron_kl.models.parallel import collective_device
@@ -233,48 +233,6 @@ def broadcast_from_last_stage(tensor: Optional[torch.Tensor], shape, dtype) -> t
     tensor = torch.empty(shape, dtype=dtype, device=device) if tensor is None else tensor.to(device).contiguous()
     dist.broadcast(tensor, src=dist.get_global_rank(group, dist.get_world_size(group) - 1), group=group)
     return tensor.cpu()
-
-
-SUPPORT_KEYS = ("kept_mass", "support_size", "outside_support")  # the truncated policy's support statistics
-
-
-@dataclass(frozen=True)
-class TokenStats:
-    """A batch's per-token statistics of one model, each ``[B, S-1]`` float32 on the CPU, aligned with
-    ``loss_mask`` (position t scores token t + 1) and 0 at masked positions, on every pipeline rank.
-
-    - ``logprobs``: log pi(y_{t+1} | y_<=t) of the (tempered; with truncation, truncated) distribution;
-    - ``entropy``: H(pi(. | y_<=t));
-    - ``kl``: the exact KL(pi || pi_ref) at the position over the whole vocabulary (with a reference head);
-    - ``kept_mass``, ``support_size``, ``outside_support``: the truncated policy's support (with truncation);
-    - ``hidden``: ``[B, S, H]`` final hidden states feeding the output layer, in the model's dtype (when captured;
-      None off the last pipeline stage).
-    """
-
-    logprobs: torch.Tensor
-    entropy: torch.Tensor
-    kl: Optional[torch.Tensor] = None
-    kept_mass: Optional[torch.Tensor] = None
-    support_size: Optional[torch.Tensor] = None
-    outside_support: Optional[torch.Tensor] = None
-    hidden: Optional[torch.Tensor] = None
-
-    @property
-    def truncated(self) -> bool:
-        """Whether the support statistics are present (the policy's distribution is truncated)."""
-        return self.kept_mass is not None
-
-    def placed(self, order: torch.Tensor) -> "TokenStats":
-        """The statistics of rows computed in the order ``order`` put back in batch order (row i -> row order[i])."""
-        return dataclasses.replace(self, **{f.name: torch.empty_like(value).index_copy_(0, order, value)
-                                            for f in dataclasses.fields(self)
-                                            if (value := getattr(self, f.name)) is not None})
-
-    @classmethod
-    def keys(cls, exact_kl: bool, truncated: bool) -> tuple:
-        """The per-token fields a pass computes: always log-probs and entropy, the exact KL with a reference head,
-        the support statistics with truncation."""
-        return ("logprobs", "entropy") + (("kl",) if exact_kl else ()) + (SUPPORT_KEYS if truncated else ())
 
 
 def masked_token_stats(stats: VocabParallelStats, mb: Microbatch, keys) -> dict:
