@@ -75,6 +75,16 @@ def kl_tags(cfg: TrainConfig) -> dict:
     return {"kl/biased": 0.0 if verdict.unbiased else 1.0}
 
 
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+    """One finished RL step: its index (0-based), the weight version the rollout engine holds after it (the RL steps
+    finished), and the metrics it logged (names and units: docs/metrics.md)."""
+
+    step: int
+    engine_version: int
+    metrics: dict
+
+
 class Trainer:
     def __init__(self, cfg: TrainConfig, plan: run_dir.StartPlan, task, hf_source, topology: Topology,
                  stop: StopSignals):
@@ -171,8 +181,8 @@ class Trainer:
         stats = getattr(self.engine, "last_sync", None)
         return stats.metrics() if stats is not None else {}
 
-    def step(self, step: int) -> dict:
-        """RL step ``step`` (0-based): its metrics, logged; the engine holds the updated weights after it (and is
+    def step(self, step: int) -> StepResult:
+        """RL step ``step`` (0-based), its metrics logged; the engine holds the updated weights after it (and is
         given the current ones first if it has none yet)."""
         if self.engine_version is None:
             self.sync_engine()
@@ -199,7 +209,7 @@ class Trainer:
                 metrics["throughput/tokens_per_s"] = metrics["throughput/response_tokens"] / train_seconds
                 self.logger.log(step, metrics)
                 self.logger.advance(step + 1, metrics)
-        return metrics
+        return StepResult(step, self.engine_version, metrics)
 
     def fit(self) -> None:
         """The remaining steps with evaluation and checkpoint cadence, then the final evaluation. A stop signal or

@@ -209,7 +209,11 @@ def trainer_steps_worker(rank, world, cfg_dict: dict, steps: int):
     try:
         with Trainer(cfg, prepared.plan, prepared.task, prepared.hf_source, Topology.from_parallel_state(),
                      stop) as trainer:
-            records = [{"step": step, **trainer.step(step)} for step in range(steps)]
+            records = []
+            for step in range(steps):
+                result = trainer.step(step)
+                assert (result.step, result.engine_version) == (step, step + 1)
+                records.append({"step": step, **result.metrics})
             rl_steps = trainer.counters.rl_steps
     finally:
         stop.close()
