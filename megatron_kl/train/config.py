@@ -366,6 +366,10 @@ def validate_train_config(cfg: TrainConfig, tokenizer_vocab: int, data_parallel:
         raise ConfigError("rollout.quantization=fp8 with rollout.vllm.mode=server: the client cannot see which "
                           "weights a running vLLM server samples with; use rollout.vllm.mode=llm (started here with "
                           "quantization=fp8) or rollout.engine=sglang / local")
+    if (cfg.rollout.quantization == "fp8" and cfg.rollout.engine == "vllm"
+            and cfg.rollout.vllm.dtype in ("float", "float32")):
+        raise ConfigError(f"rollout.quantization=fp8 with rollout.vllm.dtype={cfg.rollout.vllm.dtype}: vLLM's FP8 "
+                          "quantization takes bfloat16 or float16 weights; set rollout.vllm.dtype=bfloat16")
     for section in ("eval", "checkpoint"):
         if getattr(cfg, section).interval < 0:
             raise ConfigError(f"{section}.interval={getattr(cfg, section).interval} must be >= 0 (0: only at the end)")

