@@ -417,7 +417,7 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
 def from_dict(cls, data: dict, prefix: str = ""):
     """Build dataclass ``cls`` from a nested dict; unknown keys are errors naming the key."""
     hints = get_type_hints(cls)
-    names = {f.name for f in fields(cls)}
+    names = {f.name for f in fields(cls) if f.init}  # a field resolved at load (init=False) is not given
     unknown = set(data) - names
     if unknown:
         raise ConfigError(

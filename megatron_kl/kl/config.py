@@ -183,3 +183,28 @@ class Truncation:
     def active(self, vocab_size: Optional[int] = None) -> bool:
         top_k_on = self.top_k > 0 and (vocab_size is None or self.top_k < vocab_size)
         return top_k_on or self.top_p < 1.0
+
+
+UNBIASED_TOL = 1e-9  # the exact audit's relative error below which a configuration counts as unbiased
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The exact audit's judgement of one KL configuration for a declared target and regime
+    (``megatron_kl.kl.audit.targets.judge``; what ``kl.estimator=auto`` chose is one)."""
+
+    config: KLConfig
+    correction: Optional[str]  # the behaviour correction's label when off_policy='behavior'
+    target: str
+    regime: str
+    rel_bias: float  # max over the audit problems of |E[g] - grad target| / |grad target|
+    variance: float  # mean over the audit problems of the per-sample gradient variance
+
+    @property
+    def unbiased(self) -> bool:
+        return self.rel_bias < UNBIASED_TOL
+
+    def describe(self) -> str:
+        name = self.config.name + (f"[{self.correction}]" if self.correction else "")
+        state = "unbiased" if self.unbiased else f"BIASED (relative bias {self.rel_bias:.3g})"
+        return f"{name}: {state} for kl.target={self.target} in regime {self.regime}"

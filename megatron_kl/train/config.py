@@ -13,7 +13,7 @@ from typing import Optional
 from megatron_kl.algo.config import AlgoConfig, row_separable
 from megatron_kl.config import ConfigError, ModelConfig, ParallelConfig, load_yaml
 from megatron_kl.constraints import checked
-from megatron_kl.kl.config import AUTO, KLConfig
+from megatron_kl.kl.config import AUTO, KLConfig, Verdict
 from megatron_kl.launch_config import LaunchConfig
 from megatron_kl.models.optim_config import OptimConfig
 from megatron_kl.rollout.config import QUANTIZATIONS, SamplingConfig, SGLangConfig, VLLMConfig
@@ -185,6 +185,9 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)  # read by `megatron-kl launch` only
+    # resolved at load, never given: what kl.estimator=auto chose (the exact audit's verdict - configuration, bias,
+    # variance - for kl.target in the run's regime; kl itself then holds the chosen axes); None otherwise
+    kl_selection: Optional[Verdict] = field(default=None, init=False, compare=False)
 
     def __post_init__(self):
         """kl.estimator=auto resolved to the configuration the audit picks for kl.target (kept in

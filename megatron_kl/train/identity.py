@@ -63,11 +63,20 @@ def _file_digests(cfg) -> dict[str, str]:
     return digests
 
 
+# resolved from fields the identity holds already (kl.estimator=auto's choice is in kl.*): not compared twice
+DERIVED = ("kl_selection",)
+
+
+def _identity_fields(cfg) -> dict[str, Any]:
+    return {k: v for k, v in flatten(to_dict(cfg)).items()
+            if not resumable(k) and not any(k == d or k.startswith(d + ".") for d in DERIVED)}
+
+
 def identity_of(cfg, world_size: int) -> dict[str, Any]:
     """The run's identity (JSON-safe: tuples become lists as they would in the checkpoint's file)."""
     import json
 
-    values = {k: v for k, v in flatten(to_dict(cfg)).items() if not resumable(k)}
+    values = _identity_fields(cfg)
     values["world_size"] = world_size
     values.update(_file_digests(cfg))
     return json.loads(json.dumps(values, default=str))
@@ -98,7 +107,7 @@ def _default_identity() -> dict:
 
     from megatron_kl.train.config import TrainConfig
 
-    values = {k: v for k, v in flatten(to_dict(TrainConfig())).items() if not resumable(k)}
+    values = _identity_fields(TrainConfig())
     return json.loads(json.dumps(values, default=str))
 
 

@@ -19,9 +19,11 @@ DEFAULT = str(ROOT / "configs" / "cpu" / "default.yaml")
 
 
 def _leaves(cls, prefix=""):
-    """(path, field, base type) of every leaf field under ``cls``."""
+    """(path, field, base type) of every leaf field a user can give under ``cls`` (not those resolved at load)."""
     hints = typing.get_type_hints(cls)
     for item in dataclasses.fields(cls):
+        if not item.init:
+            continue
         hint = hints[item.name]
         args = [a for a in typing.get_args(hint) if a is not type(None)]
         base = args[0] if typing.get_origin(hint) is typing.Union and args else hint

@@ -28,3 +28,27 @@ def test_removed_and_changed_fields_always_differ():
     other = load_train_config("configs/cpu/default.yaml", ["kl.coef=0.5"])
     assert differences(identity_of(cfg, 1), identity_of(other, 1)) == ["kl.coef: 0.01 -> 0.5"]
     assert differences(identity_of(cfg, 1), identity_of(cfg, 2)) == ["world_size: 1 -> 2"]
+
+
+def test_what_auto_chose_is_a_declared_resolved_field_outside_the_identity(tmp_path):
+    import dataclasses
+
+    import pytest
+
+    from megatron_kl.config import ConfigError, to_dict
+    from megatron_kl.kl.config import Verdict
+
+    auto = load_train_config("configs/cpu/default.yaml", ["kl.estimator=auto"])
+    (selection,) = [f for f in dataclasses.fields(auto) if f.name == "kl_selection"]
+    assert not selection.init  # resolved at load, never given
+    assert isinstance(auto.kl_selection, Verdict) and auto.kl_selection.unbiased
+    assert to_dict(auto)["kl_selection"]["config"]["estimator"] == auto.kl.estimator != "auto"
+    assert load_train_config("configs/cpu/default.yaml", []).kl_selection is None
+    with pytest.raises(ConfigError, match="unknown config key"):
+        load_train_config("configs/cpu/default.yaml", ["kl_selection.target=token_reverse"])
+    # the choice is in kl.* already: the same run given the chosen axes has the same identity
+    chosen = auto.kl_selection.config
+    given = load_train_config("configs/cpu/default.yaml", [f"kl.estimator={chosen.estimator}",
+                                                           f"kl.placement={chosen.placement}",
+                                                           f"kl.level={chosen.level}"])
+    assert differences(identity_of(auto, 1), identity_of(given, 1)) == []

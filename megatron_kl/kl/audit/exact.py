@@ -47,13 +47,12 @@ from megatron_kl.kl.corrections import AUDITED, Correction
 from megatron_kl.kl.objective import (
     CREDITS, KLConfig, LEVELS, OFF_POLICY, PLACEMENTS, kl_loss, kl_shaped_returns, policy_gradient_surrogate,
 )
-from megatron_kl.kl.config import ESTIMATORS, TARGETS as KL_TARGETS
+from megatron_kl.kl.config import ESTIMATORS, UNBIASED_TOL, TARGETS as KL_TARGETS
 from megatron_kl.kl.sequence_axis import crossing
 from megatron_kl.kl.kernels.truncation import Truncation, support_threshold
 
 TARGETS = tuple(KL_TARGETS.values())  # the audit's names of kl.target's values: seq, token, forward
 RECORDED = ("per_token", "first", "last")  # mixed behaviour: the behaviour log-probs the estimators are given
-UNBIASED_TOL = 1e-9
 
 
 @dataclass

@@ -25,36 +25,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from dataclasses import dataclass
 from typing import Optional
 
 from megatron_kl.kl.corrections import Correction, canonical
-from megatron_kl.kl.audit.exact import UNBIASED_TOL, TabularProblem, all_configs, audit, behavior_configs
+from megatron_kl.kl.audit.exact import TabularProblem, all_configs, audit, behavior_configs
+from megatron_kl.kl.config import Verdict
 from megatron_kl.kl.objective import AUTO, TARGETS, KLConfig
 
 AUDIT_SEEDS = (0, 1)
 AXES = ("estimator", "placement", "level", "credit", "off_policy", "truncate")
-
-
-@dataclass(frozen=True)
-class Verdict:
-    """The audit's judgement of one KL configuration for a declared target and regime."""
-
-    config: KLConfig
-    correction: Optional[str]  # the behaviour correction's label when off_policy='behavior'
-    target: str
-    regime: str
-    rel_bias: float  # max over the audit problems of |E[g] - grad target| / |grad target|
-    variance: float  # mean over the audit problems of the per-sample gradient variance
-
-    @property
-    def unbiased(self) -> bool:
-        return self.rel_bias < UNBIASED_TOL
-
-    def describe(self) -> str:
-        name = self.config.name + (f"[{self.correction}]" if self.correction else "")
-        state = "unbiased" if self.unbiased else f"BIASED (relative bias {self.rel_bias:.3g})"
-        return f"{name}: {state} for kl.target={self.target} in regime {self.regime}"
 
 
 def regime_of(kl: KLConfig, staleness: int) -> str:
