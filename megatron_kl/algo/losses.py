@@ -129,7 +129,7 @@ class MicrobatchLoss:
     shares: Shares
     counter: Optional[ClampCounter] = None
     # algo.old_logprobs=from_update: each microbatch's detached, masked stats (its pi_old; pipeline.
-    # masked_token_stats of ``captured_keys``), for pipeline.assemble_token_stats
+    # MicrobatchStats of ``captured_keys``: pipeline.masked_token_stats), for pipeline.assemble_token_stats
     captured: Optional[list] = None
     captured_keys: tuple = ("logprobs", "entropy")
     axis: SequenceAxis = LOCAL  # the token axis: whole, or this rank's zigzag shard of a context-parallel group

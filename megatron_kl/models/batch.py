@@ -175,3 +175,13 @@ class TokenStats:
         """The per-token fields a pass computes: always log-probs and entropy, the exact KL with a reference head,
         the support statistics with truncation."""
         return ("logprobs", "entropy") + (("kl",) if exact_kl else ()) + (SUPPORT_KEYS if truncated else ())
+
+
+@dataclass(frozen=True)
+class MicrobatchStats:
+    """One microbatch's per-token statistics, masked and over whole sequences ``[b, S-1]`` (a context-parallel
+    shard's gathered back), with its ``rows`` of the batch: what a pass collects per microbatch before
+    ``pipeline.assemble_token_stats`` puts the batch's :class:`TokenStats` together."""
+
+    rows: torch.Tensor
+    stats: TokenStats

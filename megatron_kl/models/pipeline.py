@@ -27,7 +27,8 @@ from megatron_kl.kl.kernels.fused_linear import linear_chunk_rows, fused_linear_
 from megatron_kl.kl.kernels.truncation import Truncation, effective
 from megatron_kl.kl.kernels.vocab_parallel import DEFAULT_CHUNK, VocabParallelStats, fused_stats
 from megatron_kl.models.fused_loss import single_pass_loss
-from megatron_kl.models.batch import SUPPORT_KEYS, Microbatch, SequenceBatch, TokenStats  # noqa: F401 (callers')
+from megatron_kl.models.batch import (SUPPORT_KEYS, Microbatch, MicrobatchStats, SequenceBatch,  # noqa: F401
+                                      TokenStats)
 from megatron_kl.models.output_head import ReferenceHead, bypass_output_layer, fused_layout, output_weight, unwrap
 from megatron_kl.models import context_parallel, routing_replay
 from megatron_kl.models.parallel import collective_device
@@ -235,15 +236,16 @@ def broadcast_from_last_stage(tensor: Optional[torch.Tensor], shape, dtype) -> t
     return tensor.cpu()
 
 
-def masked_token_stats(stats: VocabParallelStats, mb: Microbatch, keys) -> dict:
-    """One microbatch's per-token ``keys`` of ``stats``, zero at masked positions, tagged with its ``rows``; on a
-    context-parallel shard gathered back to the whole sequences [b, S-1]."""
+def masked_token_stats(stats: VocabParallelStats, mb: Microbatch, keys) -> MicrobatchStats:
+    """One microbatch's per-token ``keys`` of ``stats`` (:meth:`TokenStats.keys`: log-probs and entropy always),
+    zero at masked positions, with its ``rows``; on a context-parallel shard gathered back to the whole sequences
+    [b, S-1]."""
     mask = mb.loss_mask.to(stats.logprobs.dtype)
     out = {key: getattr(stats, key) * mask for key in keys}
     if mb.cp_targets is not None:
         group = context_parallel_group()
         out = {key: context_parallel.gather_positions(value, group, mb.cp_targets) for key, value in out.items()}
-    return {"rows": mb.rows, **out}
+    return MicrobatchStats(mb.rows, TokenStats(**out))
 
 
 def scatter_rows(parts: list[torch.Tensor], rows: list[torch.Tensor], shape,
@@ -256,12 +258,12 @@ def scatter_rows(parts: list[torch.Tensor], rows: list[torch.Tensor], shape,
     return full
 
 
-def assemble_token_stats(parts: list[dict], keys, shape) -> TokenStats:
+def assemble_token_stats(parts: list[MicrobatchStats], keys, shape) -> TokenStats:
     """The batch's ``[B, S-1]`` float32 stats from its microbatches' :func:`masked_token_stats` (on the last
     pipeline stage; empty elsewhere), on every pipeline rank."""
     result = {}
     for key in keys:
-        full = scatter_rows([p[key] for p in parts], [p["rows"] for p in parts], shape) if parts else None
+        full = scatter_rows([getattr(p.stats, key) for p in parts], [p.rows for p in parts], shape) if parts else None
         result[key] = broadcast_from_last_stage(full, shape, torch.float32)
     return TokenStats(**result)
 
@@ -292,7 +294,7 @@ def compute_token_stats(
             lambda module, args, output: captured.append(args[0].detach().transpose(0, 1).cpu())
         )
 
-    def collect(stats: VocabParallelStats, mb: dict):
+    def collect(stats: VocabParallelStats, mb: Microbatch):
         return torch.zeros((), dtype=stats.logprobs.dtype), masked_token_stats(stats, mb, keys)
 
     try:
@@ -306,10 +308,10 @@ def compute_token_stats(
         hidden = None
         cp_group = context_parallel_group()
         if captured and cp_group is not None:  # each rank's zigzag shard of the hidden states, gathered back
-            captured = [context_parallel.gather_positions(h, cp_group, o[keys[0]].shape[1] + 1)
+            captured = [context_parallel.gather_positions(h, cp_group, o.stats.logprobs.shape[1] + 1)
                         for h, o in zip(captured, outputs)]
         if captured:  # both in schedule order: each forward's hidden states, then its collect()
-            rows = [o["rows"] for o in outputs]
+            rows = [o.rows for o in outputs]
             hidden = scatter_rows(captured, rows, (*batch.tokens.shape, captured[0].shape[-1]), captured[0].dtype)
         result = dataclasses.replace(result, hidden=hidden)
     return result

@@ -6,7 +6,7 @@ Keys with ``<...>`` are families: ``<split>`` is an evaluation split (``id`` in-
 distribution, ``id:<file>`` / ``ood:<file>`` one benchmark file of a math task), ``<k>`` is ``eval.k``,
 ``<estimator>`` one of k1/k3/exact, ``<phase>`` a timed phase of the step, ``<what>`` what a clamp applied to.
 
-Keys renamed since earlier versions are in :data:`RENAMED`; :func:`canonical` reads a record written with
+Keys renamed since earlier versions are in :data:`RENAMED`; :func:`canonical_record` reads a record written with
 either spelling (the study report and plots use it, so old run directories stay readable).
 """
 
@@ -169,7 +169,7 @@ def canonical_key(key: str) -> str:
     return RENAMED.get(key) or _OLD_IN_DOMAIN.sub("eval/id", key)
 
 
-def canonical(record: dict) -> dict:
+def canonical_record(record: dict) -> dict:
     """A metrics record with every key under its current name (a key present in both spellings keeps the
     current one's value)."""
     out = {}

@@ -12,7 +12,7 @@ import math
 from pathlib import Path
 from typing import Optional
 
-from megatron_kl.train.metric_registry import canonical
+from megatron_kl.train.metric_registry import canonical_record
 
 log = logging.getLogger(__name__)
 
@@ -105,4 +105,4 @@ class MetricsLogger:
 def read_metrics(path: Path) -> list[dict]:
     """The records of a ``metrics.jsonl``, every key under its current name (older runs' spellings are
     renamed: train/metric_registry.py)."""
-    return [canonical(json.loads(line)) for line in Path(path).read_text().splitlines() if line.strip()]
+    return [canonical_record(json.loads(line)) for line in Path(path).read_text().splitlines() if line.strip()]

@@ -35,7 +35,7 @@ from megatron_kl import child_processes
 from megatron_kl.config import ConfigError, redact_secrets, to_dict
 from megatron_kl.train import identity
 from megatron_kl.train.checkpoint import RUN_FILE, complete_checkpoints, step_of, verified_run_record
-from megatron_kl.train.metric_registry import canonical
+from megatron_kl.train.metric_registry import canonical_record
 
 log = logging.getLogger("megatron_kl.train")
 
@@ -132,7 +132,7 @@ def read_summary(run_dir: Path) -> Optional[dict]:
         return None
     for key in ("eval_before", "eval_after"):  # scores under their current names (older runs: eval/eval/...)
         if isinstance(summary.get(key), dict):
-            summary[key] = canonical(summary[key])
+            summary[key] = canonical_record(summary[key])
     return summary
 
 

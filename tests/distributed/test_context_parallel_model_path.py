@@ -52,7 +52,9 @@ def _loss(mb: Microbatch, axis, tp_group=None):
     shares = Shares(num_sequences=BATCH, num_tokens=float(_microbatch().loss_mask.sum()))
     loss, metrics = MicrobatchLoss(algo, kl, shares, axis=axis)(stats, mb)
     (grad,) = torch.autograd.grad(loss * axis.share, logits)
-    gathered = masked_token_stats(stats, mb, ("logprobs", "entropy"))
+    part = masked_token_stats(stats, mb, ("logprobs", "entropy"))
+    assert torch.equal(part.rows, mb.rows)
+    gathered = {"logprobs": part.stats.logprobs, "entropy": part.stats.entropy}
     return float(loss), {k: float(v) for k, v in metrics.items()}, grad, gathered
 
 

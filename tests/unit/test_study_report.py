@@ -29,7 +29,7 @@ def test_old_run_directories_read_under_current_names(tmp_path):
     import json
 
     from megatron_kl.study.report import _instabilities, _series
-    from megatron_kl.train.metric_registry import RENAMED, canonical, lookup
+    from megatron_kl.train.metric_registry import RENAMED, canonical_record, lookup
     from megatron_kl.train.metrics import read_metrics
 
     old = [{"step": 0, "eval/eval/pass@1": 0.25, "eval/eval/mean@4": 0.5, "eval/eval:math500/pass@1": 0.125,
@@ -49,4 +49,4 @@ def test_old_run_directories_read_under_current_names(tmp_path):
     for new in RENAMED.values():
         assert lookup(new) is not None, new  # every new name is registered
     # a record written with both spellings keeps the current key's value
-    assert canonical({"grad_norm": 1.0, "optim/grad_norm": 2.0}) == {"optim/grad_norm": 2.0}
+    assert canonical_record({"grad_norm": 1.0, "optim/grad_norm": 2.0}) == {"optim/grad_norm": 2.0}
