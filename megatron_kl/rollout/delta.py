@@ -51,6 +51,11 @@ class DeltaRejected(RuntimeError):
     differs after applying): nothing was loaded."""
 
 
+class DeltaRefused(RuntimeError):
+    """The sender's side of :class:`DeltaRejected`: an engine answered that it rejected a sync (its message names
+    ``DeltaRejected``); nothing was loaded there, so the sender sends the version in full."""
+
+
 def _bits(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().contiguous().view(_INTEGER_OF_WIDTH[tensor.element_size()]).reshape(-1)
 
@@ -231,6 +236,12 @@ def encode(updates: list[TensorUpdate], checksums: dict, version: int) -> list[N
     out.append((CHECKSUMS, torch.frombuffer(bytearray(text), dtype=torch.uint8)))
     out.append((COMMIT, torch.tensor([version], dtype=torch.int64)))
     return out
+
+
+def encode_full(tensors: list[Named], version: int) -> list[Named]:
+    """A full sync in the delta wire format: every tensor whole (a diff against nothing), every checksum."""
+    updates = [diff(name, None, tensor) for name, tensor in tensors]
+    return encode(updates, {u.name: u.checksum for u in updates}, version)
 
 
 def apply_encoded(held: dict, entries: list[Named]) -> dict:

@@ -224,17 +224,22 @@ class VLLMEngine:
         if self._in_process:
             named = [(n, t.detach().cpu().contiguous()) for n, t in named_tensors]  # same process: no copy out
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named})
-            self.llm.reset_prefix_cache()
         else:  # engine core in another process, or a server: the weights go through an HF directory
             path = self._write(named_tensors, version)
             if self.llm is not None:
                 self.llm.collective_rpc("reload_weights", kwargs={"weights_path": path})
-                self.llm.reset_prefix_cache()
             else:
                 answer = call(self.cfg.url, "/collective_rpc",
                               {"method": "reload_weights", "kwargs": {"weights_path": path}}, self.policy)
                 check_rpc_answer(answer, f"{self.cfg.url}/collective_rpc reload_weights (version {version})")
-                call(self.cfg.url, "/reset_prefix_cache", None, self.policy)
+        self._reset_prefix_cache()
+
+    def _reset_prefix_cache(self) -> None:
+        """Cached prefixes hold the old weights' keys and values: dropped after every update."""
+        if self.llm is not None:
+            self.llm.reset_prefix_cache()
+        else:
+            call(self.cfg.url, "/reset_prefix_cache", None, self.policy)
 
     @property
     def _in_process(self) -> bool:
@@ -265,7 +270,7 @@ class VLLMEngine:
                               f"--worker-extension-cls {WORKER_EXTENSION}, or set rollout.delta_sync=false") from None
 
     def _update_delta(self, named_tensors, version: int) -> None:
-        from megatron_kl.rollout.delta import diff, encode
+        from megatron_kl.rollout.delta import DeltaRefused, encode, encode_full
 
         tracker, reason = self.delta, ""
         if tracker.version is not None:
@@ -281,12 +286,12 @@ class VLLMEngine:
         except DeltaRefused as err:  # nothing was loaded: the workers are still at the committed version
             log.warning("weight sync: vLLM rejected the delta (%s); sending version %s in full", err, version)
             stats.kind, stats.reason = "full", f"delta rejected: {err}"
-            whole = [diff(name, None, tensor) for name, tensor in tensors]
-            self._load_entries(encode(whole, {u.name: u.checksum for u in whole}, version), version)
+            self._load_entries(encode_full(tensors, version), version)
         tracker.commit(tensors, version, stats)
 
     def _load_entries(self, entries, version: int) -> None:
         """One sync's entries into every worker (tensors in this process, else a safetensors file)."""
+        from megatron_kl.rollout.delta import DeltaRefused
         from megatron_kl.rollout.vllm_delta import REJECTED, write_entries
 
         where = f"vLLM megatron_kl_load (version {version})"
@@ -307,10 +312,7 @@ class VLLMEngine:
                 if message.startswith(REJECTED):
                     raise DeltaRefused(message)
                 raise ServerError(f"{where}: worker {worker} reported {message[:300]}")
-        if self.llm is not None:
-            self.llm.reset_prefix_cache()
-        else:
-            call(self.cfg.url, "/reset_prefix_cache", None, self.policy)
+        self._reset_prefix_cache()
 
     def _write(self, named_tensors, version: int) -> str:
         from megatron_kl.models.hf import write_hf_tensors
@@ -343,10 +345,6 @@ class VLLMEngine:
         if self.llm is not None:
             del self.llm
             self.llm = None
-
-
-class DeltaRefused(RuntimeError):
-    """A worker rejected a delta sync (rollout/delta.DeltaRejected): nothing was loaded."""
 
 
 def check_rpc_answer(answer, where: str) -> None:

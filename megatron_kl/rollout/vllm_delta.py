@@ -29,7 +29,7 @@ import torch
 from megatron_kl.rollout.delta import COMMIT, DeltaRejected, apply_encoded
 
 WORKER_EXTENSION = "megatron_kl.rollout.vllm_delta.DeltaWorkerExtension"
-REJECTED = "DeltaRejected"  # the message prefix of a rejected sync (nothing loaded)
+REJECTED = DeltaRejected.__name__  # the message prefix of a rejected sync (nothing loaded)
 
 Named = tuple[str, torch.Tensor]
 
@@ -56,15 +56,8 @@ class _DropExpected(logging.Filter):
 
     PATTERN = re.compile(r"Failed to load weights|weights were not loaded from checkpoint")
 
-    def __init__(self):
-        super().__init__()
-        self.dropped = 0
-
     def filter(self, record: logging.LogRecord) -> bool:
-        if self.PATTERN.search(str(record.msg)):
-            self.dropped += 1
-            return False
-        return True
+        return not self.PATTERN.search(str(record.msg))
 
 
 @contextmanager
@@ -74,7 +67,7 @@ def _quiet_unloaded_layers():
     for logger in loggers:
         logger.addFilter(dropping)
     try:
-        yield dropping
+        yield
     finally:
         for logger in loggers:
             logger.removeFilter(dropping)

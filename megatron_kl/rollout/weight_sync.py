@@ -39,7 +39,8 @@ from typing import Iterable, Iterator, Optional
 import torch
 
 from megatron_kl.rollout.config import DELTA_LOADER, SGLangConfig
-from megatron_kl.rollout.delta import DeltaTracker, SyncStats, counted, diff, encode, snapshot
+from megatron_kl.rollout.delta import (DeltaRefused, DeltaRejected, DeltaTracker, SyncStats, counted, encode,
+                                      encode_full, snapshot)
 from megatron_kl.rollout.servers import server_port
 
 log = logging.getLogger(__name__)
@@ -266,9 +267,8 @@ class FromTensor(_Buffered):
     def prepare(self, named, version, full: bool = False):
         if self.delta is None:
             return super().prepare(named, version)
-        if full:  # every tensor whole (a diff against nothing), every checksum
-            updates = [diff(n, None, t) for n, t in super().prepare(named, version)]
-            return _Encoded(encode(updates, {u.name: u.checksum for u in updates}, version))
+        if full:
+            return _Encoded(encode_full(super().prepare(named, version), version))
         for _ in named:  # the planned tensors (the updates carry what is sent)
             pass
         return _Encoded(encode(self._updates, self._checksums, version))
@@ -291,7 +291,7 @@ class FromTensor(_Buffered):
                    "load_format": load_format, "flush_cache": False, "weight_version": str(version)}
         answer = engine.call(index, "/update_weights_from_tensor", payload)
         if load_format is not None and isinstance(answer, dict) and answer.get("success") is False \
-                and "DeltaRejected" in str(answer.get("message")):
+                and DeltaRejected.__name__ in str(answer.get("message")):
             raise DeltaRefused(answer.get("message"))
         self._check(answer, "/update_weights_from_tensor")
 
@@ -339,10 +339,6 @@ class FromDistributed(_Buffered):
     def after_restart(self, engine, index) -> None:
         self.forget(index)
         super().after_restart(engine, index)
-
-
-class DeltaRefused(RuntimeError):
-    """A server's delta loader rejected a sync (see :class:`megatron_kl.rollout.delta.DeltaRejected`)."""
 
 
 @dataclass

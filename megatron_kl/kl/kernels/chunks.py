@@ -62,7 +62,8 @@ class Sweep:
     workspace: Workspace = field(default_factory=Workspace, compare=False)
 
 
-def _cut(value, rows: slice):
+def cut(value: Optional[torch.Tensor], rows: slice) -> Optional[torch.Tensor]:
+    """Rows ``rows`` of an optional per-row tensor."""
     return None if value is None else value[rows]
 
 
@@ -80,7 +81,7 @@ class Rows:
     row_max: Optional[torch.Tensor] = None
 
     def __getitem__(self, rows: slice) -> "Rows":
-        return Rows(*(_cut(getattr(self, f.name), rows) for f in dataclasses.fields(self)))
+        return Rows(*(cut(getattr(self, f.name), rows) for f in dataclasses.fields(self)))
 
 
 @dataclass(frozen=True)
@@ -97,7 +98,7 @@ class Upstream:
         return cls(*(None if g is None else g[lo:hi].to(dtype) for g in grads))
 
     def __getitem__(self, rows: slice) -> "Upstream":
-        return Upstream(_cut(self.logprob, rows), _cut(self.entropy, rows), _cut(self.kl, rows))
+        return Upstream(cut(self.logprob, rows), cut(self.entropy, rows), cut(self.kl, rows))
 
 
 @dataclass
@@ -112,4 +113,4 @@ class Kept:
     rows: Optional[Rows] = None  # the Triton path
 
     def __getitem__(self, rows: slice) -> "Kept":
-        return Kept(_cut(self.zc, rows), _cut(self.e, rows), _cut(self.neg_u, rows))
+        return Kept(cut(self.zc, rows), cut(self.e, rows), cut(self.neg_u, rows))

@@ -206,8 +206,7 @@ def combine(partials, rows: Rows, sweep: Sweep, support=None):
     sums[DROPPED] = alpha * p[P_D]
     sums[SUPPORT_SIZE] = p[P_K]
     if targets is not None:
-        local = targets - shard.start
-        owned = (local >= 0) & (local < shard.valid)
+        local, owned = shard.owned(targets)
         picked = x.gather(-1, local.clamp(0, max(0, shard.valid - 1)).unsqueeze(-1)).squeeze(-1).double() \
             if shard.valid else torch.zeros(n, dtype=torch.float64, device=p.device)
         picked = picked.clamp_min(-LOW[dtype])
@@ -270,8 +269,8 @@ def backward(rows: Rows, norms, upstream: Upstream, sweep: Sweep, out):
     yk = _kernel_input(y, dtype) if (y is not None and g_kl is not None) else xk
     target = torch.full((n,), -1, dtype=torch.int64, device=device)
     if targets is not None and g_lp is not None:
-        local = targets - shard.start
-        target = torch.where((local >= 0) & (local < shard.valid), local, target)
+        local, owned = shard.owned(targets)
+        target = torch.where(owned, local, target)
     grads = torch.zeros(3, n, dtype=dtype, device=device)
     for slot, grad in enumerate((g_lp, g_h, g_kl)):
         if grad is not None:

@@ -58,8 +58,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_kl.kl.kernels import triton_stats
-from megatron_kl.kl.kernels.chunks import (MAX, MEAN_U, MEAN_ZC, SHIFT, SUM, Kept, Rows, Shard, Sweep, Upstream,
-                                           Workspace)  # noqa: F401 (Workspace: fused_linear's)
+from megatron_kl.kl.kernels.chunks import MAX, MEAN_U, MEAN_ZC, SHIFT, SUM, Kept, Rows, Shard, Sweep, Upstream, cut
 from megatron_kl.kl.kernels.groups import all_reduce, group_size_rank
 from megatron_kl.kl.kernels.truncation import Truncation, effective, find_support
 
@@ -143,7 +142,7 @@ def chunk_forward(rows: Rows, sweep: Sweep, keep: Optional[Kept] = None, support
         block = block_rows(cols, x.device)
         for a in range(0, n, block):
             part = slice(a, min(n, a + block))
-            _chunk_sums(rows[part], maxes[:, part], sums[:, part], sweep, _cut(e_kept, part))
+            _chunk_sums(rows[part], maxes[:, part], sums[:, part], sweep, cut(e_kept, part))
         if keep is not None:
             keep.zc, keep.e, keep.neg_u = x, e_kept, y
     all_reduce(sums, dist.ReduceOp.SUM, sweep.group)
@@ -167,10 +166,6 @@ def chunk_forward(rows: Rows, sweep: Sweep, keep: Optional[Kept] = None, support
         support[1] = sums[SUPPORT_SIZE]
         support[2] = sums[TARGET_OUT]
     return out, norms
-
-
-def _cut(value: Optional[torch.Tensor], rows: slice) -> Optional[torch.Tensor]:
-    return None if value is None else value[rows]
 
 
 def _chunk_sums(rows: Rows, maxes, sums, sweep: Sweep, e_kept=None) -> None:
@@ -264,7 +259,7 @@ def chunk_grad(rows: Rows, norms, upstream: Upstream, sweep: Sweep, out: Optiona
     block = block_rows(cols, first.device)
     for a in range(0, n, block):
         part = slice(a, min(n, a + block))
-        _block_grad(rows[part], norms[:, part], upstream[part], sweep, _cut(out, part),
+        _block_grad(rows[part], norms[:, part], upstream[part], sweep, cut(out, part),
                     kept[part] if kept is not None else None)
     if out is not None:
         return out
