@@ -11,7 +11,7 @@ import subprocess
 from pathlib import Path
 
 from tests.slurm.conftest import CONFIG, PREEMPTED, start, stop
-from tests.slurm.test_launch_on_slurm import (by_step, experiment_id, job_id, job_state, start_requeued_now,
+from tests.slurm.test_launch_on_slurm import (by_step, diagnosis, experiment_id, job_id, job_state, start_requeued_now,
                                               steps_done, wait_until)
 
 DAEMONS = ("slurmctld", "slurmd", "slurmstepd", "munged", "mariadbd")
@@ -47,7 +47,8 @@ def test_a_node_lost_mid_run_leaves_whole_checkpoints_and_the_requeued_job_resum
     assert launched.returncode == 0, launched.stdout[-3000:] + launched.stderr[-3000:]
     exp = experiment_id(launched.stdout)
     job = job_id(slurm_cluster, exp)
-    wait_until(lambda: steps_done(run) >= 7, 300, "a checkpoint (step 5) and two more steps", interval=0.2)
+    wait_until(lambda: steps_done(run) >= 7, 300, "a checkpoint (step 5) and two more steps", interval=0.2,
+               explain=lambda: diagnosis(slurm_cluster, exp, job))
     import psutil
 
     def on_node_2(process) -> bool:

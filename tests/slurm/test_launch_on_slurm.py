@@ -58,7 +58,9 @@ def test_a_training_job_runs_on_two_nodes_and_equals_torchrun(slurm_cluster, war
     assert json.loads((run / "summary.json").read_text())["steps"] == 100
 
 
-def wait_until(predicate, timeout: float, what: str, interval: float = 1.0):
+def wait_until(predicate, timeout: float, what: str, interval: float = 1.0, explain=None):
+    """``predicate()`` once it is truthy; a failure after ``timeout`` seconds, with ``explain()`` (what the cluster
+    and the job's logs show) in its message when given."""
     import time
 
     deadline = time.monotonic() + timeout
@@ -67,7 +69,29 @@ def wait_until(predicate, timeout: float, what: str, interval: float = 1.0):
         if value:
             return value
         time.sleep(interval)
-    pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}")
+    detail = ""
+    if explain is not None:
+        try:
+            detail = "\n" + explain()
+        except Exception as error:  # the diagnosis must not hide the timeout
+            detail = f"\n(no diagnosis: {error!r})"
+    pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}{detail}")
+
+
+def diagnosis(cluster, exp: str, job: str | None, tail: int = 2500) -> str:
+    """What a timed-out wait shows: the queue, the nodes, the job's accounting and the tail of every log of the
+    experiment (a CI failure is read from its output alone)."""
+    parts = [cluster.run("squeue", "-a", "-o", "%i %T %R %N", check=False).stdout,
+             cluster.run("sinfo", "-N", "-o", "%N %T %E", check=False).stdout]
+    if job:
+        parts.append(json.dumps(cluster.sacct(job, duplicates=True)))
+        parts.append(cluster.run("scontrol", "show", "job", job, check=False).stdout)
+    controller = cluster.directory / "log" / "slurmctld.log"  # the scheduler's decisions (a het job: backfill)
+    if controller.is_file():
+        parts.append("--- slurmctld.log ---\n" + "\n".join(controller.read_text(errors="replace").splitlines()[-40:]))
+    for log in sorted(experiment_dir(exp).rglob("*.out")):
+        parts.append(f"--- {log.name} ---\n" + log.read_text(errors="replace")[-tail:])
+    return "\n".join(parts)
 
 
 def by_step(run: Path) -> dict:
@@ -112,9 +136,10 @@ def start_requeued_now(cluster, job: str, *updates: str, components: int = 1) ->
 def _requeued_and_resumed(cluster, exp: str, job: str, run: Path) -> None:
     """After the stop: the job requeues itself (its sbatch script), runs again at once (Slurm would hold a requeued
     job ~2 minutes: its start time is moved to now, its time limit restored), resumes and completes."""
-    wait_until(lambda: job_state(cluster, job) == "PENDING", 180, f"job {job} to requeue itself")
+    explain = lambda: diagnosis(cluster, exp, job)  # noqa: E731
+    wait_until(lambda: job_state(cluster, job) == "PENDING", 180, f"job {job} to requeue itself", explain=explain)
     start_requeued_now(cluster, job, "TimeLimit=15")
-    wait_until(lambda: job_state(cluster, job) == "GONE", 600, f"job {job} to finish its second run")
+    wait_until(lambda: job_state(cluster, job) == "GONE", 600, f"job {job} to finish its second run", explain=explain)
     records = cluster.sacct(job, duplicates=True)
     starts = [r for r in records if r["job"] == job]
     assert [r["state"] for r in starts] == ["REQUEUED", "COMPLETED"], records
@@ -139,7 +164,8 @@ def test_a_preempted_job_checkpoints_requeues_and_resumes_to_the_same_metrics(sl
     assert launched.returncode == 0, launched.stdout[-3000:] + launched.stderr[-3000:]
     exp = experiment_id(launched.stdout)
     job = job_id(slurm_cluster, exp)
-    wait_until(lambda: steps_done(run) >= 2, 300, "two training steps", interval=0.2)
+    wait_until(lambda: steps_done(run) >= 2, 300, "two training steps", interval=0.2,
+               explain=lambda: diagnosis(slurm_cluster, exp, job))
     if how == "scancel_signal":
         slurm_cluster.run("scancel", "--signal=USR1", job)
     else:  # the time limit moved to 90-150 s from now, inside the 150 s lead: Slurm sends USR1 at its next periodic

@@ -17,7 +17,7 @@ import psutil
 from megatron_kl.train import checkpoint
 from megatron_kl.train.preemption import REQUEUE_EXIT_CODE
 from tests.slurm.conftest import CONFIG, ROOT, free_port
-from tests.slurm.test_launch_on_slurm import (by_step, experiment_dir, experiment_id, job_id, job_state,
+from tests.slurm.test_launch_on_slurm import (by_step, diagnosis, experiment_dir, experiment_id, job_id, job_state,
                                               start_requeued_now, steps_done, wait_until)
 
 sys.path.insert(0, str(ROOT / "tests" / "distributed"))
@@ -63,16 +63,18 @@ def test_the_trainer_and_the_sglang_server_run_as_a_heterogeneous_job(slurm_clus
     assert launched.returncode == 0, launched.stdout[-3000:] + launched.stderr[-3000:]
     exp = experiment_id(launched.stdout)
     job = job_id(slurm_cluster, exp)
-    wait_until(lambda: steps_done(run) >= 2, 300, "two steps trained from the server", interval=0.2)
+    explain = lambda: diagnosis(slurm_cluster, exp, job)  # noqa: E731
+    wait_until(lambda: steps_done(run) >= 2, 300, "two steps trained from the server", interval=0.2, explain=explain)
     nodes = {row["job"]: row["nodes"] for row in slurm_cluster.sacct(job)}
     assert nodes.get(f"{job}+0") == "mkl-n1" and nodes.get(f"{job}+1") == "mkl-n2", nodes  # one component a node
     trainer = _logs(exp, job, 1, 0)
     assert "mkl-n1" in trainer and "is healthy" in trainer, trainer[-3000:]  # the address the job script resolved
 
-    servers = wait_until(lambda: _server_processes(port), 30, "the server's process")
+    servers = wait_until(lambda: _server_processes(port), 30, "the server's process", explain=explain)
     for process in servers:  # the server's component dies (its process; srun then ends the component's step)
         process.send_signal(signal.SIGKILL)
-    wait_until(lambda: f"exit code {REQUEUE_EXIT_CODE}" in _logs(exp, job, 1, 0), 120, "the trainer to stop")
+    wait_until(lambda: f"exit code {REQUEUE_EXIT_CODE}" in _logs(exp, job, 1, 0), 120, "the trainer to stop",
+               explain=explain)
     trainer = _logs(exp, job, 1, 0)
     assert "rollout engine lost" in trainer, trainer[-3000:]
     stopped_at = len(by_step(run))  # steps 0 .. stopped_at - 1 logged, and checkpointed
@@ -86,9 +88,10 @@ def test_the_trainer_and_the_sglang_server_run_as_a_heterogeneous_job(slurm_clus
     def pending() -> bool:  # squeue lists a het job once per component
         return set(job_state(slurm_cluster, job).split()) == {"PENDING"}
 
-    wait_until(lambda: pending() or job_state(slurm_cluster, job) == "GONE", 120, "the job to requeue itself")
+    wait_until(lambda: pending() or job_state(slurm_cluster, job) == "GONE", 120, "the job to requeue itself",
+               explain=explain)
     start_requeued_now(slurm_cluster, job, components=2)
-    wait_until(lambda: job_state(slurm_cluster, job) == "GONE", 400, "the requeued job to finish")
+    wait_until(lambda: job_state(slurm_cluster, job) == "GONE", 400, "the requeued job to finish", explain=explain)
     assert starts() == ["REQUEUED", "COMPLETED"], slurm_cluster.sacct(job, duplicates=True)
     assert sorted(by_step(run))[:STEPS] == list(range(STEPS))
     assert json.loads((run / "summary.json").read_text())["steps"] == STEPS
