@@ -46,8 +46,24 @@ class SlurmCluster:
 
 
 def free_port() -> int:
+    """A port free now and below the kernel's ephemeral range: a port the kernel handed out for ``bind(0)`` is in
+    that range, where any outgoing connection made before the job binds it (Slurm's RPCs, the accounting database,
+    HTTP) may take it; below it only a listening socket can."""
+    import random
     import socket
 
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    for _ in range(200):
+        port = random.SystemRandom().randrange(20000, max(low, 20001))
+        with socket.socket() as probe:
+            try:
+                probe.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
