@@ -215,6 +215,11 @@ def disaggregated_tasks(spec: TaskSpec):
         f"export {URLS_VAR}=$(scontrol show hostnames \"$SLURM_JOB_NODELIST_HET_GROUP_0\" "
         f"| sed 's|.*|\"http://&:{servers.port}\"|' | paste -sd, -)",
         f"export {TRAIN_HEAD_VAR}=$(scontrol show hostnames \"$SLURM_JOB_NODELIST_HET_GROUP_1\" | head -n1)",
+        # the trainer reaches the servers directly, never through a site's HTTP proxy: their nodes join no_proxy
+        'export no_proxy="${no_proxy:-${NO_PROXY:-}}"',
+        'export no_proxy="${no_proxy:+$no_proxy,}$(scontrol show hostnames "$SLURM_JOB_NODELIST_HET_GROUP_0" '
+        '| paste -sd, -)"',
+        'export NO_PROXY="$no_proxy"',
     ])
     rollout_executor = _slurm_executor(cfg, servers.nodes, 1, None, heterogeneous=True, setup_lines=setup,
                                        stop_signal=False)

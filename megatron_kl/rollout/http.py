@@ -17,6 +17,7 @@ for the retry budget. Only the standard library, ``requests`` and its ``urllib3`
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import socket
 import threading
@@ -24,6 +25,7 @@ import time
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
+from urllib.parse import urlsplit
 
 import requests
 import urllib3
@@ -79,8 +81,32 @@ class TrackingAdapter(HTTPAdapter):
         self.poolmanager.pool_classes_by_scheme = {"http": _TrackedPool, "https": _TrackedHTTPSPool}
 
 
+def is_loopback(url: str) -> bool:
+    """Whether ``url`` names this host's loopback (``localhost``, 127.0.0.0/8, ``::1``)."""
+    host = urlsplit(url).hostname or ""
+    if host == "localhost" or host.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class ServerSession(requests.Session):
+    """A session to rollout servers: a server on this host's loopback is reached directly whatever the environment's
+    ``http_proxy`` says (a proxy would reach its own loopback, not this host's; ``requests`` proxies 127.0.0.1 unless
+    ``no_proxy`` names it). Other hosts follow ``http_proxy`` / ``no_proxy``; the Slurm launcher adds a job's server
+    nodes to ``no_proxy``."""
+
+    def merge_environment_settings(self, url, proxies, stream, verify, cert):
+        settings = super().merge_environment_settings(url, proxies, stream, verify, cert)
+        if is_loopback(url):
+            settings["proxies"] = {}
+        return settings
+
+
 def new_session(pool_maxsize: int = 10, headers: Optional[dict] = None) -> requests.Session:
-    session = requests.Session()  # keep-alive connections, as many as requests in flight
+    session = ServerSession()  # keep-alive connections, as many as requests in flight
     session.headers.update(headers or {})
     adapter = TrackingAdapter(pool_connections=1, pool_maxsize=pool_maxsize)
     session.mount("http://", adapter)
@@ -259,8 +285,9 @@ def wait_healthy(url: str, timeout_s: float, alive=lambda: True, path: str = "/h
         if not alive():
             raise ServerUnavailable(f"{url}: the server process exited while starting")
         try:
-            if requests.get(url.rstrip("/") + path, timeout=5).status_code == 200:
-                return
+            with ServerSession() as probe:
+                if probe.get(url.rstrip("/") + path, timeout=5).status_code == 200:
+                    return
         except (requests.ConnectionError, requests.Timeout):
             pass
         if time.monotonic() >= deadline:

@@ -1,7 +1,8 @@
 """Values from the config that end up in the generated Slurm scripts are data, never shell code: the
 dry-run sbatch script and the trainer script of a heterogeneous (disaggregated SGLang) job are executed
 under bash with srun / scontrol / torchrun / sleep / ps stubbed, with `;`, `$(...)`, backticks and quotes
-in launch.slurm.env, launch.env, launch.rollout_servers.extra_args and trainer overrides."""
+in launch.slurm.env, launch.env, launch.rollout_servers.extra_args and trainer overrides; the server nodes join the
+site's no_proxy."""
 
 import json
 import re
@@ -17,7 +18,7 @@ pytest.importorskip("nemo_run")
 ROOT = Path(__file__).resolve().parents[2]
 PAPER = str(ROOT / "configs" / "paper" / "qwen2.5-7b.yaml")
 STUB = """#!/usr/bin/env bash
-{{ printf '%s\\n' "--- $(basename "$0") EVIL=$EVIL TOKEN=$TOKEN URLS=$MEGATRON_KL_SGLANG_URLS KEY=$MEGATRON_KL_SGLANG_API_KEY"; printf '[%s]\\n' "$@"; }} >> {log}
+{{ printf '%s\\n' "--- $(basename "$0") EVIL=$EVIL TOKEN=$TOKEN URLS=$MEGATRON_KL_SGLANG_URLS KEY=$MEGATRON_KL_SGLANG_API_KEY NOPROXY=$no_proxy/$NO_PROXY"; printf '[%s]\\n' "$@"; }} >> {log}
 """
 
 
@@ -32,7 +33,9 @@ def _stubs(tmp: Path) -> dict:
     for path in bin_dir.iterdir():
         path.chmod(0o755)
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "node1",
-           "SLURM_JOB_NODELIST_HET_GROUP_0": "node1", "SLURM_JOB_NODELIST_HET_GROUP_1": "node2"}
+           "SLURM_JOB_NODELIST_HET_GROUP_0": "node1", "SLURM_JOB_NODELIST_HET_GROUP_1": "node2",
+           "NO_PROXY": "localhost,127.0.0.1"}  # a site's proxy exceptions (only the upper-case name set)
+    env.pop("no_proxy", None)
     return {"env": env, "log": log}
 
 
@@ -78,6 +81,8 @@ def test_generated_slurm_scripts_run_no_injected_command(tmp_path):
     assert f"[{evil['arg']}]" in calls  # the SGLang server's argument
     assert f"[train.output_dir={evil['output']}]" in calls  # the trainer override
     assert f"[rollout.sglang.urls=[{urls}]]" in calls  # the intended expansions still work
+    # the server nodes join the site's proxy exceptions (both spellings), so the trainer reaches them directly
+    assert "NOPROXY=localhost,127.0.0.1,node1/localhost,127.0.0.1,node1" in calls, calls
     assert "[--api-key]\n[" + "c0ffee" * 10 + "beef]" in calls  # the server got the key its step inherits
     # the sbatch script made a random key for its steps, and its trace (set -x: the job's log) does not show it
     made = set(re.findall(r"KEY=([0-9a-f]{64})", calls)) - {"c0ffee" * 10 + "beef"}

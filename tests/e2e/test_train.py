@@ -502,6 +502,7 @@ def test_profiled_step_writes_its_trace_and_phase_summary(tmp_path, warm_cache):
         assert 0 < phases[name]["gemm_s"] < phases[name]["ops_s"] <= phases[name]["wall_s"], name
     assert sum(p["wall_s"] for p in phases.values()) == pytest.approx(summary["step_s"], rel=1e-6)
     step_1 = next(r for r in out["metrics"] if r.get("step") == 1 and "time/step" in r)
-    # the profiled block is the step without its evaluation (none at step 1), plus the logging of its line
-    assert summary["step_s"] == pytest.approx(step_1["time/step"], rel=0.25)
+    # the profiled block is the step without its evaluation (none at step 1), without the profiler's own start
+    # (inside time/step: tens of ms, as much as a third of this 0.2 s step) and with the logging of its line
+    assert summary["step_s"] == pytest.approx(step_1["time/step"], rel=0.5)
     assert "aten::mm" in (tmp_path / "profile" / "step_1.rank0.txt").read_text()

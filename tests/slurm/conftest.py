@@ -26,16 +26,19 @@ class SlurmCluster:
     directory: Path
     env: dict
 
-    def run(self, *command: str, timeout: float = 60, check: bool = True) -> subprocess.CompletedProcess:
-        return subprocess.run(list(command), env=self.env, capture_output=True, text=True, timeout=timeout,
-                              check=check, cwd=ROOT)
+    def run(self, *command: str, timeout: float = 60, check: bool = True,
+            env: dict | None = None) -> subprocess.CompletedProcess:
+        return subprocess.run(list(command), env={**self.env, **(env or {})}, capture_output=True, text=True,
+                              timeout=timeout, check=check, cwd=ROOT)
 
-    def launch(self, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    def launch(self, *args: str, timeout: float = 600, env: dict | None = None) -> subprocess.CompletedProcess:
         """``megatron-kl launch`` with the CI cluster of launch/clusters.py; a submission gets a rendezvous port of its
-        own (a run killed in a fault test can leave its c10d store listening on the old one)."""
+        own (a run killed in a fault test can leave its c10d store listening on the old one). ``env``: added to the
+        submitting environment, which sbatch passes on to the job."""
         if args and args[0] == "slurm":
             args = (*args, f"launch.slurm.rdzv_port={free_port()}")
-        return self.run(sys.executable, "-m", "megatron_kl.cli", "launch", *args, timeout=timeout, check=False)
+        return self.run(sys.executable, "-m", "megatron_kl.cli", "launch", *args, timeout=timeout, check=False,
+                        env=env)
 
     def sacct(self, job_id: str, duplicates: bool = False) -> list[dict]:
         """sacct's records of a job and its steps; ``duplicates``: every start of a requeued job, oldest first."""

@@ -2,7 +2,8 @@
 (node mkl-n1), the trainer in the other (mkl-n2), the server's address resolved by the sbatch script. The trainer
 waits for the server's health and trains from it; the server's process killed mid-run makes the trainer checkpoint
 its finished steps and exit with the requeue code; the job requeues, both components start again, the trainer
-resumes and the job completes with every step logged."""
+resumes and the job completes with every step logged. The job runs with a site's HTTP proxy in its environment:
+the trainer reaches the server directly (the job script adds the server nodes to no_proxy)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import json
 import re
 import signal
 import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import psutil
@@ -48,9 +51,38 @@ def _logs(exp: str, job: str, group: int, restart: int) -> str:
     return found[0].read_text(errors="replace")
 
 
+class _SiteProxy:
+    """A site's HTTP proxy that answers 502 to everything and records what came to it: the job runs with it in
+    ``http_proxy`` and nothing in ``no_proxy``, as on a cluster whose nodes reach the internet through a proxy."""
+
+    def __init__(self):
+        self.seen: list[str] = []
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _answer(self):
+                outer.seen.append(self.path)
+                self.send_response(502)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            do_GET = do_POST = _answer
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def env(self) -> dict:
+        return {"http_proxy": self.url, "HTTP_PROXY": self.url, "no_proxy": "", "NO_PROXY": ""}
+
+
 def test_the_trainer_and_the_sglang_server_run_as_a_heterogeneous_job(slurm_cluster, warm_cache, tmp_path):
     source = make_hf_model("qwen3", tmp_path / "qwen3")
     run, port = tmp_path / "run", free_port()
+    proxy = _SiteProxy()
     launched = slurm_cluster.launch(
         "slurm", "--cluster", "ci", "--config", CONFIG, "--detach", f"train.output_dir={run}",
         f"warm_start.cache_dir={warm_cache}", f"train.steps={STEPS}", "train.prompts_per_step=4", "train.group_size=4",
@@ -59,7 +91,7 @@ def test_the_trainer_and_the_sglang_server_run_as_a_heterogeneous_job(slurm_clus
         f"launch.rollout_servers.port={port}", "rollout.engine=sglang", f"rollout.sglang.server_module={TEST_SERVER}",
         "rollout.sglang.colocated=false", "rollout.sglang.enable_memory_saver=false",
         "rollout.sglang.weight_sync=from_disk", "rollout.sglang.max_retries=1", "rollout.sglang.backoff_s=0.05",
-        f"init.hf_checkpoint={source}", *MODEL)
+        f"init.hf_checkpoint={source}", *MODEL, env=proxy.env())
     assert launched.returncode == 0, launched.stdout[-3000:] + launched.stderr[-3000:]
     exp = experiment_id(launched.stdout)
     job = job_id(slurm_cluster, exp)
@@ -99,6 +131,8 @@ def test_the_trainer_and_the_sglang_server_run_as_a_heterogeneous_job(slurm_clus
     assert len(lines) == 2 and json.loads(lines[1]).get("kind") == "resume", lines
     assert "is healthy" in _logs(exp, job, 1, 1)
     assert not _server_processes(port), "the server outlived its job"
+    assert proxy.seen == [], proxy.seen  # the trainer reached its servers directly, not through the site's proxy
+    proxy.httpd.shutdown()
     # the job's log (NeMo-Run traces its script) does not show the servers' API key
     for log in experiment_dir(exp).rglob("*.out"):
         assert not re.search(r"API_KEY=[0-9a-f]{16}|--api-key [0-9a-f]{16}", log.read_text(errors="replace")), log

@@ -1,6 +1,7 @@
 """The HTTP client's failure semantics against a local server that misbehaves on purpose: a body trickled
 byte by byte (total deadline per attempt, not per read), a body cut short, 429 with Retry-After, and the
-retry budget that the trainer compares with the distributed timeout."""
+retry budget that the trainer compares with the distributed timeout; a site's HTTP proxy in the environment, which a
+server on this host's loopback must not go through."""
 
 import json
 import threading
@@ -60,6 +61,11 @@ class _Server:
                     self.end_headers()
                     self.wfile.write(b"{}")
 
+            def do_GET(self):  # /health
+                self.send_response(200)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
@@ -104,3 +110,61 @@ def test_other_4xx_is_an_error_at_once(server):
 def test_retry_budget_counts_every_attempt_and_backoff():
     policy = RetryPolicy(max_retries=3, backoff_s=1.0, timeout_s=10.0, max_backoff_s=3.0)
     assert policy.budget_s == 4 * 10.0 + (1.0 + 2.0 + 3.0)
+
+
+class _Proxy:
+    """An HTTP proxy that answers 502 to everything and counts what came to it."""
+
+    def __init__(self):
+        self.seen = []
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _answer(self):
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                outer.seen.append(self.path)  # a proxied request names the whole URL
+                self.send_response(502)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            do_GET = do_POST = _answer
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+
+@pytest.fixture
+def site_proxy(monkeypatch):
+    """A site's HTTP proxy in the environment, with nothing in no_proxy."""
+    proxy = _Proxy()
+    for name in ("no_proxy", "NO_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    for name in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY"):
+        monkeypatch.setenv(name, proxy.url)
+    yield proxy
+    proxy.httpd.shutdown()
+
+
+def test_a_server_on_loopback_is_reached_directly_whatever_the_proxy_says(server, site_proxy):
+    from megatron_kl.rollout.http import new_session, wait_healthy
+
+    s = server("ok")
+    assert call(s.url, "/generate", {}, RetryPolicy(max_retries=0))["hit"] == 1  # the default session
+    assert call(s.url.replace("127.0.0.1", "localhost"), "/generate", {}, RetryPolicy(max_retries=0),
+                session=new_session())["hit"] == 2
+    wait_healthy(s.url, timeout_s=5.0)  # the start-up probe too
+    assert site_proxy.seen == []
+
+
+def test_another_host_still_goes_through_the_proxy(site_proxy):
+    from megatron_kl.rollout.http import is_loopback
+
+    with pytest.raises(ServerUnavailable, match="502"):  # the proxy's answer: the environment is honoured
+        call("http://rollout-node.invalid:30000", "/generate", {}, RetryPolicy(max_retries=0, timeout_s=5.0))
+    assert site_proxy.seen == ["http://rollout-node.invalid:30000/generate"]
+    assert [is_loopback(u) for u in ("http://127.0.0.2:1", "http://[::1]:1", "http://a.localhost", "http://node1:1",
+                                     "http://10.0.0.1:1")] == [True, True, True, False, False]
