@@ -11,8 +11,8 @@ import subprocess
 from pathlib import Path
 
 from tests.slurm.conftest import CONFIG, PREEMPTED, start, stop
-from tests.slurm.test_launch_on_slurm import (by_step, diagnosis, experiment_id, job_id, job_state, start_requeued_now,
-                                              steps_done, wait_until)
+from tests.slurm.test_launch_on_slurm import (by_step, diagnosis, experiment_id, job_id, job_state, settled_starts,
+                                              start_requeued_now, steps_done, wait_until)
 
 DAEMONS = ("slurmctld", "slurmd", "slurmstepd", "munged", "mariadbd")
 
@@ -29,7 +29,7 @@ def test_a_job_failing_on_every_start_exhausts_its_retries_and_reports_why(slurm
                180, "the first failure's requeue")
     slurm_cluster.run("scontrol", "update", f"JobId={job}", "StartTime=now")  # Slurm holds a requeue ~2 minutes
     wait_until(lambda: job_state(slurm_cluster, job) == "GONE", 300, "the retry to end")
-    starts = [r["state"] for r in slurm_cluster.sacct(job, duplicates=True) if r["job"] == job]
+    starts = settled_starts(slurm_cluster, job)
     assert starts == ["REQUEUED", "FAILED"], starts  # launch.slurm.retries=1: one requeue, then failed for good
     status = slurm_cluster.launch("status", exp, "--home", "runs/launch_ci", timeout=120)
     assert status.returncode == 1 and "FAILED" in status.stdout, status.stdout + status.stderr

@@ -52,6 +52,7 @@ def test_a_training_job_runs_on_two_nodes_and_equals_torchrun(slurm_cluster, war
     status = slurm_cluster.launch("status", exp, "--home", "runs/launch_ci", timeout=120)
     assert status.returncode == 0 and "SUCCEEDED" in status.stdout, status.stdout + status.stderr
     job = job_id(slurm_cluster, exp)
+    assert settled_starts(slurm_cluster, job) == ["COMPLETED"]
     steps = {row["job"]: row for row in slurm_cluster.sacct(job)}
     assert steps[job]["state"] == "COMPLETED" and steps[job]["nodes"] == "mkl-n[1-2]", steps
     assert metrics(run) == metrics(uninterrupted)
@@ -92,6 +93,23 @@ def diagnosis(cluster, exp: str, job: str | None, tail: int = 2500) -> str:
     for log in sorted(experiment_dir(exp).rglob("*.out")):
         parts.append(f"--- {log.name} ---\n" + log.read_text(errors="replace")[-tail:])
     return "\n".join(parts)
+
+
+ACTIVE = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUE_HOLD", "RESIZING"}
+
+
+def settled_starts(cluster, job: str, name: str | None = None) -> list[str]:
+    """The states of the starts of ``name`` (default: the job itself; a het job's first component ``JOB+0``), oldest
+    first, once accounting has recorded how the last one ended: slurmdbd can lag squeue by seconds, so a job gone
+    from the queue may still read RUNNING in sacct."""
+    name = name or job
+
+    def states():
+        found = [r["state"] for r in cluster.sacct(job, duplicates=True) if r["job"] == name]
+        return found if found and found[-1] not in ACTIVE else None
+
+    return wait_until(states, 90, f"the accounting of {name}'s last start",
+                      explain=lambda: json.dumps(cluster.sacct(job, duplicates=True)))
 
 
 def by_step(run: Path) -> dict:
@@ -140,9 +158,7 @@ def _requeued_and_resumed(cluster, exp: str, job: str, run: Path) -> None:
     wait_until(lambda: job_state(cluster, job) == "PENDING", 180, f"job {job} to requeue itself", explain=explain)
     start_requeued_now(cluster, job, "TimeLimit=15")
     wait_until(lambda: job_state(cluster, job) == "GONE", 600, f"job {job} to finish its second run", explain=explain)
-    records = cluster.sacct(job, duplicates=True)
-    starts = [r for r in records if r["job"] == job]
-    assert [r["state"] for r in starts] == ["REQUEUED", "COMPLETED"], records
+    assert settled_starts(cluster, job) == ["REQUEUED", "COMPLETED"], cluster.sacct(job, duplicates=True)
     logs = list(experiment_dir(exp).rglob(f"log-megatron-kl.train_{job}_1.out"))
     assert logs, "no log of the second run (SLURM_RESTART_COUNT=1)"
     lines = (run / "starts.jsonl").read_text().splitlines()

@@ -11,17 +11,16 @@ import json
 import re
 import signal
 import sys
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import psutil
 
+from megatron_kl.testing.site_proxy import SiteProxy
 from megatron_kl.train import checkpoint
 from megatron_kl.train.preemption import REQUEUE_EXIT_CODE
 from tests.slurm.conftest import CONFIG, ROOT, free_port
 from tests.slurm.test_launch_on_slurm import (by_step, diagnosis, experiment_dir, experiment_id, job_id, job_state,
-                                              start_requeued_now, steps_done, wait_until)
+                                              settled_starts, start_requeued_now, steps_done, wait_until)
 
 sys.path.insert(0, str(ROOT / "tests" / "distributed"))
 from hf_workers import make_hf_model  # noqa: E402
@@ -51,38 +50,10 @@ def _logs(exp: str, job: str, group: int, restart: int) -> str:
     return found[0].read_text(errors="replace")
 
 
-class _SiteProxy:
-    """A site's HTTP proxy that answers 502 to everything and records what came to it: the job runs with it in
-    ``http_proxy`` and nothing in ``no_proxy``, as on a cluster whose nodes reach the internet through a proxy."""
-
-    def __init__(self):
-        self.seen: list[str] = []
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def _answer(self):
-                outer.seen.append(self.path)
-                self.send_response(502)
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-
-            do_GET = do_POST = _answer
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def env(self) -> dict:
-        return {"http_proxy": self.url, "HTTP_PROXY": self.url, "no_proxy": "", "NO_PROXY": ""}
-
-
 def test_the_trainer_and_the_sglang_server_run_as_a_heterogeneous_job(slurm_cluster, warm_cache, tmp_path):
     source = make_hf_model("qwen3", tmp_path / "qwen3")
     run, port = tmp_path / "run", free_port()
-    proxy = _SiteProxy()
+    proxy = SiteProxy(free_port())  # a site's proxy in the job's environment, nothing in no_proxy
     launched = slurm_cluster.launch(
         "slurm", "--cluster", "ci", "--config", CONFIG, "--detach", f"train.output_dir={run}",
         f"warm_start.cache_dir={warm_cache}", f"train.steps={STEPS}", "train.prompts_per_step=4", "train.group_size=4",
@@ -91,7 +62,7 @@ def test_the_trainer_and_the_sglang_server_run_as_a_heterogeneous_job(slurm_clus
         f"launch.rollout_servers.port={port}", "rollout.engine=sglang", f"rollout.sglang.server_module={TEST_SERVER}",
         "rollout.sglang.colocated=false", "rollout.sglang.enable_memory_saver=false",
         "rollout.sglang.weight_sync=from_disk", "rollout.sglang.max_retries=1", "rollout.sglang.backoff_s=0.05",
-        f"init.hf_checkpoint={source}", *MODEL, env=proxy.env())
+        f"init.hf_checkpoint={source}", *MODEL, env=proxy.environment())
     assert launched.returncode == 0, launched.stdout[-3000:] + launched.stderr[-3000:]
     exp = experiment_id(launched.stdout)
     job = job_id(slurm_cluster, exp)
@@ -114,9 +85,6 @@ def test_the_trainer_and_the_sglang_server_run_as_a_heterogeneous_job(slurm_clus
     assert [p.name for p in checkpoint.complete_checkpoints(run / "checkpoints")] == [f"step_{stopped_at:06d}"]
 
     # the job script sees a component fail and requeues the job (launch.slurm.retries=1): both components again
-    def starts() -> list[str]:  # the states of the job's starts (sacct names a het job by its first component)
-        return [r["state"] for r in slurm_cluster.sacct(job, duplicates=True) if r["job"] == f"{job}+0"]
-
     def pending() -> bool:  # squeue lists a het job once per component
         return set(job_state(slurm_cluster, job).split()) == {"PENDING"}
 
@@ -124,7 +92,9 @@ def test_the_trainer_and_the_sglang_server_run_as_a_heterogeneous_job(slurm_clus
                explain=explain)
     start_requeued_now(slurm_cluster, job, components=2)
     wait_until(lambda: job_state(slurm_cluster, job) == "GONE", 400, "the requeued job to finish", explain=explain)
-    assert starts() == ["REQUEUED", "COMPLETED"], slurm_cluster.sacct(job, duplicates=True)
+    # sacct names a het job's starts by its first component
+    assert settled_starts(slurm_cluster, job, f"{job}+0") == ["REQUEUED", "COMPLETED"], \
+        slurm_cluster.sacct(job, duplicates=True)
     assert sorted(by_step(run))[:STEPS] == list(range(STEPS))
     assert json.loads((run / "summary.json").read_text())["steps"] == STEPS
     lines = (run / "starts.jsonl").read_text().splitlines()
@@ -132,7 +102,7 @@ def test_the_trainer_and_the_sglang_server_run_as_a_heterogeneous_job(slurm_clus
     assert "is healthy" in _logs(exp, job, 1, 1)
     assert not _server_processes(port), "the server outlived its job"
     assert proxy.seen == [], proxy.seen  # the trainer reached its servers directly, not through the site's proxy
-    proxy.httpd.shutdown()
+    proxy.close()
     # the job's log (NeMo-Run traces its script) does not show the servers' API key
     for log in experiment_dir(exp).rglob("*.out"):
         assert not re.search(r"API_KEY=[0-9a-f]{16}|--api-key [0-9a-f]{16}", log.read_text(errors="replace")), log

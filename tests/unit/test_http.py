@@ -112,41 +112,17 @@ def test_retry_budget_counts_every_attempt_and_backoff():
     assert policy.budget_s == 4 * 10.0 + (1.0 + 2.0 + 3.0)
 
 
-class _Proxy:
-    """An HTTP proxy that answers 502 to everything and counts what came to it."""
-
-    def __init__(self):
-        self.seen = []
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def _answer(self):
-                self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                outer.seen.append(self.path)  # a proxied request names the whole URL
-                self.send_response(502)
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-
-            do_GET = do_POST = _answer
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
 
 @pytest.fixture
 def site_proxy(monkeypatch):
     """A site's HTTP proxy in the environment, with nothing in no_proxy."""
-    proxy = _Proxy()
-    for name in ("no_proxy", "NO_PROXY"):
-        monkeypatch.delenv(name, raising=False)
-    for name in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY"):
-        monkeypatch.setenv(name, proxy.url)
+    from megatron_kl.testing.site_proxy import SiteProxy
+
+    proxy = SiteProxy()
+    for name, value in proxy.environment().items():
+        monkeypatch.setenv(name, value)
     yield proxy
-    proxy.httpd.shutdown()
+    proxy.close()
 
 
 def test_a_server_on_loopback_is_reached_directly_whatever_the_proxy_says(server, site_proxy):
