@@ -280,17 +280,17 @@ def call(url: str, path: str, payload: Optional[dict] = None, policy: RetryPolic
 def wait_healthy(url: str, timeout_s: float, alive=lambda: True, path: str = "/health") -> None:
     """Poll ``GET url/health`` until it answers 200; ``alive()`` false (the process died) fails at once."""
     deadline = time.monotonic() + timeout_s
-    while True:  # asked at least once, even with no time left
-        check_cancelled()
-        if not alive():
-            raise ServerUnavailable(f"{url}: the server process exited while starting")
-        try:
-            with ServerSession() as probe:
+    with ServerSession() as probe:
+        while True:  # asked at least once, even with no time left
+            check_cancelled()
+            if not alive():
+                raise ServerUnavailable(f"{url}: the server process exited while starting")
+            try:
                 if probe.get(url.rstrip("/") + path, timeout=5).status_code == 200:
                     return
-        except (requests.ConnectionError, requests.Timeout):
-            pass
-        if time.monotonic() >= deadline:
-            break
-        _CANCEL.wait(0.5)
+            except (requests.ConnectionError, requests.Timeout):
+                pass
+            if time.monotonic() >= deadline:
+                break
+            _CANCEL.wait(0.5)
     raise ServerUnavailable(f"{url}{path} not healthy after {timeout_s:.0f}s")

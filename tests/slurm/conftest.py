@@ -59,8 +59,9 @@ def free_port() -> int:
         low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     except (OSError, ValueError, IndexError):
         low = 32768
+    draw = random.SystemRandom()
     for _ in range(200):
-        port = random.SystemRandom().randrange(20000, max(low, 20001))
+        port = draw.randrange(20000, max(low, 20001))
         with socket.socket() as probe:
             try:
                 probe.bind(("0.0.0.0", port))

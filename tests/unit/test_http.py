@@ -112,7 +112,6 @@ def test_retry_budget_counts_every_attempt_and_backoff():
     assert policy.budget_s == 4 * 10.0 + (1.0 + 2.0 + 3.0)
 
 
-
 @pytest.fixture
 def site_proxy(monkeypatch):
     """A site's HTTP proxy in the environment, with nothing in no_proxy."""
