@@ -382,6 +382,18 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
             value = [value]  # one item: `train_files: data.jsonl`, `logging.profile_steps=3`
         item = get_args(hint)[0]
         return [_coerce(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is list and get_args(hint) and is_dataclass(get_args(hint)[0]):  # a list of sections
+        if isinstance(value, dict):
+            value = [value]  # one item
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where}={value!r} must be a list of mappings, e.g. {where}=[{{name: x}}]")
+        return [_coerce(v, get_args(hint)[0], f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:  # free-form keyword arguments (a reward function's): string keys, YAML values
+        if value is None:
+            return {}
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            raise ConfigError(f"{where}={value!r} must be a mapping with string keys, e.g. {where}={{key: value}}")
+        return dict(value)
     if is_dataclass(hint):
         if not isinstance(value, dict):
             raise ConfigError(f"{where} must be a mapping, got {value!r}")

@@ -74,6 +74,9 @@ def rows(cls, value=None, prefix: str = "") -> list[tuple[str, str, Any, Any, st
             out += rows(hint, current, f"{prefix}{f.name}.")
             continue
         out.append((f"{prefix}{f.name}", _type_name(hint), _default(f), current, docs.get(f.name, ""), allowed(f)))
+        item = typing.get_args(hint)[0] if typing.get_origin(hint) is list and typing.get_args(hint) else None
+        if item is not None and dataclasses.is_dataclass(item):  # a list of sections: each item's fields
+            out += rows(item, None, f"{prefix}{f.name}[].")
     return out
 
 

@@ -225,9 +225,10 @@ def _attempt(http, method: str, url: str, payload, timeout_s: float):
 
 def call(url: str, path: str, payload: Optional[dict] = None, policy: RetryPolicy = RetryPolicy(),
          method: str = "POST", session: Optional[requests.Session] = None, counters: Optional[dict] = None,
-         parse: Optional[Callable[[Any], Any]] = None) -> Any:
+         parse: Optional[Callable[[Any], Any]] = None, auth_hint: Optional[str] = None) -> Any:
     """``method url+path`` with JSON ``payload``; returns the decoded JSON body (None for an empty body), or
-    ``parse(body)`` when given (a ``CorruptResponse`` from it is retried)."""
+    ``parse(body)`` when given (a ``CorruptResponse`` from it is retried). ``auth_hint``: what a 401 / 403 answer's
+    error says to do (default: the SGLang API key's environment variable)."""
     http = session or _default_session()
     delay = policy.backoff_s
     last: Exception | None = None
@@ -247,9 +248,10 @@ def call(url: str, path: str, payload: Optional[dict] = None, policy: RetryPolic
                     wait = max(wait, float(retry_after))
             elif response.status_code in (401, 403):
                 raise ServerError(f"{url}{path} answered {response.status_code} ({response.text[:200]}): the server "
-                                  "refused the trainer's API key. The trainer sends the key in the environment "
+                                  "refused the trainer's API key. " + (auth_hint or
+                                  "The trainer sends the key in the environment "
                                   "variable named by rollout.sglang.api_key_env (default MEGATRON_KL_SGLANG_API_KEY): "
-                                  "set it to the key the server was started with (--api-key)")
+                                  "set it to the key the server was started with (--api-key)"))
             elif response.status_code >= 400:
                 raise ServerError(f"{url}{path} answered {response.status_code}: {response.text[:500]}")
             else:

@@ -59,6 +59,8 @@ def _held_out_max(cfg: ArithmeticConfig) -> int:
 
 
 class ArithmeticTask:
+    default_reward = "arithmetic"  # the same rule as score(), as a reward function (megatron_kl.rewards.builtin)
+
     def __init__(self, cfg: ArithmeticConfig, seed: int = 0, eval_size: int = 64):
         _validate(cfg)
         self.cfg = cfg

@@ -19,11 +19,15 @@ TASK_NAMES = ("arithmetic", "math")  # tasks.registry builds them
 SPLITS = ("train", "eval", "ood")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=True)
 class Problem:
+    """One prompt: its token ids, the reference answer ("" when the data has none), the prompt as the data gave it
+    (before any chat template), and the data row's other fields (passed to reward functions)."""
+
     prompt_ids: list[int]
     answer: str
     prompt_text: str = ""
+    fields: dict = field(default_factory=dict, compare=False, hash=False)
 
 
 @runtime_checkable
@@ -47,6 +51,9 @@ class Task(Protocol):
         """Size of a finite split, None for generated (unbounded) splits."""
 
     def score(self, problem: Problem, response_ids: list[int]) -> float: ...
+
+    # the built-in reward used when reward.functions is empty (megatron_kl.rewards), None when the task has none
+    default_reward: Optional[str]
 
 
 @dataclass(frozen=True)

@@ -122,14 +122,22 @@ def read_rows(path: str) -> list:
 
 def score_answer(gold: str, response: str) -> float:
     """1.0 when math-verify finds the response's final answer equal to ``gold``."""
+    import threading
+
     from math_verify import parse, verify
 
-    gold_parsed = parse(f"\\boxed{{{gold}}}")
-    predicted = parse(response)
+    # math-verify's own timeouts use signal.alarm, which works in the main thread only; elsewhere (the reward
+    # workers) they are off and the caller's per-call timeout (reward.timeout_s) bounds the call
+    limits = {} if threading.current_thread() is threading.main_thread() else {"parsing_timeout": None}
+    if limits:  # it warns at every call that its own timeout is off: said once here instead
+        for name in ("math_verify.parser", "math_verify.grader"):
+            logging.getLogger(name).setLevel(logging.ERROR)
+    gold_parsed = parse(f"\\boxed{{{gold}}}", **limits)
+    predicted = parse(response, **limits)
     if not gold_parsed or not predicted:
         return 0.0
     try:
-        return float(verify(gold_parsed, predicted))
+        return float(verify(gold_parsed, predicted, **({"timeout_seconds": None} if limits else {})))
     except Exception:  # noqa: BLE001 - math-verify raises on some malformed expressions: no reward
         return 0.0
 
@@ -152,6 +160,8 @@ def _file_names(files: list[str]) -> dict[str, str]:
 
 
 class MathTask:
+    default_reward = "math_verify"  # score() as a reward function (megatron_kl.rewards.builtin)
+
     def __init__(self, cfg: MathConfig, seed: int = 0, tokenizer=None):
         if not cfg.train_files:
             raise ConfigError("task.math.train_files is empty: give at least one jsonl/parquet file")

@@ -16,6 +16,7 @@ from megatron_kl.constraints import checked
 from megatron_kl.kl.config import AUTO, KLConfig, Verdict
 from megatron_kl.launch_config import LaunchConfig
 from megatron_kl.models.optim_config import OptimConfig
+from megatron_kl.rewards.config import RewardConfig
 from megatron_kl.rollout.config import QUANTIZATIONS, SamplingConfig, SGLangConfig, VLLMConfig
 from megatron_kl.tasks.base import TaskConfig
 from megatron_kl.train.host_malloc import MODES as HOST_MALLOC_MODES
@@ -175,6 +176,7 @@ class TrainConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     kl: KLConfig = field(default_factory=KLConfig)

@@ -30,6 +30,7 @@ RESUMABLE = (
     "rollout.sglang.max_concurrency",
     "rollout.vllm.url", "rollout.vllm.sync_dir", "rollout.vllm.request_timeout_s", "rollout.vllm.max_retries",
     "rollout.vllm.backoff_s",
+    "reward.timeout_s", "reward.workers", "reward.service.",
 )
 
 

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from megatron_kl import child_processes
 from megatron_kl.config import ConfigError, validate_parallel, validate_training_layout
 from megatron_kl.models import builder, context_parallel, hf, parallel
+from megatron_kl.rewards.scorer import RewardScorer
 from megatron_kl.tasks import build_task
 from megatron_kl.train import checkpoint as ckpt
 from megatron_kl.train import run_dir
@@ -126,6 +127,7 @@ def prepare(cfg: TrainConfig) -> Prepared:
     model_parallel = cfg.parallel.tensor_parallel * cfg.parallel.pipeline_parallel * cfg.parallel.context_parallel
     validate_train_config(cfg, task.tokenizer.vocab_size, world_size // model_parallel)
     context_parallel.check_runnable(cfg.parallel, builder.have_transformer_engine())  # where it can run at all
+    RewardScorer.build(cfg.reward, task).close()  # reward functions that resolve to nothing are refused here
     return Prepared(cfg, world_size, hf_source, task, run_dir.plan_start(cfg, world_size))
 
 

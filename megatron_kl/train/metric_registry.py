@@ -30,7 +30,14 @@ METRICS = (
            "every record"),
     Metric("reward/mean", "reward", "mean task reward of the step's samples"),
     Metric("reward/std", "reward", "standard deviation of the step's rewards"),
-    Metric("reward/accuracy", "fraction", "fraction of samples whose answer verified"),
+    Metric("reward/accuracy", "fraction", "fraction of samples whose answer verified (reward >= 1)"),
+    Metric("reward/fn/<label>", "reward", "mean of one reward function's value over the scored samples (before its "
+           "weight)", "with several reward.functions"),
+    Metric("reward/extra/<name>", "value", "mean of a named extra value reward functions returned (RewardResult."
+           "metrics, a service's metrics)", "when a reward function returns it"),
+    Metric("reward/failed", "count", "samples of this data-parallel rank whose reward call failed (mean over ranks); "
+           "with reward.on_failure=exclude they are left out of the baseline and the loss"),
+    Metric("reward/failed_fraction", "fraction", "fraction of the step's samples whose reward call failed"),
     Metric("response/length_mean", "tokens", "mean response length"),
     Metric("response/stopped_fraction", "fraction", "fraction of responses that ended at a stop token (not the length limit)"),
     Metric("batch/tokens", "tokens", "prompt + response tokens of the batch on this data-parallel rank"),
@@ -142,6 +149,8 @@ METRICS = (
            "every eval.interval steps, before and after training"),
     Metric("eval/<split>/mean@<k>", "fraction", "mean accuracy of eval.k samples per problem at eval.temperature",
            "every eval.interval steps, before and after training"),
+    Metric("eval/<split>/reward_failed", "count", "evaluation responses whose reward call failed (scored 0, "
+           "reward.on_failure=exclude)", "when a reward call failed in an evaluation"),
 )
 
 

@@ -91,6 +91,8 @@ class MetricsLogger:
             return
         status = " ".join(f"{k.split('/')[-1]}={metrics[k]:.3f}" for k in ("reward/mean", "kl/exact_token")
                           if k in metrics)
+        if metrics.get("reward/failed"):  # samples excluded for a failed reward call (reward.on_failure=exclude)
+            status += f" reward_failed={metrics['reward/failed']:g}"
         self._progress.update(self._task, completed=step, status=status)
 
     def close(self) -> None:

@@ -22,15 +22,15 @@ batch for step t + s is started at step t with weights of version t, so every to
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
 import torch
 
+from megatron_kl.rewards.scorer import RewardScorer, inputs_for, task_reward
 from megatron_kl.rollout.engine import Completion, RolloutEngine, SamplingConfig
 from megatron_kl.train.batching import pack, pack_routing
 
@@ -50,6 +50,11 @@ class RolloutBatch:
     # [N, S-1] the weight version that sampled each response token (aligned with loss_mask; 0 elsewhere); None in a
     # batch saved before it existed: every token is its sample's weight_versions entry
     token_versions: Optional[torch.Tensor] = None
+    # [N] bool: False for a sample whose reward call failed under reward.on_failure=exclude (its reward is 0, its
+    # loss_mask row 0, and it is left out of its group's advantage baseline); None: every sample is valid
+    reward_valid: Optional[torch.Tensor] = None
+    # the scorer's metrics for this batch (reward/fn/*, reward/extra/*, reward/failed*)
+    reward_metrics: dict = field(default_factory=dict)
 
     @property
     def num_response_tokens(self) -> int:
@@ -86,9 +91,8 @@ def resumed(prefix: Completion, continuation: Completion) -> Completion:
 
 @dataclass
 class _Generated:
-    """Completions of one step's prompts, not yet scored: what the background thread produces. Scoring
-    runs in the main thread (``_score``): verifiers may rely on it (math-verify's timeouts use
-    signal.alarm, which only works there)."""
+    """Completions of one step's prompts, not yet scored: what the background thread produces. ``_score`` is called
+    from the main thread when the batch is needed; the reward calls themselves run in the scorer's worker threads."""
 
     step: int
     problems: list
@@ -148,18 +152,16 @@ def _collective(engine) -> bool:
     return bool(getattr(engine, "collective_generate", False))
 
 
-def _score(task, generated: _Generated, group_size: int) -> RolloutBatch:
-    """Rewards and the packed batch; call from the main thread."""
+def _score(scorer: RewardScorer, task, generated: _Generated, group_size: int) -> RolloutBatch:
+    """Rewards (reward.functions through the scorer: concurrent, with reward.on_failure) and the packed batch."""
     completions, prompts, step, seconds = generated.completions, generated.prompts, generated.step, generated.generate_seconds
-    scores = [task.score(generated.problems[i // group_size], c.response_ids) for i, c in enumerate(completions)]
-    for i, score in enumerate(scores):
-        if not isinstance(score, (int, float)) or not math.isfinite(float(score)):
-            raise ValueError(f"task {type(task).__name__}: reward {score!r} of step {step}, sample {i} (prompt "
-                             f"{i // group_size}, answer {generated.problems[i // group_size].answer!r}) is not a "
-                             "finite number; a verifier must return a finite float")
-    rewards = torch.tensor([float(x) for x in scores])
+    scores = scorer.score(inputs_for(generated.problems, completions, group_size, task.tokenizer))
+    rewards = scores.rewards
     tokens, mask, behavior = pack(prompts, [c.response_ids for c in completions], task.tokenizer.pad_id,
                                   per_token=[c.response_logprobs for c in completions])
+    excluded = not bool(scores.valid.all())
+    if excluded:  # failed samples (reward.on_failure=exclude): no token of theirs is trained on
+        mask = mask * scores.valid[:, None].to(mask.dtype)
     _, _, versions = pack(prompts, [c.response_ids for c in completions], task.tokenizer.pad_id,
                           per_token=[c.versions for c in completions])
     return RolloutBatch(step=step, completions=completions, rewards=rewards, tokens=tokens, loss_mask=mask,
@@ -167,7 +169,8 @@ def _score(task, generated: _Generated, group_size: int) -> RolloutBatch:
                         weight_versions=torch.tensor([min(c.versions, default=c.weight_version) for c in completions]),
                         generate_seconds=seconds,
                         routed_experts=pack_routing([c.routed_experts for c in completions], tokens.shape[1]),
-                        token_versions=versions.round().long())
+                        token_versions=versions.round().long(),
+                        reward_valid=scores.valid if excluded else None, reward_metrics=scores.metrics)
 
 
 class StalenessExceeded(RuntimeError):
@@ -176,8 +179,11 @@ class StalenessExceeded(RuntimeError):
 
 class RolloutSource:
     def __init__(self, task, engine: RolloutEngine, sampling: SamplingConfig, prompts_per_step: int, group_size: int,
-                 staleness: int, seed: int, dp_rank: int = 0, dp_size: int = 1, partial: bool = False):
+                 staleness: int, seed: int, dp_rank: int = 0, dp_size: int = 1, partial: bool = False,
+                 scorer: Optional[RewardScorer] = None):
         self.task, self.engine, self.sampling = task, engine, sampling
+        # the reward functions (reward.*); without one the task's own score()
+        self.scorer = scorer if scorer is not None else RewardScorer([task_reward(task)])
         self.prompts_per_step, self.group_size, self.staleness = prompts_per_step, group_size, staleness
         self.seed, self.dp_rank, self.dp_size = seed, dp_rank, dp_size
         self.partial = partial and staleness > 0
@@ -203,14 +209,14 @@ class RolloutSource:
         return generated
 
     def _make(self, step: int) -> RolloutBatch:
-        return _score(self.task, self._finish(self._generate(step)), self.group_size)
+        return _score(self.scorer, self.task, self._finish(self._generate(step)), self.group_size)
 
     def _resolve(self, item) -> RolloutBatch:
         """A queued item as a scored batch, in the calling (main) thread."""
         if isinstance(item, RolloutBatch):
             return item
         generated = item.result() if isinstance(item, Future) else item
-        return _score(self.task, self._finish(generated), self.group_size)
+        return _score(self.scorer, self.task, self._finish(generated), self.group_size)
 
     def get(self, step: int) -> RolloutBatch:
         """The batch for ``step``; in async mode also submits the batch for ``step + staleness``."""
@@ -281,3 +287,4 @@ class RolloutSource:
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
+        self.scorer.close()

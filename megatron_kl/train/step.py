@@ -112,11 +112,16 @@ def rollout_metrics(batch: RolloutBatch, old_logprobs: torch.Tensor, step: int) 
     staleness = (step - batch.weight_versions).float()  # per sample: its oldest token's
     token_lag = (step - batch.versions).float() * mask
     versions = [set(c.versions) for c in batch.completions]
+    # rewards of the samples that were scored (failed ones, reward.on_failure=exclude, are not zeros to average)
+    scored = batch.rewards if batch.reward_valid is None else batch.rewards[batch.reward_valid]
+    if not scored.numel():
+        scored = torch.zeros(1)
     return {
+        **batch.reward_metrics,
         **mismatch_metrics(old_logprobs, batch.behavior_logprobs, mask),
-        "reward/mean": float(batch.rewards.mean()),
-        "reward/std": float(batch.rewards.std(unbiased=False)),
-        "reward/accuracy": float((batch.rewards >= 1.0).float().mean()),
+        "reward/mean": float(scored.mean()),
+        "reward/std": float(scored.std(unbiased=False)),
+        "reward/accuracy": float((scored >= 1.0).float().mean()),
         "response/length_mean": float(mask.sum(-1).mean()),
         # tokens the training passes see: real (prompt + response) and as padded to the longest sequence
         "batch/tokens": float(sum(len(c.prompt_ids) + len(c.response_ids) for c in batch.completions)),
@@ -175,6 +180,14 @@ def _reduce(metrics: dict, group) -> dict:
     if group is None or dist.get_world_size(group) == 1:
         return metrics
     keys = sorted(metrics)
+    names: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(names, keys, group=group)
+    if any(other != keys for other in names):  # a key only some ranks log (reward/extra/<name>): averaged over those
+        keys = sorted(set().union(*names))
+        present = torch.tensor([float(k in metrics) for k in keys], dtype=torch.float64)
+        values = torch.tensor([float(metrics.get(k, 0.0)) for k in keys], dtype=torch.float64)
+        reduced = all_reduce_cpu(torch.cat([values, present]), group)
+        return dict(zip(keys, (reduced[:len(keys)] / reduced[len(keys):]).tolist()))
     values = all_reduce_cpu(torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64), group)
     values /= dist.get_world_size(group)
     return dict(zip(keys, values.tolist()))
@@ -357,7 +370,8 @@ def rl_step(ctx: StepContext, batch: RolloutBatch, step: int) -> dict:
     support = support_metrics(batch, old, step, sampling, groups.dp_group) if old is not None else None
 
     ctx.clamps.counts.clear()
-    advantages = sequence_advantages(batch.rewards, run.group_size, algo.advantage, algo.std_normalize)
+    advantages = sequence_advantages(batch.rewards, run.group_size, algo.advantage, algo.std_normalize,
+                                     valid=batch.reward_valid)
     zeros = torch.zeros(mask.shape, dtype=torch.float32)
     inputs = LossInputs(loss_mask=mask, behavior_logprobs=batch.behavior_logprobs,
                         reference_logprobs=reference.logprobs if reference is not None else zeros,  # unread: no KL

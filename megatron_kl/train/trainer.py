@@ -28,6 +28,7 @@ from megatron_kl.config import ConfigError, redact_secrets, to_dict
 from megatron_kl.kl.kernels import triton_stats
 from megatron_kl.models import builder, hf, moe_load, optim, output_head, parallel, state
 from megatron_kl.models.offload import ReferenceOffload
+from megatron_kl.rewards.scorer import RewardFailed, RewardScorer
 from megatron_kl.rollout.engine import EngineLost
 from megatron_kl.rollout.http import Cancelled
 from megatron_kl.train import checkpoint as ckpt
@@ -46,7 +47,27 @@ from megatron_kl.train.warmstart import warm_start_state
 
 log = logging.getLogger("megatron_kl.train")
 # failures every rank raises at the same point (their condition is all-reduced), so a collective save is safe
-AGREED_FAILURES = (NonFiniteUpdates,)
+AGREED_FAILURES = (NonFiniteUpdates, RewardFailed)
+
+
+def _agreed_batch(source: RolloutSource, step: int):
+    """The step's rollout batch; a reward failure (reward.on_failure=fail) on any rank is raised on every rank, before
+    any collective of the step, so the finished steps can be saved collectively."""
+    error = None
+    try:
+        batch = source.get(step)
+    except RewardFailed as err:
+        error, batch = err, None
+    if dist.get_world_size() > 1:
+        import torch
+
+        flag = torch.tensor([1.0 if error is not None else 0.0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=ckpt.cpu_group())
+        if float(flag) and error is None:
+            raise RewardFailed(f"step {step}: a reward call failed on another rank (its log names it)")
+    if error is not None:
+        raise error
+    return batch
 
 
 def kl_tags(cfg: TrainConfig) -> dict:
@@ -118,9 +139,10 @@ class Trainer:
 
     def _register_and_resume(self, models) -> None:
         cfg, plan, topology = self.cfg, self.plan, self.topology
+        self.scorer = RewardScorer.build(cfg.reward, self.task)  # reward.*: closed with the rollout source
         self.source = RolloutSource(self.task, self.engine, cfg.rollout.sampling, cfg.train.prompts_per_step,
                                     cfg.train.group_size, cfg.train.staleness, cfg.train.seed, topology.dp_rank,
-                                    topology.dp_size, partial=cfg.rollout.partial)
+                                    topology.dp_size, partial=cfg.rollout.partial, scorer=self.scorer)
         offload = ReferenceOffload(models.reference, cfg.parallel.offload_reference)
         self.counters = Counters()
         # what a checkpoint holds: shared by every rank, or each rank's own
@@ -167,7 +189,7 @@ class Trainer:
             sampling = dataclasses.replace(sampling, max_new_tokens=cfg.eval.max_new_tokens)
         out = evaluate_all(self.engine, self.task, sampling, cfg.eval.k, cfg.eval.temperature,
                            seed=cfg.train.seed * 31 + step, dp_rank=self.topology.dp_rank,
-                           dp_size=self.topology.dp_size, dp_group=self.topology.dp_group)
+                           dp_size=self.topology.dp_size, dp_group=self.topology.dp_group, scorer=self.scorer)
         out["time/eval"] = time.perf_counter() - start
         return out
 
@@ -191,7 +213,7 @@ class Trainer:
             metrics.update(self.evaluate(step))
         with self.profiler.step(step):  # logging.profile_steps (train/profiling.py)
             with phase("rollout_wait", metrics):
-                batch = self.source.get(step)
+                batch = _agreed_batch(self.source, step)
             metrics["time/rollout"] = batch.generate_seconds
             metrics.update(rl_step(self.context, batch, step))
             self.counters.rl_steps = step + 1  # its update is applied (optimizer steps: counters.optimizer_steps)

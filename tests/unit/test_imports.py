@@ -96,7 +96,7 @@ LAYERS = (
     ("KL objective", ("megatron_kl.kl",)),
     ("KL audit", ("megatron_kl.kl.audit",)),
     ("models and tasks", ("megatron_kl.models", "megatron_kl.tasks")),
-    ("algorithms and rollouts", ("megatron_kl.algo", "megatron_kl.rollout")),
+    ("algorithms and rollouts", ("megatron_kl.algo", "megatron_kl.rollout", "megatron_kl.rewards")),
     ("training", ("megatron_kl.train", "megatron_kl.testing", "megatron_kl.validation")),
     ("studies", ("megatron_kl.study", "megatron_kl.config_reference")),
     ("launching", ("megatron_kl.launch",)),

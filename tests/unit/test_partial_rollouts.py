@@ -68,10 +68,10 @@ class _TickEngine:
 
 
 class _Task:
-    tokenizer = SimpleNamespace(pad_id=0)
+    tokenizer = SimpleNamespace(pad_id=0, decode=lambda ids: "")
 
     def problem(self, split, index):
-        return SimpleNamespace(prompt_ids=[index, 7, 7], answer="")
+        return SimpleNamespace(prompt_ids=[index, 7, 7], answer="", prompt_text="")
 
     def score(self, problem, response_ids):
         return float(response_ids[-1] == STOP)
@@ -128,7 +128,7 @@ def test_the_staleness_bound_is_checked_per_token():
                            prompts_per_step=1, group_size=1, staleness=1, seed=0, partial=True)
     try:
         old = Completion([4, 7, 7], [10, 11], [-1.0, -1.0], "length", 2, token_versions=[0, 2])
-        source.queue[3] = _Generated(3, [SimpleNamespace(answer="")], [[4, 7, 7]], [old], 0.0)
+        source.queue[3] = _Generated(3, [SimpleNamespace(prompt_ids=[4, 7, 7], answer="", prompt_text="")], [[4, 7, 7]], [old], 0.0)
         with pytest.raises(StalenessExceeded, match="3 updates old, more than train.staleness=1"):
             source.get(3)
     finally:

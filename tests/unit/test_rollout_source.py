@@ -210,7 +210,10 @@ def test_a_reward_that_is_not_finite_is_an_error_naming_task_and_sample(tmp_path
     task = NaNScores(MathConfig(train_files=[str(path)]), tokenizer=_tiny_hf_tokenizer())
     source = RolloutSource(task, _BoxedAnswerEngine(task), sampling=None, prompts_per_step=4, group_size=2,
                            staleness=0, seed=0)
-    with pytest.raises(ValueError, match=r"task NaNScores: reward nan of step 0, sample \d \(prompt \d, answer '2'\)"):
+    from megatron_kl.rewards.scorer import RewardFailed
+
+    with pytest.raises(RewardFailed, match=r"NaNScores.score failed on sample \d \(prompt \d: 'What is 1\+1\?', answer "
+                                           r"'2'\): reward nan is not finite"):
         source.get(0)
 
 
