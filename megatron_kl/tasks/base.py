@@ -14,7 +14,7 @@ from typing import Optional, Protocol, runtime_checkable
 from megatron_kl.config import ConfigError
 from megatron_kl.constraints import checked
 
-TASK_NAMES = ("arithmetic", "math")  # tasks.registry builds them
+TASK_NAMES = ("arithmetic", "math", "dataset")  # tasks.registry builds them
 
 SPLITS = ("train", "eval", "ood")
 
@@ -93,16 +93,48 @@ class MathConfig:
     eval_overlap: str = checked("refuse", choices=("refuse", "drop", "report"))
 
 
+CHAT_TEMPLATE_MODES = ("auto", "on", "off")
+
+
+@dataclass(frozen=True)
+class DatasetConfig:
+    """Your own prompts: jsonl (optionally .gz), parquet, a Hugging Face ``datasets`` directory (``save_to_disk``;
+    ``DIR:split`` for one split of a DatasetDict) or a directory of parquet / jsonl files, with the columns named
+    here. Every other column of a row reaches the reward functions as ``sample.fields``. A row without the prompt (or
+    the answer, when ``answer_column`` is set) or with a prompt longer than the model's positions allow is refused
+    naming the file and the row."""
+
+    train_files: list[str] = field(default_factory=list)
+    eval_files: list[str] = field(default_factory=list)  # in-domain evaluation (eval/id/*)
+    ood_files: list[str] = field(default_factory=list)  # out-of-distribution evaluation (eval/ood/*)
+    # the column holding the prompt: a string, or a list of chat messages ({role, content})
+    prompt_column: str = checked("prompt", free=True, nonempty=True)
+    # the column holding the reference answer ("" = the data has none; reward functions get answer "")
+    answer_column: str = checked("answer", free=True)
+    # an HF tokenizer (path or name); "" = init.hf_checkpoint's; "chars" = one token per printable ASCII character
+    # (tiny models on a CPU)
+    tokenizer: str = checked("", free=True)
+    # apply the tokenizer's chat template to the prompt: auto = when it has one; on = required; off = plain text
+    chat_template: str = checked("auto", choices=CHAT_TEMPLATE_MODES)
+    system_prompt: Optional[str] = checked(None, free=True)  # a system message (with the chat template)
+    instruction: str = checked("", free=True)  # appended to each prompt (after one space)
+    # the longest prompt accepted, in tokens; 0 = what the model's positions leave after rollout.sampling.max_new_tokens
+    max_prompt_tokens: int = checked(0, ge=0)
+    # evaluation prompts that also appear in train_files (lower-cased, whitespace dropped): refuse | drop | report
+    eval_overlap: str = checked("refuse", choices=("refuse", "drop", "report"))
+
+
 @dataclass(frozen=True)
 class TaskConfig:
-    name: str = checked("arithmetic", choices=TASK_NAMES)  # arithmetic | math
+    name: str = checked("arithmetic", choices=TASK_NAMES)  # arithmetic | math | dataset (your own data)
     seed: int = checked(0, ge=0)
     eval_size: int = checked(64, ge=1)  # problems in each generated evaluation split
     arithmetic: ArithmeticConfig = field(default_factory=ArithmeticConfig)
     math: MathConfig = field(default_factory=MathConfig)
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)
 
     def __post_init__(self):
-        if self.name not in ("arithmetic", "math"):
-            raise ConfigError(f"task.name={self.name!r} is unknown; use 'arithmetic' or 'math'")
+        if self.name not in TASK_NAMES:
+            raise ConfigError(f"task.name={self.name!r} is unknown; use one of {list(TASK_NAMES)}")
         if self.eval_size < 1:
             raise ConfigError(f"task.eval_size={self.eval_size} must be >= 1")

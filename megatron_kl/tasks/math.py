@@ -80,32 +80,32 @@ def _answer_text(answer) -> str:
     return answer.strip()
 
 
-def read_rows(path: str) -> list:
+def read_rows(path: str, section: str = "task.math") -> list:
     """Rows of a jsonl (optionally gzip-compressed: ``.jsonl.gz``) or parquet file; a file that is not
     UTF-8 text is a ConfigError naming it and the first bad line."""
     p = Path(path)
     if not p.is_file():
-        raise ConfigError(f"task.math file {path} does not exist")
+        raise ConfigError(f"{section} file {path} does not exist")
     if p.suffix == ".parquet":
         import pyarrow.parquet as pq
 
         try:
             return pq.read_table(p).to_pylist()
         except Exception as err:  # noqa: BLE001 - pyarrow's errors for damaged files are of many kinds
-            raise ConfigError(f"task.math file {path} is not a readable parquet file ({type(err).__name__}: "
+            raise ConfigError(f"{section} file {path} is not a readable parquet file ({type(err).__name__}: "
                               f"{str(err)[:200]}); re-export it") from None
     data = p.read_bytes()
     if data[:2] == b"\x1f\x8b":  # gzip, whatever the name
         try:
             data = gzip.decompress(data)
         except (EOFError, OSError, zlib.error) as err:
-            raise ConfigError(f"task.math file {path} is a damaged gzip file ({type(err).__name__}: {err or 'cut short'}"
+            raise ConfigError(f"{section} file {path} is a damaged gzip file ({type(err).__name__}: {err or 'cut short'}"
                               "); compress it again or give the uncompressed .jsonl") from None
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as err:
         line = data[: err.start].count(b"\n") + 1
-        raise ConfigError(f"task.math file {path} is not UTF-8 text (line {line}, byte {err.start}: {err.reason}); "
+        raise ConfigError(f"{section} file {path} is not UTF-8 text (line {line}, byte {err.start}: {err.reason}); "
                           "convert it to UTF-8 jsonl or parquet") from None
     rows = []
     for number, line in enumerate(text.splitlines(), 1):
@@ -145,6 +145,38 @@ def score_answer(gold: str, response: str) -> float:
 def normalized_question(text: str) -> str:
     """A question as overlap checks compare it: lower case, no whitespace."""
     return re.sub(r"\s+", "", text.lower())
+
+
+def check_overlap(splits: dict, groups: dict[str, list[str]], mode: str, section: str) -> dict[str, int]:
+    """Evaluation prompts also in the training split (compared by :func:`normalized_question`), per evaluation split;
+    ``mode`` (``<section>.eval_overlap``): refuse (ConfigError naming each split and its count), drop (left out of
+    ``splits``' evaluation splits, in place) or report (kept, a warning)."""
+    trained = {normalized_question(p.prompt_text) for p in splits["train"]}
+    per_file = [k for group, names in groups.items() for k in names]
+    overlap = {k: sum(normalized_question(p.prompt_text) in trained for p in splits[k]) for k in per_file}
+    overlap = {k: n for k, n in overlap.items() if n}
+    if not overlap:
+        return {}
+    counts = ", ".join(f"{k}: {n} of {len(splits[k])}" for k, n in overlap.items())
+    files = section + ".train_files"
+    if mode == "refuse":
+        raise ConfigError(f"{section}: evaluation questions also in {files} ({counts}): their scores "
+                          "would include trained-on questions. Remove them from the files, or set "
+                          f"{section}.eval_overlap=drop (leave them out of the scores) or report (keep them)")
+    if mode == "drop":
+        for key in list(splits):
+            if key != "train":
+                splits[key] = [p for p in splits[key] if normalized_question(p.prompt_text) not in trained]
+        log.warning("%s: left %s evaluation question(s) also in the training files out of the scores (%s)",
+                    section, sum(overlap.values()), counts)
+        emptied = [k for k in overlap if not splits[k]]
+        if emptied:
+            raise ConfigError(f"{section}.eval_overlap=drop leaves no question in {emptied}: every one of them is "
+                              f"in {files}")
+    else:
+        log.warning("%s: evaluation questions also in the training files are scored (%s; "
+                    "%s.eval_overlap=report)", section, counts, section)
+    return overlap
 
 
 def _file_names(files: list[str]) -> dict[str, str]:
@@ -196,32 +228,7 @@ class MathTask:
 
     def _check_overlap(self) -> dict[str, int]:
         """Evaluation questions also in the training files, per eval / OOD split (task.math.eval_overlap)."""
-        trained = {normalized_question(p.prompt_text) for p in self.splits["train"]}
-        per_file = [k for group, names in self.groups.items() for k in names]
-        overlap = {k: sum(normalized_question(p.prompt_text) in trained for p in self.splits[k]) for k in per_file}
-        overlap = {k: n for k, n in overlap.items() if n}
-        if not overlap:
-            return {}
-        counts = ", ".join(f"{k}: {n} of {len(self.splits[k])}" for k, n in overlap.items())
-        mode = self.cfg.eval_overlap
-        if mode == "refuse":
-            raise ConfigError(f"task.math: evaluation questions also in task.math.train_files ({counts}): their scores "
-                              "would include trained-on questions. Remove them from the files, or set "
-                              "task.math.eval_overlap=drop (leave them out of the scores) or report (keep them)")
-        if mode == "drop":
-            for key in list(self.splits):
-                if key != "train":
-                    self.splits[key] = [p for p in self.splits[key] if normalized_question(p.prompt_text) not in trained]
-            log.warning("task.math: left %s evaluation question(s) also in the training files out of the scores (%s)",
-                        sum(overlap.values()), counts)
-            emptied = [k for k in overlap if not self.splits[k]]
-            if emptied:
-                raise ConfigError(f"task.math.eval_overlap=drop leaves no question in {emptied}: every one of them is "
-                                  "in task.math.train_files")
-        else:
-            log.warning("task.math: evaluation questions also in the training files are scored (%s; "
-                        "task.math.eval_overlap=report)", counts)
-        return overlap
+        return check_overlap(self.splits, self.groups, self.cfg.eval_overlap, "task.math")
 
     def _prompt_ids(self, question: str) -> list[int]:
         messages = [{"role": "system", "content": self.cfg.system_prompt}] if self.cfg.system_prompt else []

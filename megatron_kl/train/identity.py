@@ -53,6 +53,9 @@ def _file_digests(cfg) -> dict[str, str]:
     paths = []
     if cfg.task.name == "math":
         paths += [*cfg.task.math.train_files, *cfg.task.math.eval_files, *cfg.task.math.ood_files]
+    if cfg.task.name == "dataset":
+        paths += [*cfg.task.dataset.train_files, *cfg.task.dataset.eval_files, *cfg.task.dataset.ood_files]
+    paths += [f.name.rsplit(":", 1)[0] for f in cfg.reward.functions if f.name.rsplit(":", 1)[0].endswith(".py")]
     if cfg.warm_start.checkpoint:
         paths.append(cfg.warm_start.checkpoint)
     if cfg.init.hf_checkpoint:

@@ -18,6 +18,7 @@ from megatron_kl.config import ConfigError, validate_parallel, validate_training
 from megatron_kl.models import builder, context_parallel, hf, parallel
 from megatron_kl.rewards.scorer import RewardScorer
 from megatron_kl.tasks import build_task
+from megatron_kl.tasks.dataset import TaskContext
 from megatron_kl.train import checkpoint as ckpt
 from megatron_kl.train import run_dir
 from megatron_kl.train.config import TrainConfig, validate_train_config
@@ -120,7 +121,7 @@ def prepare(cfg: TrainConfig) -> Prepared:
     random generators included (``megatron-kl train --check``)."""
     world_size = _world_size()
     hf_source = _hf_source(cfg)
-    task = build_task(cfg.task)
+    task = build_task(cfg.task, task_context(cfg, hf_source))
     cfg = resolve(cfg, task, hf_source)
     validate_parallel(cfg.model, cfg.parallel, world_size)
     validate_training_layout(cfg.model, cfg.parallel, cfg.train.micro_batch_tokens)
@@ -129,6 +130,14 @@ def prepare(cfg: TrainConfig) -> Prepared:
     context_parallel.check_runnable(cfg.parallel, builder.have_transformer_engine())  # where it can run at all
     RewardScorer.build(cfg.reward, task).close()  # reward functions that resolve to nothing are refused here
     return Prepared(cfg, world_size, hf_source, task, run_dir.plan_start(cfg, world_size))
+
+
+def task_context(cfg: TrainConfig, hf_source) -> TaskContext:
+    """What the task needs from the rest of the config: the init checkpoint (the default tokenizer) and the longest
+    prompt the model takes (its positions minus the longest response asked for)."""
+    model = hf.model_config_for_run(cfg.model, hf_source) if hf_source is not None else cfg.model
+    response = max(cfg.rollout.sampling.max_new_tokens, cfg.eval.max_new_tokens or 0)
+    return TaskContext(hf_checkpoint=cfg.init.hf_checkpoint, prompt_token_limit=model.max_position_embeddings - response)
 
 
 def train(cfg: TrainConfig) -> dict:
