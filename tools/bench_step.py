@@ -212,7 +212,7 @@ def _run(config: str, overrides: list[str], steps: int, profiled: Optional[int] 
     the profiler when given: (the config, the records of the steps after the first and other than the profiled
     one, the profiled step's summary or None)."""
     from megatron_kl.models import parallel
-    from megatron_kl.train.cli import _single_process_env
+    from megatron_kl.train.cli import single_process_env
     from megatron_kl.train.config import load_train_config
     from megatron_kl.train.loop import train
     from megatron_kl.train.metrics import read_metrics
@@ -222,7 +222,7 @@ def _run(config: str, overrides: list[str], steps: int, profiled: Optional[int] 
             f"train.steps={steps + (profiled is not None)}", f"train.output_dir={tmp}/run", "eval.interval=0",
             "checkpoint.interval=0", "logging.progress=false", "logging.tensorboard=false",
             *([f"logging.profile_steps=[{profiled}]"] if profiled is not None else []), *overrides])
-        _single_process_env()
+        single_process_env()
         try:
             train(cfg)
         finally:

@@ -175,7 +175,7 @@ def run_megatron_kl(work: Path, shape: str, steps: int, new_tokens: int, extra: 
     sys.path.insert(0, str(ROOT))
     from megatron_kl.models import parallel
     from megatron_kl.train import loop, trainer
-    from megatron_kl.train.cli import _single_process_env
+    from megatron_kl.train.cli import single_process_env
     from megatron_kl.train.config import load_train_config
     from megatron_kl.train.metrics import read_metrics
 
@@ -190,7 +190,7 @@ def run_megatron_kl(work: Path, shape: str, steps: int, new_tokens: int, extra: 
     out = work / f"mk-{shape}-{time.time_ns()}"
     config, overrides = megatron_kl_config(work, shape, new_tokens)
     cfg = load_train_config(str(config), [*overrides, f"train.steps={steps}", f"train.output_dir={out}", *extra])
-    _single_process_env()
+    single_process_env()
     try:
         loop.train(cfg)
     finally:

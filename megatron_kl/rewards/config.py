@@ -10,7 +10,7 @@ from megatron_kl.config import ConfigError
 from megatron_kl.constraints import checked
 
 FAILURE_POLICIES = ("fail", "exclude")
-CALL_MODES = ("sample", "batch")
+CALL_MODES = ("auto", "sample", "batch")
 
 
 @dataclass(frozen=True)
@@ -23,8 +23,9 @@ class RewardFunctionConfig:
     name: str = checked("", free=True, nonempty=True)
     weight: float = checked(1.0)  # its factor in the total reward (negative: a penalty)
     # sample: fn(sample, **kwargs) -> float | RewardResult, one call per response (run concurrently);
-    # batch: fn(samples, **kwargs) -> list of them, one call per step's batch (a verifier cheaper in batches)
-    mode: str = checked("sample", choices=CALL_MODES)
+    # batch: fn(samples, **kwargs) -> list of them, one call per step's batch (a verifier cheaper in batches);
+    # auto: the function's own (built-ins and registered functions know theirs; an imported one: sample)
+    mode: str = checked("auto", choices=CALL_MODES)
     # keyword arguments given to the function at every call (regex_match: pattern; exact_match: ignore_case)
     kwargs: dict[str, Any] = field(default_factory=dict)
     # a label for the metrics (reward/fn/<label>); default: the function's name without its module path

@@ -70,14 +70,14 @@ def bind(entry: RewardFunctionConfig, where: str, cfg: RewardConfig, tokenizer) 
     kwargs = dict(entry.kwargs)
     if entry.name in _REGISTERED:
         fn, mode = _REGISTERED[entry.name]
-        if entry.mode != mode:
+        if entry.mode not in ("auto", mode):
             raise ConfigError(f"{where}: registered with mode={mode}; set {where.split(' ')[0]}.mode={mode}")
     elif entry.name in BUILTINS:
         fn, mode, kwargs = _builtin(entry, where, cfg, tokenizer)
         if entry.name == "service":
             return BoundReward(entry.metric_label, entry.weight, "batch", fn, where, close=fn.close, own_deadline=True)
     else:
-        fn, mode = _import(entry.name, where), entry.mode
+        fn, mode = _import(entry.name, where), "sample" if entry.mode == "auto" else entry.mode
     _check_signature(fn, kwargs, mode, where)
     call = (lambda x, _fn=fn, _kw=kwargs: _fn(x, **_kw)) if kwargs else fn
     return BoundReward(entry.metric_label, entry.weight, mode, call, where)
@@ -85,9 +85,9 @@ def bind(entry: RewardFunctionConfig, where: str, cfg: RewardConfig, tokenizer) 
 
 def _builtin(entry: RewardFunctionConfig, where: str, cfg: RewardConfig, tokenizer):
     name, kwargs = entry.name, dict(entry.kwargs)
-    if entry.mode != ("batch" if name == "service" else "sample"):
+    if entry.mode not in ("auto", "batch" if name == "service" else "sample"):
         raise ConfigError(f"{where}: the built-in {name} is called in mode={'batch' if name == 'service' else 'sample'}"
-                          "; leave mode unset")
+                          "; leave mode at auto")
     allowed = {"arithmetic": set(), "math_verify": set(), "exact_match": {"ignore_case"},
                "boxed_match": {"ignore_case"}, "regex_match": {"pattern", "ignore_case"}, "service": set()}[name]
     unknown = set(kwargs) - allowed

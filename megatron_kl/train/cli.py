@@ -12,7 +12,7 @@ import sys
 from megatron_kl.config import ConfigError
 
 
-def _single_process_env() -> None:
+def single_process_env() -> None:
     """Without torchrun, become rank 0 of a world of 1."""
     if "RANK" in os.environ:
         return
@@ -82,7 +82,7 @@ def run(config_path: str, overrides: list[str], check_only: bool = False) -> int
         return 2
     if check_only:
         return check(cfg)
-    _single_process_env()
+    single_process_env()
     from megatron_kl.models import parallel
     from megatron_kl.train.loop import train
 

@@ -4,12 +4,13 @@ and its plot."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import os
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch.distributed as dist
 
@@ -144,10 +145,22 @@ def train(cfg: TrainConfig) -> dict:
     """Run (or resume) the training the configuration describes; its summary (also ``summary.json``)."""
     seed_everything(cfg.train.seed)  # model initialisation and the task's data draw from the global generators
     prepared = prepare(cfg)  # a refused start changes nothing (train/run_dir.py)
-    cfg, world_size, hf_source, task, plan = (prepared.config, prepared.world_size, prepared.hf_source, prepared.task,
-                                              prepared.plan)
-    if plan.kind == "finished":
+    cfg = prepared.config
+    if prepared.plan.kind == "finished":
         return {**run_dir.read_summary(Path(cfg.train.output_dir)), "already_finished": True}
+    with started(prepared) as trainer:
+        trainer.fit()
+        trainer.close()  # metrics written and the engine down before the summary reads them (the lock still held)
+        return _summary(cfg, prepared.plan.run_id, Path(cfg.train.output_dir), trainer.topology.is_logger)
+
+
+@contextlib.contextmanager
+def started(prepared: Prepared) -> Iterator[Trainer]:
+    """The Trainer of a prepared start (fresh or resume), with the stop signals installed, the process groups made and
+    the output directory's lock held; leaving the block closes the trainer (engine, servers, logger) and releases the
+    lock and the signals. The caller seeds first (:func:`seed_everything`) and destroys the process groups when done
+    (``parallel.destroy``)."""
+    cfg, plan = prepared.config, prepared.plan
     stop = StopSignals(cfg.train.stop_signals)  # from here on a stop signal ends the run cleanly
     lock = None
     try:
@@ -155,10 +168,9 @@ def train(cfg: TrainConfig) -> dict:
         child_processes.install()  # helpers forked from here on die with this process
         parallel.initialize(cfg.model, cfg.parallel, seed=cfg.train.seed)
         topology = Topology.from_parallel_state()
-        lock = _claim(cfg, plan, world_size)
-        with Trainer(cfg, plan, task, hf_source, topology, stop) as trainer:
-            trainer.fit()
-        return _summary(cfg, plan.run_id, Path(cfg.train.output_dir), topology.is_logger)
+        lock = _claim(cfg, plan, prepared.world_size)
+        with Trainer(cfg, plan, prepared.task, prepared.hf_source, topology, stop) as trainer:
+            yield trainer
     finally:
         stop.close()
         if lock is not None:

@@ -177,6 +177,10 @@ class Trainer:
         self.close()
 
     def close(self) -> None:
+        """Shut the rollout source, the engine and the logger down (once; later calls do nothing)."""
+        if getattr(self, "_closed", False):
+            return
+        self._closed = True
         self.source.close()
         self.engine.shutdown()
         self.logger.close()

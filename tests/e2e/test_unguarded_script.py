@@ -10,13 +10,13 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = """
 import os
 print("START", os.getpid(), flush=True)
-from megatron_kl.train.cli import _single_process_env
+from megatron_kl.train.cli import single_process_env
 from megatron_kl.train.config import load_train_config
 from megatron_kl.train.loop import train
 cfg = load_train_config({config!r}, ["train.steps=2", "checkpoint.interval=1", "train.output_dir={out}",
     "warm_start.enabled=false", "eval.interval=0", "logging.progress=false", "logging.tensorboard=false",
     "train.prompts_per_step=4", "train.group_size=2", "task.eval_size=4", "eval.k=1"])
-_single_process_env()
+single_process_env()
 train(cfg)
 print("DONE", flush=True)
 """

@@ -97,7 +97,7 @@ LAYERS = (
     ("KL audit", ("megatron_kl.kl.audit",)),
     ("models and tasks", ("megatron_kl.models", "megatron_kl.tasks")),
     ("algorithms and rollouts", ("megatron_kl.algo", "megatron_kl.rollout", "megatron_kl.rewards")),
-    ("training", ("megatron_kl.train", "megatron_kl.testing", "megatron_kl.validation")),
+    ("training", ("megatron_kl.train", "megatron_kl.testing", "megatron_kl.validation", "megatron_kl.api")),
     ("studies", ("megatron_kl.study", "megatron_kl.config_reference")),
     ("launching", ("megatron_kl.launch",)),
     ("commands", ("megatron_kl.cli",)),
