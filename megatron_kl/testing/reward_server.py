@@ -14,6 +14,7 @@ Failure injection, each counted over /score requests:
     --fault-drop-every N       every N-th request closes the connection without an answer
     --fault-nan-every N        every N-th request answers NaN as its first reward (a well-formed, impossible value)
     --fault-first N            only the first N requests are eligible for the faults above (then all answer well)
+    --fault-after N            only requests after the N-th are eligible (a service that breaks mid-run)
 
 ``RewardServer`` runs the same in a thread of the calling process (unit tests).
 """
@@ -41,11 +42,11 @@ class RewardServer:
     """The service on ``127.0.0.1:<port>`` in a background thread; ``faults``: ``{"500": N, "slow": N, ...}``."""
 
     def __init__(self, port: int = 0, token: Optional[str] = None, faults: Optional[dict] = None,
-                 delay_s: float = 2.0, first: Optional[int] = None):
+                 delay_s: float = 2.0, first: Optional[int] = None, after: int = 0):
         unknown = set(faults or {}) - set(FAULTS)
         if unknown:
             raise ValueError(f"unknown faults {sorted(unknown)}; use {FAULTS}")
-        self.token, self.faults, self.delay_s, self.first = token, dict(faults or {}), delay_s, first
+        self.token, self.faults, self.delay_s, self.first, self.after = token, dict(faults or {}), delay_s, first, after
         self.requests = 0
         self.seen_headers: list[dict] = []
         self._lock = threading.Lock()
@@ -66,7 +67,7 @@ class RewardServer:
         self.httpd.server_close()
 
     def fault_for(self, number: int) -> Optional[str]:
-        if self.first is not None and number > self.first:
+        if (self.first is not None and number > self.first) or number <= self.after:
             return None
         return next((kind for kind in FAULTS if self.faults.get(kind) and number % self.faults[kind] == 0), None)
 
@@ -142,12 +143,13 @@ def main(argv=None) -> None:
         p.add_argument(f"--fault-{kind}-every", type=int, default=0, metavar="N", help=f"inject '{kind}' every N-th request")
     p.add_argument("--fault-delay-s", type=float, default=2.0, help="the sleep of a 'slow' request")
     p.add_argument("--fault-first", type=int, default=None, metavar="N", help="faults only in the first N requests")
+    p.add_argument("--fault-after", type=int, default=0, metavar="N", help="faults only after the N-th request")
     args = p.parse_args(argv)
     token = os.environ.get(args.token_env) if args.token_env else None
     if args.token_env and not token:
         p.error(f"--token-env {args.token_env}: that environment variable is not set")
     faults = {kind: getattr(args, f"fault_{kind}_every") for kind in FAULTS if getattr(args, f"fault_{kind}_every")}
-    server = RewardServer(args.port, token, faults, args.fault_delay_s, args.fault_first)
+    server = RewardServer(args.port, token, faults, args.fault_delay_s, args.fault_first, args.fault_after)
     server.httpd.server_close()
     server.httpd = ThreadingHTTPServer((args.host, args.port), _handler(server))
     server.httpd.daemon_threads = True
