@@ -163,6 +163,27 @@ class RolloutServersConfig:
                 f"launch.rollout_servers.tp_size={self.tp_size} must divide gpus_per_node={self.gpus_per_node}")
 
 
+REWARD_SERVICE_MODES = ("none", "heterogeneous")
+
+
+@dataclass(frozen=True)
+class RewardServiceLaunchConfig:
+    """A verifier / reward-model service started with the job (``reward.functions`` naming ``service``).
+
+    none: the service runs elsewhere (``reward.service.urls`` names it). heterogeneous: ``nodes`` nodes of the same Slurm
+    job run ``command`` each (a group of the heterogeneous job, beside the rollout servers' when they are disaggregated
+    too); the trainer gets their addresses as ``reward.service.urls`` (``http://<node>:<port>``).
+    """
+
+    mode: str = checked("none", choices=REWARD_SERVICE_MODES)
+    nodes: int = checked(1, ge=1)
+    gpus_per_node: int = checked(0, ge=0)  # 0: CPU nodes (a rule-based verifier); a reward model wants GPUs
+    port: int = checked(8100, ge=1, le=65535)
+    # the service's command line, one argument per item (each shell-quoted in the job script); "{port}" in an item is
+    # replaced by the port, e.g. [python, -m, my_lab.verifier, --port, "{port}"]
+    command: list[str] = field(default_factory=list)
+
+
 @dataclass(frozen=True)
 class LaunchConfig:
     experiment: Optional[str] = checked(None, free=True)  # NeMo-Run experiment title; default: the run's name
@@ -172,6 +193,7 @@ class LaunchConfig:
     env: dict = field(default_factory=dict)  # environment of every task
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
     rollout_servers: RolloutServersConfig = field(default_factory=RolloutServersConfig)
+    reward_service: RewardServiceLaunchConfig = field(default_factory=RewardServiceLaunchConfig)
 
     def __post_init__(self):
         if self.nproc_per_node is not None and self.nproc_per_node < 1:

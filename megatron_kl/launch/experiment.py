@@ -16,8 +16,8 @@ from typing import Optional
 
 from megatron_kl.config import ConfigError, read_yaml_file
 from megatron_kl.constraints import paths_unchecked
-from megatron_kl.launch.jobs import (TaskSpec, _nemo_run, disaggregated_tasks, local_task, single_node_task,
-                                     slurm_task)
+from megatron_kl.launch.jobs import (TaskSpec, _nemo_run, heterogeneous, heterogeneous_tasks, local_task,
+                                     single_node_task, slurm_task)
 from megatron_kl.train.config import load_train_config
 
 log = logging.getLogger("megatron_kl.launch")
@@ -74,8 +74,8 @@ def build(exp, executor_kind: str, launch_plan: LaunchPlan, customize=None) -> N
             executor, script = single_node_task(spec)
         elif executor_kind == "local":
             executor, script = local_task(spec)
-        elif spec.cfg.launch.rollout_servers.mode == "disaggregated":
-            executor, script = disaggregated_tasks(spec)
+        elif heterogeneous(spec.cfg):
+            executor, script = heterogeneous_tasks(spec)
         else:
             executor, script = slurm_task(spec)
         if customize is not None:

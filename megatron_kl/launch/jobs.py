@@ -4,9 +4,11 @@
 - slurm: ``SlurmExecutor`` (pyxis container, mounts, NCCL/H100 environment, git-archive packager, local or
   SSH tunnel) + torchrun across nodes with the c10d rendezvous on the head node; failures requeue the job
   up to ``retries`` times and the trainer resumes from its latest checkpoint (``checkpoint.resume``).
-- disaggregated SGLang: a heterogeneous Slurm job, group 0 the rollout nodes (one ``sglang.launch_server``, or
-  ``rollout.sglang.server_module``, per node), group 1 the trainer; the rollout hosts are resolved in the sbatch
-  script and passed to the trainer as ``rollout.sglang.urls``.
+- heterogeneous jobs: disaggregated SGLang (``launch.rollout_servers.mode=disaggregated``: one
+  ``sglang.launch_server``, or ``rollout.sglang.server_module``, per rollout node) and / or a verifier service
+  (``launch.reward_service.mode=heterogeneous``: its command per node) as groups of one Slurm job, the trainer the
+  last group; the groups' hosts are resolved in the sbatch script and passed to the trainer as
+  ``rollout.sglang.urls`` / ``reward.service.urls``.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from megatron_kl.config import ConfigError, validate_parallel, validate_training
 from megatron_kl.train.config import TrainConfig
 
 URLS_VAR = "MEGATRON_KL_SGLANG_URLS"
+REWARD_URLS_VAR = "MEGATRON_KL_REWARD_URLS"
 API_KEY_VAR = "MEGATRON_KL_SGLANG_API_KEY"  # rollout.sglang.api_key_env's default
 TRAIN_HEAD_VAR = "MEGATRON_KL_TRAIN_HEAD"
 
@@ -110,6 +113,19 @@ def _check_slurm(cfg: TrainConfig) -> None:
         if not (servers.model_path or cfg.init.hf_checkpoint):
             raise ConfigError("disaggregated SGLang servers need launch.rollout_servers.model_path "
                               "(or init.hf_checkpoint)")
+    service = cfg.launch.reward_service
+    if service.mode == "heterogeneous":
+        if not any(f.name == "service" for f in cfg.reward.functions):
+            raise ConfigError("launch.reward_service.mode=heterogeneous starts a verifier service that no reward calls: "
+                              "add {name: service} to reward.functions, or set launch.reward_service.mode=none")
+        if not service.command:
+            raise ConfigError("launch.reward_service.command is empty: give the service's command line, one argument "
+                              "per item, e.g. [python, -m, my_lab.verifier, --port, '{port}']")
+
+
+def heterogeneous(cfg: TrainConfig) -> bool:
+    """Whether the job has groups besides the trainer's (rollout servers, a verifier service)."""
+    return (cfg.launch.rollout_servers.mode == "disaggregated" or cfg.launch.reward_service.mode == "heterogeneous")
 
 
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -198,46 +214,74 @@ def _rollout_flags(cfg: TrainConfig) -> list[str]:
     return flags
 
 
-def disaggregated_tasks(spec: TaskSpec):
-    """([rollout executor, trainer executor], [server script, trainer script]) of one heterogeneous job."""
+def _hosts(group: int, port: int) -> str:
+    """The shell pipeline listing a group's nodes as quoted URLs ``"http://<node>:<port>"``, comma-separated."""
+    return (f"$(scontrol show hostnames \"$SLURM_JOB_NODELIST_HET_GROUP_{group}\" "
+            f"| sed 's|.*|\"http://&:{port}\"|' | paste -sd, -)")
+
+
+def heterogeneous_tasks(spec: TaskSpec):
+    """(executors, scripts) of one heterogeneous job: the rollout servers' group (disaggregated SGLang) and the verifier
+    service's group where configured, then the trainer's group."""
     run = _nemo_run()
     cfg = spec.cfg
     _check_slurm(cfg)
-    slurm, servers = cfg.launch.slurm, cfg.launch.rollout_servers
-    # Resolved in the sbatch script (outside the containers), exported into both groups' srun steps.
-    setup = "\n".join([
-        # a fresh key per job (never in a file, nor in the job's log: NeMo-Run's script traces every command with
-        # set -x, so tracing is off while the key is made); the servers bind 0.0.0.0 and one route unpickles its
-        # input
-        "{ xtrace=$(set +o | grep xtrace); set +x; } 2>/dev/null",
-        f"export {API_KEY_VAR}=$(head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \\n')",
-        'eval "$xtrace"',
-        f"export {URLS_VAR}=$(scontrol show hostnames \"$SLURM_JOB_NODELIST_HET_GROUP_0\" "
-        f"| sed 's|.*|\"http://&:{servers.port}\"|' | paste -sd, -)",
-        f"export {TRAIN_HEAD_VAR}=$(scontrol show hostnames \"$SLURM_JOB_NODELIST_HET_GROUP_1\" | head -n1)",
+    slurm, servers, service = cfg.launch.slurm, cfg.launch.rollout_servers, cfg.launch.reward_service
+    rollout = servers.mode == "disaggregated"
+    groups = (["rollout"] if rollout else []) + (["reward"] if service.mode == "heterogeneous" else [])
+    trainer_group = len(groups)
+    # Resolved in the sbatch script (outside the containers), exported into every group's srun steps.
+    setup = []
+    if rollout:
+        setup += [
+            # a fresh key per job (never in a file, nor in the job's log: NeMo-Run's script traces every command with
+            # set -x, so tracing is off while the key is made); the servers bind 0.0.0.0 and one route unpickles its
+            # input
+            "{ xtrace=$(set +o | grep xtrace); set +x; } 2>/dev/null",
+            f"export {API_KEY_VAR}=$(head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \\n')",
+            'eval "$xtrace"',
+            f"export {URLS_VAR}={_hosts(groups.index('rollout'), servers.port)}"]
+    if "reward" in groups:
+        setup.append(f"export {REWARD_URLS_VAR}={_hosts(groups.index('reward'), service.port)}")
+    setup += [
+        f"export {TRAIN_HEAD_VAR}=$(scontrol show hostnames \"$SLURM_JOB_NODELIST_HET_GROUP_{trainer_group}\" "
+        "| head -n1)",
         # the trainer reaches the servers directly, never through a site's HTTP proxy: their nodes join no_proxy
-        'export no_proxy="${no_proxy:-${NO_PROXY:-}}"',
-        'export no_proxy="${no_proxy:+$no_proxy,}$(scontrol show hostnames "$SLURM_JOB_NODELIST_HET_GROUP_0" '
-        '| paste -sd, -)"',
-        'export NO_PROXY="$no_proxy"',
-    ])
-    rollout_executor = _slurm_executor(cfg, servers.nodes, 1, None, heterogeneous=True, setup_lines=setup,
-                                       stop_signal=False)
-    rollout_executor.gpus_per_node = servers.gpus_per_node or None  # 0: CPU nodes (the CI cluster's test server)
+        'export no_proxy="${no_proxy:-${NO_PROXY:-}}"']
+    for group in range(trainer_group):
+        setup.append('export no_proxy="${no_proxy:+$no_proxy,}$(scontrol show hostnames '
+                     f'"$SLURM_JOB_NODELIST_HET_GROUP_{group}" | paste -sd, -)"')
+    setup.append('export NO_PROXY="$no_proxy"')
+    executors, scripts = [], []
+    for index, group in enumerate(groups):
+        nodes, gpus = (servers.nodes, servers.gpus_per_node) if group == "rollout" else (service.nodes,
+                                                                                          service.gpus_per_node)
+        executor = _slurm_executor(cfg, nodes, 1, None, heterogeneous=True, setup_lines="\n".join(setup) if index == 0
+                                   else None, stop_signal=False)
+        executor.gpus_per_node = gpus or None  # 0: CPU nodes (the CI cluster's test server, a rule-based verifier)
+        executors.append(executor)
+        if group == "rollout":
+            # an inline script (srun runs `bash server.sh`): the key is expanded there, not in the traced job script
+            scripts.append(run.Script(inline=" ".join(["python", "-m", cfg.rollout.sglang.server_module,
+                                                       *(shlex.quote(a) for a in sglang_server_args(cfg)),
+                                                       "--api-key", f'"${API_KEY_VAR}"'])))
+        else:
+            scripts.append(run.Script(inline=" ".join(shlex.quote(a.replace("{port}", str(service.port)))
+                                                      for a in service.command)))
     # one srun task per trainer node, each running torchrun for that node's GPUs
-    trainer_executor = _slurm_executor(cfg, slurm.nodes, 1, None, heterogeneous=True)
-    for executor in (rollout_executor, trainer_executor):
+    executors.append(_slurm_executor(cfg, slurm.nodes, 1, None, heterogeneous=True))
+    for executor in executors:
         executor.wait_time_for_group_job = servers.trainer_start_delay_s
         executor.monitor_group_job_wait_time = servers.monitor_interval_s
-    # an inline script (srun runs `bash server.sh`): the key is expanded there, not in the traced job script
-    server = run.Script(inline=" ".join(["python", "-m", cfg.rollout.sglang.server_module,
-                                         *(shlex.quote(a) for a in sglang_server_args(cfg)),
-                                         "--api-key", f'"${API_KEY_VAR}"']))
     torchrun = ["torchrun", "--nnodes", str(slurm.nodes), "--nproc-per-node", str(slurm.tasks_per_node),
                 "--rdzv-backend", "c10d", "--rdzv-endpoint", f"${TRAIN_HEAD_VAR}:{slurm.rdzv_port}",
                 "--rdzv-id", "$SLURM_JOB_ID", "-m", "megatron_kl.cli"]
-    # every user value shell-quoted; the one intended expansion is the server URLs, from a fixed template
-    urls = f'"rollout.sglang.urls=[${URLS_VAR}]" rollout.sglang.api_key_env={API_KEY_VAR}'
-    line = " ".join(torchrun) + " " + " ".join(shlex.quote(a) for a in spec.train_args()) + " " + urls
-    trainer = run.Script(inline=line)
-    return [rollout_executor, trainer_executor], [server, trainer]
+    # every user value shell-quoted; the intended expansions are the groups' URLs, from fixed templates
+    urls = []
+    if rollout:
+        urls.append(f'"rollout.sglang.urls=[${URLS_VAR}]" rollout.sglang.api_key_env={API_KEY_VAR}')
+    if "reward" in groups:
+        urls.append(f'"reward.service.urls=[${REWARD_URLS_VAR}]"')
+    line = " ".join(torchrun) + " " + " ".join(shlex.quote(a) for a in spec.train_args()) + " " + " ".join(urls)
+    scripts.append(run.Script(inline=line))
+    return executors, scripts

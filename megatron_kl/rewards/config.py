@@ -3,6 +3,7 @@ what a failed call does, and the verifier / reward-model service they may call. 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,9 +39,9 @@ class RewardFunctionConfig:
 
     @property
     def metric_label(self) -> str:
-        if self.label:
-            return self.label
-        return self.name.rsplit(":", 1)[-1].rsplit(".", 1)[-1].removesuffix(".py")
+        """The label as a metric key segment (letters, digits and ``_.-``; anything else becomes ``_``)."""
+        label = self.label or self.name.rsplit(":", 1)[-1].rsplit(".", 1)[-1]
+        return re.sub(r"[^A-Za-z0-9_.-]", "_", label) or "_"
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,9 @@ class RewardServiceConfig:
     backoff_s: float = checked(0.5, ge=0)  # doubled after each failed attempt, up to 30 s
     batch_size: int = checked(32, ge=1)  # samples per request
     concurrency: int = checked(4, ge=1)  # requests in flight
+    # before the first request, wait up to this long for every URL to answer at all (GET /health, any status): a
+    # service started beside the trainer (launch.reward_service) may still be loading; 0: do not wait
+    startup_timeout_s: float = checked(300.0, ge=0)
     # the name of an environment variable holding a bearer token sent as "Authorization: Bearer <token>"; the token is
     # read at start, never written to a log, config.yaml or the metrics ("" = no authentication)
     token_env: str = checked("", free=True)
@@ -85,8 +89,5 @@ class RewardConfig:
         if repeated:
             raise ConfigError(f"reward.functions: the label(s) {repeated} name more than one function; give each a "
                               "distinct reward.functions[i].label (the metrics reward/fn/<label> must not mix them)")
-        if any(f.name == "service" for f in self.functions) and not self.service.urls:
-            raise ConfigError("reward.functions names 'service' but reward.service.urls is empty: give the verifier's "
-                              "address, e.g. reward.service.urls=[http://verifier:8000]")
         if self.functions and not any(f.weight for f in self.functions):
             raise ConfigError("reward.functions: every weight is 0, so every reward would be 0; give one a weight")

@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import itertools
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional
+
+import requests
 
 from megatron_kl.config import ConfigError
 from megatron_kl.rewards.config import RewardServiceConfig
@@ -45,13 +48,36 @@ class RewardService:
         self._urls = itertools.cycle(cfg.urls)
         self._pool = ThreadPoolExecutor(max_workers=cfg.concurrency, thread_name_prefix="reward-service")
         self.counters: dict = {}
+        self._reachable = cfg.startup_timeout_s == 0
 
     @property
     def budget_s(self) -> float:
         """The longest one request can take (every attempt and backoff)."""
         return self.policy.budget_s
 
+    def wait_reachable(self) -> None:
+        """Every URL answers something (``GET /health``, any status) within ``startup_timeout_s``, else
+        ``ServerUnavailable`` naming the ones that do not."""
+        deadline = time.monotonic() + self.cfg.startup_timeout_s
+        waiting = list(self.cfg.urls)
+        while waiting:
+            http.check_cancelled()
+            for url in list(waiting):
+                try:
+                    self.session.get(url.rstrip("/") + "/health", timeout=5).close()
+                    waiting.remove(url)
+                except (requests.ConnectionError, requests.Timeout):
+                    pass
+            if waiting and time.monotonic() >= deadline:
+                raise http.ServerUnavailable(f"reward service {waiting} not reachable after "
+                                             f"reward.service.startup_timeout_s={self.cfg.startup_timeout_s:g}s")
+            if waiting:
+                time.sleep(0.5)
+        self._reachable = True
+
     def __call__(self, samples: list[RewardInput]) -> list[Any]:
+        if not self._reachable:
+            self.wait_reachable()
         size = self.cfg.batch_size
         chunks = [samples[i:i + size] for i in range(0, len(samples), size)]
         futures = [self._pool.submit(self._request, next(self._urls), chunk) for chunk in chunks]

@@ -63,7 +63,8 @@ class RewardServer:
         self.close()
 
     def close(self) -> None:
-        self.httpd.shutdown()
+        if self._thread.is_alive():  # shutdown() waits for serve_forever, which an unstarted server never runs
+            self.httpd.shutdown()
         self.httpd.server_close()
 
     def fault_for(self, number: int) -> Optional[str]:

@@ -257,6 +257,11 @@ def _cross_field_rules(cfg: TrainConfig) -> None:
             if tokens is not None and tokens >= positions:
                 raise ConfigError(f"{name}={tokens} leaves no position for the prompt: model.max_position_embeddings="
                                   f"{positions} holds prompt + response; lower {name} or raise the positions")
+    if (any(f.name == "service" for f in cfg.reward.functions) and not cfg.reward.service.urls
+            and cfg.launch.reward_service.mode == "none"):
+        raise ConfigError("reward.functions names 'service' but reward.service.urls is empty: give the verifier's "
+                          "address, e.g. reward.service.urls=[http://verifier:8000] (or start it with the job: "
+                          "launch.reward_service.mode=heterogeneous)")
     if cfg.algo.mask_low >= cfg.algo.mask_high:
         raise ConfigError(f"algo.mask_low={cfg.algo.mask_low:g} must be below algo.mask_high={cfg.algo.mask_high:g}")
 

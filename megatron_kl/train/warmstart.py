@@ -39,9 +39,20 @@ def recipe_key(cfg) -> str:
     """16 hex digits of the SHA-256 of what determines the warm start's weights (model, task, recipe, seed)."""
     recipe = {k: v for k, v in to_dict(cfg.warm_start).items() if k not in NOT_IN_KEY["warm_start"]}
     model = {k: v for k, v in to_dict(cfg.model).items() if k not in NOT_IN_KEY["model"]}
-    key = json.dumps({"model": model, "task": to_dict(cfg.task), "warm_start": recipe,
+    key = json.dumps({"model": model, "task": _task_key(cfg.task), "warm_start": recipe,
                       "seed": warm_start_seed(cfg), "micro_batches": cfg.train.micro_batches}, sort_keys=True)
     return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def _task_key(task) -> dict:
+    """The task section as the key holds it: the dataset task's section (with its files' digests: the answers are the
+    warm start's targets) only for that task, so the keys of the other tasks stay what they were before it existed."""
+    out = to_dict(task)
+    dataset = out.pop("dataset")
+    if task.name == "dataset":
+        files = [*task.dataset.train_files]
+        out["dataset"] = {**dataset, "digests": [sha256_of(Path(f)) if Path(f).is_file() else f for f in files]}
+    return out
 
 
 def cache_path(cfg) -> Path:

@@ -129,6 +129,56 @@ def test_slurm_dryrun_disaggregated_sglang(tmp_path):
     assert server.endswith('--api-key "$MEGATRON_KL_SGLANG_API_KEY"'), server
 
 
+REWARD_SERVICE = ("reward.functions=[{name: service}]", "launch.reward_service.mode=heterogeneous",
+                  "launch.reward_service.nodes=2", "launch.reward_service.port=8123",
+                  "launch.reward_service.command=[python, -m, lab.verifier, --port, '{port}', --note, 'a b;$HOME']")
+
+
+def _inline(lines, name):
+    return lines[lines.index(next(x for x in lines if x.startswith(f"# ---- {name}"))) + 2]
+
+
+def test_slurm_dryrun_verifier_service_as_its_own_group(tmp_path):
+    lines = _dryrun(tmp_path, *REWARD_SERVICE).splitlines()
+    assert "#SBATCH hetjob" in lines and lines.count("#SBATCH --nodes=2") == 2
+    assert _inline(lines, "train-0.sh") == "python -m lab.verifier --port 8123 --note 'a b;$HOME'"
+    urls = next(line for line in lines if line.startswith("export MEGATRON_KL_REWARD_URLS="))
+    assert "$SLURM_JOB_NODELIST_HET_GROUP_0" in urls and ":8123" in urls
+    head = next(line for line in lines if line.startswith("export MEGATRON_KL_TRAIN_HEAD="))
+    assert "$SLURM_JOB_NODELIST_HET_GROUP_1" in head
+    assert not any("MEGATRON_KL_SGLANG_URLS" in line for line in lines)  # SGLang stays with the trainer
+    trainer = _inline(lines, "train-1.sh")
+    assert trainer.startswith("torchrun --nnodes 2") and trainer.endswith('"reward.service.urls=[$MEGATRON_KL_REWARD_URLS]"')
+    assert any("HET_GROUP_0" in line and line.startswith('export no_proxy=') for line in lines)
+
+
+def test_slurm_dryrun_rollout_servers_and_verifier_service_in_one_job(tmp_path):
+    lines = _dryrun(tmp_path, *DISAGGREGATED, *REWARD_SERVICE, "launch.rollout_servers.mode=disaggregated",
+                    "launch.rollout_servers.nodes=3", "launch.rollout_servers.model_path=/data/qwen2.5-7b").splitlines()
+    assert [line for line in lines if line.startswith("#SBATCH --nodes=")] == [
+        "#SBATCH --nodes=3", "#SBATCH --nodes=2", "#SBATCH --nodes=2"]
+    assert _inline(lines, "train-0.sh").startswith("python -m sglang.launch_server")
+    assert _inline(lines, "train-1.sh").startswith("python -m lab.verifier")
+    assert "HET_GROUP_0" in next(x for x in lines if x.startswith("export MEGATRON_KL_SGLANG_URLS="))
+    assert "HET_GROUP_1" in next(x for x in lines if x.startswith("export MEGATRON_KL_REWARD_URLS="))
+    assert "HET_GROUP_2" in next(x for x in lines if x.startswith("export MEGATRON_KL_TRAIN_HEAD="))
+    trainer = _inline(lines, "train-2.sh")
+    assert ('"rollout.sglang.urls=[$MEGATRON_KL_SGLANG_URLS]" rollout.sglang.api_key_env=MEGATRON_KL_SGLANG_API_KEY '
+            '"reward.service.urls=[$MEGATRON_KL_REWARD_URLS]"') in trainer
+    assert sum(line.startswith("export no_proxy=\"${no_proxy:+") for line in lines) == 2
+
+
+@pytest.mark.parametrize("overrides, says", [
+    (["launch.reward_service.mode=heterogeneous", "launch.reward_service.command=[x]"], "no reward calls"),
+    (["reward.functions=[{name: service}]", "launch.reward_service.mode=heterogeneous"],
+     "launch.reward_service.command is empty"),
+])
+def test_slurm_refuses_a_verifier_group_that_cannot_work(tmp_path, overrides, says):
+    done = _launch("slurm", "--config", PAPER, "--dryrun", f"launch.home={tmp_path / 'home'}",
+                   f"launch.slurm.tunnel.job_dir={tmp_path / 'jobs'}", *SLURM, *overrides)
+    assert done.returncode != 0 and says in done.stderr, done.stderr[-2000:]
+
+
 @pytest.mark.parametrize("overrides, field", [
     (["launch.slurm.account=null"], "launch.slurm.account"),
     (["launch.slurm.nodes=1", "launch.slurm.gpus_per_node=3"], "parallel.tensor_parallel"),

@@ -189,3 +189,23 @@ def test_a_file_without_a_docstring_stops_the_code_tour(tmp_path, monkeypatch):
     monkeypatch.setattr(tour, "BESIDE", ())
     with pytest.raises(SystemExit, match="silent.py has no module docstring"):
         tour.tour()
+
+
+def test_the_python_blocks_marked_run_run():
+    """A fenced python block after ``<!-- run -->`` in docs/ runs as it is, in a fresh interpreter."""
+    import subprocess
+    import sys
+
+    blocks = [(page.name, code) for page in sorted((ROOT / "docs").glob("*.md"))
+              for code in re.findall(r"<!-- run -->\s*```python\n(.*?)```", page.read_text(), re.S)]
+    assert blocks, "no runnable block found"
+    for page, code in blocks:
+        done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, f"{page}:\n{code}\n{done.stderr[-2000:]}"
+
+
+def test_the_python_example_in_your_own_job_is_the_tested_file():
+    text = (ROOT / "docs" / "your-own-job.md").read_text()
+    block = re.search(r"examples/train_from_python.py from .*?-->\s*```python\n(.*?)```", text, re.S).group(1)
+    source = (ROOT / "examples" / "train_from_python.py").read_text()
+    assert block == source[source.index("from megatron_kl import api"):]

@@ -4,6 +4,7 @@ policies, the masked advantages of excluded samples against a float64 reference,
 against the test server's injected faults."""
 
 import math
+from pathlib import Path
 import random
 import sys
 import threading
@@ -118,8 +119,11 @@ def test_config_rules():
         RewardConfig(functions=[RewardFunctionConfig(name="a:f"), RewardFunctionConfig(name="b:f")])
     with pytest.raises(ConfigError, match="every weight is 0"):
         RewardConfig(functions=[RewardFunctionConfig(name="exact_match", weight=0.0)])
+    from megatron_kl.train.config import load_train_config
+
     with pytest.raises(ConfigError, match="reward.service.urls is empty"):
-        RewardConfig(functions=[RewardFunctionConfig(name="service")])
+        load_train_config(str(Path(__file__).resolve().parents[2] / "configs/cpu/default.yaml"),
+                          ["reward.functions=[{name: service}]"])
 
 
 # -- the scorer --
@@ -344,3 +348,23 @@ def test_the_service_token_comes_from_the_environment_and_is_never_shown(monkeyp
         RewardScorer.build(RewardConfig(functions=[RewardFunctionConfig(name="service")],
                                         service=RewardServiceConfig(urls=["verifier:8000"])),
                            ArithmeticTask(ArithmeticConfig()))
+
+
+def test_the_service_waits_for_a_late_start_and_names_one_that_never_comes():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    starter = threading.Timer(1.0, lambda: holder.append(RewardServer(port=port).__enter__()))
+    holder: list = []
+    starter.start()
+    try:
+        scores = _service(type("S", (), {"url": f"http://127.0.0.1:{port}"})(), startup_timeout_s=20).score(SAMPLES[:2])
+        assert scores.rewards.tolist() == [0.0, 1.0]
+    finally:
+        starter.join()
+        for server in holder:
+            server.close()
+    with pytest.raises(RewardFailed, match=r"not reachable after reward.service.startup_timeout_s=1s"):
+        _service(type("S", (), {"url": f"http://127.0.0.1:{port}"})(), startup_timeout_s=1).score(SAMPLES[:2])
