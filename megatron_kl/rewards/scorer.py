@@ -85,6 +85,7 @@ class RewardScorer:
         self.functions, self.on_failure, self.timeout_s, self.workers = functions, on_failure, timeout_s, workers
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="reward")
         self.failed_total = 0
+        self._scoring = threading.Lock()  # one score() at a time (a background batch and an evaluation)
 
     @classmethod
     def build(cls, cfg: RewardConfig, task) -> "RewardScorer":
@@ -105,6 +106,10 @@ class RewardScorer:
 
     # -- scoring --
     def score(self, samples: list[RewardInput]) -> Scores:
+        with self._scoring:
+            return self._score(samples)
+
+    def _score(self, samples: list[RewardInput]) -> Scores:
         n = len(samples)
         per_function: list[list[Optional[RewardResult]]] = []
         failures: dict[int, RewardFailure] = {}

@@ -7,8 +7,9 @@ seed derived from (seed, step, rank), so a batch is a pure function of the step 
 Async (staleness s > 0): at the start of step t the batch for step t + s is submitted to a background
 thread, generated from the engine's weights of version t while step t trains; before the next weight
 sync the trainer waits for it. The batch used at step t therefore comes from weights of version
-max(0, t - s): staleness t - version <= s, logged per sample. Completed queued batches are part of the
-checkpoint, so a resumed run consumes exactly the batches the uninterrupted run would have.
+max(0, t - s): staleness t - version <= s, logged per sample. The background thread also scores the batch (the
+reward calls run while step t trains). Completed queued batches are part of the checkpoint, so a resumed run consumes
+exactly the batches the uninterrupted run would have.
 
 Partial rollouts (``rollout.partial``): a weight sync no longer waits for the generations in flight. They are
 paused at a token boundary (the engine's ``pause``), the new weights loaded, and every unfinished response continues
@@ -212,10 +213,12 @@ class RolloutSource:
         return _score(self.scorer, self.task, self._finish(self._generate(step)), self.group_size)
 
     def _resolve(self, item) -> RolloutBatch:
-        """A queued item as a scored batch, in the calling (main) thread."""
+        """A queued item as a scored batch (scored in the calling thread if the background did not)."""
         if isinstance(item, RolloutBatch):
             return item
         generated = item.result() if isinstance(item, Future) else item
+        if isinstance(generated, RolloutBatch):
+            return generated
         return _score(self.scorer, self.task, self._finish(generated), self.group_size)
 
     def get(self, step: int) -> RolloutBatch:
@@ -225,7 +228,10 @@ class RolloutSource:
         for ahead in range(step, step + self.staleness):
             if ahead not in self.queue:
                 self.queue[ahead] = self._make(ahead)  # warm-up (or a queue lost with a checkpoint)
-        self.queue[step + self.staleness] = self._pool.submit(self._generate, step + self.staleness)
+        # scored in the background too (the reward calls off the training step's path), unless partial rollouts may
+        # pause it unfinished: then it is scored when used
+        ahead = self._generate if self.partial else self._make
+        self.queue[step + self.staleness] = self._pool.submit(ahead, step + self.staleness)
         batch = self._resolve(self.queue.pop(step))
         lag = (step - batch.versions)[batch.loss_mask > 0]
         if self.partial and lag.numel() and int(lag.max()) > self.staleness:  # resumed responses: checked per token

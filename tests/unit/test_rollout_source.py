@@ -1,5 +1,5 @@
-"""Async rollouts with a verifier that needs the main thread: math-verify's timeouts use signal.alarm, so
-scoring must not run in the background generation thread (staleness >= 1)."""
+"""Async rollouts scored off the main thread: math-verify (whose own timeouts use signal.alarm, main thread only)
+scores in the background generation thread and the reward workers (staleness >= 1) as in the main thread."""
 
 import json
 import threading
@@ -41,7 +41,7 @@ def test_math_scoring_with_async_rollouts(tmp_path, staleness):
         for step in range(4):
             batch = source.get(step)
             assert batch.step == step and batch.rewards.tolist() == [1.0] * 4
-        state = source.state_dict()  # queued batches are scored (main thread) before checkpointing
+        state = source.state_dict()  # queued batches are scored before checkpointing
         assert sorted(state["queue"]) == list(range(4, 4 + staleness))
         assert all(b["rewards"].tolist() == [1.0] * 4 for b in state["queue"].values())
     finally:
