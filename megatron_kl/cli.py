@@ -26,11 +26,34 @@ COMMANDS = {
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="megatron-kl", description=__doc__.split("\n\n")[0])
+    from megatron_kl.cli_help import Parser
+
+    parser = Parser(prog="megatron-kl", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--version", action="version", version=version(), help="print the version and exit")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (_, summary) in COMMANDS.items():  # each command parses its own arguments (megatron-kl NAME --help)
         sub.add_parser(name, help=summary, add_help=False)
     return parser
+
+
+def version() -> str:
+    """``megatron-kl <package version>`` and the git commit of the source when it is a checkout."""
+    from importlib import metadata
+    from pathlib import Path
+
+    try:
+        number = metadata.version("megatron-kl")
+    except metadata.PackageNotFoundError:
+        number = "unknown"
+    text = f"megatron-kl {number}"
+    import subprocess
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
+                                cwd=Path(__file__).resolve().parent).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit = ""
+    return f"{text} (commit {commit})" if commit else text
 
 
 def main(argv=None) -> int:

@@ -7,7 +7,6 @@ it current), so the reference cannot drift from the code.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import inspect
 import re
@@ -127,19 +126,22 @@ def main(argv: Optional[list[str]] = None) -> int:
     """``megatron-kl config show ...``; ``megatron-kl config`` alone prints this command's help."""
     from megatron_kl.cli_help import help_when_bare
 
-    parser = argparse.ArgumentParser(prog="megatron-kl config", description="The training configuration's fields.")
+    from megatron_kl.cli_help import Parser, normalize_overrides
+
+    parser = Parser(prog="megatron-kl config", description="The training configuration's fields.")
     sub = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
     show = sub.add_parser("show", help="every field: type, default, current value, description",
                           description="Every field of the training configuration: type, default, current value, "
                           "description.")
     show.add_argument("--config", default=None, help="a YAML config to show the values of (default: the defaults)")
     show.add_argument("--section", default=None, help="only this section, e.g. kl or rollout.sglang")
-    show.add_argument("--format", choices=("text", "md"), default="text")
+    show.add_argument("--format", choices=("text", "md"), default="text",
+                      help="text (a table for the terminal) or md (the Markdown of docs/configuration.md)")
     show.add_argument("overrides", nargs="*", help="dotted overrides, e.g. kl.estimator=k3")
     argv = sys.argv[1:] if argv is None else list(argv)
     if help_when_bare(parser, argv):
         return 0
-    args = parser.parse_args(argv)
+    args = parser.parse_args(normalize_overrides(argv))
     from megatron_kl.config import ConfigError, apply_overrides, from_dict, read_yaml_file
     from megatron_kl.train.config import TrainConfig
 

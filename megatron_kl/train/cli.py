@@ -52,8 +52,9 @@ def check(cfg) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="megatron-kl train", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    from megatron_kl.cli_help import Parser
+
+    p = Parser(prog="megatron-kl train", description=__doc__)
     p.add_argument("--config", required=True, help="YAML config, e.g. configs/cpu/default.yaml")
     p.add_argument("--check", action="store_true", help="validate the configuration, print it resolved with the KL "
                    "verdict and what a start would do (fresh / resume / finished); exit 0, or 2 naming the field; "
@@ -63,7 +64,9 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str]) -> int:
-    args = parser().parse_args(argv)
+    from megatron_kl.cli_help import normalize_overrides
+
+    args = parser().parse_args(normalize_overrides(list(argv)))
     return run(args.config, args.overrides, args.check)
 
 

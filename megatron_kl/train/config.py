@@ -152,8 +152,18 @@ class CheckpointConfig:
 @dataclass(frozen=True)
 class LoggingConfig:
     tensorboard: bool = True
+    # Weights & Biases (pip install 'megatron-kl[wandb]'): the project turns it on; the W&B run is named after the run,
+    # keyed by its run id (a resumed run continues it), with the resolved config (secrets redacted) uploaded
     wandb_project: Optional[str] = checked(None, free=True)
+    wandb_entity: Optional[str] = checked(None, free=True)  # the team or user (default: W&B's default entity)
+    wandb_tags: list[str] = field(default_factory=list)
+    # online; offline (written under <output_dir>/wandb, `wandb sync` later: clusters without internet); disabled
+    wandb_mode: str = checked("online", choices=("online", "offline", "disabled"))
+    # a progress bar on a terminal; elsewhere (a Slurm log, a file) one line every progress_every steps and at least
+    # every progress_every_s seconds (0: no time rule), with the reward, the KL terms, step time, tokens/s, remaining
     progress: bool = True
+    progress_every: int = checked(1, ge=1)
+    progress_every_s: float = checked(0.0, ge=0)
     # RL steps (0-based, as in metrics.jsonl) run under torch.profiler: Chrome trace, op table and a per-phase
     # GEMM / op-time summary in <output_dir>/profile/ (train/profiling.py); [] = none
     profile_steps: list[int] = field(default_factory=list)

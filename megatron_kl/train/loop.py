@@ -24,7 +24,7 @@ from megatron_kl.train import checkpoint as ckpt
 from megatron_kl.train import run_dir
 from megatron_kl.train.config import TrainConfig, validate_train_config
 from megatron_kl.train.host_malloc import tune_host_malloc
-from megatron_kl.train.metrics import read_metrics
+from megatron_kl.train.metrics import read_metrics, wandb_missing
 from megatron_kl.train.preemption import StopSignals
 from megatron_kl.train.topology import Topology
 from megatron_kl.train.trainer import Trainer
@@ -130,6 +130,9 @@ def prepare(cfg: TrainConfig) -> Prepared:
     validate_train_config(cfg, task.tokenizer.vocab_size, world_size // model_parallel)
     context_parallel.check_runnable(cfg.parallel, builder.have_transformer_engine())  # where it can run at all
     RewardScorer.build(cfg.reward, task).close()  # reward functions that resolve to nothing are refused here
+    missing = wandb_missing(cfg.logging.wandb_project)
+    if missing:
+        raise ConfigError(missing)
     return Prepared(cfg, world_size, hf_source, task, run_dir.plan_start(cfg, world_size))
 
 

@@ -1,4 +1,4 @@
-"""Per-step metrics to JSONL (always), TensorBoard and W&B (when configured), and a rich progress bar.
+"""Per-step metrics to JSONL (always), TensorBoard and W&B (when configured), and the progress (train/progress.py).
 
 Only the logging rank (``enabled=True``) writes. On resume the JSONL is truncated to the checkpointed step,
 so the file of a resumed run reads exactly like the uninterrupted run's.
@@ -17,10 +17,23 @@ from megatron_kl.train.metric_registry import canonical_record
 log = logging.getLogger(__name__)
 
 
+def wandb_missing(project: Optional[str]) -> Optional[str]:
+    """Why W&B logging cannot start (None: it can, or it is off)."""
+    if not project:
+        return None
+    import importlib.util
+
+    if importlib.util.find_spec("wandb") is None:
+        return (f"logging.wandb_project={project!r} needs the wandb package, which is not installed: "
+                "pip install 'megatron-kl[wandb]' (or unset logging.wandb_project)")
+    return None
+
+
 class MetricsLogger:
-    def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool = True, wandb_project: Optional[str] = None,
+    def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool = True, wandb: Optional[dict] = None,
                  run_name: str = "", config: Optional[dict] = None, progress: bool = True, total_steps: int = 0,
-                 resume_step: int = 0):
+                 resume_step: int = 0, progress_every: int = 1, progress_every_s: float = 0.0):
+        """``wandb``: ``wandb.init`` settings (project, entity, tags, mode, id), None for no W&B."""
         self.enabled = enabled
         self.run_dir = Path(run_dir)
         self.jsonl = self.run_dir / "metrics.jsonl"
@@ -36,19 +49,17 @@ class MetricsLogger:
                 self._tb = SummaryWriter(str(self.run_dir / "tensorboard"))
             except ImportError:
                 log.warning("tensorboard is not installed: metrics go to %s only (pip install tensorboard)", self.jsonl)
-        if wandb_project:
-            import wandb
+        if wandb:
+            import wandb as wandb_module
 
-            self._wandb = wandb.init(project=wandb_project, name=run_name, config=config, dir=str(self.run_dir),
-                                     resume="allow")
+            self._wandb = wandb_module.init(name=run_name, config=config, dir=str(self.run_dir), resume="allow",
+                                            **wandb)
+        self._done = resume_step
         if progress:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+            from megatron_kl.train.progress import StepProgress
 
-            self._progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                      TimeElapsedColumn(), TextColumn("{task.fields[status]}"), transient=False)
-            self._task = self._progress.add_task(run_name or "train", total=total_steps, completed=resume_step,
-                                                 status="")
-            self._progress.start()
+            self._progress = StepProgress(run_name or "train", total_steps, resume_step, progress_every,
+                                          progress_every_s)
 
     def _truncate(self, step: int) -> None:
         """Drop records of steps >= ``step`` (written after the checkpoint we resume from)."""
@@ -87,17 +98,14 @@ class MetricsLogger:
             self._wandb.log(clean, step=step)
 
     def advance(self, step: int, metrics: dict) -> None:
-        if self._progress is None:
-            return
-        status = " ".join(f"{k.split('/')[-1]}={metrics[k]:.3f}" for k in ("reward/mean", "kl/exact_token")
-                          if k in metrics)
-        if metrics.get("reward/failed"):  # samples excluded for a failed reward call (reward.on_failure=exclude)
-            status += f" reward_failed={metrics['reward/failed']:g}"
-        self._progress.update(self._task, completed=step, status=status)
+        """``step`` steps are finished, the last with ``metrics``."""
+        self._done = step
+        if self._progress is not None:
+            self._progress.advance(step, metrics)
 
     def close(self) -> None:
         if self._progress is not None:
-            self._progress.stop()
+            self._progress.close(self._done)
         if self._tb is not None:
             self._tb.close()
         if self._wandb is not None:

@@ -161,9 +161,14 @@ class Trainer:
                      self.counters.optimizer_steps)
         if dist.get_rank() == 0 and plan.start_entry is not None:
             run_dir.record_start(self.run_path, plan.start_entry, self.start_step)
+        logging_cfg = cfg.logging
+        wandb = ({"project": logging_cfg.wandb_project, "entity": logging_cfg.wandb_entity,
+                  "tags": list(logging_cfg.wandb_tags), "mode": logging_cfg.wandb_mode, "id": plan.run_id}
+                 if logging_cfg.wandb_project else None)
         self.logger = MetricsLogger(self.run_path, topology.is_logger, cfg.logging.tensorboard,
-                                    cfg.logging.wandb_project, cfg.run_name, redact_secrets(to_dict(cfg)),
-                                    cfg.logging.progress, cfg.train.steps, self.start_step)
+                                    wandb, cfg.run_name, redact_secrets(to_dict(cfg)),
+                                    cfg.logging.progress, cfg.train.steps, self.start_step,
+                                    cfg.logging.progress_every, cfg.logging.progress_every_s)
         self.profiler = StepProfiler(cfg.logging.profile_steps, self.run_path / "profile", dist.get_rank())
         self.saved: dict[int, Path] = {self.start_step: latest} if latest is not None else {}
         self.boundary_optimizer_steps = self.counters.optimizer_steps  # when the last RL step finished

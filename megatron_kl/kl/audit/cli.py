@@ -20,7 +20,6 @@ against the closed-form optimum pi* (kl/audit/dynamics.py).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import sys
@@ -38,13 +37,16 @@ _RECORDED_WORDS = {"per_token": "each token's own behaviour log-prob (what the t
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="megatron-kl audit", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--vocab", type=int, default=3)
-    parser.add_argument("--length", type=int, default=3)
-    parser.add_argument("--seed", type=int, default=0)
+    from megatron_kl.cli_help import Parser
+
+    parser = Parser(prog="megatron-kl audit", description=__doc__)
+    parser.add_argument("--vocab", type=int, default=3, help="tokens in the tabular policy's vocabulary (default 3)")
+    parser.add_argument("--length", type=int, default=3, help="tokens per sequence; every sequence of this length is "
+                        "enumerated (default 3)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random policy, reference and reward tables")
     parser.add_argument("--truncate", type=float, default=None, help="cap on per-decision weights")
-    parser.add_argument("--json", type=str, default=None)
+    parser.add_argument("--json", type=str, default=None, metavar="FILE",
+                        help="also write every table as JSON to FILE")
     parser.add_argument("--no-corrections", action="store_true", help="skip the behaviour-correction tables")
     parser.add_argument("--top-k", type=int, default=0, help="truncated-sampler tables: top-k of the sampler")
     parser.add_argument("--top-p", type=float, default=1.0, help="truncated-sampler tables: top-p of the sampler")
