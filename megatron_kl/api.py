@@ -62,6 +62,9 @@ def trainer(cfg: TrainConfig) -> Iterator["Trainer"]:  # noqa: F821 - megatron_k
     from megatron_kl.train.cli import single_process_env
     from megatron_kl.train.loop import prepare, seed_everything, started
 
+    from megatron_kl.cli_help import quiet_optional_dependencies
+
+    quiet_optional_dependencies()
     seed_everything(cfg.train.seed)
     prepared = prepare(cfg)
     if prepared.plan.kind == "finished":

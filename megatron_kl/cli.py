@@ -9,7 +9,7 @@ import argparse
 import importlib
 import sys
 
-from megatron_kl.cli_help import help_when_bare
+from megatron_kl.cli_help import help_when_bare, quiet_optional_dependencies
 
 # name -> (the module whose main(argv) runs it, its one-line help)
 COMMANDS = {
@@ -58,6 +58,7 @@ def version() -> str:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    quiet_optional_dependencies()
     if argv and argv[0] in COMMANDS:  # the command's own parser takes the rest (its --help included)
         return importlib.import_module(COMMANDS[argv[0]][0]).main(argv[1:])
     parser = _parser()

@@ -58,3 +58,22 @@ def normalize_overrides(argv: list[str], known: tuple[str, ...] = ()) -> list[st
             out.append(word)
         i += 1
     return out
+
+
+def quiet_optional_dependencies() -> None:
+    """megatron-core warns at import, once per module, that Transformer Engine and Apex are not installed and it falls
+    back to its local implementations: expected on a CPU and said once at debug level here instead. A feature that
+    needs them (context parallelism's Transformer Engine attention, FP8 GEMMs) says so where it is asked for."""
+    import logging
+    import os
+    import warnings
+
+    starts = ("Transformer Engine and Apex are not installed", "Apex is not installed")
+    for start in starts:
+        warnings.filterwarnings("ignore", message=start, category=UserWarning)
+    # the ranks and workers this process starts (a fork server imports megatron-core afresh) inherit the rule
+    rules = [r for r in os.environ.get("PYTHONWARNINGS", "").split(",") if r]
+    rules += [f"ignore:{start}:UserWarning" for start in starts if f"ignore:{start}:UserWarning" not in rules]
+    os.environ["PYTHONWARNINGS"] = ",".join(rules)
+    logging.getLogger("megatron_kl").debug("Transformer Engine / Apex not installed: megatron-core's local "
+                                           "implementations are used")

@@ -228,7 +228,7 @@ def parser(prog: str = "megatron-kl validate", clusters=None) -> argparse.Argume
     p.add_argument("--only", default=None, help=f"comma-separated subset of {','.join(CHECKS)}")
     p.add_argument("--hf-checkpoint", default=None, help="GPU: an HF model for the training check "
                    "(default: the CPU config's tiny model)")
-    p.add_argument("--json", default=None, help="also write the JSON report here")
+    p.add_argument("--json", default=None, metavar="FILE", help="also write the JSON report to FILE (- : print it)")
     if clusters is not None:
         p.add_argument("--cluster", choices=sorted(clusters), default=None,
                        help="submit to this cluster of launch/clusters.py (a Slurm one) instead of running here")
@@ -258,9 +258,11 @@ def main(argv: list[str], clusters=None, prog: str = "megatron-kl validate") -> 
     report = validate(Path(args.out).absolute(), only, args.hf_checkpoint)
     print(table([Result(**c) for c in report["checks"]]))
     text = json.dumps(report, indent=2)
-    if args.json:
+    if args.json == "-":  # machine output only when asked for
+        print(text)
+    elif args.json:
         Path(args.json).write_text(text)
-    print(text)
+    print(f"{prog}: {'passed' if report['passed'] else 'FAILED'}; the report: {Path(args.out) / 'validate.json'}")
     return 0 if report["passed"] else 1
 
 

@@ -69,7 +69,7 @@ def save_hf(model, tokenizer, out: str, dtype: str = "float32") -> Path:
     config = model.config.__class__.from_dict(model.config.to_dict())
     if hasattr(config, "quantization_config"):
         delattr(config, "quantization_config")
-    config.torch_dtype = getattr(torch, dtype)
+    config.dtype = getattr(torch, dtype)  # written to config.json as "dtype" (transformers 5; torch_dtype is deprecated)
     with torch.device("meta"):
         plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     state = {name: tensor.to(getattr(torch, dtype)) for name, tensor in model.state_dict().items()}

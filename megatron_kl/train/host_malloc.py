@@ -76,5 +76,5 @@ def tune_host_malloc(mode: str, cuda: Optional[bool] = None) -> dict:
             continue
         applied[name] = value
     if applied:
-        log.info("train.host_malloc=auto: glibc %s", ", ".join(f"{k}={v}" for k, v in applied.items()))
+        log.debug("train.host_malloc=auto: glibc %s", ", ".join(f"{k}={v}" for k, v in applied.items()))
     return applied

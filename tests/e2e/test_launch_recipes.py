@@ -131,3 +131,4 @@ def test_validate_without_gpus_runs_the_cpu_subset_and_reports(tmp_path):
     assert timings["steps"] == 3 and timings["step_s"] > timings["weight_sync_s"] > 0
     assert timings["tokens_per_s_per_gpu"] > 0
     assert re.search(r"^vocab_parallel\s+pass\s+\d+\.\d", done.stdout, re.M)  # the table
+    assert '"checks"' not in done.stdout and "validate: passed; the report: " in done.stdout  # JSON only when asked
