@@ -25,6 +25,7 @@ from megatron_kl.train import run_dir
 from megatron_kl.train.config import TrainConfig, validate_train_config
 from megatron_kl.train.host_malloc import tune_host_malloc
 from megatron_kl.train.metrics import read_metrics, wandb_missing
+from megatron_kl.train.plots import write_training_plot
 from megatron_kl.train.preemption import StopSignals
 from megatron_kl.train.topology import Topology
 from megatron_kl.train.trainer import Trainer
@@ -190,31 +191,7 @@ def _summary(cfg: TrainConfig, run_id: str, run_path: Path, is_logger: bool) -> 
         if evals:
             summary["eval_before"] = {k: v for k, v in evals[0].items() if k.startswith("eval/")}
             summary["eval_after"] = {k: v for k, v in evals[-1].items() if k.startswith("eval/")}
-        summary["plots"] = _plots(records, run_path / "plots")
+        summary["plots"] = write_training_plot(records, run_path / "plots", f"{cfg.run_name} ({run_path})")
         (run_path / "summary.json").write_text(json.dumps(summary, indent=2))
     dist.barrier()
     return summary
-
-
-def _plots(records: list[dict], out: Path) -> str:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "(matplotlib not installed: no plots)"
-    out.mkdir(parents=True, exist_ok=True)
-    panels = [("reward/mean", "kl/exact_token", "kl/k1_token", "kl/k3_token"), ("eval/id/pass@1", "eval/ood/pass@1")]
-    fig, axes = plt.subplots(1, len(panels), figsize=(11, 3.5))
-    for ax, keys in zip(axes, panels):
-        for key in keys:
-            points = [(r["step"], r[key]) for r in records if r.get(key) is not None]
-            if points:
-                ax.plot(*zip(*points), label=key, marker="." if key.startswith("eval") else None)
-        ax.set_xlabel("step")
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "training.png", dpi=100)
-    plt.close(fig)
-    return str(out / "training.png")
