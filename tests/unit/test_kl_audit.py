@@ -93,3 +93,18 @@ def test_audit_cli_writes_json(tmp_path):
     names = {(r["mode"], r["name"]) for r in rows}
     assert ("on_policy", "k1-reward-token-rtg") in names and ("off_policy", "full-loss-sequence-per_decision") in names
     assert all({"rel_bias", "cosine", "variance", "verdict"} <= set(r) for r in rows)
+
+
+def test_the_audit_ends_with_a_summary_per_section_and_target():
+    from megatron_kl.kl.audit.exact import AuditRow, summarize
+
+    def row(name, seq, token, forward):
+        return AuditRow(name, "on_policy", {}, {"seq": seq, "token": token, "forward": forward}, {}, 0.0, "")
+
+    text = summarize([("on-policy", [row("a", 1e-12, 0.5, float("nan")), row("b", 0.3, 1e-13, float("inf")),
+                                     row("c", 2.0, 0.1, 0.2)])])
+    lines = text.splitlines()
+    assert lines[2] == "on-policy, 3 configurations"
+    assert lines[3].split() == ["seq", "1", "unbiased", "2", "biased", "worst", "2", "(c)"]
+    assert lines[4].split() == ["token", "1", "unbiased", "2", "biased", "worst", "0.5", "(a)"]
+    assert lines[5].split() == ["forward", "0", "unbiased", "1", "biased", "worst", "0.2", "(c)", "2", "undefined"]

@@ -27,7 +27,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 from megatron_kl.kl.corrections import CORRECTIONS
-from megatron_kl.kl.audit.exact import RECORDED, TabularProblem, all_configs, audit, behavior_configs, format_table
+from megatron_kl.kl.audit.exact import (RECORDED, TabularProblem, all_configs, audit, behavior_configs, format_table,
+                                       summarize)
 from megatron_kl.kl.kernels.truncation import Truncation
 
 
@@ -82,7 +83,7 @@ def main(argv=None) -> int:
     if args.dynamics:
         return _dynamics(args)
     problem = TabularProblem.random(args.vocab, args.length, args.seed)
-    rows = []
+    rows, summary = [], []
     sections = [(off, False) for off in (False, True)]
     if not args.no_corrections:
         sections += [(off, True) for off in (False, True)]
@@ -94,6 +95,7 @@ def main(argv=None) -> int:
               f"seed={args.seed} ({args.vocab ** args.length} sequences, exact sums, float64)")
         print(format_table(part))
         rows += part
+        summary.append((f"{'off' if off else 'on'}-policy{' + behaviour corrections' if corrected else ''}", part))
     if args.mixed_switch:
         for recorded in RECORDED:
             mixed = TabularProblem.mixed(args.vocab, args.length, args.seed, args.mixed_switch, recorded)
@@ -103,6 +105,7 @@ def main(argv=None) -> int:
                   f"are given {_RECORDED_WORDS[recorded]}: V={args.vocab} T={args.length} seed={args.seed}")
             print(format_table(part))
             rows += part
+            summary.append((f"mixed behaviour ({recorded})", part))
     rule = Truncation(args.top_k, args.top_p)
     if rule.active(args.vocab):
         for trained in ("truncated", "full"):
@@ -113,6 +116,9 @@ def main(argv=None) -> int:
                   f"(forward KL(pi_ref || mu) is infinite: nan): V={args.vocab} T={args.length} seed={args.seed}")
             print(format_table(part))
             rows += part
+            summary.append((f"truncated sampler, estimators see {'log mu' if trained == 'truncated' else 'log pi'}",
+                            part))
+    print(summarize(summary))
     if args.json:
         Path(args.json).write_text(json.dumps([asdict(r) for r in rows], indent=1))
         print(f"\nwrote {args.json}")

@@ -308,3 +308,22 @@ def format_table(rows: list[AuditRow]) -> str:
             + f"  {r.verdict}"
         )
     return "\n".join(lines)
+
+
+def summarize(sections: list[tuple[str, list[AuditRow]]]) -> str:
+    """The audit's closing summary: per section and per target, how many configurations are unbiased and biased,
+    and the worst relative bias (with its configuration); a target a configuration cannot have (an infinite or
+    undefined bias, e.g. the forward KL under truncation) is counted apart."""
+    lines = ["", f"== summary (unbiased: relative bias < {UNBIASED_TOL:g})"]
+    for title, rows in sections:
+        lines.append(f"{title}, {len(rows)} configurations")
+        for target in TARGETS:
+            finite = [(r.rel_bias[target], r.name) for r in rows if r.rel_bias[target] == r.rel_bias[target]
+                      and r.rel_bias[target] != float("inf")]
+            unbiased = sum(bias < UNBIASED_TOL for bias, _ in finite)
+            worst = max(finite, default=None)
+            undefined = len(rows) - len(finite)
+            lines.append(f"  {target:8s} {unbiased:4d} unbiased {len(finite) - unbiased:4d} biased"
+                         + (f"  worst {worst[0]:.2g} ({worst[1]})" if worst and worst[0] >= UNBIASED_TOL else "")
+                         + (f"  {undefined} undefined" if undefined else ""))
+    return "\n".join(lines)
