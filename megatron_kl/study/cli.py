@@ -43,6 +43,8 @@ def run(config: str, overrides: list[str], report_only: bool = False) -> int:
         status = run_study(study, runs)
     result = write_report(study, runs, status)
     print(f"report: {result['report']}")
+    if study.caveat:
+        print(f"caveat: {study.caveat}")
     failed = [name for name, entry in status.items() if entry.get("state") != "ok"]
     if failed or len(status) < len(runs):
         print(f"megatron-kl study: {len(failed)} run(s) failed: {failed}", file=sys.stderr)

@@ -54,6 +54,8 @@ class StudyConfig:
     only: list[str] = field(default_factory=list)  # run only the configurations whose names match (fnmatch)
     published: Optional[str] = None  # a published claims.json whose verdicts the report puts beside these
     extends: Optional[str] = None  # the study YAML this one starts from (its keys, replaced by the ones here)
+    # what the report must say before its verdicts (a preset too small to decide anything says so)
+    caveat: Optional[str] = None
 
 
 @dataclass
@@ -125,7 +127,8 @@ def load_study(path, overrides: Optional[list[str]] = None) -> StudyConfig:
                         collapse_fraction=float(data.get("collapse_fraction", 0.5)),
                         claim3_statistic=str(data.get("claim3_statistic", "unstable")),
                         only=[str(p) for p in data.get("only") or []], published=data.get("published"),
-                        extends=data.get("extends"))
+                        extends=data.get("extends"),
+                        caveat=" ".join(str(data["caveat"]).split()) if data.get("caveat") else None)
     if study.claim3_statistic not in CLAIM3:
         raise ConfigError(f"study config {path}: claim3_statistic={study.claim3_statistic!r}; use one of "
                           f"{list(CLAIM3)}")

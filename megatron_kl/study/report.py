@@ -237,6 +237,8 @@ def write_report(study: StudyConfig, runs: list[RunSpec], status: dict) -> dict:
              f"steps where the exact KL or the grad norm exceeds {study.instability_factor:g}x the run median or "
              "is not finite, and skipped non-finite updates (summed over seeds); collapsed: final in-domain pass@1 "
              f"below {study.collapse_fraction:g}x the first evaluation's.", _runtime(status), ""]
+    if study.caveat:
+        lines += [f"> **Caveat:** {study.caveat}", ""]
     lines += claims.markdown(claim_results, run_roles, instability_definition(study))
     if study.published:
         lines += [""] + claims.beside_published(claim_results, json.loads(Path(study.published).read_text()),

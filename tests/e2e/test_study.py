@@ -94,6 +94,9 @@ def test_quick_claims_preset_runs_and_its_claims_agree_with_the_runs(tmp_path, w
     out = tmp_path / "out"
     report = (out / "report.md").read_text()
     assert report.index("## Claims") < report.index("## Results") and "Runtime: " in report
+    # the preset says, before its verdicts and when it ends, that its sizes decide nothing
+    assert report.index("> **Caveat:** this preset checks that a study runs end to end") < report.index("## Claims")
+    assert "caveat: this preset checks that a study runs end to end" in done.stdout
     claims = json.loads((out / "claims.json").read_text())
     assert [c["claim"][0] for c in claims] == ["1", "2", "3"]
     for claim in claims:
