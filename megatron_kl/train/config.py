@@ -219,10 +219,6 @@ class TrainConfig:
             except ValueError as err:
                 raise ConfigError(str(err)) from err
         kl = resolved.get("kl", self.kl)
-        if "{run_name}" in self.train.output_dir:
-            run_name = _run_name(kl, self.algo, self.train)
-            resolved["train"] = dataclasses.replace(self.train,
-                                                    output_dir=self.train.output_dir.replace("{run_name}", run_name))
         length = self.algo.norm_length or self.rollout.sampling.max_new_tokens
         rpg = self.algo.rpg if self.algo.rpg.norm_length is not None else dataclasses.replace(self.algo.rpg,
                                                                                               norm_length=length)
@@ -231,6 +227,11 @@ class TrainConfig:
             resolved["kl"] = dataclasses.replace(kl, norm_length=length)
         for name, value in resolved.items():
             object.__setattr__(self, name, value)
+        # the run key of the resolved configuration (output_dir is not part of it), then {run_name} filled in
+        object.__setattr__(self, "_run_key", None if _DEFAULTS_PENDING else run_key(self))
+        if "{run_name}" in self.train.output_dir:
+            object.__setattr__(self, "train", dataclasses.replace(
+                self.train, output_dir=self.train.output_dir.replace("{run_name}", self.run_name)))
 
     def with_sections(self, **sections) -> "TrainConfig":
         """A copy with whole sections replaced (``model=...``), not resolved again: what loading resolved - the
@@ -242,12 +243,52 @@ class TrainConfig:
 
     @property
     def run_name(self) -> str:
-        """Names every configuration axis that the estimator study varies."""
-        return _run_name(self.kl, self.algo, self.train)
+        """The axes the estimator study varies, spelled out, then the run key (:func:`run_key`): two configurations
+        that differ in any field of the run's identity have different names."""
+        name = _run_name(self.kl, self.algo, self.train)
+        return f"{name}-{self._run_key}" if getattr(self, "_run_key", None) else name
 
 
 def _run_name(kl, algo, train) -> str:
     return f"{kl.name}-coef{kl.coef:g}-{algo.name}-s{train.staleness}-seed{train.seed}"
+
+
+_DEFAULTS_PENDING = False
+_DEFAULTS: list = []
+
+
+def _default_fields() -> dict:
+    """The identity fields of the default configuration (built once)."""
+    global _DEFAULTS_PENDING
+    if not _DEFAULTS:
+        _DEFAULTS_PENDING = True
+        try:
+            _DEFAULTS.append(_key_fields(TrainConfig()))
+        finally:
+            _DEFAULTS_PENDING = False
+    return _DEFAULTS[0]
+
+
+def _key_fields(cfg) -> dict:
+    from megatron_kl.config import to_dict
+    from megatron_kl.train.identity_fields import identity_fields
+
+    return identity_fields(to_dict(cfg))
+
+
+def run_key(cfg) -> str:
+    """Six hex digits of the SHA-256 of the run-identity fields (train/identity.py: what decides the trajectory, not
+    where it is written or how it is logged) whose values differ from the code's defaults, as sorted JSON. A field at
+    its default is left out, so a field a later version adds does not change the key of an unchanged configuration;
+    any other change does. "" for the default configuration."""
+    import hashlib
+    import json
+
+    defaults = _default_fields()
+    changed = {k: v for k, v in _key_fields(cfg).items() if k not in defaults or defaults[k] != v}
+    if not changed:
+        return ""
+    return hashlib.sha256(json.dumps(changed, sort_keys=True, default=str).encode()).hexdigest()[:6]
 
 
 def _cross_field_rules(cfg: TrainConfig) -> None:

@@ -14,38 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from megatron_kl.config import to_dict
+from megatron_kl.train.identity_fields import DERIVED, RESUMABLE, flatten, identity_fields, resumable  # noqa: F401
 from megatron_kl.train.manifest import sha256_of
-
-# Dotted prefixes that may change on resume: where outputs go and how they are logged, evaluated and
-# checkpointed, timeouts and retry budgets, where servers are, how the job is launched. Evaluation draws
-# from its own seeded generators, so its schedule does not move the training trajectory.
-RESUMABLE = (
-    "train.output_dir", "train.steps", "train.host_malloc", "train.stop_signals", "train.max_consecutive_skips",
-    "train.reference_metrics_interval",
-    "logging.", "eval.", "checkpoint.", "launch.", "warm_start.cache_dir", "task.math.eval_overlap",
-    "parallel.distributed_timeout_s",
-    "rollout.sglang.urls", "rollout.sglang.host", "rollout.sglang.port", "rollout.sglang.api_key_env",
-    "rollout.sglang.sync_dir", "rollout.sglang.request_timeout_s", "rollout.sglang.max_retries",
-    "rollout.sglang.backoff_s", "rollout.sglang.startup_timeout_s", "rollout.sglang.restart_dead_servers",
-    "rollout.sglang.max_concurrency",
-    "rollout.vllm.url", "rollout.vllm.sync_dir", "rollout.vllm.request_timeout_s", "rollout.vllm.max_retries",
-    "rollout.vllm.backoff_s",
-    "reward.timeout_s", "reward.workers", "reward.service.",
-)
-
-
-def resumable(key: str) -> bool:
-    return any(key == p or (p.endswith(".") and key.startswith(p)) for p in RESUMABLE)
-
-
-def flatten(data: dict, prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in data.items():
-        if isinstance(value, dict) and value:
-            out.update(flatten(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
 
 
 def _file_digests(cfg) -> dict[str, str]:
@@ -67,13 +37,10 @@ def _file_digests(cfg) -> dict[str, str]:
     return digests
 
 
-# resolved from fields the identity holds already (kl.estimator=auto's choice is in kl.*): not compared twice
-DERIVED = ("kl_selection",)
 
 
 def _identity_fields(cfg) -> dict[str, Any]:
-    return {k: v for k, v in flatten(to_dict(cfg)).items()
-            if not resumable(k) and not any(k == d or k.startswith(d + ".") for d in DERIVED)}
+    return identity_fields(to_dict(cfg))
 
 
 def identity_of(cfg, world_size: int) -> dict[str, Any]:

@@ -66,7 +66,7 @@ def test_a_run_tracked_offline_writes_its_config_and_metrics(tmp_path):
     records = list(wandb_records(next(offline[0].glob("run-*.wandb"))))
     run_record = next(r.run for r in records if r.WhichOneof("record_type") == "run")
     assert (run_record.run_id, run_record.project, list(run_record.tags)) == (run_id, "megatron-kl-ci", ["ci", "offline"])
-    assert run_record.display_name == "full-loss-token-coef0.01-grpo-ppo-s0-seed1234"
+    assert run_record.display_name.startswith("full-loss-token-coef0.01-grpo-ppo-s0-seed1234-")
     config = {u.key: json.loads(u.value_json) for u in run_record.config.update}
     assert config["kl"]["estimator"] == "full" and config["train"]["steps"] == 2
     assert config["launch"]["env"]["WANDB_API_KEY"] == "<redacted>"

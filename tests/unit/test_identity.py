@@ -3,6 +3,8 @@
 from megatron_kl.train.config import load_train_config
 from megatron_kl.train.identity import differences, identity_of
 
+DEFAULT_CONFIG = str(__import__("pathlib").Path(__file__).resolve().parents[2] / "configs" / "cpu" / "default.yaml")
+
 
 def _recorded_by_an_older_version(cfg, *added: str) -> dict:
     """The identity a checkpoint written before the fields ``added`` existed holds."""
@@ -52,3 +54,22 @@ def test_what_auto_chose_is_a_declared_resolved_field_outside_the_identity(tmp_p
                                                            f"kl.placement={chosen.placement}",
                                                            f"kl.level={chosen.level}"])
     assert differences(identity_of(auto, 1), identity_of(given, 1)) == []
+
+
+def test_the_run_key_separates_every_identity_change_and_nothing_else():
+    from megatron_kl.train.config import TrainConfig, load_train_config, run_key
+
+    base = load_train_config(DEFAULT_CONFIG)
+    name = base.train.output_dir.rsplit("/", 1)[1]
+    assert name == base.run_name and len(base.run_name.rsplit("-", 1)[1]) == 6
+    assert load_train_config(DEFAULT_CONFIG).train.output_dir == base.train.output_dir  # the same again: resumes
+    for change in (["optim.lr=2e-4"], ["model.hidden_size=64", "model.ffn_hidden_size=128"], ["algo.minibatches=4"],
+                   ["reward.functions=[{name: exact_match}]"], ["rollout.sampling.top_k=5"]):
+        other = load_train_config(DEFAULT_CONFIG, change)
+        assert other.train.output_dir != base.train.output_dir, change
+        assert other.run_name.rsplit("-", 1)[0] == base.run_name.rsplit("-", 1)[0], change  # the axes read the same
+    for same in (["eval.k=8"], ["logging.tensorboard=false"], ["checkpoint.interval=5"], ["train.steps=100"],
+                 ["reward.timeout_s=5"]):
+        assert load_train_config(DEFAULT_CONFIG, same).train.output_dir == base.train.output_dir, same
+    assert run_key(TrainConfig()) == "" and TrainConfig().run_name == "k1-reward-token-rtg-coef0.001-grpo-ppo-s0-seed1234"
+    assert base.run_name.endswith("-e3a8e3")  # stable: the key docs/training.md and the README show
