@@ -42,6 +42,8 @@ def run(config: str, overrides: list[str], report_only: bool = False) -> int:
     else:
         status = run_study(study, runs)
     result = write_report(study, runs, status)
+    for claim in result["claims"]:
+        print(f"claim {claim['claim']}: {claim['verdict']}")
     print(f"report: {result['report']}")
     if study.caveat:
         print(f"caveat: {study.caveat}")

@@ -22,6 +22,25 @@ def _tail(path: Path, lines: int = 15) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
 
+def outcome_line(run_dir: Path, seconds: float) -> str:
+    """One finished run in a line: its time, last reward and exact KL, and the final evaluation."""
+    from megatron_kl.train.metrics import read_metrics
+
+    parts = [f"ok in {seconds:.1f} s"]
+    records = read_metrics(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").is_file() else []
+    steps = [r for r in records if r.get("reward/mean") is not None]
+    if steps:
+        parts.append(f"final reward {steps[-1]['reward/mean']:.3f}")
+        if steps[-1].get("kl/exact_token") is not None:
+            parts.append(f"exact KL {steps[-1]['kl/exact_token']:.2e}")
+    evals = [r for r in records if r.get("eval/id/pass@1") is not None]
+    if evals:
+        parts.append(f"ID pass@1 {evals[-1]['eval/id/pass@1']:.3f}")
+        if evals[-1].get("eval/ood/pass@1") is not None:
+            parts.append(f"OOD pass@1 {evals[-1]['eval/ood/pass@1']:.3f}")
+    return ", ".join(parts)
+
+
 def run_study(study: StudyConfig, runs: list[RunSpec], timeout_s: float = 6 * 3600) -> dict:
     out = Path(study.output_dir)
     (out / "logs").mkdir(parents=True, exist_ok=True)
@@ -45,6 +64,7 @@ def run_study(study: StudyConfig, runs: list[RunSpec], timeout_s: float = 6 * 36
                  "returncode": code, "seconds": round(time.perf_counter() - start, 1), "log": str(log_file)}
         if code == 0 and (spec.output_dir / "summary.json").is_file():
             entry["state"] = "ok"
+            log.info("[%d/%d] %s: %s", index + 1, len(runs), spec.name, outcome_line(spec.output_dir, entry["seconds"]))
         else:
             entry["state"] = "failed"
             entry["error_tail"] = _tail(log_file)

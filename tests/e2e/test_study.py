@@ -97,6 +97,11 @@ def test_quick_claims_preset_runs_and_its_claims_agree_with_the_runs(tmp_path, w
     # the preset says, before its verdicts and when it ends, that its sizes decide nothing
     assert report.index("> **Caveat:** this preset checks that a study runs end to end") < report.index("## Claims")
     assert "caveat: this preset checks that a study runs end to end" in done.stdout
+    verdicts = [line for line in done.stdout.splitlines() if line.startswith("claim ")]
+    assert len(verdicts) == 3 and all(line.rsplit(": ", 1)[1] in ("reproduced", "not reproduced", "inconclusive")
+                                      for line in verdicts), done.stdout
+    outcomes = [line for line in done.stderr.splitlines() if "megatron_kl.study: [" in line and ": ok in " in line]
+    assert len(outcomes) == 8 and all("final reward" in line and "ID pass@1" in line for line in outcomes), outcomes
     claims = json.loads((out / "claims.json").read_text())
     assert [c["claim"][0] for c in claims] == ["1", "2", "3"]
     for claim in claims:
