@@ -22,7 +22,10 @@ _OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * 
 
 
 class CharTokenizer:
-    def __init__(self, chars: str = CHARS):
+    """One token per character of ``chars``, after ``<pad> <bos> <eos>``; ``vocabulary`` names it in errors."""
+
+    def __init__(self, chars: str = CHARS, vocabulary: str = f"the arithmetic vocabulary {CHARS!r}"):
+        self.vocabulary = vocabulary
         self.itos = list(SPECIALS) + list(chars)
         self.stoi = {s: i for i, s in enumerate(self.itos)}
         self.pad_id, self.bos_id, self.eos_id = 0, 1, 2
@@ -32,7 +35,7 @@ class CharTokenizer:
         try:
             return [self.stoi[c] for c in text]
         except KeyError as err:
-            raise ValueError(f"character {err.args[0]!r} is not in the arithmetic vocabulary {CHARS!r}") from None
+            raise ValueError(f"character {err.args[0]!r} is not in {self.vocabulary}") from None
 
     def decode(self, ids: list[int]) -> str:
         return "".join(self.itos[i] if i >= len(SPECIALS) else "" for i in ids if 0 <= i < len(self.itos))

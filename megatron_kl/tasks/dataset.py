@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import json
 import logging
-import random
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 from megatron_kl.config import ConfigError
+from megatron_kl.tasks.arithmetic import CharTokenizer
 from megatron_kl.tasks.base import DatasetConfig, Problem
-from megatron_kl.tasks.math import _file_names, _TokenizerView, check_overlap, read_rows
+from megatron_kl.tasks.math import FileSplits, _file_names, _TokenizerView, check_overlap, read_rows
 
 log = logging.getLogger(__name__)
 SECTION = "task.dataset"
@@ -36,27 +36,11 @@ class TaskContext:
     prompt_token_limit: Optional[int] = None
 
 
-class CharTokenizer:
-    """One token per printable ASCII character and newline, after ``<pad> <bos> <eos>`` (99 ids): for tiny models
-    trained from scratch on a CPU."""
-
-    SPECIALS = ("<pad>", "<bos>", "<eos>")
-
-    def __init__(self):
-        self.itos = list(self.SPECIALS) + ["\n"] + [chr(c) for c in range(32, 127)]
-        self.stoi = {s: i for i, s in enumerate(self.itos)}
-        self.pad_id, self.bos_id, self.eos_id = 0, 1, 2
-        self.vocab_size = len(self.itos)
-
-    def encode(self, text: str) -> list[int]:
-        try:
-            return [self.stoi[c] for c in text]
-        except KeyError as err:
-            raise ValueError(f"character {err.args[0]!r} is not in the 'chars' tokenizer (printable ASCII and newline)"
-                             ) from None
-
-    def decode(self, ids: list[int]) -> str:
-        return "".join(self.itos[i] for i in ids if len(self.SPECIALS) <= i < len(self.itos))
+def printable_tokenizer() -> CharTokenizer:
+    """``tokenizer: chars``: one token per printable ASCII character and newline, after ``<pad> <bos> <eos>`` (99
+    ids): for tiny models trained from scratch on a CPU."""
+    return CharTokenizer("\n" + "".join(chr(c) for c in range(32, 127)),
+                         "the 'chars' tokenizer (printable ASCII and newline)")
 
 
 def dataset_rows(path: str) -> list:
@@ -94,7 +78,7 @@ def _hf_rows(directory: Path, split: Optional[str], path: str) -> list:
     return loaded.to_list()
 
 
-class DatasetTask:
+class DatasetTask(FileSplits):
     default_reward = None  # reward.functions names the job's rewards
 
     def __init__(self, cfg: DatasetConfig, seed: int = 0, context: TaskContext = TaskContext(), tokenizer=None):
@@ -106,7 +90,7 @@ class DatasetTask:
         if tokenizer is not None:
             self.hf_tokenizer, self.tokenizer = tokenizer, _TokenizerView(tokenizer)
         elif cfg.tokenizer == "chars":
-            self.tokenizer = CharTokenizer()
+            self.tokenizer = printable_tokenizer()
         else:
             name = cfg.tokenizer or context.hf_checkpoint
             if not name:
@@ -206,22 +190,6 @@ class DatasetTask:
         if self.hf_tokenizer is not None:
             return text, list(self.hf_tokenizer.encode(content))
         return text, [self.tokenizer.bos_id] + self.tokenizer.encode(content)
-
-    # -- the Task protocol --
-    def eval_groups(self) -> dict[str, list[str]]:
-        return dict(self.groups)
-
-    def num_problems(self, split: str) -> Optional[int]:
-        return None if split == "train" else len(self.splits[split])
-
-    def problem(self, split: str, index: int) -> Problem:
-        rows = self.splits[split]
-        if split != "train":
-            return rows[index]
-        epoch, position = divmod(index, len(rows))
-        order = list(range(len(rows)))
-        random.Random(f"{self.seed}/epoch{epoch}").shuffle(order)
-        return rows[order[position]]
 
     def target_ids(self, problem: Problem) -> list[int]:
         """The reference completion (the supervised warm start): the answer, then end of sequence."""

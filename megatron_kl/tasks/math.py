@@ -191,7 +191,32 @@ def _file_names(files: list[str]) -> dict[str, str]:
     return names
 
 
-class MathTask:
+class FileSplits:
+    """The Task protocol's reading side for tasks whose splits are loaded rows: ``self.splits`` (name -> problems),
+    ``self.groups`` (reported split -> its files' splits) and ``self.seed``; the training split is drawn in a seeded
+    order reshuffled every epoch."""
+
+    splits: dict
+    groups: dict
+    seed: int
+
+    def eval_groups(self) -> dict[str, list[str]]:
+        return dict(self.groups)
+
+    def num_problems(self, split: str) -> Optional[int]:
+        return None if split == "train" else len(self.splits[split])
+
+    def problem(self, split: str, index: int) -> Problem:
+        rows = self.splits[split]
+        if split != "train":
+            return rows[index]
+        epoch, position = divmod(index, len(rows))
+        order = list(range(len(rows)))
+        random.Random(f"{self.seed}/epoch{epoch}").shuffle(order)
+        return rows[order[position]]
+
+
+class MathTask(FileSplits):
     default_reward = "math_verify"  # score() as a reward function (megatron_kl.rewards.builtin)
 
     def __init__(self, cfg: MathConfig, seed: int = 0, tokenizer=None):
@@ -264,21 +289,6 @@ class MathTask:
                 log.warning("%s: skipped %d row(s) %s; first: %s", path, sum(bad.values()), dict(bad),
                             first_error)
         return problems
-
-    def eval_groups(self) -> dict[str, list[str]]:
-        return dict(self.groups)
-
-    def num_problems(self, split: str) -> Optional[int]:
-        return None if split == "train" else len(self.splits[split])
-
-    def problem(self, split: str, index: int) -> Problem:
-        rows = self.splits[split]
-        if split != "train":
-            return rows[index]
-        epoch, position = divmod(index, len(rows))
-        order = list(range(len(rows)))
-        random.Random(f"{self.seed}/epoch{epoch}").shuffle(order)
-        return rows[order[position]]
 
     def score(self, problem: Problem, response_ids: list[int]) -> float:
         return score_answer(problem.answer, self.tokenizer.decode(response_ids))

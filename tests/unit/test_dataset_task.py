@@ -8,7 +8,8 @@ import pytest
 
 from megatron_kl.config import ConfigError
 from megatron_kl.tasks.base import DatasetConfig
-from megatron_kl.tasks.dataset import CharTokenizer, DatasetTask, TaskContext
+from megatron_kl.tasks.arithmetic import CharTokenizer
+from megatron_kl.tasks.dataset import DatasetTask, TaskContext
 from tests.unit.test_tasks import _tiny_hf_tokenizer
 
 ROWS = [{"story": f"Tom has {i} apples and gets 1 more.", "solution": i + 1, "unit": "apples", "level": i % 3}
@@ -67,7 +68,7 @@ def test_every_source_format_reads_the_same_rows(tmp_path):
                                            r"task.dataset.prompt_column"),
     ({"story": "x"}, {}, r"row 1 has no column 'solution' .*or '' when the data has no answers"),
     ({"story": "", "solution": 1}, {}, r"row 1: the prompt '' is empty or not text"),
-    ({"story": "é", "solution": 1}, {}, r"row 1: character 'é' is not in the 'chars' tokenizer"),
+    ({"story": "é", "solution": 1}, {}, r"row 1: character .é. is not in the .chars. tokenizer"),
     ({"story": "x" * 200, "solution": 1}, {}, r"row 1: the prompt has 201 tokens, more than the 80"),
     ({"story": "x" * 40, "solution": 1}, {"max_prompt_tokens": 36}, r"row 1: the prompt has 41 tokens, more than the 36"),
     ({"story": "x", "solution": True}, {}, r"row 1: answer True is not text or a number"),
