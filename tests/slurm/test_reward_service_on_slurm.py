@@ -6,13 +6,16 @@ environment that no log of the job shows."""
 from __future__ import annotations
 
 import json
+import uuid
 
 from tests.slurm.conftest import CONFIG, free_port
 from tests.slurm.test_launch_on_slurm import (by_step, diagnosis, experiment_dir, experiment_id, job_id, job_state,
                                               wait_until)
 
 STEPS = 3
-TOKEN = "verifier-token-5b1e9c"
+# made at run time: the job's packaged code (a git archive of the checkout) holds this file, so a literal token here
+# would be found in the job's directory by the check below
+TOKEN = f"verifier-{uuid.uuid4().hex}"
 
 
 def test_the_trainer_scores_through_a_verifier_running_as_a_group_of_its_job(slurm_cluster, warm_cache, tmp_path):
