@@ -368,3 +368,18 @@ def test_the_service_waits_for_a_late_start_and_names_one_that_never_comes():
             server.close()
     with pytest.raises(RewardFailed, match=r"not reachable after reward.service.startup_timeout_s=1s"):
         _service(type("S", (), {"url": f"http://127.0.0.1:{port}"})(), startup_timeout_s=1).score(SAMPLES[:2])
+
+
+def test_the_python_api_loads_a_config_from_a_file_a_dict_or_the_defaults():
+    from megatron_kl import api
+
+    path = Path(__file__).resolve().parents[2] / "configs" / "cpu" / "default.yaml"
+    from_file = api.load_config(path, ["kl.coef=0.2", "train.steps=3"])
+    assert from_file.kl.coef == 0.2 and from_file.train.steps == 3 and from_file.model.hidden_size == 128
+    sections = {"kl": {"coef": 0.2}, "train": {"steps": 3}}
+    from_dict = api.load_config(sections, ["reward.functions=[{name: exact_match}]"])
+    assert from_dict.kl.coef == 0.2 and from_dict.reward.functions[0].name == "exact_match"
+    assert sections == {"kl": {"coef": 0.2}, "train": {"steps": 3}}  # the caller's dict is left as it was
+    assert api.load_config().kl.coef == api.TrainConfig().kl.coef
+    with pytest.raises(ConfigError, match=r"kl.coef=nan must be a number"):
+        api.load_config(sections, ["kl.coef=nan"])
