@@ -73,3 +73,13 @@ def test_the_run_key_separates_every_identity_change_and_nothing_else():
         assert load_train_config(DEFAULT_CONFIG, same).train.output_dir == base.train.output_dir, same
     assert run_key(TrainConfig()) == "" and TrainConfig().run_name == "k1-reward-token-rtg-coef0.001-grpo-ppo-s0-seed1234"
     assert base.run_name.endswith("-e3a8e3")  # stable: the key docs/training.md and the README show
+
+
+def test_an_edited_reward_file_is_a_changed_run(tmp_path):
+    rewards = tmp_path / "rewards.py"
+    rewards.write_text("def score(sample):\n    return 1.0\n")
+    cfg = load_train_config(DEFAULT_CONFIG, [f"reward.functions=[{{name: '{rewards}:score'}}]"])
+    recorded = identity_of(cfg, 1)
+    rewards.write_text("def score(sample):\n    return 0.5\n")
+    changed = differences(recorded, identity_of(cfg, 1))
+    assert len(changed) == 1 and changed[0].startswith(f"file:{rewards}"), changed
