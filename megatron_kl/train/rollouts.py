@@ -31,7 +31,7 @@ from typing import Iterator, Optional
 
 import torch
 
-from megatron_kl.rewards.scorer import RewardScorer, inputs_for, task_reward
+from megatron_kl.rewards.scorer import RewardFailed, RewardScorer, inputs_for, task_reward
 from megatron_kl.rollout.engine import Completion, RolloutEngine, SamplingConfig
 from megatron_kl.train.batching import pack, pack_routing
 
@@ -174,6 +174,15 @@ def _score(scorer: RewardScorer, task, generated: _Generated, group_size: int) -
                         reward_valid=scores.valid if excluded else None, reward_metrics=scores.metrics)
 
 
+@dataclass
+class _FailedScoring:
+    """A queued batch whose reward call failed (reward.on_failure=fail) while it was finished for a weight sync or a
+    checkpoint: kept to be raised where the step takes it (:meth:`RolloutSource.get`, agreed across ranks there), never
+    checkpointed (a resumed run makes it again)."""
+
+    error: RewardFailed
+
+
 class StalenessExceeded(RuntimeError):
     """A batch holds tokens sampled by weights older than ``train.staleness`` allows."""
 
@@ -232,7 +241,10 @@ class RolloutSource:
         # pause it unfinished: then it is scored when used
         ahead = self._generate if self.partial else self._make
         self.queue[step + self.staleness] = self._pool.submit(ahead, step + self.staleness)
-        batch = self._resolve(self.queue.pop(step))
+        item = self.queue.pop(step)
+        if isinstance(item, _FailedScoring):
+            raise item.error
+        batch = self._resolve(item)
         lag = (step - batch.versions)[batch.loss_mask > 0]
         if self.partial and lag.numel() and int(lag.max()) > self.staleness:  # resumed responses: checked per token
             raise StalenessExceeded(f"step {step}: a response token was sampled by weights {int(lag.max())} updates "
@@ -262,14 +274,23 @@ class RolloutSource:
                 self.queue[step] = self._pool.submit(_resume, self.engine, item, self.sampling)
 
     def wait(self) -> None:
-        """Finish in-flight generation (before a weight sync or a checkpoint)."""
+        """Finish in-flight generation (before a weight sync or a checkpoint). A batch whose reward call fails is kept
+        as failed and raised when its step takes it (every rank takes its batch at the same point)."""
         for step, item in list(self.queue.items()):
-            self.queue[step] = self._resolve(item)
+            if isinstance(item, _FailedScoring):
+                continue
+            try:
+                self.queue[step] = self._resolve(item)
+            except RewardFailed as err:
+                self.queue[step] = _FailedScoring(err)
 
     def drop_unfinished(self) -> None:
         """Forget queued generations that did not finish (the engine was lost); a resumed run makes them again
         (the warm-up path of :meth:`get`). Completed batches stay for the checkpoint."""
         for step, item in list(self.queue.items()):
+            if isinstance(item, _FailedScoring):
+                del self.queue[step]
+                continue
             if isinstance(item, Future):
                 wait([item])
                 if item.exception() is not None:
@@ -283,7 +304,8 @@ class RolloutSource:
         """Completed queued batches as plain data (tensors, numbers, strings, lists, dicts): checkpoints
         load with ``torch.load(weights_only=True)``."""
         self.wait()
-        return {"queue": {int(step): dataclasses.asdict(batch) for step, batch in self.queue.items()}}
+        return {"queue": {int(step): dataclasses.asdict(batch) for step, batch in self.queue.items()
+                          if isinstance(batch, RolloutBatch)}}
 
     def load_state_dict(self, state: Optional[dict]) -> None:
         queue = state["queue"] if state else {}

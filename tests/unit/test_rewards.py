@@ -383,3 +383,34 @@ def test_the_python_api_loads_a_config_from_a_file_a_dict_or_the_defaults():
     assert api.load_config().kl.coef == api.TrainConfig().kl.coef
     with pytest.raises(ConfigError, match=r"kl.coef=nan must be a number"):
         api.load_config(sections, ["kl.coef=nan"])
+
+
+def test_an_async_batch_whose_reward_fails_is_raised_where_its_step_takes_it_and_never_checkpointed():
+    from megatron_kl.rollout.engine import Completion
+    from megatron_kl.train.rollouts import RolloutSource
+
+    task = ArithmeticTask(ArithmeticConfig())
+
+    broken, go, calls = threading.Event(), threading.Event(), []
+
+    class Engine:
+        def generate(self, prompts, sampling, seed=0, budgets=None):
+            calls.append(seed)
+            if len(calls) > 1:  # the batch for step 1, in the background: held until the reward is broken
+                go.wait(30)
+            return [Completion(p, [5, task.tokenizer.eos_id], [-0.1] * 2, "stop", 0) for p in prompts]
+
+    register("breaks_later", lambda s: 1 / 0 if broken.is_set() else 1.0)
+    try:
+        source = RolloutSource(task, Engine(), None, 2, 2, staleness=1, seed=0,
+                               scorer=_scorer([{"name": "breaks_later"}], task))
+        assert source.get(0).rewards.tolist() == [1.0] * 4  # the warm-up batch scores; step 1's starts behind it
+        broken.set()
+        go.set()
+        source.wait()  # a weight sync: step 1's batch fails scoring, and no error is raised here (one rank's)
+        assert source.state_dict()["queue"] == {}  # the failed batch is not checkpointed
+        with pytest.raises(RewardFailed, match=r"breaks_later\) failed on sample 0 .*ZeroDivisionError"):
+            source.get(1)
+        source.close()
+    finally:
+        unregister("breaks_later")
