@@ -84,7 +84,6 @@ class RewardScorer:
             raise ValueError("RewardScorer needs at least one reward function")
         self.functions, self.on_failure, self.timeout_s, self.workers = functions, on_failure, timeout_s, workers
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="reward")
-        self.failed_total = 0
         self._scoring = threading.Lock()  # one score() at a time (a background batch and an evaluation)
 
     @classmethod
@@ -127,7 +126,6 @@ class RewardScorer:
         totals = [sum(fn.weight * results[i].reward for fn, results in zip(self.functions, per_function))
                   if valid[i] else 0.0 for i in range(n)]
         if failures:
-            self.failed_total += len(failures)
             log.warning("reward: %d of %d samples failed and are excluded (reward.on_failure=exclude); first: %s",
                         len(failures), n, failures[min(failures)].describe())
         return Scores(torch.tensor(totals), torch.tensor(valid, dtype=torch.bool),
