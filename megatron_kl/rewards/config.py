@@ -11,6 +11,14 @@ from megatron_kl.config import ConfigError
 from megatron_kl.constraints import checked
 
 FAILURE_POLICIES = ("fail", "exclude")
+
+
+def metric_segment(name: str, limit: int | None = None) -> str:
+    """A name as one segment of a metric key (letters, digits and ``_.-``; anything else becomes ``_``), cut to
+    ``limit`` characters when given: ``reward/fn/<label>``, ``reward/extra/<name>``."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", name)[:limit] or "_"
+
+
 CALL_MODES = ("auto", "sample", "batch")
 
 
@@ -39,9 +47,8 @@ class RewardFunctionConfig:
 
     @property
     def metric_label(self) -> str:
-        """The label as a metric key segment (letters, digits and ``_.-``; anything else becomes ``_``)."""
-        label = self.label or self.name.rsplit(":", 1)[-1].rsplit(".", 1)[-1]
-        return re.sub(r"[^A-Za-z0-9_.-]", "_", label) or "_"
+        """The label as a metric key segment (:func:`metric_segment`)."""
+        return metric_segment(self.label or self.name.rsplit(":", 1)[-1].rsplit(".", 1)[-1])
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,6 @@ thread cannot be killed), its not-yet-started neighbours move to a fresh pool so
 from __future__ import annotations
 
 import logging
-import re
 import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -26,7 +25,7 @@ from typing import Any, Optional
 
 import torch
 
-from megatron_kl.rewards.config import RewardConfig, RewardFunctionConfig
+from megatron_kl.rewards.config import RewardConfig, RewardFunctionConfig, metric_segment
 from megatron_kl.rewards.registry import BoundReward, bind_all
 from megatron_kl.rewards.types import InvalidReward, RewardInput, RewardResult, as_result
 
@@ -141,7 +140,7 @@ class RewardScorer:
                 out[f"reward/fn/{fn.label}"] = sum(r.reward for r in kept) / len(kept) if kept else 0.0
             for result in kept:
                 for name, value in result.metrics.items():
-                    extras.setdefault(_metric_name(name), []).append(value)
+                    extras.setdefault(metric_segment(name, 64), []).append(value)
         out.update({f"reward/extra/{name}": sum(v) / len(v) for name, v in extras.items()})
         return out
 
@@ -214,11 +213,6 @@ class RewardScorer:
         self._pool.shutdown(wait=False, cancel_futures=True)
         for fn in self.functions:
             fn.close()
-
-
-def _metric_name(name: str) -> str:
-    """A returned metric name as a key segment (letters, digits, ``_.-``; anything else becomes ``_``)."""
-    return re.sub(r"[^A-Za-z0-9_.-]", "_", name)[:64] or "_"
 
 
 def _result(future: Future) -> tuple[Optional[RewardResult], Optional[str]]:

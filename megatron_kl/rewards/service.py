@@ -50,11 +50,6 @@ class RewardService:
         self.counters: dict = {}
         self._reachable = cfg.startup_timeout_s == 0
 
-    @property
-    def budget_s(self) -> float:
-        """The longest one request can take (every attempt and backoff)."""
-        return self.policy.budget_s
-
     def wait_reachable(self) -> None:
         """Every URL answers something (``GET /health``, any status) within ``startup_timeout_s``, else
         ``ServerUnavailable`` naming the ones that do not."""

@@ -19,7 +19,7 @@ TASK_NAMES = ("arithmetic", "math", "dataset")  # tasks.registry builds them
 SPLITS = ("train", "eval", "ood")
 
 
-@dataclass(frozen=True, eq=True)
+@dataclass(frozen=True)
 class Problem:
     """One prompt: its token ids, the reference answer ("" when the data has none), the prompt as the data gave it
     (before any chat template), and the data row's other fields (passed to reward functions)."""

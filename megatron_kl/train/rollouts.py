@@ -92,8 +92,9 @@ def resumed(prefix: Completion, continuation: Completion) -> Completion:
 
 @dataclass
 class _Generated:
-    """Completions of one step's prompts, not yet scored: what the background thread produces. ``_score`` is called
-    from the main thread when the batch is needed; the reward calls themselves run in the scorer's worker threads."""
+    """Completions of one step's prompts, not yet scored. ``_score`` runs where the batch is finished: the background
+    thread for an async batch without partial rollouts, else the caller; the reward calls themselves run in the
+    scorer's worker threads."""
 
     step: int
     problems: list
