@@ -28,29 +28,30 @@ _PR_SET_PDEATHSIG = 1
 _state = {"installed": False, "close_fds": set(), "trainer_pid": None, "from_main_thread": True}
 
 
-def _prctl_death_signal() -> None:
+def _prctl_death_signal(death_signal: int = signal.SIGKILL) -> None:
     if not sys.platform.startswith("linux"):
         return
     try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, int(death_signal), 0, 0, 0)
     except OSError:
         return
 
 
-def die_with_parent(parent_pid: Optional[int] = None) -> None:
-    """``preexec_fn`` of a server process: killed when the parent dies (exits now if it already has), and the
-    stop signals back at their defaults (the fork hook set them ignored; an ignored signal stays ignored
+def die_with_parent(parent_pid: Optional[int] = None, death_signal: int = signal.SIGKILL) -> None:
+    """``preexec_fn`` of a server process: ``death_signal`` when the parent dies (exits now if it already has),
+    and the stop signals back at their defaults (the fork hook set them ignored; an ignored signal stays ignored
     across ``exec``, and a server must stop on SIGTERM). The kernel sends the death signal when the *thread*
     that forked ends, so it is set only for forks from the main thread (a server restarted from a rollout
-    thread relies on the trainer's own shutdown instead)."""
-    _bind_to_parent(parent_pid)
+    thread relies on the trainer's own shutdown instead). A study gives its trainers SIGTERM: a trainer whose
+    study is killed saves its finished steps and stops."""
+    _bind_to_parent(parent_pid, death_signal)
     _set_stop_signals(signal.SIG_DFL)
 
 
-def _bind_to_parent(parent_pid: Optional[int]) -> None:
+def _bind_to_parent(parent_pid: Optional[int], death_signal: int = signal.SIGKILL) -> None:
     """The death signal (forks from the main thread only), then exit if the parent died before it was set."""
     if _state["from_main_thread"]:
-        _prctl_death_signal()
+        _prctl_death_signal(death_signal)
     if parent_pid is not None and os.getppid() != parent_pid:
         os._exit(1)
 

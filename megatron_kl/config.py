@@ -163,7 +163,7 @@ class ParallelConfig:
     expert_tensor_parallel: Optional[int] = checked(None, ge=1)
     # one timeout for every process group (torch.distributed's default group, megatron's TP/PP/DP groups,
     # the rollout engine's gloo group): a hung rank ends the job after this long instead of 30 min or never
-    distributed_timeout_s: float = checked(1800.0, gt=0)
+    distributed_timeout_s: float = checked(1800.0, ge=10, fix="process groups need seconds to form: give at least 10")
 
     @property
     def sequence_multiple(self) -> int:

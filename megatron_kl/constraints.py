@@ -24,6 +24,9 @@ from pathlib import Path
 from typing import Any, Optional
 
 PATH_KINDS = ("file", "dir", "writable")
+# the largest seed: numpy's legacy generator takes [0, 2^32); the derived seeds (train.seed * 7919 + step, ...)
+# stay far inside torch's 64-bit range
+SEED_MAX = 2**32 - 1
 KEY = "megatron_kl.constraint"
 _CHECK_PATHS = contextvars.ContextVar("megatron_kl_check_paths", default=True)
 

@@ -61,7 +61,7 @@ class RewardServiceConfig:
 
     urls: list[str] = field(default_factory=list)  # several: batches are spread over them in turn
     path: str = checked("/score", free=True, nonempty=True)  # the scoring route on each URL
-    timeout_s: float = checked(60.0, gt=0)  # total per attempt (headers and body)
+    timeout_s: float = checked(60.0, ge=0.1)  # total per attempt (headers and body)
     max_retries: int = checked(3, ge=0)  # attempts after the first, per request
     backoff_s: float = checked(0.5, ge=0)  # doubled after each failed attempt, up to 30 s
     batch_size: int = checked(32, ge=1)  # samples per request
@@ -86,7 +86,7 @@ class RewardConfig:
     # steps already trained (exit 1). exclude: the sample is scored as failed - left out of its group's advantage
     # baseline and of the loss (its tokens masked), counted in reward/failed and the step's log line
     on_failure: str = checked("fail", choices=FAILURE_POLICIES)
-    timeout_s: float = checked(60.0, gt=0)  # per call of a function (a batch call: the whole batch)
+    timeout_s: float = checked(60.0, ge=0.1)  # per call of a function (a batch call: the whole batch)
     workers: int = checked(8, ge=1)  # reward calls running at once (threads; sample mode)
     service: RewardServiceConfig = field(default_factory=RewardServiceConfig)
 

@@ -50,10 +50,10 @@ class SGLangConfig:
     # top-p without top-k: top log-probs per position asked for to rebuild the truncated distribution's log-probs
     # (SGLang returns those of the full tempered softmax); a support larger than this is an error naming it
     top_logprobs_num: int = checked(256, ge=1)
-    request_timeout_s: float = checked(300.0, gt=0)  # total per attempt; every attempt + backoff < parallel.distributed_timeout_s
+    request_timeout_s: float = checked(300.0, ge=0.1)  # total per attempt; every attempt + backoff < parallel.distributed_timeout_s
     max_retries: int = checked(4, ge=0)  # per request, on 5xx / 429 / timeouts / dropped or cut-short answers / corrupt values
     backoff_s: float = checked(0.5, ge=0)  # first retry delay, doubled each retry
-    startup_timeout_s: float = checked(900.0, gt=0)  # /health of a starting server
+    startup_timeout_s: float = checked(900.0, ge=0.1)  # /health of a starting server
     restart_dead_servers: bool = True  # managed servers only
     # the servers' --api-key comes from this environment variable (the launcher's disaggregated job sets a
     # per-job key there); managed servers get a fresh random key when it is unset
@@ -89,7 +89,7 @@ class VLLMConfig:
     max_model_len: Optional[int] = checked(None, ge=1)
     enable_sleep_mode: bool = False  # colocated: sleep while the trainer runs
     sync_dir: Optional[str] = checked(None, free=True)  # default <train.output_dir>/weight_sync
-    request_timeout_s: float = checked(300.0, gt=0)  # total per attempt (see rollout.sglang)
+    request_timeout_s: float = checked(300.0, ge=0.1)  # total per attempt (see rollout.sglang)
     max_retries: int = checked(4, ge=0)
     backoff_s: float = checked(0.5, ge=0)
     # mode=server: the --logprobs-mode the server was started with (vLLM's default raw_logprobs are the full

@@ -135,13 +135,21 @@ class DistributedEngine:
 
     def pause(self) -> None:
         """Partial rollouts: rank 0's engine cuts the generations in flight short (every rank's prompts go through
-        it); the other ranks receive the partial completions through the scatter of their ``generate``."""
-        if self.rank == 0:
-            self.engine.pause()
+        it); the other ranks receive the partial completions through the scatter of their ``generate``. Collective:
+        servers lost here raise ``EngineLost`` on every rank."""
+        self._on_rank0(lambda: self.engine.pause(), "pausing generation")
 
     def resume(self) -> None:
+        self._on_rank0(lambda: self.engine.resume(), "resuming generation")
+
+    def _on_rank0(self, call: Callable[[], None], what: str) -> None:
+        error = None
         if self.rank == 0:
-            self.engine.resume()
+            try:
+                call()
+            except Exception as err:  # noqa: BLE001 - every rank stops with it
+                error = err
+        self._settle(error, what)
 
     def update_weights(self, chunks: list, version: int) -> None:
         from megatron_kl.models.output_head import unwrap

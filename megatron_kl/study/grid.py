@@ -24,38 +24,59 @@ import fnmatch
 import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 
-from megatron_kl.config import ConfigError, read_yaml_file
+from megatron_kl.config import ConfigError, from_dict, read_yaml_file
+from megatron_kl.constraints import SEED_MAX, checked
 from megatron_kl.study.claims import CLAIM3
 
 
 @dataclass
 class Configuration:
-    name: str
+    name: str = checked("", free=True, nonempty=True)
     overrides: list[str] = field(default_factory=list)
 
 
 @dataclass
 class StudyConfig:
-    name: str
-    base: str
-    output_dir: str
-    seeds: list[int] = field(default_factory=lambda: [1])
+    """A study YAML, typed and checked like the training config (``megatron_kl.config.from_dict``)."""
+
+    name: str = checked("", free=True, nonempty=True)
+    base: str = checked("", path="file")  # the training YAML every run starts from
+    output_dir: str = checked("", path="writable")
+    seeds: list[int] = field(default_factory=lambda: [1])  # at least one, each once, 0 <= seed < 2^32
     common: list[str] = field(default_factory=list)
     configurations: list[Configuration] = field(default_factory=list)
-    grid: dict = field(default_factory=dict)
-    instability_factor: float = 10.0  # an event: KL or grad norm above factor x its run median
-    collapse_fraction: float = 0.5  # unstable: final in-domain pass@1 below this x its first evaluation (0: off)
+    grid: dict[str, Any] = field(default_factory=dict)
+    # an event: KL or grad norm above factor x its run median (> 1: the median itself is never an event)
+    instability_factor: float = checked(10.0, gt=1)
+    # unstable: final in-domain pass@1 below this x its first evaluation (0: off)
+    collapse_fraction: float = checked(0.5, ge=0, le=1)
     # which statistic decides claim 3 (both are reported): "unstable" (any event or a collapse) or "collapsed"
     # (the severe kind alone: a spike that training recovers from is not counted)
-    claim3_statistic: str = "unstable"
+    claim3_statistic: str = checked("unstable", choices=tuple(CLAIM3))
     only: list[str] = field(default_factory=list)  # run only the configurations whose names match (fnmatch)
-    published: Optional[str] = None  # a published claims.json whose verdicts the report puts beside these
-    extends: Optional[str] = None  # the study YAML this one starts from (its keys, replaced by the ones here)
+    published: Optional[str] = checked(None, path="file")  # a published claims.json whose verdicts the report puts beside these
+    extends: Optional[str] = checked(None, free=True)  # the study YAML this one starts from (its keys, replaced by the ones here)
     # what the report must say before its verdicts (a preset too small to decide anything says so)
-    caveat: Optional[str] = None
+    caveat: Optional[str] = checked(None, free=True)
+
+    def __post_init__(self):
+        if not self.seeds:
+            raise ConfigError("seeds=[] must list at least one seed, e.g. seeds: [1, 2, 3]")
+        repeated = sorted({s for s in self.seeds if self.seeds.count(s) > 1})
+        if repeated:
+            raise ConfigError(f"seeds={self.seeds} repeats {repeated}: each seed is one run per configuration; "
+                              "list each once")
+        out_of_range = [s for s in self.seeds if not 0 <= s <= SEED_MAX]
+        if out_of_range:
+            raise ConfigError(f"seeds={self.seeds}: {out_of_range} outside 0..{SEED_MAX} (the generators' range)")
+        for key, values in self.grid.items():
+            if not isinstance(values, list) or not values:
+                raise ConfigError(f"grid axis {key!r} must be a non-empty list of values, e.g. {key}: [a, b]")
+        if self.caveat:
+            self.caveat = " ".join(self.caveat.split())
 
 
 @dataclass
@@ -114,26 +135,19 @@ def load_study(path, overrides: Optional[list[str]] = None) -> StudyConfig:
     for key in ("name", "base", "output_dir"):
         if not data.get(key):
             raise ConfigError(f"study config {path}: '{key}' is required")
-    configs = []
     for i, item in enumerate(data.get("configurations") or []):
         if not isinstance(item, dict) or "name" not in item:
             raise ConfigError(f"study config {path}: configurations[{i}] needs a 'name' (and 'overrides')")
-        configs.append(Configuration(str(item["name"]), [str(o) for o in item.get("overrides") or []]))
-    study = StudyConfig(name=data["name"], base=data["base"], output_dir=data["output_dir"],
-                        seeds=[int(s) for s in data.get("seeds") or [1]],
-                        common=[str(o) for o in data.get("common") or []] + list(overrides or []),
-                        configurations=configs, grid=data.get("grid") or {},
-                        instability_factor=float(data.get("instability_factor", 10.0)),
-                        collapse_fraction=float(data.get("collapse_fraction", 0.5)),
-                        claim3_statistic=str(data.get("claim3_statistic", "unstable")),
-                        only=[str(p) for p in data.get("only") or []], published=data.get("published"),
-                        extends=data.get("extends"),
-                        caveat=" ".join(str(data["caveat"]).split()) if data.get("caveat") else None)
-    if study.claim3_statistic not in CLAIM3:
-        raise ConfigError(f"study config {path}: claim3_statistic={study.claim3_statistic!r}; use one of "
-                          f"{list(CLAIM3)}")
-    if study.published and not Path(study.published).is_file():
-        raise ConfigError(f"study config {path}: published={study.published} is not a file (a claims.json)")
+    for key in ("configurations", "grid", "common", "only"):  # an empty YAML key (``grid:``) is the default
+        if key in data and data[key] is None:
+            del data[key]
+    if "seeds" in data and data["seeds"] is None:
+        data["seeds"] = []  # ``seeds:`` with nothing: refused as no seeds
+    try:
+        study = from_dict(StudyConfig, data)
+    except ConfigError as err:
+        raise ConfigError(f"study config {path}: {err}") from None
+    study.common = study.common + list(overrides or [])
     names = [c.name for c in _every(study)]
     if not names:
         raise ConfigError(f"study config {path}: give 'configurations' and/or a 'grid'")

@@ -115,6 +115,7 @@ class ConfigurationRuns:
     overrides: list[str]
     finished: list[FinishedRun] = field(default_factory=list)
     failed: list[FailedRun] = field(default_factory=list)
+    not_run: list[str] = field(default_factory=list)  # never started, or interrupted: nothing is computed from them
 
     @property
     def records(self) -> list[list[dict]]:
@@ -122,7 +123,8 @@ class ConfigurationRuns:
 
 
 def collect(study: StudyConfig, runs: list[RunSpec], status: dict) -> dict[str, ConfigurationRuns]:
-    """Per configuration: its finished runs (metrics and stability) and its failures."""
+    """Per configuration: its finished runs (metrics and stability), its failures, and the runs that have not run
+    (no state in ``status.json``, or interrupted by a stop signal: they resume, nothing is judged from them)."""
     groups: dict[str, ConfigurationRuns] = {}
     for spec in runs:
         group = groups.setdefault(spec.configuration, ConfigurationRuns(spec.overrides))
@@ -132,8 +134,10 @@ def collect(study: StudyConfig, runs: list[RunSpec], status: dict) -> dict[str, 
             records = read_metrics(metrics)
             group.finished.append(FinishedRun(spec.seed, records, _instabilities(records, study.instability_factor),
                                               collapsed(records, study.collapse_fraction)))
-        else:
+        elif entry.get("state") in ("ok", "failed"):  # ok without its metrics: failed, the files are gone
             group.failed.append(FailedRun(spec.seed, spec.name, entry))
+        else:
+            group.not_run.append(spec.name)
     return groups
 
 
@@ -239,19 +243,25 @@ def write_report(study: StudyConfig, runs: list[RunSpec], status: dict) -> dict:
              f"below {study.collapse_fraction:g}x the first evaluation's.", _runtime(status), ""]
     if study.caveat:
         lines += [f"> **Caveat:** {study.caveat}", ""]
+    not_run = [name for group in groups.values() for name in group.not_run]
+    if not_run:
+        lines += [f"> **Unfinished study:** {len(not_run)} of {len(runs)} runs have not run or were interrupted "
+                  f"({', '.join(not_run)}); nothing below is computed from them. Run the study again to finish it.",
+                  ""]
     lines += claims.markdown(claim_results, run_roles, instability_definition(study))
     if study.published:
         lines += [""] + claims.beside_published(claim_results, json.loads(Path(study.published).read_text()),
                                                 study.published)
     lines += ["", "## Results", "",
-             "| configuration | seeds ok | failed | final reward | " + " | ".join(f"final {label}" for _, label in FINAL)
+             "| configuration | seeds ok | failed | not run | final reward | "
+             + " | ".join(f"final {label}" for _, label in FINAL)
              + " | best ID pass@1 | final exact KL | instability events | stability | kl/biased | audit |",
-             "|" + "---|" * (10 + len(FINAL))]
+             "|" + "---|" * (11 + len(FINAL))]
     summary = {}
     for name, group in groups.items():
         records = group.records
         row = {
-            "seeds_ok": len(records), "failed": [run.name for run in group.failed],
+            "seeds_ok": len(records), "failed": [run.name for run in group.failed], "not_run": list(group.not_run),
             "final_reward": _mean(_final(r, "reward/mean") for r in records),
             **{key: _mean(_final(r, key) for r in records) for key, _ in FINAL},
             "best_id_pass1": _mean(_best(r, "eval/id/pass@1") for r in records),
@@ -265,7 +275,8 @@ def write_report(study: StudyConfig, runs: list[RunSpec], status: dict) -> dict:
                                      row["collapsed_seeds"])
         biased = {None: "n/a", True: "1", False: "0"}[row["kl_biased"]]
         summary[name] = row
-        lines.append(f"| {name} | {row['seeds_ok']} | {len(row['failed'])} | {_fmt(row['final_reward'])} | "
+        lines.append(f"| {name} | {row['seeds_ok']} | {len(row['failed'])} | {len(row['not_run'])} | "
+                     f"{_fmt(row['final_reward'])} | "
                      + " | ".join(_fmt(row[key]) for key, _ in FINAL)
                      + f" | {_fmt(row['best_id_pass1'])} | {_fmt(row['final_exact_kl'])} | "
                        f"{row['instability_events']} | {row['stability']} | {biased} | {row['audit']} |")

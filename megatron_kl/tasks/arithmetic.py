@@ -74,6 +74,12 @@ class ArithmeticTask:
     def num_problems(self, split: str) -> Optional[int]:
         return None if split == "train" else self.eval_size
 
+    def longest_prompt_tokens(self) -> int:
+        """bos, two operands of the most digits any split draws, the operator and "=" (one character each)."""
+        digits = max(self.cfg.max_digits, self.cfg.ood_max_digits,
+                     len(str(_held_out_max(self.cfg))) if self.cfg.held_out_min_operand else 0)
+        return 1 + 2 * digits + 2
+
     def _operand(self, rng: random.Random, lo: int, hi: int) -> int:
         digits = rng.randint(lo, hi)
         return rng.randint(0 if digits == 1 else 10 ** (digits - 1), 10**digits - 1)

@@ -52,6 +52,10 @@ class Task(Protocol):
 
     def score(self, problem: Problem, response_ids: list[int]) -> float: ...
 
+    def longest_prompt_tokens(self) -> int:
+        """The most prompt tokens a problem of any split has (checked against the model's positions with the
+        longest response asked for, before anything starts)."""
+
     # the built-in reward used when reward.functions is empty (megatron_kl.rewards), None when the task has none
     default_reward: Optional[str]
 

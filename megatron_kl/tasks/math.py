@@ -206,6 +206,9 @@ class FileSplits:
     def num_problems(self, split: str) -> Optional[int]:
         return None if split == "train" else len(self.splits[split])
 
+    def longest_prompt_tokens(self) -> int:
+        return max((len(p.prompt_ids) for rows in self.splits.values() for p in rows), default=0)
+
     def problem(self, split: str, index: int) -> Problem:
         rows = self.splits[split]
         if split != "train":

@@ -47,6 +47,8 @@ def check(cfg) -> int:
     print("# start: " + {"fresh": f"a new run in {out} (an earlier run's files there would move to superseded-<time>/)",
                          "resume": f"resume the run in {out} from step {plan.checkpoint_step}",
                          "finished": f"nothing to do: the run in {out} finished at step {plan.checkpoint_step}"}[plan.kind])
+    for note in prepared.notes:
+        print(f"# note: {note}")
     print("# configuration OK")
     return 0
 

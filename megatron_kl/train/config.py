@@ -12,7 +12,7 @@ from typing import Optional
 
 from megatron_kl.algo.config import AlgoConfig, row_separable
 from megatron_kl.config import ConfigError, ModelConfig, ParallelConfig, load_yaml
-from megatron_kl.constraints import checked
+from megatron_kl.constraints import SEED_MAX, checked
 from megatron_kl.kl.config import AUTO, KLConfig, Verdict
 from megatron_kl.launch_config import LaunchConfig
 from megatron_kl.models.optim_config import OptimConfig
@@ -67,7 +67,7 @@ class WarmStartConfig:
     checkpoint: Optional[str] = checked(None, path='file')  # a full-state .pt to start from instead of training one
     # seed of the warm start's init and data order; null: train.seed. Fix it to share one starting model
     # (and reference) across the RL seeds of a study.
-    seed: Optional[int] = checked(None, ge=0)
+    seed: Optional[int] = checked(None, ge=0, le=SEED_MAX)
     # where the weights come from: auto = the package's shipped warm start when this recipe has one (the same
     # model on every machine; megatron_kl/data/warm_starts), else trained and cached; shipped = require it;
     # train = always train (float32 rounding makes the result machine-dependent)
@@ -104,7 +104,7 @@ class LoopConfig:
     # either way): without a term that uses the reference (kl.coef=0 with PPO) its whole forward (kl/*); with
     # a sampled KL estimator (k1/k2/k3, RPG) the exact full-vocabulary KL (kl/exact_*), which no term reads
     reference_metrics_interval: int = checked(1, ge=1)
-    seed: int = checked(1234, ge=0)
+    seed: int = checked(1234, ge=0, le=SEED_MAX)  # numpy's generator takes seeds below 2^32
     # where the run writes; "{run_name}" is replaced by the run's name (estimator, placement, level, coefficient,
     # loss, staleness, seed), so a changed configuration lands in a directory of its own
     output_dir: str = checked("runs/{run_name}", path='writable')

@@ -114,6 +114,7 @@ class Prepared:
     hf_source: object
     task: object
     plan: run_dir.StartPlan
+    notes: list[str] = dataclasses.field(default_factory=list)  # what the run does that the user may not expect
 
 
 def prepare(cfg: TrainConfig) -> Prepared:
@@ -124,7 +125,9 @@ def prepare(cfg: TrainConfig) -> Prepared:
     world_size = _world_size()
     hf_source = _hf_source(cfg)
     task = build_task(cfg.task, task_context(cfg, hf_source))
+    given_stops = list(cfg.rollout.sampling.stop_token_ids)
     cfg = resolve(cfg, task, hf_source)
+    notes = check_against_task(cfg, task, hf_source, given_stops)
     validate_parallel(cfg.model, cfg.parallel, world_size)
     validate_training_layout(cfg.model, cfg.parallel, cfg.train.micro_batch_tokens)
     model_parallel = cfg.parallel.tensor_parallel * cfg.parallel.pipeline_parallel * cfg.parallel.context_parallel
@@ -134,7 +137,34 @@ def prepare(cfg: TrainConfig) -> Prepared:
     missing = wandb_missing(cfg.logging.wandb_project)
     if missing:
         raise ConfigError(missing)
-    return Prepared(cfg, world_size, hf_source, task, run_dir.plan_start(cfg, world_size))
+    return Prepared(cfg, world_size, hf_source, task, run_dir.plan_start(cfg, world_size), notes)
+
+
+def check_against_task(cfg: TrainConfig, task, hf_source, given_stops: list[int]) -> list[str]:
+    """Values checked against what they refer to: stop-token ids against the vocabulary, the longest prompt plus
+    the longest response asked for against the model's positions. Returns notes on what a user may not expect (a
+    stop list that replaces the end-of-sequence ids)."""
+    vocab = cfg.model.vocab_size
+    outside = [i for i in cfg.rollout.sampling.stop_token_ids if not 0 <= i < vocab]
+    if outside:
+        raise ConfigError(f"rollout.sampling.stop_token_ids={list(cfg.rollout.sampling.stop_token_ids)}: {outside} "
+                          f"outside the vocabulary (ids 0..{vocab - 1}, model.vocab_size={vocab}): no sampled token "
+                          "could ever stop a response; give token ids of the tokenizer (or [] for its end-of-sequence)")
+    notes = []
+    defaults = default_stop_token_ids(task, hf_source)
+    dropped = [i for i in defaults if i not in given_stops]
+    if given_stops and dropped:
+        notes.append(f"rollout.sampling.stop_token_ids={given_stops} replaces the end-of-sequence id(s) {dropped} "
+                     f"(the tokenizer's and the checkpoint's): a response stops only at the given ids or at "
+                     f"max_new_tokens; add {dropped} to the list to stop at the end of sequence too")
+    longest, positions = task.longest_prompt_tokens(), cfg.model.max_position_embeddings
+    for name, tokens in (("rollout.sampling.max_new_tokens", cfg.rollout.sampling.max_new_tokens),
+                         ("eval.max_new_tokens", cfg.eval.max_new_tokens)):
+        if tokens is not None and longest + tokens > positions:
+            raise ConfigError(f"{name}={tokens} with the task's longest prompt ({longest} tokens) needs "
+                              f"{longest + tokens} positions, more than model.max_position_embeddings={positions}: "
+                              f"lower {name} to at most {positions - longest}, or shorten the prompts")
+    return notes
 
 
 def task_context(cfg: TrainConfig, hf_source) -> TaskContext:
@@ -150,6 +180,8 @@ def train(cfg: TrainConfig) -> dict:
     seed_everything(cfg.train.seed)  # model initialisation and the task's data draw from the global generators
     prepared = prepare(cfg)  # a refused start changes nothing (train/run_dir.py)
     cfg = prepared.config
+    for note in prepared.notes:
+        log.warning(note)
     if prepared.plan.kind == "finished":
         return {**run_dir.read_summary(Path(cfg.train.output_dir)), "already_finished": True}
     with started(prepared) as trainer:

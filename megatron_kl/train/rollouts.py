@@ -22,6 +22,7 @@ batch for step t + s is started at step t with weights of version t, so every to
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -32,7 +33,8 @@ from typing import Iterator, Optional
 import torch
 
 from megatron_kl.rewards.scorer import RewardFailed, RewardScorer, inputs_for, task_reward
-from megatron_kl.rollout.engine import Completion, RolloutEngine, SamplingConfig
+from megatron_kl.rollout.engine import Completion, EngineLost, RolloutEngine, SamplingConfig
+from megatron_kl.rollout.http import Cancelled, ServerUnavailable
 from megatron_kl.train.batching import pack, pack_routing
 
 
@@ -267,8 +269,14 @@ class RolloutSource:
             for step in in_flight:  # promptly done: the engine returns what it has
                 self.queue[step] = self.queue[step].result()
             yield
-        finally:
-            self.engine.resume()
+        except (EngineLost, Cancelled):
+            # the sync failed on every rank (servers lost, a stop signal): that error is the one to report, never a
+            # failure of the resume that follows it on a server that is gone (the resume is collective: all ranks
+            # are here). Any other error ends the run without a resume.
+            with contextlib.suppress(EngineLost, Cancelled, ServerUnavailable):
+                self.engine.resume()
+            raise
+        self.engine.resume()
         for step in in_flight:  # every rank resumes the same batches, in order (collective engines)
             item = self.queue[step]
             if not item.finished or _collective(self.engine):

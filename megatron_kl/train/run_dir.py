@@ -137,9 +137,11 @@ def read_summary(run_dir: Path) -> Optional[dict]:
 
 
 class RunLock:
-    """An exclusive ``flock`` on ``<run_dir>/.lock`` for this process's lifetime (or until :meth:`release`)."""
+    """An exclusive ``flock`` on ``<run_dir>/.lock`` for this process's lifetime (or until :meth:`release`);
+    refused naming the holder and ``what`` to do. :func:`holder` reads it without taking it."""
 
-    def __init__(self, run_dir: Path):
+    def __init__(self, run_dir: Path, what: str = "one trainer writes a train.output_dir at a time; wait for it to "
+                                                   "end, or choose another train.output_dir"):
         run_dir = Path(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         self.path = run_dir / LOCK_FILE
@@ -150,8 +152,7 @@ class RunLock:
             holder = os.pread(self._fd, 4096, 0).decode(errors="replace").strip() or "another process"
             os.close(self._fd)
             self._fd = None
-            raise RunRefused(f"{run_dir} is in use by {holder}: one trainer writes a train.output_dir at a time; wait "
-                             "for it to end, or choose another train.output_dir") from None
+            raise RunRefused(f"{run_dir} is in use by {holder}: {what}") from None
         child_processes.install(close_fds=(self._fd,))  # forked helpers never inherit the lock
         os.ftruncate(self._fd, 0)
         os.pwrite(self._fd, f"pid {os.getpid()} on host {socket.gethostname()} since "
@@ -164,6 +165,21 @@ class RunLock:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)
             self._fd = None
+
+
+def holder(run_dir: Path) -> Optional[str]:
+    """Who holds ``run_dir``'s lock (its pid line), or None when nobody does."""
+    path = Path(run_dir) / LOCK_FILE
+    if not path.is_file():
+        return None
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return os.pread(fd, 4096, 0).decode(errors="replace").strip() or "another process"
+    finally:
+        os.close(fd)  # closing drops a lock taken here
+    return None
 
 
 def _move_aside(run_dir: Path) -> Optional[Path]:

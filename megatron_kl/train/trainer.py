@@ -277,6 +277,9 @@ class Trainer:
         """The checkpoint of the finished RL steps (written once; none for step 0: nothing to lose)."""
         done = self.counters.rl_steps
         if done not in self.saved and done > 0:
+            # the generation in flight is finished first, outside the write: a stop signal or lost servers met
+            # there end the run as such (75), never as a failed checkpoint write
+            self.source.wait()
             cfg = self.cfg
             path = ckpt.save_checkpoint(self.run_path / "checkpoints", done, self.run_state, self.record,
                                         keep=cfg.checkpoint.keep, free_before_write=cfg.checkpoint.free_before_write)
