@@ -60,7 +60,10 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     quiet_optional_dependencies()
     if argv and argv[0] in COMMANDS:  # the command's own parser takes the rest (its --help included)
-        return importlib.import_module(COMMANDS[argv[0]][0]).main(argv[1:])
+        from megatron_kl.redaction import redacted_output
+
+        with redacted_output():  # no secret reaches the terminal or a job's log (megatron_kl/redaction.py)
+            return importlib.import_module(COMMANDS[argv[0]][0]).main(argv[1:])
     parser = _parser()
     if help_when_bare(parser, argv):
         return 0

@@ -7,9 +7,7 @@ exists and raise :class:`ConfigError` naming the field and the fix.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
-import re
 import math
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
@@ -18,6 +16,7 @@ from typing import Any, Optional, get_args, get_origin, get_type_hints
 import yaml
 
 from megatron_kl.constraints import checked, constraint_of
+from megatron_kl.redaction import REDACTED, redact_config  # noqa: F401 - REDACTED: part of this API
 
 
 class ConfigError(ValueError):
@@ -462,20 +461,11 @@ def to_dict(obj) -> dict:
     return dataclasses.asdict(obj)
 
 
-SECRET_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL", re.IGNORECASE)
-REDACTED = "<redacted>"
-
-
 def redact_secrets(data: dict) -> dict:
-    """A copy of a config dict (``to_dict``) for files and trackers (config.yaml, W&B): values of
-    ``launch.env`` / ``launch.slurm.env`` whose names look secret (KEY, TOKEN, SECRET, PASSWORD) replaced."""
-    out = copy.deepcopy(data)
-    launch = out.get("launch") or {}
-    for env in (launch.get("env"), (launch.get("slurm") or {}).get("env")):
-        for name in list(env or {}):
-            if SECRET_NAME.search(str(name)):
-                env[name] = REDACTED
-    return out
+    """A copy of a config dict (``to_dict``) for files, trackers and printing (config.yaml, run.json, W&B,
+    ``--check``): secret fields and environment entries (``launch.env``), secret flags' values in argument lists and
+    known secrets anywhere replaced (``megatron_kl.redaction``)."""
+    return redact_config(data)
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:

@@ -25,6 +25,8 @@ from datetime import timedelta
 import torch
 import torch.multiprocessing as mp
 
+from megatron_kl.env_vars import choice
+
 
 class RankFailure(RuntimeError):
     pass
@@ -105,7 +107,7 @@ def _context():
     cores); the server imports only (no process group), so a fork of it is as clean as a fresh interpreter, and the
     caller's environment is handed to each rank. With CUDA (where an import such as Transformer Engine's may create a
     CUDA context, which a fork cannot inherit) or MEGATRON_KL_RANKS_START=spawn: spawned."""
-    if torch.cuda.is_available() or os.environ.get("MEGATRON_KL_RANKS_START", "forkserver") == "spawn":
+    if torch.cuda.is_available() or choice("MEGATRON_KL_RANKS_START", ("forkserver", "spawn"), "forkserver") == "spawn":
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(list(PRELOAD))  # read when the server starts (the first call)

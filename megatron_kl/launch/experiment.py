@@ -41,6 +41,22 @@ def plan(config_path: str, overrides: list[str]) -> LaunchPlan:
         return _plan(config_path, overrides)
 
 
+def check_no_secret_in_scripts(cfg) -> None:
+    """The job scripts hold every server command and override in clear: a secret flag given a value there
+    (``--admin-api-key K``, ``--token K``) is refused, naming the field and not the value."""
+    from megatron_kl.redaction import is_secret_flag, secret_flag_values
+
+    for name, args in (("rollout.sglang.extra_args", cfg.rollout.sglang.extra_args),
+                       ("launch.rollout_servers.extra_args", cfg.launch.rollout_servers.extra_args),
+                       ("launch.reward_service.command", cfg.launch.reward_service.command)):
+        if secret_flag_values(args):
+            flags = sorted({str(a).split("=", 1)[0] for a in args if is_secret_flag(str(a))})
+            raise ConfigError(f"{name} gives {', '.join(flags)} a value: the job script would hold that secret in "
+                              "clear; have the server read it from an environment variable exported where the job is "
+                              "submitted (Slurm passes the environment on; the rollout servers' key: "
+                              "rollout.sglang.api_key_env)")
+
+
 def _plan(config_path: str, overrides: list[str]) -> LaunchPlan:
     data = read_yaml_file(config_path) if Path(config_path).is_file() else None
     if data is None:
@@ -51,9 +67,12 @@ def _plan(config_path: str, overrides: list[str]) -> LaunchPlan:
         study = load_study(config_path, overrides)
         runs = expand(study)
         tasks = [TaskSpec(r.name, study.base, r.overrides, load_train_config(study.base, r.overrides)) for r in runs]
+        for task in tasks:
+            check_no_secret_in_scripts(task.cfg)
         launch = tasks[0].cfg.launch
         return LaunchPlan(launch.experiment or study.name, tasks, launch.home, launch.sequential, study, runs)
     cfg = load_train_config(config_path, overrides)
+    check_no_secret_in_scripts(cfg)
     task = TaskSpec("train", config_path, list(overrides), cfg)
     return LaunchPlan(cfg.launch.experiment or cfg.run_name, [task], cfg.launch.home, cfg.launch.sequential)
 

@@ -21,6 +21,7 @@ from megatron_kl.config import ConfigError
 from megatron_kl.rewards.config import RewardServiceConfig
 from megatron_kl.rewards.types import RewardInput
 from megatron_kl.rollout import http
+from megatron_kl.redaction import register
 
 
 class RewardService:
@@ -41,6 +42,7 @@ class RewardService:
                 raise ConfigError(f"reward.service.token_env={cfg.token_env}: that environment variable is not set (or "
                                   "empty); export the service's token in it, or set reward.service.token_env='' for "
                                   "a service without authentication")
+            register(token)  # a token_env of any name: redacted from every line written from now on
             headers["Authorization"] = f"Bearer {token}"
         self.cfg = cfg
         self.policy = http.RetryPolicy(cfg.max_retries, cfg.backoff_s, cfg.timeout_s)

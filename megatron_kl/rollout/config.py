@@ -60,6 +60,11 @@ class SGLangConfig:
     api_key_env: str = checked("MEGATRON_KL_SGLANG_API_KEY", free=True, nonempty=True)
 
     def __post_init__(self):
+        if any(str(a) == "--api-key" or str(a).startswith("--api-key=") for a in self.extra_args):
+            raise ConfigError(f"rollout.sglang.extra_args passes --api-key: the trainer gives its servers their key "
+                              f"itself, read from the environment variable rollout.sglang.api_key_env names (now "
+                              f"{self.api_key_env}), so the key is in no command line, config or log; export the key "
+                              "there and drop --api-key from extra_args")
         if self.weight_sync not in WEIGHT_SYNC:
             raise ConfigError(f"rollout.sglang.weight_sync={self.weight_sync!r}: use one of {list(WEIGHT_SYNC)}")
         for name in ("num_servers", "tp_size", "dp_size", "max_concurrency", "top_logprobs_num"):

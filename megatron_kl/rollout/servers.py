@@ -19,6 +19,7 @@ from typing import Callable
 
 from megatron_kl.child_processes import die_with_parent
 from megatron_kl.rollout.http import Cancelled, ServerUnavailable, wait_healthy
+from megatron_kl.redaction import redact_args, redact_text, register, secret_flag_values
 
 log = logging.getLogger(__name__)
 
@@ -99,10 +100,7 @@ class ServerStartFailed(ServerUnavailable):
 
 
 def redact(text: str, secrets: tuple[str, ...]) -> str:
-    for secret in secrets:
-        if secret:
-            text = text.replace(secret, "<redacted>")
-    return text
+    return redact_text(text, secrets)
 
 
 def _pump(stream, handle, secrets: tuple[str, ...]) -> None:
@@ -114,8 +112,9 @@ def _pump(stream, handle, secrets: tuple[str, ...]) -> None:
 
 
 class ManagedServer:
-    """A server process the trainer starts and stops. ``secrets`` (its API key) never reach its log: the
-    command is logged redacted and, when there are secrets, its output passes through a redacting pump."""
+    """A server process the trainer starts and stops. ``secrets`` (its API key), the values of secret flags in its
+    command and the environment's secrets never reach its log (``megatron_kl.redaction``): the command is logged
+    redacted and its output passes through a redacting pump."""
 
     def __init__(self, name: str, command: list[str], url: str, log_dir, startup_timeout_s: float,
                  env: dict | None = None, secrets: tuple[str, ...] = ()):
@@ -123,25 +122,23 @@ class ManagedServer:
         self.log_path = Path(log_dir) / f"{name}.log"
         self.startup_timeout_s = startup_timeout_s
         self.env = {**server_environment(os.environ), **(env or {})}
-        self.secrets = tuple(s for s in secrets if s)
+        self.secrets = tuple(s for s in (*secrets, *secret_flag_values(command)) if s)
+        register(*self.secrets)  # the trainer's own lines too (an error quoting the command)
         self.process: subprocess.Popen | None = None
         self.restarts = 0
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         handle = open(self.log_path, "a")
-        handle.write(f"\n==== start: {redact(' '.join(self.command), self.secrets)}\n")
+        handle.write(f"\n==== start: {redact(' '.join(redact_args(self.command)), self.secrets)}\n")
         handle.flush()
         # own process group: stop() takes the server's children (TP/DP workers) with it; the kernel kills
         # the server if the trainer dies without stopping it (kill -9: child_processes.py)
-        self.process = subprocess.Popen(self.command, stdout=subprocess.PIPE if self.secrets else handle,
-                                        stderr=subprocess.STDOUT, env=self.env, start_new_session=True,
+        self.process = subprocess.Popen(self.command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=self.env,
+                                        start_new_session=True,
                                         preexec_fn=functools.partial(die_with_parent, os.getpid()))
-        if self.secrets:
-            threading.Thread(target=_pump, args=(self.process.stdout, handle, self.secrets), daemon=True,
-                             name=f"{self.name}-log").start()
-        else:
-            handle.close()
+        threading.Thread(target=_pump, args=(self.process.stdout, handle, self.secrets), daemon=True,
+                         name=f"{self.name}-log").start()
         try:
             wait_healthy(self.url, self.startup_timeout_s, alive=self.alive)
         except Cancelled:  # the trainer is stopping

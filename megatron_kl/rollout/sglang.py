@@ -53,6 +53,7 @@ from megatron_kl.rollout.http import (CorruptResponse, RetryPolicy, ServerError,
                                       wait_healthy)
 from megatron_kl.rollout.quantization import check_served_quantization
 from megatron_kl.rollout.servers import ManagedServer, start_on_free_port
+from megatron_kl.redaction import register
 
 log = logging.getLogger(__name__)
 
@@ -276,6 +277,7 @@ class SGLangEngine:
         self.servers: list[Optional[ManagedServer]]
         # every request carries the servers' API key: /update_weights_from_tensor unpickles its input
         self.api_key = os.environ.get(cfg.api_key_env) or (None if cfg.urls else secrets.token_hex(16))
+        register(self.api_key)
         if cfg.urls:
             self.urls = list(cfg.urls)
             self.servers = [None] * len(self.urls)

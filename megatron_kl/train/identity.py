@@ -16,6 +16,7 @@ from typing import Any
 from megatron_kl.config import to_dict
 from megatron_kl.train.identity_fields import DERIVED, RESUMABLE, flatten, identity_fields, resumable  # noqa: F401
 from megatron_kl.train.manifest import sha256_of
+from megatron_kl.redaction import redact_config
 
 
 def _file_digests(cfg) -> dict[str, str]:
@@ -40,7 +41,9 @@ def _file_digests(cfg) -> dict[str, str]:
 
 
 def _identity_fields(cfg) -> dict[str, Any]:
-    return identity_fields(to_dict(cfg))
+    """The identity's fields, secrets redacted (a key is not what a run computes: a rotated key resumes, and
+    run.json, written with each checkpoint, never holds one)."""
+    return identity_fields(redact_config(to_dict(cfg)))
 
 
 def identity_of(cfg, world_size: int) -> dict[str, Any]:

@@ -14,9 +14,10 @@ from typing import Iterator, Optional
 
 import torch.distributed as dist
 
-from megatron_kl import child_processes
-from megatron_kl.config import ConfigError, validate_parallel, validate_training_layout
+from megatron_kl import child_processes, env_vars
+from megatron_kl.config import ConfigError, to_dict, validate_parallel, validate_training_layout
 from megatron_kl.models import builder, context_parallel, hf, parallel
+from megatron_kl.redaction import register_config
 from megatron_kl.rewards.scorer import RewardScorer
 from megatron_kl.tasks import build_task
 from megatron_kl.tasks.dataset import TaskContext
@@ -122,6 +123,10 @@ def prepare(cfg: TrainConfig) -> Prepared:
     vs model vocabulary, files that must exist - on the resolved configuration, and the start plan (fresh / resume
     / finished / refused). Raises ConfigError (RunRefused) naming the fields; touches nothing, ``cfg`` and the
     random generators included (``megatron-kl train --check``)."""
+    try:
+        env_vars.check_environment()  # a misspelt MEGATRON_KL_* variable names itself before anything starts
+    except env_vars.EnvVarError as err:
+        raise ConfigError(str(err)) from None
     world_size = _world_size()
     hf_source = _hf_source(cfg)
     task = build_task(cfg.task, task_context(cfg, hf_source))
@@ -178,6 +183,7 @@ def task_context(cfg: TrainConfig, hf_source) -> TaskContext:
 def train(cfg: TrainConfig) -> dict:
     """Run (or resume) the training the configuration describes; its summary (also ``summary.json``)."""
     seed_everything(cfg.train.seed)  # model initialisation and the task's data draw from the global generators
+    register_config(to_dict(cfg))  # its secrets never reach a line written (megatron_kl/redaction.py)
     prepared = prepare(cfg)  # a refused start changes nothing (train/run_dir.py)
     cfg = prepared.config
     for note in prepared.notes:

@@ -89,7 +89,7 @@ def test_production_code_does_not_import_testing():
 # The package's layers, bottom first: a module may import its own layer and the ones below, never one above. A module
 # belongs to the layer of the longest prefix that names it.
 LAYERS = (
-    ("foundations", ("megatron_kl", "megatron_kl.constraints", "megatron_kl.child_processes", "megatron_kl.local_ranks",
+    ("foundations", ("megatron_kl", "megatron_kl.constraints", "megatron_kl.redaction", "megatron_kl.env_vars", "megatron_kl.child_processes", "megatron_kl.local_ranks",
                      "megatron_kl.megatron_compat", "megatron_kl.cli_help", "megatron_kl.data")),
     ("configuration", ("megatron_kl.config", "megatron_kl.kl.config", "megatron_kl.launch_config")),
     ("KL kernels", ("megatron_kl.kl.kernels",)),

@@ -26,6 +26,8 @@ from typing import Optional
 
 import torch
 
+from megatron_kl import env_vars
+
 SOURCE = Path(__file__).with_name("top_p_search.c")
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fno-math-errno", "-std=c11")
 log = logging.getLogger(__name__)
@@ -87,7 +89,7 @@ def _build_any(compiler: str, cache: Path) -> Path:
 @functools.cache
 def library() -> Optional[ctypes.CDLL]:
     """The loaded kernels, or None (disabled, no compiler, or the build failed: warned once)."""
-    if os.environ.get("MEGATRON_KL_NATIVE", "1") == "0":
+    if not env_vars.flag("MEGATRON_KL_NATIVE", True):
         return None
     compiler = _compiler()
     if compiler is None:

@@ -27,6 +27,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from megatron_kl import env_vars
 from megatron_kl.kl.kernels.chunks import MAX, MEAN_U, MEAN_ZC, SHIFT, SUM, Rows, Sweep, Upstream
 from megatron_kl.kl.kernels.groups import all_reduce
 
@@ -73,16 +74,16 @@ def _triton_available() -> bool:
 
 def enabled(tensor: torch.Tensor) -> bool:
     """Whether ``tensor``'s statistics run on the Triton kernels (module docstring)."""
-    choice = os.environ.get(ENV, "").strip()
-    if choice == "0":
+    choice = env_vars.switch(ENV)  # off (0/false/no), on (1/true/yes) or auto; anything else names the variable
+    if choice == env_vars.OFF:
         return False
     if tensor.device.type == "cuda":
         if not _triton_available():
-            if choice == "1":
+            if choice == env_vars.ON:
                 raise RuntimeError(f"{ENV}=1 but triton is not importable: pip install triton, or set {ENV}=0")
             return False
         return True
-    if choice == "1" and tensor.device.type == "cpu":
+    if choice == env_vars.ON and tensor.device.type == "cpu":
         if not _interpreting():
             raise RuntimeError(f"{ENV}=1 on CPU tensors needs TRITON_INTERPRET=1 (Triton's interpreter); unset {ENV} "
                                "to use the CPU kernels")
@@ -101,7 +102,7 @@ def describe(device: torch.device) -> str:
         mode = "Triton interpreter" if _interpreting() else "Triton kernels"
         return f"vocab-parallel statistics: {mode} (triton {triton.__version__}) on {device.type}"
     if device.type == "cuda":
-        reason = f"{ENV}=0" if os.environ.get(ENV, "").strip() == "0" else "triton not installed"
+        reason = f"{ENV}={os.environ.get(ENV)}" if env_vars.switch(ENV) == env_vars.OFF else "triton not installed"
         return f"vocab-parallel statistics: torch path on cuda ({reason})"
     return "vocab-parallel statistics: CPU kernels (torch, C top-p search)"
 
@@ -130,11 +131,9 @@ def _block(cols: int) -> int:
     """Columns per loop step: a power of two up to BLOCK (``MEGATRON_KL_TRITON_BLOCK`` overrides the cap: the
     tests use it for rows that span many blocks and end mid-block)."""
     cap = INTERPRETER_BLOCK if _interpreting() else BLOCK
-    override = os.environ.get(BLOCK_ENV, "").strip()
-    if override:
-        cap = int(override)
-        if cap < 16 or cap & (cap - 1):
-            raise ValueError(f"{BLOCK_ENV}={override} must be a power of two >= 16")
+    override = env_vars.power_of_two(BLOCK_ENV, 16)
+    if override is not None:
+        cap = override
     return max(16, min(cap, 1 << max(0, cols - 1).bit_length()))
 
 
