@@ -133,6 +133,7 @@ def main(argv=None) -> int:
     try:
         if args.hf:
             checkpoint = hf.HFCheckpoint(args.hf)
+            checkpoint.check_shapes()  # damaged files and a config.json that disagrees with the weights, named here
             derived = checkpoint.model_config()
             if args.config:
                 given = from_dict(ModelConfig, load_yaml_dict(args.config).get("model", {}))

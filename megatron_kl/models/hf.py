@@ -277,29 +277,86 @@ def to_hf(megatron_name: str, tensor: torch.Tensor, model: ModelConfig) -> dict[
     return {names[0]: tensor}
 
 
+class HFCheckpointError(ConfigError):
+    """A file of an HF model directory is damaged or disagrees with another (the message names the file)."""
+
+
+def _json_file(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise HFCheckpointError(f"{path} is not valid JSON ({err}): the file is damaged or truncated; copy it again "
+                                "from the model's source") from None
+    if not isinstance(data, dict):
+        raise HFCheckpointError(f"{path} must hold a JSON object, not a {type(data).__name__}")
+    return data
+
+
+def _safetensors(path: Path):
+    """``safe_open`` of one file, a damaged one named (the library's own error says neither file nor fix)."""
+    from safetensors import safe_open
+
+    try:
+        return safe_open(str(path), framework="pt")
+    except Exception as err:  # noqa: BLE001 - SafetensorError, OSError: the file is what is wrong
+        raise HFCheckpointError(f"{path} is not a readable safetensors file ({type(err).__name__}: {err}): it is "
+                                "truncated or damaged; download or convert it again") from None
+
+
+# one tensor per role and the config fields its shape follows (families without a name are not checked by it)
+_SHAPES = (("model.embed_tokens.weight", ("vocab_size", "hidden_size")), ("model.norm.weight", ("hidden_size",)),
+           ("model.layers.0.input_layernorm.weight", ("hidden_size",)),
+           ("model.layers.0.mlp.up_proj.weight", ("intermediate_size", "hidden_size")))
+
+
 class HFCheckpoint:
     """An HF model directory: config.json and safetensors (single file or sharded with an index),
-    tensors read lazily one at a time."""
+    tensors read lazily one at a time. Damaged files are named (:class:`HFCheckpointError`)."""
 
     def __init__(self, path):
         self.path = Path(path)
         config_file = self.path / "config.json"
         if not config_file.is_file():
             raise FileNotFoundError(f"{self.path} is not an HF model directory: config.json is missing")
-        self.config = json.loads(config_file.read_text())
+        self.config = _json_file(config_file)
         index_file = self.path / "model.safetensors.index.json"
         if index_file.is_file():
-            self.files = dict(json.loads(index_file.read_text())["weight_map"])
+            weight_map = _json_file(index_file).get("weight_map")
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                raise HFCheckpointError(f"{index_file} has no weight_map of tensor names to files: it is damaged")
+            self.files = dict(weight_map)
         else:
             single = self.path / "model.safetensors"
             if not single.is_file():
                 raise FileNotFoundError(f"{self.path} has neither model.safetensors nor model.safetensors.index.json "
                                         "(only safetensors checkpoints are supported; re-save with safe_serialization)")
-            from safetensors import safe_open
-
-            with safe_open(str(single), framework="pt") as f:
+            with _safetensors(single) as f:
                 self.files = {name: "model.safetensors" for name in f.keys()}
         self._handles: dict = {}
+
+    def check_shapes(self) -> None:
+        """Every file opens, and the weights' shapes agree with config.json (hidden size, vocabulary, MLP width):
+        a disagreement names the field, its value, the tensor and its shape."""
+        for file in sorted(set(self.files.values())):
+            if not (self.path / file).is_file():
+                raise HFCheckpointError(f"{self.path / file} is listed in the index but missing")
+            self._handle(file)
+        text_config = self.config.get("text_config") or self.config
+        for name, fields in _SHAPES:
+            if name not in self.files or not all(isinstance(text_config.get(f), int) for f in fields):
+                continue
+            expected = [text_config[f] for f in fields]
+            shape = list(self._handle(self.files[name]).get_slice(name).get_shape())
+            if shape != expected:
+                said = ", ".join(f"{f}={v}" for f, v in zip(fields, expected))
+                raise HFCheckpointError(f"{self.path / 'config.json'} says {said} but {self.path / self.files[name]} "
+                                        f"holds {name} of shape {shape} (expected {expected}): config.json and the "
+                                        "weights disagree; use the config.json the weights were saved with")
+
+    def _handle(self, file: str):
+        if file not in self._handles:
+            self._handles[file] = _safetensors(self.path / file)
+        return self._handles[file]
 
     def model_config(self, **overrides) -> ModelConfig:
         return model_config_from_hf(self.config, **overrides)
@@ -315,7 +372,7 @@ class HFCheckpoint:
             path = self.path / name
             if not path.is_file():
                 continue
-            value = json.loads(path.read_text()).get("eos_token_id")
+            value = _json_file(path).get("eos_token_id")
             if value is None:
                 continue
             values = value if isinstance(value, list) else [value]
@@ -331,12 +388,14 @@ class HFCheckpoint:
         if name not in self.files:
             raise KeyError(f"HF checkpoint {self.path} lacks tensor {name!r}: the checkpoint is incomplete or not a "
                            f"{self.config.get('model_type')} model of this shape")
-        from safetensors import safe_open
-
         file = self.files[name]
-        if file not in self._handles:
-            self._handles[file] = safe_open(str(self.path / file), framework="pt")
-        return self._handles[file].get_tensor(name)
+        try:
+            return self._handle(file).get_tensor(name)
+        except HFCheckpointError:
+            raise
+        except Exception as err:  # noqa: BLE001 - a tensor whose bytes cannot be read
+            raise HFCheckpointError(f"{self.path / file}: tensor {name!r} cannot be read ({type(err).__name__}: "
+                                    f"{err}): the file is truncated or damaged; download or convert it again") from None
 
 
 class HFStateView(Mapping):

@@ -73,6 +73,13 @@ class WarmStartConfig:
     # train = always train (float32 rounding makes the result machine-dependent)
     source: str = checked("auto", choices=WARM_START_SOURCES)
 
+    def __post_init__(self):
+        if self.source == "shipped" and (not self.enabled or self.checkpoint):
+            other = ("warm_start.enabled=false skips the warm start" if not self.enabled else
+                     f"warm_start.checkpoint={self.checkpoint} starts from that file instead")
+            raise ConfigError(f"warm_start.source=shipped requires the package's warm start, but {other}: keep one "
+                              "(warm_start.source=auto leaves the choice to the other setting)")
+
 
 @dataclass(frozen=True)
 class InitConfig:
@@ -301,6 +308,9 @@ def _cross_field_rules(cfg: TrainConfig) -> None:
                           "algo.ppo_epochs")
     if optim.min_lr > optim.lr:
         raise ConfigError(f"optim.min_lr={optim.min_lr:g} must not exceed optim.lr={optim.lr:g}")
+    if cfg.init.hf_checkpoint is not None and cfg.warm_start.source == "shipped":
+        raise ConfigError(f"warm_start.source=shipped with init.hf_checkpoint={cfg.init.hf_checkpoint}: a run that "
+                          "starts from an HF checkpoint has no warm start; drop one of the two")
     if cfg.init.hf_checkpoint is None:  # an HF checkpoint brings its own positions (checked when it is read)
         positions = cfg.model.max_position_embeddings
         for name, tokens in (("rollout.sampling.max_new_tokens", cfg.rollout.sampling.max_new_tokens),

@@ -24,6 +24,7 @@ from megatron_kl.tasks.dataset import TaskContext
 from megatron_kl.train import checkpoint as ckpt
 from megatron_kl.train import run_dir
 from megatron_kl.train.config import TrainConfig, validate_train_config
+from megatron_kl.train.warmstart import shipped_entry
 from megatron_kl.train.host_malloc import tune_host_malloc
 from megatron_kl.train.metrics import read_metrics, wandb_missing
 from megatron_kl.train.plots import write_training_plot
@@ -51,7 +52,11 @@ def _hf_source(cfg: TrainConfig):
     if cfg.init.hf_checkpoint is None:
         return None
     try:
-        return hf.HFCheckpoint(cfg.init.hf_checkpoint)
+        checkpoint = hf.HFCheckpoint(cfg.init.hf_checkpoint)
+        checkpoint.check_shapes()  # a damaged file or a config.json the weights disagree with, named at --check
+        return checkpoint
+    except hf.HFCheckpointError as err:
+        raise ConfigError(f"init.hf_checkpoint={cfg.init.hf_checkpoint}: {err}") from None
     except FileNotFoundError as err:
         raise ConfigError(f"init.hf_checkpoint={cfg.init.hf_checkpoint}: {err}; give an HF model directory (write one "
                           "with `megatron-kl convert --megatron CKPT --out DIR` or `--gguf FILE --out DIR`)") from None
@@ -139,6 +144,8 @@ def prepare(cfg: TrainConfig) -> Prepared:
     validate_train_config(cfg, task.tokenizer.vocab_size, world_size // model_parallel)
     context_parallel.check_runnable(cfg.parallel, builder.have_transformer_engine())  # where it can run at all
     RewardScorer.build(cfg.reward, task).close()  # reward functions that resolve to nothing are refused here
+    if hf_source is None:
+        shipped_entry(cfg)  # a damaged shipped manifest, or source=shipped without one, is named here
     missing = wandb_missing(cfg.logging.wandb_project)
     if missing:
         raise ConfigError(missing)

@@ -52,18 +52,55 @@ def weights_digest(state: dict[str, torch.Tensor]) -> str:
     return digest.hexdigest()
 
 
-def read_manifest(directory: Path = SHIPPED_DIR) -> dict[str, ShippedWarmStart]:
+FIELDS = ("file", "sha256", "weights_sha256", "made_with")
+_FIX = "reinstall the package, or set warm_start.source=train (trains the warm start: machine-dependent)"
+
+
+def manifest_present(directory: Path = SHIPPED_DIR) -> bool:
+    return (directory / MANIFEST).is_file()
+
+
+def _entries(directory: Path) -> dict:
+    """The manifest's raw mapping ({} without a manifest); a file that is not one is named with what is wrong."""
     path = directory / MANIFEST
     if not path.is_file():
         return {}
-    entries = json.loads(path.read_text())
-    return {key: ShippedWarmStart(key, directory / entry["file"], entry["sha256"], entry["weights_sha256"],
-                                  entry["made_with"])
-            for key, entry in entries.items()}
+    try:
+        entries = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ShippedWarmStartError(f"shipped warm-start manifest {path} is damaged (not JSON: {err}), so whether "
+                                    f"this recipe has a shipped warm start cannot be told; {_FIX}") from None
+    if not isinstance(entries, dict):
+        raise ShippedWarmStartError(f"shipped warm-start manifest {path} is damaged: it must map recipe keys to "
+                                    f"entries, not hold a {type(entries).__name__}; {_FIX}")
+    return entries
+
+
+def _entry(directory: Path, key: str, entry) -> ShippedWarmStart:
+    if not isinstance(entry, dict) or not all(isinstance(entry.get(f), str) and entry.get(f) for f in FIELDS):
+        missing = [f for f in FIELDS if not isinstance(entry, dict) or not isinstance(entry.get(f), str)
+                   or not entry.get(f)]
+        raise ShippedWarmStartError(f"shipped warm-start manifest {directory / MANIFEST}: the entry of recipe {key} "
+                                    f"is damaged (no text in {missing}); {_FIX}")
+    return ShippedWarmStart(key, directory / entry["file"], entry["sha256"], entry["weights_sha256"],
+                            entry["made_with"])
+
+
+def read_manifest(directory: Path = SHIPPED_DIR) -> dict[str, ShippedWarmStart]:
+    """Every readable entry (a damaged entry is left out here; :func:`find` names it for its own recipe)."""
+    out = {}
+    for key, entry in _entries(directory).items():
+        try:
+            out[key] = _entry(directory, key, entry)
+        except ShippedWarmStartError:
+            continue
+    return out
 
 
 def find(key: str, directory: Path = SHIPPED_DIR) -> Optional[ShippedWarmStart]:
-    return read_manifest(directory).get(key)
+    """This recipe's entry (None: the package ships none for it); a damaged manifest or entry is an error."""
+    entries = _entries(directory)
+    return _entry(directory, key, entries[key]) if key in entries else None
 
 
 def load(entry: ShippedWarmStart) -> dict[str, torch.Tensor]:
@@ -94,7 +131,7 @@ def write(state: dict[str, torch.Tensor], key: str, made_with: str, directory: P
     tensors = {name: tensor.detach().cpu().contiguous().clone() for name, tensor in state.items()}
     path = directory / f"warmstart-{key}.safetensors"
     save_file(tensors, str(path), metadata={"recipe_key": key, "made_with": made_with})
-    entries = json.loads((directory / MANIFEST).read_text()) if (directory / MANIFEST).is_file() else {}
+    entries = _entries(directory)
     entries[key] = {"file": path.name, "sha256": sha256_of(path), "weights_sha256": weights_digest(tensors),
                     "made_with": made_with}
     (directory / MANIFEST).write_text(json.dumps(entries, indent=1, sort_keys=True) + "\n")

@@ -12,6 +12,7 @@ import json
 import logging
 import os
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -59,17 +60,39 @@ def cache_path(cfg) -> Path:
     return Path(cfg.warm_start.cache_dir) / f"warmstart-{recipe_key(cfg)}.pt"
 
 
+def shipped_entry(cfg) -> Optional[shipped_warmstart.ShippedWarmStart]:
+    """This recipe's shipped warm start per ``warm_start.source`` (None: it trains one, and the log says why);
+    checked at ``--check`` too: a damaged manifest, or ``shipped`` without one, is named before anything starts."""
+    if cfg.warm_start.source == "train" or not cfg.warm_start.enabled or cfg.warm_start.checkpoint:
+        return None
+    key = recipe_key(cfg)
+    directory = shipped_warmstart.SHIPPED_DIR
+    where = directory / shipped_warmstart.MANIFEST
+    if not shipped_warmstart.manifest_present(directory):
+        if cfg.warm_start.source == "shipped":
+            raise ConfigError(f"warm_start.source=shipped: the package's warm-start manifest {where} is missing; "
+                              "reinstall the package, or set warm_start.source=auto to train one")
+        log.warning("the package's shipped warm starts are missing (%s): training this recipe's warm start, which "
+                    "float32 rounding makes machine-dependent; reinstall the package to start from the shipped ones",
+                    where)
+        return None
+    try:
+        entry = shipped_warmstart.find(key, directory)
+    except shipped_warmstart.ShippedWarmStartError as err:
+        raise ConfigError(str(err)) from None
+    if entry is None and cfg.warm_start.source == "shipped":
+        known = ", ".join(e.made_with for e in shipped_warmstart.read_manifest(directory).values()) or "none"
+        raise ConfigError(f"warm_start.source=shipped: the package ships no warm start for this recipe (key {key}; "
+                          f"shipped: {known}); set warm_start.source=auto to train one")
+    return entry
+
+
 def shipped_state(cfg) -> dict[str, torch.Tensor] | None:
     """The package's warm start for this recipe (verified), per ``warm_start.source``; None: train one."""
     if cfg.warm_start.source == "train":
         return None
-    key = recipe_key(cfg)
-    entry = shipped_warmstart.find(key)
+    entry = shipped_entry(cfg)
     if entry is None:
-        if cfg.warm_start.source == "shipped":
-            known = ", ".join(e.made_with for e in shipped_warmstart.read_manifest().values()) or "none"
-            raise ConfigError(f"warm_start.source=shipped: the package ships no warm start for this recipe (key {key}; "
-                              f"shipped: {known}); set warm_start.source=auto to train one")
         return None
     state_dict = shipped_warmstart.load(entry)
     log.info("warm start: shipped %s (made with %s; file and weights SHA-256 verified, weights %s)",

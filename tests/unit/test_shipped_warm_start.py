@@ -92,3 +92,48 @@ def test_write_then_load_round_trips_and_the_digest_sees_one_element(tmp_path):
     changed = dict(state, **{"a.weight": state["a.weight"].clone()})
     changed["a.weight"][1, 2] = torch.nextafter(changed["a.weight"][1, 2], torch.tensor(1e9))
     assert shipped_warmstart.weights_digest(changed) != shipped_warmstart.weights_digest(state)
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda text, key: text[: len(text) // 2], r"manifest .*manifest.json is damaged \(not JSON"),
+    (lambda text, key: "[1, 2]", r"manifest .*manifest.json is damaged: it must map recipe keys to entries, not hold a "
+                                 r"list"),
+    (lambda text, key: json.dumps({**json.loads(text), key: {"file": "x.safetensors"}}),
+     r"the entry of recipe \w+ is damaged \(no text in \['sha256', 'weights_sha256', 'made_with'\]\)"),
+    (lambda text, key: json.dumps({**json.loads(text), key: None}), r"the entry of recipe \w+ is damaged"),
+])
+def test_a_damaged_manifest_is_named_with_what_is_wrong_and_the_way_out(tmp_path, monkeypatch, damage, message):
+    entry = _copy(tmp_path)
+    manifest = entry.path.parent / shipped_warmstart.MANIFEST
+    manifest.write_text(damage(manifest.read_text(), entry.key))
+    monkeypatch.setattr(shipped_warmstart, "SHIPPED_DIR", entry.path.parent)
+    cfg = load_train_config(DEFAULT, [])
+    with pytest.raises(ConfigError, match=message + ".*reinstall the package, or set warm_start.source=train"):
+        warmstart.shipped_entry(cfg)
+    assert warmstart.shipped_entry(load_train_config(DEFAULT, ["warm_start.source=train"])) is None  # never read
+
+
+def test_a_damaged_entry_of_another_recipe_leaves_this_one_alone(tmp_path, monkeypatch):
+    entry = _copy(tmp_path)
+    manifest = entry.path.parent / shipped_warmstart.MANIFEST
+    manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "0" * 16: {"file": 3}}))
+    monkeypatch.setattr(shipped_warmstart, "SHIPPED_DIR", entry.path.parent)
+    assert warmstart.shipped_entry(load_train_config(DEFAULT, [])) == entry
+
+
+def test_a_missing_manifest_is_a_stated_fallback_or_an_error(tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(shipped_warmstart, "SHIPPED_DIR", tmp_path / "nothing-here")
+    with caplog.at_level("WARNING", logger="megatron_kl.train.warmstart"):
+        assert warmstart.shipped_entry(load_train_config(DEFAULT, [])) is None
+    assert "shipped warm starts are missing" in caplog.text and "training this recipe's warm start" in caplog.text
+    with pytest.raises(ConfigError, match="warm_start.source=shipped: the package's warm-start manifest .* is missing"):
+        warmstart.shipped_entry(load_train_config(DEFAULT, ["warm_start.source=shipped"]))
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["warm_start.source=shipped", "warm_start.enabled=false"], "warm_start.enabled=false skips the warm start"),
+    (["warm_start.source=shipped", "warm_start.checkpoint=README.md"], "warm_start.checkpoint=README.md starts from"),
+])
+def test_shipped_with_a_setting_that_skips_it_is_refused(overrides, message):
+    with pytest.raises(ConfigError, match="warm_start.source=shipped requires the package's warm start, but " + message):
+        load_train_config(DEFAULT, overrides)
