@@ -21,6 +21,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from typing import Optional
 
 SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP")  # the signals that can stop a run (train.stop_signals)
@@ -46,6 +47,13 @@ def die_with_parent(parent_pid: Optional[int] = None, death_signal: int = signal
     study is killed saves its finished steps and stops."""
     _bind_to_parent(parent_pid, death_signal)
     _set_stop_signals(signal.SIG_DFL)
+
+
+def bind_to_parent() -> None:
+    """Called first thing in a process that must die with its parent (SIGKILL when it does)."""
+    _prctl_death_signal()
+    if os.getppid() == 1:  # the parent died before the death signal was set
+        os._exit(1)
 
 
 def _bind_to_parent(parent_pid: Optional[int], death_signal: int = signal.SIGKILL) -> None:
@@ -88,6 +96,27 @@ def install(close_fds: tuple[int, ...] = ()) -> None:
     if not _state["installed"] and hasattr(os, "register_at_fork"):
         os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
         _state["installed"] = True
+
+
+def stop_when_gone(pid: int, stop_signal: int = signal.SIGTERM, interval_s: float = 0.5) -> threading.Thread:
+    """Send this process ``stop_signal`` once process ``pid`` has ended (a launcher that started this trainer through
+    a scheduler that does not pass its death on: NeMo-Run's local executor). The trainer's own handler then saves
+    the finished steps and stops, as on any stop signal."""
+
+    def watch() -> None:
+        while True:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                os.kill(os.getpid(), stop_signal)
+                return
+            except PermissionError:
+                pass
+            time.sleep(interval_s)
+
+    thread = threading.Thread(target=watch, daemon=True, name=f"watch-{pid}")
+    thread.start()
+    return thread
 
 
 def forget_fd(fd: int) -> None:

@@ -10,6 +10,8 @@ MEGATRON_KL_TRITON_BLOCK  a power of two >= 16: the kernels' column block cap (t
 MEGATRON_KL_NATIVE      on / off: the C top-p search (off: its torch path)
 MEGATRON_KL_RANKS_START forkserver (default) or spawn: how CPU test ranks start
 MEGATRON_KL_CACHE       a directory: where the C kernels are built (default ~/.cache/megatron-kl)
+MEGATRON_KL_PARENT_PID  a process id: the trainer stops (as on SIGTERM) when that process ends
+                        (``megatron-kl launch local`` sets it: its trainers die with it)
 ======================  =====================================================================================
 
 :func:`check_environment` parses every one (``megatron-kl train --check`` and every start call it); the readers
@@ -73,9 +75,20 @@ def power_of_two(name: str, minimum: int, environ: Optional[Mapping[str, str]] =
     return value
 
 
+def process_id(name: str, environ: Optional[Mapping[str, str]] = None) -> Optional[int]:
+    """A positive process id, or None when unset."""
+    raw = _raw(name, environ)
+    if not raw:
+        return None
+    if not raw.isdigit() or int(raw) < 1:
+        raise EnvVarError(f"environment variable {name}={raw!r}: use a process id (a positive integer), or unset it")
+    return int(raw)
+
+
 def check_environment(environ: Optional[Mapping[str, str]] = None) -> None:
     """Parse every variable megatron-kl reads; the first bad one raises :class:`EnvVarError`."""
     switch("MEGATRON_KL_TRITON", environ)
     power_of_two("MEGATRON_KL_TRITON_BLOCK", 16, environ)
     flag("MEGATRON_KL_NATIVE", True, environ)
     choice("MEGATRON_KL_RANKS_START", ("forkserver", "spawn"), "forkserver", environ)
+    process_id("MEGATRON_KL_PARENT_PID", environ)

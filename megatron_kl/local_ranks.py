@@ -18,6 +18,8 @@ import io
 import os
 import queue
 import tempfile
+import threading
+import time
 import traceback
 from contextlib import contextmanager
 from datetime import timedelta
@@ -25,6 +27,7 @@ from datetime import timedelta
 import torch
 import torch.multiprocessing as mp
 
+from megatron_kl.child_processes import bind_to_parent
 from megatron_kl.env_vars import choice
 
 
@@ -72,7 +75,23 @@ def _gpus_hidden(hide: bool):
                 os.environ["CUDA_VISIBLE_DEVICES"] = previous
 
 
-def _worker(rank, world_size, init_file, fn, args, results, threads, backend, environ):
+def _watch(caller: int) -> None:
+    """Exit when the caller is gone (a rank's parent is the fork server, which outlives a killed caller as long as
+    any rank holds its pipe: the kernel's death signal alone cannot end them)."""
+    while True:
+        try:
+            os.kill(caller, 0)
+        except ProcessLookupError:
+            os._exit(1)
+        except PermissionError:
+            pass
+        time.sleep(0.5)
+
+
+def _worker(rank, world_size, init_file, fn, args, results, threads, backend, environ, caller):
+    # dies with its caller: a killed `megatron-kl convert` leaves no rank behind
+    bind_to_parent()
+    threading.Thread(target=_watch, args=(caller,), daemon=True, name="caller-watch").start()
     try:
         import warnings
 
@@ -128,7 +147,7 @@ def run_ranks(fn, world_size: int, *args, timeout_s: float = 300.0, threads_per_
             environ = dict(os.environ)
         procs = [
             ctx.Process(target=_worker, args=(r, world_size, init_file, fn, args, results, threads_per_rank, backend,
-                                              environ))
+                                              environ, os.getpid()))
             for r in range(world_size)
         ]
         for p in procs:

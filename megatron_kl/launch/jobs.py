@@ -64,7 +64,10 @@ def local_task(spec: TaskSpec):
     validate_parallel(cfg.model, cfg.parallel, nproc)
     # torchrun and python of this environment, whether or not it is activated
     os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
-    env = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // nproc)), **cfg.launch.env}
+    # MEGATRON_KL_PARENT_PID: the trainers stop (SIGTERM: they save their finished steps) when this launcher ends,
+    # killed or stopped: NeMo-Run's local executor does not pass that on to torchrun
+    env = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // nproc)), **cfg.launch.env,
+           "MEGATRON_KL_PARENT_PID": str(os.getpid())}
     executor = run.LocalExecutor(ntasks_per_node=nproc, launcher="torchrun", env_vars=env)
     script = run.Script(path="megatron_kl.cli", m=True, entrypoint="python", args=spec.train_args())
     return executor, script

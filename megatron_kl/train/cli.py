@@ -87,6 +87,15 @@ def run(config_path: str, overrides: list[str], check_only: bool = False) -> int
         return 2
     if check_only:
         return check(cfg)
+    from megatron_kl import child_processes, env_vars
+
+    try:
+        launcher = env_vars.process_id("MEGATRON_KL_PARENT_PID")
+    except env_vars.EnvVarError as err:
+        print(f"megatron-kl train: config error: {err}", file=sys.stderr)
+        return 2
+    if launcher is not None:  # started by `megatron-kl launch local`: stop (and save) when it ends
+        child_processes.stop_when_gone(launcher)
     single_process_env()
     from megatron_kl.models import parallel
     from megatron_kl.train.loop import train
