@@ -68,8 +68,8 @@ class Constraint:
         if self.path is not None:
             return {"file": "an existing file", "dir": "an existing directory",
                     "writable": "a directory this process can create or write"}[self.path]
-        bounds = [f">= {self.ge:g}" if self.ge is not None else None, f"> {self.gt:g}" if self.gt is not None else None,
-                  f"<= {self.le:g}" if self.le is not None else None, f"< {self.lt:g}" if self.lt is not None else None]
+        bounds = [f"{op} {_number(bound)}" for op, bound in ((">=", self.ge), (">", self.gt), ("<=", self.le),
+                                                              ("<", self.lt)) if bound is not None]
         bounds = [b for b in bounds if b]
         if self.free:
             return "free text" + (", not empty" if self.nonempty else "")
@@ -103,6 +103,11 @@ class Constraint:
             if bad:
                 return f"{bad} not among {list(self.choices)}"
         return None
+
+
+def _number(value: float) -> str:
+    """A bound as written: integers in full (a seed's 4294967295), others in %g."""
+    return str(int(value)) if float(value).is_integer() and abs(value) < 1e16 else f"{value:g}"
 
 
 def _path_violation(value: str, kind: str) -> Optional[str]:

@@ -13,6 +13,10 @@ environment's packages): the same faults, before and after a change. Every case 
 * silent  - it exited 0 (or went on) with a wrong result, lost data, or ran planted code;
 * leaked  - a process of the run outlived it.
 
+The trainer's cases are here; those of the other entry points (study, launch local, convert), of values checked
+against what they refer to, secrets, the rollout paths' exit codes, damaged shipped files and environment variables
+are in tools/fault_cases_entry_points.py.
+
 Prints one line per case and the table (tried / handled / unclear / silent / leaked).
 """
 
@@ -32,6 +36,8 @@ import time
 from pathlib import Path
 
 import psutil
+
+from fault_cases_entry_points import cases as entry_point_cases
 
 ROOT = Path(__file__).resolve().parents[1]
 SHORT = ["train.prompts_per_step=4", "train.group_size=4", "task.eval_size=8", "eval.k=2", "eval.interval=0",
@@ -422,6 +428,7 @@ CASES = [
     renamed_checkpoint,
     stop_during_warm_start,
 ]
+CASES += entry_point_cases(_bad_value, SHORT)  # study, launch local, convert, secrets, rollout exit codes, env
 
 
 def main() -> None:

@@ -64,7 +64,7 @@ def test_a_server_lost_during_a_weight_update_exits_for_requeue(tmp_path, warm_c
     _assert_requeued(code, log.read_text(), run, "rollout engine lost")
 
 
-@pytest.mark.parametrize("path", ["embedded", "partial", "delta"])
+@pytest.mark.parametrize("path", ["embedded", "partial", "delta", "fp8"])
 def test_sigterm_while_a_checkpoint_is_written_exits_for_requeue(tmp_path, warm_cache, path):
     """The signal lands while ``step_000002.tmp`` exists (the second checkpoint), generation in flight."""
     run = tmp_path / "run"

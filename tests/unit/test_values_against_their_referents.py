@@ -49,8 +49,8 @@ def test_the_longest_prompt_and_response_must_fit_the_positions(tmp_path):
 
 
 @pytest.mark.parametrize("override, message", [
-    ("train.seed=1.0e+23", r"train.seed=\d+ must be >= 0 and <= 4\.29497e\+09"),
-    ("train.seed=4294967296", r"train.seed=4294967296 must be >= 0 and <= 4\.29497e\+09"),
+    ("train.seed=1.0e+23", r"train.seed=\d+ must be >= 0 and <= 4294967295"),
+    ("train.seed=4294967296", r"train.seed=4294967296 must be >= 0 and <= 4294967295"),
     ("warm_start.seed=-1", r"warm_start.seed=-1 must be >= 0"),
     ("parallel.distributed_timeout_s=1e-9", r"parallel.distributed_timeout_s=1e-09 must be >= 10"),
     ("rollout.sglang.request_timeout_s=0.001", r"request_timeout_s=0.001 must be >= 0.1"),
