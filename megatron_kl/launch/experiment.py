@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -83,8 +84,10 @@ def _set_home(home: str) -> None:
     set_nemorun_home(str(Path(home).absolute()))
 
 
-def build(exp, executor_kind: str, launch_plan: LaunchPlan, customize=None) -> None:
-    """Add every task of the plan to ``exp``; ``customize(executor)`` edits each NeMo-Run executor first."""
+def build(exp, executor_kind: str, launch_plan: LaunchPlan, customize=None,
+          launcher_pid: Optional[int] = None) -> None:
+    """Add every task of the plan to ``exp``; ``customize(executor)`` edits each NeMo-Run executor first;
+    ``launcher_pid``: local tasks stop when that process ends (a real launch: its own pid)."""
     for spec in launch_plan.tasks:
         if spec.command is not None:
             if executor_kind != "slurm":
@@ -92,7 +95,7 @@ def build(exp, executor_kind: str, launch_plan: LaunchPlan, customize=None) -> N
                                   "on this machine")
             executor, script = single_node_task(spec)
         elif executor_kind == "local":
-            executor, script = local_task(spec)
+            executor, script = local_task(spec, launcher_pid)
         elif heterogeneous(spec.cfg):
             executor, script = heterogeneous_tasks(spec)
         else:
@@ -175,7 +178,7 @@ def launch(executor_kind: str, launch_plan: LaunchPlan, detach: bool = False,
     run = _nemo_run()
     _set_home(launch_plan.home)
     with run.Experiment(launch_plan.title, log_level="WARN") as exp:
-        build(exp, executor_kind, launch_plan, customize)
+        build(exp, executor_kind, launch_plan, customize, launcher_pid=os.getpid())
         exp.run(sequential=launch_plan.sequential, detach=detach and executor_kind == "slurm")
         exp_id = exp._id
     if detach and executor_kind == "slurm":

@@ -55,8 +55,9 @@ def _nemo_run():
     return nemo_run
 
 
-def local_task(spec: TaskSpec):
-    """(executor, script) for torchrun on this machine, ``nproc_per_node`` ranks."""
+def local_task(spec: TaskSpec, launcher_pid: Optional[int] = None):
+    """(executor, script) for torchrun on this machine, ``nproc_per_node`` ranks; ``launcher_pid``: the process whose
+    end stops the trainers (a real launch passes its own; a dry run shows none)."""
     run = _nemo_run()
     cfg = spec.cfg
     nproc = cfg.launch.nproc_per_node or (cfg.parallel.tensor_parallel * cfg.parallel.pipeline_parallel
@@ -64,10 +65,11 @@ def local_task(spec: TaskSpec):
     validate_parallel(cfg.model, cfg.parallel, nproc)
     # torchrun and python of this environment, whether or not it is activated
     os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
-    # MEGATRON_KL_PARENT_PID: the trainers stop (SIGTERM: they save their finished steps) when this launcher ends,
-    # killed or stopped: NeMo-Run's local executor does not pass that on to torchrun
-    env = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // nproc)), **cfg.launch.env,
-           "MEGATRON_KL_PARENT_PID": str(os.getpid())}
+    env = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // nproc)), **cfg.launch.env}
+    if launcher_pid is not None:
+        # the trainers stop (SIGTERM: they save their finished steps) when the launcher ends, killed or stopped:
+        # NeMo-Run's local executor does not pass that on to torchrun
+        env["MEGATRON_KL_PARENT_PID"] = str(launcher_pid)
     executor = run.LocalExecutor(ntasks_per_node=nproc, launcher="torchrun", env_vars=env)
     script = run.Script(path="megatron_kl.cli", m=True, entrypoint="python", args=spec.train_args())
     return executor, script

@@ -44,7 +44,14 @@ def _start(path: Path, log: Path) -> subprocess.Popen:
 
 
 def _trainers(study: psutil.Process) -> list[psutil.Process]:
-    return [p for p in study.children(recursive=True) if "train" in p.cmdline()]
+    out = []
+    for p in study.children(recursive=True):
+        try:
+            if "train" in p.cmdline():
+                out.append(p)
+        except (psutil.ZombieProcess, psutil.NoSuchProcess):  # a trainer that has just ended
+            continue
+    return out
 
 
 def _steps(run: Path) -> list[int]:
