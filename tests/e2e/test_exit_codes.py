@@ -53,11 +53,11 @@ def _assert_requeued(code: int, output: str, run: Path, reason: str) -> None:
     assert saved and f"checkpoint {run / 'checkpoints' / saved[-1]}" in last, (saved, last)
 
 
-@pytest.mark.parametrize("path", sorted(PATHS))
+@pytest.mark.parametrize("path", ["partial", "delta", "fp8"])  # async alone: tests/e2e/test_preemption.py
 def test_a_server_lost_during_a_weight_update_exits_for_requeue(tmp_path, warm_cache, path):
     run, marker = tmp_path / "run", tmp_path / "died"
-    faults = (f"rollout.sglang.extra_args=[--fault-exit-on-update, '3', --fault-marker, '{marker}', "
-              "--token-latency-s, '0.1', --long-every, '3']")
+    in_flight = ", --token-latency-s, '0.1', --long-every, '3'" if path == "partial" else ""  # cut by the pause
+    faults = f"rollout.sglang.extra_args=[--fault-exit-on-update, '3', --fault-marker, '{marker}'{in_flight}]"
     proc, log = _start(run, warm_cache, *SERVED, *PATHS[path], "train.steps=6", "checkpoint.interval=0", faults)
     code = proc.wait(timeout=600)
     assert marker.is_file(), "the server never reached the update that kills it: the test is void"
