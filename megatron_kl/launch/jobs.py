@@ -201,22 +201,18 @@ def single_node_task(spec: TaskSpec):
 
 
 def sglang_server_args(cfg: TrainConfig) -> list[str]:
+    """The disaggregated servers' flags: ``rollout/sglang.server_flags`` (the managed servers' builder) with the
+    launch section's layout and every flag the training config implies (routing replay, FP8, delta loader)."""
+    from megatron_kl.rollout.config import DELTA_LOADER
+    from megatron_kl.rollout.sglang import server_flags
+
     servers = cfg.launch.rollout_servers
-    return ["--model-path", servers.model_path or cfg.init.hf_checkpoint, "--host", "0.0.0.0",
-            "--port", str(servers.port), "--tp-size", str(servers.tp_size),
-            "--dp-size", str(max(1, servers.gpus_per_node // servers.tp_size)),
-            "--mem-fraction-static", str(servers.mem_fraction_static), "--skip-tokenizer-init",
-            "--random-seed", str(cfg.train.seed), *_rollout_flags(cfg), *servers.extra_args]
-
-
-def _rollout_flags(cfg: TrainConfig) -> list[str]:
-    """The server flags the rollout section implies: FP8 weights, and the delta loader for element deltas."""
-    flags = ["--quantization", cfg.rollout.quantization] if cfg.rollout.quantization != "none" else []
-    if cfg.rollout.delta_sync and cfg.rollout.sglang.weight_sync == "from_tensor":
-        from megatron_kl.rollout.config import DELTA_LOADER
-
-        flags += ["--custom-weight-loader", DELTA_LOADER]
-    return flags
+    delta = cfg.rollout.delta_sync and cfg.rollout.sglang.weight_sync == "from_tensor"
+    return server_flags(servers.model_path or cfg.init.hf_checkpoint, "0.0.0.0", servers.port, servers.tp_size,
+                        max(1, servers.gpus_per_node // servers.tp_size), servers.mem_fraction_static, cfg.train.seed,
+                        routed_experts=cfg.model.moe.routing_replay == "rollout",
+                        quantization=cfg.rollout.quantization, weight_loaders=[DELTA_LOADER] if delta else [],
+                        extra_args=servers.extra_args)
 
 
 def _hosts(group: int, port: int) -> str:

@@ -223,24 +223,37 @@ def parse_generate(body, prompt_ids: Sequence[int], expected_version: int, where
     return completion
 
 
+def server_flags(model_path: str, host: str, port: int, tp_size: int, dp_size: int, mem_fraction_static: float,
+                 seed: int, routed_experts: bool = False, quantization: str = "none",
+                 weight_loaders: Sequence[str] = (), memory_saver: bool = False,
+                 extra_args: Sequence[str] = ()) -> list[str]:
+    """The ``sglang.launch_server`` flags of a rollout server, the one place they are written: managed servers
+    (:func:`server_command`) and the servers a Slurm job starts (``launch/jobs.py``) both take them from here.
+    ``routed_experts``: routing replay (the servers report each token's experts); ``quantization``: FP8 rollouts;
+    ``weight_loaders``: delta sync's loader (rollout/delta.py). The API key is not among them: each caller adds it
+    its own way (a value here, an environment variable in a job script)."""
+    flags = ["--model-path", str(model_path), "--host", host, "--port", str(port), "--tp-size", str(tp_size),
+             "--dp-size", str(dp_size), "--mem-fraction-static", str(mem_fraction_static), "--skip-tokenizer-init",
+             "--random-seed", str(seed)]
+    if routed_experts:
+        flags.append("--enable-return-routed-experts")
+    if memory_saver:
+        flags.append("--enable-memory-saver")
+    if quantization != "none":
+        flags += ["--quantization", quantization]
+    if weight_loaders:
+        flags += ["--custom-weight-loader", *weight_loaders]
+    return flags + list(extra_args)
+
+
 def server_command(cfg: SGLangConfig, model_path: str, port: int, seed: int, api_key: Optional[str] = None,
                    routed_experts: bool = False, quantization: str = "none",
                    weight_loaders: Sequence[str] = ()) -> list[str]:
-    command = [sys.executable, "-m", cfg.server_module, "--model-path", str(model_path), "--host", cfg.host,
-               "--port", str(port), "--tp-size", str(cfg.tp_size), "--dp-size", str(cfg.dp_size),
-               "--mem-fraction-static", str(cfg.mem_fraction_static), "--skip-tokenizer-init",
-               "--random-seed", str(seed)]
-    if api_key:
-        command += ["--api-key", api_key]
-    if routed_experts:  # routing replay: the servers capture each token's experts
-        command.append("--enable-return-routed-experts")
-    if cfg.enable_memory_saver:
-        command.append("--enable-memory-saver")
-    if quantization != "none":  # FP8 rollouts: the servers quantize the linear layers' weights
-        command += ["--quantization", quantization]
-    if weight_loaders:  # delta sync: the loader that applies deltas (rollout/delta.py)
-        command += ["--custom-weight-loader", *weight_loaders]
-    return command + list(cfg.extra_args)
+    """A managed server's command line (:func:`server_flags` with ``rollout.sglang``'s settings and the key)."""
+    flags = server_flags(model_path, cfg.host, port, cfg.tp_size, cfg.dp_size, cfg.mem_fraction_static, seed,
+                         routed_experts, quantization, weight_loaders, cfg.enable_memory_saver)
+    return [sys.executable, "-m", cfg.server_module, *flags, *(["--api-key", api_key] if api_key else []),
+            *cfg.extra_args]
 
 
 def wait_for_servers(urls: Sequence[str], timeout_s: float) -> None:
