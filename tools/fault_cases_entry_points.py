@@ -53,15 +53,12 @@ def _study_file(r, name: str, **changes) -> Path:
     return path
 
 
-def study_kill_9(r) -> None:
-    name = "killed study, rerun at once"
-    path = _study_file(r, "study-kill9", common=[*SHORT, f"warm_start.cache_dir={r.cache}", "train.steps=30",
-                                                "checkpoint.interval=1"])
-    out = r.work / "study-kill9"
+def _kill_9_after_two_steps(r, args: list[str], run: Path) -> list:
+    """Start ``megatron-kl *args``, kill it -9 once ``run`` logged two steps; the descendants still alive 20 s later
+    (killed then, so the review leaves nothing behind)."""
     environ = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.Popen([sys.executable, "-m", "megatron_kl.cli", "study", "--config", str(path)], cwd=r.repo,
-                            env=environ, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    run = out / "runs" / "k3-seed1"
+    proc = subprocess.Popen([sys.executable, "-m", "megatron_kl.cli", *args], cwd=r.repo, env=environ,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 300
     while len(_steps(run)) < 2 and time.time() < deadline and proc.poll() is None:
         time.sleep(0.1)
@@ -71,6 +68,16 @@ def study_kill_9(r) -> None:
     _, alive = psutil.wait_procs(children, timeout=20)
     for p in alive:
         p.kill()
+    return alive
+
+
+def study_kill_9(r) -> None:
+    name = "killed study, rerun at once"
+    path = _study_file(r, "study-kill9", common=[*SHORT, f"warm_start.cache_dir={r.cache}", "train.steps=30",
+                                                "checkpoint.interval=1"])
+    out = r.work / "study-kill9"
+    run = out / "runs" / "k3-seed1"
+    alive = _kill_9_after_two_steps(r, ["study", "--config", str(path)], run)
     finished_alone = (run / "summary.json").is_file()  # the orphan trained the run to its end
     again = _cli(r, "study", "--config", str(path))
     status = json.loads((out / "status.json").read_text()) if (out / "status.json").is_file() else {}
@@ -114,21 +121,10 @@ def study_report_only_unfinished(r) -> None:
 def launch_local_kill_9(r) -> None:
     name = "kill -9 of launch local"
     out = r.work / "launch-kill9"
-    environ = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.Popen([sys.executable, "-m", "megatron_kl.cli", "launch", "local", "--config",
-                             str(r.repo / "configs/cpu/default.yaml"), *SHORT, f"warm_start.cache_dir={r.cache}",
-                             "train.steps=40", "checkpoint.interval=0", f"train.output_dir={out}",
-                             f"launch.home={r.work / 'launch-home'}", "parallel.tensor_parallel=2"],
-                            cwd=r.repo, env=environ, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 300
-    while len(_steps(out)) < 2 and time.time() < deadline and proc.poll() is None:
-        time.sleep(0.2)
-    children = psutil.Process(proc.pid).children(recursive=True)
-    proc.kill()
-    proc.wait()
-    _, alive = psutil.wait_procs(children, timeout=20)
-    for p in alive:
-        p.kill()
+    alive = _kill_9_after_two_steps(r, ["launch", "local", "--config", str(r.repo / "configs/cpu/default.yaml"),
+                                        *SHORT, f"warm_start.cache_dir={r.cache}", "train.steps=40",
+                                        "checkpoint.interval=0", f"train.output_dir={out}",
+                                        f"launch.home={r.work / 'launch-home'}", "parallel.tensor_parallel=2"], out)
     if alive or len(_steps(out)) == 40:
         r.record(name, "leaked", f"torchrun and its ranks trained on without it ({len(_steps(out))} of 40 steps)")
     else:
@@ -180,15 +176,19 @@ def _double_hidden(d: Path) -> None:
 
 
 # -- secrets, rollout exit codes ---------------------------------------------------------------------------------
+def _leaks(run: Path, output: str) -> list[str]:
+    """Where the planted key stands in clear: files under the run, the trainer's output."""
+    found = sorted(str(p.relative_to(run)) for p in run.rglob("*") if p.is_file() and SECRET.encode() in p.read_bytes())
+    return found + (["the trainer's output"] if SECRET in output else [])
+
+
 def secret_in_server_flags(r) -> None:
     name = "a secret server flag in rollout.sglang.extra_args"
     run = r.work / "secret-flag"
     code, out = r.run(run, "train.steps=1", *SERVED, _port(), f"rollout.sglang.extra_args=[--admin-api-key, {SECRET}]")
-    leaks = [str(p.relative_to(run)) for p in run.rglob("*") if p.is_file() and SECRET.encode() in p.read_bytes()]
-    if SECRET in out:
-        leaks.append("the trainer's output")
+    leaks = _leaks(run, out)
     if leaks:
-        r.record(name, "silent", f"rc {code}; the key in clear in {', '.join(sorted(leaks)[:4])}")
+        r.record(name, "silent", f"rc {code}; the key in clear in {', '.join(leaks[:4])}")
     elif code == 0:
         r.record(name, "handled", "trained; the key in no file or line written")
     else:
@@ -199,9 +199,9 @@ def api_key_in_extra_args(r) -> None:
     name = "--api-key in rollout.sglang.extra_args"
     run = r.work / "secret-api-key"
     code, out = r.run(run, "train.steps=1", *SERVED, _port(), f"rollout.sglang.extra_args=[--api-key, {SECRET}]")
-    leaks = [str(p.relative_to(run)) for p in run.rglob("*") if p.is_file() and SECRET.encode() in p.read_bytes()]
-    if leaks or SECRET in out:
-        r.record(name, "silent", f"rc {code}; the key in clear in {', '.join(sorted(leaks)[:3]) or 'the output'}")
+    leaks = _leaks(run, out)
+    if leaks:
+        r.record(name, "silent", f"rc {code}; the key in clear in {', '.join(leaks[:3])}")
     elif code == 2 and "api_key_env" in out:
         r.record(name, "handled", "refused, pointing to rollout.sglang.api_key_env, the key not repeated")
     else:
