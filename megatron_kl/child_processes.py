@@ -49,13 +49,6 @@ def die_with_parent(parent_pid: Optional[int] = None, death_signal: int = signal
     _set_stop_signals(signal.SIG_DFL)
 
 
-def bind_to_parent() -> None:
-    """Called first thing in a process that must die with its parent (SIGKILL when it does)."""
-    _prctl_death_signal()
-    if os.getppid() == 1:  # the parent died before the death signal was set
-        os._exit(1)
-
-
 def _bind_to_parent(parent_pid: Optional[int], death_signal: int = signal.SIGKILL) -> None:
     """The death signal (forks from the main thread only), then exit if the parent died before it was set."""
     if _state["from_main_thread"]:
@@ -99,9 +92,9 @@ def install(close_fds: tuple[int, ...] = ()) -> None:
 
 
 def stop_when_gone(pid: int, stop_signal: int = signal.SIGTERM, interval_s: float = 0.5) -> threading.Thread:
-    """Send this process ``stop_signal`` once process ``pid`` has ended (a launcher that started this trainer through
-    a scheduler that does not pass its death on: NeMo-Run's local executor). The trainer's own handler then saves
-    the finished steps and stops, as on any stop signal."""
+    """Send this process ``stop_signal`` once process ``pid`` has ended, where no death signal reaches it: a trainer
+    started through NeMo-Run's local executor (SIGTERM: its handler saves the finished steps and stops, as on any
+    stop signal), a rank under the fork server (SIGKILL)."""
 
     def watch() -> None:
         while True:

@@ -17,9 +17,8 @@ import dataclasses
 import io
 import os
 import queue
+import signal
 import tempfile
-import threading
-import time
 import traceback
 from contextlib import contextmanager
 from datetime import timedelta
@@ -27,7 +26,7 @@ from datetime import timedelta
 import torch
 import torch.multiprocessing as mp
 
-from megatron_kl.child_processes import bind_to_parent
+from megatron_kl.child_processes import stop_when_gone
 from megatron_kl.env_vars import choice
 
 
@@ -75,23 +74,10 @@ def _gpus_hidden(hide: bool):
                 os.environ["CUDA_VISIBLE_DEVICES"] = previous
 
 
-def _watch(caller: int) -> None:
-    """Exit when the caller is gone (a rank's parent is the fork server, which outlives a killed caller as long as
-    any rank holds its pipe: the kernel's death signal alone cannot end them)."""
-    while True:
-        try:
-            os.kill(caller, 0)
-        except ProcessLookupError:
-            os._exit(1)
-        except PermissionError:
-            pass
-        time.sleep(0.5)
-
-
 def _worker(rank, world_size, init_file, fn, args, results, threads, backend, environ, caller):
-    # dies with its caller: a killed `megatron-kl convert` leaves no rank behind
-    bind_to_parent()
-    threading.Thread(target=_watch, args=(caller,), daemon=True, name="caller-watch").start()
+    # dies with its caller (a killed `megatron-kl convert` leaves no rank behind): watched, since a rank's parent
+    # is the fork server, which outlives a killed caller as long as any rank holds its pipe
+    stop_when_gone(caller, signal.SIGKILL)
     try:
         import warnings
 

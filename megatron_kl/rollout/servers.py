@@ -99,14 +99,10 @@ class ServerStartFailed(ServerUnavailable):
     trainer fails instead of asking for a requeue. A port taken under it is retried on the next port first."""
 
 
-def redact(text: str, secrets: tuple[str, ...]) -> str:
-    return redact_text(text, secrets)
-
-
 def _pump(stream, handle, secrets: tuple[str, ...]) -> None:
     """Copy a server's output into its log with ``secrets`` replaced (servers echo their arguments)."""
     for line in iter(stream.readline, b""):
-        handle.write(redact(line.decode(errors="replace"), secrets))
+        handle.write(redact_text(line.decode(errors="replace"), secrets))
         handle.flush()
     handle.close()
 
@@ -130,7 +126,7 @@ class ManagedServer:
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         handle = open(self.log_path, "a")
-        handle.write(f"\n==== start: {redact(' '.join(redact_args(self.command)), self.secrets)}\n")
+        handle.write(f"\n==== start: {redact_text(' '.join(redact_args(self.command)), self.secrets)}\n")
         handle.flush()
         # own process group: stop() takes the server's children (TP/DP workers) with it; the kernel kills
         # the server if the trainer dies without stopping it (kill -9: child_processes.py)
@@ -145,7 +141,7 @@ class ManagedServer:
             self.stop()
             raise
         except Exception as err:
-            tail = redact("\n".join(self.log_path.read_text(errors="replace").splitlines()[-20:]), self.secrets)
+            tail = redact_text("\n".join(self.log_path.read_text(errors="replace").splitlines()[-20:]), self.secrets)
             exit_code = self.process.poll()
             self.stop()
             if exit_code is not None:

@@ -89,8 +89,6 @@ def shipped_entry(cfg) -> Optional[shipped_warmstart.ShippedWarmStart]:
 
 def shipped_state(cfg) -> dict[str, torch.Tensor] | None:
     """The package's warm start for this recipe (verified), per ``warm_start.source``; None: train one."""
-    if cfg.warm_start.source == "train":
-        return None
     entry = shipped_entry(cfg)
     if entry is None:
         return None
