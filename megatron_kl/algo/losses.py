@@ -51,7 +51,9 @@ class LossInputs:
     - ``old_logprobs``: log pi_old(y_t), the policy at the start of the update (None: the update's own forward
       is pi_old's, ``algo.old_logprobs=from_update``);
     - ``kl_returns``: the credited KL penalty -coef * c_t of the reward placement (None: formed from this forward,
-      with ``old_logprobs``).
+      with ``old_logprobs``);
+    - ``teacher_logprobs``: log pi_teacher(y_t) under distillation (None without), and ``distill_returns`` the
+      distillation term's credited penalty of its reward placement (None: formed from this forward).
 
     The trainer writes them into the batch's fields of the same names (:meth:`into`); the loss reads them back
     (:meth:`from_microbatch`), so a missing input is an error naming it.
@@ -63,6 +65,8 @@ class LossInputs:
     advantages: torch.Tensor
     old_logprobs: Optional[torch.Tensor] = None
     kl_returns: Optional[torch.Tensor] = None
+    teacher_logprobs: Optional[torch.Tensor] = None
+    distill_returns: Optional[torch.Tensor] = None
 
     def into(self, batch: SequenceBatch) -> SequenceBatch:
         """``batch`` carrying these inputs (split with its rows): every field but the mask (the batch's own); those
@@ -133,44 +137,53 @@ class MicrobatchLoss:
     captured: Optional[list] = None
     captured_keys: tuple = ("logprobs", "entropy")
     axis: SequenceAxis = LOCAL  # the token axis: whole, or this rank's zigzag shard of a context-parallel group
+    distill: Optional[KLConfig] = None  # the distillation term (on-policy distillation), None without
 
     @property
     def row_separable(self) -> bool:
-        return row_separable(self.kl, self.algo)
+        return row_separable(self.kl, self.algo) and (self.distill is None or row_separable(self.distill, self.algo))
 
     def __call__(self, stats, mb: Microbatch):
         if self.captured is not None:
             with torch.no_grad():
                 self.captured.append(masked_token_stats(stats, mb, self.captured_keys))
-        return microbatch_loss(stats, mb, self.algo, self.kl, self.shares, self.counter, self.axis)
+        return microbatch_loss(stats, mb, self.algo, self.kl, self.shares, self.counter, self.axis, self.distill)
 
     def probe(self, stats, mb: Microbatch) -> torch.Tensor:
-        return microbatch_loss(stats, mb, self.algo, self.kl, self.shares, None, self.axis)[0]
+        return microbatch_loss(stats, mb, self.algo, self.kl, self.shares, None, self.axis, self.distill)[0]
 
 
 MICROBATCH_TOKENS = "_tokens"  # a microbatch's response tokens, the weight of its per-token metrics
 
 
 def microbatch_loss(stats, mb: Microbatch, algo: AlgoConfig, kl: KLConfig, shares: Shares,
-                    counter: Optional[ClampCounter] = None,
-                    axis: SequenceAxis = LOCAL) -> tuple[torch.Tensor, dict]:
+                    counter: Optional[ClampCounter] = None, axis: SequenceAxis = LOCAL,
+                    distill: Optional[KLConfig] = None) -> tuple[torch.Tensor, dict]:
     """This microbatch's share of the minibatch loss, and metrics (sums to be averaged by the caller).
 
     ``mb`` carries the :class:`LossInputs` in its fields of the same names (with its tokens and rows).
-    With a context-parallel ``axis`` they are this rank's zigzag shard [b, 2 L] and every reduction over the
+    With a context-parallel ``axis`` they are this rank's zigzag shard [b, 2L] and every reduction over the
     sequence crosses the group (``kl.sequence_axis``): the loss and metrics are the whole sequences' on every
     rank, and back-propagating ``loss * axis.share`` on each gives each rank its shard of the gradient.
+
+    ``distill``: the distillation term's KLConfig (on-policy distillation; None without): the same estimator
+    machinery as ``kl`` with log pi_teacher in log pi_ref's place. ``stats.kl``, the exact per-position KL of this
+    forward, is to the teacher when ``distill`` is given and to the reference otherwise (one exact KL per pass).
     """
     inputs = LossInputs.from_microbatch(mb)
     mask = inputs.loss_mask.to(stats.logprobs.dtype)
     logprobs = stats.logprobs
     metrics: dict = {}
+    exact_to_reference = None if distill is not None else stats.kl
+    exact_to_teacher = stats.kl if distill is not None else None
     if inputs.old_logprobs is None:  # algo.old_logprobs=from_update: this forward is pi_old's
         inputs = dataclasses.replace(inputs, old_logprobs=logprobs.detach())
         if kl.coef > 0 and kl.placement == "reward":
-            inputs = dataclasses.replace(inputs, kl_returns=-kl.coef * kl_penalty_credit(
-                kl, inputs.old_logprobs, inputs.reference_logprobs, mask.bool(), inputs.behavior_logprobs,
-                full_kl=None if stats.kl is None else stats.kl.detach(), counter=counter, axis=axis))
+            inputs = dataclasses.replace(inputs, kl_returns=_credited(kl, inputs, inputs.reference_logprobs, mask,
+                                                                      exact_to_reference, counter, axis))
+        if distill is not None and distill.coef > 0 and distill.placement == "reward":
+            inputs = dataclasses.replace(inputs, distill_returns=_credited(distill, inputs, inputs.teacher_logprobs,
+                                                                           mask, exact_to_teacher, counter, axis))
     weight = None
     if algo.loss == "ppo":
         weight, correction = correction_of(algo).weights(inputs.old_logprobs, inputs.behavior_logprobs, mask,
@@ -188,17 +201,24 @@ def microbatch_loss(stats, mb: Microbatch, algo: AlgoConfig, kl: KLConfig, share
         metrics["policy/clip_fraction"] = rpg_metrics.get("rpg/clip_fraction", torch.zeros(()))
     policy_share = shares.factor(algo.aggregation, mask, axis)
     total = policy * policy_share
-    if kl.coef > 0:
-        if kl.placement == "reward":
-            surrogate = policy_gradient_surrogate(kl, logprobs, inputs.kl_returns, mask, inputs.behavior_logprobs,
-                                                  counter, behavior_weight=weight, axis=axis)
-            kl_term = -surrogate
+    terms = [("kl_term", kl, inputs.reference_logprobs, inputs.kl_returns, exact_to_reference)]
+    if distill is not None:
+        if inputs.teacher_logprobs is None:
+            raise ValueError("the microbatch carries no teacher_logprobs: the distillation term needs the teacher's "
+                             "log-probs (LossInputs.into writes them into the batch)")
+        terms.append(("distill_term", distill, inputs.teacher_logprobs, inputs.distill_returns, exact_to_teacher))
+    for name, term, other_logprobs, returns, exact in terms:
+        if term.coef == 0:
+            continue
+        if term.placement == "reward":
+            value = -policy_gradient_surrogate(term, logprobs, returns, mask, inputs.behavior_logprobs, counter,
+                                               behavior_weight=weight, axis=axis)
         else:
-            kl_term = kl_loss(kl, logprobs, inputs.reference_logprobs, mask, inputs.behavior_logprobs,
-                              full_kl=stats.kl, counter=counter, behavior_weight=weight, axis=axis)
-        kl_share = kl_term * shares.factor(kl.aggregation, mask, axis)
-        total = total + kl_share
-        metrics["loss/kl_term"] = kl_share.detach()
+            value = kl_loss(term, logprobs, other_logprobs, mask, inputs.behavior_logprobs, full_kl=exact,
+                            counter=counter, behavior_weight=weight, axis=axis)
+        share = value * shares.factor(term.aggregation, mask, axis)
+        total = total + share
+        metrics[f"loss/{name}"] = share.detach()
     if algo.entropy_coef:
         entropy = aggregate_tokens(stats.entropy, mask, algo.aggregation, algo.norm_length, axis)
         total = total - algo.entropy_coef * entropy * shares.factor(algo.aggregation, mask, axis)
@@ -208,3 +228,10 @@ def microbatch_loss(stats, mb: Microbatch, algo: AlgoConfig, kl: KLConfig, share
     metrics["loss/total"] = total.detach()
     metrics[MICROBATCH_TOKENS] = axis.total(mask)
     return total, metrics
+
+
+def _credited(term: KLConfig, inputs: LossInputs, other_logprobs, mask, exact, counter, axis) -> torch.Tensor:
+    """-coef * c_t of a reward-placed KL term, from pi_old's log-probs of this forward."""
+    return -term.coef * kl_penalty_credit(term, inputs.old_logprobs, other_logprobs, mask.bool(),
+                                          inputs.behavior_logprobs, full_kl=None if exact is None else exact.detach(),
+                                          counter=counter, axis=axis)

@@ -19,7 +19,7 @@ import torch
 
 # the tensors that travel with the rows, in the order they are listed on SequenceBatch
 ROW_TENSORS = ("behavior_logprobs", "reference_logprobs", "advantages", "old_logprobs", "kl_returns", "routed_experts",
-               "reference_hidden")
+               "reference_hidden", "teacher_logprobs", "distill_returns")
 
 
 @dataclass(slots=True)
@@ -30,8 +30,10 @@ class SequenceBatch:
     - per target position ``[B, S-1]`` (aligned with ``loss_mask``), the policy loss's inputs
       (:class:`megatron_kl.algo.losses.LossInputs`): ``behavior_logprobs`` log mu, ``reference_logprobs`` log pi_ref,
       ``advantages``, ``old_logprobs`` log pi_old, ``kl_returns`` the credited KL penalty of the reward placement;
+      under distillation ``teacher_logprobs`` log pi_teacher and ``distill_returns`` the distillation term's penalty;
     - per input position: ``routed_experts [B, S, layers, k]`` the rollout engine's expert ids (routing replay),
-      ``reference_hidden [B, S, H]`` the reference's final hidden states (the exact KL on the fused path).
+      ``reference_hidden [B, S, H']`` the final hidden states of the model the exact KL is taken to on the fused path
+      (the reference's; under distillation the teacher's, H' its width).
 
     None: not carried.
     """
@@ -45,6 +47,8 @@ class SequenceBatch:
     kl_returns: Optional[torch.Tensor] = None
     routed_experts: Optional[torch.Tensor] = None
     reference_hidden: Optional[torch.Tensor] = None
+    teacher_logprobs: Optional[torch.Tensor] = None
+    distill_returns: Optional[torch.Tensor] = None
 
     def __post_init__(self):
         if self.tokens.dim() != 2:

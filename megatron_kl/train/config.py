@@ -13,6 +13,7 @@ from typing import Optional
 from megatron_kl.algo.config import AlgoConfig, row_separable
 from megatron_kl.config import ConfigError, ModelConfig, ParallelConfig, load_yaml
 from megatron_kl.constraints import SEED_MAX, checked
+from megatron_kl.distill.config import DistillConfig
 from megatron_kl.kl.config import AUTO, KLConfig, Verdict
 from megatron_kl.launch_config import LaunchConfig
 from megatron_kl.models.optim_config import OptimConfig
@@ -197,6 +198,7 @@ class TrainConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     kl: KLConfig = field(default_factory=KLConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)  # on-policy distillation from a teacher
     init: InitConfig = field(default_factory=InitConfig)
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
     train: LoopConfig = field(default_factory=LoopConfig)
@@ -207,6 +209,7 @@ class TrainConfig:
     # resolved at load, never given: what kl.estimator=auto chose (the exact audit's verdict - configuration, bias,
     # variance - for kl.target in the run's regime; kl itself then holds the chosen axes); None otherwise
     kl_selection: Optional[Verdict] = field(default=None, init=False, compare=False)
+    distill_selection: Optional[Verdict] = field(default=None, init=False, compare=False)  # distill.kl.estimator=auto
 
     def __post_init__(self):
         """kl.estimator=auto resolved to the configuration the audit picks for kl.target (kept in
@@ -215,23 +218,22 @@ class TrainConfig:
         import dataclasses
 
         _cross_field_rules(self)
-        resolved = {"kl_selection": None}  # set once here (the config is frozen); nothing changes it later
+        resolved = {"kl_selection": None, "distill_selection": None}  # set once here (the config is frozen)
+        regime_of_term, correction = _selection_inputs(self)
+        kl = self.kl
         if self.kl.estimator == AUTO:
-            from megatron_kl.kl.corrections import correction_of
-            from megatron_kl.kl.audit.targets import regime_of, select
-
-            try:
-                resolved["kl"], resolved["kl_selection"], _ = select(self.kl, regime_of(self.kl, self.train.staleness),
-                                                                     correction_of(self.algo))
-            except ValueError as err:
-                raise ConfigError(str(err)) from err
-        kl = resolved.get("kl", self.kl)
+            kl, resolved["kl_selection"] = _select(self.kl, regime_of_term, correction, "kl")
+        objective = self.distill.kl
+        if objective.estimator == AUTO and self.distill.enabled:
+            objective, resolved["distill_selection"] = _select(objective, regime_of_term, correction, "distill.kl")
         length = self.algo.norm_length or self.rollout.sampling.max_new_tokens
         rpg = self.algo.rpg if self.algo.rpg.norm_length is not None else dataclasses.replace(self.algo.rpg,
                                                                                               norm_length=length)
         resolved["algo"] = dataclasses.replace(self.algo, norm_length=length, rpg=rpg)
-        if kl.norm_length is None:
-            resolved["kl"] = dataclasses.replace(kl, norm_length=length)
+        resolved["kl"] = kl if kl.norm_length is not None else dataclasses.replace(kl, norm_length=length)
+        if objective.norm_length is None and self.distill.enabled:  # off: the section stays as given (the run key)
+            objective = dataclasses.replace(objective, norm_length=length)
+        resolved["distill"] = dataclasses.replace(self.distill, kl=objective)
         for name, value in resolved.items():
             object.__setattr__(self, name, value)
         # the run key of the resolved configuration (output_dir is not part of it), then {run_name} filled in
@@ -252,12 +254,32 @@ class TrainConfig:
     def run_name(self) -> str:
         """The axes the estimator study varies, spelled out, then the run key (:func:`run_key`): two configurations
         that differ in any field of the run's identity have different names."""
-        name = _run_name(self.kl, self.algo, self.train)
+        name = _run_name(self.kl, self.algo, self.train, self.distill)
         return f"{name}-{self._run_key}" if getattr(self, "_run_key", None) else name
 
 
-def _run_name(kl, algo, train) -> str:
-    return f"{kl.name}-coef{kl.coef:g}-{algo.name}-s{train.staleness}-seed{train.seed}"
+def _run_name(kl, algo, train, distill: Optional[DistillConfig] = None) -> str:
+    teacher = f"{distill.name}-coef{distill.kl.coef:g}-" if distill is not None and distill.enabled else ""
+    return f"{teacher}{kl.name}-coef{kl.coef:g}-{algo.name}-s{train.staleness}-seed{train.seed}"
+
+
+def _selection_inputs(cfg):
+    """What ``estimator=auto`` is judged under: the regime function and the behaviour correction."""
+    from megatron_kl.kl.audit.targets import regime_of
+    from megatron_kl.kl.corrections import correction_of
+
+    return (lambda kl: regime_of(kl, cfg.train.staleness)), correction_of(cfg.algo)
+
+
+def _select(kl: KLConfig, regime_of_term, correction, where: str):
+    """``<where>.estimator=auto`` resolved to the audit's choice for its target: (the chosen KLConfig, the verdict)."""
+    from megatron_kl.kl.audit.targets import select
+
+    try:
+        chosen, verdict, _ = select(kl, regime_of_term(kl), correction)
+    except ValueError as err:
+        raise ConfigError(f"{where}: {err}") from err
+    return chosen, verdict
 
 
 _DEFAULTS_PENDING = False
@@ -323,8 +345,41 @@ def _cross_field_rules(cfg: TrainConfig) -> None:
         raise ConfigError("reward.functions names 'service' but reward.service.urls is empty: give the verifier's "
                           "address, e.g. reward.service.urls=[http://verifier:8000] (or start it with the job: "
                           "launch.reward_service.mode=heterogeneous)")
+    _check_distillation(cfg)
     if cfg.algo.mask_low >= cfg.algo.mask_high:
         raise ConfigError(f"algo.mask_low={cfg.algo.mask_low:g} must be below algo.mask_high={cfg.algo.mask_high:g}")
+
+
+def _check_distillation(cfg: TrainConfig) -> None:
+    """distill.* against the rest: one model's exact KL per pass, and the reward it keeps."""
+    if not cfg.distill.enabled:
+        return
+    objective = cfg.distill.kl
+    if cfg.kl.estimator == "full" and cfg.kl.coef > 0:
+        raise ConfigError("kl.estimator=full with distill.enabled=true: the passes compute the exact full-vocabulary "
+                          "KL to one other model, and under distillation that is the teacher; estimate the KL to the "
+                          "reference from the sampled token (kl.estimator=k1/k2/k3), or set kl.coef=0")
+    if objective.coef == 0 and cfg.distill.task_reward == "none":
+        raise ConfigError("distill.kl.coef=0 with distill.task_reward=none leaves nothing to train: give the "
+                          "distillation term a weight (distill.kl.coef > 0) or keep the task reward")
+    if objective.estimator == AUTO and objective.coef == 0:
+        return
+    if objective.off_policy == "behavior" and (cfg.algo.loss != "ppo" or cfg.algo.behavior_correction == "none"):
+        raise ConfigError("distill.kl.off_policy=behavior weights the distillation term with "
+                          "algo.behavior_correction's weights: set algo.behavior_correction (with algo.loss=ppo) or "
+                          "choose another distill.kl.off_policy")
+
+
+def distill_verdict(cfg: TrainConfig):
+    """The audit's verdict on the distillation term for distill.kl.target in the run's regime (the same audit as the
+    reference term's: the teacher is the other distribution); None without distillation."""
+    from megatron_kl.kl.audit.targets import judge, regime_of
+    from megatron_kl.kl.corrections import correction_of
+
+    objective = cfg.distill.objective()
+    if objective is None:
+        return None
+    return judge(objective, regime_of(objective, cfg.train.staleness), correction_of(cfg.algo))
 
 
 def kl_verdict(cfg: TrainConfig):

@@ -31,6 +31,11 @@ def _file_digests(cfg) -> dict[str, str]:
         paths.append(cfg.warm_start.checkpoint)
     if cfg.init.hf_checkpoint:
         paths.append(str(Path(cfg.init.hf_checkpoint) / "config.json"))
+    teacher = cfg.distill.teacher
+    if cfg.distill.enabled and teacher.source == "checkpoint":
+        paths.append(teacher.checkpoint)
+    if cfg.distill.enabled and teacher.source == "hf":
+        paths.append(str(Path(teacher.hf_checkpoint) / "config.json"))
     digests = {}
     for path in paths:
         if Path(path).is_file():

@@ -40,7 +40,7 @@ def flatten(data: dict, prefix: str = "") -> dict[str, Any]:
 
 
 # resolved from fields the identity holds already (kl.estimator=auto's choice is in kl.*): not compared twice
-DERIVED = ("kl_selection",)
+DERIVED = ("kl_selection", "distill_selection")
 
 
 def identity_fields(config: dict) -> dict[str, Any]:

@@ -146,10 +146,25 @@ def prepare(cfg: TrainConfig) -> Prepared:
     RewardScorer.build(cfg.reward, task).close()  # reward functions that resolve to nothing are refused here
     if hf_source is None:
         shipped_entry(cfg)  # a damaged shipped manifest, or source=shipped without one, is named here
+    if cfg.distill.enabled:
+        _check_teacher(cfg, task)
     missing = wandb_missing(cfg.logging.wandb_project)
     if missing:
         raise ConfigError(missing)
     return Prepared(cfg, world_size, hf_source, task, run_dir.plan_start(cfg, world_size), notes)
+
+
+def _check_teacher(cfg: TrainConfig, task) -> None:
+    """The teacher's architecture, vocabulary and layout (distill/teacher.check_teacher), and its positions against
+    the longest sequence it will score."""
+    from megatron_kl.distill.teacher import check_teacher
+
+    teacher = check_teacher(cfg)
+    longest = task.longest_prompt_tokens() + cfg.rollout.sampling.max_new_tokens
+    if longest > teacher.max_position_embeddings:
+        raise ConfigError(f"distill.teacher holds {teacher.max_position_embeddings} positions but scores sequences of "
+                          f"up to {longest} tokens (the longest prompt + rollout.sampling.max_new_tokens); use a "
+                          "teacher with more positions or shorten the responses")
 
 
 def check_against_task(cfg: TrainConfig, task, hf_source, given_stops: list[int]) -> list[str]:

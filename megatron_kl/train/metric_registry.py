@@ -52,6 +52,15 @@ METRICS = (
     Metric("kl/<estimator>_sequence", "nats/sequence", "mean per-sequence sum of the KL estimate", _REF),
     Metric("kl/biased", "0/1", "1 when the configured KL term's expected gradient is biased for kl.target (audit "
            "verdict, docs/kl-math.md)", "every step with a KL term"),
+    Metric("distill/<estimator>_token", "nats/token", "mean per-token KL(pi || pi_teacher) estimate: k1, k3, or exact "
+           "(full vocabulary; the exact KL is the teacher's, not the reference's, under distillation)",
+           "every step with distillation"),
+    Metric("distill/<estimator>_sequence", "nats/sequence", "mean per-sequence sum of the KL-to-teacher estimate",
+           "every step with distillation"),
+    Metric("distill/biased", "0/1", "1 when the distillation term's expected gradient is biased for distill.kl.target "
+           "(audit verdict, docs/distillation.md)", "every step with a weighted distillation term"),
+    Metric("loss/distill_term", "loss", "coef x the distillation term added to the loss (a surrogate whose gradient "
+           "is the term's; in the reward placement the credited penalty's surrogate)", "with distillation"),
     Metric("kl/clamped_<what>", "count", "log-ratio entries of a KL term clamped to kl.clamp before an exp (k2/k3 "
            "terms, token importance weights, prefix weights)", "when something was clamped"),
     Metric("policy/clip_fraction", "fraction", "fraction of tokens whose PPO ratio was clipped"),
@@ -141,8 +150,8 @@ METRICS = (
     Metric("time/rollout", "s", "generation time of the step's batch (async: spent in the background while "
            "earlier steps trained, so it can exceed time/rollout_wait)"),
     Metric("time/<phase>", "s", "wall time of a phase of the step: rollout_wait (how long the trainer waited for the "
-           "batch: time/rollout on-policy, ~0 when async generation keeps up), reference, old_logprobs, "
-           "unreplayed_logprobs (routing replay's metric pass), update, weight_sync"),
+           "batch: time/rollout on-policy, ~0 when async generation keeps up), reference, teacher "
+           "(distillation), old_logprobs, unreplayed_logprobs (routing replay's metric pass), update, weight_sync"),
     Metric("time/eval", "s", "wall time of the evaluation", "every eval.interval steps, before and after training"),
     Metric("eval/<split>/pass@1", "fraction", "greedy accuracy on the split (id: in-domain, ood: out of "
            "distribution)",

@@ -8,7 +8,7 @@ For every listed step (0-based, as in ``metrics.jsonl``) each rank writes under 
                                  ops, and how many ops it ran
 
 The phases are the ones ``time/*`` measures, as ``record_function`` ranges (:func:`phase`): ``rollout_wait``,
-``reference``, ``old_logprobs``, ``unreplayed_logprobs`` (routing replay's metric pass), ``update``,
+``reference``, ``teacher`` (distillation), ``old_logprobs``, ``unreplayed_logprobs`` (routing replay's metric pass), ``update``,
 ``weight_sync``; ops outside them are counted under ``other``.
 GEMM ops are the matrix products a linear layer lowers to (:data:`GEMM_OPS`); on a CUDA rank their device time
 is summed too. ``tools/bench_step.py`` reads the summary to split the step into GEMM work and everything else.
@@ -33,7 +33,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 log = logging.getLogger(__name__)
 
-PHASES = ("rollout_wait", "reference", "old_logprobs", "unreplayed_logprobs", "update", "weight_sync")
+PHASES = ("rollout_wait", "reference", "teacher", "old_logprobs", "unreplayed_logprobs", "update", "weight_sync")
 PREFIX = "megatron_kl/"
 GEMM_OPS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_mm",
                       "aten::_int_mm", "aten::addbmm"})

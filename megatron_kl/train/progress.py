@@ -16,6 +16,7 @@ from typing import Optional
 log = logging.getLogger("megatron_kl.train")
 
 KL_KEYS = ("kl/exact_token", "kl/k1_token", "kl/k3_token")
+DISTILL_KEYS = ("distill/exact_token", "distill/k1_token")  # the KL to the teacher (distillation): the first logged
 NAME_WIDTH = 18
 
 
@@ -28,6 +29,9 @@ def step_values(metrics: dict) -> str:
     """``reward 0.853 kl/exact 1.2e-03 ...``: the step's reward and KL terms, labelled."""
     parts = [f"reward {metrics['reward/mean']:.3f}"] if metrics.get("reward/mean") is not None else []
     parts += [f"{key.removesuffix('_token')} {metrics[key]:.2e}" for key in KL_KEYS if metrics.get(key) is not None]
+    teacher = next((key for key in DISTILL_KEYS if metrics.get(key) is not None), None)
+    if teacher is not None:
+        parts.append(f"{teacher.removesuffix('_token')} {metrics[teacher]:.2e}")
     if metrics.get("reward/failed"):
         parts.append(f"reward_failed {metrics['reward/failed']:g}")
     return " ".join(parts)
@@ -39,6 +43,9 @@ def bar_values(metrics: dict) -> str:
     kl = next((metrics[key] for key in KL_KEYS if metrics.get(key) is not None), None)
     if kl is not None:
         parts.append(f"kl {kl:.1e}")
+    teacher = next((metrics[key] for key in DISTILL_KEYS if metrics.get(key) is not None), None)
+    if teacher is not None:
+        parts.append(f"teacher {teacher:.1e}")
     if metrics.get("reward/failed"):
         parts.append(f"failed {metrics['reward/failed']:g}")
     return " ".join(parts)

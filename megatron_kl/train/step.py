@@ -40,6 +40,7 @@ from megatron_kl.train.run_state import Counters
 from megatron_kl.train.topology import Topology
 
 if TYPE_CHECKING:
+    from megatron_kl.distill.teacher import Teacher
     from megatron_kl.train.config import TrainConfig
 
 
@@ -62,6 +63,16 @@ class StepContext:
     counters: Counters = field(default_factory=Counters)  # optimizer steps applied / skipped (train/run_state.py)
     kl_tags: dict = field(default_factory=dict)  # logged every step: kl/biased (the audit's verdict for kl.target)
     expert_load: Optional[ExpertLoad] = None  # mixture-of-experts policies: router counts of the pi_old pass
+    teacher: Optional["Teacher"] = None  # on-policy distillation (distill.*): the frozen teacher, None without
+
+    @property
+    def anchor_head(self) -> output_head.ReferenceHead:
+        """The head of the model the exact KL is taken to: the teacher's under distillation, else the reference's."""
+        return self.teacher.head if self.teacher is not None else self.reference_head
+
+    @property
+    def anchor_offload(self):
+        return self.teacher.offload if self.teacher is not None else self.offload
 
 
 class NonFiniteUpdates(RuntimeError):
@@ -92,17 +103,17 @@ def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
     return float((x * mask).sum() / mask.sum().clamp_min(1))
 
 
-def kl_metrics(logprobs, reference_logprobs, exact_kl, mask) -> dict:
+def kl_metrics(logprobs, reference_logprobs, exact_kl, mask, prefix: str = "kl") -> dict:
     """k1, k3 and exact KL(pi_old || pi_ref) (when ``exact_kl`` is given), per response token and per sequence
-    (sum over its tokens)."""
+    (sum over its tokens), as ``<prefix>/<estimator>_<token|sequence>`` (``distill``: the same to the teacher)."""
     d = (logprobs - reference_logprobs) * mask
     k3 = token_estimate("k3", d, LOG_RATIO_CLAMP, mask) * mask
     out = {}
     for name, per_token in (("k1", d), ("k3", k3), ("exact", None if exact_kl is None else exact_kl * mask)):
         if per_token is None:  # not computed this step (train.reference_metrics_interval)
             continue
-        out[f"kl/{name}_token"] = _masked_mean(per_token, mask)
-        out[f"kl/{name}_sequence"] = float(per_token.sum(-1).mean())
+        out[f"{prefix}/{name}_token"] = _masked_mean(per_token, mask)
+        out[f"{prefix}/{name}_sequence"] = float(per_token.sum(-1).mean())
     return out
 
 
@@ -206,46 +217,75 @@ def _metrics_due(cfg, step: int) -> bool:
     return step % cfg.train.reference_metrics_interval == 0
 
 
+def anchor_objective(cfg):
+    """The KL term whose other model the exact KL is taken to: distill.kl under distillation, else kl."""
+    return cfg.distill.kl if cfg.distill.enabled else cfg.kl
+
+
 def needs_exact_kl(cfg, step: int) -> bool:
-    """Whether this step computes the exact per-position KL over the vocabulary (the reference's output
-    projection once more): always when a term reads it (kl.estimator=full with kl.coef > 0); otherwise it only
-    feeds kl/exact_*, every ``train.reference_metrics_interval`` steps."""
-    if cfg.kl.coef > 0 and cfg.kl.estimator == "full":
+    """Whether this step computes the exact per-position KL over the vocabulary (the other model's output
+    projection once more: the reference's, or under distillation the teacher's): always when a term reads it
+    (estimator=full with coef > 0); otherwise it only feeds kl/exact_* (distill/exact_*), every
+    ``train.reference_metrics_interval`` steps."""
+    term = anchor_objective(cfg)
+    if term.coef > 0 and term.estimator == "full":
         return True
     return _metrics_due(cfg, step)
 
 
-def _scoring_passes(ctx: StepContext, sequences: pipeline.SequenceBatch, step: int, vocab, timings: dict):
-    """The reference forward (when needed this step), pi_old's forward (unless algo.old_logprobs=from_update
-    takes it from the update) and, with routing replay on metric steps, pi_old's log-probs under the trainer's own
-    routing: ``(reference or None, old or None, unreplayed log-probs or None)``."""
+@dataclass
+class Scores:
+    """The scoring passes of one step: the reference's, pi_old's and the teacher's stats (None when not run),
+    and with routing replay on metric steps pi_old's log-probs under the trainer's own routing."""
+
+    reference: Optional[pipeline.TokenStats] = None
+    old: Optional[pipeline.TokenStats] = None
+    teacher: Optional[pipeline.TokenStats] = None
+    unreplayed: Optional[torch.Tensor] = None
+
+
+def _scoring_passes(ctx: StepContext, sequences: pipeline.SequenceBatch, step: int, vocab, timings: dict) -> Scores:
+    """The reference forward (when needed this step), the teacher's (under distillation), pi_old's forward (unless
+    algo.old_logprobs=from_update takes it from the update) and, with routing replay on metric steps, pi_old's
+    log-probs under the trainer's own routing. The exact KL is taken to the teacher under distillation (its hidden
+    states captured), else to the reference."""
     cfg = ctx.cfg
     microbatches = cfg.algo.minibatches * cfg.train.micro_batches
-    reference = old = None
+    scores = Scores()
     exact = needs_exact_kl(cfg, step)
+    distilling = ctx.teacher is not None
     with ExitStack() as resident:
         with phase("reference", timings):  # bringing an offloaded reference back counts here
             resident.enter_context(ctx.offload.resident())
             if needs_reference(cfg, step):
                 # the reference is never truncated: every KL is to the full softmax(r / T) (docs/kl-math.md)
-                reference = pipeline.compute_token_stats(ctx.reference, sequences, microbatches,
-                                                         dataclasses.replace(vocab, truncation=None),
-                                                         capture_hidden=exact, token_budget=cfg.train.micro_batch_tokens)
-                if exact and reference.hidden is not None:
-                    sequences.reference_hidden = reference.hidden
+                capture = exact and not distilling
+                scores.reference = pipeline.compute_token_stats(
+                    ctx.reference, sequences, microbatches, dataclasses.replace(vocab, truncation=None),
+                    capture_hidden=capture, token_budget=cfg.train.micro_batch_tokens)
+                if capture and scores.reference.hidden is not None:
+                    sequences.reference_hidden = scores.reference.hidden
+        if distilling:
+            with phase("teacher", timings):  # bringing an offloaded teacher back counts here
+                resident.enter_context(ctx.teacher.offload.resident())  # its head serves the pi_old pass too
+                scores.teacher = ctx.teacher.score(sequences, microbatches, vocab, capture_hidden=exact,
+                                                   token_budget=cfg.train.micro_batch_tokens)
+                if exact and scores.teacher.hidden is not None:
+                    sequences.reference_hidden = scores.teacher.hidden
+        anchor = scores.teacher if distilling else scores.reference
         with phase("old_logprobs", timings):
             if cfg.algo.old_logprobs == "recompute":
                 with _recording(ctx):
-                    old = pipeline.compute_token_stats(
+                    scores.old = pipeline.compute_token_stats(
                         ctx.train_state.chunks, sequences, microbatches, vocab,
-                        reference=ctx.reference_head if reference is not None and exact else None,
+                        reference=ctx.anchor_head if anchor is not None and exact else None,
                         token_budget=cfg.train.micro_batch_tokens)
-        unreplayed = None
         if _replays(cfg, sequences) and _metrics_due(cfg, step):
             with phase("unreplayed_logprobs", timings), routing_replay.suspended(ctx.train_state.chunks):
-                unreplayed = pipeline.compute_token_stats(ctx.train_state.chunks, sequences, microbatches, vocab,
-                                                          token_budget=cfg.train.micro_batch_tokens).logprobs
-    return reference, old, unreplayed
+                scores.unreplayed = pipeline.compute_token_stats(ctx.train_state.chunks, sequences, microbatches,
+                                                                 vocab, token_budget=cfg.train.micro_batch_tokens
+                                                                 ).logprobs
+    return scores
 
 
 def _replays(cfg, sequences) -> bool:
@@ -292,8 +332,9 @@ def _update(ctx: StepContext, sequences: pipeline.SequenceBatch, step: int, voca
             loss = MicrobatchLoss(algo, cfg.kl, shares, ctx.clamps, axis=axis,
                                   captured=[] if sequences.old_logprobs is None else None,
                                   captured_keys=pipeline.TokenStats.keys(reference_head is not None,
-                                                                         vocab.truncation is not None))
-            with ctx.offload.resident() if reference_head is not None else nullcontext():
+                                                                         vocab.truncation is not None),
+                                  distill=cfg.distill.kl if cfg.distill.enabled else None)
+            with ctx.anchor_offload.resident() if reference_head is not None else nullcontext():
                 out = optim.train_step(ctx.train_state, minibatch, run.micro_batches, loss, vocab,
                                        reference=reference_head, token_budget=run.micro_batch_tokens)
             if record_update(ctx, out.update_successful, step, run.max_consecutive_skips):
@@ -365,38 +406,50 @@ def rl_step(ctx: StepContext, batch: RolloutBatch, step: int) -> dict:
     if batch.routed_experts is None and cfg.model.moe.routing_replay == "rollout":
         raise CorruptResponse(f"step {step}: model.moe.routing_replay=rollout but the rollout batch carries no routing "
                               f"(rollout.engine={cfg.rollout.engine} returned completions without routed experts)")
-    reference, old, unreplayed = _scoring_passes(ctx, sequences, step, vocab, timings)
+    scores = _scoring_passes(ctx, sequences, step, vocab, timings)
+    reference, old, teacher = scores.reference, scores.old, scores.teacher
+    distill = cfg.distill.kl if teacher is not None else None
     # sampled tokens outside the trainer's support are an error before anything is updated (recomputed pi_old)
     support = support_metrics(batch, old, step, sampling, groups.dp_group) if old is not None else None
 
     ctx.clamps.counts.clear()
-    advantages = sequence_advantages(batch.rewards, run.group_size, algo.advantage, algo.std_normalize,
+    task_rewards = batch.rewards if cfg.distill.task_reward == "keep" else torch.zeros_like(batch.rewards)
+    advantages = sequence_advantages(task_rewards, run.group_size, algo.advantage, algo.std_normalize,
                                      valid=batch.reward_valid)
     zeros = torch.zeros(mask.shape, dtype=torch.float32)
     inputs = LossInputs(loss_mask=mask, behavior_logprobs=batch.behavior_logprobs,
                         reference_logprobs=reference.logprobs if reference is not None else zeros,  # unread: no KL
-                        advantages=advantages[:, None] * mask)
+                        advantages=advantages[:, None] * mask,
+                        teacher_logprobs=teacher.logprobs if teacher is not None else None)
     if old is not None:
-        returns = batch.rewards[:, None].to(old.logprobs.dtype) * mask
-        if reference is not None:
-            returns = kl_shaped_returns(kl, batch.rewards, old.logprobs, reference.logprobs, mask,
-                                        batch.behavior_logprobs, full_kl=old.kl, counter=ctx.clamps)
-        inputs = dataclasses.replace(inputs, old_logprobs=old.logprobs,
-                                     kl_returns=returns - batch.rewards[:, None] * mask)
+        no_reward = torch.zeros_like(batch.rewards)
+        returns = torch.zeros(mask.shape, dtype=old.logprobs.dtype)
+        if reference is not None:  # the exact KL of the pi_old pass is the reference's only without distillation
+            returns = kl_shaped_returns(kl, no_reward, old.logprobs, reference.logprobs, mask, batch.behavior_logprobs,
+                                        full_kl=old.kl if teacher is None else None, counter=ctx.clamps)
+        inputs = dataclasses.replace(inputs, old_logprobs=old.logprobs, kl_returns=returns)
+        if distill is not None:
+            inputs = dataclasses.replace(inputs, distill_returns=kl_shaped_returns(
+                distill, no_reward, old.logprobs, teacher.logprobs, mask, batch.behavior_logprobs, full_kl=old.kl,
+                counter=ctx.clamps))
     sequences = inputs.into(sequences)
     # the update's forward needs the exact KL for a full KL in the loss, and to be pi_old's stats (from_update)
-    exact_in_loss = kl.estimator == "full" and kl.placement == "loss" and kl.coef > 0
-    needs_head = reference is not None and needs_exact_kl(cfg, step) and (exact_in_loss or old is None)
+    term = anchor_objective(cfg)
+    exact_in_loss = term.estimator == "full" and term.placement == "loss" and term.coef > 0
+    anchor = teacher if teacher is not None else reference
+    needs_head = anchor is not None and needs_exact_kl(cfg, step) and (exact_in_loss or old is None)
 
     with phase("update", timings), _recording(ctx) if cfg.algo.old_logprobs == "from_update" else nullcontext():
-        metrics, captured = _update(ctx, sequences, step, vocab, ctx.reference_head if needs_head else None)
+        metrics, captured = _update(ctx, sequences, step, vocab, ctx.anchor_head if needs_head else None)
     old = old if old is not None else captured
 
     if reference is not None:
-        metrics.update(kl_metrics(old.logprobs, reference.logprobs, old.kl, mask))
+        metrics.update(kl_metrics(old.logprobs, reference.logprobs, old.kl if teacher is None else None, mask))
+    if teacher is not None:
+        metrics.update(kl_metrics(old.logprobs, teacher.logprobs, old.kl, mask, prefix="distill"))
     metrics["entropy/mean"] = _masked_mean(old.entropy, mask)
     metrics.update(rollout_metrics(batch, old.logprobs, step))
-    metrics.update(replay_metrics(unreplayed, batch))
+    metrics.update(replay_metrics(scores.unreplayed, batch))
     metrics.update(support if support is not None else support_metrics(batch, old, step, sampling, groups.dp_group))
     if run.micro_batch_tokens > 0:  # what the scoring passes see: each microbatch padded to its own longest row
         token_groups = sequences.token_groups(run.micro_batch_tokens)

@@ -25,6 +25,7 @@ from typing import Optional
 import torch.distributed as dist
 
 from megatron_kl.config import ConfigError, redact_secrets, to_dict
+from megatron_kl.distill.teacher import build_teacher
 from megatron_kl.kl.kernels import triton_stats
 from megatron_kl.models import builder, hf, moe_load, optim, output_head, parallel, state
 from megatron_kl.models.offload import ReferenceOffload
@@ -33,7 +34,7 @@ from megatron_kl.rollout.engine import EngineLost
 from megatron_kl.rollout.http import Cancelled
 from megatron_kl.train import checkpoint as ckpt
 from megatron_kl.train import run_dir
-from megatron_kl.train.config import TrainConfig, kl_verdict
+from megatron_kl.train.config import TrainConfig, distill_verdict, kl_verdict
 from megatron_kl.train.engines import build_engine
 from megatron_kl.train.evaluate import evaluate_all
 from megatron_kl.train.metrics import MetricsLogger
@@ -96,6 +97,23 @@ def kl_tags(cfg: TrainConfig) -> dict:
     return {"kl/biased": 0.0 if verdict.unbiased else 1.0}
 
 
+def distill_tags(cfg: TrainConfig) -> dict:
+    """Say once which gradient the distillation term estimates; ``distill/biased`` for every step's metrics: 1 when
+    it is biased for distill.kl.target in the run's regime (the audit judges it as it judges the reference term)."""
+    if cfg.distill_selection is not None:
+        log.info("distill.kl.estimator=auto chose %s", cfg.distill_selection.describe())
+    verdict = distill_verdict(cfg)
+    if verdict is None:
+        return {}
+    line = "distillation term (to the teacher) " + verdict.describe().replace("kl.target", "distill.kl.target")
+    if verdict.unbiased:
+        log.info(line)
+    else:
+        log.warning("%s; the run is tagged distill/biased=1 (distill.kl.estimator=auto picks an unbiased one; "
+                    "docs/distillation.md)", line)
+    return {"distill/biased": 0.0 if verdict.unbiased else 1.0}
+
+
 @dataclasses.dataclass(frozen=True)
 class StepResult:
     """One finished RL step: its index (0-based), the weight version the rollout engine holds after it (the RL steps
@@ -127,6 +145,7 @@ class Trainer:
             for chunks in (models.policy, models.reference):
                 state.load_full_state_dict(chunks, initial, cfg.model.tie_word_embeddings, dist.get_rank(tp_group),
                                            dist.get_world_size(tp_group))
+        self.teacher = (build_teacher(cfg, task, tp_group, stop.agreed) if cfg.distill.enabled else None)
         self.train_state = optim.build_train_state(models.policy, cfg.optim)
         self.engine = build_engine(cfg, self.train_state.chunks, hf_source, self.run_path, topology.dp_rank)
         try:
@@ -150,8 +169,10 @@ class Trainer:
                                                             "counters": self.counters},
                                   per_rank={"rng": RNGStates(), "rollouts": self.source})
         self.context = StepContext(cfg, self.train_state, models.reference, output_head.ReferenceHead(models.reference),
-                                   offload, topology, kl_tags=kl_tags(cfg), counters=self.counters,
-                                   expert_load=moe_load.expert_load(self.train_state.chunks, cfg.model))
+                                   offload, topology, kl_tags={**kl_tags(cfg), **distill_tags(cfg)},
+                                   counters=self.counters,
+                                   expert_load=moe_load.expert_load(self.train_state.chunks, cfg.model),
+                                   teacher=self.teacher)
 
         latest = (ckpt.load_latest(self.run_path / "checkpoints", self.run_state, plan.run_id)
                   if plan.kind == "resume" else None)

@@ -1,0 +1,1 @@
+"""On-policy distillation from a frozen teacher (docs/distillation.md)."""

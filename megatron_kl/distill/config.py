@@ -1,0 +1,92 @@
+"""The ``distill:`` section: on-policy distillation from a frozen teacher, a second KL term beside the reference's.
+
+The student samples; the teacher scores every sampled sequence; the student minimises the reverse KL(student ||
+teacher) on its own samples, estimated exactly over the vocabulary (``distill.kl.estimator=full``) or from the
+sampled token (k1 / k2 / k3), in the loss or in the reward, at token or sequence level: the same axes, names and
+math as the KL to the reference (``kl.*``, megatron_kl.kl.objective, docs/kl-math.md) with the teacher in the
+reference's place. The audit judges each configuration for ``distill.kl.target`` (docs/distillation.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Optional
+
+from megatron_kl.config import ConfigError, ModelConfig
+from megatron_kl.constraints import checked
+from megatron_kl.kl.config import KLConfig
+
+TEACHER_SOURCES = ("warm_start", "hf", "checkpoint")
+TASK_REWARDS = ("keep", "none")
+
+
+@dataclass(frozen=True)
+class TeacherConfig:
+    """The frozen teacher: a model with the student's vocabulary, of any supported architecture and size.
+
+    - ``source=hf``: an HF model directory (``hf_checkpoint``); its config.json gives the architecture, and its
+      vocabulary and tokenizer must be the student's;
+    - ``source=checkpoint``: a full-state file (``checkpoint``, weights only) of the architecture ``model``;
+    - ``source=warm_start``: the supervised warm start of ``model`` on the task for ``warm_start_steps`` steps (the
+      package ships the CPU demonstration's teacher; otherwise trained once and cached like the student's).
+    ``tensor_parallel`` / ``pipeline_parallel``: the teacher's layout (null: the student's)."""
+
+    source: str = checked("warm_start", choices=TEACHER_SOURCES)
+    hf_checkpoint: Optional[str] = checked(None, path="dir")
+    checkpoint: Optional[str] = checked(None, path="file")
+    model: ModelConfig = field(default_factory=ModelConfig)
+    warm_start_steps: int = checked(2000, ge=1)
+    tensor_parallel: Optional[int] = checked(None, ge=1)
+    pipeline_parallel: Optional[int] = checked(None, ge=1)
+    offload: bool = False  # keep the teacher's weights in host memory between its passes (CUDA only)
+
+    def __post_init__(self):
+        needs = {"hf": "hf_checkpoint", "checkpoint": "checkpoint"}.get(self.source)
+        if needs and getattr(self, needs) is None:
+            raise ConfigError(f"distill.teacher.source={self.source} needs distill.teacher.{needs}: give the "
+                              f"teacher's {'HF model directory' if needs == 'hf_checkpoint' else 'full-state file'}")
+        for other in ("hf_checkpoint", "checkpoint"):
+            if other != needs and getattr(self, other) is not None:
+                raise ConfigError(f"distill.teacher.{other}={getattr(self, other)} is unused with "
+                                  f"distill.teacher.source={self.source}: drop it or set the source that reads it")
+
+
+def _default_objective() -> KLConfig:
+    """Exact reverse KL in the loss, sequence level (Rao-Blackwellised): the unbiased gradient of the sequence-level
+    KL(student || teacher) on-policy (docs/distillation.md)."""
+    return KLConfig(estimator="full", placement="loss", level="sequence", coef=1.0, aggregation="token_mean")
+
+
+@dataclass(frozen=True)
+class DistillConfig:
+    """``enabled``: distil from ``teacher`` with the objective ``kl`` (a KLConfig: estimator, placement, level, credit,
+    off_policy, coef, target; ``auto`` picks the audit's unbiased configuration for ``kl.target``). ``task_reward``:
+    keep the task's reward beside the distillation term, or ``none`` (distillation alone: advantages zero)."""
+
+    enabled: bool = False
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
+    kl: KLConfig = field(default_factory=_default_objective)
+    task_reward: str = checked("keep", choices=TASK_REWARDS)
+
+    @property
+    def name(self) -> str:
+        """``distill-<objective>`` for run names and logs (``distill-full-loss-sequence``), "" when off."""
+        return f"distill-{self.kl.name}" if self.enabled else ""
+
+    def objective(self) -> Optional[KLConfig]:
+        """The distillation term's KLConfig when distillation is on and weighted, else None."""
+        return self.kl if self.enabled and self.kl.coef > 0 else None
+
+
+def teacher_parallel(teacher: TeacherConfig, student_parallel):
+    """The teacher's ParallelConfig: the student's with the teacher's tensor / pipeline sizes where given (no virtual
+    pipeline, no sequence or context parallelism of its own: a frozen scorer of whole sequences)."""
+    tp = teacher.tensor_parallel or student_parallel.tensor_parallel
+    pp = teacher.pipeline_parallel or student_parallel.pipeline_parallel
+    same = tp == student_parallel.tensor_parallel and pp == student_parallel.pipeline_parallel
+    if same:
+        return student_parallel
+    return dataclasses.replace(student_parallel, tensor_parallel=tp, pipeline_parallel=pp, virtual_pipeline=None,
+                               sequence_parallel=False, context_parallel=1, expert_parallel=1,
+                               expert_tensor_parallel=None)

@@ -1,0 +1,178 @@
+"""The frozen teacher of on-policy distillation: its architecture, its weights, and its scoring pass.
+
+The teacher is a Megatron GPTModel like the reference (no gradients, eval mode, optionally offloaded to host memory
+between passes), of its own architecture and size. Its pass over the student's sampled sequences yields the teacher's
+log-probs at the sampled tokens (the k1 / k2 / k3 terms read them) and, when the exact KL is needed, its final hidden
+states: the student's passes then form the teacher's vocab-sharded logits chunk by chunk through :attr:`Teacher.head`
+(the reference head's mechanism), so no full-vocabulary teacher logits tensor is ever held on the fused path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_kl.config import ConfigError, ModelConfig
+from megatron_kl.distill.config import DistillConfig, TeacherConfig, teacher_parallel
+from megatron_kl.models import builder, hf, output_head, pipeline, state
+from megatron_kl.models.offload import ReferenceOffload
+
+log = logging.getLogger(__name__)
+
+# files whose bytes define an HF tokenizer's vocabulary (the first present is compared)
+TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model")
+
+
+def teacher_model(teacher: TeacherConfig) -> ModelConfig:
+    """The teacher's architecture: its HF directory's config.json (``source=hf``), else ``distill.teacher.model``."""
+    if teacher.source != "hf":
+        return teacher.model
+    try:
+        checkpoint = hf.HFCheckpoint(teacher.hf_checkpoint)
+        checkpoint.check_shapes()
+    except (hf.HFCheckpointError, FileNotFoundError) as err:
+        raise ConfigError(f"distill.teacher.hf_checkpoint={teacher.hf_checkpoint}: {err}") from None
+    return checkpoint.model_config()
+
+
+def _tokenizer_digest(directory) -> Optional[tuple[str, str]]:
+    for name in TOKENIZER_FILES:
+        path = Path(directory) / name
+        if path.is_file():
+            return name, hashlib.sha256(path.read_bytes()).hexdigest()
+    return None
+
+
+def check_vocabulary(student: ModelConfig, teacher: ModelConfig, student_dir: Optional[str],
+                     teacher_dir: Optional[str]) -> None:
+    """The teacher scores the student's token ids: the same vocabulary size, and (both being HF directories with
+    a tokenizer) the same tokenizer bytes. A mismatch is refused naming both."""
+    if teacher.vocab_size != student.vocab_size:
+        raise ConfigError(f"distill.teacher has vocabulary size {teacher.vocab_size}, the student (model.vocab_size) "
+                          f"{student.vocab_size}: the teacher must score the student's token ids; use a teacher of "
+                          "the student's tokenizer")
+    if student_dir is None or teacher_dir is None:
+        return
+    mine, theirs = _tokenizer_digest(student_dir), _tokenizer_digest(teacher_dir)
+    if mine is not None and theirs is not None and mine != theirs:
+        raise ConfigError(f"distill.teacher.hf_checkpoint={teacher_dir} has another tokenizer than the student's "
+                          f"init.hf_checkpoint={student_dir} ({theirs[0]} {theirs[1][:12]} vs {mine[0]} "
+                          f"{mine[1][:12]}): the same ids would mean different tokens; use a teacher of the student's "
+                          "tokenizer family")
+
+
+def check_teacher(cfg) -> ModelConfig:
+    """What ``--check`` and every start decide about the teacher from the configuration alone: its architecture,
+    its vocabulary against the student's, its layout against the world. Returns the teacher's ModelConfig."""
+    distill: DistillConfig = cfg.distill
+    model = teacher_model(distill.teacher)
+    check_vocabulary(cfg.model, model, cfg.init.hf_checkpoint, distill.teacher.hf_checkpoint)
+    layout = teacher_parallel(distill.teacher, cfg.parallel)
+    if layout is not cfg.parallel:
+        raise ConfigError(
+            f"distill.teacher.tensor_parallel={distill.teacher.tensor_parallel} / pipeline_parallel="
+            f"{distill.teacher.pipeline_parallel}: a teacher layout other than the student's "
+            f"(parallel.tensor_parallel={cfg.parallel.tensor_parallel}, pipeline_parallel="
+            f"{cfg.parallel.pipeline_parallel}) is not supported yet; leave them null (the student's layout)")
+    if model.num_layers % layout.pipeline_parallel:
+        raise ConfigError(f"distill.teacher: {model.num_layers} layers do not split over pipeline_parallel="
+                          f"{layout.pipeline_parallel} stages")
+    if model.num_attention_heads % layout.tensor_parallel or model.num_query_groups % layout.tensor_parallel:
+        raise ConfigError(f"distill.teacher: {model.num_attention_heads} attention heads / {model.num_query_groups} "
+                          f"query groups do not split over tensor_parallel={layout.tensor_parallel}")
+    return model
+
+
+def _teacher_warm_start_config(cfg, model: ModelConfig):
+    """The student's configuration with the teacher's architecture and warm-start recipe: its key names the shipped
+    or cached teacher (megatron_kl.train.warmstart)."""
+    teacher = cfg.distill.teacher
+    warm_start = dataclasses.replace(cfg.warm_start, enabled=True, checkpoint=None, steps=teacher.warm_start_steps,
+                                     seed=cfg.warm_start.seed if cfg.warm_start.seed is not None else cfg.train.seed,
+                                     source="auto" if cfg.warm_start.source == "train" else cfg.warm_start.source)
+    return cfg.with_sections(model=model, warm_start=warm_start)
+
+
+def load_state_file(path: Path, field: str) -> dict[str, torch.Tensor]:
+    """A full-state file of tensors: safetensors, or a torch file read with ``weights_only`` (no general unpickler).
+    Anything else, or a file that is not a flat mapping of names to tensors, is an error naming ``field``."""
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            data = load_file(str(path))
+        else:
+            data = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # noqa: BLE001 - a damaged or foreign file: say which and why
+        raise ConfigError(f"{field}={path} cannot be read as a state of tensors ({type(err).__name__}: {err}); give "
+                          "a .safetensors file or a torch file of tensors (torch.save(state_dict))") from None
+    if not isinstance(data, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                             for k, v in data.items()):
+        raise ConfigError(f"{field}={path} is not a mapping of tensor names to tensors")
+    return data
+
+
+def _full_state(cfg, model: ModelConfig, task, should_stop) -> dict:
+    from megatron_kl.train import warmstart
+
+    teacher = cfg.distill.teacher
+    if teacher.source == "checkpoint":
+        return load_state_file(Path(teacher.checkpoint), "distill.teacher.checkpoint")
+    state_dict = warmstart.warm_start_state(_teacher_warm_start_config(cfg, model), task, should_stop)
+    if state_dict is None:  # pragma: no cover - enabled is forced on above
+        raise ConfigError("distill.teacher.source=warm_start produced no weights")
+    return state_dict
+
+
+@dataclasses.dataclass
+class Teacher:
+    """The frozen teacher's chunks in this rank's layout, its output head (turning stored hidden states into its
+    vocab-sharded logits) and its host offload."""
+
+    chunks: list
+    model: ModelConfig
+    offload: ReferenceOffload
+
+    @property
+    def head(self) -> output_head.ReferenceHead:
+        return output_head.ReferenceHead(self.chunks)
+
+    def score(self, sequences: pipeline.SequenceBatch, microbatches: int, vocab: pipeline.VocabOptions,
+              capture_hidden: bool, token_budget: int = 0) -> pipeline.TokenStats:
+        """The teacher's per-token log-probs (and entropy) of ``sequences`` under its full softmax(z / T), never
+        truncated (every KL is to the full distribution: docs/kl-math.md), and with ``capture_hidden`` its final
+        hidden states for the exact KL. The caller holds the weights resident (``offload.resident()``)."""
+        return pipeline.compute_token_stats(self.chunks, sequences, microbatches,
+                                            dataclasses.replace(vocab, truncation=None),
+                                            capture_hidden=capture_hidden, token_budget=token_budget)
+
+
+def build_teacher(cfg, task, tp_group, should_stop: Optional[Callable] = None) -> Teacher:
+    """The teacher of ``cfg.distill`` in the student's layout, weights loaded and frozen (collective: every rank)."""
+    model = check_teacher(cfg)
+    layout = teacher_parallel(cfg.distill.teacher, cfg.parallel)
+    chunks = builder.freeze(builder.build_model_chunks(model, layout))
+    tp_rank, tp_size = dist.get_rank(tp_group), dist.get_world_size(tp_group)
+    teacher = cfg.distill.teacher
+    if teacher.source == "hf":
+        hf.load_hf_into(chunks, hf.HFCheckpoint(teacher.hf_checkpoint), model, tp_group)
+        where = teacher.hf_checkpoint
+    else:
+        full = _full_state(cfg, model, task, should_stop)
+        try:
+            state.load_full_state_dict(chunks, full, model.tie_word_embeddings, tp_rank, tp_size)
+        except (KeyError, ValueError) as err:
+            raise ConfigError(f"distill.teacher ({teacher.source}): its weights do not fit distill.teacher.model "
+                              f"({err}); give the architecture the weights were trained with") from None
+        where = teacher.checkpoint or f"its warm start ({teacher.warm_start_steps} supervised steps)"
+    params = sum(p.numel() for c in chunks for p in c.parameters()) * tp_size
+    log.info("teacher: %s, %d layers, hidden %d (~%.2fM parameters) from %s; objective %s, coef %g", model.architecture,
+             model.num_layers, model.hidden_size, params / 1e6, where, cfg.distill.kl.name, cfg.distill.kl.coef)
+    return Teacher(chunks, model, ReferenceOffload(chunks, teacher.offload))
+

@@ -1,0 +1,87 @@
+"""Rank functions for the distillation tests: a student and a bigger teacher in one layout, the teacher's pass, the
+student's pi_old pass with the exact KL to the teacher, and one update of a distillation loss (module level so
+spawned ranks can import them)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megatron_kl.algo.config import AlgoConfig
+from megatron_kl.algo.losses import LossInputs, MicrobatchLoss, Shares
+from megatron_kl.config import ModelConfig, ParallelConfig
+from megatron_kl.kl.objective import KLConfig, kl_shaped_returns
+from megatron_kl.models import builder, optim, output_head, parallel, pipeline, state
+
+
+def _full_output_weight(chunks, model_cfg) -> torch.Tensor:
+    """The last stage's output weight [V, H], gathered over TP and trimmed to the vocabulary."""
+    weight = output_head.output_weight(output_head.unwrap(chunks[-1])).detach()
+    group = parallel.tp_group()
+    pieces = [torch.empty_like(weight) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(pieces, weight.contiguous(), group=group)
+    return torch.cat(pieces)[: model_cfg.vocab_size]
+
+
+def distill_step_worker(rank, world, student_cfg: ModelConfig, teacher_cfg: ModelConfig, parallel_cfg: ParallelConfig,
+                        student_state, teacher_state, tokens, loss_mask, objective: KLConfig, fused: bool,
+                        temperature: float = 1.0):
+    """The student's pi_old stats with the exact KL to the teacher (as ``rl_step`` computes them under distillation),
+    then one optimizer step of the distillation term alone (no task advantage, no reference term). Returns, in the
+    full layout: pi_old's log-probs and exact KL, the teacher's log-probs, both models' final hidden states and output
+    weights (for a float64 recomputation), and the gradient."""
+    torch.manual_seed(0)
+    parallel.initialize(student_cfg, parallel_cfg, seed=1234)
+    tp_group, pp_group = parallel.tp_group(), parallel.pp_group()
+    tp_rank, tp_size = dist.get_rank(tp_group), dist.get_world_size(tp_group)
+    student = builder.build_model_chunks(student_cfg, parallel_cfg)
+    teacher = builder.freeze(builder.build_model_chunks(teacher_cfg, parallel_cfg))
+    state.load_full_state_dict(student, student_state, False, tp_rank, tp_size)
+    state.load_full_state_dict(teacher, teacher_state, False, tp_rank, tp_size)
+    head = output_head.ReferenceHead(teacher)
+
+    vocab = pipeline.VocabOptions(vocab_size=student_cfg.vocab_size, temperature=temperature, chunk_size=5,
+                                  fused=fused)
+    batch = pipeline.SequenceBatch(tokens=tokens, loss_mask=loss_mask)
+    teacher_stats = pipeline.compute_token_stats(teacher, batch, 2, vocab, capture_hidden=True)
+    batch.reference_hidden = teacher_stats.hidden
+    old = pipeline.compute_token_stats(student, batch, 2, vocab, reference=head, capture_hidden=True)
+
+    last_stage = old.hidden is not None
+    weights = ((_full_output_weight(student, student_cfg), _full_output_weight(teacher, teacher_cfg)) if last_stage
+               else (None, None))  # before the update changes the student's
+    mask = loss_mask
+    zeros = torch.zeros(mask.shape)
+    rewards = torch.zeros(tokens.shape[0])
+    inputs = LossInputs(loss_mask=mask, behavior_logprobs=old.logprobs, reference_logprobs=zeros, advantages=zeros,
+                        old_logprobs=old.logprobs, kl_returns=zeros, teacher_logprobs=teacher_stats.logprobs,
+                        distill_returns=kl_shaped_returns(objective, rewards, old.logprobs, teacher_stats.logprobs,
+                                                          mask, old.logprobs, full_kl=old.kl))
+    train = optim.build_train_state(student, optim.OptimConfig(lr=1e-3, clip_grad=0.0))
+    shares = Shares(num_sequences=tokens.shape[0], num_tokens=float(mask.sum()))
+    loss = MicrobatchLoss(AlgoConfig(), KLConfig(coef=0.0), shares, distill=objective)
+    needs_head = objective.estimator == "full" and objective.placement == "loss"
+    out = optim.train_step(train, inputs.into(batch), 2, loss, vocab, reference=head if needs_head else None)
+    inner = [c.module for c in train.chunks]
+    grads = state.full_state_dict(inner, student_cfg.vocab_size, False, tp_group, pp_group, getter=optim.main_grad)
+    return {
+        "last_stage": last_stage, "logprobs": old.logprobs, "kl": old.kl, "teacher_logprobs": teacher_stats.logprobs,
+        "hidden": old.hidden, "teacher_hidden": teacher_stats.hidden,
+        "weight": weights[0], "teacher_weight": weights[1],
+        "grads": grads,
+    }
+
+
+def student_and_teacher_states(student_cfg: ModelConfig, teacher_cfg: ModelConfig, seed: int = 0):
+    """Full states of a randomly initialised student and teacher (built on one rank by megatron itself)."""
+    out = {}
+    for name, cfg in (("student", student_cfg), ("teacher", teacher_cfg)):
+        parallel.initialize(cfg, ParallelConfig(), seed=seed + (name == "teacher"))
+        chunks = builder.build_model_chunks(cfg, ParallelConfig())
+        out[name] = state.full_state_dict(chunks, cfg.vocab_size, False, parallel.tp_group(), parallel.pp_group())
+    return out
+
+
+def states_worker(rank, world, student_cfg: ModelConfig, teacher_cfg: ModelConfig, seed: int = 0):
+    return student_and_teacher_states(student_cfg, teacher_cfg, seed)
+

@@ -1,0 +1,138 @@
+"""On-policy distillation through the trainer's passes: a student (2 layers, hidden 64) and a bigger teacher (4 layers,
+hidden 96) with the student's vocabulary.
+
+- pi_old's exact KL(student || teacher) per position and the teacher's log-probs equal float64 recomputations from the
+  same final hidden states and output weights, on the unfused and fused paths, TP=1 and TP=2;
+- the output-weight gradient of each distillation objective equals float64 autograd of the objective written out
+  independently here (the weight enters only through the logits h W^T);
+- TP=2 and PP=2 give TP=1's gradients (every parameter), forward and backward;
+- a teacher equal to the student gives KL 0 to rounding and no gradient.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+
+from megatron_kl.config import ModelConfig, ParallelConfig
+from megatron_kl.kl.objective import KLConfig
+from megatron_kl.testing.distributed import run_ranks
+from megatron_kl.validation.distill_workers import distill_step_worker, states_worker
+
+VOCAB = 50
+STUDENT = ModelConfig(architecture="qwen2", num_layers=2, hidden_size=64, ffn_hidden_size=128, vocab_size=VOCAB,
+                      make_vocab_size_divisible_by=16)
+TEACHER = ModelConfig(architecture="qwen2", num_layers=4, hidden_size=96, ffn_hidden_size=192, vocab_size=VOCAB,
+                      make_vocab_size_divisible_by=16)
+EXACT_SEQUENCE = KLConfig(estimator="full", placement="loss", level="sequence", coef=0.5)
+OBJECTIVES = {
+    "full-loss-sequence": EXACT_SEQUENCE,
+    "full-loss-token": dataclasses.replace(EXACT_SEQUENCE, level="token"),
+    "k3-loss-token": KLConfig(estimator="k3", placement="loss", level="token", coef=0.5),
+    "k1-reward-token-rtg": KLConfig(estimator="k1", placement="reward", level="token", coef=0.5),
+}
+
+
+def _batch():
+    g = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, VOCAB, (4, 10), generator=g)
+    mask = torch.zeros(4, 9)
+    mask[:, 3:] = 1
+    mask[1, 6:] = 0  # a shorter response
+    mask[2, :] = 0  # an all-masked row
+    return tokens, mask
+
+
+@pytest.fixture(scope="module")
+def states():
+    return run_ranks(states_worker, 1, STUDENT, TEACHER)[0]
+
+
+def _run(states, parallel, objective, fused, teacher_cfg=TEACHER, teacher_state=None):
+    tokens, mask = _batch()
+    world = parallel.tensor_parallel * parallel.pipeline_parallel
+    outs = run_ranks(distill_step_worker, world, STUDENT, teacher_cfg, parallel, states["student"],
+                     states["teacher"] if teacher_state is None else teacher_state, tokens, mask, objective, fused)
+    last = [o for o in outs if o["last_stage"]][0]
+    return last, outs[0]["grads"], tokens, mask
+
+
+def _log_softmax64(hidden, weight):
+    return torch.log_softmax(hidden.double() @ weight.double().t(), -1)
+
+
+def _objective64(name, logp, logq, targets, mask, coef):
+    """The distillation loss written out from the definitions (docs/distillation.md), aggregation
+    seq_mean_token_sum (the sum over a sequence's tokens, mean over sequences)."""
+    m = mask.double()
+    batch = mask.shape[0]
+    chosen = logp.gather(-1, targets[..., None])[..., 0]
+    chosen_teacher = logq.gather(-1, targets[..., None])[..., 0]
+    kl_t = (logp.exp() * (logp - logq)).sum(-1) * m
+    d = (chosen - chosen_teacher) * m
+    if name == "full-loss-token":
+        return coef * kl_t.sum() / batch
+    if name == "full-loss-sequence":  # pathwise KL_t plus the score term for the later positions' KL
+        future = kl_t.detach().flip(-1).cumsum(-1).flip(-1) - kl_t.detach()
+        return coef * (kl_t + chosen * m * future).sum() / batch
+    if name == "k3-loss-token":
+        return coef * ((torch.exp(-d) - 1 + d) * m).sum() / batch
+    if name == "k1-reward-token-rtg":  # REINFORCE with the reward-to-go of -coef * d_s
+        credit = (d.detach().flip(-1).cumsum(-1).flip(-1)) * m
+        return coef * (chosen * credit * m).sum() / batch
+    raise KeyError(name)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_exact_kl_to_a_bigger_teacher_matches_float64(states, tp):
+    tokens, mask = _batch()
+    for fused in (False, True):
+        out, _, tokens, mask = _run(states, ParallelConfig(tensor_parallel=tp), EXACT_SEQUENCE, fused)
+        logp = _log_softmax64(out["hidden"][:, :-1], out["weight"])
+        logq = _log_softmax64(out["teacher_hidden"][:, :-1], out["teacher_weight"])
+        expected = (logp.exp() * (logp - logq)).sum(-1)
+        on = mask.bool()
+        rel = ((out["kl"][on].double() - expected[on]).abs() / expected[on]).max().item()
+        assert expected[on].min() > 1e-3  # the teacher is far from the student here
+        assert rel < 1e-4, (tp, fused, rel)
+        assert (out["kl"][~on] == 0).all()
+        teacher_chosen = logq.gather(-1, tokens[:, 1:, None])[..., 0]
+        err = (out["teacher_logprobs"][on].double() - teacher_chosen[on]).abs().max().item()
+        assert err < 1e-4, (tp, fused, err)
+
+
+@pytest.mark.parametrize("name", list(OBJECTIVES))
+def test_output_weight_gradient_of_each_objective_matches_float64(states, name):
+    objective = OBJECTIVES[name]
+    out, grads, tokens, mask = _run(states, ParallelConfig(), objective, fused=True)
+    weight = out["weight"].double().requires_grad_(True)
+    logp = torch.log_softmax(out["hidden"][:, :-1].double() @ weight.t(), -1)
+    logq = _log_softmax64(out["teacher_hidden"][:, :-1], out["teacher_weight"])
+    _objective64(name, logp, logq, tokens[:, 1:], mask, objective.coef).backward()
+    expected = weight.grad
+    actual = grads["output_layer.weight"].double()
+    err = ((actual - expected).abs().max() / expected.abs().max()).item()
+    assert expected.abs().max() > 1e-4
+    assert err < 1e-4, (name, err)
+
+
+def test_tensor_and_pipeline_parallel_give_the_single_rank_gradients(states):
+    _, single, _, _ = _run(states, ParallelConfig(), EXACT_SEQUENCE, fused=True)
+    for layout in (ParallelConfig(tensor_parallel=2), ParallelConfig(pipeline_parallel=2)):
+        for fused in (False, True):
+            _, grads, _, _ = _run(states, layout, EXACT_SEQUENCE, fused)
+            assert grads.keys() == single.keys()
+            for key, expected in single.items():
+                scale = expected.abs().max().clamp_min(1e-6)
+                err = ((grads[key] - expected).abs().max() / scale).item()
+                assert err < 1e-4, (layout, fused, key, err)
+
+
+def test_a_teacher_equal_to_the_student_gives_zero_kl_and_no_gradient(states):
+    out, grads, _, mask = _run(states, ParallelConfig(tensor_parallel=2), EXACT_SEQUENCE, fused=True,
+                               teacher_cfg=STUDENT, teacher_state=states["student"])
+    on = mask.bool()
+    assert out["kl"][on].abs().max().item() < 1e-7
+    assert (out["logprobs"][on] - out["teacher_logprobs"][on]).abs().max().item() < 1e-5
+    largest = max(g.abs().max().item() for g in grads.values())
+    assert largest < 1e-5, largest
