@@ -13,6 +13,11 @@ once log pi (distribution=full). With ``--mixed-switch K`` three more tables sam
 from one behaviour policy and the rest from another (a response resumed across a weight update: rollout.partial) and
 give the estimators the behaviour log-probs per token, or one version's for the whole response (first / last).
 
+``--teacher`` audits distillation instead: the other table is a teacher's (``--sharpness`` times sharper than the
+student, drawn independently), every configuration judged for the KL to the teacher on- and off-policy, then the named
+recipes (the exact reverse KL in the loss, sampled k1 as a per-token reward, ...) with the KL each one's gradient
+estimates (kl/audit/distill.py).
+
 ``--dynamics`` trains instead: every configuration from pi = pi_ref by gradient ascent with its exact expected
 direction on E_pi[r] - beta KL(pi || pi_ref) (a random reward on whole sequences), and reports where it ends
 against the closed-form optimum pi* (kl/audit/dynamics.py).
@@ -53,6 +58,10 @@ def main(argv=None) -> int:
     parser.add_argument("--top-p", type=float, default=1.0, help="truncated-sampler tables: top-p of the sampler")
     parser.add_argument("--mixed-switch", type=int, default=0, metavar="K",
                         help="mixed-behaviour tables: tokens before K from one behaviour policy, the rest from another")
+    parser.add_argument("--teacher", action="store_true", help="audit distillation: every configuration of the KL "
+                        "term to a tabular teacher, and the named distillation recipes")
+    parser.add_argument("--sharpness", type=float, default=3.0, help="--teacher: the teacher's logit scale against "
+                        "the student's (default 3)")
     parser.add_argument("--dynamics", action="store_true", help="exact training dynamics of every configuration")
     parser.add_argument("--beta", type=float, default=0.5, help="--dynamics: the KL coefficient")
     parser.add_argument("--lr", type=float, default=2.0, help="--dynamics: step size on the logit table")
@@ -82,6 +91,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.dynamics:
         return _dynamics(args)
+    if args.teacher:
+        return _teacher(args)
     problem = TabularProblem.random(args.vocab, args.length, args.seed)
     rows, summary = [], []
     sections = [(off, False) for off in (False, True)]
@@ -169,6 +180,31 @@ def _dynamics(args) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps([{**asdict(r.outcome), "mode": r.mode, "verdict": r.verdict,
                                                 "fixed_point": r.fixed_point} for r in rows], indent=1))
+        print(f"\nwrote {args.json}")
+    return 0
+
+
+def _teacher(args) -> int:
+    from megatron_kl.kl.audit.distill import format_recipes, recipe_verdicts, teacher_problem
+
+    problem = teacher_problem(args.vocab, args.length, args.seed, args.sharpness)
+    rows, summary = [], []
+    sections = [(off, False) for off in (False, True)] + ([] if args.no_corrections else [(True, True)])
+    for off, corrected in sections:
+        configs = behavior_configs() if corrected else all_configs(off, truncate=args.truncate)
+        part = audit(problem, off_policy=off, configs=configs)
+        print(f"\n== distillation, {'off-policy (samples from mu)' if off else 'on-policy'}"
+              f"{', behaviour corrections on the term' if corrected else ''}: the KL term's other distribution is a "
+              f"tabular teacher ({args.sharpness:g}x sharper, drawn apart from the student): V={args.vocab} "
+              f"T={args.length} seed={args.seed}; bias:seq is against grad KL(pi || teacher)")
+        print(format_table(part))
+        rows += part
+        summary.append((f"distillation {'off' if off else 'on'}-policy{' + corrections' if corrected else ''}", part))
+        if not corrected:
+            print(format_recipes(recipe_verdicts(problem, off), f"\n-- the recipes, {'off' if off else 'on'}-policy"))
+    print(summarize(summary))
+    if args.json:
+        Path(args.json).write_text(json.dumps([asdict(r) for r in rows], indent=1))
         print(f"\nwrote {args.json}")
     return 0
 
