@@ -4,9 +4,9 @@ A value is secret when it is
 
 * the value of a command-line flag whose last word is a secret word (``--api-key K``, ``--hf-token=K``,
   ``--admin-api-key K``; ``--token-latency-s 0.2`` is not: its last word is ``s``);
-* the value of a config field or mapping key with a secret word among its words (``api_key``, ``hf_token``,
-  ``password``), except the ``*_env`` fields, which hold the *name* of a variable;
-* the value of an environment variable whose name has a secret word among its words (``HF_TOKEN``,
+* the value of a config field or mapping key whose last word is a secret word (``api_key``, ``hf_token``,
+  ``password``; not ``token_dispatcher``, nor the ``*_env`` fields, which hold the *name* of a variable);
+* the value of an environment variable whose name ends in a secret word (``HF_TOKEN``,
   ``WANDB_API_KEY``, ``MEGATRON_KL_SGLANG_API_KEY``; ``TOKENIZERS_PARALLELISM`` is not), at least
   ``MIN_CHARS`` long;
 * registered at run time (:func:`register`: the managed servers' key);
@@ -42,9 +42,10 @@ def _words(name: str) -> list[str]:
 
 
 def is_secret_name(name: str) -> bool:
-    """A field, key or variable name that holds a secret (a secret word among its words; ``*_env`` excluded)."""
+    """A field, key or variable name that holds a secret: its last word is a secret word (``*_env`` names a variable,
+    ``token_dispatcher`` a choice)."""
     words = _words(name)
-    return bool(words) and words[-1] != "env" and any(w in SECRET_WORDS for w in words)
+    return bool(words) and words[-1] in SECRET_WORDS
 
 
 def is_secret_flag(flag: str) -> bool:

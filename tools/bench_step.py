@@ -3,6 +3,7 @@
     python tools/bench_step.py [--config configs/cpu/default.yaml] [--steps 12] [overrides ...]
     python tools/bench_step.py --trl-workload 135m [--steps 4] [overrides ...]   # tools/bench_trl.py's workload
     python tools/bench_step.py --moe 4 2 [--rounds 2] [overrides ...]   # MoE vs the dense model, same active size
+    python tools/bench_step.py --teacher [--rounds 2] [overrides ...]  # distillation vs the reference-only step
 
 Runs the trainer in-process (one rank) for ``--steps`` steps without evaluation or checkpoints, and
 reports the median of each timed phase as a share of the median step:
@@ -21,6 +22,12 @@ old_logprobs + update); the target is < 10 % of the step. The first step (warm-u
 (E experts of width ffn / K, top-K routing: each token's MLP is K x 3 x hidden x ffn / K, the dense MLP's size,
 plus the router), alternating dense and MoE runs for ``--rounds`` rounds in one process; prints each model's
 median step and phases and the MoE / dense ratio (min and median over the rounds' medians).
+
+``--teacher``: the config's step (its KL to the reference) against the same step distilling from a teacher of twice
+the student's depth (about twice its parameters: the same width, 2 x model.num_layers), the exact KL to the teacher
+in the loss (distill.kl defaults) and the reference term sampled (k3), alternating the two for ``--rounds`` rounds in
+one process; prints each one's median step and phases (the teacher pass under ``teacher``) and the ratio (min and
+median over the rounds' medians).
 
 The floor: the work a step cannot avoid, at this machine's rates measured in the same run - the reference
 forward and the policy forward + backward over the batch's real tokens (2 + 6 FLOPs per parameter and token,
@@ -143,11 +150,15 @@ def main(argv=None) -> int:
                         help="skip the extra profiled step (GEMM time per phase)")
     parser.add_argument("--moe", nargs=2, type=int, metavar=("EXPERTS", "TOPK"),
                         help="compare with the mixture-of-experts twin of the same active parameters")
-    parser.add_argument("--rounds", type=int, default=2, help="--moe: dense / MoE rounds (alternating)")
+    parser.add_argument("--teacher", action="store_true",
+                        help="compare with the same step distilling from a teacher of twice the student's depth")
+    parser.add_argument("--rounds", type=int, default=2, help="--moe / --teacher: rounds of the two (alternating)")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
     if args.moe:
         return compare_moe(args)
+    if args.teacher:
+        return compare_teacher(args)
     if args.trl_workload:
         sys.path.insert(0, str(ROOT / "tools"))
         import bench_trl
@@ -258,6 +269,38 @@ def compare_moe(args) -> int:
         dense = statistics.median(d[key] for d in medians["dense"])
         moe = statistics.median(m[key] for m in medians["moe"])
         print(f"{key.split('/')[1]:<16}{dense:>10.4f}{moe:>10.4f}{min(ratios):>9.2f}{statistics.median(ratios):>10.2f}")
+    return 0
+
+
+def compare_teacher(args) -> int:
+    _quiet()
+    from megatron_kl.config import to_dict
+    from megatron_kl.train.config import load_train_config
+
+    model = load_train_config(args.config, list(args.overrides)).model
+    teacher = {**to_dict(model), "num_layers": 2 * model.num_layers}
+    with tempfile.TemporaryDirectory() as cache:
+        distill = ["distill.enabled=true", "kl.estimator=k3", "distill.teacher.source=warm_start",
+                   "distill.teacher.warm_start_steps=1", f"warm_start.cache_dir={cache}",
+                   *(f"distill.teacher.model.{k}={v}" for k, v in teacher.items()
+                     if not isinstance(v, dict) and v is not None)]
+        keys = ("time/step", "time/rollout_wait", "time/reference", "time/teacher", "time/old_logprobs",
+                "time/update")
+        medians = {"reference": [], "teacher": []}
+        for _ in range(args.rounds):
+            for name, extra in (("reference", []), ("teacher", distill)):
+                records = _run(args.config, [*args.overrides, *extra], args.steps)[1]
+                medians[name].append({k: statistics.median(r.get(k, 0.0) for r in records) for k in keys})
+    print(f"config {args.config} {' '.join(args.overrides)}; teacher: {teacher['num_layers']} layers x hidden "
+          f"{teacher['hidden_size']} (student {model.num_layers} x {model.hidden_size}), distill.kl defaults, kl.estimator"
+          f"=k3; {args.rounds} rounds x {args.steps} steps (first excluded), alternating")
+    print(f"{'phase':<16}{'reference s':>12}{'teacher s':>11}{'min x':>9}{'median x':>10}")
+    for key in keys:
+        ratios = [t[key] / r[key] for r, t in zip(medians["reference"], medians["teacher"]) if r[key] > 0]
+        ref = statistics.median(r[key] for r in medians["reference"])
+        tea = statistics.median(t[key] for t in medians["teacher"])
+        shown = f"{min(ratios):>9.2f}{statistics.median(ratios):>10.2f}" if ratios else f"{'-':>9}{'-':>10}"
+        print(f"{key.split('/')[1]:<16}{ref:>12.4f}{tea:>11.4f}{shown}")
     return 0
 
 

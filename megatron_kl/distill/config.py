@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from megatron_kl.config import ConfigError, ModelConfig
-from megatron_kl.constraints import checked
-from megatron_kl.kl.config import KLConfig
+from megatron_kl.constraints import SEED_MAX, checked
+from megatron_kl.kl.config import AGGREGATIONS, AUTO, ESTIMATORS, LEVELS, PLACEMENTS, KLConfig
 
 TEACHER_SOURCES = ("warm_start", "hf", "checkpoint")
 TASK_REWARDS = ("keep", "none")
@@ -29,7 +29,8 @@ class TeacherConfig:
       vocabulary and tokenizer must be the student's;
     - ``source=checkpoint``: a full-state file (``checkpoint``, weights only) of the architecture ``model``;
     - ``source=warm_start``: the supervised warm start of ``model`` on the task for ``warm_start_steps`` steps (the
-      package ships the CPU demonstration's teacher; otherwise trained once and cached like the student's).
+      package ships the CPU demonstration's teacher; otherwise trained once, with ``warm_start_seed``, and cached like
+      the student's).
     ``tensor_parallel`` / ``pipeline_parallel``: the teacher's layout (null: the student's)."""
 
     source: str = checked("warm_start", choices=TEACHER_SOURCES)
@@ -37,6 +38,7 @@ class TeacherConfig:
     checkpoint: Optional[str] = checked(None, path="file")
     model: ModelConfig = field(default_factory=ModelConfig)
     warm_start_steps: int = checked(2000, ge=1)
+    warm_start_seed: int = checked(0, ge=0, le=SEED_MAX)  # one teacher for every RL seed of a study
     tensor_parallel: Optional[int] = checked(None, ge=1)
     pipeline_parallel: Optional[int] = checked(None, ge=1)
     offload: bool = False  # keep the teacher's weights in host memory between its passes (CUDA only)
@@ -52,10 +54,18 @@ class TeacherConfig:
                                   f"distill.teacher.source={self.source}: drop it or set the source that reads it")
 
 
-def _default_objective() -> KLConfig:
-    """Exact reverse KL in the loss, sequence level (Rao-Blackwellised): the unbiased gradient of the sequence-level
-    KL(student || teacher) on-policy (docs/distillation.md)."""
-    return KLConfig(estimator="full", placement="loss", level="sequence", coef=1.0, aggregation="token_mean")
+@dataclass(frozen=True)
+class DistillObjective(KLConfig):
+    """The distillation term: a KLConfig (every axis, the same meaning) whose defaults are the exact reverse KL in the
+    loss at sequence level (Rao-Blackwellised: the unbiased gradient of the sequence-level KL(student || teacher)
+    on-policy, docs/distillation.md), weight 1, averaged over tokens. A field left out of ``distill.kl`` keeps these
+    defaults, not the reference term's."""
+
+    estimator: str = checked("full", choices=ESTIMATORS + (AUTO,))
+    placement: str = checked("loss", choices=PLACEMENTS)
+    level: str = checked("sequence", choices=LEVELS)
+    coef: float = checked(1.0, ge=0)
+    aggregation: str = checked("token_mean", choices=AGGREGATIONS)
 
 
 @dataclass(frozen=True)
@@ -66,7 +76,7 @@ class DistillConfig:
 
     enabled: bool = False
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
-    kl: KLConfig = field(default_factory=_default_objective)
+    kl: DistillObjective = field(default_factory=DistillObjective)
     task_reward: str = checked("keep", choices=TASK_REWARDS)
 
     @property

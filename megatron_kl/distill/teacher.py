@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from megatron_kl.config import ConfigError, ModelConfig
 from megatron_kl.distill.config import DistillConfig, TeacherConfig, teacher_parallel
-from megatron_kl.models import builder, hf, output_head, pipeline, state
+from megatron_kl.models import builder, hf, output_head, parallel, pipeline, state
 from megatron_kl.models.offload import ReferenceOffload
 
 log = logging.getLogger(__name__)
@@ -94,7 +94,7 @@ def _teacher_warm_start_config(cfg, model: ModelConfig):
     or cached teacher (megatron_kl.train.warmstart)."""
     teacher = cfg.distill.teacher
     warm_start = dataclasses.replace(cfg.warm_start, enabled=True, checkpoint=None, steps=teacher.warm_start_steps,
-                                     seed=cfg.warm_start.seed if cfg.warm_start.seed is not None else cfg.train.seed,
+                                     seed=teacher.warm_start_seed,
                                      source="auto" if cfg.warm_start.source == "train" else cfg.warm_start.source)
     return cfg.with_sections(model=model, warm_start=warm_start)
 
@@ -171,6 +171,7 @@ def build_teacher(cfg, task, tp_group, should_stop: Optional[Callable] = None) -
             raise ConfigError(f"distill.teacher ({teacher.source}): its weights do not fit distill.teacher.model "
                               f"({err}); give the architecture the weights were trained with") from None
         where = teacher.checkpoint or f"its warm start ({teacher.warm_start_steps} supervised steps)"
+    parallel.reseed(cfg.train.seed)  # the RL phase draws the same numbers whether the teacher was cached or trained
     params = sum(p.numel() for c in chunks for p in c.parameters()) * tp_size
     log.info("teacher: %s, %d layers, hidden %d (~%.2fM parameters) from %s; objective %s, coef %g", model.architecture,
              model.num_layers, model.hidden_size, params / 1e6, where, cfg.distill.kl.name, cfg.distill.kl.coef)

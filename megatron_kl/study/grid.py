@@ -61,6 +61,10 @@ class StudyConfig:
     extends: Optional[str] = checked(None, free=True)  # the study YAML this one starts from (its keys, replaced by the ones here)
     # what the report must say before its verdicts (a preset too small to decide anything says so)
     caveat: Optional[str] = checked(None, free=True)
+    # a score to reach (a distillation teacher's): the report says which configuration reached it first and by how
+    # many steps (study/reach.py); null: no such section
+    reach_target: Optional[float] = checked(None)
+    reach_metric: str = checked("eval/id/pass@1", free=True, nonempty=True)
 
     def __post_init__(self):
         if not self.seeds:

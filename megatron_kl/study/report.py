@@ -24,7 +24,8 @@ from megatron_kl.study.series import final as _final, series as _series
 from megatron_kl.train.metrics import read_metrics
 
 CURVES = [("reward/mean", "reward"), ("eval/id/pass@1", "in-domain pass@1"), ("kl/exact_token", "exact KL / token"),
-          ("entropy/mean", "entropy"), ("optim/grad_norm", "grad norm")]
+          ("distill/exact_token", "exact KL to the teacher / token"), ("entropy/mean", "entropy"),
+          ("optim/grad_norm", "grad norm")]
 FINAL = [("eval/id/pass@1", "ID pass@1"), ("eval/id/mean@k", "ID mean@k"), ("eval/ood/pass@1", "OOD pass@1"),
          ("eval/ood/mean@k", "OOD mean@k")]
 
@@ -248,6 +249,20 @@ def write_report(study: StudyConfig, runs: list[RunSpec], status: dict) -> dict:
         lines += [f"> **Unfinished study:** {len(not_run)} of {len(runs)} runs have not run or were interrupted "
                   f"({', '.join(not_run)}); nothing below is computed from them. Run the study again to finish it.",
                   ""]
+    reach = None
+    if study.reach_target is not None:
+        from megatron_kl.study import reach as reaching
+
+        ranked = reaching.reaches({name: {run.seed: run.records for run in group.finished}
+                                   for name, group in groups.items()}, study.reach_metric, study.reach_target)
+        finals = {name: {f"final {study.reach_metric}": _mean(_final(r, study.reach_metric) for r in group.records),
+                         "final KL to the teacher / token": _mean(_final(r, "distill/exact_token")
+                                                                  for r in group.records)}
+                  for name, group in groups.items()}
+        lines += reaching.markdown(ranked, study.reach_metric, study.reach_target, finals) + [""]
+        reach = {"metric": study.reach_metric, "target": study.reach_target,
+                 "first_steps": {r.configuration: r.first for r in ranked},
+                 "comparisons": reaching.comparisons(ranked)}
     lines += claims.markdown(claim_results, run_roles, instability_definition(study))
     if study.published:
         lines += [""] + claims.beside_published(claim_results, json.loads(Path(study.published).read_text()),
@@ -295,5 +310,8 @@ def write_report(study: StudyConfig, runs: list[RunSpec], status: dict) -> dict:
     claims_json = [{"claim": c.claim, "comparison": c.comparison, "verdict": c.verdict, "note": c.note,
                     "statistics": c.statistics} for c in claim_results]
     (out / "results.json").write_text(json.dumps(summary, indent=2))
+    if reach is not None:  # seeds as JSON object keys become strings
+        (out / "reach.json").write_text(json.dumps(reach, indent=2))
     (out / "claims.json").write_text(json.dumps(claims_json, indent=2))
-    return {"report": str(out / "report.md"), "figures": figures, "results": summary, "claims": claims_json}
+    return {"report": str(out / "report.md"), "figures": figures, "results": summary, "claims": claims_json,
+            "reach": reach}

@@ -424,7 +424,8 @@ def rl_step(ctx: StepContext, batch: RolloutBatch, step: int) -> dict:
     if old is not None:
         no_reward = torch.zeros_like(batch.rewards)
         returns = torch.zeros(mask.shape, dtype=old.logprobs.dtype)
-        if reference is not None:  # the exact KL of the pi_old pass is the reference's only without distillation
+        if reference is not None and (teacher is None or kl.coef > 0):  # the pi_old pass's exact KL is the
+            # reference's only without distillation (with it, a weighted reference term is a sampled estimator)
             returns = kl_shaped_returns(kl, no_reward, old.logprobs, reference.logprobs, mask, batch.behavior_logprobs,
                                         full_kl=old.kl if teacher is None else None, counter=ctx.clamps)
         inputs = dataclasses.replace(inputs, old_logprobs=old.logprobs, kl_returns=returns)

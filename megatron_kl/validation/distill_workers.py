@@ -85,3 +85,34 @@ def student_and_teacher_states(student_cfg: ModelConfig, teacher_cfg: ModelConfi
 def states_worker(rank, world, student_cfg: ModelConfig, teacher_cfg: ModelConfig, seed: int = 0):
     return student_and_teacher_states(student_cfg, teacher_cfg, seed)
 
+
+
+def descent_worker(rank, world, student_cfg: ModelConfig, teacher_cfg: ModelConfig, parallel_cfg: ParallelConfig,
+                   student_state, teacher_state, tokens, loss_mask, objective: KLConfig, steps: int) -> list[float]:
+    """``steps`` optimizer steps of the distillation term on one fixed batch; the exact KL(student || teacher) per
+    response token over the batch before each step (pi_old's pass with the teacher's head)."""
+    parallel.initialize(student_cfg, parallel_cfg, seed=1234)
+    tp_group = parallel.tp_group()
+    tp_rank, tp_size = dist.get_rank(tp_group), dist.get_world_size(tp_group)
+    student = builder.build_model_chunks(student_cfg, parallel_cfg)
+    teacher = builder.freeze(builder.build_model_chunks(teacher_cfg, parallel_cfg))
+    state.load_full_state_dict(student, student_state, False, tp_rank, tp_size)
+    state.load_full_state_dict(teacher, teacher_state, False, tp_rank, tp_size)
+    head = output_head.ReferenceHead(teacher)
+    vocab = pipeline.VocabOptions(vocab_size=student_cfg.vocab_size, fused=True)
+    train = optim.build_train_state(student, optim.OptimConfig(lr=1e-3, clip_grad=1.0))
+    zeros = torch.zeros(loss_mask.shape)
+    shares = Shares(num_sequences=tokens.shape[0], num_tokens=float(loss_mask.sum()))
+    loss = MicrobatchLoss(AlgoConfig(), KLConfig(coef=0.0), shares, distill=objective)
+    kls = []
+    for _ in range(steps):
+        batch = pipeline.SequenceBatch(tokens=tokens, loss_mask=loss_mask)
+        teacher_stats = pipeline.compute_token_stats(teacher, batch, 1, vocab, capture_hidden=True)
+        batch.reference_hidden = teacher_stats.hidden
+        old = pipeline.compute_token_stats(train.chunks, batch, 1, vocab, reference=head)
+        kls.append(float((old.kl * loss_mask).sum() / loss_mask.sum()))
+        inputs = LossInputs(loss_mask=loss_mask, behavior_logprobs=old.logprobs, reference_logprobs=zeros,
+                            advantages=zeros, old_logprobs=old.logprobs, kl_returns=zeros,
+                            teacher_logprobs=teacher_stats.logprobs, distill_returns=zeros)
+        optim.train_step(train, inputs.into(batch), 1, loss, vocab, reference=head)
+    return kls

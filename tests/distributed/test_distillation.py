@@ -17,7 +17,7 @@ import torch
 from megatron_kl.config import ModelConfig, ParallelConfig
 from megatron_kl.kl.objective import KLConfig
 from megatron_kl.testing.distributed import run_ranks
-from megatron_kl.validation.distill_workers import distill_step_worker, states_worker
+from megatron_kl.validation.distill_workers import descent_worker, distill_step_worker, states_worker
 
 VOCAB = 50
 STUDENT = ModelConfig(architecture="qwen2", num_layers=2, hidden_size=64, ffn_hidden_size=128, vocab_size=VOCAB,
@@ -136,3 +136,15 @@ def test_a_teacher_equal_to_the_student_gives_zero_kl_and_no_gradient(states):
     assert (out["logprobs"][on] - out["teacher_logprobs"][on]).abs().max().item() < 1e-5
     largest = max(g.abs().max().item() for g in grads.values())
     assert largest < 1e-5, largest
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_steps_on_a_fixed_batch_lower_the_exact_kl_to_the_teacher(states, level):
+    """Gradient steps of the exact term on one batch of sequences: the exact KL to the teacher over those sequences
+    falls at every step (token level: the objective itself; sequence level: its pathwise part dominates here)."""
+    tokens, mask = _batch()
+    objective = dataclasses.replace(EXACT_SEQUENCE, level=level, aggregation="token_mean", coef=1.0)
+    kls = run_ranks(descent_worker, 2, STUDENT, TEACHER, ParallelConfig(tensor_parallel=2), states["student"],
+                    states["teacher"], tokens, mask, objective, 8)[0]
+    assert all(later < earlier for earlier, later in zip(kls, kls[1:])), kls
+    assert kls[-1] < 0.5 * kls[0], kls

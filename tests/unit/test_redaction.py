@@ -14,6 +14,7 @@ from megatron_kl.redaction import REDACTED
     ("api_key", True), ("hf_token", True), ("WANDB_API_KEY", True), ("AWS_SECRET_ACCESS_KEY", True),
     ("db_password", True), ("apiKey", True), ("credentials", True), ("api_key_env", False), ("token_env", False),
     ("TOKENIZERS_PARALLELISM", False), ("max_new_tokens", False), ("keyboard", False), ("monkey", False),
+    ("token_dispatcher", False), ("key_path", False),
 ])
 def test_secret_names(name, secret):
     assert redaction.is_secret_name(name) is secret
@@ -67,3 +68,20 @@ def test_registered_secrets_and_config_secrets_leave_log_records_and_streams():
     stream = io.StringIO()
     redaction.RedactingStream(stream).write("key=runtime-key-3\n")
     assert stream.getvalue() == f"key={REDACTED}\n"
+
+
+def test_the_default_configs_register_no_secret():
+    """No field of a shipped configuration holds a secret: nothing of its values (``auto``, say) is hidden from the
+    lines a run prints."""
+    from megatron_kl.config import to_dict
+    from megatron_kl.train.config import load_train_config
+
+    before = set(redaction._registered)
+    try:
+        redaction._registered.clear()
+        redaction.register_config(to_dict(load_train_config("configs/cpu/default.yaml", ["model.moe.num_experts=4"])))
+        assert redaction._registered == set()
+        assert redaction.redact_text("regime='auto'") == "regime='auto'"
+    finally:
+        redaction._registered.clear()
+        redaction._registered.update(before)

@@ -1,0 +1,41 @@
+"""Distillation through the whole trainer: a teacher equal to the student (the same warm start) gives KL 0 at step 0;
+with a bigger teacher and distillation alone every distill/* key is registered, the teacher's pass is timed and the
+policy loss is zero. (That the term's gradient descends the KL to the teacher: tests/distributed/test_distillation.)"""
+
+from megatron_kl.testing.distributed import run_ranks
+from megatron_kl.train.metric_registry import lookup
+from tests.e2e.test_train import short_config
+from tests.e2e.workers import train_worker
+
+STUDENT = ("model.num_layers=2", "model.hidden_size=128", "model.ffn_hidden_size=256")
+
+
+def _distill(*overrides):
+    return ("distill.enabled=true", "kl.estimator=k3", "kl.coef=0.01", "warm_start.steps=30", "warm_start.seed=5",
+            "distill.teacher.model.vocab_size=32", "distill.teacher.model.max_position_embeddings=32", *overrides)
+
+
+def test_a_teacher_equal_to_the_student_starts_at_zero_kl(tmp_path):
+    same = [f"distill.teacher.model.{o.split('.', 1)[1]}" for o in STUDENT]
+    cfg = short_config(tmp_path / "run", str(tmp_path / "cache"), "train.steps=1",
+                       *_distill(*same, "distill.teacher.warm_start_steps=30", "distill.teacher.warm_start_seed=5"))
+    records = run_ranks(train_worker, 1, cfg, timeout_s=600)[0]["metrics"]
+    first = [r for r in records if "distill/exact_token" in r][0]
+    assert abs(first["distill/exact_token"]) < 1e-7 and abs(first["distill/k1_token"]) < 1e-5
+    assert first["time/teacher"] > 0 and first["distill/biased"] == 0.0
+
+
+def test_distillation_alone_with_a_bigger_teacher(tmp_path):
+    cfg = short_config(tmp_path / "run", str(tmp_path / "cache"), "train.steps=3",
+                       "distill.task_reward=none",
+                       *_distill("distill.teacher.model.num_layers=3", "distill.teacher.model.hidden_size=192",
+                                 "distill.teacher.model.ffn_hidden_size=384", "distill.teacher.warm_start_steps=60"))
+    one = run_ranks(train_worker, 1, cfg, timeout_s=600)[0]
+    records = [r for r in one["metrics"] if "distill/exact_token" in r]
+    assert len(records) == 3
+    assert all(0.01 < r["distill/exact_token"] < 10 and r["time/teacher"] > 0 for r in records), records
+    for record in records:
+        unregistered = [k for k in record if lookup(k) is None]
+        assert not unregistered, unregistered
+        assert record["loss/policy"] == 0.0  # distillation alone: no task advantage
+    assert one["summary"]["run_name"].startswith("distill-full-loss-sequence-coef1-")
