@@ -31,7 +31,8 @@ class TeacherConfig:
     - ``source=warm_start``: the supervised warm start of ``model`` on the task for ``warm_start_steps`` steps (the
       package ships the CPU demonstration's teacher; otherwise trained once, with ``warm_start_seed``, and cached like
       the student's).
-    ``tensor_parallel`` / ``pipeline_parallel``: the teacher's layout (null: the student's)."""
+    ``tensor_parallel`` / ``pipeline_parallel``: the teacher's layout (null: the student's); a tensor-parallel size
+    of its own runs with ``pipeline_parallel: 1`` (distill/layout.py)."""
 
     source: str = checked("warm_start", choices=TEACHER_SOURCES)
     hf_checkpoint: Optional[str] = checked(None, path="dir")

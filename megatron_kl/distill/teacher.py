@@ -67,7 +67,12 @@ def check_vocabulary(student: ModelConfig, teacher: ModelConfig, student_dir: Op
                           "tokenizer family")
 
 
-def check_teacher(cfg) -> ModelConfig:
+def own_layout_of(cfg) -> bool:
+    """Whether the teacher runs in a tensor-parallel layout of its own (distill/layout.py) rather than the student's."""
+    return teacher_parallel(cfg.distill.teacher, cfg.parallel) is not cfg.parallel
+
+
+def check_teacher(cfg, world_size: Optional[int] = None) -> ModelConfig:
     """What ``--check`` and every start decide about the teacher from the configuration alone: its architecture,
     its vocabulary against the student's, its layout against the world. Returns the teacher's ModelConfig."""
     distill: DistillConfig = cfg.distill
@@ -75,11 +80,18 @@ def check_teacher(cfg) -> ModelConfig:
     check_vocabulary(cfg.model, model, cfg.init.hf_checkpoint, distill.teacher.hf_checkpoint)
     layout = teacher_parallel(distill.teacher, cfg.parallel)
     if layout is not cfg.parallel:
-        raise ConfigError(
-            f"distill.teacher.tensor_parallel={distill.teacher.tensor_parallel} / pipeline_parallel="
-            f"{distill.teacher.pipeline_parallel}: a teacher layout other than the student's "
-            f"(parallel.tensor_parallel={cfg.parallel.tensor_parallel}, pipeline_parallel="
-            f"{cfg.parallel.pipeline_parallel}) is not supported yet; leave them null (the student's layout)")
+        where = (f"distill.teacher.tensor_parallel={distill.teacher.tensor_parallel} / pipeline_parallel="
+                 f"{distill.teacher.pipeline_parallel}")
+        if layout.pipeline_parallel != 1:
+            raise ConfigError(f"{where}: a teacher in a layout of its own runs without pipeline parallelism (the "
+                              f"student's is parallel.pipeline_parallel={cfg.parallel.pipeline_parallel}); set "
+                              "distill.teacher.pipeline_parallel=1, or leave both null for the student's layout")
+        if model.moe.enabled:
+            raise ConfigError(f"{where}: a mixture-of-experts teacher runs in the student's layout only; leave "
+                              "distill.teacher.tensor_parallel and pipeline_parallel null")
+        if world_size is not None and world_size % layout.tensor_parallel:
+            raise ConfigError(f"distill.teacher.tensor_parallel={layout.tensor_parallel} does not divide the "
+                              f"{world_size} ranks; pick a divisor")
     if model.num_layers % layout.pipeline_parallel:
         raise ConfigError(f"distill.teacher: {model.num_layers} layers do not split over pipeline_parallel="
                           f"{layout.pipeline_parallel} stages")
@@ -133,31 +145,49 @@ def _full_state(cfg, model: ModelConfig, task, should_stop) -> dict:
 @dataclasses.dataclass
 class Teacher:
     """The frozen teacher's chunks in this rank's layout, its output head (turning stored hidden states into its
-    vocab-sharded logits) and its host offload."""
+    vocab-sharded logits in the student's partition) and its host offload; ``own``: its own tensor-parallel layout
+    (distill/layout.py), with this rank's student data-parallel rank and size, or None (the student's layout)."""
 
     chunks: list
     model: ModelConfig
     offload: ReferenceOffload
+    own: Optional[object] = None  # models.parallel.OwnLayout
+    resharded_head: Optional[object] = None  # distill.layout.ResharedHead (own layout)
+    dp_rank: int = 0
+    dp_size: int = 1
 
     @property
-    def head(self) -> output_head.ReferenceHead:
-        return output_head.ReferenceHead(self.chunks)
+    def head(self):
+        return self.resharded_head if self.resharded_head is not None else output_head.ReferenceHead(self.chunks)
 
     def score(self, sequences: pipeline.SequenceBatch, microbatches: int, vocab: pipeline.VocabOptions,
               capture_hidden: bool, token_budget: int = 0) -> pipeline.TokenStats:
         """The teacher's per-token log-probs (and entropy) of ``sequences`` under its full softmax(z / T), never
         truncated (every KL is to the full distribution: docs/kl-math.md), and with ``capture_hidden`` its final
         hidden states for the exact KL. The caller holds the weights resident (``offload.resident()``)."""
-        return pipeline.compute_token_stats(self.chunks, sequences, microbatches,
-                                            dataclasses.replace(vocab, truncation=None),
+        full = dataclasses.replace(vocab, truncation=None)
+        if self.own is not None:
+            from megatron_kl.distill.layout import score_in_own_layout
+
+            return score_in_own_layout(self.chunks, self.own, sequences, microbatches, full, capture_hidden,
+                                       token_budget, self.dp_rank, self.dp_size)
+        return pipeline.compute_token_stats(self.chunks, sequences, microbatches, full,
                                             capture_hidden=capture_hidden, token_budget=token_budget)
 
 
-def build_teacher(cfg, task, tp_group, should_stop: Optional[Callable] = None) -> Teacher:
-    """The teacher of ``cfg.distill`` in the student's layout, weights loaded and frozen (collective: every rank)."""
-    model = check_teacher(cfg)
+def build_teacher(cfg, task, topology, should_stop: Optional[Callable] = None) -> Teacher:
+    """The teacher of ``cfg.distill`` in its layout (the student's, or its own tensor-parallel one), weights loaded
+    and frozen (collective: every rank)."""
+    model = check_teacher(cfg, dist.get_world_size())
     layout = teacher_parallel(cfg.distill.teacher, cfg.parallel)
-    chunks = builder.freeze(builder.build_model_chunks(model, layout))
+    own = None
+    if layout is cfg.parallel:
+        chunks = builder.freeze(builder.build_model_chunks(model, layout))
+        tp_group = topology.tp_group
+    else:
+        own = parallel.own_layout(layout.tensor_parallel, cfg.parallel.distributed_timeout_s)
+        chunks = builder.freeze([builder.build_gpt_model(model, layout, pg_collection=own.collection, whole=True)])
+        tp_group = own.tp
     tp_rank, tp_size = dist.get_rank(tp_group), dist.get_world_size(tp_group)
     teacher = cfg.distill.teacher
     if teacher.source == "hf":
@@ -173,7 +203,16 @@ def build_teacher(cfg, task, tp_group, should_stop: Optional[Callable] = None) -
         where = teacher.checkpoint or f"its warm start ({teacher.warm_start_steps} supervised steps)"
     parallel.reseed(cfg.train.seed)  # the RL phase draws the same numbers whether the teacher was cached or trained
     params = sum(p.numel() for c in chunks for p in c.parameters()) * tp_size
-    log.info("teacher: %s, %d layers, hidden %d (~%.2fM parameters) from %s; objective %s, coef %g", model.architecture,
-             model.num_layers, model.hidden_size, params / 1e6, where, cfg.distill.kl.name, cfg.distill.kl.coef)
-    return Teacher(chunks, model, ReferenceOffload(chunks, teacher.offload))
+    log.info("teacher: %s, %d layers, hidden %d (~%.2fM parameters) from %s, TP %d%s; objective %s, coef %g",
+             model.architecture, model.num_layers, model.hidden_size, params / 1e6, where, tp_size,
+             " (its own layout)" if own is not None else " (the student's layout)", cfg.distill.kl.name,
+             cfg.distill.kl.coef)
+    head = None
+    if own is not None:
+        from megatron_kl.distill.layout import ResharedHead, reshard_output_weight
 
+        head = ResharedHead(reshard_output_weight(chunks[0], own, model.vocab_size,
+                                                  cfg.model.padded_vocab_size(cfg.parallel.tensor_parallel),
+                                                  topology.tp_group))
+    return Teacher(chunks, model, ReferenceOffload(chunks, teacher.offload), own, head, topology.dp_rank,
+                   topology.dp_size)

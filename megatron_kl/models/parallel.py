@@ -7,6 +7,7 @@ and gloo otherwise, applies the CPU shims in the latter case, and seeds megatron
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -90,3 +91,38 @@ def pp_group():
     from megatron.core import parallel_state
 
     return parallel_state.get_pipeline_model_parallel_group()
+
+
+@dataclass(frozen=True)
+class OwnLayout:
+    """The process groups of a model that runs in a tensor-parallel layout of its own beside the trainer's (a
+    distillation teacher at another TP size): ``tp`` this rank's group of ``tensor_parallel`` consecutive ranks
+    (megatron's order), ``replica`` its index among the ``replicas`` = world / tensor_parallel groups, and
+    ``collection`` megatron's ProcessGroupCollection to build and run the model with (whole layers on every rank: no
+    pipeline or context parallelism of its own)."""
+
+    tp: object
+    tensor_parallel: int
+    replica: int
+    replicas: int
+    collection: object
+
+
+def own_layout(tensor_parallel: int, timeout_s: float) -> OwnLayout:
+    """Collective: every rank creates the groups of a ``tensor_parallel``-wide layout (its own TP groups, and one
+    single-rank group per rank for the pipeline, context, embedding and data-parallel roles), with the trainer's
+    ``parallel.distributed_timeout_s``."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world % tensor_parallel:
+        raise ValueError(f"tensor_parallel={tensor_parallel} does not divide the world of {world} ranks")
+    kwargs = {"timeout": timedelta(seconds=timeout_s)}
+    tp, _ = dist.new_subgroups_by_enumeration(
+        [list(range(i, i + tensor_parallel)) for i in range(0, world, tensor_parallel)], **kwargs)
+    single, _ = dist.new_subgroups_by_enumeration([[r] for r in range(world)], **kwargs)
+    collection = ProcessGroupCollection()
+    collection.tp = collection.tp_cp = collection.mp = tp
+    for role in ("pp", "cp", "embd", "pos_embd", "dp", "dp_cp"):
+        setattr(collection, role, single)
+    return OwnLayout(tp, tensor_parallel, rank // tensor_parallel, world // tensor_parallel, collection)

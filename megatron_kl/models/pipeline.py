@@ -124,13 +124,13 @@ def _fused_stats(vocab: VocabOptions, reference: Optional[ReferenceHead], mb: Mi
 
 
 def _forward_step(vocab: VocabOptions, loss_fn: LossFn, num_microbatches: int, forward_only: bool,
-                  reference: Optional[ReferenceHead], data_iterator, model):
+                  reference: Optional[ReferenceHead], own_tp_group, data_iterator, model):
     from megatron.core import parallel_state
 
     device = next(model.parameters()).device
     mb = next(data_iterator).to(device)
     inner = unwrap(model)
-    cp_group = context_parallel_group()
+    cp_group = context_parallel_group() if own_tp_group is None else None
     if cp_group is not None:  # this rank's zigzag shard of every sequence
         config = inner.config
         multiple = sequence_multiple(config.context_parallel_size, config.tensor_model_parallel_size,
@@ -143,7 +143,7 @@ def _forward_step(vocab: VocabOptions, loss_fn: LossFn, num_microbatches: int, f
     single_pass = vocab.grad_in_forward and getattr(loss_fn, "row_separable", False) and not forward_only
     fused = inner.post_process and vocab.use_fused(tokens.numel(), output_weight(inner).shape[0],
                                                    single_sweep=forward_only or single_pass)
-    tp_group = parallel_state.get_tensor_model_parallel_group()
+    tp_group = parallel_state.get_tensor_model_parallel_group() if own_tp_group is None else own_tp_group
     if mb.routed_experts is not None:  # mixture of experts: the rollout's expert ids for this microbatch's routers
         routing_replay.load_microbatch(inner, mb.routed_experts, inner.config.sequence_parallel,
                                        dist.get_rank(tp_group), dist.get_world_size(tp_group))
@@ -188,21 +188,34 @@ def run_schedule(
     forward_only: bool,
     reference: Optional[ReferenceHead] = None,
     token_budget: int = 0,
+    own_layout=None,
 ) -> list[dict]:
     """Run the pipeline schedule over ``batch`` split by :meth:`SequenceBatch.split` (``num_microbatches``
     slices, or microbatches of at most ``token_budget`` padded tokens); returns the per-microbatch metrics
     dicts (on the last pipeline stage; an empty list elsewhere). With ``reference`` and a
-    ``batch.reference_hidden``, the stats carry the exact per-position KL(pi || pi_ref)."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
+    ``batch.reference_hidden``, the stats carry the exact per-position KL(pi || pi_ref).
 
+    ``own_layout`` (:class:`megatron_kl.models.parallel.OwnLayout`): ``chunks`` is a model built in a tensor-parallel
+    layout of its own (a distillation teacher), without pipeline or context parallelism: forward only, through
+    megatron's non-pipelined schedule with that layout's process groups."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
+
+    if own_layout is not None and (not forward_only or len(chunks) != 1):
+        raise ValueError("a model in its own layout runs forward only, as one chunk")
     microbatches = batch.split(num_microbatches, token_budget)
     config = _setup_config(chunks, finalize=not forward_only)
     config.variable_seq_lengths = token_budget > 0  # pipeline stages exchange each microbatch's shape
     data = [iter(microbatches) for _ in chunks]
-    forward_backward = get_forward_backward_func()
+    if own_layout is None:
+        forward_backward = get_forward_backward_func()
+    else:
+        forward_backward = partial(forward_backward_no_pipelining, pg_collection=own_layout.collection)
+    own_tp_group = None if own_layout is None else own_layout.tp
     try:
         return forward_backward(
-            forward_step_func=partial(_forward_step, vocab, loss_fn, len(microbatches), forward_only, reference),
+            forward_step_func=partial(_forward_step, vocab, loss_fn, len(microbatches), forward_only, reference,
+                                      own_tp_group),
             data_iterator=data if len(chunks) > 1 else data[0],
             model=chunks if len(chunks) > 1 else chunks[0],
             num_microbatches=len(microbatches),
@@ -258,13 +271,13 @@ def scatter_rows(parts: list[torch.Tensor], rows: list[torch.Tensor], shape,
     return full
 
 
-def assemble_token_stats(parts: list[MicrobatchStats], keys, shape) -> TokenStats:
+def assemble_token_stats(parts: list[MicrobatchStats], keys, shape, broadcast: bool = True) -> TokenStats:
     """The batch's ``[B, S-1]`` float32 stats from its microbatches' :func:`masked_token_stats` (on the last
-    pipeline stage; empty elsewhere), on every pipeline rank."""
+    pipeline stage; empty elsewhere), on every pipeline rank (``broadcast``; without, where they were computed)."""
     result = {}
     for key in keys:
         full = scatter_rows([getattr(p.stats, key) for p in parts], [p.rows for p in parts], shape) if parts else None
-        result[key] = broadcast_from_last_stage(full, shape, torch.float32)
+        result[key] = broadcast_from_last_stage(full, shape, torch.float32) if broadcast else full
     return TokenStats(**result)
 
 
@@ -277,12 +290,14 @@ def compute_token_stats(
     reference: Optional[ReferenceHead] = None,
     capture_hidden: bool = False,
     token_budget: int = 0,
+    own_layout=None,
 ) -> TokenStats:
     """Forward-only per-token statistics of ``batch`` (:class:`TokenStats`), on every rank.
 
     Works for the policy and for the frozen reference alike. With ``reference`` (and
     ``batch.reference_hidden``) also the exact KL; with ``capture_hidden`` also the final hidden states
-    (last pipeline stage only; None elsewhere); with ``vocab.truncation`` the support statistics.
+    (last pipeline stage only; None elsewhere); with ``vocab.truncation`` the support statistics. ``own_layout``: a
+    model in a tensor-parallel layout of its own (:func:`run_schedule`).
     """
     for chunk in chunks:
         chunk.eval()
@@ -299,14 +314,14 @@ def compute_token_stats(
 
     try:
         outputs = run_schedule(chunks, batch, num_microbatches, collect, vocab, forward_only=True, reference=reference,
-                               token_budget=token_budget)
+                               token_budget=token_budget, own_layout=own_layout)
     finally:
         if hook is not None:
             hook.remove()
-    result = assemble_token_stats(outputs, keys, tuple(batch.loss_mask.shape))
+    result = assemble_token_stats(outputs, keys, tuple(batch.loss_mask.shape), broadcast=own_layout is None)
     if capture_hidden:
         hidden = None
-        cp_group = context_parallel_group()
+        cp_group = context_parallel_group() if own_layout is None else None
         if captured and cp_group is not None:  # each rank's zigzag shard of the hidden states, gathered back
             captured = [context_parallel.gather_positions(h, cp_group, o.stats.logprobs.shape[1] + 1)
                         for h, o in zip(captured, outputs)]

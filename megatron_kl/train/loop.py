@@ -159,7 +159,7 @@ def _check_teacher(cfg: TrainConfig, task) -> None:
     the longest sequence it will score."""
     from megatron_kl.distill.teacher import check_teacher
 
-    teacher = check_teacher(cfg)
+    teacher = check_teacher(cfg, _world_size())
     longest = task.longest_prompt_tokens() + cfg.rollout.sampling.max_new_tokens
     if longest > teacher.max_position_embeddings:
         raise ConfigError(f"distill.teacher holds {teacher.max_position_embeddings} positions but scores sequences of "

@@ -116,3 +116,49 @@ def descent_worker(rank, world, student_cfg: ModelConfig, teacher_cfg: ModelConf
                             teacher_logprobs=teacher_stats.logprobs, distill_returns=zeros)
         optim.train_step(train, inputs.into(batch), 1, loss, vocab, reference=head)
     return kls
+
+
+def own_layout_worker(rank, world, student_cfg: ModelConfig, teacher_cfg: ModelConfig, student_parallel: ParallelConfig,
+                      teacher_tp: int, student_state, teacher_state, tokens, loss_mask, objective: KLConfig):
+    """A teacher at ``teacher_tp`` in its own layout beside a student at ``student_parallel`` (the rest of the world
+    data parallel): this rank's rows (contiguous split over the student's data-parallel ranks), the teacher's
+    log-probs, pi_old's exact KL to the teacher through the resharded head, and the gradient of one step of the
+    distillation term (full layout)."""
+    from megatron_kl.distill.layout import ResharedHead, reshard_output_weight
+    from megatron_kl.distill.teacher import Teacher
+    from megatron_kl.models.offload import ReferenceOffload
+    from megatron_kl.train.topology import Topology
+
+    torch.manual_seed(0)
+    parallel.initialize(student_cfg, student_parallel, seed=1234)
+    topology = Topology.from_parallel_state()
+    tp_group, pp_group = parallel.tp_group(), parallel.pp_group()
+    student = builder.build_model_chunks(student_cfg, student_parallel)
+    state.load_full_state_dict(student, student_state, False, dist.get_rank(tp_group), dist.get_world_size(tp_group))
+    own = parallel.own_layout(teacher_tp, 120.0)
+    chunks = builder.freeze([builder.build_gpt_model(teacher_cfg, ParallelConfig(tensor_parallel=teacher_tp),
+                                                     pg_collection=own.collection, whole=True)])
+    state.load_full_state_dict(chunks, teacher_state, False, dist.get_rank(own.tp), teacher_tp)
+    head = ResharedHead(reshard_output_weight(chunks[0], own, teacher_cfg.vocab_size,
+                                              student_cfg.padded_vocab_size(student_parallel.tensor_parallel),
+                                              tp_group))
+    teacher = Teacher(chunks, teacher_cfg, ReferenceOffload(chunks, False), own, head, topology.dp_rank,
+                      topology.dp_size)
+    rows = torch.arange(tokens.shape[0]).tensor_split(topology.dp_size)[topology.dp_rank]
+    vocab = pipeline.VocabOptions(vocab_size=student_cfg.vocab_size, chunk_size=5, fused=True)
+    batch = pipeline.SequenceBatch(tokens=tokens[rows], loss_mask=loss_mask[rows])
+    teacher_stats = teacher.score(batch, 2, vocab, capture_hidden=True)
+    batch.reference_hidden = teacher_stats.hidden
+    old = pipeline.compute_token_stats(student, batch, 1, vocab, reference=teacher.head)
+    mask = loss_mask[rows]
+    zeros = torch.zeros(mask.shape)
+    inputs = LossInputs(loss_mask=mask, behavior_logprobs=old.logprobs, reference_logprobs=zeros, advantages=zeros,
+                        old_logprobs=old.logprobs, kl_returns=zeros, teacher_logprobs=teacher_stats.logprobs,
+                        distill_returns=zeros)
+    train = optim.build_train_state(student, optim.OptimConfig(lr=1e-3, clip_grad=0.0))
+    loss = MicrobatchLoss(AlgoConfig(), KLConfig(coef=0.0), Shares(rows.numel(), float(mask.sum())),
+                          distill=objective)
+    optim.train_step(train, inputs.into(batch), 1, loss, vocab, reference=teacher.head)
+    inner = [c.module for c in train.chunks]
+    grads = state.full_state_dict(inner, student_cfg.vocab_size, False, tp_group, pp_group, getter=optim.main_grad)
+    return {"rows": rows, "kl": old.kl, "teacher_logprobs": teacher_stats.logprobs, "grads": grads}

@@ -82,5 +82,7 @@ def test_prepare_checks_the_teacher_against_the_student_and_the_task(tmp_path):
         prepare(_load(tmp_path, "distill.teacher.model.vocab_size=40"))
     with pytest.raises(ConfigError, match="distill.teacher holds 8 positions"):
         prepare(_load(tmp_path, "distill.teacher.model.max_position_embeddings=8"))
-    with pytest.raises(ConfigError, match="distill.teacher.tensor_parallel=2"):
+    with pytest.raises(ConfigError, match="distill.teacher.tensor_parallel=2 does not divide the 1 ranks"):
         prepare(_load(tmp_path, "distill.teacher.tensor_parallel=2"))
+    with pytest.raises(ConfigError, match="distill.teacher.pipeline_parallel=1"):
+        prepare(_load(tmp_path, "distill.teacher.pipeline_parallel=2"))
