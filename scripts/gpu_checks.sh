@@ -13,7 +13,9 @@
 # float64), rl_steps (a few RL steps of the CPU job's config on the GPU: step-0 exact KL < 1e-8 and train-vs-rollout
 # mismatch < 1e-4, then a bf16 run that checkpoints and resumes exactly), context_parallel (CP=2 against one rank,
 # where Transformer Engine and two GPUs are), bench_logits,
-# bench_truncation, bench_linear (tools/bench_vocab_parallel.py --device cuda), rest (the remaining suite).
+# bench_truncation, bench_linear (tools/bench_vocab_parallel.py --device cuda), bench_teacher (the RL step distilling
+# from a teacher twice the student's depth against the step with the reference only: tools/bench_step.py --teacher),
+# rest (the remaining suite).
 # Wheels in .gpu-wheels/ are installed first (--no-index --no-deps); the project is imported from this checkout.
 # A check that fails or runs out of time is recorded and the next one runs; the exit code is the number of checks
 # that did not pass. BUDGET_S (default 540) bounds all checks together: each gets min(its deadline, what is left).
@@ -26,7 +28,7 @@ scale=${CHECK_SCALE:-1}
 workers=${PYTEST_WORKERS:-8}
 dry=${DRY_RUN:-0}
 budget=${BUDGET_S:-540}
-selected=" ${CHECKS:-environment kernel_tests rl_steps context_parallel bench_logits bench_truncation bench_linear rest} "
+selected=" ${CHECKS:-environment kernel_tests rl_steps context_parallel bench_logits bench_truncation bench_linear bench_teacher rest} "
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
 : >>"$out/summary.txt"
@@ -111,6 +113,8 @@ check bench_truncation 45 "$py" tools/bench_vocab_parallel.py "${bench[@]}" --se
     --sizes "$sizes_truncation" --dtypes float32 --repeats 3
 check bench_linear 60 "$py" tools/bench_vocab_parallel.py "${bench[@]}" --section linear --sizes "$sizes_linear" \
     --hidden "$hidden" --repeats 3
+# 4b. the teacher's pass in the RL step (distillation) against the reference-only step, interleaved
+check bench_teacher 90 "$py" tools/bench_step.py --teacher --steps 3 --rounds 1
 # 5. the rest of the suite (1-rank tests on the GPU, multi-rank ones on gloo; the kernel tests ran above), failures
 #    named as they happen
 if [ "$dry" = 0 ]; then

@@ -11,7 +11,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu_checks.sh"
-CHECKS = ("environment", "rl_steps", "kernel_tests", "bench_logits", "bench_truncation", "bench_linear", "rest")
+CHECKS = ("environment", "rl_steps", "kernel_tests", "bench_logits", "bench_truncation", "bench_linear", "bench_teacher",
+          "rest")
 
 pytest.importorskip("triton")
 
