@@ -447,7 +447,10 @@ def from_dict(cls, data: dict, prefix: str = ""):
     except ConfigError:
         raise
     except ValueError as err:  # a library dataclass (KLConfig, RPGConfig...) names itself: say the YAML path
-        raise ConfigError(str(err).replace(f"{cls.__name__}.", prefix)) from None
+        message = str(err)
+        for klass in cls.__mro__:  # a subclass's error may come from its base (DistillObjective: KLConfig's rules)
+            message = message.replace(f"{klass.__name__}.", prefix)
+        raise ConfigError(message) from None
 
 
 def _shown(value) -> str:

@@ -101,6 +101,20 @@ def check_teacher(cfg, world_size: Optional[int] = None) -> ModelConfig:
     return model
 
 
+def describe_teacher(cfg) -> str:
+    """One line on the teacher a configuration asks for: architecture, size, layout and where its weights come from."""
+    teacher = cfg.distill.teacher
+    model = teacher_model(teacher)
+    layout = teacher_parallel(teacher, cfg.parallel)
+    where = {"hf": teacher.hf_checkpoint, "checkpoint": teacher.checkpoint,
+             "warm_start": f"its warm start ({teacher.warm_start_steps} supervised steps, seed "
+                           f"{teacher.warm_start_seed})"}[teacher.source]
+    place = ("in the student's layout" if layout is cfg.parallel else
+             f"at tensor_parallel={layout.tensor_parallel} in its own layout")
+    return (f"{model.architecture}, {model.num_layers} layers, hidden {model.hidden_size}, {place}, weights from "
+            f"{where}")
+
+
 def _teacher_warm_start_config(cfg, model: ModelConfig):
     """The student's configuration with the teacher's architecture and warm-start recipe: its key names the shipped
     or cached teacher (megatron_kl.train.warmstart)."""

@@ -104,3 +104,40 @@ def markdown(ranked: list[Reach], metric: str, target: float,
         lines.append(f"- **{row['first']}** reached it before **{row['other']}** by {row['estimate']:+.1f} steps "
                      f"on average over {row['seeds']} seeds, 95 % interval {interval}{bound}.")
     return lines
+
+
+def final_value_comparisons(runs: dict[str, dict[int, list[dict]]], metric: str, lower_is_better: bool = True
+                            ) -> list[dict]:
+    """The configuration with the best mean final ``metric`` (e.g. distill/exact_token, the KL to the teacher)
+    against each other one that logged it: the per-seed difference (other - best), its mean and bootstrap interval."""
+    from megatron_kl.study.claims import bootstrap
+    from megatron_kl.study.series import final
+
+    finals = {name: {seed: value for seed, records in by_seed.items()
+                     if (value := final(records, metric)) is not None}
+              for name, by_seed in runs.items()}
+    finals = {name: values for name, values in finals.items() if values}
+    if len(finals) < 2:
+        return []
+    sign = 1.0 if lower_is_better else -1.0
+    best = min(finals, key=lambda name: sign * statistics.fmean(finals[name].values()))
+    out = []
+    for other, values in finals.items():
+        seeds = sorted(set(values) & set(finals[best]))
+        if other == best or not seeds:
+            continue
+        estimate, low, high = bootstrap({seed: values[seed] - finals[best][seed] for seed in seeds})
+        out.append({"best": best, "other": other, "seeds": len(seeds), "estimate": estimate,
+                    "low": None if math.isnan(low) else low, "high": None if math.isnan(high) else high})
+    return out
+
+
+def final_value_markdown(rows: list[dict], metric: str, what: str) -> list[str]:
+    if not rows:
+        return []
+    lines = [f"Final {what} (`{metric}`), paired by seed:", ""]
+    for row in rows:
+        interval = "n/a (one seed)" if row["low"] is None else f"[{row['low']:+.3g}, {row['high']:+.3g}]"
+        lines.append(f"- **{row['best']}** ended {row['estimate']:.3g} below **{row['other']}** on average over "
+                     f"{row['seeds']} seeds, 95 % interval {interval}.")
+    return lines + [""]

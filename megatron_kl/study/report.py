@@ -260,9 +260,12 @@ def write_report(study: StudyConfig, runs: list[RunSpec], status: dict) -> dict:
                                                                   for r in group.records)}
                   for name, group in groups.items()}
         lines += reaching.markdown(ranked, study.reach_metric, study.reach_target, finals) + [""]
+        by_seed = {name: {run.seed: run.records for run in group.finished} for name, group in groups.items()}
+        to_teacher = reaching.final_value_comparisons(by_seed, "distill/exact_token")
+        lines += reaching.final_value_markdown(to_teacher, "distill/exact_token", "KL to the teacher per token")
         reach = {"metric": study.reach_metric, "target": study.reach_target,
                  "first_steps": {r.configuration: r.first for r in ranked},
-                 "comparisons": reaching.comparisons(ranked)}
+                 "comparisons": reaching.comparisons(ranked), "final_kl_to_teacher": to_teacher}
     lines += claims.markdown(claim_results, run_roles, instability_definition(study))
     if study.published:
         lines += [""] + claims.beside_published(claim_results, json.loads(Path(study.published).read_text()),

@@ -28,7 +28,7 @@ def check(cfg) -> int:
     import yaml
 
     from megatron_kl.config import redact_secrets, to_dict
-    from megatron_kl.train.config import kl_verdict
+    from megatron_kl.train.config import distill_verdict, kl_verdict
     from megatron_kl.train.loop import prepare
     from megatron_kl.train.run_dir import RunRefused
 
@@ -43,6 +43,13 @@ def check(cfg) -> int:
     verdict = kl_verdict(cfg)
     print(f"# run name: {cfg.run_name}")
     print("# KL term: " + (verdict.describe() if verdict is not None else "none (kl.coef=0 or algo.loss=rpg)"))
+    if cfg.distill.enabled:
+        from megatron_kl.distill.teacher import describe_teacher
+
+        teacher = distill_verdict(cfg)
+        print(f"# teacher: {describe_teacher(cfg)}")
+        print("# distillation term (to the teacher): " + (teacher.describe().replace("kl.target", "distill.kl.target")
+                                                          if teacher is not None else "none (distill.kl.coef=0)"))
     plan, out = prepared.plan, cfg.train.output_dir
     print("# start: " + {"fresh": f"a new run in {out} (an earlier run's files there would move to superseded-<time>/)",
                          "resume": f"resume the run in {out} from step {plan.checkpoint_step}",

@@ -56,3 +56,17 @@ def test_the_metrics_document_is_current_and_families_match():
     assert (ROOT / "docs" / "metrics.md").read_text() == markdown()
     assert lookup("eval/ood/mean@4").key == "eval/<split>/mean@<k>" and lookup("kl/exact_token").key == "kl/<estimator>_token"
     assert lookup("kl/k3_tokens") is None and lookup("made/up") is None
+
+
+def test_train_check_says_what_the_distillation_term_estimates(tmp_path):
+    run = tmp_path / "run"
+    ok = subprocess.run([sys.executable, "-m", "megatron_kl.cli", "train", "--config", str(DEFAULT), "--check",
+                         f"train.output_dir={run}", "kl.estimator=k3", "distill.enabled=true",
+                         "distill.teacher.model.vocab_size=32", "distill.teacher.model.max_position_embeddings=32",
+                         "distill.kl.estimator=k1", "distill.kl.placement=reward", "distill.kl.level=token",
+                         "distill.kl.credit=immediate"],
+                        capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert "# distillation term (to the teacher): k1-reward-token-imm: BIASED" in ok.stdout, ok.stdout[-800:]
+    assert "# teacher: qwen2, 2 layers, hidden 64, in the student's layout" in ok.stdout, ok.stdout[-800:]
+    assert not run.exists()

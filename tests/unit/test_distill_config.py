@@ -37,6 +37,7 @@ def test_off_by_default_and_the_run_keys_stay(tmp_path):
     (["distill.task_reward=maybe"], "distill.task_reward"),
     (["distill.kl.off_policy=behavior"], "distill.kl.off_policy=behavior"),
     (["distill.teacher.warm_start_steps=0"], "distill.teacher.warm_start_steps"),
+    (["distill.kl.placement=reward", "distill.kl.credit=immediate"], "distill.kl.credit does not apply"),
 ])
 def test_bad_settings_are_refused_naming_the_field(tmp_path, overrides, named):
     with pytest.raises(ConfigError, match=named.replace(".", r"\.")):

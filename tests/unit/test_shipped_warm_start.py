@@ -40,6 +40,22 @@ def test_every_run_of_the_cpu_studies_shares_the_default_jobs_shipped_start(stud
     assert keys == {default_key}
 
 
+def test_the_distillation_study_starts_student_and_teacher_from_shipped_weights():
+    """configs/study/cpu-distill.yaml: every run's student starts from one shipped warm start (400 steps), and its
+    teacher is the default job's shipped warm start."""
+    from megatron_kl.distill.teacher import _teacher_warm_start_config, teacher_model
+    from megatron_kl.study.grid import expand, load_study
+
+    default_key = warmstart.recipe_key(load_train_config(DEFAULT, []))
+    spec = load_study("configs/study/cpu-distill.yaml")
+    configs = [load_train_config(spec.base, run.overrides) for run in expand(spec)]
+    students = {warmstart.recipe_key(cfg) for cfg in configs}
+    assert len(students) == 1 and _committed(students.pop())
+    teachers = {warmstart.recipe_key(_teacher_warm_start_config(cfg, teacher_model(cfg.distill.teacher)))
+                for cfg in configs if cfg.distill.enabled}
+    assert teachers == {default_key}
+
+
 def test_the_seed_enters_the_key_resolved():
     base = load_train_config(DEFAULT, [])
     same = load_train_config(DEFAULT, [f"warm_start.seed={base.train.seed}", "train.seed=7", "optim.lr=1e-3"])

@@ -37,3 +37,16 @@ def test_nothing_reached_is_said():
     runs = {"a": {1: _run({0: 0.1})}, "b": {1: _run({0: 0.2})}}
     text = "\n".join(markdown(reaches(runs, "eval/id/pass@1", 0.9), "eval/id/pass@1", 0.9))
     assert "No configuration reached the target." in text
+
+
+def test_final_values_are_compared_paired_by_seed():
+    from megatron_kl.study.reach import final_value_comparisons, final_value_markdown
+
+    def kl(value):
+        return [{"step": 0, "distill/exact_token": 2.0}, {"step": 9, "distill/exact_token": value}]
+
+    runs = {"exact": {1: kl(1.0), 2: kl(1.2)}, "k1": {1: kl(1.5), 2: kl(1.9)}, "rl": {1: [{"step": 9}], 2: []}}
+    rows = final_value_comparisons(runs, "distill/exact_token")
+    assert [(r["best"], r["other"]) for r in rows] == [("exact", "k1")]
+    assert rows[0]["estimate"] == pytest.approx((0.5 + 0.7) / 2) and rows[0]["low"] <= rows[0]["high"]
+    assert "**exact** ended 0.6 below **k1**" in "\n".join(final_value_markdown(rows, "distill/exact_token", "KL"))
