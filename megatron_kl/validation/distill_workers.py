@@ -23,6 +23,20 @@ def _full_output_weight(chunks, model_cfg) -> torch.Tensor:
     return torch.cat(pieces)[: model_cfg.vocab_size]
 
 
+def _student_and_teacher(student_cfg: ModelConfig, teacher_cfg: ModelConfig, parallel_cfg: ParallelConfig,
+                         student_state, teacher_state):
+    """Process groups for ``parallel_cfg``, then the student (trainable) and the frozen teacher in that layout with
+    their full states loaded, and the teacher's head."""
+    parallel.initialize(student_cfg, parallel_cfg, seed=1234)
+    tp_group = parallel.tp_group()
+    tp_rank, tp_size = dist.get_rank(tp_group), dist.get_world_size(tp_group)
+    student = builder.build_model_chunks(student_cfg, parallel_cfg)
+    teacher = builder.freeze(builder.build_model_chunks(teacher_cfg, parallel_cfg))
+    state.load_full_state_dict(student, student_state, False, tp_rank, tp_size)
+    state.load_full_state_dict(teacher, teacher_state, False, tp_rank, tp_size)
+    return student, teacher, output_head.ReferenceHead(teacher)
+
+
 def distill_step_worker(rank, world, student_cfg: ModelConfig, teacher_cfg: ModelConfig, parallel_cfg: ParallelConfig,
                         student_state, teacher_state, tokens, loss_mask, objective: KLConfig, fused: bool,
                         temperature: float = 1.0):
@@ -31,15 +45,8 @@ def distill_step_worker(rank, world, student_cfg: ModelConfig, teacher_cfg: Mode
     full layout: pi_old's log-probs and exact KL, the teacher's log-probs, both models' final hidden states and output
     weights (for a float64 recomputation), and the gradient."""
     torch.manual_seed(0)
-    parallel.initialize(student_cfg, parallel_cfg, seed=1234)
+    student, teacher, head = _student_and_teacher(student_cfg, teacher_cfg, parallel_cfg, student_state, teacher_state)
     tp_group, pp_group = parallel.tp_group(), parallel.pp_group()
-    tp_rank, tp_size = dist.get_rank(tp_group), dist.get_world_size(tp_group)
-    student = builder.build_model_chunks(student_cfg, parallel_cfg)
-    teacher = builder.freeze(builder.build_model_chunks(teacher_cfg, parallel_cfg))
-    state.load_full_state_dict(student, student_state, False, tp_rank, tp_size)
-    state.load_full_state_dict(teacher, teacher_state, False, tp_rank, tp_size)
-    head = output_head.ReferenceHead(teacher)
-
     vocab = pipeline.VocabOptions(vocab_size=student_cfg.vocab_size, temperature=temperature, chunk_size=5,
                                   fused=fused)
     batch = pipeline.SequenceBatch(tokens=tokens, loss_mask=loss_mask)
@@ -91,14 +98,7 @@ def descent_worker(rank, world, student_cfg: ModelConfig, teacher_cfg: ModelConf
                    student_state, teacher_state, tokens, loss_mask, objective: KLConfig, steps: int) -> list[float]:
     """``steps`` optimizer steps of the distillation term on one fixed batch; the exact KL(student || teacher) per
     response token over the batch before each step (pi_old's pass with the teacher's head)."""
-    parallel.initialize(student_cfg, parallel_cfg, seed=1234)
-    tp_group = parallel.tp_group()
-    tp_rank, tp_size = dist.get_rank(tp_group), dist.get_world_size(tp_group)
-    student = builder.build_model_chunks(student_cfg, parallel_cfg)
-    teacher = builder.freeze(builder.build_model_chunks(teacher_cfg, parallel_cfg))
-    state.load_full_state_dict(student, student_state, False, tp_rank, tp_size)
-    state.load_full_state_dict(teacher, teacher_state, False, tp_rank, tp_size)
-    head = output_head.ReferenceHead(teacher)
+    student, teacher, head = _student_and_teacher(student_cfg, teacher_cfg, parallel_cfg, student_state, teacher_state)
     vocab = pipeline.VocabOptions(vocab_size=student_cfg.vocab_size, fused=True)
     train = optim.build_train_state(student, optim.OptimConfig(lr=1e-3, clip_grad=1.0))
     zeros = torch.zeros(loss_mask.shape)
