@@ -31,7 +31,7 @@ import torch
 from megatron_kl.algo.config import LOSSES, OLD_LOGPROBS, RATIO_LEVELS, AlgoConfig, row_separable  # noqa: F401
 from megatron_kl.kl.corrections import correction_of
 from megatron_kl.kl.config import LOG_RATIO_CLAMP
-from megatron_kl.kl.estimators import ClampCounter, clamp_log_ratio
+from megatron_kl.kl.estimators import ClampCounter, TermCounter, clamp_log_ratio
 from megatron_kl.kl.objective import (KLConfig, aggregate_tokens, kl_loss, kl_penalty_credit,
                                      policy_gradient_surrogate)
 from megatron_kl.kl.rpg import rpg_loss
@@ -183,7 +183,8 @@ def microbatch_loss(stats, mb: Microbatch, algo: AlgoConfig, kl: KLConfig, share
                                                                       exact_to_reference, counter, axis))
         if distill is not None and distill.coef > 0 and distill.placement == "reward":
             inputs = dataclasses.replace(inputs, distill_returns=_credited(distill, inputs, inputs.teacher_logprobs,
-                                                                           mask, exact_to_teacher, counter, axis))
+                                                                           mask, exact_to_teacher,
+                                                                           TermCounter(counter, "distill"), axis))
     weight = None
     if algo.loss == "ppo":
         weight, correction = correction_of(algo).weights(inputs.old_logprobs, inputs.behavior_logprobs, mask,
@@ -201,21 +202,22 @@ def microbatch_loss(stats, mb: Microbatch, algo: AlgoConfig, kl: KLConfig, share
         metrics["policy/clip_fraction"] = rpg_metrics.get("rpg/clip_fraction", torch.zeros(()))
     policy_share = shares.factor(algo.aggregation, mask, axis)
     total = policy * policy_share
-    terms = [("kl_term", kl, inputs.reference_logprobs, inputs.kl_returns, exact_to_reference)]
+    terms = [("kl_term", kl, inputs.reference_logprobs, inputs.kl_returns, exact_to_reference, counter)]
     if distill is not None:
         if inputs.teacher_logprobs is None:
             raise ValueError("the microbatch carries no teacher_logprobs: the distillation term needs the teacher's "
                              "log-probs (LossInputs.into writes them into the batch)")
-        terms.append(("distill_term", distill, inputs.teacher_logprobs, inputs.distill_returns, exact_to_teacher))
-    for name, term, other_logprobs, returns, exact in terms:
+        terms.append(("distill_term", distill, inputs.teacher_logprobs, inputs.distill_returns, exact_to_teacher,
+                      TermCounter(counter, "distill") if counter is not None else None))
+    for name, term, other_logprobs, returns, exact, clamps in terms:
         if term.coef == 0:
             continue
         if term.placement == "reward":
-            value = -policy_gradient_surrogate(term, logprobs, returns, mask, inputs.behavior_logprobs, counter,
+            value = -policy_gradient_surrogate(term, logprobs, returns, mask, inputs.behavior_logprobs, clamps,
                                                behavior_weight=weight, axis=axis)
         else:
             value = kl_loss(term, logprobs, other_logprobs, mask, inputs.behavior_logprobs, full_kl=exact,
-                            counter=counter, behavior_weight=weight, axis=axis)
+                            counter=clamps, behavior_weight=weight, axis=axis)
         share = value * shares.factor(term.aggregation, mask, axis)
         total = total + share
         metrics[f"loss/{name}"] = share.detach()

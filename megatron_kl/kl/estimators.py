@@ -39,6 +39,19 @@ class ClampCounter:
         return {k if "/" in k else f"kl/clamped_{k}": v for k, v in self.counts.items()}
 
 
+@dataclass
+class TermCounter:
+    """A :class:`ClampCounter` seen by one named KL term: its clamps are filed as ``<term>/clamped_<name>`` (the
+    distillation term's as ``distill/clamped_k3``, apart from the reference term's ``kl/clamped_k3``)."""
+
+    base: Optional[ClampCounter]
+    term: str
+
+    def add(self, name: str, n: int) -> None:
+        if self.base is not None:
+            self.base.add(name if "/" in name else f"{self.term}/clamped_{name}", n)
+
+
 def clamp_log_ratio(
     log_ratio: torch.Tensor,
     clamp: Optional[float],

@@ -59,6 +59,8 @@ METRICS = (
            "every step with distillation"),
     Metric("distill/biased", "0/1", "1 when the distillation term's expected gradient is biased for distill.kl.target "
            "(audit verdict, docs/distillation.md)", "every step with a weighted distillation term"),
+    Metric("distill/clamped_<what>", "count", "log-ratio entries of the distillation term clamped to distill.kl.clamp "
+           "before an exp (k2/k3 terms, token importance weights, prefix weights)", "when something was clamped"),
     Metric("loss/distill_term", "loss", "coef x the distillation term added to the loss (a surrogate whose gradient "
            "is the term's; in the reward placement the credited penalty's surrogate)", "with distillation"),
     Metric("kl/clamped_<what>", "count", "log-ratio entries of a KL term clamped to kl.clamp before an exp (k2/k3 "

@@ -27,7 +27,7 @@ from megatron_kl.algo.advantages import sequence_advantages
 from megatron_kl.kl.corrections import mismatch_metrics
 from megatron_kl.algo.losses import MICROBATCH_TOKENS, LossInputs, MicrobatchLoss, Shares
 from megatron_kl.kl.config import LOG_RATIO_CLAMP
-from megatron_kl.kl.estimators import ClampCounter, token_estimate
+from megatron_kl.kl.estimators import ClampCounter, TermCounter, token_estimate
 from megatron_kl.kl.objective import kl_shaped_returns
 from megatron_kl.models import context_parallel, optim, output_head, pipeline, routing_replay
 from megatron_kl.models.moe_load import ExpertLoad
@@ -432,7 +432,7 @@ def rl_step(ctx: StepContext, batch: RolloutBatch, step: int) -> dict:
         if distill is not None:
             inputs = dataclasses.replace(inputs, distill_returns=kl_shaped_returns(
                 distill, no_reward, old.logprobs, teacher.logprobs, mask, batch.behavior_logprobs, full_kl=old.kl,
-                counter=ctx.clamps))
+                counter=TermCounter(ctx.clamps, "distill")))
     sequences = inputs.into(sequences)
     # the update's forward needs the exact KL for a full KL in the loss, and to be pi_old's stats (from_update)
     term = anchor_objective(cfg)

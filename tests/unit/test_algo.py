@@ -267,3 +267,35 @@ def test_loss_inputs_travel_by_name_and_a_missing_one_is_named():
     mb.reference_logprobs = None
     with pytest.raises(ValueError, match="reference_logprobs"):
         LossInputs.from_microbatch(mb)
+
+
+def test_the_distillation_term_adds_its_own_loss_and_files_its_own_clamps():
+    """Two KL terms in one microbatch: the distillation term (k3 to the teacher, far away: its log-ratios clamped)
+    adds kl_loss's value with log pi_teacher in log pi_ref's place, logged as loss/distill_term; its clamps are
+    distill/clamped_*, the reference term's kl/clamped_*."""
+    from megatron_kl.kl.estimators import ClampCounter
+    from megatron_kl.kl.objective import kl_loss
+    from megatron_kl.models.batch import SequenceBatch
+
+    g = torch.Generator().manual_seed(2)
+    b, t = 4, 5
+    mask = torch.ones(b, t, dtype=torch.float64)
+    logprobs = (-torch.rand(b, t, generator=g, dtype=torch.float64)).requires_grad_()
+    teacher = logprobs.detach() - 30.0  # |d| = 30 > the clamp at 20
+    zeros = torch.zeros(b, t, dtype=torch.float64)
+    batch = SequenceBatch(torch.zeros(b, t + 1, dtype=torch.long), mask, old_logprobs=logprobs.detach(),
+                          behavior_logprobs=logprobs.detach(), reference_logprobs=logprobs.detach() + 0.1,
+                          advantages=zeros, kl_returns=zeros, teacher_logprobs=teacher, distill_returns=zeros)
+    reference_term = KLConfig(estimator="k3", placement="loss", coef=0.1, aggregation="token_mean")
+    distill = KLConfig(estimator="k3", placement="loss", coef=0.5, aggregation="token_mean")
+    stats = VocabParallelStats(logprobs=logprobs, entropy=zeros, kl=None)
+    (mb,) = batch.split(1)
+    counter = ClampCounter()
+    total, metrics = microbatch_loss(stats, mb, AlgoConfig(aggregation="token_mean"), reference_term,
+                                     Shares(b, float(mask.sum())), counter, distill=distill)
+    expected = kl_loss(distill, logprobs, teacher, mask)
+    torch.testing.assert_close(metrics["loss/distill_term"], expected.detach(), rtol=1e-12, atol=1e-12)
+    reference = kl_loss(reference_term, logprobs, logprobs.detach() + 0.1, mask)
+    torch.testing.assert_close(total, expected + reference, rtol=1e-12, atol=1e-12)
+    assert counter.as_dict().get("distill/clamped_k3") == b * t
+    assert counter.as_dict().get("kl/clamped_k3", 0) == 0  # the reference term clamped nothing
