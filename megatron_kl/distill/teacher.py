@@ -144,13 +144,11 @@ def load_state_file(path: Path, field: str) -> dict[str, torch.Tensor]:
     return data
 
 
-def _full_state(cfg, model: ModelConfig, task, should_stop) -> dict:
-    from megatron_kl.train import warmstart
-
+def _full_state(cfg, model: ModelConfig, task, should_stop, warm_start: Callable) -> dict:
     teacher = cfg.distill.teacher
     if teacher.source == "checkpoint":
         return load_state_file(Path(teacher.checkpoint), "distill.teacher.checkpoint")
-    state_dict = warmstart.warm_start_state(_teacher_warm_start_config(cfg, model), task, should_stop)
+    state_dict = warm_start(_teacher_warm_start_config(cfg, model), task, should_stop)
     if state_dict is None:  # pragma: no cover - enabled is forced on above
         raise ConfigError("distill.teacher.source=warm_start produced no weights")
     return state_dict
@@ -189,9 +187,10 @@ class Teacher:
                                             capture_hidden=capture_hidden, token_budget=token_budget)
 
 
-def build_teacher(cfg, task, topology, should_stop: Optional[Callable] = None) -> Teacher:
+def build_teacher(cfg, task, topology, warm_start: Callable, should_stop: Optional[Callable] = None) -> Teacher:
     """The teacher of ``cfg.distill`` in its layout (the student's, or its own tensor-parallel one), weights loaded
-    and frozen (collective: every rank)."""
+    and frozen (collective: every rank). ``warm_start(cfg, task, should_stop)``: the trainer's warm-start function
+    (megatron_kl.train.warmstart.warm_start_state), for ``source=warm_start``."""
     model = check_teacher(cfg, dist.get_world_size())
     layout = teacher_parallel(cfg.distill.teacher, cfg.parallel)
     own = None
@@ -208,7 +207,7 @@ def build_teacher(cfg, task, topology, should_stop: Optional[Callable] = None) -
         hf.load_hf_into(chunks, hf.HFCheckpoint(teacher.hf_checkpoint), model, tp_group)
         where = teacher.hf_checkpoint
     else:
-        full = _full_state(cfg, model, task, should_stop)
+        full = _full_state(cfg, model, task, should_stop, warm_start)
         try:
             state.load_full_state_dict(chunks, full, model.tie_word_embeddings, tp_rank, tp_size)
         except (KeyError, ValueError) as err:

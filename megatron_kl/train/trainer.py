@@ -145,7 +145,8 @@ class Trainer:
             for chunks in (models.policy, models.reference):
                 state.load_full_state_dict(chunks, initial, cfg.model.tie_word_embeddings, dist.get_rank(tp_group),
                                            dist.get_world_size(tp_group))
-        self.teacher = build_teacher(cfg, task, topology, stop.agreed) if cfg.distill.enabled else None
+        self.teacher = (build_teacher(cfg, task, topology, warm_start_state, stop.agreed) if cfg.distill.enabled
+                        else None)
         self.train_state = optim.build_train_state(models.policy, cfg.optim)
         self.engine = build_engine(cfg, self.train_state.chunks, hf_source, self.run_path, topology.dp_rank)
         try:
