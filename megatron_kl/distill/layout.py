@@ -14,8 +14,6 @@ hidden states, [rows, S, H_teacher] per replica, when the exact KL is used) to e
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import torch.distributed as dist
 
@@ -83,15 +81,15 @@ def _divisor_at_most(rows: int, limit: int) -> int:
 def score_in_own_layout(chunks: list, own: OwnLayout, sequences: pipeline.SequenceBatch, microbatches: int,
                         vocab: pipeline.VocabOptions, capture_hidden: bool, token_budget: int, dp_rank: int,
                         dp_size: int) -> TokenStats:
-    """Collective over every rank: the teacher's stats of this rank's ``sequences`` (module docstring)."""
+    """Collective over every rank: the teacher's stats of this rank's ``sequences`` (module docstring); ``vocab`` as
+    the caller gives it (Teacher.score: the full softmax, never truncated)."""
     tokens, mask, starts = _global_batch(sequences, dp_rank, dp_size)
     share = torch.arange(tokens.shape[0]).tensor_split(own.replicas)[own.replica]
     payload = None
     if share.numel():
         batch = pipeline.SequenceBatch(tokens[share], mask[share])
-        stats = pipeline.compute_token_stats(chunks, batch, _divisor_at_most(share.numel(), microbatches),
-                                             dataclasses.replace(vocab, truncation=None), capture_hidden=capture_hidden,
-                                             token_budget=token_budget, own_layout=own)
+        stats = pipeline.compute_token_stats(chunks, batch, _divisor_at_most(share.numel(), microbatches), vocab,
+                                             capture_hidden=capture_hidden, token_budget=token_budget, own_layout=own)
         if dist.get_rank(own.tp) == 0:  # one copy per replica
             payload = (share, stats.logprobs, stats.entropy, stats.hidden)
     results: list = [None] * dist.get_world_size()
