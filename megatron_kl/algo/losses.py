@@ -35,6 +35,8 @@ from megatron_kl.kl.estimators import ClampCounter, TermCounter, clamp_log_ratio
 from megatron_kl.kl.objective import (KLConfig, aggregate_tokens, kl_loss, kl_penalty_credit,
                                      policy_gradient_surrogate)
 from megatron_kl.kl.rpg import rpg_loss
+from megatron_kl.kl.topk import top_k_divergence
+from megatron_kl.distill.config import TOP_K
 from megatron_kl.kl.sequence_axis import LOCAL, SequenceAxis
 from megatron_kl.models.batch import Microbatch, SequenceBatch
 from megatron_kl.models.pipeline import masked_token_stats
@@ -53,7 +55,8 @@ class LossInputs:
     - ``kl_returns``: the credited KL penalty -coef * c_t of the reward placement (None: formed from this forward,
       with ``old_logprobs``);
     - ``teacher_logprobs``: log pi_teacher(y_t) under distillation (None without), and ``distill_returns`` the
-      distillation term's credited penalty of its reward placement (None: formed from this forward).
+      distillation term's credited penalty of its reward placement (None: formed from this forward);
+      ``teacher_top_logprobs [b, T, k]``: the teacher's log-probs at its top-k ids (``distill.kl.estimator=topk``).
 
     The trainer writes them into the batch's fields of the same names (:meth:`into`); the loss reads them back
     (:meth:`from_microbatch`), so a missing input is an error naming it.
@@ -67,6 +70,7 @@ class LossInputs:
     kl_returns: Optional[torch.Tensor] = None
     teacher_logprobs: Optional[torch.Tensor] = None
     distill_returns: Optional[torch.Tensor] = None
+    teacher_top_logprobs: Optional[torch.Tensor] = None
 
     def into(self, batch: SequenceBatch) -> SequenceBatch:
         """``batch`` carrying these inputs (split with its rows): every field but the mask (the batch's own); those
@@ -176,6 +180,14 @@ def microbatch_loss(stats, mb: Microbatch, algo: AlgoConfig, kl: KLConfig, share
     metrics: dict = {}
     exact_to_reference = None if distill is not None else stats.kl
     exact_to_teacher = stats.kl if distill is not None else None
+    if distill is not None and distill.estimator == TOP_K:  # the top-k divergence in the exact KL's place
+        if stats.candidate_logprobs is None or inputs.teacher_top_logprobs is None:
+            raise ValueError("distill.kl.estimator=topk: the microbatch carries no teacher_top_ids / "
+                             "teacher_top_logprobs (the step writes the teacher's top-k into the batch)")
+        exact_to_teacher = top_k_divergence(stats.candidate_logprobs, inputs.teacher_top_logprobs,
+                                            distill.top_k_tail, inputs.loss_mask,
+                                            TermCounter(counter, "distill") if counter is not None else None)
+        distill = distill.per_position()
     if inputs.old_logprobs is None:  # algo.old_logprobs=from_update: this forward is pi_old's
         inputs = dataclasses.replace(inputs, old_logprobs=logprobs.detach())
         if kl.coef > 0 and kl.placement == "reward":

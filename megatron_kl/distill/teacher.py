@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from megatron_kl.config import ConfigError, ModelConfig
 from megatron_kl.distill.config import DistillConfig, TeacherConfig, teacher_parallel
+from megatron_kl.kl.kernels.candidates import top_k_logprobs
 from megatron_kl.models import builder, hf, output_head, parallel, pipeline, state
 from megatron_kl.models.offload import ReferenceOffload
 
@@ -27,6 +28,7 @@ log = logging.getLogger(__name__)
 
 # files whose bytes define an HF tokenizer's vocabulary (the first present is compared)
 TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model")
+TOP_K_CHUNK_ELEMENTS = 1 << 24  # teacher logits formed at a time for its top-k (64 MiB in float32)
 
 
 def teacher_model(teacher: TeacherConfig) -> ModelConfig:
@@ -185,6 +187,30 @@ class Teacher:
                                        token_budget, self.dp_rank, self.dp_size)
         return pipeline.compute_token_stats(self.chunks, sequences, microbatches, full,
                                             capture_hidden=capture_hidden, token_budget=token_budget)
+
+
+    @torch.no_grad()
+    def top_k(self, hidden: Optional[torch.Tensor], k: int, vocab: pipeline.VocabOptions, tp_group,
+              token_budget: int = TOP_K_CHUNK_ELEMENTS) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """The teacher's ``k`` most likely tokens at every target position of its pass's ``hidden [B, S, H]``: (ids
+        [B, S-1, k] int64, log-probs [B, S-1, k] float32) under its full softmax(z / T), formed through :attr:`head`
+        in the student's vocabulary partition (``tp_group``: the student's TP group, collective over it) a few rows
+        at a time (about ``token_budget`` logits each). (None, None) where the pass kept no hidden states (off the
+        last pipeline stage)."""
+        if hidden is None:
+            return None, None
+        rows, width = hidden.shape[0], hidden.shape[1]
+        head = self.head
+        ids = torch.zeros(rows, width - 1, k, dtype=torch.long)
+        logprobs = torch.zeros(rows, width - 1, k, dtype=torch.float32)
+        local_vocab = head.weight().shape[0]
+        step = max(1, token_budget // max(1, width * local_vocab))
+        for lo in range(0, rows, step):
+            part = slice(lo, min(rows, lo + step))
+            logits = head.logits(hidden[part].to(head.weight().device))[:, : width - 1]
+            top_ids, top_logprobs = top_k_logprobs(logits, k, tp_group, vocab.temperature, vocab.vocab_size)
+            ids[part], logprobs[part] = top_ids.cpu(), top_logprobs.float().cpu()
+        return ids, logprobs
 
 
 def build_teacher(cfg, task, topology, warm_start: Callable, should_stop: Optional[Callable] = None) -> Teacher:

@@ -19,7 +19,7 @@ import torch
 
 # the tensors that travel with the rows, in the order they are listed on SequenceBatch
 ROW_TENSORS = ("behavior_logprobs", "reference_logprobs", "advantages", "old_logprobs", "kl_returns", "routed_experts",
-               "reference_hidden", "teacher_logprobs", "distill_returns")
+               "reference_hidden", "teacher_logprobs", "distill_returns", "teacher_top_ids", "teacher_top_logprobs")
 
 
 @dataclass(slots=True)
@@ -31,6 +31,9 @@ class SequenceBatch:
       (:class:`megatron_kl.algo.losses.LossInputs`): ``behavior_logprobs`` log mu, ``reference_logprobs`` log pi_ref,
       ``advantages``, ``old_logprobs`` log pi_old, ``kl_returns`` the credited KL penalty of the reward placement;
       under distillation ``teacher_logprobs`` log pi_teacher and ``distill_returns`` the distillation term's penalty;
+    - per target position and candidate ``[B, S-1, k]`` (distillation with the top-k approximation): the teacher's k
+      most likely token ids ``teacher_top_ids`` (int64) and their log-probs ``teacher_top_logprobs``; a pass over a
+      batch carrying the ids also returns the model's log-probs at them (``TokenStats.candidate_logprobs``);
     - per input position: ``routed_experts [B, S, layers, k]`` the rollout engine's expert ids (routing replay),
       ``reference_hidden [B, S, H']`` the final hidden states of the model the exact KL is taken to on the fused path
       (the reference's; under distillation the teacher's, H' its width).
@@ -49,6 +52,8 @@ class SequenceBatch:
     reference_hidden: Optional[torch.Tensor] = None
     teacher_logprobs: Optional[torch.Tensor] = None
     distill_returns: Optional[torch.Tensor] = None
+    teacher_top_ids: Optional[torch.Tensor] = None
+    teacher_top_logprobs: Optional[torch.Tensor] = None
 
     def __post_init__(self):
         if self.tokens.dim() != 2:
@@ -152,7 +157,8 @@ class TokenStats:
     - ``kl``: the exact KL(pi || pi_ref) at the position over the whole vocabulary (with a reference head);
     - ``kept_mass``, ``support_size``, ``outside_support``: the truncated policy's support (with truncation);
     - ``hidden``: ``[B, S, H]`` final hidden states feeding the output layer, in the model's dtype (when captured;
-      None off the last pipeline stage).
+      None off the last pipeline stage);
+    - ``candidate_logprobs``: ``[B, S-1, k]`` log pi at the batch's ``teacher_top_ids`` (when it carries them).
     """
 
     logprobs: torch.Tensor
@@ -162,6 +168,7 @@ class TokenStats:
     support_size: Optional[torch.Tensor] = None
     outside_support: Optional[torch.Tensor] = None
     hidden: Optional[torch.Tensor] = None
+    candidate_logprobs: Optional[torch.Tensor] = None
 
     @property
     def truncated(self) -> bool:
@@ -175,10 +182,11 @@ class TokenStats:
                                             if (value := getattr(self, f.name)) is not None})
 
     @classmethod
-    def keys(cls, exact_kl: bool, truncated: bool) -> tuple:
+    def keys(cls, exact_kl: bool, truncated: bool, candidates: bool = False) -> tuple:
         """The per-token fields a pass computes: always log-probs and entropy, the exact KL with a reference head,
-        the support statistics with truncation."""
-        return ("logprobs", "entropy") + (("kl",) if exact_kl else ()) + (SUPPORT_KEYS if truncated else ())
+        the support statistics with truncation, the log-probs at the teacher's top-k ids with ``candidates``."""
+        return (("logprobs", "entropy") + (("kl",) if exact_kl else ()) + (SUPPORT_KEYS if truncated else ())
+                + (("candidate_logprobs",) if candidates else ()))
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_kl.config import sequence_multiple
-from megatron_kl.kl.kernels.fused_linear import linear_chunk_rows, fused_linear_stats
+from megatron_kl.kl.kernels.candidates import candidate_logits, candidate_logprobs, fused_candidate_logits
+from megatron_kl.kl.kernels.fused_linear import _gather_rows, linear_chunk_rows, fused_linear_stats
 from megatron_kl.kl.kernels.truncation import Truncation, effective
 from megatron_kl.kl.kernels.vocab_parallel import DEFAULT_CHUNK, VocabParallelStats, fused_stats
 from megatron_kl.models.fused_loss import single_pass_loss
@@ -100,9 +101,33 @@ def _unfused_stats(vocab: VocabOptions, reference: Optional[ReferenceHead], mb: 
     reference_logits = None
     if reference is not None and mb.reference_hidden is not None:
         reference_logits = reference.logits(mb.reference_hidden.to(logits.device))[:, :last]
-    return fused_stats(logits[:, :last], tp_group, targets=targets.to(logits.device),
-                       reference_logits=reference_logits, temperature=vocab.temperature,
-                       vocab_size=vocab.vocab_size, chunk_size=vocab.chunk_size, truncation=vocab.truncation)
+    stats = fused_stats(logits[:, :last], tp_group, targets=targets.to(logits.device),
+                        reference_logits=reference_logits, temperature=vocab.temperature,
+                        vocab_size=vocab.vocab_size, chunk_size=vocab.chunk_size, truncation=vocab.truncation)
+    if mb.teacher_top_ids is None:
+        return stats
+    ids = _with_targets(mb, targets, logits.device)
+    picked = candidate_logits(logits[:, :last], ids, tp_group, vocab.vocab_size)
+    return dataclasses.replace(stats, candidate_logprobs=candidate_logprobs(stats.logprobs, picked[..., :-1],
+                                                                            picked[..., -1], vocab.temperature))
+
+
+def _with_targets(mb: Microbatch, targets: torch.Tensor, device) -> torch.Tensor:
+    """The teacher's top-k ids [b, s-1, k] with each position's sampled token appended as id k + 1."""
+    return torch.cat([mb.teacher_top_ids.to(device), targets.to(device)[..., None]], -1)
+
+
+def _fused_candidates(vocab: VocabOptions, mb: Microbatch, stats: VocabParallelStats, hidden, weight, tp_group,
+                      sequence_parallel: bool) -> VocabParallelStats:
+    """``stats`` with log pi at the microbatch's ``teacher_top_ids`` from the hidden states ``[b, s(/tp), H]`` and
+    the weight shard (megatron_kl.kl.kernels.candidates: k logits per position, never the vocabulary's)."""
+    # megatron's [s, b] order, so the gradient reaching the TP collective is contiguous (its all-reduce runs on
+    # .contiguous(): a transposed gradient would be reduced in a copy and the result lost)
+    full = _gather_rows(hidden.transpose(0, 1), tp_group, sequence_parallel)  # [s, b, H]
+    ids = _with_targets(mb, mb.tokens[:, 1:], hidden.device).transpose(0, 1)  # [s-1, b, k+1]
+    picked = fused_candidate_logits(full[:-1], weight, ids, tp_group, vocab.vocab_size).transpose(0, 1)
+    return dataclasses.replace(stats, candidate_logprobs=candidate_logprobs(stats.logprobs, picked[..., :-1],
+                                                                            picked[..., -1], vocab.temperature))
 
 
 def _fused_stats(vocab: VocabOptions, reference: Optional[ReferenceHead], mb: Microbatch, hidden, weight, tp_group,
@@ -120,7 +145,10 @@ def _fused_stats(vocab: VocabOptions, reference: Optional[ReferenceHead], mb: Mi
     def per_sequence(value):
         return None if value is None else value.t()[:, :last]
 
-    return VocabParallelStats(*(per_sequence(getattr(stats, f.name)) for f in dataclasses.fields(stats)))
+    stats = VocabParallelStats(*(per_sequence(getattr(stats, f.name)) for f in dataclasses.fields(stats)))
+    if mb.teacher_top_ids is None:
+        return stats
+    return _fused_candidates(vocab, mb, stats, hidden, weight, tp_group, sequence_parallel)
 
 
 def _forward_step(vocab: VocabOptions, loss_fn: LossFn, num_microbatches: int, forward_only: bool,
@@ -140,7 +168,8 @@ def _forward_step(vocab: VocabOptions, loss_fn: LossFn, num_microbatches: int, f
     else:
         tokens = mb.tokens
         position_ids = torch.arange(tokens.shape[1], device=device).unsqueeze(0).expand_as(tokens)
-    single_pass = vocab.grad_in_forward and getattr(loss_fn, "row_separable", False) and not forward_only
+    single_pass = (vocab.grad_in_forward and getattr(loss_fn, "row_separable", False) and not forward_only
+                   and mb.teacher_top_ids is None)  # the single pass probes log-probs, entropy and KL only
     fused = inner.post_process and vocab.use_fused(tokens.numel(), output_weight(inner).shape[0],
                                                    single_sweep=forward_only or single_pass)
     tp_group = parallel_state.get_tensor_model_parallel_group() if own_tp_group is None else own_tp_group
@@ -254,7 +283,8 @@ def masked_token_stats(stats: VocabParallelStats, mb: Microbatch, keys) -> Micro
     zero at masked positions, with its ``rows``; on a context-parallel shard gathered back to the whole sequences
     [b, S-1]."""
     mask = mb.loss_mask.to(stats.logprobs.dtype)
-    out = {key: getattr(stats, key) * mask for key in keys}
+    out = {key: (value := getattr(stats, key)) * (mask if value.dim() == mask.dim() else mask[..., None])
+           for key in keys}
     if mb.cp_targets is not None:
         group = context_parallel_group()
         out = {key: context_parallel.gather_positions(value, group, mb.cp_targets) for key, value in out.items()}
@@ -271,13 +301,16 @@ def scatter_rows(parts: list[torch.Tensor], rows: list[torch.Tensor], shape,
     return full
 
 
-def assemble_token_stats(parts: list[MicrobatchStats], keys, shape, broadcast: bool = True) -> TokenStats:
+def assemble_token_stats(parts: list[MicrobatchStats], keys, shape, broadcast: bool = True,
+                         candidates: int = 0) -> TokenStats:
     """The batch's ``[B, S-1]`` float32 stats from its microbatches' :func:`masked_token_stats` (on the last
-    pipeline stage; empty elsewhere), on every pipeline rank (``broadcast``; without, where they were computed)."""
+    pipeline stage; empty elsewhere), on every pipeline rank (``broadcast``; without, where they were computed);
+    ``candidate_logprobs`` ``[B, S-1, candidates]``."""
     result = {}
     for key in keys:
-        full = scatter_rows([getattr(p.stats, key) for p in parts], [p.rows for p in parts], shape) if parts else None
-        result[key] = broadcast_from_last_stage(full, shape, torch.float32) if broadcast else full
+        size = (*shape, candidates) if key == "candidate_logprobs" else tuple(shape)
+        full = scatter_rows([getattr(p.stats, key) for p in parts], [p.rows for p in parts], size) if parts else None
+        result[key] = broadcast_from_last_stage(full, size, torch.float32) if broadcast else full
     return TokenStats(**result)
 
 
@@ -301,7 +334,8 @@ def compute_token_stats(
     """
     for chunk in chunks:
         chunk.eval()
-    keys = TokenStats.keys(reference is not None, vocab.truncation is not None)
+    candidates = 0 if batch.teacher_top_ids is None else batch.teacher_top_ids.shape[-1]
+    keys = TokenStats.keys(reference is not None, vocab.truncation is not None, candidates > 0)
     captured: list[torch.Tensor] = []
     hook = None
     if capture_hidden and getattr(chunks[-1], "post_process", False):
@@ -318,7 +352,8 @@ def compute_token_stats(
     finally:
         if hook is not None:
             hook.remove()
-    result = assemble_token_stats(outputs, keys, tuple(batch.loss_mask.shape), broadcast=own_layout is None)
+    result = assemble_token_stats(outputs, keys, tuple(batch.loss_mask.shape), broadcast=own_layout is None,
+                                  candidates=candidates)
     if capture_hidden:
         hidden = None
         cp_group = context_parallel_group() if own_layout is None else None

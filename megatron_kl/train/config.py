@@ -13,7 +13,7 @@ from typing import Optional
 from megatron_kl.algo.config import AlgoConfig, row_separable
 from megatron_kl.config import ConfigError, ModelConfig, ParallelConfig, load_yaml
 from megatron_kl.constraints import SEED_MAX, checked
-from megatron_kl.distill.config import DistillConfig
+from megatron_kl.distill.config import TOP_K, DistillConfig
 from megatron_kl.kl.config import AUTO, KLConfig, Verdict
 from megatron_kl.launch_config import LaunchConfig
 from megatron_kl.models.optim_config import OptimConfig
@@ -364,10 +364,29 @@ def _check_distillation(cfg: TrainConfig) -> None:
                           "distillation term a weight (distill.kl.coef > 0) or keep the task reward")
     if objective.estimator == AUTO and objective.coef == 0:
         return
+    if objective.estimator == TOP_K:
+        _check_top_k(cfg)
     if objective.off_policy == "behavior" and (cfg.algo.loss != "ppo" or cfg.algo.behavior_correction == "none"):
         raise ConfigError("distill.kl.off_policy=behavior weights the distillation term with "
                           "algo.behavior_correction's weights: set algo.behavior_correction (with algo.loss=ppo) or "
                           "choose another distill.kl.off_policy")
+
+
+def _check_top_k(cfg: TrainConfig) -> None:
+    """distill.kl.estimator=topk against the model, the sampler and the layout."""
+    objective = cfg.distill.kl
+    if objective.top_k >= cfg.model.vocab_size:
+        raise ConfigError(f"distill.kl.top_k={objective.top_k} covers the whole vocabulary (model.vocab_size="
+                          f"{cfg.model.vocab_size}): use distill.kl.estimator=full, the exact KL, instead")
+    if cfg.rollout.sampling.trained_truncation(cfg.model.vocab_size) is not None:
+        raise ConfigError("distill.kl.estimator=topk with a truncated sampling distribution (rollout.sampling.top_k / "
+                          "top_p, rollout.sampling.distribution=truncated): the student's log-probs at the teacher's "
+                          "top-k ids are those of the full softmax; use distill.kl.estimator=full (the truncated "
+                          "policy's exact KL) or train the full distribution")
+    if cfg.parallel.context_parallel > 1:
+        raise ConfigError(f"distill.kl.estimator=topk with parallel.context_parallel={cfg.parallel.context_parallel}: "
+                          "the teacher's top-k rows are not split over context-parallel ranks; use context_parallel=1 "
+                          "or distill.kl.estimator=full")
 
 
 def distill_verdict(cfg: TrainConfig):

@@ -52,15 +52,17 @@ METRICS = (
     Metric("kl/<estimator>_sequence", "nats/sequence", "mean per-sequence sum of the KL estimate", _REF),
     Metric("kl/biased", "0/1", "1 when the configured KL term's expected gradient is biased for kl.target (audit "
            "verdict, docs/kl-math.md)", "every step with a KL term"),
-    Metric("distill/<estimator>_token", "nats/token", "mean per-token KL(pi || pi_teacher) estimate: k1, k3, or exact "
-           "(full vocabulary; the exact KL is the teacher's, not the reference's, under distillation)",
+    Metric("distill/<estimator>_token", "nats/token", "mean per-token KL(pi || pi_teacher) estimate: k1, k3, exact "
+           "(full vocabulary; the exact KL is the teacher's, not the reference's, under distillation), or topk (the "
+           "top-k divergence of distill.kl.estimator=topk, its distill.kl.top_k_tail form: an approximation)",
            "every step with distillation"),
     Metric("distill/<estimator>_sequence", "nats/sequence", "mean per-sequence sum of the KL-to-teacher estimate",
            "every step with distillation"),
     Metric("distill/biased", "0/1", "1 when the distillation term's expected gradient is biased for distill.kl.target "
            "(audit verdict, docs/distillation.md)", "every step with a weighted distillation term"),
     Metric("distill/clamped_<what>", "count", "log-ratio entries of the distillation term clamped to distill.kl.clamp "
-           "before an exp (k2/k3 terms, token importance weights, prefix weights)", "when something was clamped"),
+           "before an exp (k2/k3 terms, token importance weights, prefix weights); topk_tail: positions whose teacher "
+           "rest mass (1 - its top-k mass) was below 1e-12 and floored there", "when something was clamped"),
     Metric("loss/distill_term", "loss", "coef x the distillation term added to the loss (a surrogate whose gradient "
            "is the term's; in the reward placement the credited penalty's surrogate)", "with distillation"),
     Metric("kl/clamped_<what>", "count", "log-ratio entries of a KL term clamped to kl.clamp before an exp (k2/k3 "

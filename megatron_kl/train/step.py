@@ -29,6 +29,8 @@ from megatron_kl.algo.losses import MICROBATCH_TOKENS, LossInputs, MicrobatchLos
 from megatron_kl.kl.config import LOG_RATIO_CLAMP
 from megatron_kl.kl.estimators import ClampCounter, TermCounter, token_estimate
 from megatron_kl.kl.objective import kl_shaped_returns
+from megatron_kl.kl.topk import top_k_divergence
+from megatron_kl.distill.config import TOP_K
 from megatron_kl.models import context_parallel, optim, output_head, pipeline, routing_replay
 from megatron_kl.models.moe_load import ExpertLoad
 from megatron_kl.models.offload import ReferenceOffload
@@ -242,6 +244,7 @@ class Scores:
     old: Optional[pipeline.TokenStats] = None
     teacher: Optional[pipeline.TokenStats] = None
     unreplayed: Optional[torch.Tensor] = None
+    teacher_top_logprobs: Optional[torch.Tensor] = None  # distill.kl.estimator=topk: [B, S-1, k]
 
 
 def _scoring_passes(ctx: StepContext, sequences: pipeline.SequenceBatch, step: int, vocab, timings: dict) -> Scores:
@@ -266,10 +269,14 @@ def _scoring_passes(ctx: StepContext, sequences: pipeline.SequenceBatch, step: i
                 if capture and scores.reference.hidden is not None:
                     sequences.reference_hidden = scores.reference.hidden
         if distilling:
+            top_k = cfg.distill.kl.top_k if cfg.distill.kl.estimator == TOP_K else 0
             with phase("teacher", timings):  # bringing an offloaded teacher back counts here
                 resident.enter_context(ctx.teacher.offload.resident())  # its head serves the pi_old pass too
-                scores.teacher = ctx.teacher.score(sequences, microbatches, vocab, capture_hidden=exact,
+                scores.teacher = ctx.teacher.score(sequences, microbatches, vocab, capture_hidden=exact or top_k > 0,
                                                    token_budget=cfg.train.micro_batch_tokens)
+                if top_k:  # the teacher as its top-k tokens: the passes below score the student at those ids
+                    sequences.teacher_top_ids, scores.teacher_top_logprobs = _teacher_top_k(
+                        ctx, scores.teacher.hidden, top_k, vocab, sequences.loss_mask.shape)
                 if exact and scores.teacher.hidden is not None:
                     sequences.reference_hidden = scores.teacher.hidden
         anchor = scores.teacher if distilling else scores.reference
@@ -286,6 +293,21 @@ def _scoring_passes(ctx: StepContext, sequences: pipeline.SequenceBatch, step: i
                                                                  vocab, token_budget=cfg.train.micro_batch_tokens
                                                                  ).logprobs
     return scores
+
+
+def _teacher_top_k(ctx: StepContext, hidden, k: int, vocab, shape) -> tuple[torch.Tensor, torch.Tensor]:
+    """The teacher's top-k ids and log-probs [B, S-1, k] (formed on the last pipeline stage) on every pipeline
+    rank."""
+    ids, logprobs = ctx.teacher.top_k(hidden, k, vocab, ctx.topology.tp_group)
+    size = (*shape, k)
+    return (pipeline.broadcast_from_last_stage(ids, size, torch.long),
+            pipeline.broadcast_from_last_stage(logprobs, size, torch.float32))
+
+
+def teacher_top_k_divergence(cfg, old: pipeline.TokenStats, teacher_top_logprobs, mask, counter=None):
+    """Per position, pi_old's top-k divergence to the teacher (distill.kl.estimator=topk: megatron_kl.kl.topk)."""
+    return top_k_divergence(old.candidate_logprobs, teacher_top_logprobs, cfg.distill.kl.top_k_tail, mask,
+                            counter) * mask
 
 
 def _replays(cfg, sequences) -> bool:
@@ -306,9 +328,9 @@ def _recording(ctx: StepContext):
     return ctx.expert_load.recording() if ctx.expert_load is not None else nullcontext()
 
 
-def _stitch(loss: MicrobatchLoss, order: torch.Tensor, shape) -> pipeline.TokenStats:
+def _stitch(loss: MicrobatchLoss, order: torch.Tensor, shape, candidates: int = 0) -> pipeline.TokenStats:
     """pi_old's stats [N, T] from the update's microbatches (whose rows are ``order``), on every pipeline rank."""
-    return pipeline.assemble_token_stats(loss.captured, loss.captured_keys, shape).placed(order)
+    return pipeline.assemble_token_stats(loss.captured, loss.captured_keys, shape, candidates=candidates).placed(order)
 
 
 def _update(ctx: StepContext, sequences: pipeline.SequenceBatch, step: int, vocab,
@@ -332,7 +354,8 @@ def _update(ctx: StepContext, sequences: pipeline.SequenceBatch, step: int, voca
             loss = MicrobatchLoss(algo, cfg.kl, shares, ctx.clamps, axis=axis,
                                   captured=[] if sequences.old_logprobs is None else None,
                                   captured_keys=pipeline.TokenStats.keys(reference_head is not None,
-                                                                         vocab.truncation is not None),
+                                                                         vocab.truncation is not None,
+                                                                         sequences.teacher_top_ids is not None),
                                   distill=cfg.distill.kl if cfg.distill.enabled else None)
             with ctx.anchor_offload.resident() if reference_head is not None else nullcontext():
                 out = optim.train_step(ctx.train_state, minibatch, run.micro_batches, loss, vocab,
@@ -355,7 +378,8 @@ def _update(ctx: StepContext, sequences: pipeline.SequenceBatch, step: int, voca
                         counts[key] += weight
             lr = out.lr
             if loss.captured is not None:
-                captured = _stitch(loss, order, tuple(sequences.loss_mask.shape))
+                top = sequences.teacher_top_ids
+                captured = _stitch(loss, order, tuple(sequences.loss_mask.shape), 0 if top is None else top.shape[-1])
     # per-token metrics: weighted by each microbatch's response tokens (the minibatch value however the rows
     # were split); *_max: the largest
     metrics = {k: v if k.endswith("_max") else v / max(counts[k], 1e-12) for k, v in sums.items()
@@ -420,7 +444,8 @@ def rl_step(ctx: StepContext, batch: RolloutBatch, step: int) -> dict:
     inputs = LossInputs(loss_mask=mask, behavior_logprobs=batch.behavior_logprobs,
                         reference_logprobs=reference.logprobs if reference is not None else zeros,  # unread: no KL
                         advantages=advantages[:, None] * mask,
-                        teacher_logprobs=teacher.logprobs if teacher is not None else None)
+                        teacher_logprobs=teacher.logprobs if teacher is not None else None,
+                        teacher_top_logprobs=scores.teacher_top_logprobs)
     if old is not None:
         no_reward = torch.zeros_like(batch.rewards)
         returns = torch.zeros(mask.shape, dtype=old.logprobs.dtype)
@@ -430,9 +455,13 @@ def rl_step(ctx: StepContext, batch: RolloutBatch, step: int) -> dict:
                                         full_kl=old.kl if teacher is None else None, counter=ctx.clamps)
         inputs = dataclasses.replace(inputs, old_logprobs=old.logprobs, kl_returns=returns)
         if distill is not None:
+            per_position = old.kl
+            if scores.teacher_top_logprobs is not None:
+                per_position = teacher_top_k_divergence(cfg, old, scores.teacher_top_logprobs, mask,
+                                                        TermCounter(ctx.clamps, "distill"))
             inputs = dataclasses.replace(inputs, distill_returns=kl_shaped_returns(
-                distill, no_reward, old.logprobs, teacher.logprobs, mask, batch.behavior_logprobs, full_kl=old.kl,
-                counter=TermCounter(ctx.clamps, "distill")))
+                distill.per_position(), no_reward, old.logprobs, teacher.logprobs, mask, batch.behavior_logprobs,
+                full_kl=per_position, counter=TermCounter(ctx.clamps, "distill")))
     sequences = inputs.into(sequences)
     # the update's forward needs the exact KL for a full KL in the loss, and to be pi_old's stats (from_update)
     term = anchor_objective(cfg)
@@ -448,6 +477,10 @@ def rl_step(ctx: StepContext, batch: RolloutBatch, step: int) -> dict:
         metrics.update(kl_metrics(old.logprobs, reference.logprobs, old.kl if teacher is None else None, mask))
     if teacher is not None:
         metrics.update(kl_metrics(old.logprobs, teacher.logprobs, old.kl, mask, prefix="distill"))
+        if scores.teacher_top_logprobs is not None and old.candidate_logprobs is not None:
+            top_k = teacher_top_k_divergence(cfg, old, scores.teacher_top_logprobs, mask)
+            metrics["distill/topk_token"] = _masked_mean(top_k, mask)
+            metrics["distill/topk_sequence"] = float(top_k.sum(-1).mean())
     metrics["entropy/mean"] = _masked_mean(old.entropy, mask)
     metrics.update(rollout_metrics(batch, old.logprobs, step))
     metrics.update(replay_metrics(scores.unreplayed, batch))

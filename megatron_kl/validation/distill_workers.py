@@ -11,7 +11,11 @@ from megatron_kl.algo.config import AlgoConfig
 from megatron_kl.algo.losses import LossInputs, MicrobatchLoss, Shares
 from megatron_kl.config import ModelConfig, ParallelConfig
 from megatron_kl.kl.objective import KLConfig, kl_shaped_returns
+from megatron_kl.distill.config import TOP_K
+from megatron_kl.distill.teacher import Teacher
+from megatron_kl.kl.topk import top_k_divergence
 from megatron_kl.models import builder, optim, output_head, parallel, pipeline, state
+from megatron_kl.models.offload import ReferenceOffload
 
 
 def _full_output_weight(chunks, model_cfg) -> torch.Tensor:
@@ -52,6 +56,13 @@ def distill_step_worker(rank, world, student_cfg: ModelConfig, teacher_cfg: Mode
     batch = pipeline.SequenceBatch(tokens=tokens, loss_mask=loss_mask)
     teacher_stats = pipeline.compute_token_stats(teacher, batch, 2, vocab, capture_hidden=True)
     batch.reference_hidden = teacher_stats.hidden
+    top_logprobs = None
+    if objective.estimator == TOP_K:  # the teacher as its top-k, formed as the trainer forms it
+        frozen = Teacher(teacher, teacher_cfg, ReferenceOffload(teacher, False))
+        ids, top_logprobs = frozen.top_k(teacher_stats.hidden, objective.top_k, vocab, tp_group)
+        shape = (*loss_mask.shape, objective.top_k)
+        batch.teacher_top_ids = pipeline.broadcast_from_last_stage(ids, shape, torch.long)
+        top_logprobs = pipeline.broadcast_from_last_stage(top_logprobs, shape, torch.float32)
     old = pipeline.compute_token_stats(student, batch, 2, vocab, reference=head, capture_hidden=True)
 
     last_stage = old.hidden is not None
@@ -60,10 +71,16 @@ def distill_step_worker(rank, world, student_cfg: ModelConfig, teacher_cfg: Mode
     mask = loss_mask
     zeros = torch.zeros(mask.shape)
     rewards = torch.zeros(tokens.shape[0])
+    per_position = old.kl
+    if top_logprobs is not None:
+        per_position = top_k_divergence(old.candidate_logprobs, top_logprobs, objective.top_k_tail) * mask
     inputs = LossInputs(loss_mask=mask, behavior_logprobs=old.logprobs, reference_logprobs=zeros, advantages=zeros,
                         old_logprobs=old.logprobs, kl_returns=zeros, teacher_logprobs=teacher_stats.logprobs,
-                        distill_returns=kl_shaped_returns(objective, rewards, old.logprobs, teacher_stats.logprobs,
-                                                          mask, old.logprobs, full_kl=old.kl))
+                        distill_returns=kl_shaped_returns(objective.per_position() if top_logprobs is not None
+                                                          else objective, rewards, old.logprobs,
+                                                          teacher_stats.logprobs, mask, old.logprobs,
+                                                          full_kl=per_position),
+                        teacher_top_logprobs=top_logprobs)
     train = optim.build_train_state(student, optim.OptimConfig(lr=1e-3, clip_grad=0.0))
     shares = Shares(num_sequences=tokens.shape[0], num_tokens=float(mask.sum()))
     loss = MicrobatchLoss(AlgoConfig(), KLConfig(coef=0.0), shares, distill=objective)
@@ -75,7 +92,8 @@ def distill_step_worker(rank, world, student_cfg: ModelConfig, teacher_cfg: Mode
         "last_stage": last_stage, "logprobs": old.logprobs, "kl": old.kl, "teacher_logprobs": teacher_stats.logprobs,
         "hidden": old.hidden, "teacher_hidden": teacher_stats.hidden,
         "weight": weights[0], "teacher_weight": weights[1],
-        "grads": grads,
+        "grads": grads, "teacher_top_ids": batch.teacher_top_ids, "teacher_top_logprobs": top_logprobs,
+        "candidate_logprobs": old.candidate_logprobs,
     }
 
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from megatron_kl.config import ModelConfig, ParallelConfig
+from megatron_kl.distill.config import DistillObjective
 from megatron_kl.kl.objective import KLConfig
 from megatron_kl.testing.distributed import run_ranks
 from megatron_kl.validation.distill_workers import descent_worker, distill_step_worker, states_worker
@@ -175,3 +176,91 @@ def test_a_teacher_in_its_own_tensor_parallel_layout_gives_the_single_rank_resul
         for key, expected in single["grads"].items():
             err = ((outs[0]["grads"][key] - expected).abs().max() / expected.abs().max().clamp_min(1e-6)).item()
             assert err < 1e-4, (key, err)
+
+
+TOP_K_OBJECTIVES = {
+    "topk7_bucket-loss-sequence": DistillObjective(estimator="topk", top_k=7, top_k_tail="bucket", coef=0.5,
+                                                   aggregation="seq_mean_token_sum"),
+    "topk7_renormalize-loss-token": DistillObjective(estimator="topk", top_k=7, top_k_tail="renormalize",
+                                                     level="token", coef=0.5, aggregation="seq_mean_token_sum"),
+    "topk3_bucket-reward-token-rtg": DistillObjective(estimator="topk", top_k=3, placement="reward", level="token",
+                                                      coef=0.5, aggregation="seq_mean_token_sum"),
+}
+
+
+def _top_k64(logp, logq, ids, tail):
+    """The top-k divergence written out from its definition (megatron_kl.kl.topk), float64, naive."""
+    a, b = logp.gather(-1, ids), logq.gather(-1, ids)
+    if tail == "renormalize":
+        qa, qb = a.log_softmax(-1), b.log_softmax(-1)
+        return (qa.exp() * (qa - qb)).sum(-1)
+    rest_a, rest_b = 1 - a.exp().sum(-1), 1 - b.exp().sum(-1)
+    return (a.exp() * (a - b)).sum(-1) + rest_a * torch.log(rest_a / rest_b)
+
+
+def _top_k_objective64(objective, logp, logq, ids, targets, mask):
+    m = mask.double()
+    d_t = _top_k64(logp, logq, ids, objective.top_k_tail) * m
+    chosen = logp.gather(-1, targets[..., None])[..., 0] * m
+    batch, coef = mask.shape[0], objective.coef
+    if objective.placement == "reward":  # REINFORCE with the reward-to-go of the fixed per-position values
+        credit = d_t.detach().flip(-1).cumsum(-1).flip(-1)
+        return coef * (chosen * credit).sum() / batch
+    if objective.level == "token":
+        return coef * d_t.sum() / batch
+    future = d_t.detach().flip(-1).cumsum(-1).flip(-1) - d_t.detach()
+    return coef * (d_t + chosen * future).sum() / batch
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_teacher_top_k_and_the_students_log_probs_at_it_match_float64(states, tp):
+    objective = TOP_K_OBJECTIVES["topk7_bucket-loss-sequence"]
+    for fused in (False, True):
+        out, _, tokens, mask = _run(states, ParallelConfig(tensor_parallel=tp), objective, fused)
+        logp = _log_softmax64(out["hidden"][:, :-1], out["weight"])
+        logq = _log_softmax64(out["teacher_hidden"][:, :-1], out["teacher_weight"])
+        expected_ids = logq.topk(objective.top_k, -1).indices
+        assert torch.equal(out["teacher_top_ids"], expected_ids), (tp, fused)
+        err = (out["teacher_top_logprobs"].double() - logq.gather(-1, expected_ids)).abs().max().item()
+        assert err < 1e-5, (tp, fused, err)
+        on = mask.bool()
+        student_at_ids = logp.gather(-1, expected_ids)
+        err = (out["candidate_logprobs"][on].double() - student_at_ids[on]).abs().max().item()
+        assert err < 1e-5, (tp, fused, err)
+        assert (out["candidate_logprobs"][~on] == 0).all()
+
+
+@pytest.mark.parametrize("name", list(TOP_K_OBJECTIVES))
+def test_output_weight_gradient_of_each_top_k_objective_matches_float64(states, name):
+    objective = TOP_K_OBJECTIVES[name]
+    out, grads, tokens, mask = _run(states, ParallelConfig(), objective, fused=True)
+    weight = out["weight"].double().requires_grad_(True)
+    logp = torch.log_softmax(out["hidden"][:, :-1].double() @ weight.t(), -1)
+    logq = _log_softmax64(out["teacher_hidden"][:, :-1], out["teacher_weight"])
+    ids = logq.topk(objective.top_k, -1).indices
+    _top_k_objective64(objective, logp, logq, ids, tokens[:, 1:], mask).backward()
+    expected, actual = weight.grad, grads["output_layer.weight"].double()
+    err = ((actual - expected).abs().max() / expected.abs().max()).item()
+    assert expected.abs().max() > 1e-4
+    assert err < 1e-4, (name, err)
+
+
+def test_top_k_term_under_tensor_and_pipeline_parallel_gives_the_single_rank_gradients(states):
+    objective = TOP_K_OBJECTIVES["topk7_bucket-loss-sequence"]
+    _, single, _, _ = _run(states, ParallelConfig(), objective, fused=True)
+    for layout, fused in ((ParallelConfig(tensor_parallel=2), True), (ParallelConfig(tensor_parallel=2), False),
+                          (ParallelConfig(pipeline_parallel=2), True)):
+        _, grads, _, _ = _run(states, layout, objective, fused)
+        for key, expected in single.items():
+            err = ((grads[key] - expected).abs().max() / expected.abs().max().clamp_min(1e-6)).item()
+            assert err < 1e-4, (layout, fused, key, err)
+
+
+def test_a_top_k_teacher_equal_to_the_student_gives_zero_divergence_and_no_gradient(states):
+    objective = TOP_K_OBJECTIVES["topk7_bucket-loss-sequence"]
+    out, grads, _, mask = _run(states, ParallelConfig(tensor_parallel=2), objective, fused=True,
+                               teacher_cfg=STUDENT, teacher_state=states["student"])
+    on = mask.bool()
+    assert (out["candidate_logprobs"][on] - out["teacher_top_logprobs"][on]).abs().max().item() < 1e-5
+    largest = max(g.abs().max().item() for g in grads.values())
+    assert largest < 1e-5, largest

@@ -38,6 +38,14 @@ def test_off_by_default_and_the_run_keys_stay(tmp_path):
     (["distill.kl.off_policy=behavior"], "distill.kl.off_policy=behavior"),
     (["distill.teacher.warm_start_steps=0"], "distill.teacher.warm_start_steps"),
     (["distill.kl.placement=reward", "distill.kl.credit=immediate"], "distill.kl.credit does not apply"),
+    (["distill.kl.estimator=topk", "distill.kl.top_k=32"], "distill.kl.top_k=32 covers the whole vocabulary"),
+    (["distill.kl.estimator=topk", "distill.kl.top_k=0"], "distill.kl.top_k"),
+    (["distill.kl.estimator=topk", "distill.kl.top_k_tail=drop"], "distill.kl.top_k_tail"),
+    (["distill.kl.estimator=topk", "rollout.sampling.top_k=5", "rollout.sampling.distribution=truncated"],
+     "distill.kl.estimator=topk with a truncated sampling distribution"),
+    (["distill.kl.estimator=topk", "parallel.context_parallel=2"], "parallel.context_parallel=2"),
+    (["distill.kl.estimator=topk", "distill.kl.level=token", "distill.kl.off_policy=token_is"],
+     "distill.kl.off_policy"),
 ])
 def test_bad_settings_are_refused_naming_the_field(tmp_path, overrides, named):
     with pytest.raises(ConfigError, match=named.replace(".", r"\.")):
@@ -87,3 +95,12 @@ def test_prepare_checks_the_teacher_against_the_student_and_the_task(tmp_path):
         prepare(_load(tmp_path, "distill.teacher.tensor_parallel=2"))
     with pytest.raises(ConfigError, match="distill.teacher.pipeline_parallel=1"):
         prepare(_load(tmp_path, "distill.teacher.pipeline_parallel=2"))
+
+
+def test_the_top_k_approximation_is_named_as_such_and_judged_biased(tmp_path):
+    cfg = _load(tmp_path, "distill.kl.estimator=topk", "distill.kl.top_k=8", "distill.kl.top_k_tail=renormalize")
+    assert cfg.run_name.startswith("distill-topk8_renormalize-loss-sequence-coef1-"), cfg.run_name
+    assert cfg.distill.kl.per_position().estimator == "full" and cfg.distill.kl.per_position().level == "sequence"
+    verdict = distill_verdict(cfg)
+    assert not verdict.unbiased and verdict.rel_bias > 1e-2
+    assert "topk8_renormalize-loss-sequence: BIASED" in verdict.describe()

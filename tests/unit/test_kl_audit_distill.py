@@ -73,3 +73,37 @@ def test_the_trainers_verdict_agrees_with_the_teacher_problem():
         for target, short in (("sequence_reverse", "seq"), ("token_reverse", "token")):
             verdict = judge(dataclasses.replace(config, target=target), "on_policy", correction)
             assert verdict.unbiased == (row.rel_bias[short] < UNBIASED_TOL), (config.name, target)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_the_top_k_term_is_unbiased_for_its_own_surrogate_and_biased_for_the_kl(seed):
+    """With the teacher known on its top-k of 3 tokens (bucketed rest: k=1, the rest two tokens; renormalised: k=2),
+    the sequence-level top-k term's expected gradient is exactly the gradient of E_pi[sum_t D_t] (D_t the top-k
+    divergence at the prefix: the surrogate it names) and biased for the KL to the teacher; one more token (the bucket
+    then holds one token, the renormalised top-k all three) makes it the exact term."""
+    from megatron_kl.distill.config import DistillObjective
+    from megatron_kl.kl.audit.exact import _estimator_gradients, top_k_rows
+
+    problem = teacher_problem(seed=seed)
+    for tail, k in (("bucket", 1), ("renormalize", 2)):
+        term = DistillObjective(estimator="topk", top_k=k, top_k_tail=tail, coef=0.1, aggregation="seq_mean_token_sum")
+        grads, q = _estimator_gradients(problem, term, off_policy=False)
+        expectation = (q.view(-1, 1, 1) * grads).sum(0)
+        lp = problem.log_probs(problem.policy_table).gather(-1, problem.sequences[..., None])[..., 0]
+        surrogate = (lp.sum(-1).exp() * top_k_rows(problem, k, tail).sum(-1)).sum()
+        (target,) = torch.autograd.grad(surrogate, problem.policy_table, retain_graph=True)
+        assert ((expectation - target).norm() / target.norm()).item() < UNBIASED_TOL, tail
+        row = audit(problem, False, [term])[0]
+        assert row.rel_bias["seq"] > 1e-2 and row.name == f"topk{k}_{tail}-loss-sequence"
+        whole = audit(problem, False, [dataclasses.replace(term, top_k=k + 1)])[0]
+        assert whole.rel_bias["seq"] < UNBIASED_TOL, tail
+
+
+def test_the_recipes_table_states_the_top_k_bias():
+    from megatron_kl.kl.audit.distill import format_recipes
+
+    verdicts = recipe_verdicts(teacher_problem(seed=0))
+    top_k = [(name, row) for name, row in verdicts if row.name.startswith("topk")]
+    assert len(top_k) == 2 and all(row.rel_bias["seq"] > 1e-2 for _, row in top_k)
+    table = format_recipes(verdicts)
+    assert "topk1_bucket-loss-sequence" in table and "no KL (biased for each)" in table

@@ -24,7 +24,9 @@ import torch
 from megatron_kl.kl.audit.exact import AuditRow, TabularProblem, _estimator_gradients, audit, exact_targets
 from megatron_kl.kl.config import UNBIASED_TOL
 from megatron_kl.kl.objective import KLConfig
+from megatron_kl.distill.config import DistillObjective
 
+TOKEN_SUM = "seq_mean_token_sum"  # the audit's plain sum over tokens (KLConfig's default; DistillObjective's is token_mean)
 # recipe name -> the distillation term's configuration (distill.kl.*)
 RECIPES = {
     "exact reverse KL in the loss, sequence level (this project's default)":
@@ -37,6 +39,10 @@ RECIPES = {
         KLConfig(estimator="k1", placement="reward", level="token", credit="reward_to_go", coef=0.1),
     "sampled k3 per token in the loss":
         KLConfig(estimator="k3", placement="loss", level="token", coef=0.1),
+    "teacher's top-1 of 3, rest as one outcome, sequence level (a served teacher)":
+        DistillObjective(estimator="topk", top_k=1, top_k_tail="bucket", coef=0.1, aggregation=TOKEN_SUM),
+    "teacher's top-2 of 3, renormalised, sequence level":
+        DistillObjective(estimator="topk", top_k=2, top_k_tail="renormalize", coef=0.1, aggregation=TOKEN_SUM),
 }
 
 
@@ -79,13 +85,13 @@ def combined_bias(problem: TabularProblem, teacher_table: torch.Tensor, rewards:
 def format_recipes(verdicts: list[tuple[str, AuditRow]], title: Optional[str] = None) -> str:
     width = max(len(name) for name, _ in verdicts)
     lines = [title] if title else []
-    lines.append(f"{'recipe':{width}s} {'configuration':24s} {'bias:seq':>10s} {'bias:token':>10s} "
+    lines.append(f"{'recipe':{width}s} {'configuration':32s} {'bias:seq':>10s} {'bias:token':>10s} "
                  f"{'bias:fwd':>10s} {'variance':>10s}  unbiased gradient of")
     for name, row in verdicts:
         said = {"seq": "the sequence-level reverse KL", "token": "the token-level reverse KL only (prefix frozen)",
                 "forward": "the token-level forward KL(teacher || pi) only"}
         unbiased = [t for t in said if row.rel_bias[t] < UNBIASED_TOL]
         verdict = said[unbiased[0]] if unbiased else "no KL (biased for each)"
-        lines.append(f"{name:{width}s} {row.name:24s} {row.rel_bias['seq']:10.2e} {row.rel_bias['token']:10.2e} "
+        lines.append(f"{name:{width}s} {row.name:32s} {row.rel_bias['seq']:10.2e} {row.rel_bias['token']:10.2e} "
                      f"{row.rel_bias['forward']:10.2e} {row.variance:10.2e}  {verdict}")
     return "\n".join(lines)

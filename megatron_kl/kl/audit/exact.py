@@ -49,6 +49,7 @@ from megatron_kl.kl.objective import (
 )
 from megatron_kl.kl.config import ESTIMATORS, UNBIASED_TOL, TARGETS as KL_TARGETS
 from megatron_kl.kl.sequence_axis import crossing
+from megatron_kl.kl.topk import top_k_divergence
 from megatron_kl.kl.kernels.truncation import Truncation, support_threshold
 
 TARGETS = tuple(KL_TARGETS.values())  # the audit's names of kl.target's values: seq, token, forward
@@ -187,6 +188,16 @@ def exact_targets(problem: TabularProblem, off_policy: bool) -> dict[str, torch.
     return targets
 
 
+def top_k_rows(problem: TabularProblem, k: int, tail: str) -> torch.Tensor:
+    """Per sequence and position, the top-k divergence (megatron_kl.kl.topk) of the policy to the other table known
+    on that table's ``k`` most likely tokens: the per-position value of a ``topk`` distillation term."""
+    if problem.truncation is not None:
+        raise ValueError("the top-k term is audited without a truncated sampler (the trainer refuses the pair)")
+    logp, logq = problem.log_probs(problem.policy_table), problem.log_probs(problem.reference_table)
+    ids = logq.detach().topk(k, dim=-1).indices
+    return top_k_divergence(logp.gather(-1, ids), logq.gather(-1, ids), tail)
+
+
 def _estimator_gradients(problem: TabularProblem, cfg: KLConfig, off_policy: bool,
                          correction: Optional[Correction] = None):
     """Per-sample gradients g(y) [N, S, V] of the configuration's estimator of grad KL, and q(y)."""
@@ -200,6 +211,8 @@ def _estimator_gradients(problem: TabularProblem, cfg: KLConfig, off_policy: boo
         if correction is None:
             raise ValueError(f"{cfg.name}: off_policy='behavior' is audited with a behaviour correction")
         weight, _ = correction.weights(lp.detach(), behavior, torch.ones_like(lp, dtype=torch.bool))
+    if getattr(cfg, "top_k", None) is not None and cfg.estimator == "topk":  # distill.kl.estimator=topk
+        full_kl, cfg = top_k_rows(problem, cfg.top_k, cfg.top_k_tail), cfg.per_position()
     grads = []
     for n in range(len(lp)):
         sl = slice(n, n + 1)

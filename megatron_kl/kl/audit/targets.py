@@ -30,9 +30,11 @@ from typing import Optional
 from megatron_kl.kl.corrections import Correction, canonical
 from megatron_kl.kl.audit.exact import TabularProblem, all_configs, audit, behavior_configs
 from megatron_kl.kl.config import Verdict
+from megatron_kl.distill.config import TOP_K, DistillObjective
 from megatron_kl.kl.objective import AUTO, TARGETS, KLConfig
 
 AUDIT_SEEDS = (0, 1)
+TOP_K_AUDIT_VOCAB, TOP_K_AUDIT_K = 4, 2  # a top-k term is audited with its teacher's top-2 of 4 tokens
 AXES = ("estimator", "placement", "level", "credit", "off_policy", "truncate")
 
 
@@ -44,13 +46,20 @@ def regime_of(kl: KLConfig, staleness: int) -> str:
 
 
 def _audit_form(kl: KLConfig) -> KLConfig:
-    """The configuration as the audit scores it: its axes, the plain token sum, a positive coefficient."""
-    return KLConfig(**{axis: getattr(kl, axis) for axis in AXES}, coef=0.1)
+    """The configuration as the audit scores it: its axes, the plain token sum, a positive coefficient. A top-k
+    distillation term keeps its tail rule with k = TOP_K_AUDIT_K of a TOP_K_AUDIT_VOCAB-token vocabulary: an
+    approximation as a run's is (a top-k of all tokens is the exact KL, and with one token left the bucketed rest
+    is that token; a run's top-k is far from either: ``distill.kl.top_k`` < ``model.vocab_size`` is checked)."""
+    axes = {axis: getattr(kl, axis) for axis in AXES}
+    if kl.estimator == TOP_K:
+        return DistillObjective(**axes, coef=0.1, aggregation="seq_mean_token_sum",
+                                top_k=min(kl.top_k, TOP_K_AUDIT_K), top_k_tail=kl.top_k_tail)
+    return KLConfig(**axes, coef=0.1)
 
 
 @functools.lru_cache(maxsize=None)
-def _problem(seed: int) -> TabularProblem:
-    return TabularProblem.random(seed=seed)
+def _problem(seed: int, vocab: int = 3) -> TabularProblem:
+    return TabularProblem.random(vocab=vocab, seed=seed)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -59,7 +68,8 @@ def _scores(form: KLConfig, off_policy: bool, correction: Optional[Correction]) 
     rel: dict = {}
     variance = 0.0
     for seed in AUDIT_SEEDS:
-        row = audit(_problem(seed), off_policy, [form], corrections=(correction,) if correction else ())[0]
+        problem = _problem(seed, TOP_K_AUDIT_VOCAB if form.estimator == TOP_K else 3)
+        row = audit(problem, off_policy, [form], corrections=(correction,) if correction else ())[0]
         for name, value in row.rel_bias.items():
             rel[name] = max(rel.get(name, 0.0), value)
         variance += row.variance / len(AUDIT_SEEDS)

@@ -392,6 +392,8 @@ class VocabParallelStats:
     kept_mass: Optional[torch.Tensor] = None
     support_size: Optional[torch.Tensor] = None
     outside_support: Optional[torch.Tensor] = None
+    # log pi at given candidate ids [..., k] (a distillation teacher's top-k: megatron_kl.kl.kernels.candidates)
+    candidate_logprobs: Optional[torch.Tensor] = None
 
 
 def fused_stats(
