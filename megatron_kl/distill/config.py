@@ -17,10 +17,28 @@ from megatron_kl.config import ConfigError, ModelConfig
 from megatron_kl.constraints import SEED_MAX, checked
 from megatron_kl.kl.config import AGGREGATIONS, AUTO, ESTIMATORS, LEVELS, PLACEMENTS, KLConfig
 
-TEACHER_SOURCES = ("warm_start", "hf", "checkpoint")
+TEACHER_SOURCES = ("warm_start", "hf", "checkpoint", "server")
 TASK_REWARDS = ("keep", "none")
 TOP_K = "topk"  # distill.kl.estimator: the teacher known on its top-k tokens only (megatron_kl.kl.topk)
 TOP_K_TAILS = ("bucket", "renormalize")  # megatron_kl.kl.topk.TOP_K_TAILS (that module needs torch)
+
+
+@dataclass(frozen=True)
+class TeacherServer:
+    """``distill.teacher.source: server``: SGLang servers of the teacher (megatron_kl.distill.served), asked for its
+    log-probs at the sampled tokens and its top-k per position (``distill.kl.top_k``); the API key, if the servers
+    have one, from the environment variable ``api_key_env``."""
+
+    urls: list[str] = field(default_factory=list)
+    api_key_env: str = checked("MEGATRON_KL_TEACHER_API_KEY", free=True, nonempty=True)
+    max_concurrency: int = checked(32, ge=1)  # scoring requests in flight per data-parallel replica
+    request_timeout_s: float = checked(300.0, ge=0.1)  # total per attempt
+    max_retries: int = checked(4, ge=0)  # on 5xx / 429 / timeouts / dropped answers / impossible values
+    backoff_s: float = checked(0.5, ge=0)  # first retry delay, doubled each retry
+
+    def __post_init__(self):
+        if not isinstance(self.urls, list) or not all(isinstance(u, str) and u.startswith("http") for u in self.urls):
+            raise ConfigError(f"distill.teacher.server.urls={self.urls!r} must be a list of http(s):// addresses")
 
 
 @dataclass(frozen=True)
@@ -32,7 +50,10 @@ class TeacherConfig:
     - ``source=checkpoint``: a full-state file (``checkpoint``, weights only) of the architecture ``model``;
     - ``source=warm_start``: the supervised warm start of ``model`` on the task for ``warm_start_steps`` steps (the
       package ships the CPU demonstration's teacher; otherwise trained once, with ``warm_start_seed``, and cached like
-      the student's).
+      the student's);
+    - ``source=server``: SGLang servers of the teacher (``server``); its log-probs and top-k come over HTTP, so the
+      exact KL is not available (``distill.kl.estimator`` topk or k1 / k2 / k3); ``hf_checkpoint``, if given, is the
+      directory the servers serve, for the vocabulary and tokenizer check.
     ``tensor_parallel`` / ``pipeline_parallel``: the teacher's layout (null: the student's); a tensor-parallel size
     of its own runs with ``pipeline_parallel: 1`` (distill/layout.py)."""
 
@@ -45,14 +66,20 @@ class TeacherConfig:
     tensor_parallel: Optional[int] = checked(None, ge=1)
     pipeline_parallel: Optional[int] = checked(None, ge=1)
     offload: bool = False  # keep the teacher's weights in host memory between its passes (CUDA only)
+    server: TeacherServer = field(default_factory=TeacherServer)
 
     def __post_init__(self):
         needs = {"hf": "hf_checkpoint", "checkpoint": "checkpoint"}.get(self.source)
         if needs and getattr(self, needs) is None:
             raise ConfigError(f"distill.teacher.source={self.source} needs distill.teacher.{needs}: give the "
                               f"teacher's {'HF model directory' if needs == 'hf_checkpoint' else 'full-state file'}")
+        if (self.source == "server") != bool(self.server.urls):
+            raise ConfigError("distill.teacher.server.urls gives the teacher's servers and goes with "
+                              f"distill.teacher.source=server (now source={self.source}, urls={self.server.urls}): "
+                              "set both, or neither")
+        optional = ("hf_checkpoint",) if self.source == "server" else ()  # the served directory, for the checks
         for other in ("hf_checkpoint", "checkpoint"):
-            if other != needs and getattr(self, other) is not None:
+            if other != needs and other not in optional and getattr(self, other) is not None:
                 raise ConfigError(f"distill.teacher.{other}={getattr(self, other)} is unused with "
                                   f"distill.teacher.source={self.source}: drop it or set the source that reads it")
 

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from megatron_kl.config import ConfigError, ModelConfig
 from megatron_kl.distill.config import DistillConfig, TeacherConfig, teacher_parallel
+from megatron_kl.distill.served import ServedTeacher
 from megatron_kl.kl.kernels.candidates import top_k_logprobs
 from megatron_kl.models import builder, hf, output_head, parallel, pipeline, state
 from megatron_kl.models.offload import ReferenceOffload
@@ -31,9 +32,12 @@ TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model")
 TOP_K_CHUNK_ELEMENTS = 1 << 24  # teacher logits formed at a time for its top-k (64 MiB in float32)
 
 
-def teacher_model(teacher: TeacherConfig) -> ModelConfig:
-    """The teacher's architecture: its HF directory's config.json (``source=hf``), else ``distill.teacher.model``."""
-    if teacher.source != "hf":
+def teacher_model(teacher: TeacherConfig) -> Optional[ModelConfig]:
+    """The teacher's architecture: its HF directory's config.json (``source=hf``; ``source=server`` with the served
+    directory given), None for a server without it, else ``distill.teacher.model``."""
+    if teacher.source == "server" and teacher.hf_checkpoint is None:
+        return None
+    if teacher.source not in ("hf", "server"):
         return teacher.model
     try:
         checkpoint = hf.HFCheckpoint(teacher.hf_checkpoint)
@@ -79,6 +83,10 @@ def check_teacher(cfg, world_size: Optional[int] = None) -> ModelConfig:
     its vocabulary against the student's, its layout against the world. Returns the teacher's ModelConfig."""
     distill: DistillConfig = cfg.distill
     model = teacher_model(distill.teacher)
+    if distill.teacher.source == "server":  # no weights here: the vocabulary, when the served directory is given
+        if model is not None:
+            check_vocabulary(cfg.model, model, cfg.init.hf_checkpoint, distill.teacher.hf_checkpoint)
+        return model
     check_vocabulary(cfg.model, model, cfg.init.hf_checkpoint, distill.teacher.hf_checkpoint)
     layout = teacher_parallel(distill.teacher, cfg.parallel)
     if layout is not cfg.parallel:
@@ -107,6 +115,10 @@ def describe_teacher(cfg) -> str:
     """One line on the teacher a configuration asks for: architecture, size, layout and where its weights come from."""
     teacher = cfg.distill.teacher
     model = teacher_model(teacher)
+    if teacher.source == "server":
+        served = f" (serving {teacher.hf_checkpoint})" if teacher.hf_checkpoint else ""
+        return (f"served by {', '.join(teacher.server.urls)}{served}: its log-probs at the sampled tokens and its "
+                f"top-{cfg.distill.kl.top_k} per position over HTTP")
     layout = teacher_parallel(teacher, cfg.parallel)
     where = {"hf": teacher.hf_checkpoint, "checkpoint": teacher.checkpoint,
              "warm_start": f"its warm start ({teacher.warm_start_steps} supervised steps, seed "
@@ -213,11 +225,16 @@ class Teacher:
         return ids, logprobs
 
 
-def build_teacher(cfg, task, topology, warm_start: Callable, should_stop: Optional[Callable] = None) -> Teacher:
+def build_teacher(cfg, task, topology, warm_start: Callable, should_stop: Optional[Callable] = None
+                  ) -> Teacher | ServedTeacher:
     """The teacher of ``cfg.distill`` in its layout (the student's, or its own tensor-parallel one), weights loaded
     and frozen (collective: every rank). ``warm_start(cfg, task, should_stop)``: the trainer's warm-start function
     (megatron_kl.train.warmstart.warm_start_state), for ``source=warm_start``."""
     model = check_teacher(cfg, dist.get_world_size())
+    if cfg.distill.teacher.source == "server":
+        log.info("teacher: %s; objective %s, coef %g", describe_teacher(cfg), cfg.distill.kl.name, cfg.distill.kl.coef)
+        top_k = cfg.distill.kl.top_k if cfg.distill.kl.estimator == "topk" else 0  # sampled estimators: no top-k
+        return ServedTeacher(cfg.distill.teacher.server, cfg.model.vocab_size, top_k, topology)
     layout = teacher_parallel(cfg.distill.teacher, cfg.parallel)
     own = None
     if layout is cfg.parallel:

@@ -2,7 +2,10 @@
 HTTP API that :mod:`megatron_kl.rollout.sglang` uses, served by the embedded engine on an HF checkpoint.
 
 Request and response shapes follow SGLang 0.5.x (``srt/managers/io_struct.py`` and
-``srt/entrypoints/http_server.py``): ``/generate`` with ``input_ids`` answers ``output_ids`` and
+``srt/entrypoints/http_server.py``): ``/generate`` with ``input_ids`` and ``max_new_tokens: 0`` scores the input
+(``meta_info.input_token_logprobs`` and, with ``top_logprobs_num``, ``input_top_logprobs`` from
+``logprob_start_len`` on, log softmax(z) at temperature 1; null where no token precedes); otherwise it answers
+``output_ids`` and
 ``meta_info.{finish_reason, output_token_logprobs, weight_version, prompt_tokens, completion_tokens}`` (and, for a
 mixture-of-experts model started with ``--enable-return-routed-experts`` and a request with
 ``return_routed_experts: true``, ``routed_experts``: the engine's recorded routing in SGLang's base64 int32 format);
@@ -29,6 +32,10 @@ SGLang does: 401 without ``Authorization: Bearer <key>``, health checks exempt) 
     --fault-exit-at N          the N-th /generate kills the process, once per --fault-marker file
     --fault-exit-on-update N   the N-th weight update (/update_weights_from_*) kills the process before
                                answering, once per --fault-marker file
+    --fault-scores-every N     every N-th /generate that scores its input (max_new_tokens 0, logprob_start_len set:
+                               a served distillation teacher) answers impossible input log-probs, cycling through
+                               SCORE_CORRUPTIONS (the field missing, a NaN log-prob, an entry fewer, another token
+                               echoed, a top-k list out of order)
     --no-pause-routes          /pause_generation and /continue_generation answer 404 (an SGLang without them)
     --fault-delta-at N         the N-th /update_weights_from_tensor through a custom weight loader arrives with one
                                delta value altered (the loader's checksum must catch it)
@@ -65,6 +72,22 @@ import torch
 
 
 CORRUPTIONS = ("nan", "inf", "positive", "oov", "negative", "too_long", "empty")
+SCORE_CORRUPTIONS = ("missing", "nan", "short", "token", "unsorted")
+
+
+def corrupt_scores(meta: dict, kind: str) -> None:
+    """A scoring answer's ``meta`` with one impossible value of the given kind (its last entry altered)."""
+    entries, tops = meta["input_token_logprobs"], meta.get("input_top_logprobs")
+    if kind == "missing":
+        meta.pop("input_token_logprobs")
+    elif kind == "nan":
+        entries[-1][0] = float("nan")
+    elif kind == "short":
+        entries.pop()
+    elif kind == "token":
+        entries[-1][1] += 1
+    elif kind == "unsorted" and tops and tops[-1] and len(tops[-1]) > 1:
+        tops[-1][0], tops[-1][-1] = tops[-1][-1], tops[-1][0]
 
 
 def corrupt(response: dict, kind: str, vocab_size: int) -> dict:
@@ -191,6 +214,8 @@ class EmbeddedServer:
         if self.released:
             raise RuntimeError(f"memory released ({sorted(self.released)}): call /resume_memory_occupation first")
         params = body.get("sampling_params") or {}
+        if int(params.get("max_new_tokens", 128)) == 0:
+            return self.score(body, ids)
         sampling = SamplingConfig(temperature=float(params.get("temperature", 1.0)),
                                   top_p=float(params.get("top_p", 1.0)),
                                   top_k=max(0, int(params.get("top_k", -1))),
@@ -203,6 +228,35 @@ class EmbeddedServer:
         kept = self._stream(len(completion.response_ids), epoch)
         with self.model_lock:
             return self._generate_one(body, ids, sampling, completion, kept)
+
+    @torch.no_grad()
+    def score(self, body: dict, ids: list) -> dict:
+        """Prefill only (module docstring): the input's log-probs and top log-probs from ``logprob_start_len`` on."""
+        start = int(body.get("logprob_start_len", -1))
+        if not body.get("return_logprob") or not 0 <= start < len(ids):
+            raise ValueError(f"scoring needs return_logprob and 0 <= logprob_start_len < {len(ids)} (got {start})")
+        top_num = int(body.get("top_logprobs_num") or 0)
+        tokens = torch.as_tensor([list(ids)], device=self.engine.device)
+        positions = torch.arange(tokens.shape[1], device=tokens.device)[None]
+        with self.model_lock:
+            logits = self.engine.model(tokens, positions, None)[0, :, : self.vocab_size].float()
+        logp = torch.log_softmax(logits, -1)
+        entries, tops = [], []
+        for position in range(start, len(ids)):
+            if position == 0:
+                entries.append([None, int(ids[0]), None])
+                tops.append(None)
+                continue
+            row = logp[position - 1]
+            entries.append([float(row[ids[position]]), int(ids[position]), None])
+            if top_num:
+                values, index = row.topk(min(top_num, row.shape[-1]))
+                tops.append([[v, i, None] for v, i in zip(values.tolist(), index.tolist())])
+        meta = {"id": uuid.uuid4().hex, "finish_reason": {"type": "length", "length": 0}, "prompt_tokens": len(ids),
+                "completion_tokens": 0, "cached_tokens": 0, "weight_version": self.weight_version,
+                "input_token_logprobs": entries, "input_top_logprobs": tops if top_num else None,
+                "output_token_logprobs": []}
+        return {"output_ids": [], "meta_info": meta}
 
     def _stream(self, tokens: int, epoch: int) -> int:
         """With --token-latency-s: the tokens come out one per latency; a pause (abort) since the request began cuts
@@ -450,6 +504,9 @@ def _handler(server: EmbeddedServer, args):
             self._corrupt_now = None
             if args.fault_corrupt_every and n % args.fault_corrupt_every == 0:
                 self._corrupt_now = CORRUPTIONS[(n // args.fault_corrupt_every - 1) % len(CORRUPTIONS)]
+            self._score_fault = None
+            if args.fault_scores_every and n % args.fault_scores_every == 0:
+                self._score_fault = SCORE_CORRUPTIONS[(n // args.fault_scores_every - 1) % len(SCORE_CORRUPTIONS)]
             self._routing_fault = None
             if args.fault_routing_every and n % args.fault_routing_every == 0:
                 self._routing_fault = ROUTING_CORRUPTIONS[(n // args.fault_routing_every - 1) % len(ROUTING_CORRUPTIONS)]
@@ -465,6 +522,8 @@ def _handler(server: EmbeddedServer, args):
                 meta["output_token_logprobs"][0][0] = min(e[0] for e in meta["output_top_logprobs"][0]) - 5.0
             if getattr(self, "_corrupt_now", None) and isinstance(response, dict):
                 response = corrupt(response, self._corrupt_now, server.vocab_size)
+            if getattr(self, "_score_fault", None) and "input_token_logprobs" in meta:
+                corrupt_scores(meta, self._score_fault)
             if getattr(self, "_routing_fault", None) and "routed_experts" in meta:
                 corrupt_routing(meta, self._routing_fault, server.model.moe.num_experts)
             return response
@@ -485,7 +544,7 @@ def main(argv=None) -> None:
     parser.add_argument("--enable-memory-saver", action="store_true")
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--enable-return-routed-experts", action="store_true")
-    for name in ("500", "delay", "drop", "bad", "corrupt", "off-support", "routing", "malformed"):
+    for name in ("500", "delay", "drop", "bad", "corrupt", "off-support", "routing", "malformed", "scores"):
         parser.add_argument(f"--fault-{name}-every", type=int, default=0)
     parser.add_argument("--fault-delay-s", type=float, default=0.0)
     parser.add_argument("--fault-exit-at", type=int, default=0)

@@ -366,6 +366,8 @@ def _check_distillation(cfg: TrainConfig) -> None:
         return
     if objective.estimator == TOP_K:
         _check_top_k(cfg)
+    if cfg.distill.teacher.source == "server":
+        _check_served_teacher(cfg)
     if objective.off_policy == "behavior" and (cfg.algo.loss != "ppo" or cfg.algo.behavior_correction == "none"):
         raise ConfigError("distill.kl.off_policy=behavior weights the distillation term with "
                           "algo.behavior_correction's weights: set algo.behavior_correction (with algo.loss=ppo) or "
@@ -387,6 +389,20 @@ def _check_top_k(cfg: TrainConfig) -> None:
         raise ConfigError(f"distill.kl.estimator=topk with parallel.context_parallel={cfg.parallel.context_parallel}: "
                           "the teacher's top-k rows are not split over context-parallel ranks; use context_parallel=1 "
                           "or distill.kl.estimator=full")
+
+
+def _check_served_teacher(cfg: TrainConfig) -> None:
+    """distill.teacher.source=server: log-probs over HTTP, no logits."""
+    if cfg.distill.kl.estimator == "full":
+        raise ConfigError("distill.kl.estimator=full with distill.teacher.source=server: a served teacher gives "
+                          "log-probs, not its logits, so its exact KL cannot be formed; use distill.kl.estimator=topk "
+                          "(its top-k, an approximation) or a sampled estimator (k1 in the reward with reward-to-go is "
+                          "unbiased for the sequence-level KL), or load the teacher (source=hf)")
+    if cfg.rollout.sampling.logprob_temperature != 1.0:
+        raise ConfigError(f"distill.teacher.source=server with rollout.sampling.temperature="
+                          f"{cfg.rollout.sampling.temperature}: the servers score softmax(z) at temperature 1, the "
+                          "student's log-probs are at the sampling temperature; sample at temperature 1 or load the "
+                          "teacher (source=hf)")
 
 
 def distill_verdict(cfg: TrainConfig):

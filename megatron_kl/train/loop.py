@@ -161,7 +161,7 @@ def _check_teacher(cfg: TrainConfig, task) -> None:
 
     teacher = check_teacher(cfg, _world_size())
     longest = task.longest_prompt_tokens() + cfg.rollout.sampling.max_new_tokens
-    if longest > teacher.max_position_embeddings:
+    if teacher is not None and longest > teacher.max_position_embeddings:
         raise ConfigError(f"distill.teacher holds {teacher.max_position_embeddings} positions but scores sequences of "
                           f"up to {longest} tokens (the longest prompt + rollout.sampling.max_new_tokens); use a "
                           "teacher with more positions or shorten the responses")

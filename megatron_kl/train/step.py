@@ -229,6 +229,8 @@ def needs_exact_kl(cfg, step: int) -> bool:
     projection once more: the reference's, or under distillation the teacher's): always when a term reads it
     (estimator=full with coef > 0); otherwise it only feeds kl/exact_* (distill/exact_*), every
     ``train.reference_metrics_interval`` steps."""
+    if cfg.distill.enabled and cfg.distill.teacher.source == "server":  # no teacher logits in the job
+        return False
     term = anchor_objective(cfg)
     if term.coef > 0 and term.estimator == "full":
         return True
