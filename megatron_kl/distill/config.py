@@ -19,17 +19,19 @@ from megatron_kl.kl.config import AGGREGATIONS, AUTO, ESTIMATORS, LEVELS, PLACEM
 
 TEACHER_SOURCES = ("warm_start", "hf", "checkpoint", "server")
 TASK_REWARDS = ("keep", "none")
+SERVER_APIS = ("sglang", "vllm")  # the teacher servers' HTTP API (megatron_kl.distill.served)
 TOP_K = "topk"  # distill.kl.estimator: the teacher known on its top-k tokens only (megatron_kl.kl.topk)
 TOP_K_TAILS = ("bucket", "renormalize")  # megatron_kl.kl.topk.TOP_K_TAILS (that module needs torch)
 
 
 @dataclass(frozen=True)
 class TeacherServer:
-    """``distill.teacher.source: server``: SGLang servers of the teacher (megatron_kl.distill.served), asked for its
-    log-probs at the sampled tokens and its top-k per position (``distill.kl.top_k``); the API key, if the servers
-    have one, from the environment variable ``api_key_env``."""
+    """``distill.teacher.source: server``: SGLang or vLLM servers of the teacher (``api``; megatron_kl.distill.served),
+    asked for its log-probs at the sampled tokens and its top-k per position (``distill.kl.top_k``); the API key, if
+    the servers have one, from the environment variable ``api_key_env``."""
 
     urls: list[str] = field(default_factory=list)
+    api: str = checked("sglang", choices=SERVER_APIS)  # sglang: /generate; vllm: /v1/completions prompt_logprobs
     api_key_env: str = checked("MEGATRON_KL_TEACHER_API_KEY", free=True, nonempty=True)
     max_concurrency: int = checked(32, ge=1)  # scoring requests in flight per data-parallel replica
     request_timeout_s: float = checked(300.0, ge=0.1)  # total per attempt

@@ -403,3 +403,41 @@ def test_training_on_vllm_rollouts_with_delta_sync(tmp_path):
     for m in steps:  # each step's sync (after its update; the full first one came before step 0)
         assert m["weight_sync/full"] == 0 and 0 < m["weight_sync/bytes"] < m["weight_sync/bytes_full"], m
         assert m["mismatch/abs_logprob_max"] < 1e-2, m  # the existing vLLM bound (different kernels, same weights)
+
+
+def test_a_vllm_server_as_the_distillation_teacher(tmp_path):
+    """distill.teacher.server.api=vllm against a real `vllm serve`: the teacher's log-probs at the sampled tokens and
+    its top-k per position (prompt_logprobs of /v1/completions) equal transformers' log-softmax of the same model."""
+    from transformers import AutoModelForCausalLM
+
+    from megatron_kl.distill.config import TeacherServer
+    from megatron_kl.distill.served import ServedTeacher
+    from megatron_kl.models import pipeline
+    from megatron_kl.train.topology import Topology
+
+    model_dir = _make(tmp_path / "teacher", 3)
+    server = _start_vllm_server(model_dir, tmp_path / "logs", "--max-model-len", "64")
+    try:
+        g = torch.Generator().manual_seed(4)
+        tokens = torch.randint(1, 61, (3, 10), generator=g)
+        mask = torch.zeros(3, 9)
+        mask[0, 2:] = 1
+        mask[1, 4:7] = 1
+        mask[2, 0:] = 1  # a one-token prompt
+        batch = pipeline.SequenceBatch(tokens, mask)
+        teacher = ServedTeacher(TeacherServer(urls=[server.url], api="vllm", backoff_s=0.1), vocab_size=61, top_k=5,
+                                topology=Topology())
+        vocab = pipeline.VocabOptions(vocab_size=61)
+        stats = teacher.score(batch, 1, vocab)
+        ids, top = teacher.top_k(None, 5, vocab, None)
+    finally:
+        server.stop()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logp = torch.log_softmax(model(tokens).logits.double(), -1)[:, :-1]
+    on = mask.bool()
+    chosen = logp.gather(-1, tokens[:, 1:, None])[..., 0]
+    assert (stats.logprobs[on].double() - chosen[on]).abs().max() < 1e-3
+    expected = logp.topk(5, -1)
+    assert torch.equal(ids[on], expected.indices[on])
+    assert (top[on].double() - expected.values[on]).abs().max() < 1e-3

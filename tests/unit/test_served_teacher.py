@@ -83,3 +83,38 @@ def test_a_served_teacher_refuses_what_it_cannot_give(tmp_path, overrides, named
 def test_a_served_teacher_with_the_top_k_loads(tmp_path):
     cfg = load_train_config(BASE, [f"train.output_dir={tmp_path}/run", *SERVED, "distill.kl.estimator=topk"])
     assert cfg.distill.teacher.server.urls == ["http://teacher:30000"] and cfg.distill.kl.name.startswith("topk20")
+
+
+def _vllm_answer(k=2):
+    """A vLLM /v1/completions answer with prompt_logprobs=k for IDS: the top-k by rank, the position's own token
+    added with its rank where it is not among them."""
+    entries = [None]
+    for position in range(1, len(IDS)):
+        table = {str(20 + r): {"logprob": -0.1 - 0.4 * r, "rank": r + 1, "decoded_token": None} for r in range(k)}
+        table[str(IDS[position])] = {"logprob": -3.0, "rank": 9, "decoded_token": None}
+        entries.append(table)
+    return {"choices": [{"text": "", "prompt_logprobs": entries}]}
+
+
+def test_a_vllm_answer_is_read_by_rank():
+    from megatron_kl.distill.served import parse_vllm_scores
+
+    logprobs, ids, values = parse_vllm_scores(_vllm_answer(), IDS, START, 2, 32, "t")
+    assert logprobs == [-3.0, -3.0, -3.0] and ids == [[20, 21]] * 3 and values == [[-0.1, -0.5]] * 3
+    assert parse_vllm_scores(_vllm_answer(), IDS, 0, 2, 32, "t")[0] == [-3.0] * 4  # from the first position
+
+
+@pytest.mark.parametrize("change, field", [
+    (lambda e: e.pop(), "prompt_logprobs has 4 entries"),
+    (lambda e: e[3].pop(str(IDS[3])), r"prompt_logprobs\[3\] lacks the prompt's token"),
+    (lambda e: e[2].__setitem__("20", {"logprob": float("nan"), "rank": 1}), r"prompt_logprobs\[2\]"),
+    (lambda e: e[4].pop("21"), r"prompt_logprobs\[4\] holds 1 top entries"),
+    (lambda e: e[2].__setitem__("21", {"logprob": -0.01, "rank": 2}), r"prompt_logprobs\[2\] is not sorted"),
+])
+def test_impossible_vllm_answers_are_refused_naming_the_field(change, field):
+    from megatron_kl.distill.served import parse_vllm_scores
+
+    body = _vllm_answer()
+    change(body["choices"][0]["prompt_logprobs"])
+    with pytest.raises(CorruptResponse, match=field):
+        parse_vllm_scores(body, IDS, START, 2, 32, "t")
