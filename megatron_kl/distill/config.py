@@ -56,8 +56,8 @@ class TeacherConfig:
     - ``source=server``: SGLang servers of the teacher (``server``); its log-probs and top-k come over HTTP, so the
       exact KL is not available (``distill.kl.estimator`` topk or k1 / k2 / k3); ``hf_checkpoint``, if given, is the
       directory the servers serve, for the vocabulary and tokenizer check.
-    ``tensor_parallel`` / ``pipeline_parallel``: the teacher's layout (null: the student's); a tensor-parallel size
-    of its own runs with ``pipeline_parallel: 1`` (distill/layout.py)."""
+    ``tensor_parallel`` / ``pipeline_parallel``: the teacher's layout (null: the student's); other sizes than the
+    student's run in a layout of its own (distill/layout.py)."""
 
     source: str = checked("warm_start", choices=TEACHER_SOURCES)
     hf_checkpoint: Optional[str] = checked(None, path="dir")

@@ -1,7 +1,9 @@
-"""A teacher in a tensor-parallel layout of its own (``distill.teacher.tensor_parallel`` other than the student's).
+"""A teacher in a layout of its own (``distill.teacher.tensor_parallel`` / ``pipeline_parallel`` other than the
+student's).
 
-The teacher runs on every rank with its own TP groups (:class:`megatron_kl.models.parallel.OwnLayout`: world / TP_t
-replicas of TP_t consecutive ranks, whole layers on each). Its rows: the student's data-parallel batches are gathered
+The teacher runs on every rank with its own TP and pipeline groups (:class:`megatron_kl.models.parallel.OwnLayout`:
+world / (TP_t x PP_t) replicas of consecutive ranks, megatron's order inside each; its 1F1B schedule over its own
+pipeline group when PP_t > 1). Its rows: the student's data-parallel batches are gathered
 into one global batch (student data-parallel rank order) and split over the teacher's replicas; each replica scores
 its share; the teacher's log-probs (and final hidden states for the exact KL) come back to every rank, which keeps its
 own student data-parallel rank's rows. The student's passes turn those hidden states into the teacher's logits
@@ -17,9 +19,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron_kl.models import output_head, pipeline
+from megatron_kl.models import builder, output_head, pipeline
 from megatron_kl.models.batch import TokenStats
-from megatron_kl.models.parallel import OwnLayout
+from megatron_kl.models.parallel import OwnLayout, own_layout
 
 
 class ResharedHead:
@@ -37,14 +39,31 @@ class ResharedHead:
         return hidden.to(self.shard.dtype) @ self.shard.t()
 
 
+def build_in_own_layout(model, layout, timeout_s: float) -> tuple[OwnLayout, list]:
+    """Collective: the frozen teacher's one chunk in its own layout ``layout`` (a ParallelConfig: its tensor and
+    pipeline sizes): whole when it has no pipeline of its own, else this rank's stage of it."""
+    own = own_layout(layout.tensor_parallel, timeout_s, layout.pipeline_parallel)
+    chunk = builder.build_gpt_model(model, layout, pg_collection=own.collection, whole=own.pipeline_parallel == 1,
+                                    stage=(own.first_stage, own.last_stage))
+    return own, builder.freeze([chunk])
+
+
 def reshard_output_weight(chunk, own: OwnLayout, vocab_size: int, student_padded_vocab: int, student_tp_group
                           ) -> torch.Tensor:
-    """Collective over the teacher's TP group: its output weight [V, H_teacher] (padding rows dropped), re-padded to
-    the student's padded vocabulary and cut to this rank's student TP shard."""
-    weight = output_head.output_weight(output_head.unwrap(chunk)).detach().contiguous()
-    pieces = [torch.empty_like(weight) for _ in range(own.tensor_parallel)]
-    dist.all_gather(pieces, weight, group=own.tp)
-    full = torch.cat(pieces)[:vocab_size]
+    """Collective over the teacher's groups: its output weight [V, H_teacher] (padding rows dropped), gathered over its
+    TP group on its last pipeline stage and sent down its pipeline, re-padded to the student's padded vocabulary and
+    cut to this rank's student TP shard."""
+    model = output_head.unwrap(chunk)
+    hidden, dtype = model.config.hidden_size, model.config.params_dtype
+    device = next(model.parameters()).device
+    full = torch.empty((vocab_size, hidden), dtype=dtype, device=device)
+    if own.last_stage:
+        weight = output_head.output_weight(model).detach().contiguous()
+        pieces = [torch.empty_like(weight) for _ in range(own.tensor_parallel)]
+        dist.all_gather(pieces, weight, group=own.tp)
+        full.copy_(torch.cat(pieces)[:vocab_size])
+    if own.pipeline_parallel > 1:  # every stage's ranks score the student's logits too
+        dist.broadcast(full, src=dist.get_global_rank(own.pp, own.pipeline_parallel - 1), group=own.pp)
     padded = torch.zeros((student_padded_vocab, full.shape[1]), dtype=full.dtype, device=full.device)
     padded[:vocab_size] = full
     size, rank = dist.get_world_size(student_tp_group), dist.get_rank(student_tp_group)
@@ -90,7 +109,7 @@ def score_in_own_layout(chunks: list, own: OwnLayout, sequences: pipeline.Sequen
         batch = pipeline.SequenceBatch(tokens[share], mask[share])
         stats = pipeline.compute_token_stats(chunks, batch, _divisor_at_most(share.numel(), microbatches), vocab,
                                              capture_hidden=capture_hidden, token_budget=token_budget, own_layout=own)
-        if dist.get_rank(own.tp) == 0:  # one copy per replica
+        if dist.get_rank(own.tp) == 0 and own.last_stage:  # one copy per replica, from where it was computed
             payload = (share, stats.logprobs, stats.entropy, stats.hidden)
     results: list = [None] * dist.get_world_size()
     dist.all_gather_object(results, payload)

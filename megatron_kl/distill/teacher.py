@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from megatron_kl.config import ConfigError, ModelConfig
 from megatron_kl.distill.config import DistillConfig, TeacherConfig, teacher_parallel
+from megatron_kl.distill.layout import ResharedHead, build_in_own_layout, reshard_output_weight, score_in_own_layout
 from megatron_kl.distill.served import ServedTeacher
 from megatron_kl.kl.kernels.candidates import top_k_logprobs
 from megatron_kl.models import builder, hf, output_head, parallel, pipeline, state
@@ -92,16 +93,13 @@ def check_teacher(cfg, world_size: Optional[int] = None) -> ModelConfig:
     if layout is not cfg.parallel:
         where = (f"distill.teacher.tensor_parallel={distill.teacher.tensor_parallel} / pipeline_parallel="
                  f"{distill.teacher.pipeline_parallel}")
-        if layout.pipeline_parallel != 1:
-            raise ConfigError(f"{where}: a teacher in a layout of its own runs without pipeline parallelism (the "
-                              f"student's is parallel.pipeline_parallel={cfg.parallel.pipeline_parallel}); set "
-                              "distill.teacher.pipeline_parallel=1, or leave both null for the student's layout")
         if model.moe.enabled:
             raise ConfigError(f"{where}: a mixture-of-experts teacher runs in the student's layout only; leave "
                               "distill.teacher.tensor_parallel and pipeline_parallel null")
-        if world_size is not None and world_size % layout.tensor_parallel:
-            raise ConfigError(f"distill.teacher.tensor_parallel={layout.tensor_parallel} does not divide the "
-                              f"{world_size} ranks; pick a divisor")
+        size = layout.tensor_parallel * layout.pipeline_parallel
+        if world_size is not None and world_size % size:
+            raise ConfigError(f"{where}: the teacher's tensor_parallel x pipeline_parallel = {size} does not divide "
+                              f"the {world_size} ranks; pick sizes whose product divides them")
     if model.num_layers % layout.pipeline_parallel:
         raise ConfigError(f"distill.teacher: {model.num_layers} layers do not split over pipeline_parallel="
                           f"{layout.pipeline_parallel} stages")
@@ -124,7 +122,8 @@ def describe_teacher(cfg) -> str:
              "warm_start": f"its warm start ({teacher.warm_start_steps} supervised steps, seed "
                            f"{teacher.warm_start_seed})"}[teacher.source]
     place = ("in the student's layout" if layout is cfg.parallel else
-             f"at tensor_parallel={layout.tensor_parallel} in its own layout")
+             f"at tensor_parallel={layout.tensor_parallel}, pipeline_parallel={layout.pipeline_parallel} in its own "
+             "layout")
     return (f"{model.architecture}, {model.num_layers} layers, hidden {model.hidden_size}, {place}, weights from "
             f"{where}")
 
@@ -193,8 +192,6 @@ class Teacher:
         hidden states for the exact KL. The caller holds the weights resident (``offload.resident()``)."""
         full = dataclasses.replace(vocab, truncation=None)
         if self.own is not None:
-            from megatron_kl.distill.layout import score_in_own_layout
-
             return score_in_own_layout(self.chunks, self.own, sequences, microbatches, full, capture_hidden,
                                        token_budget, self.dp_rank, self.dp_size)
         return pipeline.compute_token_stats(self.chunks, sequences, microbatches, full,
@@ -241,8 +238,7 @@ def build_teacher(cfg, task, topology, warm_start: Callable, should_stop: Option
         chunks = builder.freeze(builder.build_model_chunks(model, layout))
         tp_group = topology.tp_group
     else:
-        own = parallel.own_layout(layout.tensor_parallel, cfg.parallel.distributed_timeout_s)
-        chunks = builder.freeze([builder.build_gpt_model(model, layout, pg_collection=own.collection, whole=True)])
+        own, chunks = build_in_own_layout(model, layout, cfg.parallel.distributed_timeout_s)
         tp_group = own.tp
     tp_rank, tp_size = dist.get_rank(tp_group), dist.get_world_size(tp_group)
     teacher = cfg.distill.teacher
@@ -265,8 +261,6 @@ def build_teacher(cfg, task, topology, warm_start: Callable, should_stop: Option
              cfg.distill.kl.coef)
     head = None
     if own is not None:
-        from megatron_kl.distill.layout import ResharedHead, reshard_output_weight
-
         head = ResharedHead(reshard_output_weight(chunks[0], own, model.vocab_size,
                                                   cfg.model.padded_vocab_size(cfg.parallel.tensor_parallel),
                                                   topology.tp_group))

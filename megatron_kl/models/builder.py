@@ -144,13 +144,15 @@ def layer_spec(model: ModelConfig):
 
 
 def build_gpt_model(model: ModelConfig, parallel: ParallelConfig, vp_stage: Optional[int] = None,
-                    pg_collection=None, flash_decode: bool = False, whole: bool = False):
+                    pg_collection=None, flash_decode: bool = False, whole: bool = False,
+                    stage: Optional[tuple[bool, bool]] = None):
     """One GPTModel chunk for this rank's pipeline stage (and virtual stage ``vp_stage``).
 
     ``pg_collection`` (megatron's ProcessGroupCollection) defaults to parallel_state's groups; the
     embedded rollout engine passes its own TP group so it can run concurrently with training, and
     ``flash_decode`` (see :func:`transformer_config`). ``whole``: every layer on this rank, embedding to output
-    layer, whatever the trainer's pipeline stage (a model in a layout of its own: models/parallel.OwnLayout).
+    layer, whatever the trainer's pipeline stage (a model in a layout of its own: models/parallel.OwnLayout);
+    ``stage``: (first, last) pipeline stage of such a layout's own pipeline instead of the trainer's.
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -168,8 +170,10 @@ def build_gpt_model(model: ModelConfig, parallel: ParallelConfig, vp_stage: Opti
         transformer_layer_spec=layer_spec(resolved),
         vocab_size=resolved.padded_vocab_size(parallel.tensor_parallel),
         max_sequence_length=resolved.max_position_embeddings,
-        pre_process=whole or parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
-        post_process=whole or parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+        pre_process=whole or (stage[0] if stage is not None else
+                              parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)),
+        post_process=whole or (stage[1] if stage is not None else
+                               parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)),
         parallel_output=True,
         share_embeddings_and_output_weights=resolved.tie_word_embeddings,
         position_embedding_type="rope",

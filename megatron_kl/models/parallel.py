@@ -95,34 +95,64 @@ def pp_group():
 
 @dataclass(frozen=True)
 class OwnLayout:
-    """The process groups of a model that runs in a tensor-parallel layout of its own beside the trainer's (a
-    distillation teacher at another TP size): ``tp`` this rank's group of ``tensor_parallel`` consecutive ranks
-    (megatron's order), ``replica`` its index among the ``replicas`` = world / tensor_parallel groups, and
-    ``collection`` megatron's ProcessGroupCollection to build and run the model with (whole layers on every rank: no
-    pipeline or context parallelism of its own)."""
+    """The process groups of a model that runs in a layout of its own beside the trainer's (a distillation teacher at
+    another tensor / pipeline size): world / (tensor_parallel x pipeline_parallel) replicas of consecutive ranks, in
+    megatron's order inside each (rank = replica start + stage x tensor_parallel + tensor rank). ``tp`` this rank's
+    tensor-parallel group, ``pp`` its pipeline group (a one-rank group without pipelining), ``stage`` its pipeline
+    stage, ``replica`` its replica's index among ``replicas``, ``collection`` megatron's ProcessGroupCollection to build
+    and run the model with (no context or data parallelism of its own)."""
 
     tp: object
     tensor_parallel: int
     replica: int
     replicas: int
     collection: object
+    pp: object = None
+    pipeline_parallel: int = 1
+    stage: int = 0
+
+    @property
+    def first_stage(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def last_stage(self) -> bool:
+        return self.stage == self.pipeline_parallel - 1
 
 
-def own_layout(tensor_parallel: int, timeout_s: float) -> OwnLayout:
-    """Collective: every rank creates the groups of a ``tensor_parallel``-wide layout (its own TP groups, and one
-    single-rank group per rank for the pipeline, context, embedding and data-parallel roles), with the trainer's
-    ``parallel.distributed_timeout_s``."""
+def own_layout(tensor_parallel: int, timeout_s: float, pipeline_parallel: int = 1) -> OwnLayout:
+    """Collective: every rank creates the groups of a ``tensor_parallel`` x ``pipeline_parallel`` layout (its own TP
+    and pipeline groups, the embedding group of each pipeline's first and last stage, and one single-rank group per
+    rank for the context and data-parallel roles), with the trainer's ``parallel.distributed_timeout_s``."""
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     world, rank = dist.get_world_size(), dist.get_rank()
-    if world % tensor_parallel:
-        raise ValueError(f"tensor_parallel={tensor_parallel} does not divide the world of {world} ranks")
+    size = tensor_parallel * pipeline_parallel
+    if world % size:
+        raise ValueError(f"tensor_parallel={tensor_parallel} x pipeline_parallel={pipeline_parallel} does not divide "
+                         f"the world of {world} ranks")
     kwargs = {"timeout": timedelta(seconds=timeout_s)}
-    tp, _ = dist.new_subgroups_by_enumeration(
-        [list(range(i, i + tensor_parallel)) for i in range(0, world, tensor_parallel)], **kwargs)
+    bases = range(0, world, size)
+
+    def members(base: int, stage: int) -> list[int]:
+        return [base + stage * tensor_parallel + t for t in range(tensor_parallel)]
+
+    tp, _ = dist.new_subgroups_by_enumeration([members(b, p) for b in bases for p in range(pipeline_parallel)],
+                                              **kwargs)
+    pp, _ = dist.new_subgroups_by_enumeration(
+        [[b + p * tensor_parallel + t for p in range(pipeline_parallel)] for b in bases for t in range(tensor_parallel)],
+        **kwargs)
+    replica_group, _ = dist.new_subgroups_by_enumeration([list(range(b, b + size)) for b in bases], **kwargs)
+    ends = sorted({0, pipeline_parallel - 1})
+    embedding, _ = dist.new_subgroups_by_enumeration(
+        [[b + p * tensor_parallel + t for p in ends] for b in bases for t in range(tensor_parallel)], **kwargs)
     single, _ = dist.new_subgroups_by_enumeration([[r] for r in range(world)], **kwargs)
+    stage = (rank % size) // tensor_parallel
     collection = ProcessGroupCollection()
-    collection.tp = collection.tp_cp = collection.mp = tp
-    for role in ("pp", "cp", "embd", "pos_embd", "dp", "dp_cp"):
+    collection.tp = collection.tp_cp = tp
+    collection.mp = replica_group
+    collection.pp = pp
+    collection.embd = embedding if stage in ends else single
+    for role in ("cp", "pos_embd", "dp", "dp_cp"):
         setattr(collection, role, single)
-    return OwnLayout(tp, tensor_parallel, rank // tensor_parallel, world // tensor_parallel, collection)
+    return OwnLayout(tp, tensor_parallel, rank // size, world // size, collection, pp, pipeline_parallel, stage)

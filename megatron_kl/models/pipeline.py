@@ -224,9 +224,9 @@ def run_schedule(
     dicts (on the last pipeline stage; an empty list elsewhere). With ``reference`` and a
     ``batch.reference_hidden``, the stats carry the exact per-position KL(pi || pi_ref).
 
-    ``own_layout`` (:class:`megatron_kl.models.parallel.OwnLayout`): ``chunks`` is a model built in a tensor-parallel
-    layout of its own (a distillation teacher), without pipeline or context parallelism: forward only, through
-    megatron's non-pipelined schedule with that layout's process groups."""
+    ``own_layout`` (:class:`megatron_kl.models.parallel.OwnLayout`): ``chunks`` is a model built in a layout of its own
+    (a distillation teacher), without context parallelism: forward only, through megatron's non-pipelined schedule,
+    or its 1F1B schedule over the layout's pipeline group, with that layout's process groups."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
 
@@ -238,8 +238,15 @@ def run_schedule(
     data = [iter(microbatches) for _ in chunks]
     if own_layout is None:
         forward_backward = get_forward_backward_func()
-    else:
+    elif own_layout.pipeline_parallel == 1:
         forward_backward = partial(forward_backward_no_pipelining, pg_collection=own_layout.collection)
+    else:  # megatron's 1F1B schedule over the layout's own pipeline group
+        from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+        from megatron.core.pipeline_parallel.schedules import forward_backward_pipelining_without_interleaving
+
+        forward_backward = partial(forward_backward_pipelining_without_interleaving,
+                                   pg_collection=own_layout.collection,
+                                   p2p_communicator=P2PCommunicator(pp_group=own_layout.pp, config=config))
     own_tp_group = None if own_layout is None else own_layout.tp
     try:
         return forward_backward(

@@ -137,12 +137,13 @@ def descent_worker(rank, world, student_cfg: ModelConfig, teacher_cfg: ModelConf
 
 
 def own_layout_worker(rank, world, student_cfg: ModelConfig, teacher_cfg: ModelConfig, student_parallel: ParallelConfig,
-                      teacher_tp: int, student_state, teacher_state, tokens, loss_mask, objective: KLConfig):
-    """A teacher at ``teacher_tp`` in its own layout beside a student at ``student_parallel`` (the rest of the world
-    data parallel): this rank's rows (contiguous split over the student's data-parallel ranks), the teacher's
-    log-probs, pi_old's exact KL to the teacher through the resharded head, and the gradient of one step of the
-    distillation term (full layout)."""
-    from megatron_kl.distill.layout import ResharedHead, reshard_output_weight
+                      teacher_tp: int, student_state, teacher_state, tokens, loss_mask, objective: KLConfig,
+                      teacher_pp: int = 1):
+    """A teacher at ``teacher_tp`` x ``teacher_pp`` in its own layout beside a student at ``student_parallel`` (the
+    rest of the world data parallel): this rank's rows (contiguous split over the student's data-parallel ranks), the
+    teacher's log-probs, pi_old's exact KL to the teacher through the resharded head, and the gradient of one step of
+    the distillation term (full layout)."""
+    from megatron_kl.distill.layout import ResharedHead, build_in_own_layout, reshard_output_weight
     from megatron_kl.distill.teacher import Teacher
     from megatron_kl.models.offload import ReferenceOffload
     from megatron_kl.train.topology import Topology
@@ -153,9 +154,8 @@ def own_layout_worker(rank, world, student_cfg: ModelConfig, teacher_cfg: ModelC
     tp_group, pp_group = parallel.tp_group(), parallel.pp_group()
     student = builder.build_model_chunks(student_cfg, student_parallel)
     state.load_full_state_dict(student, student_state, False, dist.get_rank(tp_group), dist.get_world_size(tp_group))
-    own = parallel.own_layout(teacher_tp, 120.0)
-    chunks = builder.freeze([builder.build_gpt_model(teacher_cfg, ParallelConfig(tensor_parallel=teacher_tp),
-                                                     pg_collection=own.collection, whole=True)])
+    own, chunks = build_in_own_layout(teacher_cfg, ParallelConfig(tensor_parallel=teacher_tp,
+                                                                  pipeline_parallel=teacher_pp), 120.0)
     state.load_full_state_dict(chunks, teacher_state, False, dist.get_rank(own.tp), teacher_tp)
     head = ResharedHead(reshard_output_weight(chunks[0], own, teacher_cfg.vocab_size,
                                               student_cfg.padded_vocab_size(student_parallel.tensor_parallel),
@@ -179,4 +179,6 @@ def own_layout_worker(rank, world, student_cfg: ModelConfig, teacher_cfg: ModelC
     optim.train_step(train, inputs.into(batch), 1, loss, vocab, reference=teacher.head)
     inner = [c.module for c in train.chunks]
     grads = state.full_state_dict(inner, student_cfg.vocab_size, False, tp_group, pp_group, getter=optim.main_grad)
-    return {"rows": rows, "kl": old.kl, "teacher_logprobs": teacher_stats.logprobs, "grads": grads}
+    layers = len(output_head.unwrap(chunks[0]).decoder.layers)  # the teacher's layers this rank holds
+    return {"rows": rows, "kl": old.kl, "teacher_logprobs": teacher_stats.logprobs, "grads": grads,
+            "teacher_layers": layers}

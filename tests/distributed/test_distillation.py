@@ -151,10 +151,12 @@ def test_steps_on_a_fixed_batch_lower_the_exact_kl_to_the_teacher(states, level)
     assert kls[-1] < 0.5 * kls[0], kls
 
 
-@pytest.mark.parametrize("student_tp, teacher_tp", [(1, 2), (2, 1)])
-def test_a_teacher_in_its_own_tensor_parallel_layout_gives_the_single_rank_result(states, student_tp, teacher_tp):
-    """Two ranks: a student at TP 1 (two data-parallel ranks) beside a teacher at TP 2, and a student at TP 2 beside
-    two TP-1 teacher replicas: the teacher's log-probs, pi_old's exact KL to it and (one data-parallel rank) the
+@pytest.mark.parametrize("student_tp, teacher_tp, teacher_pp, world", [(1, 2, 1, 2), (2, 1, 1, 2), (1, 1, 2, 2),
+                                                                      (2, 1, 2, 2), (1, 2, 2, 4)])
+def test_a_teacher_in_its_own_layout_gives_the_single_rank_result(states, student_tp, teacher_tp, teacher_pp, world):
+    """A student at TP 1 (data-parallel ranks) beside a teacher at TP 2, a student at TP 2 beside TP-1 teacher replicas,
+    a teacher pipeline of two stages beside a student at TP 1 and at TP 2, and a TP-2 x PP-2 teacher beside four
+    data-parallel student ranks: the teacher's log-probs, pi_old's exact KL to it and (one data-parallel rank) the
     distillation gradient equal one rank's with both models whole."""
     from megatron_kl.validation.distill_workers import own_layout_worker
 
@@ -162,17 +164,18 @@ def test_a_teacher_in_its_own_tensor_parallel_layout_gives_the_single_rank_resul
     objective = dataclasses.replace(EXACT_SEQUENCE, aggregation="token_mean")
     single = run_ranks(own_layout_worker, 1, STUDENT, TEACHER, ParallelConfig(), 1, states["student"],
                        states["teacher"], tokens, mask, objective)[0]
-    outs = run_ranks(own_layout_worker, 2, STUDENT, TEACHER, ParallelConfig(tensor_parallel=student_tp), teacher_tp,
-                     states["student"], states["teacher"], tokens, mask, objective)
+    outs = run_ranks(own_layout_worker, world, STUDENT, TEACHER, ParallelConfig(tensor_parallel=student_tp),
+                     teacher_tp, states["student"], states["teacher"], tokens, mask, objective, teacher_pp)
     on = mask.bool()
+    assert all(out["teacher_layers"] == TEACHER.num_layers // teacher_pp for out in outs)  # its own pipeline stages
     for out in outs:
         rows = out["rows"]
         for key in ("kl", "teacher_logprobs"):
             expected, actual = single[key][rows], out[key]
             assert (actual[~on[rows]] == 0).all()
-            err = ((actual - expected).abs().max() / expected.abs().max()).item()
+            err = ((actual - expected).abs().max() / single[key].abs().max()).item()
             assert err < 1e-5, (key, err)
-    if student_tp == 2:  # one data-parallel rank: the whole batch's gradient
+    if student_tp == world:  # one data-parallel rank: the whole batch's gradient
         for key, expected in single["grads"].items():
             err = ((outs[0]["grads"][key] - expected).abs().max() / expected.abs().max().clamp_min(1e-6)).item()
             assert err < 1e-4, (key, err)

@@ -41,18 +41,20 @@ def test_distillation_alone_with_a_bigger_teacher(tmp_path):
     assert one["summary"]["run_name"].startswith("distill-full-loss-sequence-coef1-")
 
 
-def test_a_teacher_at_its_own_tensor_parallel_size_trains_as_in_the_students_layout(tmp_path):
-    """Two ranks, the student at TP 1 (data parallel 2): the teacher at TP 2 in its own layout logs what the teacher in
-    the student's layout logs, step for step, to fp32 rounding."""
+def test_a_teacher_in_a_layout_of_its_own_trains_as_in_the_students_layout(tmp_path):
+    """Two ranks, the student at TP 1 (data parallel 2): the teacher at TP 2, and the teacher as a pipeline of two
+    stages, in layouts of its own log what the teacher in the student's layout logs, step for step, to fp32 rounding."""
     from tests.e2e.test_train import assert_same_metrics
 
     runs = {}
     for name, extra in (("student-layout", ()), ("own-tp2", ("distill.teacher.tensor_parallel=2",
-                                                             "distill.teacher.pipeline_parallel=1"))):
+                                                             "distill.teacher.pipeline_parallel=1")),
+                        ("own-pp2", ("distill.teacher.tensor_parallel=1", "distill.teacher.pipeline_parallel=2"))):
         cfg = short_config(tmp_path / name, str(tmp_path / "cache"), "train.steps=2", "distill.kl.level=token",
-                           *_distill("distill.teacher.model.num_layers=3", "distill.teacher.model.hidden_size=192",
+                           *_distill("distill.teacher.model.num_layers=4", "distill.teacher.model.hidden_size=192",
                                      "distill.teacher.model.ffn_hidden_size=384", "distill.teacher.warm_start_steps=20",
                                      *extra))
         runs[name] = run_ranks(train_worker, 2, cfg, timeout_s=600)[0]["metrics"]
     assert_same_metrics(runs["student-layout"], runs["own-tp2"], "teacher at TP 2 vs the student's layout")
-    assert any("distill/exact_token" in r for r in runs["own-tp2"])
+    assert_same_metrics(runs["student-layout"], runs["own-pp2"], "teacher at PP 2 vs the student's layout")
+    assert any("distill/exact_token" in r for r in runs["own-pp2"])

@@ -91,10 +91,17 @@ def test_prepare_checks_the_teacher_against_the_student_and_the_task(tmp_path):
         prepare(_load(tmp_path, "distill.teacher.model.vocab_size=40"))
     with pytest.raises(ConfigError, match="distill.teacher holds 8 positions"):
         prepare(_load(tmp_path, "distill.teacher.model.max_position_embeddings=8"))
-    with pytest.raises(ConfigError, match="distill.teacher.tensor_parallel=2 does not divide the 1 ranks"):
+    with pytest.raises(ConfigError, match="tensor_parallel x pipeline_parallel = 2 does not divide the 1 ranks"):
         prepare(_load(tmp_path, "distill.teacher.tensor_parallel=2"))
-    with pytest.raises(ConfigError, match="distill.teacher.pipeline_parallel=1"):
+    with pytest.raises(ConfigError, match="tensor_parallel x pipeline_parallel = 2 does not divide the 1 ranks"):
         prepare(_load(tmp_path, "distill.teacher.pipeline_parallel=2"))
+    from megatron_kl.distill.teacher import check_teacher
+
+    with pytest.raises(ConfigError, match="do not split over pipeline_parallel=3"):
+        check_teacher(_load(tmp_path, "distill.teacher.pipeline_parallel=3"), world_size=3)
+    check_teacher(_load(tmp_path, "distill.teacher.pipeline_parallel=2"), world_size=2)  # its own pipeline: accepted
+    with pytest.raises(ConfigError, match="mixture-of-experts teacher runs in the student's layout only"):
+        prepare(_load(tmp_path, "distill.teacher.pipeline_parallel=2", "distill.teacher.model.moe.num_experts=4"))
 
 
 def test_the_top_k_approximation_is_named_as_such_and_judged_biased(tmp_path):
