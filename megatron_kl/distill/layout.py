@@ -22,6 +22,7 @@ import torch.distributed as dist
 from megatron_kl.models import builder, output_head, pipeline
 from megatron_kl.models.batch import TokenStats
 from megatron_kl.models.parallel import OwnLayout, own_layout
+from megatron_kl.models.state import ExpertGroups
 
 
 class ResharedHead:
@@ -46,6 +47,12 @@ def build_in_own_layout(model, layout, timeout_s: float) -> tuple[OwnLayout, lis
     chunk = builder.build_gpt_model(model, layout, pg_collection=own.collection, whole=own.pipeline_parallel == 1,
                                     stage=(own.first_stage, own.last_stage))
     return own, builder.freeze([chunk])
+
+
+def expert_groups(own: OwnLayout):
+    """The routed experts' groups of a model in ``own`` (every expert on every rank, split over its TP group), for
+    loading its weights (models.state.ExpertGroups)."""
+    return ExpertGroups(ep=own.collection.ep, etp=own.tp)
 
 
 def reshard_output_weight(chunk, own: OwnLayout, vocab_size: int, student_padded_vocab: int, student_tp_group

@@ -20,7 +20,8 @@ import torch.distributed as dist
 
 from megatron_kl.config import ConfigError, ModelConfig
 from megatron_kl.distill.config import DistillConfig, TeacherConfig, teacher_parallel
-from megatron_kl.distill.layout import ResharedHead, build_in_own_layout, reshard_output_weight, score_in_own_layout
+from megatron_kl.distill.layout import (ResharedHead, build_in_own_layout, expert_groups, reshard_output_weight,
+                                        score_in_own_layout)
 from megatron_kl.distill.served import ServedTeacher
 from megatron_kl.kl.kernels.candidates import top_k_logprobs
 from megatron_kl.models import builder, hf, output_head, parallel, pipeline, state
@@ -93,9 +94,6 @@ def check_teacher(cfg, world_size: Optional[int] = None) -> ModelConfig:
     if layout is not cfg.parallel:
         where = (f"distill.teacher.tensor_parallel={distill.teacher.tensor_parallel} / pipeline_parallel="
                  f"{distill.teacher.pipeline_parallel}")
-        if model.moe.enabled:
-            raise ConfigError(f"{where}: a mixture-of-experts teacher runs in the student's layout only; leave "
-                              "distill.teacher.tensor_parallel and pipeline_parallel null")
         size = layout.tensor_parallel * layout.pipeline_parallel
         if world_size is not None and world_size % size:
             raise ConfigError(f"{where}: the teacher's tensor_parallel x pipeline_parallel = {size} does not divide "
@@ -191,6 +189,7 @@ class Teacher:
         truncated (every KL is to the full distribution: docs/kl-math.md), and with ``capture_hidden`` its final
         hidden states for the exact KL. The caller holds the weights resident (``offload.resident()``)."""
         full = dataclasses.replace(vocab, truncation=None)
+        sequences = dataclasses.replace(sequences, routed_experts=None)  # the teacher routes itself (its own experts)
         if self.own is not None:
             return score_in_own_layout(self.chunks, self.own, sequences, microbatches, full, capture_hidden,
                                        token_budget, self.dp_rank, self.dp_size)
@@ -233,22 +232,23 @@ def build_teacher(cfg, task, topology, warm_start: Callable, should_stop: Option
         top_k = cfg.distill.kl.top_k if cfg.distill.kl.estimator == "topk" else 0  # sampled estimators: no top-k
         return ServedTeacher(cfg.distill.teacher.server, cfg.model.vocab_size, top_k, topology)
     layout = teacher_parallel(cfg.distill.teacher, cfg.parallel)
-    own = None
+    own = experts = None  # experts: the routed experts' groups in a layout of its own (default: megatron's)
     if layout is cfg.parallel:
         chunks = builder.freeze(builder.build_model_chunks(model, layout))
         tp_group = topology.tp_group
     else:
         own, chunks = build_in_own_layout(model, layout, cfg.parallel.distributed_timeout_s)
         tp_group = own.tp
+        experts = expert_groups(own)
     tp_rank, tp_size = dist.get_rank(tp_group), dist.get_world_size(tp_group)
     teacher = cfg.distill.teacher
     if teacher.source == "hf":
-        hf.load_hf_into(chunks, hf.HFCheckpoint(teacher.hf_checkpoint), model, tp_group)
+        hf.load_hf_into(chunks, hf.HFCheckpoint(teacher.hf_checkpoint), model, tp_group, experts)
         where = teacher.hf_checkpoint
     else:
         full = _full_state(cfg, model, task, should_stop, warm_start)
         try:
-            state.load_full_state_dict(chunks, full, model.tie_word_embeddings, tp_rank, tp_size)
+            state.load_full_state_dict(chunks, full, model.tie_word_embeddings, tp_rank, tp_size, experts)
         except (KeyError, ValueError) as err:
             raise ConfigError(f"distill.teacher ({teacher.source}): its weights do not fit distill.teacher.model "
                               f"({err}); give the architecture the weights were trained with") from None

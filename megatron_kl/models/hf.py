@@ -526,15 +526,17 @@ def model_config_for_run(given: Optional[ModelConfig], checkpoint: HFCheckpoint)
     return dataclasses.replace(given, **{k: getattr(derived.resolved(), k) for k in STRUCTURAL_FIELDS}, moe=moe)
 
 
-def load_hf_into(chunks: list, checkpoint: HFCheckpoint, model: ModelConfig, tp_group=None) -> None:
-    """Stream the HF weights into this rank's TP/PP shards of ``chunks`` (policy or reference)."""
+def load_hf_into(chunks: list, checkpoint: HFCheckpoint, model: ModelConfig, tp_group=None, experts=None) -> None:
+    """Stream the HF weights into this rank's TP/PP shards of ``chunks`` (policy or reference); ``experts``: the
+    routed experts' groups (models.state.ExpertGroups; default megatron-core's)."""
     import torch.distributed as dist
 
     from megatron_kl.models.state import load_full_state_dict
 
     tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
     tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
-    load_full_state_dict(chunks, HFStateView(checkpoint, model), model.tie_word_embeddings, tp_rank, tp_size)
+    load_full_state_dict(chunks, HFStateView(checkpoint, model), model.tie_word_embeddings, tp_rank, tp_size,
+                         experts=experts)
 
 
 def export_hf(chunks: list, model: ModelConfig, out_dir, dtype: str = "bfloat16", tp_group=None, pp_group=None,

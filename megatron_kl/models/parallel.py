@@ -153,6 +153,10 @@ def own_layout(tensor_parallel: int, timeout_s: float, pipeline_parallel: int = 
     collection.mp = replica_group
     collection.pp = pp
     collection.embd = embedding if stage in ends else single
-    for role in ("cp", "pos_embd", "dp", "dp_cp"):
+    # mixture-of-experts layers: every expert on every rank (no expert parallelism of its own), split as the dense
+    # layers are over the layout's tensor-parallel group
+    collection.expt_tp = collection.tp_ep = collection.tp_dp_cp = tp
+    collection.tp_ep_pp = replica_group
+    for role in ("cp", "pos_embd", "dp", "dp_cp", "ep", "expt_dp", "intra_dp_cp", "intra_expt_dp"):
         setattr(collection, role, single)
     return OwnLayout(tp, tensor_parallel, rank // size, world // size, collection, pp, pipeline_parallel, stage)

@@ -143,7 +143,7 @@ def own_layout_worker(rank, world, student_cfg: ModelConfig, teacher_cfg: ModelC
     rest of the world data parallel): this rank's rows (contiguous split over the student's data-parallel ranks), the
     teacher's log-probs, pi_old's exact KL to the teacher through the resharded head, and the gradient of one step of
     the distillation term (full layout)."""
-    from megatron_kl.distill.layout import ResharedHead, build_in_own_layout, reshard_output_weight
+    from megatron_kl.distill.layout import ResharedHead, build_in_own_layout, expert_groups, reshard_output_weight
     from megatron_kl.distill.teacher import Teacher
     from megatron_kl.models.offload import ReferenceOffload
     from megatron_kl.train.topology import Topology
@@ -156,7 +156,7 @@ def own_layout_worker(rank, world, student_cfg: ModelConfig, teacher_cfg: ModelC
     state.load_full_state_dict(student, student_state, False, dist.get_rank(tp_group), dist.get_world_size(tp_group))
     own, chunks = build_in_own_layout(teacher_cfg, ParallelConfig(tensor_parallel=teacher_tp,
                                                                   pipeline_parallel=teacher_pp), 120.0)
-    state.load_full_state_dict(chunks, teacher_state, False, dist.get_rank(own.tp), teacher_tp)
+    state.load_full_state_dict(chunks, teacher_state, False, dist.get_rank(own.tp), teacher_tp, expert_groups(own))
     head = ResharedHead(reshard_output_weight(chunks[0], own, teacher_cfg.vocab_size,
                                               student_cfg.padded_vocab_size(student_parallel.tensor_parallel),
                                               tp_group))
@@ -182,3 +182,20 @@ def own_layout_worker(rank, world, student_cfg: ModelConfig, teacher_cfg: ModelC
     layers = len(output_head.unwrap(chunks[0]).decoder.layers)  # the teacher's layers this rank holds
     return {"rows": rows, "kl": old.kl, "teacher_logprobs": teacher_stats.logprobs, "grads": grads,
             "teacher_layers": layers}
+
+
+def teacher_routing_worker(rank, world, student_cfg: ModelConfig, teacher_cfg: ModelConfig, teacher_state, tokens,
+                           loss_mask, routed_experts):
+    """A mixture-of-experts teacher in the student's layout scoring a batch that carries the rollout's routing (the
+    student's experts, ``routed_experts``) and the same batch without it: both log-prob tensors."""
+    from megatron_kl.distill.teacher import Teacher
+    from megatron_kl.models.offload import ReferenceOffload
+
+    parallel.initialize(student_cfg, ParallelConfig(), seed=1234)
+    chunks = builder.freeze(builder.build_model_chunks(teacher_cfg, ParallelConfig()))
+    state.load_full_state_dict(chunks, teacher_state, False, 0, 1)
+    teacher = Teacher(chunks, teacher_cfg, ReferenceOffload(chunks, False))
+    vocab = pipeline.VocabOptions(vocab_size=student_cfg.vocab_size)
+    carried = pipeline.SequenceBatch(tokens, loss_mask, routed_experts=routed_experts)
+    return {"with": teacher.score(carried, 1, vocab, capture_hidden=False).logprobs,
+            "without": teacher.score(pipeline.SequenceBatch(tokens, loss_mask), 1, vocab, capture_hidden=False).logprobs}

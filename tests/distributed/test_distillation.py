@@ -267,3 +267,42 @@ def test_a_top_k_teacher_equal_to_the_student_gives_zero_divergence_and_no_gradi
     assert (out["candidate_logprobs"][on] - out["teacher_top_logprobs"][on]).abs().max().item() < 1e-5
     largest = max(g.abs().max().item() for g in grads.values())
     assert largest < 1e-5, largest
+
+
+@pytest.mark.parametrize("teacher_tp, teacher_pp", [(2, 1), (1, 2)])
+def test_a_mixture_of_experts_teacher_in_its_own_layout_gives_the_single_rank_result(teacher_tp, teacher_pp):
+    """A mixture-of-experts teacher (4 experts, top-2) at TP 2 and as a two-stage pipeline in layouts of its own
+    beside a student at TP 1 (two data-parallel ranks): its log-probs and pi_old's exact KL to it equal one rank's."""
+    from megatron_kl.config import MoEConfig
+    from megatron_kl.validation.distill_workers import own_layout_worker
+
+    teacher = dataclasses.replace(TEACHER, moe=MoEConfig(num_experts=4, router_topk=2, ffn_hidden_size=96))
+    moe_states = run_ranks(states_worker, 1, STUDENT, teacher)[0]
+    tokens, mask = _batch()
+    objective = dataclasses.replace(EXACT_SEQUENCE, aggregation="token_mean")
+    single = run_ranks(own_layout_worker, 1, STUDENT, teacher, ParallelConfig(), 1, moe_states["student"],
+                       moe_states["teacher"], tokens, mask, objective)[0]
+    outs = run_ranks(own_layout_worker, 2, STUDENT, teacher, ParallelConfig(), teacher_tp, moe_states["student"],
+                     moe_states["teacher"], tokens, mask, objective, teacher_pp)
+    on = mask.bool()
+    for out in outs:
+        rows = out["rows"]
+        for key in ("kl", "teacher_logprobs"):
+            assert (out[key][~on[rows]] == 0).all()
+            err = ((out[key] - single[key][rows]).abs().max() / single[key].abs().max()).item()
+            assert err < 1e-5, (key, err)
+
+
+def test_a_mixture_of_experts_teacher_routes_itself_whatever_routing_the_batch_carries():
+    """The rollout's routing is the student's (its layers, its experts): a batch carrying one (here of another depth and
+    expert count than the teacher's) is scored by the teacher with its own routing, as if it carried none."""
+    from megatron_kl.config import MoEConfig
+    from megatron_kl.validation.distill_workers import teacher_routing_worker
+
+    teacher = dataclasses.replace(TEACHER, moe=MoEConfig(num_experts=4, router_topk=2, ffn_hidden_size=96))
+    moe_states = run_ranks(states_worker, 1, STUDENT, teacher)[0]
+    tokens, mask = _batch()
+    student_routing = torch.randint(0, 8, (tokens.shape[0], tokens.shape[1], 2, 2), dtype=torch.int16)
+    out = run_ranks(teacher_routing_worker, 1, STUDENT, teacher, moe_states["teacher"], tokens, mask,
+                    student_routing)[0]
+    assert out["without"].abs().max() > 0 and torch.equal(out["with"], out["without"])
