@@ -172,13 +172,14 @@ def microbatch_loss(stats, mb: Microbatch, algo: AlgoConfig, kl: KLConfig, share
 
     ``distill``: the distillation term's KLConfig (on-policy distillation; None without): the same estimator
     machinery as ``kl`` with log pi_teacher in log pi_ref's place. ``stats.kl``, the exact per-position KL of this
-    forward, is to the teacher when ``distill`` is given and to the reference otherwise (one exact KL per pass).
+    forward, is to the teacher when ``distill`` is given and to the reference otherwise; with ``distill``,
+    ``stats.regularizer_kl`` is the exact KL to the reference beside it.
     """
     inputs = LossInputs.from_microbatch(mb)
     mask = inputs.loss_mask.to(stats.logprobs.dtype)
     logprobs = stats.logprobs
     metrics: dict = {}
-    exact_to_reference = None if distill is not None else stats.kl
+    exact_to_reference = stats.regularizer_kl if distill is not None else stats.kl  # beside the teacher's, or alone
     exact_to_teacher = stats.kl if distill is not None else None
     if distill is not None and distill.estimator == TOP_K:  # the top-k divergence in the exact KL's place
         if stats.candidate_logprobs is None or inputs.teacher_top_logprobs is None:

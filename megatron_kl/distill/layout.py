@@ -29,6 +29,8 @@ class ResharedHead:
     """The teacher's output projection in the student's vocabulary partition (``weight`` rows: this student TP rank's
     share of the student's padded vocabulary); the interface of :class:`output_head.ReferenceHead`."""
 
+    regularizer = None  # as output_head.ReferenceHead
+
     def __init__(self, shard: torch.Tensor):
         self.shard = shard
 

@@ -19,7 +19,8 @@ import torch
 
 # the tensors that travel with the rows, in the order they are listed on SequenceBatch
 ROW_TENSORS = ("behavior_logprobs", "reference_logprobs", "advantages", "old_logprobs", "kl_returns", "routed_experts",
-               "reference_hidden", "teacher_logprobs", "distill_returns", "teacher_top_ids", "teacher_top_logprobs")
+               "reference_hidden", "teacher_logprobs", "distill_returns", "teacher_top_ids", "teacher_top_logprobs",
+               "regularizer_hidden")
 
 
 @dataclass(slots=True)
@@ -36,7 +37,8 @@ class SequenceBatch:
       batch carrying the ids also returns the model's log-probs at them (``TokenStats.candidate_logprobs``);
     - per input position: ``routed_experts [B, S, layers, k]`` the rollout engine's expert ids (routing replay),
       ``reference_hidden [B, S, H']`` the final hidden states of the model the exact KL is taken to on the fused path
-      (the reference's; under distillation the teacher's, H' its width).
+      (the reference's; under distillation the teacher's, H' its width), and under distillation with the exact KL to
+      the reference too, ``regularizer_hidden [B, S, H]`` the reference's;
 
     None: not carried.
     """
@@ -54,6 +56,7 @@ class SequenceBatch:
     distill_returns: Optional[torch.Tensor] = None
     teacher_top_ids: Optional[torch.Tensor] = None
     teacher_top_logprobs: Optional[torch.Tensor] = None
+    regularizer_hidden: Optional[torch.Tensor] = None
 
     def __post_init__(self):
         if self.tokens.dim() != 2:
@@ -158,7 +161,8 @@ class TokenStats:
     - ``kept_mass``, ``support_size``, ``outside_support``: the truncated policy's support (with truncation);
     - ``hidden``: ``[B, S, H]`` final hidden states feeding the output layer, in the model's dtype (when captured;
       None off the last pipeline stage);
-    - ``candidate_logprobs``: ``[B, S-1, k]`` log pi at the batch's ``teacher_top_ids`` (when it carries them).
+    - ``candidate_logprobs``: ``[B, S-1, k]`` log pi at the batch's ``teacher_top_ids`` (when it carries them);
+    - ``regularizer_kl``: under distillation, the exact KL(pi || pi_ref) to the reference beside ``kl`` (the teacher's).
     """
 
     logprobs: torch.Tensor
@@ -169,6 +173,7 @@ class TokenStats:
     outside_support: Optional[torch.Tensor] = None
     hidden: Optional[torch.Tensor] = None
     candidate_logprobs: Optional[torch.Tensor] = None
+    regularizer_kl: Optional[torch.Tensor] = None
 
     @property
     def truncated(self) -> bool:
@@ -182,11 +187,12 @@ class TokenStats:
                                             if (value := getattr(self, f.name)) is not None})
 
     @classmethod
-    def keys(cls, exact_kl: bool, truncated: bool, candidates: bool = False) -> tuple:
+    def keys(cls, exact_kl: bool, truncated: bool, candidates: bool = False, regularizer: bool = False) -> tuple:
         """The per-token fields a pass computes: always log-probs and entropy, the exact KL with a reference head,
-        the support statistics with truncation, the log-probs at the teacher's top-k ids with ``candidates``."""
+        the support statistics with truncation, the log-probs at the teacher's top-k ids with ``candidates``, the
+        exact KL to the reference beside the teacher's with ``regularizer``."""
         return (("logprobs", "entropy") + (("kl",) if exact_kl else ()) + (SUPPORT_KEYS if truncated else ())
-                + (("candidate_logprobs",) if candidates else ()))
+                + (("candidate_logprobs",) if candidates else ()) + (("regularizer_kl",) if regularizer else ()))
 
 
 @dataclass(frozen=True)

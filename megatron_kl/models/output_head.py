@@ -49,6 +49,8 @@ class ReferenceHead:
     hidden states (H wide) stored between passes instead of logits (V wide).
     """
 
+    regularizer = None  # a head whose KL is taken beside this one's (WithRegularizer), None: this one's alone
+
     def __init__(self, reference_chunks: list):
         self.chunk = reference_chunks[-1]
 
@@ -61,6 +63,21 @@ class ReferenceHead:
 
     def weight(self) -> torch.Tensor:
         return output_weight(self.chunk).detach()
+
+
+class WithRegularizer:
+    """The teacher's head with the reference's beside it (distillation with the exact KL to both): ``logits`` /
+    ``weight`` are the teacher's (the stats' ``kl``), ``regularizer`` the reference's (the stats' ``regularizer_kl``,
+    from ``batch.regularizer_hidden``)."""
+
+    def __init__(self, anchor, regularizer: ReferenceHead):
+        self.anchor, self.regularizer = anchor, regularizer
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.anchor.logits(hidden)
+
+    def weight(self) -> torch.Tensor:
+        return self.anchor.weight()
 
 
 def fused_layout(vocab_reference: Optional[ReferenceHead], mb: Microbatch, device):

@@ -26,7 +26,7 @@ from megatron_kl.config import sequence_multiple
 from megatron_kl.kl.kernels.candidates import candidate_logits, candidate_logprobs, fused_candidate_logits
 from megatron_kl.kl.kernels.fused_linear import _gather_rows, linear_chunk_rows, fused_linear_stats
 from megatron_kl.kl.kernels.truncation import Truncation, effective
-from megatron_kl.kl.kernels.vocab_parallel import DEFAULT_CHUNK, VocabParallelStats, fused_stats
+from megatron_kl.kl.kernels.vocab_parallel import DEFAULT_CHUNK, VocabParallelStats, full_kl, fused_stats
 from megatron_kl.models.fused_loss import single_pass_loss
 from megatron_kl.models.batch import (SUPPORT_KEYS, Microbatch, MicrobatchStats, SequenceBatch,  # noqa: F401
                                       TokenStats)
@@ -104,12 +104,22 @@ def _unfused_stats(vocab: VocabOptions, reference: Optional[ReferenceHead], mb: 
     stats = fused_stats(logits[:, :last], tp_group, targets=targets.to(logits.device),
                         reference_logits=reference_logits, temperature=vocab.temperature,
                         vocab_size=vocab.vocab_size, chunk_size=vocab.chunk_size, truncation=vocab.truncation)
+    if _has_regularizer(reference, mb):  # the exact KL to the reference beside the teacher's: a second sweep
+        regularizer_logits = reference.regularizer.logits(mb.regularizer_hidden.to(logits.device))[:, :last]
+        stats = dataclasses.replace(stats, regularizer_kl=full_kl(
+            logits[:, :last], regularizer_logits, tp_group, vocab.temperature, vocab.vocab_size, vocab.chunk_size,
+            vocab.truncation))
     if mb.teacher_top_ids is None:
         return stats
     ids = _with_targets(mb, targets, logits.device)
     picked = candidate_logits(logits[:, :last], ids, tp_group, vocab.vocab_size)
     return dataclasses.replace(stats, candidate_logprobs=candidate_logprobs(stats.logprobs, picked[..., :-1],
                                                                             picked[..., -1], vocab.temperature))
+
+
+def _has_regularizer(reference, mb: Microbatch) -> bool:
+    """Whether this pass takes the exact KL to the reference beside the teacher's (output_head.WithRegularizer)."""
+    return reference is not None and reference.regularizer is not None and mb.regularizer_hidden is not None
 
 
 def _with_targets(mb: Microbatch, targets: torch.Tensor, device) -> torch.Tensor:
@@ -146,6 +156,13 @@ def _fused_stats(vocab: VocabOptions, reference: Optional[ReferenceHead], mb: Mi
         return None if value is None else value.t()[:, :last]
 
     stats = VocabParallelStats(*(per_sequence(getattr(stats, f.name)) for f in dataclasses.fields(stats)))
+    if _has_regularizer(reference, mb):  # the exact KL to the reference beside the teacher's: a second sweep
+        regularizer = fused_linear_stats(
+            hidden.transpose(0, 1), weight, tp_group, reference_hidden=mb.regularizer_hidden.to(hidden.device)
+            .transpose(0, 1), reference_weight=reference.regularizer.weight(), temperature=vocab.temperature,
+            vocab_size=vocab.vocab_size, chunk_size=vocab.chunk_size, sequence_parallel=sequence_parallel, mask=rows,
+            truncation=vocab.truncation)
+        stats = dataclasses.replace(stats, regularizer_kl=per_sequence(regularizer.kl))
     if mb.teacher_top_ids is None:
         return stats
     return _fused_candidates(vocab, mb, stats, hidden, weight, tp_group, sequence_parallel)
@@ -169,7 +186,8 @@ def _forward_step(vocab: VocabOptions, loss_fn: LossFn, num_microbatches: int, f
         tokens = mb.tokens
         position_ids = torch.arange(tokens.shape[1], device=device).unsqueeze(0).expand_as(tokens)
     single_pass = (vocab.grad_in_forward and getattr(loss_fn, "row_separable", False) and not forward_only
-                   and mb.teacher_top_ids is None)  # the single pass probes log-probs, entropy and KL only
+                   and mb.teacher_top_ids is None  # the single pass probes log-probs, entropy and one KL only
+                   and not _has_regularizer(reference, mb))
     fused = inner.post_process and vocab.use_fused(tokens.numel(), output_weight(inner).shape[0],
                                                    single_sweep=forward_only or single_pass)
     tp_group = parallel_state.get_tensor_model_parallel_group() if own_tp_group is None else own_tp_group
@@ -342,7 +360,9 @@ def compute_token_stats(
     for chunk in chunks:
         chunk.eval()
     candidates = 0 if batch.teacher_top_ids is None else batch.teacher_top_ids.shape[-1]
-    keys = TokenStats.keys(reference is not None, vocab.truncation is not None, candidates > 0)
+    # decided alike on every pipeline stage (the hidden states the KLs read are on the last one only)
+    regularizer = reference is not None and reference.regularizer is not None
+    keys = TokenStats.keys(reference is not None, vocab.truncation is not None, candidates > 0, regularizer)
     captured: list[torch.Tensor] = []
     hook = None
     if capture_hidden and getattr(chunks[-1], "post_process", False):

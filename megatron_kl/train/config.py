@@ -355,10 +355,10 @@ def _check_distillation(cfg: TrainConfig) -> None:
     if not cfg.distill.enabled:
         return
     objective = cfg.distill.kl
-    if cfg.kl.estimator == "full" and cfg.kl.coef > 0:
-        raise ConfigError("kl.estimator=full with distill.enabled=true: the passes compute the exact full-vocabulary "
-                          "KL to one other model, and under distillation that is the teacher; estimate the KL to the "
-                          "reference from the sampled token (kl.estimator=k1/k2/k3), or set kl.coef=0")
+    if cfg.kl.estimator == "full" and cfg.kl.coef > 0 and cfg.distill.teacher.source == "server":
+        raise ConfigError("kl.estimator=full with distill.teacher.source=server: the exact KL to the reference is taken "
+                          "beside a loaded teacher's only; estimate the KL to the reference from the sampled token "
+                          "(kl.estimator=k1/k2/k3), load the teacher (source=hf), or set kl.coef=0")
     if objective.coef == 0 and cfg.distill.task_reward == "none":
         raise ConfigError("distill.kl.coef=0 with distill.task_reward=none leaves nothing to train: give the "
                           "distillation term a weight (distill.kl.coef > 0) or keep the task reward")

@@ -48,12 +48,12 @@ METRICS = (
     Metric("loss/kl_term", "loss", "beta x the KL term added to the loss (0 when the KL is in the reward)"),
     Metric("entropy/mean", "nats/token", "mean per-token entropy of the policy on the sampled responses"),
     Metric("kl/<estimator>_token", "nats/token", "mean per-token KL(pi || pi_ref) estimate: k1, k3, or exact "
-           "(full vocabulary)", _REF),
+           "(full vocabulary; under distillation with kl.estimator=full, a second sweep beside the teacher's)", _REF),
     Metric("kl/<estimator>_sequence", "nats/sequence", "mean per-sequence sum of the KL estimate", _REF),
     Metric("kl/biased", "0/1", "1 when the configured KL term's expected gradient is biased for kl.target (audit "
            "verdict, docs/kl-math.md)", "every step with a KL term"),
     Metric("distill/<estimator>_token", "nats/token", "mean per-token KL(pi || pi_teacher) estimate: k1, k3, exact "
-           "(full vocabulary; the exact KL is the teacher's, not the reference's, under distillation), or topk (the "
+           "(full vocabulary, to the teacher; a loaded teacher only), or topk (the "
            "top-k divergence of distill.kl.estimator=topk, its distill.kl.top_k_tail form: an approximation)",
            "every step with distillation"),
     Metric("distill/<estimator>_sequence", "nats/sequence", "mean per-sequence sum of the KL-to-teacher estimate",

@@ -76,6 +76,20 @@ class StepContext:
     def anchor_offload(self):
         return self.teacher.offload if self.teacher is not None else self.offload
 
+    def exact_heads(self, regularizing: bool):
+        """The heads this step's exact KLs are taken through: :attr:`anchor_head`, with the reference's beside the
+        teacher's when ``regularizing`` (the batch then carries the reference's hidden states: ``regularizer_hidden``,
+        on the last pipeline stage)."""
+        if self.teacher is not None and regularizing:
+            return output_head.WithRegularizer(self.teacher.head, self.reference_head)
+        return self.anchor_head
+
+    def resident(self, stack: ExitStack, regularizing: bool) -> None:
+        """Bring the models :meth:`exact_heads` reads back from host memory for the block of ``stack``."""
+        stack.enter_context(self.anchor_offload.resident())
+        if self.teacher is not None and regularizing:
+            stack.enter_context(self.offload.resident())
+
 
 class NonFiniteUpdates(RuntimeError):
     """Too many optimizer steps in a row had a NaN/inf gradient (``train.max_consecutive_skips``)."""
@@ -219,6 +233,13 @@ def _metrics_due(cfg, step: int) -> bool:
     return step % cfg.train.reference_metrics_interval == 0
 
 
+def regularizer_due(cfg, step: int) -> bool:
+    """Under distillation, whether this step takes the exact KL to the reference beside the teacher's (a second sweep
+    over the vocabulary): kl.estimator=full with a reference pass this step."""
+    return (cfg.distill.enabled and cfg.distill.teacher.source != "server" and cfg.kl.estimator == "full"
+            and needs_reference(cfg, step))
+
+
 def anchor_objective(cfg):
     """The KL term whose other model the exact KL is taken to: distill.kl under distillation, else kl."""
     return cfg.distill.kl if cfg.distill.enabled else cfg.kl
@@ -247,6 +268,8 @@ class Scores:
     teacher: Optional[pipeline.TokenStats] = None
     unreplayed: Optional[torch.Tensor] = None
     teacher_top_logprobs: Optional[torch.Tensor] = None  # distill.kl.estimator=topk: [B, S-1, k]
+    exact: bool = False  # the passes took the exact KL to the anchor (the reference, or the teacher)
+    regularizing: bool = False  # and under distillation the exact KL to the reference beside the teacher's
 
 
 def _scoring_passes(ctx: StepContext, sequences: pipeline.SequenceBatch, step: int, vocab, timings: dict) -> Scores:
@@ -257,19 +280,23 @@ def _scoring_passes(ctx: StepContext, sequences: pipeline.SequenceBatch, step: i
     cfg = ctx.cfg
     microbatches = cfg.algo.minibatches * cfg.train.micro_batches
     scores = Scores()
-    exact = needs_exact_kl(cfg, step)
     distilling = ctx.teacher is not None
+    scores.regularizing = regularizing = distilling and regularizer_due(cfg, step)
+    scores.exact = exact = needs_exact_kl(cfg, step) or regularizing  # both exact KLs, or the anchor's alone
     with ExitStack() as resident:
         with phase("reference", timings):  # bringing an offloaded reference back counts here
             resident.enter_context(ctx.offload.resident())
             if needs_reference(cfg, step):
                 # the reference is never truncated: every KL is to the full softmax(r / T) (docs/kl-math.md)
-                capture = exact and not distilling
+                capture = (exact and not distilling) or regularizing
                 scores.reference = pipeline.compute_token_stats(
                     ctx.reference, sequences, microbatches, dataclasses.replace(vocab, truncation=None),
                     capture_hidden=capture, token_budget=cfg.train.micro_batch_tokens)
                 if capture and scores.reference.hidden is not None:
-                    sequences.reference_hidden = scores.reference.hidden
+                    if regularizing:  # kept for the exact KL to the reference beside the teacher's
+                        sequences.regularizer_hidden = scores.reference.hidden
+                    else:
+                        sequences.reference_hidden = scores.reference.hidden
         if distilling:
             top_k = cfg.distill.kl.top_k if cfg.distill.kl.estimator == TOP_K else 0
             with phase("teacher", timings):  # bringing an offloaded teacher back counts here
@@ -287,7 +314,7 @@ def _scoring_passes(ctx: StepContext, sequences: pipeline.SequenceBatch, step: i
                 with _recording(ctx):
                     scores.old = pipeline.compute_token_stats(
                         ctx.train_state.chunks, sequences, microbatches, vocab,
-                        reference=ctx.anchor_head if anchor is not None and exact else None,
+                        reference=ctx.exact_heads(regularizing) if anchor is not None and exact else None,
                         token_budget=cfg.train.micro_batch_tokens)
         if _replays(cfg, sequences) and _metrics_due(cfg, step):
             with phase("unreplayed_logprobs", timings), routing_replay.suspended(ctx.train_state.chunks):
@@ -355,11 +382,14 @@ def _update(ctx: StepContext, sequences: pipeline.SequenceBatch, step: int, voca
             axis = context_parallel.sequence_axis(ctx.topology.cp_group)
             loss = MicrobatchLoss(algo, cfg.kl, shares, ctx.clamps, axis=axis,
                                   captured=[] if sequences.old_logprobs is None else None,
-                                  captured_keys=pipeline.TokenStats.keys(reference_head is not None,
-                                                                         vocab.truncation is not None,
-                                                                         sequences.teacher_top_ids is not None),
+                                  captured_keys=pipeline.TokenStats.keys(
+                                      reference_head is not None, vocab.truncation is not None,
+                                      sequences.teacher_top_ids is not None,
+                                      reference_head is not None and reference_head.regularizer is not None),
                                   distill=cfg.distill.kl if cfg.distill.enabled else None)
-            with ctx.anchor_offload.resident() if reference_head is not None else nullcontext():
+            with ExitStack() as resident:
+                if reference_head is not None:
+                    ctx.resident(resident, reference_head.regularizer is not None)
                 out = optim.train_step(ctx.train_state, minibatch, run.micro_batches, loss, vocab,
                                        reference=reference_head, token_budget=run.micro_batch_tokens)
             if record_update(ctx, out.update_successful, step, run.max_consecutive_skips):
@@ -451,10 +481,10 @@ def rl_step(ctx: StepContext, batch: RolloutBatch, step: int) -> dict:
     if old is not None:
         no_reward = torch.zeros_like(batch.rewards)
         returns = torch.zeros(mask.shape, dtype=old.logprobs.dtype)
-        if reference is not None and (teacher is None or kl.coef > 0):  # the pi_old pass's exact KL is the
-            # reference's only without distillation (with it, a weighted reference term is a sampled estimator)
+        if reference is not None and (teacher is None or kl.coef > 0):  # the pi_old pass's exact KL to the
+            # reference: its kl without distillation, its regularizer_kl beside the teacher's
             returns = kl_shaped_returns(kl, no_reward, old.logprobs, reference.logprobs, mask, batch.behavior_logprobs,
-                                        full_kl=old.kl if teacher is None else None, counter=ctx.clamps)
+                                        full_kl=old.kl if teacher is None else old.regularizer_kl, counter=ctx.clamps)
         inputs = dataclasses.replace(inputs, old_logprobs=old.logprobs, kl_returns=returns)
         if distill is not None:
             per_position = old.kl
@@ -469,14 +499,17 @@ def rl_step(ctx: StepContext, batch: RolloutBatch, step: int) -> dict:
     term = anchor_objective(cfg)
     exact_in_loss = term.estimator == "full" and term.placement == "loss" and term.coef > 0
     anchor = teacher if teacher is not None else reference
-    needs_head = anchor is not None and needs_exact_kl(cfg, step) and (exact_in_loss or old is None)
+    regularizer_in_loss = scores.regularizing and kl.placement == "loss" and kl.coef > 0
+    needs_head = anchor is not None and scores.exact and (exact_in_loss or regularizer_in_loss or old is None)
 
     with phase("update", timings), _recording(ctx) if cfg.algo.old_logprobs == "from_update" else nullcontext():
-        metrics, captured = _update(ctx, sequences, step, vocab, ctx.anchor_head if needs_head else None)
+        metrics, captured = _update(ctx, sequences, step, vocab,
+                                    ctx.exact_heads(scores.regularizing) if needs_head else None)
     old = old if old is not None else captured
 
     if reference is not None:
-        metrics.update(kl_metrics(old.logprobs, reference.logprobs, old.kl if teacher is None else None, mask))
+        metrics.update(kl_metrics(old.logprobs, reference.logprobs, old.kl if teacher is None else old.regularizer_kl,
+                                  mask))
     if teacher is not None:
         metrics.update(kl_metrics(old.logprobs, teacher.logprobs, old.kl, mask, prefix="distill"))
         if scores.teacher_top_logprobs is not None and old.candidate_logprobs is not None:

@@ -43,11 +43,12 @@ def _student_and_teacher(student_cfg: ModelConfig, teacher_cfg: ModelConfig, par
 
 def distill_step_worker(rank, world, student_cfg: ModelConfig, teacher_cfg: ModelConfig, parallel_cfg: ParallelConfig,
                         student_state, teacher_state, tokens, loss_mask, objective: KLConfig, fused: bool,
-                        temperature: float = 1.0):
+                        temperature: float = 1.0, reference_state=None, reference_term: KLConfig = KLConfig(coef=0.0)):
     """The student's pi_old stats with the exact KL to the teacher (as ``rl_step`` computes them under distillation),
-    then one optimizer step of the distillation term alone (no task advantage, no reference term). Returns, in the
-    full layout: pi_old's log-probs and exact KL, the teacher's log-probs, both models' final hidden states and output
-    weights (for a float64 recomputation), and the gradient."""
+    then one optimizer step of the distillation term (no task advantage; with ``reference_state``, a reference of the
+    student's architecture whose exact KL is taken beside the teacher's, and ``reference_term`` on it). Returns, in
+    the full layout: pi_old's log-probs and exact KL (and exact KL to the reference), the teacher's log-probs, the
+    models' final hidden states and output weights (for a float64 recomputation), and the gradient."""
     torch.manual_seed(0)
     student, teacher, head = _student_and_teacher(student_cfg, teacher_cfg, parallel_cfg, student_state, teacher_state)
     tp_group, pp_group = parallel.tp_group(), parallel.pp_group()
@@ -56,6 +57,16 @@ def distill_step_worker(rank, world, student_cfg: ModelConfig, teacher_cfg: Mode
     batch = pipeline.SequenceBatch(tokens=tokens, loss_mask=loss_mask)
     teacher_stats = pipeline.compute_token_stats(teacher, batch, 2, vocab, capture_hidden=True)
     batch.reference_hidden = teacher_stats.hidden
+    reference_stats = reference_weight = None
+    if reference_state is not None:  # the reference beside the teacher: output_head.WithRegularizer
+        reference = builder.freeze(builder.build_model_chunks(student_cfg, parallel_cfg))
+        state.load_full_state_dict(reference, reference_state, False, dist.get_rank(tp_group),
+                                   dist.get_world_size(tp_group))
+        reference_stats = pipeline.compute_token_stats(reference, batch, 2, vocab, capture_hidden=True)
+        batch.regularizer_hidden = reference_stats.hidden
+        head = output_head.WithRegularizer(head, output_head.ReferenceHead(reference))
+        if reference_stats.hidden is not None:
+            reference_weight = _full_output_weight(reference, student_cfg)
     top_logprobs = None
     if objective.estimator == TOP_K:  # the teacher as its top-k, formed as the trainer forms it
         frozen = Teacher(teacher, teacher_cfg, ReferenceOffload(teacher, False))
@@ -74,8 +85,12 @@ def distill_step_worker(rank, world, student_cfg: ModelConfig, teacher_cfg: Mode
     per_position = old.kl
     if top_logprobs is not None:
         per_position = top_k_divergence(old.candidate_logprobs, top_logprobs, objective.top_k_tail) * mask
-    inputs = LossInputs(loss_mask=mask, behavior_logprobs=old.logprobs, reference_logprobs=zeros, advantages=zeros,
-                        old_logprobs=old.logprobs, kl_returns=zeros, teacher_logprobs=teacher_stats.logprobs,
+    reference_logprobs = reference_stats.logprobs if reference_stats is not None else zeros
+    inputs = LossInputs(loss_mask=mask, behavior_logprobs=old.logprobs, reference_logprobs=reference_logprobs,
+                        advantages=zeros, old_logprobs=old.logprobs,
+                        kl_returns=kl_shaped_returns(reference_term, rewards, old.logprobs, reference_logprobs, mask,
+                                                     old.logprobs, full_kl=old.regularizer_kl),
+                        teacher_logprobs=teacher_stats.logprobs,
                         distill_returns=kl_shaped_returns(objective.per_position() if top_logprobs is not None
                                                           else objective, rewards, old.logprobs,
                                                           teacher_stats.logprobs, mask, old.logprobs,
@@ -83,8 +98,8 @@ def distill_step_worker(rank, world, student_cfg: ModelConfig, teacher_cfg: Mode
                         teacher_top_logprobs=top_logprobs)
     train = optim.build_train_state(student, optim.OptimConfig(lr=1e-3, clip_grad=0.0))
     shares = Shares(num_sequences=tokens.shape[0], num_tokens=float(mask.sum()))
-    loss = MicrobatchLoss(AlgoConfig(), KLConfig(coef=0.0), shares, distill=objective)
-    needs_head = objective.estimator == "full" and objective.placement == "loss"
+    loss = MicrobatchLoss(AlgoConfig(), reference_term, shares, distill=objective)
+    needs_head = objective.estimator == "full" and objective.placement == "loss" or reference_state is not None
     out = optim.train_step(train, inputs.into(batch), 2, loss, vocab, reference=head if needs_head else None)
     inner = [c.module for c in train.chunks]
     grads = state.full_state_dict(inner, student_cfg.vocab_size, False, tp_group, pp_group, getter=optim.main_grad)
@@ -93,7 +108,9 @@ def distill_step_worker(rank, world, student_cfg: ModelConfig, teacher_cfg: Mode
         "hidden": old.hidden, "teacher_hidden": teacher_stats.hidden,
         "weight": weights[0], "teacher_weight": weights[1],
         "grads": grads, "teacher_top_ids": batch.teacher_top_ids, "teacher_top_logprobs": top_logprobs,
-        "candidate_logprobs": old.candidate_logprobs,
+        "candidate_logprobs": old.candidate_logprobs, "regularizer_kl": old.regularizer_kl,
+        "reference_hidden": None if reference_stats is None else reference_stats.hidden,
+        "reference_weight": reference_weight,
     }
 
 

@@ -306,3 +306,55 @@ def test_a_mixture_of_experts_teacher_routes_itself_whatever_routing_the_batch_c
     out = run_ranks(teacher_routing_worker, 1, STUDENT, teacher, moe_states["teacher"], tokens, mask,
                     student_routing)[0]
     assert out["without"].abs().max() > 0 and torch.equal(out["with"], out["without"])
+
+
+REFERENCE_TERM = KLConfig(estimator="full", placement="loss", level="token", coef=0.3)
+
+
+@pytest.fixture(scope="module")
+def reference_state():
+    return run_ranks(states_worker, 1, STUDENT, TEACHER, 7)[0]["student"]  # a reference apart from the student
+
+
+def _run_with_reference(states, reference_state, parallel, fused):
+    tokens, mask = _batch()
+    world = parallel.tensor_parallel * parallel.pipeline_parallel
+    outs = run_ranks(distill_step_worker, world, STUDENT, TEACHER, parallel, states["student"], states["teacher"],
+                     tokens, mask, EXACT_SEQUENCE, fused, 1.0, reference_state, REFERENCE_TERM)
+    return [o for o in outs if o["last_stage"]][0], outs[0]["grads"], tokens, mask
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_the_exact_kl_to_the_reference_beside_the_teachers_matches_float64(states, reference_state, fused):
+    """Both exact KLs in one run: pi_old's KL to the teacher and to the reference against float64 recomputations,
+    and the output-weight gradient of the distillation term plus the exact reference term in the loss against
+    float64 autograd of both written out."""
+    out, grads, tokens, mask = _run_with_reference(states, reference_state, ParallelConfig(), fused)
+    weight = out["weight"].double().requires_grad_(True)
+    logp = torch.log_softmax(out["hidden"][:, :-1].double() @ weight.t(), -1)
+    logq = _log_softmax64(out["teacher_hidden"][:, :-1], out["teacher_weight"])
+    logr = _log_softmax64(out["reference_hidden"][:, :-1], out["reference_weight"])
+    on = mask.bool()
+    to_reference = (logp.exp() * (logp - logr)).sum(-1).detach()
+    to_teacher = (logp.exp() * (logp - logq)).sum(-1).detach()
+    for key, expected in (("regularizer_kl", to_reference), ("kl", to_teacher)):
+        assert expected[on].min() > 1e-3
+        rel = ((out[key][on].double() - expected[on]).abs() / expected[on]).max().item()
+        assert rel < 1e-4, (key, fused, rel)
+        assert (out[key][~on] == 0).all()
+    reference_term = REFERENCE_TERM.coef * ((logp.exp() * (logp - logr)).sum(-1) * mask.double()).sum() / mask.shape[0]
+    total = _objective64("full-loss-sequence", logp, logq, tokens[:, 1:], mask, EXACT_SEQUENCE.coef) + reference_term
+    total.backward()
+    expected, actual = weight.grad, grads["output_layer.weight"].double()
+    err = ((actual - expected).abs().max() / expected.abs().max()).item()
+    assert err < 1e-4, (fused, err)
+
+
+def test_both_exact_kls_under_tensor_and_pipeline_parallel_give_the_single_rank_gradients(states, reference_state):
+    _, single, _, _ = _run_with_reference(states, reference_state, ParallelConfig(), True)
+    for layout, fused in ((ParallelConfig(tensor_parallel=2), True), (ParallelConfig(tensor_parallel=2), False),
+                          (ParallelConfig(pipeline_parallel=2), True)):
+        _, grads, _, _ = _run_with_reference(states, reference_state, layout, fused)
+        for key, expected in single.items():
+            err = ((grads[key] - expected).abs().max() / expected.abs().max().clamp_min(1e-6)).item()
+            assert err < 1e-4, (layout, fused, key, err)

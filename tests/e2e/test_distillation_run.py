@@ -16,13 +16,21 @@ def _distill(*overrides):
 
 
 def test_a_teacher_equal_to_the_student_starts_at_zero_kl(tmp_path):
+    """With the exact KL to the reference beside the teacher's (kl.estimator=full): both are 0 at step 0 (the reference
+    is the start, and so is the teacher here), and once the policy has moved they stay equal (teacher = reference)."""
     same = [f"distill.teacher.model.{o.split('.', 1)[1]}" for o in STUDENT]
-    cfg = short_config(tmp_path / "run", str(tmp_path / "cache"), "train.steps=1",
-                       *_distill(*same, "distill.teacher.warm_start_steps=30", "distill.teacher.warm_start_seed=5"))
+    cfg = short_config(tmp_path / "run", str(tmp_path / "cache"), "train.steps=3",
+                       *_distill(*same, "distill.teacher.warm_start_steps=30", "distill.teacher.warm_start_seed=5",
+                                 "kl.estimator=full", "kl.placement=loss", "kl.level=token"))
     records = run_ranks(train_worker, 1, cfg, timeout_s=600)[0]["metrics"]
-    first = [r for r in records if "distill/exact_token" in r][0]
+    steps = [r for r in records if "distill/exact_token" in r]
+    first = steps[0]
     assert abs(first["distill/exact_token"]) < 1e-7 and abs(first["distill/k1_token"]) < 1e-5
+    assert abs(first["kl/exact_token"]) < 1e-7
     assert first["time/teacher"] > 0 and first["distill/biased"] == 0.0
+    moved = steps[-1]
+    assert 1e-4 < moved["kl/exact_token"] < 1e-1  # off the reference, seen by the exact KL to it
+    assert abs(moved["kl/exact_token"] - moved["distill/exact_token"]) < 1e-6 * moved["kl/exact_token"] + 1e-9
 
 
 def test_distillation_alone_with_a_bigger_teacher(tmp_path):

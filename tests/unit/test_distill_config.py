@@ -31,7 +31,6 @@ def test_off_by_default_and_the_run_keys_stay(tmp_path):
 @pytest.mark.parametrize("overrides, named", [
     (["distill.teacher.source=hf"], "distill.teacher.hf_checkpoint"),
     (["distill.teacher.source=checkpoint"], "distill.teacher.checkpoint"),
-    (["kl.estimator=full", "kl.coef=0.01"], "kl.estimator=full"),
     (["distill.kl.coef=0", "distill.task_reward=none"], "distill.kl.coef=0"),
     (["distill.kl.estimator=k9"], "distill.kl.estimator"),
     (["distill.task_reward=maybe"], "distill.task_reward"),

@@ -71,6 +71,7 @@ SERVED = ["distill.enabled=true", "kl.estimator=k3", "distill.teacher.source=ser
 
 @pytest.mark.parametrize("overrides, named", [
     (["distill.kl.estimator=full"], "distill.kl.estimator=full with distill.teacher.source=server"),
+    (["distill.kl.estimator=topk", "kl.estimator=full", "kl.coef=0.01"], "kl.estimator=full with distill.teacher"),
     (["distill.kl.estimator=topk", "rollout.sampling.temperature=0.7"], "rollout.sampling.temperature=0.7"),
     (["distill.teacher.server.urls=[teacher:30000]"], "distill.teacher.server.urls"),
     (["distill.teacher.source=warm_start"], "distill.teacher.server.urls"),

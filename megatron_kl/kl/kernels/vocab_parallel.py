@@ -394,6 +394,8 @@ class VocabParallelStats:
     outside_support: Optional[torch.Tensor] = None
     # log pi at given candidate ids [..., k] (a distillation teacher's top-k: megatron_kl.kl.kernels.candidates)
     candidate_logprobs: Optional[torch.Tensor] = None
+    # under distillation, the exact KL to the reference beside ``kl`` (the teacher's): a second sweep's
+    regularizer_kl: Optional[torch.Tensor] = None
 
 
 def fused_stats(
