@@ -18,23 +18,29 @@ _FIELD = re.compile(r"^\s+(\w+)\s*:\s*[^=#]+?(?:=.*?)?(?:#\s*(?P<comment>.*))?$"
 
 
 def field_docs(cls) -> dict[str, str]:
-    """Field name -> description from the class's source comments."""
-    try:
-        lines = inspect.getsource(cls).splitlines()
-    except (OSError, TypeError):
-        return {}
-    docs, block = {}, []
+    """Field name -> description from the source comments of the class, or of the base class that describes it (a
+    subclass that only changes a field's default inherits its description: DistillObjective's KLConfig fields)."""
+    docs: dict[str, str] = {}
     names = {f.name for f in dataclasses.fields(cls)}
-    for line in lines[1:]:
-        stripped = line.strip()
-        if stripped.startswith("#"):
-            block.append(stripped.lstrip("#").strip())
+    for klass in cls.__mro__:
+        if not dataclasses.is_dataclass(klass):
             continue
-        match = _FIELD.match(line)
-        if match and match.group(1) in names and match.group(1) not in docs:
-            text = match.group("comment") or " ".join(block)
-            docs[match.group(1)] = text.strip()
-        block = []
+        try:
+            lines = inspect.getsource(klass).splitlines()
+        except (OSError, TypeError):
+            continue
+        block: list[str] = []
+        for line in lines[1:]:
+            stripped = line.strip()
+            if stripped.startswith("#"):
+                block.append(stripped.lstrip("#").strip())
+                continue
+            match = _FIELD.match(line)
+            if match and match.group(1) in names and not docs.get(match.group(1)):
+                text = (match.group("comment") or " ".join(block)).strip()
+                if text:
+                    docs[match.group(1)] = text
+            block = []
     return docs
 
 

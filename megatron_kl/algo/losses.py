@@ -36,7 +36,7 @@ from megatron_kl.kl.objective import (KLConfig, aggregate_tokens, kl_loss, kl_pe
                                      policy_gradient_surrogate)
 from megatron_kl.kl.rpg import rpg_loss
 from megatron_kl.kl.topk import top_k_divergence
-from megatron_kl.distill.config import TOP_K
+from megatron_kl.kl.config import TOP_K
 from megatron_kl.kl.sequence_axis import LOCAL, SequenceAxis
 from megatron_kl.models.batch import Microbatch, SequenceBatch
 from megatron_kl.models.pipeline import masked_token_stats

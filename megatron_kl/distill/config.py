@@ -15,13 +15,11 @@ from typing import Optional
 
 from megatron_kl.config import ConfigError, ModelConfig
 from megatron_kl.constraints import SEED_MAX, checked
-from megatron_kl.kl.config import AGGREGATIONS, AUTO, ESTIMATORS, LEVELS, PLACEMENTS, KLConfig
+from megatron_kl.kl.config import AGGREGATIONS, AUTO, ESTIMATORS, LEVELS, PLACEMENTS, TOP_K, TopKConfig
 
 TEACHER_SOURCES = ("warm_start", "hf", "checkpoint", "server")
 TASK_REWARDS = ("keep", "none")
 SERVER_APIS = ("sglang", "vllm")  # the teacher servers' HTTP API (megatron_kl.distill.served)
-TOP_K = "topk"  # distill.kl.estimator: the teacher known on its top-k tokens only (megatron_kl.kl.topk)
-TOP_K_TAILS = ("bucket", "renormalize")  # megatron_kl.kl.topk.TOP_K_TAILS (that module needs torch)
 
 
 @dataclass(frozen=True)
@@ -87,43 +85,18 @@ class TeacherConfig:
 
 
 @dataclass(frozen=True)
-class DistillObjective(KLConfig):
-    """The distillation term: a KLConfig (every axis, the same meaning) whose defaults are the exact reverse KL in the
-    loss at sequence level (Rao-Blackwellised: the unbiased gradient of the sequence-level KL(student || teacher)
-    on-policy, docs/distillation.md), weight 1, averaged over tokens. A field left out of ``distill.kl`` keeps these
-    defaults, not the reference term's.
-
-    ``estimator=topk``: the teacher is known on its ``top_k`` most likely tokens per position only (a served
-    teacher's top-k log-probs); the per-position KL is then the top-k divergence ``top_k_tail`` (bucket: the rest of
-    the vocabulary as one outcome, a lower bound of the KL; renormalize: both distributions restricted to the top-k),
-    used where ``full`` uses the exact KL (every placement and level): the unbiased gradient of that approximation,
-    not of the KL to the teacher (megatron_kl.kl.topk; the audit measures the gap)."""
+class DistillObjective(TopKConfig):
+    """The distillation term: a TopKConfig (every KLConfig axis with the same meaning, and the top-k approximation of a
+    served teacher, ``estimator=topk``) whose defaults are the exact reverse KL in the loss at sequence level
+    (Rao-Blackwellised: the unbiased gradient of the sequence-level KL(student || teacher) on-policy,
+    docs/distillation.md), weight 1, averaged over tokens. A field left out of ``distill.kl`` keeps these defaults, not
+    the reference term's."""
 
     estimator: str = checked("full", choices=ESTIMATORS + (TOP_K, AUTO))
     placement: str = checked("loss", choices=PLACEMENTS)
     level: str = checked("sequence", choices=LEVELS)
     coef: float = checked(1.0, ge=0)
     aggregation: str = checked("token_mean", choices=AGGREGATIONS)
-    top_k: int = checked(20, ge=1)  # estimator=topk: the teacher's tokens per position
-    top_k_tail: str = checked("bucket", choices=TOP_K_TAILS)  # estimator=topk: what stands for the rest
-
-    def __post_init__(self):
-        if self.estimator == TOP_K:
-            self.per_position()  # built, so checked: the exact term's rules are the top-k term's
-            return
-        super().__post_init__()
-
-    @property
-    def name(self) -> str:
-        """``topk20_bucket-loss-sequence`` for the top-k approximation, else the KLConfig's name."""
-        if self.estimator != TOP_K:
-            return super().name
-        return f"topk{self.top_k}_{self.top_k_tail}-" + self.per_position().name.split("-", 1)[1]
-
-    def per_position(self) -> KLConfig:
-        """The configuration the objective functions run: ``topk`` is the exact term's machinery (estimator
-        ``full``) with the top-k divergence in the exact KL's place; any other estimator as it is."""
-        return dataclasses.replace(self, estimator="full") if self.estimator == TOP_K else self
 
 
 @dataclass(frozen=True)
@@ -142,7 +115,7 @@ class DistillConfig:
         """``distill-<objective>`` for run names and logs (``distill-full-loss-sequence``), "" when off."""
         return f"distill-{self.kl.name}" if self.enabled else ""
 
-    def objective(self) -> Optional[KLConfig]:
+    def objective(self) -> Optional[TopKConfig]:
         """The distillation term's KLConfig when distillation is on and weighted, else None."""
         return self.kl if self.enabled and self.kl.coef > 0 else None
 

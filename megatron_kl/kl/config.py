@@ -5,6 +5,7 @@ Loading and validating a configuration imports this module, not the kernels."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -23,6 +24,8 @@ TARGETS = {"sequence_reverse": "seq", "token_reverse": "token", "token_forward":
 # kl.regime: where the samples come from; auto: off_policy when train.staleness > 0
 REGIMES = ("auto", "on_policy", "off_policy")
 AUTO = "auto"  # kl.estimator=auto: the trainer picks the configuration (megatron_kl.kl.audit.targets)
+TOP_K = "topk"  # a term to another model known on its top-k tokens only (TopKConfig; megatron_kl.kl.topk)
+TOP_K_TAILS = ("bucket", "renormalize")  # what stands for the rest of the vocabulary in the top-k divergence
 # seq_mean_token_sum_norm (Dr. GRPO): each sequence's token sum divided by a fixed length ``norm_length``
 # (the trainer sets rollout.sampling.max_new_tokens unless algo.norm_length is given), then the mean over
 # sequences: no length-dependent weight per token, unlike token_mean and seq_mean_token_mean.
@@ -135,6 +138,42 @@ class KLConfig:
 
 DIVERGENCES = ("rkl", "fkl", "urkl", "ufkl")
 SURROGATES = ("differentiable", "reinforce")
+
+
+@dataclass(frozen=True)
+class TopKConfig(KLConfig):
+    """A KL term whose other model may be known on its ``top_k`` most likely tokens per position only (a served
+    distillation teacher's top-k log-probs). ``estimator=topk``: the per-position KL is the top-k divergence
+    ``top_k_tail`` (bucket: the rest of the vocabulary as one outcome, a lower bound of the KL; renormalize: both
+    distributions restricted to the top-k; megatron_kl.kl.topk), used where ``full`` uses the exact KL (every placement
+    and level, the same rules): the unbiased gradient of that approximation, not of the KL (the audit measures the
+    gap). Any other estimator: KLConfig's."""
+
+    # k1 | k2 | k3 | full (exact over the vocabulary) | topk (the other model known on its top-k tokens: the top-k
+    # divergence in the exact KL's place, an approximation) | auto (the audit's unbiased choice for kl.target)
+    estimator: str = checked("k1", choices=ESTIMATORS + (TOP_K, AUTO))
+    top_k: int = checked(20, ge=1)  # estimator=topk: the other model's tokens per position
+    top_k_tail: str = checked("bucket", choices=TOP_K_TAILS)  # estimator=topk: what stands for the rest
+
+    def __post_init__(self):
+        if self.top_k_tail not in TOP_K_TAILS:
+            raise ValueError(f"top_k_tail={self.top_k_tail!r} is unknown; use one of {list(TOP_K_TAILS)}")
+        if self.estimator == TOP_K:
+            self.per_position()  # built, so checked: the exact term's rules are the top-k term's
+            return
+        super().__post_init__()
+
+    @property
+    def name(self) -> str:
+        """``topk20_bucket-loss-sequence`` for the top-k approximation, else the KLConfig's name."""
+        if self.estimator != TOP_K:
+            return super().name
+        return f"topk{self.top_k}_{self.top_k_tail}-" + self.per_position().name.split("-", 1)[1]
+
+    def per_position(self) -> KLConfig:
+        """The configuration the objective functions run: ``topk`` is the exact term's machinery (estimator
+        ``full``) with the top-k divergence in the exact KL's place; any other estimator as it is."""
+        return dataclasses.replace(self, estimator="full") if self.estimator == TOP_K else self
 
 
 @dataclass(frozen=True)

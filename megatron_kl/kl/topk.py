@@ -31,7 +31,8 @@ from typing import Optional
 
 import torch
 
-TOP_K_TAILS = ("bucket", "renormalize")
+from megatron_kl.kl.config import TOP_K_TAILS
+
 TAIL_FLOOR = 1e-12  # smallest teacher rest mass the bucket form divides by
 
 

@@ -13,8 +13,8 @@ from typing import Optional
 from megatron_kl.algo.config import AlgoConfig, row_separable
 from megatron_kl.config import ConfigError, ModelConfig, ParallelConfig, load_yaml
 from megatron_kl.constraints import SEED_MAX, checked
-from megatron_kl.distill.config import TOP_K, DistillConfig
-from megatron_kl.kl.config import AUTO, KLConfig, Verdict
+from megatron_kl.distill.config import DistillConfig
+from megatron_kl.kl.config import AUTO, TOP_K, KLConfig, Verdict
 from megatron_kl.launch_config import LaunchConfig
 from megatron_kl.models.optim_config import OptimConfig
 from megatron_kl.rewards.config import RewardConfig

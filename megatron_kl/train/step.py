@@ -30,7 +30,7 @@ from megatron_kl.kl.config import LOG_RATIO_CLAMP
 from megatron_kl.kl.estimators import ClampCounter, TermCounter, token_estimate
 from megatron_kl.kl.objective import kl_shaped_returns
 from megatron_kl.kl.topk import top_k_divergence
-from megatron_kl.distill.config import TOP_K
+from megatron_kl.kl.config import TOP_K
 from megatron_kl.models import context_parallel, optim, output_head, pipeline, routing_replay
 from megatron_kl.models.moe_load import ExpertLoad
 from megatron_kl.models.offload import ReferenceOffload

@@ -11,7 +11,7 @@ from megatron_kl.algo.config import AlgoConfig
 from megatron_kl.algo.losses import LossInputs, MicrobatchLoss, Shares
 from megatron_kl.config import ModelConfig, ParallelConfig
 from megatron_kl.kl.objective import KLConfig, kl_shaped_returns
-from megatron_kl.distill.config import TOP_K
+from megatron_kl.kl.config import TOP_K
 from megatron_kl.distill.teacher import Teacher
 from megatron_kl.kl.topk import top_k_divergence
 from megatron_kl.models import builder, optim, output_head, parallel, pipeline, state

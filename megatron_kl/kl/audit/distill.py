@@ -23,10 +23,9 @@ import torch
 
 from megatron_kl.kl.audit.exact import AuditRow, TabularProblem, _estimator_gradients, audit, exact_targets
 from megatron_kl.kl.config import UNBIASED_TOL
+from megatron_kl.kl.config import TopKConfig
 from megatron_kl.kl.objective import KLConfig
-from megatron_kl.distill.config import DistillObjective
 
-TOKEN_SUM = "seq_mean_token_sum"  # the audit's plain sum over tokens (KLConfig's default; DistillObjective's is token_mean)
 # recipe name -> the distillation term's configuration (distill.kl.*)
 RECIPES = {
     "exact reverse KL in the loss, sequence level (this project's default)":
@@ -40,9 +39,10 @@ RECIPES = {
     "sampled k3 per token in the loss":
         KLConfig(estimator="k3", placement="loss", level="token", coef=0.1),
     "teacher's top-1 of 3, rest as one outcome, sequence level (a served teacher)":
-        DistillObjective(estimator="topk", top_k=1, top_k_tail="bucket", coef=0.1, aggregation=TOKEN_SUM),
+        TopKConfig(estimator="topk", top_k=1, top_k_tail="bucket", placement="loss", level="sequence", coef=0.1),
     "teacher's top-2 of 3, renormalised, sequence level":
-        DistillObjective(estimator="topk", top_k=2, top_k_tail="renormalize", coef=0.1, aggregation=TOKEN_SUM),
+        TopKConfig(estimator="topk", top_k=2, top_k_tail="renormalize", placement="loss", level="sequence",
+                   coef=0.1),
 }
 
 

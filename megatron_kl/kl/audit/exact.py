@@ -47,7 +47,7 @@ from megatron_kl.kl.corrections import AUDITED, Correction
 from megatron_kl.kl.objective import (
     CREDITS, KLConfig, LEVELS, OFF_POLICY, PLACEMENTS, kl_loss, kl_shaped_returns, policy_gradient_surrogate,
 )
-from megatron_kl.kl.config import ESTIMATORS, UNBIASED_TOL, TARGETS as KL_TARGETS
+from megatron_kl.kl.config import ESTIMATORS, TOP_K, UNBIASED_TOL, TARGETS as KL_TARGETS, TopKConfig
 from megatron_kl.kl.sequence_axis import crossing
 from megatron_kl.kl.topk import top_k_divergence
 from megatron_kl.kl.kernels.truncation import Truncation, support_threshold
@@ -211,7 +211,7 @@ def _estimator_gradients(problem: TabularProblem, cfg: KLConfig, off_policy: boo
         if correction is None:
             raise ValueError(f"{cfg.name}: off_policy='behavior' is audited with a behaviour correction")
         weight, _ = correction.weights(lp.detach(), behavior, torch.ones_like(lp, dtype=torch.bool))
-    if getattr(cfg, "top_k", None) is not None and cfg.estimator == "topk":  # distill.kl.estimator=topk
+    if isinstance(cfg, TopKConfig) and cfg.estimator == TOP_K:  # distill.kl.estimator=topk
         full_kl, cfg = top_k_rows(problem, cfg.top_k, cfg.top_k_tail), cfg.per_position()
     grads = []
     for n in range(len(lp)):

@@ -29,8 +29,7 @@ from typing import Optional
 
 from megatron_kl.kl.corrections import Correction, canonical
 from megatron_kl.kl.audit.exact import TabularProblem, all_configs, audit, behavior_configs
-from megatron_kl.kl.config import Verdict
-from megatron_kl.distill.config import TOP_K, DistillObjective
+from megatron_kl.kl.config import TOP_K, TopKConfig, Verdict
 from megatron_kl.kl.objective import AUTO, TARGETS, KLConfig
 
 AUDIT_SEEDS = (0, 1)
@@ -52,8 +51,7 @@ def _audit_form(kl: KLConfig) -> KLConfig:
     is that token; a run's top-k is far from either: ``distill.kl.top_k`` < ``model.vocab_size`` is checked)."""
     axes = {axis: getattr(kl, axis) for axis in AXES}
     if kl.estimator == TOP_K:
-        return DistillObjective(**axes, coef=0.1, aggregation="seq_mean_token_sum",
-                                top_k=min(kl.top_k, TOP_K_AUDIT_K), top_k_tail=kl.top_k_tail)
+        return TopKConfig(**axes, coef=0.1, top_k=min(kl.top_k, TOP_K_AUDIT_K), top_k_tail=kl.top_k_tail)
     return KLConfig(**axes, coef=0.1)
 
 
