@@ -248,17 +248,19 @@ class ServedTeacher:
         if vocab.temperature != 1.0:
             raise ValueError(f"a served teacher scores softmax(z) (T = 1); the run's log-prob temperature is "
                              f"{vocab.temperature}")
-        shape = tuple(sequences.loss_mask.shape)
-        fetched = self._fetch(sequences) if self._asks() else (None, None, None)
-        logprobs, ids, top = (self._share(value, size, dtype) for value, size, dtype in
-                              zip(fetched, (shape, (*shape, self.k), (*shape, self.k)),
-                                  (torch.float32, torch.long, torch.float32)))
+        shape, top_shape = tuple(sequences.loss_mask.shape), (*sequences.loss_mask.shape, self.k)
+        logprobs, ids, top = self._fetch(sequences) if self._asks() else (None, None, None)
         mask = sequences.loss_mask.to(torch.float32)
-        self._top = ids, top * mask[..., None]
+        if self._last_stage():  # the top-k goes down the pipeline from the step, as a loaded teacher's does
+            ids = self._share(ids, top_shape, torch.long, pipeline_too=False)
+            top = self._share(top, top_shape, torch.float32, pipeline_too=False) * mask[..., None]
+        self._top = ids, top
+        logprobs = self._share(logprobs, shape, torch.float32)
         return pipeline.TokenStats(logprobs=logprobs * mask, entropy=torch.zeros(shape))
 
-    def top_k(self, hidden, k: int, vocab, tp_group) -> tuple[torch.Tensor, torch.Tensor]:
-        """The top-k ids and log-probs [B, S-1, k] of the last :meth:`score` (``hidden`` unused: served)."""
+    def top_k(self, hidden, k: int, vocab, tp_group) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """The top-k ids and log-probs [B, S-1, k] of the last :meth:`score` on the last pipeline stage, (None, None)
+        elsewhere, as :meth:`Teacher.top_k` (``hidden`` unused: served)."""
         if self._top is None or k != self.k:
             raise RuntimeError(f"ServedTeacher.top_k(k={k}) without a score() for k={self.k} first")
         return self._top
@@ -268,26 +270,25 @@ class ServedTeacher:
         topo = self.topology
         return [g for g in (topo.tp_group, topo.cp_group) if g is not None and dist.get_world_size(g) > 1]
 
+    def _last_stage(self) -> bool:
+        group = self.topology.pp_group
+        return not dist.is_initialized() or group is None or dist.get_rank(group) == dist.get_world_size(group) - 1
+
     def _asks(self) -> bool:
         """Whether this rank asks the servers: the last pipeline stage's first TP and CP rank."""
-        if not dist.is_initialized():
-            return True
-        topo = self.topology
-        last = topo.pp_group is None or dist.get_rank(topo.pp_group) == dist.get_world_size(topo.pp_group) - 1
-        return last and all(dist.get_rank(g) == 0 for g in self._groups())
+        return self._last_stage() and (not dist.is_initialized() or all(dist.get_rank(g) == 0 for g in self._groups()))
 
-    def _share(self, tensor: Optional[torch.Tensor], shape, dtype) -> torch.Tensor:
-        """The asking rank's tensor on every rank of its replica (TP and CP groups, then the pipeline)."""
+    def _share(self, tensor: Optional[torch.Tensor], shape, dtype, pipeline_too: bool = True) -> torch.Tensor:
+        """The asking rank's tensor on every rank of its replica's last pipeline stage (TP and CP groups) and, with
+        ``pipeline_too``, on every stage."""
         if not dist.is_initialized() or 0 in shape:
             return tensor if tensor is not None else torch.zeros(shape, dtype=dtype)
-        last = (self.topology.pp_group is None
-                or dist.get_rank(self.topology.pp_group) == dist.get_world_size(self.topology.pp_group) - 1)
-        if last:
+        if self._last_stage():
             for group in self._groups():
                 device = collective_device(group)
                 buffer = (tensor if tensor is not None else torch.zeros(shape, dtype=dtype)).to(device).contiguous()
                 dist.broadcast(buffer, src=dist.get_global_rank(group, 0), group=group)
                 tensor = buffer.cpu()
-        if self.topology.pp_group is not None and dist.get_world_size(self.topology.pp_group) > 1:
+        if pipeline_too and self.topology.pp_group is not None and dist.get_world_size(self.topology.pp_group) > 1:
             return pipeline.broadcast_from_last_stage(tensor, shape, dtype)
         return tensor

@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megatron_kl.kl.kernels.fused_linear import weight_grad_for_autograd
 from megatron_kl.kl.kernels.groups import all_reduce, group_size_rank
 
 CANDIDATE_CHUNK_ROWS = 4096  # rows per chunk of fused_candidate_logits (k x H gathered weight rows each)
@@ -137,8 +138,6 @@ class _FusedCandidateLogits(torch.autograd.Function):
                 grad_weight.index_add_(0, local[part].reshape(-1),
                                        (g[..., None].to(grad_weight.dtype) * h[:, None, :]).reshape(-1, h.shape[-1]))
         if grad_weight is not None:
-            from megatron_kl.kl.kernels.fused_linear import weight_grad_for_autograd
-
             grad_weight = weight_grad_for_autograd(weight, grad_weight)
         return grad_hidden, grad_weight, None, None, None, None
 
