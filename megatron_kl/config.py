@@ -15,12 +15,10 @@ from typing import Any, Optional, get_args, get_origin, get_type_hints
 
 import yaml
 
-from megatron_kl.constraints import checked, constraint_of
+from megatron_kl.constraints import ConfigError, checked, constraint_of
+from megatron_kl.model_variants import (MOE_DISPATCHERS, ROUTER_SCORES, ROUTING_REPLAY, MLAConfig,  # noqa: F401
+                                        MoEConfig, YarnConfig, validate_moe)
 from megatron_kl.redaction import REDACTED, redact_config  # noqa: F401 - REDACTED: part of this API
-
-
-class ConfigError(ValueError):
-    """A configuration value is invalid; the message names the field and how to fix it."""
 
 
 # Per-architecture defaults for the fields left as None in ModelConfig.
@@ -28,62 +26,24 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     "llama": {"qkv_bias": False, "qk_layernorm": False, "rope_theta": 500000.0},
     "qwen2": {"qkv_bias": True, "qk_layernorm": False, "rope_theta": 1000000.0},
     "qwen3": {"qkv_bias": False, "qk_layernorm": True, "rope_theta": 1000000.0},
+    # multi-latent attention (model.mla), its latents RMS-normalised (qk_layernorm); MoE with model.moe
+    "deepseek_v3": {"qkv_bias": False, "qk_layernorm": True, "rope_theta": 10000.0},
 }
+MLA_ARCHITECTURES = ("deepseek_v3",)
 
 DTYPES = ("float32", "bfloat16", "float16")
 
-
-MOE_DISPATCHERS = ("auto", "allgather", "alltoall")
 LOGPROB_PATHS = ("auto", "fused", "unfused")
 FUSED_GRADS = ("auto", "in_forward", "recompute")
 RECOMPUTE = ("none", "full")
 CORE_ATTENTION = ("auto", "sdpa", "unfused")
 RMS_NORMS = ("auto", "lean", "torch")
-ROUTING_REPLAY = ("off", "rollout")
-
-
-@dataclass(frozen=True)
-class MoEConfig:
-    """Mixture-of-experts MLPs (Qwen3-MoE; Qwen2-MoE with its shared expert): every layer's MLP is a top-k router
-    over ``num_experts`` SwiGLU experts (megatron-core's MoELayer). ``num_experts: 0`` is the dense model.
-
-    Router as in the HF models: p = softmax(router logits) over all experts, the top ``router_topk`` kept, and
-    with ``normalize_topk`` (Qwen3-MoE's norm_topk_prob) renormalised to sum to 1 (megatron: softmax over the
-    top-k logits); without it the kept probabilities are used as they are (Qwen2-MoE)."""
-
-    num_experts: int = checked(0, ge=0)
-    router_topk: int = checked(2, ge=1)
-    ffn_hidden_size: Optional[int] = checked(None, ge=1)  # per expert (HF moe_intermediate_size); default model.ffn_hidden_size
-    # the shared expert every token also goes through, scaled by sigmoid(gate . x) (Qwen2-MoE); 0: none
-    shared_expert_ffn_hidden_size: int = checked(0, ge=0)
-    normalize_topk: bool = True
-    # load-balancing auxiliary loss (megatron's Switch-style aux_loss, per layer, added to the training
-    # gradient) and the router z-loss; 0 turns each off
-    aux_loss_coeff: float = checked(0.0, ge=0)
-    z_loss_coeff: float = checked(0.0, ge=0)
-    # tokens an expert takes per step, as a multiple of its even share; null: dropless (no token dropped)
-    capacity_factor: Optional[float] = checked(None, gt=0)
-    # megatron's token dispatcher: alltoall (GPU; it needs CUDA streams), allgather (also on the CPU); auto
-    # picks alltoall with CUDA, allgather without
-    token_dispatcher: str = checked("auto", choices=MOE_DISPATCHERS)
-    # which experts the policy's forwards in the trainer (pi_old and the update) send rollout tokens to: "off"
-    # routes them anew; "rollout" replays the experts the engine chose (megatron-core's RouterReplay; the engine
-    # must report its routing: rollout.engine local or sglang). The reference always routes itself
-    routing_replay: str = checked("off", choices=ROUTING_REPLAY)
-
-    def __post_init__(self):
-        if str(self.routing_replay).lower() in ("false", "off"):  # YAML 1.1 reads a bare `off` as false
-            object.__setattr__(self, "routing_replay", "off")
-
-    @property
-    def enabled(self) -> bool:
-        return self.num_experts > 0
 
 
 @dataclass(frozen=True)
 class ModelConfig:
     """A decoder-only transformer in the Llama / Qwen2 / Qwen3 family (RMSNorm, SwiGLU, GQA, RoPE), dense or
-    with mixture-of-experts MLPs (``moe``)."""
+    with mixture-of-experts MLPs (``moe``), or DeepSeek-V3 (multi-latent attention: ``mla``)."""
 
     architecture: str = checked("qwen2", choices=tuple(ARCHITECTURES))
     num_layers: int = checked(2, ge=1)
@@ -96,6 +56,7 @@ class ModelConfig:
     max_position_embeddings: int = checked(256, ge=1)
     rope_theta: Optional[float] = checked(None, gt=0)
     rope_scaling_factor: Optional[float] = checked(None, gt=0)  # Llama-3.1 style frequency scaling when set
+    yarn: YarnConfig = field(default_factory=YarnConfig)  # YaRN scaling (model.yarn.factor set): DeepSeek-V3
     norm_epsilon: float = checked(1e-6, gt=0)
     tie_word_embeddings: bool = False
     qkv_bias: Optional[bool] = None
@@ -129,13 +90,20 @@ class ModelConfig:
     # bit-identical to earlier releases)
     rms_norm: str = checked("auto", choices=RMS_NORMS)
     moe: MoEConfig = field(default_factory=MoEConfig)
+    mla: MLAConfig = field(default_factory=MLAConfig)  # the attention of model.architecture deepseek_v3
+
+    @property
+    def multi_latent_attention(self) -> bool:
+        return self.architecture in MLA_ARCHITECTURES
 
     def resolved(self) -> "ModelConfig":
         """A copy with the architecture defaults filled in for fields left as None."""
         validate_model(self)
         preset = ARCHITECTURES[self.architecture]
         values = {k: (preset[k] if getattr(self, k) is None else getattr(self, k)) for k in preset}
-        if self.kv_channels is None:
+        if self.multi_latent_attention:
+            values["kv_channels"] = self.mla.v_head_dim  # megatron's core attention sizes its output by it
+        elif self.kv_channels is None:
             values["kv_channels"] = self.hidden_size // self.num_attention_heads
         return dataclasses.replace(self, **values)
 
@@ -214,33 +182,33 @@ def validate_model(model: ModelConfig) -> None:
         raise ConfigError(f"model.logprob_chunk_rows={model.logprob_chunk_rows} must be > 0 (or null for automatic)")
     if model.params_dtype not in DTYPES:
         raise ConfigError(f"model.params_dtype={model.params_dtype!r}: use one of {list(DTYPES)}")
+    _validate_positions(model)
     validate_moe(model.moe)
+    if model.moe.enabled and model.moe.first_dense_layers >= model.num_layers:
+        raise ConfigError(f"model.moe.first_dense_layers={model.moe.first_dense_layers} leaves no mixture-of-experts "
+                          f"layer among model.num_layers={model.num_layers}; lower it (or set model.moe.num_experts=0)")
 
 
-def validate_moe(moe: MoEConfig) -> None:
-    if moe.num_experts < 0:
-        raise ConfigError(f"model.moe.num_experts={moe.num_experts} must be >= 0 (0: a dense model)")
-    if moe.token_dispatcher not in MOE_DISPATCHERS:
-        raise ConfigError(f"model.moe.token_dispatcher={moe.token_dispatcher!r}: use one of {list(MOE_DISPATCHERS)}")
-    if moe.routing_replay not in ROUTING_REPLAY:
-        raise ConfigError(f"model.moe.routing_replay={moe.routing_replay!r}: use one of {list(ROUTING_REPLAY)}")
-    if not moe.enabled:
-        if moe.routing_replay != "off":
-            raise ConfigError("model.moe.routing_replay=rollout needs a mixture-of-experts model: set "
-                              "model.moe.num_experts > 0, or routing_replay to off")
+def _validate_positions(model: ModelConfig) -> None:
+    """Multi-latent attention's head layout and which RoPE scaling each attention takes."""
+    if model.yarn.enabled and model.rope_scaling_factor is not None:
+        raise ConfigError("model.yarn.factor and model.rope_scaling_factor (llama3 scaling) are both set: a model has "
+                          "one RoPE scaling; keep the one its config.json names")
+    if not model.multi_latent_attention:
+        if model.yarn.enabled:
+            raise ConfigError(f"model.yarn.factor={model.yarn.factor} with model.architecture={model.architecture!r}: "
+                              "YaRN is built with multi-latent attention (deepseek_v3) only; set model.yarn.factor "
+                              "to null")
         return
-    if not 1 <= moe.router_topk <= moe.num_experts:
-        raise ConfigError(f"model.moe.router_topk={moe.router_topk} must be in [1, model.moe.num_experts="
-                          f"{moe.num_experts}]")
-    if moe.ffn_hidden_size is not None and moe.ffn_hidden_size <= 0:
-        raise ConfigError(f"model.moe.ffn_hidden_size={moe.ffn_hidden_size} must be > 0 (or null: model.ffn_hidden_size)")
-    if moe.shared_expert_ffn_hidden_size < 0:
-        raise ConfigError(f"model.moe.shared_expert_ffn_hidden_size={moe.shared_expert_ffn_hidden_size} must be >= 0")
-    for name in ("aux_loss_coeff", "z_loss_coeff"):
-        if not getattr(moe, name) >= 0.0:
-            raise ConfigError(f"model.moe.{name}={getattr(moe, name)} must be >= 0")
-    if moe.capacity_factor is not None and not moe.capacity_factor > 0.0:
-        raise ConfigError(f"model.moe.capacity_factor={moe.capacity_factor} must be > 0 (or null: dropless)")
+    if model.rope_scaling_factor is not None:
+        raise ConfigError("model.rope_scaling_factor (llama3 scaling) with multi-latent attention: DeepSeek-V3 scales "
+                          "RoPE with YaRN; set model.yarn.factor instead")
+    if model.num_query_groups != model.num_attention_heads:
+        raise ConfigError(f"model.num_query_groups={model.num_query_groups} with multi-latent attention: every head "
+                          f"has its own key from the latent; set it to model.num_attention_heads="
+                          f"{model.num_attention_heads}")
+    if model.mla.qk_rope_head_dim % 2:
+        raise ConfigError(f"model.mla.qk_rope_head_dim={model.mla.qk_rope_head_dim} must be even (RoPE rotates pairs)")
 
 
 def validate_parallel(model: ModelConfig, parallel: ParallelConfig, world_size: int) -> None:
@@ -261,6 +229,13 @@ def validate_parallel(model: ModelConfig, parallel: ParallelConfig, world_size: 
         )
     if model.ffn_hidden_size % tp:
         raise ConfigError(f"parallel.tensor_parallel={tp} must divide model.ffn_hidden_size={model.ffn_hidden_size}")
+    if model.multi_latent_attention:
+        mla = model.mla
+        for name, width in (("q_lora_rank", mla.q_lora_rank or tp),
+                            ("kv_lora_rank + qk_rope_head_dim", mla.kv_lora_rank + mla.qk_rope_head_dim)):
+            if width % tp:
+                raise ConfigError(f"parallel.tensor_parallel={tp} must divide model.mla.{name}={width} (megatron-core "
+                                  "splits multi-latent attention's down projections over the TP ranks)")
     if model.padded_vocab_size(tp) % tp:
         raise ConfigError(
             f"the padded vocabulary {model.padded_vocab_size(tp)} is not divisible by "

@@ -24,6 +24,12 @@ from pathlib import Path
 from typing import Any, Optional
 
 PATH_KINDS = ("file", "dir", "writable")
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field and how to fix it."""
+
+
 # the largest seed: numpy's legacy generator takes [0, 2^32); the derived seeds (train.seed * 7919 + step, ...)
 # stay far inside torch's 64-bit range
 SEED_MAX = 2**32 - 1

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 import types
 
 import torch
@@ -205,11 +206,19 @@ def _with_cuda_type_names(init):
 def define_missing_te_names() -> None:
     """Without Transformer Engine, megatron-core 0.16.1's ``moe_utils`` never defines ``te_general_gemm``, yet
     the router's gating linear tests ``te_general_gemm is not None``: a NameError on any device (seen on an H100
-    without TE). Defined as None there, the gating linear takes its torch.mm branch."""
+    without TE). Defined as None there, the gating linear takes its torch.mm branch.
+
+    Likewise multi-latent attention imports ``TELinear`` from megatron's TE extension, which without TE hands out
+    mock placeholders instead of failing, so MLA believes TE is there and its ``isinstance(..., TELinear)`` raises
+    TypeError; it is told that TE is absent (what its own ImportError branch would have said)."""
+    from megatron.core.transformer import multi_latent_attention
     from megatron.core.transformer.moe import moe_utils
 
     if not moe_utils.HAVE_TE and not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+    if importlib.util.find_spec("transformer_engine") is None and multi_latent_attention.HAVE_TE:
+        multi_latent_attention.HAVE_TE = False
+        multi_latent_attention.TEColumnParallelLinear = multi_latent_attention.TELinear = None
 
 
 def apply_cpu_shims() -> bool:

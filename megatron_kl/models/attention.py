@@ -26,7 +26,20 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 
 
-class SDPAttention(DotProductAttention):
+class LatentDotProductAttention(DotProductAttention):
+    """Megatron's ``DotProductAttention`` as multi-latent attention's core attention. MLA builds its core attention
+    with the key and value head sizes (``k_channels``, ``v_channels``), which only Transformer Engine's attention
+    takes; megatron's own computes any query/key size and sizes its output by ``config.kv_channels``, which
+    ``ModelConfig.resolved`` sets to the value head size for MLA."""
+
+    def __init__(self, *args, k_channels=None, v_channels=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        if v_channels is not None and v_channels != self.hidden_size_per_attention_head:
+            raise ValueError(f"core attention sized for heads of {self.hidden_size_per_attention_head} values, "
+                             f"multi-latent attention gives {v_channels}: set kv_channels to the value head size")
+
+
+class SDPAttention(LatentDotProductAttention):
     """Megatron's ``DotProductAttention`` with its supported cases computed by torch's fused SDPA kernel."""
 
     def _covered(self, attention_mask, attention_bias, packed_seq_params, mask_type, sq: int, sk: int) -> bool:

@@ -26,13 +26,17 @@ def have_transformer_engine() -> bool:
 
 
 def transformer_config(model: ModelConfig, parallel: ParallelConfig, flash_decode: bool = False):
-    """Megatron's TransformerConfig for ``model``; ``flash_decode``: megatron's flash-decoding inference mode
-    (RoPE applied once per new token, rotated keys cached; models/flash_decode.py), for the rollout engine."""
-    from megatron.core.transformer import TransformerConfig
+    """Megatron's TransformerConfig for ``model`` (MLATransformerConfig with multi-latent attention);
+    ``flash_decode``: megatron's flash-decoding inference mode (RoPE applied once per new token, rotated keys
+    cached; models/flash_decode.py), for the rollout engine."""
+    from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
     model = model.resolved()
     dtype = _DTYPES[model.params_dtype]
-    return TransformerConfig(
+    config_class, attention = TransformerConfig, {}
+    if model.multi_latent_attention:
+        config_class, attention = MLATransformerConfig, mla_transformer_fields(model)
+    return config_class(
         num_layers=model.num_layers,
         hidden_size=model.hidden_size,
         ffn_hidden_size=model.ffn_hidden_size,
@@ -71,7 +75,25 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, flash_decod
         **({"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
            if model.recompute == "full" else {}),
         **moe_transformer_fields(model, parallel),
+        **attention,
     )
+
+
+def mla_transformer_fields(model: ModelConfig) -> dict:
+    """MLATransformerConfig fields of ``model.mla`` and ``model.yarn`` (megatron's MLA applies RoPE and YaRN
+    itself; its RoPE reads the rotary dimensions as interleaved pairs, as DeepSeek's checkpoints store them)."""
+    mla, yarn = model.mla, model.yarn
+    fields = dict(q_lora_rank=mla.q_lora_rank, kv_lora_rank=mla.kv_lora_rank, qk_head_dim=mla.qk_nope_head_dim,
+                  qk_pos_emb_head_dim=mla.qk_rope_head_dim, v_head_dim=mla.v_head_dim,
+                  rotary_base=model.rope_theta, rope_type="yarn" if yarn.enabled else "rope")
+    if yarn.enabled:
+        fields.update(rotary_scaling_factor=yarn.factor,
+                      original_max_position_embeddings=yarn.original_max_position_embeddings,
+                      beta_fast=yarn.beta_fast, beta_slow=yarn.beta_slow, mscale=yarn.mscale,
+                      mscale_all_dim=yarn.mscale_all_dim)
+    else:  # MLA's softmax scale reads the YaRN mscale even without YaRN: 1 at a factor of 1
+        fields.update(rotary_scaling_factor=1.0, mscale=1.0, mscale_all_dim=0.0)
+    return fields
 
 
 def moe_dispatcher(setting: str) -> str:
@@ -96,7 +118,13 @@ def moe_transformer_fields(model: ModelConfig, parallel: ParallelConfig) -> dict
         moe_router_topk=moe.router_topk,
         moe_ffn_hidden_size=moe.ffn_hidden_size or model.ffn_hidden_size,
         moe_router_pre_softmax=not moe.normalize_topk,
-        moe_router_score_function="softmax",
+        moe_router_score_function=moe.score_function,
+        moe_router_enable_expert_bias=moe.expert_bias,
+        moe_router_bias_update_rate=0.0,  # the bias is the checkpoint's, kept fixed
+        moe_router_num_groups=moe.num_groups,
+        moe_router_group_topk=moe.group_topk,
+        moe_router_topk_scaling_factor=moe.routed_scaling_factor,
+        moe_layer_freq=[0] * moe.first_dense_layers + [1] * (model.num_layers - moe.first_dense_layers),
         moe_router_load_balancing_type="aux_loss" if moe.aux_loss_coeff > 0 else "none",
         moe_aux_loss_coeff=moe.aux_loss_coeff,
         moe_z_loss_coeff=moe.z_loss_coeff or None,
@@ -114,7 +142,7 @@ def moe_transformer_fields(model: ModelConfig, parallel: ParallelConfig) -> dict
                       moe_pad_expert_input_to_capacity=False)
     if moe.shared_expert_ffn_hidden_size:
         fields.update(moe_shared_expert_intermediate_size=moe.shared_expert_ffn_hidden_size,
-                      moe_shared_expert_gate=True)
+                      moe_shared_expert_gate=moe.shared_expert_gate)
     return fields
 
 
@@ -124,23 +152,47 @@ def _local_kernel(setting: str, kernel: str, model: ModelConfig) -> bool:
     return setting == kernel or (setting == "auto" and model.params_dtype != "float32")
 
 
-def layer_spec(model: ModelConfig):
+def layer_spec(model: ModelConfig, dense: bool = False):
     """Transformer Engine spec where TE imports, Megatron's pure-PyTorch spec otherwise (its core attention
-    by torch's SDPA or megatron's DotProductAttention: ``model.core_attention``)."""
+    by torch's SDPA or megatron's DotProductAttention: ``model.core_attention``); multi-latent attention for
+    its families. ``dense``: the layer with a dense MLP in a mixture-of-experts model (its first dense layers)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     model = model.resolved()
-    experts = model.moe.num_experts or None
+    experts = None if dense else (model.moe.num_experts or None)
+    mla = model.multi_latent_attention
     if have_transformer_engine():
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(num_experts=experts, moe_grouped_gemm=False,
-                                                                          qk_layernorm=model.qk_layernorm)
+                                                                          qk_layernorm=model.qk_layernorm,
+                                                                          multi_latent_attention=mla)
     spec = gpt_layer_specs.get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False,
-                                                    qk_layernorm=model.qk_layernorm, normalization="RMSNorm")
-    if _local_kernel(model.core_attention, "sdpa", model):
-        from megatron_kl.models.attention import SDPAttention
+                                                    qk_layernorm=model.qk_layernorm, normalization="RMSNorm",
+                                                    multi_latent_attention=mla)
+    from megatron_kl.models.attention import LatentDotProductAttention, SDPAttention
 
+    if _local_kernel(model.core_attention, "sdpa", model):
         spec.submodules.self_attention.submodules.core_attention = SDPAttention
+    elif mla:
+        spec.submodules.self_attention.submodules.core_attention = LatentDotProductAttention
     return spec
+
+
+def decoder_spec(model: ModelConfig, config, vp_stage: Optional[int], pp_rank: int):
+    """The spec of this pipeline stage's decoder: one layer spec repeated, or, with dense layers first in a
+    mixture-of-experts model (``model.moe.first_dense_layers``), each of the stage's layers by its global index."""
+    spec = layer_spec(model)
+    if not (model.moe.enabled and model.moe.first_dense_layers):
+        return spec
+    from megatron.core.transformer.transformer_block import (LayerNormImpl, TransformerBlockSubmodules,
+                                                             get_num_layers_to_build)
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    dense = layer_spec(model, dense=True)
+    first = get_transformer_layer_offset(config, vp_stage, pp_rank)
+    layers = range(first, first + get_num_layers_to_build(config, vp_stage, pp_rank))
+    return TransformerBlockSubmodules(
+        layer_specs=[dense if index < model.moe.first_dense_layers else spec for index in layers],
+        layer_norm=LayerNormImpl)
 
 
 def build_gpt_model(model: ModelConfig, parallel: ParallelConfig, vp_stage: Optional[int] = None,
@@ -165,9 +217,13 @@ def build_gpt_model(model: ModelConfig, parallel: ParallelConfig, vp_stage: Opti
             "pure-PyTorch RMSNorm does not support it): install the `gpu` extra, or set it to false"
         )
     config = transformer_config(resolved, parallel, flash_decode=flash_decode)
+    if pg_collection is not None and getattr(pg_collection, "pp", None) is not None:
+        pp_rank = torch.distributed.get_rank(pg_collection.pp)
+    else:
+        pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     gpt = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(resolved),
+        transformer_layer_spec=decoder_spec(resolved, config, vp_stage, pp_rank),
         vocab_size=resolved.padded_vocab_size(parallel.tensor_parallel),
         max_sequence_length=resolved.max_position_embeddings,
         pre_process=whole or (stage[0] if stage is not None else
@@ -183,6 +239,7 @@ def build_gpt_model(model: ModelConfig, parallel: ParallelConfig, vp_stage: Opti
         vp_stage=vp_stage,
         pg_collection=pg_collection,
     )
+    frozen_expert_bias(gpt)
     if not have_transformer_engine() and _local_kernel(resolved.rms_norm, "lean", resolved):
         use_lean_rms_norm(gpt)  # the local spec's torch RMSNorm, saving x and 1/rms for backward (models/norm.py)
     if config.params_dtype != torch.float32:
@@ -197,6 +254,17 @@ def build_gpt_model(model: ModelConfig, parallel: ParallelConfig, vp_stage: Opti
             if isinstance(getattr(module, "inv_freq", None), torch.Tensor):
                 module.inv_freq = module.inv_freq.cuda(torch.cuda.current_device())
     return gpt
+
+
+def frozen_expert_bias(gpt) -> None:
+    """Make each router's score-correction bias (``model.moe.expert_bias``; a buffer in megatron-core) a parameter
+    that takes no gradient, so it travels with the weights wherever they go (full state, HF export, checkpoints,
+    the rollout engine's weight sync) while no optimizer updates it; megatron's router reads it as before."""
+    for module in gpt.modules():
+        bias = module._buffers.get("expert_bias") if hasattr(module, "_buffers") else None
+        if bias is not None:
+            del module._buffers["expert_bias"]
+            module.expert_bias = torch.nn.Parameter(bias, requires_grad=False)
 
 
 def build_model_chunks(model: ModelConfig, parallel: ParallelConfig) -> list:

@@ -43,13 +43,17 @@ from typing import Iterable, Iterator, Mapping, Optional
 import torch
 
 from megatron_kl.config import ConfigError, ModelConfig, MoEConfig
+from megatron_kl.models import hf_deepseek
 
 # HF model_type -> ModelConfig.architecture (the *_moe types: the same attention, mixture-of-experts MLPs)
-FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen2_moe": "qwen2", "qwen3_moe": "qwen3"}
+FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen2_moe": "qwen2", "qwen3_moe": "qwen3",
+            hf_deepseek.MODEL_TYPE: "deepseek_v3"}
 HF_ARCHITECTURE_CLASS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                         "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+                         "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                         hf_deepseek.MODEL_TYPE: hf_deepseek.HF_CLASS}
 MOE_STRUCTURAL_FIELDS = ("num_experts", "router_topk", "ffn_hidden_size", "shared_expert_ffn_hidden_size",
-                         "normalize_topk")
+                         "normalize_topk", "shared_expert_gate", "score_function", "expert_bias", "num_groups",
+                         "group_topk", "routed_scaling_factor", "first_dense_layers")
 # megatron-core's llama3 RoPE scaling fixes these (RotaryEmbedding._apply_scaling); only the factor is free
 LLAMA3_ROPE_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
@@ -58,7 +62,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 # fields of ModelConfig that describe the weights (checked against config.json); the rest are run choices
 STRUCTURAL_FIELDS = ("architecture", "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
                      "num_query_groups", "kv_channels", "vocab_size", "rope_theta", "rope_scaling_factor",
-                     "norm_epsilon", "tie_word_embeddings", "qkv_bias", "qk_layernorm")
+                     "norm_epsilon", "tie_word_embeddings", "qkv_bias", "qk_layernorm", "mla", "yarn")
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
@@ -83,9 +87,11 @@ def model_config_from_hf(hf: dict, **overrides) -> ModelConfig:
     for key in ("mlp_bias", "use_sliding_window"):
         if hf.get(key):
             raise ConfigError(f"config.json {key}=true is not supported by the Megatron mapping")
+    rope = _rope(hf)
+    if model_type == hf_deepseek.MODEL_TYPE:
+        return ModelConfig(**{**hf_deepseek.model_config_values(hf, rope), **overrides})
     if model_type == "llama" and hf.get("attention_bias"):
         raise ConfigError("config.json attention_bias=true (an o_proj bias) is not supported; Llama-3.x has none")
-    rope = _rope(hf)
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     scaling = None
     if rope_type == "llama3":
@@ -162,6 +168,8 @@ def hf_config_from_model(model: ModelConfig, dtype: str = "bfloat16") -> dict:
     """A config.json for ``model`` (used when exporting without an original config.json)."""
     m = model.resolved()
     family = m.architecture
+    if family == "deepseek_v3":
+        return hf_deepseek.hf_config(m, dtype)
     rope = {"rope_type": "default", "rope_theta": m.rope_theta}
     if m.rope_scaling_factor is not None:
         rope = {"rope_type": "llama3", "factor": m.rope_scaling_factor, "rope_theta": m.rope_theta, **LLAMA3_ROPE_FIXED}
@@ -215,14 +223,19 @@ _GLOBAL = {"embedding.word_embeddings.weight": "model.embed_tokens.weight",
            "decoder.final_layernorm.weight": "model.norm.weight", "output_layer.weight": "lm_head.weight"}
 
 
-def hf_names(megatron_name: str) -> list[str]:
-    """The HF tensors a Megatron full-layout parameter is built from (in merge order)."""
+def hf_names(megatron_name: str, model: Optional[ModelConfig] = None) -> list[str]:
+    """The HF tensors a Megatron full-layout parameter is built from (in merge order); ``model`` names the
+    family where its names differ (DeepSeek-V3: models/hf_deepseek.py)."""
     if megatron_name in _GLOBAL:
         return [_GLOBAL[megatron_name]]
     match = _LAYER.match(megatron_name)
     if not match:
         raise KeyError(f"no HF mapping for Megatron tensor {megatron_name!r}")
     prefix, suffix = f"model.layers.{match.group(1)}.", match.group(2)
+    if model is not None and model.multi_latent_attention:
+        names = hf_deepseek.layer_hf_names(suffix)
+        if names is not None:
+            return [prefix + name for name in names]
     if suffix in _PLAIN:
         return [prefix + _PLAIN[suffix]]
     if suffix in _MOE_PLAIN:
@@ -260,6 +273,8 @@ def _qkv_split(qkv, model: ModelConfig) -> list[torch.Tensor]:
 
 def to_megatron(megatron_name: str, tensors: list[torch.Tensor], model: ModelConfig) -> torch.Tensor:
     """The full-layout Megatron tensor from its HF tensors (``hf_names`` order)."""
+    if model.multi_latent_attention and _LAYER.match(megatron_name):
+        tensors = [hf_deepseek.to_megatron(_LAYER.match(megatron_name).group(2), t, model) for t in tensors]
     if ".linear_qkv." in megatron_name and not megatron_name.endswith("layer_norm_weight"):
         return _qkv_merge(*tensors, groups=model.resolved().num_query_groups)
     if megatron_name.endswith("linear_fc1.weight"):  # a SwiGLU [gate; up]: dense, routed or shared expert
@@ -269,7 +284,9 @@ def to_megatron(megatron_name: str, tensors: list[torch.Tensor], model: ModelCon
 
 def to_hf(megatron_name: str, tensor: torch.Tensor, model: ModelConfig) -> dict[str, torch.Tensor]:
     """Inverse of :func:`to_megatron`: HF name -> tensor."""
-    names = hf_names(megatron_name)
+    names = hf_names(megatron_name, model)
+    if model.multi_latent_attention and _LAYER.match(megatron_name):
+        tensor = hf_deepseek.to_hf(_LAYER.match(megatron_name).group(2), tensor, model)
     if len(names) == 3:
         return dict(zip(names, _qkv_split(tensor, model)))
     if len(names) == 2:
@@ -406,7 +423,7 @@ class HFStateView(Mapping):
         self.checkpoint, self.model = checkpoint, model
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        sources = hf_names(name)
+        sources = hf_names(name, self.model)
         tensors = []
         for source in sources:
             try:
@@ -417,7 +434,7 @@ class HFStateView(Mapping):
 
     def __contains__(self, name) -> bool:
         try:
-            hf_names(name)
+            hf_names(name, self.model)
         except KeyError:
             return False
         return True

@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megatron_kl.config import ConfigError, to_dict
+from megatron_kl.config import ConfigError, ModelConfig, to_dict
 from megatron_kl.models import builder, optim, output_head, parallel, pipeline, state
 from megatron_kl.train import shipped_warmstart
 from megatron_kl.train.batching import pack
@@ -32,6 +32,25 @@ NOT_IN_KEY = {"model": ("logprob_path", "logprob_chunk_rows", "fused_grad"),
               "warm_start": ("cache_dir", "enabled", "source", "seed")}
 
 
+# model fields added after the first shipped warm start: left out of the key at their defaults (the behaviour the
+# weights were made with before they existed), so the keys of models that do not use them stay what they were
+LATER_MODEL_FIELDS = ("yarn", "mla")
+LATER_MOE_FIELDS = ("shared_expert_gate", "score_function", "expert_bias", "num_groups", "group_topk",
+                    "routed_scaling_factor", "first_dense_layers")
+
+
+def _model_key(model) -> dict:
+    default = ModelConfig()
+    out = {k: v for k, v in to_dict(model).items() if k not in NOT_IN_KEY["model"]}
+    for name in LATER_MODEL_FIELDS:
+        if getattr(model, name) == getattr(default, name):
+            out.pop(name)
+    for name in LATER_MOE_FIELDS:
+        if getattr(model.moe, name) == getattr(default.moe, name):
+            out["moe"].pop(name)
+    return out
+
+
 def warm_start_seed(cfg) -> int:
     return cfg.train.seed if cfg.warm_start.seed is None else cfg.warm_start.seed
 
@@ -39,7 +58,7 @@ def warm_start_seed(cfg) -> int:
 def recipe_key(cfg) -> str:
     """16 hex digits of the SHA-256 of what determines the warm start's weights (model, task, recipe, seed)."""
     recipe = {k: v for k, v in to_dict(cfg.warm_start).items() if k not in NOT_IN_KEY["warm_start"]}
-    model = {k: v for k, v in to_dict(cfg.model).items() if k not in NOT_IN_KEY["model"]}
+    model = _model_key(cfg.model)
     key = json.dumps({"model": model, "task": _task_key(cfg.task), "warm_start": recipe,
                       "seed": warm_start_seed(cfg), "micro_batches": cfg.train.micro_batches}, sort_keys=True)
     return hashlib.sha256(key.encode()).hexdigest()[:16]

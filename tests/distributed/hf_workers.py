@@ -39,6 +39,28 @@ MOE_FAMILIES = {
                       num_experts_per_tok=4, norm_topk_prob=False, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6,
                       tie_word_embeddings=False, rope_theta=1000000.0, decoder_sparse_step=1, mlp_only_layers=[]),
+    # DeepSeek-V3 style: multi-latent attention with a query LoRA, interleaved rotary dims, YaRN with mscale_all_dim,
+    # one dense layer first, a shared expert, the sigmoid router with its score-correction bias, top-4 of 8 limited
+    # to the best 2 of 4 groups, routed scaling factor
+    "deepseek_v3": dict(model_type="deepseek_v3", vocab_size=61, hidden_size=64, intermediate_size=96,
+                        moe_intermediate_size=32, num_hidden_layers=4, first_k_dense_replace=1, num_attention_heads=4,
+                        num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=16,
+                        qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=8, n_shared_experts=1,
+                        num_experts_per_tok=4, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                        norm_topk_prob=True, max_position_embeddings=512, rope_interleave=True,
+                        rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
+                                         "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0,
+                                         "rope_theta": 10000.0}),
+    # DeepSeek-V2-Lite style attention: no query LoRA, rotary dims stored as halves (rope_interleave false), plain
+    # RoPE; every group kept, two shared experts, every layer sparse, tied embeddings, saved in bfloat16
+    "deepseek_v3_plain": dict(model_type="deepseek_v3", vocab_size=61, hidden_size=64, intermediate_size=96,
+                              moe_intermediate_size=16, num_hidden_layers=2, first_k_dense_replace=0,
+                              num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=24,
+                              qk_nope_head_dim=8, qk_rope_head_dim=16, v_head_dim=16, n_routed_experts=4,
+                              n_shared_experts=2, num_experts_per_tok=2, n_group=1, topk_group=1,
+                              routed_scaling_factor=1.0, norm_topk_prob=True, max_position_embeddings=512,
+                              rope_interleave=False, tie_word_embeddings=True,
+                              rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, dtype="bfloat16"),
 }
 
 
@@ -57,6 +79,9 @@ def make_hf_model(family: str, directory: Path, seed: int = 0) -> Path:
                 param.copy_(1.0 + 0.2 * torch.randn_like(param))
             else:
                 param.copy_(0.2 * torch.randn_like(param))
+        for name, buffer in model.named_buffers():  # DeepSeek-V3's score-correction bias decides the top-k
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(0.3 * torch.randn_like(buffer))
     model = model.to(getattr(torch, dtype))
     model.save_pretrained(directory, safe_serialization=True)
     (directory / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 512}))

@@ -91,7 +91,7 @@ def test_production_code_does_not_import_testing():
 LAYERS = (
     ("foundations", ("megatron_kl", "megatron_kl.constraints", "megatron_kl.redaction", "megatron_kl.env_vars", "megatron_kl.child_processes", "megatron_kl.local_ranks",
                      "megatron_kl.megatron_compat", "megatron_kl.cli_help", "megatron_kl.data")),
-    ("configuration", ("megatron_kl.config", "megatron_kl.kl.config", "megatron_kl.launch_config",
+    ("configuration", ("megatron_kl.config", "megatron_kl.model_variants", "megatron_kl.kl.config", "megatron_kl.launch_config",
                        "megatron_kl.distill.config")),
     ("KL kernels", ("megatron_kl.kl.kernels",)),
     ("KL objective", ("megatron_kl.kl",)),
