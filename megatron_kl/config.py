@@ -277,6 +277,13 @@ def validate_training_layout(model: ModelConfig, parallel: ParallelConfig, micro
             "token-budget microbatches differ in number and shape between data-parallel ranks, whose expert-parallel "
             "token dispatch must meet in every forward; set train.micro_batch_tokens=0 (equal microbatches)"
         )
+    if model.multi_latent_attention and parallel.tensor_parallel > 1 and not parallel.sequence_parallel:
+        raise ConfigError(
+            f"model.architecture={model.architecture} with parallel.tensor_parallel={parallel.tensor_parallel} trains "
+            "only with parallel.sequence_parallel=true: without it megatron-core's multi-latent attention keeps each "
+            "TP rank's part of the shared rotary key's gradient and adds the latent query norm's gradient once per "
+            "rank (measured: 2x and ~1 % off at TP 2); sequence parallelism needs the Transformer Engine spec, on "
+            "GPUs. Set sequence_parallel, or tensor_parallel=1 (forward-only uses run at any TP)")
     if model.moe.enabled and parallel.tensor_parallel > 1 and not parallel.sequence_parallel:
         raise ConfigError(
             f"model.moe with parallel.tensor_parallel={parallel.tensor_parallel} trains only with "
