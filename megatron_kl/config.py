@@ -28,10 +28,13 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     "qwen3": {"qkv_bias": False, "qk_layernorm": True, "rope_theta": 1000000.0},
     # multi-latent attention (model.mla), its latents RMS-normalised (qk_layernorm); MoE with model.moe
     "deepseek_v3": {"qkv_bias": False, "qk_layernorm": True, "rope_theta": 10000.0},
+    # attention sinks, sliding and full layers, biases everywhere, the clamped GLU (set by the fields below)
+    "gpt_oss": {"qkv_bias": True, "qk_layernorm": False, "rope_theta": 150000.0},
 }
 MLA_ARCHITECTURES = ("deepseek_v3",)
 
 DTYPES = ("float32", "bfloat16", "float16")
+GLU_ACTIVATIONS = ("silu", "quick_gelu")
 
 LOGPROB_PATHS = ("auto", "fused", "unfused")
 FUSED_GRADS = ("auto", "in_forward", "recompute")
@@ -89,6 +92,20 @@ class ModelConfig:
     # copies of the activations), "auto" = lean for 16-bit params_dtype, torch in float32 (float32 runs stay
     # bit-identical to earlier releases)
     rms_norm: str = checked("auto", choices=RMS_NORMS)
+    # GPT-OSS's attention and MLP (model.architecture gpt_oss; megatron-core's TransformerConfig fields in brackets):
+    # a learnable logit per head in every softmax's denominator [softmax_type learnable], windowed layers whose
+    # queries see the last sliding_window positions, themselves included [window_size], every full_attention_every-th
+    # layer attending to all positions (null: every layer windowed) [window_attn_skip_freq], biases on every linear
+    # layer - attention output, MLPs, experts, router [add_bias_linear]
+    attention_sinks: bool = False
+    sliding_window: Optional[int] = checked(None, ge=1)
+    full_attention_every: Optional[int] = checked(None, ge=1)
+    linear_bias: bool = False
+    # the gated MLP act(gate) * (up + glu_up_offset) with gate clamped to <= glu_clamp and up to [-glu_clamp,
+    # glu_clamp] (null: none); act: silu (SwiGLU) or quick_gelu = x sigmoid(1.702 x) (GPT-OSS)
+    glu_activation: str = checked("silu", choices=GLU_ACTIVATIONS)
+    glu_up_offset: float = checked(0.0, fix="GPT-OSS adds 1 to the up projection")
+    glu_clamp: Optional[float] = checked(None, gt=0)
     moe: MoEConfig = field(default_factory=MoEConfig)
     mla: MLAConfig = field(default_factory=MLAConfig)  # the attention of model.architecture deepseek_v3
 
@@ -194,12 +211,14 @@ def _validate_positions(model: ModelConfig) -> None:
     if model.yarn.enabled and model.rope_scaling_factor is not None:
         raise ConfigError("model.yarn.factor and model.rope_scaling_factor (llama3 scaling) are both set: a model has "
                           "one RoPE scaling; keep the one its config.json names")
+    if model.full_attention_every is not None and model.sliding_window is None:
+        raise ConfigError(f"model.full_attention_every={model.full_attention_every} without model.sliding_window: "
+                          "set the window, or full_attention_every to null")
     if not model.multi_latent_attention:
-        if model.yarn.enabled:
-            raise ConfigError(f"model.yarn.factor={model.yarn.factor} with model.architecture={model.architecture!r}: "
-                              "YaRN is built with multi-latent attention (deepseek_v3) only; set model.yarn.factor "
-                              "to null")
         return
+    if not model.yarn.truncate:
+        raise ConfigError("model.yarn.truncate=false with multi-latent attention: megatron-core's MLA rounds the YaRN "
+                          "correction range (truncate=true) only")
     if model.rope_scaling_factor is not None:
         raise ConfigError("model.rope_scaling_factor (llama3 scaling) with multi-latent attention: DeepSeek-V3 scales "
                           "RoPE with YaRN; set model.yarn.factor instead")
@@ -328,6 +347,10 @@ def _validate_expert_layout(model: ModelConfig, parallel: ParallelConfig, world_
                               "experts model: set model.moe.num_experts, or leave them at 1 / null")
         return
     etp = tp if etp is None else etp
+    if model.linear_bias and etp > 1:
+        raise ConfigError(f"model.linear_bias with parallel.expert_tensor_parallel={etp} (null: tensor_parallel): "
+                          "megatron-core adds the experts' biases with one expert-tensor-parallel rank only; set "
+                          "parallel.expert_tensor_parallel=1 (split the experts with expert_parallel instead)")
     if moe.num_experts % ep:
         raise ConfigError(f"model.moe.num_experts={moe.num_experts} is not divisible by parallel.expert_parallel="
                           f"{ep}: every expert-parallel rank holds the same number of experts; pick a divisor")

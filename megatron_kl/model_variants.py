@@ -40,7 +40,7 @@ class MLAConfig:
 
 @dataclass(frozen=True)
 class YarnConfig:
-    """YaRN RoPE scaling (HF ``rope_type: yarn``): frequencies below the band set by ``beta_fast`` /
+    """YaRN RoPE scaling (HF ``rope_type: yarn``; DeepSeek-V3, GPT-OSS): frequencies below the band set by ``beta_fast`` /
     ``beta_slow`` interpolated by ``factor``, cos/sin scaled by mscale(factor, mscale) / mscale(factor,
     mscale_all_dim) with mscale(s, m) = 0.1 m ln s + 1. ``factor: null`` turns it off."""
 
@@ -50,6 +50,7 @@ class YarnConfig:
     beta_slow: float = checked(1.0, gt=0)
     mscale: float = checked(1.0, ge=0)
     mscale_all_dim: float = checked(0.0, ge=0)
+    truncate: bool = True  # the correction range's bounds rounded to whole dimensions (HF truncate)
 
     @property
     def enabled(self) -> bool:
@@ -134,6 +135,10 @@ def validate_moe(moe: MoEConfig) -> None:
             raise ConfigError(f"model.moe.{name}={getattr(moe, name)} must be >= 0")
     if moe.capacity_factor is not None and not moe.capacity_factor > 0.0:
         raise ConfigError(f"model.moe.capacity_factor={moe.capacity_factor} must be > 0 (or null: dropless)")
+    if moe.router_topk == 1 and moe.normalize_topk and moe.score_function == "softmax":
+        raise ConfigError("model.moe.router_topk=1 with normalize_topk=true: the one kept expert would weigh 1, which "
+                          "megatron-core's router refuses to build; set normalize_topk=false (softmax over all experts)"
+                          " or router_topk >= 2")
     _validate_router(moe)
 
 

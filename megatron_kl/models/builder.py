@@ -7,6 +7,8 @@ sliced (``use_cpu_initialization``), so any TP layout starts from the same weigh
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import importlib.util
 from dataclasses import dataclass
 from typing import Optional
@@ -33,9 +35,11 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, flash_decod
 
     model = model.resolved()
     dtype = _DTYPES[model.params_dtype]
-    config_class, attention = TransformerConfig, {}
+    config_class, attention = TransformerConfig, gpt_oss_fields(model)
     if model.multi_latent_attention:
-        config_class, attention = MLATransformerConfig, mla_transformer_fields(model)
+        config_class, attention = MLATransformerConfig, {**attention, **mla_transformer_fields(model)}
+    elif model.yarn.enabled:
+        config_class = _yarn_config_class()
     return config_class(
         num_layers=model.num_layers,
         hidden_size=model.hidden_size,
@@ -46,8 +50,8 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, flash_decod
         normalization="RMSNorm",
         layernorm_epsilon=model.norm_epsilon,
         gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
+        activation_func=F.silu if model.glu_activation == "silu" else _quick_gelu(),
+        add_bias_linear=model.linear_bias,
         add_qkv_bias=model.qkv_bias,
         qk_layernorm=model.qk_layernorm,
         hidden_dropout=0.0,
@@ -77,6 +81,51 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, flash_decod
         **moe_transformer_fields(model, parallel),
         **attention,
     )
+
+
+def _quick_gelu():
+    from megatron.core.fusions.fused_bias_geglu import quick_gelu
+
+    return quick_gelu
+
+
+def gpt_oss_fields(model: ModelConfig) -> dict:
+    """TransformerConfig fields of the attention sinks, sliding windows and the clamped GLU (any that are set), and
+    of YaRN without multi-latent attention (GPTModel reads them from the config; the concentration factor
+    mscale(f, mscale) / mscale(f, mscale_all_dim) multiplies cos and sin in the attention)."""
+    fields = {}
+    if model.attention_sinks:
+        fields["softmax_type"] = "learnable"
+    if model.sliding_window is not None:
+        fields.update(window_size=(model.sliding_window - 1, 0), window_attn_skip_freq=model.full_attention_every)
+    if model.glu_clamp is not None or model.glu_up_offset:
+        fields.update(glu_linear_offset=model.glu_up_offset, activation_func_clamp_value=model.glu_clamp)
+    yarn = model.yarn
+    if yarn.enabled and not model.multi_latent_attention:
+        fields.update(yarn_rotary_scaling_factor=yarn.factor,
+                      yarn_original_max_position_embeddings=yarn.original_max_position_embeddings,
+                      yarn_beta_fast=yarn.beta_fast, yarn_beta_slow=yarn.beta_slow, yarn_mscale=yarn.mscale,
+                      yarn_mscale_all_dim=yarn.mscale_all_dim, yarn_correction_range_round_to_int=yarn.truncate)
+    return fields
+
+
+@functools.cache
+def _yarn_config_class():
+    """TransformerConfig with the YaRN fields megatron-core's GPTModel and attention read by name (its own config
+    classes of YaRN models declare them the same way)."""
+    from megatron.core.transformer import TransformerConfig
+
+    @dataclasses.dataclass
+    class YarnTransformerConfig(TransformerConfig):
+        yarn_rotary_scaling_factor: float = 1.0
+        yarn_original_max_position_embeddings: int = 4096
+        yarn_beta_fast: float = 32.0
+        yarn_beta_slow: float = 1.0
+        yarn_mscale: float = 1.0
+        yarn_mscale_all_dim: float = 0.0
+        yarn_correction_range_round_to_int: bool = True
+
+    return YarnTransformerConfig
 
 
 def mla_transformer_fields(model: ModelConfig) -> dict:
@@ -232,7 +281,7 @@ def build_gpt_model(model: ModelConfig, parallel: ParallelConfig, vp_stage: Opti
                                parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)),
         parallel_output=True,
         share_embeddings_and_output_weights=resolved.tie_word_embeddings,
-        position_embedding_type="rope",
+        position_embedding_type="yarn" if resolved.yarn.enabled and not resolved.multi_latent_attention else "rope",
         rotary_base=int(resolved.rope_theta),
         rope_scaling=resolved.rope_scaling_factor is not None,
         rope_scaling_factor=resolved.rope_scaling_factor or 8.0,
@@ -240,6 +289,9 @@ def build_gpt_model(model: ModelConfig, parallel: ParallelConfig, vp_stage: Opti
         pg_collection=pg_collection,
     )
     frozen_expert_bias(gpt)
+    _mark_sinks_sharded(gpt)
+    if resolved.linear_bias and resolved.moe.enabled:
+        _expert_outputs_out_of_place(gpt)
     if not have_transformer_engine() and _local_kernel(resolved.rms_norm, "lean", resolved):
         use_lean_rms_norm(gpt)  # the local spec's torch RMSNorm, saving x and 1/rms for backward (models/norm.py)
     if config.params_dtype != torch.float32:
@@ -265,6 +317,35 @@ def frozen_expert_bias(gpt) -> None:
         if bias is not None:
             del module._buffers["expert_bias"]
             module.expert_bias = torch.nn.Parameter(bias, requires_grad=False)
+
+
+def _mark_sinks_sharded(gpt) -> None:
+    """The attention sinks (megatron's learnable softmax offset, one per head) are split over the TP ranks with the
+    heads; megatron-core does not mark them, so the full-state and checkpoint code would take them as replicated."""
+    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+    for module in gpt.modules():
+        offset = getattr(module, "softmax_offset", None)
+        if isinstance(offset, torch.nn.Parameter) and not getattr(offset, "tensor_model_parallel", False):
+            set_tensor_model_parallel_attributes(offset, True, 0, 1)
+
+
+def _expert_outputs_out_of_place(gpt) -> None:
+    """Megatron-core's expert MLP adds its output bias to linear_fc2's output in place (``output += bias * prob``);
+    with one expert-tensor-parallel rank that output is the input of an identity autograd function, which torch
+    refuses to modify in training. Each expert's linear_fc2 hands back a copy instead (same values)."""
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    def copying(forward):
+        def wrapper(*args, **kwargs):
+            output, bias = forward(*args, **kwargs)
+            return (output.clone() if torch.is_grad_enabled() else output), bias
+        return wrapper
+
+    for module in gpt.modules():
+        if isinstance(module, SequentialMLP):
+            for expert in module.local_experts:
+                expert.linear_fc2.forward = copying(expert.linear_fc2.forward)
 
 
 def build_model_chunks(model: ModelConfig, parallel: ParallelConfig) -> list:

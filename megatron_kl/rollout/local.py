@@ -19,8 +19,9 @@ Decoding runs in megatron's flash-decoding mode (``rollout.flash_decode``, defau
 models/flash_decode.py where flash-attn is absent): each new key is rotated once and cached rotated, where the
 static mode re-rotates every cached key at every step; 16-bit models on the CPU keep a float32 cache, read
 without a cast. Same tokens and log-probs as the static mode (tested); 135M bf16, 192 new tokens: 15.4 -> 10.8 s.
-Multi-latent attention (DeepSeek-V3) decodes in megatron's static scheme (its RoPE is applied inside the attention at
-one offset for every row). Pipeline parallelism is not supported by this engine (use SGLang or vLLM); configs are rejected early.
+Multi-latent attention (DeepSeek-V3), YaRN, attention sinks and sliding windows (GPT-OSS) decode in megatron's static
+scheme (MLA applies RoPE inside the attention at one offset for every row; the flash-decoding path has none of the
+others). Pipeline parallelism is not supported by this engine (use SGLang or vLLM); configs are rejected early.
 
 Pausing (``rollout.partial``): :meth:`LocalEngine.pause` stops every generation at the next token boundary; the
 responses not finished there come back with finish_reason ``abort``, their tokens and log-probs those of the weights
@@ -254,9 +255,10 @@ class LocalEngine:
         if model.moe.enabled and parallel.expert_parallel > 1:
             parallel = _replica_holds_all_experts(parallel, groups)
             self.expert_gather = ExpertGroups.from_megatron().ep
-        # multi-latent attention applies RoPE inside the attention at the context's one offset (megatron refuses
-        # flash decoding for it): megatron's static scheme, every row at the same position
-        flash_decode = flash_decode and not model.multi_latent_attention
+        # multi-latent attention applies RoPE inside the attention at the context's one offset, and megatron's
+        # flash decoding has no YaRN, attention sinks or windows: megatron's static scheme, every row at one position
+        flash_decode = flash_decode and not (model.multi_latent_attention or model.yarn.enabled
+                                             or model.attention_sinks or model.sliding_window is not None)
         if flash_decode:
             from megatron_kl.models import flash_decode as kernels
 

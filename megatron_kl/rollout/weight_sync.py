@@ -51,16 +51,14 @@ Named = tuple[str, torch.Tensor]
 def hf_named_tensors(chunks: list, model, tp_group=None, pp_group=None,
                      include_tied_head: bool = False) -> Iterator[Named]:
     """Collective over TP and PP: the policy as HF-named full tensors, one Megatron tensor at a time."""
-    from megatron_kl.models.hf import to_hf
+    from megatron_kl.models.hf import to_hf_stream
     from megatron_kl.models.state import iter_full_state
 
-    for name, tensor in iter_full_state(chunks, model.vocab_size, model.tie_word_embeddings, tp_group, pp_group):
-        if model.tie_word_embeddings and name == "output_layer.weight":
-            continue
-        for hf_name, value in to_hf(name, tensor, model).items():
-            yield hf_name, value
-            if include_tied_head and model.tie_word_embeddings and hf_name == "model.embed_tokens.weight":
-                yield "lm_head.weight", value
+    stream = iter_full_state(chunks, model.vocab_size, model.tie_word_embeddings, tp_group, pp_group)
+    for hf_name, value in to_hf_stream(stream, model):
+        yield hf_name, value
+        if include_tied_head and model.tie_word_embeddings and hf_name == "model.embed_tokens.weight":
+            yield "lm_head.weight", value
 
 
 def buckets(named: Iterable[Named], bucket_bytes: int) -> Iterator[list[Named]]:

@@ -143,6 +143,9 @@ class _DictCheckpoint:
             raise KeyError(f"no HF tensor {name!r}")
         return self.tensors[name]
 
+    def get_row(self, name: str, index: int) -> torch.Tensor:
+        return self.get(name)[index]
+
 
 class _LoaderModel:
     """The server's model as SGLang's weight loaders see it: ``load_weights([(hf_name, tensor), ...])`` loads the

@@ -34,7 +34,8 @@ NOT_IN_KEY = {"model": ("logprob_path", "logprob_chunk_rows", "fused_grad"),
 
 # model fields added after the first shipped warm start: left out of the key at their defaults (the behaviour the
 # weights were made with before they existed), so the keys of models that do not use them stay what they were
-LATER_MODEL_FIELDS = ("yarn", "mla")
+LATER_MODEL_FIELDS = ("yarn", "mla", "attention_sinks", "sliding_window", "full_attention_every", "linear_bias",
+                      "glu_activation", "glu_up_offset", "glu_clamp")
 LATER_MOE_FIELDS = ("shared_expert_gate", "score_function", "expert_bias", "num_groups", "group_topk",
                     "routed_scaling_factor", "first_dense_layers")
 

@@ -61,6 +61,23 @@ MOE_FAMILIES = {
                               routed_scaling_factor=1.0, norm_topk_prob=True, max_position_embeddings=512,
                               rope_interleave=False, tie_word_embeddings=True,
                               rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, dtype="bfloat16"),
+    # GPT-OSS style: attention sinks, sliding (window 4 < the 12 tokens) and full layers alternating, q/k/v/o biases,
+    # YaRN without truncation, 4 experts stored fused with biases, the clamped GLU (limit 1: clamping often), the
+    # router with its bias
+    "gpt_oss": dict(model_type="gpt_oss", vocab_size=61, hidden_size=64, intermediate_size=32, num_hidden_layers=4,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                    num_experts_per_tok=2, sliding_window=4, swiglu_limit=1.0, max_position_embeddings=512,
+                    layer_types=["sliding_attention", "full_attention"] * 2,
+                    rope_parameters={"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                     "truncate": False, "original_max_position_embeddings": 64,
+                                     "rope_theta": 150000.0}),
+    # a full-attention layer every third, plain RoPE, top-2 of 4, saved in bfloat16
+    "gpt_oss_every3": dict(model_type="gpt_oss", vocab_size=61, hidden_size=64, intermediate_size=16,
+                           num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, head_dim=16,
+                           num_local_experts=4, num_experts_per_tok=2, sliding_window=3, swiglu_limit=7.0,
+                           max_position_embeddings=512,
+                           layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                           rope_parameters={"rope_type": "default", "rope_theta": 150000.0}, dtype="bfloat16"),
 }
 
 

@@ -1,4 +1,4 @@
-"""Mixture-of-experts HF <-> Megatron: tiny random Qwen3-MoE, Qwen2-MoE and DeepSeek-V3 models written by
+"""Mixture-of-experts HF <-> Megatron: tiny random Qwen3-MoE, Qwen2-MoE, DeepSeek-V3 and GPT-OSS models written by
 transformers load into megatron-core MoE GPTModels whose fp32 logits equal transformers' at EP=1 and across
 expert-parallel layouts (EP=2, TP=2 x EP=2, PP=2 x EP=2 on gloo ranks), and export back bit for bit from the
 sharded layouts."""
@@ -19,11 +19,15 @@ LAYOUTS = {  # name -> (layout, world size)
     "tp2xep2": (ParallelConfig(tensor_parallel=2, expert_parallel=2), 4),
     "pp2xep2": (ParallelConfig(pipeline_parallel=2, expert_parallel=2), 4),
 }
-LAYOUTS.update({"tp2": (ParallelConfig(tensor_parallel=2), 2), "pp2": (ParallelConfig(pipeline_parallel=2), 2)})
+LAYOUTS.update({"tp2": (ParallelConfig(tensor_parallel=2), 2), "pp2": (ParallelConfig(pipeline_parallel=2), 2),
+                # megatron-core adds expert biases (GPT-OSS) with one expert-tensor-parallel rank only
+                "tp2xetp1": (ParallelConfig(tensor_parallel=2, expert_tensor_parallel=1), 2)})
 CASES = ([("qwen3_moe", layout) for layout in ("ep1", "ep2", "tp2xep2", "pp2xep2")]
          + [("qwen2_moe", "ep1"), ("qwen2_moe", "tp2xep2")]
          + [("deepseek_v3", layout) for layout in ("ep1", "tp2", "ep2", "pp2", "pp2xep2")]
-         + [("deepseek_v3_plain", "ep1"), ("deepseek_v3_plain", "tp2xep2")])
+         + [("deepseek_v3_plain", "ep1"), ("deepseek_v3_plain", "tp2xep2")]
+         + [("gpt_oss", layout) for layout in ("ep1", "tp2xetp1", "ep2", "pp2", "pp2xep2")]
+         + [("gpt_oss_every3", "ep1"), ("gpt_oss_every3", "ep2")])
 
 
 @pytest.fixture(scope="module")

@@ -118,13 +118,23 @@ MLA_MODEL = {"architecture": "deepseek_v3", "num_layers": 2, "hidden_size": 64, 
                      "first_dense_layers": 1}}
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_multi_latent_attention_decodes_prompts_of_any_length_as_the_trainer_recomputes(tp):
-    """DeepSeek-V3's attention applies RoPE inside itself at one offset for all rows, so its rows cannot decode at
-    their own positions: the engine decodes it in megatron's static scheme, and prompts of different lengths give
-    the trainer's log-probs (rows at their own positions were up to 1.5 nats off)."""
+GPT_OSS_MODEL = {"architecture": "gpt_oss", "num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 32,
+                 "num_attention_heads": 4, "num_query_groups": 2, "kv_channels": 16, "vocab_size": 40,
+                 "max_position_embeddings": 64, "attention_sinks": True, "sliding_window": 3,
+                 "full_attention_every": 2, "linear_bias": True, "glu_activation": "quick_gelu", "glu_up_offset": 1.0,
+                 "glu_clamp": 1.0, "yarn": {"factor": 8.0, "original_max_position_embeddings": 16, "truncate": False},
+                 "moe": {"num_experts": 4, "router_topk": 2, "ffn_hidden_size": 32}}
+
+
+@pytest.mark.parametrize("model,tp", [(MLA_MODEL, 1), (MLA_MODEL, 2), (GPT_OSS_MODEL, 1)],
+                         ids=["deepseek_v3-tp1", "deepseek_v3-tp2", "gpt_oss-tp1"])
+def test_static_decoding_families_generate_what_the_trainer_recomputes(model, tp):
+    """DeepSeek-V3's attention applies RoPE inside itself at one offset for all rows (rows at their own positions
+    were up to 1.5 nats off), and megatron's flash decoding has no YaRN, attention sinks or sliding windows (GPT-OSS;
+    responses run past the window of 3): the engine decodes both in megatron's static scheme, and prompts of
+    different lengths give the trainer's log-probs."""
     sampling = {"temperature": 0.7, "max_new_tokens": 9}
-    for out in run_ranks(engine_worker, tp, MLA_MODEL, tp, PROMPTS, sampling):
+    for out in run_ranks(engine_worker, tp, model, tp, PROMPTS, sampling):
         mask = out["mask"].bool()
         assert mask.sum() > len(PROMPTS)
         assert (out["recomputed"] - out["behavior"])[mask].abs().max() < 2e-5

@@ -1,5 +1,6 @@
-"""DeepSeek-V3 trains from an HF checkpoint written by transformers (multi-latent attention with a query LoRA, YaRN,
-a dense first layer, a shared expert, the sigmoid router with its score-correction bias, group-limited top-k):
+"""DeepSeek-V3 (multi-latent attention with a query LoRA, YaRN, a dense first layer, a shared expert, the sigmoid
+router with its score-correction bias, group-limited top-k) and GPT-OSS (attention sinks, sliding and full layers,
+biases, YaRN, the clamped GLU, fused experts) train from HF checkpoints written by transformers:
 
 - step 0 with policy = reference gives the exact KL 0 and the rollout's log-probs to float32 rounding, at every
   layout below; the expert-load metrics are logged;
@@ -19,9 +20,15 @@ from tests.e2e.test_step0_gates import KL_BOUND, MISMATCH_BOUND
 from tests.e2e.test_train import assert_same_metrics, short_config
 from tests.e2e.workers import train_worker
 
-STRUCTURE = ["model.architecture=deepseek_v3", "model.num_layers=4", "model.hidden_size=64",
-             "model.ffn_hidden_size=96", "model.num_attention_heads=4", "model.num_query_groups=4",
-             "model.vocab_size=61", "model.tie_word_embeddings=false", "model.norm_epsilon=1e-6"]
+STRUCTURE = {  # the fields the default config sets otherwise; the rest come from config.json
+    "deepseek_v3": ["model.architecture=deepseek_v3", "model.num_layers=4", "model.hidden_size=64",
+                    "model.ffn_hidden_size=96", "model.num_attention_heads=4", "model.num_query_groups=4",
+                    "model.vocab_size=61", "model.tie_word_embeddings=false", "model.norm_epsilon=1e-6"],
+    "gpt_oss": ["model.architecture=gpt_oss", "model.num_layers=4", "model.hidden_size=64", "model.ffn_hidden_size=32",
+                "model.num_attention_heads=4", "model.num_query_groups=2", "model.kv_channels=16",
+                "model.vocab_size=61", "model.tie_word_embeddings=false", "model.norm_epsilon=1e-5"],
+}
+FAMILIES = list(STRUCTURE)
 MOVING = ["algo.entropy_coef=0.05", "train.steps=2", "train.prompts_per_step=4"]
 
 
@@ -29,11 +36,11 @@ MOVING = ["algo.entropy_coef=0.05", "train.steps=2", "train.prompts_per_step=4"]
 def checkpoints(tmp_path_factory):
     from tests.distributed.hf_workers import make_hf_model
 
-    root = tmp_path_factory.mktemp("deepseek")
-    moe = make_hf_model("deepseek_v3", root / "moe", seed=3)
+    root = tmp_path_factory.mktemp("families")
     dense = _all_dense(root / "dense")
     assert json.loads((dense / "config.json").read_text())["first_k_dense_replace"] == 4
-    return {"moe": moe, "dense": dense}
+    return {"deepseek_v3": make_hf_model("deepseek_v3", root / "deepseek_v3", seed=3),
+            "gpt_oss": make_hf_model("gpt_oss", root / "gpt_oss", seed=5), "deepseek_v3_dense": dense}
 
 
 def _all_dense(directory):
@@ -48,8 +55,8 @@ def _all_dense(directory):
         MOE_FAMILIES.pop("deepseek_v3_dense")
 
 
-def _run(path, warm_cache, source, world, *overrides):
-    cfg = short_config(path, warm_cache, *STRUCTURE, f"init.hf_checkpoint={source}", *MOVING, *overrides)
+def _run(path, warm_cache, family, source, world, *overrides):
+    cfg = short_config(path, warm_cache, *STRUCTURE[family], f"init.hf_checkpoint={source}", *MOVING, *overrides)
     return [r for r in run_ranks(train_worker, world, cfg, timeout_s=600)[0]["metrics"] if "loss/total" in r]
 
 
@@ -61,8 +68,9 @@ def _check_step0(records, what):
     assert all(r["optim/grad_norm"] > 0 for r in records), what
 
 
-def test_expert_parallel_run_logs_what_one_rank_logs(tmp_path, warm_cache, checkpoints):
-    runs = {ep: _run(tmp_path / f"ep{ep}", warm_cache, checkpoints["moe"], 2, f"parallel.expert_parallel={ep}")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_expert_parallel_run_logs_what_one_rank_logs(tmp_path, warm_cache, checkpoints, family):
+    runs = {ep: _run(tmp_path / f"ep{ep}", warm_cache, family, checkpoints[family], 2, f"parallel.expert_parallel={ep}")
             for ep in (1, 2)}
     for ep, records in runs.items():
         _check_step0(records, f"EP={ep}")
@@ -71,16 +79,18 @@ def test_expert_parallel_run_logs_what_one_rank_logs(tmp_path, warm_cache, check
     layout = ("batch/padded_tokens", "moe/tokens_per_expert", "moe/load_imbalance")
     strip = {ep: [{k: v for k, v in r.items() if not k.startswith(layout)} for r in records]
              for ep, records in runs.items()}
-    assert_same_metrics(strip[1], strip[2], "DeepSeek-V3 EP=2 vs EP=1")
+    assert_same_metrics(strip[1], strip[2], f"{family} EP=2 vs EP=1")
 
 
-def test_pipeline_parallel_run_logs_what_one_stage_logs(tmp_path, warm_cache, checkpoints):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_pipeline_parallel_run_logs_what_one_stage_logs(tmp_path, warm_cache, checkpoints, family):
     sglang = ["rollout.engine=sglang", f"rollout.sglang.server_module={TEST_SERVER}"]
-    runs = {pp: _run(tmp_path / f"pp{pp}", warm_cache, checkpoints["moe"], pp, f"parallel.pipeline_parallel={pp}",
-                     *sglang, f"rollout.sglang.port={server_port()}") for pp in (1, 2)}
+    runs = {pp: _run(tmp_path / f"pp{pp}", warm_cache, family, checkpoints[family], pp,
+                     f"parallel.pipeline_parallel={pp}", *sglang, f"rollout.sglang.port={server_port()}")
+            for pp in (1, 2)}
     for pp, records in runs.items():
-        _check_step0(records, f"PP={pp}")
-    assert_same_metrics(runs[1], runs[2], "DeepSeek-V3 PP=2 vs PP=1")
+        _check_step0(records, f"{family} PP={pp}")
+    assert_same_metrics(runs[1], runs[2], f"{family} PP=2 vs PP=1")
 
 
 def test_tensor_parallel_training_without_sequence_parallel_is_refused(tmp_path, warm_cache, checkpoints):
@@ -88,14 +98,16 @@ def test_tensor_parallel_training_without_sequence_parallel_is_refused(tmp_path,
     (measured here: the latent query norm's gradient 2x and the key projection's ~1 % off at TP 2), so a dense
     DeepSeek-V3 at TP 2 without it is refused before anything starts; its TP 2 forward is exact
     (tests/distributed/test_moe_conversion.py)."""
-    cfg = short_config(tmp_path / "tp2", warm_cache, *STRUCTURE, f"init.hf_checkpoint={checkpoints['dense']}",
+    cfg = short_config(tmp_path / "tp2", warm_cache, *STRUCTURE["deepseek_v3"],
+                       f"init.hf_checkpoint={checkpoints['deepseek_v3_dense']}",
                        *MOVING, "parallel.tensor_parallel=2")
     with pytest.raises(Exception, match="parallel.sequence_parallel=true"):
         run_ranks(train_worker, 2, cfg, timeout_s=300)
     assert not (tmp_path / "tp2" / "metrics.jsonl").exists()
 
 
-def test_routing_replay_replays_the_rollouts_experts(tmp_path, warm_cache, checkpoints):
-    records = _run(tmp_path / "replay", warm_cache, checkpoints["moe"], 1, "model.moe.routing_replay=rollout")
-    _check_step0(records, "routing replay")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_routing_replay_replays_the_rollouts_experts(tmp_path, warm_cache, checkpoints, family):
+    records = _run(tmp_path / "replay", warm_cache, family, checkpoints[family], 1, "model.moe.routing_replay=rollout")
+    _check_step0(records, f"{family} routing replay")
     assert records[0]["moe/mismatch_without_replay"] < MISMATCH_BOUND  # a checkpoint without near-ties
