@@ -127,3 +127,69 @@ def test_long_trace_recipe_states_its_context_parallel_layout():
     assert padded <= cfg.model.max_position_embeddings
     data_parallel = 8 // (cfg.parallel.tensor_parallel * cfg.parallel.context_parallel)
     assert data_parallel == 2 and (cfg.train.prompts_per_step * cfg.train.group_size) % data_parallel == 0
+
+
+# the new families' recipes: (paper config, its config.json under tests/data/hf_configs, GPUs, parameters per GPU)
+FAMILY_RECIPES = {"moonlight-16b-a3b": ("moonlight-16b-a3b", 16, (3.2e9, 3.5e9)),
+                  "gpt-oss-20b": ("gpt-oss-20b-bf16", 16, (4.1e9, 4.3e9))}
+
+
+def _parameters_per_gpu(cfg) -> tuple[float, float]:
+    """(routed-expert parameters in all, parameters one GPU holds) of the recipe's layout, counted from its shapes."""
+    m, p = cfg.model.resolved(), cfg.parallel
+    moe, width = m.moe, m.moe.ffn_hidden_size or m.ffn_hidden_size
+    sparse_layers = m.num_layers - moe.first_dense_layers
+    per_expert = 3 * m.hidden_size * width + (2 * width + m.hidden_size if m.linear_bias else 0)
+    experts = sparse_layers * moe.num_experts * per_expert
+    if m.multi_latent_attention:
+        mla = m.mla
+        attention = m.hidden_size * m.num_attention_heads * mla.query_head_dim + \
+            m.hidden_size * (mla.kv_lora_rank + mla.qk_rope_head_dim) + \
+            mla.kv_lora_rank * m.num_attention_heads * (mla.qk_nope_head_dim + mla.v_head_dim) + \
+            m.num_attention_heads * mla.v_head_dim * m.hidden_size
+    else:
+        attention = m.hidden_size * m.kv_channels * (2 * m.num_attention_heads + 2 * m.num_query_groups)
+    dense = m.num_layers * attention + sparse_layers * 3 * m.hidden_size * moe.shared_expert_ffn_hidden_size + \
+        moe.first_dense_layers * 3 * m.hidden_size * m.ffn_hidden_size + 2 * m.vocab_size * m.hidden_size
+    return experts, experts / p.pipeline_parallel / p.expert_parallel + dense / p.pipeline_parallel
+
+
+@pytest.mark.parametrize("name", list(FAMILY_RECIPES))
+def test_new_family_recipes_match_their_config_json_fit_their_gpus_and_launch(name):
+    """configs/paper/{moonlight-16b-a3b, gpt-oss-20b}.yaml: the model section is the model's config.json (DeepSeek-V3's
+    and GPT-OSS's architectures), the layout validates and trains on 2 x 8 GPUs, the parameter count per GPU the file
+    states follows from the shapes, the exported config.json reads back as the same model; every run of the study
+    preset passes the trainer's and the Slurm launcher's checks (what `launch slurm --dryrun` runs)."""
+    from megatron_kl.config import validate_training_layout
+    from megatron_kl.launch.experiment import plan
+    from megatron_kl.launch.jobs import _check_slurm
+    from megatron_kl.train.config import validate_train_config
+
+    json_name, gpus, (low, high) = FAMILY_RECIPES[name]
+    cfg = load_train_config(str(ROOT / "configs" / "paper" / f"{name}.yaml"))
+    real = json.loads((ROOT / "tests" / "data" / "hf_configs" / f"{json_name}.json").read_text())
+    hf.check_model_config(hf.model_config_from_hf(real), cfg.model, f"{json_name} config.json")
+    assert cfg.launch.slurm.nodes * cfg.launch.slurm.gpus_per_node == gpus
+    validate_parallel(cfg.model, cfg.parallel, gpus)
+    validate_training_layout(cfg.model, cfg.parallel, cfg.train.micro_batch_tokens)
+    hf.check_model_config(hf.model_config_from_hf(hf.hf_config_from_model(cfg.model)), cfg.model)
+    experts, per_gpu = _parameters_per_gpu(cfg)
+    assert low < per_gpu < high, per_gpu
+    launch_plan = plan(str(ROOT / "configs" / "study" / f"{name}.yaml"),
+                       ["launch.slurm.account=acct", "launch.slurm.container_image=nvcr.io/megatron-kl:gpu"])
+    assert len(launch_plan.tasks) == 12
+    for spec in launch_plan.tasks:
+        layout = spec.cfg.parallel
+        validate_train_config(spec.cfg, spec.cfg.model.vocab_size,
+                              gpus // (layout.tensor_parallel * layout.pipeline_parallel))
+        _check_slurm(spec.cfg)
+
+
+def test_deepseek_v3_671b_is_refused_by_the_layout_check_naming_the_layers():
+    """DeepSeek-V3 itself: 61 layers split over no pipeline of more than one stage evenly; the check says so."""
+    from megatron_kl.config import ConfigError, ParallelConfig
+
+    real = json.loads((ROOT / "tests" / "data" / "hf_configs" / "moonlight-16b-a3b.json").read_text())
+    v3 = hf.model_config_from_hf({**real, "num_hidden_layers": 61, "first_k_dense_replace": 3})
+    with pytest.raises(ConfigError, match="model.num_layers=61 must be divisible by parallel.pipeline_parallel"):
+        validate_parallel(v3, ParallelConfig(pipeline_parallel=8, expert_parallel=8), 64)
