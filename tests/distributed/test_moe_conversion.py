@@ -25,10 +25,10 @@ LAYOUTS.update({"tp2": (ParallelConfig(tensor_parallel=2), 2), "pp2": (ParallelC
                 "tp2xetp1": (ParallelConfig(tensor_parallel=2, expert_tensor_parallel=1), 2)})
 CASES = ([("qwen3_moe", layout) for layout in ("ep1", "ep2", "tp2xep2", "pp2xep2")]
          + [("qwen2_moe", "ep1"), ("qwen2_moe", "tp2xep2")]
-         + [("deepseek_v3", layout) for layout in ("ep1", "tp2", "ep2", "pp2", "pp2xep2")]
+         + [("deepseek_v3", layout) for layout in ("ep1", "tp2", "pp2xep2")]
          + [("deepseek_v3_plain", "ep1"), ("deepseek_v3_plain", "tp2xep2")]
-         + [("gpt_oss", layout) for layout in ("ep1", "tp2xetp1", "ep2", "pp2", "pp2xep2")]
-         + [("gpt_oss_every3", "ep1"), ("gpt_oss_every3", "ep2")])
+         + [("gpt_oss", layout) for layout in ("ep1", "tp2xetp1", "pp2xep2")]
+         + [("gpt_oss_every3", "ep1")])
 
 
 @pytest.fixture(scope="module")
@@ -63,19 +63,16 @@ def test_moe_config_derivation_and_refusals(moe_models, tmp_path):
 
 
 @pytest.mark.parametrize("family", ["deepseek_v3", "gpt_oss"])
-def test_convert_cli_round_trips_through_a_megatron_checkpoint(moe_models, tmp_path, family):
-    """`megatron-kl convert --hf` into a Megatron distributed checkpoint and back out: the score-correction bias (a
-    frozen parameter), the attention sinks and the fused experts come back bit for bit."""
-    import subprocess
-    import sys
-
+def test_round_trip_through_a_megatron_checkpoint(moe_models, tmp_path, family):
+    """What `megatron-kl convert --hf` then `--megatron` run (their ranks, here in process; the command line itself:
+    tests/distributed/test_hf_conversion.py): the score-correction bias (a frozen parameter), the attention sinks and
+    the fused experts go into a Megatron distributed checkpoint and come back bit for bit."""
+    from megatron_kl.models import convert
     from tests.distributed.test_hf_conversion import _safetensors
 
     megatron_dir, exported = tmp_path / "megatron", tmp_path / "hf_out"
-    for args in (("--hf", moe_models[family], "--out", megatron_dir), ("--megatron", megatron_dir, "--out", exported)):
-        done = subprocess.run([sys.executable, "-m", "megatron_kl.cli", "convert", *map(str, args)],
-                              capture_output=True, text=True, timeout=600)
-        assert done.returncode == 0, done.stderr[-3000:]
+    run_ranks(convert.import_worker, 1, str(moe_models[family]), str(megatron_dir), ParallelConfig())
+    run_ranks(convert.export_worker, 1, str(megatron_dir), str(exported))
     original, back = _safetensors(moe_models[family]), _safetensors(exported)
     assert set(back) == set(original)
     assert all(torch.equal(back[k], v) for k, v in original.items())

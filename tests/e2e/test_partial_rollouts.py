@@ -140,7 +140,8 @@ def test_training_with_partial_rollouts_on_sglang_servers(tmp_path, warm_cache):
                        f"rollout.sglang.server_module={TEST_SERVER}", f"rollout.sglang.port={server_port()}",
                        "rollout.sglang.extra_args=[--token-latency-s, '0.4', --long-every, '3']",
                        "rollout.sampling.max_new_tokens=12", "rollout.partial=true", "train.staleness=2", "train.steps=4",
-                       "kl.estimator=k3", "kl.placement=loss", "kl.off_policy=token_is")
+                       "kl.estimator=k3", "kl.placement=loss", "kl.off_policy=token_is",
+                       "task.eval_size=2", "eval.k=1", "eval.max_new_tokens=1")  # evaluation: not what is tested
     metrics = run_ranks(train_worker, 1, cfg, timeout_s=600)[0]["metrics"]
     steps = [m for m in metrics if "staleness/token_max" in m]
     assert [m["step"] for m in steps] == [0, 1, 2, 3]
