@@ -32,6 +32,7 @@ import torch
 
 from megatron_kl.config import ConfigError, ModelConfig, MoEConfig
 from megatron_kl.model_variants import MLAConfig, YarnConfig
+from megatron_kl.models.hf_rope import yarn_from_hf
 
 MODEL_TYPE = "deepseek_v3"
 HF_CLASS = "DeepseekV3ForCausalLM"
@@ -91,27 +92,11 @@ def to_hf(suffix: str, tensor: torch.Tensor, model: ModelConfig) -> torch.Tensor
 # ---------------------------------------------------------------------------------------------- configs
 
 def _yarn(rope: dict, max_positions: int) -> YarnConfig:
-    """model.yarn of HF rope parameters (rope_type default: none). HF's attention factor is mscale(f, mscale) /
-    mscale(f, mscale_all_dim) when both are set, else mscale(f, 1): megatron's formula with (mscale, 0) there."""
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type in ("default", None):
-        return YarnConfig()
-    if rope_type != "yarn":
-        raise ConfigError(f"config.json rope_type={rope_type!r}: DeepSeek-V3 is converted with default or yarn RoPE")
-    if rope.get("truncate", True) is False:
-        raise ConfigError("config.json rope truncate=false: megatron-core's YaRN rounds the correction range "
-                          "(truncate=true) only")
-    original = int(rope["original_max_position_embeddings"])
-    factor = float(rope.get("factor") or max_positions / original)
-    mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
-    if not (mscale and mscale_all_dim):
-        mscale, mscale_all_dim = 1.0, 0.0
-    if rope.get("attention_factor") is not None:
-        raise ConfigError("config.json rope attention_factor is set: megatron-core's YaRN derives it from factor, "
-                          "mscale and mscale_all_dim; remove it if it is their value")
-    return YarnConfig(factor=factor, original_max_position_embeddings=original,
-                      beta_fast=float(rope.get("beta_fast") or 32), beta_slow=float(rope.get("beta_slow") or 1),
-                      mscale=float(mscale), mscale_all_dim=float(mscale_all_dim))
+    yarn = yarn_from_hf(rope, max_positions, "DeepSeek-V3")
+    if not yarn.truncate:
+        raise ConfigError("config.json rope truncate=false: megatron-core's multi-latent attention rounds the YaRN "
+                          "correction range (truncate=true) only")
+    return yarn
 
 
 def _moe(hf: dict) -> MoEConfig:

@@ -28,7 +28,7 @@ from typing import Iterator, Optional
 import torch
 
 from megatron_kl.config import ConfigError, ModelConfig, MoEConfig
-from megatron_kl.model_variants import YarnConfig
+from megatron_kl.models.hf_rope import yarn_from_hf
 
 MODEL_TYPE = "gpt_oss"
 HF_CLASS = "GptOssForCausalLM"
@@ -127,24 +127,6 @@ def _window(hf: dict) -> tuple[Optional[int], Optional[int]]:
     return int(window), every
 
 
-def _yarn(rope: dict) -> YarnConfig:
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type in ("default", None):
-        return YarnConfig()
-    if rope_type != "yarn":
-        raise ConfigError(f"config.json rope_type={rope_type!r}: GPT-OSS is converted with default or yarn RoPE")
-    if rope.get("attention_factor") is not None:
-        raise ConfigError("config.json rope attention_factor is set: megatron-core derives it from the factor")
-    mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
-    if not (mscale and mscale_all_dim):
-        mscale, mscale_all_dim = 1.0, 0.0
-    return YarnConfig(factor=float(rope["factor"]),
-                      original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
-                      beta_fast=float(rope.get("beta_fast") or 32), beta_slow=float(rope.get("beta_slow") or 1),
-                      mscale=float(mscale), mscale_all_dim=float(mscale_all_dim),
-                      truncate=bool(rope.get("truncate", True)))
-
-
 def model_config_values(hf: dict, rope: dict) -> dict:
     """ModelConfig fields of a gpt_oss config.json (``rope``: its RoPE parameters, either style)."""
     if hf.get("quantization_config"):
@@ -165,7 +147,8 @@ def model_config_values(hf: dict, rope: dict) -> dict:
         ffn_hidden_size=hf["intermediate_size"], num_attention_heads=heads,
         num_query_groups=hf.get("num_key_value_heads") or heads, kv_channels=hf.get("head_dim") or hf["hidden_size"] // heads,
         vocab_size=hf["vocab_size"], max_position_embeddings=hf.get("max_position_embeddings", 4096),
-        rope_theta=float(rope.get("rope_theta", 150000.0)), yarn=_yarn(rope),
+        rope_theta=float(rope.get("rope_theta", 150000.0)),
+        yarn=yarn_from_hf(rope, hf.get("max_position_embeddings", 4096), "GPT-OSS"),
         norm_epsilon=hf.get("rms_norm_eps", 1e-5), tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         qkv_bias=True, qk_layernorm=False, attention_sinks=True, sliding_window=window, full_attention_every=every,
         linear_bias=True, glu_activation="quick_gelu", glu_up_offset=1.0,
