@@ -134,21 +134,25 @@ def check_completion(completion: "Completion", sampling: SamplingConfig, vocab_s
                                   "a finite value <= 0")
 
 
-def check_routing(completion: "Completion", num_layers: int, router_topk: int, num_experts: int, where: str) -> None:
+def check_routing(completion: "Completion", num_layers: int, router_topk: int, num_experts: int, where: str,
+                  dense_layers: int = 0) -> None:
     """A reported routing's shape ``[P + R - 1, num_layers, router_topk]`` and ids in [0, num_experts), each token's
-    top-k distinct; raises ``CorruptResponse`` naming the first bad position."""
+    top-k distinct; raises ``CorruptResponse`` naming the first bad position. The first ``dense_layers`` layers
+    have no router (``model.moe.first_dense_layers``): whatever a server writes there is not checked."""
     routing = completion.routed_experts
     expected = (completion.routed_positions, num_layers, router_topk)
     if routing is None or tuple(routing.shape) != expected:
         shape = None if routing is None else tuple(routing.shape)
         raise CorruptResponse(f"{where}: routed experts of shape {shape}, expected {expected} (prompt + response - 1 "
                               "positions, model.num_layers, model.moe.router_topk)")
-    bad = (routing < 0) | (routing >= num_experts)
-    if routing.shape[-1] > 1:
-        ordered = routing.sort(-1).values
+    routed = routing[:, dense_layers:]
+    bad = (routed < 0) | (routed >= num_experts)
+    if routed.shape[-1] > 1:
+        ordered = routed.sort(-1).values
         bad = bad | torch.nn.functional.pad(ordered[..., 1:] == ordered[..., :-1], (1, 0))
     if bool(bad.any()):
         position, layer, _ = (int(i) for i in bad.nonzero()[0])
+        layer += dense_layers
         raise CorruptResponse(f"{where}: routed experts at position {position}, layer {layer} are "
                               f"{routing[position, layer].tolist()}: not {router_topk} distinct ids in "
                               f"[0, model.moe.num_experts={num_experts})")

@@ -46,6 +46,7 @@ from typing import Optional, Sequence
 
 import requests
 
+from megatron_kl.models.routing_replay import UNKNOWN
 from megatron_kl.rollout.config import SGLangConfig
 from megatron_kl.rollout.engine import (FINISH_REASONS, PAUSED, Completion, SamplingConfig, check_completion,
                                        check_routing, checked_budgets)
@@ -127,17 +128,19 @@ def processed_logprobs(logprobs: list[float], token_ids: list[int], top: list, s
 @dataclass(frozen=True)
 class RoutingShape:
     """What a mixture-of-experts model's routing looks like: ``[tokens, num_layers, router_topk]`` ids in
-    [0, num_experts)."""
+    [0, num_experts), the first ``dense_layers`` layers without a router (their slots hold what the server wrote:
+    SGLang's zeros; read as unknown)."""
 
     num_layers: int
     router_topk: int
     num_experts: int
+    dense_layers: int = 0
 
     @classmethod
     def of(cls, model) -> Optional["RoutingShape"]:
         """The shape for a ModelConfig with mixture-of-experts layers (None for a dense model)."""
         moe = model.moe
-        return cls(model.num_layers, moe.router_topk, moe.num_experts) if moe.enabled else None
+        return cls(model.num_layers, moe.router_topk, moe.num_experts, moe.first_dense_layers) if moe.enabled else None
 
 
 def decode_routed_experts(value, shape: RoutingShape, completion: Completion, where: str):
@@ -160,7 +163,8 @@ def decode_routed_experts(value, shape: RoutingShape, completion: Completion, wh
                               f"tokens x {shape.num_layers} layers x top-{shape.router_topk} int32 ids")
     ids = np.frombuffer(raw, dtype="<i4").reshape(-1, shape.num_layers, shape.router_topk)
     completion.routed_experts = torch.from_numpy(ids.astype(np.int16))
-    check_routing(completion, shape.num_layers, shape.router_topk, shape.num_experts, where)
+    check_routing(completion, shape.num_layers, shape.router_topk, shape.num_experts, where, shape.dense_layers)
+    completion.routed_experts[:, :shape.dense_layers] = UNKNOWN
     return completion.routed_experts
 
 

@@ -87,12 +87,14 @@ def test_expert_parallel_run_logs_what_one_rank_logs(tmp_path, warm_cache, check
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_pipeline_parallel_run_logs_what_one_stage_logs(tmp_path, warm_cache, checkpoints, family):
+    """Rollouts from the SGLang test server with their routing (replayed), each stage replaying its layers'."""
     sglang = ["rollout.engine=sglang", f"rollout.sglang.server_module={TEST_SERVER}"]
     runs = {pp: _run(tmp_path / f"pp{pp}", warm_cache, family, checkpoints[family], pp,
-                     f"parallel.pipeline_parallel={pp}", *sglang, f"rollout.sglang.port={server_port()}")
-            for pp in (1, 2)}
+                     f"parallel.pipeline_parallel={pp}", *sglang, f"rollout.sglang.port={server_port()}",
+                     "model.moe.routing_replay=rollout") for pp in (1, 2)}
     for pp, records in runs.items():
         _check_step0(records, f"{family} PP={pp}")
+        assert records[0]["moe/routing_agreement"] == 1.0  # SGLang's wire format; DeepSeek's dense layer skipped
     assert_same_metrics(runs[1], runs[2], f"{family} PP=2 vs PP=1")
 
 

@@ -242,3 +242,21 @@ def test_completion_refuses_an_unknown_finish_reason_and_mismatched_logprobs():
     with pytest.raises(ValueError, match="1 response ids but 2 log-probs"):
         Completion([1, 2], [5], [-0.5, -0.1], "stop", 0)
     assert Completion([1, 2], [5, 7], [-0.5, -0.1], "length", 0).routed_positions == 3
+
+
+def test_sglang_routing_of_a_model_with_dense_first_layers_skips_their_slots():
+    """DeepSeek-V3's first layers have no router: SGLang leaves their slots as zeros (one expert twice in a top-k),
+    which are not refused and read as unknown; an impossible id in a routed layer still is, naming that layer."""
+    from megatron_kl.models.routing_replay import UNKNOWN
+    from megatron_kl.rollout.engine import SamplingConfig
+    from megatron_kl.rollout.http import CorruptResponse
+    from megatron_kl.rollout.sglang import RoutingShape, parse_generate
+
+    shape = RoutingShape(num_layers=3, router_topk=2, num_experts=8, dense_layers=1)
+    routed = torch.stack([torch.randperm(8, generator=torch.Generator().manual_seed(i))[:2] for i in range(8)])
+    ids = torch.cat([torch.zeros(4, 1, 2, dtype=torch.long), routed.view(4, 2, 2)], dim=1)
+    ok = parse_generate(_routed_body(ids), [1, 2], 3, "http://s:1 prompt 0", SamplingConfig(), 50, routing=shape)
+    assert (ok.routed_experts[:, 0] == UNKNOWN).all() and torch.equal(ok.routed_experts[:, 1:].long(), ids[:, 1:])
+    ids[2, 2, 1] = 9
+    with pytest.raises(CorruptResponse, match="position 2, layer 2 are"):
+        parse_generate(_routed_body(ids), [1, 2], 3, "http://s:1 prompt 0", SamplingConfig(), 50, routing=shape)
