@@ -4,8 +4,9 @@ the key and the reason."""
 
 from __future__ import annotations
 
-from megatron_kl.config import ConfigError, ModelConfig, MoEConfig
+from megatron_kl.config import ConfigError, ModelConfig, MoEConfig, YarnConfig
 from megatron_kl.models import hf_deepseek, hf_gpt_oss
+from megatron_kl.models.hf_rope import yarn_from_hf, yarn_to_hf
 
 # HF model_type -> ModelConfig.architecture (the *_moe types: the same attention, mixture-of-experts MLPs)
 FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen2_moe": "qwen2", "qwen3_moe": "qwen3",
@@ -55,15 +56,17 @@ def model_config_from_hf(hf: dict, **overrides) -> ModelConfig:
     if model_type == "llama" and hf.get("attention_bias"):
         raise ConfigError("config.json attention_bias=true (an o_proj bias) is not supported; Llama-3.x has none")
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    scaling = None
-    if rope_type == "llama3":
+    scaling, yarn = None, YarnConfig()
+    if rope_type == "yarn":  # Qwen2.5 / Qwen3 long context
+        yarn = yarn_from_hf(rope, hf.get("max_position_embeddings", 4096), model_type)
+    elif rope_type == "llama3":
         for key, fixed in LLAMA3_ROPE_FIXED.items():
             if key in rope and float(rope[key]) != fixed:
                 raise ConfigError(f"config.json rope {key}={rope[key]}: megatron-core's llama3 RoPE scaling fixes it "
                                   f"to {fixed}")
         scaling = float(rope["factor"])
     elif rope_type not in ("default", None):
-        raise ConfigError(f"config.json rope_type={rope_type!r} is not supported (default or llama3)")
+        raise ConfigError(f"config.json rope_type={rope_type!r} is not supported (default, llama3 or yarn)")
     heads = hf["num_attention_heads"]
     moe = _moe_from_hf(hf) if model_type.endswith("_moe") else MoEConfig()
     values = dict(
@@ -78,6 +81,7 @@ def model_config_from_hf(hf: dict, **overrides) -> ModelConfig:
         max_position_embeddings=hf.get("max_position_embeddings", 4096),
         rope_theta=float(rope.get("rope_theta", 10000.0)),
         rope_scaling_factor=scaling,
+        yarn=yarn,
         norm_epsilon=hf.get("rms_norm_eps", 1e-6),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         qkv_bias=True if model_type in ("qwen2", "qwen2_moe") else bool(hf.get("attention_bias", False)),
@@ -135,13 +139,15 @@ def hf_config_from_model(model: ModelConfig, dtype: str = "bfloat16") -> dict:
     rope = {"rope_type": "default", "rope_theta": m.rope_theta}
     if m.rope_scaling_factor is not None:
         rope = {"rope_type": "llama3", "factor": m.rope_scaling_factor, "rope_theta": m.rope_theta, **LLAMA3_ROPE_FIXED}
+    elif m.yarn.enabled:
+        rope = yarn_to_hf(m.yarn, m.rope_theta)
     config = {
         "architectures": [HF_ARCHITECTURE_CLASS[family]], "model_type": family, "hidden_act": "silu",
         "hidden_size": m.hidden_size, "intermediate_size": m.ffn_hidden_size, "num_hidden_layers": m.num_layers,
         "num_attention_heads": m.num_attention_heads, "num_key_value_heads": m.num_query_groups,
         "head_dim": m.kv_channels, "vocab_size": m.vocab_size, "max_position_embeddings": m.max_position_embeddings,
         "rms_norm_eps": m.norm_epsilon, "tie_word_embeddings": m.tie_word_embeddings, "rope_theta": m.rope_theta,
-        "rope_scaling": None if m.rope_scaling_factor is None else {k: v for k, v in rope.items() if k != "rope_theta"},
+        "rope_scaling": None if rope["rope_type"] == "default" else {k: v for k, v in rope.items() if k != "rope_theta"},
         "torch_dtype": dtype, "dtype": dtype,
     }
     if family == "llama":

@@ -32,7 +32,7 @@ import torch
 
 from megatron_kl.config import ConfigError, ModelConfig, MoEConfig
 from megatron_kl.model_variants import MLAConfig, YarnConfig
-from megatron_kl.models.hf_rope import yarn_from_hf
+from megatron_kl.models.hf_rope import yarn_from_hf, yarn_to_hf
 
 MODEL_TYPE = "deepseek_v3"
 HF_CLASS = "DeepseekV3ForCausalLM"
@@ -146,12 +146,7 @@ def model_config_values(hf: dict, rope: dict) -> dict:
 def hf_config(m: ModelConfig, dtype: str) -> dict:
     """A deepseek_v3 config.json for a resolved ``m``."""
     mla, moe, yarn = m.mla, m.moe, m.yarn
-    rope = {"rope_type": "default", "rope_theta": m.rope_theta}
-    if yarn.enabled:
-        rope = {"rope_type": "yarn", "rope_theta": m.rope_theta, "factor": yarn.factor,
-                "original_max_position_embeddings": yarn.original_max_position_embeddings,
-                "beta_fast": yarn.beta_fast, "beta_slow": yarn.beta_slow, "mscale": yarn.mscale,
-                "mscale_all_dim": yarn.mscale_all_dim}
+    rope = yarn_to_hf(yarn, m.rope_theta) if yarn.enabled else {"rope_type": "default", "rope_theta": m.rope_theta}
     if moe.enabled and (moe.score_function != "sigmoid" or not moe.expert_bias or moe.shared_expert_gate
                         and moe.shared_expert_ffn_hidden_size):
         raise ConfigError("model.architecture=deepseek_v3 has an HF format with model.moe.score_function=sigmoid, "

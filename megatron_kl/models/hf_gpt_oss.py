@@ -28,7 +28,7 @@ from typing import Iterator, Optional
 import torch
 
 from megatron_kl.config import ConfigError, ModelConfig, MoEConfig
-from megatron_kl.models.hf_rope import yarn_from_hf
+from megatron_kl.models.hf_rope import yarn_from_hf, yarn_to_hf
 
 MODEL_TYPE = "gpt_oss"
 HF_CLASS = "GptOssForCausalLM"
@@ -165,11 +165,7 @@ def hf_config(m: ModelConfig, dtype: str) -> dict:
             and m.glu_up_offset == 1.0 and m.glu_clamp is not None and m.moe.enabled and m.moe.normalize_topk):
         raise ConfigError("model.architecture=gpt_oss has an HF format with attention_sinks, linear_bias, qkv_bias, "
                           "glu_activation=quick_gelu, glu_up_offset=1, a glu_clamp and a mixture-of-experts MLP only")
-    rope = {"rope_type": "default", "rope_theta": m.rope_theta}
-    if m.yarn.enabled:
-        rope = {"rope_type": "yarn", "rope_theta": m.rope_theta, "factor": m.yarn.factor,
-                "original_max_position_embeddings": m.yarn.original_max_position_embeddings,
-                "beta_fast": m.yarn.beta_fast, "beta_slow": m.yarn.beta_slow, "truncate": m.yarn.truncate}
+    rope = yarn_to_hf(m.yarn, m.rope_theta) if m.yarn.enabled else {"rope_type": "default", "rope_theta": m.rope_theta}
     every = m.full_attention_every
     types = ["sliding_attention" if m.sliding_window is not None and (every is None or (i + 1) % every) else
              "full_attention" for i in range(m.num_layers)]

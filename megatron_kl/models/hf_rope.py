@@ -28,3 +28,11 @@ def yarn_from_hf(rope: dict, max_positions: int, family: str) -> YarnConfig:
                       beta_fast=float(rope.get("beta_fast") or 32), beta_slow=float(rope.get("beta_slow") or 1),
                       mscale=float(mscale), mscale_all_dim=float(mscale_all_dim),
                       truncate=bool(rope.get("truncate", True)))
+
+
+def yarn_to_hf(yarn: YarnConfig, rope_theta: float) -> dict:
+    """The HF rope parameters of ``model.yarn`` (what :func:`yarn_from_hf` reads back)."""
+    return {"rope_type": "yarn", "rope_theta": rope_theta, "factor": yarn.factor,
+            "original_max_position_embeddings": yarn.original_max_position_embeddings, "beta_fast": yarn.beta_fast,
+            "beta_slow": yarn.beta_slow, "mscale": yarn.mscale, "mscale_all_dim": yarn.mscale_all_dim,
+            "truncate": yarn.truncate}

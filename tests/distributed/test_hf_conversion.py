@@ -146,3 +146,27 @@ def test_convert_cli_import_tp2_export_round_trip(hf_models, tmp_path):
     bad.write_text("model:\n  architecture: qwen2\n  num_layers: 2\n  hidden_size: 64\n")
     done = cli("--hf", str(source), "--out", str(tmp_path / "x"), "--config", str(bad))
     assert done.returncode == 2 and "model.num_layers=2" in done.stderr
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_qwen3_with_yarn_context_scaling_matches_hf(tmp_path, world):
+    """Qwen3's long-context recipe (rope_scaling yarn: here factor 4 over 8 original positions, so the 12 tokens
+    reach past them) converts to model.yarn: logits equal transformers' at TP 1 and 2, the export bit-exact."""
+    from megatron_kl.config import ParallelConfig
+    from megatron_kl.testing.distributed import run_ranks
+    from tests.distributed.hf_workers import convert_worker, hf_logits
+
+    FAMILIES["qwen3_yarn"] = {**FAMILIES["qwen3"], "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                                                     "original_max_position_embeddings": 8}}
+    try:
+        source = make_hf_model("qwen3_yarn", tmp_path / "qwen3_yarn", seed=7)
+    finally:
+        FAMILIES.pop("qwen3_yarn")
+    model = hf.HFCheckpoint(source).model_config()
+    assert model.yarn.factor == 4.0 and model.yarn.original_max_position_embeddings == 8
+    tokens = _tokens()
+    outs = run_ranks(convert_worker, world, str(source), ParallelConfig(tensor_parallel=world), tokens,
+                     tmp_path / "export")
+    assert_logits_match(outs, hf_logits(source, tokens), f"qwen3 yarn TP={world}")
+    assert_bit_exact_export(source, tmp_path / "export")
+    hf.check_model_config(hf.model_config_from_hf(hf.hf_config_from_model(model)), model)
