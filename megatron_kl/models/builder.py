@@ -35,7 +35,7 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, flash_decod
 
     model = model.resolved()
     dtype = _DTYPES[model.params_dtype]
-    config_class, attention = TransformerConfig, gpt_oss_fields(model)
+    config_class, attention = TransformerConfig, block_variant_fields(model)
     if model.multi_latent_attention:
         config_class, attention = MLATransformerConfig, {**attention, **mla_transformer_fields(model)}
     elif model.yarn.enabled:
@@ -89,9 +89,9 @@ def _quick_gelu():
     return quick_gelu
 
 
-def gpt_oss_fields(model: ModelConfig) -> dict:
-    """TransformerConfig fields of the attention sinks, sliding windows and the clamped GLU (any that are set), and
-    of YaRN without multi-latent attention (GPTModel reads them from the config; the concentration factor
+def block_variant_fields(model: ModelConfig) -> dict:
+    """TransformerConfig fields of the attention sinks, sliding windows and the clamped GLU (GPT-OSS; any that are
+    set), and of YaRN without multi-latent attention (GPT-OSS, Qwen long context) (GPTModel reads them from the config; the concentration factor
     mscale(f, mscale) / mscale(f, mscale_all_dim) multiplies cos and sin in the attention)."""
     fields = {}
     if model.attention_sinks:
@@ -313,7 +313,7 @@ def frozen_expert_bias(gpt) -> None:
     that takes no gradient, so it travels with the weights wherever they go (full state, HF export, checkpoints,
     the rollout engine's weight sync) while no optimizer updates it; megatron's router reads it as before."""
     for module in gpt.modules():
-        bias = module._buffers.get("expert_bias") if hasattr(module, "_buffers") else None
+        bias = module._buffers.get("expert_bias")
         if bias is not None:
             del module._buffers["expert_bias"]
             module.expert_bias = torch.nn.Parameter(bias, requires_grad=False)

@@ -44,7 +44,7 @@ from typing import Iterable, Iterator, Mapping, Optional
 
 import torch
 
-from megatron_kl.config import ConfigError, ModelConfig
+from megatron_kl.config import ConfigError, ModelConfig  # noqa: F401 - ConfigError: part of this module's API
 from megatron_kl.models import hf_deepseek, hf_gpt_oss
 from megatron_kl.models.hf_checkpoint import HFCheckpoint, HFCheckpointError  # noqa: F401 - this module's API
 from megatron_kl.models.hf_config import (FAMILIES, FAMILY_MAPPINGS, HF_ARCHITECTURE_CLASS,  # noqa: F401
@@ -129,8 +129,9 @@ def _qkv_split(qkv, model: ModelConfig) -> list[torch.Tensor]:
 
 def to_megatron(megatron_name: str, tensors: list[torch.Tensor], model: ModelConfig) -> torch.Tensor:
     """The full-layout Megatron tensor from its HF tensors (``hf_names`` order)."""
-    if model.multi_latent_attention and _LAYER.match(megatron_name):
-        tensors = [hf_deepseek.to_megatron(_LAYER.match(megatron_name).group(2), t, model) for t in tensors]
+    layer = _LAYER.match(megatron_name)
+    if model.multi_latent_attention and layer:
+        tensors = [hf_deepseek.to_megatron(layer.group(2), t, model) for t in tensors]
     if ".linear_qkv." in megatron_name and not megatron_name.endswith("layer_norm_weight"):
         return _qkv_merge(*tensors, groups=model.resolved().num_query_groups)
     if megatron_name.endswith("linear_fc1.weight"):  # a SwiGLU [gate; up]: dense, routed or shared expert
@@ -141,8 +142,9 @@ def to_megatron(megatron_name: str, tensors: list[torch.Tensor], model: ModelCon
 def to_hf(megatron_name: str, tensor: torch.Tensor, model: ModelConfig) -> dict[str, torch.Tensor]:
     """Inverse of :func:`to_megatron`: HF name -> tensor (GPT-OSS's experts go through :func:`to_hf_stream`)."""
     names = hf_names(megatron_name, model)
-    if model.multi_latent_attention and _LAYER.match(megatron_name):
-        tensor = hf_deepseek.to_hf(_LAYER.match(megatron_name).group(2), tensor, model)
+    layer = _LAYER.match(megatron_name)
+    if model.multi_latent_attention and layer:
+        tensor = hf_deepseek.to_hf(layer.group(2), tensor, model)
     if len(names) == 3:
         return dict(zip(names, _qkv_split(tensor, model)))
     if len(names) == 2:
