@@ -10,9 +10,9 @@ setup(
     # recipes find them in an installed package too
     packages=find_packages(include=["megatron_kl", "megatron_kl.*"]) + ["megatron_kl.configs"],
     package_dir={"megatron_kl.configs": "configs"},
-    # the C source of the CPU top-p search is compiled on first use (megatron_kl/kl/kernels/native.py)
+    # the C source of the CPU top-p search is compiled on first use (megatron_kl/vocab_parallel/native.py)
     # and the shipped warm starts (megatron_kl/train/shipped_warmstart.py)
-    package_data={"megatron_kl.configs": ["*/*.yaml", "study/published/*.json"], "megatron_kl.kl.kernels": ["*.c"],
+    package_data={"megatron_kl.configs": ["*/*.yaml", "study/published/*.json"], "megatron_kl.vocab_parallel": ["*.c"],
                   "megatron_kl.data": ["warm_starts/*.json", "warm_starts/*.safetensors"]},
     install_requires=[
         # A range, so GPU clusters keep their container's torch; CPU installs pin 2.13.0 via constraints-cpu.txt.
@@ -32,7 +32,7 @@ setup(
     ],
     extras_require={
         # setuptools >= 70.1 builds wheels itself: tests/e2e/test_installed_package.py builds one without isolation
-        "test": ["pytest>=8", "hypothesis>=6", "setuptools>=70.1"],
+        "test": ["pytest>=8", "hypothesis>=6", "setuptools>=70.1", "ruff==0.16.9"],
         # the GPU kernels (Triton); on CPU their tests run them through Triton's interpreter (CPU installs pin the
         # version in constraints-cpu.txt; GPU images keep the triton their torch came with)
         "kernels": ["triton>=3.6"],

@@ -10,7 +10,7 @@ import sys
 
 from clusters import CLUSTERS
 
-from megatron_kl.launch.validate import main
+from megatron_kl.launch.node_check import main
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:], CLUSTERS, prog="launch/validate.py"))

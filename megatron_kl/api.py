@@ -79,8 +79,9 @@ def trainer(cfg: TrainConfig) -> Iterator["Trainer"]:  # noqa: F821 - megatron_k
         parallel.destroy()
 
 
-def train(cfg: TrainConfig) -> dict:
-    """The whole run, as ``megatron-kl train`` runs it; its summary (output paths, the evaluations before and after)."""
+def train(cfg: TrainConfig) -> "RunSummary":  # noqa: F821 - megatron_kl.run.summary.RunSummary
+    """The whole run, as ``megatron-kl train`` runs it; its :class:`~megatron_kl.run.summary.RunSummary` (output
+    paths, the evaluations before and after: ``summary.eval_after["eval/id/pass@1"]``)."""
     from megatron_kl.models import parallel
     from megatron_kl.train.cli import single_process_env
     from megatron_kl.train.loop import train as run

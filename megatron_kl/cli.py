@@ -21,7 +21,7 @@ COMMANDS = {
                "description (config show)"),
     "launch": ("megatron_kl.launch.cli", "NeMo-Run: local torchrun or Slurm; status and logs of an experiment"),
     "convert": ("megatron_kl.models.convert", "HF <-> Megatron checkpoints"),
-    "validate": ("megatron_kl.launch.validate", "one-command node check"),
+    "validate": ("megatron_kl.launch.node_check", "one-command node check"),
 }
 
 

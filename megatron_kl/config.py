@@ -19,19 +19,63 @@ from megatron_kl.constraints import ConfigError, checked, constraint_of
 from megatron_kl.model_variants import (MOE_DISPATCHERS, ROUTER_SCORES, ROUTING_REPLAY, MLAConfig,  # noqa: F401
                                         MoEConfig, YarnConfig, validate_moe)
 from megatron_kl.redaction import REDACTED, redact_config  # noqa: F401 - REDACTED: part of this API
+from megatron_kl.registry import Registry
 
 
-# Per-architecture defaults for the fields left as None in ModelConfig.
-ARCHITECTURES: dict[str, dict[str, Any]] = {
-    "llama": {"qkv_bias": False, "qk_layernorm": False, "rope_theta": 500000.0},
-    "qwen2": {"qkv_bias": True, "qk_layernorm": False, "rope_theta": 1000000.0},
-    "qwen3": {"qkv_bias": False, "qk_layernorm": True, "rope_theta": 1000000.0},
-    # multi-latent attention (model.mla), its latents RMS-normalised (qk_layernorm); MoE with model.moe
-    "deepseek_v3": {"qkv_bias": False, "qk_layernorm": True, "rope_theta": 10000.0},
-    # attention sinks, sliding and full layers, biases everywhere, the clamped GLU (set by the fields below)
-    "gpt_oss": {"qkv_bias": True, "qk_layernorm": False, "rope_theta": 150000.0},
-}
-MLA_ARCHITECTURES = ("deepseek_v3",)
+@dataclass(frozen=True)
+class ModelFamily:
+    """A model family (``model.architecture``): what its name fills in and how it maps to HF.
+
+    ``defaults``: values for the ModelConfig fields left None (qkv_bias, qk_layernorm, rope_theta);
+    ``multi_latent_attention``: DeepSeek-V3's attention (``model.mla``); ``hf_classes``: each HF ``model_type`` that is
+    this family and the ``architectures`` class config.json names for it (the first: the dense model, ``*_moe``: its
+    mixture-of-experts variant); ``hf_mapping``: the module (or object) that maps config.json and tensors where the
+    family's differ from Llama's - ``model_config_values(hf, rope)``, ``hf_config(model, dtype)``,
+    ``layer_hf_names(suffix)``, ``to_megatron`` / ``to_hf`` (models/hf_deepseek.py is the example); None: Llama's
+    names. ``layer_spec(model, spec, dense) -> spec``: a seam to change the megatron-core layer spec the builder made
+    (swap a submodule: models/builder.layer_spec), None to keep it. Built-ins below; a family from outside the
+    package is ``MODEL_FAMILIES.register(...)`` or ``model.architecture: package.module:FAMILY``."""
+
+    name: str
+    defaults: dict = field(default_factory=dict)
+    multi_latent_attention: bool = False
+    hf_classes: dict = field(default_factory=dict)
+    hf_mapping: Any = None
+    layer_spec: Any = None
+    description: str = ""
+
+    def mapping(self):
+        """The HF mapping module (imported by name on first use), or None for Llama's names."""
+        if isinstance(self.hf_mapping, str):
+            import importlib
+
+            return importlib.import_module(self.hf_mapping)
+        return self.hf_mapping
+
+
+MODEL_FAMILIES: Registry[ModelFamily] = Registry("model family", ModelFamily)
+for _family in (
+        ModelFamily("llama", {"qkv_bias": False, "qk_layernorm": False, "rope_theta": 500000.0},
+                    hf_classes={"llama": "LlamaForCausalLM"}, description="Llama-3.x"),
+        ModelFamily("qwen2", {"qkv_bias": True, "qk_layernorm": False, "rope_theta": 1000000.0},
+                    hf_classes={"qwen2": "Qwen2ForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"},
+                    description="Qwen2 / Qwen2.5 and Qwen2-MoE"),
+        ModelFamily("qwen3", {"qkv_bias": False, "qk_layernorm": True, "rope_theta": 1000000.0},
+                    hf_classes={"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"},
+                    description="Qwen3 and Qwen3-MoE"),
+        # multi-latent attention (model.mla), its latents RMS-normalised (qk_layernorm); MoE with model.moe
+        ModelFamily("deepseek_v3", {"qkv_bias": False, "qk_layernorm": True, "rope_theta": 10000.0},
+                    multi_latent_attention=True, hf_classes={"deepseek_v3": "DeepseekV3ForCausalLM"},
+                    hf_mapping="megatron_kl.models.hf_deepseek", description="DeepSeek-V3 / Moonlight / Kimi"),
+        # attention sinks, sliding and full layers, biases everywhere, the clamped GLU (set by the fields below)
+        ModelFamily("gpt_oss", {"qkv_bias": True, "qk_layernorm": False, "rope_theta": 150000.0},
+                    hf_classes={"gpt_oss": "GptOssForCausalLM"}, hf_mapping="megatron_kl.models.hf_gpt_oss",
+                    description="GPT-OSS")):
+    MODEL_FAMILIES.register(_family)
+
+
+def model_family(name: str) -> ModelFamily:
+    return MODEL_FAMILIES.get(name, "model.architecture")
 
 DTYPES = ("float32", "bfloat16", "float16")
 GLU_ACTIVATIONS = ("silu", "quick_gelu")
@@ -48,7 +92,8 @@ class ModelConfig:
     """A decoder-only transformer in the Llama / Qwen2 / Qwen3 family (RMSNorm, SwiGLU, GQA, RoPE), dense or
     with mixture-of-experts MLPs (``moe``), or DeepSeek-V3 (multi-latent attention: ``mla``)."""
 
-    architecture: str = checked("qwen2", choices=tuple(ARCHITECTURES))
+    # llama | qwen2 | qwen3 | deepseek_v3 | gpt_oss | a registered family (MODEL_FAMILIES) | package.module:FAMILY
+    architecture: str = checked("qwen2", choices=MODEL_FAMILIES)
     num_layers: int = checked(2, ge=1)
     hidden_size: int = checked(64, ge=1)
     ffn_hidden_size: int = checked(128, ge=1)
@@ -111,12 +156,12 @@ class ModelConfig:
 
     @property
     def multi_latent_attention(self) -> bool:
-        return self.architecture in MLA_ARCHITECTURES
+        return model_family(self.architecture).multi_latent_attention
 
     def resolved(self) -> "ModelConfig":
         """A copy with the architecture defaults filled in for fields left as None."""
         validate_model(self)
-        preset = ARCHITECTURES[self.architecture]
+        preset = model_family(self.architecture).defaults
         values = {k: (preset[k] if getattr(self, k) is None else getattr(self, k)) for k in preset}
         if self.multi_latent_attention:
             values["kv_channels"] = self.mla.v_head_dim  # megatron's core attention sizes its output by it
@@ -147,7 +192,7 @@ class ParallelConfig:
     expert_tensor_parallel: Optional[int] = checked(None, ge=1)
     # one timeout for every process group (torch.distributed's default group, megatron's TP/PP/DP groups,
     # the rollout engine's gloo group): a hung rank ends the job after this long instead of 30 min or never
-    distributed_timeout_s: float = checked(1800.0, ge=10, fix="process groups need seconds to form: give at least 10")
+    distributed_timeout_s: float = checked(1800.0, resumable=True, ge=10, fix="process groups need seconds to form: give at least 10")
 
     @property
     def sequence_multiple(self) -> int:
@@ -171,11 +216,7 @@ def validate_model(model: ModelConfig) -> None:
         raise ConfigError(f"model.rms_norm={model.rms_norm!r} is unknown; use 'auto', 'lean' or 'torch'")
     if model.recompute not in ("none", "full"):
         raise ConfigError(f"model.recompute={model.recompute!r} is unknown; use 'none' or 'full'")
-    if model.architecture not in ARCHITECTURES:
-        raise ConfigError(
-            f"model.architecture={model.architecture!r} is unknown; "
-            f"use one of {sorted(ARCHITECTURES)}"
-        )
+    model_family(model.architecture)  # registered (or loadable), else a ConfigError naming the field
     for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
                  "num_query_groups", "vocab_size", "max_position_embeddings",
                  "make_vocab_size_divisible_by"):

@@ -70,7 +70,8 @@ class Constraint:
     def describe(self) -> str:
         """What the field may hold, in words (``config show``)."""
         if self.choices is not None:
-            return "one of " + ", ".join(str(c) for c in self.choices)
+            plugins = ", or package.module:ATTR" if hasattr(self.choices, "resolve_error") else ""
+            return "one of " + ", ".join(str(c) for c in self.choices) + plugins
         if self.path is not None:
             return {"file": "an existing file", "dir": "an existing directory",
                     "writable": "a directory this process can create or write"}[self.path]
@@ -98,6 +99,8 @@ class Constraint:
                     return f"must be {self.describe().removeprefix('finite, ')}"
             return None
         if isinstance(value, str):
+            if hasattr(self.choices, "resolve_error"):  # a registry (megatron_kl.registry): names and module:ATTR
+                return self.choices.resolve_error(value)
             if self.choices is not None and value not in self.choices:
                 return f"must be one of {list(self.choices)}"
             if (self.nonempty or self.path is not None) and not value.strip():
@@ -134,10 +137,18 @@ def _path_violation(value: str, kind: str) -> Optional[str]:
     return None
 
 
+RESUMABLE = "megatron_kl.resumable"
+
+
 def checked(default: Any = dataclasses.MISSING, *, default_factory: Any = dataclasses.MISSING,
-            **constraint) -> Any:
-    """A dataclass field carrying its :class:`Constraint` (keyword arguments as Constraint's)."""
-    metadata = {KEY: Constraint(**constraint)}
+            resumable: bool = False, **constraint) -> Any:
+    """A dataclass field carrying its :class:`Constraint` (keyword arguments as Constraint's). ``resumable``: the
+    field may change between the starts of one run without changing what it computes (where outputs go, how they
+    are logged, timeouts, where servers are; on a section: every field in it) - it is not part of the run's
+    identity (run/identity_fields.py derives the list from these marks)."""
+    metadata: dict = {KEY: Constraint(**constraint)} if constraint or not resumable else {}
+    if resumable:
+        metadata[RESUMABLE] = True
     if default_factory is not dataclasses.MISSING:
         return dataclasses.field(default_factory=default_factory, metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
@@ -145,3 +156,40 @@ def checked(default: Any = dataclasses.MISSING, *, default_factory: Any = datacl
 
 def constraint_of(field: dataclasses.Field) -> Optional[Constraint]:
     return field.metadata.get(KEY)
+
+
+def resumable_paths(cls, prefix: str = "") -> list[str]:
+    """The dotted paths of ``cls``'s fields marked ``resumable`` (a marked section as ``section.``), nested sections
+    walked."""
+    import typing
+
+    hints = typing.get_type_hints(cls)
+    out = []
+    for item in dataclasses.fields(cls):
+        hint = hints[item.name]
+        section = dataclasses.is_dataclass(hint)
+        if item.metadata.get(RESUMABLE):
+            out.append(f"{prefix}{item.name}" + ("." if section else ""))
+        elif section:
+            out.extend(resumable_paths(hint, f"{prefix}{item.name}."))
+    return out
+
+
+def check_declared(obj, prefix: Optional[str] = None) -> None:
+    """Each field's declared constraint on a dataclass built in Python (``KLConfig(estimator="k5")``): the same
+    rule ``from_dict`` applies to YAML, so a library dataclass's ``__post_init__`` holds only its cross-field rules.
+    Raises ConfigError naming ``prefix + field`` (default ``Class.``: ``from_dict`` has checked YAML values already,
+    so this names a value given in Python). Paths are not checked here (they are where a config is loaded for this
+    machine)."""
+    prefix = f"{type(obj).__name__}." if prefix is None else prefix
+    for item in dataclasses.fields(obj):
+        rule = constraint_of(item)
+        if rule is None:
+            continue
+        value = getattr(obj, item.name)
+        if rule.path is not None:
+            continue
+        why = rule.violation(value)
+        if why:
+            shown = repr(value) if isinstance(value, str) else value
+            raise ConfigError(f"{prefix}{item.name}={shown} {why}" + (f"; {rule.fix}" if rule.fix else ""))

@@ -1,6 +1,6 @@
 """Configuration of the model variants beyond the dense Llama / Qwen block: mixture-of-experts MLPs and their
 routers (``model.moe``), multi-latent attention (``model.mla``: DeepSeek-V2/V3) and YaRN RoPE scaling
-(``model.yarn``). ``model.architecture`` says which family uses which (``megatron_kl.config.ARCHITECTURES``).
+(``model.yarn``). ``model.architecture`` says which family uses which (``megatron_kl.config.MODEL_FAMILIES``).
 """
 
 from __future__ import annotations

@@ -89,7 +89,7 @@ for name in ('triton', 'liger_kernel', 'transformer_engine'):
         print(name, getattr(module, '__version__', 'installed'))
     except ImportError:
         print(name + ': not installed')
-from megatron_kl.kl.kernels import triton_stats
+from megatron_kl.vocab_parallel import triton_stats
 print(triton_stats.describe(torch.device('cuda' if torch.cuda.is_available() else 'cpu')))
 EOF"
 # 2. the kernels on CUDA tensors against the float64 references (the tests the interpreter runs on CPU), in parallel:

@@ -47,6 +47,7 @@ FAST = (
     "tests/e2e/test_step0_gates.py::test_step_0_policy_equals_reference_and_rollout[embedded-tp2]",
     "tests/e2e/test_train.py::test_bad_config_values_fail_with_the_field_named",
     "tests/e2e/test_trainer.py",
+    "tests/e2e/test_extensions.py",
     "tests/e2e/test_family_training.py::test_expert_parallel_run_logs_what_one_rank_logs",
     "tests/e2e/test_train.py::test_a_bad_config_value_exits_2_before_anything_starts",
     "tests/e2e/test_partial_rollouts.py::test_a_paused_generation_resumes_with_the_new_weights_token_for_token[1]",

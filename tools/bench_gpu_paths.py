@@ -21,7 +21,7 @@ TEMPERATURE = 1.0
 @contextlib.contextmanager
 def _path(triton: bool):
     """The statistics path for the duration of a run (``MEGATRON_KL_TRITON`` is read at every call)."""
-    from megatron_kl.kl.kernels import triton_stats
+    from megatron_kl.vocab_parallel import triton_stats
 
     before = os.environ.get(triton_stats.ENV)
     os.environ[triton_stats.ENV] = "1" if triton else "0"
@@ -46,7 +46,7 @@ def logits_paths(logits, reference, targets) -> dict:
     """name -> (prepare, floor bytes) on logits of any dtype (the baseline: ``megatron_core_logprobs``)."""
     import torch
 
-    from megatron_kl.kl.kernels.vocab_parallel import fused_stats
+    from megatron_kl.vocab_parallel.stats import fused_stats
 
     unit = logits.numel() * logits.element_size()
 
@@ -108,8 +108,8 @@ def linear_paths(hidden, weight, reference_weight, targets) -> dict:
     dominate); the baseline ``liger_flce_logprobs`` where Liger is installed, else ``unfused_logprobs_entropy``."""
     import torch
 
-    from megatron_kl.kl.kernels.fused_linear import fused_linear_stats
-    from megatron_kl.kl.kernels.vocab_parallel import fused_stats
+    from megatron_kl.vocab_parallel.fused_linear import fused_linear_stats
+    from megatron_kl.vocab_parallel.stats import fused_stats
 
     def liger_flce():
         loss = _liger().LigerFusedLinearCrossEntropyLoss(reduction="sum")

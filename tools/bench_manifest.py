@@ -1,5 +1,5 @@
 """The cost of a checkpoint's manifest: SHA-256 of every file once when it is written and once before it is
-loaded (megatron_kl/train/manifest.py). Writes a file of ``--mib`` random MiB, then times
+loaded (megatron_kl/run/manifest.py). Writes a file of ``--mib`` random MiB, then times
 ``manifest.sha256_of`` over it (``--repeats``, min and median) and, as the baseline measured in the same
 run, a plain read of the same file (the I/O a load does anyway). Prints seconds per GB and the ratio.
 
@@ -15,7 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from megatron_kl.train.manifest import sha256_of
+from megatron_kl.run.manifest import sha256_of
 
 
 def _read(path: Path) -> None:

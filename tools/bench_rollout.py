@@ -117,7 +117,7 @@ def worker_sglang_test(args) -> dict:
     from megatron_kl.rollout.config import SGLangConfig
     from megatron_kl.rollout.sglang import SGLangEngine
     from megatron_kl.rollout.servers import server_port
-    from megatron_kl.rollout.weight_sync import FromDisk, FromTensor
+    from megatron_kl.rollout.sglang_sync import FromDisk, FromTensor
 
     cfg = SGLangConfig(port=server_port(), sync_dir=str(Path(args.work) / "sync"),
                        server_module="megatron_kl.testing.sglang_server", max_concurrency=16)

@@ -4,7 +4,7 @@ Sections, each against baselines measured in the same run:
 
 * ``logits`` (input: the vocab-sharded logits, fp32, forward + backward), at TP=1 and TP=2 (gloo ranks):
   megatron-core's ``vocab_parallel_cross_entropy`` (the baseline: log-probs = -loss) vs
-  ``megatron_kl.kl.kernels.vocab_parallel`` for log-probs, log-probs + entropy and the exact KL(pi || pi_ref)
+  ``megatron_kl.vocab_parallel.stats`` for log-probs, log-probs + entropy and the exact KL(pi || pi_ref)
   (policy and reference logits), plus naive fp32 autograd at TP=1. Every path gets a fresh copy of the
   logits (megatron-core overwrites its input; ours runs with ``inplace_backward``, the training setting,
   and once without it). Implementations are interleaved round by round in one process group; the time
@@ -15,7 +15,7 @@ Sections, each against baselines measured in the same run:
 * ``chunks``: ours at TP=1 with chunks of 2^18 .. 2^24 entries, interleaved (the automatic chunk rule).
 * ``truncation`` (logits in, fp32, fwd+bwd, TP=1 and TP=2): log-prob + entropy + exact KL of the full
   softmax (the baseline) vs the same of the top-k / top-p truncated distribution (support found over the shards,
-  ``kl.kernels.truncation``), on logits of two shapes: ``--logit-scale`` (default 2: flat, supports of thousands of
+  ``vocab_parallel.truncation``), on logits of two shapes: ``--logit-scale`` (default 2: flat, supports of thousands of
   tokens at top-p 0.9) and 6 (peaked, as a trained LM's). Memory at TP=1 as in ``logits``. Then the same
   rules on the fused-linear path (hidden states and output weight in, ``--hidden``, a quarter of the tokens) at
   TP=1 against its full softmax.
@@ -71,8 +71,8 @@ def _logits_inputs(tokens: int, vocab: int, world: int, rank: int, scale: float 
 def _truncation_paths(tokens: int, vocab: int, chunk, group, world: int, rank: int, scale: float,
                       device: str = "cpu") -> dict:
     """name -> prepare() for log-prob + entropy + exact KL, full and truncated (``TRUNCATIONS``), in place."""
-    from megatron_kl.kl.kernels.truncation import Truncation
-    from megatron_kl.kl.kernels.vocab_parallel import fused_stats
+    from megatron_kl.vocab_parallel.truncation import Truncation
+    from megatron_kl.vocab_parallel.stats import fused_stats
 
     logits, reference, targets = _logits_inputs(tokens, vocab, world, rank, scale, device)
 
@@ -93,8 +93,8 @@ def _truncation_linear_paths(tokens: int, vocab: int, hidden_size: int, scale: f
     truncated (``TRUNCATIONS``), logits ~ ``scale`` x N(0, 1) as in ``_truncation_paths``."""
     import torch
 
-    from megatron_kl.kl.kernels.fused_linear import fused_linear_stats
-    from megatron_kl.kl.kernels.truncation import Truncation
+    from megatron_kl.vocab_parallel.fused_linear import fused_linear_stats
+    from megatron_kl.vocab_parallel.truncation import Truncation
 
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(tokens, hidden_size, generator=g)
@@ -118,7 +118,7 @@ def _logits_paths(tokens: int, vocab: int, chunk, group, world: int, rank: int, 
     """name -> prepare(); prepare() makes the fresh input copy and returns the timed fwd+bwd closure."""
     import torch
 
-    from megatron_kl.kl.kernels.vocab_parallel import fused_stats
+    from megatron_kl.vocab_parallel.stats import fused_stats
 
     logits, reference, targets = _logits_inputs(tokens, vocab, world, rank, device=device)
 
@@ -168,8 +168,8 @@ def _logits_paths(tokens: int, vocab: int, chunk, group, world: int, rank: int, 
 def _linear_paths(tokens: int, vocab: int, hidden_size: int, chunk, device: str = "cpu") -> dict:
     import torch
 
-    from megatron_kl.kl.kernels.fused_linear import linear_chunk_rows, fused_linear_grads, fused_linear_stats
-    from megatron_kl.kl.kernels.vocab_parallel import fused_stats
+    from megatron_kl.vocab_parallel.fused_linear import linear_chunk_rows, fused_linear_grads, fused_linear_stats
+    from megatron_kl.vocab_parallel.stats import fused_stats
 
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(tokens, hidden_size, generator=g)
@@ -499,9 +499,9 @@ def run_gpu(args, section: str) -> None:
 def _gpu_truncation_paths(logits, reference, targets, group) -> dict:
     """``TRUNCATIONS``, plus top-p 0.9 with the bisection's older lookup (a pass over the rows per step) beside
     the GPU's default (rows sorted once, a binary search per step)."""
-    from megatron_kl.kl.kernels import truncation
-    from megatron_kl.kl.kernels.truncation import Truncation
-    from megatron_kl.kl.kernels.vocab_parallel import fused_stats
+    from megatron_kl.vocab_parallel import truncation
+    from megatron_kl.vocab_parallel.truncation import Truncation
+    from megatron_kl.vocab_parallel.stats import fused_stats
 
     def prepare(rule, lookup="auto"):
         x = logits.clone().requires_grad_(True)

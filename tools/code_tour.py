@@ -22,7 +22,7 @@ Every file of the package, folder by folder, with the first sentence of its own 
 `python tools/code_tour.py > docs/code-tour.md`; a test keeps it current). The layout: one job per file, typed
 dataclass configs beside the code they configure, process groups passed as arguments. Where to start:
 `cli.py` (the commands), `train/trainer.py` (a run), `train/step.py` (one RL step), `kl/objective.py` (the KL term),
-`kl/kernels/vocab_parallel.py` (the sharded statistics), `kl/audit/exact.py` (the exact gradient audit).
+`vocab_parallel/stats.py` (the sharded statistics), `kl/audit/exact.py` (the exact gradient audit).
 """
 
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from megatron_kl.config import ConfigError
-from megatron_kl.constraints import checked
+from megatron_kl.constraints import check_declared, checked
 from megatron_kl.kl.config import AGGREGATIONS, CORRECTIONS, PER_TOKEN_CORRECTIONS, KLConfig, RPGConfig, canonical
 
 ADVANTAGES = ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "none")  # algo/advantages.py
@@ -42,19 +42,7 @@ class AlgoConfig:
     rpg: RPGConfig = field(default_factory=RPGConfig)
 
     def __post_init__(self):
-        for name, allowed in (("advantage", ADVANTAGES), ("loss", LOSSES), ("aggregation", AGGREGATIONS),
-                              ("behavior_correction", CORRECTIONS), ("ratio_level", RATIO_LEVELS),
-                              ("old_logprobs", OLD_LOGPROBS)):
-            if getattr(self, name) not in allowed:
-                raise ConfigError(f"algo.{name}={getattr(self, name)!r} is unknown; use one of {list(allowed)}")
-        if self.clip_low < 0 or self.clip_high < 0:
-            raise ConfigError("algo.clip_low and algo.clip_high must be >= 0")
-        if self.dual_clip is not None and self.dual_clip <= 1.0:
-            raise ConfigError(f"algo.dual_clip={self.dual_clip} must be > 1 (or null to disable)")
-        if self.ppo_epochs < 1 or self.minibatches < 1:
-            raise ConfigError("algo.ppo_epochs and algo.minibatches must be >= 1")
-        if self.tis_cap <= 0:
-            raise ConfigError(f"algo.tis_cap={self.tis_cap} must be > 0")
+        check_declared(self, "algo.")
         if not 0 <= self.mask_low < 1 < self.mask_high:
             raise ConfigError(f"algo.mask_low={self.mask_low}, algo.mask_high={self.mask_high}: the kept band must "
                               "contain 1 (0 <= mask_low < 1 < mask_high)")
@@ -62,8 +50,6 @@ class AlgoConfig:
             raise ConfigError(f"algo.old_logprobs=from_update takes pi_old from the update's forward, which is pi_old "
                               f"only when it precedes every optimizer step: set algo.ppo_epochs=1 and "
                               f"algo.minibatches=1 (have {self.ppo_epochs} and {self.minibatches}) or use recompute")
-        if self.norm_length is not None and self.norm_length <= 0:
-            raise ConfigError(f"algo.norm_length={self.norm_length} must be > 0 (null: rollout.sampling.max_new_tokens)")
 
     @property
     def name(self) -> str:

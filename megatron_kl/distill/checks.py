@@ -14,7 +14,7 @@ def check_distillation(cfg) -> None:
     if not cfg.distill.enabled:
         return
     objective = cfg.distill.kl
-    if cfg.kl.estimator == "full" and cfg.kl.coef > 0 and cfg.distill.teacher.source == "server":
+    if cfg.kl.exact and cfg.kl.coef > 0 and cfg.distill.teacher.source == "server":
         raise ConfigError("kl.estimator=full with distill.teacher.source=server: the exact KL to the reference is taken "
                           "beside a loaded teacher's only; estimate the KL to the reference from the sampled token "
                           "(kl.estimator=k1/k2/k3), load the teacher (source=hf), or set kl.coef=0")
@@ -52,7 +52,7 @@ def _check_top_k(cfg) -> None:
 
 def _check_served_teacher(cfg) -> None:
     """distill.teacher.source=server: log-probs over HTTP, no logits."""
-    if cfg.distill.kl.estimator == "full":
+    if cfg.distill.kl.exact:
         raise ConfigError("distill.kl.estimator=full with distill.teacher.source=server: a served teacher gives "
                           "log-probs, not its logits, so its exact KL cannot be formed; use distill.kl.estimator=topk "
                           "(its top-k, an approximation) or a sampled estimator (k1 in the reward with reward-to-go is "

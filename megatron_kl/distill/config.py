@@ -92,7 +92,7 @@ class DistillObjective(TopKConfig):
     docs/distillation.md), weight 1, averaged over tokens. A field left out of ``distill.kl`` keeps these defaults, not
     the reference term's."""
 
-    estimator: str = checked("full", choices=ESTIMATORS + (TOP_K, AUTO))
+    estimator: str = checked("full", choices=ESTIMATORS.and_names(TOP_K, AUTO))
     placement: str = checked("loss", choices=PLACEMENTS)
     level: str = checked("sequence", choices=LEVELS)
     coef: float = checked(1.0, ge=0)

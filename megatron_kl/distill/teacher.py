@@ -23,7 +23,7 @@ from megatron_kl.distill.config import DistillConfig, TeacherConfig, teacher_par
 from megatron_kl.distill.layout import (ResharedHead, build_in_own_layout, expert_groups, reshard_output_weight,
                                         score_in_own_layout)
 from megatron_kl.distill.served import ServedTeacher
-from megatron_kl.kl.kernels.candidates import top_k_logprobs
+from megatron_kl.vocab_parallel.candidates import top_k_logprobs
 from megatron_kl.models import builder, hf, output_head, parallel, pipeline, state
 from megatron_kl.models.offload import ReferenceOffload
 

@@ -1,17 +1,54 @@
 """The KL library's configuration, without torch: ``KLConfig`` (the KL term: estimator, placement, level,
 credit, off-policy correction, aggregation; their meaning is in ``kl/objective.py`` and docs/kl-math.md),
-``RPGConfig`` (``kl/rpg.py``) and ``Truncation`` (the sampler's top-k / top-p rule, ``kl/kernels/truncation.py``).
+and ``RPGConfig`` (``kl/rpg.py``); the sampler's top-k / top-p rule is ``vocab_parallel/config.Truncation``.
 Loading and validating a configuration imports this module, not the kernels."""
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
-from megatron_kl.constraints import checked
+from megatron_kl.constraints import check_declared, checked
+from megatron_kl.registry import Registry
 
-ESTIMATORS = ("k1", "k2", "k3", "full")
+
+@dataclass(frozen=True)
+class EstimatorSpec:
+    """A KL estimator (``kl.estimator``). With d = log pi_theta(y|s) - log pi_ref(y|s) at the sampled token (clamped
+    to +-kl.clamp), a per-token estimator is ``value(d)``, a differentiable tensor function: the KL term adds
+    ``value(d_t)`` per token (level=token) or ``value(sum_t d_t)`` per sequence (level=sequence), its gradient
+    flowing through d. ``full_distribution``: the estimate is the exact KL over the vocabulary per position (the
+    vocab-parallel kernels compute it from both models' logits; ``value`` is unused). Whether an estimator gives the
+    gradient of the KL in a given placement, level and regime is the exact audit's verdict (``megatron-kl audit``),
+    which enumerates every registered estimator."""
+
+    name: str
+    value: Optional[Callable] = None
+    full_distribution: bool = False
+    description: str = ""
+
+    def __post_init__(self):
+        if (self.value is None) != self.full_distribution:
+            raise ValueError(f"estimator {self.name!r}: give value(d) for a per-token estimator, or "
+                             "full_distribution=True (and no value) for the exact KL over the vocabulary")
+
+
+ESTIMATORS: Registry[EstimatorSpec] = Registry("KL estimator", EstimatorSpec)
+for _spec in (
+        # tensor methods only: this module imports no torch
+        EstimatorSpec("k1", lambda d: d, description="d; E_pi[k1] = KL, grad k1 = grad log pi (zero mean)"),
+        EstimatorSpec("k2", lambda d: 0.5 * d.square(), description="d^2 / 2; grad = d grad log pi"),
+        EstimatorSpec("k3", lambda d: (-d).exp() - 1.0 + d,
+                      description="exp(-d) - 1 + d; E_pi[grad k3] = grad of the forward KL"),
+        EstimatorSpec("full", full_distribution=True, description="the exact KL over the vocabulary per position")):
+    ESTIMATORS.register(_spec)
+
+
+def estimator_spec(name: str) -> EstimatorSpec:
+    return ESTIMATORS.get(name, "kl.estimator")
+
+
 LOG_RATIO_CLAMP = 20.0  # |log-ratio| bound before any exp: the KL term's, RPG's, the policy ratio's, the corrections'
 PLACEMENTS = ("reward", "loss")
 LEVELS = ("token", "sequence")
@@ -41,16 +78,11 @@ def canonical(kind: str) -> str:
     return "token_tis" if kind == "tis" else kind
 
 
-def _choice(name: str, value, allowed) -> None:
-    if value not in allowed:
-        raise ValueError(f"KLConfig.{name}={value!r} is unknown; use one of {list(allowed)}")
-
-
 @dataclass(frozen=True)
 class KLConfig:
     # k1 | k2 | k3 | full (exact over the vocabulary) | auto: estimator, placement, level, credit and off_policy
     # chosen by the audit for kl.target
-    estimator: str = checked("k1", choices=ESTIMATORS + (AUTO,))
+    estimator: str = checked("k1", choices=ESTIMATORS.and_names(AUTO))
     placement: str = checked("reward", choices=PLACEMENTS)  # reward: -beta * KL added to the reward; loss: beta * KL added to the loss
     level: str = checked("token", choices=LEVELS)  # token: per-token estimates; sequence: the sequence sum as one estimate
     credit: Optional[str] = checked(None, choices=CREDITS)  # reward placement: reward_to_go | immediate; None means reward_to_go there
@@ -66,28 +98,13 @@ class KLConfig:
     strict: bool = False  # a configuration biased for the target is an error instead of a warning
 
     def __post_init__(self):
-        _choice("estimator", self.estimator, ESTIMATORS + (AUTO,))
-        _choice("target", self.target, TARGETS)
-        _choice("regime", self.regime, REGIMES)
-        _choice("placement", self.placement, PLACEMENTS)
-        _choice("level", self.level, LEVELS)
-        _choice("off_policy", self.off_policy, OFF_POLICY)
-        _choice("aggregation", self.aggregation, AGGREGATIONS)
-        if self.norm_length is not None and self.norm_length <= 0:  # None: set by the trainer, or an error when used
-            raise ValueError(f"KLConfig.norm_length={self.norm_length} must be > 0")
+        check_declared(self)  # each field's declared choices and bounds
         if self.credit is not None:
-            _choice("credit", self.credit, CREDITS)
             if self.placement != "reward":
                 raise ValueError("KLConfig.credit applies to placement='reward' only; remove it for placement='loss'")
             if self.level == "sequence":
                 raise ValueError("KLConfig.credit does not apply at level='sequence' (every token gets the sequence estimate)")
-        if self.coef < 0:
-            raise ValueError(f"KLConfig.coef={self.coef} must be >= 0")
-        if self.clamp is not None and self.clamp <= 0:
-            raise ValueError(f"KLConfig.clamp={self.clamp} must be > 0 or None")
         if self.truncate is not None:
-            if self.truncate <= 0:
-                raise ValueError(f"KLConfig.truncate={self.truncate} must be > 0 or None")
             if self.off_policy != "per_decision":
                 raise ValueError("KLConfig.truncate caps per-decision weights: set off_policy='per_decision' or drop it")
         self._check_off_policy()
@@ -97,7 +114,7 @@ class KLConfig:
         if op in ("none", "behavior") or self.estimator == AUTO:
             return
         if self.placement == "loss":
-            if self.estimator == "full":
+            if self.exact:
                 if not (op == "per_decision" and self.level == "sequence"):
                     raise ValueError(
                         "KLConfig.off_policy: with estimator='full' in the loss only 'per_decision' at level='sequence' "
@@ -115,6 +132,12 @@ class KLConfig:
                 raise ValueError("KLConfig.off_policy='per_decision' needs credit='reward_to_go'")
 
     @property
+    def exact(self) -> bool:
+        """The estimator is the exact KL over the vocabulary per position (``full``, or a registered estimator with
+        ``full_distribution``): the step computes it from both models' logits."""
+        return self.estimator not in (AUTO, TOP_K) and estimator_spec(self.estimator).full_distribution
+
+    @property
     def effective_credit(self) -> Optional[str]:
         if self.placement != "reward" or self.level == "sequence":
             return None
@@ -125,7 +148,9 @@ class KLConfig:
         """A readable, unique label for logs and plots, e.g. ``k1-reward-token-rtg``."""
         if self.estimator == AUTO:
             return f"auto-{self.target}"
-        parts = [self.estimator, self.placement, self.level]
+        # an estimator from a module (package.module:ATTR) by its spec's name
+        estimator = estimator_spec(self.estimator).name if ":" in self.estimator else self.estimator
+        parts = [estimator, self.placement, self.level]
         credit = self.effective_credit
         if credit:
             parts.append({"reward_to_go": "rtg", "immediate": "imm"}[credit])
@@ -151,14 +176,13 @@ class TopKConfig(KLConfig):
 
     # k1 | k2 | k3 | full (exact over the vocabulary) | topk (the other model known on its top-k tokens: the top-k
     # divergence in the exact KL's place, an approximation) | auto (the audit's unbiased choice for kl.target)
-    estimator: str = checked("k1", choices=ESTIMATORS + (TOP_K, AUTO))
+    estimator: str = checked("k1", choices=ESTIMATORS.and_names(TOP_K, AUTO))
     top_k: int = checked(20, ge=1)  # estimator=topk: the other model's tokens per position
     top_k_tail: str = checked("bucket", choices=TOP_K_TAILS)  # estimator=topk: what stands for the rest
 
     def __post_init__(self):
-        if self.top_k_tail not in TOP_K_TAILS:
-            raise ValueError(f"top_k_tail={self.top_k_tail!r} is unknown; use one of {list(TOP_K_TAILS)}")
         if self.estimator == TOP_K:
+            check_declared(self)
             self.per_position()  # built, so checked: the exact term's rules are the top-k term's
             return
         super().__post_init__()
@@ -189,13 +213,7 @@ class RPGConfig:
     norm_length: Optional[float] = checked(None, gt=0)  # aggregation='seq_mean_token_sum_norm' (the trainer sets it)
 
     def __post_init__(self):
-        for name, allowed in (("divergence", DIVERGENCES), ("surrogate", SURROGATES), ("aggregation", AGGREGATIONS)):
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"RPGConfig.{name}={getattr(self, name)!r} is unknown; use one of {list(allowed)}")
-        if self.norm_length is not None and self.norm_length <= 0:
-            raise ValueError(f"RPGConfig.norm_length={self.norm_length} must be > 0")
-        if self.dual_clip is not None and self.dual_clip <= 1.0:
-            raise ValueError(f"RPGConfig.dual_clip={self.dual_clip} must be > 1 (or None)")
+        check_declared(self)
         if self.surrogate == "differentiable" and any(
             v is not None for v in (self.clip_low, self.clip_high, self.dual_clip)
         ):
@@ -204,24 +222,6 @@ class RPGConfig:
     @property
     def name(self) -> str:
         return f"rpg-{self.divergence}-{self.surrogate}"
-
-
-@dataclass(frozen=True)
-class Truncation:
-    """The engine's truncation rule: ``top_k`` (0: off) and ``top_p`` (1.0: off)."""
-
-    top_k: int = 0
-    top_p: float = 1.0
-
-    def __post_init__(self):
-        if self.top_k < 0:
-            raise ValueError(f"top_k={self.top_k} must be >= 0 (0 disables)")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
-
-    def active(self, vocab_size: Optional[int] = None) -> bool:
-        top_k_on = self.top_k > 0 and (vocab_size is None or self.top_k < vocab_size)
-        return top_k_on or self.top_p < 1.0
 
 
 UNBIASED_TOL = 1e-9  # the exact audit's relative error below which a configuration counts as unbiased

@@ -19,6 +19,8 @@ from typing import Optional
 
 import torch
 
+from megatron_kl.kl.config import ESTIMATORS, estimator_spec
+
 
 def safe_exp_bound(dtype: torch.dtype) -> float:
     """Largest |x| such that exp(x) and its products stay finite in ``dtype`` (half the log of max)."""
@@ -76,13 +78,10 @@ def token_estimate(
     mask: torch.Tensor,
     counter: Optional[ClampCounter] = None,
 ) -> torch.Tensor:
-    """k1 / k2 / k3 of a log-ratio tensor (per token, or per sequence when given D). The log-ratio is
-    clamped for every estimator (a -inf reference log-prob gives a finite, counted value, never inf/NaN)."""
-    if estimator not in ("k1", "k2", "k3"):
-        raise ValueError(f"estimator={estimator!r} has no per-token form; use one of k1, k2, k3")
-    d = clamp_log_ratio(log_ratio, clamp, mask, counter, estimator)
-    if estimator == "k1":
-        return d
-    if estimator == "k2":
-        return 0.5 * d.square()
-    return torch.exp(-d) - 1.0 + d
+    """k1 / k2 / k3 (or a registered per-token estimator: kl.config.ESTIMATORS) of a log-ratio tensor (per token, or
+    per sequence when given D). The log-ratio is clamped for every estimator (a -inf reference log-prob gives a finite, counted value, never inf/NaN)."""
+    spec = estimator_spec(estimator)
+    if spec.full_distribution:
+        raise ValueError(f"estimator={estimator!r} has no per-token form (it is the exact KL over the vocabulary); use "
+                         f"one of {[n for n, e in ESTIMATORS.items() if not e.full_distribution]}")
+    return spec.value(clamp_log_ratio(log_ratio, clamp, mask, counter, estimator))

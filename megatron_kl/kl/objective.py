@@ -107,7 +107,7 @@ def _check(cfg: KLConfig, logprobs, ref_logprobs, mask, behavior_logprobs, full_
         raise ValueError(f"behavior_weight shape {tuple(behavior_weight.shape)} != logprobs {tuple(logprobs.shape)}")
     if behavior_logprobs is not None and behavior_logprobs.shape != logprobs.shape:
         raise ValueError(f"behavior_logprobs shape {tuple(behavior_logprobs.shape)} != logprobs {tuple(logprobs.shape)}")
-    if cfg.estimator == "full":
+    if cfg.exact:
         if full_kl is None:
             raise ValueError("KLConfig.estimator='full' needs full_kl, the exact per-position KL [batch, tokens]")
         if full_kl.shape != logprobs.shape:
@@ -174,7 +174,7 @@ def kl_loss(
     weight = _correction(cfg, behavior_weight, mask)
     lp = _masked(logprobs, mask)
     d = lp - _masked(ref_logprobs.detach(), mask)
-    if cfg.estimator == "full":
+    if cfg.exact:
         kl_t = _masked(full_kl, mask)
         if cfg.level == "token":
             values = kl_t if weight is None else weight * kl_t
@@ -221,12 +221,12 @@ def kl_penalty_credit(
     _check(cfg, logprobs, ref_logprobs, mask, behavior_logprobs, full_kl)
     m = mask.to(logprobs.dtype)
     d = _masked(logprobs, mask) - _masked(ref_logprobs, mask)
-    if cfg.estimator == "full":
+    if cfg.exact:
         per_token = _masked(full_kl, mask).detach()
     else:
         per_token = _masked(token_estimate(cfg.estimator, d, cfg.clamp, mask, counter), mask)
     if cfg.level == "sequence":
-        if cfg.estimator == "full":
+        if cfg.exact:
             seq = axis.seq_sum(per_token)
         else:
             seq = token_estimate(cfg.estimator, axis.seq_sum(d), cfg.clamp, axis.seq_sum(m) > 0,
@@ -234,7 +234,7 @@ def kl_penalty_credit(
         return seq[:, None] * m
     if cfg.off_policy == "per_decision":
         per_token = per_token * _prefix_weights(
-            cfg, logprobs, behavior_logprobs, mask, inclusive=cfg.estimator != "full", counter=counter, axis=axis
+            cfg, logprobs, behavior_logprobs, mask, inclusive=not cfg.exact, counter=counter, axis=axis
         )
     if cfg.effective_credit == "immediate":
         return per_token * m

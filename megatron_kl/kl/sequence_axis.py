@@ -211,11 +211,11 @@ def crossing(kl, correction: Optional[str] = None) -> tuple[str, ...]:
     rho); reward-to-go credit and the Rao-Blackwellised sum over later positions), from one all-gather of two chunk
     totals per sequence and rank and an exclusive scan in sequence order."""
     needs = []
-    if kl.level == "sequence" and not (kl.estimator == "full" and kl.placement == "loss"):
+    if kl.level == "sequence" and not (kl.exact and kl.placement == "loss"):
         needs.append("sum")
     if kl.off_policy == "per_decision":
         needs.append("prefix")
-    if (kl.level == "sequence" and kl.estimator == "full" and kl.placement == "loss") or \
+    if (kl.level == "sequence" and kl.exact and kl.placement == "loss") or \
             kl.effective_credit == "reward_to_go":
         needs.append("suffix")
     if kl.off_policy == "behavior" and (correction in SEQUENCE_CORRECTIONS or kl.level == "sequence"):

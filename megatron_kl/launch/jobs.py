@@ -22,6 +22,7 @@ from typing import Optional
 from pathlib import Path
 
 from megatron_kl.config import ConfigError, validate_parallel, validate_training_layout
+from megatron_kl.rollout.registry import ENGINES
 from megatron_kl.train.config import TrainConfig
 
 URLS_VAR = "MEGATRON_KL_SGLANG_URLS"
@@ -101,9 +102,10 @@ def _check_slurm(cfg: TrainConfig) -> None:
     shell_env(cfg)  # names checked before anything is written
     servers = cfg.launch.rollout_servers
     if servers.mode == "disaggregated":
-        if cfg.rollout.engine != "sglang":
-            raise ConfigError("launch.rollout_servers.mode=disaggregated runs SGLang servers: "
-                              "set rollout.engine=sglang")
+        if ENGINES.get(cfg.rollout.engine, "rollout.engine").server_flags is None:
+            raise ConfigError(f"launch.rollout_servers.mode=disaggregated starts rollout servers, which "
+                              f"rollout.engine={cfg.rollout.engine} has none of; set rollout.engine in "
+                              f"{ENGINES.where(lambda e: e.server_flags is not None)}")
         if cfg.rollout.sglang.colocated:
             raise ConfigError("launch.rollout_servers.mode=disaggregated puts the SGLang servers on their own nodes: "
                               "set rollout.sglang.colocated=false (memory release is for servers sharing the "
@@ -200,19 +202,10 @@ def single_node_task(spec: TaskSpec):
     return executor, script
 
 
-def sglang_server_args(cfg: TrainConfig) -> list[str]:
-    """The disaggregated servers' flags: ``rollout/sglang.server_flags`` (the managed servers' builder) with the
-    launch section's layout and every flag the training config implies (routing replay, FP8, delta loader)."""
-    from megatron_kl.rollout.config import DELTA_LOADER
-    from megatron_kl.rollout.sglang import server_flags
-
-    servers = cfg.launch.rollout_servers
-    delta = cfg.rollout.delta_sync and cfg.rollout.sglang.weight_sync == "from_tensor"
-    return server_flags(servers.model_path or cfg.init.hf_checkpoint, "0.0.0.0", servers.port, servers.tp_size,
-                        max(1, servers.gpus_per_node // servers.tp_size), servers.mem_fraction_static, cfg.train.seed,
-                        routed_experts=cfg.model.moe.routing_replay == "rollout",
-                        quantization=cfg.rollout.quantization, weight_loaders=[DELTA_LOADER] if delta else [],
-                        extra_args=servers.extra_args)
+def rollout_server_args(cfg: TrainConfig) -> list[str]:
+    """The disaggregated servers' flags: the rollout engine's own builder (``EngineSpec.server_flags``, for SGLang the
+    managed servers' ``rollout/sglang.server_flags``) with the launch section's layout."""
+    return ENGINES.get(cfg.rollout.engine, "rollout.engine").server_flags(cfg)
 
 
 def _hosts(group: int, port: int) -> str:
@@ -264,7 +257,7 @@ def heterogeneous_tasks(spec: TaskSpec):
         if group == "rollout":
             # an inline script (srun runs `bash server.sh`): the key is expanded there, not in the traced job script
             scripts.append(run.Script(inline=" ".join(["python", "-m", cfg.rollout.sglang.server_module,
-                                                       *(shlex.quote(a) for a in sglang_server_args(cfg)),
+                                                       *(shlex.quote(a) for a in rollout_server_args(cfg)),
                                                        "--api-key", f'"${API_KEY_VAR}"'])))
         else:
             scripts.append(run.Script(inline=" ".join(shlex.quote(a.replace("{port}", str(service.port)))

@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from megatron_kl.config import ConfigError, ModelConfig, ParallelConfig
+from megatron_kl.config import ConfigError, ModelConfig, ParallelConfig, model_family
 from megatron_kl.models.norm import use_lean_rms_norm
 from megatron_kl.models.context_parallel import check_runnable
 
@@ -204,16 +204,19 @@ def _local_kernel(setting: str, kernel: str, model: ModelConfig) -> bool:
 def layer_spec(model: ModelConfig, dense: bool = False):
     """Transformer Engine spec where TE imports, Megatron's pure-PyTorch spec otherwise (its core attention
     by torch's SDPA or megatron's DotProductAttention: ``model.core_attention``); multi-latent attention for
-    its families. ``dense``: the layer with a dense MLP in a mixture-of-experts model (its first dense layers)."""
+    its families. ``dense``: the layer with a dense MLP in a mixture-of-experts model (its first dense layers). The
+    family's ``layer_spec`` seam (config.ModelFamily) gets the spec last and may change its submodules."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     model = model.resolved()
     experts = None if dense else (model.moe.num_experts or None)
     mla = model.multi_latent_attention
+    family = model_family(model.architecture)
     if have_transformer_engine():
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(num_experts=experts, moe_grouped_gemm=False,
+        spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(num_experts=experts, moe_grouped_gemm=False,
                                                                           qk_layernorm=model.qk_layernorm,
                                                                           multi_latent_attention=mla)
+        return spec if family.layer_spec is None else family.layer_spec(model, spec, dense)
     spec = gpt_layer_specs.get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False,
                                                     qk_layernorm=model.qk_layernorm, normalization="RMSNorm",
                                                     multi_latent_attention=mla)
@@ -223,7 +226,7 @@ def layer_spec(model: ModelConfig, dense: bool = False):
         spec.submodules.self_attention.submodules.core_attention = SDPAttention
     elif mla:
         spec.submodules.self_attention.submodules.core_attention = LatentDotProductAttention
-    return spec
+    return spec if family.layer_spec is None else family.layer_spec(model, spec, dense)
 
 
 def decoder_spec(model: ModelConfig, config, vp_stage: Optional[int], pp_rank: int):

@@ -154,8 +154,6 @@ def main(argv=None) -> int:
 
 
 def load_yaml_dict(path) -> dict:
-    import yaml
-
     return read_yaml_file(path)
 
 

@@ -15,8 +15,8 @@ import dataclasses
 
 import torch
 
-from megatron_kl.kl.kernels.fused_linear import PrecomputedGrad, _gather_rows, linear_chunk_rows, fused_linear_grads
-from megatron_kl.kl.kernels.vocab_parallel import VocabParallelStats, compute_dtype, support_fields
+from megatron_kl.vocab_parallel.fused_linear import PrecomputedGrad, _gather_rows, linear_chunk_rows, fused_linear_grads
+from megatron_kl.vocab_parallel.stats import VocabParallelStats, compute_dtype, support_fields
 from megatron_kl.models.batch import Microbatch
 from megatron_kl.models.output_head import fused_layout
 

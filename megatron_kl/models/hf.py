@@ -45,11 +45,17 @@ from typing import Iterable, Iterator, Mapping, Optional
 import torch
 
 from megatron_kl.config import ConfigError, ModelConfig  # noqa: F401 - ConfigError: part of this module's API
-from megatron_kl.models import hf_deepseek, hf_gpt_oss
 from megatron_kl.models.hf_checkpoint import HFCheckpoint, HFCheckpointError  # noqa: F401 - this module's API
-from megatron_kl.models.hf_config import (FAMILIES, FAMILY_MAPPINGS, HF_ARCHITECTURE_CLASS,  # noqa: F401
-                                          LLAMA3_ROPE_FIXED, MOE_STRUCTURAL_FIELDS, STRUCTURAL_FIELDS,
-                                          check_model_config, hf_config_from_model, model_config_from_hf)
+from megatron_kl.models.hf_config import (LLAMA3_ROPE_FIXED, MOE_STRUCTURAL_FIELDS, STRUCTURAL_FIELDS,  # noqa: F401
+                                          check_model_config, family_mapping, hf_config_from_model,
+                                          model_config_from_hf)
+
+
+def _hook(model: ModelConfig, name: str):
+    """A family mapping's optional function (``to_megatron``, ``to_hf``, ``expert_of``, ``expert_to_megatron``,
+    ``ExpertFuser``: ModelFamily's doc), or None where the family has no mapping or no such step."""
+    mapping = family_mapping(model)
+    return getattr(mapping, name, None) if mapping is not None else None
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
                    "tokenizer.model", "added_tokens.json", "chat_template.jinja", "chat_template.json",
@@ -88,8 +94,9 @@ def hf_names(megatron_name: str, model: Optional[ModelConfig] = None) -> list[st
     if not match:
         raise KeyError(f"no HF mapping for Megatron tensor {megatron_name!r}")
     prefix, suffix = f"model.layers.{match.group(1)}.", match.group(2)
-    if model is not None and model.architecture in FAMILY_MAPPINGS:
-        names = FAMILY_MAPPINGS[model.architecture].layer_hf_names(suffix)
+    mapping = family_mapping(model) if model is not None else None
+    if mapping is not None:
+        names = mapping.layer_hf_names(suffix)
         if names is not None:
             return [prefix + name for name in names]
     if suffix in _PLAIN:
@@ -129,9 +136,9 @@ def _qkv_split(qkv, model: ModelConfig) -> list[torch.Tensor]:
 
 def to_megatron(megatron_name: str, tensors: list[torch.Tensor], model: ModelConfig) -> torch.Tensor:
     """The full-layout Megatron tensor from its HF tensors (``hf_names`` order)."""
-    layer = _LAYER.match(megatron_name)
-    if model.multi_latent_attention and layer:
-        tensors = [hf_deepseek.to_megatron(layer.group(2), t, model) for t in tensors]
+    layer, convert = _LAYER.match(megatron_name), _hook(model, "to_megatron")
+    if convert is not None and layer:
+        tensors = [convert(layer.group(2), t, model) for t in tensors]
     if ".linear_qkv." in megatron_name and not megatron_name.endswith("layer_norm_weight"):
         return _qkv_merge(*tensors, groups=model.resolved().num_query_groups)
     if megatron_name.endswith("linear_fc1.weight"):  # a SwiGLU [gate; up]: dense, routed or shared expert
@@ -142,9 +149,9 @@ def to_megatron(megatron_name: str, tensors: list[torch.Tensor], model: ModelCon
 def to_hf(megatron_name: str, tensor: torch.Tensor, model: ModelConfig) -> dict[str, torch.Tensor]:
     """Inverse of :func:`to_megatron`: HF name -> tensor (GPT-OSS's experts go through :func:`to_hf_stream`)."""
     names = hf_names(megatron_name, model)
-    layer = _LAYER.match(megatron_name)
-    if model.multi_latent_attention and layer:
-        tensor = hf_deepseek.to_hf(layer.group(2), tensor, model)
+    layer, convert = _LAYER.match(megatron_name), _hook(model, "to_hf")
+    if convert is not None and layer:
+        tensor = convert(layer.group(2), tensor, model)
     if len(names) == 3:
         return dict(zip(names, _qkv_split(tensor, model)))
     if len(names) == 2:
@@ -164,7 +171,7 @@ class HFStateView(Mapping):
         expert = self._fused_expert(name)
         if expert is not None:  # GPT-OSS: one row of the layer's fused expert tensor
             index, kind = expert
-            return hf_gpt_oss.expert_to_megatron(kind, self.checkpoint.get_row(sources[0], index))
+            return _hook(self.model, "expert_to_megatron")(kind, self.checkpoint.get_row(sources[0], index))
         tensors = []
         for source in sources:
             try:
@@ -174,10 +181,10 @@ class HFStateView(Mapping):
         return to_megatron(name, tensors, self.model)
 
     def _fused_expert(self, name: str):
-        match = _LAYER.match(name)
-        if self.model.architecture != hf_gpt_oss.MODEL_TYPE or match is None:
+        match, expert_of = _LAYER.match(name), _hook(self.model, "expert_of")
+        if expert_of is None or match is None:
             return None
-        return hf_gpt_oss.expert_of(match.group(2))
+        return expert_of(match.group(2))
 
     def __contains__(self, name) -> bool:
         try:
@@ -206,12 +213,13 @@ def to_hf_stream(named_tensors: Iterable[tuple[str, torch.Tensor]], model: Model
                  ) -> Iterator[tuple[str, torch.Tensor]]:
     """Megatron full-layout tensors (streamed) as HF-named tensors: a tied output layer left out, GPT-OSS's experts
     fused per layer (models/hf_gpt_oss.ExpertFuser)."""
-    fuser = hf_gpt_oss.ExpertFuser(model.moe.num_experts) if model.architecture == hf_gpt_oss.MODEL_TYPE else None
+    fuser_class, expert_of = _hook(model, "ExpertFuser"), _hook(model, "expert_of")
+    fuser = fuser_class(model.moe.num_experts) if fuser_class is not None else None
     for megatron_name, tensor in named_tensors:
         if model.tie_word_embeddings and megatron_name == "output_layer.weight":
             continue
         layer = _LAYER.match(megatron_name)
-        if fuser is not None and layer and hf_gpt_oss.expert_of(layer.group(2)):
+        if fuser is not None and layer and expert_of(layer.group(2)):
             yield from fuser.add(megatron_name, tensor)
             continue
         yield from to_hf(megatron_name, tensor, model).items()

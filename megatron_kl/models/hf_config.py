@@ -4,18 +4,32 @@ the key and the reason."""
 
 from __future__ import annotations
 
-from megatron_kl.config import ConfigError, ModelConfig, MoEConfig, YarnConfig
-from megatron_kl.models import hf_deepseek, hf_gpt_oss
+from megatron_kl.config import MODEL_FAMILIES, ConfigError, ModelConfig, ModelFamily, MoEConfig, YarnConfig
 from megatron_kl.models.hf_rope import yarn_from_hf, yarn_to_hf
 
-# HF model_type -> ModelConfig.architecture (the *_moe types: the same attention, mixture-of-experts MLPs)
-FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen2_moe": "qwen2", "qwen3_moe": "qwen3",
-            hf_deepseek.MODEL_TYPE: "deepseek_v3", hf_gpt_oss.MODEL_TYPE: "gpt_oss"}
-HF_ARCHITECTURE_CLASS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                         "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                         hf_deepseek.MODEL_TYPE: hf_deepseek.HF_CLASS, hf_gpt_oss.MODEL_TYPE: hf_gpt_oss.HF_CLASS}
-# the families whose tensors or config.json differ from Llama's / Qwen's, by ModelConfig.architecture
-FAMILY_MAPPINGS = {"deepseek_v3": hf_deepseek, "gpt_oss": hf_gpt_oss}
+
+def family_of_model_type(model_type) -> ModelFamily:
+    """The registered family whose ``hf_classes`` list config.json's ``model_type`` (qwen2_moe: qwen2)."""
+    for _, family in MODEL_FAMILIES.items():
+        if model_type in family.hf_classes:
+            return family
+    known = sorted(t for _, f in MODEL_FAMILIES.items() for t in f.hf_classes)
+    raise ConfigError(f"config.json model_type={model_type!r} is not supported; use one of {known}")
+
+
+def hf_class(family: ModelFamily, model_type: str) -> str:
+    """config.json's ``architectures[0]`` for ``model_type`` of ``family``."""
+    if model_type not in family.hf_classes:
+        raise ConfigError(f"model.architecture={family.name} has no HF model_type {model_type!r} (its ModelFamily."
+                          f"hf_classes: {sorted(family.hf_classes)}); it cannot be exported in HF format")
+    return family.hf_classes[model_type]
+
+
+def family_mapping(model: ModelConfig):
+    """The family's HF mapping module (``ModelFamily.hf_mapping``), or None where its names are Llama's."""
+    return MODEL_FAMILIES.get(model.architecture, "model.architecture").mapping()
+
+
 MOE_STRUCTURAL_FIELDS = ("num_experts", "router_topk", "ffn_hidden_size", "shared_expert_ffn_hidden_size",
                          "normalize_topk", "shared_expert_gate", "score_function", "expert_bias", "num_groups",
                          "group_topk", "routed_scaling_factor", "first_dense_layers")
@@ -42,16 +56,15 @@ def _rope(hf: dict) -> dict:
 def model_config_from_hf(hf: dict, **overrides) -> ModelConfig:
     """The ModelConfig of an HF ``config.json`` (dict). Unsupported features are ConfigErrors naming the key."""
     model_type = hf.get("model_type")
-    if model_type not in FAMILIES:
-        raise ConfigError(f"config.json model_type={model_type!r} is not supported; use one of {sorted(FAMILIES)}")
+    family = family_of_model_type(model_type)
     if hf.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"config.json hidden_act={hf['hidden_act']!r}: only silu (SwiGLU) is supported")
     for key in ("mlp_bias", "use_sliding_window"):
         if hf.get(key):
             raise ConfigError(f"config.json {key}=true is not supported by the Megatron mapping")
     rope = _rope(hf)
-    if model_type in (hf_deepseek.MODEL_TYPE, hf_gpt_oss.MODEL_TYPE):
-        mapping = FAMILY_MAPPINGS[FAMILIES[model_type]]
+    mapping = family.mapping()
+    if mapping is not None:
         return ModelConfig(**{**mapping.model_config_values(hf, rope), **overrides})
     if model_type == "llama" and hf.get("attention_bias"):
         raise ConfigError("config.json attention_bias=true (an o_proj bias) is not supported; Llama-3.x has none")
@@ -70,7 +83,7 @@ def model_config_from_hf(hf: dict, **overrides) -> ModelConfig:
     heads = hf["num_attention_heads"]
     moe = _moe_from_hf(hf) if model_type.endswith("_moe") else MoEConfig()
     values = dict(
-        architecture=FAMILIES[model_type],
+        architecture=family.name,
         num_layers=hf["num_hidden_layers"],
         hidden_size=hf["hidden_size"],
         ffn_hidden_size=hf["intermediate_size"],
@@ -84,8 +97,8 @@ def model_config_from_hf(hf: dict, **overrides) -> ModelConfig:
         yarn=yarn,
         norm_epsilon=hf.get("rms_norm_eps", 1e-6),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        qkv_bias=True if model_type in ("qwen2", "qwen2_moe") else bool(hf.get("attention_bias", False)),
-        qk_layernorm=model_type in ("qwen3", "qwen3_moe"),
+        qkv_bias=bool(family.defaults.get("qkv_bias")) or bool(hf.get("attention_bias", False)),
+        qk_layernorm=bool(family.defaults.get("qk_layernorm")),
         moe=moe,
     )
     values.update(overrides)
@@ -134,15 +147,20 @@ def hf_config_from_model(model: ModelConfig, dtype: str = "bfloat16") -> dict:
     """A config.json for ``model`` (used when exporting without an original config.json)."""
     m = model.resolved()
     family = m.architecture
-    if family in FAMILY_MAPPINGS:
-        return FAMILY_MAPPINGS[family].hf_config(m, dtype)
+    spec = MODEL_FAMILIES.get(family, "model.architecture")
+    if spec.mapping() is not None:
+        return spec.mapping().hf_config(m, dtype)
+    dense_type = next(iter(spec.hf_classes), None)
+    if dense_type is None:
+        raise ConfigError(f"model.architecture={family} declares no HF model_type (ModelFamily.hf_classes): it has no "
+                          "config.json to export")
     rope = {"rope_type": "default", "rope_theta": m.rope_theta}
     if m.rope_scaling_factor is not None:
         rope = {"rope_type": "llama3", "factor": m.rope_scaling_factor, "rope_theta": m.rope_theta, **LLAMA3_ROPE_FIXED}
     elif m.yarn.enabled:
         rope = yarn_to_hf(m.yarn, m.rope_theta)
     config = {
-        "architectures": [HF_ARCHITECTURE_CLASS[family]], "model_type": family, "hidden_act": "silu",
+        "architectures": [hf_class(spec, dense_type)], "model_type": dense_type, "hidden_act": "silu",
         "hidden_size": m.hidden_size, "intermediate_size": m.ffn_hidden_size, "num_hidden_layers": m.num_layers,
         "num_attention_heads": m.num_attention_heads, "num_key_value_heads": m.num_query_groups,
         "head_dim": m.kv_channels, "vocab_size": m.vocab_size, "max_position_embeddings": m.max_position_embeddings,
@@ -155,8 +173,8 @@ def hf_config_from_model(model: ModelConfig, dtype: str = "bfloat16") -> dict:
     if m.moe.enabled:
         if family == "llama":
             raise ConfigError("model.moe with model.architecture=llama has no HF format; use qwen2 or qwen3")
-        model_type = f"{family}_moe"
-        config.update(architectures=[HF_ARCHITECTURE_CLASS[model_type]], model_type=model_type,
+        model_type = f"{dense_type}_moe"
+        config.update(architectures=[hf_class(spec, model_type)], model_type=model_type,
                       num_experts=m.moe.num_experts, num_experts_per_tok=m.moe.router_topk,
                       moe_intermediate_size=m.moe.ffn_hidden_size or m.ffn_hidden_size,
                       norm_topk_prob=m.moe.normalize_topk, decoder_sparse_step=1, mlp_only_layers=[],

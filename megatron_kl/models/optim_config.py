@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_kl.config import ConfigError
-from megatron_kl.constraints import checked
+from megatron_kl.constraints import check_declared, checked
 
 ADAM_KERNELS = ("auto", "fused", "unfused")
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
@@ -32,5 +31,4 @@ class OptimConfig:
     adam_kernel: str = checked("auto", choices=ADAM_KERNELS)
 
     def __post_init__(self):
-        if self.adam_kernel not in ADAM_KERNELS:
-            raise ConfigError(f"optim.adam_kernel={self.adam_kernel!r}: use one of {', '.join(ADAM_KERNELS)}")
+        check_declared(self, "optim.")

@@ -41,7 +41,7 @@ def initialize(model: ModelConfig, parallel: ParallelConfig, seed: int = 1234) -
 
     The config is validated against the world size before megatron's groups are created.
     """
-    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core import parallel_state
 
     if not dist.is_initialized():
         if torch.cuda.is_available():

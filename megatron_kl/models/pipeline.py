@@ -3,9 +3,9 @@
 A batch is ``tokens [B, S]`` (prompt + response, right-padded) and ``loss_mask [B, S-1]`` aligned with the
 targets ``tokens[:, 1:]``: position t of every per-token output refers to predicting ``tokens[:, t+1]``
 from ``tokens[:, :t+1]``. Logits stay vocab-sharded: the last stage turns them into log-probs and
-entropies with :mod:`megatron_kl.kl.kernels.vocab_parallel` (temperature applied as the rollout engine does), or,
+entropies with :mod:`megatron_kl.vocab_parallel.stats` (temperature applied as the rollout engine does), or,
 on the fused path (``VocabOptions.fused``), the output layer is bypassed and
-:mod:`megatron_kl.kl.kernels.fused_linear` computes the same quantities from the final hidden states and the
+:mod:`megatron_kl.vocab_parallel.fused_linear` computes the same quantities from the final hidden states and the
 output weight shard without ever materialising the logits (only the loss-masked rows are computed).
 
 ``run_schedule`` is the one entry point, forward-only or forward+backward, with any TP/PP/VPP layout.
@@ -23,10 +23,10 @@ import torch
 import torch.distributed as dist
 
 from megatron_kl.config import sequence_multiple
-from megatron_kl.kl.kernels.candidates import candidate_logits, candidate_logprobs, fused_candidate_logits
-from megatron_kl.kl.kernels.fused_linear import _gather_rows, linear_chunk_rows, fused_linear_stats
-from megatron_kl.kl.kernels.truncation import Truncation, effective
-from megatron_kl.kl.kernels.vocab_parallel import DEFAULT_CHUNK, VocabParallelStats, full_kl, fused_stats
+from megatron_kl.vocab_parallel.candidates import candidate_logits, candidate_logprobs, fused_candidate_logits
+from megatron_kl.vocab_parallel.fused_linear import _gather_rows, linear_chunk_rows, fused_linear_stats
+from megatron_kl.vocab_parallel.truncation import Truncation, effective
+from megatron_kl.vocab_parallel.stats import DEFAULT_CHUNK, VocabParallelStats, full_kl, fused_stats
 from megatron_kl.models.fused_loss import single_pass_loss
 from megatron_kl.models.batch import (SUPPORT_KEYS, Microbatch, MicrobatchStats, SequenceBatch,  # noqa: F401
                                       TokenStats)
@@ -130,7 +130,7 @@ def _with_targets(mb: Microbatch, targets: torch.Tensor, device) -> torch.Tensor
 def _fused_candidates(vocab: VocabOptions, mb: Microbatch, stats: VocabParallelStats, hidden, weight, tp_group,
                       sequence_parallel: bool) -> VocabParallelStats:
     """``stats`` with log pi at the microbatch's ``teacher_top_ids`` from the hidden states ``[b, s(/tp), H]`` and
-    the weight shard (megatron_kl.kl.kernels.candidates: k logits per position, never the vocabulary's)."""
+    the weight shard (megatron_kl.vocab_parallel.candidates: k logits per position, never the vocabulary's)."""
     # megatron's [s, b] order, so the gradient reaching the TP collective is contiguous (its all-reduce runs on
     # .contiguous(): a transposed gradient would be reduced in a copy and the result lost)
     full = _gather_rows(hidden.transpose(0, 1), tp_group, sequence_parallel)  # [s, b, H]

@@ -22,7 +22,7 @@ from typing import Callable, Iterator, Mapping, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_kl.kl.kernels.groups import group_size_rank
+from megatron_kl.vocab_parallel.groups import group_size_rank
 from megatron_kl.models.parallel import collective_device
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")

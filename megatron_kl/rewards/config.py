@@ -86,9 +86,9 @@ class RewardConfig:
     # steps already trained (exit 1). exclude: the sample is scored as failed - left out of its group's advantage
     # baseline and of the loss (its tokens masked), counted in reward/failed and the step's log line
     on_failure: str = checked("fail", choices=FAILURE_POLICIES)
-    timeout_s: float = checked(60.0, ge=0.1)  # per call of a function (a batch call: the whole batch)
-    workers: int = checked(8, ge=1)  # reward calls running at once (threads; sample mode)
-    service: RewardServiceConfig = field(default_factory=RewardServiceConfig)
+    timeout_s: float = checked(60.0, resumable=True, ge=0.1)  # per call of a function (a batch call: the whole batch)
+    workers: int = checked(8, resumable=True, ge=1)  # reward calls running at once (threads; sample mode)
+    service: RewardServiceConfig = checked(resumable=True, default_factory=RewardServiceConfig)
 
     def __post_init__(self):
         labels = [f.metric_label for f in self.functions]

@@ -11,12 +11,12 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from megatron_kl.config import ConfigError
-from megatron_kl.constraints import checked
-from megatron_kl.kl.config import Truncation
+from megatron_kl.constraints import check_declared, checked
+from megatron_kl.vocab_parallel.config import Truncation
 
 WEIGHT_SYNC = ("from_disk", "from_tensor", "from_distributed")
 QUANTIZATIONS = ("none", "fp8")
-DELTA_LOADER = "megatron_kl.rollout.delta.sglang_delta_loader"  # the servers' --custom-weight-loader for delta syncs  # rollout.quantization: the weights the engines sample with (rollout/quantization.py)
+DELTA_LOADER = "megatron_kl.rollout.sglang_loader.sglang_delta_loader"  # the servers' --custom-weight-loader for delta syncs  # rollout.quantization: the weights the engines sample with (rollout/quantization.py)
 VLLM_MODES = ("llm", "server")
 VLLM_LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 VLLM_DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")  # vLLM's --dtype
@@ -32,10 +32,10 @@ class SGLangConfig:
     NCCL group set up with /init_weights_update_group.
     """
 
-    urls: list[str] = field(default_factory=list)  # empty: launch managed servers
+    urls: list[str] = checked(resumable=True, default_factory=list)  # empty: launch managed servers
     model_path: Optional[str] = checked(None, free=True)  # HF directory the servers start from; default init.hf_checkpoint
-    host: str = checked("127.0.0.1", free=True, nonempty=True)
-    port: int = checked(30000, ge=1, le=65535)  # first managed server's port; the others count up, skipping ports in use
+    host: str = checked("127.0.0.1", resumable=True, free=True, nonempty=True)
+    port: int = checked(30000, resumable=True, ge=1, le=65535)  # first managed server's port; the others count up, skipping ports in use
     num_servers: int = checked(1, ge=1)
     tp_size: int = checked(1, ge=1)
     dp_size: int = checked(1, ge=1)
@@ -44,20 +44,20 @@ class SGLangConfig:
     colocated: bool = False  # release the servers' memory while the trainer runs
     extra_args: list[str] = field(default_factory=list)  # more sglang.launch_server flags
     weight_sync: str = checked("from_disk", choices=WEIGHT_SYNC)
-    sync_dir: Optional[str] = checked(None, free=True)  # from_disk: shared with the servers; default <train.output_dir>/weight_sync
+    sync_dir: Optional[str] = checked(None, resumable=True, free=True)  # from_disk: shared with the servers; default <train.output_dir>/weight_sync
     server_module: str = checked("sglang.launch_server", free=True, nonempty=True)  # tests: megatron_kl.testing.sglang_server (no SGLang needed)
-    max_concurrency: int = checked(64, ge=1)  # in-flight /generate requests per engine
+    max_concurrency: int = checked(64, resumable=True, ge=1)  # in-flight /generate requests per engine
     # top-p without top-k: top log-probs per position asked for to rebuild the truncated distribution's log-probs
     # (SGLang returns those of the full tempered softmax); a support larger than this is an error naming it
     top_logprobs_num: int = checked(256, ge=1)
-    request_timeout_s: float = checked(300.0, ge=0.1)  # total per attempt; every attempt + backoff < parallel.distributed_timeout_s
-    max_retries: int = checked(4, ge=0)  # per request, on 5xx / 429 / timeouts / dropped or cut-short answers / corrupt values
-    backoff_s: float = checked(0.5, ge=0)  # first retry delay, doubled each retry
-    startup_timeout_s: float = checked(900.0, ge=0.1)  # /health of a starting server
-    restart_dead_servers: bool = True  # managed servers only
+    request_timeout_s: float = checked(300.0, resumable=True, ge=0.1)  # total per attempt; every attempt + backoff < parallel.distributed_timeout_s
+    max_retries: int = checked(4, resumable=True, ge=0)  # per request, on 5xx / 429 / timeouts / dropped or cut-short answers / corrupt values
+    backoff_s: float = checked(0.5, resumable=True, ge=0)  # first retry delay, doubled each retry
+    startup_timeout_s: float = checked(900.0, resumable=True, ge=0.1)  # /health of a starting server
+    restart_dead_servers: bool = checked(True, resumable=True)  # managed servers only
     # the servers' --api-key comes from this environment variable (the launcher's disaggregated job sets a
     # per-job key there); managed servers get a fresh random key when it is unset
-    api_key_env: str = checked("MEGATRON_KL_SGLANG_API_KEY", free=True, nonempty=True)
+    api_key_env: str = checked("MEGATRON_KL_SGLANG_API_KEY", resumable=True, free=True, nonempty=True)
 
     def __post_init__(self):
         if any(str(a) == "--api-key" or str(a).startswith("--api-key=") for a in self.extra_args):
@@ -65,15 +65,7 @@ class SGLangConfig:
                               f"itself, read from the environment variable rollout.sglang.api_key_env names (now "
                               f"{self.api_key_env}), so the key is in no command line, config or log; export the key "
                               "there and drop --api-key from extra_args")
-        if self.weight_sync not in WEIGHT_SYNC:
-            raise ConfigError(f"rollout.sglang.weight_sync={self.weight_sync!r}: use one of {list(WEIGHT_SYNC)}")
-        for name in ("num_servers", "tp_size", "dp_size", "max_concurrency", "top_logprobs_num"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"rollout.sglang.{name}={getattr(self, name)} must be >= 1")
-        if self.max_retries < 0 or self.request_timeout_s <= 0 or self.backoff_s < 0:
-            raise ConfigError("rollout.sglang.max_retries/backoff_s must be >= 0 and request_timeout_s > 0")
-        if not 0.0 < self.mem_fraction_static < 1.0:
-            raise ConfigError(f"rollout.sglang.mem_fraction_static={self.mem_fraction_static} must be in (0, 1)")
+        check_declared(self, "rollout.sglang.")
         if not isinstance(self.urls, list) or not all(isinstance(u, str) and u.startswith("http") for u in self.urls):
             raise ConfigError(f"rollout.sglang.urls={self.urls!r} must be a list of http(s):// addresses")
         if self.colocated and not self.enable_memory_saver:
@@ -86,31 +78,25 @@ class VLLMConfig:
     """vLLM: ``mode: llm`` runs vllm.LLM in the trainer process; ``mode: server`` talks to an OpenAI server."""
 
     mode: str = checked("llm", choices=VLLM_MODES)
-    url: Optional[str] = checked(None, free=True)  # server mode
+    url: Optional[str] = checked(None, resumable=True, free=True)  # server mode
     model_path: Optional[str] = checked(None, free=True)  # default: init.hf_checkpoint
     tensor_parallel_size: int = checked(1, ge=1)
     gpu_memory_utilization: float = checked(0.5, gt=0, le=1)
     dtype: str = checked("auto", choices=VLLM_DTYPES)
     max_model_len: Optional[int] = checked(None, ge=1)
     enable_sleep_mode: bool = False  # colocated: sleep while the trainer runs
-    sync_dir: Optional[str] = checked(None, free=True)  # default <train.output_dir>/weight_sync
-    request_timeout_s: float = checked(300.0, ge=0.1)  # total per attempt (see rollout.sglang)
-    max_retries: int = checked(4, ge=0)
-    backoff_s: float = checked(0.5, ge=0)
+    sync_dir: Optional[str] = checked(None, resumable=True, free=True)  # default <train.output_dir>/weight_sync
+    request_timeout_s: float = checked(300.0, resumable=True, ge=0.1)  # total per attempt (see rollout.sglang)
+    max_retries: int = checked(4, resumable=True, ge=0)
+    backoff_s: float = checked(0.5, resumable=True, ge=0)
     # mode=server: the --logprobs-mode the server was started with (vLLM's default raw_logprobs are the full
     # softmax's; top-k / top-p sampling needs processed_logprobs, the truncated distribution's). mode=llm sets it.
     server_logprobs_mode: str = checked("raw_logprobs", choices=VLLM_LOGPROBS_MODES)
 
     def __post_init__(self):
-        if self.server_logprobs_mode not in VLLM_LOGPROBS_MODES:
-            raise ConfigError(f"rollout.vllm.server_logprobs_mode={self.server_logprobs_mode!r}: use one of "
-                              f"{list(VLLM_LOGPROBS_MODES)}")
-        if self.mode not in VLLM_MODES:
-            raise ConfigError(f"rollout.vllm.mode={self.mode!r}: use one of {list(VLLM_MODES)}")
+        check_declared(self, "rollout.vllm.")
         if self.mode == "server" and not self.url:
             raise ConfigError("rollout.vllm.mode=server needs rollout.vllm.url (http://host:port)")
-        if self.tensor_parallel_size < 1:
-            raise ConfigError("rollout.vllm.tensor_parallel_size must be >= 1")
 
 
 DISTRIBUTIONS = ("truncated", "full")  # rollout.sampling.distribution: what the trainer differentiates
@@ -133,18 +119,7 @@ class SamplingConfig:
     support_tolerance: float = checked(0.001, ge=0, le=1)
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise ConfigError(f"rollout.sampling.temperature={self.temperature} must be >= 0 (0 = greedy)")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ConfigError(f"rollout.sampling.top_p={self.top_p} must be in (0, 1]")
-        if self.top_k < 0:
-            raise ConfigError(f"rollout.sampling.top_k={self.top_k} must be >= 0 (0 disables)")
-        if self.max_new_tokens < 1:
-            raise ConfigError(f"rollout.sampling.max_new_tokens={self.max_new_tokens} must be >= 1")
-        if not 0.0 <= self.support_tolerance <= 1.0:
-            raise ConfigError(f"rollout.sampling.support_tolerance={self.support_tolerance} must be in [0, 1]")
-        if self.distribution not in DISTRIBUTIONS:
-            raise ConfigError(f"rollout.sampling.distribution={self.distribution!r}: use one of {list(DISTRIBUTIONS)}")
+        check_declared(self, "rollout.sampling.")
 
     @property
     def truncation(self) -> Truncation:

@@ -20,7 +20,7 @@ logged with its reason.
 Where the deltas apply: the embedded engine (its replica is diffed against the policy itself and updated element by
 element, so a replica changed behind the trainer's back is repaired by the next sync; the checksums on the cadence
 guard the apply), SGLang's
-``/update_weights_from_tensor`` through a custom weight loader (:func:`sglang_delta_loader`, given to the servers as
+``/update_weights_from_tensor`` through a custom weight loader (:func:`megatron_kl.rollout.sglang_loader.sglang_delta_loader`, given to the servers as
 ``--custom-weight-loader``; it keeps the HF tensors it loaded on the host, applies a sync's updates there once the
 sync's last bucket arrives, checks them, and hands the changed tensors to ``model.load_weights``). SGLang's
 ``/update_weights_from_disk`` and ``/update_weights_from_distributed`` load dense tensors: with them a delta sync
@@ -275,23 +275,3 @@ def apply_encoded(held: dict, entries: list[Named]) -> dict:
             raise DeltaRejected(f"{name}: checksum after applying the sync differs from the trainer's "
                                 "(nothing loaded; a full sync follows)")
     return staged
-
-
-_HELD: dict[int, dict] = {}  # per loaded model (id): the HF tensors it was given, on the host
-_PENDING: dict[int, list] = {}  # per loaded model: the buckets of the sync in progress
-
-
-def sglang_delta_loader(model, named_tensors) -> None:
-    """SGLang custom weight loader (``--custom-weight-loader megatron_kl.rollout.delta.sglang_delta_loader``,
-    ``load_format`` of ``/update_weights_from_tensor``): buckets of a sync are kept until its commit marker, then
-    applied to this process's host copy, checked, and the changed tensors given to ``model.load_weights``."""
-    key = id(model)
-    entries = [(name, tensor.detach().cpu()) for name, tensor in named_tensors]
-    _PENDING.setdefault(key, []).extend(entries)
-    if not any(name == COMMIT for name, _ in entries):
-        return
-    sync, _PENDING[key] = _PENDING[key], []
-    held = _HELD.setdefault(key, {})
-    staged = apply_encoded(held, sync)
-    model.load_weights(list(staged.items()))
-    held.update(staged)

@@ -77,29 +77,80 @@ class EngineLost(RuntimeError):
 
 @runtime_checkable
 class RolloutEngine(Protocol):
+    """What the trainer calls on its engine (every member; :class:`EngineBase` gives the optional ones defaults).
+
+    ``update_weights(chunks, version)`` takes the policy's Megatron model chunks on this rank; a served engine's
+    :class:`megatron_kl.rollout.distributed.DistributedEngine` gathers them into HF-named tensors for the
+    :class:`ServedEngine` behind it."""
+
     weight_version: int
+    # several ranks call generate() as a collective: calls must not overlap (rollouts run them from one thread)
+    collective_generate: bool
+    # calls from several threads run concurrently (partial rollouts overlap the next batch with the one in flight)
+    overlapping_generate: bool
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig,
-                 seed: Optional[int] = None) -> list[Completion]:
-        """One completion per prompt, in order. ``seed`` makes the draw reproducible."""
+                 seed: Optional[int] = None, budgets: Optional[Sequence[int]] = None) -> list[Completion]:
+        """One completion per prompt, in order. ``seed`` makes the draw reproducible; ``budgets`` (partial rollouts)
+        caps each prompt's new tokens (a resumed response's remaining budget)."""
 
     def update_weights(self, source, version: int) -> None:
-        """Load the policy's current weights (``source`` is engine-specific) and tag them ``version``."""
+        """Load the policy's current weights and tag them ``version``."""
+
+    @property
+    def last_sync(self):
+        """The last weight sync's statistics (rollout/delta.SyncStats), or None."""
+
+    def pause(self) -> None:
+        """Partial rollouts (``rollout.partial``): make every ``generate`` in flight return promptly, responses not yet
+        finished cut where they are with finish_reason ``"abort"`` (their tokens and behaviour log-probs kept);
+        ``resume`` lets generation run again."""
+
+    def resume(self) -> None: ...
 
     def shutdown(self) -> None:
         """Release resources (servers, memory)."""
 
 
-@runtime_checkable
-class PausableEngine(RolloutEngine, Protocol):
-    """An engine whose generation can be paused at a token boundary (``rollout.partial``): ``pause`` makes every
-    ``generate`` call in flight (or started before ``resume``) return promptly, responses not yet finished cut where
-    they are with finish_reason ``"abort"`` (their tokens and behaviour log-probs kept, from the weights that were
-    loaded); ``resume`` lets generation run again."""
+class EngineBase:
+    """Defaults of the optional members for engines that lack them: one caller at a time, no sync statistics, no
+    pause (an engine that can pause says so in its registry entry, ``EngineSpec.can_pause``, and overrides both)."""
+
+    weight_version: int = 0
+    collective_generate: bool = False
+    overlapping_generate: bool = False
+    last_sync = None
+
+    def pause(self) -> None:
+        raise NotImplementedError(f"{type(self).__name__} cannot pause a generation (rollout.partial)")
+
+    def resume(self) -> None:
+        raise NotImplementedError(f"{type(self).__name__} cannot pause a generation (rollout.partial)")
+
+    def shutdown(self) -> None:
+        pass
+
+
+class ServedEngine(Protocol):
+    """A server-backed engine as :class:`DistributedEngine` drives it from global rank 0: ``update_weights`` takes
+    ``(hf_name, tensor)`` pairs streamed from the gather; ``release_memory`` hands memory back after a generation
+    (colocated servers)."""
+
+    weight_version: int
+    last_sync: object
+
+    def generate(self, prompts, sampling: SamplingConfig, seed: Optional[int] = None, **budgets) -> list[Completion]:
+        ...
+
+    def update_weights(self, named_tensors, version: int) -> None: ...
+
+    def release_memory(self) -> None: ...
 
     def pause(self) -> None: ...
 
     def resume(self) -> None: ...
+
+    def shutdown(self) -> None: ...
 
 
 def checked_budgets(budgets, count: int, sampling: SamplingConfig) -> Optional[list[int]]:

@@ -45,18 +45,18 @@ import torch
 import torch.distributed as dist
 
 from megatron_kl.config import ConfigError, ModelConfig, ParallelConfig
-from megatron_kl.kl.kernels.truncation import Truncation, support_threshold
+from megatron_kl.vocab_parallel.truncation import Truncation, support_threshold
 from megatron_kl.models.output_head import unwrap
 from megatron_kl.models.routing_replay import UNKNOWN, RoutingRecorder
 from megatron_kl.models.state import ExpertGroups
-from megatron_kl.rollout.engine import PAUSED, Completion, SamplingConfig, checked_budgets
+from megatron_kl.rollout.engine import PAUSED, Completion, EngineBase, SamplingConfig, checked_budgets
 
 log = logging.getLogger(__name__)
 
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     """Mask (to -inf) all but the top-k tokens and the smallest nucleus holding top_p of the top-k mass, ties
-    at either cut kept (``kl.kernels.truncation``: the rule the trainer's truncated distribution uses). ``logits``
+    at either cut kept (``vocab_parallel.truncation``: the rule the trainer's truncated distribution uses). ``logits``
     [..., V] are already divided by the temperature."""
     rule = Truncation(top_k=top_k, top_p=top_p)
     if not rule.active(logits.shape[-1]):
@@ -230,7 +230,7 @@ def _gathered_experts(policy, ep_group):
             yield shift_expert_index(name, rank * local), piece
 
 
-class LocalEngine:
+class LocalEngine(EngineBase):
     """In-process engine over a GPTModel replica in the policy's TP layout (PP must be 1)."""
 
     def __init__(self, model: ModelConfig, parallel: ParallelConfig, max_batch_size: int = 256,

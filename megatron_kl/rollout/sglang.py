@@ -21,7 +21,7 @@ routes in ``srt/entrypoints/http_server.py``):
   ``srt/layers/moe/routed_experts_capturer.py``), checked for shape and range (:func:`decode_routed_experts`).
 - ``GET /health``, ``POST /flush_cache``, ``/pause_generation``, ``/continue_generation``,
   ``/release_memory_occupation``, ``/resume_memory_occupation``, and the weight-update routes used by
-  :mod:`megatron_kl.rollout.weight_sync`.
+  :mod:`megatron_kl.rollout.sglang_sync`.
 
 Every request goes to one server (round-robin), at most ``max_concurrency`` in flight. A server that stays
 unavailable after the retries is restarted (managed servers) and its unfinished requests are re-issued;
@@ -89,7 +89,7 @@ def processed_logprobs(logprobs: list[float], token_ids: list[int], top: list, s
                        requested: int, where: str) -> list[float]:
     """log mu(y_t) of the truncated distribution from SGLang's log pi_T(y_t) and the ``requested`` largest
     log pi_T per position (``top[t]``: [[logprob, token_id, ...], ...]), by the trainer's rule (ties at a cut
-    kept; kl.kernels.truncation). The sampled token must lie in the support (``CorruptResponse`` naming the position);
+    kept; vocab_parallel.truncation). The sampled token must lie in the support (``CorruptResponse`` naming the position);
     a top-p support that does not close within the top log-probs is a ``ResponseError`` naming the setting."""
     top_k = sampling.top_k if 0 < sampling.top_k <= requested else 0  # top_k >= the vocabulary truncates nothing
     top_p = sampling.top_p
@@ -410,7 +410,7 @@ class SGLangEngine:
         pending = list(range(len(prompts)))
         base_seed = sampling.seed if seed is None else seed
         top_num = top_logprobs_num(sampling, self.cfg.top_logprobs_num, self.vocab_size)
-        for round_ in range(3):
+        for _round in range(3):
             failed_servers: dict[int, Exception] = {}
 
             def one(i: int, server: int) -> Completion:

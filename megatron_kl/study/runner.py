@@ -117,7 +117,7 @@ class _Forwarder:
 
 
 def _wait_for_run_lock(run_dir: Path, forwarder: _Forwarder) -> None:
-    from megatron_kl.train.run_dir import holder
+    from megatron_kl.run.run_dir import holder
 
     deadline, said = time.monotonic() + LOCK_WAIT_S, False
     while (who := holder(run_dir)) is not None:
@@ -158,7 +158,7 @@ def _run_one(study: StudyConfig, spec: RunSpec, log_file: Path, forwarder: _Forw
 
 def run_study(study: StudyConfig, runs: list[RunSpec], timeout_s: float = 6 * 3600) -> dict:
     """Every run not yet ``ok``, in order; the status of all. Raises :class:`StudyStopped` after a stop signal."""
-    from megatron_kl.train.run_dir import RunLock
+    from megatron_kl.run.run_dir import RunLock
 
     out = Path(study.output_dir)
     (out / "logs").mkdir(parents=True, exist_ok=True)

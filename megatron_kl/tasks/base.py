@@ -9,14 +9,28 @@ splits ``train`` (in-domain), ``eval`` (in-domain, held out) and ``ood``. Proble
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Protocol, runtime_checkable
+from typing import Any, Callable, Optional, Protocol, runtime_checkable
 
-from megatron_kl.config import ConfigError
-from megatron_kl.constraints import checked
-
-TASK_NAMES = ("arithmetic", "math", "dataset")  # tasks.registry builds them
+from megatron_kl.constraints import check_declared, checked
+from megatron_kl.registry import Registry
 
 SPLITS = ("train", "eval", "ood")
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """A task by name (``task.name``): ``build(config, context, options) -> Task`` with the task section, the
+    :class:`megatron_kl.tasks.dataset.TaskContext` (init checkpoint, prompt token limit) and ``task.options`` read
+    into ``options`` (a dataclass; None when the task declares none). Built-ins: ``tasks/registry.py``."""
+
+    name: str
+    build: Callable[..., Any]
+    description: str = ""
+    options: Optional[type] = None
+
+
+TASKS: Registry[TaskSpec] = Registry("task", TaskSpec, builtins="megatron_kl.tasks.registry")
+
 
 
 @dataclass(frozen=True)
@@ -94,7 +108,7 @@ class MathConfig:
     # evaluation questions that also appear in train_files (compared after lower-casing and dropping whitespace):
     # refuse names each file and its count; drop leaves them out of the scores (counted in the log); report keeps
     # them and warns with the counts
-    eval_overlap: str = checked("refuse", choices=("refuse", "drop", "report"))
+    eval_overlap: str = checked("refuse", resumable=True, choices=("refuse", "drop", "report"))
 
 
 CHAT_TEMPLATE_MODES = ("auto", "on", "off")
@@ -125,20 +139,20 @@ class DatasetConfig:
     # the longest prompt accepted, in tokens; 0 = what the model's positions leave after rollout.sampling.max_new_tokens
     max_prompt_tokens: int = checked(0, ge=0)
     # evaluation prompts that also appear in train_files (lower-cased, whitespace dropped): refuse | drop | report
-    eval_overlap: str = checked("refuse", choices=("refuse", "drop", "report"))
+    eval_overlap: str = checked("refuse", resumable=True, choices=("refuse", "drop", "report"))
 
 
 @dataclass(frozen=True)
 class TaskConfig:
-    name: str = checked("arithmetic", choices=TASK_NAMES)  # arithmetic | math | dataset (your own data)
+    # arithmetic | math | dataset (your own data) | a registered task (TASKS) | package.module:SPEC
+    name: str = checked("arithmetic", choices=TASKS)
     seed: int = checked(0, ge=0)
     eval_size: int = checked(64, ge=1)  # problems in each generated evaluation split
     arithmetic: ArithmeticConfig = field(default_factory=ArithmeticConfig)
     math: MathConfig = field(default_factory=MathConfig)
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    # the settings of a task from outside the package, read into its spec's ``options`` dataclass
+    options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
-        if self.name not in TASK_NAMES:
-            raise ConfigError(f"task.name={self.name!r} is unknown; use one of {list(TASK_NAMES)}")
-        if self.eval_size < 1:
-            raise ConfigError(f"task.eval_size={self.eval_size} must be >= 1")
+        check_declared(self, "task.")

@@ -349,7 +349,7 @@ class EmbeddedServer:
         return {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
 
     def update_weights_from_tensor(self, body: dict) -> dict:
-        from megatron_kl.rollout.weight_sync import deserialize_tensors
+        from megatron_kl.rollout.sglang_sync import deserialize_tensors
 
         named = deserialize_tensors(body["serialized_named_tensors"][0])  # one entry per server TP rank
         load_format = body.get("load_format")
@@ -376,7 +376,7 @@ class EmbeddedServer:
         return {"success": True, "message": "Succeeded to update model weights."}
 
     def init_weights_update_group(self, body: dict) -> dict:
-        from megatron_kl.rollout.weight_sync import new_external_group
+        from megatron_kl.rollout.sglang_sync import new_external_group
 
         group = new_external_group(body.get("backend", "nccl"), body["master_address"], int(body["master_port"]),
                                    int(body["world_size"]), int(body["rank_offset"]), body.get("group_name", "g"))

@@ -30,7 +30,7 @@ def check(cfg) -> int:
     from megatron_kl.config import redact_secrets, to_dict
     from megatron_kl.train.config import distill_verdict, kl_verdict
     from megatron_kl.train.loop import prepare
-    from megatron_kl.train.run_dir import RunRefused
+    from megatron_kl.run.run_dir import RunRefused
 
     try:
         prepared = prepare(cfg)
@@ -110,11 +110,11 @@ def run(config_path: str, overrides: list[str], check_only: bool = False) -> int
     from megatron_kl.rollout.engine import EngineLost
     from megatron_kl.rollout.http import Cancelled, ServerError
     from megatron_kl.rollout.servers import ServerStartFailed
-    from megatron_kl.train.checkpoint import CheckpointError, CheckpointWriteError
-    from megatron_kl.train.preemption import INTERRUPT_EXIT_CODE, REQUEUE_EXIT_CODE, Requeue, TrainingFailed
+    from megatron_kl.run.checkpoint import CheckpointError, CheckpointWriteError
+    from megatron_kl.run.preemption import INTERRUPT_EXIT_CODE, REQUEUE_EXIT_CODE, Requeue, TrainingFailed
     from megatron_kl.train.warmstart import WarmStartStopped
 
-    from megatron_kl.train.run_dir import RunRefused
+    from megatron_kl.run.run_dir import RunRefused
 
     try:
         summary = train(cfg)
@@ -148,14 +148,14 @@ def run(config_path: str, overrides: list[str], check_only: bool = False) -> int
     finally:
         parallel.destroy()
     if int(os.environ.get("RANK", "0")) == 0:
-        if summary.get("already_finished"):
-            print(f"{summary['run_dir']}: run {summary['run_name']} already finished at step {summary['steps']} with "
+        if summary.already_finished:
+            print(f"{summary.run_dir}: run {summary.run_name} already finished at step {summary.steps} with "
                   "this configuration; nothing trained (raise train.steps to continue it). Its summary:")
         else:
             logging.getLogger("megatron_kl.train").info(
-                "done: metrics %s, TensorBoard %s, plots %s", summary["metrics"], summary["tensorboard"],
-                summary["plots"])
+                "done: metrics %s, TensorBoard %s, plots %s", summary.metrics, summary.tensorboard, summary.plots)
         for key in ("eval_before", "eval_after"):
-            if key in summary:
-                print(f"{key}: " + ", ".join(f"{k}={v:.3f}" for k, v in summary[key].items() if v is not None))
+            if getattr(summary, key):
+                print(f"{key}: " + ", ".join(f"{k}={v:.3f}" for k, v in getattr(summary, key).items()
+                                               if v is not None))
     return 0

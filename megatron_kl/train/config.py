@@ -8,27 +8,27 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from megatron_kl.algo.config import AlgoConfig, row_separable
-from megatron_kl.config import ConfigError, ModelConfig, ParallelConfig, load_yaml
-from megatron_kl.constraints import SEED_MAX, checked
+from megatron_kl.config import ConfigError, ModelConfig, ParallelConfig, from_dict, load_yaml
+from megatron_kl.constraints import SEED_MAX, check_declared, checked, resumable_paths
 from megatron_kl.distill.checks import check_distillation
 from megatron_kl.distill.config import DistillConfig
 from megatron_kl.kl.config import AUTO, KLConfig, Verdict
-from megatron_kl.launch_config import LaunchConfig
+from megatron_kl.launch.config import LaunchConfig
 from megatron_kl.models.optim_config import OptimConfig
 from megatron_kl.rewards.config import RewardConfig
 from megatron_kl.rollout.config import QUANTIZATIONS, SamplingConfig, SGLangConfig, VLLMConfig
+from megatron_kl.rollout.registry import ENGINES
 from megatron_kl.tasks.base import TaskConfig
-from megatron_kl.train.host_malloc import MODES as HOST_MALLOC_MODES
+from megatron_kl.run.host_malloc import MODES as HOST_MALLOC_MODES
 
-ENGINES = ("local", "sglang", "vllm")
-ROUTING_ENGINES = ("local", "sglang")  # engines that report their mixture-of-experts routing (routing replay)
 
 
 @dataclass(frozen=True)
 class RolloutConfig:
+    # a registered engine (megatron_kl.rollout.registry: local, sglang, vllm) or package.module:SPEC
     engine: str = checked("local", choices=ENGINES)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     max_batch_size: int = checked(256, ge=1)  # sequences per engine forward
@@ -51,6 +51,8 @@ class RolloutConfig:
     delta_check_interval: int = checked(10, ge=1)
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
+    # the settings of an engine from outside the package, read into its spec's ``options`` dataclass
+    options: dict[str, Any] = field(default_factory=dict)
 
 
 WARM_START_SOURCES = ("auto", "shipped", "train")
@@ -65,7 +67,7 @@ class WarmStartConfig:
     steps: int = checked(200, ge=0)
     batch_size: int = checked(64, ge=1)
     lr: float = checked(3e-3, gt=0)
-    cache_dir: str = checked("runs/cache", path='writable')
+    cache_dir: str = checked("runs/cache", resumable=True, path='writable')
     checkpoint: Optional[str] = checked(None, path='file')  # a full-state .pt to start from instead of training one
     # seed of the warm start's init and data order; null: train.seed. Fix it to share one starting model
     # (and reference) across the RL seeds of a study.
@@ -96,7 +98,7 @@ class InitConfig:
 class LoopConfig:
     """The ``train:`` section: the RL loop - steps, batch shape, staleness, seed, output directory, stop handling."""
 
-    steps: int = checked(40, ge=1)
+    steps: int = checked(40, resumable=True, ge=1)
     prompts_per_step: int = checked(16, ge=1)
     group_size: int = checked(8, ge=1)  # samples per prompt
     micro_batches: int = checked(1, ge=1)  # pipeline microbatches per optimizer minibatch
@@ -105,34 +107,30 @@ class LoopConfig:
     # own longest row; activation memory then follows the budget, not the batch (0: train.micro_batches slices)
     micro_batch_tokens: int = checked(0, ge=0)
     # auto: on a CPU-only process, glibc malloc keeps blocks < 32 MiB and up to 1 GiB of freed memory for reuse
-    # instead of page-faulting them anew every step (train/host_malloc.py, measured); off: glibc's defaults
-    host_malloc: str = checked("auto", choices=HOST_MALLOC_MODES)
+    # instead of page-faulting them anew every step (run/host_malloc.py, measured); off: glibc's defaults
+    host_malloc: str = checked("auto", resumable=True, choices=HOST_MALLOC_MODES)
     staleness: int = checked(0, ge=0)  # async bound s: rollouts of step t come from weights of step t - s (0: on-policy)
-    max_consecutive_skips: int = checked(3, ge=0)  # optimizer steps with a NaN/inf gradient skipped in a row before the run stops
+    max_consecutive_skips: int = checked(3, resumable=True, ge=0)  # optimizer steps with a NaN/inf gradient skipped in a row before the run stops
     # metric-only reference work every N steps (1: every step, the default; the other metrics are identical
     # either way): without a term that uses the reference (kl.coef=0 with PPO) its whole forward (kl/*); with
     # a sampled KL estimator (k1/k2/k3, RPG) the exact full-vocabulary KL (kl/exact_*), which no term reads
-    reference_metrics_interval: int = checked(1, ge=1)
+    reference_metrics_interval: int = checked(1, resumable=True, ge=1)
     seed: int = checked(1234, ge=0, le=SEED_MAX)  # numpy's generator takes seeds below 2^32
     # where the run writes; "{run_name}" is replaced by the run's name (estimator, placement, level, coefficient,
     # loss, staleness, seed), so a changed configuration lands in a directory of its own
-    output_dir: str = checked("runs/{run_name}", path='writable')
+    output_dir: str = checked("runs/{run_name}", resumable=True, path='writable')
     # signals that end the run with a checkpoint of the finished steps (a rollout in flight is cut off) and exit
     # code 75 (requeue + resume), 130 for SIGINT: SIGUSR1 is what the Slurm scripts request ahead of the time
     # limit, SIGTERM comes with preemption/scancel, SIGINT with Ctrl-C, SIGHUP with a closed terminal
-    stop_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1", "SIGINT", "SIGHUP"])
+    stop_signals: list[str] = checked(resumable=True, default_factory=lambda: ["SIGTERM", "SIGUSR1", "SIGINT", "SIGHUP"])
 
     def __post_init__(self):
-        from megatron_kl.train.host_malloc import MODES as HOST_MALLOC_MODES
-        from megatron_kl.train.preemption import check_signal_names
+        from megatron_kl.run.preemption import check_signal_names
 
         object.__setattr__(self, "stop_signals", check_signal_names(self.stop_signals))
         if str(self.host_malloc).lower() in ("false", "off"):  # YAML 1.1 reads a bare `off` as false
             object.__setattr__(self, "host_malloc", "off")
-        if self.host_malloc not in HOST_MALLOC_MODES:
-            raise ConfigError(f"train.host_malloc={self.host_malloc!r}: use one of {list(HOST_MALLOC_MODES)}")
-        if self.micro_batch_tokens < 0:
-            raise ConfigError(f"train.micro_batch_tokens={self.micro_batch_tokens} must be >= 0 (0: off)")
+        check_declared(self, "train.")
         if self.micro_batch_tokens > 0 and self.micro_batches != 1:
             raise ConfigError(f"train.micro_batch_tokens={self.micro_batch_tokens} and train.micro_batches="
                               f"{self.micro_batches}: set one of them (the token budget decides the microbatches; "
@@ -146,6 +144,9 @@ class EvalConfig:
     temperature: float = checked(1.0, gt=0)  # for mean@k; pass@1 is greedy
     max_new_tokens: Optional[int] = checked(None, ge=1)  # default: rollout.sampling.max_new_tokens
 
+    def __post_init__(self):
+        check_declared(self, "eval.")
+
 
 @dataclass(frozen=True)
 class CheckpointConfig:
@@ -156,6 +157,9 @@ class CheckpointConfig:
     # older checkpoints first, oldest first, always keeping the newest; false stops the run saying so
     free_before_write: bool = False
     export_hf: bool = False  # also write the policy as an HF checkpoint (step_XXXXXX/hf) at each checkpoint
+
+    def __post_init__(self):
+        check_declared(self, "checkpoint.")
 
 
 @dataclass(frozen=True)
@@ -203,10 +207,10 @@ class TrainConfig:
     init: InitConfig = field(default_factory=InitConfig)
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
     train: LoopConfig = field(default_factory=LoopConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    logging: LoggingConfig = field(default_factory=LoggingConfig)
-    launch: LaunchConfig = field(default_factory=LaunchConfig)  # read by `megatron-kl launch` only
+    eval: EvalConfig = checked(resumable=True, default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = checked(resumable=True, default_factory=CheckpointConfig)
+    logging: LoggingConfig = checked(resumable=True, default_factory=LoggingConfig)
+    launch: LaunchConfig = checked(resumable=True, default_factory=LaunchConfig)  # read by `megatron-kl launch` only
     # resolved at load, never given: what kl.estimator=auto chose (the exact audit's verdict - configuration, bias,
     # variance - for kl.target in the run's regime; kl itself then holds the chosen axes); None otherwise
     kl_selection: Optional[Verdict] = field(default=None, init=False, compare=False)
@@ -301,13 +305,24 @@ def _default_fields() -> dict:
 
 def _key_fields(cfg) -> dict:
     from megatron_kl.config import to_dict
-    from megatron_kl.train.identity_fields import identity_fields
+    from megatron_kl.run.identity_fields import identity_fields
 
-    return identity_fields(to_dict(cfg))
+    return identity_fields(to_dict(cfg), resumable_prefixes())
+
+
+_RESUMABLE: list = []
+
+
+def resumable_prefixes() -> tuple[str, ...]:
+    """The dotted paths that may change between the starts of one run: the fields declared ``resumable=True``
+    (a section's as ``section.``), read from the declarations once."""
+    if not _RESUMABLE:
+        _RESUMABLE.append(tuple(resumable_paths(TrainConfig)))
+    return _RESUMABLE[0]
 
 
 def run_key(cfg) -> str:
-    """Six hex digits of the SHA-256 of the run-identity fields (train/identity.py: what decides the trajectory, not
+    """Six hex digits of the SHA-256 of the run-identity fields (run/identity.py: what decides the trajectory, not
     where it is written or how it is logged) whose values differ from the code's defaults, as sorted JSON. A field at
     its default is left out, so a field a later version adds does not change the key of an unchanged configuration;
     any other change does. "" for the default configuration."""
@@ -398,15 +413,8 @@ def _check_kl_target(cfg: TrainConfig) -> None:
 
 def validate_train_config(cfg: TrainConfig, tokenizer_vocab: int, data_parallel: int = 1) -> None:
     """Cross-field rules; single-field rules live in each dataclass's __post_init__."""
-    if cfg.rollout.engine not in ENGINES:
-        raise ConfigError(f"rollout.engine={cfg.rollout.engine!r} is unknown; use one of {list(ENGINES)}")
-    if cfg.rollout.engine == "local" and cfg.parallel.pipeline_parallel > 1:
-        raise ConfigError(f"rollout.engine=local supports parallel.pipeline_parallel=1 only (got "
-                          f"{cfg.parallel.pipeline_parallel}); use rollout.engine=sglang or vllm with pipeline parallelism")
+    engine = _check_engine(cfg)
     cp = cfg.parallel.context_parallel
-    if cp > 1 and cfg.rollout.engine == "local":
-        raise ConfigError(f"rollout.engine=local generates with the training layout, which holds a shard of each "
-                          f"sequence under parallel.context_parallel={cp}; use rollout.engine=sglang or vllm")
     if cp > 1 and cfg.warm_start.enabled and not cfg.warm_start.checkpoint and cfg.init.hf_checkpoint is None:
         raise ConfigError(f"warm_start (the supervised phase) does not split its sequences under "
                           f"parallel.context_parallel={cp}; start from init.hf_checkpoint or warm_start.checkpoint, or "
@@ -415,36 +423,12 @@ def validate_train_config(cfg: TrainConfig, tokenizer_vocab: int, data_parallel:
         raise ConfigError("rollout.sampling.temperature=0 samples greedily: every sample of a group is the same "
                           "answer, every advantage is 0 and the policy gradient is exactly 0 (nothing trains); set "
                           "rollout.sampling.temperature > 0 (e.g. 1.0; greedy evaluation is eval's pass@1)")
-    sampling, vllm = cfg.rollout.sampling, cfg.rollout.vllm
-    if (cfg.rollout.engine == "vllm" and vllm.mode == "server" and sampling.truncates(cfg.model.vocab_size)
-            and vllm.server_logprobs_mode != "processed_logprobs"):
-        raise ConfigError(
-            f"rollout.engine=vllm (mode=server) with rollout.sampling.top_k={sampling.top_k} / top_p={sampling.top_p}: "
-            f"the server returns {vllm.server_logprobs_mode} (log-probs of the full softmax), not those of the truncated "
-            "distribution it samples; start it with --logprobs-mode processed_logprobs and set "
-            "rollout.vllm.server_logprobs_mode=processed_logprobs")
-    if cfg.model.moe.routing_replay == "rollout" and cfg.rollout.engine not in ROUTING_ENGINES:
-        raise ConfigError(
-            f"model.moe.routing_replay=rollout with rollout.engine={cfg.rollout.engine}: that engine does not report "
-            f"the experts it routed each token to; use rollout.engine in {list(ROUTING_ENGINES)} or set "
-            "model.moe.routing_replay=off")
     if cfg.model.vocab_size < tokenizer_vocab:
         raise ConfigError(
             f"model.vocab_size={cfg.model.vocab_size} is smaller than the task tokenizer's {tokenizer_vocab}: "
             f"set model.vocab_size >= {tokenizer_vocab}"
         )
     run = cfg.train
-    for name in ("steps", "prompts_per_step", "group_size", "micro_batches"):
-        if getattr(run, name) < 1:
-            raise ConfigError(f"train.{name}={getattr(run, name)} must be >= 1")
-    if run.staleness < 0:
-        raise ConfigError(f"train.staleness={run.staleness} must be >= 0 (0 = on-policy)")
-    if run.reference_metrics_interval < 1:
-        raise ConfigError(f"train.reference_metrics_interval={run.reference_metrics_interval} must be >= 1 (steps "
-                          "between the metric-only reference work: kl/* without a KL term, kl/exact_* with a sampled one)")
-    if run.max_consecutive_skips < 0:
-        raise ConfigError(f"train.max_consecutive_skips={run.max_consecutive_skips} must be >= 0 (0: stop at the "
-                          "first optimizer step with a NaN/inf gradient)")
     samples = run.prompts_per_step * run.group_size
     per_rank, rest = divmod(samples, data_parallel)
     if rest or run.prompts_per_step % data_parallel:
@@ -462,66 +446,66 @@ def validate_train_config(cfg: TrainConfig, tokenizer_vocab: int, data_parallel:
         )
     if cfg.algo.advantage in ("grpo", "rloo", "reinforce_pp_baseline") and run.group_size < 2:
         raise ConfigError(f"algo.advantage={cfg.algo.advantage} needs train.group_size >= 2")
-    if run.staleness > 0:
-        _check_async_rollouts(cfg)
-    _check_partial_rollouts(cfg)
-    if cfg.rollout.delta_sync and cfg.rollout.engine == "local" and cfg.rollout.quantization == "fp8":
-        raise ConfigError("rollout.delta_sync=true with rollout.engine=local and rollout.quantization=fp8: the embedded "
-                          "engine's FP8 replica is requantized whole at every sync (nothing to send in deltas); set "
-                          "rollout.delta_sync=false, or use rollout.engine=sglang")
-    if cfg.rollout.quantization == "fp8" and cfg.rollout.engine == "vllm" and cfg.rollout.vllm.mode == "server":
-        raise ConfigError("rollout.quantization=fp8 with rollout.vllm.mode=server: the client cannot see which "
-                          "weights a running vLLM server samples with; use rollout.vllm.mode=llm (started here with "
-                          "quantization=fp8) or rollout.engine=sglang / local")
-    if (cfg.rollout.quantization == "fp8" and cfg.rollout.engine == "vllm"
-            and cfg.rollout.vllm.dtype in ("float", "float32")):
-        raise ConfigError(f"rollout.quantization=fp8 with rollout.vllm.dtype={cfg.rollout.vllm.dtype}: vLLM's FP8 "
-                          "quantization takes bfloat16 or float16 weights; set rollout.vllm.dtype=bfloat16")
-    for section in ("eval", "checkpoint"):
-        if getattr(cfg, section).interval < 0:
-            raise ConfigError(f"{section}.interval={getattr(cfg, section).interval} must be >= 0 (0: only at the end)")
+    _check_partial_rollouts(cfg, engine)
     if cfg.model.fused_grad == "in_forward" and not row_separable(cfg.kl, cfg.algo):
         raise ConfigError("model.fused_grad=in_forward needs a row-separable loss (PPO or RPG with the KL in the "
                           "reward or a token-level KL in the loss, no per-decision weights, algo.ratio_level=token, algo.old_logprobs="
                           "recompute); use auto or "
                           "recompute")
-    if cfg.eval.k < 1:
-        raise ConfigError(f"eval.k={cfg.eval.k} must be >= 1")
     _check_kl_target(cfg)
-    _check_timeouts(cfg)
-    if cfg.checkpoint.keep < 1:
-        raise ConfigError(f"checkpoint.keep={cfg.checkpoint.keep} must be >= 1 (the newest complete checkpoints kept)")
+    _check_timeouts(cfg, engine)
 
 
-def _check_timeouts(cfg) -> None:
+def _check_engine(cfg: TrainConfig):
+    """The rules every engine's flags decide (training layout, routing replay), then the engine's own rules."""
+    spec = ENGINES.get(cfg.rollout.engine, "rollout.engine")
+    name = spec.name
+    pp, cp = cfg.parallel.pipeline_parallel, cfg.parallel.context_parallel
+    if pp > 1 and not spec.pipeline_parallel:
+        raise ConfigError(f"rollout.engine={name} supports parallel.pipeline_parallel=1 only (got {pp}); use "
+                          f"rollout.engine in {ENGINES.where(lambda e: e.pipeline_parallel)} with pipeline parallelism")
+    if cp > 1 and not spec.context_parallel:
+        raise ConfigError(f"rollout.engine={name} generates with the training layout, which holds a shard of each "
+                          f"sequence under parallel.context_parallel={cp}; use rollout.engine in "
+                          f"{ENGINES.where(lambda e: e.context_parallel)}")
+    if cfg.model.moe.routing_replay == "rollout" and not spec.reports_routing:
+        raise ConfigError(
+            f"model.moe.routing_replay=rollout with rollout.engine={name}: that engine does not report "
+            f"the experts it routed each token to; use rollout.engine in {ENGINES.where(lambda e: e.reports_routing)} "
+            "or set model.moe.routing_replay=off")
+    if cfg.rollout.options and spec.options is None:
+        raise ConfigError(f"rollout.options={dict(cfg.rollout.options)!r}: rollout.engine={name} takes its settings "
+                          f"from {spec.section or 'no section'}, not rollout.options; remove rollout.options")
+    if spec.options is not None:  # read as the builder will, so a bad option is reported now
+        from_dict(spec.options, dict(cfg.rollout.options), prefix="rollout.options.")
+    for rule in spec.checks:
+        rule(cfg)
+    return spec
+
+
+def _check_timeouts(cfg, engine) -> None:
     """A served engine's worst case - every attempt of a request at its deadline plus the backoffs, or a
     server start - must end before the other ranks' collective times out, so a dead server is reported by
     the HTTP client, not by a collective timeout elsewhere."""
     from megatron_kl.rollout.http import RetryPolicy
 
     limit = cfg.parallel.distributed_timeout_s
-    if limit <= 0:
-        raise ConfigError(f"parallel.distributed_timeout_s={limit} must be > 0")
-    engine = cfg.rollout.engine
-    if engine not in ("sglang", "vllm"):
+    if engine.limits is None:
         return
-    served = getattr(cfg.rollout, engine)
+    served = engine.limits(cfg)
     budget = RetryPolicy(served.max_retries, served.backoff_s, served.request_timeout_s).budget_s
     if budget >= limit:
         raise ConfigError(
-            f"rollout.{engine}: a request can take {budget:.0f}s ((max_retries={served.max_retries} + 1) x "
+            f"{served.section}: a request can take {budget:.0f}s ((max_retries={served.max_retries} + 1) x "
             f"request_timeout_s={served.request_timeout_s:g} + backoff), not less than parallel.distributed_timeout_s="
-            f"{limit:g}: lower rollout.{engine}.request_timeout_s / max_retries or raise the distributed timeout")
-    startup = getattr(served, "startup_timeout_s", None)
+            f"{limit:g}: lower {served.section}.request_timeout_s / max_retries or raise the distributed timeout")
+    startup = served.startup_timeout_s
     if startup is not None and startup >= limit:
-        raise ConfigError(f"rollout.{engine}.startup_timeout_s={startup:g} must be below parallel.distributed_timeout_s="
+        raise ConfigError(f"{served.section}.startup_timeout_s={startup:g} must be below parallel.distributed_timeout_s="
                           f"{limit:g} (the other ranks wait for the servers in a barrier)")
 
 
-PARTIAL_ENGINES = ("local", "sglang", "vllm")  # engines that can pause mid-response and return it (vLLM: server mode)
-
-
-def _check_partial_rollouts(cfg: TrainConfig) -> None:
+def _check_partial_rollouts(cfg: TrainConfig, engine) -> None:
     """rollout.partial needs generations that overlap a weight update (train.staleness > 0) and an engine that can
     pause them mid-response."""
     if not cfg.rollout.partial:
@@ -530,25 +514,13 @@ def _check_partial_rollouts(cfg: TrainConfig) -> None:
         raise ConfigError("rollout.partial=true resumes generations across weight updates, but train.staleness=0 "
                           "generates each batch with the current weights (none is in flight at an update): set "
                           "train.staleness >= 1 or rollout.partial=false")
-    if cfg.rollout.engine not in PARTIAL_ENGINES or (cfg.rollout.engine == "vllm" and cfg.rollout.vllm.mode != "server"):
-        raise ConfigError(f"rollout.partial=true with rollout.engine={cfg.rollout.engine}"
-                          + (f" and rollout.vllm.mode={cfg.rollout.vllm.mode}" if cfg.rollout.engine == "vllm" else "")
+    if not engine.can_pause(cfg):
+        raise ConfigError(f"rollout.partial=true with rollout.engine={engine.name}"
+                          + (f" and rollout.vllm.mode={cfg.rollout.vllm.mode}" if engine.name == "vllm" else "")
                           + ": that engine cannot pause a generation and return its partial response; use "
-                          f"rollout.engine in {list(PARTIAL_ENGINES)} (vllm with rollout.vllm.mode=server) or "
-                          "rollout.partial=false")
-
-
-def _check_async_rollouts(cfg: TrainConfig) -> None:
-    """Asynchronous rollouts generate while the trainer trains: the engine needs memory of its own."""
-    engine, staleness = cfg.rollout.engine, cfg.train.staleness
-    if engine == "sglang" and cfg.rollout.sglang.colocated:
-        raise ConfigError(f"train.staleness={staleness} generates while the trainer runs, but "
-                          "rollout.sglang.colocated=true releases the servers' memory during training: set "
-                          "rollout.sglang.colocated=false (servers on GPUs of their own) or train.staleness=0")
-    if engine == "vllm" and cfg.rollout.vllm.enable_sleep_mode:
-        raise ConfigError(f"train.staleness={staleness} generates while the trainer runs, but "
-                          "rollout.vllm.enable_sleep_mode=true puts vLLM to sleep during training: set it to false "
-                          "or train.staleness=0")
+                          f"rollout.engine in {ENGINES.where(lambda e: e.can_pause(cfg))}"
+                          + (" or rollout.vllm.mode=server" if engine.name == "vllm" else "")
+                          + ", or rollout.partial=false")
 
 
 def load_train_config(path: str, overrides: Optional[list[str]] = None) -> TrainConfig:

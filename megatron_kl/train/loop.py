@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 import os
 from pathlib import Path
@@ -21,14 +20,16 @@ from megatron_kl.redaction import register_config
 from megatron_kl.rewards.scorer import RewardScorer
 from megatron_kl.tasks import build_task
 from megatron_kl.tasks.dataset import TaskContext
-from megatron_kl.train import checkpoint as ckpt
-from megatron_kl.train import run_dir
+from megatron_kl.run import checkpoint as ckpt
+from megatron_kl.run import run_dir
 from megatron_kl.train.config import TrainConfig, validate_train_config
 from megatron_kl.train.warmstart import shipped_entry
-from megatron_kl.train.host_malloc import tune_host_malloc
+from megatron_kl.run.host_malloc import tune_host_malloc
 from megatron_kl.train.metrics import read_metrics, wandb_missing
 from megatron_kl.train.plots import write_training_plot
-from megatron_kl.train.preemption import StopSignals
+from megatron_kl.run.preemption import StopSignals
+from megatron_kl.run.summary import RunSummary, read_summary
+from megatron_kl.train.metric_registry import canonical_record
 from megatron_kl.train.topology import Topology
 from megatron_kl.train.trainer import Trainer
 
@@ -88,7 +89,7 @@ def _world_size() -> int:
 
 
 def _claim(cfg: TrainConfig, plan: run_dir.StartPlan, world_size: int) -> Optional[run_dir.RunLock]:
-    """Rank 0 takes the output directory's lock and prepares it for this start (train/run_dir.py); every
+    """Rank 0 takes the output directory's lock and prepares it for this start (run/run_dir.py); every
     rank learns the outcome before anything is written. Raises RunRefused on every rank."""
     lock, error = None, None
     if dist.get_rank() == 0:
@@ -202,16 +203,16 @@ def task_context(cfg: TrainConfig, hf_source) -> TaskContext:
     return TaskContext(hf_checkpoint=cfg.init.hf_checkpoint, prompt_token_limit=model.max_position_embeddings - response)
 
 
-def train(cfg: TrainConfig) -> dict:
+def train(cfg: TrainConfig) -> RunSummary:
     """Run (or resume) the training the configuration describes; its summary (also ``summary.json``)."""
     seed_everything(cfg.train.seed)  # model initialisation and the task's data draw from the global generators
     register_config(to_dict(cfg))  # its secrets never reach a line written (megatron_kl/redaction.py)
-    prepared = prepare(cfg)  # a refused start changes nothing (train/run_dir.py)
+    prepared = prepare(cfg)  # a refused start changes nothing (run/run_dir.py)
     cfg = prepared.config
     for note in prepared.notes:
         log.warning(note)
     if prepared.plan.kind == "finished":
-        return {**run_dir.read_summary(Path(cfg.train.output_dir)), "already_finished": True}
+        return dataclasses.replace(read_summary(Path(cfg.train.output_dir), canonical_record), already_finished=True)
     with started(prepared) as trainer:
         trainer.fit()
         trainer.close()  # metrics written and the engine down before the summary reads them (the lock still held)
@@ -241,17 +242,18 @@ def started(prepared: Prepared) -> Iterator[Trainer]:
             lock.release()
 
 
-def _summary(cfg: TrainConfig, run_id: str, run_path: Path, is_logger: bool) -> dict:
-    summary = {"run_name": cfg.run_name, "run_id": run_id, "steps": cfg.train.steps, "run_dir": str(run_path),
-               "metrics": str(run_path / "metrics.jsonl"),
-               "tensorboard": str(run_path / "tensorboard"), "plots": str(run_path / "plots")}
+def _summary(cfg: TrainConfig, run_id: str, run_path: Path, is_logger: bool) -> RunSummary:
+    summary = RunSummary(cfg.run_name, run_id, cfg.train.steps, str(run_path), str(run_path / "metrics.jsonl"),
+                         str(run_path / "tensorboard"), str(run_path / "plots"))
     if is_logger:
         records = read_metrics(run_path / "metrics.jsonl")
         evals = [r for r in records if "eval/id/pass@1" in r]
         if evals:
-            summary["eval_before"] = {k: v for k, v in evals[0].items() if k.startswith("eval/")}
-            summary["eval_after"] = {k: v for k, v in evals[-1].items() if k.startswith("eval/")}
-        summary["plots"] = write_training_plot(records, run_path / "plots", f"{cfg.run_name} ({run_path})")
-        (run_path / "summary.json").write_text(json.dumps(summary, indent=2))
+            summary = dataclasses.replace(
+                summary, eval_before={k: v for k, v in evals[0].items() if k.startswith("eval/")},
+                eval_after={k: v for k, v in evals[-1].items() if k.startswith("eval/")})
+        plots = write_training_plot(records, run_path / "plots", f"{cfg.run_name} ({run_path})")
+        summary = dataclasses.replace(summary, plots=str(plots))
+        summary.write(run_path / "summary.json")
     dist.barrier()
     return summary

@@ -153,7 +153,7 @@ def _resume(engine: RolloutEngine, generated: _Generated, sampling: SamplingConf
 
 def _collective(engine) -> bool:
     """Whether every trainer rank must make each generate call (a served engine behind several ranks)."""
-    return bool(getattr(engine, "collective_generate", False))
+    return engine.collective_generate
 
 
 def _score(scorer: RewardScorer, task, generated: _Generated, group_size: int) -> RolloutBatch:
@@ -204,7 +204,7 @@ class RolloutSource:
         self.queue: dict[int, RolloutBatch | _Generated | Future] = {}
         # partial rollouts: a paused batch's resumption runs beside the next batch where the engine overlaps calls (a
         # served engine behind one rank); otherwise one thread, so every rank makes its calls in the same order
-        overlaps = self.partial and bool(getattr(engine, "overlapping_generate", False))
+        overlaps = self.partial and engine.overlapping_generate
         workers = staleness + 1 if overlaps else 1
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rollout") if staleness else None
 

@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 
-from megatron_kl.train.manifest import sha256_of
+from megatron_kl.run.manifest import sha256_of
 
 SHIPPED_DIR = Path(__file__).resolve().parent.parent / "data" / "warm_starts"
 MANIFEST = "manifest.json"

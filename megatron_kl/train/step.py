@@ -38,7 +38,7 @@ from megatron_kl.models.parallel import all_reduce_cpu
 from megatron_kl.train.profiling import phase
 from megatron_kl.rollout.http import CorruptResponse
 from megatron_kl.train.rollouts import RolloutBatch
-from megatron_kl.train.run_state import Counters
+from megatron_kl.run.run_state import Counters
 from megatron_kl.train.topology import Topology
 
 if TYPE_CHECKING:
@@ -62,7 +62,7 @@ class StepContext:
     topology: Topology = field(default_factory=Topology)
     clamps: ClampCounter = field(default_factory=ClampCounter)  # log-ratios clamped this step (kl/clamped_*)
     consecutive_skips: int = 0  # optimizer steps skipped in a row (non-finite gradient)
-    counters: Counters = field(default_factory=Counters)  # optimizer steps applied / skipped (train/run_state.py)
+    counters: Counters = field(default_factory=Counters)  # optimizer steps applied / skipped (run/run_state.py)
     kl_tags: dict = field(default_factory=dict)  # logged every step: kl/biased (the audit's verdict for kl.target)
     expert_load: Optional[ExpertLoad] = None  # mixture-of-experts policies: router counts of the pi_old pass
     teacher: Optional["Teacher"] = None  # on-policy distillation (distill.*): the frozen teacher, None without
@@ -236,7 +236,7 @@ def _metrics_due(cfg, step: int) -> bool:
 def regularizer_due(cfg, step: int) -> bool:
     """Under distillation, whether this step takes the exact KL to the reference beside the teacher's (a second sweep
     over the vocabulary): kl.estimator=full with a reference pass this step."""
-    return (cfg.distill.enabled and cfg.distill.teacher.source != "server" and cfg.kl.estimator == "full"
+    return (cfg.distill.enabled and cfg.distill.teacher.source != "server" and cfg.kl.exact
             and needs_reference(cfg, step))
 
 
@@ -253,7 +253,7 @@ def needs_exact_kl(cfg, step: int) -> bool:
     if cfg.distill.enabled and cfg.distill.teacher.source == "server":  # no teacher logits in the job
         return False
     term = anchor_objective(cfg)
-    if term.coef > 0 and term.estimator == "full":
+    if term.coef > 0 and term.exact:
         return True
     return _metrics_due(cfg, step)
 
@@ -497,7 +497,7 @@ def rl_step(ctx: StepContext, batch: RolloutBatch, step: int) -> dict:
     sequences = inputs.into(sequences)
     # the update's forward needs the exact KL for a full KL in the loss, and to be pi_old's stats (from_update)
     term = anchor_objective(cfg)
-    exact_in_loss = term.estimator == "full" and term.placement == "loss" and term.coef > 0
+    exact_in_loss = term.exact and term.placement == "loss" and term.coef > 0
     anchor = teacher if teacher is not None else reference
     regularizer_in_loss = scores.regularizing and kl.placement == "loss" and kl.coef > 0
     needs_head = anchor is not None and scores.exact and (exact_in_loss or regularizer_in_loss or old is None)

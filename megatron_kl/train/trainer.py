@@ -26,22 +26,22 @@ import torch.distributed as dist
 
 from megatron_kl.config import ConfigError, redact_secrets, to_dict
 from megatron_kl.distill.teacher import build_teacher
-from megatron_kl.kl.kernels import triton_stats
+from megatron_kl.vocab_parallel import triton_stats
 from megatron_kl.models import builder, hf, moe_load, optim, output_head, parallel, state
 from megatron_kl.models.offload import ReferenceOffload
 from megatron_kl.rewards.scorer import RewardFailed, RewardScorer
 from megatron_kl.rollout.engine import EngineLost
 from megatron_kl.rollout.http import Cancelled
-from megatron_kl.train import checkpoint as ckpt
-from megatron_kl.train import run_dir
+from megatron_kl.run import checkpoint as ckpt
+from megatron_kl.run import run_dir
 from megatron_kl.train.config import TrainConfig, distill_verdict, kl_verdict
 from megatron_kl.train.engines import build_engine
 from megatron_kl.train.evaluate import evaluate_all
 from megatron_kl.train.metrics import MetricsLogger
-from megatron_kl.train.preemption import Requeue, StopSignals, TrainingFailed
+from megatron_kl.run.preemption import Requeue, StopSignals, TrainingFailed
 from megatron_kl.train.profiling import StepProfiler, phase
 from megatron_kl.train.rollouts import RolloutSource
-from megatron_kl.train.run_state import Counters, RNGStates, RunState
+from megatron_kl.run.run_state import Counters, RNGStates, RunState
 from megatron_kl.train.step import NonFiniteUpdates, StepContext, rl_step
 from megatron_kl.train.topology import Topology
 from megatron_kl.train.warmstart import warm_start_state
@@ -231,7 +231,7 @@ class Trainer:
 
     def sync_metrics(self) -> dict:
         """weight_sync/*: what the last sync sent (rollout/delta.SyncStats; a served engine's on trainer rank 0)."""
-        stats = getattr(self.engine, "last_sync", None)
+        stats = self.engine.last_sync
         return stats.metrics() if stats is not None else {}
 
     def step(self, step: int) -> StepResult:

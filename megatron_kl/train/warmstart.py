@@ -21,7 +21,7 @@ from megatron_kl.config import ConfigError, ModelConfig, to_dict
 from megatron_kl.models import builder, optim, output_head, parallel, pipeline, state
 from megatron_kl.train import shipped_warmstart
 from megatron_kl.train.batching import pack
-from megatron_kl.train.manifest import sha256_of
+from megatron_kl.run.manifest import sha256_of
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +69,8 @@ def _task_key(task) -> dict:
     """The task section as the key holds it: the dataset task's section (with its files' digests: the answers are the
     warm start's targets) only for that task, so the keys of the other tasks stay what they were before it existed."""
     out = to_dict(task)
+    if not out.get("options"):  # a later field (an outside task's settings): out of the key when unused
+        out.pop("options", None)
     dataset = out.pop("dataset")
     if task.name == "dataset":
         files = [*task.dataset.train_files]

@@ -99,8 +99,8 @@ def distill_step_worker(rank, world, student_cfg: ModelConfig, teacher_cfg: Mode
     train = optim.build_train_state(student, optim.OptimConfig(lr=1e-3, clip_grad=0.0))
     shares = Shares(num_sequences=tokens.shape[0], num_tokens=float(mask.sum()))
     loss = MicrobatchLoss(AlgoConfig(), reference_term, shares, distill=objective)
-    needs_head = objective.estimator == "full" and objective.placement == "loss" or reference_state is not None
-    out = optim.train_step(train, inputs.into(batch), 2, loss, vocab, reference=head if needs_head else None)
+    needs_head = objective.exact and objective.placement == "loss" or reference_state is not None
+    optim.train_step(train, inputs.into(batch), 2, loss, vocab, reference=head if needs_head else None)
     inner = [c.module for c in train.chunks]
     grads = state.full_state_dict(inner, student_cfg.vocab_size, False, tp_group, pp_group, getter=optim.main_grad)
     return {

@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from megatron_kl.kl.kernels.fused_linear import fused_linear_stats
+from megatron_kl.vocab_parallel.fused_linear import fused_linear_stats
 from megatron_kl.testing.distributed import run_ranks
 from megatron_kl.testing.worlds import worlds
 from megatron_kl.validation.fused_linear_workers import fused_linear_worker, make_case, single_pass_worker

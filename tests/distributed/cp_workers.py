@@ -9,14 +9,13 @@ import math
 import torch
 import torch.distributed as dist
 
-from megatron_kl.kl.corrections import Correction
 from megatron_kl.algo.losses import AlgoConfig, MicrobatchLoss, Shares
 from megatron_kl.kl.audit.exact import all_configs, behavior_configs
 from megatron_kl.kl.estimators import ClampCounter
 from megatron_kl.kl.objective import kl_penalty_credit
 from megatron_kl.kl.rpg import DIVERGENCES, RPGConfig
 from megatron_kl.kl.sequence_axis import LOCAL, ContextParallelAxis, zigzag_shard
-from megatron_kl.kl.kernels.vocab_parallel import fused_stats
+from megatron_kl.vocab_parallel.stats import fused_stats
 from megatron_kl.models.batch import Microbatch
 
 VOCAB = 12
@@ -31,7 +30,7 @@ def cases() -> list[dict]:
     out = []
     kl_configs = all_configs(True, coef=0.3) + [cfg for cfg in all_configs(False, coef=0.3)
                                                 if cfg.name not in {c.name for c in all_configs(True, coef=0.3)}]
-    for i, kl in enumerate(kl_configs):
+    for kl in kl_configs:
         out.append({"kl": kl, "algo": AlgoConfig(aggregation=kl.aggregation)})
     for i, kl in enumerate(behavior_configs(coef=0.3)):
         out.append({"kl": kl, "algo": AlgoConfig(behavior_correction=corrections[i % len(corrections)])})

@@ -27,7 +27,7 @@ def _compare(reference: list[dict], per_rank: list[dict], cp: int, tp: int, tol:
     by_position = {(r["cp_rank"], r["tp_rank"]): r["results"] for r in per_rank}
     for index, expected in enumerate(reference):
         where = f"case {index} (cp={cp}, tp={tp})"
-        for (cp_rank, tp_rank), results in by_position.items():
+        for (cp_rank, _tp_rank), results in by_position.items():
             got = results[index]
             assert relative(got["loss"], expected["loss"]) <= tol, (where, cp_rank, got["loss"], expected["loss"])
             assert got["metrics"].keys() == expected["metrics"].keys(), where

@@ -84,7 +84,7 @@ def test_shards_are_megatrons_and_the_loss_equals_one_rank(world):
     results = distributed.run_ranks(_worker, world)
     mb = _microbatch()
     labels = torch.cat([mb.tokens[:, 1:], torch.zeros(BATCH, 1, dtype=mb.tokens.dtype)], 1)
-    for rank, r in enumerate(results):
+    for r in results:
         local = r["local"]
         assert torch.equal(local["tokens"], r["megatrons_tokens"])  # megatron-core's zigzag split
         positions = local["position_ids"][0]
@@ -123,7 +123,7 @@ def test_layouts_that_cannot_run_are_refused_naming_the_field():
     model = ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2,
                         vocab_size=32, max_position_embeddings=32)
     validate_parallel(model, _parallel(context_parallel=2, tensor_parallel=2), 8)
-    with pytest.raises(ConfigError, match="tensor_parallel\*pipeline_parallel\*context_parallel=8"):
+    with pytest.raises(ConfigError, match=r"tensor_parallel\*pipeline_parallel\*context_parallel=8"):
         validate_parallel(model, _parallel(context_parallel=4, tensor_parallel=2), 4)  # world not divisible
     with pytest.raises(ConfigError, match="pipeline_parallel"):
         validate_parallel(model, _parallel(context_parallel=2, pipeline_parallel=2), 4)

@@ -8,7 +8,7 @@ import pytest
 
 from megatron_kl.rollout.engine import EngineLost, SamplingConfig
 from megatron_kl.rollout.http import ServerUnavailable
-from megatron_kl.rollout.remote import DistributedEngine
+from megatron_kl.rollout.distributed import DistributedEngine
 from megatron_kl.testing.distributed import run_ranks
 
 

@@ -16,7 +16,7 @@ from tests.distributed.test_truncation import direct_support
 from tests.distributed.truncation_workers import histogram_cut_worker, histogram_rows
 
 def _no_compiler() -> bool:
-    from megatron_kl.kl.kernels import native
+    from megatron_kl.vocab_parallel import native
 
     return native._compiler() is None
 
@@ -65,8 +65,8 @@ def test_histogram_cut_equals_the_rule_over_shards(world, cap, levels):
 
 
 def test_without_a_compiler_the_torch_path_gives_the_same_supports(monkeypatch, tmp_path, caplog):
-    from megatron_kl.kl.kernels import native, top_p_histogram
-    from megatron_kl.kl.kernels.truncation import Truncation, support_threshold
+    from megatron_kl.vocab_parallel import native, top_p_histogram
+    from megatron_kl.vocab_parallel.truncation import Truncation, support_threshold
 
     x = histogram_rows("flat", 9)
     with_kernels = support_threshold(x, None, Truncation(0, 0.9))
@@ -86,7 +86,7 @@ def test_without_a_compiler_the_torch_path_gives_the_same_supports(monkeypatch, 
 
 @needs_compiler
 def test_the_build_is_cached_per_source_compiler_and_cpu(monkeypatch, tmp_path):
-    from megatron_kl.kl.kernels import native
+    from megatron_kl.vocab_parallel import native
 
     monkeypatch.setenv("MEGATRON_KL_CACHE", str(tmp_path))
     native.library.cache_clear()
@@ -112,7 +112,7 @@ def test_a_forked_child_runs_rows_on_threads_of_its_own(monkeypatch):
     import threading
     import time
 
-    from megatron_kl.kl.kernels import native
+    from megatron_kl.vocab_parallel import native
 
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     seen, meeting = [], [threading.Barrier(2)]
@@ -146,7 +146,7 @@ def test_a_forked_child_runs_rows_on_threads_of_its_own(monkeypatch):
 @needs_compiler
 def test_a_compiler_without_march_native_builds_portably(monkeypatch, tmp_path):
     """A compiler that rejects -march=native (a stand-in script here) still gets the kernels built without it."""
-    from megatron_kl.kl.kernels import native
+    from megatron_kl.vocab_parallel import native
 
     fussy = tmp_path / "fussy-cc"
     fussy.write_text('#!/bin/sh\nfor a in "$@"; do [ "$a" = -march=native ] && { echo "unknown -march" >&2; exit 1; }; '

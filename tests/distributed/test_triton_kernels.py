@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_kl.kl.kernels import triton_stats
+from megatron_kl.vocab_parallel import triton_stats
 from megatron_kl.testing import distributed
 from megatron_kl.testing.worlds import worlds
 from megatron_kl.validation import test_fused_linear, test_vocab_parallel, test_vocab_parallel_accuracy

@@ -157,8 +157,8 @@ def _check(cases, per_rank):
 
 
 def test_no_truncation_is_the_full_distribution():
-    from megatron_kl.kl.kernels.truncation import Truncation
-    from megatron_kl.kl.kernels.vocab_parallel import fused_stats
+    from megatron_kl.vocab_parallel.truncation import Truncation
+    from megatron_kl.vocab_parallel.stats import fused_stats
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(5, 40, generator=g, dtype=torch.float64)
@@ -171,7 +171,7 @@ def test_no_truncation_is_the_full_distribution():
 
 def test_candidate_blocks_do_not_change_the_support(monkeypatch):
     """The retries run on row blocks bounded by CANDIDATE_ELEMENTS; tiny blocks give the same thresholds."""
-    import megatron_kl.kl.kernels.truncation as truncation
+    import megatron_kl.vocab_parallel.truncation as truncation
 
     g = torch.Generator().manual_seed(3)
     x = 0.5 * torch.randn(300, 2000, generator=g, dtype=torch.float64)  # supports of hundreds: retries
@@ -188,7 +188,7 @@ def test_block_maxima_selection_is_the_exact_top_m(dtype):
     """``_local_top`` picks its candidates from block maxima on wide rows: equal to torch.topk's values on
     random rows, on rows of heavy ties, on column slices (as a padded shard is) whose row stride the block
     width divides or not, with a ragged last block, and for m from 1 to where it selects directly."""
-    from megatron_kl.kl.kernels.truncation import _local_top
+    from megatron_kl.vocab_parallel.truncation import _local_top
 
     g = torch.Generator().manual_seed(11)
     wide = torch.randn(33, 6000, generator=g, dtype=dtype)
@@ -205,8 +205,8 @@ def test_wide_vocabulary_supports_equal_the_direct_rule(rule, lookup, monkeypatc
     """Thresholds on a vocabulary wide enough for the block-maxima candidates and the top-k fast path: equal to
     the rule written out, on logits whose k-th value ties far beyond k (integer logits; the fast path must
     not take a normaliser from the candidates then), on peaked and on flat rows (the bisection)."""
-    from megatron_kl.kl.kernels import truncation
-    from megatron_kl.kl.kernels.truncation import Truncation, support_threshold
+    from megatron_kl.vocab_parallel import truncation
+    from megatron_kl.vocab_parallel.truncation import Truncation, support_threshold
 
     monkeypatch.setattr(truncation, "BISECTION_LOOKUP", lookup)
     top_k, top_p = rule

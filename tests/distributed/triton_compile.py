@@ -16,7 +16,7 @@ def compile_launches(launches, arch: int = 90):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from megatron_kl.kl.kernels import triton_kernels
+    from megatron_kl.vocab_parallel import triton_kernels
 
     target = GPUTarget("cuda", arch, 32)
     compiled, errors, seen = 0, [], set()

@@ -3,8 +3,8 @@
 import torch
 import torch.distributed as dist
 
-from megatron_kl.kl.kernels import triton_stats
-from megatron_kl.kl.kernels.vocab_parallel import fused_stats
+from megatron_kl.vocab_parallel import triton_stats
+from megatron_kl.vocab_parallel.stats import fused_stats
 from megatron_kl.local_ranks import to_device
 from megatron_kl.validation.devices import rank_device
 
@@ -89,7 +89,7 @@ class _Recorder:
 def launch_worker(rank, world, cases):
     """Every kernel launch the dispatcher makes for ``cases`` (the edge cases, with and without a truncated
     support): ``[{kernel, signature {arg: Triton type}, constexprs {name: value}, options}]``."""
-    from megatron_kl.kl.kernels.truncation import Truncation
+    from megatron_kl.vocab_parallel.truncation import Truncation
 
     calls = []
     kernels = triton_stats._kernels

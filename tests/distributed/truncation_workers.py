@@ -3,9 +3,9 @@
 import torch
 import torch.distributed as dist
 
-from megatron_kl.kl.kernels.fused_linear import fused_linear_stats
-from megatron_kl.kl.kernels.truncation import Truncation, support_threshold
-from megatron_kl.kl.kernels.vocab_parallel import fused_stats
+from megatron_kl.vocab_parallel.fused_linear import fused_linear_stats
+from megatron_kl.vocab_parallel.truncation import Truncation, support_threshold
+from megatron_kl.vocab_parallel.stats import fused_stats
 from megatron_kl.local_ranks import to_device
 from megatron_kl.validation.devices import rank_device
 
@@ -14,7 +14,7 @@ def make_case(case: dict):
     """Full inputs of a case (identical on every rank and in the parent): logits [n, V] or, for the fused
     linear path, hidden [n, H] and weight [V, H] with logits = hidden @ weight^T; reference likewise."""
     g = torch.Generator().manual_seed(case["seed"])
-    n, vocab, padded = case["rows"], case["vocab"], case["padded_vocab"]
+    n, padded = case["rows"], case["padded_vocab"]
     kind = case.get("kind", "random")
     if kind == "linear":
         hidden = torch.randn(n, 16, generator=g, dtype=torch.float64)
@@ -40,7 +40,7 @@ def make_case(case: dict):
 def truncation_worker(rank, world, cases):
     """``case["lookup"]``: the bisection's lookup (``truncation.BISECTION_LOOKUP``); ``case["histogram"]`` False:
     float32 top-p alone by the bisection too (not the CPU's mass histograms)."""
-    from megatron_kl.kl.kernels import top_p_histogram, truncation
+    from megatron_kl.vocab_parallel import top_p_histogram, truncation
 
     group = dist.group.WORLD
     results = []
@@ -112,7 +112,7 @@ def histogram_rows(kind: str, seed: int, rows: int = 24, vocab: int = 6000) -> t
 def histogram_cut_worker(rank, world, cases, cap, max_levels):
     """support_threshold on this rank's slice of each case's rows, with the mass-histogram search's ``CAP`` and
     ``MAX_LEVELS`` set (a small cap forces narrowing levels; 0 levels leaves every row to the bisection)."""
-    from megatron_kl.kl.kernels import top_p_histogram
+    from megatron_kl.vocab_parallel import top_p_histogram
 
     top_p_histogram.CAP, top_p_histogram.MAX_LEVELS = cap, max_levels
     group = dist.group.WORLD if world > 1 else None

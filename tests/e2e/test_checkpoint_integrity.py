@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_kl.train import manifest
-from megatron_kl.train.checkpoint import MARKER
+from megatron_kl.run import manifest
+from megatron_kl.run.checkpoint import MARKER
 from tests.e2e.test_train import DEFAULT, Run
 
 
@@ -123,7 +123,7 @@ def test_a_damaged_checkpoint_is_named_and_the_previous_one_used(tmp_path, base_
     name, message = damage(run / "checkpoints" / "step_000002")
     code, output = Run(tmp_path / "resume.log", *_args(run, cache, 3)).wait()
     assert code == 0, output[-3000:]
-    line = next((l for l in output.splitlines() if "trying the previous checkpoint" in l), "")
+    line = next((row for row in output.splitlines() if "trying the previous checkpoint" in row), "")
     assert name in line and message in line, output[-3000:]
     assert f"resumed from {run / 'checkpoints' / 'step_000001'} at RL step 1" in output, output[-3000:]
     import json

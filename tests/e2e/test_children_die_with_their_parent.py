@@ -45,7 +45,7 @@ def test_a_killed_command_leaves_no_rank_behind(tmp_path):
 def test_a_killed_local_launch_stops_its_trainers_with_a_checkpoint(tmp_path, warm_cache):
     """``megatron-kl launch local`` killed -9 mid-run: torchrun and both ranks end within moments, the finished steps
     saved (the trainers take its death as SIGTERM), and the same launch resumes from them."""
-    from megatron_kl.train.checkpoint import complete_checkpoints
+    from megatron_kl.run.checkpoint import complete_checkpoints
     from megatron_kl.train.metrics import read_metrics
 
     out, home = tmp_path / "out", tmp_path / "home"

@@ -15,7 +15,7 @@ from megatron_kl.rollout.config import SGLangConfig
 from megatron_kl.rollout.delta import DeltaTracker
 from megatron_kl.rollout.servers import server_port
 from megatron_kl.rollout.sglang import SGLangEngine
-from megatron_kl.rollout.weight_sync import FromDisk, FromDistributed, FromTensor
+from megatron_kl.rollout.sglang_sync import FromDisk, FromDistributed, FromTensor
 from tests.e2e.test_sglang import PROMPTS, SAMPLING, TEST_SERVER, _hf_tensors, _model, _same, clean, models  # noqa: F401
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))

@@ -46,7 +46,7 @@ def test_distillation_alone_with_a_bigger_teacher(tmp_path):
         unregistered = [k for k in record if lookup(k) is None]
         assert not unregistered, unregistered
         assert record["loss/policy"] == 0.0  # distillation alone: no task advantage
-    assert one["summary"]["run_name"].startswith("distill-full-loss-sequence-coef1-")
+    assert one["summary"].run_name.startswith("distill-full-loss-sequence-coef1-")
 
 
 def test_a_teacher_in_a_layout_of_its_own_trains_as_in_the_students_layout(tmp_path):

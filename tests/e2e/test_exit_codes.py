@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from megatron_kl.rollout.servers import server_port
-from megatron_kl.train.checkpoint import complete_checkpoints
-from megatron_kl.train.preemption import REQUEUE_EXIT_CODE
+from megatron_kl.run.checkpoint import complete_checkpoints
+from megatron_kl.run.preemption import REQUEUE_EXIT_CODE
 from tests.e2e.test_sglang import TEST_SERVER
 from tests.e2e.test_train import DEFAULT, ROOT
 

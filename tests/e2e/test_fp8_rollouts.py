@@ -5,7 +5,6 @@ refused."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from megatron_kl.rollout.engine import SamplingConfig
 from megatron_kl.testing.distributed import run_ranks
@@ -32,7 +31,7 @@ def test_the_engine_samples_the_fp8_policy_and_the_trainer_keeps_its_weights(tp)
 def test_sglang_fp8_servers_quantize_and_a_plain_server_is_refused_for_an_fp8_run(tmp_path, monkeypatch):
     from megatron_kl.rollout.config import SGLangConfig
     from megatron_kl.rollout.sglang import SGLangEngine
-    from megatron_kl.rollout.weight_sync import FromTensor
+    from megatron_kl.rollout.sglang_sync import FromTensor
     from tests.e2e.test_sglang import PROMPTS as SERVED_PROMPTS, TEST_SERVER, _engine, _hf_tensors
     from hf_workers import make_hf_model
 

@@ -43,13 +43,13 @@ def test_validate_runs_from_an_installed_wheel(tmp_path):
     assert not (site / "tests").exists()
     env = {**os.environ, "PYTHONPATH": str(site)}
 
-    where = _run([sys.executable, "-c", "import megatron_kl; from megatron_kl.launch.validate import "
+    where = _run([sys.executable, "-c", "import megatron_kl; from megatron_kl.launch.node_check import "
                   "packaged_config, repository_checkout; print(megatron_kl.__file__); print(repository_checkout()); "
                   "print(packaged_config('configs/cpu/default.yaml'))"], elsewhere, env)
     module, checkout, config = where.stdout.split()
     assert module.startswith(str(site)) and checkout == "None" and config.startswith(str(site)), where.stdout
 
-    kernels = _run([sys.executable, "-c", "from megatron_kl.kl.kernels import native; print(native.SOURCE); "
+    kernels = _run([sys.executable, "-c", "from megatron_kl.vocab_parallel import native; print(native.SOURCE); "
                     "print(native.library() is not None)"], elsewhere, {**env, "MEGATRON_KL_CACHE": str(tmp_path / "c")})
     assert kernels.returncode == 0, kernels.stderr[-2000:]
     source, loaded = kernels.stdout.split()

@@ -81,7 +81,7 @@ def test_impossible_routing_from_the_server_is_retried_without_loss(tmp_path, ti
     from megatron_kl.rollout.config import SGLangConfig
     from megatron_kl.rollout.engine import SamplingConfig
     from megatron_kl.rollout.sglang import RoutingShape, SGLangEngine
-    from megatron_kl.rollout.weight_sync import FromTensor
+    from megatron_kl.rollout.sglang_sync import FromTensor
     from megatron_kl.testing.sglang_server import ROUTING_CORRUPTIONS
 
     prompts, sampling = [[1, 5, 6], [1, 8], [3, 4, 5, 6], [2]], SamplingConfig(max_new_tokens=6)

@@ -161,7 +161,7 @@ def test_a_server_that_cannot_pause_is_refused_at_start_naming_the_field(tmp_pat
     from megatron_kl.rollout.config import SGLangConfig
     from megatron_kl.rollout.servers import server_port
     from megatron_kl.rollout.sglang import SGLangEngine
-    from megatron_kl.rollout.weight_sync import FromTensor
+    from megatron_kl.rollout.sglang_sync import FromTensor
     from tests.e2e.test_sglang import TEST_SERVER
 
     model_dir = make_hf_model("qwen2", tmp_path / "a", seed=0)

@@ -121,7 +121,7 @@ def test_a_run_distils_from_a_served_teacher(tmp_path, ranks):
     finally:
         server.stop()
     steps = [r for r in out["metrics"] if "distill/topk_token" in r]
-    assert len(steps) == 2 and out["summary"]["run_name"].startswith("distill-topk4_bucket-loss-sequence-coef1-")
+    assert len(steps) == 2 and out["summary"].run_name.startswith("distill-topk4_bucket-loss-sequence-coef1-")
     for record in steps:
         # a random teacher: far from the student, and the top-k divergence a lower bound of what k1 estimates
         assert 0.05 < record["distill/topk_token"] < 10 and record["loss/distill_term"] != 0

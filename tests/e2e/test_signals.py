@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from megatron_kl.rollout.servers import server_port
-from megatron_kl.train.checkpoint import complete_checkpoints
+from megatron_kl.run.checkpoint import complete_checkpoints
 from megatron_kl.train.metrics import read_metrics
 from tests.e2e.test_sglang import TEST_SERVER
 from tests.e2e.test_train import DEFAULT, Run

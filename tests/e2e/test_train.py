@@ -14,7 +14,7 @@ import pytest
 import torch
 import yaml
 
-from megatron_kl.config import ConfigError, apply_overrides, from_dict
+from megatron_kl.config import apply_overrides, from_dict
 from megatron_kl.testing.distributed import run_ranks
 from megatron_kl.train.config import TrainConfig, kl_verdict
 from megatron_kl.train.metrics import read_metrics

@@ -2,7 +2,6 @@
 (rollout.sampling.distribution=truncated) at TP 1 and 2 and on the fused path, with the same metrics up to fp32
 rounding; the step-0 train-vs-rollout mismatch is ~0 with it and clearly non-zero with distribution=full."""
 
-import pytest
 
 from megatron_kl.testing.distributed import run_ranks
 from megatron_kl.train.metric_registry import lookup

@@ -14,7 +14,7 @@ def _cache_files(cache):
 
 
 def test_a_damaged_warm_start_cache_is_recomputed_not_trusted(tmp_path):
-    from megatron_kl.train.manifest import sha256_of as file_digest
+    from megatron_kl.run.manifest import sha256_of as file_digest
 
     cache = tmp_path / "cache"
     overrides = ("warm_start.steps=20", "train.steps=1")
@@ -37,7 +37,7 @@ def test_a_damaged_warm_start_cache_is_recomputed_not_trusted(tmp_path):
 def test_a_cache_without_its_digest_or_with_another_is_not_loaded(tmp_path, caplog):
     import torch
 
-    from megatron_kl.train.manifest import sha256_of as file_digest
+    from megatron_kl.run.manifest import sha256_of as file_digest
     from megatron_kl.train.warmstart import _load_verified, digest_path
 
     path = tmp_path / "warmstart-0.pt"

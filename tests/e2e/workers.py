@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
@@ -167,7 +169,7 @@ def failing_train_worker(rank, world, cfg_dict: dict, fail_at: int, kind: str):
     from pathlib import Path
 
     from megatron_kl.train import loop, trainer
-    from megatron_kl.train.preemption import TrainingFailed
+    from megatron_kl.run.preemption import TrainingFailed
     from megatron_kl.train.step import NonFiniteUpdates
 
     real_step = trainer.rl_step
@@ -192,11 +194,13 @@ def failing_train_worker(rank, world, cfg_dict: dict, fail_at: int, kind: str):
     return {"error": None}
 
 
-def trainer_steps_worker(rank, world, cfg_dict: dict, steps: int):
-    """One RL step at a time through the Trainer object, without fit(): its metrics per step."""
+@contextlib.contextmanager
+def started_trainer(cfg_dict: dict):
+    """The Trainer of a fresh start of ``cfg_dict`` on this rank (process groups made, stop signals installed) and
+    the prepared start; everything is shut down when the block ends."""
     from megatron_kl.models import parallel
+    from megatron_kl.run.preemption import StopSignals
     from megatron_kl.train.loop import prepare, seed_everything
-    from megatron_kl.train.preemption import StopSignals
     from megatron_kl.train.topology import Topology
     from megatron_kl.train.trainer import Trainer
 
@@ -209,14 +213,20 @@ def trainer_steps_worker(rank, world, cfg_dict: dict, steps: int):
     try:
         with Trainer(cfg, prepared.plan, prepared.task, prepared.hf_source, Topology.from_parallel_state(),
                      stop) as trainer:
-            records = []
-            for step in range(steps):
-                result = trainer.step(step)
-                assert (result.step, result.engine_version) == (step, step + 1)
-                records.append({"step": step, **result.metrics})
-            rl_steps = trainer.counters.rl_steps
+            yield trainer, prepared
     finally:
         stop.close()
+
+
+def trainer_steps_worker(rank, world, cfg_dict: dict, steps: int):
+    """One RL step at a time through the Trainer object, without fit(): its metrics per step."""
+    with started_trainer(cfg_dict) as (trainer, _):
+        records = []
+        for step in range(steps):
+            result = trainer.step(step)
+            assert (result.step, result.engine_version) == (step, step + 1)
+            records.append({"step": step, **result.metrics})
+        rl_steps = trainer.counters.rl_steps
     return {"records": records, "rl_steps": rl_steps}
 
 

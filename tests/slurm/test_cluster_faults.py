@@ -39,7 +39,7 @@ def test_a_job_failing_on_every_start_exhausts_its_retries_and_reports_why(slurm
 
 def test_a_node_lost_mid_run_leaves_whole_checkpoints_and_the_requeued_job_resumes(slurm_cluster, warm_cache,
                                                                                     tmp_path, uninterrupted):
-    from megatron_kl.train import checkpoint, manifest
+    from megatron_kl.run import checkpoint, manifest
 
     run = tmp_path / "run"
     launched = slurm_cluster.launch("slurm", "--cluster", "ci", "--config", CONFIG, "--detach",

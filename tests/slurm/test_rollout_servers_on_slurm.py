@@ -11,13 +11,12 @@ import json
 import re
 import signal
 import sys
-from pathlib import Path
 
 import psutil
 
 from megatron_kl.testing.site_proxy import SiteProxy
-from megatron_kl.train import checkpoint
-from megatron_kl.train.preemption import REQUEUE_EXIT_CODE
+from megatron_kl.run import checkpoint
+from megatron_kl.run.preemption import REQUEUE_EXIT_CODE
 from tests.slurm.conftest import CONFIG, ROOT, free_port
 from tests.slurm.test_launch_on_slurm import (by_step, diagnosis, experiment_dir, experiment_id, job_id, job_state,
                                               settled_starts, start_requeued_now, steps_done, wait_until)

@@ -4,7 +4,7 @@ import errno
 import shutil
 from collections import namedtuple
 
-from megatron_kl.train import checkpoint
+from megatron_kl.run import checkpoint
 
 Usage = namedtuple("Usage", "total used free")
 

@@ -79,7 +79,7 @@ def test_sequence_parallel_without_transformer_engine_is_a_clear_error():
 
 def test_logprob_path_auto_fuses_when_the_logits_outgrow_the_fused_chunks():
     from megatron_kl.models.pipeline import FUSED_MIN_LOGITS_PER_CHUNK, VocabOptions
-    from megatron_kl.kl.kernels.fused_linear import linear_chunk_rows
+    from megatron_kl.vocab_parallel.fused_linear import linear_chunk_rows
 
     auto = VocabOptions.for_model(_model(vocab_size=151936), ParallelConfig())
     assert auto.fused is None and auto.grad_in_forward

@@ -115,3 +115,34 @@ def test_the_defaults_and_the_shipped_configs_satisfy_every_constraint():
         if default is not dataclasses.MISSING and default is not None:
             assert constraint_of(item).violation(default) is None, path
             assert not (isinstance(default, float) and math.isnan(default)), path
+
+
+def test_a_section_built_in_python_is_held_to_the_same_declared_constraints():
+    from megatron_kl.algo.config import AlgoConfig
+    from megatron_kl.kl.config import KLConfig
+    from megatron_kl.rollout.config import SamplingConfig
+
+    with pytest.raises(ConfigError, match=r"KLConfig\.estimator='k5' must be one of \['k1', 'k2', 'k3', 'full'"):
+        KLConfig(estimator="k5")
+    with pytest.raises(ConfigError, match=r"KLConfig\.coef=-0\.1 must be >= 0"):
+        KLConfig(coef=-0.1)
+    with pytest.raises(ConfigError, match=r"rollout\.sampling\.top_p=0\.0 must be > 0 and <= 1"):
+        SamplingConfig(top_p=0.0)
+    with pytest.raises(ConfigError, match=r"algo\.ppo_epochs=0 must be >= 1"):
+        AlgoConfig(ppo_epochs=0)
+    assert KLConfig(estimator="k3", coef=0.5).coef == 0.5
+
+
+def test_the_resumable_fields_are_the_ones_declared_so_and_leave_the_run_identity():
+    from megatron_kl.constraints import RESUMABLE, resumable_paths
+    from megatron_kl.run.identity_fields import identity_fields, resumable
+
+    paths = resumable_paths(TrainConfig)
+    assert "train.output_dir" in paths and "logging." in paths and "rollout.sglang.urls" in paths
+    assert not any(p.startswith(("kl.", "model.", "algo.", "optim.")) for p in paths)
+    loop = typing.get_type_hints(TrainConfig)["train"]
+    declared = {f"train.{f.name}" for f in dataclasses.fields(loop) if f.metadata.get(RESUMABLE)}
+    assert declared == {p for p in paths if p.startswith("train.")}
+    fields = identity_fields(dataclasses.asdict(TrainConfig()), paths)
+    assert "kl.coef" in fields and "train.output_dir" not in fields and not any(k.startswith("logging.") for k in fields)
+    assert resumable("eval.k", paths) and not resumable("evaluation.k", paths) and not resumable("kl.coef", paths)

@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_kl.rollout import delta
 from megatron_kl.rollout.delta import (COMMIT, DeltaRejected, DeltaTracker, apply_encoded, diff, encode,
-                                       sglang_delta_loader, tensor_checksum)
+                                       tensor_checksum)
+from megatron_kl.rollout import sglang_loader
+from megatron_kl.rollout.sglang_loader import sglang_delta_loader
 
 
 def _step(tensor: torch.Tensor, fraction: float, seed: int) -> torch.Tensor:
@@ -114,9 +115,9 @@ def test_the_sglang_loader_waits_for_the_commit_and_loads_nothing_on_a_rejected_
     next(t for n, t in bad if n == "t1@delta:values")[0] += 1
     with pytest.raises(DeltaRejected):
         sglang_delta_loader(model, bad)
-    assert model.loaded == [["t0", "t1", "t2"]] and torch.equal(delta._HELD[id(model)]["t1"], held["t1"])
+    assert model.loaded == [["t0", "t1", "t2"]] and torch.equal(sglang_loader._HELD[id(model)]["t1"], held["t1"])
     sglang_delta_loader(model, _encoded_sync(held, new, 2))
-    assert model.loaded[-1] == ["t1"] and torch.equal(delta._HELD[id(model)]["t1"], new["t1"])
+    assert model.loaded[-1] == ["t1"] and torch.equal(sglang_loader._HELD[id(model)]["t1"], new["t1"])
 
 
 def test_the_tracker_keeps_copies_not_the_live_parameters():
@@ -150,7 +151,7 @@ def test_the_committed_tensors_a_restarted_server_is_sent_are_copies():
     """What a restarted server is brought back to (the committed version) must not follow the CPU parameters an
     optimizer step changes in place after the sync."""
     from megatron_kl.rollout.config import SGLangConfig
-    from megatron_kl.rollout.weight_sync import FromTensor
+    from megatron_kl.rollout.sglang_sync import FromTensor
 
     param = torch.randn(16, 16)
     prepared = FromTensor(SGLangConfig(weight_sync="from_tensor")).prepare([("w", param), ("half", param[:8])], 3)

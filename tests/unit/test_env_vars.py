@@ -41,7 +41,7 @@ def test_flags_choices_and_powers_of_two():
 
 
 def test_the_kernels_read_the_variables_strictly(monkeypatch):
-    from megatron_kl.kl.kernels import triton_stats
+    from megatron_kl.vocab_parallel import triton_stats
 
     monkeypatch.setenv("MEGATRON_KL_TRITON", "off")
     assert triton_stats.enabled(torch.zeros(1)) is False

@@ -80,14 +80,15 @@ def test_fp8_with_a_vllm_server_is_refused_naming_the_field(tmp_path):
 
 
 def test_disaggregated_servers_are_started_with_the_flags_the_rollout_section_implies(tmp_path):
-    from megatron_kl.launch.jobs import sglang_server_args
+    from megatron_kl.launch.jobs import rollout_server_args
     from megatron_kl.rollout.config import DELTA_LOADER
     from megatron_kl.train.config import TrainConfig
     from tests.e2e.test_train import short_config
 
     def args(*overrides):
-        return sglang_server_args(from_dict(TrainConfig, short_config(tmp_path, str(tmp_path / "c"),
-                                                                      f"init.hf_checkpoint={tmp_path}", *overrides)))
+        return rollout_server_args(from_dict(TrainConfig, short_config(tmp_path, str(tmp_path / "c"),
+                                                                      f"init.hf_checkpoint={tmp_path}", "rollout.engine=sglang",
+                                                                      *overrides)))
 
     plain = args()
     assert "--quantization" not in plain and "--custom-weight-loader" not in plain

@@ -1,10 +1,10 @@
-"""kl/kernels/fused_linear.weight_grad_for_autograd: a 16-bit output weight under megatron DDP gets the fused kernel's
+"""vocab_parallel/fused_linear.weight_grad_for_autograd: a 16-bit output weight under megatron DDP gets the fused kernel's
 float32 dL/dW added to its float32 main_grad unrounded (megatron's gradient-accumulation fusion), and nothing
 through autograd; other weights get the gradient through autograd as before."""
 
 import torch
 
-from megatron_kl.kl.kernels.fused_linear import weight_grad_for_autograd
+from megatron_kl.vocab_parallel.fused_linear import weight_grad_for_autograd
 
 
 def _grad():

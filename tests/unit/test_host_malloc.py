@@ -8,9 +8,9 @@ import sys
 import pytest
 
 from megatron_kl.config import ConfigError
-from megatron_kl.train.host_malloc import SETTINGS, _glibc, tune_host_malloc
+from megatron_kl.run.host_malloc import SETTINGS, _glibc, tune_host_malloc
 
-PROBE = ("import json; from megatron_kl.train.host_malloc import tune_host_malloc; "
+PROBE = ("import json; from megatron_kl.run.host_malloc import tune_host_malloc; "
          "print(json.dumps(tune_host_malloc('auto', cuda=False)))")
 
 
@@ -29,7 +29,7 @@ def test_auto_sets_both_thresholds_on_cpu_and_leaves_the_users_environment_alone
 
 FAULTS = """
 import resource, sys, torch
-from megatron_kl.train.host_malloc import tune_host_malloc
+from megatron_kl.run.host_malloc import tune_host_malloc
 tune_host_malloc(sys.argv[1], cuda=False)
 def faults():
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt

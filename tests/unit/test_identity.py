@@ -1,7 +1,7 @@
-"""Run identity on resume (train/identity.py): which recorded-vs-current differences refuse a resume."""
+"""Run identity on resume (run/identity.py): which recorded-vs-current differences refuse a resume."""
 
-from megatron_kl.train.config import load_train_config
-from megatron_kl.train.identity import differences, identity_of
+from megatron_kl.train.config import TrainConfig, load_train_config
+from megatron_kl.run.identity import differences, identity_of
 
 DEFAULT_CONFIG = str(__import__("pathlib").Path(__file__).resolve().parents[2] / "configs" / "cpu" / "default.yaml")
 
@@ -17,19 +17,19 @@ def _recorded_by_an_older_version(cfg, *added: str) -> dict:
 def test_a_field_added_since_the_checkpoint_differs_only_when_set_off_its_default():
     cfg = load_train_config("configs/cpu/default.yaml", [])
     recorded = _recorded_by_an_older_version(cfg, "rollout.partial", "rollout.quantization", "kl.clamp")
-    assert differences(recorded, identity_of(cfg, 1)) == []  # at their defaults: the behaviour the run had
+    assert differences(recorded, identity_of(cfg, 1), TrainConfig) == []  # at their defaults: the behaviour the run had
     changed = load_train_config("configs/cpu/default.yaml", ["rollout.quantization=fp8", "kl.clamp=10"])
-    assert differences(recorded, identity_of(changed, 1)) == ["kl.clamp: (absent) -> 10.0",
+    assert differences(recorded, identity_of(changed, 1), TrainConfig) == ["kl.clamp: (absent) -> 10.0",
                                                               "rollout.quantization: (absent) -> 'fp8'"]
 
 
 def test_removed_and_changed_fields_always_differ():
     cfg = load_train_config("configs/cpu/default.yaml", [])
     recorded = dict(identity_of(cfg, 1), **{"algo.retired_option": True})
-    assert differences(recorded, identity_of(cfg, 1)) == ["algo.retired_option: True -> (absent)"]
+    assert differences(recorded, identity_of(cfg, 1), TrainConfig) == ["algo.retired_option: True -> (absent)"]
     other = load_train_config("configs/cpu/default.yaml", ["kl.coef=0.5"])
-    assert differences(identity_of(cfg, 1), identity_of(other, 1)) == ["kl.coef: 0.01 -> 0.5"]
-    assert differences(identity_of(cfg, 1), identity_of(cfg, 2)) == ["world_size: 1 -> 2"]
+    assert differences(identity_of(cfg, 1), identity_of(other, 1), TrainConfig) == ["kl.coef: 0.01 -> 0.5"]
+    assert differences(identity_of(cfg, 1), identity_of(cfg, 2), TrainConfig) == ["world_size: 1 -> 2"]
 
 
 def test_what_auto_chose_is_a_declared_resolved_field_outside_the_identity(tmp_path):
@@ -53,7 +53,7 @@ def test_what_auto_chose_is_a_declared_resolved_field_outside_the_identity(tmp_p
     given = load_train_config("configs/cpu/default.yaml", [f"kl.estimator={chosen.estimator}",
                                                            f"kl.placement={chosen.placement}",
                                                            f"kl.level={chosen.level}"])
-    assert differences(identity_of(auto, 1), identity_of(given, 1)) == []
+    assert differences(identity_of(auto, 1), identity_of(given, 1), TrainConfig) == []
 
 
 def test_the_run_key_separates_every_identity_change_and_nothing_else():
@@ -81,5 +81,5 @@ def test_an_edited_reward_file_is_a_changed_run(tmp_path):
     cfg = load_train_config(DEFAULT_CONFIG, [f"reward.functions=[{{name: '{rewards}:score'}}]"])
     recorded = identity_of(cfg, 1)
     rewards.write_text("def score(sample):\n    return 0.5\n")
-    changed = differences(recorded, identity_of(cfg, 1))
+    changed = differences(recorded, identity_of(cfg, 1), TrainConfig)
     assert len(changed) == 1 and changed[0].startswith(f"file:{rewards}"), changed

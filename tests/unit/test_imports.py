@@ -91,13 +91,14 @@ def test_production_code_does_not_import_testing():
 LAYERS = (
     ("foundations", ("megatron_kl", "megatron_kl.constraints", "megatron_kl.redaction", "megatron_kl.env_vars", "megatron_kl.child_processes", "megatron_kl.local_ranks",
                      "megatron_kl.megatron_compat", "megatron_kl.cli_help", "megatron_kl.data")),
-    ("configuration", ("megatron_kl.config", "megatron_kl.model_variants", "megatron_kl.kl.config", "megatron_kl.launch_config",
+    ("configuration", ("megatron_kl.config", "megatron_kl.model_variants", "megatron_kl.kl.config", "megatron_kl.vocab_parallel.config", "megatron_kl.launch.config",
                        "megatron_kl.distill.config")),
-    ("KL kernels", ("megatron_kl.kl.kernels",)),
+    ("vocab-parallel statistics", ("megatron_kl.vocab_parallel",)),
     ("KL objective", ("megatron_kl.kl",)),
     ("KL audit", ("megatron_kl.kl.audit",)),
     ("models and tasks", ("megatron_kl.models", "megatron_kl.tasks")),
     ("algorithms and rollouts", ("megatron_kl.algo", "megatron_kl.rollout", "megatron_kl.rewards")),
+    ("run plumbing", ("megatron_kl.run",)),
     ("training", ("megatron_kl.train", "megatron_kl.distill", "megatron_kl.testing", "megatron_kl.validation", "megatron_kl.api")),
     ("studies", ("megatron_kl.study", "megatron_kl.config_reference")),
     ("launching", ("megatron_kl.launch",)),
@@ -127,7 +128,7 @@ def test_every_import_runs_down_the_layers():
 def test_the_layer_check_sees_a_planted_import_up():
     graph = _graph()
     graph["megatron_kl.kl.objective"] = graph["megatron_kl.kl.objective"] | {"megatron_kl.algo.losses"}
-    graph["megatron_kl.kl.kernels.truncation"] = graph["megatron_kl.kl.kernels.truncation"] | {"megatron_kl.kl.rpg"}
+    graph["megatron_kl.vocab_parallel.truncation"] = graph["megatron_kl.vocab_parallel.truncation"] | {"megatron_kl.kl.rpg"}
     assert imports_up(graph) == [
-        "megatron_kl.kl.kernels.truncation (KL kernels) imports megatron_kl.kl.rpg (KL objective)",
-        "megatron_kl.kl.objective (KL objective) imports megatron_kl.algo.losses (algorithms and rollouts)"]
+        "megatron_kl.kl.objective (KL objective) imports megatron_kl.algo.losses (algorithms and rollouts)",
+        "megatron_kl.vocab_parallel.truncation (vocab-parallel statistics) imports megatron_kl.kl.rpg (KL objective)"]

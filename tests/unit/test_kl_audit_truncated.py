@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from megatron_kl.kl.audit.exact import TabularProblem, all_configs, audit, exact_targets
-from megatron_kl.kl.kernels.truncation import Truncation
+from megatron_kl.vocab_parallel.truncation import Truncation
 
 ZERO = 1e-9
 BIASED = 1e-3

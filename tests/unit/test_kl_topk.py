@@ -1,13 +1,13 @@
 """The top-k divergence (megatron_kl.kl.topk) against float64 recomputations from its definition, in the regimes a
 run meets: far from the teacher, next to it (judged by relative error), a teacher whose top-k holds all its mass,
-logits of 1e4, all-masked rows; and the vocab-parallel statistics at given ids (megatron_kl.kl.kernels.candidates)
+logits of 1e4, all-masked rows; and the vocab-parallel statistics at given ids (megatron_kl.vocab_parallel.candidates)
 on one rank against torch's own top-k, log-softmax and autograd (their TP=2 results: tests/distributed)."""
 
 import pytest
 import torch
 
 from megatron_kl.kl.estimators import ClampCounter
-from megatron_kl.kl.kernels.candidates import (candidate_logits, candidate_logprobs, fused_candidate_logits,
+from megatron_kl.vocab_parallel.candidates import (candidate_logits, candidate_logprobs, fused_candidate_logits,
                                                top_k_logprobs)
 from megatron_kl.kl.topk import top_k_divergence
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from megatron_kl.config import ConfigError, from_dict
-from megatron_kl.rollout.engine import PAUSED, Completion, SamplingConfig
+from megatron_kl.rollout.engine import PAUSED, Completion, EngineBase, SamplingConfig
 from megatron_kl.train.rollouts import RolloutSource, StalenessExceeded, _Generated
 
 PROMPT_LEN, STOP, LONG, SHORT = 3, 1, 12, 3
@@ -22,7 +22,7 @@ def _logprob(version: int, position: int) -> float:
     return -(version + 1) - position / 100
 
 
-class _TickEngine:
+class _TickEngine(EngineBase):
     """Row k's response is LONG tokens when k % 4 == 0, else SHORT (the last one the stop token); one token per
     ``tick`` for every active row, each with log-prob -(version + 1) - position / 100."""
 

@@ -17,8 +17,8 @@ from megatron_kl.config import ConfigError
 from megatron_kl.rewards import RewardConfig, RewardFunctionConfig, RewardInput, RewardResult, register, unregister
 from megatron_kl.rewards.builtin import boxed_match, exact_match, last_boxed, make_regex_match
 from megatron_kl.rewards.config import RewardServiceConfig
-from megatron_kl.rewards.registry import bind_all
 from megatron_kl.rewards.scorer import RewardFailed, RewardScorer
+from megatron_kl.rollout.engine import EngineBase
 from megatron_kl.tasks.arithmetic import ArithmeticTask
 from megatron_kl.tasks.base import ArithmeticConfig
 from megatron_kl.testing.reward_server import RewardServer
@@ -273,7 +273,7 @@ def test_a_failed_sample_in_a_rollout_batch_is_masked_out_of_the_loss():
 
     task = ArithmeticTask(ArithmeticConfig())
 
-    class Engine:
+    class Engine(EngineBase):
         def generate(self, prompts, sampling, seed=0, budgets=None):
             return [Completion(p, [5, 6, task.tokenizer.eos_id], [-0.1] * 3, "stop", 0) for p in prompts]
 
@@ -393,7 +393,7 @@ def test_an_async_batch_whose_reward_fails_is_raised_where_its_step_takes_it_and
 
     broken, go, calls = threading.Event(), threading.Event(), []
 
-    class Engine:
+    class Engine(EngineBase):
         def generate(self, prompts, sampling, seed=0, budgets=None):
             calls.append(seed)
             if len(calls) > 1:  # the batch for step 1, in the background: held until the reward is broken

@@ -7,13 +7,13 @@ import threading
 import pytest
 import torch
 
-from megatron_kl.rollout.engine import Completion
+from megatron_kl.rollout.engine import Completion, EngineBase
 from megatron_kl.tasks.math import MathConfig, MathTask
 from megatron_kl.train.rollouts import RolloutSource
 from tests.unit.test_tasks import _tiny_hf_tokenizer
 
 
-class _BoxedAnswerEngine:
+class _BoxedAnswerEngine(EngineBase):
     """Answers every prompt with the right boxed answer; records the generating thread."""
 
     def __init__(self, task):

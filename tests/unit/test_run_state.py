@@ -1,9 +1,9 @@
-"""The registry of a run's stateful parts (train/run_state.py): what a checkpoint saves is what a resume loads,
+"""The registry of a run's stateful parts (run/run_state.py): what a checkpoint saves is what a resume loads,
 the two step counters stay apart, and a state that lacks a registered part is refused naming it."""
 
 import pytest
 
-from megatron_kl.train.run_state import Counters, RunState
+from megatron_kl.run.run_state import Counters, RunState
 
 
 class Schedule:

@@ -10,7 +10,7 @@ from torch.distributed.checkpoint import default_planner, filesystem
 from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties,
                                                    TensorStorageMetadata)
 
-from megatron_kl.train.safe_unpickle import UnsafePickle, restricted_checkpoint_reads, restricted_load
+from megatron_kl.run.safe_unpickle import UnsafePickle, restricted_checkpoint_reads, restricted_load
 
 
 class Payload:

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from megatron_kl.constraints import paths_unchecked
-from megatron_kl.launch.jobs import sglang_server_args
+from megatron_kl.launch.jobs import rollout_server_args
 from megatron_kl.rollout.config import DELTA_LOADER
 from megatron_kl.rollout.sglang import server_command
 from megatron_kl.train.config import load_train_config
@@ -41,7 +41,7 @@ def test_managed_and_slurm_servers_get_the_flags_the_config_implies(overrides):
     managed = server_command(cfg.rollout.sglang, "/models/m", 30000, cfg.train.seed, api_key="k",
                              routed_experts=cfg.model.moe.routing_replay == "rollout",
                              quantization=cfg.rollout.quantization, weight_loaders=delta)[3:]
-    launched = sglang_server_args(cfg)
+    launched = rollout_server_args(cfg)
     assert _implied(managed) == _implied(launched)
     assert "--enable-return-routed-experts" in launched  # routing replay with disaggregated servers
     assert ("--quantization" in launched) == (cfg.rollout.quantization == "fp8")
@@ -53,4 +53,4 @@ def test_without_routing_replay_no_server_reports_routes():
         cfg = load_train_config(MOE, ["model.moe.routing_replay=off", "rollout.sglang.colocated=false",
                                       "rollout.sglang.enable_memory_saver=false",
                                       "launch.rollout_servers.mode=disaggregated"])
-    assert "--enable-return-routed-experts" not in sglang_server_args(cfg)
+    assert "--enable-return-routed-experts" not in rollout_server_args(cfg)

@@ -5,6 +5,7 @@ import json
 import pytest
 
 from megatron_kl.config import ConfigError
+from megatron_kl.rollout.engine import EngineBase
 from megatron_kl.tasks.arithmetic import ArithmeticTask, CharTokenizer
 from megatron_kl.tasks.base import ArithmeticConfig, MathConfig, TaskConfig
 from megatron_kl.tasks.math import MathTask, normalize_row, score_answer
@@ -173,7 +174,7 @@ def test_math_task_reports_each_benchmark_file_and_the_weighted_merge(tmp_path):
     assert task.eval_groups() == {"eval": ["eval:math500", "eval:aime2024"], "ood": ["ood"]}
     assert task.num_problems("eval") == 4 and task.num_problems("eval:aime2024") == 1
 
-    class Oracle:  # answers the math500 problems right, everything else wrong
+    class Oracle(EngineBase):  # answers the math500 problems right, everything else wrong
         def generate(self, prompts, sampling, seed=None):
             out = []
             for prompt in prompts:

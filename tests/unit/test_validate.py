@@ -6,11 +6,11 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from megatron_kl.launch.validate import plan_checks
+from megatron_kl.launch.node_check import plan_checks
 
 
 def test_validate_reports_a_failing_and_a_hanging_check(tmp_path):
-    from megatron_kl.launch.validate import Check, run_check
+    from megatron_kl.launch.node_check import Check, run_check
 
     failed = run_check(Check("boom", [sys.executable, "-c", "print('the tail'); raise SystemExit(3)"]), tmp_path,
                        tmp_path)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from megatron_kl.kl.kernels.vocab_parallel import fused_stats
+from megatron_kl.vocab_parallel.stats import fused_stats
 
 
 def test_reference_with_another_tp_layout_is_a_clear_error():
@@ -40,8 +40,8 @@ def test_results_do_not_depend_on_chunk_size():
 def test_row_blocks_inside_a_chunk_do_not_change_results(monkeypatch, block_elements):
     """The elementwise work runs on cache-sized row blocks inside each chunk (CHUNK_ELEMENTS); blocks of
     1-3 rows must give the one-block results, forward and backward, for the logits and fused linear paths."""
-    from megatron_kl.kl.kernels import vocab_parallel
-    from megatron_kl.kl.kernels.fused_linear import fused_linear_grads, fused_linear_stats
+    from megatron_kl.vocab_parallel import stats as vocab_parallel
+    from megatron_kl.vocab_parallel.fused_linear import fused_linear_grads, fused_linear_stats
 
     g = torch.Generator().manual_seed(3)
     x = torch.randn(9, 33, generator=g, dtype=torch.float64)

@@ -34,7 +34,7 @@ from pathlib import Path
 from megatron_kl.kl.corrections import CORRECTIONS
 from megatron_kl.kl.audit.exact import (RECORDED, TabularProblem, all_configs, audit, behavior_configs, format_table,
                                        summarize)
-from megatron_kl.kl.kernels.truncation import Truncation
+from megatron_kl.vocab_parallel.truncation import Truncation
 
 
 _RECORDED_WORDS = {"per_token": "each token's own behaviour log-prob (what the trainer records)",

@@ -75,10 +75,10 @@ def kl_gradient(problem: TabularProblem, cfg: Union[KLConfig, RPGConfig], weight
         estimate = loss / cfg.coef
     elif cfg.placement == "loss":
         estimate = kl_loss(cfg, lp, ref_lp, mask, behavior_logprobs=behavior, behavior_weight=weight,
-                           full_kl=full_kl if cfg.estimator == "full" else None) / cfg.coef
+                           full_kl=full_kl if cfg.exact else None) / cfg.coef
     else:
         returns = kl_shaped_returns(cfg, torch.zeros(n, dtype=lp.dtype), lp, ref_lp, mask, behavior_logprobs=behavior,
-                                    full_kl=full_kl if cfg.estimator == "full" else None)
+                                    full_kl=full_kl if cfg.exact else None)
         estimate = policy_gradient_surrogate(cfg, lp, -returns / cfg.coef, mask, behavior_logprobs=behavior,
                                              behavior_weight=weight)
     (grad,) = torch.autograd.grad(estimate, problem.policy_table, allow_unused=True)
@@ -169,7 +169,7 @@ def train_exact(problem: TabularProblem, rewards: torch.Tensor, beta: float, cfg
     table = problem.reference_table.clone().requires_grad_(True)
     state = dataclasses.replace(problem, policy_table=table)
     norm, step = math.inf, 0
-    for step in range(1, steps + 1):
+    for step in range(1, steps + 1):  # noqa: B007 - the last step is reported after the loop
         d = direction(state, rewards, beta, cfg, off_policy, correction)
         norm = float(d.norm())
         if not math.isfinite(norm) or norm < tolerance:

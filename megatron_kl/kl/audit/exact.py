@@ -18,7 +18,7 @@ off_policy='behavior' is audited once per :class:`~megatron_kl.kl.corrections.Co
 computed from pi_old = pi (the policy at the audit point) and the sampler (mu off-policy, pi on-policy).
 
 Truncated sampler (``TabularProblem.truncation``): the samples come from mu = trunc(pi) (top-k / top-p on each
-state's logits, renormalised: the engines' rule, ``kl.kernels.truncation``), the behaviour log-probs are log mu, and the
+state's logits, renormalised: the engines' rule, ``vocab_parallel.truncation``), the behaviour log-probs are log mu, and the
 targets are the gradients of the sampled policy's KLs (KL(mu || pi_ref); the forward KL(pi_ref || mu) is infinite
 and left out). ``trained='truncated'`` gives the estimators log mu (rollout.sampling.distribution=truncated),
 ``'full'`` gives them log pi (distribution=full). Only sequences with mu(y) > 0 are enumerated.
@@ -50,7 +50,7 @@ from megatron_kl.kl.objective import (
 from megatron_kl.kl.config import ESTIMATORS, TOP_K, UNBIASED_TOL, TARGETS as KL_TARGETS, TopKConfig
 from megatron_kl.kl.sequence_axis import crossing
 from megatron_kl.kl.topk import top_k_divergence
-from megatron_kl.kl.kernels.truncation import Truncation, support_threshold
+from megatron_kl.vocab_parallel.truncation import Truncation, support_threshold
 
 TARGETS = tuple(KL_TARGETS.values())  # the audit's names of kl.target's values: seq, token, forward
 RECORDED = ("per_token", "first", "last")  # mixed behaviour: the behaviour log-probs the estimators are given
@@ -216,7 +216,7 @@ def _estimator_gradients(problem: TabularProblem, cfg: KLConfig, off_policy: boo
     grads = []
     for n in range(len(lp)):
         sl = slice(n, n + 1)
-        args = dict(behavior_logprobs=behavior[sl], full_kl=full_kl[sl] if cfg.estimator == "full" else None)
+        args = dict(behavior_logprobs=behavior[sl], full_kl=full_kl[sl] if cfg.exact else None)
         w = None if weight is None else weight[sl]
         if cfg.placement == "loss":
             estimate = kl_loss(cfg, lp[sl], ref_lp[sl], mask, behavior_weight=w, **args) / cfg.coef

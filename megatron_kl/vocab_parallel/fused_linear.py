@@ -4,7 +4,7 @@ Inputs are the final hidden states ``h [N, H]`` (N rows, the full sequence on ev
 rank's vocabulary shard of the output weight ``W [V/tp, H]`` (the embedding when they are tied); for the
 KL also the reference's ``h_ref [N, H_ref]`` and ``W_ref [V/tp, H_ref]``. Rows are processed in chunks of
 ``c``: the raw logits ``z = h_chunk W^T`` and ``r = h_ref_chunk W_ref^T`` exist for one chunk at a time and
-are reduced over the TP group exactly as in :mod:`megatron_kl.kl.kernels.vocab_parallel` (``chunk_forward``), so
+are reduced over the TP group exactly as in :mod:`megatron_kl.vocab_parallel.stats` (``chunk_forward``), so
 no tensor of size N x V/tp is ever allocated. Backward recomputes each chunk's logits instead of saving
 them; with ``G = dL/dz_chunk`` from ``chunk_grad`` (the softmax-weighted bracket over the full, TP-reduced
 vocabulary):
@@ -35,10 +35,10 @@ from typing import Optional
 
 import torch
 
-from megatron_kl.kl.kernels.chunks import Kept, Rows, Sweep, Upstream, Workspace
-from megatron_kl.kl.kernels.groups import group_size_rank
-from megatron_kl.kl.kernels.truncation import Truncation, effective, find_support
-from megatron_kl.kl.kernels.vocab_parallel import (
+from megatron_kl.vocab_parallel.chunks import Kept, Rows, Sweep, Upstream, Workspace
+from megatron_kl.vocab_parallel.groups import group_size_rank
+from megatron_kl.vocab_parallel.truncation import Truncation, effective, find_support
+from megatron_kl.vocab_parallel.stats import (
     VocabParallelStats,
     _shard,
     check_group,

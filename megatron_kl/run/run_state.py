@@ -1,4 +1,4 @@
-"""The run's stateful parts, registered in one place that saves and loads them (train/checkpoint.py).
+"""The run's stateful parts, registered in one place that saves and loads them (run/checkpoint.py).
 
 A checkpoint holds three kinds of state, each a name -> object with ``state_dict()`` / ``load_state_dict()``:
 
@@ -9,7 +9,7 @@ A checkpoint holds three kinds of state, each a name -> object with ``state_dict
 - **per rank**: each rank's own, ``rank_XXXXX.pt`` - RNG states and the asynchronous rollout queue (the data
   cursor is the RL step itself: batch ``s`` is drawn from a generator seeded by (seed, s, dp rank)).
 
-The run's identity is not a state: it is ``run.json`` (train/run_dir.py), checked before anything is loaded.
+The run's identity is not a state: it is ``run.json`` (run/run_dir.py), checked before anything is loaded.
 
 Two counters, never one: an **RL step** is rollout -> reward -> KL -> update(s) -> weight sync; it runs
 ``algo.ppo_epochs x algo.minibatches`` **optimizer steps**. The data cursor, evaluation and checkpoint

@@ -32,7 +32,7 @@ summation), not BLAS dot products, whose sequential accumulation is ~80x less ac
 Math runs in float32 for half-precision inputs and in float64 for float64 inputs. Entries at global
 index >= ``vocab_size`` (Megatron's vocabulary padding) are excluded everywhere.
 
-Truncated policy (``truncation``: top-k / top-p, the support {x_a >= t} found by ``kl.kernels.truncation``): e_a is
+Truncated policy (``truncation``: top-k / top-p, the support {x_a >= t} found by ``vocab_parallel.truncation``): e_a is
 set to 0 off the support, so S, E[zc], E[u] and every gradient above are those of mu = e / S_support; the KL is
 to the full reference, KL(mu || pi_ref) = E_mu[u] + log(S_ref / S_support) with
 S_ref - S_support = sum_all e_a expm1(-u_a) + sum_off-support e_a (both terms formed directly, so the error
@@ -57,10 +57,10 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megatron_kl.kl.kernels import triton_stats
-from megatron_kl.kl.kernels.chunks import MAX, MEAN_U, MEAN_ZC, SHIFT, SUM, Kept, Rows, Shard, Sweep, Upstream, cut
-from megatron_kl.kl.kernels.groups import all_reduce, group_size_rank
-from megatron_kl.kl.kernels.truncation import Truncation, effective, find_support
+from megatron_kl.vocab_parallel import triton_stats
+from megatron_kl.vocab_parallel.chunks import MAX, MEAN_U, MEAN_ZC, SHIFT, SUM, Kept, Rows, Shard, Sweep, Upstream, cut
+from megatron_kl.vocab_parallel.groups import all_reduce, group_size_rank
+from megatron_kl.vocab_parallel.truncation import Truncation, effective, find_support
 
 DEFAULT_CHUNK = None  # auto: rows such that one chunk temporary is about CHUNK_ELEMENTS entries
 CHUNK_ELEMENTS = 1 << 20  # CPU, measured (module docstring)
@@ -392,7 +392,7 @@ class VocabParallelStats:
     kept_mass: Optional[torch.Tensor] = None
     support_size: Optional[torch.Tensor] = None
     outside_support: Optional[torch.Tensor] = None
-    # log pi at given candidate ids [..., k] (a distillation teacher's top-k: megatron_kl.kl.kernels.candidates)
+    # log pi at given candidate ids [..., k] (a distillation teacher's top-k: megatron_kl.vocab_parallel.candidates)
     candidate_logprobs: Optional[torch.Tensor] = None
     # under distillation, the exact KL to the reference beside ``kl`` (the teacher's): a second sweep's
     regularizer_kl: Optional[torch.Tensor] = None
@@ -419,7 +419,7 @@ def fused_stats(
     logits' storage (no full-size allocation in backward): use it only when the logits are a temporary
     that nothing reads after backward, as in the training loss. ``truncation``: the statistics are those of
     the truncated distribution mu = trunc(softmax(logits / temperature)) (top-k / top-p support, found
-    exactly over the shards by ``kl.kernels.truncation.support_threshold``), the KL is KL(mu || softmax(reference /
+    exactly over the shards by ``vocab_parallel.truncation.support_threshold``), the KL is KL(mu || softmax(reference /
     temperature)); None or an inactive rule: the full distribution.
     """
     if temperature <= 0:

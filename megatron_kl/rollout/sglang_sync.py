@@ -1,7 +1,7 @@
 """Weight sync from the trainer to SGLang servers: one class per strategy behind one interface.
 
 Every strategy receives the policy as a stream of ``(hf_name, full tensor)`` pairs (gathered over TP and PP
-by :func:`hf_named_tensors`, in the HF layout the servers load) and the version to tag it with; the engine
+by :func:`megatron_kl.rollout.distributed.hf_named_tensors`, in the HF layout the servers load) and the version to tag it with; the engine
 pauses generation and flushes the cache around ``push``. ``after_restart`` brings a restarted server back to
 the last pushed version.
 
@@ -46,19 +46,6 @@ from megatron_kl.rollout.servers import server_port
 log = logging.getLogger(__name__)
 
 Named = tuple[str, torch.Tensor]
-
-
-def hf_named_tensors(chunks: list, model, tp_group=None, pp_group=None,
-                     include_tied_head: bool = False) -> Iterator[Named]:
-    """Collective over TP and PP: the policy as HF-named full tensors, one Megatron tensor at a time."""
-    from megatron_kl.models.hf import to_hf_stream
-    from megatron_kl.models.state import iter_full_state
-
-    stream = iter_full_state(chunks, model.vocab_size, model.tie_word_embeddings, tp_group, pp_group)
-    for hf_name, value in to_hf_stream(stream, model):
-        yield hf_name, value
-        if include_tied_head and model.tie_word_embeddings and hf_name == "model.embed_tokens.weight":
-            yield "lm_head.weight", value
 
 
 def buckets(named: Iterable[Named], bucket_bytes: int) -> Iterator[list[Named]]:

@@ -1,7 +1,7 @@
 """Vocab-parallel statistics at given token ids: a model's top-k (ids and log-probs) and the logits at k ids per row.
 
 Each rank of ``tp_group`` holds the columns ``[r*V/tp, (r+1)*V/tp)`` of the (padded) vocabulary, as in
-:mod:`megatron_kl.kl.kernels.vocab_parallel`. Nothing gathers the vocabulary:
+:mod:`megatron_kl.vocab_parallel.stats`. Nothing gathers the vocabulary:
 
 - :func:`top_k_logprobs` (no gradient): each rank's k largest valid logits, all-gathered (k x tp candidates per
   row) and cut to the global k; their log-probs log softmax(x / tau) with the normaliser reduced over the group
@@ -24,8 +24,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron_kl.kl.kernels.fused_linear import weight_grad_for_autograd
-from megatron_kl.kl.kernels.groups import all_reduce, group_size_rank
+from megatron_kl.vocab_parallel.fused_linear import weight_grad_for_autograd
+from megatron_kl.vocab_parallel.groups import all_reduce, group_size_rank
 
 CANDIDATE_CHUNK_ROWS = 4096  # rows per chunk of fused_candidate_logits (k x H gathered weight rows each)
 

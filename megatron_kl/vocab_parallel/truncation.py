@@ -41,9 +41,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megatron_kl.kl.kernels import top_p_histogram
-from megatron_kl.kl.config import Truncation  # noqa: F401
-from megatron_kl.kl.kernels.groups import all_gather_columns, all_reduce, group_size_rank
+from megatron_kl.vocab_parallel import top_p_histogram
+from megatron_kl.vocab_parallel.config import Truncation  # noqa: F401
+from megatron_kl.vocab_parallel.groups import all_gather_columns, all_reduce, group_size_rank
 
 FIRST_CANDIDATES = 64  # per rank, top-p only: a first guess at the support size (bisection where short)
 CANDIDATE_ELEMENTS = 1 << 22  # entries held at once by a retry (candidates rows x world x m, copied logits)

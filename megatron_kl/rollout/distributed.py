@@ -20,11 +20,12 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-from typing import Callable, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
+import torch
 import torch.distributed as dist
 
-from megatron_kl.rollout.engine import Completion, EngineLost, SamplingConfig
+from megatron_kl.rollout.engine import Completion, EngineBase, EngineLost, SamplingConfig
 from megatron_kl.rollout.http import Cancelled, ServerUnavailable
 from megatron_kl.rollout.servers import ServerStartFailed
 
@@ -59,7 +60,7 @@ def _raise_marker(value, own_error: Optional[BaseException], what: str) -> None:
         raise RuntimeError(f"rank 0's rollout engine failed {what}: {value[FAILED]}")
 
 
-class DistributedEngine:
+class DistributedEngine(EngineBase):
     def __init__(self, make_engine: Callable[[], object], model, dp_rank: int, tp_group=None, pp_group=None,
                  include_tied_head: bool = False, timeout_s: float = 1800.0):
         self.rank = dist.get_rank() if dist.is_initialized() else 0
@@ -129,8 +130,7 @@ class DistributedEngine:
         for dp_rank, (prompts, seed, budgets) in replicas.items():
             extra = {} if budgets is None else {"budgets": budgets}  # engines without partial rollouts lack it
             out[dp_rank] = self.engine.generate(prompts, sampling, seed=seed, **extra) if prompts else []
-        if hasattr(self.engine, "release_memory"):
-            self.engine.release_memory()
+        self.engine.release_memory()
         return out
 
     def pause(self) -> None:
@@ -153,7 +153,6 @@ class DistributedEngine:
 
     def update_weights(self, chunks: list, version: int) -> None:
         from megatron_kl.models.output_head import unwrap
-        from megatron_kl.rollout.weight_sync import hf_named_tensors
 
         named = hf_named_tensors([unwrap(c) for c in chunks], self.model, self.tp_group, self.pp_group,
                                  self.include_tied_head)
@@ -171,8 +170,21 @@ class DistributedEngine:
     @property
     def last_sync(self):
         """Rank 0's last weight sync statistics (rollout/delta.SyncStats; None elsewhere)."""
-        return getattr(self.engine, "last_sync", None) if self.engine is not None else None
+        return self.engine.last_sync if self.engine is not None else None
 
     def shutdown(self) -> None:
         if self.engine is not None:
             self.engine.shutdown()
+
+
+def hf_named_tensors(chunks: list, model, tp_group=None, pp_group=None,
+                     include_tied_head: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """Collective over TP and PP: the policy as HF-named full tensors, one Megatron tensor at a time."""
+    from megatron_kl.models.hf import to_hf_stream
+    from megatron_kl.models.state import iter_full_state
+
+    stream = iter_full_state(chunks, model.vocab_size, model.tie_word_embeddings, tp_group, pp_group)
+    for hf_name, value in to_hf_stream(stream, model):
+        yield hf_name, value
+        if include_tied_head and model.tie_word_embeddings and hf_name == "model.embed_tokens.weight":
+            yield "lm_head.weight", value

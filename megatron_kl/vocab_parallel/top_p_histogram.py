@@ -26,8 +26,8 @@ from typing import Tuple
 import torch
 import torch.distributed as dist
 
-from megatron_kl.kl.kernels import native
-from megatron_kl.kl.kernels.groups import all_gather_columns, all_reduce, group_size_rank
+from megatron_kl.vocab_parallel import native
+from megatron_kl.vocab_parallel.groups import all_gather_columns, all_reduce, group_size_rank
 
 MAX_BUCKETS = 512
 MIN_BUCKETS = 16

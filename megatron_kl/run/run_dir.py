@@ -2,7 +2,7 @@
 
 * :func:`plan_start` (every rank, before any process group exists; reads JSON only) decides how a start
   proceeds: ``fresh``, ``resume`` (the newest complete checkpoint records the same run identity,
-  train/identity.py) or ``finished`` (it is at ``train.steps`` and its ``summary.json`` is written). A resume
+  run/identity.py) or ``finished`` (it is at ``train.steps`` and its ``summary.json`` is written). A resume
   whose identity differs is a :class:`RunRefused` (exit 2) listing the differing fields, before anything in
   the directory changes.
 * :class:`RunLock`: an ``flock`` on ``<output_dir>/.lock`` held for the run's lifetime (only rank 0 under
@@ -33,9 +33,9 @@ import yaml
 
 from megatron_kl import child_processes
 from megatron_kl.config import ConfigError, redact_secrets, to_dict
-from megatron_kl.train import identity
-from megatron_kl.train.checkpoint import RUN_FILE, complete_checkpoints, step_of, verified_run_record
-from megatron_kl.train.metric_registry import canonical_record
+from megatron_kl.run import identity
+from megatron_kl.run.checkpoint import RUN_FILE, complete_checkpoints, step_of, verified_run_record
+from megatron_kl.run.summary import read_summary
 
 log = logging.getLogger("megatron_kl.train")
 
@@ -106,7 +106,7 @@ def plan_start(cfg, world_size: int, current: Optional[dict] = None) -> StartPla
                          "missing or unreadable: written by an older megatron-kl, or damaged), so resuming them "
                          f"could mix two runs: {_ways_out(run_dir)}")
     path, record = newest
-    diffs = identity.differences(record["identity"], current)
+    diffs = identity.differences(record["identity"], current, type(cfg))
     if diffs:
         raise RunRefused(f"{run_dir} holds run {record.get('run_name', '?')} (checkpoint {path.name}) and this "
                          f"configuration differs in {len(diffs)} field(s) that change what a run computes: "
@@ -118,22 +118,9 @@ def plan_start(cfg, world_size: int, current: Optional[dict] = None) -> StartPla
     kind = "resume"
     if cfg.train.steps == step:
         summary = read_summary(run_dir)
-        if summary is not None and summary.get("steps") == step and summary.get("run_id") == record.get("run_id"):
+        if summary is not None and summary.steps == step and summary.run_id == record.get("run_id"):
             kind = "finished"
     return StartPlan(kind, str(record.get("run_id") or uuid.uuid4().hex), step, record.get("config"), current)
-
-
-def read_summary(run_dir: Path) -> Optional[dict]:
-    try:
-        summary = json.loads((Path(run_dir) / "summary.json").read_text())
-    except (OSError, ValueError, RecursionError):
-        return None
-    if not isinstance(summary, dict):
-        return None
-    for key in ("eval_before", "eval_after"):  # scores under their current names (older runs: eval/eval/...)
-        if isinstance(summary.get(key), dict):
-            summary[key] = canonical_record(summary[key])
-    return summary
 
 
 class RunLock:
@@ -212,7 +199,7 @@ def begin(cfg, plan: StartPlan, world_size: int) -> None:
             entry["moved_aside"] = str(moved)
         (run_dir / "config.yaml").write_text(yaml.safe_dump(redact_secrets(to_dict(cfg)), sort_keys=False))
     else:
-        entry["changed"] = identity.changed_resumable(plan.recorded_config or {}, redact_secrets(to_dict(cfg)))
+        entry["changed"] = identity.changed_resumable(plan.recorded_config or {}, redact_secrets(to_dict(cfg)), type(cfg))
     plan.start_entry = entry
 
 

@@ -1,7 +1,7 @@
 """Triton kernels of the vocab-parallel statistics: one program per row, the row read once forward and once
 backward (plus one write of the gradient).
 
-Imported lazily by :mod:`megatron_kl.kl.kernels.triton_stats` (Triton picks compiled or interpreted kernels when a
+Imported lazily by :mod:`megatron_kl.vocab_parallel.triton_stats` (Triton picks compiled or interpreted kernels when a
 function is decorated, from ``TRITON_INTERPRET``). Kept to the language both Triton 3.6 (the GPU image) and
 3.9 (CI's interpreter) accept: loads, stores, ``tl.max`` / ``tl.sum``, ``tl.where``, ``tl.exp``, a
 ``range`` loop over column blocks and ``tl.static_range``. No ``libdevice`` (the interpreter has none):

@@ -22,14 +22,13 @@ import importlib
 import logging
 import os
 import sys
-from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from megatron_kl import env_vars
-from megatron_kl.kl.kernels.chunks import MAX, MEAN_U, MEAN_ZC, SHIFT, SUM, Rows, Sweep, Upstream
-from megatron_kl.kl.kernels.groups import all_reduce
+from megatron_kl.vocab_parallel.chunks import MAX, MEAN_U, MEAN_ZC, SHIFT, SUM, Rows, Sweep, Upstream
+from megatron_kl.vocab_parallel.groups import all_reduce
 
 ENV = "MEGATRON_KL_TRITON"
 BLOCK_ENV = "MEGATRON_KL_TRITON_BLOCK"
@@ -116,7 +115,7 @@ def _kernels():
             raise RuntimeError("TRITON_INTERPRET=1 was set after triton.language had been imported in compiled mode, "
                                "so its library functions cannot run in the interpreter: set TRITON_INTERPRET=1 before "
                                "the process starts (or before anything imports triton)")
-    name = "megatron_kl.kl.kernels.triton_kernels"
+    name = "megatron_kl.vocab_parallel.triton_kernels"
     module = sys.modules.get(name)
     if module is None:
         module = importlib.import_module(name)

@@ -1,17 +1,17 @@
-"""Checkpoints of a run's registered state (train/run_state.py): model and optimizer as sharded tensors with
+"""Checkpoints of a run's registered state (run/run_state.py): model and optimizer as sharded tensors with
 megatron.core.dist_checkpointing (any rank layout reads them back), the shared parts (LR schedule, RL-step and
 optimizer-step counters) in ``trainer.pt``, each rank's parts (RNG states, the async rollout queue) in
-``rank_XXXXX.pt``, and ``run.json``: the run's id and identity (train/run_dir.py).
+``rank_XXXXX.pt``, and ``run.json``: the run's id and identity (run/run_dir.py).
 
 A checkpoint is written to ``step_XXXXXX.tmp``; once every rank has finished, the size and SHA-256 of every
-file go into ``MANIFEST.json`` (train/manifest.py), then rank 0 writes the completion marker ``COMPLETE``
+file go into ``MANIFEST.json`` (run/manifest.py), then rank 0 writes the completion marker ``COMPLETE``
 (carrying the manifest's digest) last and renames the directory. Only ``step_<digits>`` directories with
 the marker count, so a run killed mid-save (kill -9), a stray directory or a copy in progress is never
 resumed from. Before anything of a checkpoint is read, every file is checked against the manifest: a
 missing, truncated, bit-flipped or planted file is reported naming the file, and the previous complete
 checkpoint is used (every rank agrees on which). Nothing is read with the general unpickler: our files with
 ``torch.load(weights_only=True)``, DCP's ``.metadata`` and shard objects with the restricted loaders of
-train/safe_unpickle.py, so a pickle placed in a checkpoint never executes. Retention deletes only
+run/safe_unpickle.py, so a pickle placed in a checkpoint never executes. Retention deletes only
 checkpoints of the run that is writing.
 """
 
@@ -29,14 +29,14 @@ import torch
 import torch.distributed as dist
 
 from megatron_kl.models.output_head import unwrap
-from megatron_kl.train import manifest
-from megatron_kl.train.run_state import RunState
-from megatron_kl.train.safe_unpickle import restricted_checkpoint_reads
+from megatron_kl.run import manifest
+from megatron_kl.run.run_state import RunState
+from megatron_kl.run.safe_unpickle import restricted_checkpoint_reads
 
 _PREFIX = "step_"
 _NAME = re.compile(r"step_(\d+)")
 MARKER = "COMPLETE"
-RUN_FILE = "run.json"  # the run's id, identity, resolved config and code version (train/run_dir.py)
+RUN_FILE = "run.json"  # the run's id, identity, resolved config and code version (run/run_dir.py)
 
 log = logging.getLogger(__name__)
 
