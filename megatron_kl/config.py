@@ -15,7 +15,7 @@ from typing import Any, Optional, get_args, get_origin, get_type_hints
 
 import yaml
 
-from megatron_kl.constraints import ConfigError, checked, constraint_of
+from megatron_kl.constraints import DERIVED, ConfigError, checked, constraint_of
 from megatron_kl.model_variants import (MOE_DISPATCHERS, ROUTER_SCORES, ROUTING_REPLAY, MLAConfig,  # noqa: F401
                                         MoEConfig, YarnConfig, validate_moe)
 from megatron_kl.redaction import REDACTED, redact_config  # noqa: F401 - REDACTED: part of this API
@@ -474,7 +474,7 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
 def from_dict(cls, data: dict, prefix: str = ""):
     """Build dataclass ``cls`` from a nested dict; unknown keys are errors naming the key."""
     hints = get_type_hints(cls)
-    names = {f.name for f in fields(cls) if f.init}  # a field resolved at load (init=False) is not given
+    names = {f.name for f in fields(cls) if f.init and not f.metadata.get(DERIVED)}  # resolved at load: not given
     unknown = set(data) - names
     if unknown:
         raise ConfigError(
@@ -489,7 +489,9 @@ def from_dict(cls, data: dict, prefix: str = ""):
                 value = kwargs[item.name] if isinstance(kwargs[item.name], (int, float)) else data[item.name]
                 raise ConfigError(f"{prefix}{item.name}={_shown(value)} {why}" + (f"; {rule.fix}" if rule.fix else ""))
     try:
-        return cls(**kwargs)
+        built = cls(**kwargs)
+        resolve = getattr(cls, "__resolve__", None)  # the loader's step after construction (TrainConfig's)
+        return resolve(built) if resolve is not None else built
     except ConfigError:
         raise
     except ValueError as err:  # a library dataclass (KLConfig, RPGConfig...) names itself: say the YAML path

@@ -14,6 +14,8 @@ import sys
 import typing
 from typing import Any, Optional
 
+from megatron_kl.constraints import DERIVED, constraint_of
+
 _FIELD = re.compile(r"^\s+(\w+)\s*:\s*[^=#]+?(?:=.*?)?(?:#\s*(?P<comment>.*))?$")
 
 
@@ -60,8 +62,6 @@ def _default(f: dataclasses.Field) -> Any:
 
 def allowed(f: dataclasses.Field) -> str:
     """What the field may hold (its declared constraint, ``megatron_kl.constraints``); "" where none is declared."""
-    from megatron_kl.constraints import constraint_of
-
     rule = constraint_of(f)
     return rule.describe() if rule is not None else ""
 
@@ -72,7 +72,7 @@ def rows(cls, value=None, prefix: str = "") -> list[tuple[str, str, Any, Any, st
     docs = field_docs(cls)
     out = []
     for f in dataclasses.fields(cls):
-        if not f.init:
+        if not f.init or f.metadata.get(DERIVED):  # resolved at load, never given
             continue
         hint, current = hints[f.name], getattr(value, f.name) if value is not None else _default(f)
         if dataclasses.is_dataclass(hint):

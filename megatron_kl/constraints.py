@@ -138,6 +138,7 @@ def _path_violation(value: str, kind: str) -> Optional[str]:
 
 
 RESUMABLE = "megatron_kl.resumable"
+DERIVED = "megatron_kl.derived"  # a field resolved when a config is loaded, never given in YAML
 
 
 def checked(default: Any = dataclasses.MISSING, *, default_factory: Any = dataclasses.MISSING,

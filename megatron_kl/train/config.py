@@ -7,12 +7,14 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from megatron_kl.algo.config import AlgoConfig, row_separable
 from megatron_kl.config import ConfigError, ModelConfig, ParallelConfig, from_dict, load_yaml
-from megatron_kl.constraints import SEED_MAX, check_declared, checked, resumable_paths
+from megatron_kl.constraints import DERIVED, SEED_MAX, check_declared, checked, resumable_paths
 from megatron_kl.distill.checks import check_distillation
 from megatron_kl.distill.config import DistillConfig
 from megatron_kl.kl.config import AUTO, KLConfig, Verdict
@@ -211,45 +213,27 @@ class TrainConfig:
     checkpoint: CheckpointConfig = checked(resumable=True, default_factory=CheckpointConfig)
     logging: LoggingConfig = checked(resumable=True, default_factory=LoggingConfig)
     launch: LaunchConfig = checked(resumable=True, default_factory=LaunchConfig)  # read by `megatron-kl launch` only
-    # resolved at load, never given: what kl.estimator=auto chose (the exact audit's verdict - configuration, bias,
-    # variance - for kl.target in the run's regime; kl itself then holds the chosen axes); None otherwise
-    kl_selection: Optional[Verdict] = field(default=None, init=False, compare=False)
-    distill_selection: Optional[Verdict] = field(default=None, init=False, compare=False)  # distill.kl.estimator=auto
+    # resolved at load (:func:`resolve`), never given: what kl.estimator=auto chose (the exact audit's verdict -
+    # configuration, bias, variance - for kl.target in the run's regime; kl itself then holds the chosen axes)
+    kl_selection: Optional[Verdict] = field(default=None, compare=False, metadata={DERIVED: True})
+    distill_selection: Optional[Verdict] = field(default=None, compare=False,
+                                                 metadata={DERIVED: True})  # distill.kl.estimator=auto
 
     def __post_init__(self):
-        """kl.estimator=auto resolved to the configuration the audit picks for kl.target (kept in
-        ``kl_selection``); one fixed length for the Dr. GRPO aggregation of the policy loss and the KL term
-        (and RPG's): algo.norm_length, by default rollout.sampling.max_new_tokens; logged with the config."""
-        import dataclasses
-
         _cross_field_rules(self)
-        resolved = {"kl_selection": None, "distill_selection": None}  # set once here (the config is frozen)
-        regime_of_term, correction = _selection_inputs(self)
-        kl = self.kl
-        if self.kl.estimator == AUTO:
-            kl, resolved["kl_selection"] = _select(self.kl, regime_of_term, correction, "kl")
-        objective = self.distill.kl
-        if objective.estimator == AUTO and self.distill.enabled:
-            objective, resolved["distill_selection"] = _select(objective, regime_of_term, correction, "distill.kl")
-        length = self.algo.norm_length or self.rollout.sampling.max_new_tokens
-        rpg = self.algo.rpg if self.algo.rpg.norm_length is not None else dataclasses.replace(self.algo.rpg,
-                                                                                              norm_length=length)
-        resolved["algo"] = dataclasses.replace(self.algo, norm_length=length, rpg=rpg)
-        resolved["kl"] = kl if kl.norm_length is not None else dataclasses.replace(kl, norm_length=length)
-        if objective.norm_length is None and self.distill.enabled:  # off: the section stays as given (the run key)
-            objective = dataclasses.replace(objective, norm_length=length)
-        resolved["distill"] = dataclasses.replace(self.distill, kl=objective)
-        for name, value in resolved.items():
-            object.__setattr__(self, name, value)
-        # the run key of the resolved configuration (output_dir is not part of it), then {run_name} filled in
-        object.__setattr__(self, "_run_key", None if _DEFAULTS_PENDING else run_key(self))
-        if "{run_name}" in self.train.output_dir:
-            object.__setattr__(self, "train", dataclasses.replace(
-                self.train, output_dir=self.train.output_dir.replace("{run_name}", self.run_name)))
+
+    @classmethod
+    def __resolve__(cls, cfg: "TrainConfig") -> "TrainConfig":
+        """What loading a config does once it is built (``config.from_dict``): :func:`resolve`."""
+        return resolve(cfg)
+
+    @functools.cached_property
+    def _run_key(self) -> str:
+        return run_key(self)
 
     def with_sections(self, **sections) -> "TrainConfig":
         """A copy with whole sections replaced (``model=...``), not resolved again: what loading resolved - the
-        ``kl.estimator=auto`` choice, ``{run_name}``, the Dr. GRPO length - is kept as it is."""
+        ``kl.estimator=auto`` choice, ``{run_name}``, the Dr. GRPO length, the run key - is kept as it is."""
         out = copy.copy(self)
         for name, value in sections.items():
             object.__setattr__(out, name, value)
@@ -260,7 +244,7 @@ class TrainConfig:
         """The axes the estimator study varies, spelled out, then the run key (:func:`run_key`): two configurations
         that differ in any field of the run's identity have different names."""
         name = _run_name(self.kl, self.algo, self.train, self.distill)
-        return f"{name}-{self._run_key}" if getattr(self, "_run_key", None) else name
+        return f"{name}-{self._run_key}" if self._run_key else name
 
 
 def _run_name(kl, algo, train, distill: Optional[DistillConfig] = None) -> str:
@@ -287,20 +271,42 @@ def _select(kl: KLConfig, regime_of_term, correction, where: str):
     return chosen, verdict
 
 
-_DEFAULTS_PENDING = False
-_DEFAULTS: list = []
+def resolve(cfg: TrainConfig, fill_output_dir: bool = True) -> TrainConfig:
+    """The configuration a run uses, built from the one given (loading resolves: ``from_dict``, ``load_train_config``,
+    ``api.load_config``): ``kl.estimator=auto`` (and ``distill.kl``'s) replaced by the configuration the exact audit
+    picks for its target (the verdict kept in ``kl_selection``); one fixed length for the Dr. GRPO aggregation of the
+    policy loss, the KL term and RPG's (algo.norm_length, by default rollout.sampling.max_new_tokens); then
+    ``{run_name}`` filled in ``train.output_dir``. Resolving a resolved configuration returns it unchanged."""
+    regime_of_term, correction = _selection_inputs(cfg)
+    kl, kl_selection = cfg.kl, cfg.kl_selection
+    if kl.estimator == AUTO:
+        kl, kl_selection = _select(kl, regime_of_term, correction, "kl")
+    objective, distill_selection = cfg.distill.kl, cfg.distill_selection
+    if objective.estimator == AUTO and cfg.distill.enabled:
+        objective, distill_selection = _select(objective, regime_of_term, correction, "distill.kl")
+    length = cfg.algo.norm_length or cfg.rollout.sampling.max_new_tokens
+    rpg = cfg.algo.rpg if cfg.algo.rpg.norm_length is not None else dataclasses.replace(cfg.algo.rpg,
+                                                                                          norm_length=length)
+    if kl.norm_length is None:
+        kl = dataclasses.replace(kl, norm_length=length)
+    if objective.norm_length is None and cfg.distill.enabled:  # off: the section stays as given (the run key)
+        objective = dataclasses.replace(objective, norm_length=length)
+    out = dataclasses.replace(cfg, kl=kl, algo=dataclasses.replace(cfg.algo, norm_length=length, rpg=rpg),
+                              distill=dataclasses.replace(cfg.distill, kl=objective), kl_selection=kl_selection,
+                              distill_selection=distill_selection)
+    if not fill_output_dir:
+        return out
+    if "{run_name}" in out.train.output_dir:  # the run key of the resolved configuration
+        out = dataclasses.replace(out, train=dataclasses.replace(
+            out.train, output_dir=out.train.output_dir.replace("{run_name}", out.run_name)))
+    out._run_key  # noqa: B018 - the key of the configuration as loaded, kept by with_sections' copies
+    return out
 
 
+@functools.lru_cache(maxsize=1)
 def _default_fields() -> dict:
-    """The identity fields of the default configuration (built once)."""
-    global _DEFAULTS_PENDING
-    if not _DEFAULTS:
-        _DEFAULTS_PENDING = True
-        try:
-            _DEFAULTS.append(_key_fields(TrainConfig()))
-        finally:
-            _DEFAULTS_PENDING = False
-    return _DEFAULTS[0]
+    """The identity fields of the default configuration, resolved."""
+    return _key_fields(resolve(TrainConfig(), fill_output_dir=False))
 
 
 def _key_fields(cfg) -> dict:
@@ -330,7 +336,7 @@ def run_key(cfg) -> str:
     import json
 
     defaults = _default_fields()
-    changed = {k: v for k, v in _key_fields(cfg).items() if k not in defaults or defaults[k] != v}
+    changed = {k: v for k, v in _key_fields(resolve(cfg, False)).items() if k not in defaults or defaults[k] != v}
     if not changed:
         return ""
     return hashlib.sha256(json.dumps(changed, sort_keys=True, default=str).encode()).hexdigest()[:6]

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from megatron_kl.config import ConfigError
-from megatron_kl.constraints import constraint_of
+from megatron_kl.constraints import DERIVED, constraint_of
 from megatron_kl.train.config import TrainConfig, load_train_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -22,7 +22,7 @@ def _leaves(cls, prefix=""):
     """(path, field, base type) of every leaf field a user can give under ``cls`` (not those resolved at load)."""
     hints = typing.get_type_hints(cls)
     for item in dataclasses.fields(cls):
-        if not item.init:
+        if not item.init or item.metadata.get(DERIVED):
             continue
         hint = hints[item.name]
         args = [a for a in typing.get_args(hint) if a is not type(None)]

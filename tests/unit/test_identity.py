@@ -1,6 +1,6 @@
 """Run identity on resume (run/identity.py): which recorded-vs-current differences refuse a resume."""
 
-from megatron_kl.train.config import TrainConfig, load_train_config
+from megatron_kl.train.config import TrainConfig, load_train_config, run_key
 from megatron_kl.run.identity import differences, identity_of
 
 DEFAULT_CONFIG = str(__import__("pathlib").Path(__file__).resolve().parents[2] / "configs" / "cpu" / "default.yaml")
@@ -42,7 +42,9 @@ def test_what_auto_chose_is_a_declared_resolved_field_outside_the_identity(tmp_p
 
     auto = load_train_config("configs/cpu/default.yaml", ["kl.estimator=auto"])
     (selection,) = [f for f in dataclasses.fields(auto) if f.name == "kl_selection"]
-    assert not selection.init  # resolved at load, never given
+    from megatron_kl.constraints import DERIVED
+
+    assert selection.metadata[DERIVED]  # resolved at load (train/config.resolve), never given
     assert isinstance(auto.kl_selection, Verdict) and auto.kl_selection.unbiased
     assert to_dict(auto)["kl_selection"]["config"]["estimator"] == auto.kl.estimator != "auto"
     assert load_train_config("configs/cpu/default.yaml", []).kl_selection is None
@@ -83,3 +85,19 @@ def test_an_edited_reward_file_is_a_changed_run(tmp_path):
     rewards.write_text("def score(sample):\n    return 0.5\n")
     changed = differences(recorded, identity_of(cfg, 1), TrainConfig)
     assert len(changed) == 1 and changed[0].startswith(f"file:{rewards}"), changed
+
+
+def test_loading_resolves_once_and_a_resolved_copy_keeps_its_run_key(tmp_path):
+    import dataclasses
+
+    from megatron_kl.train.config import resolve
+
+    cfg = load_train_config("configs/cpu/default.yaml", [f"train.output_dir={tmp_path}", "kl.estimator=auto"])
+    assert cfg.kl.estimator != "auto" and cfg.kl_selection is not None and cfg.algo.norm_length is not None
+    assert resolve(cfg) == cfg and resolve(cfg).run_name == cfg.run_name  # resolving twice changes nothing
+    built = TrainConfig()  # built in Python: nothing resolved until resolve() (loading does it)
+    assert built.algo.norm_length is None and resolve(built).algo.norm_length == built.rollout.sampling.max_new_tokens
+    # the run's later completion of its sections (the HF model, the stop tokens) keeps the name it was loaded with
+    sampling = dataclasses.replace(cfg.rollout.sampling, stop_token_ids=[7])
+    copy = cfg.with_sections(rollout=dataclasses.replace(cfg.rollout, sampling=sampling))
+    assert copy.run_name == cfg.run_name and run_key(copy) != run_key(cfg)
