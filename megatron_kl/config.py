@@ -15,7 +15,7 @@ from typing import Any, Optional, get_args, get_origin, get_type_hints
 
 import yaml
 
-from megatron_kl.constraints import DERIVED, ConfigError, checked, constraint_of
+from megatron_kl.constraints import DERIVED, ConfigError, check_declared, checked, constraint_of
 from megatron_kl.model_variants import (MOE_DISPATCHERS, ROUTER_SCORES, ROUTING_REPLAY, MLAConfig,  # noqa: F401
                                         MoEConfig, YarnConfig, validate_moe)
 from megatron_kl.redaction import REDACTED, redact_config  # noqa: F401 - REDACTED: part of this API
@@ -209,19 +209,10 @@ def sequence_multiple(context_parallel: int, tensor_parallel: int, sequence_para
 
 
 def validate_model(model: ModelConfig) -> None:
-    if model.core_attention not in ("auto", "sdpa", "unfused"):
-        raise ConfigError(f"model.core_attention={model.core_attention!r} is unknown; use 'auto', 'sdpa' or "
-                          "'unfused'")
-    if model.rms_norm not in ("auto", "lean", "torch"):
-        raise ConfigError(f"model.rms_norm={model.rms_norm!r} is unknown; use 'auto', 'lean' or 'torch'")
-    if model.recompute not in ("none", "full"):
-        raise ConfigError(f"model.recompute={model.recompute!r} is unknown; use 'none' or 'full'")
+    """The model section's rules: each field's declared constraint (held for sections built in Python too), then the
+    rules between fields."""
+    check_declared(model, "model.")
     model_family(model.architecture)  # registered (or loadable), else a ConfigError naming the field
-    for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
-                 "num_query_groups", "vocab_size", "max_position_embeddings",
-                 "make_vocab_size_divisible_by"):
-        if getattr(model, name) <= 0:
-            raise ConfigError(f"model.{name}={getattr(model, name)} must be a positive integer")
     if model.num_attention_heads % model.num_query_groups:
         raise ConfigError(
             f"model.num_query_groups={model.num_query_groups} must divide "
@@ -232,14 +223,6 @@ def validate_model(model: ModelConfig) -> None:
             f"model.hidden_size={model.hidden_size} is not divisible by model.num_attention_heads="
             f"{model.num_attention_heads}; set model.kv_channels explicitly"
         )
-    if model.logprob_path not in ("auto", "fused", "unfused"):
-        raise ConfigError(f"model.logprob_path={model.logprob_path!r}: use one of ['auto', 'fused', 'unfused']")
-    if model.fused_grad not in ("auto", "in_forward", "recompute"):
-        raise ConfigError(f"model.fused_grad={model.fused_grad!r}: use one of ['auto', 'in_forward', 'recompute']")
-    if model.logprob_chunk_rows is not None and model.logprob_chunk_rows <= 0:
-        raise ConfigError(f"model.logprob_chunk_rows={model.logprob_chunk_rows} must be > 0 (or null for automatic)")
-    if model.params_dtype not in DTYPES:
-        raise ConfigError(f"model.params_dtype={model.params_dtype!r}: use one of {list(DTYPES)}")
     _validate_positions(model)
     validate_moe(model.moe)
     if model.moe.enabled and model.moe.first_dense_layers >= model.num_layers:

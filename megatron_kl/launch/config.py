@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from megatron_kl.config import ConfigError
-from megatron_kl.constraints import checked
+from megatron_kl.constraints import check_declared, checked
 
 # NCCL / H100 defaults put into every Slurm job's environment (``launch.slurm.nccl_defaults: false`` drops
 # them; ``launch.slurm.env`` overrides single ones). Why each:
@@ -52,8 +52,7 @@ class TunnelConfig:
     job_dir: str = checked("runs/nemo_run_jobs", free=True, nonempty=True)  # on the cluster's shared filesystem: code archive, sbatch, logs
 
     def __post_init__(self):
-        if self.kind not in TUNNELS:
-            raise ConfigError(f"launch.slurm.tunnel.kind={self.kind!r}: use one of {list(TUNNELS)}")
+        check_declared(self, "launch.slurm.tunnel.")
         if self.kind == "ssh" and not (self.host and self.user):
             raise ConfigError("launch.slurm.tunnel.kind=ssh needs launch.slurm.tunnel.host and .user")
 
@@ -87,21 +86,10 @@ class SlurmConfig:
     tunnel: TunnelConfig = field(default_factory=TunnelConfig)
 
     def __post_init__(self):
-        if self.nodes < 1:
-            raise ConfigError(f"launch.slurm.nodes={self.nodes} must be >= 1")
-        if self.gpus_per_node < 0:
-            raise ConfigError(f"launch.slurm.gpus_per_node={self.gpus_per_node} must be >= 0")
+        check_declared(self, "launch.slurm.")
         if self.gpus_per_node == 0 and self.ranks_per_node is None:
             raise ConfigError("launch.slurm.gpus_per_node=0 (CPU nodes) needs launch.slurm.ranks_per_node, the trainer "
                               "ranks per node")
-        if self.runtime not in RUNTIMES:
-            raise ConfigError(f"launch.slurm.runtime={self.runtime!r}: use one of {list(RUNTIMES)}")
-        if self.signal_lead_s < 0:
-            raise ConfigError(f"launch.slurm.signal_lead_s={self.signal_lead_s} must be >= 0 (0: no signal)")
-        if self.retries < 0:
-            raise ConfigError(f"launch.slurm.retries={self.retries} must be >= 0")
-        if self.packager not in PACKAGERS:
-            raise ConfigError(f"launch.slurm.packager={self.packager!r}: use one of {list(PACKAGERS)}")
         if not isinstance(self.container_mounts, list):
             raise ConfigError("launch.slurm.container_mounts must be a list of 'src:dst' strings")
         object.__setattr__(self, "env", _check_env(self.env, "launch.slurm.env"))
@@ -154,10 +142,7 @@ class RolloutServersConfig:
     monitor_interval_s: int = checked(60, ge=1)
 
     def __post_init__(self):
-        if self.mode not in ROLLOUT_MODES:
-            raise ConfigError(f"launch.rollout_servers.mode={self.mode!r}: use one of {list(ROLLOUT_MODES)}")
-        if self.nodes < 1 or self.tp_size < 1:
-            raise ConfigError("launch.rollout_servers.nodes and .tp_size must be >= 1")
+        check_declared(self, "launch.rollout_servers.")
         if self.gpus_per_node % self.tp_size:
             raise ConfigError(
                 f"launch.rollout_servers.tp_size={self.tp_size} must divide gpus_per_node={self.gpus_per_node}")
@@ -196,6 +181,5 @@ class LaunchConfig:
     reward_service: RewardServiceLaunchConfig = field(default_factory=RewardServiceLaunchConfig)
 
     def __post_init__(self):
-        if self.nproc_per_node is not None and self.nproc_per_node < 1:
-            raise ConfigError(f"launch.nproc_per_node={self.nproc_per_node} must be >= 1")
+        check_declared(self, "launch.")
         object.__setattr__(self, "env", _check_env(self.env, "launch.env"))

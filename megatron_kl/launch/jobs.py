@@ -104,8 +104,8 @@ def _check_slurm(cfg: TrainConfig) -> None:
     if servers.mode == "disaggregated":
         if ENGINES.get(cfg.rollout.engine, "rollout.engine").server_flags is None:
             raise ConfigError(f"launch.rollout_servers.mode=disaggregated starts rollout servers, which "
-                              f"rollout.engine={cfg.rollout.engine} has none of; set rollout.engine in "
-                              f"{ENGINES.where(lambda e: e.server_flags is not None)}")
+                              f"rollout.engine={cfg.rollout.engine} has none of; set rollout.engine="
+                              + " or ".join(ENGINES.where(lambda e: e.server_flags is not None)))
         if cfg.rollout.sglang.colocated:
             raise ConfigError("launch.rollout_servers.mode=disaggregated puts the SGLang servers on their own nodes: "
                               "set rollout.sglang.colocated=false (memory release is for servers sharing the "
