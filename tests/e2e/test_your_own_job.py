@@ -60,7 +60,7 @@ def test_the_python_example_steps_a_trainer_with_a_registered_reward(tmp_path):
 
 
 SERVICE = ("train.steps=3", "train.prompts_per_step=4", "train.group_size=2", "task.eval_size=4", "eval.k=1",
-           "eval.interval=0", "checkpoint.interval=1", "reward.functions=[{name: service}]",
+           "eval.interval=0", "checkpoint.interval=1", "warm_start.enabled=false", "reward.functions=[{name: service}]",
            "reward.service.batch_size=1000", "reward.service.max_retries=0", "reward.service.backoff_s=0")
 
 
