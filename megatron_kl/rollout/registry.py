@@ -4,7 +4,8 @@ An :class:`EngineSpec` holds the builder and everything the rest of the trainer 
 its mixture-of-experts routing (``model.moe.routing_replay=rollout``), whether it can pause a generation
 (``rollout.partial``), which training layouts it can serve, its served section's request limits, the cross-field
 rules of its configuration, and (for a server a Slurm job starts beside the trainer) the one builder of its command
-line. The trainer's rules ask these flags; nothing outside the engine's own module names an engine.
+line. The trainer's rules ask these flags instead of naming engines (the one exception: the partial-rollout refusal
+names vLLM's server mode, and the disaggregated Slurm job is SGLang's).
 
 The built-ins (``local``, ``sglang``, ``vllm``) are registered in :mod:`megatron_kl.rollout.builtin_engines`. A new
 engine is one module with a spec and ``ENGINES.register(spec)``, or a spec named in YAML as
