@@ -1,7 +1,7 @@
 """A run's identity: what decides its trajectory, recorded in every checkpoint and compared on resume.
 
 The identity is the resolved configuration, flattened to dotted YAML paths (``kl.coef``), plus the world size
-and the SHA-256 of the task's data files and of the warm-start checkpoint file, minus the fields declared resumable (train/config.resumable_prefixes): the
+and the SHA-256 of the task's data files and of the warm-start checkpoint file, minus the fields declared resumable (identity_fields.resumable_prefixes): the
 fields that may change between the starts of one run without changing what it computes. A resume whose
 identity differs from the checkpoint's is refused naming every differing field (old -> new);
 ``train.steps`` may grow (the learning-rate schedule is set by ``optim.decay_steps``, not by it), never drop
@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 from megatron_kl.config import to_dict
-from megatron_kl.constraints import resumable_paths
 from megatron_kl.run import identity_fields as fields
 from megatron_kl.run.identity_fields import DERIVED, flatten  # noqa: F401
 from megatron_kl.run.manifest import sha256_of
@@ -48,25 +47,20 @@ def _file_digests(cfg) -> dict[str, str]:
 
 
 
-def resumable_prefixes(config_type) -> tuple[str, ...]:
-    """The paths of ``config_type`` (TrainConfig) declared resumable (``checked(..., resumable=True)``)."""
-    return _cached(config_type)[0]
-
-
 @functools.lru_cache(maxsize=None)
-def _cached(config_type) -> tuple[tuple[str, ...], dict]:
-    """The resumable paths and the default configuration's identity fields (JSON-safe) of a config type."""
+def _default_identity(config_type) -> dict:
+    """The default configuration's identity fields (JSON-safe) of a config type."""
     import json
 
-    prefixes = tuple(resumable_paths(config_type))
+    prefixes = fields.resumable_prefixes(config_type)
     defaults = fields.identity_fields(redact_config(to_dict(config_type())), prefixes)
-    return prefixes, json.loads(json.dumps(defaults, default=str))
+    return json.loads(json.dumps(defaults, default=str))
 
 
 def _identity_fields(cfg) -> dict[str, Any]:
     """The identity's fields, secrets redacted (a key is not what a run computes: a rotated key resumes, and
     run.json, written with each checkpoint, never holds one)."""
-    return fields.identity_fields(redact_config(to_dict(cfg)), resumable_prefixes(type(cfg)))
+    return fields.identity_fields(redact_config(to_dict(cfg)), fields.resumable_prefixes(type(cfg)))
 
 
 def identity_of(cfg, world_size: int) -> dict[str, Any]:
@@ -85,7 +79,7 @@ def differences(recorded: dict, current: dict, config_type) -> list[str]:
     default in ``config_type`` (TrainConfig): a new option's default is the behaviour the run had before it
     existed."""
     missing = object()
-    defaults = _cached(config_type)[1]
+    defaults = _default_identity(config_type)
     out = []
     for key in sorted(set(recorded) | set(current)):
         old, new = recorded.get(key, missing), current.get(key, missing)
@@ -100,7 +94,7 @@ def differences(recorded: dict, current: dict, config_type) -> list[str]:
 
 def changed_resumable(recorded_config: dict, current_config: dict, config_type) -> dict[str, list]:
     """The allowed fields a resume changes (for the start history)."""
-    prefixes = resumable_prefixes(config_type)
+    prefixes = fields.resumable_prefixes(config_type)
     old, new = flatten(recorded_config), flatten(current_config)
     return {k: [old.get(k), new.get(k)] for k in sorted(set(old) | set(new))
             if fields.resumable(k, prefixes) and old.get(k) != new.get(k)}

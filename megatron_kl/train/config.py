@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 from megatron_kl.algo.config import AlgoConfig, row_separable
 from megatron_kl.config import ConfigError, ModelConfig, ParallelConfig, from_dict, load_yaml
-from megatron_kl.constraints import DERIVED, SEED_MAX, check_declared, checked, resumable_paths
+from megatron_kl.constraints import DERIVED, SEED_MAX, check_declared, checked
 from megatron_kl.distill.checks import check_distillation
 from megatron_kl.distill.config import DistillConfig
 from megatron_kl.kl.config import AUTO, KLConfig, Verdict
@@ -311,20 +311,9 @@ def _default_fields() -> dict:
 
 def _key_fields(cfg) -> dict:
     from megatron_kl.config import to_dict
-    from megatron_kl.run.identity_fields import identity_fields
+    from megatron_kl.run.identity_fields import identity_fields, resumable_prefixes
 
-    return identity_fields(to_dict(cfg), resumable_prefixes())
-
-
-_RESUMABLE: list = []
-
-
-def resumable_prefixes() -> tuple[str, ...]:
-    """The dotted paths that may change between the starts of one run: the fields declared ``resumable=True``
-    (a section's as ``section.``), read from the declarations once."""
-    if not _RESUMABLE:
-        _RESUMABLE.append(tuple(resumable_paths(TrainConfig)))
-    return _RESUMABLE[0]
+    return identity_fields(to_dict(cfg), resumable_prefixes(type(cfg)))
 
 
 def run_key(cfg) -> str:
