@@ -6,7 +6,7 @@ A function returns a :class:`megatron_kl.launch.cluster.Cluster`:
 - ``executor``: ``"local"`` (NeMo-Run's LocalExecutor + torchrun on this machine) or ``"slurm"`` (its
   SlurmExecutor: sbatch with a pyxis/enroot container, submitted on the login node or through SSH);
 - ``launch``: the ``launch:`` section of the config for this machine (every key is documented in
-  ``megatron_kl/launch/config.py``; the YAML's own launch section is the default, command-line overrides win);
+  ``megatron_kl/config/launch.py``; the YAML's own launch section is the default, command-line overrides win);
 - ``customize``: optional, edits the NeMo-Run executor itself for what the settings do not cover
   (``executor.additional_parameters``, ``executor.srun_args``, ``executor.mem`` ...).
 """
@@ -38,7 +38,7 @@ def _h100_slurm(tunnel: dict) -> dict:
             "container_mounts": ["/lustre:/lustre"],  # datasets, HF checkpoints, run directories
             "retries": 2,  # requeues; the trainer resumes from its checkpoint (signal_lead_s before the limit)
             "signal_lead_s": 300,
-            "nccl_defaults": True,  # megatron_kl/launch/config.py: NCCL_H100_ENV
+            "nccl_defaults": True,  # megatron_kl/config/launch.py: NCCL_H100_ENV
             "env": {
                 "HF_HOME": "/lustre/cache/huggingface",
                 # the fabric's HCAs; `ibv_devinfo` on a compute node lists them

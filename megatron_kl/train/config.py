@@ -18,7 +18,7 @@ from megatron_kl.constraints import DERIVED, SEED_MAX, check_declared, checked
 from megatron_kl.distill.checks import check_distillation
 from megatron_kl.distill.config import DistillConfig
 from megatron_kl.kl.config import AUTO, KLConfig, Verdict
-from megatron_kl.launch.config import LaunchConfig
+from megatron_kl.config.launch import LaunchConfig
 from megatron_kl.models.optim_config import OptimConfig
 from megatron_kl.rewards.config import RewardConfig
 from megatron_kl.rollout.config import QUANTIZATIONS, SamplingConfig, SGLangConfig, VLLMConfig

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 
-from megatron_kl.launch.config import stop_signal_env
+from megatron_kl.config.launch import stop_signal_env
 from megatron_kl.rollout.servers import server_port
 from megatron_kl.run.checkpoint import complete_checkpoints
 from megatron_kl.train.metrics import read_metrics

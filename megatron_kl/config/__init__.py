@@ -1,4 +1,6 @@
-"""Typed, nested configuration with validation.
+"""Typed, nested configuration with validation: the ``model:`` and ``parallel:`` sections, the model families, and
+the loader every section shares (YAML, dotted overrides, ``from_dict``). The ``launch:`` section is in
+:mod:`megatron_kl.config.launch`; the trainer's sections beside the code they configure (``kl/config.py``, ...).
 
 Every axis is a named field a user can set in YAML (``model.num_layers: 4``) or on the command line as a
 dotted override (``parallel.tensor_parallel=2``). ``validate_*`` functions run before any process group
