@@ -29,11 +29,14 @@ that already holds a finished run of this configuration is a ConfigError too (ra
 from __future__ import annotations
 
 import contextlib
+import copy
 from pathlib import Path
 from typing import Iterator, Optional, Union
 
+from megatron_kl.cli_help import quiet_optional_dependencies
 from megatron_kl.config import ConfigError, apply_overrides, from_dict, read_yaml_file
 from megatron_kl.rewards import RewardInput, RewardResult, register
+from megatron_kl.train.cli import single_process_env
 from megatron_kl.train.config import TrainConfig
 
 __all__ = ["ConfigError", "RewardInput", "RewardResult", "TrainConfig", "load_config", "register", "train", "trainer"]
@@ -45,8 +48,6 @@ def load_config(source: Union[str, Path, dict, None] = None, overrides: Optional
     if source is None:
         data: dict = {}
     elif isinstance(source, dict):
-        import copy
-
         data = copy.deepcopy(source)
     else:
         data = read_yaml_file(source)
@@ -59,10 +60,7 @@ def trainer(cfg: TrainConfig) -> Iterator["Trainer"]:  # noqa: F821 - megatron_k
     checkpoint), its process groups made and its directory locked; everything is shut down and released when the
     block ends."""
     from megatron_kl.models import parallel
-    from megatron_kl.train.cli import single_process_env
     from megatron_kl.train.loop import prepare, seed_everything, started
-
-    from megatron_kl.cli_help import quiet_optional_dependencies
 
     quiet_optional_dependencies()
     seed_everything(cfg.train.seed)
@@ -83,7 +81,6 @@ def train(cfg: TrainConfig) -> "RunSummary":  # noqa: F821 - megatron_kl.run.sum
     """The whole run, as ``megatron-kl train`` runs it; its :class:`~megatron_kl.run.summary.RunSummary` (output
     paths, the evaluations before and after: ``summary.eval_after["eval/id/pass@1"]``)."""
     from megatron_kl.models import parallel
-    from megatron_kl.train.cli import single_process_env
     from megatron_kl.train.loop import train as run
 
     single_process_env()

@@ -7,9 +7,13 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import subprocess
 import sys
+from importlib import metadata
+from pathlib import Path
 
-from megatron_kl.cli_help import help_when_bare, quiet_optional_dependencies
+from megatron_kl.cli_help import Parser, help_when_bare, quiet_optional_dependencies
+from megatron_kl.redaction import redacted_output
 
 # name -> (the module whose main(argv) runs it, its one-line help)
 COMMANDS = {
@@ -26,8 +30,6 @@ COMMANDS = {
 
 
 def _parser() -> argparse.ArgumentParser:
-    from megatron_kl.cli_help import Parser
-
     parser = Parser(prog="megatron-kl", description=__doc__.split("\n\n")[0])
     parser.add_argument("--version", action="version", version=version(), help="print the version and exit")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -38,15 +40,11 @@ def _parser() -> argparse.ArgumentParser:
 
 def version() -> str:
     """``megatron-kl <package version>`` and the git commit of the source when it is a checkout."""
-    from importlib import metadata
-    from pathlib import Path
-
     try:
         number = metadata.version("megatron-kl")
     except metadata.PackageNotFoundError:
         number = "unknown"
     text = f"megatron-kl {number}"
-    import subprocess
 
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
@@ -60,8 +58,6 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     quiet_optional_dependencies()
     if argv and argv[0] in COMMANDS:  # the command's own parser takes the rest (its --help included)
-        from megatron_kl.redaction import redacted_output
-
         with redacted_output():  # no secret reaches the terminal or a job's log (megatron_kl/redaction.py)
             return importlib.import_module(COMMANDS[argv[0]][0]).main(argv[1:])
     parser = _parser()

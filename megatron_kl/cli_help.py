@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import logging
+import os
+import warnings
 
 
 def help_when_bare(parser: argparse.ArgumentParser, argv: list[str]) -> bool:
@@ -64,10 +67,6 @@ def quiet_optional_dependencies() -> None:
     """megatron-core warns at import, once per module, that Transformer Engine and Apex are not installed and it falls
     back to its local implementations: expected on a CPU and said once at debug level here instead. A feature that
     needs them (context parallelism's Transformer Engine attention, FP8 GEMMs) says so where it is asked for."""
-    import logging
-    import os
-    import warnings
-
     starts = ("Transformer Engine and Apex are not installed", "Apex is not installed")
     for start in starts:
         warnings.filterwarnings("ignore", message=start, category=UserWarning)

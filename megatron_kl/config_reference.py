@@ -14,6 +14,7 @@ import sys
 import typing
 from typing import Any, Optional
 
+from megatron_kl.cli_help import Parser, help_when_bare, normalize_overrides
 from megatron_kl.constraints import DERIVED, constraint_of
 
 _FIELD = re.compile(r"^\s+(\w+)\s*:\s*[^=#]+?(?:=.*?)?(?:#\s*(?P<comment>.*))?$")
@@ -130,10 +131,6 @@ def markdown(cls, title: str) -> str:
 
 def main(argv: Optional[list[str]] = None) -> int:
     """``megatron-kl config show ...``; ``megatron-kl config`` alone prints this command's help."""
-    from megatron_kl.cli_help import help_when_bare
-
-    from megatron_kl.cli_help import Parser, normalize_overrides
-
     parser = Parser(prog="megatron-kl config", description="The training configuration's fields.")
     sub = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
     show = sub.add_parser("show", help="every field: type, default, current value, description",

@@ -19,6 +19,7 @@ import contextvars
 import dataclasses
 import math
 import os
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -162,8 +163,6 @@ def constraint_of(field: dataclasses.Field) -> Optional[Constraint]:
 def resumable_paths(cls, prefix: str = "") -> list[str]:
     """The dotted paths of ``cls``'s fields marked ``resumable`` (a marked section as ``section.``), nested sections
     walked."""
-    import typing
-
     hints = typing.get_type_hints(cls)
     out = []
     for item in dataclasses.fields(cls):

@@ -20,6 +20,7 @@ import queue
 import signal
 import tempfile
 import traceback
+import warnings
 from contextlib import contextmanager
 from datetime import timedelta
 
@@ -79,8 +80,6 @@ def _worker(rank, world_size, init_file, fn, args, results, threads, backend, en
     # is the fork server, which outlives a killed caller as long as any rank holds its pipe
     stop_when_gone(caller, signal.SIGKILL)
     try:
-        import warnings
-
         warnings.filterwarnings("ignore")
         os.environ.clear()  # the caller's environment now (a forked child starts with the fork server's)
         os.environ.update(environ)

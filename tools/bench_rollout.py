@@ -115,8 +115,8 @@ def worker_local(args, ragged_decoding: bool = True) -> dict:
 def worker_sglang_test(args) -> dict:
     from megatron_kl.models.hf import HFCheckpoint
     from megatron_kl.rollout.config import SGLangConfig
-    from megatron_kl.rollout.sglang import SGLangEngine
     from megatron_kl.rollout.servers import server_port
+    from megatron_kl.rollout.sglang import SGLangEngine
     from megatron_kl.rollout.sglang_sync import FromDisk, FromTensor
 
     cfg = SGLangConfig(port=server_port(), sync_dir=str(Path(args.work) / "sync"),

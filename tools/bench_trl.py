@@ -68,7 +68,7 @@ def peak_rss_gib() -> float:
 def build_workload(work: Path, shapes: list[str]) -> None:
     """Tokenizer, prompts and one random-init HF checkpoint per shape under ``work``."""
     import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
     vocab = {"<pad>": 0, "<eos>": 1, **{f"w{i}": i for i in range(2, VOCAB)}}

@@ -71,8 +71,8 @@ def _logits_inputs(tokens: int, vocab: int, world: int, rank: int, scale: float 
 def _truncation_paths(tokens: int, vocab: int, chunk, group, world: int, rank: int, scale: float,
                       device: str = "cpu") -> dict:
     """name -> prepare() for log-prob + entropy + exact KL, full and truncated (``TRUNCATIONS``), in place."""
-    from megatron_kl.vocab_parallel.truncation import Truncation
     from megatron_kl.vocab_parallel.stats import fused_stats
+    from megatron_kl.vocab_parallel.truncation import Truncation
 
     logits, reference, targets = _logits_inputs(tokens, vocab, world, rank, scale, device)
 
@@ -168,7 +168,7 @@ def _logits_paths(tokens: int, vocab: int, chunk, group, world: int, rank: int, 
 def _linear_paths(tokens: int, vocab: int, hidden_size: int, chunk, device: str = "cpu") -> dict:
     import torch
 
-    from megatron_kl.vocab_parallel.fused_linear import linear_chunk_rows, fused_linear_grads, fused_linear_stats
+    from megatron_kl.vocab_parallel.fused_linear import fused_linear_grads, fused_linear_stats, linear_chunk_rows
     from megatron_kl.vocab_parallel.stats import fused_stats
 
     g = torch.Generator().manual_seed(0)
@@ -250,9 +250,9 @@ def _interleaved(paths: dict, repeats: int, group=None) -> dict:
 
 def _tp_worker(rank: int, world: int, tokens: int, vocab: int, repeats: int, chunk, scale=None) -> dict:
     import torch.distributed as dist
+    from megatron.core import parallel_state
 
     from megatron_kl.megatron_compat import apply_cpu_shims
-    from megatron.core import parallel_state
 
     apply_cpu_shims()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
@@ -285,8 +285,9 @@ def _measure_memory(section: str, impl: str, size: str, hidden: int, chunk) -> d
 
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + os.getpid() % 1000))
         dist.init_process_group("gloo", rank=0, world_size=1)
-        from megatron_kl.megatron_compat import apply_cpu_shims
         from megatron.core import parallel_state
+
+        from megatron_kl.megatron_compat import apply_cpu_shims
 
         apply_cpu_shims()
         parallel_state.initialize_model_parallel(1)
@@ -437,7 +438,6 @@ def run_gpu(args, section: str) -> None:
     (``tools/bench_gpu_paths.py``)."""
     import torch
     import torch.distributed as dist
-
     from megatron.core import parallel_state
 
     from tools.bench_gpu_paths import linear_paths, logits_paths
@@ -500,8 +500,8 @@ def _gpu_truncation_paths(logits, reference, targets, group) -> dict:
     """``TRUNCATIONS``, plus top-p 0.9 with the bisection's older lookup (a pass over the rows per step) beside
     the GPU's default (rows sorted once, a binary search per step)."""
     from megatron_kl.vocab_parallel import truncation
-    from megatron_kl.vocab_parallel.truncation import Truncation
     from megatron_kl.vocab_parallel.stats import fused_stats
+    from megatron_kl.vocab_parallel.truncation import Truncation
 
     def prepare(rule, lookup="auto"):
         x = logits.clone().requires_grad_(True)

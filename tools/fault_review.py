@@ -36,7 +36,6 @@ import time
 from pathlib import Path
 
 import psutil
-
 from fault_cases_entry_points import cases as entry_point_cases
 
 ROOT = Path(__file__).resolve().parents[1]

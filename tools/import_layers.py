@@ -122,6 +122,92 @@ def draw(graph: dict[str, set[str]], out: Path) -> None:
     fig.savefig(out, dpi=110)
 
 
+STDLIB = frozenset(sys.stdlib_module_names)
+
+
+def _targets(node: ast.AST, modules) -> list[str]:
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+        return [f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in modules else node.module
+                for alias in node.names]
+    return []
+
+
+def _module_level_imports(tree: ast.Module, modules) -> list[str]:
+    """What importing the module runs: imports outside function bodies and ``if TYPE_CHECKING:`` blocks."""
+    found = []
+
+    def visit(body):
+        for node in body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                continue
+            found.extend(_targets(node, modules))
+            for name in ("body", "orelse", "finalbody", "handlers"):
+                visit([n for n in getattr(node, name, ()) if isinstance(n, ast.AST)])
+
+    visit(tree.body)
+    return found
+
+
+def _with_parents(module: str) -> list[str]:
+    parts = module.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
+
+
+def needless_function_imports(root: Path = ROOT) -> list[str]:
+    """Imports inside functions that load nothing the module has not loaded already.
+
+    The rule (docs/extending.md): an import goes inside a function only to defer an optional or heavy third-party
+    package (torch, megatron-core, transformers, vLLM, SGLang, matplotlib, ...). So a function-level import is needless
+    when the third-party packages it would load, itself or through the package's modules it imports at module level,
+    are all loaded by the importing module's own module-level imports already: the standard library always is.
+    megatron-core's modules are the exception: they are imported where they are used, after
+    ``megatron_compat.apply_cpu_shims()`` has patched what megatron-core needs on a CPU machine.
+    """
+    paths = {".".join(p.relative_to(root.parent).with_suffix("").parts).removesuffix(".__init__"): p
+             for p in root.rglob("*.py")}
+    trees = {name: ast.parse(path.read_text()) for name, path in paths.items()}
+    top = {name: _module_level_imports(tree, paths) for name, tree in trees.items()}
+    loaded: dict[str, frozenset] = {}
+
+    def third_party(module: str) -> frozenset:
+        """The third-party top-level packages importing ``module`` loads."""
+        if module.split(".")[0] != root.name:
+            return frozenset({module.split(".")[0]}) - STDLIB
+        if module not in loaded:
+            seen, stack, found = set(), [m for m in _with_parents(module) if m in paths], set()
+            while stack:
+                name = stack.pop()
+                if name in seen:
+                    continue
+                seen.add(name)
+                for target in top[name]:
+                    if target.split(".")[0] == root.name:
+                        stack.extend(m for m in _with_parents(target) if m in paths)
+                    else:
+                        found.add(target.split(".")[0])
+            loaded[module] = frozenset(found) - STDLIB
+        return loaded[module]
+
+    needless = []
+    for name, tree in trees.items():
+        for function in ast.walk(tree):
+            if isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                nested = {id(n) for inner in ast.walk(function) if inner is not function
+                          and isinstance(inner, (ast.FunctionDef, ast.AsyncFunctionDef)) for n in ast.walk(inner)}
+                for node in ast.walk(function):
+                    for target in _targets(node, paths) if id(node) not in nested else ():
+                        if target.startswith("megatron.") or target == "megatron":
+                            continue  # megatron-core: imported after megatron_compat.apply_cpu_shims() has run
+                        if third_party(target) <= third_party(name):
+                            needless.append(f"{paths[name].relative_to(root.parent)}:{node.lineno} "
+                                            f"{function.name}() imports {target}")
+    return sorted(set(needless))
+
+
 def main(argv: list[str]) -> int:
     graph = module_graph()
     for (a, t), count in sorted(box_arrows(graph).items()):

@@ -29,17 +29,16 @@ from typing import Optional
 import torch
 
 from megatron_kl.algo.config import LOSSES, OLD_LOGPROBS, RATIO_LEVELS, AlgoConfig, row_separable  # noqa: F401
+from megatron_kl.kl.config import LOG_RATIO_CLAMP, TOP_K
 from megatron_kl.kl.corrections import correction_of
-from megatron_kl.kl.config import LOG_RATIO_CLAMP
 from megatron_kl.kl.estimators import ClampCounter, TermCounter, clamp_log_ratio
-from megatron_kl.kl.objective import (KLConfig, aggregate_tokens, kl_loss, kl_penalty_credit,
-                                     policy_gradient_surrogate)
+from megatron_kl.kl.objective import KLConfig, aggregate_tokens, kl_loss, kl_penalty_credit, policy_gradient_surrogate
 from megatron_kl.kl.rpg import rpg_loss
-from megatron_kl.kl.topk import top_k_divergence
-from megatron_kl.kl.config import TOP_K
 from megatron_kl.kl.sequence_axis import LOCAL, SequenceAxis
+from megatron_kl.kl.topk import top_k_divergence
 from megatron_kl.models.batch import Microbatch, SequenceBatch
 from megatron_kl.models.pipeline import masked_token_stats
+
 
 @dataclass(frozen=True)
 class LossInputs:

@@ -10,6 +10,7 @@ exists and raise :class:`ConfigError` naming the field and the fix.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import math
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
@@ -18,8 +19,15 @@ from typing import Any, Optional, get_args, get_origin, get_type_hints
 import yaml
 
 from megatron_kl.constraints import DERIVED, ConfigError, check_declared, checked, constraint_of
-from megatron_kl.model_variants import (MOE_DISPATCHERS, ROUTER_SCORES, ROUTING_REPLAY, MLAConfig,  # noqa: F401
-                                        MoEConfig, YarnConfig, validate_moe)
+from megatron_kl.model_variants import (  # noqa: F401
+    MOE_DISPATCHERS,
+    ROUTER_SCORES,
+    ROUTING_REPLAY,
+    MLAConfig,
+    MoEConfig,
+    YarnConfig,
+    validate_moe,
+)
 from megatron_kl.redaction import REDACTED, redact_config  # noqa: F401 - REDACTED: part of this API
 from megatron_kl.registry import Registry
 
@@ -49,8 +57,6 @@ class ModelFamily:
     def mapping(self):
         """The HF mapping module (imported by name on first use), or None for Llama's names."""
         if isinstance(self.hf_mapping, str):
-            import importlib
-
             return importlib.import_module(self.hf_mapping)
         return self.hf_mapping
 

@@ -20,12 +20,17 @@ import torch.distributed as dist
 
 from megatron_kl.config import ConfigError, ModelConfig
 from megatron_kl.distill.config import DistillConfig, TeacherConfig, teacher_parallel
-from megatron_kl.distill.layout import (ResharedHead, build_in_own_layout, expert_groups, reshard_output_weight,
-                                        score_in_own_layout)
+from megatron_kl.distill.layout import (
+    ResharedHead,
+    build_in_own_layout,
+    expert_groups,
+    reshard_output_weight,
+    score_in_own_layout,
+)
 from megatron_kl.distill.served import ServedTeacher
-from megatron_kl.vocab_parallel.candidates import top_k_logprobs
 from megatron_kl.models import builder, hf, output_head, parallel, pipeline, state
 from megatron_kl.models.offload import ReferenceOffload
+from megatron_kl.vocab_parallel.candidates import top_k_logprobs
 
 log = logging.getLogger(__name__)
 

@@ -46,8 +46,17 @@ from typing import Optional
 
 import torch
 
-from megatron_kl.kl.config import (AGGREGATIONS, AUTO, CREDITS, LEVELS, OFF_POLICY, PLACEMENTS, REGIMES,  # noqa: F401
-                                   TARGETS, KLConfig)
+from megatron_kl.kl.config import (  # noqa: F401
+    AGGREGATIONS,
+    AUTO,
+    CREDITS,
+    LEVELS,
+    OFF_POLICY,
+    PLACEMENTS,
+    REGIMES,
+    TARGETS,
+    KLConfig,
+)
 from megatron_kl.kl.estimators import ClampCounter, clamp_log_ratio, token_estimate
 from megatron_kl.kl.sequence_axis import LOCAL, SequenceAxis
 

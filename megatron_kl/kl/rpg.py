@@ -32,6 +32,7 @@ from megatron_kl.kl.estimators import ClampCounter, clamp_log_ratio
 from megatron_kl.kl.objective import aggregate_tokens
 from megatron_kl.kl.sequence_axis import LOCAL, SequenceAxis
 
+
 def rpg_loss(
     cfg: RPGConfig,
     logprobs: torch.Tensor,

@@ -11,17 +11,20 @@ config error.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import logging
 import sys
 from pathlib import Path
 
+from megatron_kl.cli_help import Parser, help_when_bare, normalize_overrides
 from megatron_kl.config import ConfigError
+from megatron_kl.launch import experiment
+from megatron_kl.launch.experiment import plan, task_log
+from megatron_kl.study.report import write_report
 
 
 def _parser() -> argparse.ArgumentParser:
-    from megatron_kl.cli_help import Parser
-
     parser = Parser(prog="megatron-kl launch", description=__doc__)
     sub = parser.add_subparsers(dest="action", required=True)
     for kind in ("local", "slurm"):
@@ -44,9 +47,6 @@ def _parser() -> argparse.ArgumentParser:
 
 def _study_report(launch_plan, states: dict) -> int:
     """status.json + report.md for a study run through NeMo-Run; returns the number of failed runs."""
-    from megatron_kl.launch.experiment import task_log
-    from megatron_kl.study.report import write_report
-
     status = {}
     for run_spec in launch_plan.runs:
         info = states.get(run_spec.name, {})
@@ -67,8 +67,6 @@ def _study_report(launch_plan, states: dict) -> int:
 def submit(executor_kind: str, launch_plan, dryrun: bool = False, detach: bool = False, customize=None) -> int:
     """Dry-run (print the scripts) or run a plan with NeMo-Run; the exit code of ``megatron-kl launch`` (0: all
     tasks succeeded, 1: one failed). Shared with the recipes in ``launch/`` and ``megatron-kl validate``."""
-    from megatron_kl.launch import experiment
-
     if dryrun:
         for name, script in experiment.dryrun(executor_kind, launch_plan, customize).items():
             print(f"# ---- task {name}\n{script}")
@@ -91,8 +89,6 @@ def submit(executor_kind: str, launch_plan, dryrun: bool = False, detach: bool =
 
 def load_clusters(path: str) -> dict:
     """``CLUSTERS`` (name -> function returning a Cluster) of a clusters file such as launch/clusters.py."""
-    import importlib.util
-
     file = Path(path)
     if not file.is_file():
         raise ConfigError(f"--clusters {path} does not exist (run from the repository root, or name the file)")
@@ -106,8 +102,6 @@ def load_clusters(path: str) -> dict:
 
 
 def _run(args) -> int:
-    from megatron_kl.launch.experiment import plan
-
     overrides, customize = list(args.overrides), None
     if args.cluster is not None:
         clusters = load_clusters(args.clusters)
@@ -122,8 +116,6 @@ def _run(args) -> int:
 
 
 def _inspect(args) -> int:
-    from megatron_kl.launch import experiment
-
     exp = experiment.reconstruct(args.experiment_id, args.home)
     states = experiment.task_states(exp)
     if args.action == "status":
@@ -139,13 +131,10 @@ def _inspect(args) -> int:
 
 
 def main(argv: list[str]) -> int:
-    from megatron_kl.cli_help import help_when_bare
-
     parser = _parser()
     if help_when_bare(parser, argv):
         return 0
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
-    from megatron_kl.cli_help import normalize_overrides
 
     args = parser.parse_args(normalize_overrides(list(argv)))
     try:

@@ -14,11 +14,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-
 from megatron_kl.config import ConfigError, read_yaml_file
 from megatron_kl.constraints import paths_unchecked
-from megatron_kl.launch.jobs import (TaskSpec, _nemo_run, heterogeneous, heterogeneous_tasks, local_task,
-                                     single_node_task, slurm_task)
+from megatron_kl.launch.jobs import (
+    TaskSpec,
+    _nemo_run,
+    heterogeneous,
+    heterogeneous_tasks,
+    local_task,
+    single_node_task,
+    slurm_task,
+)
+from megatron_kl.redaction import is_secret_flag, secret_flag_values
+from megatron_kl.study.grid import expand, load_study
 from megatron_kl.train.config import load_train_config
 
 log = logging.getLogger("megatron_kl.launch")
@@ -45,8 +53,6 @@ def plan(config_path: str, overrides: list[str]) -> LaunchPlan:
 def check_no_secret_in_scripts(cfg) -> None:
     """The job scripts hold every server command and override in clear: a secret flag given a value there
     (``--admin-api-key K``, ``--token K``) is refused, naming the field and not the value."""
-    from megatron_kl.redaction import is_secret_flag, secret_flag_values
-
     for name, args in (("rollout.sglang.extra_args", cfg.rollout.sglang.extra_args),
                        ("launch.rollout_servers.extra_args", cfg.launch.rollout_servers.extra_args),
                        ("launch.reward_service.command", cfg.launch.reward_service.command)):
@@ -63,8 +69,6 @@ def _plan(config_path: str, overrides: list[str]) -> LaunchPlan:
     if data is None:
         raise ConfigError(f"config file {config_path} does not exist or is empty")
     if isinstance(data, dict) and "base" in data:
-        from megatron_kl.study.grid import expand, load_study
-
         study = load_study(config_path, overrides)
         runs = expand(study)
         tasks = [TaskSpec(r.name, study.base, r.overrides, load_train_config(study.base, r.overrides)) for r in runs]

@@ -18,8 +18,8 @@ import re
 import shlex
 import sys
 from dataclasses import dataclass
-from typing import Optional
 from pathlib import Path
+from typing import Optional
 
 from megatron_kl.config import ConfigError, validate_parallel, validate_training_layout
 from megatron_kl.rollout.registry import ENGINES

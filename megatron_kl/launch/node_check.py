@@ -28,11 +28,18 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from importlib import resources
 from pathlib import Path
 from statistics import median
 from typing import Optional
 
+from megatron_kl.cli_help import Parser
 from megatron_kl.config import ConfigError
+from megatron_kl.launch.cli import submit
+from megatron_kl.launch.experiment import LaunchPlan
+from megatron_kl.launch.jobs import TaskSpec
+from megatron_kl.train.config import load_train_config
+from megatron_kl.train.metrics import read_metrics
 
 CHECKS = ("gpu_tests", "layouts", "vocab_parallel", "fused_linear", "train")
 TRAIN_STEPS = 3
@@ -122,8 +129,6 @@ def train_command(gpus: int, run_dir: Path, hf_checkpoint: Optional[str]) -> lis
 
 def train_timings(metrics_path: Path, world: int) -> dict:
     """Median step time, weight-sync time and response tokens/s per GPU (per rank on CPU) of the run."""
-    from megatron_kl.train.metrics import read_metrics
-
     records = [r for r in read_metrics(metrics_path) if "time/step" in r] if metrics_path.is_file() else []
     if not records:
         return {}
@@ -207,10 +212,6 @@ def node_arguments(args) -> list[str]:
 def slurm_plan(args, cluster_overrides: list[str]):
     """One single-node Slurm job running ``megatron-kl validate`` there; the ``launch.slurm`` settings come from
     the cluster (and overrides), the rest of the config is the CPU default (the checks bring their own)."""
-    from megatron_kl.launch.experiment import LaunchPlan
-    from megatron_kl.launch.jobs import TaskSpec
-    from megatron_kl.train.config import load_train_config
-
     overrides = [*cluster_overrides, *args.overrides, "launch.slurm.nodes=1", "launch.slurm.retries=0"]
     for item in args.overrides:
         if not item.startswith("launch."):
@@ -221,8 +222,6 @@ def slurm_plan(args, cluster_overrides: list[str]):
 
 
 def parser(prog: str = "megatron-kl validate", clusters=None) -> argparse.ArgumentParser:
-    from megatron_kl.cli_help import Parser
-
     p = Parser(prog=prog, description=__doc__)
     p.add_argument("--out", default="runs/validate", help="logs, the training run and validate.json")
     p.add_argument("--only", default=None, help=f"comma-separated subset of {','.join(CHECKS)}")
@@ -246,8 +245,6 @@ def main(argv: list[str], clusters=None, prog: str = "megatron-kl validate") -> 
         return 2
     try:
         if getattr(args, "cluster", None):
-            from megatron_kl.launch.cli import submit
-
             cluster = clusters[args.cluster]()
             if cluster.executor != "slurm":
                 raise ConfigError(f"--cluster {args.cluster} runs on this machine: drop --cluster")
@@ -276,8 +273,6 @@ def repository_checkout() -> Optional[Path]:
 
 def packaged_config(relative: str) -> Path:
     """A config shipped with megatron-kl (``configs/...``): the checkout's file, or the installed package's copy."""
-    from importlib import resources
-
     checkout = repository_checkout()
     if checkout is not None and (checkout / relative).is_file():
         return checkout / relative

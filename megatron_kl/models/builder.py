@@ -17,8 +17,9 @@ import torch
 import torch.nn.functional as F
 
 from megatron_kl.config import ConfigError, ModelConfig, ParallelConfig, model_family
-from megatron_kl.models.norm import use_lean_rms_norm
 from megatron_kl.models.context_parallel import check_runnable
+from megatron_kl.models.norm import use_lean_rms_norm
+from megatron_kl.models.routing_replay import attach_replay
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -235,8 +236,11 @@ def decoder_spec(model: ModelConfig, config, vp_stage: Optional[int], pp_rank: i
     spec = layer_spec(model)
     if not (model.moe.enabled and model.moe.first_dense_layers):
         return spec
-    from megatron.core.transformer.transformer_block import (LayerNormImpl, TransformerBlockSubmodules,
-                                                             get_num_layers_to_build)
+    from megatron.core.transformer.transformer_block import (
+        LayerNormImpl,
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     dense = layer_spec(model, dense=True)
@@ -382,7 +386,5 @@ def build_policy_and_reference(model: ModelConfig, parallel: ParallelConfig) -> 
     for ref_chunk, pol_chunk in zip(reference, policy):
         ref_chunk.load_state_dict(pol_chunk.state_dict())
     if model.moe.enabled and model.moe.routing_replay == "rollout":
-        from megatron_kl.models.routing_replay import attach_replay
-
         attach_replay(policy)
     return PolicyAndReference(policy=policy, reference=freeze(reference))

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from megatron_kl.config import ConfigError, ParallelConfig
 from megatron_kl.kl.sequence_axis import LOCAL, ContextParallelAxis, SequenceAxis, zigzag_shard, zigzag_unshard
 from megatron_kl.models.batch import Microbatch
-
+from megatron_kl.models.parallel import all_reduce_cpu, collective_device
 
 
 def check_runnable(parallel: ParallelConfig, have_transformer_engine: bool) -> None:
@@ -81,8 +81,6 @@ def shard_microbatch(mb: Microbatch, size: int, rank: int, multiple: int) -> Mic
 def gather_positions(local: torch.Tensor, group, targets: int) -> torch.Tensor:
     """A per-target tensor's CP shards [b, 2 L, ...] (every rank's) back to [b, ``targets``, ...] in sequence order
     (a collective over ``group``; no gradient)."""
-    from megatron_kl.models.parallel import collective_device
-
     size = dist.get_world_size(group)
     sent = local.detach().to(collective_device(group)).contiguous()
     parts = [torch.empty_like(sent) for _ in range(size)]
@@ -96,7 +94,6 @@ def sum_counts(counts: dict, group) -> dict:
     keys: a per-sequence count is kept by one rank only); unchanged without context parallelism."""
     if group is None or dist.get_world_size(group) == 1:
         return counts
-    from megatron_kl.models.parallel import all_reduce_cpu
 
     every: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(every, sorted(counts), group=group)

@@ -19,11 +19,23 @@ import shutil
 import sys
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
-from megatron_kl.config import ConfigError, ModelConfig, ParallelConfig, from_dict, read_yaml_file, to_dict, validate_parallel
-from megatron_kl.models import hf
-from megatron_kl.models.gguf import DTYPES as GGUF_DTYPES, gguf_to_hf
+from megatron_kl.cli_help import Parser
+from megatron_kl.config import (
+    ConfigError,
+    ModelConfig,
+    ParallelConfig,
+    from_dict,
+    read_yaml_file,
+    to_dict,
+    validate_parallel,
+)
+from megatron_kl.local_ranks import run_ranks
+from megatron_kl.models import builder, hf, parallel
+from megatron_kl.models.gguf import DTYPES as GGUF_DTYPES
+from megatron_kl.models.gguf import gguf_to_hf
 
 METADATA = "megatron_kl.json"
 
@@ -36,8 +48,6 @@ def _model_state(chunks) -> dict:
 def import_worker(rank: int, world: int, hf_dir: str, out: str, parallel_cfg: ParallelConfig) -> dict:
     """One rank of the import: load the HF weights into this rank's shards and save them."""
     from megatron.core import dist_checkpointing
-
-    from megatron_kl.models import builder, parallel
 
     checkpoint = hf.HFCheckpoint(hf_dir)
     model_cfg = checkpoint.model_config()
@@ -77,8 +87,6 @@ def read_metadata(path) -> tuple[ModelConfig, dict]:
 def export_worker(rank: int, world: int, megatron_dir: str, out: str) -> dict:
     from megatron.core import dist_checkpointing
 
-    from megatron_kl.models import builder, parallel
-
     model_cfg, meta = read_metadata(megatron_dir)
     parallel_cfg = ParallelConfig()
     parallel.initialize(model_cfg, parallel_cfg, seed=0)
@@ -102,20 +110,15 @@ def _run(fn, world: int, *args) -> None:
         fn(dist.get_rank(), world, *args)
         dist.destroy_process_group()
         return
-    from megatron_kl.local_ranks import run_ranks
 
     run_ranks(fn, world, *args, timeout_s=24 * 3600)
 
 
 def _cuda() -> bool:
-    import torch
-
     return torch.cuda.is_available()
 
 
 def main(argv=None) -> int:
-    from megatron_kl.cli_help import Parser
-
     parser = Parser(prog="megatron-kl convert", description=__doc__)
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--hf", help="HF model directory (config.json + safetensors) to import")

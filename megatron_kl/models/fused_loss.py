@@ -15,10 +15,10 @@ import dataclasses
 
 import torch
 
-from megatron_kl.vocab_parallel.fused_linear import PrecomputedGrad, _gather_rows, linear_chunk_rows, fused_linear_grads
-from megatron_kl.vocab_parallel.stats import VocabParallelStats, compute_dtype, support_fields
 from megatron_kl.models.batch import Microbatch
 from megatron_kl.models.output_head import fused_layout
+from megatron_kl.vocab_parallel.fused_linear import PrecomputedGrad, _gather_rows, fused_linear_grads, linear_chunk_rows
+from megatron_kl.vocab_parallel.stats import VocabParallelStats, compute_dtype, support_fields
 
 
 def single_pass_loss(vocab, reference, mb: Microbatch, hidden, weight, tp_group, sequence_parallel: bool, loss_fn):

@@ -43,12 +43,20 @@ from pathlib import Path
 from typing import Iterable, Iterator, Mapping, Optional
 
 import torch
+import torch.distributed as dist
 
 from megatron_kl.config import ConfigError, ModelConfig  # noqa: F401 - ConfigError: part of this module's API
 from megatron_kl.models.hf_checkpoint import HFCheckpoint, HFCheckpointError  # noqa: F401 - this module's API
-from megatron_kl.models.hf_config import (LLAMA3_ROPE_FIXED, MOE_STRUCTURAL_FIELDS, STRUCTURAL_FIELDS,  # noqa: F401
-                                          check_model_config, family_mapping, hf_config_from_model,
-                                          model_config_from_hf)
+from megatron_kl.models.hf_config import (  # noqa: F401
+    LLAMA3_ROPE_FIXED,
+    MOE_STRUCTURAL_FIELDS,
+    STRUCTURAL_FIELDS,
+    check_model_config,
+    family_mapping,
+    hf_config_from_model,
+    model_config_from_hf,
+)
+from megatron_kl.models.state import iter_full_state, load_full_state_dict
 
 
 def _hook(model: ModelConfig, name: str):
@@ -312,10 +320,6 @@ def model_config_for_run(given: Optional[ModelConfig], checkpoint: HFCheckpoint)
 def load_hf_into(chunks: list, checkpoint: HFCheckpoint, model: ModelConfig, tp_group=None, experts=None) -> None:
     """Stream the HF weights into this rank's TP/PP shards of ``chunks`` (policy or reference); ``experts``: the
     routed experts' groups (models.state.ExpertGroups; default megatron-core's)."""
-    import torch.distributed as dist
-
-    from megatron_kl.models.state import load_full_state_dict
-
     tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
     tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
     load_full_state_dict(chunks, HFStateView(checkpoint, model), model.tie_word_embeddings, tp_rank, tp_size,
@@ -326,10 +330,6 @@ def export_hf(chunks: list, model: ModelConfig, out_dir, dtype: str = "bfloat16"
               source_dir=None, max_shard_bytes: int = 2 << 30) -> Optional[Path]:
     """Collective: gather the model tensor by tensor and write it as an HF checkpoint on global rank 0
     (returns the directory there, None elsewhere)."""
-    import torch.distributed as dist
-
-    from megatron_kl.models.state import iter_full_state
-
     stream = iter_full_state(chunks, model.vocab_size, model.tie_word_embeddings, tp_group, pp_group)
     if dist.is_initialized() and dist.get_rank() != 0:
         for _ in stream:  # take part in the collectives

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
-
-from typing import Optional
+from torch.optim.optimizer import _get_scalar_dtype
 
 from megatron_kl.models.optim_config import ADAM_KERNELS, LR_DECAY_STYLES, OptimConfig  # noqa: F401
 from megatron_kl.models.output_head import ReferenceHead
@@ -124,8 +124,6 @@ def initialize_adam_state(optimizer) -> None:
     creates lazily), so the memory layout of the first training step is the steady one: lazily, ~1 GB of moments
     (135M parameters) lands at the end of step 1 where step 1's activations were, and step 2 then page-faults
     fresh memory for its own (270k faults, +2 s at the 135M bench shape on 2 CPU cores)."""
-    from torch.optim.optimizer import _get_scalar_dtype
-
     for inner in torch_optimizers(optimizer):
         if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
             continue

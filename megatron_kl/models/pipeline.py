@@ -23,16 +23,15 @@ import torch
 import torch.distributed as dist
 
 from megatron_kl.config import sequence_multiple
-from megatron_kl.vocab_parallel.candidates import candidate_logits, candidate_logprobs, fused_candidate_logits
-from megatron_kl.vocab_parallel.fused_linear import _gather_rows, linear_chunk_rows, fused_linear_stats
-from megatron_kl.vocab_parallel.truncation import Truncation, effective
-from megatron_kl.vocab_parallel.stats import DEFAULT_CHUNK, VocabParallelStats, full_kl, fused_stats
-from megatron_kl.models.fused_loss import single_pass_loss
-from megatron_kl.models.batch import (SUPPORT_KEYS, Microbatch, MicrobatchStats, SequenceBatch,  # noqa: F401
-                                      TokenStats)
-from megatron_kl.models.output_head import ReferenceHead, bypass_output_layer, fused_layout, output_weight, unwrap
 from megatron_kl.models import context_parallel, routing_replay
+from megatron_kl.models.batch import SUPPORT_KEYS, Microbatch, MicrobatchStats, SequenceBatch, TokenStats  # noqa: F401
+from megatron_kl.models.fused_loss import single_pass_loss
+from megatron_kl.models.output_head import ReferenceHead, bypass_output_layer, fused_layout, output_weight, unwrap
 from megatron_kl.models.parallel import collective_device
+from megatron_kl.vocab_parallel.candidates import candidate_logits, candidate_logprobs, fused_candidate_logits
+from megatron_kl.vocab_parallel.fused_linear import _gather_rows, fused_linear_stats, linear_chunk_rows
+from megatron_kl.vocab_parallel.stats import DEFAULT_CHUNK, VocabParallelStats, full_kl, fused_stats
+from megatron_kl.vocab_parallel.truncation import Truncation, effective
 
 # loss_fn(stats, microbatch) -> (loss, metrics). `loss` is this microbatch's share of the global loss
 # (already divided by the global normaliser), so the microbatch shares add up to the batch loss.

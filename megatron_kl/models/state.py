@@ -22,8 +22,8 @@ from typing import Callable, Iterator, Mapping, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_kl.vocab_parallel.groups import group_size_rank
 from megatron_kl.models.parallel import collective_device
+from megatron_kl.vocab_parallel.groups import group_size_rank
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 EXPERT_NAME = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")

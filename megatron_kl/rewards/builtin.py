@@ -16,6 +16,7 @@ import re
 from typing import Optional
 
 from megatron_kl.rewards.types import RewardInput
+from megatron_kl.tasks.math import score_answer
 
 
 def _normal(text: str, ignore_case: bool) -> str:
@@ -31,8 +32,6 @@ def make_arithmetic(tokenizer):
 
 
 def math_verify(sample: RewardInput) -> float:
-    from megatron_kl.tasks.math import score_answer
-
     return score_answer(sample.answer, sample.response)
 
 

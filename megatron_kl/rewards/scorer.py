@@ -25,9 +25,11 @@ from typing import Any, Optional
 
 import torch
 
+from megatron_kl.config import ConfigError
 from megatron_kl.rewards.config import RewardConfig, RewardFunctionConfig, metric_segment
 from megatron_kl.rewards.registry import BoundReward, bind_all
 from megatron_kl.rewards.types import InvalidReward, RewardInput, RewardResult, as_result
+from megatron_kl.tasks.base import Problem
 
 log = logging.getLogger("megatron_kl.rewards")
 
@@ -88,8 +90,6 @@ class RewardScorer:
     @classmethod
     def build(cls, cfg: RewardConfig, task) -> "RewardScorer":
         """The scorer of ``cfg`` for ``task`` (its tokenizer; its own reward when ``reward.functions`` is empty)."""
-        from megatron_kl.config import ConfigError
-
         functions = list(cfg.functions)
         if not functions:
             default = getattr(task, "default_reward", None)
@@ -232,8 +232,6 @@ def _error_text(err: BaseException) -> str:
 def task_reward(task) -> BoundReward:
     """A task object's own ``score(problem, response_ids)`` as a reward function (tasks written before reward
     functions existed, and tests' stand-in tasks)."""
-    from megatron_kl.tasks.base import Problem
-
     def score(sample: RewardInput) -> Any:
         return task.score(Problem(list(sample.prompt_ids), sample.answer, sample.prompt, dict(sample.fields)),
                           list(sample.response_ids))

@@ -18,10 +18,10 @@ from typing import Any, Optional
 import requests
 
 from megatron_kl.config import ConfigError
+from megatron_kl.redaction import register
 from megatron_kl.rewards.config import RewardServiceConfig
 from megatron_kl.rewards.types import RewardInput
 from megatron_kl.rollout import http
-from megatron_kl.redaction import register
 
 
 class RewardService:

@@ -19,12 +19,14 @@ thread trains with collectives on the model's groups.
 from __future__ import annotations
 
 from datetime import timedelta
-
 from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
+from megatron_kl.models.hf import to_hf_stream
+from megatron_kl.models.output_head import unwrap
+from megatron_kl.models.state import iter_full_state
 from megatron_kl.rollout.engine import Completion, EngineBase, EngineLost, SamplingConfig
 from megatron_kl.rollout.http import Cancelled, ServerUnavailable
 from megatron_kl.rollout.servers import ServerStartFailed
@@ -152,8 +154,6 @@ class DistributedEngine(EngineBase):
         self._settle(error, what)
 
     def update_weights(self, chunks: list, version: int) -> None:
-        from megatron_kl.models.output_head import unwrap
-
         named = hf_named_tensors([unwrap(c) for c in chunks], self.model, self.tp_group, self.pp_group,
                                  self.include_tied_head)
         error = None
@@ -180,9 +180,6 @@ class DistributedEngine(EngineBase):
 def hf_named_tensors(chunks: list, model, tp_group=None, pp_group=None,
                      include_tied_head: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Collective over TP and PP: the policy as HF-named full tensors, one Megatron tensor at a time."""
-    from megatron_kl.models.hf import to_hf_stream
-    from megatron_kl.models.state import iter_full_state
-
     stream = iter_full_state(chunks, model.vocab_size, model.tie_word_embeddings, tp_group, pp_group)
     for hf_name, value in to_hf_stream(stream, model):
         yield hf_name, value

@@ -36,6 +36,7 @@ time). Asynchronous training needs the copy (the trainer updates the policy whil
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -45,11 +46,14 @@ import torch
 import torch.distributed as dist
 
 from megatron_kl.config import ConfigError, ModelConfig, ParallelConfig
-from megatron_kl.vocab_parallel.truncation import Truncation, support_threshold
+from megatron_kl.models.builder import build_gpt_model, freeze
 from megatron_kl.models.output_head import unwrap
 from megatron_kl.models.routing_replay import UNKNOWN, RoutingRecorder
-from megatron_kl.models.state import ExpertGroups
+from megatron_kl.models.state import ExpertGroups, is_expert, local_experts_per_layer, shift_expert_index
+from megatron_kl.rollout.delta import SyncStats, TensorUpdate, diff, tensor_checksum
 from megatron_kl.rollout.engine import PAUSED, Completion, EngineBase, SamplingConfig, checked_budgets
+from megatron_kl.rollout.quantization import quantize_model_
+from megatron_kl.vocab_parallel.truncation import Truncation, support_threshold
 
 log = logging.getLogger(__name__)
 
@@ -200,8 +204,6 @@ def _replica_holds_all_experts(parallel: ParallelConfig, groups) -> ParallelConf
     data-parallel rank generates its own prompts, so the replica's forwards cannot meet in expert-parallel
     collectives), sharded over the engine's TP group like the dense layers. Creates one-rank groups
     (collectively)."""
-    import dataclasses
-
     if parallel.expert_tensor_parallel not in (None, parallel.tensor_parallel):
         raise ConfigError(
             f"rollout.engine=local with parallel.expert_tensor_parallel={parallel.expert_tensor_parallel} != "
@@ -217,8 +219,6 @@ def _replica_holds_all_experts(parallel: ParallelConfig, groups) -> ParallelConf
 def _gathered_experts(policy, ep_group):
     """The policy's (name, tensor) pairs, routed experts gathered over ``ep_group`` when it is given (expert j of
     expert-parallel rank r becomes local expert r E_local + j); a collective on every rank of the group."""
-    from megatron_kl.models.state import is_expert, local_experts_per_layer, shift_expert_index
-
     local = local_experts_per_layer([policy])
     for name, param in policy.named_parameters():
         if ep_group is None or not is_expert(name):
@@ -238,8 +238,6 @@ class LocalEngine(EngineBase):
                  interruptible: bool = False, quantization: str = "none", delta_sync: bool = False,
                  delta_check_interval: int = 10):
         from megatron.core.process_groups_config import ProcessGroupCollection
-
-        from megatron_kl.models.builder import build_gpt_model, freeze
 
         if parallel.pipeline_parallel != 1:
             raise ConfigError(
@@ -309,8 +307,6 @@ class LocalEngine(EngineBase):
         """Copy this rank's shards of the policy chunks ``source`` (possibly DDP-wrapped), or with
         ``share_policy_weights`` point the replica's parameters at them (re-pointed at every call, so a policy
         whose tensors were replaced, e.g. by a checkpoint load, is followed)."""
-        from megatron_kl.rollout.delta import SyncStats, TensorUpdate, diff, tensor_checksum
-
         with self._lock:
             start = time.perf_counter()
             policy = unwrap(source[0])
@@ -348,8 +344,6 @@ class LocalEngine(EngineBase):
                     mine[name].copy_(param.detach())
                 stats.kind, stats.reason = "full", f"checksum mismatch in {mismatched[0]}"
             if self.quantization == "fp8":
-                from megatron_kl.rollout.quantization import quantize_model_
-
                 quantize_model_(self.model)
             if self.delta_sync and not self.share_policy_weights:
                 self._delta_syncs = 0 if stats.kind == "full" else self._delta_syncs + 1

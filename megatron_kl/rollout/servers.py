@@ -6,8 +6,8 @@ traceback.
 
 from __future__ import annotations
 
-import logging
 import functools
+import logging
 import os
 import random
 import signal
@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Callable
 
 from megatron_kl.child_processes import die_with_parent
-from megatron_kl.rollout.http import Cancelled, ServerUnavailable, wait_healthy
 from megatron_kl.redaction import redact_args, redact_text, register, secret_flag_values
+from megatron_kl.rollout.http import Cancelled, ServerUnavailable, wait_healthy
 
 log = logging.getLogger(__name__)
 

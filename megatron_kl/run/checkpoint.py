@@ -20,6 +20,7 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import multiprocessing as mp
 import re
 import shutil
 from pathlib import Path
@@ -27,6 +28,7 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint import FileSystemReader
 
 from megatron_kl.models.output_head import unwrap
 from megatron_kl.run import manifest
@@ -118,8 +120,6 @@ def _results_queue_without_spawn() -> None:
     script without an ``if __name__ == "__main__":`` guard would run again there (and die on the trainer's
     ports: EADDRINUSE / EOFError). A fork-started Manager serves the same queue without importing anything;
     megatron forks its writer processes anyway."""
-    import multiprocessing as mp
-
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     if getattr(filesystem_async, "_results_queue", None) is None:
@@ -313,8 +313,6 @@ def load_checkpoint(path: Path, run_state: RunState, run_id: Optional[str] = Non
 def _shard_problem(path: Path) -> Optional[str]:
     """Which shard file DCP could not read, where its own error does not say (a truncated or replaced .distcp
     gives a bare EOFError): each file the .metadata addresses must exist and hold the bytes it addresses."""
-    from torch.distributed.checkpoint import FileSystemReader
-
     try:
         with restricted_checkpoint_reads():
             metadata = FileSystemReader(str(path)).read_metadata()

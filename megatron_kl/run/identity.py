@@ -11,14 +11,15 @@ below the checkpointed step.
 from __future__ import annotations
 
 import functools
+import json
 from pathlib import Path
 from typing import Any
 
 from megatron_kl.config import to_dict
+from megatron_kl.redaction import redact_config
 from megatron_kl.run import identity_fields as fields
 from megatron_kl.run.identity_fields import DERIVED, flatten  # noqa: F401
 from megatron_kl.run.manifest import sha256_of
-from megatron_kl.redaction import redact_config
 
 
 def _file_digests(cfg) -> dict[str, str]:
@@ -50,8 +51,6 @@ def _file_digests(cfg) -> dict[str, str]:
 @functools.lru_cache(maxsize=None)
 def _default_identity(config_type) -> dict:
     """The default configuration's identity fields (JSON-safe) of a config type."""
-    import json
-
     prefixes = fields.resumable_prefixes(config_type)
     defaults = fields.identity_fields(redact_config(to_dict(config_type())), prefixes)
     return json.loads(json.dumps(defaults, default=str))
@@ -65,8 +64,6 @@ def _identity_fields(cfg) -> dict[str, Any]:
 
 def identity_of(cfg, world_size: int) -> dict[str, Any]:
     """The run's identity (JSON-safe: tuples become lists as they would in the checkpoint's file)."""
-    import json
-
     values = _identity_fields(cfg)
     values["world_size"] = world_size
     values.update(_file_digests(cfg))

@@ -9,6 +9,7 @@ from typing import Any
 
 from megatron_kl.constraints import resumable_paths
 
+
 @functools.lru_cache(maxsize=None)
 def resumable_prefixes(config_type) -> tuple[str, ...]:
     """The paths of ``config_type`` (TrainConfig) declared resumable (``checked(..., resumable=True)``)."""

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_kl.child_processes import SIGNALS
+from megatron_kl.config import ConfigError
 from megatron_kl.models.parallel import all_reduce_cpu
 
 log = logging.getLogger("megatron_kl.train")
@@ -61,8 +62,6 @@ class TrainingFailed(RuntimeError):
 
 
 def check_signal_names(names: Sequence[str], where: str = "train.stop_signals") -> list[str]:
-    from megatron_kl.config import ConfigError
-
     if isinstance(names, str) or not all(isinstance(n, str) for n in names):
         raise ConfigError(f"{where}={names!r} must be a list of signal names, e.g. [SIGTERM, SIGUSR1]")
     unknown = [n for n in names if n not in SIGNALS]

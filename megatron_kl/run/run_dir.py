@@ -26,6 +26,7 @@ import socket
 import subprocess
 import time
 import uuid
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Optional
 
@@ -60,8 +61,6 @@ class StartPlan:
 @functools.lru_cache(maxsize=1)
 def code_version() -> str:
     """The package version, and the git commit when running from a checkout."""
-    from importlib.metadata import PackageNotFoundError, version
-
     try:
         text = version("megatron-kl")
     except PackageNotFoundError:

@@ -22,6 +22,8 @@ import threading
 from typing import Iterator
 
 import torch
+from torch.distributed.checkpoint import default_planner, filesystem
+from torch.distributed.checkpoint._traverse import set_element
 
 # (module, name) pairs the checkpoint format writes (recorded with a find_class hook on the checkpoints the
 # tests write); dtypes are pickled as the module attribute torch.<name> (torch.float32, torch.bfloat16, ...)
@@ -77,8 +79,6 @@ def _load_bytes(self, read_item, value: io.BytesIO) -> None:
         raise UnsafePickle(f"checkpoint object {read_item.dest_index.fqn!r}: {str(err).splitlines()[0]}; it is not "
                            "loaded") from None
     if self.flatten_state_dict:
-        from torch.distributed.checkpoint._traverse import set_element
-
         set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
     else:
         self.state_dict[read_item.dest_index.fqn] = obj
@@ -90,8 +90,6 @@ _LOCK = threading.Lock()
 @contextlib.contextmanager
 def restricted_checkpoint_reads() -> Iterator[None]:
     """Within the block, DCP reads ``.metadata`` and shard objects with the restricted loaders above."""
-    from torch.distributed.checkpoint import default_planner, filesystem
-
     with _LOCK:
         saved_pickle, saved_load_bytes = filesystem.pickle, default_planner.DefaultLoadPlanner.load_bytes
         filesystem.pickle = _PickleModule()

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from megatron_kl.study.series import final, series as metric_series
+from megatron_kl.study.series import final
+from megatron_kl.study.series import series as metric_series
 
 
 def _group_curve(groups: dict, names: list[str], key: str):

@@ -8,12 +8,14 @@ from __future__ import annotations
 import logging
 import sys
 
+from megatron_kl.cli_help import Parser, normalize_overrides
 from megatron_kl.config import ConfigError
+from megatron_kl.study.grid import expand, load_study
+from megatron_kl.study.report import write_report
+from megatron_kl.study.runner import OK, StudyStopped, read_status, run_study
 
 
 def main(argv: list[str]) -> int:
-    from megatron_kl.cli_help import Parser, normalize_overrides
-
     parser = Parser(prog="megatron-kl study", description=__doc__)
     parser.add_argument("--config", required=True, help="study YAML, e.g. configs/study/cpu.yaml")
     parser.add_argument("--report-only", action="store_true", help="only (re)write the report from finished runs")
@@ -24,9 +26,6 @@ def main(argv: list[str]) -> int:
 
 def run(config: str, overrides: list[str], report_only: bool = False) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
-    from megatron_kl.study.grid import expand, load_study
-    from megatron_kl.study.report import write_report
-    from megatron_kl.study.runner import OK, StudyStopped, read_status, run_study
 
     try:
         study = load_study(config, overrides)

@@ -26,10 +26,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-
 from megatron_kl.config import ConfigError, from_dict, read_yaml_file
 from megatron_kl.constraints import SEED_MAX, checked
 from megatron_kl.study.claims import CLAIM3
+from megatron_kl.train.config import load_train_config
 
 
 @dataclass
@@ -179,8 +179,6 @@ def selected(study: StudyConfig) -> list[Configuration]:
 
 def expand(study: StudyConfig) -> list[RunSpec]:
     """Every (configuration, seed) run with its full override list; validated before anything runs."""
-    from megatron_kl.train.config import load_train_config
-
     runs = []
     root = Path(study.output_dir) / "runs"
     for configuration in selected(study):

@@ -15,7 +15,8 @@ import statistics
 from dataclasses import dataclass
 from typing import Optional
 
-from megatron_kl.study.series import series
+from megatron_kl.study.claims import bootstrap
+from megatron_kl.study.series import final, series
 
 
 def first_step(records: list[dict], metric: str, target: float) -> Optional[int]:
@@ -59,8 +60,6 @@ def reaches(runs: dict[str, dict[int, list[dict]]], metric: str, target: float) 
 def comparisons(ranked: list[Reach]) -> list[dict]:
     """The first reacher against each other configuration: the per-seed difference (other - first) in first step
     over their common seeds, its mean and bootstrap interval, and the censored seeds."""
-    from megatron_kl.study.claims import bootstrap
-
     if not ranked:
         return []
     best = ranked[0]
@@ -110,9 +109,6 @@ def final_value_comparisons(runs: dict[str, dict[int, list[dict]]], metric: str,
                             ) -> list[dict]:
     """The configuration with the best mean final ``metric`` (e.g. distill/exact_token, the KL to the teacher)
     against each other one that logged it: the per-seed difference (other - best), its mean and bootstrap interval."""
-    from megatron_kl.study.claims import bootstrap
-    from megatron_kl.study.series import final
-
     finals = {name: {seed: value for seed, records in by_seed.items()
                      if (value := final(records, metric)) is not None}
               for name, by_seed in runs.items()}

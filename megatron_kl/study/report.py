@@ -19,8 +19,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from megatron_kl.constraints import paths_unchecked
+from megatron_kl.study import claims
+from megatron_kl.study import reach as reaching
+from megatron_kl.study.claim_figures import claim_figures
+from megatron_kl.study.claims import RunOutcome
 from megatron_kl.study.grid import RunSpec, StudyConfig
-from megatron_kl.study.series import final as _final, series as _series
+from megatron_kl.study.series import final as _final
+from megatron_kl.study.series import series as _series
+from megatron_kl.train.config import kl_verdict, load_train_config
 from megatron_kl.train.metrics import read_metrics
 
 CURVES = [("reward/mean", "reward"), ("eval/id/pass@1", "in-domain pass@1"), ("kl/exact_token", "exact KL / token"),
@@ -53,8 +60,6 @@ def collapsed(records: list[dict], fraction: float) -> bool:
 
 def audit_verdict(cfg) -> str:
     """The audit's verdict on the run's KL term for its kl.target, in its regime (megatron_kl.kl.audit.targets)."""
-    from megatron_kl.train.config import kl_verdict
-
     if cfg.algo.loss == "rpg":
         return f"RPG {cfg.algo.rpg.divergence}: exact gradient of its regularised objective (kl-math.md)"
     verdict = kl_verdict(cfg)
@@ -195,8 +200,6 @@ def _best(records: list[dict], key: str) -> Optional[float]:
 
 def outcomes(groups: dict[str, ConfigurationRuns]) -> list:
     """One :class:`claims.RunOutcome` per (configuration, seed), failed runs included (unstable)."""
-    from megatron_kl.study.claims import RunOutcome
-
     result = []
     for name, group in groups.items():
         for run in group.finished:
@@ -221,14 +224,8 @@ def _runtime(status: dict) -> str:
 
 
 def write_report(study: StudyConfig, runs: list[RunSpec], status: dict) -> dict:
-    from megatron_kl.study import claims
-    from megatron_kl.study.claim_figures import claim_figures
-
-    from megatron_kl.train.config import load_train_config
-
     out = Path(study.output_dir)
     groups = collect(study, runs, status)
-    from megatron_kl.constraints import paths_unchecked
 
     with paths_unchecked():  # the runs' recorded configurations, read for their roles: their paths may be gone
         configs = {name: load_train_config(study.base, group.overrides) for name, group in groups.items()}
@@ -251,8 +248,6 @@ def write_report(study: StudyConfig, runs: list[RunSpec], status: dict) -> dict:
                   ""]
     reach = None
     if study.reach_target is not None:
-        from megatron_kl.study import reach as reaching
-
         ranked = reaching.reaches({name: {run.seed: run.records for run in group.finished}
                                    for name, group in groups.items()}, study.reach_metric, study.reach_target)
         finals = {name: {f"final {study.reach_metric}": _mean(_final(r, study.reach_metric) for r in group.records),

@@ -27,8 +27,10 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from megatron_kl.child_processes import die_with_parent
 from megatron_kl.config import ConfigError
 from megatron_kl.study.grid import RunSpec, StudyConfig
+from megatron_kl.train.metrics import read_metrics
 
 log = logging.getLogger("megatron_kl.study")
 OK, FAILED, INTERRUPTED = "ok", "failed", "interrupted"
@@ -54,8 +56,6 @@ def _tail(path: Path, lines: int = 15) -> str:
 
 def outcome_line(run_dir: Path, seconds: float) -> str:
     """One finished run in a line: its time, last reward and exact KL, and the final evaluation."""
-    from megatron_kl.train.metrics import read_metrics
-
     parts = [f"ok in {seconds:.1f} s"]
     records = read_metrics(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").is_file() else []
     steps = [r for r in records if r.get("reward/mean") is not None]
@@ -131,8 +131,6 @@ def _wait_for_run_lock(run_dir: Path, forwarder: _Forwarder) -> None:
 
 
 def _run_one(study: StudyConfig, spec: RunSpec, log_file: Path, forwarder: _Forwarder, timeout_s: float) -> int:
-    from megatron_kl.child_processes import die_with_parent
-
     cmd = [sys.executable, "-m", "megatron_kl.cli", "train", "--config", study.base, *spec.overrides,
            "logging.progress=false"]
     parent = os.getpid()

@@ -15,12 +15,13 @@ row. Prompts use the tokenizer's chat template (system prompt optional, instruct
 from __future__ import annotations
 
 import gzip
-import re
-import zlib
 import json
 import logging
 import math
 import random
+import re
+import threading
+import zlib
 from collections import Counter
 from pathlib import Path
 from typing import Optional
@@ -122,8 +123,6 @@ def read_rows(path: str, section: str = "task.math") -> list:
 
 def score_answer(gold: str, response: str) -> float:
     """1.0 when math-verify finds the response's final answer equal to ``gold``."""
-    import threading
-
     from math_verify import parse, verify
 
     # math-verify's own timeouts use signal.alarm, which works in the main thread only; elsewhere (the reward

@@ -58,6 +58,8 @@ from __future__ import annotations
 
 import argparse
 import base64
+import dataclasses
+import importlib
 import json
 import os
 import socket
@@ -65,11 +67,13 @@ import threading
 import time
 import uuid
 import zlib
+from contextlib import nullcontext
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import torch
 
+from megatron_kl.models.routing_replay import replayed
 
 CORRUPTIONS = ("nan", "inf", "positive", "oov", "negative", "too_long", "empty")
 SCORE_CORRUPTIONS = ("missing", "nan", "short", "token", "unsorted")
@@ -274,8 +278,6 @@ class EmbeddedServer:
         return tokens
 
     def _generate_one(self, body: dict, ids, sampling, completion, kept: int) -> dict:
-        import dataclasses
-
         if kept < len(completion.response_ids):  # cut by /pause_generation: SGLang's aborted answer
             completion = dataclasses.replace(completion, response_ids=completion.response_ids[:kept],
                                              response_logprobs=completion.response_logprobs[:kept],
@@ -306,10 +308,6 @@ class EmbeddedServer:
         position, recomputed from the sequence (SGLang takes them from the sampler's tempered probabilities,
         before its top-k / top-p renormalisation); a mixture-of-experts model's forward routes each token to the
         experts it had while sampling (``routing``), so the log-probs are those of the network that sampled."""
-        from contextlib import nullcontext
-
-        from megatron_kl.models.routing_replay import replayed
-
         if not response:
             return [], [] if top_num else None
         tokens = torch.as_tensor([list(prompt) + list(response)], device=self.engine.device)
@@ -357,7 +355,6 @@ class EmbeddedServer:
             if load_format not in (self.args.custom_weight_loader or []):
                 return {"success": False, "message": f"Unknown load_format={load_format} (not in "
                                                      "--custom-weight-loader)"}
-            import importlib
 
             self.loader_calls += 1
             if self.loader_calls == self.args.fault_delta_at:

@@ -8,8 +8,14 @@ import logging
 import os
 import socket
 import sys
+import warnings
 
-from megatron_kl.config import ConfigError
+import yaml
+
+from megatron_kl import child_processes, env_vars
+from megatron_kl.cli_help import Parser, normalize_overrides
+from megatron_kl.config import ConfigError, redact_secrets, to_dict
+from megatron_kl.train.config import distill_verdict, kl_verdict, load_train_config
 
 
 def single_process_env() -> None:
@@ -25,12 +31,8 @@ def single_process_env() -> None:
 def check(cfg) -> int:
     """``megatron-kl train --check``: validate, print the resolved configuration, the KL verdict and what a start
     would do; exit 0, or 2 naming the field(s). Nothing is written."""
-    import yaml
-
-    from megatron_kl.config import redact_secrets, to_dict
-    from megatron_kl.train.config import distill_verdict, kl_verdict
-    from megatron_kl.train.loop import prepare
     from megatron_kl.run.run_dir import RunRefused
+    from megatron_kl.train.loop import prepare
 
     try:
         prepared = prepare(cfg)
@@ -61,8 +63,6 @@ def check(cfg) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
-    from megatron_kl.cli_help import Parser
-
     p = Parser(prog="megatron-kl train", description=__doc__)
     p.add_argument("--config", required=True, help="YAML config, e.g. configs/cpu/default.yaml")
     p.add_argument("--check", action="store_true", help="validate the configuration, print it resolved with the KL "
@@ -73,19 +73,14 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str]) -> int:
-    from megatron_kl.cli_help import normalize_overrides
-
     args = parser().parse_args(normalize_overrides(list(argv)))
     return run(args.config, args.overrides, args.check)
 
 
 def run(config_path: str, overrides: list[str], check_only: bool = False) -> int:
-    import warnings
-
     warnings.filterwarnings("ignore")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
     logging.getLogger("megatron").setLevel(logging.WARNING)
-    from megatron_kl.train.config import load_train_config
 
     try:
         cfg = load_train_config(config_path, overrides)
@@ -94,7 +89,6 @@ def run(config_path: str, overrides: list[str], check_only: bool = False) -> int
         return 2
     if check_only:
         return check(cfg)
-    from megatron_kl import child_processes, env_vars
 
     try:
         launcher = env_vars.process_id("MEGATRON_KL_PARENT_PID")
@@ -105,16 +99,14 @@ def run(config_path: str, overrides: list[str], check_only: bool = False) -> int
         child_processes.stop_when_gone(launcher)
     single_process_env()
     from megatron_kl.models import parallel
-    from megatron_kl.train.loop import train
-
     from megatron_kl.rollout.engine import EngineLost
     from megatron_kl.rollout.http import Cancelled, ServerError
     from megatron_kl.rollout.servers import ServerStartFailed
     from megatron_kl.run.checkpoint import CheckpointError, CheckpointWriteError
     from megatron_kl.run.preemption import INTERRUPT_EXIT_CODE, REQUEUE_EXIT_CODE, Requeue, TrainingFailed
-    from megatron_kl.train.warmstart import WarmStartStopped
-
     from megatron_kl.run.run_dir import RunRefused
+    from megatron_kl.train.loop import train
+    from megatron_kl.train.warmstart import WarmStartStopped
 
     try:
         summary = train(cfg)

@@ -9,23 +9,25 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import hashlib
+import json
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from megatron_kl.algo.config import AlgoConfig, row_separable
-from megatron_kl.config import ConfigError, ModelConfig, ParallelConfig, from_dict, load_yaml
+from megatron_kl.config import ConfigError, ModelConfig, ParallelConfig, from_dict, load_yaml, to_dict
+from megatron_kl.config.launch import LaunchConfig
 from megatron_kl.constraints import DERIVED, SEED_MAX, check_declared, checked
 from megatron_kl.distill.checks import check_distillation
 from megatron_kl.distill.config import DistillConfig
 from megatron_kl.kl.config import AUTO, KLConfig, Verdict
-from megatron_kl.config.launch import LaunchConfig
 from megatron_kl.models.optim_config import OptimConfig
 from megatron_kl.rewards.config import RewardConfig
 from megatron_kl.rollout.config import QUANTIZATIONS, SamplingConfig, SGLangConfig, VLLMConfig
 from megatron_kl.rollout.registry import ENGINES
-from megatron_kl.tasks.base import TaskConfig
 from megatron_kl.run.host_malloc import MODES as HOST_MALLOC_MODES
-
+from megatron_kl.run.identity_fields import identity_fields, resumable_prefixes
+from megatron_kl.tasks.base import TaskConfig
 
 
 @dataclass(frozen=True)
@@ -310,9 +312,6 @@ def _default_fields() -> dict:
 
 
 def _key_fields(cfg) -> dict:
-    from megatron_kl.config import to_dict
-    from megatron_kl.run.identity_fields import identity_fields, resumable_prefixes
-
     return identity_fields(to_dict(cfg), resumable_prefixes(type(cfg)))
 
 
@@ -321,9 +320,6 @@ def run_key(cfg) -> str:
     where it is written or how it is logged) whose values differ from the code's defaults, as sorted JSON. A field at
     its default is left out, so a field a later version adds does not change the key of an unchanged configuration;
     any other change does. "" for the default configuration."""
-    import hashlib
-    import json
-
     defaults = _default_fields()
     changed = {k: v for k, v in _key_fields(resolve(cfg, False)).items() if k not in defaults or defaults[k] != v}
     if not changed:
@@ -376,8 +372,8 @@ def distill_verdict(cfg: TrainConfig):
 def kl_verdict(cfg: TrainConfig):
     """The audit's verdict (megatron_kl.kl.audit.targets.Verdict) on the run's KL term for kl.target in its regime;
     None without a KL term (kl.coef=0, or RPG's own KL)."""
-    from megatron_kl.kl.corrections import correction_of
     from megatron_kl.kl.audit.targets import judge, regime_of
+    from megatron_kl.kl.corrections import correction_of
 
     if cfg.kl.coef == 0 or cfg.algo.loss == "rpg":
         return None

@@ -8,41 +8,40 @@ import contextlib
 import dataclasses
 import logging
 import os
+import random
 from pathlib import Path
 from typing import Iterator, Optional
 
+import numpy as np
+import torch
 import torch.distributed as dist
 
 from megatron_kl import child_processes, env_vars
 from megatron_kl.config import ConfigError, to_dict, validate_parallel, validate_training_layout
+from megatron_kl.distill.teacher import check_teacher
 from megatron_kl.models import builder, context_parallel, hf, parallel
 from megatron_kl.redaction import register_config
 from megatron_kl.rewards.scorer import RewardScorer
-from megatron_kl.tasks import build_task
-from megatron_kl.tasks.dataset import TaskContext
 from megatron_kl.run import checkpoint as ckpt
 from megatron_kl.run import run_dir
-from megatron_kl.train.config import TrainConfig, validate_train_config
-from megatron_kl.train.warmstart import shipped_entry
 from megatron_kl.run.host_malloc import tune_host_malloc
-from megatron_kl.train.metrics import read_metrics, wandb_missing
-from megatron_kl.train.plots import write_training_plot
 from megatron_kl.run.preemption import StopSignals
 from megatron_kl.run.summary import RunSummary, read_summary
+from megatron_kl.tasks import build_task
+from megatron_kl.tasks.dataset import TaskContext
+from megatron_kl.train.config import TrainConfig, validate_train_config
 from megatron_kl.train.metric_registry import canonical_record
+from megatron_kl.train.metrics import read_metrics, wandb_missing
+from megatron_kl.train.plots import write_training_plot
 from megatron_kl.train.topology import Topology
 from megatron_kl.train.trainer import Trainer
+from megatron_kl.train.warmstart import shipped_entry
 
 log = logging.getLogger("megatron_kl.train")
 
 
 def seed_everything(seed: int) -> None:
     """Model initialisation (megatron's CPU init draws from torch's global generator) and host RNGs."""
-    import random
-
-    import numpy as np
-    import torch
-
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
@@ -158,8 +157,6 @@ def prepare(cfg: TrainConfig) -> Prepared:
 def _check_teacher(cfg: TrainConfig, task) -> None:
     """The teacher's architecture, vocabulary and layout (distill/teacher.check_teacher), and its positions against
     the longest sequence it will score."""
-    from megatron_kl.distill.teacher import check_teacher
-
     teacher = check_teacher(cfg, _world_size())
     longest = task.longest_prompt_tokens() + cfg.rollout.sampling.max_new_tokens
     if teacher is not None and longest > teacher.max_position_embeddings:

@@ -6,6 +6,7 @@ so the file of a resumed run reads exactly like the uninterrupted run's.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import math
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Optional
 
 from megatron_kl.train.metric_registry import canonical_record
+from megatron_kl.train.progress import StepProgress
 
 log = logging.getLogger(__name__)
 
@@ -21,7 +23,6 @@ def wandb_missing(project: Optional[str]) -> Optional[str]:
     """Why W&B logging cannot start (None: it can, or it is off)."""
     if not project:
         return None
-    import importlib.util
 
     if importlib.util.find_spec("wandb") is None:
         return (f"logging.wandb_project={project!r} needs the wandb package, which is not installed: "
@@ -56,8 +57,6 @@ class MetricsLogger:
                                             **wandb)
         self._done = resume_step
         if progress:
-            from megatron_kl.train.progress import StepProgress
-
             self._progress = StepProgress(run_name or "train", total_steps, resume_step, progress_every,
                                           progress_every_s)
 

@@ -64,8 +64,14 @@ class StepProgress:
         self._last_line = self.started
         self._bar = None
         if self.console.is_terminal:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-            from rich.progress import TimeRemainingColumn
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeElapsedColumn,
+                TimeRemainingColumn,
+            )
 
             short = name if len(name) <= NAME_WIDTH else name[:NAME_WIDTH - 1] + "~"
             self._bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(bar_width=10), MofNCompleteColumn(),

@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-
-from contextlib import ExitStack, nullcontext
 from collections import defaultdict
+from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
@@ -24,21 +23,20 @@ import torch
 import torch.distributed as dist
 
 from megatron_kl.algo.advantages import sequence_advantages
-from megatron_kl.kl.corrections import mismatch_metrics
 from megatron_kl.algo.losses import MICROBATCH_TOKENS, LossInputs, MicrobatchLoss, Shares
-from megatron_kl.kl.config import LOG_RATIO_CLAMP
+from megatron_kl.kl.config import LOG_RATIO_CLAMP, TOP_K
+from megatron_kl.kl.corrections import mismatch_metrics
 from megatron_kl.kl.estimators import ClampCounter, TermCounter, token_estimate
 from megatron_kl.kl.objective import kl_shaped_returns
 from megatron_kl.kl.topk import top_k_divergence
-from megatron_kl.kl.config import TOP_K
 from megatron_kl.models import context_parallel, optim, output_head, pipeline, routing_replay
 from megatron_kl.models.moe_load import ExpertLoad
 from megatron_kl.models.offload import ReferenceOffload
 from megatron_kl.models.parallel import all_reduce_cpu
-from megatron_kl.train.profiling import phase
 from megatron_kl.rollout.http import CorruptResponse
-from megatron_kl.train.rollouts import RolloutBatch
 from megatron_kl.run.run_state import Counters
+from megatron_kl.train.profiling import phase
+from megatron_kl.train.rollouts import RolloutBatch
 from megatron_kl.train.topology import Topology
 
 if TYPE_CHECKING:

@@ -22,11 +22,11 @@ import time
 from pathlib import Path
 from typing import Optional
 
+import torch
 import torch.distributed as dist
 
 from megatron_kl.config import ConfigError, redact_secrets, to_dict
 from megatron_kl.distill.teacher import build_teacher
-from megatron_kl.vocab_parallel import triton_stats
 from megatron_kl.models import builder, hf, moe_load, optim, output_head, parallel, state
 from megatron_kl.models.offload import ReferenceOffload
 from megatron_kl.rewards.scorer import RewardFailed, RewardScorer
@@ -34,17 +34,18 @@ from megatron_kl.rollout.engine import EngineLost
 from megatron_kl.rollout.http import Cancelled
 from megatron_kl.run import checkpoint as ckpt
 from megatron_kl.run import run_dir
+from megatron_kl.run.preemption import Requeue, StopSignals, TrainingFailed
+from megatron_kl.run.run_state import Counters, RNGStates, RunState
 from megatron_kl.train.config import TrainConfig, distill_verdict, kl_verdict
 from megatron_kl.train.engines import build_engine
 from megatron_kl.train.evaluate import evaluate_all
 from megatron_kl.train.metrics import MetricsLogger
-from megatron_kl.run.preemption import Requeue, StopSignals, TrainingFailed
 from megatron_kl.train.profiling import StepProfiler, phase
 from megatron_kl.train.rollouts import RolloutSource
-from megatron_kl.run.run_state import Counters, RNGStates, RunState
 from megatron_kl.train.step import NonFiniteUpdates, StepContext, rl_step
 from megatron_kl.train.topology import Topology
 from megatron_kl.train.warmstart import warm_start_state
+from megatron_kl.vocab_parallel import triton_stats
 
 log = logging.getLogger("megatron_kl.train")
 # failures every rank raises at the same point (their condition is all-reduced), so a collective save is safe
@@ -60,8 +61,6 @@ def _agreed_batch(source: RolloutSource, step: int):
     except RewardFailed as err:
         error, batch = err, None
     if dist.get_world_size() > 1:
-        import torch
-
         flag = torch.tensor([1.0 if error is not None else 0.0])
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=ckpt.cpu_group())
         if float(flag) and error is None:

@@ -19,9 +19,9 @@ import torch.distributed as dist
 
 from megatron_kl.config import ConfigError, ModelConfig, to_dict
 from megatron_kl.models import builder, optim, output_head, parallel, pipeline, state
+from megatron_kl.run.manifest import sha256_of
 from megatron_kl.train import shipped_warmstart
 from megatron_kl.train.batching import pack
-from megatron_kl.run.manifest import sha256_of
 
 log = logging.getLogger(__name__)
 

@@ -4,10 +4,10 @@ each rank computing on its vocabulary slice (its rows of the output weight for t
 import torch
 import torch.distributed as dist
 
-from megatron_kl.vocab_parallel.fused_linear import fused_linear_grads, fused_linear_stats
-from megatron_kl.vocab_parallel.stats import fused_stats, full_kl
 from megatron_kl.local_ranks import to_device
 from megatron_kl.validation.devices import rank_device
+from megatron_kl.vocab_parallel.fused_linear import fused_linear_grads, fused_linear_stats
+from megatron_kl.vocab_parallel.stats import full_kl, fused_stats
 
 
 def near_reference_inputs(case: dict) -> dict:

@@ -10,12 +10,14 @@ import torch.distributed as dist
 from megatron_kl.algo.config import AlgoConfig
 from megatron_kl.algo.losses import LossInputs, MicrobatchLoss, Shares
 from megatron_kl.config import ModelConfig, ParallelConfig
-from megatron_kl.kl.objective import KLConfig, kl_shaped_returns
-from megatron_kl.kl.config import TOP_K
+from megatron_kl.distill.layout import ResharedHead, build_in_own_layout, expert_groups, reshard_output_weight
 from megatron_kl.distill.teacher import Teacher
+from megatron_kl.kl.config import TOP_K
+from megatron_kl.kl.objective import KLConfig, kl_shaped_returns
 from megatron_kl.kl.topk import top_k_divergence
 from megatron_kl.models import builder, optim, output_head, parallel, pipeline, state
 from megatron_kl.models.offload import ReferenceOffload
+from megatron_kl.train.topology import Topology
 
 
 def _full_output_weight(chunks, model_cfg) -> torch.Tensor:
@@ -160,11 +162,6 @@ def own_layout_worker(rank, world, student_cfg: ModelConfig, teacher_cfg: ModelC
     rest of the world data parallel): this rank's rows (contiguous split over the student's data-parallel ranks), the
     teacher's log-probs, pi_old's exact KL to the teacher through the resharded head, and the gradient of one step of
     the distillation term (full layout)."""
-    from megatron_kl.distill.layout import ResharedHead, build_in_own_layout, expert_groups, reshard_output_weight
-    from megatron_kl.distill.teacher import Teacher
-    from megatron_kl.models.offload import ReferenceOffload
-    from megatron_kl.train.topology import Topology
-
     torch.manual_seed(0)
     parallel.initialize(student_cfg, student_parallel, seed=1234)
     topology = Topology.from_parallel_state()
@@ -205,9 +202,6 @@ def teacher_routing_worker(rank, world, student_cfg: ModelConfig, teacher_cfg: M
                            loss_mask, routed_experts):
     """A mixture-of-experts teacher in the student's layout scoring a batch that carries the rollout's routing (the
     student's experts, ``routed_experts``) and the same batch without it: both log-prob tensors."""
-    from megatron_kl.distill.teacher import Teacher
-    from megatron_kl.models.offload import ReferenceOffload
-
     parallel.initialize(student_cfg, ParallelConfig(), seed=1234)
     chunks = builder.freeze(builder.build_model_chunks(teacher_cfg, ParallelConfig()))
     state.load_full_state_dict(chunks, teacher_state, False, 0, 1)

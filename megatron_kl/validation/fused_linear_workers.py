@@ -4,10 +4,10 @@
 import torch
 import torch.distributed as dist
 
-from megatron_kl.vocab_parallel.fused_linear import fused_linear_stats
-from megatron_kl.vocab_parallel.stats import fused_stats
 from megatron_kl.local_ranks import to_device
 from megatron_kl.validation.devices import rank_device
+from megatron_kl.vocab_parallel.fused_linear import fused_linear_grads, fused_linear_stats
+from megatron_kl.vocab_parallel.stats import fused_stats
 
 
 def make_case(case: dict):
@@ -76,8 +76,6 @@ def fused_linear_worker(rank, world, cases):
 def single_pass_worker(rank, world, cases):
     """The single pass (gradients formed in the forward through a probe) against autograd through
     ``fused_linear_stats`` on the same row-separable loss: sum_t w0 lp + w1 H + w2 KL + 0.3 w0 exp(lp)."""
-    from megatron_kl.vocab_parallel.fused_linear import fused_linear_grads
-
     group = dist.group.WORLD
     results = []
     for case in cases:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -189,8 +191,6 @@ def nonfinite_step_worker(rank, world, model_cfg: ModelConfig, parallel_cfg: Par
 
 def hung_rank_worker(rank, world, model_cfg: ModelConfig, timeout_s: float):
     """Rank 1 never joins a TP all-reduce: rank 0 must get an error after ``timeout_s``, not hang."""
-    import time
-
     parallel.initialize(model_cfg, ParallelConfig(tensor_parallel=world, distributed_timeout_s=timeout_s))
     if rank == 1:
         time.sleep(3 * timeout_s)
@@ -207,8 +207,6 @@ def adam_kernel_worker(rank, world, model_cfg: ModelConfig, tokens, loss_mask, o
                        steps: int):
     """``steps`` training steps from a seeded init; returns the optimizer's float32 main parameters, its
     ``fused`` flags and how often torch's fused Adam kernels ran."""
-    import collections
-
     if torch.cuda.is_available():  # two runs compared bit-near: no atomics-ordered reductions (embedding backward)
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)

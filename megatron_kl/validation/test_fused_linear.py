@@ -7,10 +7,10 @@ import itertools
 import pytest
 import torch
 
-from megatron_kl.vocab_parallel.fused_linear import fused_linear_stats
 from megatron_kl.testing.distributed import run_ranks
 from megatron_kl.testing.worlds import worlds
 from megatron_kl.validation.fused_linear_workers import fused_linear_worker, make_case, single_pass_worker
+from megatron_kl.vocab_parallel.fused_linear import fused_linear_stats
 
 TOL = {"float64": 1e-10, "float32": 1e-5, "bfloat16": 3e-2}
 

@@ -11,6 +11,7 @@ import torch
 from megatron_kl.config import ModelConfig, MoEConfig, ParallelConfig
 from megatron_kl.models.builder import have_transformer_engine
 from megatron_kl.models.optim import OptimConfig
+from megatron_kl.models.pipeline import SequenceBatch
 from megatron_kl.testing.distributed import run_ranks
 from megatron_kl.validation.model_workers import layout_worker
 
@@ -185,8 +186,6 @@ def test_token_budget_microbatches_match_equal_slices(baselines, model_name, par
     (here 4 microbatches of widths 12, 12, 12, 8, not the batch's 12 everywhere) give the equal-slice
     single-rank log-probs, entropies, gradients and updated weights; at PP=2 the stages exchange the
     varying shapes."""
-    from megatron_kl.models.pipeline import SequenceBatch
-
     tokens, mask = _batch()
     plan = SequenceBatch(tokens, mask).split(1, 24)
     assert [tuple(mb.tokens.shape) for mb in plan] == [(2, 12), (2, 12), (2, 12), (2, 8)]

@@ -3,9 +3,9 @@
 import torch
 import torch.distributed as dist
 
-from megatron_kl.vocab_parallel.stats import entropy, full_kl, fused_stats, token_logprobs
 from megatron_kl.local_ranks import to_device
 from megatron_kl.validation.devices import rank_device
+from megatron_kl.vocab_parallel.stats import entropy, full_kl, fused_stats, token_logprobs
 
 
 def make_case(case: dict):

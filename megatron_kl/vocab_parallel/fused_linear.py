@@ -35,9 +35,9 @@ from typing import Optional
 
 import torch
 
+from megatron_kl.megatron_compat import apply_cpu_shims
 from megatron_kl.vocab_parallel.chunks import Kept, Rows, Sweep, Upstream, Workspace
 from megatron_kl.vocab_parallel.groups import group_size_rank
-from megatron_kl.vocab_parallel.truncation import Truncation, effective, find_support
 from megatron_kl.vocab_parallel.stats import (
     VocabParallelStats,
     _shard,
@@ -47,6 +47,7 @@ from megatron_kl.vocab_parallel.stats import (
     compute_dtype,
     support_fields,
 )
+from megatron_kl.vocab_parallel.truncation import Truncation, effective, find_support
 
 MIN_CHUNK_ROWS = 64  # below this the per-chunk GEMMs re-read W too often to be efficient
 LINEAR_CHUNK_ELEMENTS = 1 << 23  # logits entries per chunk: the GEMMs want more rows than the softmax passes
@@ -277,7 +278,6 @@ def _gather_rows(hidden: torch.Tensor, tp_group, sequence_parallel: bool) -> tor
 
     if tp_group is None or torch.distributed.get_world_size(tp_group) == 1:
         return hidden
-    from megatron_kl.megatron_compat import apply_cpu_shims
 
     apply_cpu_shims()  # megatron's mappings allocate on torch.cuda.current_device(); a no-op with CUDA
     if sequence_parallel:  # [s/tp, b, H] -> [s, b, H]; backward reduce-scatters the partial dL/dh

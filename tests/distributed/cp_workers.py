@@ -15,8 +15,8 @@ from megatron_kl.kl.estimators import ClampCounter
 from megatron_kl.kl.objective import kl_penalty_credit
 from megatron_kl.kl.rpg import DIVERGENCES, RPGConfig
 from megatron_kl.kl.sequence_axis import LOCAL, ContextParallelAxis, zigzag_shard
-from megatron_kl.vocab_parallel.stats import fused_stats
 from megatron_kl.models.batch import Microbatch
+from megatron_kl.vocab_parallel.stats import fused_stats
 
 VOCAB = 12
 TEMPERATURE = 0.9

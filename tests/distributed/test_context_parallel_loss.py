@@ -9,13 +9,19 @@ rank, the clamp counts summed over the CP ranks, and the gradient w.r.t. the log
 import pytest
 import torch
 
-from megatron_kl.kl.sequence_axis import (LOCAL, ContextParallelAxis, padded_length, zigzag_positions, zigzag_shard,
-                                          zigzag_unshard)
-from megatron_kl.kl.corrections import CORRECTIONS
 from megatron_kl.algo.losses import RATIO_LEVELS
 from megatron_kl.kl.audit.exact import all_configs, behavior_configs
+from megatron_kl.kl.corrections import CORRECTIONS
 from megatron_kl.kl.objective import AGGREGATIONS
 from megatron_kl.kl.rpg import DIVERGENCES, SURROGATES
+from megatron_kl.kl.sequence_axis import (
+    LOCAL,
+    ContextParallelAxis,
+    padded_length,
+    zigzag_positions,
+    zigzag_shard,
+    zigzag_unshard,
+)
 from megatron_kl.testing import distributed
 from tests.distributed.cp_workers import cases, cp_worker, relative, single_rank, total_cases
 

@@ -12,7 +12,6 @@ import pytest
 
 from megatron_kl.config import ConfigError
 from megatron_kl.models import hf
-
 from tests.distributed.hf_workers import make_hf_model
 
 ROOT = Path(__file__).resolve().parents[2]

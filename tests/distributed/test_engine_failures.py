@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
+from megatron_kl.rollout.distributed import DistributedEngine
 from megatron_kl.rollout.engine import EngineLost, SamplingConfig
 from megatron_kl.rollout.http import ServerUnavailable
-from megatron_kl.rollout.distributed import DistributedEngine
 from megatron_kl.testing.distributed import run_ranks
 
 

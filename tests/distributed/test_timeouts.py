@@ -16,8 +16,9 @@ def test_a_hung_rank_ends_the_tp_collective_after_the_configured_timeout():
 
 
 def _config(*overrides):
-    import yaml
     from pathlib import Path
+
+    import yaml
 
     data = yaml.safe_load((Path(__file__).resolve().parents[2] / "configs" / "cpu" / "default.yaml").read_text())
     apply_overrides(data, list(overrides))

@@ -15,6 +15,7 @@ from megatron_kl.testing.worlds import worlds
 from tests.distributed.test_truncation import direct_support
 from tests.distributed.truncation_workers import histogram_cut_worker, histogram_rows
 
+
 def _no_compiler() -> bool:
     from megatron_kl.vocab_parallel import native
 

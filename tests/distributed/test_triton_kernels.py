@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_kl.vocab_parallel import triton_stats
 from megatron_kl.testing import distributed
 from megatron_kl.testing.worlds import worlds
 from megatron_kl.validation import test_fused_linear, test_vocab_parallel, test_vocab_parallel_accuracy
+from megatron_kl.vocab_parallel import triton_stats
 from tests.distributed import test_truncation
 from tests.distributed.triton_workers import edge_inputs, edge_worker, launch_worker, through_triton
 

@@ -157,8 +157,8 @@ def _check(cases, per_rank):
 
 
 def test_no_truncation_is_the_full_distribution():
-    from megatron_kl.vocab_parallel.truncation import Truncation
     from megatron_kl.vocab_parallel.stats import fused_stats
+    from megatron_kl.vocab_parallel.truncation import Truncation
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(5, 40, generator=g, dtype=torch.float64)

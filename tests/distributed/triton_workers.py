@@ -3,10 +3,10 @@
 import torch
 import torch.distributed as dist
 
-from megatron_kl.vocab_parallel import triton_stats
-from megatron_kl.vocab_parallel.stats import fused_stats
 from megatron_kl.local_ranks import to_device
 from megatron_kl.validation.devices import rank_device
+from megatron_kl.vocab_parallel import triton_stats
+from megatron_kl.vocab_parallel.stats import fused_stats
 
 
 def through_triton(worker, rank, world, *args):

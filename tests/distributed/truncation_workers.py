@@ -3,11 +3,11 @@
 import torch
 import torch.distributed as dist
 
-from megatron_kl.vocab_parallel.fused_linear import fused_linear_stats
-from megatron_kl.vocab_parallel.truncation import Truncation, support_threshold
-from megatron_kl.vocab_parallel.stats import fused_stats
 from megatron_kl.local_ranks import to_device
 from megatron_kl.validation.devices import rank_device
+from megatron_kl.vocab_parallel.fused_linear import fused_linear_stats
+from megatron_kl.vocab_parallel.stats import fused_stats
+from megatron_kl.vocab_parallel.truncation import Truncation, support_threshold
 
 
 def make_case(case: dict):

@@ -16,7 +16,16 @@ from megatron_kl.rollout.delta import DeltaTracker
 from megatron_kl.rollout.servers import server_port
 from megatron_kl.rollout.sglang import SGLangEngine
 from megatron_kl.rollout.sglang_sync import FromDisk, FromDistributed, FromTensor
-from tests.e2e.test_sglang import PROMPTS, SAMPLING, TEST_SERVER, _hf_tensors, _model, _same, clean, models  # noqa: F401
+from tests.e2e.test_sglang import (  # noqa: F401
+    PROMPTS,
+    SAMPLING,
+    TEST_SERVER,
+    _hf_tensors,
+    _model,
+    _same,
+    clean,
+    models,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
 

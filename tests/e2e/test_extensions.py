@@ -7,14 +7,14 @@ import dataclasses
 import pytest
 import torch
 
-from megatron_kl.config import ConfigError, MODEL_FAMILIES, from_dict
+from megatron_kl.config import MODEL_FAMILIES, ConfigError, from_dict
 from megatron_kl.kl.config import ESTIMATORS
 from megatron_kl.kl.estimators import token_estimate
 from megatron_kl.local_ranks import run_ranks
+from megatron_kl.models.output_head import unwrap
 from megatron_kl.rollout.registry import ENGINES
 from megatron_kl.tasks.base import TASKS
 from megatron_kl.train.config import TrainConfig, validate_train_config
-from megatron_kl.models.output_head import unwrap
 from tests.e2e.test_train import short_config
 from tests.e2e.workers import started_trainer
 

@@ -29,11 +29,13 @@ def test_the_engine_samples_the_fp8_policy_and_the_trainer_keeps_its_weights(tp)
 
 
 def test_sglang_fp8_servers_quantize_and_a_plain_server_is_refused_for_an_fp8_run(tmp_path, monkeypatch):
+    from hf_workers import make_hf_model
+
     from megatron_kl.rollout.config import SGLangConfig
     from megatron_kl.rollout.sglang import SGLangEngine
     from megatron_kl.rollout.sglang_sync import FromTensor
-    from tests.e2e.test_sglang import PROMPTS as SERVED_PROMPTS, TEST_SERVER, _engine, _hf_tensors
-    from hf_workers import make_hf_model
+    from tests.e2e.test_sglang import PROMPTS as SERVED_PROMPTS
+    from tests.e2e.test_sglang import TEST_SERVER, _engine, _hf_tensors
 
     model_dir = make_hf_model("qwen2", tmp_path / "a", seed=0)
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=6, stop_token_ids=[0])

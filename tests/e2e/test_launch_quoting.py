@@ -5,8 +5,8 @@ in launch.slurm.env, launch.env, launch.rollout_servers.extra_args and trainer o
 site's no_proxy."""
 
 import json
-import re
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path

@@ -74,7 +74,8 @@ def test_sglang_pause_cuts_requests_in_flight_and_they_resume_with_the_pushed_we
     model's (HF transformers) tempered log-softmax at that prefix under the version it is tagged with."""
     from transformers import AutoModelForCausalLM
 
-    from tests.e2e.test_sglang import PROMPTS as SERVED_PROMPTS, _engine, _hf_tensors, models  # noqa: F401
+    from tests.e2e.test_sglang import PROMPTS as SERVED_PROMPTS  # noqa: F401
+    from tests.e2e.test_sglang import _engine, _hf_tensors
 
     root = tmp_path / "hf"
     from hf_workers import make_hf_model
@@ -155,9 +156,9 @@ def test_training_with_partial_rollouts_on_sglang_servers(tmp_path, warm_cache):
 
 
 def test_a_server_that_cannot_pause_is_refused_at_start_naming_the_field(tmp_path):
-    import tests.e2e.test_sglang  # noqa: F401 - puts tests/distributed on the path
     from hf_workers import make_hf_model
 
+    import tests.e2e.test_sglang  # noqa: F401 - puts tests/distributed on the path
     from megatron_kl.rollout.config import SGLangConfig
     from megatron_kl.rollout.servers import server_port
     from megatron_kl.rollout.sglang import SGLangEngine

@@ -11,12 +11,11 @@ import sys
 import time
 from pathlib import Path
 
-
 from megatron_kl.config.launch import stop_signal_env
 from megatron_kl.rollout.servers import server_port
 from megatron_kl.run.checkpoint import complete_checkpoints
-from megatron_kl.train.metrics import read_metrics
 from megatron_kl.run.preemption import REQUEUE_EXIT_CODE
+from megatron_kl.train.metrics import read_metrics
 from tests.e2e.test_sglang import TEST_SERVER
 from tests.e2e.test_train import DEFAULT, ROOT
 

@@ -1,6 +1,7 @@
 """What `megatron-kl train` prints while it trains: to a file (a batch job's log) one line per step as it happens, to
 an 80-column pseudo-terminal one readable bar; the total wall time at the end either way."""
 
+import fcntl
 import os
 import pty
 import re
@@ -9,7 +10,6 @@ import struct
 import subprocess
 import sys
 import termios
-import fcntl
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]

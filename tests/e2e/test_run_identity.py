@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from megatron_kl.run.run_dir import RunLock, RunRefused
 from megatron_kl.train.config import load_train_config
 from megatron_kl.train.metrics import read_metrics
-from megatron_kl.run.run_dir import RunLock, RunRefused
 from tests.e2e.test_train import DEFAULT, Run
 
 COMMON = ["checkpoint.interval=1", "train.prompts_per_step=4", "train.group_size=4", "task.eval_size=8", "eval.k=2",

@@ -13,8 +13,8 @@ import torch
 from megatron_kl.rollout.config import SGLangConfig
 from megatron_kl.rollout.engine import SamplingConfig
 from megatron_kl.rollout.http import ServerUnavailable
-from megatron_kl.rollout.sglang import ResponseError, SGLangEngine
 from megatron_kl.rollout.servers import server_port
+from megatron_kl.rollout.sglang import ResponseError, SGLangEngine
 from megatron_kl.rollout.sglang_sync import FromDisk, FromDistributed, FromTensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))

@@ -168,8 +168,8 @@ def failing_train_worker(rank, world, cfg_dict: dict, fail_at: int, kind: str):
     an optimizer update); returns the error's message and the checkpoints written."""
     from pathlib import Path
 
-    from megatron_kl.train import loop, trainer
     from megatron_kl.run.preemption import TrainingFailed
+    from megatron_kl.train import loop, trainer
     from megatron_kl.train.step import NonFiniteUpdates
 
     real_step = trainer.rl_step

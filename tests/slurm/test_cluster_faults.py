@@ -11,8 +11,17 @@ import subprocess
 from pathlib import Path
 
 from tests.slurm.conftest import CONFIG, PREEMPTED, start, stop
-from tests.slurm.test_launch_on_slurm import (by_step, diagnosis, experiment_id, job_id, job_state, settled_starts,
-                                              start_requeued_now, steps_done, wait_until)
+from tests.slurm.test_launch_on_slurm import (
+    by_step,
+    diagnosis,
+    experiment_id,
+    job_id,
+    job_state,
+    settled_starts,
+    start_requeued_now,
+    steps_done,
+    wait_until,
+)
 
 DAEMONS = ("slurmctld", "slurmd", "slurmstepd", "munged", "mariadbd")
 

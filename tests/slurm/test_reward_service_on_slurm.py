@@ -9,8 +9,15 @@ import json
 import uuid
 
 from tests.slurm.conftest import CONFIG, free_port
-from tests.slurm.test_launch_on_slurm import (by_step, diagnosis, experiment_dir, experiment_id, job_id, job_state,
-                                              wait_until)
+from tests.slurm.test_launch_on_slurm import (
+    by_step,
+    diagnosis,
+    experiment_dir,
+    experiment_id,
+    job_id,
+    job_state,
+    wait_until,
+)
 
 STEPS = 3
 # made at run time: the job's packaged code (a git archive of the checkout) holds this file, so a literal token here

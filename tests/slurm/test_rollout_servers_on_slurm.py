@@ -14,12 +14,22 @@ import sys
 
 import psutil
 
-from megatron_kl.testing.site_proxy import SiteProxy
 from megatron_kl.run import checkpoint
 from megatron_kl.run.preemption import REQUEUE_EXIT_CODE
+from megatron_kl.testing.site_proxy import SiteProxy
 from tests.slurm.conftest import CONFIG, ROOT, free_port
-from tests.slurm.test_launch_on_slurm import (by_step, diagnosis, experiment_dir, experiment_id, job_id, job_state,
-                                              settled_starts, start_requeued_now, steps_done, wait_until)
+from tests.slurm.test_launch_on_slurm import (
+    by_step,
+    diagnosis,
+    experiment_dir,
+    experiment_id,
+    job_id,
+    job_state,
+    settled_starts,
+    start_requeued_now,
+    steps_done,
+    wait_until,
+)
 
 sys.path.insert(0, str(ROOT / "tests" / "distributed"))
 from hf_workers import make_hf_model  # noqa: E402

@@ -7,10 +7,10 @@ from megatron_kl.algo.advantages import sequence_advantages
 from megatron_kl.algo.losses import AlgoConfig, Shares, microbatch_loss, ppo_loss
 from megatron_kl.config import ConfigError
 from megatron_kl.kl.objective import KLConfig
-from megatron_kl.vocab_parallel.stats import VocabParallelStats
 from megatron_kl.rollout.engine import SamplingConfig
 from megatron_kl.rollout.local import filter_logits, sample_tokens
 from megatron_kl.train.batching import pack
+from megatron_kl.vocab_parallel.stats import VocabParallelStats
 
 
 def test_advantages_match_float64_formulas():

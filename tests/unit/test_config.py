@@ -3,7 +3,13 @@
 import pytest
 
 from megatron_kl.config import (
-    ConfigError, ModelConfig, ModelParallelConfig, ParallelConfig, apply_overrides, from_dict, validate_parallel,
+    ConfigError,
+    ModelConfig,
+    ModelParallelConfig,
+    ParallelConfig,
+    apply_overrides,
+    from_dict,
+    validate_parallel,
 )
 
 

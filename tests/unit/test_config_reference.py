@@ -4,7 +4,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from megatron_kl.config_reference import field_docs, main as config_main, markdown, rows
+from megatron_kl.config_reference import field_docs, markdown, rows
+from megatron_kl.config_reference import main as config_main
 from megatron_kl.kl.objective import KLConfig
 from megatron_kl.train.config import TrainConfig
 

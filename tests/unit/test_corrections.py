@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
-from megatron_kl.kl.corrections import CORRECTIONS, behavior_weights, mismatch_metrics
 from megatron_kl.algo.losses import AlgoConfig, Shares, ppo_loss, row_separable
 from megatron_kl.config import ConfigError
+from megatron_kl.kl.corrections import CORRECTIONS, behavior_weights, mismatch_metrics
 from megatron_kl.kl.objective import KLConfig, aggregate_tokens, kl_loss
 
 CAP, LOW, HIGH = 2.0, 0.5, 2.0

@@ -7,8 +7,8 @@ import json
 import pytest
 
 from megatron_kl.config import ConfigError
-from megatron_kl.tasks.base import DatasetConfig
 from megatron_kl.tasks.arithmetic import CharTokenizer
+from megatron_kl.tasks.base import DatasetConfig
 from megatron_kl.tasks.dataset import DatasetTask, TaskContext
 from tests.unit.test_tasks import _tiny_hf_tokenizer
 

@@ -6,9 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_kl.rollout.delta import (COMMIT, DeltaRejected, DeltaTracker, apply_encoded, diff, encode,
-                                       tensor_checksum)
 from megatron_kl.rollout import sglang_loader
+from megatron_kl.rollout.delta import COMMIT, DeltaRejected, DeltaTracker, apply_encoded, diff, encode, tensor_checksum
 from megatron_kl.rollout.sglang_loader import sglang_delta_loader
 
 

@@ -1,7 +1,7 @@
 """Run identity on resume (run/identity.py): which recorded-vs-current differences refuse a resume."""
 
-from megatron_kl.train.config import TrainConfig, load_train_config, run_key
 from megatron_kl.run.identity import differences, identity_of
+from megatron_kl.train.config import TrainConfig, load_train_config, run_key
 
 DEFAULT_CONFIG = str(__import__("pathlib").Path(__file__).resolve().parents[2] / "configs" / "cpu" / "default.yaml")
 

@@ -7,7 +7,7 @@ import ast
 from pathlib import Path
 
 import megatron_kl
-from tools.import_layers import imports_up, module_graph
+from tools.import_layers import imports_up, module_graph, needless_function_imports
 
 ROOT = Path(megatron_kl.__file__).parent
 
@@ -78,3 +78,23 @@ def test_the_layer_check_sees_a_planted_import_up():
     assert imports_up(graph) == [
         "megatron_kl.kl.objective (KL objective) imports megatron_kl.algo.losses (algorithms and rollouts)",
         "megatron_kl.vocab_parallel.truncation (vocab-parallel statistics) imports megatron_kl.kl.rpg (KL objective)"]
+
+
+def test_imports_inside_functions_defer_something():
+    """An import inside a function defers an optional or heavy third-party package the module does not load already
+    (docs/extending.md); anything else goes in the module's import block."""
+    assert needless_function_imports() == []
+
+
+def test_the_function_import_rule_sees_planted_imports(tmp_path):
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "light.py").write_text("import json\n")
+    (package / "heavy.py").write_text("import torch\n")
+    (package / "user.py").write_text(
+        "import yaml\n\n"
+        "def f():\n    import json\n    import pkg.light\n    import yaml\n\n"
+        "def g():\n    import torch\n    import pkg.heavy\n    from megatron.core import parallel_state\n")
+    assert needless_function_imports(package) == [
+        "pkg/user.py:4 f() imports json", "pkg/user.py:5 f() imports pkg.light", "pkg/user.py:6 f() imports yaml"]

@@ -8,12 +8,23 @@ import math
 import pytest
 import torch
 
-from megatron_kl.kl.corrections import Correction
-from megatron_kl.kl.audit.exact import TabularProblem, _estimator_gradients, all_configs, audit, behavior_configs
 from megatron_kl.kl.audit.dynamics import (
-    _kl as kl, direction, dynamics_problem, kl_gradient, optimum_log_probs, optimum_table, row_name, rpg_configs,
-    sequence_log_probs, train_exact, verdict_of,
+    _kl as kl,
 )
+from megatron_kl.kl.audit.dynamics import (
+    direction,
+    dynamics_problem,
+    kl_gradient,
+    optimum_log_probs,
+    optimum_table,
+    row_name,
+    rpg_configs,
+    sequence_log_probs,
+    train_exact,
+    verdict_of,
+)
+from megatron_kl.kl.audit.exact import TabularProblem, _estimator_gradients, all_configs, audit, behavior_configs
+from megatron_kl.kl.corrections import Correction
 
 
 @pytest.mark.parametrize("off_policy", [False, True], ids=["on-policy", "off-policy"])
@@ -170,8 +181,8 @@ def test_stale_training_at_staleness_zero_is_the_on_policy_sampled_run():
 def test_uncapped_sequence_is_makes_the_stale_reward_gradient_unbiased():
     """In expectation over mu's draws (no baseline), the sequence-IS-corrected reward gradient on stale samples
     equals the exact on-policy gradient of E_pi[r], and the uncorrected one does not."""
-    from megatron_kl.kl.corrections import Correction
     from megatron_kl.kl.audit.dynamics import reward_gradient, token_log_probs
+    from megatron_kl.kl.corrections import Correction
 
     problem, rewards = dynamics_problem(3, 2, seed=4)
     table = problem.policy_table
@@ -191,8 +202,8 @@ def test_instability_events_are_counted_and_a_stable_run_has_none():
     """The declared event fires on a planted non-finite step (infinite step size), on a reward collapse (uncapped
     sequence IS on samples 16 updates old at step 4: the IS weights' variance throws the policy around), and not
     on the same configuration with small steps."""
-    from megatron_kl.kl.corrections import Correction
     from megatron_kl.kl.audit.dynamics import train_stale
+    from megatron_kl.kl.corrections import Correction
 
     problem, rewards = dynamics_problem(3, 2, seed=0)
     cfg = {c.name: c for c in all_configs(True)}["k2-loss-sequence"]

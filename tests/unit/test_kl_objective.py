@@ -4,7 +4,8 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from megatron_kl.kl import ClampCounter, KLConfig, kl_loss, kl_shaped_returns
 

@@ -7,12 +7,12 @@ import math
 import pytest
 import torch
 
-from megatron_kl.kl.corrections import AUDITED, Correction
 from megatron_kl.config import ConfigError
 from megatron_kl.kl import KLConfig
 from megatron_kl.kl.audit.exact import TabularProblem, all_configs, audit, behavior_configs
-from megatron_kl.kl.objective import TARGETS, kl_loss, policy_gradient_surrogate
 from megatron_kl.kl.audit.targets import AXES, candidates, judge, regime_of, select
+from megatron_kl.kl.corrections import AUDITED, Correction
+from megatron_kl.kl.objective import TARGETS, kl_loss, policy_gradient_surrogate
 from megatron_kl.train.config import TrainConfig, kl_verdict, validate_train_config
 
 ZERO = 1e-9

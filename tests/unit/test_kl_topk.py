@@ -7,9 +7,13 @@ import pytest
 import torch
 
 from megatron_kl.kl.estimators import ClampCounter
-from megatron_kl.vocab_parallel.candidates import (candidate_logits, candidate_logprobs, fused_candidate_logits,
-                                               top_k_logprobs)
 from megatron_kl.kl.topk import top_k_divergence
+from megatron_kl.vocab_parallel.candidates import (
+    candidate_logits,
+    candidate_logprobs,
+    fused_candidate_logits,
+    top_k_logprobs,
+)
 
 
 def _tables(rows=6, vocab=40, seed=0, sharp=2.0):

@@ -8,9 +8,9 @@ import signal
 import pytest
 
 from megatron_kl.config import ConfigError
+from megatron_kl.run.preemption import StopSignals
 from megatron_kl.testing.distributed import run_ranks
 from megatron_kl.train.config import LoopConfig
-from megatron_kl.run.preemption import StopSignals
 
 
 def test_signal_is_recorded_and_previous_handler_restored():

@@ -4,10 +4,10 @@ policies, the masked advantages of excluded samples against a float64 reference,
 against the test server's injected faults."""
 
 import math
-from pathlib import Path
 import random
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 import torch

@@ -7,8 +7,13 @@ import pickle
 import pytest
 import torch
 from torch.distributed.checkpoint import default_planner, filesystem
-from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties,
-                                                   TensorStorageMetadata)
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 
 from megatron_kl.run.safe_unpickle import UnsafePickle, restricted_checkpoint_reads, restricted_load
 

@@ -8,8 +8,16 @@ from pathlib import Path
 
 import pytest
 
-from megatron_kl.study.claims import (INCONCLUSIVE, NOT_REPRODUCED, REPRODUCED, Role, RunOutcome, bootstrap,
-                                      evaluate, verdict_of)
+from megatron_kl.study.claims import (
+    INCONCLUSIVE,
+    NOT_REPRODUCED,
+    REPRODUCED,
+    Role,
+    RunOutcome,
+    bootstrap,
+    evaluate,
+    verdict_of,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 

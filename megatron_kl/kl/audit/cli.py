@@ -27,15 +27,37 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from megatron_kl.kl.corrections import CORRECTIONS
-from megatron_kl.kl.audit.exact import (RECORDED, TabularProblem, all_configs, audit, behavior_configs, format_table,
-                                       summarize)
+from megatron_kl.cli_help import Parser
+from megatron_kl.kl.audit.distill import format_recipes, recipe_verdicts, teacher_problem
+from megatron_kl.kl.audit.dynamics import (
+    COLLAPSE_DROP,
+    STALE_CONFIGS,
+    dynamics_problem,
+    exact_dynamics,
+    format_dynamics,
+    format_sampled,
+    format_stale,
+    rpg_configs,
+    train_sampled,
+    train_stale,
+)
+from megatron_kl.kl.audit.exact import (
+    RECORDED,
+    TabularProblem,
+    all_configs,
+    audit,
+    behavior_configs,
+    format_table,
+    summarize,
+)
+from megatron_kl.kl.audit.figures import exact_figure, stale_figure
+from megatron_kl.kl.corrections import CORRECTIONS, Correction, canonical
 from megatron_kl.vocab_parallel.truncation import Truncation
-
 
 _RECORDED_WORDS = {"per_token": "each token's own behaviour log-prob (what the trainer records)",
                    "first": "mu_1's log-probs for every token (one version per response: the first)",
@@ -43,8 +65,6 @@ _RECORDED_WORDS = {"per_token": "each token's own behaviour log-prob (what the t
 
 
 def main(argv=None) -> int:
-    from megatron_kl.cli_help import Parser
-
     parser = Parser(prog="megatron-kl audit", description=__doc__)
     parser.add_argument("--vocab", type=int, default=3, help="tokens in the tabular policy's vocabulary (default 3)")
     parser.add_argument("--length", type=int, default=3, help="tokens per sequence; every sequence of this length is "
@@ -137,8 +157,6 @@ def main(argv=None) -> int:
 
 
 def _dynamics(args) -> int:
-    from megatron_kl.kl.audit.dynamics import dynamics_problem, exact_dynamics, format_dynamics, rpg_configs
-
     problem, rewards = dynamics_problem(args.vocab, args.length, args.seed)
     if args.stale and not args.sampled:
         raise SystemExit("--stale needs --sampled B (the batch of each stale-sample step)")
@@ -160,12 +178,8 @@ def _dynamics(args) -> int:
         print(format_dynamics(part))
         rows += part
     if args.figures:
-        from megatron_kl.kl.audit.figures import exact_figure
-
         print(f"\nwrote {exact_figure(sections, Path(args.figures))}")
     if args.sampled:
-        from megatron_kl.kl.audit.dynamics import format_sampled, train_sampled
-
         verdicts = {r.outcome.name: r.verdict for r in rows if r.mode == "on_policy"}  # the control's included
         sampled = [(outcome, verdicts[outcome.name])
                    for outcome in (train_sampled(problem, rewards, args.beta, cfg, batch=args.sampled,
@@ -185,8 +199,6 @@ def _dynamics(args) -> int:
 
 
 def _teacher(args) -> int:
-    from megatron_kl.kl.audit.distill import format_recipes, recipe_verdicts, teacher_problem
-
     problem = teacher_problem(args.vocab, args.length, args.seed, args.sharpness)
     rows, summary = [], []
     sections = [(off, False) for off in (False, True)] + ([] if args.no_corrections else [(True, True)])
@@ -211,18 +223,11 @@ def _teacher(args) -> int:
 
 def _corrections(kinds: list[str]) -> tuple:
     """Behaviour corrections by kind at their defaults, the truncated-IS kinds uncapped (their unbiased limit)."""
-    import math
-
-    from megatron_kl.kl.corrections import Correction, canonical
-
     return tuple(Correction(kind, tis_cap=math.inf) if canonical(kind).endswith("_tis") else Correction(kind)
                  for kind in kinds)
 
 
 def _stale(args, problem, rewards) -> None:
-    from megatron_kl.kl.corrections import canonical
-    from megatron_kl.kl.audit.dynamics import COLLAPSE_DROP, STALE_CONFIGS, format_stale, train_stale
-
     configs = {cfg.name: cfg for cfg in all_configs(True)}
     names = args.stale_configs or list(STALE_CONFIGS)
     unknown = [name for name in names if name not in configs]
@@ -249,8 +254,6 @@ def _stale(args, problem, rewards) -> None:
           "audit")
     print(format_stale(rows))
     if args.figures:
-        from megatron_kl.kl.audit.figures import stale_figure
-
         print(f"\nwrote {stale_figure(panels, Path(args.figures))}")
 
 

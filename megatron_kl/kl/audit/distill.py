@@ -22,8 +22,7 @@ from typing import Optional
 import torch
 
 from megatron_kl.kl.audit.exact import AuditRow, TabularProblem, _estimator_gradients, audit, exact_targets
-from megatron_kl.kl.config import UNBIASED_TOL
-from megatron_kl.kl.config import TopKConfig
+from megatron_kl.kl.config import UNBIASED_TOL, TopKConfig
 from megatron_kl.kl.objective import KLConfig
 
 # recipe name -> the distillation term's configuration (distill.kl.*)

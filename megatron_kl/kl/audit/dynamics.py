@@ -31,8 +31,8 @@ from typing import Optional, Union
 
 import torch
 
+from megatron_kl.kl.audit.exact import TabularProblem, _quantities, audit, exact_targets, judge
 from megatron_kl.kl.corrections import Correction
-from megatron_kl.kl.audit.exact import TabularProblem, _quantities
 from megatron_kl.kl.objective import KLConfig, kl_loss, kl_shaped_returns, policy_gradient_surrogate
 from megatron_kl.kl.rpg import DIVERGENCES, SURROGATES, RPGConfig, rpg_loss
 
@@ -95,8 +95,6 @@ def rpg_configs(coef: float = 0.1) -> list[RPGConfig]:
 def verdict_of(problem: TabularProblem, cfg, off_policy: bool) -> str:
     """The audit's verdict for any configuration this module trains: the expected gradient against the three KL
     targets (used for the RPG losses, which the audit's table does not list)."""
-    from megatron_kl.kl.audit.exact import exact_targets, judge
-
     table = problem.behavior_table if off_policy else problem.policy_table
     q = sequence_log_probs(problem, table).exp().detach()
     return judge(kl_gradient(problem, cfg, q, off_policy), exact_targets(problem, off_policy))[2]
@@ -231,8 +229,6 @@ def exact_dynamics(problem: TabularProblem, rewards: torch.Tensor, beta: float, 
     """One row per configuration (and beta = 0 as the control), each trained from pi_ref; a KL configuration with
     ``off_policy='behavior'`` gets one row per behaviour correction in ``corrections``; RPG losses are judged by
     :func:`verdict_of`. ``traces`` (a dict) receives each row's KL(pi || pi*) per step under its name."""
-    from megatron_kl.kl.audit.exact import audit
-
     kl_configs = [cfg for cfg in configs if isinstance(cfg, KLConfig)]
     verdicts = {row.name: row.verdict for row in audit(problem, off_policy, kl_configs, corrections)}
     verdicts.update({cfg.name: verdict_of(problem, cfg, off_policy) for cfg in configs if isinstance(cfg, RPGConfig)})

@@ -43,11 +43,19 @@ from typing import Optional
 
 import torch
 
+from megatron_kl.kl.config import ESTIMATORS, TOP_K, UNBIASED_TOL, TopKConfig
+from megatron_kl.kl.config import TARGETS as KL_TARGETS
 from megatron_kl.kl.corrections import AUDITED, Correction
 from megatron_kl.kl.objective import (
-    CREDITS, KLConfig, LEVELS, OFF_POLICY, PLACEMENTS, kl_loss, kl_shaped_returns, policy_gradient_surrogate,
+    CREDITS,
+    LEVELS,
+    OFF_POLICY,
+    PLACEMENTS,
+    KLConfig,
+    kl_loss,
+    kl_shaped_returns,
+    policy_gradient_surrogate,
 )
-from megatron_kl.kl.config import ESTIMATORS, TOP_K, UNBIASED_TOL, TARGETS as KL_TARGETS, TopKConfig
 from megatron_kl.kl.sequence_axis import crossing
 from megatron_kl.kl.topk import top_k_divergence
 from megatron_kl.vocab_parallel.truncation import Truncation, support_threshold

@@ -27,9 +27,9 @@ import dataclasses
 import functools
 from typing import Optional
 
-from megatron_kl.kl.corrections import Correction, canonical
 from megatron_kl.kl.audit.exact import TabularProblem, all_configs, audit, behavior_configs
 from megatron_kl.kl.config import TOP_K, TopKConfig, Verdict
+from megatron_kl.kl.corrections import Correction, canonical
 from megatron_kl.kl.objective import AUTO, TARGETS, KLConfig
 
 AUDIT_SEEDS = (0, 1)
