@@ -12,8 +12,11 @@ setup(
     package_dir={"megatron_kl.configs": "configs"},
     # the C source of the CPU top-p search is compiled on first use (megatron_kl/vocab_parallel/native.py)
     # and the shipped warm starts (megatron_kl/train/shipped_warmstart.py)
-    package_data={"megatron_kl.configs": ["*/*.yaml", "study/published/*.json"], "megatron_kl.vocab_parallel": ["*.c"],
-                  "megatron_kl.data": ["warm_starts/*.json", "warm_starts/*.safetensors"]},
+    package_data={
+        "megatron_kl.configs": ["*/*.yaml", "study/published/*.json"],
+        "megatron_kl.vocab_parallel": ["*.c"],
+        "megatron_kl.data": ["warm_starts/*.json", "warm_starts/*.safetensors"],
+    },
     install_requires=[
         # A range, so GPU clusters keep their container's torch; CPU installs pin 2.13.0 via constraints-cpu.txt.
         "torch>=2.6",

@@ -26,18 +26,26 @@ def main() -> None:
     parser.add_argument("--output-dir", default="runs/examples/from-python", help="the run's directory")
     args = parser.parse_args()
 
-    cfg = api.load_config("configs/cpu/default.yaml", [
-        f"train.steps={args.steps}", f"train.output_dir={args.output_dir}", "train.prompts_per_step=8",
-        "task.eval_size=16", "logging.progress=false",
-        "reward.functions=[{name: short_and_right, kwargs: {limit: 4}}]",
-    ])
+    cfg = api.load_config(
+        "configs/cpu/default.yaml",
+        [
+            f"train.steps={args.steps}",
+            f"train.output_dir={args.output_dir}",
+            "train.prompts_per_step=8",
+            "task.eval_size=16",
+            "logging.progress=false",
+            "reward.functions=[{name: short_and_right, kwargs: {limit: 4}}]",
+        ],
+    )
     with api.trainer(cfg) as trainer:
         for step in range(trainer.start_step, cfg.train.steps):
             result = trainer.step(step)
             m = result.metrics
-            print(f"step {result.step}: reward {m['reward/mean']:.3f} (right {m['reward/extra/right']:.3f}, "
-                  f"short {m['reward/extra/short']:.3f}), exact KL {m['kl/exact_token']:.2e}, "
-                  f"engine at version {result.engine_version}")
+            print(
+                f"step {result.step}: reward {m['reward/mean']:.3f} (right {m['reward/extra/right']:.3f}, "
+                f"short {m['reward/extra/short']:.3f}), exact KL {m['kl/exact_token']:.2e}, "
+                f"engine at version {result.engine_version}"
+            )
         print("saved", trainer.save())
 
 

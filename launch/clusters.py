@@ -52,16 +52,27 @@ def _h100_slurm(tunnel: dict) -> dict:
 def h100() -> Cluster:
     """The H100 cluster from a laptop or workstation: sbatch over SSH to the login node."""
     user = getpass.getuser()
-    return Cluster("slurm", _h100_slurm({
-        "kind": "ssh", "host": "login.h100.example.org", "user": user,
-        "job_dir": f"/lustre/users/{user}/nemo_run_jobs",  # shared filesystem: code archive, sbatch, logs
-    }), description="Slurm H100 nodes, submitted over SSH")
+    return Cluster(
+        "slurm",
+        _h100_slurm(
+            {
+                "kind": "ssh",
+                "host": "login.h100.example.org",
+                "user": user,
+                "job_dir": f"/lustre/users/{user}/nemo_run_jobs",  # shared filesystem: code archive, sbatch, logs
+            }
+        ),
+        description="Slurm H100 nodes, submitted over SSH",
+    )
 
 
 def h100_login() -> Cluster:
     """The same cluster from its login node: sbatch runs here (local tunnel)."""
-    return Cluster("slurm", _h100_slurm({"kind": "local", "job_dir": "runs/nemo_run_jobs"}),
-                   description="Slurm H100 nodes, submitted on the login node")
+    return Cluster(
+        "slurm",
+        _h100_slurm({"kind": "local", "job_dir": "runs/nemo_run_jobs"}),
+        description="Slurm H100 nodes, submitted on the login node",
+    )
 
 
 def ci() -> Cluster:
@@ -70,28 +81,32 @@ def ci() -> Cluster:
     what it prints (``SLURM_CONF``). Its home holds no ``/nemo_run`` component: without a container NeMo-Run
     rewrites that name (its in-container run directory) in every path of the job."""
     home = "runs/launch_ci"
-    return Cluster("slurm", {
-        "home": home,
-        "slurm": {
-            "account": "ci",
-            "partition": "ci",
-            "nodes": 2,
-            "gpus_per_node": 0,
-            "ranks_per_node": 1,
-            "runtime": "host",
-            "time": "00:15:00",
-            "exclusive": False,
-            "nccl_defaults": False,
-            "retries": 1,
-            "signal_lead_s": 30,
-            "rdzv_port": 29531,
-            "env": {"OMP_NUM_THREADS": "1"},
-            "tunnel": {"kind": "local", "job_dir": f"{home}/experiments"},  # NeMo-Run's LocalTunnel wants home's
+    return Cluster(
+        "slurm",
+        {
+            "home": home,
+            "slurm": {
+                "account": "ci",
+                "partition": "ci",
+                "nodes": 2,
+                "gpus_per_node": 0,
+                "ranks_per_node": 1,
+                "runtime": "host",
+                "time": "00:15:00",
+                "exclusive": False,
+                "nccl_defaults": False,
+                "retries": 1,
+                "signal_lead_s": 30,
+                "rdzv_port": 29531,
+                "env": {"OMP_NUM_THREADS": "1"},
+                "tunnel": {"kind": "local", "job_dir": f"{home}/experiments"},  # NeMo-Run's LocalTunnel wants home's
+            },
+            # disaggregated rollouts: the server's group on one node (CPU: the SGLang test server stands in where
+            # SGLang is not installed, rollout.sglang.server_module), checked every few seconds
+            "rollout_servers": {"gpus_per_node": 0, "trainer_start_delay_s": 2, "monitor_interval_s": 5},
         },
-        # disaggregated rollouts: the server's group on one node (CPU: the SGLang test server stands in where
-        # SGLang is not installed, rollout.sglang.server_module), checked every few seconds
-        "rollout_servers": {"gpus_per_node": 0, "trainer_start_delay_s": 2, "monitor_interval_s": 5},
-    }, description="two CPU nodes of scripts/slurm_cluster.sh, submitted on this machine")
+        description="two CPU nodes of scripts/slurm_cluster.sh, submitted on this machine",
+    )
 
 
 CLUSTERS = {"local": local, "h100": h100, "h100_login": h100_login, "ci": ci}

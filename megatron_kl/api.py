@@ -66,9 +66,11 @@ def trainer(cfg: TrainConfig) -> Iterator["Trainer"]:  # noqa: F821 - megatron_k
     seed_everything(cfg.train.seed)
     prepared = prepare(cfg)
     if prepared.plan.kind == "finished":
-        raise ConfigError(f"{prepared.config.train.output_dir}: this run finished at step "
-                          f"{prepared.plan.checkpoint_step}; raise train.steps to continue it, or set "
-                          "train.output_dir for a new run")
+        raise ConfigError(
+            f"{prepared.config.train.output_dir}: this run finished at step "
+            f"{prepared.plan.checkpoint_step}; raise train.steps to continue it, or set "
+            "train.output_dir for a new run"
+        )
     single_process_env()
     try:
         with started(prepared) as built:

@@ -19,10 +19,14 @@ from megatron_kl.redaction import redacted_output
 COMMANDS = {
     "train": ("megatron_kl.train.cli", "RL training (torchrun for several ranks)"),
     "study": ("megatron_kl.study.cli", "run a grid of KL configurations x seeds and write the report"),
-    "audit": ("megatron_kl.kl.audit.cli", "exact gradient audit of every KL configuration (tabular policy); "
-              "--dynamics: their exact training dynamics"),
-    "config": ("megatron_kl.config_reference", "every configuration field with its type, default, value and "
-               "description (config show)"),
+    "audit": (
+        "megatron_kl.kl.audit.cli",
+        "exact gradient audit of every KL configuration (tabular policy); --dynamics: their exact training dynamics",
+    ),
+    "config": (
+        "megatron_kl.config_reference",
+        "every configuration field with its type, default, value and description (config show)",
+    ),
     "launch": ("megatron_kl.launch.cli", "NeMo-Run: local torchrun or Slurm; status and logs of an experiment"),
     "convert": ("megatron_kl.models.convert", "HF <-> Megatron checkpoints"),
     "validate": ("megatron_kl.launch.node_check", "one-command node check"),
@@ -47,8 +51,13 @@ def version() -> str:
     text = f"megatron-kl {number}"
 
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
-                                cwd=Path(__file__).resolve().parent).stdout.strip()
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+            cwd=Path(__file__).resolve().parent,
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         commit = ""
     return f"{text} (commit {commit})" if commit else text

@@ -37,8 +37,10 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str):
         if "unrecognized arguments" in message:
-            message += ("\n  configuration overrides are written section.key=value (e.g. kl.coef=0.1), also accepted as "
-                        "--section.key=value or --section.key value")
+            message += (
+                "\n  configuration overrides are written section.key=value (e.g. kl.coef=0.1), also accepted as "
+                "--section.key=value or --section.key value"
+            )
         super().error(message)
 
 
@@ -74,5 +76,6 @@ def quiet_optional_dependencies() -> None:
     rules = [r for r in os.environ.get("PYTHONWARNINGS", "").split(",") if r]
     rules += [f"ignore:{start}:UserWarning" for start in starts if f"ignore:{start}:UserWarning" not in rules]
     os.environ["PYTHONWARNINGS"] = ",".join(rules)
-    logging.getLogger("megatron_kl").debug("Transformer Engine / Apex not installed: megatron-core's local "
-                                           "implementations are used")
+    logging.getLogger("megatron_kl").debug(
+        "Transformer Engine / Apex not installed: megatron-core's local implementations are used"
+    )

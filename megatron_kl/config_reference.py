@@ -7,43 +7,56 @@ it current), so the reference cannot drift from the code.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import inspect
-import re
+import io
 import sys
+import textwrap
+import tokenize
 import typing
 from typing import Any, Optional
 
 from megatron_kl.cli_help import Parser, help_when_bare, normalize_overrides
 from megatron_kl.constraints import DERIVED, constraint_of
 
-_FIELD = re.compile(r"^\s+(\w+)\s*:\s*[^=#]+?(?:=.*?)?(?:#\s*(?P<comment>.*))?$")
+
+def _comments(source: str) -> dict[int, str]:
+    """Line number -> the text of the comment on it."""
+    return {
+        token.start[0]: token.string.lstrip("#").strip()
+        for token in tokenize.generate_tokens(io.StringIO(source).readline)
+        if token.type == tokenize.COMMENT
+    }
 
 
 def field_docs(cls) -> dict[str, str]:
-    """Field name -> description from the source comments of the class, or of the base class that describes it (a
-    subclass that only changes a field's default inherits its description: DistillObjective's KLConfig fields)."""
+    """Field name -> description from the source comments of the class: the comments on the lines of the field's
+    statement, else the comment block right above it; or of the base class that describes it (a subclass that only
+    changes a field's default inherits its description: DistillObjective's KLConfig fields)."""
     docs: dict[str, str] = {}
     names = {f.name for f in dataclasses.fields(cls)}
     for klass in cls.__mro__:
         if not dataclasses.is_dataclass(klass):
             continue
         try:
-            lines = inspect.getsource(klass).splitlines()
+            source = textwrap.dedent(inspect.getsource(klass))
         except (OSError, TypeError):
             continue
-        block: list[str] = []
-        for line in lines[1:]:
-            stripped = line.strip()
-            if stripped.startswith("#"):
-                block.append(stripped.lstrip("#").strip())
+        comments, lines = _comments(source), source.splitlines()
+        for node in ast.parse(source).body[0].body:
+            if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
                 continue
-            match = _FIELD.match(line)
-            if match and match.group(1) in names and not docs.get(match.group(1)):
-                text = (match.group("comment") or " ".join(block)).strip()
-                if text:
-                    docs[match.group(1)] = text
-            block = []
+            name = node.target.id
+            if name not in names or docs.get(name):
+                continue
+            text = [comments[i] for i in range(node.lineno, node.end_lineno + 1) if i in comments]
+            above = node.lineno - 1
+            while not text and above >= 1 and lines[above - 1].strip().startswith("#"):
+                above -= 1
+            text = text or [comments[i] for i in range(above + 1, node.lineno) if i in comments]
+            if " ".join(text).strip():
+                docs[name] = " ".join(text).strip()
     return docs
 
 
@@ -107,13 +120,17 @@ def section_docs(cls, prefix: str = "") -> dict[str, str]:
 
 def markdown(cls, title: str) -> str:
     """The whole reference as Markdown, one table per top-level section."""
-    lines = [f"# {title}", "",
-             "Generated from the config dataclasses by `megatron-kl config show --format md` (do not edit by hand).",
-             "Every field can be set in the YAML file or as a dotted override: `megatron-kl train --config X "
-             "section.field=value`. The column *allowed* is each field's declared constraint: a value outside it, NaN, "
-             "an infinity, true/false for a number, null for a required field or a key given twice is refused when "
-             "the config is loaded (`train`, `--check`, `study`, `launch`; `launch` leaves paths to the job, which checks "
-             "them where it starts), in one line naming the field.", ""]
+    lines = [
+        f"# {title}",
+        "",
+        "Generated from the config dataclasses by `megatron-kl config show --format md` (do not edit by hand).",
+        "Every field can be set in the YAML file or as a dotted override: `megatron-kl train --config X "
+        "section.field=value`. The column *allowed* is each field's declared constraint: a value outside it, NaN, "
+        "an infinity, true/false for a number, null for a required field or a key given twice is refused when "
+        "the config is loaded (`train`, `--check`, `study`, `launch`; `launch` leaves paths to the job, which checks "
+        "them where it starts), in one line naming the field.",
+        "",
+    ]
     sections = section_docs(cls)
     current = None
     for path, type_name, default, _, doc, rule in rows(cls):
@@ -133,13 +150,19 @@ def main(argv: Optional[list[str]] = None) -> int:
     """``megatron-kl config show ...``; ``megatron-kl config`` alone prints this command's help."""
     parser = Parser(prog="megatron-kl config", description="The training configuration's fields.")
     sub = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
-    show = sub.add_parser("show", help="every field: type, default, current value, description",
-                          description="Every field of the training configuration: type, default, current value, "
-                          "description.")
+    show = sub.add_parser(
+        "show",
+        help="every field: type, default, current value, description",
+        description="Every field of the training configuration: type, default, current value, description.",
+    )
     show.add_argument("--config", default=None, help="a YAML config to show the values of (default: the defaults)")
     show.add_argument("--section", default=None, help="only this section, e.g. kl or rollout.sglang")
-    show.add_argument("--format", choices=("text", "md"), default="text",
-                      help="text (a table for the terminal) or md (the Markdown of docs/configuration.md)")
+    show.add_argument(
+        "--format",
+        choices=("text", "md"),
+        default="text",
+        help="text (a table for the terminal) or md (the Markdown of docs/configuration.md)",
+    )
     show.add_argument("overrides", nargs="*", help="dotted overrides, e.g. kl.estimator=k3")
     argv = sys.argv[1:] if argv is None else list(argv)
     if help_when_bare(parser, argv):
@@ -159,8 +182,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 2
     shown = [r for r in rows(TrainConfig, cfg) if not args.section or r[0].startswith(args.section.rstrip(".") + ".")]
     if not shown:
-        print(f"megatron-kl config: no section {args.section!r}; sections: "
-              f"{sorted({r[0].split('.')[0] for r in rows(TrainConfig)})}", file=sys.stderr)
+        print(
+            f"megatron-kl config: no section {args.section!r}; sections: "
+            f"{sorted({r[0].split('.')[0] for r in rows(TrainConfig)})}",
+            file=sys.stderr,
+        )
         return 2
     width = max(len(r[0]) for r in shown)
     for path, type_name, default, value, doc, rule in shown:

@@ -74,10 +74,16 @@ class Constraint:
             plugins = ", or package.module:ATTR" if hasattr(self.choices, "resolve_error") else ""
             return "one of " + ", ".join(str(c) for c in self.choices) + plugins
         if self.path is not None:
-            return {"file": "an existing file", "dir": "an existing directory",
-                    "writable": "a directory this process can create or write"}[self.path]
-        bounds = [f"{op} {_number(bound)}" for op, bound in ((">=", self.ge), (">", self.gt), ("<=", self.le),
-                                                              ("<", self.lt)) if bound is not None]
+            return {
+                "file": "an existing file",
+                "dir": "an existing directory",
+                "writable": "a directory this process can create or write",
+            }[self.path]
+        bounds = [
+            f"{op} {_number(bound)}"
+            for op, bound in ((">=", self.ge), (">", self.gt), ("<=", self.le), ("<", self.lt))
+            if bound is not None
+        ]
         bounds = [b for b in bounds if b]
         if self.free:
             return "free text" + (", not empty" if self.nonempty else "")
@@ -94,8 +100,12 @@ class Constraint:
                 return "must be a number, not NaN"
             if self.finite and isinstance(value, float) and math.isinf(value):
                 return "must be finite"
-            for bound, ok in ((self.ge, lambda b: value >= b), (self.gt, lambda b: value > b),
-                              (self.le, lambda b: value <= b), (self.lt, lambda b: value < b)):
+            for bound, ok in (
+                (self.ge, lambda b: value >= b),
+                (self.gt, lambda b: value > b),
+                (self.le, lambda b: value <= b),
+                (self.lt, lambda b: value < b),
+            ):
                 if bound is not None and not ok(bound):
                     return f"must be {self.describe().removeprefix('finite, ')}"
             return None
@@ -142,8 +152,13 @@ RESUMABLE = "megatron_kl.resumable"
 DERIVED = "megatron_kl.derived"  # a field resolved when a config is loaded, never given in YAML
 
 
-def checked(default: Any = dataclasses.MISSING, *, default_factory: Any = dataclasses.MISSING,
-            resumable: bool = False, **constraint) -> Any:
+def checked(
+    default: Any = dataclasses.MISSING,
+    *,
+    default_factory: Any = dataclasses.MISSING,
+    resumable: bool = False,
+    **constraint,
+) -> Any:
     """A dataclass field carrying its :class:`Constraint` (keyword arguments as Constraint's). ``resumable``: the
     field may change between the starts of one run without changing what it computes (where outputs go, how they
     are logged, timeouts, where servers are; on a section: every field in it) - it is not part of the run's

@@ -24,8 +24,18 @@ import os
 from typing import Mapping, Optional
 
 ON, OFF, AUTO = "on", "off", "auto"
-_SWITCH = {"1": ON, "true": ON, "on": ON, "yes": ON, "0": OFF, "false": OFF, "off": OFF, "no": OFF,
-           "": AUTO, "auto": AUTO}
+_SWITCH = {
+    "1": ON,
+    "true": ON,
+    "on": ON,
+    "yes": ON,
+    "0": OFF,
+    "false": OFF,
+    "off": OFF,
+    "no": OFF,
+    "": AUTO,
+    "auto": AUTO,
+}
 
 
 class EnvVarError(ValueError):
@@ -42,8 +52,9 @@ def switch(name: str, environ: Optional[Mapping[str, str]] = None, allow_auto: b
     value = _SWITCH.get(raw.lower())
     if value is None or (value == AUTO and raw and not allow_auto):
         spelled = "auto, " if allow_auto else ""
-        raise EnvVarError(f"environment variable {name}={raw!r}: use {spelled}1/true/on/yes or 0/false/off/no "
-                          f"(or unset it)")
+        raise EnvVarError(
+            f"environment variable {name}={raw!r}: use {spelled}1/true/on/yes or 0/false/off/no (or unset it)"
+        )
     return value
 
 

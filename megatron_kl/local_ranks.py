@@ -88,7 +88,10 @@ def _worker(rank, world_size, init_file, fn, args, results, threads, backend, en
         if backend == "nccl":
             torch.cuda.set_device(rank)
         torch.distributed.init_process_group(
-            backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+            backend,
+            init_method=f"file://{init_file}",
+            rank=rank,
+            world_size=world_size,
             timeout=timedelta(seconds=120),
         )
         value = to_device(fn(rank, world_size, *args), "cpu")  # a GPU rank's tensors come back on the CPU
@@ -131,8 +134,10 @@ def run_ranks(fn, world_size: int, *args, timeout_s: float = 300.0, threads_per_
         with _gpus_hidden(backend == "gloo" and torch.cuda.is_available()):  # the ranks get this environment
             environ = dict(os.environ)
         procs = [
-            ctx.Process(target=_worker, args=(r, world_size, init_file, fn, args, results, threads_per_rank, backend,
-                                              environ, os.getpid()))
+            ctx.Process(
+                target=_worker,
+                args=(r, world_size, init_file, fn, args, results, threads_per_rank, backend, environ, os.getpid()),
+            )
             for r in range(world_size)
         ]
         for p in procs:

@@ -174,8 +174,11 @@ def _clip_grad_by_total_norm_cpu(parameters, max_norm, total_norm, use_decoupled
             grad.detach().mul_(clip_coeff)
 
 
-_CUDA_TYPE_NAMES = {torch.float32: "torch.cuda.FloatTensor", torch.bfloat16: "torch.cuda.BFloat16Tensor",
-                    torch.float16: "torch.cuda.HalfTensor"}
+_CUDA_TYPE_NAMES = {
+    torch.float32: "torch.cuda.FloatTensor",
+    torch.bfloat16: "torch.cuda.BFloat16Tensor",
+    torch.float16: "torch.cuda.HalfTensor",
+}
 
 
 @contextlib.contextmanager

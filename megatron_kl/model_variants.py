@@ -68,7 +68,9 @@ class MoEConfig:
 
     num_experts: int = checked(0, ge=0)
     router_topk: int = checked(2, ge=1)
-    ffn_hidden_size: Optional[int] = checked(None, ge=1)  # per expert (HF moe_intermediate_size); default model.ffn_hidden_size
+    ffn_hidden_size: Optional[int] = checked(
+        None, ge=1
+    )  # per expert (HF moe_intermediate_size); default model.ffn_hidden_size
     # the shared expert every token also goes through (0: none), scaled by sigmoid(gate . x) with
     # shared_expert_gate (Qwen2-MoE), added as it is without (DeepSeek-V3)
     shared_expert_ffn_hidden_size: int = checked(0, ge=0)
@@ -120,14 +122,19 @@ def validate_moe(moe: MoEConfig) -> None:
         raise ConfigError(f"model.moe.routing_replay={moe.routing_replay!r}: use one of {list(ROUTING_REPLAY)}")
     if not moe.enabled:
         if moe.routing_replay != "off":
-            raise ConfigError("model.moe.routing_replay=rollout needs a mixture-of-experts model: set "
-                              "model.moe.num_experts > 0, or routing_replay to off")
+            raise ConfigError(
+                "model.moe.routing_replay=rollout needs a mixture-of-experts model: set "
+                "model.moe.num_experts > 0, or routing_replay to off"
+            )
         return
     if not 1 <= moe.router_topk <= moe.num_experts:
-        raise ConfigError(f"model.moe.router_topk={moe.router_topk} must be in [1, model.moe.num_experts="
-                          f"{moe.num_experts}]")
+        raise ConfigError(
+            f"model.moe.router_topk={moe.router_topk} must be in [1, model.moe.num_experts={moe.num_experts}]"
+        )
     if moe.ffn_hidden_size is not None and moe.ffn_hidden_size <= 0:
-        raise ConfigError(f"model.moe.ffn_hidden_size={moe.ffn_hidden_size} must be > 0 (or null: model.ffn_hidden_size)")
+        raise ConfigError(
+            f"model.moe.ffn_hidden_size={moe.ffn_hidden_size} must be > 0 (or null: model.ffn_hidden_size)"
+        )
     if moe.shared_expert_ffn_hidden_size < 0:
         raise ConfigError(f"model.moe.shared_expert_ffn_hidden_size={moe.shared_expert_ffn_hidden_size} must be >= 0")
     for name in ("aux_loss_coeff", "z_loss_coeff"):
@@ -136,9 +143,11 @@ def validate_moe(moe: MoEConfig) -> None:
     if moe.capacity_factor is not None and not moe.capacity_factor > 0.0:
         raise ConfigError(f"model.moe.capacity_factor={moe.capacity_factor} must be > 0 (or null: dropless)")
     if moe.router_topk == 1 and moe.normalize_topk and moe.score_function == "softmax":
-        raise ConfigError("model.moe.router_topk=1 with normalize_topk=true: the one kept expert would weigh 1, which "
-                          "megatron-core's router refuses to build; set normalize_topk=false (softmax over all experts)"
-                          " or router_topk >= 2")
+        raise ConfigError(
+            "model.moe.router_topk=1 with normalize_topk=true: the one kept expert would weigh 1, which "
+            "megatron-core's router refuses to build; set normalize_topk=false (softmax over all experts)"
+            " or router_topk >= 2"
+        )
     _validate_router(moe)
 
 
@@ -148,21 +157,31 @@ def _validate_router(moe: MoEConfig) -> None:
     if moe.score_function not in ROUTER_SCORES:
         raise ConfigError(f"model.moe.score_function={moe.score_function!r}: use one of {list(ROUTER_SCORES)}")
     if moe.score_function == "sigmoid" and moe.router_topk > 1 and not moe.normalize_topk:
-        raise ConfigError("model.moe.score_function=sigmoid renormalises the kept scores to sum to 1 (megatron-core's "
-                          "sigmoid router does): set model.moe.normalize_topk=true")
+        raise ConfigError(
+            "model.moe.score_function=sigmoid renormalises the kept scores to sum to 1 (megatron-core's "
+            "sigmoid router does): set model.moe.normalize_topk=true"
+        )
     if moe.expert_bias and moe.score_function != "sigmoid":
-        raise ConfigError("model.moe.expert_bias=true corrects sigmoid scores (DeepSeek-V3): set "
-                          "model.moe.score_function=sigmoid, or expert_bias=false")
+        raise ConfigError(
+            "model.moe.expert_bias=true corrects sigmoid scores (DeepSeek-V3): set "
+            "model.moe.score_function=sigmoid, or expert_bias=false"
+        )
     if (moe.num_groups is None) != (moe.group_topk is None):
-        raise ConfigError(f"model.moe.num_groups={moe.num_groups} and model.moe.group_topk={moe.group_topk}: "
-                          "group-limited routing needs both (or neither)")
+        raise ConfigError(
+            f"model.moe.num_groups={moe.num_groups} and model.moe.group_topk={moe.group_topk}: "
+            "group-limited routing needs both (or neither)"
+        )
     if moe.num_groups is None:
         return
     if moe.num_experts % moe.num_groups:
         raise ConfigError(f"model.moe.num_groups={moe.num_groups} must divide model.moe.num_experts={moe.num_experts}")
     if moe.group_topk > moe.num_groups or moe.router_topk % moe.group_topk:
-        raise ConfigError(f"model.moe.group_topk={moe.group_topk} must be at most model.moe.num_groups="
-                          f"{moe.num_groups} and divide model.moe.router_topk={moe.router_topk}")
+        raise ConfigError(
+            f"model.moe.group_topk={moe.group_topk} must be at most model.moe.num_groups="
+            f"{moe.num_groups} and divide model.moe.router_topk={moe.router_topk}"
+        )
     if moe.router_topk > moe.group_topk * moe.num_experts // moe.num_groups:
-        raise ConfigError(f"model.moe.router_topk={moe.router_topk} exceeds the experts of the model.moe.group_topk="
-                          f"{moe.group_topk} groups chosen; raise group_topk")
+        raise ConfigError(
+            f"model.moe.router_topk={moe.router_topk} exceeds the experts of the model.moe.group_topk="
+            f"{moe.group_topk} groups chosen; raise group_topk"
+        )

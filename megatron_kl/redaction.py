@@ -139,12 +139,15 @@ def redact_config(data, secrets: Iterable[str] = ()):
 
     def walk(node, name: str = ""):
         if isinstance(node, dict):
-            return {k: (REDACTED if is_secret_name(k) and isinstance(v, str) and v else walk(v, str(k)))
-                    for k, v in node.items()}
+            return {
+                k: (REDACTED if is_secret_name(k) and isinstance(v, str) and v else walk(v, str(k)))
+                for k, v in node.items()
+            }
         if isinstance(node, (list, tuple)):
             if all(isinstance(v, str) for v in node):
-                return redact_args(node) if any(is_secret_flag(v) for v in node) else [redact_text(v, known)
-                                                                                      for v in node]
+                return (
+                    redact_args(node) if any(is_secret_flag(v) for v in node) else [redact_text(v, known) for v in node]
+                )
             return [walk(v, name) for v in node]
         if isinstance(node, str):
             return redact_text(node, known)

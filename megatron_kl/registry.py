@@ -77,8 +77,10 @@ class Registry(Generic[T]):
             if name in self._entries or name in self._references:
                 return None
             if ":" not in name:
-                return (f"must be one of {self.names()} (a registered {self.kind}), or 'package.module:ATTR' / "
-                        f"'path/to/file.py:ATTR' naming a {self.spec_type.__name__}")
+                return (
+                    f"must be one of {self.names()} (a registered {self.kind}), or 'package.module:ATTR' / "
+                    f"'path/to/file.py:ATTR' naming a {self.spec_type.__name__}"
+                )
             try:
                 spec = _load_attribute(name)
             except Exception as err:  # noqa: BLE001 - any failure of a user's module is reported by name
@@ -167,8 +169,10 @@ class Choices:
             return None
         error = self.registry.resolve_error(name)
         if error is not None and ":" not in str(name):
-            return (f"must be one of {list(self)} (a registered {self.registry.kind}), or 'package.module:ATTR' / "
-                    f"'path/to/file.py:ATTR' naming a {self.registry.spec_type.__name__}")
+            return (
+                f"must be one of {list(self)} (a registered {self.registry.kind}), or 'package.module:ATTR' / "
+                f"'path/to/file.py:ATTR' naming a {self.registry.spec_type.__name__}"
+            )
         return error
 
     def __contains__(self, name) -> bool:

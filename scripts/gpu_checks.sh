@@ -101,7 +101,7 @@ check kernel_tests 200 env "${kernel_env[@]}" "$py" -m pytest "${pytest_args[@]}
 # 3. does an RL step train on this GPU: the step-0 gates, then a bf16 run that checkpoints and resumes exactly
 check rl_steps 150 "$py" -m pytest "${pytest_args[@]}" "${collect[@]}" \
     "tests/e2e/test_step0_gates.py::test_step_0_policy_equals_reference_and_rollout[embedded-tp1]" \
-    tests/e2e/test_train.py::test_bf16_mixed_precision_trains_and_resumes_exactly
+    tests/e2e/test_resume.py::test_bf16_mixed_precision_trains_and_resumes_exactly
 # 3b. context parallelism (CP=2 forward/backward/update equal to one rank): runs where Transformer Engine and two
 #     GPUs are (skipped, and said so, elsewhere)
 check context_parallel 90 "$py" -m pytest "${pytest_args[@]}" -rs "${collect[@]}" \

@@ -72,4 +72,3 @@ def warm_cache(tmp_path_factory):
     """One warm-start cache for the whole session: the cache is keyed by the model, task and warm-start settings,
     so every run that shares them reuses one supervised phase (~40 s on 2 cores) instead of repeating it."""
     return str(tmp_path_factory.mktemp("warm_start_cache"))
-

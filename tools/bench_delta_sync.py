@@ -28,19 +28,42 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-ENGINES = {"sglang": ["rollout.engine=sglang", "rollout.sglang.server_module=megatron_kl.testing.sglang_server",
-                      "rollout.sglang.weight_sync=from_tensor"],
-           "vllm": ["rollout.engine=vllm", "rollout.vllm.dtype=bfloat16"]}
+ENGINES = {
+    "sglang": [
+        "rollout.engine=sglang",
+        "rollout.sglang.server_module=megatron_kl.testing.sglang_server",
+        "rollout.sglang.weight_sync=from_tensor",
+    ],
+    "vllm": ["rollout.engine=vllm", "rollout.vllm.dtype=bfloat16"],
+}
 
 
 def run(config: str, lr: float, delta: bool, steps: int, out: Path, port: int, engine: str) -> list[dict]:
-    command = [sys.executable, "-m", "megatron_kl.cli", "train", "--config", str(ROOT / config),
-               f"train.output_dir={out}", f"train.steps={steps}", f"optim.lr={lr}", *ENGINES[engine],
-               f"rollout.sglang.port={port}", f"rollout.delta_sync={'true' if delta else 'false'}",
-               "rollout.sampling.max_new_tokens=16", "eval.interval=0", "task.eval_size=4", "eval.k=1",
-               "eval.max_new_tokens=4", "checkpoint.interval=0",
-               "logging.progress=false", "logging.tensorboard=false"]
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    command = [
+        sys.executable,
+        "-m",
+        "megatron_kl.cli",
+        "train",
+        "--config",
+        str(ROOT / config),
+        f"train.output_dir={out}",
+        f"train.steps={steps}",
+        f"optim.lr={lr}",
+        *ENGINES[engine],
+        f"rollout.sglang.port={port}",
+        f"rollout.delta_sync={'true' if delta else 'false'}",
+        "rollout.sampling.max_new_tokens=16",
+        "eval.interval=0",
+        "task.eval_size=4",
+        "eval.k=1",
+        "eval.max_new_tokens=4",
+        "checkpoint.interval=0",
+        "logging.progress=false",
+        "logging.tensorboard=false",
+    ]
+    done = subprocess.run(
+        command, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}
+    )
     if done.returncode != 0:
         raise SystemExit(f"run failed ({' '.join(command)}):\n{done.stderr[-3000:]}")
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
@@ -59,24 +82,27 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for lr in args.lrs:
             for delta in (False, True):
-                steps = run(args.config, lr, delta, args.steps, Path(tmp) / f"lr{lr:g}-{delta}", args.port,
-                            args.engine)
+                steps = run(args.config, lr, delta, args.steps, Path(tmp) / f"lr{lr:g}-{delta}", args.port, args.engine)
                 results[(lr, delta)] = steps
                 for r in steps:
-                    print(f"lr {lr:g} delta_sync={str(delta).lower():5s} step {r['step']}: "
-                          f"{r['weight_sync/bytes'] / 1e6:8.2f} MB of {r['weight_sync/bytes_full'] / 1e6:.2f} MB, "
-                          f"changed elements {r['weight_sync/changed_elements']:.4f}, changed tensors "
-                          f"{r['weight_sync/changed_tensors']:.3f}, weight sync {r['time/weight_sync']:.2f} s",
-                          flush=True)
+                    print(
+                        f"lr {lr:g} delta_sync={str(delta).lower():5s} step {r['step']}: "
+                        f"{r['weight_sync/bytes'] / 1e6:8.2f} MB of {r['weight_sync/bytes_full'] / 1e6:.2f} MB, "
+                        f"changed elements {r['weight_sync/changed_elements']:.4f}, changed tensors "
+                        f"{r['weight_sync/changed_tensors']:.3f}, weight sync {r['time/weight_sync']:.2f} s",
+                        flush=True,
+                    )
     print()
     for lr in args.lrs:
         full, delta = results[(lr, False)], results[(lr, True)]
         mb = [statistics.median(r["weight_sync/bytes"] for r in arm) / 1e6 for arm in (full, delta)]
         seconds = [statistics.median(r["time/weight_sync"] for r in arm) for arm in (full, delta)]
         changed = statistics.median(r["weight_sync/changed_elements"] for r in delta)
-        print(f"lr {lr:g}: median per sync - full {mb[0]:.2f} MB {seconds[0]:.2f} s, delta {mb[1]:.2f} MB "
-              f"{seconds[1]:.2f} s ({mb[1] / mb[0]:.3f}x the bytes, {seconds[1] / seconds[0]:.2f}x the time); "
-              f"changed elements {changed:.4f}")
+        print(
+            f"lr {lr:g}: median per sync - full {mb[0]:.2f} MB {seconds[0]:.2f} s, delta {mb[1]:.2f} MB "
+            f"{seconds[1]:.2f} s ({mb[1] / mb[0]:.3f}x the bytes, {seconds[1] / seconds[0]:.2f}x the time); "
+            f"changed elements {changed:.4f}"
+        )
     return 0
 
 

@@ -29,15 +29,28 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-JOBS = {"cpu": ("configs/cpu/default.yaml", ["task.eval_size=8", "eval.k=1"]),
-        "smollm2": ("configs/cpu/smollm2-135m.yaml", ["task.eval_size=4", "eval.k=1", "eval.max_new_tokens=8"])}
+JOBS = {
+    "cpu": ("configs/cpu/default.yaml", ["task.eval_size=8", "eval.k=1"]),
+    "smollm2": ("configs/cpu/smollm2-135m.yaml", ["task.eval_size=4", "eval.k=1", "eval.max_new_tokens=8"]),
+}
 COMMON = ["checkpoint.interval=0", "logging.progress=false", "logging.tensorboard=false"]
 
 
 def train(config: str, out: Path, overrides: list[str]) -> list[dict]:
-    command = [sys.executable, "-m", "megatron_kl.cli", "train", "--config", str(ROOT / config),
-               f"train.output_dir={out}", *COMMON, *overrides]
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    command = [
+        sys.executable,
+        "-m",
+        "megatron_kl.cli",
+        "train",
+        "--config",
+        str(ROOT / config),
+        f"train.output_dir={out}",
+        *COMMON,
+        *overrides,
+    ]
+    done = subprocess.run(
+        command, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}
+    )
     if done.returncode != 0:
         raise SystemExit(f"run failed ({' '.join(command)}):\n{done.stderr[-3000:]}")
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
@@ -45,33 +58,48 @@ def train(config: str, out: Path, overrides: list[str]) -> list[dict]:
 
 def mismatch(jobs: list[str], tmp: Path) -> None:
     print("== step-0 train-vs-rollout mismatch per response token")
-    print(f"{'job':8s} {'rollouts':9s} {'|log mu - log pi_old| mean':>27s} {'max':>8s} {'KL(mu||pi_old) k1':>18s} "
-          f"{'k3':>10s}")
+    print(
+        f"{'job':8s} {'rollouts':9s} {'|log mu - log pi_old| mean':>27s} {'max':>8s} {'KL(mu||pi_old) k1':>18s} "
+        f"{'k3':>10s}"
+    )
     for job in jobs:
         config, extra = JOBS[job]
         for quantization in ("none", "fp8"):
-            records = train(config, tmp / f"mismatch-{job}-{quantization}",
-                            [*extra, "train.steps=1", f"rollout.quantization={quantization}"])
+            records = train(
+                config,
+                tmp / f"mismatch-{job}-{quantization}",
+                [*extra, "train.steps=1", f"rollout.quantization={quantization}"],
+            )
             step0 = next(r for r in records if r.get("step") == 0 and "mismatch/abs_logprob_mean" in r)
-            print(f"{job:8s} {quantization:9s} {step0['mismatch/abs_logprob_mean']:27.3e} "
-                  f"{step0['mismatch/abs_logprob_max']:8.3e} {step0['mismatch/k1_token']:18.3e} "
-                  f"{step0['mismatch/k3_token']:10.3e}", flush=True)
+            print(
+                f"{job:8s} {quantization:9s} {step0['mismatch/abs_logprob_mean']:27.3e} "
+                f"{step0['mismatch/abs_logprob_max']:8.3e} {step0['mismatch/k1_token']:18.3e} "
+                f"{step0['mismatch/k3_token']:10.3e}",
+                flush=True,
+            )
 
 
-ARMS = (("unquantized", ["rollout.quantization=none"]),
-        ("fp8, no correction", ["rollout.quantization=fp8", "algo.behavior_correction=none"]),
-        ("fp8, token TIS", ["rollout.quantization=fp8", "algo.behavior_correction=token_tis"]))
+ARMS = (
+    ("unquantized", ["rollout.quantization=none"]),
+    ("fp8, no correction", ["rollout.quantization=fp8", "algo.behavior_correction=none"]),
+    ("fp8, token TIS", ["rollout.quantization=fp8", "algo.behavior_correction=token_tis"]),
+)
 
 
 def training(job: str, seeds: list[int], steps: int, tmp: Path) -> None:
     print(f"\n== the {job} job, {steps} steps per seed (seeds {' '.join(map(str, seeds))}), arms interleaved")
-    print(f"{'arm':20s} {'seed':>5s} {'mean |log mu - log pi_old|':>27s} {'exact KL to ref (last)':>23s} "
-          f"{'pass@1 in-domain':>17s} {'OOD':>6s}")
+    print(
+        f"{'arm':20s} {'seed':>5s} {'mean |log mu - log pi_old|':>27s} {'exact KL to ref (last)':>23s} "
+        f"{'pass@1 in-domain':>17s} {'OOD':>6s}"
+    )
     summary: dict[str, list] = {name: [] for name, _ in ARMS}
     for seed in seeds:
         for arm, (name, overrides) in enumerate(ARMS):
-            records = train(JOBS[job][0], tmp / f"train-{job}-{seed}-arm{arm}",
-                            [f"train.steps={steps}", f"train.seed={seed}", *overrides])
+            records = train(
+                JOBS[job][0],
+                tmp / f"train-{job}-{seed}-arm{arm}",
+                [f"train.steps={steps}", f"train.seed={seed}", *overrides],
+            )
             steps_ = [r for r in records if "mismatch/abs_logprob_mean" in r]
             gap = statistics.mean(r["mismatch/abs_logprob_mean"] for r in steps_)
             exact = [r["kl/exact_token"] for r in steps_ if "kl/exact_token" in r][-1]

@@ -69,11 +69,18 @@ def logits_paths(logits, reference, targets) -> dict:
 
         def run():
             with _path(triton):
-                stats = fused_stats(x, None, targets=targets if lp else None,
-                                    reference_logits=reference if kl else None, temperature=TEMPERATURE,
-                                    inplace_backward=True, entropy=entropy)
+                stats = fused_stats(
+                    x,
+                    None,
+                    targets=targets if lp else None,
+                    reference_logits=reference if kl else None,
+                    temperature=TEMPERATURE,
+                    inplace_backward=True,
+                    entropy=entropy,
+                )
                 loss = sum(v.float().sum() for v in (stats.logprobs, stats.entropy, stats.kl) if v is not None)
                 loss.backward()
+
         return run
 
     def naive(entropy=False, kl=False, lp=True):
@@ -88,6 +95,7 @@ def logits_paths(logits, reference, targets) -> dict:
                 logq = torch.log_softmax(reference.float() / TEMPERATURE, -1)
                 loss = loss + (logp.exp() * (logp - logq)).sum()
             loss.backward()
+
         return run
 
     paths = {"copy": (copy, 2 * unit), "megatron_core_logprobs": (megatron_core, 3 * unit)}
@@ -117,6 +125,7 @@ def linear_paths(hidden, weight, reference_weight, targets) -> dict:
         def run():
             h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
             torch.autograd.grad(-loss(w, h, targets), (h, w))
+
         return run
 
     def unfused(triton: bool):
@@ -125,29 +134,39 @@ def linear_paths(hidden, weight, reference_weight, targets) -> dict:
                 h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
                 stats = fused_stats(h @ w.t(), None, targets=targets, temperature=TEMPERATURE, inplace_backward=True)
                 torch.autograd.grad(stats.logprobs.float().sum() + stats.entropy.float().sum(), (h, w))
+
         return run
 
     def fused(triton: bool, kl: bool):
         def run():
             with _path(triton):
                 h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
-                stats = fused_linear_stats(h, w, None, targets=targets, reference_hidden=hidden if kl else None,
-                                           reference_weight=reference_weight if kl else None,
-                                           temperature=TEMPERATURE)
+                stats = fused_linear_stats(
+                    h,
+                    w,
+                    None,
+                    targets=targets,
+                    reference_hidden=hidden if kl else None,
+                    reference_weight=reference_weight if kl else None,
+                    temperature=TEMPERATURE,
+                )
                 loss = stats.logprobs.float().sum() + stats.entropy.float().sum()
                 if kl:
                     loss = loss + stats.kl.float().sum()
                 torch.autograd.grad(loss, (h, w))
+
         return run
 
     paths = {}
     if _liger() is not None:
         paths["liger_flce_logprobs"] = (liger_flce, None)
-    paths.update({
-        "unfused_logprobs_entropy": (lambda: unfused(True), None),
-        "triton_fused_logprobs_entropy": (lambda: fused(True, False), None),
-        "torch_fused_logprobs_entropy": (lambda: fused(False, False), None),
-        "triton_fused_lp_entropy_kl": (lambda: fused(True, True), None),
-        "torch_fused_lp_entropy_kl": (lambda: fused(False, True), None),
-    })
+    paths.update(
+        {
+            "unfused_logprobs_entropy": (lambda: unfused(True), None),
+            "triton_fused_logprobs_entropy": (lambda: fused(True, False), None),
+            "torch_fused_logprobs_entropy": (lambda: fused(False, False), None),
+            "triton_fused_lp_entropy_kl": (lambda: fused(True, True), None),
+            "torch_fused_lp_entropy_kl": (lambda: fused(False, True), None),
+        }
+    )
     return paths

@@ -31,29 +31,54 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def run(arm: bool, args, out: Path, port: int) -> dict:
     overrides = [
-        f"train.output_dir={out}", f"train.steps={args.steps}", "train.prompts_per_step=8", "train.group_size=4",
-        f"train.staleness={args.staleness}", f"rollout.partial={'true' if arm else 'false'}",
-        "rollout.engine=sglang", "rollout.sglang.server_module=megatron_kl.testing.sglang_server",
-        f"rollout.sglang.port={port}", "rollout.sglang.weight_sync=from_tensor",
+        f"train.output_dir={out}",
+        f"train.steps={args.steps}",
+        "train.prompts_per_step=8",
+        "train.group_size=4",
+        f"train.staleness={args.staleness}",
+        f"rollout.partial={'true' if arm else 'false'}",
+        "rollout.engine=sglang",
+        "rollout.sglang.server_module=megatron_kl.testing.sglang_server",
+        f"rollout.sglang.port={port}",
+        "rollout.sglang.weight_sync=from_tensor",
         f"rollout.sglang.extra_args=[--token-latency-s, '{args.token_latency_s}', --long-every, '{args.long_every}']",
-        f"rollout.sampling.max_new_tokens={args.max_new_tokens}", "eval.interval=0", "task.eval_size=8", "eval.k=1",
-        "checkpoint.interval=0", "logging.progress=false", "logging.tensorboard=false",
-        "kl.estimator=k3", "kl.placement=loss", "kl.off_policy=token_is",
+        f"rollout.sampling.max_new_tokens={args.max_new_tokens}",
+        "eval.interval=0",
+        "task.eval_size=8",
+        "eval.k=1",
+        "checkpoint.interval=0",
+        "logging.progress=false",
+        "logging.tensorboard=false",
+        "kl.estimator=k3",
+        "kl.placement=loss",
+        "kl.off_policy=token_is",
     ]
-    command = [sys.executable, "-m", "megatron_kl.cli", "train", "--config", str(ROOT / "configs/cpu/default.yaml"),
-               *overrides]
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    command = [
+        sys.executable,
+        "-m",
+        "megatron_kl.cli",
+        "train",
+        "--config",
+        str(ROOT / "configs/cpu/default.yaml"),
+        *overrides,
+    ]
+    done = subprocess.run(
+        command, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}
+    )
     if done.returncode != 0:
         raise SystemExit(f"run failed ({' '.join(command)}):\n{done.stderr[-3000:]}")
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     steps = [r for r in records if "time/step" in r and r["step"] >= 2]
     seconds = sum(r["time/step"] - r.get("time/eval", 0.0) for r in steps)
-    return {"partial": arm, "steps_per_s": len(steps) / seconds,
-            "weight_sync_s": statistics.median(r["time/weight_sync"] for r in steps),
-            "rollout_wait_s": statistics.median(r["time/rollout_wait"] for r in steps),
-            "mixed": statistics.mean(r["staleness/mixed_response_fraction"] for r in steps),
-            "token_max": max(r["staleness/token_max"] for r in steps),
-            "response_len": statistics.mean(r["response/length_mean"] for r in steps)}
+    return {
+        "partial": arm,
+        "steps_per_s": len(steps) / seconds,
+        "weight_sync_s": statistics.median(r["time/weight_sync"] for r in steps),
+        "rollout_wait_s": statistics.median(r["time/rollout_wait"] for r in steps),
+        "mixed": statistics.mean(r["staleness/mixed_response_fraction"] for r in steps),
+        "token_max": max(r["staleness/token_max"] for r in steps),
+        "response_len": statistics.mean(r["response/length_mean"] for r in steps),
+    }
 
 
 def main(argv=None) -> int:
@@ -72,19 +97,26 @@ def main(argv=None) -> int:
             for arm in (False, True):  # interleaved
                 result = run(arm, args, Path(tmp) / f"{'partial' if arm else 'wait'}-{repeat}", args.port)
                 results.append(result)
-                print(f"run {len(results)}: partial={str(arm).lower():5s} {result['steps_per_s']:.3f} steps/s, "
-                      f"weight_sync {result['weight_sync_s']:.2f} s, rollout wait {result['rollout_wait_s']:.2f} s, "
-                      f"mixed responses {result['mixed']:.3f}, max token staleness {result['token_max']:.0f}, "
-                      f"mean response {result['response_len']:.1f} tokens", flush=True)
-    print(f"\nstaleness {args.staleness}, {args.steps} steps (steps/s over steps 2..{args.steps - 1}), token latency "
-          f"{args.token_latency_s:g} s, every {args.long_every}th response to max_new_tokens={args.max_new_tokens}")
+                print(
+                    f"run {len(results)}: partial={str(arm).lower():5s} {result['steps_per_s']:.3f} steps/s, "
+                    f"weight_sync {result['weight_sync_s']:.2f} s, rollout wait {result['rollout_wait_s']:.2f} s, "
+                    f"mixed responses {result['mixed']:.3f}, max token staleness {result['token_max']:.0f}, "
+                    f"mean response {result['response_len']:.1f} tokens",
+                    flush=True,
+                )
+    print(
+        f"\nstaleness {args.staleness}, {args.steps} steps (steps/s over steps 2..{args.steps - 1}), token latency "
+        f"{args.token_latency_s:g} s, every {args.long_every}th response to max_new_tokens={args.max_new_tokens}"
+    )
     medians = {}
     for arm in (False, True):
         rates = [r["steps_per_s"] for r in results if r["partial"] is arm]
         medians[arm] = statistics.median(rates)
         sync = statistics.median(r["weight_sync_s"] for r in results if r["partial"] is arm)
-        print(f"rollout.partial={str(arm).lower():5s} steps/s min {min(rates):.3f} median {medians[arm]:.3f}; "
-              f"median weight_sync {sync:.2f} s")
+        print(
+            f"rollout.partial={str(arm).lower():5s} steps/s min {min(rates):.3f} median {medians[arm]:.3f}; "
+            f"median weight_sync {sync:.2f} s"
+        )
     print(f"ratio of medians (partial / waiting): {medians[True] / medians[False]:.2f}x")
     return 0
 

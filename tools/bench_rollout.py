@@ -43,21 +43,31 @@ def make_model(directory: Path, args) -> Path:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     heads = args.heads or args.hidden // 32
-    config = AutoConfig.for_model(model_type="qwen2", vocab_size=args.vocab, hidden_size=args.hidden,
-                                  intermediate_size=args.ffn or args.hidden * 3, num_hidden_layers=args.layers,
-                                  num_attention_heads=heads, num_key_value_heads=args.kv_heads or max(1, heads // 2),
-                                  max_position_embeddings=1024, rms_norm_eps=1e-6, tie_word_embeddings=True,
-                                  torch_dtype=args.dtype)
+    config = AutoConfig.for_model(
+        model_type="qwen2",
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.ffn or args.hidden * 3,
+        num_hidden_layers=args.layers,
+        num_attention_heads=heads,
+        num_key_value_heads=args.kv_heads or max(1, heads // 2),
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        torch_dtype=args.dtype,
+    )
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).to(getattr(torch, args.dtype)).save_pretrained(
-        directory, safe_serialization=True)
+        directory, safe_serialization=True
+    )
     return directory
 
 
 def _prompts(args) -> list[list[int]]:
     longest = max(args.prompt_len_max or args.prompt_len, args.prompt_len)
-    lengths = [args.prompt_len + (longest - args.prompt_len) * i // max(1, args.prompts - 1)
-               for i in range(args.prompts)]
+    lengths = [
+        args.prompt_len + (longest - args.prompt_len) * i // max(1, args.prompts - 1) for i in range(args.prompts)
+    ]
     distinct = [[1 + (i * 31 + j * 7) % 200 for j in range(n)] for i, n in enumerate(lengths)]
     return [p for p in distinct for _ in range(args.group)]
 
@@ -119,10 +129,18 @@ def worker_sglang_test(args) -> dict:
     from megatron_kl.rollout.sglang import SGLangEngine
     from megatron_kl.rollout.sglang_sync import FromDisk, FromTensor
 
-    cfg = SGLangConfig(port=server_port(), sync_dir=str(Path(args.work) / "sync"),
-                       server_module="megatron_kl.testing.sglang_server", max_concurrency=16)
-    engine = SGLangEngine(cfg, FromDisk(cfg, HFCheckpoint(args.model_dir).model_config()), args.model_dir,
-                          log_dir=Path(args.work) / "logs")
+    cfg = SGLangConfig(
+        port=server_port(),
+        sync_dir=str(Path(args.work) / "sync"),
+        server_module="megatron_kl.testing.sglang_server",
+        max_concurrency=16,
+    )
+    engine = SGLangEngine(
+        cfg,
+        FromDisk(cfg, HFCheckpoint(args.model_dir).model_config()),
+        args.model_dir,
+        log_dir=Path(args.work) / "logs",
+    )
     try:
         named = _hf_tensors(args.model_dir)
         start = time.perf_counter()
@@ -158,8 +176,12 @@ def worker_vllm(args) -> dict:
     return result
 
 
-WORKERS = {"local": worker_local, "local-forcing": worker_local_forcing, "sglang-test": worker_sglang_test,
-           "vllm": worker_vllm}
+WORKERS = {
+    "local": worker_local,
+    "local-forcing": worker_local_forcing,
+    "sglang-test": worker_sglang_test,
+    "vllm": worker_vllm,
+}
 
 
 def main(argv=None) -> int:
@@ -201,10 +223,30 @@ def main(argv=None) -> int:
                 print(f"{engine}: skipped ({python} missing: bash scripts/setup_vllm_env.sh)")
                 continue
             out = Path(tmp) / f"{engine}.json"
-            command = [python, __file__, "--worker", engine, "--model-dir", str(model_dir), "--work", tmp,
-                       "--out", str(out), "--prompts", str(args.prompts), "--prompt-len", str(args.prompt_len),
-                       "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats),
-                       "--group", str(args.group), "--dtype", args.dtype]
+            command = [
+                python,
+                __file__,
+                "--worker",
+                engine,
+                "--model-dir",
+                str(model_dir),
+                "--work",
+                tmp,
+                "--out",
+                str(out),
+                "--prompts",
+                str(args.prompts),
+                "--prompt-len",
+                str(args.prompt_len),
+                "--new-tokens",
+                str(args.new_tokens),
+                "--repeats",
+                str(args.repeats),
+                "--group",
+                str(args.group),
+                "--dtype",
+                args.dtype,
+            ]
             if args.prompt_len_max:
                 command += ["--prompt-len-max", str(args.prompt_len_max)]
             done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
@@ -214,18 +256,25 @@ def main(argv=None) -> int:
             results[engine] = json.loads(out.read_text())
     base = results.get("local")
     lengths = f"{args.prompt_len}-{args.prompt_len_max}" if args.prompt_len_max else str(args.prompt_len)
-    print(f"\n{args.prompts} prompts x {args.group} samples, {lengths} tokens -> {args.new_tokens} new tokens; model "
-          f"hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}, {args.dtype}; {os.cpu_count()} CPU cores")
-    print(f"{'engine':<12} {'generate s':>10} {'tokens/s':>9} {'vs local':>8} {'sync':<15} {'sync s':>7} "
-          f"{'vs local':>8}")
+    print(
+        f"\n{args.prompts} prompts x {args.group} samples, {lengths} tokens -> {args.new_tokens} new tokens; model "
+        f"hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}, {args.dtype}; {os.cpu_count()} CPU cores"
+    )
+    print(
+        f"{'engine':<12} {'generate s':>10} {'tokens/s':>9} {'vs local':>8} {'sync':<15} {'sync s':>7} {'vs local':>8}"
+    )
     for engine, r in results.items():
         gen_ratio = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "-"
         sync_ratio = f"{r['sync_s'] / base['sync_s']:.1f}x" if base else "-"
-        print(f"{engine:<12} {r['generate_s']:>10.2f} {r['tokens_per_s']:>9.1f} {gen_ratio:>8} {r['sync']:<15} "
-              f"{r['sync_s']:>7.3f} {sync_ratio:>8}")
+        print(
+            f"{engine:<12} {r['generate_s']:>10.2f} {r['tokens_per_s']:>9.1f} {gen_ratio:>8} {r['sync']:<15} "
+            f"{r['sync_s']:>7.3f} {sync_ratio:>8}"
+        )
         if "sync_tensor_s" in r:
-            print(f"{'':<12} {'':>10} {'':>9} {'':>8} {'from_tensor':<15} {r['sync_tensor_s']:>7.3f} "
-                  f"{(r['sync_tensor_s'] / base['sync_s']) if base else 0:>7.1f}x")
+            print(
+                f"{'':<12} {'':>10} {'':>9} {'':>8} {'from_tensor':<15} {r['sync_tensor_s']:>7.3f} "
+                f"{(r['sync_tensor_s'] / base['sync_s']) if base else 0:>7.1f}x"
+            )
         if "startup_s" in r:
             print(f"{'':<12} (engine start-up {r['startup_s']:.1f} s)")
     return 0

@@ -120,12 +120,17 @@ def model_shape(model) -> dict:
     m = model.resolved()
     q, kv = m.num_attention_heads * m.kv_channels, m.num_query_groups * m.kv_channels
     layer = m.hidden_size * (q + 2 * kv) + q * m.hidden_size + 3 * m.hidden_size * m.ffn_hidden_size
-    return {"matmul_params": m.num_layers * layer + m.hidden_size * m.vocab_size,
-            "attention_flops_per_pair": 4 * m.num_layers * q, "hidden": m.hidden_size, "ffn": m.ffn_hidden_size}
+    return {
+        "matmul_params": m.num_layers * layer + m.hidden_size * m.vocab_size,
+        "attention_flops_per_pair": 4 * m.num_layers * q,
+        "hidden": m.hidden_size,
+        "ffn": m.ffn_hidden_size,
+    }
 
 
-def step_floor(model, records: list[dict], samples: int, new_tokens: int, rate: float, bandwidth: float,
-               bytes_per_param: int = 4) -> dict:
+def step_floor(
+    model, records: list[dict], samples: int, new_tokens: int, rate: float, bandwidth: float, bytes_per_param: int = 4
+) -> dict:
     """Seconds of the unavoidable work of a median step (docstring); ``records`` give its token counts."""
     import statistics
 
@@ -136,22 +141,37 @@ def step_floor(model, records: list[dict], samples: int, new_tokens: int, rate: 
     training = (1 + 3) * forward / rate  # reference forward; policy forward + backward
     decode_flops = 2 * shape["matmul_params"] * samples * new_tokens
     decode = max(new_tokens * bytes_per_param * shape["matmul_params"] / bandwidth, decode_flops / rate)
-    return {"training": training, "decode": decode, "total": training + decode, "tokens": tokens,
-            "padded_tokens": statistics.median(r["batch/padded_tokens"] for r in records)}
+    return {
+        "training": training,
+        "decode": decode,
+        "total": training + decode,
+        "tokens": tokens,
+        "padded_tokens": statistics.median(r["batch/padded_tokens"] for r in records),
+    }
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=str(ROOT / "configs" / "cpu" / "default.yaml"))
     parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--trl-workload", choices=["tiny", "135m"],
-                        help="tools/bench_trl.py's megatron-kl workload of this shape (built in a temporary directory)")
-    parser.add_argument("--no-profile", action="store_true",
-                        help="skip the extra profiled step (GEMM time per phase)")
-    parser.add_argument("--moe", nargs=2, type=int, metavar=("EXPERTS", "TOPK"),
-                        help="compare with the mixture-of-experts twin of the same active parameters")
-    parser.add_argument("--teacher", action="store_true",
-                        help="compare with the same step distilling from a teacher of twice the student's depth")
+    parser.add_argument(
+        "--trl-workload",
+        choices=["tiny", "135m"],
+        help="tools/bench_trl.py's megatron-kl workload of this shape (built in a temporary directory)",
+    )
+    parser.add_argument("--no-profile", action="store_true", help="skip the extra profiled step (GEMM time per phase)")
+    parser.add_argument(
+        "--moe",
+        nargs=2,
+        type=int,
+        metavar=("EXPERTS", "TOPK"),
+        help="compare with the mixture-of-experts twin of the same active parameters",
+    )
+    parser.add_argument(
+        "--teacher",
+        action="store_true",
+        help="compare with the same step distilling from a teacher of twice the student's depth",
+    )
     parser.add_argument("--rounds", type=int, default=2, help="--moe / --teacher: rounds of the two (alternating)")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
@@ -180,9 +200,13 @@ def main(argv=None) -> int:
         return statistics.median(r[key] for r in records)
 
     step = median("time/step")
-    phases = {"rollout": median("time/rollout_wait"), "reference": median("time/reference"),
-              "old_logprobs": median("time/old_logprobs"), "update": median("time/update"),
-              "weight_sync": median("time/weight_sync")}
+    phases = {
+        "rollout": median("time/rollout_wait"),
+        "reference": median("time/reference"),
+        "old_logprobs": median("time/old_logprobs"),
+        "update": median("time/update"),
+        "weight_sync": median("time/weight_sync"),
+    }
     overhead = statistics.median(
         r["time/step"] - r["time/rollout_wait"] - r["time/reference"] - r["time/old_logprobs"] - r["time/update"]
         for r in records
@@ -196,15 +220,26 @@ def main(argv=None) -> int:
     shape = model_shape(cfg.model)
     dtype = cfg.model.params_dtype
     rate, bandwidth = best_rates(int(median("batch/tokens")), shape["hidden"], shape["ffn"], dtype)
-    floor = step_floor(cfg.model, records, cfg.train.prompts_per_step * cfg.train.group_size,
-                       cfg.rollout.sampling.max_new_tokens, rate, bandwidth, 4 if dtype == "float32" else 2)
-    print(f"floor: {dtype} GEMM {rate / 1e9:.1f} GFLOP/s, memory {bandwidth / 1e9:.1f} GB/s, "
-          f"{floor['tokens']:.0f} real tokens ({floor['padded_tokens']:.0f} padded) per step")
+    floor = step_floor(
+        cfg.model,
+        records,
+        cfg.train.prompts_per_step * cfg.train.group_size,
+        cfg.rollout.sampling.max_new_tokens,
+        rate,
+        bandwidth,
+        4 if dtype == "float32" else 2,
+    )
+    print(
+        f"floor: {dtype} GEMM {rate / 1e9:.1f} GFLOP/s, memory {bandwidth / 1e9:.1f} GB/s, "
+        f"{floor['tokens']:.0f} real tokens ({floor['padded_tokens']:.0f} padded) per step"
+    )
     print(f"{'floor train':<16}{floor['training']:>10.4f}   reference fwd + policy fwd/bwd, real tokens")
     print(f"{'floor decode':<16}{floor['decode']:>10.4f}   weights read once per new-token position")
-    print(f"{'floor':<16}{floor['total']:>10.4f}   step = {step / floor['total']:.2f}x the floor "
-          f"(update = {phases['update'] / (0.75 * floor['training']):.2f}x its part, rollout = "
-          f"{phases['rollout'] / floor['decode']:.2f}x)")
+    print(
+        f"{'floor':<16}{floor['total']:>10.4f}   step = {step / floor['total']:.2f}x the floor "
+        f"(update = {phases['update'] / (0.75 * floor['training']):.2f}x its part, rollout = "
+        f"{phases['rollout'] / floor['decode']:.2f}x)"
+    )
     if summary is not None:
         print_gemm_split(summary, floor["total"])
     return 0 if overhead / step < 0.10 else 1
@@ -229,10 +264,19 @@ def _run(config: str, overrides: list[str], steps: int, profiled: Optional[int] 
     from megatron_kl.train.metrics import read_metrics
 
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = load_train_config(config, [
-            f"train.steps={steps + (profiled is not None)}", f"train.output_dir={tmp}/run", "eval.interval=0",
-            "checkpoint.interval=0", "logging.progress=false", "logging.tensorboard=false",
-            *([f"logging.profile_steps=[{profiled}]"] if profiled is not None else []), *overrides])
+        cfg = load_train_config(
+            config,
+            [
+                f"train.steps={steps + (profiled is not None)}",
+                f"train.output_dir={tmp}/run",
+                "eval.interval=0",
+                "checkpoint.interval=0",
+                "logging.progress=false",
+                "logging.tensorboard=false",
+                *([f"logging.profile_steps=[{profiled}]"] if profiled is not None else []),
+                *overrides,
+            ],
+        )
         single_process_env()
         try:
             train(cfg)
@@ -240,8 +284,11 @@ def _run(config: str, overrides: list[str], steps: int, profiled: Optional[int] 
             parallel.destroy()
         records = [r for r in read_metrics(Path(tmp) / "run" / "metrics.jsonl") if "time/step" in r]
         records = [r for r in records if r["step"] != profiled][1:]
-        summary = (json.loads((Path(tmp) / "run" / "profile" / f"step_{profiled}.rank0.summary.json").read_text())
-                   if profiled is not None else None)
+        summary = (
+            json.loads((Path(tmp) / "run" / "profile" / f"step_{profiled}.rank0.summary.json").read_text())
+            if profiled is not None
+            else None
+        )
     return cfg, records, summary
 
 
@@ -253,16 +300,21 @@ def compare_moe(args) -> int:
     model = load_train_config(args.config, list(args.overrides)).model
     if model.ffn_hidden_size % topk:
         raise SystemExit(f"--moe: model.ffn_hidden_size={model.ffn_hidden_size} is not divisible by top-k {topk}")
-    twin = [f"model.moe.num_experts={experts}", f"model.moe.router_topk={topk}",
-            f"model.moe.ffn_hidden_size={model.ffn_hidden_size // topk}"]
+    twin = [
+        f"model.moe.num_experts={experts}",
+        f"model.moe.router_topk={topk}",
+        f"model.moe.ffn_hidden_size={model.ffn_hidden_size // topk}",
+    ]
     keys = ("time/step", "time/rollout_wait", "time/reference", "time/old_logprobs", "time/update")
     medians = {"dense": [], "moe": []}
     for _ in range(args.rounds):
         for name, extra in (("dense", []), ("moe", twin)):
             records = _run(args.config, [*args.overrides, *extra], args.steps)[1]
             medians[name].append({k: statistics.median(r[k] for r in records) for k in keys})
-    print(f"config {args.config} {' '.join(args.overrides)}; MoE twin: {' '.join(twin)}; {args.rounds} rounds x "
-          f"{args.steps} steps (first excluded), alternating")
+    print(
+        f"config {args.config} {' '.join(args.overrides)}; MoE twin: {' '.join(twin)}; {args.rounds} rounds x "
+        f"{args.steps} steps (first excluded), alternating"
+    )
     print(f"{'phase':<16}{'dense s':>10}{'MoE s':>10}{'min x':>9}{'median x':>10}")
     for key in keys:
         ratios = [m[key] / d[key] for d, m in zip(medians["dense"], medians["moe"])]
@@ -280,20 +332,29 @@ def compare_teacher(args) -> int:
     model = load_train_config(args.config, list(args.overrides)).model
     teacher = {**to_dict(model), "num_layers": 2 * model.num_layers}
     with tempfile.TemporaryDirectory() as cache:
-        distill = ["distill.enabled=true", "kl.estimator=k3", "distill.teacher.source=warm_start",
-                   "distill.teacher.warm_start_steps=1", f"warm_start.cache_dir={cache}",
-                   *(f"distill.teacher.model.{k}={v}" for k, v in teacher.items()
-                     if not isinstance(v, dict) and v is not None)]
-        keys = ("time/step", "time/rollout_wait", "time/reference", "time/teacher", "time/old_logprobs",
-                "time/update")
+        distill = [
+            "distill.enabled=true",
+            "kl.estimator=k3",
+            "distill.teacher.source=warm_start",
+            "distill.teacher.warm_start_steps=1",
+            f"warm_start.cache_dir={cache}",
+            *(
+                f"distill.teacher.model.{k}={v}"
+                for k, v in teacher.items()
+                if not isinstance(v, dict) and v is not None
+            ),
+        ]
+        keys = ("time/step", "time/rollout_wait", "time/reference", "time/teacher", "time/old_logprobs", "time/update")
         medians = {"reference": [], "teacher": []}
         for _ in range(args.rounds):
             for name, extra in (("reference", []), ("teacher", distill)):
                 records = _run(args.config, [*args.overrides, *extra], args.steps)[1]
                 medians[name].append({k: statistics.median(r.get(k, 0.0) for r in records) for k in keys})
-    print(f"config {args.config} {' '.join(args.overrides)}; teacher: {teacher['num_layers']} layers x hidden "
-          f"{teacher['hidden_size']} (student {model.num_layers} x {model.hidden_size}), distill.kl defaults, kl.estimator"
-          f"=k3; {args.rounds} rounds x {args.steps} steps (first excluded), alternating")
+    print(
+        f"config {args.config} {' '.join(args.overrides)}; teacher: {teacher['num_layers']} layers x hidden "
+        f"{teacher['hidden_size']} (student {model.num_layers} x {model.hidden_size}), distill.kl defaults, kl.estimator"
+        f"=k3; {args.rounds} rounds x {args.steps} steps (first excluded), alternating"
+    )
     print(f"{'phase':<16}{'reference s':>12}{'teacher s':>11}{'min x':>9}{'median x':>10}")
     for key in keys:
         ratios = [t[key] / r[key] for r, t in zip(medians["reference"], medians["teacher"]) if r[key] > 0]

@@ -46,10 +46,22 @@ ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 49152
 PROMPTS, SAMPLES, PROMPT_WORDS, BETA = 8, 4, 24, 0.04
 SHAPES = {
-    "tiny": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, head_dim=32,
-                 intermediate_size=256),
-    "135m": dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
-                 intermediate_size=1536),
+    "tiny": dict(
+        hidden_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=32,
+        intermediate_size=256,
+    ),
+    "135m": dict(
+        hidden_size=576,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        intermediate_size=1536,
+    ),
 }
 
 
@@ -86,8 +98,16 @@ def build_workload(work: Path, shapes: list[str]) -> None:
                 handle.write(json.dumps({"problem": words, "answer": "7"}) + "\n")
     for shape in shapes:
         torch.manual_seed(0)
-        config = LlamaConfig(vocab_size=VOCAB, tie_word_embeddings=True, max_position_embeddings=256,
-                             rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=1, pad_token_id=0, **SHAPES[shape])
+        config = LlamaConfig(
+            vocab_size=VOCAB,
+            tie_word_embeddings=True,
+            max_position_embeddings=256,
+            rms_norm_eps=1e-5,
+            bos_token_id=1,
+            eos_token_id=1,
+            pad_token_id=0,
+            **SHAPES[shape],
+        )
         LlamaForCausalLM(config).save_pretrained(work / f"model-{shape}")
 
 
@@ -127,18 +147,43 @@ def run_trl(work: Path, shape: str, steps: int, new_tokens: int, precision: str)
 
         def on_step_end(self, args, state, control, **kwargs):
             step = time.perf_counter() - current["start"]
-            records.append({"step": step, "generation": current["generation"],
-                            "scoring": current["generate_and_score"] - current["generation"],
-                            "update": step - current["generate_and_score"], "tokens": current["tokens"]})
+            records.append(
+                {
+                    "step": step,
+                    "generation": current["generation"],
+                    "scoring": current["generate_and_score"] - current["generation"],
+                    "update": step - current["generate_and_score"],
+                    "tokens": current["tokens"],
+                }
+            )
 
     config = GRPOConfig(
-        output_dir=str(work / f"trl-{shape}"), per_device_train_batch_size=PROMPTS * SAMPLES, num_generations=SAMPLES,
-        max_completion_length=new_tokens, beta=BETA, learning_rate=1e-6, max_steps=steps, num_iterations=1,
-        temperature=1.0, use_cpu=True, bf16=precision == "bf16", report_to=[], save_strategy="no", logging_steps=1,
-        dataloader_num_workers=0, seed=1, disable_tqdm=True)
-    trainer = Timed(model=str(work / f"model-{shape}"), reward_funcs=lambda completions, **_: [0.0] * len(completions),
-                    args=config, train_dataset=dataset,
-                    processing_class=AutoTokenizer.from_pretrained(work / "tokenizer"), callbacks=[StepTimes()])
+        output_dir=str(work / f"trl-{shape}"),
+        per_device_train_batch_size=PROMPTS * SAMPLES,
+        num_generations=SAMPLES,
+        max_completion_length=new_tokens,
+        beta=BETA,
+        learning_rate=1e-6,
+        max_steps=steps,
+        num_iterations=1,
+        temperature=1.0,
+        use_cpu=True,
+        bf16=precision == "bf16",
+        report_to=[],
+        save_strategy="no",
+        logging_steps=1,
+        dataloader_num_workers=0,
+        seed=1,
+        disable_tqdm=True,
+    )
+    trainer = Timed(
+        model=str(work / f"model-{shape}"),
+        reward_funcs=lambda completions, **_: [0.0] * len(completions),
+        args=config,
+        train_dataset=dataset,
+        processing_class=AutoTokenizer.from_pretrained(work / "tokenizer"),
+        callbacks=[StepTimes()],
+    )
     trainer.train()
     return {"records": records, "peak_rss_gib": peak_rss_gib()}
 
@@ -154,14 +199,30 @@ def megatron_kl_config(work: Path, shape: str, new_tokens: int) -> tuple[Path, l
     config = work / "megatron-kl.yaml"
     config.write_text(yaml.safe_dump(base))
     return config, [
-        f"init.hf_checkpoint={work / f'model-{shape}'}", "warm_start.enabled=false",
-        "task.name=math", f"task.math.train_files=[{work / 'train.jsonl'}]",
-        f"task.math.eval_files=[{work / 'eval.jsonl'}]", f"task.math.tokenizer={work / 'tokenizer'}",
-        "task.math.instruction=", f"rollout.sampling.max_new_tokens={new_tokens}", "rollout.sampling.temperature=1.0",
-        f"train.prompts_per_step={PROMPTS}", f"train.group_size={SAMPLES}", "algo.minibatches=1", "algo.ppo_epochs=1",
+        f"init.hf_checkpoint={work / f'model-{shape}'}",
+        "warm_start.enabled=false",
+        "task.name=math",
+        f"task.math.train_files=[{work / 'train.jsonl'}]",
+        f"task.math.eval_files=[{work / 'eval.jsonl'}]",
+        f"task.math.tokenizer={work / 'tokenizer'}",
+        "task.math.instruction=",
+        f"rollout.sampling.max_new_tokens={new_tokens}",
+        "rollout.sampling.temperature=1.0",
+        f"train.prompts_per_step={PROMPTS}",
+        f"train.group_size={SAMPLES}",
+        "algo.minibatches=1",
+        "algo.ppo_epochs=1",
         "algo.old_logprobs=from_update",
-        "kl.estimator=k3", "kl.placement=loss", "kl.level=token", f"kl.coef={BETA}", "kl.target=token_forward",
-        "optim.lr=1.0e-6", "eval.interval=0", "eval.k=1", "checkpoint.interval=0", "logging.progress=false",
+        "kl.estimator=k3",
+        "kl.placement=loss",
+        "kl.level=token",
+        f"kl.coef={BETA}",
+        "kl.target=token_forward",
+        "optim.lr=1.0e-6",
+        "eval.interval=0",
+        "eval.k=1",
+        "checkpoint.interval=0",
+        "logging.progress=false",
         "logging.tensorboard=false",
     ]
 
@@ -202,9 +263,15 @@ def run_megatron_kl(work: Path, shape: str, steps: int, new_tokens: int, extra: 
         if "time/step" not in r:
             continue
         step = r["time/step"] - r.get("time/eval", 0.0)
-        records.append({"step": step, "generation": r["time/rollout_wait"],
-                        "scoring": r["time/reference"] + r["time/old_logprobs"], "update": r["time/update"],
-                        "tokens": int(r["throughput/response_tokens"])})
+        records.append(
+            {
+                "step": step,
+                "generation": r["time/rollout_wait"],
+                "scoring": r["time/reference"] + r["time/old_logprobs"],
+                "update": r["time/update"],
+                "tokens": int(r["throughput/response_tokens"]),
+            }
+        )
     return {"records": records, "peak_rss_gib": peak.get("gib", peak_rss_gib())}
 
 
@@ -217,9 +284,23 @@ PARAMS_DTYPE = {"fp32": "float32", "bf16": "bfloat16"}
 def child(system: str, work: Path, shape: str, steps: int, new_tokens: int, precision: str, extra: list[str]) -> dict:
     if system != "trl":
         extra = [f"model.params_dtype={PARAMS_DTYPE[precision]}", *extra]
-    cmd = [sys.executable, __file__, "--child", "trl" if system == "trl" else "megatron-kl", "--work", str(work),
-           "--shapes", shape, "--steps", str(steps), "--max-new-tokens", str(new_tokens), "--precision", precision,
-           *(f"--override={o}" for o in extra)]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--child",
+        "trl" if system == "trl" else "megatron-kl",
+        "--work",
+        str(work),
+        "--shapes",
+        shape,
+        "--steps",
+        str(steps),
+        "--max-new-tokens",
+        str(new_tokens),
+        "--precision",
+        precision,
+        *(f"--override={o}" for o in extra),
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"{system} {shape} failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
@@ -230,8 +311,13 @@ def summarize(runs: list[dict]) -> dict:
     measured = [r for run in runs for r in run["records"][1:]]  # the first step of each child is warm-up
     median = {k: statistics.median(r[k] for r in measured) for k in ("step", "generation", "scoring", "update")}
     rates = [r["tokens"] / r["step"] for r in measured]
-    return {**median, "tokens_per_s": statistics.median(rates), "tokens_per_s_max": max(rates),
-            "peak_rss_gib": max(run["peak_rss_gib"] for run in runs), "steps": len(measured)}
+    return {
+        **median,
+        "tokens_per_s": statistics.median(rates),
+        "tokens_per_s_max": max(rates),
+        "peak_rss_gib": max(run["peak_rss_gib"] for run in runs),
+        "steps": len(measured),
+    }
 
 
 def main(argv=None) -> int:
@@ -240,10 +326,12 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=6, help="steps per child (the first is warm-up)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--max-new-tokens", type=int, default=32)
-    parser.add_argument("--variant", action="append", default=None,
-                        help="a megatron-kl variant NAME=override,override (repeatable)")
-    parser.add_argument("--precision", default="fp32",
-                        help=f"comma-separated, of {sorted(PARAMS_DTYPE)}: one table each (default fp32)")
+    parser.add_argument(
+        "--variant", action="append", default=None, help="a megatron-kl variant NAME=override,override (repeatable)"
+    )
+    parser.add_argument(
+        "--precision", default="fp32", help=f"comma-separated, of {sorted(PARAMS_DTYPE)}: one table each (default fp32)"
+    )
     parser.add_argument("--child", choices=["trl", "megatron-kl"], help=argparse.SUPPRESS)
     parser.add_argument("--work", help=argparse.SUPPRESS)
     parser.add_argument("--override", action="append", default=[], help=argparse.SUPPRESS)
@@ -256,8 +344,11 @@ def main(argv=None) -> int:
             result = run_megatron_kl(Path(args.work), shapes[0], args.steps, args.max_new_tokens, args.override)
         print(json.dumps(result))
         return 0
-    variants = {"megatron-kl": [], "megatron-kl+tokens456": ["train.micro_batch_tokens=456"],
-                "megatron-kl+recompute": ["model.recompute=full"]}
+    variants = {
+        "megatron-kl": [],
+        "megatron-kl+tokens456": ["train.micro_batch_tokens=456"],
+        "megatron-kl+recompute": ["model.recompute=full"],
+    }
     if args.variant:
         variants = {}
         for spec in args.variant:
@@ -279,34 +370,55 @@ def main(argv=None) -> int:
             for shape in shapes:
                 for precision in precisions:
                     for system in order:
-                        results[(precision, shape, system)].append(child(
-                            system, work, shape, args.steps, args.max_new_tokens, precision, variants.get(system, [])))
-    print(f"{PROMPTS} prompts x {SAMPLES} samples x {args.max_new_tokens} new tokens per step, k3 KL in the loss "
-          f"(coef {BETA}), 1 optimizer step per batch, {os.cpu_count()} CPU cores; {args.rounds} interleaved "
-          f"rounds x {args.steps} steps per child (first step of each child excluded); medians")
+                        results[(precision, shape, system)].append(
+                            child(
+                                system,
+                                work,
+                                shape,
+                                args.steps,
+                                args.max_new_tokens,
+                                precision,
+                                variants.get(system, []),
+                            )
+                        )
+    print(
+        f"{PROMPTS} prompts x {SAMPLES} samples x {args.max_new_tokens} new tokens per step, k3 KL in the loss "
+        f"(coef {BETA}), 1 optimizer step per batch, {os.cpu_count()} CPU cores; {args.rounds} interleaved "
+        f"rounds x {args.steps} steps per child (first step of each child excluded); medians"
+    )
     for precision in precisions:
         print(f"\n{precision}:")
-        table(shapes, systems, variants, {(s, system): results[(precision, s, system)]
-                                          for s in shapes for system in systems})
+        table(
+            shapes,
+            systems,
+            variants,
+            {(s, system): results[(precision, s, system)] for s in shapes for system in systems},
+        )
     return 0
 
 
 def table(shapes: list[str], systems: list[str], variants: dict, results: dict) -> None:
-    header = (f"{'shape':<6}{'system':<23}{'tokens/s':>9}{'(max)':>8}{'step s':>8}{'gen s':>8}{'score s':>8}"
-              f"{'update s':>9}{'peak RSS GiB':>13}")
+    header = (
+        f"{'shape':<6}{'system':<23}{'tokens/s':>9}{'(max)':>8}{'step s':>8}{'gen s':>8}{'score s':>8}"
+        f"{'update s':>9}{'peak RSS GiB':>13}"
+    )
     print(header)
     for shape in shapes:
         summary = {system: summarize(results[(shape, system)]) for system in systems}
         for system, s in summary.items():
-            print(f"{shape:<6}{system:<23}{s['tokens_per_s']:>9.1f}{s['tokens_per_s_max']:>8.1f}{s['step']:>8.2f}"
-                  f"{s['generation']:>8.2f}{s['scoring']:>8.2f}{s['update']:>9.2f}{s['peak_rss_gib']:>13.2f}")
+            print(
+                f"{shape:<6}{system:<23}{s['tokens_per_s']:>9.1f}{s['tokens_per_s_max']:>8.1f}{s['step']:>8.2f}"
+                f"{s['generation']:>8.2f}{s['scoring']:>8.2f}{s['update']:>9.2f}{s['peak_rss_gib']:>13.2f}"
+            )
         trl = summary["trl"]
         for name in variants:
             mk = summary[name]
-            print(f"{shape:<6}{'ratio ' + name:<23}{mk['tokens_per_s'] / trl['tokens_per_s']:>8.2f}x{'':>8}"
-                  f"{mk['step'] / trl['step']:>7.2f}x{mk['generation'] / trl['generation']:>7.2f}x"
-                  f"{mk['scoring'] / trl['scoring']:>7.2f}x{mk['update'] / trl['update']:>8.2f}x"
-                  f"{mk['peak_rss_gib'] / trl['peak_rss_gib']:>12.2f}x   (/ TRL)")
+            print(
+                f"{shape:<6}{'ratio ' + name:<23}{mk['tokens_per_s'] / trl['tokens_per_s']:>8.2f}x{'':>8}"
+                f"{mk['step'] / trl['step']:>7.2f}x{mk['generation'] / trl['generation']:>7.2f}x"
+                f"{mk['scoring'] / trl['scoring']:>7.2f}x{mk['update'] / trl['update']:>8.2f}x"
+                f"{mk['peak_rss_gib'] / trl['peak_rss_gib']:>12.2f}x   (/ TRL)"
+            )
 
 
 if __name__ == "__main__":

@@ -41,185 +41,33 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # the package and tools.bench_gpu_paths
+sys.path.insert(0, str(ROOT))  # the package and tools.bench_cpu_paths / bench_gpu_paths
 
-TEMPERATURE = 1.0
-LOGITS_IMPLS = ("megatron_core_logprobs", "logprobs", "logprobs_no_inplace", "logprobs_entropy", "exact_kl",
-                "naive_logprobs", "naive_logprobs_entropy", "naive_exact_kl")
+from tools.bench_cpu_paths import (  # noqa: E402 - after the path
+    TRUNCATIONS,
+    linear_paths_cpu,
+    logits_paths_cpu,
+    truncation_linear_paths,
+    truncation_paths,
+)
+
+LOGITS_IMPLS = (
+    "megatron_core_logprobs",
+    "logprobs",
+    "logprobs_no_inplace",
+    "logprobs_entropy",
+    "exact_kl",
+    "naive_logprobs",
+    "naive_logprobs_entropy",
+    "naive_exact_kl",
+)
 LINEAR_IMPLS = ("naive", "unfused", "fused_linear", "fused_single_pass")
-TRUNCATIONS = {"full_stats": None, "top_k50_top_p0.95": (50, 0.95), "top_p0.9": (0, 0.9), "top_k20": (20, 1.0)}
 LOGIT_SCALES = (2.0, 6.0)
 
 
 def _rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * resource.getpagesize()
-
-
-def _logits_inputs(tokens: int, vocab: int, world: int, rank: int, scale: float = 2.0, device: str = "cpu"):
-    import torch
-
-    g = torch.Generator().manual_seed(0)
-    logits = scale * torch.randn(tokens, vocab, generator=g)
-    reference = logits + 0.05 * torch.randn(tokens, vocab, generator=g)
-    targets = torch.randint(0, vocab, (tokens,), generator=g)
-    local = vocab // world
-    sl = slice(rank * local, (rank + 1) * local)
-    return (logits[:, sl].contiguous().to(device), reference[:, sl].contiguous().to(device), targets.to(device))
-
-
-def _truncation_paths(tokens: int, vocab: int, chunk, group, world: int, rank: int, scale: float,
-                      device: str = "cpu") -> dict:
-    """name -> prepare() for log-prob + entropy + exact KL, full and truncated (``TRUNCATIONS``), in place."""
-    from megatron_kl.vocab_parallel.stats import fused_stats
-    from megatron_kl.vocab_parallel.truncation import Truncation
-
-    logits, reference, targets = _logits_inputs(tokens, vocab, world, rank, scale, device)
-
-    def prepare(rule):
-        x = logits.clone().requires_grad_(True)
-
-        def run():
-            stats = fused_stats(x, group, targets=targets, reference_logits=reference, chunk_size=chunk,
-                                inplace_backward=True, truncation=None if rule is None else Truncation(*rule))
-            (stats.logprobs.sum() + stats.entropy.sum() + stats.kl.sum()).backward()
-        return run
-
-    return {name: (lambda rule=rule: prepare(rule)) for name, rule in TRUNCATIONS.items()}
-
-
-def _truncation_linear_paths(tokens: int, vocab: int, hidden_size: int, scale: float, chunk) -> dict:
-    """name -> prepare() for the fused-linear path (hidden + output weight in, grads w.r.t. both), full and
-    truncated (``TRUNCATIONS``), logits ~ ``scale`` x N(0, 1) as in ``_truncation_paths``."""
-    import torch
-
-    from megatron_kl.vocab_parallel.fused_linear import fused_linear_stats
-    from megatron_kl.vocab_parallel.truncation import Truncation
-
-    g = torch.Generator().manual_seed(0)
-    hidden = torch.randn(tokens, hidden_size, generator=g)
-    weight = scale * torch.randn(vocab, hidden_size, generator=g) / hidden_size ** 0.5
-    reference_weight = weight + 0.05 * torch.randn(vocab, hidden_size, generator=g) / hidden_size ** 0.5
-    targets = torch.randint(0, vocab, (tokens,), generator=g)
-
-    def prepare(rule):
-        def run():
-            h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
-            stats = fused_linear_stats(h, w, None, targets=targets, reference_hidden=hidden,
-                                       reference_weight=reference_weight, temperature=TEMPERATURE, chunk_size=chunk,
-                                       truncation=None if rule is None else Truncation(*rule))
-            torch.autograd.grad(stats.logprobs.sum() + stats.entropy.sum() + stats.kl.sum(), (h, w))
-        return run
-
-    return {name: (lambda rule=rule: prepare(rule)) for name, rule in TRUNCATIONS.items()}
-
-
-def _logits_paths(tokens: int, vocab: int, chunk, group, world: int, rank: int, device: str = "cpu") -> dict:
-    """name -> prepare(); prepare() makes the fresh input copy and returns the timed fwd+bwd closure."""
-    import torch
-
-    from megatron_kl.vocab_parallel.stats import fused_stats
-
-    logits, reference, targets = _logits_inputs(tokens, vocab, world, rank, device=device)
-
-    def megatron_core():
-        from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
-
-        x = logits.clone().requires_grad_(True)
-        return lambda: (-vocab_parallel_cross_entropy(x, targets)).sum().backward()
-
-    def ours(entropy=False, kl=False, inplace=True, lp=True):
-        x = logits.clone().requires_grad_(True)
-
-        def run():
-            stats = fused_stats(x, group, targets=targets if lp else None, reference_logits=reference if kl else None,
-                                temperature=TEMPERATURE, chunk_size=chunk, inplace_backward=inplace, entropy=entropy)
-            loss = sum(v.sum() for v in (stats.logprobs, stats.entropy, stats.kl) if v is not None)
-            loss.backward()
-        return run
-
-    def naive(entropy=False, kl=False, lp=True):
-        x = logits.clone().requires_grad_(True)
-
-        def run():
-            logp = torch.log_softmax(x / TEMPERATURE, -1)
-            loss = logp.gather(-1, targets[:, None]).sum() if lp else 0.0
-            if entropy:
-                loss = loss - (logp.exp() * logp).sum()
-            if kl:
-                logq = torch.log_softmax(reference / TEMPERATURE, -1)
-                loss = loss + (logp.exp() * (logp - logq)).sum()
-            loss.backward()
-        return run
-
-    paths = {
-        "megatron_core_logprobs": megatron_core,
-        "logprobs": lambda: ours(),
-        "logprobs_no_inplace": lambda: ours(inplace=False),
-        "logprobs_entropy": lambda: ours(entropy=True),
-        "exact_kl": lambda: ours(kl=True, lp=False),
-    }
-    if world == 1:
-        paths.update({"naive_logprobs": lambda: naive(), "naive_logprobs_entropy": lambda: naive(entropy=True),
-                      "naive_exact_kl": lambda: naive(kl=True, lp=False)})
-    return paths
-
-
-def _linear_paths(tokens: int, vocab: int, hidden_size: int, chunk, device: str = "cpu") -> dict:
-    import torch
-
-    from megatron_kl.vocab_parallel.fused_linear import fused_linear_grads, fused_linear_stats, linear_chunk_rows
-    from megatron_kl.vocab_parallel.stats import fused_stats
-
-    g = torch.Generator().manual_seed(0)
-    hidden = torch.randn(tokens, hidden_size, generator=g)
-    weight = (torch.randn(vocab, hidden_size, generator=g) / hidden_size ** 0.5).requires_grad_(True)
-    reference_hidden = torch.randn(tokens, hidden_size, generator=g)
-    reference_weight = torch.randn(vocab, hidden_size, generator=g) / hidden_size ** 0.5
-    targets = torch.randint(0, vocab, (tokens,), generator=g)
-    hidden, reference_hidden, reference_weight, targets = (
-        t.to(device) for t in (hidden, reference_hidden, reference_weight, targets))
-    weight = weight.detach().to(device).requires_grad_(True)
-
-    def loss_of(stats):
-        return stats.logprobs.sum() + stats.entropy.sum() + stats.kl.sum()
-
-    def naive():
-        h = hidden.clone().requires_grad_(True)
-        logp = torch.log_softmax(h @ weight.t() / TEMPERATURE, -1)
-        with torch.no_grad():
-            logq = torch.log_softmax(reference_hidden @ reference_weight.t() / TEMPERATURE, -1)
-        p = logp.exp()
-        loss = logp.gather(-1, targets[:, None]).sum() - (p * logp).sum() + (p * (logp - logq)).sum()
-        return torch.autograd.grad(loss, (h, weight))
-
-    def unfused():
-        h = hidden.clone().requires_grad_(True)
-        logits = h @ weight.t()
-        with torch.no_grad():
-            reference_logits = reference_hidden @ reference_weight.t()
-        stats = fused_stats(logits, None, targets=targets, reference_logits=reference_logits,
-                            temperature=TEMPERATURE, inplace_backward=True)
-        del reference_logits
-        return torch.autograd.grad(loss_of(stats), (h, weight))
-
-    def fused():
-        h = hidden.clone().requires_grad_(True)
-        stats = fused_linear_stats(h, weight, None, targets=targets, reference_hidden=reference_hidden,
-                                   reference_weight=reference_weight, temperature=TEMPERATURE, chunk_size=chunk)
-        return torch.autograd.grad(loss_of(stats), (h, weight))
-
-    def single_pass():  # model.fused_grad=in_forward: the loss is row-separable, dL/d(stats) = 1 per row
-        ones = torch.ones(tokens, device=device)
-        _, grad_hidden, grad_weight = fused_linear_grads(
-            hidden, weight.detach(), reference_hidden, reference_weight, targets, None, TEMPERATURE, None,
-            chunk or linear_chunk_rows(vocab, single_pass=True),
-            lambda out, lo, hi: (ones[lo:hi], ones[lo:hi], ones[lo:hi]))
-        return grad_hidden, grad_weight
-
-    # prepare() -> run: inputs are shared (nothing is overwritten), the clone happens inside the timed run
-    return {"naive": lambda: naive, "unfused": lambda: unfused, "fused_linear": lambda: fused,
-            "fused_single_pass": lambda: single_pass}
 
 
 def _interleaved(paths: dict, repeats: int, group=None) -> dict:
@@ -259,16 +107,26 @@ def _tp_worker(rank: int, world: int, tokens: int, vocab: int, repeats: int, chu
     group = parallel_state.get_tensor_model_parallel_group()
     try:
         if scale is not None:
-            return _interleaved(_truncation_paths(tokens, vocab, chunk, group, world, rank, scale), repeats, group)
-        return _interleaved(_logits_paths(tokens, vocab, chunk, group, world, rank), repeats, group)
+            return _interleaved(truncation_paths(tokens, vocab, chunk, group, world, rank, scale), repeats, group)
+        return _interleaved(logits_paths_cpu(tokens, vocab, chunk, group, world, rank), repeats, group)
     finally:
         parallel_state.destroy_model_parallel()
         dist.barrier()
 
 
 def _child_memory(section: str, impl: str, size: str, hidden: int, chunk: int) -> dict:
-    cmd = [sys.executable, __file__, "--child", f"{section}:{impl}", "--sizes", size, "--hidden", str(hidden),
-           "--chunk", str(chunk)]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--child",
+        f"{section}:{impl}",
+        "--sizes",
+        size,
+        "--hidden",
+        str(hidden),
+        "--chunk",
+        str(chunk),
+    ]
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
     out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env)
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -293,11 +151,11 @@ def _measure_memory(section: str, impl: str, size: str, hidden: int, chunk) -> d
         parallel_state.initialize_model_parallel(1)
         group = parallel_state.get_tensor_model_parallel_group()
         if section == "logits":
-            paths = _logits_paths(tokens, vocab, chunk, group, 1, 0)
+            paths = logits_paths_cpu(tokens, vocab, chunk, group, 1, 0)
         else:  # truncation@<scale>
-            paths = _truncation_paths(tokens, vocab, chunk, group, 1, 0, float(section.split("@")[1]))
+            paths = truncation_paths(tokens, vocab, chunk, group, 1, 0, float(section.split("@")[1]))
     else:
-        paths = _linear_paths(tokens, vocab, hidden, chunk)
+        paths = linear_paths_cpu(tokens, vocab, hidden, chunk)
     prepare = paths[impl]
     prepare()()  # warm-up
     run = prepare()  # the fresh input copy is made here, before the baseline
@@ -309,8 +167,10 @@ def _measure_memory(section: str, impl: str, size: str, hidden: int, chunk) -> d
 
 def _row(name: str, times: list, base: list, memory=None, unit_bytes=None) -> str:
     mem = "" if memory is None else f" {memory / 2**20:10.1f} {memory / unit_bytes:8.2f}"
-    return (f"{name:>26s} {min(times):8.3f} {statistics.median(times):8.3f} "
-            f"{min(times) / min(base):9.2f} {statistics.median(times) / statistics.median(base):9.2f}{mem}")
+    return (
+        f"{name:>26s} {min(times):8.3f} {statistics.median(times):8.3f} "
+        f"{min(times) / min(base):9.2f} {statistics.median(times) / statistics.median(base):9.2f}{mem}"
+    )
 
 
 def run_logits(args) -> None:
@@ -319,17 +179,31 @@ def run_logits(args) -> None:
     for size in args.sizes.split(","):
         tokens, vocab = map(int, size.split("x"))
         unit = tokens * vocab * 4
-        memory = {impl: _child_memory("logits", impl, size, args.hidden, args.chunk)["peak_extra_bytes"]
-                  for impl in LOGITS_IMPLS}
+        memory = {
+            impl: _child_memory("logits", impl, size, args.hidden, args.chunk)["peak_extra_bytes"]
+            for impl in LOGITS_IMPLS
+        }
         for world in (1, 2):
-            per_rank = run_ranks(_tp_worker, world, tokens, vocab, args.repeats, args.chunk or None,
-                                 timeout_s=3600, threads_per_rank=max(1, (os.cpu_count() or 2) // world))
+            per_rank = run_ranks(
+                _tp_worker,
+                world,
+                tokens,
+                vocab,
+                args.repeats,
+                args.chunk or None,
+                timeout_s=3600,
+                threads_per_rank=max(1, (os.cpu_count() or 2) // world),
+            )
             times = per_rank[0]
             base = times["megatron_core_logprobs"]
-            print(f"\nlogits in, fp32, fwd+bwd, TP={world} ({size}, {args.repeats} rounds; ratios vs "
-                  f"megatron-core vocab_parallel_cross_entropy; memory at TP=1 in fp32-logits units)")
-            print(f"{'impl':>26s} {'min s':>8s} {'median s':>8s} {'min x':>9s} {'median x':>9s}"
-                  + (f" {'peak MiB':>10s} {'x logits':>8s}" if world == 1 else ""))
+            print(
+                f"\nlogits in, fp32, fwd+bwd, TP={world} ({size}, {args.repeats} rounds; ratios vs "
+                f"megatron-core vocab_parallel_cross_entropy; memory at TP=1 in fp32-logits units)"
+            )
+            print(
+                f"{'impl':>26s} {'min s':>8s} {'median s':>8s} {'min x':>9s} {'median x':>9s}"
+                + (f" {'peak MiB':>10s} {'x logits':>8s}" if world == 1 else "")
+            )
             for name, values in times.items():
                 print(_row(name, values, base, memory[name] if world == 1 else None, unit))
 
@@ -341,23 +215,41 @@ def run_truncation(args) -> None:
         tokens, vocab = map(int, size.split("x"))
         unit = tokens * vocab * 4
         for scale in LOGIT_SCALES:
-            memory = {impl: _child_memory(f"truncation@{scale}", impl, size, args.hidden, args.chunk)["peak_extra_bytes"]
-                      for impl in TRUNCATIONS}
+            memory = {
+                impl: _child_memory(f"truncation@{scale}", impl, size, args.hidden, args.chunk)["peak_extra_bytes"]
+                for impl in TRUNCATIONS
+            }
             for world in (1, 2):
-                times = run_ranks(_tp_worker, world, tokens, vocab, args.repeats, args.chunk or None, scale,
-                                  timeout_s=3600, threads_per_rank=max(1, (os.cpu_count() or 2) // world))[0]
-                print(f"\nlogits in (scale {scale} x randn), fp32, log-prob + entropy + exact KL fwd+bwd in place, TP={world} "
-                      f"({size}, {args.repeats} rounds; ratios vs the full softmax; memory at TP=1 in fp32-logits units)")
-                print(f"{'impl':>26s} {'min s':>8s} {'median s':>8s} {'min x':>9s} {'median x':>9s}"
-                      + (f" {'peak MiB':>10s} {'x logits':>8s}" if world == 1 else ""))
+                times = run_ranks(
+                    _tp_worker,
+                    world,
+                    tokens,
+                    vocab,
+                    args.repeats,
+                    args.chunk or None,
+                    scale,
+                    timeout_s=3600,
+                    threads_per_rank=max(1, (os.cpu_count() or 2) // world),
+                )[0]
+                print(
+                    f"\nlogits in (scale {scale} x randn), fp32, log-prob + entropy + exact KL fwd+bwd in place, TP={world} "
+                    f"({size}, {args.repeats} rounds; ratios vs the full softmax; memory at TP=1 in fp32-logits units)"
+                )
+                print(
+                    f"{'impl':>26s} {'min s':>8s} {'median s':>8s} {'min x':>9s} {'median x':>9s}"
+                    + (f" {'peak MiB':>10s} {'x logits':>8s}" if world == 1 else "")
+                )
                 for name, values in times.items():
                     print(_row(name, values, times["full_stats"], memory[name] if world == 1 else None, unit))
             linear_tokens = max(1, tokens // 4)  # the projection dominates: a quarter of the rows keeps it short
-            times = _interleaved(_truncation_linear_paths(linear_tokens, vocab, args.hidden, scale, args.chunk or None),
-                                 args.repeats)
-            print(f"\nhidden in (H={args.hidden}, logits ~ {scale} x randn), fp32, fused linear: projection + log-prob + "
-                  f"entropy + exact KL, grads w.r.t. hidden and weight, TP=1 ({linear_tokens}x{vocab}, "
-                  f"{args.repeats} rounds; ratios vs the full softmax)")
+            times = _interleaved(
+                truncation_linear_paths(linear_tokens, vocab, args.hidden, scale, args.chunk or None), args.repeats
+            )
+            print(
+                f"\nhidden in (H={args.hidden}, logits ~ {scale} x randn), fp32, fused linear: projection + log-prob + "
+                f"entropy + exact KL, grads w.r.t. hidden and weight, TP=1 ({linear_tokens}x{vocab}, "
+                f"{args.repeats} rounds; ratios vs the full softmax)"
+            )
             print(f"{'impl':>26s} {'min s':>8s} {'median s':>8s} {'min x':>9s} {'median x':>9s}")
             for name, values in times.items():
                 print(_row(name, values, times["full_stats"]))
@@ -370,8 +262,17 @@ def run_chunks(args) -> None:
     elements = [1 << k for k in range(18, 25, 1)]
     results = {}
     for impl in ("logprobs", "logprobs_entropy", "exact_kl"):
-        per_chunk = run_ranks(_chunk_worker, 1, tokens, vocab, args.repeats, impl, elements, timeout_s=3600,
-                              threads_per_rank=os.cpu_count() or 2)[0]
+        per_chunk = run_ranks(
+            _chunk_worker,
+            1,
+            tokens,
+            vocab,
+            args.repeats,
+            impl,
+            elements,
+            timeout_s=3600,
+            threads_per_rank=os.cpu_count() or 2,
+        )[0]
         results[impl] = per_chunk
     print(f"\nchunk sweep, TP=1, {tokens}x{vocab} fp32, fwd+bwd in place (min of {args.repeats}, seconds)")
     print(f"{'entries/chunk':>14s} {'rows':>6s} " + " ".join(f"{k:>17s}" for k in results))
@@ -382,21 +283,27 @@ def run_chunks(args) -> None:
 def _chunk_worker(rank, world, tokens, vocab, repeats, impl, elements):
     paths = {}
     for e in elements:
-        paths[e] = _logits_paths(tokens, vocab, max(1, e // vocab), None, 1, 0)[impl]
+        paths[e] = logits_paths_cpu(tokens, vocab, max(1, e // vocab), None, 1, 0)[impl]
     return _interleaved(paths, repeats)
 
 
 def run_linear(args) -> None:
     for size in args.sizes.split(","):
         tokens, vocab = map(int, size.split("x"))
-        memory = {impl: _child_memory("linear", impl, size, args.hidden, args.chunk)["peak_extra_bytes"]
-                  for impl in LINEAR_IMPLS}
-        times = _interleaved(_linear_paths(tokens, vocab, args.hidden, args.chunk or None), args.repeats)
+        memory = {
+            impl: _child_memory("linear", impl, size, args.hidden, args.chunk)["peak_extra_bytes"]
+            for impl in LINEAR_IMPLS
+        }
+        times = _interleaved(linear_paths_cpu(tokens, vocab, args.hidden, args.chunk or None), args.repeats)
         unit = tokens * vocab * 4
-        print(f"\nhidden in (H={args.hidden}), fp32: projection + log-prob + entropy + exact KL, grads w.r.t. hidden "
-              f"and weight ({size}, {args.repeats} rounds; ratios vs unfused; memory in fp32-logits units)")
-        print(f"{'impl':>26s} {'min s':>8s} {'median s':>8s} {'min x':>9s} {'median x':>9s} {'peak MiB':>10s} "
-              f"{'x logits':>8s}")
+        print(
+            f"\nhidden in (H={args.hidden}), fp32: projection + log-prob + entropy + exact KL, grads w.r.t. hidden "
+            f"and weight ({size}, {args.repeats} rounds; ratios vs unfused; memory in fp32-logits units)"
+        )
+        print(
+            f"{'impl':>26s} {'min s':>8s} {'median s':>8s} {'min x':>9s} {'median x':>9s} {'peak MiB':>10s} "
+            f"{'x logits':>8s}"
+        )
         for name, values in times.items():
             print(_row(name, values, times["unfused"], memory[name], unit))
 
@@ -422,8 +329,10 @@ def _gpu_inputs(tokens: int, vocab: int, dtype, hidden_size: int = 0, scale: flo
     g = torch.Generator(device=device).manual_seed(0)
     if hidden_size:
         hidden = torch.randn(tokens, hidden_size, generator=g, device=device).to(dtype)
-        weight = (scale * torch.randn(vocab, hidden_size, generator=g, device=device) / hidden_size ** 0.5)
-        reference_weight = weight + 0.05 * torch.randn(vocab, hidden_size, generator=g, device=device) / hidden_size ** 0.5
+        weight = scale * torch.randn(vocab, hidden_size, generator=g, device=device) / hidden_size**0.5
+        reference_weight = (
+            weight + 0.05 * torch.randn(vocab, hidden_size, generator=g, device=device) / hidden_size**0.5
+        )
         targets = torch.randint(0, vocab, (tokens,), generator=g, device=device)
         return hidden, weight.to(dtype), reference_weight.to(dtype), targets
     logits = scale * torch.randn(tokens, vocab, generator=g, device=device)
@@ -464,29 +373,49 @@ def run_gpu(args, section: str) -> None:
             if section == "logits":
                 paths = logits_paths(*_gpu_inputs(tokens, vocab, dtype, device=device))
                 floors = {name: floor for name, (_, floor) in paths.items()}
-                tables = [(f"logits in, {dtype_name}, fwd+bwd, TP=1; ratios vs megatron-core vocab_parallel_cross_entropy",
-                           {name: prepare for name, (prepare, _) in paths.items()}, "megatron_core_logprobs")]
+                tables = [
+                    (
+                        f"logits in, {dtype_name}, fwd+bwd, TP=1; ratios vs megatron-core vocab_parallel_cross_entropy",
+                        {name: prepare for name, (prepare, _) in paths.items()},
+                        "megatron_core_logprobs",
+                    )
+                ]
             elif section == "truncation":
                 tables = []
                 for scale in LOGIT_SCALES:
                     logits, reference, targets = _gpu_inputs(tokens, vocab, dtype, scale=scale, device=device)
-                    tables.append((f"logits in (scale {scale} x randn), {dtype_name}, log-prob + entropy + exact KL "
-                                   "fwd+bwd in place, TP=1; ratios vs the full softmax",
-                                   _gpu_truncation_paths(logits, reference, targets, group), "full_stats"))
+                    tables.append(
+                        (
+                            f"logits in (scale {scale} x randn), {dtype_name}, log-prob + entropy + exact KL "
+                            "fwd+bwd in place, TP=1; ratios vs the full softmax",
+                            _gpu_truncation_paths(logits, reference, targets, group),
+                            "full_stats",
+                        )
+                    )
             else:
                 paths = linear_paths(*_gpu_inputs(tokens, vocab, dtype, hidden_size=args.hidden, device=device))
                 baseline = "liger_flce_logprobs" if "liger_flce_logprobs" in paths else "unfused_logprobs_entropy"
-                tables = [(f"hidden in (H={args.hidden}), {dtype_name}: projection + statistics, grads w.r.t. hidden "
-                           f"and weight; ratios vs {baseline}",
-                           {name: prepare for name, (prepare, _) in paths.items()}, baseline)]
+                tables = [
+                    (
+                        f"hidden in (H={args.hidden}), {dtype_name}: projection + statistics, grads w.r.t. hidden "
+                        f"and weight; ratios vs {baseline}",
+                        {name: prepare for name, (prepare, _) in paths.items()},
+                        baseline,
+                    )
+                ]
             for title, prepared, baseline in tables:
                 memory = {name: _gpu_memory(prepare) if device == "cuda" else 0 for name, prepare in prepared.items()}
                 times = _interleaved(prepared, args.repeats)
-                print(f"\n{card}: {title} ({size}, {args.repeats} rounds; peak CUDA memory over the inputs, "
-                      f"in units of one {dtype_name} logits tensor)", flush=True)
+                print(
+                    f"\n{card}: {title} ({size}, {args.repeats} rounds; peak CUDA memory over the inputs, "
+                    f"in units of one {dtype_name} logits tensor)",
+                    flush=True,
+                )
                 bandwidth = 2 * unit / min(times["copy"]) if "copy" in times else None
-                print(f"{'impl':>30s} {'min s':>8s} {'median s':>8s} {'min x':>9s} {'median x':>9s} {'peak MiB':>10s} "
-                      f"{'x logits':>8s}" + (f" {'% copy bw':>9s}" if bandwidth else ""))
+                print(
+                    f"{'impl':>30s} {'min s':>8s} {'median s':>8s} {'min x':>9s} {'median x':>9s} {'peak MiB':>10s} "
+                    f"{'x logits':>8s}" + (f" {'% copy bw':>9s}" if bandwidth else "")
+                )
                 for name, values in times.items():
                     line = _row(name, values, times[baseline], memory[name], unit)
                     if bandwidth and floors.get(name):
@@ -509,11 +438,18 @@ def _gpu_truncation_paths(logits, reference, targets, group) -> dict:
         def run():
             truncation.BISECTION_LOOKUP = lookup
             try:
-                stats = fused_stats(x, group, targets=targets, reference_logits=reference, inplace_backward=True,
-                                    truncation=None if rule is None else Truncation(*rule))
+                stats = fused_stats(
+                    x,
+                    group,
+                    targets=targets,
+                    reference_logits=reference,
+                    inplace_backward=True,
+                    truncation=None if rule is None else Truncation(*rule),
+                )
                 (stats.logprobs.float().sum() + stats.entropy.float().sum() + stats.kl.float().sum()).backward()
             finally:
                 truncation.BISECTION_LOOKUP = "auto"
+
         return run
 
     paths = {name: (lambda rule=rule: prepare(rule)) for name, rule in TRUNCATIONS.items()}
@@ -524,20 +460,35 @@ def _gpu_truncation_paths(logits, reference, targets, group) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--section", choices=("logits", "chunks", "linear", "truncation", "all"), default="all")
-    parser.add_argument("--sizes", default=None, help="TOKENSxVOCAB,... (default: 4096x32768 for logits/chunks, "
-                        "2048x152064 for linear)")
-    parser.add_argument("--hidden", type=int, default=896, help="hidden size for the linear section "
-                        "(896: Qwen2.5-0.5B, whose vocabulary is 151936 padded to 152064)")
+    parser.add_argument(
+        "--sizes", default=None, help="TOKENSxVOCAB,... (default: 4096x32768 for logits/chunks, 2048x152064 for linear)"
+    )
+    parser.add_argument(
+        "--hidden",
+        type=int,
+        default=896,
+        help="hidden size for the linear section (896: Qwen2.5-0.5B, whose vocabulary is 151936 padded to 152064)",
+    )
     parser.add_argument("--chunk", type=int, default=0, help="rows per chunk; 0 = automatic")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                        help="cuda: the logits, truncation and linear sections at TP=1 on one GPU (CUDA-synchronised "
-                        "times, peak CUDA memory); cpu: every section, TP=1 and TP=2 gloo ranks")
-    parser.add_argument("--dtypes", default="float32,bfloat16",
-                        help="--device cuda: the input dtypes, comma-separated (float32, bfloat16, float16)")
-    parser.add_argument("--dry-run", action="store_true",
-                        help="--device cuda on the CPU: every GPU path once through Triton's interpreter at the given "
-                        "(small) sizes, to check the script itself without a GPU (times mean nothing)")
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cuda: the logits, truncation and linear sections at TP=1 on one GPU (CUDA-synchronised "
+        "times, peak CUDA memory); cpu: every section, TP=1 and TP=2 gloo ranks",
+    )
+    parser.add_argument(
+        "--dtypes",
+        default="float32,bfloat16",
+        help="--device cuda: the input dtypes, comma-separated (float32, bfloat16, float16)",
+    )
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="--device cuda on the CPU: every GPU path once through Triton's interpreter at the given "
+        "(small) sizes, to check the script itself without a GPU (times mean nothing)",
+    )
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.dry_run:  # the Triton kernels on CPU tensors (read when the kernels are first imported)

@@ -56,8 +56,9 @@ def describe(path: Path) -> str:
 
 def tour() -> str:
     lines = [HEADER]
-    folders = sorted({p.parent for p in PACKAGE.rglob("*") if p.suffix in SOURCES},
-                     key=lambda d: (d != PACKAGE, str(d)))
+    folders = sorted(
+        {p.parent for p in PACKAGE.rglob("*") if p.suffix in SOURCES}, key=lambda d: (d != PACKAGE, str(d))
+    )
     for folder in folders + [ROOT / name for name in BESIDE]:
         files = sorted(p for p in folder.iterdir() if p.suffix in SOURCES and p.name != "__init__.py")
         if not files:

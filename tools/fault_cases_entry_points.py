@@ -23,8 +23,14 @@ SERVED = ["rollout.engine=sglang", "rollout.sglang.server_module=megatron_kl.tes
 
 def _cli(r, *args, env=None, timeout=600) -> subprocess.CompletedProcess:
     environ = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    return subprocess.run([sys.executable, "-m", "megatron_kl.cli", *args], cwd=r.repo, capture_output=True, text=True,
-                          timeout=timeout, env={**environ, "PYTHONWARNINGS": "ignore", **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "megatron_kl.cli", *args],
+        cwd=r.repo,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**environ, "PYTHONWARNINGS": "ignore", **(env or {})},
+    )
 
 
 def _port() -> str:
@@ -37,16 +43,21 @@ def _steps(run: Path) -> list[int]:
     path = run / "metrics.jsonl"
     if not path.is_file():
         return []
-    return [json.loads(line)["step"] for line in path.read_text().splitlines()
-            if line.strip() and '"reward/mean"' in line]
+    return [
+        json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip() and '"reward/mean"' in line
+    ]
 
 
 # -- the study ---------------------------------------------------------------------------------------------------
 def _study_file(r, name: str, **changes) -> Path:
-    data = {"name": name, "base": str(r.repo / "configs/cpu/default.yaml"), "output_dir": str(r.work / name),
-            "seeds": [1], "common": [*SHORT, f"warm_start.cache_dir={r.cache}", "train.steps=6",
-                                     "checkpoint.interval=1"],
-            "configurations": [{"name": "k3", "overrides": ["kl.estimator=k3", "kl.placement=loss"]}]}
+    data = {
+        "name": name,
+        "base": str(r.repo / "configs/cpu/default.yaml"),
+        "output_dir": str(r.work / name),
+        "seeds": [1],
+        "common": [*SHORT, f"warm_start.cache_dir={r.cache}", "train.steps=6", "checkpoint.interval=1"],
+        "configurations": [{"name": "k3", "overrides": ["kl.estimator=k3", "kl.placement=loss"]}],
+    }
     data.update(changes)
     path = r.work / f"{name}.yaml"
     path.write_text(yaml.safe_dump(data))
@@ -57,8 +68,13 @@ def _kill_9_after_two_steps(r, args: list[str], run: Path) -> list:
     """Start ``megatron-kl *args``, kill it -9 once ``run`` logged two steps; the descendants still alive 20 s later
     (killed then, so the review leaves nothing behind)."""
     environ = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.Popen([sys.executable, "-m", "megatron_kl.cli", *args], cwd=r.repo, env=environ,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "megatron_kl.cli", *args],
+        cwd=r.repo,
+        env=environ,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.time() + 300
     while len(_steps(run)) < 2 and time.time() < deadline and proc.poll() is None:
         time.sleep(0.1)
@@ -73,8 +89,9 @@ def _kill_9_after_two_steps(r, args: list[str], run: Path) -> list:
 
 def study_kill_9(r) -> None:
     name = "killed study, rerun at once"
-    path = _study_file(r, "study-kill9", common=[*SHORT, f"warm_start.cache_dir={r.cache}", "train.steps=30",
-                                                "checkpoint.interval=1"])
+    path = _study_file(
+        r, "study-kill9", common=[*SHORT, f"warm_start.cache_dir={r.cache}", "train.steps=30", "checkpoint.interval=1"]
+    )
     out = r.work / "study-kill9"
     run = out / "runs" / "k3-seed1"
     alive = _kill_9_after_two_steps(r, ["study", "--config", str(path)], run)
@@ -101,6 +118,7 @@ def _study_setting(label: str, field: str, **changes):
             r.record(name, "silent", "rc 0: the claims computed under it")
         else:
             r.record(name, "unclear", f"rc {done.returncode}: {done.stderr.strip().splitlines()[-1][-90:]}")
+
     case.__name__ = f"study setting {label}"
     return case
 
@@ -121,10 +139,23 @@ def study_report_only_unfinished(r) -> None:
 def launch_local_kill_9(r) -> None:
     name = "kill -9 of launch local"
     out = r.work / "launch-kill9"
-    alive = _kill_9_after_two_steps(r, ["launch", "local", "--config", str(r.repo / "configs/cpu/default.yaml"),
-                                        *SHORT, f"warm_start.cache_dir={r.cache}", "train.steps=40",
-                                        "checkpoint.interval=0", f"train.output_dir={out}",
-                                        f"launch.home={r.work / 'launch-home'}", "parallel.tensor_parallel=2"], out)
+    alive = _kill_9_after_two_steps(
+        r,
+        [
+            "launch",
+            "local",
+            "--config",
+            str(r.repo / "configs/cpu/default.yaml"),
+            *SHORT,
+            f"warm_start.cache_dir={r.cache}",
+            "train.steps=40",
+            "checkpoint.interval=0",
+            f"train.output_dir={out}",
+            f"launch.home={r.work / 'launch-home'}",
+            "parallel.tensor_parallel=2",
+        ],
+        out,
+    )
     if alive or len(_steps(out)) == 40:
         r.record(name, "leaked", f"torchrun and its ranks trained on without it ({len(_steps(out))} of 40 steps)")
     else:
@@ -156,6 +187,7 @@ def _convert_case(label: str, damage, named: str):
             r.record(name, "handled", f"rc {done.returncode}: {last[-100:]}")
         else:
             r.record(name, "unclear", f"rc {done.returncode}, traceback: {'Traceback' in done.stderr}: {last[-90:]}")
+
     case.__name__ = f"convert {label}"
     return case
 
@@ -209,19 +241,31 @@ def api_key_in_extra_args(r) -> None:
 
 
 def _partial(r) -> list[str]:
-    return [*SERVED, _port(), "rollout.partial=true", "train.staleness=2", "rollout.sglang.weight_sync=from_disk",
-            "rollout.sampling.max_new_tokens=12"]
+    return [
+        *SERVED,
+        _port(),
+        "rollout.partial=true",
+        "train.staleness=2",
+        "rollout.sglang.weight_sync=from_disk",
+        "rollout.sampling.max_new_tokens=12",
+    ]
 
 
 def partial_server_lost_in_update(r) -> None:
     name = "partial rollouts: server lost during a weight update"
     run = r.work / "partial-lost"
     marker = r.work / "partial-lost.marker"
-    code, out = r.run(run, "train.steps=6", "checkpoint.interval=0", *_partial(r),
-                      "rollout.sglang.restart_dead_servers=false", "rollout.sglang.max_retries=1",
-                      "rollout.sglang.backoff_s=0.05",
-                      f"rollout.sglang.extra_args=[--fault-exit-on-update, '3', --fault-marker, '{marker}', "
-                      "--token-latency-s, '0.1', --long-every, '3']")
+    code, out = r.run(
+        run,
+        "train.steps=6",
+        "checkpoint.interval=0",
+        *_partial(r),
+        "rollout.sglang.restart_dead_servers=false",
+        "rollout.sglang.max_retries=1",
+        "rollout.sglang.backoff_s=0.05",
+        f"rollout.sglang.extra_args=[--fault-exit-on-update, '3', --fault-marker, '{marker}', "
+        "--token-latency-s, '0.1', --long-every, '3']",
+    )
     last = out.strip().splitlines()[-1] if out.strip() else ""
     if code == 75 and "rollout engine lost" in last:
         r.record(name, "handled", "checkpoint of the finished steps, rc 75 (requeue)")
@@ -232,8 +276,13 @@ def partial_server_lost_in_update(r) -> None:
 def partial_sigterm_in_checkpoint(r) -> None:
     name = "partial rollouts: SIGTERM during a checkpoint write"
     run = r.work / "partial-term"
-    proc = r.start(run, "train.steps=30", "checkpoint.interval=1", *_partial(r),
-                   "rollout.sglang.extra_args=[--token-latency-s, '0.1', --long-every, '3']")
+    proc = r.start(
+        run,
+        "train.steps=30",
+        "checkpoint.interval=1",
+        *_partial(r),
+        "rollout.sglang.extra_args=[--token-latency-s, '0.1', --long-every, '3']",
+    )
     writing = run / "checkpoints" / "step_000002.tmp"
     deadline = time.time() + 300
     while not writing.exists() and time.time() < deadline and proc.poll() is None:
@@ -255,8 +304,11 @@ def _with_manifest(r, change):
     saved = manifest.read_bytes()
     try:
         change(manifest)
-        return r.run(r.work / f"manifest-{abs(hash(change)) % 10**6}", "train.steps=1",
-                     f"warm_start.cache_dir={r.work / 'manifest-cache'}")
+        return r.run(
+            r.work / f"manifest-{abs(hash(change)) % 10**6}",
+            "train.steps=1",
+            f"warm_start.cache_dir={r.work / 'manifest-cache'}",
+        )
     finally:
         manifest.write_bytes(saved)
 
@@ -283,14 +335,22 @@ def deleted_manifest(r) -> None:
 def _bad_env(variable: str, value: str):
     def case(r) -> None:
         name = f"{variable}={value}"
-        done = _cli(r, "train", "--config", str(r.repo / "configs/cpu/default.yaml"), "--check",
-                    f"train.output_dir={r.work / 'env-check'}", env={variable: value})
+        done = _cli(
+            r,
+            "train",
+            "--config",
+            str(r.repo / "configs/cpu/default.yaml"),
+            "--check",
+            f"train.output_dir={r.work / 'env-check'}",
+            env={variable: value},
+        )
         if done.returncode == 2 and variable in done.stderr and "Traceback" not in done.stderr:
             r.record(name, "handled", "refused at --check naming the variable")
         elif done.returncode == 0:
             r.record(name, "silent", "--check OK: the value is read as something else at run time")
         else:
             r.record(name, "unclear", f"rc {done.returncode}, traceback: {'Traceback' in done.stderr}")
+
     case.__name__ = f"environment {variable}={value}"
     return case
 

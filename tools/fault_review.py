@@ -39,8 +39,16 @@ import psutil
 from fault_cases_entry_points import cases as entry_point_cases
 
 ROOT = Path(__file__).resolve().parents[1]
-SHORT = ["train.prompts_per_step=4", "train.group_size=4", "task.eval_size=8", "eval.k=2", "eval.interval=0",
-         "logging.progress=false", "logging.tensorboard=false", "checkpoint.keep=3"]
+SHORT = [
+    "train.prompts_per_step=4",
+    "train.group_size=4",
+    "task.eval_size=8",
+    "eval.k=2",
+    "eval.interval=0",
+    "logging.progress=false",
+    "logging.tensorboard=false",
+    "checkpoint.keep=3",
+]
 
 
 class Payload:
@@ -62,10 +70,24 @@ class Review:
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
         env["PYTHONWARNINGS"] = "ignore"
         out = open(self.work / f"{run.name}.{log}.txt", "w")
-        return subprocess.Popen([sys.executable, "-m", "megatron_kl.cli", "train", "--config",
-                                 str(self.repo / "configs/cpu/default.yaml"), f"train.output_dir={run}",
-                                 f"warm_start.cache_dir={self.cache}", *SHORT, *overrides],
-                                cwd=self.repo, env=env, stdout=out, stderr=subprocess.STDOUT)
+        return subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "megatron_kl.cli",
+                "train",
+                "--config",
+                str(self.repo / "configs/cpu/default.yaml"),
+                f"train.output_dir={run}",
+                f"warm_start.cache_dir={self.cache}",
+                *SHORT,
+                *overrides,
+            ],
+            cwd=self.repo,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
 
     def run(self, run: Path, *overrides: str, log: str = "log", timeout: float = 600) -> tuple[int, str]:
         proc = self.start(run, *overrides, log=log)
@@ -107,6 +129,7 @@ def _damage_case(name: str, damage):
             r.record(name, "handled", f"named {file_name}, fell back to step 1")
         else:
             r.record(name, "unclear", f"rc {code}; the damaged file {file_name} not named")
+
     case.__name__ = name
     return case
 
@@ -125,9 +148,10 @@ def _overwrite(data: bytes):
     def damage(ckpt: Path) -> str:
         shard = max(ckpt.glob("*.distcp"), key=lambda p: p.stat().st_size)
         raw = bytearray(shard.read_bytes())
-        raw[len(raw) // 2:len(raw) // 2 + len(data)] = data
+        raw[len(raw) // 2 : len(raw) // 2 + len(data)] = data
         shard.write_bytes(bytes(raw))
         return shard.name
+
     return damage
 
 
@@ -169,6 +193,7 @@ def _refused_change(name: str, *overrides: str, field: str):
             r.record(name, "handled", f"rc 2 naming {field}; directory unchanged")
         else:
             r.record(name, "unclear", f"rc {code}; field named: {field in out}; unchanged: {before == after}")
+
     case.__name__ = name
     return case
 
@@ -189,10 +214,17 @@ def fresh_start_on_used_dir(r: Review) -> None:
     code2, out2 = r.run(run, "train.steps=2", "checkpoint.interval=1", "kl.coef=0.05", log="next")
     resumed_new = "step_000001 at RL step 1" in out2
     if code == 0 and old_kept and resumed_new:
-        r.record("checkpoint.resume=false on a used directory", "handled", "old files kept aside; next start resumes the new run")
+        r.record(
+            "checkpoint.resume=false on a used directory",
+            "handled",
+            "old files kept aside; next start resumes the new run",
+        )
     else:
-        r.record("checkpoint.resume=false on a used directory", "silent",
-                 f"old checkpoints kept: {old_kept}; next start resumed the new run: {resumed_new}")
+        r.record(
+            "checkpoint.resume=false on a used directory",
+            "silent",
+            f"old checkpoints kept: {old_kept}; next start resumed the new run: {resumed_new}",
+        )
 
 
 def two_writers(r: Review) -> None:
@@ -249,6 +281,7 @@ def _signal_case(sig: signal.Signals, code_wanted: int):
             r.record(name, "silent", f"rc {code}; no checkpoint: finished steps lost")
         else:
             r.record(name, "unclear", f"rc {code}; signal named: {sig.name in out}")
+
     case.__name__ = f"signal_{sig.name}"
     return case
 
@@ -273,11 +306,22 @@ def _bad_value(*overrides: str, field: str):
         lines = [line for line in out.splitlines() if "config error" in line]
         if code == 0:
             r.record(name, "silent", "rc 0: trained with it")
-        elif code == 2 and lines and field in lines[-1] and "Traceback" not in out and not (run / "metrics.jsonl").exists():
+        elif (
+            code == 2
+            and lines
+            and field in lines[-1]
+            and "Traceback" not in out
+            and not (run / "metrics.jsonl").exists()
+        ):
             r.record(name, "handled", f"rc 2 in {seconds:.0f} s: {lines[-1].split('config error: ')[-1][:90]}")
         else:
-            r.record(name, "unclear", f"rc {code} after {seconds:.0f} s; field named in one line: {bool(lines)}; "
-                     f"traceback: {'Traceback' in out}")
+            r.record(
+                name,
+                "unclear",
+                f"rc {code} after {seconds:.0f} s; field named in one line: {bool(lines)}; "
+                f"traceback: {'Traceback' in out}",
+            )
+
     case.__name__ = f"bad value {name}"
     return case
 
@@ -286,9 +330,23 @@ def duplicate_key(r: Review) -> None:
     config = r.work / "twice.yaml"
     text = (r.repo / "configs/cpu/default.yaml").read_text()
     config.write_text(text + "\nkl:\n  coef: 0.5\n")  # a second top-level kl: section
-    proc = subprocess.run([sys.executable, "-m", "megatron_kl.cli", "train", "--config", str(config), "--check",
-                           f"train.output_dir={r.work / 'twice'}", f"warm_start.cache_dir={r.cache}"],
-                          cwd=r.repo, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megatron_kl.cli",
+            "train",
+            "--config",
+            str(config),
+            "--check",
+            f"train.output_dir={r.work / 'twice'}",
+            f"warm_start.cache_dir={r.cache}",
+        ],
+        cwd=r.repo,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     if proc.returncode == 2 and "twice" in proc.stderr:
         r.record("a YAML key given twice", "handled", "refused naming the key and its lines")
     elif proc.returncode == 0:
@@ -310,8 +368,14 @@ def damaged_warm_start_cache(r: Review) -> None:
     data[len(data) // 2] ^= 0x10
     weights.write_bytes(bytes(data))
     code, out = r.run(r.work / "cache-b", *args, log="second")
-    kl = [[m.get("kl/exact_token") for m in map(json.loads, (d / "metrics.jsonl").read_text().splitlines())
-           if "kl/exact_token" in m] for d in (first, r.work / "cache-b")]
+    kl = [
+        [
+            m.get("kl/exact_token")
+            for m in map(json.loads, (d / "metrics.jsonl").read_text().splitlines())
+            if "kl/exact_token" in m
+        ]
+        for d in (first, r.work / "cache-b")
+    ]
     if code == 0 and "recomputing" in out and kl[0] == kl[1]:
         r.record("bit-flipped warm-start cache", "handled", "digest mismatch said; recomputed; same KL as before")
     elif code == 0 and kl[0] != kl[1]:
@@ -327,19 +391,36 @@ def engine_error_mid_run(r: Review) -> None:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     run = r.work / "engine-error"
-    code, out = r.run(run, "train.steps=6", "checkpoint.interval=0", "rollout.engine=sglang",
-                      "rollout.sglang.server_module=megatron_kl.testing.sglang_server", f"rollout.sglang.port={port}",
-                      "rollout.sglang.extra_args=[--fault-malformed-every,70]")
-    trained = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()
-               if '"loss/total"' in line] if (run / "metrics.jsonl").is_file() else []
+    code, out = r.run(
+        run,
+        "train.steps=6",
+        "checkpoint.interval=0",
+        "rollout.engine=sglang",
+        "rollout.sglang.server_module=megatron_kl.testing.sglang_server",
+        f"rollout.sglang.port={port}",
+        "rollout.sglang.extra_args=[--fault-malformed-every,70]",
+    )
+    trained = (
+        [
+            json.loads(line)["step"]
+            for line in (run / "metrics.jsonl").read_text().splitlines()
+            if '"loss/total"' in line
+        ]
+        if (run / "metrics.jsonl").is_file()
+        else []
+    )
     saved = sorted(p.name for p in (run / "checkpoints").glob("step_*")) if (run / "checkpoints").is_dir() else []
     last = out.strip().splitlines()[-1] if out.strip() else ""
     if code == 0 or not trained:
         r.record("malformed engine answer mid-run", "unclear", f"rc {code}; steps trained before it: {trained}")
     elif saved and saved[-1] == f"step_{len(trained):06d}" and saved[-1] in last:
-        r.record("malformed engine answer mid-run", "handled", f"{len(trained)} trained steps saved, named in the last line")
+        r.record(
+            "malformed engine answer mid-run", "handled", f"{len(trained)} trained steps saved, named in the last line"
+        )
     else:
-        r.record("malformed engine answer mid-run", "silent", f"{len(trained)} trained steps, checkpoints {saved}: lost")
+        r.record(
+            "malformed engine answer mid-run", "silent", f"{len(trained)} trained steps, checkpoints {saved}: lost"
+        )
 
 
 def damaged_run_record(r: Review) -> None:
@@ -353,8 +434,11 @@ def damaged_run_record(r: Review) -> None:
     elif code == 2:
         r.record("an edited run.json in the newest checkpoint", "unclear", "refused as a configuration change")
     else:
-        r.record("an edited run.json in the newest checkpoint", "unclear",
-                 f"rc {code}; starts.jsonl from_step {starts[-1].get('from_step')}")
+        r.record(
+            "an edited run.json in the newest checkpoint",
+            "unclear",
+            f"rc {code}; starts.jsonl from_step {starts[-1].get('from_step')}",
+        )
 
 
 def renamed_checkpoint(r: Review) -> None:
@@ -374,7 +458,9 @@ def stop_during_warm_start(r: Review) -> None:
     proc = r.start(run, f"warm_start.cache_dir={r.work / 'warm-stop-cache'}", "warm_start.steps=2000")
     log_file = r.work / f"{run.name}.log.txt"
     deadline = time.time() + 300
-    while "warm start step" not in log_file.read_text(errors="replace") and time.time() < deadline and proc.poll() is None:
+    while (
+        "warm start step" not in log_file.read_text(errors="replace") and time.time() < deadline and proc.poll() is None
+    ):
         time.sleep(0.05)
     sent = time.time()
     proc.send_signal(signal.SIGTERM)
@@ -383,7 +469,9 @@ def stop_during_warm_start(r: Review) -> None:
     if code == 75 and seconds < 20:
         r.record("SIGTERM during the warm start", "handled", f"rc 75 after {seconds:.1f} s")
     else:
-        r.record("SIGTERM during the warm start", "unclear", f"rc {code} after {seconds:.0f} s (grace periods: 30-120 s)")
+        r.record(
+            "SIGTERM during the warm start", "unclear", f"rc {code} after {seconds:.0f} s (grace periods: 30-120 s)"
+        )
 
 
 CASES = [
@@ -445,8 +533,9 @@ def main() -> None:
                 case(review)
             except Exception as err:  # noqa: BLE001 - a case that cannot be judged is reported, not fatal
                 review.record(case.__name__, "unclear", f"the review itself failed: {type(err).__name__}: {err}")
-    counts = {v: sum(1 for _, verdict, _ in review.rows if verdict == v)
-              for v in ("handled", "unclear", "silent", "leaked")}
+    counts = {
+        v: sum(1 for _, verdict, _ in review.rows if verdict == v) for v in ("handled", "unclear", "silent", "leaked")
+    }
     print(f"\ntried {len(review.rows)} | " + " | ".join(f"{k} {v}" for k, v in counts.items()))
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": review.rows, "counts": counts}, indent=1))

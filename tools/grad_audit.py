@@ -1,6 +1,6 @@
 """Exact gradient audit of every KL configuration; see megatron_kl/kl/audit/exact.py.
 
-    python tools/grad_audit.py --vocab 3 --length 3 --seed 0 [--truncate 2.0] [--json out.json]
+python tools/grad_audit.py --vocab 3 --length 3 --seed 0 [--truncate 2.0] [--json out.json]
 """
 
 import sys

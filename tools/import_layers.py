@@ -19,19 +19,47 @@ ROOT = Path(__file__).resolve().parents[1] / "megatron_kl"
 # The package's layers, bottom first: a module may import its own layer and the ones below, never one above. A module
 # belongs to the layer of the longest prefix that names it; each prefix is one box of the drawing.
 LAYERS = (
-    ("foundations", ("megatron_kl", "megatron_kl.constraints", "megatron_kl.registry", "megatron_kl.redaction",
-                     "megatron_kl.env_vars", "megatron_kl.child_processes", "megatron_kl.local_ranks",
-                     "megatron_kl.megatron_compat", "megatron_kl.cli_help", "megatron_kl.data")),
-    ("configuration", ("megatron_kl.config", "megatron_kl.model_variants", "megatron_kl.kl.config",
-                       "megatron_kl.vocab_parallel.config", "megatron_kl.distill.config")),
+    (
+        "foundations",
+        (
+            "megatron_kl",
+            "megatron_kl.constraints",
+            "megatron_kl.registry",
+            "megatron_kl.redaction",
+            "megatron_kl.env_vars",
+            "megatron_kl.child_processes",
+            "megatron_kl.local_ranks",
+            "megatron_kl.megatron_compat",
+            "megatron_kl.cli_help",
+            "megatron_kl.data",
+        ),
+    ),
+    (
+        "configuration",
+        (
+            "megatron_kl.config",
+            "megatron_kl.model_variants",
+            "megatron_kl.kl.config",
+            "megatron_kl.vocab_parallel.config",
+            "megatron_kl.distill.config",
+        ),
+    ),
     ("vocab-parallel statistics", ("megatron_kl.vocab_parallel",)),
     ("KL objective", ("megatron_kl.kl",)),
     ("KL audit", ("megatron_kl.kl.audit",)),
     ("models and tasks", ("megatron_kl.models", "megatron_kl.tasks")),
     ("algorithms and rollouts", ("megatron_kl.algo", "megatron_kl.rollout", "megatron_kl.rewards")),
     ("run plumbing", ("megatron_kl.run",)),
-    ("training", ("megatron_kl.train", "megatron_kl.distill", "megatron_kl.testing", "megatron_kl.validation",
-                  "megatron_kl.api")),
+    (
+        "training",
+        (
+            "megatron_kl.train",
+            "megatron_kl.distill",
+            "megatron_kl.testing",
+            "megatron_kl.validation",
+            "megatron_kl.api",
+        ),
+    ),
     ("studies", ("megatron_kl.study", "megatron_kl.config_reference")),
     ("launching", ("megatron_kl.launch",)),
     ("commands", ("megatron_kl.cli",)),
@@ -53,8 +81,10 @@ def module_graph() -> dict[str, set[str]]:
             if isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
             elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                targets = [f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in modules else node.module
-                           for alias in node.names]
+                targets = [
+                    f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in modules else node.module
+                    for alias in node.names
+                ]
             graph[name].update(t for t in targets if t in modules and t != name)
     return graph
 
@@ -76,8 +106,12 @@ def layer_of(module: str) -> int:
 
 
 def imports_up(graph: dict[str, set[str]]) -> list[str]:
-    return sorted(f"{a} ({LAYERS[layer_of(a)][0]}) imports {t} ({LAYERS[layer_of(t)][0]})"
-                  for a, targets in graph.items() for t in targets if layer_of(t) > layer_of(a))
+    return sorted(
+        f"{a} ({LAYERS[layer_of(a)][0]}) imports {t} ({LAYERS[layer_of(t)][0]})"
+        for a, targets in graph.items()
+        for t in targets
+        if layer_of(t) > layer_of(a)
+    )
 
 
 def box_arrows(graph: dict[str, set[str]]) -> collections.Counter:
@@ -92,6 +126,7 @@ def box_arrows(graph: dict[str, set[str]]) -> collections.Counter:
 
 def draw(graph: dict[str, set[str]], out: Path) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -106,13 +141,25 @@ def draw(graph: dict[str, set[str]], out: Path) -> None:
     fig, ax = plt.subplots(figsize=(12, 9))
     for (a, t), count in box_arrows(graph).items():
         (xa, ya), (xt, yt) = position[a], position[t]
-        ax.annotate("", xy=(xt, yt + 0.18), xytext=(xa, ya - 0.18),
-                    arrowprops=dict(arrowstyle="->", lw=0.4 + 0.25 * count ** 0.5, alpha=0.35,
-                                    color="tab:red" if yt > ya else "tab:gray"))
+        ax.annotate(
+            "",
+            xy=(xt, yt + 0.18),
+            xytext=(xa, ya - 0.18),
+            arrowprops=dict(
+                arrowstyle="->", lw=0.4 + 0.25 * count**0.5, alpha=0.35, color="tab:red" if yt > ya else "tab:gray"
+            ),
+        )
     for prefix, (x, y) in position.items():
         label = prefix.removeprefix("megatron_kl.").replace("megatron_kl", "__init__") + f"\n{lines[prefix]} lines"
-        ax.text(x, y, label, ha="center", va="center", fontsize=8,
-                bbox=dict(boxstyle="round", facecolor="white", edgecolor="tab:blue"))
+        ax.text(
+            x,
+            y,
+            label,
+            ha="center",
+            va="center",
+            fontsize=8,
+            bbox=dict(boxstyle="round", facecolor="white", edgecolor="tab:blue"),
+        )
     ax.set_yticks(range(len(LAYERS)), [name for name, _ in LAYERS])
     ax.set_xticks([])
     ax.set_xlim(0, 1)
@@ -129,8 +176,10 @@ def _targets(node: ast.AST, modules) -> list[str]:
     if isinstance(node, ast.Import):
         return [alias.name for alias in node.names]
     if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-        return [f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in modules else node.module
-                for alias in node.names]
+        return [
+            f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in modules else node.module
+            for alias in node.names
+        ]
     return []
 
 
@@ -167,8 +216,10 @@ def needless_function_imports(root: Path = ROOT) -> list[str]:
     megatron-core's modules are the exception: they are imported where they are used, after
     ``megatron_compat.apply_cpu_shims()`` has patched what megatron-core needs on a CPU machine.
     """
-    paths = {".".join(p.relative_to(root.parent).with_suffix("").parts).removesuffix(".__init__"): p
-             for p in root.rglob("*.py")}
+    paths = {
+        ".".join(p.relative_to(root.parent).with_suffix("").parts).removesuffix(".__init__"): p
+        for p in root.rglob("*.py")
+    }
     trees = {name: ast.parse(path.read_text()) for name, path in paths.items()}
     top = {name: _module_level_imports(tree, paths) for name, tree in trees.items()}
     loaded: dict[str, frozenset] = {}
@@ -196,15 +247,21 @@ def needless_function_imports(root: Path = ROOT) -> list[str]:
     for name, tree in trees.items():
         for function in ast.walk(tree):
             if isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                nested = {id(n) for inner in ast.walk(function) if inner is not function
-                          and isinstance(inner, (ast.FunctionDef, ast.AsyncFunctionDef)) for n in ast.walk(inner)}
+                nested = {
+                    id(n)
+                    for inner in ast.walk(function)
+                    if inner is not function and isinstance(inner, (ast.FunctionDef, ast.AsyncFunctionDef))
+                    for n in ast.walk(inner)
+                }
                 for node in ast.walk(function):
                     for target in _targets(node, paths) if id(node) not in nested else ():
                         if target.startswith("megatron.") or target == "megatron":
                             continue  # megatron-core: imported after megatron_compat.apply_cpu_shims() has run
                         if third_party(target) <= third_party(name):
-                            needless.append(f"{paths[name].relative_to(root.parent)}:{node.lineno} "
-                                            f"{function.name}() imports {target}")
+                            needless.append(
+                                f"{paths[name].relative_to(root.parent)}:{node.lineno} "
+                                f"{function.name}() imports {target}"
+                            )
     return sorted(set(needless))
 
 

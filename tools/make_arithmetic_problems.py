@@ -16,10 +16,12 @@ import random
 from pathlib import Path
 
 PHRASES = ("What is {a} + {b}?", "Compute {a} + {b}.", "Calculate {a} + {b}.", "{a} + {b} = ?")
-STORIES = ("{name} has {a} {things} and gets {b} more. How many {things} does {name} have now?",
-           "There are {a} {things} in a box. {name} puts {b} more {things} in it. How many {things} are in the box?",
-           "{name} collected {a} {things} on Monday and {b} {things} on Tuesday. How many {things} did {name} "
-           "collect in total?")
+STORIES = (
+    "{name} has {a} {things} and gets {b} more. How many {things} does {name} have now?",
+    "There are {a} {things} in a box. {name} puts {b} more {things} in it. How many {things} are in the box?",
+    "{name} collected {a} {things} on Monday and {b} {things} on Tuesday. How many {things} did {name} "
+    "collect in total?",
+)
 NAMES = ("Sam", "Mia", "Ravi", "Lena", "Tom", "Ana")
 THINGS = ("apples", "marbles", "stickers", "books", "coins", "shells")
 

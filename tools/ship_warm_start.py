@@ -46,8 +46,11 @@ def main(argv: list[str] | None = None) -> int:
 
     cfg = load_train_config(ns.config, ns.overrides)
     if cfg.parallel.tensor_parallel * cfg.parallel.pipeline_parallel != 1:
-        print("ship_warm_start: train it with parallel.tensor_parallel=1 and parallel.pipeline_parallel=1 "
-              "(the state is layout-independent)", file=sys.stderr)
+        print(
+            "ship_warm_start: train it with parallel.tensor_parallel=1 and parallel.pipeline_parallel=1 "
+            "(the state is layout-independent)",
+            file=sys.stderr,
+        )
         return 2
     with tempfile.TemporaryDirectory() as cache_dir:
         state = run_ranks(_train, 1, ns.config, ns.overrides, cache_dir, timeout_s=3600)[0]

@@ -29,9 +29,14 @@ def _whiten(x: torch.Tensor, eps: float) -> torch.Tensor:
     return (x - x.mean()) / (x.std(unbiased=False) + eps) if x.numel() > 1 else x - x.mean()
 
 
-def sequence_advantages(rewards: torch.Tensor, group_size: int, estimator: str,
-                        std_normalize: bool = True, eps: float = 1e-6,
-                        valid: torch.Tensor | None = None) -> torch.Tensor:
+def sequence_advantages(
+    rewards: torch.Tensor,
+    group_size: int,
+    estimator: str,
+    std_normalize: bool = True,
+    eps: float = 1e-6,
+    valid: torch.Tensor | None = None,
+) -> torch.Tensor:
     if estimator not in ADVANTAGES:
         raise ConfigError(f"algo.advantage={estimator!r} is unknown; use one of {list(ADVANTAGES)}")
     if rewards.dim() != 1 or rewards.numel() % group_size:
@@ -61,8 +66,9 @@ def sequence_advantages(rewards: torch.Tensor, group_size: int, estimator: str,
     return out.to(rewards.dtype)
 
 
-def _masked_advantages(rewards: torch.Tensor, group_size: int, estimator: str, std_normalize: bool, eps: float,
-                       valid: torch.Tensor) -> torch.Tensor:
+def _masked_advantages(
+    rewards: torch.Tensor, group_size: int, estimator: str, std_normalize: bool, eps: float, valid: torch.Tensor
+) -> torch.Tensor:
     """The estimators over the valid samples only; 0 for the others (module docstring)."""
     r = torch.where(valid, rewards.double(), torch.zeros((), dtype=torch.float64))
     keep = valid.double().view(-1, group_size)

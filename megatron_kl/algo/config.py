@@ -29,27 +29,35 @@ class AlgoConfig:
     clip_high: float = checked(0.28, ge=0)
     dual_clip: Optional[float] = checked(3.0, gt=1)
     aggregation: str = checked("token_mean", choices=AGGREGATIONS)  # policy-loss aggregation
-    entropy_coef: float = checked(0.0, fix='negative values penalise entropy')
+    entropy_coef: float = checked(0.0, fix="negative values penalise entropy")
     ppo_epochs: int = checked(1, ge=1)
     minibatches: int = checked(1, ge=1)  # optimizer steps per epoch
     behavior_correction: str = checked("none", choices=CORRECTIONS)  # megatron_kl.kl.corrections.CORRECTIONS
     tis_cap: float = checked(2.0, gt=0)  # truncation of token_tis / sequence_tis
     mask_low: float = checked(0.5, ge=0)  # band kept by token_mask / sequence_mask / geometric_mask / icepop
     mask_high: float = checked(2.0, gt=0)
-    ratio_level: str = checked("token", choices=RATIO_LEVELS)  # token: PPO's per-token ratio; sequence: GSPO's length-normalised sequence ratio
-    norm_length: Optional[float] = checked(None, gt=0)  # aggregation=seq_mean_token_sum_norm (Dr. GRPO); default max_new_tokens
+    ratio_level: str = checked(
+        "token", choices=RATIO_LEVELS
+    )  # token: PPO's per-token ratio; sequence: GSPO's length-normalised sequence ratio
+    norm_length: Optional[float] = checked(
+        None, gt=0
+    )  # aggregation=seq_mean_token_sum_norm (Dr. GRPO); default max_new_tokens
     old_logprobs: str = checked("recompute", choices=OLD_LOGPROBS)  # OLD_LOGPROBS
     rpg: RPGConfig = field(default_factory=RPGConfig)
 
     def __post_init__(self):
         check_declared(self, "algo.")
         if not 0 <= self.mask_low < 1 < self.mask_high:
-            raise ConfigError(f"algo.mask_low={self.mask_low}, algo.mask_high={self.mask_high}: the kept band must "
-                              "contain 1 (0 <= mask_low < 1 < mask_high)")
+            raise ConfigError(
+                f"algo.mask_low={self.mask_low}, algo.mask_high={self.mask_high}: the kept band must "
+                "contain 1 (0 <= mask_low < 1 < mask_high)"
+            )
         if self.old_logprobs == "from_update" and (self.ppo_epochs, self.minibatches) != (1, 1):
-            raise ConfigError(f"algo.old_logprobs=from_update takes pi_old from the update's forward, which is pi_old "
-                              f"only when it precedes every optimizer step: set algo.ppo_epochs=1 and "
-                              f"algo.minibatches=1 (have {self.ppo_epochs} and {self.minibatches}) or use recompute")
+            raise ConfigError(
+                f"algo.old_logprobs=from_update takes pi_old from the update's forward, which is pi_old "
+                f"only when it precedes every optimizer step: set algo.ppo_epochs=1 and "
+                f"algo.minibatches=1 (have {self.ppo_epochs} and {self.minibatches}) or use recompute"
+            )
 
     @property
     def name(self) -> str:
@@ -68,9 +76,14 @@ def row_separable(kl: KLConfig, algo: Optional[AlgoConfig] = None) -> bool:
     credit sums over the other rows)."""
     if algo is not None and algo.ratio_level == "sequence":
         return False
-    if algo is not None and algo.old_logprobs == "from_update" and (
+    if (
+        algo is not None
+        and algo.old_logprobs == "from_update"
+        and (
             canonical(algo.behavior_correction) not in PER_TOKEN_CORRECTIONS
-            or (kl.coef > 0 and kl.placement == "reward")):
+            or (kl.coef > 0 and kl.placement == "reward")
+        )
+    ):
         return False
     if kl.coef > 0 and kl.placement == "loss" and (kl.level != "token" or kl.off_policy == "per_decision"):
         return False

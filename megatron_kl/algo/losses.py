@@ -74,16 +74,19 @@ class LossInputs:
     def into(self, batch: SequenceBatch) -> SequenceBatch:
         """``batch`` carrying these inputs (split with its rows): every field but the mask (the batch's own); those
         left None are not carried."""
-        return dataclasses.replace(batch, **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                                             if f.name != "loss_mask"})
+        return dataclasses.replace(
+            batch, **{f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "loss_mask"}
+        )
 
     @classmethod
     def from_microbatch(cls, mb: Microbatch) -> "LossInputs":
         required = [f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING]
         missing = [name for name in required if getattr(mb, name) is None]
         if missing:
-            raise ValueError(f"the microbatch carries no {missing}: the policy loss needs {required} "
-                             "(LossInputs.into writes them into the batch)")
+            raise ValueError(
+                f"the microbatch carries no {missing}: the policy loss needs {required} "
+                "(LossInputs.into writes them into the batch)"
+            )
         return cls(**{f.name: getattr(mb, f.name) for f in dataclasses.fields(cls)})
 
 
@@ -100,14 +103,23 @@ class Shares:
         return mask.shape[0] / self.num_sequences
 
 
-def ppo_loss(logprobs, old_logprobs, advantages, mask, cfg: AlgoConfig, behavior_weight=None,
-             counter: Optional[ClampCounter] = None, axis: SequenceAxis = LOCAL):
+def ppo_loss(
+    logprobs,
+    old_logprobs,
+    advantages,
+    mask,
+    cfg: AlgoConfig,
+    behavior_weight=None,
+    counter: Optional[ClampCounter] = None,
+    axis: SequenceAxis = LOCAL,
+):
     """Per-token PPO-clip loss [B, T] (masked positions 0) and the clipped-token indicator."""
     m = mask.bool()
     log_ratio = torch.where(m, logprobs - old_logprobs.detach(), torch.zeros_like(logprobs))
     if cfg.ratio_level == "sequence":  # GSPO: exp(mean_t log ratio), the same on every token of the sequence
-        log_ratio = (axis.seq_sum(log_ratio, keepdim=True)
-                     / axis.seq_sum(m.to(log_ratio.dtype), keepdim=True).clamp_min(1)).expand_as(log_ratio)
+        log_ratio = (
+            axis.seq_sum(log_ratio, keepdim=True) / axis.seq_sum(m.to(log_ratio.dtype), keepdim=True).clamp_min(1)
+        ).expand_as(log_ratio)
     log_ratio = clamp_log_ratio(log_ratio, LOG_RATIO_CLAMP, mask, counter, "policy/clamped_ratio")
     ratio = torch.exp(log_ratio)
     adv = advantages.detach()
@@ -159,9 +171,16 @@ class MicrobatchLoss:
 MICROBATCH_TOKENS = "_tokens"  # a microbatch's response tokens, the weight of its per-token metrics
 
 
-def microbatch_loss(stats, mb: Microbatch, algo: AlgoConfig, kl: KLConfig, shares: Shares,
-                    counter: Optional[ClampCounter] = None, axis: SequenceAxis = LOCAL,
-                    distill: Optional[KLConfig] = None) -> tuple[torch.Tensor, dict]:
+def microbatch_loss(
+    stats,
+    mb: Microbatch,
+    algo: AlgoConfig,
+    kl: KLConfig,
+    shares: Shares,
+    counter: Optional[ClampCounter] = None,
+    axis: SequenceAxis = LOCAL,
+    distill: Optional[KLConfig] = None,
+) -> tuple[torch.Tensor, dict]:
     """This microbatch's share of the minibatch loss, and metrics (sums to be averaged by the caller).
 
     ``mb`` carries the :class:`LossInputs` in its fields of the same names (with its tokens and rows).
@@ -182,34 +201,54 @@ def microbatch_loss(stats, mb: Microbatch, algo: AlgoConfig, kl: KLConfig, share
     exact_to_teacher = stats.kl if distill is not None else None
     if distill is not None and distill.estimator == TOP_K:  # the top-k divergence in the exact KL's place
         if stats.candidate_logprobs is None or inputs.teacher_top_logprobs is None:
-            raise ValueError("distill.kl.estimator=topk: the microbatch carries no teacher_top_ids / "
-                             "teacher_top_logprobs (the step writes the teacher's top-k into the batch)")
-        exact_to_teacher = top_k_divergence(stats.candidate_logprobs, inputs.teacher_top_logprobs,
-                                            distill.top_k_tail, inputs.loss_mask,
-                                            TermCounter(counter, "distill") if counter is not None else None)
+            raise ValueError(
+                "distill.kl.estimator=topk: the microbatch carries no teacher_top_ids / "
+                "teacher_top_logprobs (the step writes the teacher's top-k into the batch)"
+            )
+        exact_to_teacher = top_k_divergence(
+            stats.candidate_logprobs,
+            inputs.teacher_top_logprobs,
+            distill.top_k_tail,
+            inputs.loss_mask,
+            TermCounter(counter, "distill") if counter is not None else None,
+        )
         distill = distill.per_position()
     if inputs.old_logprobs is None:  # algo.old_logprobs=from_update: this forward is pi_old's
         inputs = dataclasses.replace(inputs, old_logprobs=logprobs.detach())
         if kl.coef > 0 and kl.placement == "reward":
-            inputs = dataclasses.replace(inputs, kl_returns=_credited(kl, inputs, inputs.reference_logprobs, mask,
-                                                                      exact_to_reference, counter, axis))
+            inputs = dataclasses.replace(
+                inputs,
+                kl_returns=_credited(kl, inputs, inputs.reference_logprobs, mask, exact_to_reference, counter, axis),
+            )
         if distill is not None and distill.coef > 0 and distill.placement == "reward":
-            inputs = dataclasses.replace(inputs, distill_returns=_credited(distill, inputs, inputs.teacher_logprobs,
-                                                                           mask, exact_to_teacher,
-                                                                           TermCounter(counter, "distill"), axis))
+            inputs = dataclasses.replace(
+                inputs,
+                distill_returns=_credited(
+                    distill,
+                    inputs,
+                    inputs.teacher_logprobs,
+                    mask,
+                    exact_to_teacher,
+                    TermCounter(counter, "distill"),
+                    axis,
+                ),
+            )
     weight = None
     if algo.loss == "ppo":
-        weight, correction = correction_of(algo).weights(inputs.old_logprobs, inputs.behavior_logprobs, mask,
-                                                         counter, axis)
+        weight, correction = correction_of(algo).weights(
+            inputs.old_logprobs, inputs.behavior_logprobs, mask, counter, axis
+        )
         metrics.update(correction)
-        per_token, clipped, ratio = ppo_loss(logprobs, inputs.old_logprobs, inputs.advantages, mask, algo, weight,
-                                             counter, axis)
+        per_token, clipped, ratio = ppo_loss(
+            logprobs, inputs.old_logprobs, inputs.advantages, mask, algo, weight, counter, axis
+        )
         policy = aggregate_tokens(per_token, mask, algo.aggregation, algo.norm_length, axis)
         metrics["policy/clip_fraction"] = axis.total(clipped.to(mask.dtype)) / axis.total(mask).clamp_min(1)
         metrics["policy/ratio_max"] = axis.maximum(ratio)
     else:
-        policy, rpg_metrics = rpg_loss(algo.rpg, logprobs, inputs.old_logprobs, inputs.reference_logprobs,
-                                       inputs.advantages, mask, counter, axis)
+        policy, rpg_metrics = rpg_loss(
+            algo.rpg, logprobs, inputs.old_logprobs, inputs.reference_logprobs, inputs.advantages, mask, counter, axis
+        )
         metrics.update(rpg_metrics)
         metrics["policy/clip_fraction"] = rpg_metrics.get("rpg/clip_fraction", torch.zeros(()))
     policy_share = shares.factor(algo.aggregation, mask, axis)
@@ -217,19 +256,39 @@ def microbatch_loss(stats, mb: Microbatch, algo: AlgoConfig, kl: KLConfig, share
     terms = [("kl_term", kl, inputs.reference_logprobs, inputs.kl_returns, exact_to_reference, counter)]
     if distill is not None:
         if inputs.teacher_logprobs is None:
-            raise ValueError("the microbatch carries no teacher_logprobs: the distillation term needs the teacher's "
-                             "log-probs (LossInputs.into writes them into the batch)")
-        terms.append(("distill_term", distill, inputs.teacher_logprobs, inputs.distill_returns, exact_to_teacher,
-                      TermCounter(counter, "distill") if counter is not None else None))
+            raise ValueError(
+                "the microbatch carries no teacher_logprobs: the distillation term needs the teacher's "
+                "log-probs (LossInputs.into writes them into the batch)"
+            )
+        terms.append(
+            (
+                "distill_term",
+                distill,
+                inputs.teacher_logprobs,
+                inputs.distill_returns,
+                exact_to_teacher,
+                TermCounter(counter, "distill") if counter is not None else None,
+            )
+        )
     for name, term, other_logprobs, returns, exact, clamps in terms:
         if term.coef == 0:
             continue
         if term.placement == "reward":
-            value = -policy_gradient_surrogate(term, logprobs, returns, mask, inputs.behavior_logprobs, clamps,
-                                               behavior_weight=weight, axis=axis)
+            value = -policy_gradient_surrogate(
+                term, logprobs, returns, mask, inputs.behavior_logprobs, clamps, behavior_weight=weight, axis=axis
+            )
         else:
-            value = kl_loss(term, logprobs, other_logprobs, mask, inputs.behavior_logprobs, full_kl=exact,
-                            counter=clamps, behavior_weight=weight, axis=axis)
+            value = kl_loss(
+                term,
+                logprobs,
+                other_logprobs,
+                mask,
+                inputs.behavior_logprobs,
+                full_kl=exact,
+                counter=clamps,
+                behavior_weight=weight,
+                axis=axis,
+            )
         share = value * shares.factor(term.aggregation, mask, axis)
         total = total + share
         metrics[f"loss/{name}"] = share.detach()
@@ -246,6 +305,13 @@ def microbatch_loss(stats, mb: Microbatch, algo: AlgoConfig, kl: KLConfig, share
 
 def _credited(term: KLConfig, inputs: LossInputs, other_logprobs, mask, exact, counter, axis) -> torch.Tensor:
     """-coef * c_t of a reward-placed KL term, from pi_old's log-probs of this forward."""
-    return -term.coef * kl_penalty_credit(term, inputs.old_logprobs, other_logprobs, mask.bool(),
-                                          inputs.behavior_logprobs, full_kl=None if exact is None else exact.detach(),
-                                          counter=counter, axis=axis)
+    return -term.coef * kl_penalty_credit(
+        term,
+        inputs.old_logprobs,
+        other_logprobs,
+        mask.bool(),
+        inputs.behavior_logprobs,
+        full_kl=None if exact is None else exact.detach(),
+        counter=counter,
+        axis=axis,
+    )

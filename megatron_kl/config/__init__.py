@@ -1,5 +1,5 @@
 """Typed, nested configuration with validation: the ``model:`` and ``parallel:`` sections, the model families, and
-the loader every section shares (YAML, dotted overrides, ``from_dict``). The ``launch:`` section is in
+the loader every section shares (YAML, dotted overrides, ``from_dict``: in ``loader.py``). The ``launch:`` section is in
 :mod:`megatron_kl.config.launch`; the trainer's sections beside the code they configure (``kl/config.py``, ...).
 
 Every axis is a named field a user can set in YAML (``model.num_layers: 4``) or on the command line as a
@@ -12,13 +12,19 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import math
-from dataclasses import dataclass, field, fields, is_dataclass
-from pathlib import Path
-from typing import Any, Optional, get_args, get_origin, get_type_hints
+from dataclasses import dataclass, field
+from typing import Any, Optional
 
-import yaml
-
-from megatron_kl.constraints import DERIVED, ConfigError, check_declared, checked, constraint_of
+from megatron_kl.config.loader import (  # noqa: F401 - the loader is part of this API
+    apply_overrides,
+    from_dict,
+    load_yaml,
+    parse_yaml,
+    read_yaml_file,
+    redact_secrets,
+    to_dict,
+)
+from megatron_kl.constraints import ConfigError, check_declared, checked
 from megatron_kl.model_variants import (  # noqa: F401
     MOE_DISPATCHERS,
     ROUTER_SCORES,
@@ -63,27 +69,48 @@ class ModelFamily:
 
 MODEL_FAMILIES: Registry[ModelFamily] = Registry("model family", ModelFamily)
 for _family in (
-        ModelFamily("llama", {"qkv_bias": False, "qk_layernorm": False, "rope_theta": 500000.0},
-                    hf_classes={"llama": "LlamaForCausalLM"}, description="Llama-3.x"),
-        ModelFamily("qwen2", {"qkv_bias": True, "qk_layernorm": False, "rope_theta": 1000000.0},
-                    hf_classes={"qwen2": "Qwen2ForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"},
-                    description="Qwen2 / Qwen2.5 and Qwen2-MoE"),
-        ModelFamily("qwen3", {"qkv_bias": False, "qk_layernorm": True, "rope_theta": 1000000.0},
-                    hf_classes={"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"},
-                    description="Qwen3 and Qwen3-MoE"),
-        # multi-latent attention (model.mla), its latents RMS-normalised (qk_layernorm); MoE with model.moe
-        ModelFamily("deepseek_v3", {"qkv_bias": False, "qk_layernorm": True, "rope_theta": 10000.0},
-                    multi_latent_attention=True, hf_classes={"deepseek_v3": "DeepseekV3ForCausalLM"},
-                    hf_mapping="megatron_kl.models.hf_deepseek", description="DeepSeek-V3 / Moonlight / Kimi"),
-        # attention sinks, sliding and full layers, biases everywhere, the clamped GLU (set by the fields below)
-        ModelFamily("gpt_oss", {"qkv_bias": True, "qk_layernorm": False, "rope_theta": 150000.0},
-                    hf_classes={"gpt_oss": "GptOssForCausalLM"}, hf_mapping="megatron_kl.models.hf_gpt_oss",
-                    description="GPT-OSS")):
+    ModelFamily(
+        "llama",
+        {"qkv_bias": False, "qk_layernorm": False, "rope_theta": 500000.0},
+        hf_classes={"llama": "LlamaForCausalLM"},
+        description="Llama-3.x",
+    ),
+    ModelFamily(
+        "qwen2",
+        {"qkv_bias": True, "qk_layernorm": False, "rope_theta": 1000000.0},
+        hf_classes={"qwen2": "Qwen2ForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"},
+        description="Qwen2 / Qwen2.5 and Qwen2-MoE",
+    ),
+    ModelFamily(
+        "qwen3",
+        {"qkv_bias": False, "qk_layernorm": True, "rope_theta": 1000000.0},
+        hf_classes={"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"},
+        description="Qwen3 and Qwen3-MoE",
+    ),
+    # multi-latent attention (model.mla), its latents RMS-normalised (qk_layernorm); MoE with model.moe
+    ModelFamily(
+        "deepseek_v3",
+        {"qkv_bias": False, "qk_layernorm": True, "rope_theta": 10000.0},
+        multi_latent_attention=True,
+        hf_classes={"deepseek_v3": "DeepseekV3ForCausalLM"},
+        hf_mapping="megatron_kl.models.hf_deepseek",
+        description="DeepSeek-V3 / Moonlight / Kimi",
+    ),
+    # attention sinks, sliding and full layers, biases everywhere, the clamped GLU (set by the fields below)
+    ModelFamily(
+        "gpt_oss",
+        {"qkv_bias": True, "qk_layernorm": False, "rope_theta": 150000.0},
+        hf_classes={"gpt_oss": "GptOssForCausalLM"},
+        hf_mapping="megatron_kl.models.hf_gpt_oss",
+        description="GPT-OSS",
+    ),
+):
     MODEL_FAMILIES.register(_family)
 
 
 def model_family(name: str) -> ModelFamily:
     return MODEL_FAMILIES.get(name, "model.architecture")
+
 
 DTYPES = ("float32", "bfloat16", "float16")
 GLU_ACTIVATIONS = ("silu", "quick_gelu")
@@ -200,7 +227,9 @@ class ParallelConfig:
     expert_tensor_parallel: Optional[int] = checked(None, ge=1)
     # one timeout for every process group (torch.distributed's default group, megatron's TP/PP/DP groups,
     # the rollout engine's gloo group): a hung rank ends the job after this long instead of 30 min or never
-    distributed_timeout_s: float = checked(1800.0, resumable=True, ge=10, fix="process groups need seconds to form: give at least 10")
+    distributed_timeout_s: float = checked(
+        1800.0, resumable=True, ge=10, fix="process groups need seconds to form: give at least 10"
+    )
 
     @property
     def sequence_multiple(self) -> int:
@@ -234,30 +263,42 @@ def validate_model(model: ModelConfig) -> None:
     _validate_positions(model)
     validate_moe(model.moe)
     if model.moe.enabled and model.moe.first_dense_layers >= model.num_layers:
-        raise ConfigError(f"model.moe.first_dense_layers={model.moe.first_dense_layers} leaves no mixture-of-experts "
-                          f"layer among model.num_layers={model.num_layers}; lower it (or set model.moe.num_experts=0)")
+        raise ConfigError(
+            f"model.moe.first_dense_layers={model.moe.first_dense_layers} leaves no mixture-of-experts "
+            f"layer among model.num_layers={model.num_layers}; lower it (or set model.moe.num_experts=0)"
+        )
 
 
 def _validate_positions(model: ModelConfig) -> None:
     """Multi-latent attention's head layout and which RoPE scaling each attention takes."""
     if model.yarn.enabled and model.rope_scaling_factor is not None:
-        raise ConfigError("model.yarn.factor and model.rope_scaling_factor (llama3 scaling) are both set: a model has "
-                          "one RoPE scaling; keep the one its config.json names")
+        raise ConfigError(
+            "model.yarn.factor and model.rope_scaling_factor (llama3 scaling) are both set: a model has "
+            "one RoPE scaling; keep the one its config.json names"
+        )
     if model.full_attention_every is not None and model.sliding_window is None:
-        raise ConfigError(f"model.full_attention_every={model.full_attention_every} without model.sliding_window: "
-                          "set the window, or full_attention_every to null")
+        raise ConfigError(
+            f"model.full_attention_every={model.full_attention_every} without model.sliding_window: "
+            "set the window, or full_attention_every to null"
+        )
     if not model.multi_latent_attention:
         return
     if not model.yarn.truncate:
-        raise ConfigError("model.yarn.truncate=false with multi-latent attention: megatron-core's MLA rounds the YaRN "
-                          "correction range (truncate=true) only")
+        raise ConfigError(
+            "model.yarn.truncate=false with multi-latent attention: megatron-core's MLA rounds the YaRN "
+            "correction range (truncate=true) only"
+        )
     if model.rope_scaling_factor is not None:
-        raise ConfigError("model.rope_scaling_factor (llama3 scaling) with multi-latent attention: DeepSeek-V3 scales "
-                          "RoPE with YaRN; set model.yarn.factor instead")
+        raise ConfigError(
+            "model.rope_scaling_factor (llama3 scaling) with multi-latent attention: DeepSeek-V3 scales "
+            "RoPE with YaRN; set model.yarn.factor instead"
+        )
     if model.num_query_groups != model.num_attention_heads:
-        raise ConfigError(f"model.num_query_groups={model.num_query_groups} with multi-latent attention: every head "
-                          f"has its own key from the latent; set it to model.num_attention_heads="
-                          f"{model.num_attention_heads}")
+        raise ConfigError(
+            f"model.num_query_groups={model.num_query_groups} with multi-latent attention: every head "
+            f"has its own key from the latent; set it to model.num_attention_heads="
+            f"{model.num_attention_heads}"
+        )
     if model.mla.qk_rope_head_dim % 2:
         raise ConfigError(f"model.mla.qk_rope_head_dim={model.mla.qk_rope_head_dim} must be even (RoPE rotates pairs)")
 
@@ -282,11 +323,15 @@ def validate_parallel(model: ModelConfig, parallel: ParallelConfig, world_size: 
         raise ConfigError(f"parallel.tensor_parallel={tp} must divide model.ffn_hidden_size={model.ffn_hidden_size}")
     if model.multi_latent_attention:
         mla = model.mla
-        for name, width in (("q_lora_rank", mla.q_lora_rank or tp),
-                            ("kv_lora_rank + qk_rope_head_dim", mla.kv_lora_rank + mla.qk_rope_head_dim)):
+        for name, width in (
+            ("q_lora_rank", mla.q_lora_rank or tp),
+            ("kv_lora_rank + qk_rope_head_dim", mla.kv_lora_rank + mla.qk_rope_head_dim),
+        ):
             if width % tp:
-                raise ConfigError(f"parallel.tensor_parallel={tp} must divide model.mla.{name}={width} (megatron-core "
-                                  "splits multi-latent attention's down projections over the TP ranks)")
+                raise ConfigError(
+                    f"parallel.tensor_parallel={tp} must divide model.mla.{name}={width} (megatron-core "
+                    "splits multi-latent attention's down projections over the TP ranks)"
+                )
     if model.padded_vocab_size(tp) % tp:
         raise ConfigError(
             f"the padded vocabulary {model.padded_vocab_size(tp)} is not divisible by "
@@ -334,7 +379,8 @@ def validate_training_layout(model: ModelConfig, parallel: ParallelConfig, micro
             "only with parallel.sequence_parallel=true: without it megatron-core's multi-latent attention keeps each "
             "TP rank's part of the shared rotary key's gradient and adds the latent query norm's gradient once per "
             "rank (measured: 2x and ~1 % off at TP 2); sequence parallelism needs the Transformer Engine spec, on "
-            "GPUs. Set sequence_parallel, or tensor_parallel=1 (forward-only uses run at any TP)")
+            "GPUs. Set sequence_parallel, or tensor_parallel=1 (forward-only uses run at any TP)"
+        )
     if model.moe.enabled and parallel.tensor_parallel > 1 and not parallel.sequence_parallel:
         raise ConfigError(
             f"model.moe with parallel.tensor_parallel={parallel.tensor_parallel} trains only with "
@@ -351,19 +397,25 @@ def _validate_context_parallel(model: ModelConfig, parallel: ParallelConfig) -> 
     if cp == 1:
         return
     if parallel.pipeline_parallel > 1 or parallel.virtual_pipeline is not None:
-        raise ConfigError(f"parallel.context_parallel={cp} with parallel.pipeline_parallel="
-                          f"{parallel.pipeline_parallel}: the pipeline schedule's shapes under context parallelism are "
-                          "not supported here yet; set pipeline_parallel=1 (use tensor and context parallelism)")
+        raise ConfigError(
+            f"parallel.context_parallel={cp} with parallel.pipeline_parallel="
+            f"{parallel.pipeline_parallel}: the pipeline schedule's shapes under context parallelism are "
+            "not supported here yet; set pipeline_parallel=1 (use tensor and context parallelism)"
+        )
     if model.moe.enabled:
-        raise ConfigError(f"parallel.context_parallel={cp} with a mixture-of-experts model (model.moe): routing "
-                          "replay and the expert layouts are not checked under context parallelism yet; set "
-                          "parallel.context_parallel=1")
+        raise ConfigError(
+            f"parallel.context_parallel={cp} with a mixture-of-experts model (model.moe): routing "
+            "replay and the expert layouts are not checked under context parallelism yet; set "
+            "parallel.context_parallel=1"
+        )
     multiple = parallel.sequence_multiple
     if model.max_position_embeddings % multiple:
-        raise ConfigError(f"model.max_position_embeddings={model.max_position_embeddings} must be a multiple of "
-                          f"{multiple} (2 x parallel.context_parallel={cp}"
-                          f"{' x tensor_parallel with sequence_parallel' if multiple != 2 * cp else ''}): every "
-                          "sequence is padded to that multiple and its positions must stay within the model's")
+        raise ConfigError(
+            f"model.max_position_embeddings={model.max_position_embeddings} must be a multiple of "
+            f"{multiple} (2 x parallel.context_parallel={cp}"
+            f"{' x tensor_parallel with sequence_parallel' if multiple != 2 * cp else ''}): every "
+            "sequence is padded to that multiple and its positions must stay within the model's"
+        )
 
 
 def _validate_expert_layout(model: ModelConfig, parallel: ParallelConfig, world_size: int) -> None:
@@ -375,203 +427,40 @@ def _validate_expert_layout(model: ModelConfig, parallel: ParallelConfig, world_
         raise ConfigError(f"parallel.expert_parallel={ep} and parallel.expert_tensor_parallel={etp} must be >= 1")
     if not moe.enabled:
         if ep != 1 or etp not in (None, tp):
-            raise ConfigError(f"parallel.expert_parallel={ep} / expert_tensor_parallel={etp} need a mixture-of-"
-                              "experts model: set model.moe.num_experts, or leave them at 1 / null")
+            raise ConfigError(
+                f"parallel.expert_parallel={ep} / expert_tensor_parallel={etp} need a mixture-of-"
+                "experts model: set model.moe.num_experts, or leave them at 1 / null"
+            )
         return
     etp = tp if etp is None else etp
     if model.linear_bias and etp > 1:
-        raise ConfigError(f"model.linear_bias with parallel.expert_tensor_parallel={etp} (null: tensor_parallel): "
-                          "megatron-core adds the experts' biases with one expert-tensor-parallel rank only; set "
-                          "parallel.expert_tensor_parallel=1 (split the experts with expert_parallel instead)")
+        raise ConfigError(
+            f"model.linear_bias with parallel.expert_tensor_parallel={etp} (null: tensor_parallel): "
+            "megatron-core adds the experts' biases with one expert-tensor-parallel rank only; set "
+            "parallel.expert_tensor_parallel=1 (split the experts with expert_parallel instead)"
+        )
     if moe.num_experts % ep:
-        raise ConfigError(f"model.moe.num_experts={moe.num_experts} is not divisible by parallel.expert_parallel="
-                          f"{ep}: every expert-parallel rank holds the same number of experts; pick a divisor")
+        raise ConfigError(
+            f"model.moe.num_experts={moe.num_experts} is not divisible by parallel.expert_parallel="
+            f"{ep}: every expert-parallel rank holds the same number of experts; pick a divisor"
+        )
     per_stage = world_size // pp
     if per_stage % (etp * ep):
-        raise ConfigError(f"parallel.expert_tensor_parallel*expert_parallel={etp}x{ep} must divide the "
-                          f"{per_stage} ranks of a pipeline stage (world size {world_size} / "
-                          f"parallel.pipeline_parallel={pp}); change expert_parallel or the number of ranks")
+        raise ConfigError(
+            f"parallel.expert_tensor_parallel*expert_parallel={etp}x{ep} must divide the "
+            f"{per_stage} ranks of a pipeline stage (world size {world_size} / "
+            f"parallel.pipeline_parallel={pp}); change expert_parallel or the number of ranks"
+        )
     expert_ffn = moe.ffn_hidden_size or model.ffn_hidden_size
     if expert_ffn % etp:
-        raise ConfigError(f"parallel.expert_tensor_parallel={etp} must divide the expert width "
-                          f"model.moe.ffn_hidden_size={expert_ffn}")
-    if moe.shared_expert_ffn_hidden_size % tp:
-        raise ConfigError(f"parallel.tensor_parallel={tp} must divide model.moe.shared_expert_ffn_hidden_size="
-                          f"{moe.shared_expert_ffn_hidden_size}")
-
-
-# ---------------------------------------------------------------------------------------------------
-# YAML and dotted overrides, generic over nested dataclasses.
-
-
-def _coerce(value: Any, hint: Any, where: str) -> Any:
-    origin = get_origin(hint)
-    if origin is not None and type(None) in get_args(hint):  # Optional[X]
-        if value is None or (isinstance(value, str) and value.lower() in ("null", "none")):
-            return None
-        inner = [a for a in get_args(hint) if a is not type(None)]
-        return _coerce(value, inner[0], where)
-    if origin is list and get_args(hint) and get_args(hint)[0] in (str, int, float):
-        if isinstance(value, dict):
-            raise ConfigError(f"{where}={value!r} must be a list, e.g. {where}=[a,b]")
-        if not isinstance(value, (list, tuple)):
-            value = [value]  # one item: `train_files: data.jsonl`, `logging.profile_steps=3`
-        item = get_args(hint)[0]
-        return [_coerce(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
-    if origin is list and get_args(hint) and is_dataclass(get_args(hint)[0]):  # a list of sections
-        if isinstance(value, dict):
-            value = [value]  # one item
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{where}={value!r} must be a list of mappings, e.g. {where}=[{{name: x}}]")
-        return [_coerce(v, get_args(hint)[0], f"{where}[{i}]") for i, v in enumerate(value)]
-    if origin is dict:  # free-form keyword arguments (a reward function's): string keys, YAML values
-        if value is None:
-            return {}
-        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
-            raise ConfigError(f"{where}={value!r} must be a mapping with string keys, e.g. {where}={{key: value}}")
-        return dict(value)
-    if is_dataclass(hint):
-        if not isinstance(value, dict):
-            raise ConfigError(f"{where} must be a mapping, got {value!r}")
-        return from_dict(hint, value, prefix=where + ".")
-    if value is None and hint in (bool, int, float, str):
-        raise ConfigError(f"{where} must be set (null is not a {hint.__name__} here)")
-    if hint is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
-            return value.lower() in ("true", "1", "yes")
-        raise ConfigError(f"{where}={value!r} must be true or false")
-    if hint in (int, float):
-        if isinstance(value, bool):
-            raise ConfigError(f"{where}={str(value).lower()} must be a{'n integer' if hint is int else ' number'}, "
-                              "not true/false")
-        try:
-            out = hint(value)
-        except (TypeError, ValueError, OverflowError):
-            raise ConfigError(f"{where}={value!r} must be a{'n int' if hint is int else ' float'}") from None
-        if hint is int and isinstance(value, float) and value != out:
-            raise ConfigError(f"{where}={value!r} must be an integer")
-        return out
-    if hint is str:
-        if isinstance(value, bool):  # YAML 1.1 reads a bare off / on (and no / yes) as false / true
-            return "on" if value else "off"
-        if isinstance(value, (dict, list)):
-            raise ConfigError(f"{where}={value!r} must be a string")
-        return str(value)
-    return value
-
-
-def from_dict(cls, data: dict, prefix: str = ""):
-    """Build dataclass ``cls`` from a nested dict; unknown keys are errors naming the key."""
-    hints = get_type_hints(cls)
-    names = {f.name for f in fields(cls) if f.init and not f.metadata.get(DERIVED)}  # resolved at load: not given
-    unknown = set(data) - names
-    if unknown:
         raise ConfigError(
-            f"unknown config key(s) {sorted(prefix + k for k in unknown)}; valid keys here: {sorted(names)}"
+            f"parallel.expert_tensor_parallel={etp} must divide the expert width model.moe.ffn_hidden_size={expert_ffn}"
         )
-    kwargs = {k: _coerce(v, hints[k], prefix + k) for k, v in data.items()}
-    for item in fields(cls):
-        rule = constraint_of(item)
-        if rule is not None and item.name in kwargs:
-            why = rule.violation(kwargs[item.name])
-            if why:
-                value = kwargs[item.name] if isinstance(kwargs[item.name], (int, float)) else data[item.name]
-                raise ConfigError(f"{prefix}{item.name}={_shown(value)} {why}" + (f"; {rule.fix}" if rule.fix else ""))
-    try:
-        built = cls(**kwargs)
-        resolve = getattr(cls, "__resolve__", None)  # the loader's step after construction (TrainConfig's)
-        return resolve(built) if resolve is not None else built
-    except ConfigError:
-        raise
-    except ValueError as err:  # a library dataclass (KLConfig, RPGConfig...) names itself: say the YAML path
-        message = str(err)
-        for klass in cls.__mro__:  # a subclass's error may come from its base (DistillObjective: KLConfig's rules)
-            message = message.replace(f"{klass.__name__}.", prefix)
-        raise ConfigError(message) from None
-
-
-def _shown(value) -> str:
-    """A value as the user typed it (YAML spelling for true/false/null)."""
-    if value is None or isinstance(value, bool):
-        return yaml.safe_dump(value).split("\n")[0]
-    return repr(value) if isinstance(value, str) else str(value)
-
-
-def to_dict(obj) -> dict:
-    return dataclasses.asdict(obj)
-
-
-def redact_secrets(data: dict) -> dict:
-    """A copy of a config dict (``to_dict``) for files, trackers and printing (config.yaml, run.json, W&B,
-    ``--check``): secret fields and environment entries (``launch.env``), secret flags' values in argument lists and
-    known secrets anywhere replaced (``megatron_kl.redaction``)."""
-    return redact_config(data)
-
-
-def apply_overrides(data: dict, overrides: list[str]) -> dict:
-    """Apply ``a.b.c=value`` strings (value parsed as YAML) onto a nested dict."""
-    for item in overrides:
-        if "=" not in item:
-            raise ConfigError(f"override {item!r} must look like section.key=value")
-        key, raw = item.split("=", 1)
-        node = data
-        parts = key.split(".")
-        for part in parts[:-1]:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise ConfigError(f"override {item!r}: {part} is not a section")
-        node[parts[-1]] = parse_yaml(raw, f"override {item!r}")
-    return data
-
-
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """yaml.SafeLoader that refuses a key given twice in one mapping (PyYAML would keep the last silently)."""
-
-    def construct_mapping(self, node, deep=False):
-        seen = {}
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=deep)
-            try:
-                if key in seen:
-                    raise yaml.constructor.ConstructorError(
-                        None, None, f"key {key!r} is given twice (lines {seen[key] + 1} and "
-                        f"{key_node.start_mark.line + 1}): keep one", key_node.start_mark)
-                seen[key] = key_node.start_mark.line
-            except TypeError:  # an unhashable key: PyYAML's own error follows
-                pass
-        return super().construct_mapping(node, deep=deep)
-
-
-def parse_yaml(text: str, where: str):
-    """``yaml.safe_load`` (keys given twice refused) with a one-line ConfigError naming ``where`` and the position
-    instead of a traceback."""
-    try:
-        return yaml.load(text, Loader=_UniqueKeyLoader)
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
-        raise ConfigError(f"{where} is not valid YAML{at}: {problem}") from None
-
-
-def read_yaml_file(path: str | Path) -> dict:
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config file {path} does not exist")
-    try:
-        text = path.read_text()
-    except UnicodeDecodeError as err:
-        raise ConfigError(f"config file {path} is not UTF-8 text ({err.reason} at byte {err.start})") from None
-    data = parse_yaml(text, f"config file {path}") or {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"config file {path} must hold a mapping of sections, not a {type(data).__name__}")
-    return data
-
-
-def load_yaml(path: str | Path, cls, overrides: Optional[list[str]] = None):
-    return from_dict(cls, apply_overrides(read_yaml_file(path), overrides or []))
+    if moe.shared_expert_ffn_hidden_size % tp:
+        raise ConfigError(
+            f"parallel.tensor_parallel={tp} must divide model.moe.shared_expert_ffn_hidden_size="
+            f"{moe.shared_expert_ffn_hidden_size}"
+        )
 
 
 @dataclass(frozen=True)

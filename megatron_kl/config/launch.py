@@ -49,7 +49,9 @@ class TunnelConfig:
     host: Optional[str] = checked(None, free=True)
     user: Optional[str] = checked(None, free=True)
     identity: Optional[str] = checked(None, free=True)  # ssh private key file
-    job_dir: str = checked("runs/nemo_run_jobs", free=True, nonempty=True)  # on the cluster's shared filesystem: code archive, sbatch, logs
+    job_dir: str = checked(
+        "runs/nemo_run_jobs", free=True, nonempty=True
+    )  # on the cluster's shared filesystem: code archive, sbatch, logs
 
     def __post_init__(self):
         check_declared(self, "launch.slurm.tunnel.")
@@ -82,14 +84,17 @@ class SlurmConfig:
     # step, checkpoints and exits 75 so the job requeues and resumes. Also torchrun's grace period for that.
     # 0: no signal (the job is killed at the limit and resumes from its last interval checkpoint).
     signal_lead_s: int = checked(300, ge=0)
-    packager: str = checked("git", choices=PACKAGERS)  # git: `git archive` of HEAD goes to the cluster; none: the image has the code
+    packager: str = checked(
+        "git", choices=PACKAGERS
+    )  # git: `git archive` of HEAD goes to the cluster; none: the image has the code
     tunnel: TunnelConfig = field(default_factory=TunnelConfig)
 
     def __post_init__(self):
         check_declared(self, "launch.slurm.")
         if self.gpus_per_node == 0 and self.ranks_per_node is None:
-            raise ConfigError("launch.slurm.gpus_per_node=0 (CPU nodes) needs launch.slurm.ranks_per_node, the trainer "
-                              "ranks per node")
+            raise ConfigError(
+                "launch.slurm.gpus_per_node=0 (CPU nodes) needs launch.slurm.ranks_per_node, the trainer ranks per node"
+            )
         if not isinstance(self.container_mounts, list):
             raise ConfigError("launch.slurm.container_mounts must be a list of 'src:dst' strings")
         object.__setattr__(self, "env", _check_env(self.env, "launch.slurm.env"))
@@ -114,8 +119,10 @@ class SlurmConfig:
 def stop_signal_env(grace_s: int) -> dict:
     """torchrun forwards SIGUSR1 (not only SIGTERM/SIGINT/...) to its workers and gives them ``grace_s`` to
     checkpoint before it kills them."""
-    return {"PET_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
-            "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(grace_s)}
+    return {
+        "PET_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
+        "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(grace_s),
+    }
 
 
 @dataclass(frozen=True)
@@ -145,7 +152,8 @@ class RolloutServersConfig:
         check_declared(self, "launch.rollout_servers.")
         if self.gpus_per_node % self.tp_size:
             raise ConfigError(
-                f"launch.rollout_servers.tp_size={self.tp_size} must divide gpus_per_node={self.gpus_per_node}")
+                f"launch.rollout_servers.tp_size={self.tp_size} must divide gpus_per_node={self.gpus_per_node}"
+            )
 
 
 REWARD_SERVICE_MODES = ("none", "heterogeneous")

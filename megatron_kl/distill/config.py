@@ -71,17 +71,23 @@ class TeacherConfig:
     def __post_init__(self):
         needs = {"hf": "hf_checkpoint", "checkpoint": "checkpoint"}.get(self.source)
         if needs and getattr(self, needs) is None:
-            raise ConfigError(f"distill.teacher.source={self.source} needs distill.teacher.{needs}: give the "
-                              f"teacher's {'HF model directory' if needs == 'hf_checkpoint' else 'full-state file'}")
+            raise ConfigError(
+                f"distill.teacher.source={self.source} needs distill.teacher.{needs}: give the "
+                f"teacher's {'HF model directory' if needs == 'hf_checkpoint' else 'full-state file'}"
+            )
         if (self.source == "server") != bool(self.server.urls):
-            raise ConfigError("distill.teacher.server.urls gives the teacher's servers and goes with "
-                              f"distill.teacher.source=server (now source={self.source}, urls={self.server.urls}): "
-                              "set both, or neither")
+            raise ConfigError(
+                "distill.teacher.server.urls gives the teacher's servers and goes with "
+                f"distill.teacher.source=server (now source={self.source}, urls={self.server.urls}): "
+                "set both, or neither"
+            )
         optional = ("hf_checkpoint",) if self.source == "server" else ()  # the served directory, for the checks
         for other in ("hf_checkpoint", "checkpoint"):
             if other != needs and other not in optional and getattr(self, other) is not None:
-                raise ConfigError(f"distill.teacher.{other}={getattr(self, other)} is unused with "
-                                  f"distill.teacher.source={self.source}: drop it or set the source that reads it")
+                raise ConfigError(
+                    f"distill.teacher.{other}={getattr(self, other)} is unused with "
+                    f"distill.teacher.source={self.source}: drop it or set the source that reads it"
+                )
 
 
 @dataclass(frozen=True)
@@ -128,6 +134,13 @@ def teacher_parallel(teacher: TeacherConfig, student_parallel):
     same = tp == student_parallel.tensor_parallel and pp == student_parallel.pipeline_parallel
     if same:
         return student_parallel
-    return dataclasses.replace(student_parallel, tensor_parallel=tp, pipeline_parallel=pp, virtual_pipeline=None,
-                               sequence_parallel=False, context_parallel=1, expert_parallel=1,
-                               expert_tensor_parallel=None)
+    return dataclasses.replace(
+        student_parallel,
+        tensor_parallel=tp,
+        pipeline_parallel=pp,
+        virtual_pipeline=None,
+        sequence_parallel=False,
+        context_parallel=1,
+        expert_parallel=1,
+        expert_tensor_parallel=None,
+    )

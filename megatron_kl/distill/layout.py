@@ -46,8 +46,13 @@ def build_in_own_layout(model, layout, timeout_s: float) -> tuple[OwnLayout, lis
     """Collective: the frozen teacher's one chunk in its own layout ``layout`` (a ParallelConfig: its tensor and
     pipeline sizes): whole when it has no pipeline of its own, else this rank's stage of it."""
     own = own_layout(layout.tensor_parallel, timeout_s, layout.pipeline_parallel)
-    chunk = builder.build_gpt_model(model, layout, pg_collection=own.collection, whole=own.pipeline_parallel == 1,
-                                    stage=(own.first_stage, own.last_stage))
+    chunk = builder.build_gpt_model(
+        model,
+        layout,
+        pg_collection=own.collection,
+        whole=own.pipeline_parallel == 1,
+        stage=(own.first_stage, own.last_stage),
+    )
     return own, builder.freeze([chunk])
 
 
@@ -57,8 +62,9 @@ def expert_groups(own: OwnLayout):
     return ExpertGroups(ep=own.collection.ep, etp=own.tp)
 
 
-def reshard_output_weight(chunk, own: OwnLayout, vocab_size: int, student_padded_vocab: int, student_tp_group
-                          ) -> torch.Tensor:
+def reshard_output_weight(
+    chunk, own: OwnLayout, vocab_size: int, student_padded_vocab: int, student_tp_group
+) -> torch.Tensor:
     """Collective over the teacher's groups: its output weight [V, H_teacher] (padding rows dropped), gathered over its
     TP group on its last pipeline stage and sent down its pipeline, re-padded to the student's padded vocabulary and
     cut to this rank's student TP shard."""
@@ -77,7 +83,7 @@ def reshard_output_weight(chunk, own: OwnLayout, vocab_size: int, student_padded
     padded[:vocab_size] = full
     size, rank = dist.get_world_size(student_tp_group), dist.get_rank(student_tp_group)
     rows = student_padded_vocab // size
-    return padded[rank * rows:(rank + 1) * rows].contiguous()
+    return padded[rank * rows : (rank + 1) * rows].contiguous()
 
 
 def _global_batch(sequences: pipeline.SequenceBatch, dp_rank: int, dp_size: int):
@@ -92,10 +98,12 @@ def _global_batch(sequences: pipeline.SequenceBatch, dp_rank: int, dp_size: int)
     if sorted(by_rank) != list(range(dp_size)):
         raise RuntimeError(f"the teacher's gather saw data-parallel ranks {sorted(by_rank)}, expected 0..{dp_size - 1}")
     width = max(tokens.shape[1] for tokens, _ in by_rank.values())
-    tokens = torch.cat([torch.nn.functional.pad(by_rank[r][0], (0, width - by_rank[r][0].shape[1]))
-                        for r in range(dp_size)])
-    mask = torch.cat([torch.nn.functional.pad(by_rank[r][1], (0, width - by_rank[r][0].shape[1]))
-                      for r in range(dp_size)])
+    tokens = torch.cat(
+        [torch.nn.functional.pad(by_rank[r][0], (0, width - by_rank[r][0].shape[1])) for r in range(dp_size)]
+    )
+    mask = torch.cat(
+        [torch.nn.functional.pad(by_rank[r][1], (0, width - by_rank[r][0].shape[1])) for r in range(dp_size)]
+    )
     starts = [0]
     for r in range(dp_size):
         starts.append(starts[-1] + by_rank[r][0].shape[0])
@@ -106,9 +114,17 @@ def _divisor_at_most(rows: int, limit: int) -> int:
     return max(d for d in range(1, max(1, min(rows, limit)) + 1) if rows % d == 0)
 
 
-def score_in_own_layout(chunks: list, own: OwnLayout, sequences: pipeline.SequenceBatch, microbatches: int,
-                        vocab: pipeline.VocabOptions, capture_hidden: bool, token_budget: int, dp_rank: int,
-                        dp_size: int) -> TokenStats:
+def score_in_own_layout(
+    chunks: list,
+    own: OwnLayout,
+    sequences: pipeline.SequenceBatch,
+    microbatches: int,
+    vocab: pipeline.VocabOptions,
+    capture_hidden: bool,
+    token_budget: int,
+    dp_rank: int,
+    dp_size: int,
+) -> TokenStats:
     """Collective over every rank: the teacher's stats of this rank's ``sequences`` (module docstring); ``vocab`` as
     the caller gives it (Teacher.score: the full softmax, never truncated)."""
     tokens, mask, starts = _global_batch(sequences, dp_rank, dp_size)
@@ -116,8 +132,15 @@ def score_in_own_layout(chunks: list, own: OwnLayout, sequences: pipeline.Sequen
     payload = None
     if share.numel():
         batch = pipeline.SequenceBatch(tokens[share], mask[share])
-        stats = pipeline.compute_token_stats(chunks, batch, _divisor_at_most(share.numel(), microbatches), vocab,
-                                             capture_hidden=capture_hidden, token_budget=token_budget, own_layout=own)
+        stats = pipeline.compute_token_stats(
+            chunks,
+            batch,
+            _divisor_at_most(share.numel(), microbatches),
+            vocab,
+            capture_hidden=capture_hidden,
+            token_budget=token_budget,
+            own_layout=own,
+        )
         if dist.get_rank(own.tp) == 0 and own.last_stage:  # one copy per replica, from where it was computed
             payload = (share, stats.logprobs, stats.entropy, stats.hidden)
     results: list = [None] * dist.get_world_size()
@@ -136,7 +159,8 @@ def score_in_own_layout(chunks: list, own: OwnLayout, sequences: pipeline.Sequen
             hidden[index] = part_hidden
     lo, hi = starts[dp_rank], starts[dp_rank + 1]
     own_width = sequences.tokens.shape[1]
-    return TokenStats(logprobs=logprobs[lo:hi, : own_width - 1].contiguous(),
-                      entropy=entropy[lo:hi, : own_width - 1].contiguous(),
-                      hidden=None if hidden is None else hidden[lo:hi, :own_width].contiguous())
-
+    return TokenStats(
+        logprobs=logprobs[lo:hi, : own_width - 1].contiguous(),
+        entropy=entropy[lo:hi, : own_width - 1].contiguous(),
+        hidden=None if hidden is None else hidden[lo:hi, :own_width].contiguous(),
+    )

@@ -56,15 +56,26 @@ log = logging.getLogger(__name__)
 def score_payload(input_ids: list[int], start: int, k: int) -> dict:
     """The SGLang /generate body that scores ``input_ids`` from position ``start`` on with the top ``k`` per
     position."""
-    return {"input_ids": list(input_ids), "sampling_params": {"max_new_tokens": 0, "temperature": 1.0},
-            "return_logprob": True, "logprob_start_len": int(start), "top_logprobs_num": int(k)}
+    return {
+        "input_ids": list(input_ids),
+        "sampling_params": {"max_new_tokens": 0, "temperature": 1.0},
+        "return_logprob": True,
+        "logprob_start_len": int(start),
+        "top_logprobs_num": int(k),
+    }
 
 
 def vllm_score_payload(input_ids: list[int], k: int, model: str) -> dict:
     """The vLLM /v1/completions body that scores every position of ``input_ids`` with the top ``k`` (one token is
     generated and not read: vLLM's max_tokens is at least 1)."""
-    return {"model": model, "prompt": list(input_ids), "max_tokens": 1, "temperature": 1.0,
-            "prompt_logprobs": int(k), "skip_special_tokens": False}
+    return {
+        "model": model,
+        "prompt": list(input_ids),
+        "max_tokens": 1,
+        "temperature": 1.0,
+        "prompt_logprobs": int(k),
+        "skip_special_tokens": False,
+    }
 
 
 def _number(value, field: str, where: str) -> float:
@@ -77,8 +88,9 @@ def _number(value, field: str, where: str) -> float:
     return min(number, 0.0)
 
 
-def parse_scores(body, input_ids: list[int], start: int, k: int, vocab_size: int, where: str
-                 ) -> tuple[list[float], list[list[int]], list[list[float]]]:
+def parse_scores(
+    body, input_ids: list[int], start: int, k: int, vocab_size: int, where: str
+) -> tuple[list[float], list[list[int]], list[list[float]]]:
     """An SGLang scoring answer -> (log-probs of ``input_ids[start + 1:]``, their top-``k`` ids, their top-``k``
     log-probs), one entry per position after ``start`` (module docstring); an impossible value is a
     ``CorruptResponse``, another shape a ``ServerError``, each naming the field."""
@@ -90,38 +102,57 @@ def parse_scores(body, input_ids: list[int], start: int, k: int, vocab_size: int
     tokens, tops = meta.get("input_token_logprobs"), meta.get("input_top_logprobs")
     expected = len(input_ids) - start
     if not isinstance(tokens, list) or len(tokens) != expected:
-        raise CorruptResponse(f"{where}: meta_info.input_token_logprobs has "
-                              f"{len(tokens) if isinstance(tokens, list) else 'no'} entries, expected {expected} (one "
-                              f"per input position from logprob_start_len={start}; return_logprob=true was sent)")
+        raise CorruptResponse(
+            f"{where}: meta_info.input_token_logprobs has "
+            f"{len(tokens) if isinstance(tokens, list) else 'no'} entries, expected {expected} (one "
+            f"per input position from logprob_start_len={start}; return_logprob=true was sent)"
+        )
     if k and (not isinstance(tops, list) or len(tops) != expected):
-        raise CorruptResponse(f"{where}: meta_info.input_top_logprobs has {len(tops) if isinstance(tops, list) else 'no'}"
-                              f" entries, expected {expected} (top_logprobs_num={k} was sent)")
+        raise CorruptResponse(
+            f"{where}: meta_info.input_top_logprobs has {len(tops) if isinstance(tops, list) else 'no'}"
+            f" entries, expected {expected} (top_logprobs_num={k} was sent)"
+        )
     positions = []
     for offset, entry in enumerate(tokens):
         if not isinstance(entry, (list, tuple)) or len(entry) < 2:
             raise ServerError(f"{where}: meta_info.input_token_logprobs[{offset}] is not [logprob, token_id, ...]")
         top = tops[offset] if k else []
-        if k and offset and (not isinstance(top, list) or not all(isinstance(t, (list, tuple)) and len(t) >= 2
-                                                                  for t in top)):
-            raise CorruptResponse(f"{where}: meta_info.input_top_logprobs[{offset}] is not [[logprob, token_id, ...]"
-                                  ", ...]")
-        positions.append((entry[1], entry[0], [(t[0], t[1]) for t in top or []], f"input_token_logprobs[{offset}]",
-                          f"input_top_logprobs[{offset}]"))
+        if (
+            k
+            and offset
+            and (not isinstance(top, list) or not all(isinstance(t, (list, tuple)) and len(t) >= 2 for t in top))
+        ):
+            raise CorruptResponse(
+                f"{where}: meta_info.input_top_logprobs[{offset}] is not [[logprob, token_id, ...], ...]"
+            )
+        positions.append(
+            (
+                entry[1],
+                entry[0],
+                [(t[0], t[1]) for t in top or []],
+                f"input_token_logprobs[{offset}]",
+                f"input_top_logprobs[{offset}]",
+            )
+        )
     return checked_scores(positions, input_ids, start, k, vocab_size, where, "meta_info")
 
 
-def parse_vllm_scores(body, input_ids: list[int], start: int, k: int, vocab_size: int, where: str
-                      ) -> tuple[list[float], list[list[int]], list[list[float]]]:
+def parse_vllm_scores(
+    body, input_ids: list[int], start: int, k: int, vocab_size: int, where: str
+) -> tuple[list[float], list[list[int]], list[list[float]]]:
     """A vLLM ``/v1/completions`` answer with ``prompt_logprobs`` -> what :func:`parse_scores` returns."""
     try:
         entries = body["choices"][0]["prompt_logprobs"]
     except (KeyError, IndexError, TypeError):
-        raise CorruptResponse(f"{where}: no choices[0].prompt_logprobs in the answer (prompt_logprobs={k} was "
-                              "sent)") from None
+        raise CorruptResponse(
+            f"{where}: no choices[0].prompt_logprobs in the answer (prompt_logprobs={k} was sent)"
+        ) from None
     if not isinstance(entries, list) or len(entries) != len(input_ids):
-        raise CorruptResponse(f"{where}: choices[0].prompt_logprobs has "
-                              f"{len(entries) if isinstance(entries, list) else 'no'} entries, expected "
-                              f"{len(input_ids)} (one per prompt token)")
+        raise CorruptResponse(
+            f"{where}: choices[0].prompt_logprobs has "
+            f"{len(entries) if isinstance(entries, list) else 'no'} entries, expected "
+            f"{len(input_ids)} (one per prompt token)"
+        )
     positions = []
     for position in range(start, len(input_ids)):
         entry, field = entries[position], f"prompt_logprobs[{position}]"
@@ -142,16 +173,19 @@ def parse_vllm_scores(body, input_ids: list[int], start: int, k: int, vocab_size
     return checked_scores(positions, input_ids, start, k, vocab_size, where, "choices[0]")
 
 
-def checked_scores(positions, input_ids: list[int], start: int, k: int, vocab_size: int, where: str, root: str
-                   ) -> tuple[list[float], list[list[int]], list[list[float]]]:
+def checked_scores(
+    positions, input_ids: list[int], start: int, k: int, vocab_size: int, where: str, root: str
+) -> tuple[list[float], list[list[int]], list[list[float]]]:
     """The checks both APIs' answers pass (module docstring). ``positions``: per position from ``start`` on, (the
     echoed token id, its log-prob, [(top log-prob, top id), ...], the field of each for the errors)."""
     logprobs, top_ids, top_logprobs = [], [], []
     for offset, (echoed, logprob, top, field, top_field) in enumerate(positions):
         position = start + offset
         if echoed != input_ids[position]:
-            raise CorruptResponse(f"{where}: {root}.{field} is for token {echoed!r}, the request's token at position "
-                                  f"{position} is {input_ids[position]}")
+            raise CorruptResponse(
+                f"{where}: {root}.{field} is for token {echoed!r}, the request's token at position "
+                f"{position} is {input_ids[position]}"
+            )
         if offset == 0:
             continue  # the position before the first target: its id checked, its log-prob unused
         logprobs.append(_number(logprob, f"{root}.{field}", where))
@@ -162,13 +196,15 @@ def checked_scores(positions, input_ids: list[int], start: int, k: int, vocab_si
         values = [_number(value, f"{root}.{top_field}", where) for value, _ in top[:k]]
         ids = [token for _, token in top[:k]]
         if not all(isinstance(i, int) and 0 <= i < vocab_size for i in ids) or len(set(ids)) != k:
-            raise CorruptResponse(f"{where}: {root}.{top_field} has token ids {ids}: {k} distinct ids in "
-                                  f"[0, {vocab_size}) expected")
+            raise CorruptResponse(
+                f"{where}: {root}.{top_field} has token ids {ids}: {k} distinct ids in [0, {vocab_size}) expected"
+            )
         if any(b > a + 1e-5 for a, b in zip(values, values[1:])):
             raise CorruptResponse(f"{where}: {root}.{top_field} is not sorted by log-prob")
         if input_ids[position] in ids and abs(values[ids.index(input_ids[position])] - logprobs[-1]) > 1e-3:
-            raise CorruptResponse(f"{where}: {root}.{top_field} gives token {input_ids[position]} another log-prob "
-                                  f"than {root}.{field}")
+            raise CorruptResponse(
+                f"{where}: {root}.{top_field} gives token {input_ids[position]} another log-prob than {root}.{field}"
+            )
         top_ids.append(ids)
         top_logprobs.append(values)
     return logprobs, top_ids, top_logprobs
@@ -200,15 +236,30 @@ class ServedTeacher:
 
     def _score_row(self, tokens: list[int], start: int, url: str):
         where = f"teacher server {url}"
-        hint = (f"set the environment variable distill.teacher.server.api_key_env names (now {self.cfg.api_key_env}) "
-                "to the teacher server's --api-key")
+        hint = (
+            f"set the environment variable distill.teacher.server.api_key_env names (now {self.cfg.api_key_env}) "
+            "to the teacher server's --api-key"
+        )
         if self.cfg.api == "vllm":
             payload = vllm_score_payload(tokens, self.k, self._model_name(url, hint))
-            return call(url, "/v1/completions", payload, self.policy, session=self.session, auth_hint=hint,
-                        parse=lambda body: parse_vllm_scores(body, tokens, start, self.k, self.vocab_size, where))
-        return call(url, "/generate", score_payload(tokens, start, self.k), self.policy, session=self.session,
-                    parse=lambda body: parse_scores(body, tokens, start, self.k, self.vocab_size, where),
-                    auth_hint=hint)
+            return call(
+                url,
+                "/v1/completions",
+                payload,
+                self.policy,
+                session=self.session,
+                auth_hint=hint,
+                parse=lambda body: parse_vllm_scores(body, tokens, start, self.k, self.vocab_size, where),
+            )
+        return call(
+            url,
+            "/generate",
+            score_payload(tokens, start, self.k),
+            self.policy,
+            session=self.session,
+            parse=lambda body: parse_scores(body, tokens, start, self.k, self.vocab_size, where),
+            auth_hint=hint,
+        )
 
     def _model_name(self, url: str, hint: str) -> str:
         """The model a vLLM server serves (its /v1/models), asked once per url."""
@@ -241,13 +292,20 @@ class ServedTeacher:
                 top[row, span] = torch.tensor(top_values)
         return logprobs, ids, top
 
-    def score(self, sequences: pipeline.SequenceBatch, microbatches: int, vocab: pipeline.VocabOptions,
-              capture_hidden: bool = False, token_budget: int = 0) -> pipeline.TokenStats:
+    def score(
+        self,
+        sequences: pipeline.SequenceBatch,
+        microbatches: int,
+        vocab: pipeline.VocabOptions,
+        capture_hidden: bool = False,
+        token_budget: int = 0,
+    ) -> pipeline.TokenStats:
         """The teacher's log-probs at the sampled tokens [B, S-1] (0 off the loss mask; the entropy is not served:
         zeros); its top-k is kept for :meth:`top_k`. Collective over the replica's model-parallel ranks."""
         if vocab.temperature != 1.0:
-            raise ValueError(f"a served teacher scores softmax(z) (T = 1); the run's log-prob temperature is "
-                             f"{vocab.temperature}")
+            raise ValueError(
+                f"a served teacher scores softmax(z) (T = 1); the run's log-prob temperature is {vocab.temperature}"
+            )
         shape, top_shape = tuple(sequences.loss_mask.shape), (*sequences.loss_mask.shape, self.k)
         logprobs, ids, top = self._fetch(sequences) if self._asks() else (None, None, None)
         mask = sequences.loss_mask.to(torch.float32)

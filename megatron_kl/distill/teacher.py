@@ -62,22 +62,27 @@ def _tokenizer_digest(directory) -> Optional[tuple[str, str]]:
     return None
 
 
-def check_vocabulary(student: ModelConfig, teacher: ModelConfig, student_dir: Optional[str],
-                     teacher_dir: Optional[str]) -> None:
+def check_vocabulary(
+    student: ModelConfig, teacher: ModelConfig, student_dir: Optional[str], teacher_dir: Optional[str]
+) -> None:
     """The teacher scores the student's token ids: the same vocabulary size, and (both being HF directories with
     a tokenizer) the same tokenizer bytes. A mismatch is refused naming both."""
     if teacher.vocab_size != student.vocab_size:
-        raise ConfigError(f"distill.teacher has vocabulary size {teacher.vocab_size}, the student (model.vocab_size) "
-                          f"{student.vocab_size}: the teacher must score the student's token ids; use a teacher of "
-                          "the student's tokenizer")
+        raise ConfigError(
+            f"distill.teacher has vocabulary size {teacher.vocab_size}, the student (model.vocab_size) "
+            f"{student.vocab_size}: the teacher must score the student's token ids; use a teacher of "
+            "the student's tokenizer"
+        )
     if student_dir is None or teacher_dir is None:
         return
     mine, theirs = _tokenizer_digest(student_dir), _tokenizer_digest(teacher_dir)
     if mine is not None and theirs is not None and mine != theirs:
-        raise ConfigError(f"distill.teacher.hf_checkpoint={teacher_dir} has another tokenizer than the student's "
-                          f"init.hf_checkpoint={student_dir} ({theirs[0]} {theirs[1][:12]} vs {mine[0]} "
-                          f"{mine[1][:12]}): the same ids would mean different tokens; use a teacher of the student's "
-                          "tokenizer family")
+        raise ConfigError(
+            f"distill.teacher.hf_checkpoint={teacher_dir} has another tokenizer than the student's "
+            f"init.hf_checkpoint={student_dir} ({theirs[0]} {theirs[1][:12]} vs {mine[0]} "
+            f"{mine[1][:12]}): the same ids would mean different tokens; use a teacher of the student's "
+            "tokenizer family"
+        )
 
 
 def own_layout_of(cfg) -> bool:
@@ -97,18 +102,26 @@ def check_teacher(cfg, world_size: Optional[int] = None) -> ModelConfig:
     check_vocabulary(cfg.model, model, cfg.init.hf_checkpoint, distill.teacher.hf_checkpoint)
     layout = teacher_parallel(distill.teacher, cfg.parallel)
     if layout is not cfg.parallel:
-        where = (f"distill.teacher.tensor_parallel={distill.teacher.tensor_parallel} / pipeline_parallel="
-                 f"{distill.teacher.pipeline_parallel}")
+        where = (
+            f"distill.teacher.tensor_parallel={distill.teacher.tensor_parallel} / pipeline_parallel="
+            f"{distill.teacher.pipeline_parallel}"
+        )
         size = layout.tensor_parallel * layout.pipeline_parallel
         if world_size is not None and world_size % size:
-            raise ConfigError(f"{where}: the teacher's tensor_parallel x pipeline_parallel = {size} does not divide "
-                              f"the {world_size} ranks; pick sizes whose product divides them")
+            raise ConfigError(
+                f"{where}: the teacher's tensor_parallel x pipeline_parallel = {size} does not divide "
+                f"the {world_size} ranks; pick sizes whose product divides them"
+            )
     if model.num_layers % layout.pipeline_parallel:
-        raise ConfigError(f"distill.teacher: {model.num_layers} layers do not split over pipeline_parallel="
-                          f"{layout.pipeline_parallel} stages")
+        raise ConfigError(
+            f"distill.teacher: {model.num_layers} layers do not split over pipeline_parallel="
+            f"{layout.pipeline_parallel} stages"
+        )
     if model.num_attention_heads % layout.tensor_parallel or model.num_query_groups % layout.tensor_parallel:
-        raise ConfigError(f"distill.teacher: {model.num_attention_heads} attention heads / {model.num_query_groups} "
-                          f"query groups do not split over tensor_parallel={layout.tensor_parallel}")
+        raise ConfigError(
+            f"distill.teacher: {model.num_attention_heads} attention heads / {model.num_query_groups} "
+            f"query groups do not split over tensor_parallel={layout.tensor_parallel}"
+        )
     return model
 
 
@@ -118,26 +131,37 @@ def describe_teacher(cfg) -> str:
     model = teacher_model(teacher)
     if teacher.source == "server":
         served = f" (serving {teacher.hf_checkpoint})" if teacher.hf_checkpoint else ""
-        return (f"served by {', '.join(teacher.server.urls)}{served}: its log-probs at the sampled tokens and its "
-                f"top-{cfg.distill.kl.top_k} per position over HTTP")
+        return (
+            f"served by {', '.join(teacher.server.urls)}{served}: its log-probs at the sampled tokens and its "
+            f"top-{cfg.distill.kl.top_k} per position over HTTP"
+        )
     layout = teacher_parallel(teacher, cfg.parallel)
-    where = {"hf": teacher.hf_checkpoint, "checkpoint": teacher.checkpoint,
-             "warm_start": f"its warm start ({teacher.warm_start_steps} supervised steps, seed "
-                           f"{teacher.warm_start_seed})"}[teacher.source]
-    place = ("in the student's layout" if layout is cfg.parallel else
-             f"at tensor_parallel={layout.tensor_parallel}, pipeline_parallel={layout.pipeline_parallel} in its own "
-             "layout")
-    return (f"{model.architecture}, {model.num_layers} layers, hidden {model.hidden_size}, {place}, weights from "
-            f"{where}")
+    where = {
+        "hf": teacher.hf_checkpoint,
+        "checkpoint": teacher.checkpoint,
+        "warm_start": f"its warm start ({teacher.warm_start_steps} supervised steps, seed {teacher.warm_start_seed})",
+    }[teacher.source]
+    place = (
+        "in the student's layout"
+        if layout is cfg.parallel
+        else f"at tensor_parallel={layout.tensor_parallel}, pipeline_parallel={layout.pipeline_parallel} in its own "
+        "layout"
+    )
+    return f"{model.architecture}, {model.num_layers} layers, hidden {model.hidden_size}, {place}, weights from {where}"
 
 
 def _teacher_warm_start_config(cfg, model: ModelConfig):
     """The student's configuration with the teacher's architecture and warm-start recipe: its key names the shipped
     or cached teacher (megatron_kl.train.warmstart)."""
     teacher = cfg.distill.teacher
-    warm_start = dataclasses.replace(cfg.warm_start, enabled=True, checkpoint=None, steps=teacher.warm_start_steps,
-                                     seed=teacher.warm_start_seed,
-                                     source="auto" if cfg.warm_start.source == "train" else cfg.warm_start.source)
+    warm_start = dataclasses.replace(
+        cfg.warm_start,
+        enabled=True,
+        checkpoint=None,
+        steps=teacher.warm_start_steps,
+        seed=teacher.warm_start_seed,
+        source="auto" if cfg.warm_start.source == "train" else cfg.warm_start.source,
+    )
     return cfg.with_sections(model=model, warm_start=warm_start)
 
 
@@ -152,10 +176,13 @@ def load_state_file(path: Path, field: str) -> dict[str, torch.Tensor]:
         else:
             data = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # noqa: BLE001 - a damaged or foreign file: say which and why
-        raise ConfigError(f"{field}={path} cannot be read as a state of tensors ({type(err).__name__}: {err}); give "
-                          "a .safetensors file or a torch file of tensors (torch.save(state_dict))") from None
-    if not isinstance(data, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
-                                             for k, v in data.items()):
+        raise ConfigError(
+            f"{field}={path} cannot be read as a state of tensors ({type(err).__name__}: {err}); give "
+            "a .safetensors file or a torch file of tensors (torch.save(state_dict))"
+        ) from None
+    if not isinstance(data, dict) or not all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in data.items()
+    ):
         raise ConfigError(f"{field}={path} is not a mapping of tensor names to tensors")
     return data
 
@@ -188,23 +215,44 @@ class Teacher:
     def head(self):
         return self.resharded_head if self.resharded_head is not None else output_head.ReferenceHead(self.chunks)
 
-    def score(self, sequences: pipeline.SequenceBatch, microbatches: int, vocab: pipeline.VocabOptions,
-              capture_hidden: bool, token_budget: int = 0) -> pipeline.TokenStats:
+    def score(
+        self,
+        sequences: pipeline.SequenceBatch,
+        microbatches: int,
+        vocab: pipeline.VocabOptions,
+        capture_hidden: bool,
+        token_budget: int = 0,
+    ) -> pipeline.TokenStats:
         """The teacher's per-token log-probs (and entropy) of ``sequences`` under its full softmax(z / T), never
         truncated (every KL is to the full distribution: docs/kl-math.md), and with ``capture_hidden`` its final
         hidden states for the exact KL. The caller holds the weights resident (``offload.resident()``)."""
         full = dataclasses.replace(vocab, truncation=None)
         sequences = dataclasses.replace(sequences, routed_experts=None)  # the teacher routes itself (its own experts)
         if self.own is not None:
-            return score_in_own_layout(self.chunks, self.own, sequences, microbatches, full, capture_hidden,
-                                       token_budget, self.dp_rank, self.dp_size)
-        return pipeline.compute_token_stats(self.chunks, sequences, microbatches, full,
-                                            capture_hidden=capture_hidden, token_budget=token_budget)
-
+            return score_in_own_layout(
+                self.chunks,
+                self.own,
+                sequences,
+                microbatches,
+                full,
+                capture_hidden,
+                token_budget,
+                self.dp_rank,
+                self.dp_size,
+            )
+        return pipeline.compute_token_stats(
+            self.chunks, sequences, microbatches, full, capture_hidden=capture_hidden, token_budget=token_budget
+        )
 
     @torch.no_grad()
-    def top_k(self, hidden: Optional[torch.Tensor], k: int, vocab: pipeline.VocabOptions, tp_group,
-              token_budget: int = TOP_K_CHUNK_ELEMENTS) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    def top_k(
+        self,
+        hidden: Optional[torch.Tensor],
+        k: int,
+        vocab: pipeline.VocabOptions,
+        tp_group,
+        token_budget: int = TOP_K_CHUNK_ELEMENTS,
+    ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
         """The teacher's ``k`` most likely tokens at every target position of its pass's ``hidden [B, S, H]``: (ids
         [B, S-1, k] int64, log-probs [B, S-1, k] float32) under its full softmax(z / T), formed through :attr:`head`
         in the student's vocabulary partition (``tp_group``: the student's TP group, collective over it) a few rows
@@ -226,8 +274,9 @@ class Teacher:
         return ids, logprobs
 
 
-def build_teacher(cfg, task, topology, warm_start: Callable, should_stop: Optional[Callable] = None
-                  ) -> Teacher | ServedTeacher:
+def build_teacher(
+    cfg, task, topology, warm_start: Callable, should_stop: Optional[Callable] = None
+) -> Teacher | ServedTeacher:
     """The teacher of ``cfg.distill`` in its layout (the student's, or its own tensor-parallel one), weights loaded
     and frozen (collective: every rank). ``warm_start(cfg, task, should_stop)``: the trainer's warm-start function
     (megatron_kl.train.warmstart.warm_start_state), for ``source=warm_start``."""
@@ -255,19 +304,36 @@ def build_teacher(cfg, task, topology, warm_start: Callable, should_stop: Option
         try:
             state.load_full_state_dict(chunks, full, model.tie_word_embeddings, tp_rank, tp_size, experts)
         except (KeyError, ValueError) as err:
-            raise ConfigError(f"distill.teacher ({teacher.source}): its weights do not fit distill.teacher.model "
-                              f"({err}); give the architecture the weights were trained with") from None
+            raise ConfigError(
+                f"distill.teacher ({teacher.source}): its weights do not fit distill.teacher.model "
+                f"({err}); give the architecture the weights were trained with"
+            ) from None
         where = teacher.checkpoint or f"its warm start ({teacher.warm_start_steps} supervised steps)"
     parallel.reseed(cfg.train.seed)  # the RL phase draws the same numbers whether the teacher was cached or trained
     params = sum(p.numel() for c in chunks for p in c.parameters()) * tp_size
-    log.info("teacher: %s, %d layers, hidden %d (~%.2fM parameters) from %s, TP %d%s; objective %s, coef %g",
-             model.architecture, model.num_layers, model.hidden_size, params / 1e6, where, tp_size,
-             " (its own layout)" if own is not None else " (the student's layout)", cfg.distill.kl.name,
-             cfg.distill.kl.coef)
+    log.info(
+        "teacher: %s, %d layers, hidden %d (~%.2fM parameters) from %s, TP %d%s; objective %s, coef %g",
+        model.architecture,
+        model.num_layers,
+        model.hidden_size,
+        params / 1e6,
+        where,
+        tp_size,
+        " (its own layout)" if own is not None else " (the student's layout)",
+        cfg.distill.kl.name,
+        cfg.distill.kl.coef,
+    )
     head = None
     if own is not None:
-        head = ResharedHead(reshard_output_weight(chunks[0], own, model.vocab_size,
-                                                  cfg.model.padded_vocab_size(cfg.parallel.tensor_parallel),
-                                                  topology.tp_group))
-    return Teacher(chunks, model, ReferenceOffload(chunks, teacher.offload), own, head, topology.dp_rank,
-                   topology.dp_size)
+        head = ResharedHead(
+            reshard_output_weight(
+                chunks[0],
+                own,
+                model.vocab_size,
+                cfg.model.padded_vocab_size(cfg.parallel.tensor_parallel),
+                topology.tp_group,
+            )
+        )
+    return Teacher(
+        chunks, model, ReferenceOffload(chunks, teacher.offload), own, head, topology.dp_rank, topology.dp_size
+    )

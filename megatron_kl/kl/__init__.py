@@ -11,9 +11,15 @@ vocab-parallel statistics) and ``audit/`` (exact gradients on a tabular policy).
 
 import importlib
 
-_HOMES = {"ClampCounter": "estimators", "KLConfig": "config", "aggregate_tokens": "objective",
-          "kl_loss": "objective", "kl_penalty_credit": "objective", "kl_shaped_returns": "objective",
-          "policy_gradient_surrogate": "objective"}
+_HOMES = {
+    "ClampCounter": "estimators",
+    "KLConfig": "config",
+    "aggregate_tokens": "objective",
+    "kl_loss": "objective",
+    "kl_penalty_credit": "objective",
+    "kl_shaped_returns": "objective",
+    "policy_gradient_surrogate": "objective",
+}
 __all__ = sorted(_HOMES)
 
 

@@ -30,18 +30,22 @@ class EstimatorSpec:
 
     def __post_init__(self):
         if (self.value is None) != self.full_distribution:
-            raise ValueError(f"estimator {self.name!r}: give value(d) for a per-token estimator, or "
-                             "full_distribution=True (and no value) for the exact KL over the vocabulary")
+            raise ValueError(
+                f"estimator {self.name!r}: give value(d) for a per-token estimator, or "
+                "full_distribution=True (and no value) for the exact KL over the vocabulary"
+            )
 
 
 ESTIMATORS: Registry[EstimatorSpec] = Registry("KL estimator", EstimatorSpec)
 for _spec in (
-        # tensor methods only: this module imports no torch
-        EstimatorSpec("k1", lambda d: d, description="d; E_pi[k1] = KL, grad k1 = grad log pi (zero mean)"),
-        EstimatorSpec("k2", lambda d: 0.5 * d.square(), description="d^2 / 2; grad = d grad log pi"),
-        EstimatorSpec("k3", lambda d: (-d).exp() - 1.0 + d,
-                      description="exp(-d) - 1 + d; E_pi[grad k3] = grad of the forward KL"),
-        EstimatorSpec("full", full_distribution=True, description="the exact KL over the vocabulary per position")):
+    # tensor methods only: this module imports no torch
+    EstimatorSpec("k1", lambda d: d, description="d; E_pi[k1] = KL, grad k1 = grad log pi (zero mean)"),
+    EstimatorSpec("k2", lambda d: 0.5 * d.square(), description="d^2 / 2; grad = d grad log pi"),
+    EstimatorSpec(
+        "k3", lambda d: (-d).exp() - 1.0 + d, description="exp(-d) - 1 + d; E_pi[grad k3] = grad of the forward KL"
+    ),
+    EstimatorSpec("full", full_distribution=True, description="the exact KL over the vocabulary per position"),
+):
     ESTIMATORS.register(_spec)
 
 
@@ -83,17 +87,27 @@ class KLConfig:
     # k1 | k2 | k3 | full (exact over the vocabulary) | auto: estimator, placement, level, credit and off_policy
     # chosen by the audit for kl.target
     estimator: str = checked("k1", choices=ESTIMATORS.and_names(AUTO))
-    placement: str = checked("reward", choices=PLACEMENTS)  # reward: -beta * KL added to the reward; loss: beta * KL added to the loss
-    level: str = checked("token", choices=LEVELS)  # token: per-token estimates; sequence: the sequence sum as one estimate
-    credit: Optional[str] = checked(None, choices=CREDITS)  # reward placement: reward_to_go | immediate; None means reward_to_go there
+    placement: str = checked(
+        "reward", choices=PLACEMENTS
+    )  # reward: -beta * KL added to the reward; loss: beta * KL added to the loss
+    level: str = checked(
+        "token", choices=LEVELS
+    )  # token: per-token estimates; sequence: the sequence sum as one estimate
+    credit: Optional[str] = checked(
+        None, choices=CREDITS
+    )  # reward placement: reward_to_go | immediate; None means reward_to_go there
     # importance weighting of the KL term for off-policy samples: none | token_is | per_decision | behavior
     off_policy: str = checked("none", choices=OFF_POLICY)
     coef: float = checked(0.001, ge=0)  # beta, the KL coefficient
     clamp: Optional[float] = checked(LOG_RATIO_CLAMP, gt=0)  # |log-ratio| bound before any exp (k3, importance weights)
     truncate: Optional[float] = checked(None, gt=0)  # cap on per-decision weights rho_{1:t}
-    aggregation: str = checked("seq_mean_token_sum", choices=AGGREGATIONS)  # how per-token terms become the loss (AGGREGATIONS)
+    aggregation: str = checked(
+        "seq_mean_token_sum", choices=AGGREGATIONS
+    )  # how per-token terms become the loss (AGGREGATIONS)
     norm_length: Optional[float] = checked(None, gt=0)  # the constant of aggregation='seq_mean_token_sum_norm'
-    target: str = checked("sequence_reverse", choices=tuple(TARGETS))  # the declared objective (TARGETS); runs biased for it are tagged kl/biased
+    target: str = checked(
+        "sequence_reverse", choices=tuple(TARGETS)
+    )  # the declared objective (TARGETS); runs biased for it are tagged kl/biased
     regime: str = checked("auto", choices=REGIMES)  # on_policy | off_policy | auto (from train.staleness)
     strict: bool = False  # a configuration biased for the target is an error instead of a warning
 
@@ -103,10 +117,14 @@ class KLConfig:
             if self.placement != "reward":
                 raise ValueError("KLConfig.credit applies to placement='reward' only; remove it for placement='loss'")
             if self.level == "sequence":
-                raise ValueError("KLConfig.credit does not apply at level='sequence' (every token gets the sequence estimate)")
+                raise ValueError(
+                    "KLConfig.credit does not apply at level='sequence' (every token gets the sequence estimate)"
+                )
         if self.truncate is not None:
             if self.off_policy != "per_decision":
-                raise ValueError("KLConfig.truncate caps per-decision weights: set off_policy='per_decision' or drop it")
+                raise ValueError(
+                    "KLConfig.truncate caps per-decision weights: set off_policy='per_decision' or drop it"
+                )
         self._check_off_policy()
 
     def _check_off_policy(self):

@@ -55,8 +55,9 @@ class Correction:
         return f"{kind}[{self.mask_low:g},{self.mask_high:g}]"
 
     def weights(self, old_logprobs, behavior_logprobs, mask, counter=None, axis: SequenceAxis = LOCAL):
-        return behavior_weights(self.kind, old_logprobs, behavior_logprobs, mask, self.tis_cap, self.mask_low,
-                                self.mask_high, counter, axis)
+        return behavior_weights(
+            self.kind, old_logprobs, behavior_logprobs, mask, self.tis_cap, self.mask_low, self.mask_high, counter, axis
+        )
 
 
 def correction_of(algo) -> Correction:
@@ -67,13 +68,22 @@ def correction_of(algo) -> Correction:
 # the corrections the exact audit pairs with every KL configuration: each kind at the defaults, and the two
 # truncated-IS kinds also uncapped (their unbiased limit)
 AUDITED = tuple(Correction(kind) for kind in CORRECTIONS if kind not in ("none", "tis")) + (
-    Correction("token_tis", math.inf), Correction("sequence_tis", math.inf))
+    Correction("token_tis", math.inf),
+    Correction("sequence_tis", math.inf),
+)
 
 
-def behavior_weights(kind: str, old_logprobs: torch.Tensor, behavior_logprobs: torch.Tensor, mask: torch.Tensor,
-                     tis_cap: float, mask_low: float, mask_high: float,
-                     counter: Optional[ClampCounter] = None,
-                     axis: SequenceAxis = LOCAL) -> tuple[Optional[torch.Tensor], dict]:
+def behavior_weights(
+    kind: str,
+    old_logprobs: torch.Tensor,
+    behavior_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    tis_cap: float,
+    mask_low: float,
+    mask_high: float,
+    counter: Optional[ClampCounter] = None,
+    axis: SequenceAxis = LOCAL,
+) -> tuple[Optional[torch.Tensor], dict]:
     """(c [B, T] detached, or None for 'none'; metrics) for the correction ``kind`` (module docstring).
 
     Metrics: ``correction/truncated_fraction`` and ``correction/masked_fraction`` (of response tokens),
@@ -82,8 +92,13 @@ def behavior_weights(kind: str, old_logprobs: torch.Tensor, behavior_logprobs: t
     m = mask.bool()
     if kind == "none":
         return None, {}
-    log_w = clamp_log_ratio(torch.where(m, old_logprobs - behavior_logprobs, torch.zeros_like(old_logprobs)),
-                            LOG_RATIO_CLAMP, mask, counter, "correction/clamped_ratio").detach()
+    log_w = clamp_log_ratio(
+        torch.where(m, old_logprobs - behavior_logprobs, torch.zeros_like(old_logprobs)),
+        LOG_RATIO_CLAMP,
+        mask,
+        counter,
+        "correction/clamped_ratio",
+    ).detach()
     mf = m.to(log_w.dtype)
     tokens = axis.total(mf).clamp_min(1)
     log_seq = axis.seq_sum(log_w, keepdim=True).expand_as(log_w)  # log W, on every token of the sequence
@@ -104,19 +119,23 @@ def behavior_weights(kind: str, old_logprobs: torch.Tensor, behavior_logprobs: t
         weight = kept.to(log_w.dtype) * (torch.exp(log_w) if kind == "icepop" else 1.0)
         truncated = torch.zeros_like(m)
     weight = torch.where(m, weight, torch.zeros_like(weight))
-    metrics = {"correction/truncated_fraction": axis.total(truncated.to(mf.dtype)) / tokens,
-               "correction/masked_fraction": axis.total((~kept & m).to(mf.dtype)) / tokens,
-               "correction/weight_mean": axis.total(weight) / tokens}
+    metrics = {
+        "correction/truncated_fraction": axis.total(truncated.to(mf.dtype)) / tokens,
+        "correction/masked_fraction": axis.total((~kept & m).to(mf.dtype)) / tokens,
+        "correction/weight_mean": axis.total(weight) / tokens,
+    }
     return weight, metrics
 
 
-def mismatch_metrics(old_logprobs: torch.Tensor, behavior_logprobs: torch.Tensor, mask: torch.Tensor,
-                     axis: SequenceAxis = LOCAL) -> dict:
+def mismatch_metrics(
+    old_logprobs: torch.Tensor, behavior_logprobs: torch.Tensor, mask: torch.Tensor, axis: SequenceAxis = LOCAL
+) -> dict:
     """KL(mu || pi_old) per response token, estimated on mu's samples: k1 = log mu - log pi_old and
     k3 = w - 1 - log w with w = pi_old / mu; and the ratio w's mean / min / max over response tokens."""
     m = mask.bool()
     log_w = torch.where(m, old_logprobs - behavior_logprobs, torch.zeros_like(old_logprobs)).clamp(
-        -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP
+    )
     w = torch.exp(log_w)
     mf = m.to(w.dtype)
     count = axis.total(mf)
@@ -126,6 +145,10 @@ def mismatch_metrics(old_logprobs: torch.Tensor, behavior_logprobs: torch.Tensor
         low = high = torch.ones(())
     else:
         low, high = axis.minimum(w[m]), axis.maximum(w[m])
-    return {"mismatch/k1_token": float(axis.total(-log_w) / tokens), "mismatch/k3_token": float(axis.total(k3) / tokens),
-            "is/ratio_mean": float(axis.total(w * mf) / tokens) if float(count) else 1.0,
-            "is/ratio_min": float(low), "is/ratio_max": float(high)}
+    return {
+        "mismatch/k1_token": float(axis.total(-log_w) / tokens),
+        "mismatch/k3_token": float(axis.total(k3) / tokens),
+        "is/ratio_mean": float(axis.total(w * mf) / tokens) if float(count) else 1.0,
+        "is/ratio_min": float(low),
+        "is/ratio_max": float(high),
+    }

@@ -82,6 +82,8 @@ def token_estimate(
     per sequence when given D). The log-ratio is clamped for every estimator (a -inf reference log-prob gives a finite, counted value, never inf/NaN)."""
     spec = estimator_spec(estimator)
     if spec.full_distribution:
-        raise ValueError(f"estimator={estimator!r} has no per-token form (it is the exact KL over the vocabulary); use "
-                         f"one of {[n for n, e in ESTIMATORS.items() if not e.full_distribution]}")
+        raise ValueError(
+            f"estimator={estimator!r} has no per-token form (it is the exact KL over the vocabulary); use "
+            f"one of {[n for n, e in ESTIMATORS.items() if not e.full_distribution]}"
+        )
     return spec.value(clamp_log_ratio(log_ratio, clamp, mask, counter, estimator))

@@ -68,18 +68,30 @@ def check_norm_length(aggregation: str, norm_length, where: str) -> None:
     if norm_length is not None and norm_length <= 0:
         raise ValueError(f"{where}.norm_length={norm_length} must be > 0")
     if aggregation == "seq_mean_token_sum_norm" and norm_length is None:
-        raise ValueError(f"{where}.aggregation='seq_mean_token_sum_norm' divides by a fixed length: set "
-                         f"{where}.norm_length (the trainer uses rollout.sampling.max_new_tokens)")
+        raise ValueError(
+            f"{where}.aggregation='seq_mean_token_sum_norm' divides by a fixed length: set "
+            f"{where}.norm_length (the trainer uses rollout.sampling.max_new_tokens)"
+        )
 
 
-def aggregate_tokens(values: torch.Tensor, mask: torch.Tensor, aggregation: str,
-                     norm_length: Optional[float] = None, axis: SequenceAxis = LOCAL) -> torch.Tensor:
+def aggregate_tokens(
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    aggregation: str,
+    norm_length: Optional[float] = None,
+    axis: SequenceAxis = LOCAL,
+) -> torch.Tensor:
     """Reduce per-token values [B, T] (masked positions are zeroed here) to a scalar."""
     return aggregate_sequences(axis.seq_sum(values * mask.to(values.dtype)), mask, aggregation, norm_length, axis)
 
 
-def aggregate_sequences(values: torch.Tensor, mask: torch.Tensor, aggregation: str,
-                        norm_length: Optional[float] = None, axis: SequenceAxis = LOCAL) -> torch.Tensor:
+def aggregate_sequences(
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    aggregation: str,
+    norm_length: Optional[float] = None,
+    axis: SequenceAxis = LOCAL,
+) -> torch.Tensor:
     """Reduce per-sequence values [B] (each the sum over that sequence's tokens) to a scalar (``mask``: [B, T],
     this rank's positions of the sequences, for the token counts)."""
     m = mask.to(values.dtype)
@@ -103,8 +115,10 @@ def _masked(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 def _check(cfg: KLConfig, logprobs, ref_logprobs, mask, behavior_logprobs, full_kl, behavior_weight=None) -> None:
     if cfg.estimator == AUTO:
-        raise ValueError("KLConfig.estimator='auto' is resolved by the trainer (megatron_kl.kl.audit.targets.select) "
-                         "before any KL is computed")
+        raise ValueError(
+            "KLConfig.estimator='auto' is resolved by the trainer (megatron_kl.kl.audit.targets.select) "
+            "before any KL is computed"
+        )
     if logprobs.shape != ref_logprobs.shape or logprobs.shape != mask.shape or logprobs.dim() != 2:
         raise ValueError(
             f"logprobs {tuple(logprobs.shape)}, ref_logprobs {tuple(ref_logprobs.shape)} and mask "
@@ -115,7 +129,9 @@ def _check(cfg: KLConfig, logprobs, ref_logprobs, mask, behavior_logprobs, full_
     if behavior_weight is not None and behavior_weight.shape != logprobs.shape:
         raise ValueError(f"behavior_weight shape {tuple(behavior_weight.shape)} != logprobs {tuple(logprobs.shape)}")
     if behavior_logprobs is not None and behavior_logprobs.shape != logprobs.shape:
-        raise ValueError(f"behavior_logprobs shape {tuple(behavior_logprobs.shape)} != logprobs {tuple(logprobs.shape)}")
+        raise ValueError(
+            f"behavior_logprobs shape {tuple(behavior_logprobs.shape)} != logprobs {tuple(logprobs.shape)}"
+        )
     if cfg.exact:
         if full_kl is None:
             raise ValueError("KLConfig.estimator='full' needs full_kl, the exact per-position KL [batch, tokens]")
@@ -128,8 +144,10 @@ def _correction(cfg: KLConfig, behavior_weight: Optional[torch.Tensor], mask: to
     if cfg.off_policy != "behavior":
         return None
     if behavior_weight is None:
-        raise ValueError("KLConfig.off_policy='behavior' needs behavior_weight, the behaviour correction's per-token "
-                         "weights (algo.behavior_correction must not be 'none')")
+        raise ValueError(
+            "KLConfig.off_policy='behavior' needs behavior_weight, the behaviour correction's per-token "
+            "weights (algo.behavior_correction must not be 'none')"
+        )
     return _masked(behavior_weight.detach(), mask)
 
 
@@ -145,8 +163,15 @@ def _sequence_counter(counter: Optional[ClampCounter], axis: SequenceAxis) -> Op
     return counter if axis.counts_sequences else None
 
 
-def _prefix_weights(cfg: KLConfig, logprobs, behavior_logprobs, mask, inclusive: bool,
-                    counter: Optional[ClampCounter], axis: SequenceAxis = LOCAL) -> torch.Tensor:
+def _prefix_weights(
+    cfg: KLConfig,
+    logprobs,
+    behavior_logprobs,
+    mask,
+    inclusive: bool,
+    counter: Optional[ClampCounter],
+    axis: SequenceAxis = LOCAL,
+) -> torch.Tensor:
     """Detached rho_{1:t} (inclusive) or rho_{1:t-1} (exclusive), clamped in log space and truncated."""
     log_rho = _masked((logprobs - behavior_logprobs).detach(), mask)
     cumulative = axis.prefix(log_rho)
@@ -189,8 +214,9 @@ def kl_loss(
             values = kl_t if weight is None else weight * kl_t
             return cfg.coef * aggregate_tokens(values, mask, cfg.aggregation, cfg.norm_length, axis)
         if cfg.off_policy == "per_decision":
-            rho_prev = _prefix_weights(cfg, logprobs, behavior_logprobs, mask, inclusive=False, counter=counter,
-                                       axis=axis)
+            rho_prev = _prefix_weights(
+                cfg, logprobs, behavior_logprobs, mask, inclusive=False, counter=counter, axis=axis
+            )
             pathwise = rho_prev * kl_t
         else:
             pathwise = kl_t
@@ -201,8 +227,9 @@ def kl_loss(
         return cfg.coef * aggregate_tokens(values, mask, cfg.aggregation, cfg.norm_length, axis)
     if cfg.level == "sequence":
         total = axis.seq_sum(d)
-        values = token_estimate(cfg.estimator, total, cfg.clamp, axis.seq_sum(mask.to(d.dtype)) > 0,
-                                _sequence_counter(counter, axis))
+        values = token_estimate(
+            cfg.estimator, total, cfg.clamp, axis.seq_sum(mask.to(d.dtype)) > 0, _sequence_counter(counter, axis)
+        )
         if weight is not None:
             values = _sequence_weight(weight, mask, axis) * values
         return cfg.coef * aggregate_sequences(values, mask, cfg.aggregation, cfg.norm_length, axis)
@@ -238,8 +265,9 @@ def kl_penalty_credit(
         if cfg.exact:
             seq = axis.seq_sum(per_token)
         else:
-            seq = token_estimate(cfg.estimator, axis.seq_sum(d), cfg.clamp, axis.seq_sum(m) > 0,
-                                 _sequence_counter(counter, axis))
+            seq = token_estimate(
+                cfg.estimator, axis.seq_sum(d), cfg.clamp, axis.seq_sum(m) > 0, _sequence_counter(counter, axis)
+            )
         return seq[:, None] * m
     if cfg.off_policy == "per_decision":
         per_token = per_token * _prefix_weights(

@@ -62,7 +62,11 @@ def rpg_loss(
             "ufkl": u * (ref - lp) - u + w,
         }[cfg.divergence]
         per_token = -w * adv + cfg.coef * term
-        metrics = {"rpg/kl_term": aggregate_tokens(torch.where(m, term, zero).detach(), mask, cfg.aggregation, cfg.norm_length, axis)}
+        metrics = {
+            "rpg/kl_term": aggregate_tokens(
+                torch.where(m, term, zero).detach(), mask, cfg.aggregation, cfg.norm_length, axis
+            )
+        }
         return aggregate_tokens(torch.where(m, per_token, zero), mask, cfg.aggregation, cfg.norm_length, axis), metrics
 
     w_d = w.detach()
@@ -85,6 +89,8 @@ def rpg_loss(
     per_token = -weight * lp
     metrics = {
         "rpg/clip_fraction": axis.total(inactive.to(lp.dtype)) / axis.total(m.to(lp.dtype)).clamp_min(1),
-        "rpg/kl_coefficient": aggregate_tokens(torch.where(m, g_kl, zero), mask, cfg.aggregation, cfg.norm_length, axis),
+        "rpg/kl_coefficient": aggregate_tokens(
+            torch.where(m, g_kl, zero), mask, cfg.aggregation, cfg.norm_length, axis
+        ),
     }
     return aggregate_tokens(torch.where(m, per_token, zero), mask, cfg.aggregation, cfg.norm_length, axis), metrics

@@ -119,8 +119,10 @@ class ContextParallelAxis(SequenceAxis):
 
     def _halves(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if x.shape[-1] % 2:
-            raise ValueError(f"a context-parallel shard holds two chunks of equal length; got {x.shape[-1]} "
-                             "positions (pad sequences to a multiple of 2 x context_parallel: zigzag_shard)")
+            raise ValueError(
+                f"a context-parallel shard holds two chunks of equal length; got {x.shape[-1]} "
+                "positions (pad sequences to a multiple of 2 x context_parallel: zigzag_shard)"
+            )
         half = x.shape[-1] // 2
         return x[..., :half], x[..., half:]
 
@@ -142,16 +144,18 @@ class ContextParallelAxis(SequenceAxis):
         before = totals.cumsum(-1) - totals  # sum of the chunks ahead of each chunk
         first, second = self._halves(x)
         late = 2 * self.size - 1 - self.rank
-        return torch.cat([first.cumsum(-1) + before[..., self.rank, None],
-                          second.cumsum(-1) + before[..., late, None]], -1)
+        return torch.cat(
+            [first.cumsum(-1) + before[..., self.rank, None], second.cumsum(-1) + before[..., late, None]], -1
+        )
 
     def suffix(self, x: torch.Tensor) -> torch.Tensor:
         totals = self._chunk_totals(x)
         after = LOCAL.suffix(totals) - totals  # sum of the chunks behind each chunk
         first, second = self._halves(x)
         late = 2 * self.size - 1 - self.rank
-        return torch.cat([LOCAL.suffix(first) + after[..., self.rank, None],
-                          LOCAL.suffix(second) + after[..., late, None]], -1)
+        return torch.cat(
+            [LOCAL.suffix(first) + after[..., self.rank, None], LOCAL.suffix(second) + after[..., late, None]], -1
+        )
 
     def total(self, x: torch.Tensor) -> torch.Tensor:
         return self._sum(x.sum())
@@ -215,8 +219,7 @@ def crossing(kl, correction: Optional[str] = None) -> tuple[str, ...]:
         needs.append("sum")
     if kl.off_policy == "per_decision":
         needs.append("prefix")
-    if (kl.level == "sequence" and kl.exact and kl.placement == "loss") or \
-            kl.effective_credit == "reward_to_go":
+    if (kl.level == "sequence" and kl.exact and kl.placement == "loss") or kl.effective_credit == "reward_to_go":
         needs.append("suffix")
     if kl.off_policy == "behavior" and (correction in SEQUENCE_CORRECTIONS or kl.level == "sequence"):
         needs.append("sum")

@@ -41,16 +41,23 @@ def _rest(log_probs: torch.Tensor) -> torch.Tensor:
     return (-torch.expm1(torch.logsumexp(log_probs, -1).clamp_max(0.0))).clamp_min(0.0)
 
 
-def top_k_divergence(student: torch.Tensor, teacher: torch.Tensor, tail: str = "bucket",
-                     mask: Optional[torch.Tensor] = None, counter=None) -> torch.Tensor:
+def top_k_divergence(
+    student: torch.Tensor,
+    teacher: torch.Tensor,
+    tail: str = "bucket",
+    mask: Optional[torch.Tensor] = None,
+    counter=None,
+) -> torch.Tensor:
     """Per-position top-k divergence [...] (module docstring) from the student's log-probs ``student [..., k]`` at
     the teacher's top-k ids (differentiable) and the teacher's ``teacher [..., k]`` (constant). Computed in float64
     for float64 inputs, else float32; ``mask`` [...]: positions counted for the clamp (``counter.add``)."""
     if tail not in TOP_K_TAILS:
         raise ValueError(f"top_k_tail={tail!r} is unknown; use one of {list(TOP_K_TAILS)}")
     if student.shape != teacher.shape:
-        raise ValueError(f"student log-probs {tuple(student.shape)} and teacher's {tuple(teacher.shape)} differ: "
-                         "both are at the teacher's top-k ids")
+        raise ValueError(
+            f"student log-probs {tuple(student.shape)} and teacher's {tuple(teacher.shape)} differ: "
+            "both are at the teacher's top-k ids"
+        )
     dtype = torch.float64 if student.dtype == torch.float64 else torch.float32
     a, b = student.to(dtype), teacher.detach().to(dtype)
     delta = a - b
@@ -71,6 +78,7 @@ def top_k_divergence(student: torch.Tensor, teacher: torch.Tensor, tail: str = "
     ratio = torch.where(floored, rest_student / rest_teacher - 1.0, ratio)
     positive = rest_student > 0
     safe_rest = torch.where(positive, rest_student, torch.ones_like(rest_student))  # no 0 * -inf in any branch
-    bucket = torch.where(positive, safe_rest * torch.log1p(ratio.clamp_min(torch.finfo(dtype).eps - 1.0)),
-                         torch.zeros_like(safe_rest))
+    bucket = torch.where(
+        positive, safe_rest * torch.log1p(ratio.clamp_min(torch.finfo(dtype).eps - 1.0)), torch.zeros_like(safe_rest)
+    )
     return (head + bucket).clamp_min(0.0)

@@ -51,9 +51,14 @@ def _study_report(launch_plan, states: dict) -> int:
     for run_spec in launch_plan.runs:
         info = states.get(run_spec.name, {})
         ok = info.get("state") == "SUCCEEDED" and (run_spec.output_dir / "summary.json").is_file()
-        status[run_spec.name] = {"configuration": run_spec.configuration, "seed": run_spec.seed,
-                                 "output_dir": str(run_spec.output_dir), "state": "ok" if ok else "failed",
-                                 "nemo_run_state": info.get("state", "MISSING"), "log": info.get("job_dir", "")}
+        status[run_spec.name] = {
+            "configuration": run_spec.configuration,
+            "seed": run_spec.seed,
+            "output_dir": str(run_spec.output_dir),
+            "state": "ok" if ok else "failed",
+            "nemo_run_state": info.get("state", "MISSING"),
+            "log": info.get("job_dir", ""),
+        }
         if not ok:
             status[run_spec.name]["error_tail"] = task_log(info.get("job_dir", ""), lines=15)
     out = Path(launch_plan.study.output_dir)
@@ -79,8 +84,10 @@ def submit(executor_kind: str, launch_plan, dryrun: bool = False, detach: bool =
     for name, info in states.items():
         print(f"  {name}: {info['state']}")
     for name, info in failed.items():
-        print(f"megatron-kl launch: task {name} ended {info['state']}; log tail:\n"
-              f"{experiment.task_log(info['job_dir'])}", file=sys.stderr)
+        print(
+            f"megatron-kl launch: task {name} ended {info['state']}; log tail:\n{experiment.task_log(info['job_dir'])}",
+            file=sys.stderr,
+        )
     if launch_plan.study is not None:  # every task ended (local, or Slurm without --detach): the study's report
         failed_runs = _study_report(launch_plan, states)
         return 1 if failed or failed_runs else 0
@@ -109,8 +116,10 @@ def _run(args) -> int:
             raise ConfigError(f"--cluster {args.cluster!r} is not in {args.clusters}: {sorted(clusters)}")
         cluster = clusters[args.cluster]()
         if cluster.executor != args.action:
-            raise ConfigError(f"--cluster {args.cluster} runs with the {cluster.executor} executor: use "
-                              f"`megatron-kl launch {cluster.executor}`")
+            raise ConfigError(
+                f"--cluster {args.cluster} runs with the {cluster.executor} executor: use "
+                f"`megatron-kl launch {cluster.executor}`"
+            )
         overrides, customize = cluster.overrides() + overrides, cluster.customize
     return submit(args.action, plan(args.config, overrides), args.dryrun, getattr(args, "detach", False), customize)
 

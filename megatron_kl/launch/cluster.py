@@ -43,4 +43,3 @@ class Cluster:
 
         walk("launch", self.launch)
         return out
-

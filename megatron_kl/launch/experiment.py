@@ -53,15 +53,19 @@ def plan(config_path: str, overrides: list[str]) -> LaunchPlan:
 def check_no_secret_in_scripts(cfg) -> None:
     """The job scripts hold every server command and override in clear: a secret flag given a value there
     (``--admin-api-key K``, ``--token K``) is refused, naming the field and not the value."""
-    for name, args in (("rollout.sglang.extra_args", cfg.rollout.sglang.extra_args),
-                       ("launch.rollout_servers.extra_args", cfg.launch.rollout_servers.extra_args),
-                       ("launch.reward_service.command", cfg.launch.reward_service.command)):
+    for name, args in (
+        ("rollout.sglang.extra_args", cfg.rollout.sglang.extra_args),
+        ("launch.rollout_servers.extra_args", cfg.launch.rollout_servers.extra_args),
+        ("launch.reward_service.command", cfg.launch.reward_service.command),
+    ):
         if secret_flag_values(args):
             flags = sorted({str(a).split("=", 1)[0] for a in args if is_secret_flag(str(a))})
-            raise ConfigError(f"{name} gives {', '.join(flags)} a value: the job script would hold that secret in "
-                              "clear; have the server read it from an environment variable exported where the job is "
-                              "submitted (Slurm passes the environment on; the rollout servers' key: "
-                              "rollout.sglang.api_key_env)")
+            raise ConfigError(
+                f"{name} gives {', '.join(flags)} a value: the job script would hold that secret in "
+                "clear; have the server read it from an environment variable exported where the job is "
+                "submitted (Slurm passes the environment on; the rollout servers' key: "
+                "rollout.sglang.api_key_env)"
+            )
 
 
 def _plan(config_path: str, overrides: list[str]) -> LaunchPlan:
@@ -88,15 +92,15 @@ def _set_home(home: str) -> None:
     set_nemorun_home(str(Path(home).absolute()))
 
 
-def build(exp, executor_kind: str, launch_plan: LaunchPlan, customize=None,
-          launcher_pid: Optional[int] = None) -> None:
+def build(exp, executor_kind: str, launch_plan: LaunchPlan, customize=None, launcher_pid: Optional[int] = None) -> None:
     """Add every task of the plan to ``exp``; ``customize(executor)`` edits each NeMo-Run executor first;
     ``launcher_pid``: local tasks stop when that process ends (a real launch: its own pid)."""
     for spec in launch_plan.tasks:
         if spec.command is not None:
             if executor_kind != "slurm":
-                raise ConfigError(f"task {spec.name} runs `megatron-kl {' '.join(spec.command)}`: run that directly "
-                                  "on this machine")
+                raise ConfigError(
+                    f"task {spec.name} runs `megatron-kl {' '.join(spec.command)}`: run that directly on this machine"
+                )
             executor, script = single_node_task(spec)
         elif executor_kind == "local":
             executor, script = local_task(spec, launcher_pid)
@@ -139,16 +143,20 @@ _CAUSE = re.compile(r"megatron-kl [a-z]+(?: --[a-z]+)?: ")  # the CLI's one-line
 def task_log(job_dir: str, lines: int = 40) -> str:
     """Tail of a task's log: torchelastic's per-rank stderr/stdout (local) or the srun log (Slurm)."""
     root = Path(job_dir)
-    candidates = dict.fromkeys([*sorted(root.rglob("stderr.log")), *sorted(root.rglob("log-*.out")),
-                                *sorted(root.rglob("*.log"))])
+    candidates = dict.fromkeys(
+        [*sorted(root.rglob("stderr.log")), *sorted(root.rglob("log-*.out")), *sorted(root.rglob("*.log"))]
+    )
     texts = []
     for path in candidates:
         text = path.read_text(errors="replace").strip()
         if text:
             # the trainer's own one-line error first (torchrun's failure summary fills the tail after it)
             causes = dict.fromkeys(line for line in text.splitlines() if _CAUSE.search(line))
-            texts.append(f"--- {path}\n" + "".join(f"{line}\n" for line in list(causes)[:3])
-                         + "\n".join(text.splitlines()[-lines:]))
+            texts.append(
+                f"--- {path}\n"
+                + "".join(f"{line}\n" for line in list(causes)[:3])
+                + "\n".join(text.splitlines()[-lines:])
+            )
     return "\n".join(texts[:4]) if texts else f"(no log files under {job_dir})"
 
 
@@ -176,8 +184,9 @@ def task_states(exp) -> dict[str, dict]:
     return out
 
 
-def launch(executor_kind: str, launch_plan: LaunchPlan, detach: bool = False,
-           customize=None) -> tuple[str, dict[str, dict]]:
+def launch(
+    executor_kind: str, launch_plan: LaunchPlan, detach: bool = False, customize=None
+) -> tuple[str, dict[str, dict]]:
     """Run the experiment; returns (experiment id, task states). Local runs wait; Slurm may detach."""
     run = _nemo_run()
     _set_home(launch_plan.home)
@@ -196,5 +205,7 @@ def reconstruct(exp_id: str, home: str):
     try:
         return run.Experiment.from_id(exp_id)
     except (AssertionError, FileNotFoundError, ValueError) as err:
-        raise ConfigError(f"no NeMo-Run experiment {exp_id!r} under {home} ({err}); "
-                          "pass --home if it was launched with another launch.home") from None
+        raise ConfigError(
+            f"no NeMo-Run experiment {exp_id!r} under {home} ({err}); "
+            "pass --home if it was launched with another launch.home"
+        ) from None

@@ -51,8 +51,9 @@ def _nemo_run():
     try:
         import nemo_run
     except ImportError as err:  # the `launch` extra
-        raise ConfigError("megatron-kl launch needs NeMo-Run: pip install -e '.[launch]' "
-                          "(nemo-run==0.11.1, leptonai<0.47)") from err
+        raise ConfigError(
+            "megatron-kl launch needs NeMo-Run: pip install -e '.[launch]' (nemo-run==0.11.1, leptonai<0.47)"
+        ) from err
     return nemo_run
 
 
@@ -61,8 +62,9 @@ def local_task(spec: TaskSpec, launcher_pid: Optional[int] = None):
     end stops the trainers (a real launch passes its own; a dry run shows none)."""
     run = _nemo_run()
     cfg = spec.cfg
-    nproc = cfg.launch.nproc_per_node or (cfg.parallel.tensor_parallel * cfg.parallel.pipeline_parallel
-                                          * cfg.parallel.context_parallel)
+    nproc = cfg.launch.nproc_per_node or (
+        cfg.parallel.tensor_parallel * cfg.parallel.pipeline_parallel * cfg.parallel.context_parallel
+    )
     validate_parallel(cfg.model, cfg.parallel, nproc)
     # torchrun and python of this environment, whether or not it is activated
     os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
@@ -81,58 +83,81 @@ def _check_slurm(cfg: TrainConfig) -> None:
     if not slurm.account:
         raise ConfigError("launch.slurm.account is required for `megatron-kl launch slurm`")
     if slurm.runtime == "container" and not slurm.container_image:
-        raise ConfigError("launch.slurm.container_image is required (NeMo-Run's Slurm executor runs tasks "
-                          "in a pyxis/enroot container); or set launch.slurm.runtime=host to run in the nodes' own "
-                          "environment")
+        raise ConfigError(
+            "launch.slurm.container_image is required (NeMo-Run's Slurm executor runs tasks "
+            "in a pyxis/enroot container); or set launch.slurm.runtime=host to run in the nodes' own "
+            "environment"
+        )
     if slurm.runtime == "host" and "/nemo_run" in str(Path(slurm.tunnel.job_dir).absolute()):
-        raise ConfigError(f"launch.slurm.tunnel.job_dir={slurm.tunnel.job_dir!r} (or launch.home) has a 'nemo_run' "
-                          "directory: with launch.slurm.runtime=host NeMo-Run rewrites '/nemo_run' (its in-container "
-                          "run directory) in every path of the job; choose another directory name")
+        raise ConfigError(
+            f"launch.slurm.tunnel.job_dir={slurm.tunnel.job_dir!r} (or launch.home) has a 'nemo_run' "
+            "directory: with launch.slurm.runtime=host NeMo-Run rewrites '/nemo_run' (its in-container "
+            "run directory) in every path of the job; choose another directory name"
+        )
     if slurm.runtime == "host" and slurm.container_image:
-        raise ConfigError(f"launch.slurm.runtime=host runs without a container: drop launch.slurm.container_image="
-                          f"{slurm.container_image!r}, or set launch.slurm.runtime=container")
+        raise ConfigError(
+            f"launch.slurm.runtime=host runs without a container: drop launch.slurm.container_image="
+            f"{slurm.container_image!r}, or set launch.slurm.runtime=container"
+        )
     if slurm.retries and not cfg.checkpoint.resume:
-        raise ConfigError(f"launch.slurm.retries={slurm.retries} restarts the job; set checkpoint.resume=true "
-                          "so a restart continues from the latest checkpoint instead of step 0")
+        raise ConfigError(
+            f"launch.slurm.retries={slurm.retries} restarts the job; set checkpoint.resume=true "
+            "so a restart continues from the latest checkpoint instead of step 0"
+        )
     validate_parallel(cfg.model, cfg.parallel, slurm.nodes * slurm.tasks_per_node)
     validate_training_layout(cfg.model, cfg.parallel, cfg.train.micro_batch_tokens)
     if not SHELL_WORD.fullmatch(str(slurm.tunnel.job_dir)):
-        raise ConfigError(f"launch.slurm.tunnel.job_dir={slurm.tunnel.job_dir!r}: NeMo-Run writes it unquoted into "
-                          "the srun lines; use letters, digits and / . _ - : @ + = , ~ only")
+        raise ConfigError(
+            f"launch.slurm.tunnel.job_dir={slurm.tunnel.job_dir!r}: NeMo-Run writes it unquoted into "
+            "the srun lines; use letters, digits and / . _ - : @ + = , ~ only"
+        )
     shell_env(cfg)  # names checked before anything is written
     servers = cfg.launch.rollout_servers
     if servers.mode == "disaggregated":
         if ENGINES.get(cfg.rollout.engine, "rollout.engine").server_flags is None:
-            raise ConfigError(f"launch.rollout_servers.mode=disaggregated starts rollout servers, which "
-                              f"rollout.engine={cfg.rollout.engine} has none of; set rollout.engine="
-                              + " or ".join(ENGINES.where(lambda e: e.server_flags is not None)))
+            raise ConfigError(
+                f"launch.rollout_servers.mode=disaggregated starts rollout servers, which "
+                f"rollout.engine={cfg.rollout.engine} has none of; set rollout.engine="
+                + " or ".join(ENGINES.where(lambda e: e.server_flags is not None))
+            )
         if cfg.rollout.sglang.colocated:
-            raise ConfigError("launch.rollout_servers.mode=disaggregated puts the SGLang servers on their own nodes: "
-                              "set rollout.sglang.colocated=false (memory release is for servers sharing the "
-                              "trainer's GPUs)")
+            raise ConfigError(
+                "launch.rollout_servers.mode=disaggregated puts the SGLang servers on their own nodes: "
+                "set rollout.sglang.colocated=false (memory release is for servers sharing the "
+                "trainer's GPUs)"
+            )
         if cfg.rollout.sglang.weight_sync == "from_tensor":
-            raise ConfigError("rollout.sglang.weight_sync=from_tensor hands tensors to servers on the same node; "
-                              "disaggregated servers need from_distributed (NCCL) or from_disk (shared filesystem)")
+            raise ConfigError(
+                "rollout.sglang.weight_sync=from_tensor hands tensors to servers on the same node; "
+                "disaggregated servers need from_distributed (NCCL) or from_disk (shared filesystem)"
+            )
         if not MODULE.fullmatch(cfg.rollout.sglang.server_module):
-            raise ConfigError(f"rollout.sglang.server_module={cfg.rollout.sglang.server_module!r} is run as "
-                              "`python -m MODULE` in the job script: a dotted Python module name "
-                              "(sglang.launch_server)")
+            raise ConfigError(
+                f"rollout.sglang.server_module={cfg.rollout.sglang.server_module!r} is run as "
+                "`python -m MODULE` in the job script: a dotted Python module name "
+                "(sglang.launch_server)"
+            )
         if not (servers.model_path or cfg.init.hf_checkpoint):
-            raise ConfigError("disaggregated SGLang servers need launch.rollout_servers.model_path "
-                              "(or init.hf_checkpoint)")
+            raise ConfigError(
+                "disaggregated SGLang servers need launch.rollout_servers.model_path (or init.hf_checkpoint)"
+            )
     service = cfg.launch.reward_service
     if service.mode == "heterogeneous":
         if not any(f.name == "service" for f in cfg.reward.functions):
-            raise ConfigError("launch.reward_service.mode=heterogeneous starts a verifier service that no reward calls: "
-                              "add {name: service} to reward.functions, or set launch.reward_service.mode=none")
+            raise ConfigError(
+                "launch.reward_service.mode=heterogeneous starts a verifier service that no reward calls: "
+                "add {name: service} to reward.functions, or set launch.reward_service.mode=none"
+            )
         if not service.command:
-            raise ConfigError("launch.reward_service.command is empty: give the service's command line, one argument "
-                              "per item, e.g. [python, -m, my_lab.verifier, --port, '{port}']")
+            raise ConfigError(
+                "launch.reward_service.command is empty: give the service's command line, one argument "
+                "per item, e.g. [python, -m, my_lab.verifier, --port, '{port}']"
+            )
 
 
 def heterogeneous(cfg: TrainConfig) -> bool:
     """Whether the job has groups besides the trainer's (rollout servers, a verifier service)."""
-    return (cfg.launch.rollout_servers.mode == "disaggregated" or cfg.launch.reward_service.mode == "heterogeneous")
+    return cfg.launch.rollout_servers.mode == "disaggregated" or cfg.launch.reward_service.mode == "heterogeneous"
 
 
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -148,36 +173,60 @@ def shell_env(cfg: TrainConfig) -> dict:
     for field, values in (("launch.slurm.env", cfg.launch.slurm.environment()), ("launch.env", cfg.launch.env)):
         for key, value in values.items():
             if not ENV_NAME.fullmatch(str(key)):
-                raise ConfigError(f"{field}: {key!r} is not an environment variable name (letters, digits and "
-                                  "underscores, not starting with a digit)")
+                raise ConfigError(
+                    f"{field}: {key!r} is not an environment variable name (letters, digits and "
+                    "underscores, not starting with a digit)"
+                )
             env[str(key)] = shlex.quote(str(value))
     return env
 
 
-def _slurm_executor(cfg: TrainConfig, nodes: int, tasks_per_node: int, launcher, heterogeneous: bool,
-                    setup_lines: str | None = None, stop_signal: bool = True):
+def _slurm_executor(
+    cfg: TrainConfig,
+    nodes: int,
+    tasks_per_node: int,
+    launcher,
+    heterogeneous: bool,
+    setup_lines: str | None = None,
+    stop_signal: bool = True,
+):
     """``stop_signal``: this (component of the) job gets SIGUSR1 ahead of its time limit (the trainer's; the
     rollout servers of a heterogeneous job are not signalled: they serve until the trainer has checkpointed)."""
     run = _nemo_run()
     slurm = cfg.launch.slurm
     tunnel_cfg = slurm.tunnel
     if tunnel_cfg.kind == "ssh":
-        tunnel = run.SSHTunnel(host=tunnel_cfg.host, user=tunnel_cfg.user, job_dir=tunnel_cfg.job_dir,
-                               identity=tunnel_cfg.identity)
+        tunnel = run.SSHTunnel(
+            host=tunnel_cfg.host, user=tunnel_cfg.user, job_dir=tunnel_cfg.job_dir, identity=tunnel_cfg.identity
+        )
     else:
         tunnel = run.LocalTunnel(job_dir=str(Path(tunnel_cfg.job_dir).absolute()))
     packager = run.GitArchivePackager() if slurm.packager == "git" else run.Packager()
     if slurm.runtime == "host":  # sbatch hands its environment to the job: this Python and its torchrun first
         os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
     return run.SlurmExecutor(
-        account=slurm.account, partition=slurm.partition, nodes=nodes, ntasks_per_node=tasks_per_node,
-        gpus_per_node=slurm.gpus_per_node or None, time=slurm.time, container_image=slurm.container_image,
-        container_mounts=list(slurm.container_mounts), exclusive=slurm.exclusive or None, qos=slurm.qos,
-        constraint=slurm.constraint, tunnel=tunnel, packager=packager, launcher=launcher,
-        env_vars=shell_env(cfg), retries=slurm.retries, heterogeneous=heterogeneous,
-        setup_lines=setup_lines, job_name_prefix="megatron-kl.",
+        account=slurm.account,
+        partition=slurm.partition,
+        nodes=nodes,
+        ntasks_per_node=tasks_per_node,
+        gpus_per_node=slurm.gpus_per_node or None,
+        time=slurm.time,
+        container_image=slurm.container_image,
+        container_mounts=list(slurm.container_mounts),
+        exclusive=slurm.exclusive or None,
+        qos=slurm.qos,
+        constraint=slurm.constraint,
+        tunnel=tunnel,
+        packager=packager,
+        launcher=launcher,
+        env_vars=shell_env(cfg),
+        retries=slurm.retries,
+        heterogeneous=heterogeneous,
+        setup_lines=setup_lines,
+        job_name_prefix="megatron-kl.",
         signal=slurm.sbatch_signal() if stop_signal else None,
-        **({"container_workdir": slurm.container_workdir} if slurm.container_workdir else {}))
+        **({"container_workdir": slurm.container_workdir} if slurm.container_workdir else {}),
+    )
 
 
 def slurm_task(spec: TaskSpec):
@@ -210,8 +259,10 @@ def rollout_server_args(cfg: TrainConfig) -> list[str]:
 
 def _hosts(group: int, port: int) -> str:
     """The shell pipeline listing a group's nodes as quoted URLs ``"http://<node>:<port>"``, comma-separated."""
-    return (f"$(scontrol show hostnames \"$SLURM_JOB_NODELIST_HET_GROUP_{group}\" "
-            f"| sed 's|.*|\"http://&:{port}\"|' | paste -sd, -)")
+    return (
+        f'$(scontrol show hostnames "$SLURM_JOB_NODELIST_HET_GROUP_{group}" '
+        f"| sed 's|.*|\"http://&:{port}\"|' | paste -sd, -)"
+    )
 
 
 def heterogeneous_tasks(spec: TaskSpec):
@@ -234,42 +285,80 @@ def heterogeneous_tasks(spec: TaskSpec):
             "{ xtrace=$(set +o | grep xtrace); set +x; } 2>/dev/null",
             f"export {API_KEY_VAR}=$(head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \\n')",
             'eval "$xtrace"',
-            f"export {URLS_VAR}={_hosts(groups.index('rollout'), servers.port)}"]
+            f"export {URLS_VAR}={_hosts(groups.index('rollout'), servers.port)}",
+        ]
     if "reward" in groups:
         setup.append(f"export {REWARD_URLS_VAR}={_hosts(groups.index('reward'), service.port)}")
     setup += [
-        f"export {TRAIN_HEAD_VAR}=$(scontrol show hostnames \"$SLURM_JOB_NODELIST_HET_GROUP_{trainer_group}\" "
+        f'export {TRAIN_HEAD_VAR}=$(scontrol show hostnames "$SLURM_JOB_NODELIST_HET_GROUP_{trainer_group}" '
         "| head -n1)",
         # the trainer reaches the servers directly, never through a site's HTTP proxy: their nodes join no_proxy
-        'export no_proxy="${no_proxy:-${NO_PROXY:-}}"']
+        'export no_proxy="${no_proxy:-${NO_PROXY:-}}"',
+    ]
     for group in range(trainer_group):
-        setup.append('export no_proxy="${no_proxy:+$no_proxy,}$(scontrol show hostnames '
-                     f'"$SLURM_JOB_NODELIST_HET_GROUP_{group}" | paste -sd, -)"')
+        setup.append(
+            'export no_proxy="${no_proxy:+$no_proxy,}$(scontrol show hostnames '
+            f'"$SLURM_JOB_NODELIST_HET_GROUP_{group}" | paste -sd, -)"'
+        )
     setup.append('export NO_PROXY="$no_proxy"')
     executors, scripts = [], []
     for index, group in enumerate(groups):
-        nodes, gpus = (servers.nodes, servers.gpus_per_node) if group == "rollout" else (service.nodes,
-                                                                                          service.gpus_per_node)
-        executor = _slurm_executor(cfg, nodes, 1, None, heterogeneous=True, setup_lines="\n".join(setup) if index == 0
-                                   else None, stop_signal=False)
+        nodes, gpus = (
+            (servers.nodes, servers.gpus_per_node) if group == "rollout" else (service.nodes, service.gpus_per_node)
+        )
+        executor = _slurm_executor(
+            cfg,
+            nodes,
+            1,
+            None,
+            heterogeneous=True,
+            setup_lines="\n".join(setup) if index == 0 else None,
+            stop_signal=False,
+        )
         executor.gpus_per_node = gpus or None  # 0: CPU nodes (the CI cluster's test server, a rule-based verifier)
         executors.append(executor)
         if group == "rollout":
             # an inline script (srun runs `bash server.sh`): the key is expanded there, not in the traced job script
-            scripts.append(run.Script(inline=" ".join(["python", "-m", cfg.rollout.sglang.server_module,
-                                                       *(shlex.quote(a) for a in rollout_server_args(cfg)),
-                                                       "--api-key", f'"${API_KEY_VAR}"'])))
+            scripts.append(
+                run.Script(
+                    inline=" ".join(
+                        [
+                            "python",
+                            "-m",
+                            cfg.rollout.sglang.server_module,
+                            *(shlex.quote(a) for a in rollout_server_args(cfg)),
+                            "--api-key",
+                            f'"${API_KEY_VAR}"',
+                        ]
+                    )
+                )
+            )
         else:
-            scripts.append(run.Script(inline=" ".join(shlex.quote(a.replace("{port}", str(service.port)))
-                                                      for a in service.command)))
+            scripts.append(
+                run.Script(
+                    inline=" ".join(shlex.quote(a.replace("{port}", str(service.port))) for a in service.command)
+                )
+            )
     # one srun task per trainer node, each running torchrun for that node's GPUs
     executors.append(_slurm_executor(cfg, slurm.nodes, 1, None, heterogeneous=True))
     for executor in executors:
         executor.wait_time_for_group_job = servers.trainer_start_delay_s
         executor.monitor_group_job_wait_time = servers.monitor_interval_s
-    torchrun = ["torchrun", "--nnodes", str(slurm.nodes), "--nproc-per-node", str(slurm.tasks_per_node),
-                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"${TRAIN_HEAD_VAR}:{slurm.rdzv_port}",
-                "--rdzv-id", "$SLURM_JOB_ID", "-m", "megatron_kl.cli"]
+    torchrun = [
+        "torchrun",
+        "--nnodes",
+        str(slurm.nodes),
+        "--nproc-per-node",
+        str(slurm.tasks_per_node),
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"${TRAIN_HEAD_VAR}:{slurm.rdzv_port}",
+        "--rdzv-id",
+        "$SLURM_JOB_ID",
+        "-m",
+        "megatron_kl.cli",
+    ]
     # every user value shell-quoted; the intended expansions are the groups' URLs, from fixed templates
     urls = []
     if rollout:

@@ -78,25 +78,40 @@ def _pytest(*args: str) -> list[str]:
     return [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *args]
 
 
-def plan_checks(gpus: int, run_dir: Path, hf_checkpoint: Optional[str] = None,
-                checkout: Optional[Path] = None) -> list[Check]:
+def plan_checks(
+    gpus: int, run_dir: Path, hf_checkpoint: Optional[str] = None, checkout: Optional[Path] = None
+) -> list[Check]:
     kernel_world = 8 if gpus >= 8 else (2 if gpus == 0 else 0)
     kernel_skip = None if kernel_world else f"TP=8 needs 8 GPUs, this node has {gpus}"
     kernels_env = {"MEGATRON_KL_TEST_WORLDS": str(kernel_world)}
     layouts_skip = None if gpus == 0 or gpus >= 4 else f"TP=2 x PP=2 needs 4 GPUs, this node has {gpus}"
-    gpu_tests = (_pytest("-m", "gpu", "tests", "megatron_kl/validation") if checkout is not None
-                 else _pytest("-m", "gpu", *_checks()))
+    gpu_tests = (
+        _pytest("-m", "gpu", "tests", "megatron_kl/validation")
+        if checkout is not None
+        else _pytest("-m", "gpu", *_checks())
+    )
     checks = [
         Check("gpu_tests", gpu_tests, skip=None if gpus else "no GPU on this node"),
         Check("layouts", _pytest(*_checks("test_model_layouts"), "-k", "tp2 or pp2"), skip=layouts_skip),
-        Check("vocab_parallel", _pytest(*_checks("test_vocab_parallel", "test_vocab_parallel_accuracy"), "-m",
-                                        "not slow"), env=kernels_env, skip=kernel_skip),
-        Check("fused_linear", _pytest(*_checks("test_fused_linear"), "-m", "not slow"), env=kernels_env,
-              skip=kernel_skip),
+        Check(
+            "vocab_parallel",
+            _pytest(*_checks("test_vocab_parallel", "test_vocab_parallel_accuracy"), "-m", "not slow"),
+            env=kernels_env,
+            skip=kernel_skip,
+        ),
+        Check(
+            "fused_linear", _pytest(*_checks("test_fused_linear"), "-m", "not slow"), env=kernels_env, skip=kernel_skip
+        ),
     ]
     train_skip = None if gpus == 0 or gpus >= 3 else f"TP=2 training plus one SGLang GPU needs 3 GPUs, has {gpus}"
-    checks.append(Check("train", train_command(gpus, run_dir, hf_checkpoint), skip=train_skip,
-                        env={"OMP_NUM_THREADS": "1"} if gpus == 0 else {}))
+    checks.append(
+        Check(
+            "train",
+            train_command(gpus, run_dir, hf_checkpoint),
+            skip=train_skip,
+            env={"OMP_NUM_THREADS": "1"} if gpus == 0 else {},
+        )
+    )
     return checks
 
 
@@ -109,22 +124,48 @@ def train_command(gpus: int, run_dir: Path, hf_checkpoint: Optional[str]) -> lis
     """3 steps at TP=2 with SGLang rollouts and NCCL (gloo on CPU) weight sync from the trainer's ranks."""
     from megatron_kl.rollout.servers import server_port
 
-    overrides = [f"train.output_dir={run_dir}", f"train.steps={TRAIN_STEPS}", "parallel.tensor_parallel=2",
-                 f"rollout.sglang.port={server_port()}",
-                 "rollout.engine=sglang", "rollout.sglang.weight_sync=from_distributed",
-                 "rollout.sglang.colocated=false", "rollout.sglang.enable_memory_saver=false",
-                 "checkpoint.interval=0", "eval.interval=0", "logging.progress=false", "logging.tensorboard=false",
-                 "warm_start.enabled=false"]  # the machinery is checked, not learning
+    overrides = [
+        f"train.output_dir={run_dir}",
+        f"train.steps={TRAIN_STEPS}",
+        "parallel.tensor_parallel=2",
+        f"rollout.sglang.port={server_port()}",
+        "rollout.engine=sglang",
+        "rollout.sglang.weight_sync=from_distributed",
+        "rollout.sglang.colocated=false",
+        "rollout.sglang.enable_memory_saver=false",
+        "checkpoint.interval=0",
+        "eval.interval=0",
+        "logging.progress=false",
+        "logging.tensorboard=false",
+        "warm_start.enabled=false",
+    ]  # the machinery is checked, not learning
     if gpus == 0:
-        overrides += ["rollout.sglang.server_module=megatron_kl.testing.sglang_server", "train.prompts_per_step=8",
-                      "train.group_size=4", "task.eval_size=8", "eval.k=2"]
+        overrides += [
+            "rollout.sglang.server_module=megatron_kl.testing.sglang_server",
+            "train.prompts_per_step=8",
+            "train.group_size=4",
+            "task.eval_size=8",
+            "eval.k=2",
+        ]
     else:  # the server on the GPU after the trainer's two
         overrides += ["rollout.sglang.extra_args=[--base-gpu-id, '2']", "rollout.sglang.mem_fraction_static=0.5"]
         if hf_checkpoint:
             overrides += [f"init.hf_checkpoint={hf_checkpoint}"]
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(TRAIN_RANKS), "--master-port",
-            str(server_port()),
-            "-m", "megatron_kl.cli", "train", "--config", str(packaged_config(DEFAULT_CONFIG)), *overrides]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(TRAIN_RANKS),
+        "--master-port",
+        str(server_port()),
+        "-m",
+        "megatron_kl.cli",
+        "train",
+        "--config",
+        str(packaged_config(DEFAULT_CONFIG)),
+        *overrides,
+    ]
 
 
 def train_timings(metrics_path: Path, world: int) -> dict:
@@ -133,10 +174,12 @@ def train_timings(metrics_path: Path, world: int) -> dict:
     if not records:
         return {}
     later = records[1:] or records  # step 0 includes the first compilation / warm-up
-    return {"step_s": median(r["time/step"] for r in later),
-            "weight_sync_s": median(r["time/weight_sync"] for r in later),
-            "tokens_per_s_per_gpu": median(r["throughput/tokens_per_s"] for r in later) / world,
-            "steps": len(records)}
+    return {
+        "step_s": median(r["time/step"] for r in later),
+        "weight_sync_s": median(r["time/weight_sync"] for r in later),
+        "tokens_per_s_per_gpu": median(r["throughput/tokens_per_s"] for r in later) / world,
+        "steps": len(records),
+    }
 
 
 def run_check(check: Check, root: Path, log_dir: Path) -> Result:
@@ -147,8 +190,14 @@ def run_check(check: Check, root: Path, log_dir: Path) -> Result:
     start = time.perf_counter()
     with open(log, "w") as out:
         try:
-            code = subprocess.run(check.command, cwd=root, env={**os.environ, **check.env}, stdout=out,
-                                  stderr=subprocess.STDOUT, timeout=check.timeout_s).returncode
+            code = subprocess.run(
+                check.command,
+                cwd=root,
+                env={**os.environ, **check.env},
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                timeout=check.timeout_s,
+            ).returncode
         except subprocess.TimeoutExpired:
             code = None
     seconds = time.perf_counter() - start
@@ -167,15 +216,19 @@ def table(results: list[Result]) -> str:
     return "\n".join(lines)
 
 
-def validate(out_dir: Path, only: Optional[list[str]] = None, hf_checkpoint: Optional[str] = None,
-             gpus: Optional[int] = None) -> dict:
+def validate(
+    out_dir: Path, only: Optional[list[str]] = None, hf_checkpoint: Optional[str] = None, gpus: Optional[int] = None
+) -> dict:
     gpus = gpu_count() if gpus is None else gpus
     out_dir.mkdir(parents=True, exist_ok=True)
     checkout = repository_checkout()
     checks = [c for c in plan_checks(gpus, out_dir / "train", hf_checkpoint, checkout) if not only or c.name in only]
     if gpus == 0:
-        print("validate: no GPU on this node: running the CPU subset (gloo, local layer spec, SGLang test server); "
-              "GPU-only checks are skipped", file=sys.stderr)
+        print(
+            "validate: no GPU on this node: running the CPU subset (gloo, local layer spec, SGLang test server); "
+            "GPU-only checks are skipped",
+            file=sys.stderr,
+        )
     results = []
     for check in checks:
         print(f"validate: {check.name} ...", file=sys.stderr, flush=True)
@@ -183,7 +236,10 @@ def validate(out_dir: Path, only: Optional[list[str]] = None, hf_checkpoint: Opt
         print(f"validate: {check.name} {results[-1].status} ({results[-1].seconds:.1f}s)", file=sys.stderr)
     train = next((r for r in results if r.name == "train" and r.status == "pass"), None)
     report = {
-        "node": os.uname().nodename, "gpus": gpus, "device": _device_name(gpus), "cpu_subset": gpus == 0,
+        "node": os.uname().nodename,
+        "gpus": gpus,
+        "device": _device_name(gpus),
+        "cpu_subset": gpus == 0,
         "passed": all(r.status != "fail" for r in results),
         "checks": [asdict(r) for r in results],
         "timings": train_timings(out_dir / "train" / "metrics.jsonl", TRAIN_RANKS) if train else {},
@@ -225,12 +281,19 @@ def parser(prog: str = "megatron-kl validate", clusters=None) -> argparse.Argume
     p = Parser(prog=prog, description=__doc__)
     p.add_argument("--out", default="runs/validate", help="logs, the training run and validate.json")
     p.add_argument("--only", default=None, help=f"comma-separated subset of {','.join(CHECKS)}")
-    p.add_argument("--hf-checkpoint", default=None, help="GPU: an HF model for the training check "
-                   "(default: the CPU config's tiny model)")
+    p.add_argument(
+        "--hf-checkpoint",
+        default=None,
+        help="GPU: an HF model for the training check (default: the CPU config's tiny model)",
+    )
     p.add_argument("--json", default=None, metavar="FILE", help="also write the JSON report to FILE (- : print it)")
     if clusters is not None:
-        p.add_argument("--cluster", choices=sorted(clusters), default=None,
-                       help="submit to this cluster of launch/clusters.py (a Slurm one) instead of running here")
+        p.add_argument(
+            "--cluster",
+            choices=sorted(clusters),
+            default=None,
+            help="submit to this cluster of launch/clusters.py (a Slurm one) instead of running here",
+        )
         p.add_argument("--dryrun", action="store_true", help="with --cluster: print the sbatch script")
         p.add_argument("--detach", action="store_true", help="with --cluster: return after submitting")
         p.add_argument("overrides", nargs="*", help="launch.* overrides for the submission")
@@ -278,6 +341,7 @@ def packaged_config(relative: str) -> Path:
         return checkout / relative
     path = Path(str(resources.files("megatron_kl.configs").joinpath(relative.removeprefix("configs/"))))
     if not path.is_file():
-        raise ConfigError(f"{relative} is neither in a checkout nor in the installed package ({path}): reinstall "
-                          "megatron-kl")
+        raise ConfigError(
+            f"{relative} is neither in a checkout nor in the installed package ({path}): reinstall megatron-kl"
+        )
     return path

@@ -21,14 +21,17 @@ def _check_kind(config: str, kind: str) -> None:
     is_study = isinstance(data, dict) and "base" in data
     if is_study != (kind == "study"):
         other = "study" if is_study else "train"
-        raise ConfigError(f"--config {config} is {KINDS[other]}; launch/{kind}.py takes {KINDS[kind]} "
-                          f"(use launch/{other}.py for this one)")
+        raise ConfigError(
+            f"--config {config} is {KINDS[other]}; launch/{kind}.py takes {KINDS[kind]} "
+            f"(use launch/{other}.py for this one)"
+        )
 
 
 def main(argv: list[str], clusters: dict[str, Callable[[], Cluster]], kind: str, doc: str = "") -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
-    parser = argparse.ArgumentParser(prog=f"launch/{kind}.py", description=doc,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog=f"launch/{kind}.py", description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--cluster", required=True, choices=sorted(clusters), help="a function of launch/clusters.py")
     parser.add_argument("--config", required=True, help=KINDS[kind])
     parser.add_argument("--dryrun", action="store_true", help="print the scripts NeMo-Run would submit")

@@ -35,8 +35,10 @@ class LatentDotProductAttention(DotProductAttention):
     def __init__(self, *args, k_channels=None, v_channels=None, **kwargs):
         super().__init__(*args, **kwargs)
         if v_channels is not None and v_channels != self.hidden_size_per_attention_head:
-            raise ValueError(f"core attention sized for heads of {self.hidden_size_per_attention_head} values, "
-                             f"multi-latent attention gives {v_channels}: set kv_channels to the value head size")
+            raise ValueError(
+                f"core attention sized for heads of {self.hidden_size_per_attention_head} values, "
+                f"multi-latent attention gives {v_channels}: set kv_channels to the value head size"
+            )
 
 
 class SDPAttention(LatentDotProductAttention):
@@ -51,14 +53,22 @@ class SDPAttention(LatentDotProductAttention):
             return False
         return not (mask_type == AttnMaskType.causal and sq > 1 and sq != sk)
 
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                packed_seq_params=None):
+    def forward(
+        self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None
+    ):
         """query [sq, b, heads, d], key/value [sk, b, groups, d] -> context [sq, b, heads * d]."""
         mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
         sq, batch = query.size(0), query.size(1)
         if not self._covered(attention_mask, attention_bias, packed_seq_params, mask_type, sq, key.size(0)):
-            return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
-                                   attention_bias=attention_bias, packed_seq_params=packed_seq_params)
+            return super().forward(
+                query,
+                key,
+                value,
+                attention_mask,
+                attn_mask_type=attn_mask_type,
+                attention_bias=attention_bias,
+                packed_seq_params=packed_seq_params,
+            )
         # [s, b, n, d] -> [b, n, s, d] views; the kernel takes strided inputs
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         scale = self.softmax_scale * (self.layer_number if self.config.apply_query_key_layer_scaling else 1)
@@ -80,5 +90,6 @@ def attend(q, k, v, scale: float, is_causal: bool = False, mask=None):
     without repeating the keys), computed in :func:`attention_dtype`; the result is in that dtype."""
     dtype = attention_dtype(q.dtype, q.device)
     q, k, v = (t.to(dtype) for t in (q, k, v))
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale,
-                                          enable_gqa=q.size(1) != k.size(1))
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=q.size(1) != k.size(1)
+    )

@@ -18,9 +18,20 @@ from typing import Optional
 import torch
 
 # the tensors that travel with the rows, in the order they are listed on SequenceBatch
-ROW_TENSORS = ("behavior_logprobs", "reference_logprobs", "advantages", "old_logprobs", "kl_returns", "routed_experts",
-               "reference_hidden", "teacher_logprobs", "distill_returns", "teacher_top_ids", "teacher_top_logprobs",
-               "regularizer_hidden")
+ROW_TENSORS = (
+    "behavior_logprobs",
+    "reference_logprobs",
+    "advantages",
+    "old_logprobs",
+    "kl_returns",
+    "routed_experts",
+    "reference_hidden",
+    "teacher_logprobs",
+    "distill_returns",
+    "teacher_top_ids",
+    "teacher_top_logprobs",
+    "regularizer_hidden",
+)
 
 
 @dataclass(slots=True)
@@ -63,7 +74,9 @@ class SequenceBatch:
             raise ValueError(f"tokens must be [batch, seq], got shape {tuple(self.tokens.shape)}")
         expected = (self.tokens.shape[0], self.tokens.shape[1] - 1)
         if tuple(self.loss_mask.shape) != expected:
-            raise ValueError(f"loss_mask must be {expected} (aligned with tokens[:, 1:]), got {tuple(self.loss_mask.shape)}")
+            raise ValueError(
+                f"loss_mask must be {expected} (aligned with tokens[:, 1:]), got {tuple(self.loss_mask.shape)}"
+            )
 
     def row_tensors(self) -> dict[str, torch.Tensor]:
         """The carried tensors (name -> tensor), those left None out."""
@@ -114,13 +127,21 @@ class SequenceBatch:
                 value = value[:, : width if value.shape[1] == seq else width - 1]
             return value[pick]
 
-        return Microbatch(tokens=cut(self.tokens), loss_mask=cut(self.loss_mask), index=index, rows=rows,
-                          **{name: cut(value) for name, value in self.row_tensors().items()})
+        return Microbatch(
+            tokens=cut(self.tokens),
+            loss_mask=cut(self.loss_mask),
+            index=index,
+            rows=rows,
+            **{name: cut(value) for name, value in self.row_tensors().items()},
+        )
 
     def select(self, index: torch.Tensor) -> "SequenceBatch":
         """The rows ``index`` (a minibatch), every carried tensor with them."""
-        return SequenceBatch(self.tokens[index], self.loss_mask[index],
-                             **{name: value[index] for name, value in self.row_tensors().items()})
+        return SequenceBatch(
+            self.tokens[index],
+            self.loss_mask[index],
+            **{name: value[index] for name, value in self.row_tensors().items()},
+        )
 
 
 @dataclass(slots=True)
@@ -142,8 +163,11 @@ class Microbatch(SequenceBatch):
 
     def to(self, device) -> "Microbatch":
         """Every tensor but ``rows`` (bookkeeping, on the CPU) on ``device``."""
-        moved = {f.name: value.to(device) for f in dataclasses.fields(self)
-                 if isinstance(value := getattr(self, f.name), torch.Tensor) and f.name != "rows"}
+        moved = {
+            f.name: value.to(device)
+            for f in dataclasses.fields(self)
+            if isinstance(value := getattr(self, f.name), torch.Tensor) and f.name != "rows"
+        }
         return dataclasses.replace(self, **moved)
 
 
@@ -182,17 +206,27 @@ class TokenStats:
 
     def placed(self, order: torch.Tensor) -> "TokenStats":
         """The statistics of rows computed in the order ``order`` put back in batch order (row i -> row order[i])."""
-        return dataclasses.replace(self, **{f.name: torch.empty_like(value).index_copy_(0, order, value)
-                                            for f in dataclasses.fields(self)
-                                            if (value := getattr(self, f.name)) is not None})
+        return dataclasses.replace(
+            self,
+            **{
+                f.name: torch.empty_like(value).index_copy_(0, order, value)
+                for f in dataclasses.fields(self)
+                if (value := getattr(self, f.name)) is not None
+            },
+        )
 
     @classmethod
     def keys(cls, exact_kl: bool, truncated: bool, candidates: bool = False, regularizer: bool = False) -> tuple:
         """The per-token fields a pass computes: always log-probs and entropy, the exact KL with a reference head,
         the support statistics with truncation, the log-probs at the teacher's top-k ids with ``candidates``, the
         exact KL to the reference beside the teacher's with ``regularizer``."""
-        return (("logprobs", "entropy") + (("kl",) if exact_kl else ()) + (SUPPORT_KEYS if truncated else ())
-                + (("candidate_logprobs",) if candidates else ()) + (("regularizer_kl",) if regularizer else ()))
+        return (
+            ("logprobs", "entropy")
+            + (("kl",) if exact_kl else ())
+            + (SUPPORT_KEYS if truncated else ())
+            + (("candidate_logprobs",) if candidates else ())
+            + (("regularizer_kl",) if regularizer else ())
+        )
 
 
 @dataclass(frozen=True)

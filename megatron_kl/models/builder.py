@@ -77,8 +77,11 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, flash_decod
         persist_layer_norm=False,
         deallocate_pipeline_outputs=False,
         flash_decode=flash_decode,
-        **({"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
-           if model.recompute == "full" else {}),
+        **(
+            {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+            if model.recompute == "full"
+            else {}
+        ),
         **moe_transformer_fields(model, parallel),
         **attention,
     )
@@ -103,10 +106,15 @@ def block_variant_fields(model: ModelConfig) -> dict:
         fields.update(glu_linear_offset=model.glu_up_offset, activation_func_clamp_value=model.glu_clamp)
     yarn = model.yarn
     if yarn.enabled and not model.multi_latent_attention:
-        fields.update(yarn_rotary_scaling_factor=yarn.factor,
-                      yarn_original_max_position_embeddings=yarn.original_max_position_embeddings,
-                      yarn_beta_fast=yarn.beta_fast, yarn_beta_slow=yarn.beta_slow, yarn_mscale=yarn.mscale,
-                      yarn_mscale_all_dim=yarn.mscale_all_dim, yarn_correction_range_round_to_int=yarn.truncate)
+        fields.update(
+            yarn_rotary_scaling_factor=yarn.factor,
+            yarn_original_max_position_embeddings=yarn.original_max_position_embeddings,
+            yarn_beta_fast=yarn.beta_fast,
+            yarn_beta_slow=yarn.beta_slow,
+            yarn_mscale=yarn.mscale,
+            yarn_mscale_all_dim=yarn.mscale_all_dim,
+            yarn_correction_range_round_to_int=yarn.truncate,
+        )
     return fields
 
 
@@ -133,14 +141,24 @@ def mla_transformer_fields(model: ModelConfig) -> dict:
     """MLATransformerConfig fields of ``model.mla`` and ``model.yarn`` (megatron's MLA applies RoPE and YaRN
     itself; its RoPE reads the rotary dimensions as interleaved pairs, as DeepSeek's checkpoints store them)."""
     mla, yarn = model.mla, model.yarn
-    fields = dict(q_lora_rank=mla.q_lora_rank, kv_lora_rank=mla.kv_lora_rank, qk_head_dim=mla.qk_nope_head_dim,
-                  qk_pos_emb_head_dim=mla.qk_rope_head_dim, v_head_dim=mla.v_head_dim,
-                  rotary_base=model.rope_theta, rope_type="yarn" if yarn.enabled else "rope")
+    fields = dict(
+        q_lora_rank=mla.q_lora_rank,
+        kv_lora_rank=mla.kv_lora_rank,
+        qk_head_dim=mla.qk_nope_head_dim,
+        qk_pos_emb_head_dim=mla.qk_rope_head_dim,
+        v_head_dim=mla.v_head_dim,
+        rotary_base=model.rope_theta,
+        rope_type="yarn" if yarn.enabled else "rope",
+    )
     if yarn.enabled:
-        fields.update(rotary_scaling_factor=yarn.factor,
-                      original_max_position_embeddings=yarn.original_max_position_embeddings,
-                      beta_fast=yarn.beta_fast, beta_slow=yarn.beta_slow, mscale=yarn.mscale,
-                      mscale_all_dim=yarn.mscale_all_dim)
+        fields.update(
+            rotary_scaling_factor=yarn.factor,
+            original_max_position_embeddings=yarn.original_max_position_embeddings,
+            beta_fast=yarn.beta_fast,
+            beta_slow=yarn.beta_slow,
+            mscale=yarn.mscale,
+            mscale_all_dim=yarn.mscale_all_dim,
+        )
     else:  # MLA's softmax scale reads the YaRN mscale even without YaRN: 1 at a factor of 1
         fields.update(rotary_scaling_factor=1.0, mscale=1.0, mscale_all_dim=0.0)
     return fields
@@ -151,8 +169,10 @@ def moe_dispatcher(setting: str) -> str:
     if setting == "auto":
         return "alltoall" if torch.cuda.is_available() else "allgather"
     if setting == "alltoall" and not torch.cuda.is_available():
-        raise ConfigError("model.moe.token_dispatcher=alltoall needs CUDA (megatron's alltoall dispatcher uses CUDA "
-                          "streams); use allgather or auto on the CPU")
+        raise ConfigError(
+            "model.moe.token_dispatcher=alltoall needs CUDA (megatron's alltoall dispatcher uses CUDA "
+            "streams); use allgather or auto on the CPU"
+        )
     return setting
 
 
@@ -188,11 +208,16 @@ def moe_transformer_fields(model: ModelConfig, parallel: ParallelConfig) -> dict
         expert_tensor_parallel_size=parallel.expert_tensor_parallel or parallel.tensor_parallel,
     )
     if moe.capacity_factor is not None:
-        fields.update(moe_expert_capacity_factor=moe.capacity_factor, moe_token_drop_policy="probs",
-                      moe_pad_expert_input_to_capacity=False)
+        fields.update(
+            moe_expert_capacity_factor=moe.capacity_factor,
+            moe_token_drop_policy="probs",
+            moe_pad_expert_input_to_capacity=False,
+        )
     if moe.shared_expert_ffn_hidden_size:
-        fields.update(moe_shared_expert_intermediate_size=moe.shared_expert_ffn_hidden_size,
-                      moe_shared_expert_gate=moe.shared_expert_gate)
+        fields.update(
+            moe_shared_expert_intermediate_size=moe.shared_expert_ffn_hidden_size,
+            moe_shared_expert_gate=moe.shared_expert_gate,
+        )
     return fields
 
 
@@ -214,13 +239,17 @@ def layer_spec(model: ModelConfig, dense: bool = False):
     mla = model.multi_latent_attention
     family = model_family(model.architecture)
     if have_transformer_engine():
-        spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(num_experts=experts, moe_grouped_gemm=False,
-                                                                          qk_layernorm=model.qk_layernorm,
-                                                                          multi_latent_attention=mla)
+        spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=experts, moe_grouped_gemm=False, qk_layernorm=model.qk_layernorm, multi_latent_attention=mla
+        )
         return spec if family.layer_spec is None else family.layer_spec(model, spec, dense)
-    spec = gpt_layer_specs.get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False,
-                                                    qk_layernorm=model.qk_layernorm, normalization="RMSNorm",
-                                                    multi_latent_attention=mla)
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(
+        num_experts=experts,
+        moe_grouped_gemm=False,
+        qk_layernorm=model.qk_layernorm,
+        normalization="RMSNorm",
+        multi_latent_attention=mla,
+    )
     from megatron_kl.models.attention import LatentDotProductAttention, SDPAttention
 
     if _local_kernel(model.core_attention, "sdpa", model):
@@ -248,12 +277,19 @@ def decoder_spec(model: ModelConfig, config, vp_stage: Optional[int], pp_rank: i
     layers = range(first, first + get_num_layers_to_build(config, vp_stage, pp_rank))
     return TransformerBlockSubmodules(
         layer_specs=[dense if index < model.moe.first_dense_layers else spec for index in layers],
-        layer_norm=LayerNormImpl)
+        layer_norm=LayerNormImpl,
+    )
 
 
-def build_gpt_model(model: ModelConfig, parallel: ParallelConfig, vp_stage: Optional[int] = None,
-                    pg_collection=None, flash_decode: bool = False, whole: bool = False,
-                    stage: Optional[tuple[bool, bool]] = None):
+def build_gpt_model(
+    model: ModelConfig,
+    parallel: ParallelConfig,
+    vp_stage: Optional[int] = None,
+    pg_collection=None,
+    flash_decode: bool = False,
+    whole: bool = False,
+    stage: Optional[tuple[bool, bool]] = None,
+):
     """One GPTModel chunk for this rank's pipeline stage (and virtual stage ``vp_stage``).
 
     ``pg_collection`` (megatron's ProcessGroupCollection) defaults to parallel_state's groups; the
@@ -282,10 +318,18 @@ def build_gpt_model(model: ModelConfig, parallel: ParallelConfig, vp_stage: Opti
         transformer_layer_spec=decoder_spec(resolved, config, vp_stage, pp_rank),
         vocab_size=resolved.padded_vocab_size(parallel.tensor_parallel),
         max_sequence_length=resolved.max_position_embeddings,
-        pre_process=whole or (stage[0] if stage is not None else
-                              parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)),
-        post_process=whole or (stage[1] if stage is not None else
-                               parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)),
+        pre_process=whole
+        or (
+            stage[0]
+            if stage is not None
+            else parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+        ),
+        post_process=whole
+        or (
+            stage[1]
+            if stage is not None
+            else parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+        ),
         parallel_output=True,
         share_embeddings_and_output_weights=resolved.tie_word_embeddings,
         position_embedding_type="yarn" if resolved.yarn.enabled and not resolved.multi_latent_attention else "rope",
@@ -347,6 +391,7 @@ def _expert_outputs_out_of_place(gpt) -> None:
         def wrapper(*args, **kwargs):
             output, bias = forward(*args, **kwargs)
             return (output.clone() if torch.is_grad_enabled() else output), bias
+
         return wrapper
 
     for module in gpt.modules():

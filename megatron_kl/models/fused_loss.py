@@ -63,9 +63,20 @@ def single_pass_loss(vocab, reference, mb: Microbatch, hidden, weight, tp_group,
 
     chunk = vocab.chunk_size or linear_chunk_rows(weight.shape[0], single_pass=True, device=weight.device)
     out, grad_hidden, grad_weight = fused_linear_grads(
-        policy_rows.detach().contiguous(), weight.detach(), ref_rows, reference_weight, flat_targets, tp_group,
-        vocab.temperature, vocab.vocab_size, chunk, probe, want_weight=weight.requires_grad,
-        truncation=vocab.truncation, support=support)
+        policy_rows.detach().contiguous(),
+        weight.detach(),
+        ref_rows,
+        reference_weight,
+        flat_targets,
+        tp_group,
+        vocab.temperature,
+        vocab.vocab_size,
+        chunk,
+        probe,
+        want_weight=weight.requires_grad,
+        truncation=vocab.truncation,
+        support=support,
+    )
     stats = dataclasses.replace(stats_of(out, False), **support_fields(support, to_batch, True))
     loss, metrics = loss_fn(stats, mb)
     return PrecomputedGrad.apply(loss, policy_rows, weight, grad_hidden, grad_weight), metrics

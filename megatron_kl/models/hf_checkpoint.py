@@ -20,8 +20,9 @@ def _json_file(path: Path) -> dict:
     try:
         data = json.loads(path.read_text())
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise HFCheckpointError(f"{path} is not valid JSON ({err}): the file is damaged or truncated; copy it again "
-                                "from the model's source") from None
+        raise HFCheckpointError(
+            f"{path} is not valid JSON ({err}): the file is damaged or truncated; copy it again from the model's source"
+        ) from None
     if not isinstance(data, dict):
         raise HFCheckpointError(f"{path} must hold a JSON object, not a {type(data).__name__}")
     return data
@@ -34,14 +35,19 @@ def _safetensors(path: Path):
     try:
         return safe_open(str(path), framework="pt")
     except Exception as err:  # noqa: BLE001 - SafetensorError, OSError: the file is what is wrong
-        raise HFCheckpointError(f"{path} is not a readable safetensors file ({type(err).__name__}: {err}): it is "
-                                "truncated or damaged; download or convert it again") from None
+        raise HFCheckpointError(
+            f"{path} is not a readable safetensors file ({type(err).__name__}: {err}): it is "
+            "truncated or damaged; download or convert it again"
+        ) from None
 
 
 # one tensor per role and the config fields its shape follows (families without a name are not checked by it)
-_SHAPES = (("model.embed_tokens.weight", ("vocab_size", "hidden_size")), ("model.norm.weight", ("hidden_size",)),
-           ("model.layers.0.input_layernorm.weight", ("hidden_size",)),
-           ("model.layers.0.mlp.up_proj.weight", ("intermediate_size", "hidden_size")))
+_SHAPES = (
+    ("model.embed_tokens.weight", ("vocab_size", "hidden_size")),
+    ("model.norm.weight", ("hidden_size",)),
+    ("model.layers.0.input_layernorm.weight", ("hidden_size",)),
+    ("model.layers.0.mlp.up_proj.weight", ("intermediate_size", "hidden_size")),
+)
 
 
 class HFCheckpoint:
@@ -63,8 +69,10 @@ class HFCheckpoint:
         else:
             single = self.path / "model.safetensors"
             if not single.is_file():
-                raise FileNotFoundError(f"{self.path} has neither model.safetensors nor model.safetensors.index.json "
-                                        "(only safetensors checkpoints are supported; re-save with safe_serialization)")
+                raise FileNotFoundError(
+                    f"{self.path} has neither model.safetensors nor model.safetensors.index.json "
+                    "(only safetensors checkpoints are supported; re-save with safe_serialization)"
+                )
             with _safetensors(single) as f:
                 self.files = {name: "model.safetensors" for name in f.keys()}
         self._handles: dict = {}
@@ -84,9 +92,11 @@ class HFCheckpoint:
             shape = list(self._handle(self.files[name]).get_slice(name).get_shape())
             if shape != expected:
                 said = ", ".join(f"{f}={v}" for f, v in zip(fields, expected))
-                raise HFCheckpointError(f"{self.path / 'config.json'} says {said} but {self.path / self.files[name]} "
-                                        f"holds {name} of shape {shape} (expected {expected}): config.json and the "
-                                        "weights disagree; use the config.json the weights were saved with")
+                raise HFCheckpointError(
+                    f"{self.path / 'config.json'} says {said} but {self.path / self.files[name]} "
+                    f"holds {name} of shape {shape} (expected {expected}): config.json and the "
+                    "weights disagree; use the config.json the weights were saved with"
+                )
 
     def _handle(self, file: str):
         if file not in self._handles:
@@ -122,26 +132,32 @@ class HFCheckpoint:
     def get_row(self, name: str, index: int) -> torch.Tensor:
         """Row ``index`` of tensor ``name`` (its first dimension), read alone from the file."""
         if name not in self.files:
-            raise KeyError(f"HF checkpoint {self.path} lacks tensor {name!r}: the checkpoint is incomplete or not a "
-                           f"{self.config.get('model_type')} model of this shape")
+            raise KeyError(
+                f"HF checkpoint {self.path} lacks tensor {name!r}: the checkpoint is incomplete or not a "
+                f"{self.config.get('model_type')} model of this shape"
+            )
         file = self.files[name]
         try:
             return self._handle(file).get_slice(name)[index]
         except Exception as err:  # noqa: BLE001 - a tensor whose bytes cannot be read
-            raise HFCheckpointError(f"{self.path / file}: tensor {name!r} row {index} cannot be read "
-                                    f"({type(err).__name__}: {err}): the file is truncated or damaged") from None
+            raise HFCheckpointError(
+                f"{self.path / file}: tensor {name!r} row {index} cannot be read "
+                f"({type(err).__name__}: {err}): the file is truncated or damaged"
+            ) from None
 
     def get(self, name: str) -> torch.Tensor:
         if name not in self.files:
-            raise KeyError(f"HF checkpoint {self.path} lacks tensor {name!r}: the checkpoint is incomplete or not a "
-                           f"{self.config.get('model_type')} model of this shape")
+            raise KeyError(
+                f"HF checkpoint {self.path} lacks tensor {name!r}: the checkpoint is incomplete or not a "
+                f"{self.config.get('model_type')} model of this shape"
+            )
         file = self.files[name]
         try:
             return self._handle(file).get_tensor(name)
         except HFCheckpointError:
             raise
         except Exception as err:  # noqa: BLE001 - a tensor whose bytes cannot be read
-            raise HFCheckpointError(f"{self.path / file}: tensor {name!r} cannot be read ({type(err).__name__}: "
-                                    f"{err}): the file is truncated or damaged; download or convert it again") from None
-
-
+            raise HFCheckpointError(
+                f"{self.path / file}: tensor {name!r} cannot be read ({type(err).__name__}: "
+                f"{err}): the file is truncated or damaged; download or convert it again"
+            ) from None

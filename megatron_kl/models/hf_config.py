@@ -20,8 +20,10 @@ def family_of_model_type(model_type) -> ModelFamily:
 def hf_class(family: ModelFamily, model_type: str) -> str:
     """config.json's ``architectures[0]`` for ``model_type`` of ``family``."""
     if model_type not in family.hf_classes:
-        raise ConfigError(f"model.architecture={family.name} has no HF model_type {model_type!r} (its ModelFamily."
-                          f"hf_classes: {sorted(family.hf_classes)}); it cannot be exported in HF format")
+        raise ConfigError(
+            f"model.architecture={family.name} has no HF model_type {model_type!r} (its ModelFamily."
+            f"hf_classes: {sorted(family.hf_classes)}); it cannot be exported in HF format"
+        )
     return family.hf_classes[model_type]
 
 
@@ -30,20 +32,52 @@ def family_mapping(model: ModelConfig):
     return MODEL_FAMILIES.get(model.architecture, "model.architecture").mapping()
 
 
-MOE_STRUCTURAL_FIELDS = ("num_experts", "router_topk", "ffn_hidden_size", "shared_expert_ffn_hidden_size",
-                         "normalize_topk", "shared_expert_gate", "score_function", "expert_bias", "num_groups",
-                         "group_topk", "routed_scaling_factor", "first_dense_layers")
+MOE_STRUCTURAL_FIELDS = (
+    "num_experts",
+    "router_topk",
+    "ffn_hidden_size",
+    "shared_expert_ffn_hidden_size",
+    "normalize_topk",
+    "shared_expert_gate",
+    "score_function",
+    "expert_bias",
+    "num_groups",
+    "group_topk",
+    "routed_scaling_factor",
+    "first_dense_layers",
+)
 # megatron-core's llama3 RoPE scaling fixes these (RotaryEmbedding._apply_scaling); only the factor is free
 LLAMA3_ROPE_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 # fields of ModelConfig that describe the weights (checked against config.json); the rest are run choices
-STRUCTURAL_FIELDS = ("architecture", "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
-                     "num_query_groups", "kv_channels", "vocab_size", "rope_theta", "rope_scaling_factor",
-                     "norm_epsilon", "tie_word_embeddings", "qkv_bias", "qk_layernorm", "mla", "yarn",
-                     "attention_sinks", "sliding_window", "full_attention_every", "linear_bias", "glu_activation",
-                     "glu_up_offset", "glu_clamp")
+STRUCTURAL_FIELDS = (
+    "architecture",
+    "num_layers",
+    "hidden_size",
+    "ffn_hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "kv_channels",
+    "vocab_size",
+    "rope_theta",
+    "rope_scaling_factor",
+    "norm_epsilon",
+    "tie_word_embeddings",
+    "qkv_bias",
+    "qk_layernorm",
+    "mla",
+    "yarn",
+    "attention_sinks",
+    "sliding_window",
+    "full_attention_every",
+    "linear_bias",
+    "glu_activation",
+    "glu_up_offset",
+    "glu_clamp",
+)
 
 
 # ---------------------------------------------------------------------------------------------- configs
+
 
 def _rope(hf: dict) -> dict:
     """RoPE settings from either config.json style: transformers>=5 ``rope_parameters`` or the older
@@ -75,8 +109,9 @@ def model_config_from_hf(hf: dict, **overrides) -> ModelConfig:
     elif rope_type == "llama3":
         for key, fixed in LLAMA3_ROPE_FIXED.items():
             if key in rope and float(rope[key]) != fixed:
-                raise ConfigError(f"config.json rope {key}={rope[key]}: megatron-core's llama3 RoPE scaling fixes it "
-                                  f"to {fixed}")
+                raise ConfigError(
+                    f"config.json rope {key}={rope[key]}: megatron-core's llama3 RoPE scaling fixes it to {fixed}"
+                )
         scaling = float(rope["factor"])
     elif rope_type not in ("default", None):
         raise ConfigError(f"config.json rope_type={rope_type!r} is not supported (default, llama3 or yarn)")
@@ -110,30 +145,43 @@ def _moe_from_hf(hf: dict) -> MoEConfig:
     mlp_only_layers), the router's top-k renormalised as norm_topk_prob says, Qwen2-MoE's shared expert."""
     step = hf.get("decoder_sparse_step", 1)
     if step != 1 or hf.get("mlp_only_layers"):
-        raise ConfigError(f"config.json decoder_sparse_step={step} / mlp_only_layers={hf.get('mlp_only_layers')}: "
-                          "dense layers among the sparse ones are not supported; every layer must be sparse")
+        raise ConfigError(
+            f"config.json decoder_sparse_step={step} / mlp_only_layers={hf.get('mlp_only_layers')}: "
+            "dense layers among the sparse ones are not supported; every layer must be sparse"
+        )
     experts = hf.get("num_experts", hf.get("num_local_experts"))
     if not experts:
         raise ConfigError("config.json of a mixture-of-experts model has no num_experts (or num_local_experts)")
-    return MoEConfig(num_experts=int(experts), router_topk=int(hf["num_experts_per_tok"]),
-                     ffn_hidden_size=int(hf["moe_intermediate_size"]),
-                     shared_expert_ffn_hidden_size=int(hf.get("shared_expert_intermediate_size") or 0),
-                     normalize_topk=bool(hf.get("norm_topk_prob", False)))
+    return MoEConfig(
+        num_experts=int(experts),
+        router_topk=int(hf["num_experts_per_tok"]),
+        ffn_hidden_size=int(hf["moe_intermediate_size"]),
+        shared_expert_ffn_hidden_size=int(hf.get("shared_expert_intermediate_size") or 0),
+        normalize_topk=bool(hf.get("norm_topk_prob", False)),
+    )
 
 
 def check_model_config(derived: ModelConfig, given: ModelConfig, source: str = "the HF checkpoint") -> None:
     """Raise a ConfigError naming every structural field where ``given`` (the run's model config) differs
     from ``derived`` (read from the checkpoint)."""
     a, b = derived.resolved(), given.resolved()
-    diffs = [f"model.{k}={getattr(b, k)!r} but {source} has {getattr(a, k)!r}"
-             for k in STRUCTURAL_FIELDS if getattr(a, k) != getattr(b, k)]
+    diffs = [
+        f"model.{k}={getattr(b, k)!r} but {source} has {getattr(a, k)!r}"
+        for k in STRUCTURAL_FIELDS
+        if getattr(a, k) != getattr(b, k)
+    ]
     if a.moe.enabled or b.moe.enabled:
-        diffs += [f"model.moe.{k}={getattr(b.moe, k)!r} but {source} has {getattr(a.moe, k)!r}"
-                  for k in MOE_STRUCTURAL_FIELDS
-                  if _expert_width(a, k) != _expert_width(b, k)]
+        diffs += [
+            f"model.moe.{k}={getattr(b.moe, k)!r} but {source} has {getattr(a.moe, k)!r}"
+            for k in MOE_STRUCTURAL_FIELDS
+            if _expert_width(a, k) != _expert_width(b, k)
+        ]
     if diffs:
-        raise ConfigError("model config does not match the checkpoint: " + "; ".join(diffs)
-                          + " (make the model section of the YAML match config.json)")
+        raise ConfigError(
+            "model config does not match the checkpoint: "
+            + "; ".join(diffs)
+            + " (make the model section of the YAML match config.json)"
+        )
 
 
 def _expert_width(model: ModelConfig, key: str):
@@ -152,21 +200,35 @@ def hf_config_from_model(model: ModelConfig, dtype: str = "bfloat16") -> dict:
         return spec.mapping().hf_config(m, dtype)
     dense_type = next(iter(spec.hf_classes), None)
     if dense_type is None:
-        raise ConfigError(f"model.architecture={family} declares no HF model_type (ModelFamily.hf_classes): it has no "
-                          "config.json to export")
+        raise ConfigError(
+            f"model.architecture={family} declares no HF model_type (ModelFamily.hf_classes): it has no "
+            "config.json to export"
+        )
     rope = {"rope_type": "default", "rope_theta": m.rope_theta}
     if m.rope_scaling_factor is not None:
         rope = {"rope_type": "llama3", "factor": m.rope_scaling_factor, "rope_theta": m.rope_theta, **LLAMA3_ROPE_FIXED}
     elif m.yarn.enabled:
         rope = yarn_to_hf(m.yarn, m.rope_theta)
     config = {
-        "architectures": [hf_class(spec, dense_type)], "model_type": dense_type, "hidden_act": "silu",
-        "hidden_size": m.hidden_size, "intermediate_size": m.ffn_hidden_size, "num_hidden_layers": m.num_layers,
-        "num_attention_heads": m.num_attention_heads, "num_key_value_heads": m.num_query_groups,
-        "head_dim": m.kv_channels, "vocab_size": m.vocab_size, "max_position_embeddings": m.max_position_embeddings,
-        "rms_norm_eps": m.norm_epsilon, "tie_word_embeddings": m.tie_word_embeddings, "rope_theta": m.rope_theta,
-        "rope_scaling": None if rope["rope_type"] == "default" else {k: v for k, v in rope.items() if k != "rope_theta"},
-        "torch_dtype": dtype, "dtype": dtype,
+        "architectures": [hf_class(spec, dense_type)],
+        "model_type": dense_type,
+        "hidden_act": "silu",
+        "hidden_size": m.hidden_size,
+        "intermediate_size": m.ffn_hidden_size,
+        "num_hidden_layers": m.num_layers,
+        "num_attention_heads": m.num_attention_heads,
+        "num_key_value_heads": m.num_query_groups,
+        "head_dim": m.kv_channels,
+        "vocab_size": m.vocab_size,
+        "max_position_embeddings": m.max_position_embeddings,
+        "rms_norm_eps": m.norm_epsilon,
+        "tie_word_embeddings": m.tie_word_embeddings,
+        "rope_theta": m.rope_theta,
+        "rope_scaling": None
+        if rope["rope_type"] == "default"
+        else {k: v for k, v in rope.items() if k != "rope_theta"},
+        "torch_dtype": dtype,
+        "dtype": dtype,
     }
     if family == "llama":
         config.update(attention_bias=bool(m.qkv_bias), mlp_bias=False)
@@ -174,16 +236,23 @@ def hf_config_from_model(model: ModelConfig, dtype: str = "bfloat16") -> dict:
         if family == "llama":
             raise ConfigError("model.moe with model.architecture=llama has no HF format; use qwen2 or qwen3")
         model_type = f"{dense_type}_moe"
-        config.update(architectures=[hf_class(spec, model_type)], model_type=model_type,
-                      num_experts=m.moe.num_experts, num_experts_per_tok=m.moe.router_topk,
-                      moe_intermediate_size=m.moe.ffn_hidden_size or m.ffn_hidden_size,
-                      norm_topk_prob=m.moe.normalize_topk, decoder_sparse_step=1, mlp_only_layers=[],
-                      router_aux_loss_coef=m.moe.aux_loss_coeff, output_router_logits=False)
+        config.update(
+            architectures=[hf_class(spec, model_type)],
+            model_type=model_type,
+            num_experts=m.moe.num_experts,
+            num_experts_per_tok=m.moe.router_topk,
+            moe_intermediate_size=m.moe.ffn_hidden_size or m.ffn_hidden_size,
+            norm_topk_prob=m.moe.normalize_topk,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            router_aux_loss_coef=m.moe.aux_loss_coeff,
+            output_router_logits=False,
+        )
         if family == "qwen2":
             config.update(shared_expert_intermediate_size=m.moe.shared_expert_ffn_hidden_size)
         elif m.moe.shared_expert_ffn_hidden_size:
-            raise ConfigError("model.moe.shared_expert_ffn_hidden_size with qwen3 has no HF format (Qwen3-MoE has no "
-                              "shared expert); set it to 0 or use model.architecture=qwen2")
+            raise ConfigError(
+                "model.moe.shared_expert_ffn_hidden_size with qwen3 has no HF format (Qwen3-MoE has no "
+                "shared expert); set it to 0 or use model.architecture=qwen2"
+            )
     return config
-
-

@@ -50,8 +50,11 @@ _ATTENTION = {  # megatron suffix within a layer -> HF suffix within model.layer
     "mlp.router.expert_bias": "mlp.gate.e_score_correction_bias",
     "mlp.shared_experts.linear_fc2.weight": "mlp.shared_experts.down_proj.weight",
 }
-_ROTARY_ROWS = ("self_attention.linear_q_proj.weight", "self_attention.linear_q_up_proj.weight",
-                "self_attention.linear_kv_down_proj.weight")
+_ROTARY_ROWS = (
+    "self_attention.linear_q_proj.weight",
+    "self_attention.linear_q_up_proj.weight",
+    "self_attention.linear_kv_down_proj.weight",
+)
 
 
 def layer_hf_names(suffix: str) -> Optional[list[str]]:
@@ -71,11 +74,11 @@ def _rotary_permutation(model: ModelConfig, suffix: str, rows: int) -> Optional[
     pairs = torch.stack([torch.arange(d // 2), torch.arange(d // 2) + d // 2], dim=1).reshape(-1)  # 0, d/2, 1, ...
     order = torch.arange(rows)
     if suffix == "self_attention.linear_kv_down_proj.weight":  # [latent; one shared rotary key]
-        order[rows - d:] = rows - d + pairs
+        order[rows - d :] = rows - d + pairs
         return order
     head = model.mla.query_head_dim  # every head: [nope; rotary]
     order = order.view(-1, head)
-    order[:, head - d:] = order[:, head - d:][:, pairs]
+    order[:, head - d :] = order[:, head - d :][:, pairs]
     return order.reshape(-1)
 
 
@@ -91,11 +94,14 @@ def to_hf(suffix: str, tensor: torch.Tensor, model: ModelConfig) -> torch.Tensor
 
 # ---------------------------------------------------------------------------------------------- configs
 
+
 def _yarn(rope: dict, max_positions: int) -> YarnConfig:
     yarn = yarn_from_hf(rope, max_positions, "DeepSeek-V3")
     if not yarn.truncate:
-        raise ConfigError("config.json rope truncate=false: megatron-core's multi-latent attention rounds the YaRN "
-                          "correction range (truncate=true) only")
+        raise ConfigError(
+            "config.json rope truncate=false: megatron-core's multi-latent attention rounds the YaRN "
+            "correction range (truncate=true) only"
+        )
     return yarn
 
 
@@ -106,22 +112,35 @@ def _moe(hf: dict) -> MoEConfig:
     if not experts:
         raise ConfigError("config.json n_routed_experts is missing: a DeepSeek-V3 model routes over experts")
     if topk > 1 and not hf.get("norm_topk_prob", True):
-        raise ConfigError("config.json norm_topk_prob=false: megatron-core's sigmoid router always renormalises the "
-                          "kept scores; only norm_topk_prob=true converts exactly")
+        raise ConfigError(
+            "config.json norm_topk_prob=false: megatron-core's sigmoid router always renormalises the "
+            "kept scores; only norm_topk_prob=true converts exactly"
+        )
     groups, group_topk = int(hf.get("n_group") or 1), int(hf.get("topk_group") or 1)
     if group_topk >= groups:  # every group kept: no group limit
         groups = group_topk = None
     elif topk % group_topk or topk // group_topk != 2:
         # transformers scores a group by the sum of its top 2 scores, megatron by its top (top-k / group top-k)
-        raise ConfigError(f"config.json num_experts_per_tok={topk} / topk_group={group_topk}: transformers scores a "
-                          "group by its top 2 experts, megatron-core by its top num_experts_per_tok / topk_group; they "
-                          "agree only when that ratio is 2 (DeepSeek-V3: 8 / 4)")
+        raise ConfigError(
+            f"config.json num_experts_per_tok={topk} / topk_group={group_topk}: transformers scores a "
+            "group by its top 2 experts, megatron-core by its top num_experts_per_tok / topk_group; they "
+            "agree only when that ratio is 2 (DeepSeek-V3: 8 / 4)"
+        )
     shared = int(hf.get("n_shared_experts") or 0) * int(hf["moe_intermediate_size"])
-    return MoEConfig(num_experts=int(experts), router_topk=topk, ffn_hidden_size=int(hf["moe_intermediate_size"]),
-                     shared_expert_ffn_hidden_size=shared, shared_expert_gate=False, normalize_topk=True,
-                     score_function="sigmoid", expert_bias=True, num_groups=groups, group_topk=group_topk,
-                     routed_scaling_factor=float(hf.get("routed_scaling_factor") or 1.0),
-                     first_dense_layers=int(hf.get("first_k_dense_replace") or 0))
+    return MoEConfig(
+        num_experts=int(experts),
+        router_topk=topk,
+        ffn_hidden_size=int(hf["moe_intermediate_size"]),
+        shared_expert_ffn_hidden_size=shared,
+        shared_expert_gate=False,
+        normalize_topk=True,
+        score_function="sigmoid",
+        expert_bias=True,
+        num_groups=groups,
+        group_topk=group_topk,
+        routed_scaling_factor=float(hf.get("routed_scaling_factor") or 1.0),
+        first_dense_layers=int(hf.get("first_k_dense_replace") or 0),
+    )
 
 
 def model_config_values(hf: dict, rope: dict) -> dict:
@@ -130,14 +149,27 @@ def model_config_values(hf: dict, rope: dict) -> dict:
         raise ConfigError("config.json attention_bias=true: DeepSeek-V3's projections have no biases here")
     heads = hf["num_attention_heads"]
     return dict(
-        architecture=MODEL_TYPE, num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"],
-        ffn_hidden_size=hf["intermediate_size"], num_attention_heads=heads, num_query_groups=heads,
-        vocab_size=hf["vocab_size"], max_position_embeddings=hf.get("max_position_embeddings", 4096),
-        rope_theta=float(rope.get("rope_theta", 10000.0)), norm_epsilon=hf.get("rms_norm_eps", 1e-6),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)), qkv_bias=False, qk_layernorm=True,
-        mla=MLAConfig(q_lora_rank=hf.get("q_lora_rank"), kv_lora_rank=hf["kv_lora_rank"],
-                      qk_nope_head_dim=hf["qk_nope_head_dim"], qk_rope_head_dim=hf["qk_rope_head_dim"],
-                      v_head_dim=hf["v_head_dim"], rope_interleave=bool(hf.get("rope_interleave", True))),
+        architecture=MODEL_TYPE,
+        num_layers=hf["num_hidden_layers"],
+        hidden_size=hf["hidden_size"],
+        ffn_hidden_size=hf["intermediate_size"],
+        num_attention_heads=heads,
+        num_query_groups=heads,
+        vocab_size=hf["vocab_size"],
+        max_position_embeddings=hf.get("max_position_embeddings", 4096),
+        rope_theta=float(rope.get("rope_theta", 10000.0)),
+        norm_epsilon=hf.get("rms_norm_eps", 1e-6),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        qkv_bias=False,
+        qk_layernorm=True,
+        mla=MLAConfig(
+            q_lora_rank=hf.get("q_lora_rank"),
+            kv_lora_rank=hf["kv_lora_rank"],
+            qk_nope_head_dim=hf["qk_nope_head_dim"],
+            qk_rope_head_dim=hf["qk_rope_head_dim"],
+            v_head_dim=hf["v_head_dim"],
+            rope_interleave=bool(hf.get("rope_interleave", True)),
+        ),
         yarn=_yarn(rope, hf.get("max_position_embeddings", 4096)),
         moe=_moe(hf),
     )
@@ -147,27 +179,54 @@ def hf_config(m: ModelConfig, dtype: str) -> dict:
     """A deepseek_v3 config.json for a resolved ``m``."""
     mla, moe, yarn = m.mla, m.moe, m.yarn
     rope = yarn_to_hf(yarn, m.rope_theta) if yarn.enabled else {"rope_type": "default", "rope_theta": m.rope_theta}
-    if moe.enabled and (moe.score_function != "sigmoid" or not moe.expert_bias or moe.shared_expert_gate
-                        and moe.shared_expert_ffn_hidden_size):
-        raise ConfigError("model.architecture=deepseek_v3 has an HF format with model.moe.score_function=sigmoid, "
-                          "expert_bias=true and shared_expert_gate=false only")
+    if moe.enabled and (
+        moe.score_function != "sigmoid"
+        or not moe.expert_bias
+        or moe.shared_expert_gate
+        and moe.shared_expert_ffn_hidden_size
+    ):
+        raise ConfigError(
+            "model.architecture=deepseek_v3 has an HF format with model.moe.score_function=sigmoid, "
+            "expert_bias=true and shared_expert_gate=false only"
+        )
     expert_width = moe.ffn_hidden_size or m.ffn_hidden_size
     if moe.shared_expert_ffn_hidden_size % expert_width:
-        raise ConfigError(f"model.moe.shared_expert_ffn_hidden_size={moe.shared_expert_ffn_hidden_size} must be a "
-                          f"multiple of the expert width {expert_width} (HF n_shared_experts)")
+        raise ConfigError(
+            f"model.moe.shared_expert_ffn_hidden_size={moe.shared_expert_ffn_hidden_size} must be a "
+            f"multiple of the expert width {expert_width} (HF n_shared_experts)"
+        )
     return {
-        "architectures": [HF_CLASS], "model_type": MODEL_TYPE, "hidden_act": "silu", "attention_bias": False,
-        "hidden_size": m.hidden_size, "intermediate_size": m.ffn_hidden_size, "num_hidden_layers": m.num_layers,
-        "num_attention_heads": m.num_attention_heads, "num_key_value_heads": m.num_attention_heads,
-        "vocab_size": m.vocab_size, "max_position_embeddings": m.max_position_embeddings,
-        "rms_norm_eps": m.norm_epsilon, "tie_word_embeddings": m.tie_word_embeddings,
-        "q_lora_rank": mla.q_lora_rank, "kv_lora_rank": mla.kv_lora_rank, "qk_nope_head_dim": mla.qk_nope_head_dim,
-        "qk_rope_head_dim": mla.qk_rope_head_dim, "v_head_dim": mla.v_head_dim, "head_dim": mla.qk_rope_head_dim,
-        "rope_interleave": mla.rope_interleave, "rope_parameters": rope,
-        "n_routed_experts": moe.num_experts or 1, "num_experts_per_tok": moe.router_topk,
-        "moe_intermediate_size": expert_width, "n_shared_experts": moe.shared_expert_ffn_hidden_size // expert_width,
-        "n_group": moe.num_groups or 1, "topk_group": moe.group_topk or 1, "norm_topk_prob": True,
+        "architectures": [HF_CLASS],
+        "model_type": MODEL_TYPE,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "hidden_size": m.hidden_size,
+        "intermediate_size": m.ffn_hidden_size,
+        "num_hidden_layers": m.num_layers,
+        "num_attention_heads": m.num_attention_heads,
+        "num_key_value_heads": m.num_attention_heads,
+        "vocab_size": m.vocab_size,
+        "max_position_embeddings": m.max_position_embeddings,
+        "rms_norm_eps": m.norm_epsilon,
+        "tie_word_embeddings": m.tie_word_embeddings,
+        "q_lora_rank": mla.q_lora_rank,
+        "kv_lora_rank": mla.kv_lora_rank,
+        "qk_nope_head_dim": mla.qk_nope_head_dim,
+        "qk_rope_head_dim": mla.qk_rope_head_dim,
+        "v_head_dim": mla.v_head_dim,
+        "head_dim": mla.qk_rope_head_dim,
+        "rope_interleave": mla.rope_interleave,
+        "rope_parameters": rope,
+        "n_routed_experts": moe.num_experts or 1,
+        "num_experts_per_tok": moe.router_topk,
+        "moe_intermediate_size": expert_width,
+        "n_shared_experts": moe.shared_expert_ffn_hidden_size // expert_width,
+        "n_group": moe.num_groups or 1,
+        "topk_group": moe.group_topk or 1,
+        "norm_topk_prob": True,
         "routed_scaling_factor": moe.routed_scaling_factor or 1.0,
         "first_k_dense_replace": moe.first_dense_layers if moe.enabled else m.num_layers,
-        "num_nextn_predict_layers": 0, "torch_dtype": dtype, "dtype": dtype,
+        "num_nextn_predict_layers": 0,
+        "torch_dtype": dtype,
+        "dtype": dtype,
     }

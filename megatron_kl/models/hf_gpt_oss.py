@@ -33,10 +33,16 @@ from megatron_kl.models.hf_rope import yarn_from_hf, yarn_to_hf
 MODEL_TYPE = "gpt_oss"
 HF_CLASS = "GptOssForCausalLM"
 QUICK_GELU_ALPHA = 1.702  # megatron-core's quick_gelu
-_FUSED = {"linear_fc1.weight": "gate_up_proj", "linear_fc1.bias": "gate_up_proj_bias",
-          "linear_fc2.weight": "down_proj", "linear_fc2.bias": "down_proj_bias"}
+_FUSED = {
+    "linear_fc1.weight": "gate_up_proj",
+    "linear_fc1.bias": "gate_up_proj_bias",
+    "linear_fc2.weight": "down_proj",
+    "linear_fc2.bias": "down_proj_bias",
+}
 _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12]\.(?:weight|bias))$")
-_LAYERED_EXPERT = re.compile(r"^decoder\.layers\.(\d+)\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12]\.(?:weight|bias))$")
+_LAYERED_EXPERT = re.compile(
+    r"^decoder\.layers\.(\d+)\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12]\.(?:weight|bias))$"
+)
 _PLAIN = {
     "self_attention.linear_proj.bias": "self_attn.o_proj.bias",
     "self_attention.core_attention.softmax_offset": "self_attn.sinks",
@@ -99,8 +105,10 @@ class ExpertFuser:
         rows[expert] = expert_to_hf(kind, tensor)
         if len(rows) == self.num_experts:
             del self.rows[(layer, kind)]
-            yield (f"model.layers.{layer}.mlp.experts.{_FUSED[kind]}",
-                   torch.stack([rows[j] for j in range(self.num_experts)]))
+            yield (
+                f"model.layers.{layer}.mlp.experts.{_FUSED[kind]}",
+                torch.stack([rows[j] for j in range(self.num_experts)]),
+            )
 
     def check_done(self) -> None:
         if self.rows:
@@ -108,6 +116,7 @@ class ExpertFuser:
 
 
 # ---------------------------------------------------------------------------------------------- configs
+
 
 def _window(hf: dict) -> tuple[Optional[int], Optional[int]]:
     """(sliding_window, full_attention_every) of HF ``layer_types``: every layer windowed, or a full layer every
@@ -121,63 +130,114 @@ def _window(hf: dict) -> tuple[Optional[int], Optional[int]]:
         return int(window), None
     every = full[0]
     if any(t not in ("sliding_attention", "full_attention") for t in types) or full != list(
-            range(every, len(types) + 1, every)):
-        raise ConfigError(f"config.json layer_types={types}: megatron-core builds a full-attention layer every N-th "
-                          "layer (the rest windowed) only")
+        range(every, len(types) + 1, every)
+    ):
+        raise ConfigError(
+            f"config.json layer_types={types}: megatron-core builds a full-attention layer every N-th "
+            "layer (the rest windowed) only"
+        )
     return int(window), every
 
 
 def model_config_values(hf: dict, rope: dict) -> dict:
     """ModelConfig fields of a gpt_oss config.json (``rope``: its RoPE parameters, either style)."""
     if hf.get("quantization_config"):
-        raise ConfigError(f"config.json quantization_config={hf['quantization_config'].get('quant_method')!r}: the "
-                          "weights are quantised; convert a bf16 checkpoint (dequantise the MXFP4 experts first)")
+        raise ConfigError(
+            f"config.json quantization_config={hf['quantization_config'].get('quant_method')!r}: the "
+            "weights are quantised; convert a bf16 checkpoint (dequantise the MXFP4 experts first)"
+        )
     if not hf.get("attention_bias", True):
-        raise ConfigError("config.json attention_bias=false: GPT-OSS's experts and router carry biases, which "
-                          "megatron-core adds with the attention output's (add_bias_linear) only together")
+        raise ConfigError(
+            "config.json attention_bias=false: GPT-OSS's experts and router carry biases, which "
+            "megatron-core adds with the attention output's (add_bias_linear) only together"
+        )
     alpha = float(hf.get("swiglu_alpha", QUICK_GELU_ALPHA))
     if abs(alpha - QUICK_GELU_ALPHA) > 1e-9:
-        raise ConfigError(f"config.json swiglu_alpha={alpha}: megatron-core's quick_gelu fixes it to "
-                          f"{QUICK_GELU_ALPHA}")
+        raise ConfigError(
+            f"config.json swiglu_alpha={alpha}: megatron-core's quick_gelu fixes it to {QUICK_GELU_ALPHA}"
+        )
     window, every = _window(hf)
     heads = hf["num_attention_heads"]
     experts = int(hf["num_local_experts"])
     return dict(
-        architecture=MODEL_TYPE, num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"],
-        ffn_hidden_size=hf["intermediate_size"], num_attention_heads=heads,
-        num_query_groups=hf.get("num_key_value_heads") or heads, kv_channels=hf.get("head_dim") or hf["hidden_size"] // heads,
-        vocab_size=hf["vocab_size"], max_position_embeddings=hf.get("max_position_embeddings", 4096),
+        architecture=MODEL_TYPE,
+        num_layers=hf["num_hidden_layers"],
+        hidden_size=hf["hidden_size"],
+        ffn_hidden_size=hf["intermediate_size"],
+        num_attention_heads=heads,
+        num_query_groups=hf.get("num_key_value_heads") or heads,
+        kv_channels=hf.get("head_dim") or hf["hidden_size"] // heads,
+        vocab_size=hf["vocab_size"],
+        max_position_embeddings=hf.get("max_position_embeddings", 4096),
         rope_theta=float(rope.get("rope_theta", 150000.0)),
         yarn=yarn_from_hf(rope, hf.get("max_position_embeddings", 4096), "GPT-OSS"),
-        norm_epsilon=hf.get("rms_norm_eps", 1e-5), tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        qkv_bias=True, qk_layernorm=False, attention_sinks=True, sliding_window=window, full_attention_every=every,
-        linear_bias=True, glu_activation="quick_gelu", glu_up_offset=1.0,
+        norm_epsilon=hf.get("rms_norm_eps", 1e-5),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        qkv_bias=True,
+        qk_layernorm=False,
+        attention_sinks=True,
+        sliding_window=window,
+        full_attention_every=every,
+        linear_bias=True,
+        glu_activation="quick_gelu",
+        glu_up_offset=1.0,
         glu_clamp=float(hf.get("swiglu_limit", 7.0)),
-        moe=MoEConfig(num_experts=experts, router_topk=int(hf["num_experts_per_tok"]),
-                      ffn_hidden_size=int(hf["intermediate_size"]), normalize_topk=True,
-                      aux_loss_coeff=0.0),
+        moe=MoEConfig(
+            num_experts=experts,
+            router_topk=int(hf["num_experts_per_tok"]),
+            ffn_hidden_size=int(hf["intermediate_size"]),
+            normalize_topk=True,
+            aux_loss_coeff=0.0,
+        ),
     )
 
 
 def hf_config(m: ModelConfig, dtype: str) -> dict:
     """A gpt_oss config.json for a resolved ``m``."""
-    if not (m.attention_sinks and m.linear_bias and m.qkv_bias and m.glu_activation == "quick_gelu"
-            and m.glu_up_offset == 1.0 and m.glu_clamp is not None and m.moe.enabled and m.moe.normalize_topk):
-        raise ConfigError("model.architecture=gpt_oss has an HF format with attention_sinks, linear_bias, qkv_bias, "
-                          "glu_activation=quick_gelu, glu_up_offset=1, a glu_clamp and a mixture-of-experts MLP only")
+    if not (
+        m.attention_sinks
+        and m.linear_bias
+        and m.qkv_bias
+        and m.glu_activation == "quick_gelu"
+        and m.glu_up_offset == 1.0
+        and m.glu_clamp is not None
+        and m.moe.enabled
+        and m.moe.normalize_topk
+    ):
+        raise ConfigError(
+            "model.architecture=gpt_oss has an HF format with attention_sinks, linear_bias, qkv_bias, "
+            "glu_activation=quick_gelu, glu_up_offset=1, a glu_clamp and a mixture-of-experts MLP only"
+        )
     rope = yarn_to_hf(m.yarn, m.rope_theta) if m.yarn.enabled else {"rope_type": "default", "rope_theta": m.rope_theta}
     every = m.full_attention_every
-    types = ["sliding_attention" if m.sliding_window is not None and (every is None or (i + 1) % every) else
-             "full_attention" for i in range(m.num_layers)]
+    types = [
+        "sliding_attention" if m.sliding_window is not None and (every is None or (i + 1) % every) else "full_attention"
+        for i in range(m.num_layers)
+    ]
     return {
-        "architectures": [HF_CLASS], "model_type": MODEL_TYPE, "hidden_act": "silu", "attention_bias": True,
-        "hidden_size": m.hidden_size, "intermediate_size": m.moe.ffn_hidden_size or m.ffn_hidden_size,
-        "num_hidden_layers": m.num_layers, "num_attention_heads": m.num_attention_heads,
-        "num_key_value_heads": m.num_query_groups, "head_dim": m.kv_channels, "vocab_size": m.vocab_size,
-        "max_position_embeddings": m.max_position_embeddings, "rms_norm_eps": m.norm_epsilon,
-        "tie_word_embeddings": m.tie_word_embeddings, "rope_parameters": rope,
-        "sliding_window": m.sliding_window, "layer_types": types,
-        "num_local_experts": m.moe.num_experts, "num_experts_per_tok": m.moe.router_topk,
-        "swiglu_alpha": QUICK_GELU_ALPHA, "swiglu_limit": m.glu_clamp, "router_aux_loss_coef": m.moe.aux_loss_coeff,
-        "output_router_logits": False, "torch_dtype": dtype, "dtype": dtype,
+        "architectures": [HF_CLASS],
+        "model_type": MODEL_TYPE,
+        "hidden_act": "silu",
+        "attention_bias": True,
+        "hidden_size": m.hidden_size,
+        "intermediate_size": m.moe.ffn_hidden_size or m.ffn_hidden_size,
+        "num_hidden_layers": m.num_layers,
+        "num_attention_heads": m.num_attention_heads,
+        "num_key_value_heads": m.num_query_groups,
+        "head_dim": m.kv_channels,
+        "vocab_size": m.vocab_size,
+        "max_position_embeddings": m.max_position_embeddings,
+        "rms_norm_eps": m.norm_epsilon,
+        "tie_word_embeddings": m.tie_word_embeddings,
+        "rope_parameters": rope,
+        "sliding_window": m.sliding_window,
+        "layer_types": types,
+        "num_local_experts": m.moe.num_experts,
+        "num_experts_per_tok": m.moe.router_topk,
+        "swiglu_alpha": QUICK_GELU_ALPHA,
+        "swiglu_limit": m.glu_clamp,
+        "router_aux_loss_coef": m.moe.aux_loss_coeff,
+        "output_router_logits": False,
+        "torch_dtype": dtype,
+        "dtype": dtype,
     }

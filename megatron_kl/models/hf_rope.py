@@ -17,22 +17,35 @@ def yarn_from_hf(rope: dict, max_positions: int, family: str) -> YarnConfig:
     if rope_type != "yarn":
         raise ConfigError(f"config.json rope_type={rope_type!r}: {family} is converted with default or yarn RoPE")
     if rope.get("attention_factor") is not None:
-        raise ConfigError("config.json rope attention_factor is set: megatron-core's YaRN derives it from factor, "
-                          "mscale and mscale_all_dim; remove it if it is their value")
+        raise ConfigError(
+            "config.json rope attention_factor is set: megatron-core's YaRN derives it from factor, "
+            "mscale and mscale_all_dim; remove it if it is their value"
+        )
     original = int(rope["original_max_position_embeddings"])
     mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
     if not (mscale and mscale_all_dim):
         mscale, mscale_all_dim = 1.0, 0.0
-    return YarnConfig(factor=float(rope.get("factor") or max_positions / original),
-                      original_max_position_embeddings=original,
-                      beta_fast=float(rope.get("beta_fast") or 32), beta_slow=float(rope.get("beta_slow") or 1),
-                      mscale=float(mscale), mscale_all_dim=float(mscale_all_dim),
-                      truncate=bool(rope.get("truncate", True)))
+    return YarnConfig(
+        factor=float(rope.get("factor") or max_positions / original),
+        original_max_position_embeddings=original,
+        beta_fast=float(rope.get("beta_fast") or 32),
+        beta_slow=float(rope.get("beta_slow") or 1),
+        mscale=float(mscale),
+        mscale_all_dim=float(mscale_all_dim),
+        truncate=bool(rope.get("truncate", True)),
+    )
 
 
 def yarn_to_hf(yarn: YarnConfig, rope_theta: float) -> dict:
     """The HF rope parameters of ``model.yarn`` (what :func:`yarn_from_hf` reads back)."""
-    return {"rope_type": "yarn", "rope_theta": rope_theta, "factor": yarn.factor,
-            "original_max_position_embeddings": yarn.original_max_position_embeddings, "beta_fast": yarn.beta_fast,
-            "beta_slow": yarn.beta_slow, "mscale": yarn.mscale, "mscale_all_dim": yarn.mscale_all_dim,
-            "truncate": yarn.truncate}
+    return {
+        "rope_type": "yarn",
+        "rope_theta": rope_theta,
+        "factor": yarn.factor,
+        "original_max_position_embeddings": yarn.original_max_position_embeddings,
+        "beta_fast": yarn.beta_fast,
+        "beta_slow": yarn.beta_slow,
+        "mscale": yarn.mscale,
+        "mscale_all_dim": yarn.mscale_all_dim,
+        "truncate": yarn.truncate,
+    }

@@ -76,8 +76,12 @@ class ExpertLoad:
             return {}
         counts = counts[seen]
         mean = float(counts.mean())
-        out = {"moe/tokens_per_expert_max": float(counts.max()), "moe/tokens_per_expert_min": float(counts.min()),
-               "moe/tokens_per_expert_mean": mean, "moe/load_imbalance": float(counts.max()) / max(mean, 1e-12)}
+        out = {
+            "moe/tokens_per_expert_max": float(counts.max()),
+            "moe/tokens_per_expert_min": float(counts.min()),
+            "moe/tokens_per_expert_mean": mean,
+            "moe/load_imbalance": float(counts.max()) / max(mean, 1e-12),
+        }
         if agreement[1] > 0:
             out["moe/routing_agreement"] = float(agreement[0] / agreement[1])
         if capacity:

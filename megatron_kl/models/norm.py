@@ -44,8 +44,12 @@ class LeanRMSNorm(torch.nn.RMSNorm):
     """``torch.nn.RMSNorm`` (same parameter, same state dict) whose training graph saves x and 1/rms only."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (self.weight is None or len(self.normalized_shape) != 1 or not torch.is_grad_enabled()
-                or not (x.requires_grad or self.weight.requires_grad)):
+        if (
+            self.weight is None
+            or len(self.normalized_shape) != 1
+            or not torch.is_grad_enabled()
+            or not (x.requires_grad or self.weight.requires_grad)
+        ):
             return super().forward(x)
         eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps
         return _RMSNormFunction.apply(x, self.weight, eps)

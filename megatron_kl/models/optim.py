@@ -32,8 +32,7 @@ def wrap_ddp(chunks: list, optim: OptimConfig) -> list:
     wrapped = []
     for i, chunk in enumerate(chunks):
         wrapped.append(
-            DistributedDataParallel(config=chunk.config, ddp_config=ddp_config, module=chunk,
-                                    disable_bucketing=i > 0)
+            DistributedDataParallel(config=chunk.config, ddp_config=ddp_config, module=chunk, disable_bucketing=i > 0)
         )
     return wrapped
 
@@ -81,8 +80,6 @@ def build_train_state(chunks: list, optim: OptimConfig) -> TrainState:
         wd_incr_style="constant",
     )
     return TrainState(chunks=ddp_chunks, optimizer=optimizer, scheduler=scheduler)
-
-
 
 
 def resolve_adam_kernel(setting: str, params_dtype: torch.dtype) -> str:
@@ -133,8 +130,11 @@ def initialize_adam_state(optimizer) -> None:
                 if state:
                     continue
                 on_device = group["capturable"] or group["fused"]  # torch keeps `step` on the host otherwise
-                state["step"] = (torch.zeros((), dtype=_get_scalar_dtype(is_fused=group["fused"]), device=param.device)
-                                 if on_device else torch.tensor(0.0, dtype=_get_scalar_dtype(), device="cpu"))
+                state["step"] = (
+                    torch.zeros((), dtype=_get_scalar_dtype(is_fused=group["fused"]), device=param.device)
+                    if on_device
+                    else torch.tensor(0.0, dtype=_get_scalar_dtype(), device="cpu")
+                )
                 moments = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ())
                 for name in moments:
                     state[name] = torch.zeros_like(param, memory_format=torch.preserve_format)
@@ -153,8 +153,13 @@ class UpdateResult:
 
 
 def train_step(
-    state: TrainState, batch: SequenceBatch, num_microbatches: int, loss_fn: LossFn, vocab: VocabOptions,
-    reference: Optional[ReferenceHead] = None, token_budget: int = 0,
+    state: TrainState,
+    batch: SequenceBatch,
+    num_microbatches: int,
+    loss_fn: LossFn,
+    vocab: VocabOptions,
+    reference: Optional[ReferenceHead] = None,
+    token_budget: int = 0,
 ) -> UpdateResult:
     """Forward/backward over all microbatches (``num_microbatches`` slices, or microbatches of at most
     ``token_budget`` padded tokens: pipeline.SequenceBatch.split), grad reduction, clipping, optimizer and LR
@@ -167,17 +172,28 @@ def train_step(
         chunk.train()
         chunk.zero_grad_buffer()
     state.optimizer.zero_grad()
-    outputs = run_schedule(state.chunks, batch, num_microbatches, loss_fn, vocab, forward_only=False,
-                           reference=reference, token_budget=token_budget)
+    outputs = run_schedule(
+        state.chunks,
+        batch,
+        num_microbatches,
+        loss_fn,
+        vocab,
+        forward_only=False,
+        reference=reference,
+        token_budget=token_budget,
+    )
     if grads_finite(state.chunks):
         update_successful, grad_norm, _ = state.optimizer.step()
     else:
         update_successful, grad_norm = False, float("nan")
     if update_successful:
         state.scheduler.step(increment=1)
-    return UpdateResult(update_successful=bool(update_successful),
-                        grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
-                        lr=state.optimizer.param_groups[0]["lr"], microbatch_metrics=outputs)
+    return UpdateResult(
+        update_successful=bool(update_successful),
+        grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
+        lr=state.optimizer.param_groups[0]["lr"],
+        microbatch_metrics=outputs,
+    )
 
 
 def grads_finite(chunks: list) -> bool:

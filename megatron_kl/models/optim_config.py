@@ -19,7 +19,7 @@ class OptimConfig:
     adam_beta1: float = checked(0.9, ge=0, lt=1)
     adam_beta2: float = checked(0.999, ge=0, lt=1)
     adam_eps: float = checked(1e-8, gt=0)
-    clip_grad: float = checked(1.0, ge=0, fix='0 turns clipping off')
+    clip_grad: float = checked(1.0, ge=0, fix="0 turns clipping off")
     warmup_steps: int = checked(0, ge=0)
     decay_steps: int = checked(1000, ge=1)
     lr_decay_style: str = checked("constant", choices=LR_DECAY_STYLES)  # constant | linear | cosine

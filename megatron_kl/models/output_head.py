@@ -91,8 +91,7 @@ def fused_layout(vocab_reference: Optional[ReferenceHead], mb: Microbatch, devic
         rows = mb.loss_mask.to(device).bool().t()
     else:
         targets = torch.cat([tokens[:, 1:], tokens.new_zeros(b, 1)], dim=1).t()  # [s, b]; last row has no target
-        rows = torch.cat([mb.loss_mask.to(device).bool(), torch.zeros(b, 1, dtype=torch.bool, device=device)],
-                         1).t()
+        rows = torch.cat([mb.loss_mask.to(device).bool(), torch.zeros(b, 1, dtype=torch.bool, device=device)], 1).t()
     reference_hidden = reference_weight = None
     if vocab_reference is not None and mb.reference_hidden is not None:
         reference_hidden = mb.reference_hidden.to(device).transpose(0, 1)

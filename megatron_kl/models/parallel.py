@@ -129,23 +129,32 @@ def own_layout(tensor_parallel: int, timeout_s: float, pipeline_parallel: int = 
     world, rank = dist.get_world_size(), dist.get_rank()
     size = tensor_parallel * pipeline_parallel
     if world % size:
-        raise ValueError(f"tensor_parallel={tensor_parallel} x pipeline_parallel={pipeline_parallel} does not divide "
-                         f"the world of {world} ranks")
+        raise ValueError(
+            f"tensor_parallel={tensor_parallel} x pipeline_parallel={pipeline_parallel} does not divide "
+            f"the world of {world} ranks"
+        )
     kwargs = {"timeout": timedelta(seconds=timeout_s)}
     bases = range(0, world, size)
 
     def members(base: int, stage: int) -> list[int]:
         return [base + stage * tensor_parallel + t for t in range(tensor_parallel)]
 
-    tp, _ = dist.new_subgroups_by_enumeration([members(b, p) for b in bases for p in range(pipeline_parallel)],
-                                              **kwargs)
+    tp, _ = dist.new_subgroups_by_enumeration(
+        [members(b, p) for b in bases for p in range(pipeline_parallel)], **kwargs
+    )
     pp, _ = dist.new_subgroups_by_enumeration(
-        [[b + p * tensor_parallel + t for p in range(pipeline_parallel)] for b in bases for t in range(tensor_parallel)],
-        **kwargs)
+        [
+            [b + p * tensor_parallel + t for p in range(pipeline_parallel)]
+            for b in bases
+            for t in range(tensor_parallel)
+        ],
+        **kwargs,
+    )
     replica_group, _ = dist.new_subgroups_by_enumeration([list(range(b, b + size)) for b in bases], **kwargs)
     ends = sorted({0, pipeline_parallel - 1})
     embedding, _ = dist.new_subgroups_by_enumeration(
-        [[b + p * tensor_parallel + t for p in ends] for b in bases for t in range(tensor_parallel)], **kwargs)
+        [[b + p * tensor_parallel + t for p in ends] for b in bases for t in range(tensor_parallel)], **kwargs
+    )
     single, _ = dist.new_subgroups_by_enumeration([[r] for r in range(world)], **kwargs)
     stage = (rank % size) // tensor_parallel
     collection = ProcessGroupCollection()

@@ -83,15 +83,21 @@ class VocabOptions:
         return rows >= FUSED_MIN_LOGITS_PER_CHUNK * chunk_rows
 
     @classmethod
-    def for_model(cls, model_cfg, parallel_cfg, temperature: float = 1.0,
-                  truncation: Optional[Truncation] = None) -> "VocabOptions":
+    def for_model(
+        cls, model_cfg, parallel_cfg, temperature: float = 1.0, truncation: Optional[Truncation] = None
+    ) -> "VocabOptions":
         """Options from ``model.logprob_path`` (auto | fused | unfused), ``model.fused_grad`` (auto |
         in_forward | recompute) and ``model.logprob_chunk_rows``; ``truncation``: the trained distribution's
         support rule (``SamplingConfig.trained_truncation``)."""
         fused = {"fused": True, "unfused": False, "auto": None}[model_cfg.logprob_path]
-        return cls(vocab_size=model_cfg.vocab_size, temperature=temperature,
-                   chunk_size=model_cfg.logprob_chunk_rows, fused=fused,
-                   grad_in_forward=model_cfg.fused_grad != "recompute", truncation=truncation)
+        return cls(
+            vocab_size=model_cfg.vocab_size,
+            temperature=temperature,
+            chunk_size=model_cfg.logprob_chunk_rows,
+            fused=fused,
+            grad_in_forward=model_cfg.fused_grad != "recompute",
+            truncation=truncation,
+        )
 
 
 def _unfused_stats(vocab: VocabOptions, reference: Optional[ReferenceHead], mb: Microbatch, logits, tp_group):
@@ -100,20 +106,38 @@ def _unfused_stats(vocab: VocabOptions, reference: Optional[ReferenceHead], mb: 
     reference_logits = None
     if reference is not None and mb.reference_hidden is not None:
         reference_logits = reference.logits(mb.reference_hidden.to(logits.device))[:, :last]
-    stats = fused_stats(logits[:, :last], tp_group, targets=targets.to(logits.device),
-                        reference_logits=reference_logits, temperature=vocab.temperature,
-                        vocab_size=vocab.vocab_size, chunk_size=vocab.chunk_size, truncation=vocab.truncation)
+    stats = fused_stats(
+        logits[:, :last],
+        tp_group,
+        targets=targets.to(logits.device),
+        reference_logits=reference_logits,
+        temperature=vocab.temperature,
+        vocab_size=vocab.vocab_size,
+        chunk_size=vocab.chunk_size,
+        truncation=vocab.truncation,
+    )
     if _has_regularizer(reference, mb):  # the exact KL to the reference beside the teacher's: a second sweep
         regularizer_logits = reference.regularizer.logits(mb.regularizer_hidden.to(logits.device))[:, :last]
-        stats = dataclasses.replace(stats, regularizer_kl=full_kl(
-            logits[:, :last], regularizer_logits, tp_group, vocab.temperature, vocab.vocab_size, vocab.chunk_size,
-            vocab.truncation))
+        stats = dataclasses.replace(
+            stats,
+            regularizer_kl=full_kl(
+                logits[:, :last],
+                regularizer_logits,
+                tp_group,
+                vocab.temperature,
+                vocab.vocab_size,
+                vocab.chunk_size,
+                vocab.truncation,
+            ),
+        )
     if mb.teacher_top_ids is None:
         return stats
     ids = _with_targets(mb, targets, logits.device)
     picked = candidate_logits(logits[:, :last], ids, tp_group, vocab.vocab_size)
-    return dataclasses.replace(stats, candidate_logprobs=candidate_logprobs(stats.logprobs, picked[..., :-1],
-                                                                            picked[..., -1], vocab.temperature))
+    return dataclasses.replace(
+        stats,
+        candidate_logprobs=candidate_logprobs(stats.logprobs, picked[..., :-1], picked[..., -1], vocab.temperature),
+    )
 
 
 def _has_regularizer(reference, mb: Microbatch) -> bool:
@@ -126,8 +150,9 @@ def _with_targets(mb: Microbatch, targets: torch.Tensor, device) -> torch.Tensor
     return torch.cat([mb.teacher_top_ids.to(device), targets.to(device)[..., None]], -1)
 
 
-def _fused_candidates(vocab: VocabOptions, mb: Microbatch, stats: VocabParallelStats, hidden, weight, tp_group,
-                      sequence_parallel: bool) -> VocabParallelStats:
+def _fused_candidates(
+    vocab: VocabOptions, mb: Microbatch, stats: VocabParallelStats, hidden, weight, tp_group, sequence_parallel: bool
+) -> VocabParallelStats:
     """``stats`` with log pi at the microbatch's ``teacher_top_ids`` from the hidden states ``[b, s(/tp), H]`` and
     the weight shard (megatron_kl.vocab_parallel.candidates: k logits per position, never the vocabulary's)."""
     # megatron's [s, b] order, so the gradient reaching the TP collective is contiguous (its all-reduce runs on
@@ -135,18 +160,36 @@ def _fused_candidates(vocab: VocabOptions, mb: Microbatch, stats: VocabParallelS
     full = _gather_rows(hidden.transpose(0, 1), tp_group, sequence_parallel)  # [s, b, H]
     ids = _with_targets(mb, mb.tokens[:, 1:], hidden.device).transpose(0, 1)  # [s-1, b, k+1]
     picked = fused_candidate_logits(full[:-1], weight, ids, tp_group, vocab.vocab_size).transpose(0, 1)
-    return dataclasses.replace(stats, candidate_logprobs=candidate_logprobs(stats.logprobs, picked[..., :-1],
-                                                                            picked[..., -1], vocab.temperature))
+    return dataclasses.replace(
+        stats,
+        candidate_logprobs=candidate_logprobs(stats.logprobs, picked[..., :-1], picked[..., -1], vocab.temperature),
+    )
 
 
-def _fused_stats(vocab: VocabOptions, reference: Optional[ReferenceHead], mb: Microbatch, hidden, weight, tp_group,
-                 sequence_parallel: bool) -> VocabParallelStats:
+def _fused_stats(
+    vocab: VocabOptions,
+    reference: Optional[ReferenceHead],
+    mb: Microbatch,
+    hidden,
+    weight,
+    tp_group,
+    sequence_parallel: bool,
+) -> VocabParallelStats:
     """Stats ``[b, s-1]`` from the hidden states ``[b, s(/tp), H]``, computed in megatron's [s, b] order."""
     targets, rows, reference_hidden, reference_weight = fused_layout(reference, mb, hidden.device)
     stats = fused_linear_stats(
-        hidden.transpose(0, 1), weight, tp_group, targets=targets, reference_hidden=reference_hidden,
-        reference_weight=reference_weight, temperature=vocab.temperature, vocab_size=vocab.vocab_size,
-        chunk_size=vocab.chunk_size, sequence_parallel=sequence_parallel, mask=rows, truncation=vocab.truncation,
+        hidden.transpose(0, 1),
+        weight,
+        tp_group,
+        targets=targets,
+        reference_hidden=reference_hidden,
+        reference_weight=reference_weight,
+        temperature=vocab.temperature,
+        vocab_size=vocab.vocab_size,
+        chunk_size=vocab.chunk_size,
+        sequence_parallel=sequence_parallel,
+        mask=rows,
+        truncation=vocab.truncation,
     )
 
     last = None if mb.labels is not None else -1  # a context-parallel shard keeps every position
@@ -157,18 +200,34 @@ def _fused_stats(vocab: VocabOptions, reference: Optional[ReferenceHead], mb: Mi
     stats = VocabParallelStats(*(per_sequence(getattr(stats, f.name)) for f in dataclasses.fields(stats)))
     if _has_regularizer(reference, mb):  # the exact KL to the reference beside the teacher's: a second sweep
         regularizer = fused_linear_stats(
-            hidden.transpose(0, 1), weight, tp_group, reference_hidden=mb.regularizer_hidden.to(hidden.device)
-            .transpose(0, 1), reference_weight=reference.regularizer.weight(), temperature=vocab.temperature,
-            vocab_size=vocab.vocab_size, chunk_size=vocab.chunk_size, sequence_parallel=sequence_parallel, mask=rows,
-            truncation=vocab.truncation)
+            hidden.transpose(0, 1),
+            weight,
+            tp_group,
+            reference_hidden=mb.regularizer_hidden.to(hidden.device).transpose(0, 1),
+            reference_weight=reference.regularizer.weight(),
+            temperature=vocab.temperature,
+            vocab_size=vocab.vocab_size,
+            chunk_size=vocab.chunk_size,
+            sequence_parallel=sequence_parallel,
+            mask=rows,
+            truncation=vocab.truncation,
+        )
         stats = dataclasses.replace(stats, regularizer_kl=per_sequence(regularizer.kl))
     if mb.teacher_top_ids is None:
         return stats
     return _fused_candidates(vocab, mb, stats, hidden, weight, tp_group, sequence_parallel)
 
 
-def _forward_step(vocab: VocabOptions, loss_fn: LossFn, num_microbatches: int, forward_only: bool,
-                  reference: Optional[ReferenceHead], own_tp_group, data_iterator, model):
+def _forward_step(
+    vocab: VocabOptions,
+    loss_fn: LossFn,
+    num_microbatches: int,
+    forward_only: bool,
+    reference: Optional[ReferenceHead],
+    own_tp_group,
+    data_iterator,
+    model,
+):
     from megatron.core import parallel_state
 
     device = next(model.parameters()).device
@@ -177,32 +236,52 @@ def _forward_step(vocab: VocabOptions, loss_fn: LossFn, num_microbatches: int, f
     cp_group = context_parallel_group() if own_tp_group is None else None
     if cp_group is not None:  # this rank's zigzag shard of every sequence
         config = inner.config
-        multiple = sequence_multiple(config.context_parallel_size, config.tensor_model_parallel_size,
-                                     config.sequence_parallel)
+        multiple = sequence_multiple(
+            config.context_parallel_size, config.tensor_model_parallel_size, config.sequence_parallel
+        )
         mb = context_parallel.shard_microbatch(mb, dist.get_world_size(cp_group), dist.get_rank(cp_group), multiple)
         tokens, position_ids = mb.tokens, mb.position_ids
     else:
         tokens = mb.tokens
         position_ids = torch.arange(tokens.shape[1], device=device).unsqueeze(0).expand_as(tokens)
-    single_pass = (vocab.grad_in_forward and getattr(loss_fn, "row_separable", False) and not forward_only
-                   and mb.teacher_top_ids is None  # the single pass probes log-probs, entropy and one KL only
-                   and not _has_regularizer(reference, mb))
-    fused = inner.post_process and vocab.use_fused(tokens.numel(), output_weight(inner).shape[0],
-                                                   single_sweep=forward_only or single_pass)
+    single_pass = (
+        vocab.grad_in_forward
+        and getattr(loss_fn, "row_separable", False)
+        and not forward_only
+        and mb.teacher_top_ids is None  # the single pass probes log-probs, entropy and one KL only
+        and not _has_regularizer(reference, mb)
+    )
+    fused = inner.post_process and vocab.use_fused(
+        tokens.numel(), output_weight(inner).shape[0], single_sweep=forward_only or single_pass
+    )
     tp_group = parallel_state.get_tensor_model_parallel_group() if own_tp_group is None else own_tp_group
     if mb.routed_experts is not None:  # mixture of experts: the rollout's expert ids for this microbatch's routers
-        routing_replay.load_microbatch(inner, mb.routed_experts, inner.config.sequence_parallel,
-                                       dist.get_rank(tp_group), dist.get_world_size(tp_group))
+        routing_replay.load_microbatch(
+            inner,
+            mb.routed_experts,
+            inner.config.sequence_parallel,
+            dist.get_rank(tp_group),
+            dist.get_world_size(tp_group),
+        )
     with bypass_output_layer(inner) if fused else nullcontext():
         output = model(tokens, position_ids, None)
 
     def loss_func(output):
         if fused and single_pass and torch.is_grad_enabled():
-            loss, metrics = single_pass_loss(vocab, reference, mb, output, output_weight(inner), tp_group,
-                                             inner.output_layer.sequence_parallel, loss_fn)
+            loss, metrics = single_pass_loss(
+                vocab,
+                reference,
+                mb,
+                output,
+                output_weight(inner),
+                tp_group,
+                inner.output_layer.sequence_parallel,
+                loss_fn,
+            )
         elif fused:
-            stats = _fused_stats(vocab, reference, mb, output, output_weight(inner), tp_group,
-                                 inner.output_layer.sequence_parallel)
+            stats = _fused_stats(
+                vocab, reference, mb, output, output_weight(inner), tp_group, inner.output_layer.sequence_parallel
+            )
             loss, metrics = loss_fn(stats, mb)
         else:
             stats = _unfused_stats(vocab, reference, mb, output, tp_group)
@@ -261,14 +340,17 @@ def run_schedule(
         from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
         from megatron.core.pipeline_parallel.schedules import forward_backward_pipelining_without_interleaving
 
-        forward_backward = partial(forward_backward_pipelining_without_interleaving,
-                                   pg_collection=own_layout.collection,
-                                   p2p_communicator=P2PCommunicator(pp_group=own_layout.pp, config=config))
+        forward_backward = partial(
+            forward_backward_pipelining_without_interleaving,
+            pg_collection=own_layout.collection,
+            p2p_communicator=P2PCommunicator(pp_group=own_layout.pp, config=config),
+        )
     own_tp_group = None if own_layout is None else own_layout.tp
     try:
         return forward_backward(
-            forward_step_func=partial(_forward_step, vocab, loss_fn, len(microbatches), forward_only, reference,
-                                      own_tp_group),
+            forward_step_func=partial(
+                _forward_step, vocab, loss_fn, len(microbatches), forward_only, reference, own_tp_group
+            ),
             data_iterator=data if len(chunks) > 1 else data[0],
             model=chunks if len(chunks) > 1 else chunks[0],
             num_microbatches=len(microbatches),
@@ -307,16 +389,18 @@ def masked_token_stats(stats: VocabParallelStats, mb: Microbatch, keys) -> Micro
     zero at masked positions, with its ``rows``; on a context-parallel shard gathered back to the whole sequences
     [b, S-1]."""
     mask = mb.loss_mask.to(stats.logprobs.dtype)
-    out = {key: (value := getattr(stats, key)) * (mask if value.dim() == mask.dim() else mask[..., None])
-           for key in keys}
+    out = {
+        key: (value := getattr(stats, key)) * (mask if value.dim() == mask.dim() else mask[..., None]) for key in keys
+    }
     if mb.cp_targets is not None:
         group = context_parallel_group()
         out = {key: context_parallel.gather_positions(value, group, mb.cp_targets) for key, value in out.items()}
     return MicrobatchStats(mb.rows, TokenStats(**out))
 
 
-def scatter_rows(parts: list[torch.Tensor], rows: list[torch.Tensor], shape,
-                 dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def scatter_rows(
+    parts: list[torch.Tensor], rows: list[torch.Tensor], shape, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """One CPU ``shape`` tensor (``dtype``) from microbatch pieces ``[b, w, ...]`` placed at their ``rows`` and
     first ``w`` columns (zero beyond a piece's columns)."""
     full = torch.zeros(shape, dtype=dtype)
@@ -325,8 +409,9 @@ def scatter_rows(parts: list[torch.Tensor], rows: list[torch.Tensor], shape,
     return full
 
 
-def assemble_token_stats(parts: list[MicrobatchStats], keys, shape, broadcast: bool = True,
-                         candidates: int = 0) -> TokenStats:
+def assemble_token_stats(
+    parts: list[MicrobatchStats], keys, shape, broadcast: bool = True, candidates: int = 0
+) -> TokenStats:
     """The batch's ``[B, S-1]`` float32 stats from its microbatches' :func:`masked_token_stats` (on the last
     pipeline stage; empty elsewhere), on every pipeline rank (``broadcast``; without, where they were computed);
     ``candidate_logprobs`` ``[B, S-1, candidates]``."""
@@ -373,19 +458,31 @@ def compute_token_stats(
         return torch.zeros((), dtype=stats.logprobs.dtype), masked_token_stats(stats, mb, keys)
 
     try:
-        outputs = run_schedule(chunks, batch, num_microbatches, collect, vocab, forward_only=True, reference=reference,
-                               token_budget=token_budget, own_layout=own_layout)
+        outputs = run_schedule(
+            chunks,
+            batch,
+            num_microbatches,
+            collect,
+            vocab,
+            forward_only=True,
+            reference=reference,
+            token_budget=token_budget,
+            own_layout=own_layout,
+        )
     finally:
         if hook is not None:
             hook.remove()
-    result = assemble_token_stats(outputs, keys, tuple(batch.loss_mask.shape), broadcast=own_layout is None,
-                                  candidates=candidates)
+    result = assemble_token_stats(
+        outputs, keys, tuple(batch.loss_mask.shape), broadcast=own_layout is None, candidates=candidates
+    )
     if capture_hidden:
         hidden = None
         cp_group = context_parallel_group() if own_layout is None else None
         if captured and cp_group is not None:  # each rank's zigzag shard of the hidden states, gathered back
-            captured = [context_parallel.gather_positions(h, cp_group, o.stats.logprobs.shape[1] + 1)
-                        for h, o in zip(captured, outputs)]
+            captured = [
+                context_parallel.gather_positions(h, cp_group, o.stats.logprobs.shape[1] + 1)
+                for h, o in zip(captured, outputs)
+            ]
         if captured:  # both in schedule order: each forward's hidden states, then its collect()
             rows = [o.rows for o in outputs]
             hidden = scatter_rows(captured, rows, (*batch.tokens.shape, captured[0].shape[-1]), captured[0].dtype)

@@ -119,8 +119,9 @@ def _fill_unknown(ids: torch.Tensor) -> torch.Tensor:
     return torch.where(missing, placeholder, ids).long()
 
 
-def load_microbatch(chunk, routed_experts: torch.Tensor, sequence_parallel: bool, tp_rank: int = 0,
-                    tp_size: int = 1) -> None:
+def load_microbatch(
+    chunk, routed_experts: torch.Tensor, sequence_parallel: bool, tp_rank: int = 0, tp_size: int = 1
+) -> None:
     """Give each router of ``chunk`` its layer's rollout ids for the coming forward of one microbatch:
     ``router.rollout_topk`` (ids with UNKNOWN rows, for :mod:`megatron_kl.models.moe_load`'s agreement count) and,
     on a replaying router, megatron's replay target (queued for a recomputation in backward too)."""
@@ -169,10 +170,15 @@ def own_routing_map(router, hidden: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         logits = router.gating(hidden).view(-1, router.config.num_moe_experts)
         _, routing_map = topk_routing_with_score_function(
-            logits, router.topk, use_pre_softmax=router.config.moe_router_pre_softmax,
-            num_groups=router.config.moe_router_num_groups, group_topk=router.config.moe_router_group_topk,
-            scaling_factor=router.config.moe_router_topk_scaling_factor, score_function=router.score_function,
-            expert_bias=router.expert_bias)
+            logits,
+            router.topk,
+            use_pre_softmax=router.config.moe_router_pre_softmax,
+            num_groups=router.config.moe_router_num_groups,
+            group_topk=router.config.moe_router_group_topk,
+            scaling_factor=router.config.moe_router_topk_scaling_factor,
+            score_function=router.score_function,
+            expert_bias=router.expert_bias,
+        )
     return routing_map
 
 

@@ -42,8 +42,9 @@ class ExpertGroups:
     def from_megatron() -> "ExpertGroups":
         from megatron.core import parallel_state
 
-        return ExpertGroups(ep=parallel_state.get_expert_model_parallel_group(),
-                            etp=parallel_state.get_expert_tensor_parallel_group())
+        return ExpertGroups(
+            ep=parallel_state.get_expert_model_parallel_group(), etp=parallel_state.get_expert_tensor_parallel_group()
+        )
 
     def ep_size_rank(self) -> tuple[int, int]:
         return group_size_rank(self.ep)
@@ -98,7 +99,7 @@ def _named_params_global(chunks: list, tied: bool, expert_offset: int = 0):
             match = _LAYER.match(name)
             if match:
                 global_index = layers[int(match.group(1))].layer_number - 1
-                name = f"decoder.layers.{global_index}." + name[match.end():]
+                name = f"decoder.layers.{global_index}." + name[match.end() :]
             yield shift_expert_index(name, expert_offset), param
 
 
@@ -160,9 +161,14 @@ def iter_full_state(
     local_experts = local_experts_per_layer(chunks)
     params = list(_named_params_global(chunks, tied))  # local expert indices: the same names on every EP rank
     for stage in range(pp_size):
-        meta = [[(name, _full_shape(name, p, etp_size if is_expert(name) else tp_size, vocab_size),
-                  getter(p).dtype) for name, p in params]
-                if stage == pp_rank else None]
+        meta = [
+            [
+                (name, _full_shape(name, p, etp_size if is_expert(name) else tp_size, vocab_size), getter(p).dtype)
+                for name, p in params
+            ]
+            if stage == pp_rank
+            else None
+        ]
         if pp_size > 1:
             dist.broadcast_object_list(meta, src=dist.get_global_rank(pp_group, stage), group=pp_group)
         for index, (name, shape, dtype) in enumerate(meta[0]):
@@ -195,17 +201,33 @@ def iter_full_state(
                 yield shift_expert_index(name, source * local_experts), piece.cpu()
 
 
-def full_state_dict(chunks: list, vocab_size: int, tied: bool, tp_group=None, pp_group=None,
-                    getter: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
-                    experts: Optional[ExpertGroups] = None) -> dict[str, torch.Tensor]:
+def full_state_dict(
+    chunks: list,
+    vocab_size: int,
+    tied: bool,
+    tp_group=None,
+    pp_group=None,
+    getter: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+    experts: Optional[ExpertGroups] = None,
+) -> dict[str, torch.Tensor]:
     """Gather the full state (or, with ``getter``, e.g. gradients) on every rank, on the CPU, fp32 kept.
     Holds everything at once: for tests and small models (stream with :func:`iter_full_state`)."""
-    return dict(sorted((name, t.clone()) for name, t in iter_full_state(chunks, vocab_size, tied, tp_group,
-                                                                         pp_group, getter, experts)))
+    return dict(
+        sorted(
+            (name, t.clone())
+            for name, t in iter_full_state(chunks, vocab_size, tied, tp_group, pp_group, getter, experts)
+        )
+    )
 
 
-def load_full_state_dict(chunks: list, full: Mapping[str, torch.Tensor], tied: bool, tp_rank: int, tp_size: int,
-                         experts: Optional[ExpertGroups] = None) -> None:
+def load_full_state_dict(
+    chunks: list,
+    full: Mapping[str, torch.Tensor],
+    tied: bool,
+    tp_rank: int,
+    tp_size: int,
+    experts: Optional[ExpertGroups] = None,
+) -> None:
     """Copy this rank's shards out of a full state into ``chunks`` (in place). ``full`` may be a lazy
     mapping (e.g. :class:`megatron_kl.models.hf.HFStateView`): each tensor is read once, sharded, copied.
     Routed experts: this expert-parallel rank's experts, sharded over the expert-TP group."""
@@ -246,4 +268,6 @@ def _copy_embedding_to_output_layer(chunks, full, tp_rank, tp_size):
         padded_rows = out.weight.shape[0] * tp_size
         pad = torch.zeros((padded_rows - source.shape[0], source.shape[1]), dtype=source.dtype)
         with torch.no_grad():
-            out.weight.copy_(shard_tensor(torch.cat([source, pad]), "output_layer.weight", out.weight, tp_rank, tp_size))
+            out.weight.copy_(
+                shard_tensor(torch.cat([source, pad]), "output_layer.weight", out.weight, tp_rank, tp_size)
+            )

@@ -12,5 +12,13 @@ from megatron_kl.rewards.config import RewardConfig, RewardFunctionConfig, Rewar
 from megatron_kl.rewards.registry import BUILTINS, register, unregister
 from megatron_kl.rewards.types import RewardInput, RewardResult
 
-__all__ = ["BUILTINS", "RewardConfig", "RewardFunctionConfig", "RewardInput", "RewardResult", "RewardServiceConfig",
-           "register", "unregister"]
+__all__ = [
+    "BUILTINS",
+    "RewardConfig",
+    "RewardFunctionConfig",
+    "RewardInput",
+    "RewardResult",
+    "RewardServiceConfig",
+    "register",
+    "unregister",
+]

@@ -1,13 +1,13 @@
 """The built-in reward functions, each in the interface of a user's (``types.RewardInput`` in, a float out).
 
-  arithmetic   1 when the response's tokens are exactly the answer's followed by the end-of-sequence token
-               (the arithmetic task's reward)
-  math_verify  1 when math-verify finds the response's final answer equal to the reference (the math task's)
-  exact_match  1 when the response equals the answer after trimming and collapsing whitespace
-               (kwargs: ignore_case=false)
-  boxed_match  1 when the last \\boxed{...} of the response equals the answer (whitespace as exact_match)
-  regex_match  1 when the last match of ``pattern`` (its first group if it has one) equals the answer
-               (kwargs: pattern, required; ignore_case=false)
+arithmetic   1 when the response's tokens are exactly the answer's followed by the end-of-sequence token
+             (the arithmetic task's reward)
+math_verify  1 when math-verify finds the response's final answer equal to the reference (the math task's)
+exact_match  1 when the response equals the answer after trimming and collapsing whitespace
+             (kwargs: ignore_case=false)
+boxed_match  1 when the last \\boxed{...} of the response equals the answer (whitespace as exact_match)
+regex_match  1 when the last match of ``pattern`` (its first group if it has one) equals the answer
+             (kwargs: pattern, required; ignore_case=false)
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def last_boxed(text: str) -> Optional[str]:
     for j in range(i, len(text)):
         depth += {"{": 1, "}": -1}.get(text[j], 0)
         if depth == 0:
-            return text[i + 1:j]
+            return text[i + 1 : j]
     return None
 
 

@@ -42,8 +42,10 @@ class RewardFunctionConfig:
 
     def __post_init__(self):
         if not self.name.strip():
-            raise ValueError("RewardFunctionConfig.name is empty: name a built-in, 'package.module:function' or "
-                             "'path/to/file.py:function'")
+            raise ValueError(
+                "RewardFunctionConfig.name is empty: name a built-in, 'package.module:function' or "
+                "'path/to/file.py:function'"
+            )
 
     @property
     def metric_label(self) -> str:
@@ -94,7 +96,9 @@ class RewardConfig:
         labels = [f.metric_label for f in self.functions]
         repeated = sorted({label for label in labels if labels.count(label) > 1})
         if repeated:
-            raise ConfigError(f"reward.functions: the label(s) {repeated} name more than one function; give each a "
-                              "distinct reward.functions[i].label (the metrics reward/fn/<label> must not mix them)")
+            raise ConfigError(
+                f"reward.functions: the label(s) {repeated} name more than one function; give each a "
+                "distinct reward.functions[i].label (the metrics reward/fn/<label> must not mix them)"
+            )
         if self.functions and not any(f.weight for f in self.functions):
             raise ConfigError("reward.functions: every weight is 0, so every reward would be 0; give one a weight")

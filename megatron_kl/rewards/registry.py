@@ -86,10 +86,18 @@ def bind(entry: RewardFunctionConfig, where: str, cfg: RewardConfig, tokenizer) 
 def _builtin(entry: RewardFunctionConfig, where: str, cfg: RewardConfig, tokenizer):
     name, kwargs = entry.name, dict(entry.kwargs)
     if entry.mode not in ("auto", "batch" if name == "service" else "sample"):
-        raise ConfigError(f"{where}: the built-in {name} is called in mode={'batch' if name == 'service' else 'sample'}"
-                          "; leave mode at auto")
-    allowed = {"arithmetic": set(), "math_verify": set(), "exact_match": {"ignore_case"},
-               "boxed_match": {"ignore_case"}, "regex_match": {"pattern", "ignore_case"}, "service": set()}[name]
+        raise ConfigError(
+            f"{where}: the built-in {name} is called in mode={'batch' if name == 'service' else 'sample'}"
+            "; leave mode at auto"
+        )
+    allowed = {
+        "arithmetic": set(),
+        "math_verify": set(),
+        "exact_match": {"ignore_case"},
+        "boxed_match": {"ignore_case"},
+        "regex_match": {"pattern", "ignore_case"},
+        "service": set(),
+    }[name]
     unknown = set(kwargs) - allowed
     if unknown:
         raise ConfigError(f"{where}: unknown kwargs {sorted(unknown)}; {name} takes {sorted(allowed) or 'none'}")
@@ -113,8 +121,10 @@ def _builtin(entry: RewardFunctionConfig, where: str, cfg: RewardConfig, tokeniz
 
 def _import(name: str, where: str) -> Callable:
     if ":" not in name:
-        raise ConfigError(f"{where}: not a built-in ({', '.join(BUILTINS)}), a registered name, "
-                          "'package.module:function' or 'path/to/file.py:function'")
+        raise ConfigError(
+            f"{where}: not a built-in ({', '.join(BUILTINS)}), a registered name, "
+            "'package.module:function' or 'path/to/file.py:function'"
+        )
     target, attribute = name.rsplit(":", 1)
     if target.endswith(".py"):
         path = Path(target).expanduser()
@@ -131,8 +141,10 @@ def _import(name: str, where: str) -> Callable:
         try:
             module = importlib.import_module(target)
         except ImportError as err:
-            raise ConfigError(f"{where}: cannot import {target} ({err}); install the package or give a file path "
-                              "'path/to/file.py:function'") from None
+            raise ConfigError(
+                f"{where}: cannot import {target} ({err}); install the package or give a file path "
+                "'path/to/file.py:function'"
+            ) from None
     fn = getattr(module, attribute, None)
     if fn is None or not callable(fn):
         raise ConfigError(f"{where}: {target} has no function {attribute!r}")
@@ -149,6 +161,7 @@ def _check_signature(fn: Callable, kwargs: dict, mode: str, where: str) -> None:
     try:
         signature.bind(probe, **kwargs)
     except TypeError as err:
-        raise ConfigError(f"{where}: the function {getattr(fn, '__name__', fn)}{signature} cannot be called as "
-                          f"fn({'samples' if mode == 'batch' else 'sample'}"
-                          + "".join(f", {k}=..." for k in kwargs) + f"): {err}") from None
+        raise ConfigError(
+            f"{where}: the function {getattr(fn, '__name__', fn)}{signature} cannot be called as "
+            f"fn({'samples' if mode == 'batch' else 'sample'}" + "".join(f", {k}=..." for k in kwargs) + f"): {err}"
+        ) from None

@@ -46,8 +46,10 @@ class RewardFailure:
 
     def describe(self) -> str:
         prompt = self.sample.prompt if len(self.sample.prompt) <= 80 else self.sample.prompt[:77] + "..."
-        return (f"{self.where} failed on sample {self.sample.index} (prompt {self.sample.group}: {prompt!r}, answer "
-                f"{self.sample.answer!r}): {self.error}")
+        return (
+            f"{self.where} failed on sample {self.sample.index} (prompt {self.sample.group}: {prompt!r}, answer "
+            f"{self.sample.answer!r}): {self.error}"
+        )
 
 
 @dataclass
@@ -79,8 +81,9 @@ class _Started:
 
 
 class RewardScorer:
-    def __init__(self, functions: list[BoundReward], on_failure: str = "fail", timeout_s: float = 60.0,
-                 workers: int = 8):
+    def __init__(
+        self, functions: list[BoundReward], on_failure: str = "fail", timeout_s: float = 60.0, workers: int = 8
+    ):
         if not functions:
             raise ValueError("RewardScorer needs at least one reward function")
         self.functions, self.on_failure, self.timeout_s, self.workers = functions, on_failure, timeout_s, workers
@@ -96,9 +99,11 @@ class RewardScorer:
             if default is None:
                 if hasattr(task, "score"):  # a task object of one's own (the Task protocol's score)
                     return cls([task_reward(task)], cfg.on_failure, cfg.timeout_s, cfg.workers)
-                raise ConfigError("reward.functions is empty and task.name=dataset has no reward of its own: name one, "
-                                  "e.g. reward.functions=[{name: exact_match}] or [{name: 'my_pkg.rewards:score'}] "
-                                  "(docs/your-own-job.md)")
+                raise ConfigError(
+                    "reward.functions is empty and task.name=dataset has no reward of its own: name one, "
+                    "e.g. reward.functions=[{name: exact_match}] or [{name: 'my_pkg.rewards:score'}] "
+                    "(docs/your-own-job.md)"
+                )
             functions = [RewardFunctionConfig(name=default)]
         return cls(bind_all(cfg, functions, task.tokenizer), cfg.on_failure, cfg.timeout_s, cfg.workers)
 
@@ -119,16 +124,28 @@ class RewardScorer:
         if failures and self.on_failure == "fail":
             first = failures[min(failures)]
             more = f" ({len(failures)} of {n} samples failed)" if len(failures) > 1 else ""
-            raise RewardFailed(first.describe() + more + "; reward.on_failure=exclude scores such samples as failed "
-                               "and trains on the others")
+            raise RewardFailed(
+                first.describe() + more + "; reward.on_failure=exclude scores such samples as failed "
+                "and trains on the others"
+            )
         valid = [i not in failures for i in range(n)]
-        totals = [sum(fn.weight * results[i].reward for fn, results in zip(self.functions, per_function))
-                  if valid[i] else 0.0 for i in range(n)]
+        totals = [
+            sum(fn.weight * results[i].reward for fn, results in zip(self.functions, per_function)) if valid[i] else 0.0
+            for i in range(n)
+        ]
         if failures:
-            log.warning("reward: %d of %d samples failed and are excluded (reward.on_failure=exclude); first: %s",
-                        len(failures), n, failures[min(failures)].describe())
-        return Scores(torch.tensor(totals), torch.tensor(valid, dtype=torch.bool),
-                      self._metrics(per_function, valid), [failures[i] for i in sorted(failures)])
+            log.warning(
+                "reward: %d of %d samples failed and are excluded (reward.on_failure=exclude); first: %s",
+                len(failures),
+                n,
+                failures[min(failures)].describe(),
+            )
+        return Scores(
+            torch.tensor(totals),
+            torch.tensor(valid, dtype=torch.bool),
+            self._metrics(per_function, valid),
+            [failures[i] for i in sorted(failures)],
+        )
 
     def _metrics(self, per_function, valid) -> dict:
         n = len(valid)
@@ -162,7 +179,9 @@ class RewardScorer:
                     errors[i] = error
             now, expired = time.monotonic(), []
             with started.lock:
-                expired = [f for f in pending if futures[f] in started.at and now - started.at[futures[f]] > self.timeout_s]
+                expired = [
+                    f for f in pending if futures[f] in started.at and now - started.at[futures[f]] > self.timeout_s
+                ]
             if expired:
                 for future in expired:
                     errors[futures[future]] = f"no result within reward.timeout_s={self.timeout_s:g}s"
@@ -193,8 +212,9 @@ class RewardScorer:
             values = future.result(timeout=timeout)
         except TimeoutError:
             self._fresh_pool(set(), {}, _Started(), fn, samples)
-            return [None] * n, {i: f"the batch call gave no result within reward.timeout_s={self.timeout_s:g}s"
-                                for i in range(n)}
+            return [None] * n, {
+                i: f"the batch call gave no result within reward.timeout_s={self.timeout_s:g}s" for i in range(n)
+            }
         except Exception as err:  # noqa: BLE001 - the user's function (or the service): reported, never a silent 0
             return [None] * n, {i: _error_text(err) for i in range(n)}
         if not isinstance(values, (list, tuple)) or len(values) != n:
@@ -232,9 +252,12 @@ def _error_text(err: BaseException) -> str:
 def task_reward(task) -> BoundReward:
     """A task object's own ``score(problem, response_ids)`` as a reward function (tasks written before reward
     functions existed, and tests' stand-in tasks)."""
+
     def score(sample: RewardInput) -> Any:
-        return task.score(Problem(list(sample.prompt_ids), sample.answer, sample.prompt, dict(sample.fields)),
-                          list(sample.response_ids))
+        return task.score(
+            Problem(list(sample.prompt_ids), sample.answer, sample.prompt, dict(sample.fields)),
+            list(sample.response_ids),
+        )
 
     return BoundReward("task", 1.0, "sample", score, f"{type(task).__name__}.score")
 
@@ -244,8 +267,17 @@ def inputs_for(problems: list, completions: list, group_size: int, tokenizer) ->
     out = []
     for i, c in enumerate(completions):
         problem = problems[i // group_size]
-        out.append(RewardInput(prompt=problem.prompt_text, response=tokenizer.decode(list(c.response_ids)),
-                               answer=problem.answer, prompt_ids=tuple(problem.prompt_ids),
-                               response_ids=tuple(c.response_ids), fields=getattr(problem, "fields", {}) or {},
-                               finish_reason=c.finish_reason or "", index=i, group=i // group_size))
+        out.append(
+            RewardInput(
+                prompt=problem.prompt_text,
+                response=tokenizer.decode(list(c.response_ids)),
+                answer=problem.answer,
+                prompt_ids=tuple(problem.prompt_ids),
+                response_ids=tuple(c.response_ids),
+                fields=getattr(problem, "fields", {}) or {},
+                finish_reason=c.finish_reason or "",
+                index=i,
+                group=i // group_size,
+            )
+        )
     return out

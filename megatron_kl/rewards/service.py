@@ -30,8 +30,10 @@ class RewardService:
 
     def __init__(self, cfg: RewardServiceConfig, environ: Optional[dict] = None):
         if not cfg.urls:
-            raise ConfigError("reward.service.urls is empty: give the verifier's address, e.g. "
-                              "reward.service.urls=[http://verifier:8000]")
+            raise ConfigError(
+                "reward.service.urls is empty: give the verifier's address, e.g. "
+                "reward.service.urls=[http://verifier:8000]"
+            )
         bad = [u for u in cfg.urls if not u.startswith(("http://", "https://"))]
         if bad:
             raise ConfigError(f"reward.service.urls {bad}: each must start with http:// or https://")
@@ -39,9 +41,11 @@ class RewardService:
         if cfg.token_env:
             token = (environ if environ is not None else os.environ).get(cfg.token_env, "")
             if not token:
-                raise ConfigError(f"reward.service.token_env={cfg.token_env}: that environment variable is not set (or "
-                                  "empty); export the service's token in it, or set reward.service.token_env='' for "
-                                  "a service without authentication")
+                raise ConfigError(
+                    f"reward.service.token_env={cfg.token_env}: that environment variable is not set (or "
+                    "empty); export the service's token in it, or set reward.service.token_env='' for "
+                    "a service without authentication"
+                )
             register(token)  # a token_env of any name: redacted from every line written from now on
             headers["Authorization"] = f"Bearer {token}"
         self.cfg = cfg
@@ -66,8 +70,10 @@ class RewardService:
                 except (requests.ConnectionError, requests.Timeout):
                     pass
             if waiting and time.monotonic() >= deadline:
-                raise http.ServerUnavailable(f"reward service {waiting} not reachable after "
-                                             f"reward.service.startup_timeout_s={self.cfg.startup_timeout_s:g}s")
+                raise http.ServerUnavailable(
+                    f"reward service {waiting} not reachable after "
+                    f"reward.service.startup_timeout_s={self.cfg.startup_timeout_s:g}s"
+                )
             if waiting:
                 time.sleep(0.5)
         self._reachable = True
@@ -76,7 +82,7 @@ class RewardService:
         if not self._reachable:
             self.wait_reachable()
         size = self.cfg.batch_size
-        chunks = [samples[i:i + size] for i in range(0, len(samples), size)]
+        chunks = [samples[i : i + size] for i in range(0, len(samples), size)]
         futures = [self._pool.submit(self._request, next(self._urls), chunk) for chunk in chunks]
         return [value for future in futures for value in future.result()]
 
@@ -84,17 +90,26 @@ class RewardService:
         def parse(body):
             rewards = body.get("rewards") if isinstance(body, dict) else None
             if not isinstance(rewards, list):
-                raise http.CorruptResponse(f"{url}{self.cfg.path} answered without a list 'rewards' "
-                                           f"({str(body)[:120]})")
+                raise http.CorruptResponse(
+                    f"{url}{self.cfg.path} answered without a list 'rewards' ({str(body)[:120]})"
+                )
             if len(rewards) != len(chunk):
-                raise http.CorruptResponse(f"{url}{self.cfg.path} answered {len(rewards)} rewards for {len(chunk)} "
-                                           "samples")
+                raise http.CorruptResponse(
+                    f"{url}{self.cfg.path} answered {len(rewards)} rewards for {len(chunk)} samples"
+                )
             return rewards
 
-        return http.call(url, self.cfg.path, {"samples": [s.to_json() for s in chunk]}, self.policy,
-                         session=self.session, counters=self.counters, parse=parse,
-                         auth_hint=f"The trainer sends the token in the environment variable reward.service.token_env="
-                                   f"{self.cfg.token_env or '(none set)'}: set it to the service's token")
+        return http.call(
+            url,
+            self.cfg.path,
+            {"samples": [s.to_json() for s in chunk]},
+            self.policy,
+            session=self.session,
+            counters=self.counters,
+            parse=parse,
+            auth_hint=f"The trainer sends the token in the environment variable reward.service.token_env="
+            f"{self.cfg.token_env or '(none set)'}: set it to the service's token",
+        )
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

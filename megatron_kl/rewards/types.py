@@ -38,9 +38,15 @@ class RewardInput:
 
     def to_json(self) -> dict:
         """The sample as a verifier service receives it."""
-        return {"prompt": self.prompt, "response": self.response, "answer": self.answer, "fields": dict(self.fields),
-                "prompt_ids": list(self.prompt_ids), "response_ids": list(self.response_ids),
-                "finish_reason": self.finish_reason}
+        return {
+            "prompt": self.prompt,
+            "response": self.response,
+            "answer": self.answer,
+            "fields": dict(self.fields),
+            "prompt_ids": list(self.prompt_ids),
+            "response_ids": list(self.response_ids),
+            "finish_reason": self.finish_reason,
+        }
 
 
 @dataclass(frozen=True)

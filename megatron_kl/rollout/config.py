@@ -33,9 +33,13 @@ class SGLangConfig:
     """
 
     urls: list[str] = checked(resumable=True, default_factory=list)  # empty: launch managed servers
-    model_path: Optional[str] = checked(None, free=True)  # HF directory the servers start from; default init.hf_checkpoint
+    model_path: Optional[str] = checked(
+        None, free=True
+    )  # HF directory the servers start from; default init.hf_checkpoint
     host: str = checked("127.0.0.1", resumable=True, free=True, nonempty=True)
-    port: int = checked(30000, resumable=True, ge=1, le=65535)  # first managed server's port; the others count up, skipping ports in use
+    port: int = checked(
+        30000, resumable=True, ge=1, le=65535
+    )  # first managed server's port; the others count up, skipping ports in use
     num_servers: int = checked(1, ge=1)
     tp_size: int = checked(1, ge=1)
     dp_size: int = checked(1, ge=1)
@@ -44,14 +48,22 @@ class SGLangConfig:
     colocated: bool = False  # release the servers' memory while the trainer runs
     extra_args: list[str] = field(default_factory=list)  # more sglang.launch_server flags
     weight_sync: str = checked("from_disk", choices=WEIGHT_SYNC)
-    sync_dir: Optional[str] = checked(None, resumable=True, free=True)  # from_disk: shared with the servers; default <train.output_dir>/weight_sync
-    server_module: str = checked("sglang.launch_server", free=True, nonempty=True)  # tests: megatron_kl.testing.sglang_server (no SGLang needed)
+    sync_dir: Optional[str] = checked(
+        None, resumable=True, free=True
+    )  # from_disk: shared with the servers; default <train.output_dir>/weight_sync
+    server_module: str = checked(
+        "sglang.launch_server", free=True, nonempty=True
+    )  # tests: megatron_kl.testing.sglang_server (no SGLang needed)
     max_concurrency: int = checked(64, resumable=True, ge=1)  # in-flight /generate requests per engine
     # top-p without top-k: top log-probs per position asked for to rebuild the truncated distribution's log-probs
     # (SGLang returns those of the full tempered softmax); a support larger than this is an error naming it
     top_logprobs_num: int = checked(256, ge=1)
-    request_timeout_s: float = checked(300.0, resumable=True, ge=0.1)  # total per attempt; every attempt + backoff < parallel.distributed_timeout_s
-    max_retries: int = checked(4, resumable=True, ge=0)  # per request, on 5xx / 429 / timeouts / dropped or cut-short answers / corrupt values
+    request_timeout_s: float = checked(
+        300.0, resumable=True, ge=0.1
+    )  # total per attempt; every attempt + backoff < parallel.distributed_timeout_s
+    max_retries: int = checked(
+        4, resumable=True, ge=0
+    )  # per request, on 5xx / 429 / timeouts / dropped or cut-short answers / corrupt values
     backoff_s: float = checked(0.5, resumable=True, ge=0)  # first retry delay, doubled each retry
     startup_timeout_s: float = checked(900.0, resumable=True, ge=0.1)  # /health of a starting server
     restart_dead_servers: bool = checked(True, resumable=True)  # managed servers only
@@ -61,16 +73,20 @@ class SGLangConfig:
 
     def __post_init__(self):
         if any(str(a) == "--api-key" or str(a).startswith("--api-key=") for a in self.extra_args):
-            raise ConfigError(f"rollout.sglang.extra_args passes --api-key: the trainer gives its servers their key "
-                              f"itself, read from the environment variable rollout.sglang.api_key_env names (now "
-                              f"{self.api_key_env}), so the key is in no command line, config or log; export the key "
-                              "there and drop --api-key from extra_args")
+            raise ConfigError(
+                f"rollout.sglang.extra_args passes --api-key: the trainer gives its servers their key "
+                f"itself, read from the environment variable rollout.sglang.api_key_env names (now "
+                f"{self.api_key_env}), so the key is in no command line, config or log; export the key "
+                "there and drop --api-key from extra_args"
+            )
         check_declared(self, "rollout.sglang.")
         if not isinstance(self.urls, list) or not all(isinstance(u, str) and u.startswith("http") for u in self.urls):
             raise ConfigError(f"rollout.sglang.urls={self.urls!r} must be a list of http(s):// addresses")
         if self.colocated and not self.enable_memory_saver:
-            raise ConfigError("rollout.sglang.colocated=true needs rollout.sglang.enable_memory_saver=true "
-                              "(SGLang releases memory only with --enable-memory-saver)")
+            raise ConfigError(
+                "rollout.sglang.colocated=true needs rollout.sglang.enable_memory_saver=true "
+                "(SGLang releases memory only with --enable-memory-saver)"
+            )
 
 
 @dataclass(frozen=True)

@@ -102,8 +102,9 @@ class TensorUpdate:
         return target
 
 
-def diff(name: str, held: Optional[torch.Tensor], new: torch.Tensor, elementwise: bool = True,
-         checksum: bool = True) -> Optional[TensorUpdate]:
+def diff(
+    name: str, held: Optional[torch.Tensor], new: torch.Tensor, elementwise: bool = True, checksum: bool = True
+) -> Optional[TensorUpdate]:
     """The update taking ``held`` (the engine's copy; None: it has none) to ``new``; None when their bits agree;
     ``elementwise=False``: a changed tensor is always sent whole."""
     new = new.detach()
@@ -117,8 +118,13 @@ def diff(name: str, held: Optional[torch.Tensor], new: torch.Tensor, elementwise
     sparse_bytes = positions.numel() * (torch.tensor([], dtype=index_dtype).element_size() + new.element_size())
     if not elementwise or sparse_bytes >= new.numel() * new.element_size():
         return whole
-    return TensorUpdate(name, tuple(new.shape), indices=positions.to(index_dtype), values=new.reshape(-1)[positions],
-                        checksum=whole.checksum)
+    return TensorUpdate(
+        name,
+        tuple(new.shape),
+        indices=positions.to(index_dtype),
+        values=new.reshape(-1)[positions],
+        checksum=whole.checksum,
+    )
 
 
 @dataclass
@@ -146,10 +152,13 @@ class SyncStats:
             self.bytes_sent += update.nbytes
 
     def metrics(self) -> dict:
-        return {"weight_sync/full": 1.0 if self.kind == "full" else 0.0,
-                "weight_sync/bytes": float(self.bytes_sent), "weight_sync/bytes_full": float(self.bytes_full),
-                "weight_sync/changed_tensors": self.tensors / max(self.tensors_total, 1),
-                "weight_sync/changed_elements": self.elements / max(self.elements_total, 1)}
+        return {
+            "weight_sync/full": 1.0 if self.kind == "full" else 0.0,
+            "weight_sync/bytes": float(self.bytes_sent),
+            "weight_sync/bytes_full": float(self.bytes_full),
+            "weight_sync/changed_tensors": self.tensors / max(self.tensors_total, 1),
+            "weight_sync/changed_elements": self.elements / max(self.elements_total, 1),
+        }
 
 
 def counted(named: Iterable[Named], sync) -> Iterable[Named]:
@@ -185,8 +194,9 @@ class DeltaTracker:
     version: Optional[int] = None
     syncs: int = 0  # delta syncs since the last full one
 
-    def plan(self, named: Iterable[Named], full_reason: str = "",
-             elementwise: bool = True) -> tuple[list[TensorUpdate], list[Named], SyncStats]:
+    def plan(
+        self, named: Iterable[Named], full_reason: str = "", elementwise: bool = True
+    ) -> tuple[list[TensorUpdate], list[Named], SyncStats]:
         reason = full_reason or ("first sync" if self.version is None else "")
         stats = SyncStats(kind="full" if reason else "delta", reason=reason)
         updates, tensors = [], []
@@ -222,6 +232,7 @@ class DeltaTracker:
 
 # -- the wire format of a delta sync in SGLang's /update_weights_from_tensor, and its receiver --------------------
 
+
 def encode(updates: list[TensorUpdate], checksums: dict, version: int) -> list[Named]:
     """Named tensors for a serialized bucket: whole tensors under their names, deltas as ``<name>@delta:indices``
     and ``@delta:values`` (the shape comes from the receiver's copy), then the checksums, then the commit marker."""
@@ -230,8 +241,10 @@ def encode(updates: list[TensorUpdate], checksums: dict, version: int) -> list[N
         if update.full is not None:
             out.append((update.name, update.full))
         else:
-            out += [(update.name + SEPARATOR + "indices", update.indices), (update.name + SEPARATOR + "values",
-                                                                          update.values)]
+            out += [
+                (update.name + SEPARATOR + "indices", update.indices),
+                (update.name + SEPARATOR + "values", update.values),
+            ]
     text = json.dumps(checksums, sort_keys=True).encode()
     out.append((CHECKSUMS, torch.frombuffer(bytearray(text), dtype=torch.uint8)))
     out.append((COMMIT, torch.tensor([version], dtype=torch.int64)))
@@ -263,15 +276,20 @@ def apply_encoded(held: dict, entries: list[Named]) -> dict:
             staged[name] = tensor.detach().clone()
     for name, parts in pending.items():
         if name not in held:
-            raise DeltaRejected(f"{name}: a delta arrived for a tensor this receiver does not hold (a full sync is due)")
+            raise DeltaRejected(
+                f"{name}: a delta arrived for a tensor this receiver does not hold (a full sync is due)"
+            )
         if set(parts) != {"indices", "values"}:
             raise DeltaRejected(f"{name}: a delta without both indices and values")
         base = held[name]
-        staged[name] = TensorUpdate(name, tuple(base.shape), indices=parts["indices"],
-                                    values=parts["values"]).apply_to(base.clone())
+        staged[name] = TensorUpdate(name, tuple(base.shape), indices=parts["indices"], values=parts["values"]).apply_to(
+            base.clone()
+        )
     for name, expected in checksums.items():
         tensor = staged.get(name, held.get(name))
         if tensor is None or tensor_checksum(tensor) != expected:
-            raise DeltaRejected(f"{name}: checksum after applying the sync differs from the trainer's "
-                                "(nothing loaded; a full sync follows)")
+            raise DeltaRejected(
+                f"{name}: checksum after applying the sync differs from the trainer's "
+                "(nothing loaded; a full sync follows)"
+            )
     return staged

@@ -63,8 +63,16 @@ def _raise_marker(value, own_error: Optional[BaseException], what: str) -> None:
 
 
 class DistributedEngine(EngineBase):
-    def __init__(self, make_engine: Callable[[], object], model, dp_rank: int, tp_group=None, pp_group=None,
-                 include_tied_head: bool = False, timeout_s: float = 1800.0):
+    def __init__(
+        self,
+        make_engine: Callable[[], object],
+        model,
+        dp_rank: int,
+        tp_group=None,
+        pp_group=None,
+        include_tied_head: bool = False,
+        timeout_s: float = 1800.0,
+    ):
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.model, self.dp_rank, self.tp_group, self.pp_group = model, dp_rank, tp_group, pp_group
@@ -73,8 +81,9 @@ class DistributedEngine(EngineBase):
         # several ranks: every generate is a collective, so calls must not overlap (rollouts run them in one thread)
         self.collective_generate = self.world > 1
         self.overlapping_generate = self.world == 1  # calls from several threads run concurrently on the servers
-        self.object_group = (dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
-                             if self.world > 1 else None)
+        self.object_group = (
+            dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)) if self.world > 1 else None
+        )
         self.engine, error = None, None
         if self.rank == 0:
             try:
@@ -95,8 +104,13 @@ class DistributedEngine(EngineBase):
         """Every rank learns rank 0's outcome (``error`` there, None elsewhere) and raises accordingly."""
         _raise_marker(self._agree(None if error is None else _marker(error)), error, what)
 
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig,
-                 seed: Optional[int] = None, budgets: Optional[Sequence[int]] = None) -> list[Completion]:
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: SamplingConfig,
+        seed: Optional[int] = None,
+        budgets: Optional[Sequence[int]] = None,
+    ) -> list[Completion]:
         """Collective over the trainer's ranks when there are several (each rank calls it the same number of times,
         in the same order, even with no prompts)."""
         mine = (self.dp_rank, [list(p) for p in prompts], seed, None if budgets is None else list(budgets))
@@ -154,8 +168,9 @@ class DistributedEngine(EngineBase):
         self._settle(error, what)
 
     def update_weights(self, chunks: list, version: int) -> None:
-        named = hf_named_tensors([unwrap(c) for c in chunks], self.model, self.tp_group, self.pp_group,
-                                 self.include_tied_head)
+        named = hf_named_tensors(
+            [unwrap(c) for c in chunks], self.model, self.tp_group, self.pp_group, self.include_tied_head
+        )
         error = None
         if self.rank == 0:
             try:
@@ -177,8 +192,9 @@ class DistributedEngine(EngineBase):
             self.engine.shutdown()
 
 
-def hf_named_tensors(chunks: list, model, tp_group=None, pp_group=None,
-                     include_tied_head: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+def hf_named_tensors(
+    chunks: list, model, tp_group=None, pp_group=None, include_tied_head: bool = False
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Collective over TP and PP: the policy as HF-named full tensors, one Megatron tensor at a time."""
     stream = iter_full_state(chunks, model.vocab_size, model.tie_word_embeddings, tp_group, pp_group)
     for hf_name, value in to_hf_stream(stream, model):

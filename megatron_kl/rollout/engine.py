@@ -47,11 +47,13 @@ class Completion:
                 f"completion has {len(self.response_ids)} response ids but {len(self.response_logprobs)} log-probs"
             )
         if self.finish_reason not in FINISH_REASONS + (PAUSED,):
-            raise ValueError(f"completion finish_reason={self.finish_reason!r}; expected one of "
-                             f"{FINISH_REASONS + (PAUSED,)}")
+            raise ValueError(
+                f"completion finish_reason={self.finish_reason!r}; expected one of {FINISH_REASONS + (PAUSED,)}"
+            )
         if self.token_versions is not None and len(self.token_versions) != len(self.response_ids):
-            raise ValueError(f"completion has {len(self.response_ids)} response ids but {len(self.token_versions)} "
-                             "token versions")
+            raise ValueError(
+                f"completion has {len(self.response_ids)} response ids but {len(self.token_versions)} token versions"
+            )
 
     @property
     def finished(self) -> bool:
@@ -61,8 +63,11 @@ class Completion:
     @property
     def versions(self) -> list[int]:
         """The weight version of every response token (the behaviour policy that sampled it)."""
-        return list(self.token_versions) if self.token_versions is not None else \
-            [self.weight_version] * len(self.response_ids)
+        return (
+            list(self.token_versions)
+            if self.token_versions is not None
+            else [self.weight_version] * len(self.response_ids)
+        )
 
     @property
     def routed_positions(self) -> int:
@@ -89,8 +94,13 @@ class RolloutEngine(Protocol):
     # calls from several threads run concurrently (partial rollouts overlap the next batch with the one in flight)
     overlapping_generate: bool
 
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig,
-                 seed: Optional[int] = None, budgets: Optional[Sequence[int]] = None) -> list[Completion]:
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: SamplingConfig,
+        seed: Optional[int] = None,
+        budgets: Optional[Sequence[int]] = None,
+    ) -> list[Completion]:
         """One completion per prompt, in order. ``seed`` makes the draw reproducible; ``budgets`` (partial rollouts)
         caps each prompt's new tokens (a resumed response's remaining budget)."""
 
@@ -139,8 +149,9 @@ class ServedEngine(Protocol):
     weight_version: int
     last_sync: object
 
-    def generate(self, prompts, sampling: SamplingConfig, seed: Optional[int] = None, **budgets) -> list[Completion]:
-        ...
+    def generate(
+        self, prompts, sampling: SamplingConfig, seed: Optional[int] = None, **budgets
+    ) -> list[Completion]: ...
 
     def update_weights(self, named_tensors, version: int) -> None: ...
 
@@ -173,20 +184,24 @@ def check_completion(completion: "Completion", sampling: SamplingConfig, vocab_s
     the field, the position and the server (``where``)."""
     ids, logprobs = completion.response_ids, completion.response_logprobs
     if len(ids) > sampling.max_new_tokens:
-        raise CorruptResponse(f"{where}: {len(ids)} response tokens, more than rollout.sampling.max_new_tokens="
-                              f"{sampling.max_new_tokens}")
+        raise CorruptResponse(
+            f"{where}: {len(ids)} response tokens, more than rollout.sampling.max_new_tokens={sampling.max_new_tokens}"
+        )
     for position, token in enumerate(ids):
         if token < 0 or (vocab_size is not None and token >= vocab_size):
-            raise CorruptResponse(f"{where}: response token id {token} at position {position} is outside the "
-                                  f"vocabulary [0, {vocab_size})")
+            raise CorruptResponse(
+                f"{where}: response token id {token} at position {position} is outside the vocabulary [0, {vocab_size})"
+            )
     for position, value in enumerate(logprobs):
         if not math.isfinite(value) or value > LOGPROB_ROUNDING:
-            raise CorruptResponse(f"{where}: behaviour log-prob {value} at response position {position} is not "
-                                  "a finite value <= 0")
+            raise CorruptResponse(
+                f"{where}: behaviour log-prob {value} at response position {position} is not a finite value <= 0"
+            )
 
 
-def check_routing(completion: "Completion", num_layers: int, router_topk: int, num_experts: int, where: str,
-                  dense_layers: int = 0) -> None:
+def check_routing(
+    completion: "Completion", num_layers: int, router_topk: int, num_experts: int, where: str, dense_layers: int = 0
+) -> None:
     """A reported routing's shape ``[P + R - 1, num_layers, router_topk]`` and ids in [0, num_experts), each token's
     top-k distinct; raises ``CorruptResponse`` naming the first bad position. The first ``dense_layers`` layers
     have no router (``model.moe.first_dense_layers``): whatever a server writes there is not checked."""
@@ -194,8 +209,10 @@ def check_routing(completion: "Completion", num_layers: int, router_topk: int, n
     expected = (completion.routed_positions, num_layers, router_topk)
     if routing is None or tuple(routing.shape) != expected:
         shape = None if routing is None else tuple(routing.shape)
-        raise CorruptResponse(f"{where}: routed experts of shape {shape}, expected {expected} (prompt + response - 1 "
-                              "positions, model.num_layers, model.moe.router_topk)")
+        raise CorruptResponse(
+            f"{where}: routed experts of shape {shape}, expected {expected} (prompt + response - 1 "
+            "positions, model.num_layers, model.moe.router_topk)"
+        )
     routed = routing[:, dense_layers:]
     bad = (routed < 0) | (routed >= num_experts)
     if routed.shape[-1] > 1:
@@ -204,6 +221,8 @@ def check_routing(completion: "Completion", num_layers: int, router_topk: int, n
     if bool(bad.any()):
         position, layer, _ = (int(i) for i in bad.nonzero()[0])
         layer += dense_layers
-        raise CorruptResponse(f"{where}: routed experts at position {position}, layer {layer} are "
-                              f"{routing[position, layer].tolist()}: not {router_topk} distinct ids in "
-                              f"[0, model.moe.num_experts={num_experts})")
+        raise CorruptResponse(
+            f"{where}: routed experts at position {position}, layer {layer} are "
+            f"{routing[position, layer].tolist()}: not {router_topk} distinct ids in "
+            f"[0, model.moe.num_experts={num_experts})"
+        )

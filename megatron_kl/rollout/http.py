@@ -161,7 +161,7 @@ class RetryPolicy:
     @property
     def budget_s(self) -> float:
         """Longest a call can take: every attempt at its deadline plus the backoffs between them."""
-        waits = sum(min(self.max_backoff_s, self.backoff_s * 2 ** i) for i in range(self.max_retries))
+        waits = sum(min(self.max_backoff_s, self.backoff_s * 2**i) for i in range(self.max_retries))
         return (self.max_retries + 1) * self.timeout_s + waits
 
 
@@ -223,9 +223,17 @@ def _attempt(http, method: str, url: str, payload, timeout_s: float):
     return response, content
 
 
-def call(url: str, path: str, payload: Optional[dict] = None, policy: RetryPolicy = RetryPolicy(),
-         method: str = "POST", session: Optional[requests.Session] = None, counters: Optional[dict] = None,
-         parse: Optional[Callable[[Any], Any]] = None, auth_hint: Optional[str] = None) -> Any:
+def call(
+    url: str,
+    path: str,
+    payload: Optional[dict] = None,
+    policy: RetryPolicy = RetryPolicy(),
+    method: str = "POST",
+    session: Optional[requests.Session] = None,
+    counters: Optional[dict] = None,
+    parse: Optional[Callable[[Any], Any]] = None,
+    auth_hint: Optional[str] = None,
+) -> Any:
     """``method url+path`` with JSON ``payload``; returns the decoded JSON body (None for an empty body), or
     ``parse(body)`` when given (a ``CorruptResponse`` from it is retried). ``auth_hint``: what a 401 / 403 answer's
     error says to do (default: the SGLang API key's environment variable)."""
@@ -247,11 +255,16 @@ def call(url: str, path: str, payload: Optional[dict] = None, policy: RetryPolic
                 if response.status_code == 429 and retry_after.replace(".", "", 1).isdigit():
                     wait = max(wait, float(retry_after))
             elif response.status_code in (401, 403):
-                raise ServerError(f"{url}{path} answered {response.status_code} ({response.text[:200]}): the server "
-                                  "refused the trainer's API key. " + (auth_hint or
-                                  "The trainer sends the key in the environment "
-                                  "variable named by rollout.sglang.api_key_env (default MEGATRON_KL_SGLANG_API_KEY): "
-                                  "set it to the key the server was started with (--api-key)"))
+                raise ServerError(
+                    f"{url}{path} answered {response.status_code} ({response.text[:200]}): the server "
+                    "refused the trainer's API key. "
+                    + (
+                        auth_hint
+                        or "The trainer sends the key in the environment "
+                        "variable named by rollout.sglang.api_key_env (default MEGATRON_KL_SGLANG_API_KEY): "
+                        "set it to the key the server was started with (--api-key)"
+                    )
+                )
             elif response.status_code >= 400:
                 raise ServerError(f"{url}{path} answered {response.status_code}: {response.text[:500]}")
             else:
@@ -259,8 +272,9 @@ def call(url: str, path: str, payload: Optional[dict] = None, policy: RetryPolic
                 try:
                     body = response.json() if content else None
                 except ValueError:  # a body cut short, or not the server's JSON: retried
-                    last = CorruptResponse(f"{url}{path} answered a body that is not JSON ({len(content)} bytes): "
-                                           f"{content[:200]!r}")
+                    last = CorruptResponse(
+                        f"{url}{path} answered a body that is not JSON ({len(content)} bytes): {content[:200]!r}"
+                    )
                 else:
                     if parse is None:
                         return body
@@ -272,8 +286,9 @@ def call(url: str, path: str, payload: Optional[dict] = None, policy: RetryPolic
             counters["retries"] = counters.get("retries", 0) + 1
         if attempt < policy.max_retries:
             wait = min(wait, policy.max_backoff_s)
-            log.warning("%s%s failed (%s); retry %d/%d in %.1fs", url, path, last, attempt + 1, policy.max_retries,
-                        wait)
+            log.warning(
+                "%s%s failed (%s); retry %d/%d in %.1fs", url, path, last, attempt + 1, policy.max_retries, wait
+            )
             _CANCEL.wait(wait)
             delay *= 2
     raise ServerUnavailable(f"{url}{path}: {policy.max_retries + 1} attempts failed, last: {last}")

@@ -163,8 +163,9 @@ class _Rows:
         self.generated = torch.zeros(batch, dtype=torch.long)  # response tokens recorded per row
         self.routing: Optional[torch.Tensor] = None  # mixture-of-experts: [B, total, L, k] expert ids, -1 unrouted
 
-    def record_routing(self, ids: Optional[torch.Tensor], positions: torch.Tensor,
-                       rows: Optional[torch.Tensor] = None) -> None:
+    def record_routing(
+        self, ids: Optional[torch.Tensor], positions: torch.Tensor, rows: Optional[torch.Tensor] = None
+    ) -> None:
         """Expert ids ``[b, n, L, k]`` of the tokens the engine fed at true ``positions [b, n]`` of ``rows`` (default:
         every row)."""
         if ids is None:
@@ -233,10 +234,19 @@ def _gathered_experts(policy, ep_group):
 class LocalEngine(EngineBase):
     """In-process engine over a GPTModel replica in the policy's TP layout (PP must be 1)."""
 
-    def __init__(self, model: ModelConfig, parallel: ParallelConfig, max_batch_size: int = 256,
-                 share_policy_weights: bool = False, flash_decode: bool = True, ragged_decoding: bool = True,
-                 interruptible: bool = False, quantization: str = "none", delta_sync: bool = False,
-                 delta_check_interval: int = 10):
+    def __init__(
+        self,
+        model: ModelConfig,
+        parallel: ParallelConfig,
+        max_batch_size: int = 256,
+        share_policy_weights: bool = False,
+        flash_decode: bool = True,
+        ragged_decoding: bool = True,
+        interruptible: bool = False,
+        quantization: str = "none",
+        delta_sync: bool = False,
+        delta_check_interval: int = 10,
+    ):
         from megatron.core.process_groups_config import ProcessGroupCollection
 
         if parallel.pipeline_parallel != 1:
@@ -255,8 +265,12 @@ class LocalEngine(EngineBase):
             self.expert_gather = ExpertGroups.from_megatron().ep
         # multi-latent attention applies RoPE inside the attention at the context's one offset, and megatron's
         # flash decoding has no YaRN, attention sinks or windows: megatron's static scheme, every row at one position
-        flash_decode = flash_decode and not (model.multi_latent_attention or model.yarn.enabled
-                                             or model.attention_sinks or model.sliding_window is not None)
+        flash_decode = flash_decode and not (
+            model.multi_latent_attention
+            or model.yarn.enabled
+            or model.attention_sinks
+            or model.sliding_window is not None
+        )
         if flash_decode:
             from megatron_kl.models import flash_decode as kernels
 
@@ -284,8 +298,10 @@ class LocalEngine(EngineBase):
         """Generation in flight (or started before :meth:`resume`) stops at the next token boundary; unfinished
         responses return with finish_reason ``abort``."""
         if self.tp_size > 1 and not self.interruptible:
-            raise RuntimeError("this engine was built with interruptible=False: its tensor-parallel ranks do not "
-                               "agree on a pause point (rollout.partial=true builds it interruptible)")
+            raise RuntimeError(
+                "this engine was built with interruptible=False: its tensor-parallel ranks do not "
+                "agree on a pause point (rollout.partial=true builds it interruptible)"
+            )
         self._paused.set()
 
     def resume(self) -> None:
@@ -312,8 +328,10 @@ class LocalEngine(EngineBase):
             policy = unwrap(source[0])
             mine = dict(self.model.named_parameters())
             delta = self.delta_sync and not self.share_policy_weights and self._delta_syncs is not None
-            stats = SyncStats(kind="delta" if delta else "full",
-                              reason="" if delta else "first sync" if self.delta_sync else "rollout.delta_sync=false")
+            stats = SyncStats(
+                kind="delta" if delta else "full",
+                reason="" if delta else "first sync" if self.delta_sync else "rollout.delta_sync=false",
+            )
             check = delta and (self._delta_syncs + 1) % self.delta_check_interval == 0
             stats.checked = check
             mismatched = []
@@ -322,8 +340,10 @@ class LocalEngine(EngineBase):
                     raise KeyError(f"engine model has no parameter {name}")
                 target = mine[name]
                 if target.shape != param.shape:
-                    raise ValueError(f"engine parameter {name} is {tuple(target.shape)}, the policy's "
-                                     f"{tuple(param.shape)}: different layouts")
+                    raise ValueError(
+                        f"engine parameter {name} is {tuple(target.shape)}, the policy's "
+                        f"{tuple(param.shape)}: different layouts"
+                    )
                 if self.share_policy_weights and target.dtype == param.dtype:
                     target.data = param.detach()
                     stats.add(None, param)  # nothing copied
@@ -338,8 +358,13 @@ class LocalEngine(EngineBase):
                     target.copy_(param.detach())
                     stats.add(TensorUpdate(name, tuple(param.shape), full=param), param)
             if mismatched:  # the replica drifted from the policy: every tensor copied again
-                log.warning("weight sync version %d: %d tensor(s) differ from the policy after the delta (first: %s); "
-                            "copying every tensor", version, len(mismatched), mismatched[0])
+                log.warning(
+                    "weight sync version %d: %d tensor(s) differ from the policy after the delta (first: %s); "
+                    "copying every tensor",
+                    version,
+                    len(mismatched),
+                    mismatched[0],
+                )
                 for name, param in _gathered_experts(policy, self.expert_gather):
                     mine[name].copy_(param.detach())
                 stats.kind, stats.reason = "full", f"checksum mismatch in {mismatched[0]}"
@@ -356,8 +381,13 @@ class LocalEngine(EngineBase):
 
     # -- generation ------------------------------------------------------------------------------
     @torch.no_grad()
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig,
-                 seed: Optional[int] = None, budgets: Optional[Sequence[int]] = None) -> list[Completion]:
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: SamplingConfig,
+        seed: Optional[int] = None,
+        budgets: Optional[Sequence[int]] = None,
+    ) -> list[Completion]:
         """One completion per prompt; ``budgets`` (per prompt, each <= sampling.max_new_tokens): the new tokens each
         may take instead of max_new_tokens (resumed responses)."""
         if not prompts:
@@ -371,8 +401,11 @@ class LocalEngine(EngineBase):
                 if self._pause_agreed():  # paused before this chunk began: nothing generated for it
                     out.extend(Completion(list(p), [], [], PAUSED, self.weight_version) for p in chunk)
                     continue
-                out.extend(self._generate_batch(chunk, sampling, generator,
-                                                None if budgets is None else budgets[start : start + len(chunk)]))
+                out.extend(
+                    self._generate_batch(
+                        chunk, sampling, generator, None if budgets is None else budgets[start : start + len(chunk)]
+                    )
+                )
         return out
 
     def _forward(self, tokens: torch.Tensor, offset: int, context) -> torch.Tensor:
@@ -399,8 +432,9 @@ class LocalEngine(EngineBase):
         row_of = row_of.to(self.device)
         context = StaticInferenceContext(batch, total)
         # megatron's static cache: per layer (keys, values), each [max_sequence, max_batch, groups, head_dim]
-        context.key_value_memory_dict = {layer: tuple(t.index_select(1, row_of) for t in kv)
-                                         for layer, kv in shared.key_value_memory_dict.items()}
+        context.key_value_memory_dict = {
+            layer: tuple(t.index_select(1, row_of) for t in kv) for layer, kv in shared.key_value_memory_dict.items()
+        }
         context.sequence_len_offset = shared.sequence_len_offset
         return context, logits.index_select(0, row_of), routing
 
@@ -415,7 +449,8 @@ class LocalEngine(EngineBase):
                 attention = layer.self_attention
                 context.key_value_memory_dict[attention.layer_number] = tuple(
                     attention._allocate_memory(total, prefix.shape[0], size, self.cache_dtype)
-                    for size in (attention.key_hidden_size, attention.val_hidden_size))
+                    for size in (attention.key_hidden_size, attention.val_hidden_size)
+                )
         logits = self._forward(prefix, 0, context)
         return context, logits, self._last_routing
 
@@ -481,7 +516,8 @@ class LocalEngine(EngineBase):
                 logits = part_logits.new_empty(batch, part_logits.shape[-1])
                 context.key_value_memory_dict = {
                     layer: tuple(t.new_zeros(t.shape[0], batch, *t.shape[2:]) for t in kv)
-                    for layer, kv in part.key_value_memory_dict.items()}
+                    for layer, kv in part.key_value_memory_dict.items()
+                }
             logits[rows] = part_logits
             for layer, kv in part.key_value_memory_dict.items():
                 for frame, cache in zip(context.key_value_memory_dict[layer], kv):
@@ -528,13 +564,15 @@ class LocalEngine(EngineBase):
             # Trim the tokens after a stop token (rows stop at different steps).
             stop_at = torch.nonzero(torch.isin(response, rows.stop_ids)).flatten()
             n = int(stop_at[0]) + 1 if len(stop_at) else len(response)
-            completions.append(Completion(
-                prompt_ids=list(p),
-                response_ids=response[:n].tolist(),
-                response_logprobs=rows.logprobs[i, len(p) : len(p) + n].tolist(),
-                finish_reason="stop" if rows.stopped[i] else "length" if rows.finished[i] else PAUSED,
-                weight_version=self.weight_version,
-                # every fed token's experts: the prompt and all response tokens but the last
-                routed_experts=None if rows.routing is None else rows.routing[i, : len(p) + n - 1].clone(),
-            ))
+            completions.append(
+                Completion(
+                    prompt_ids=list(p),
+                    response_ids=response[:n].tolist(),
+                    response_logprobs=rows.logprobs[i, len(p) : len(p) + n].tolist(),
+                    finish_reason="stop" if rows.stopped[i] else "length" if rows.finished[i] else PAUSED,
+                    weight_version=self.weight_version,
+                    # every fed token's experts: the prompt and all response tokens but the last
+                    routed_experts=None if rows.routing is None else rows.routing[i, : len(p) + n - 1].clone(),
+                )
+            )
         return completions

@@ -63,17 +63,26 @@ def quantize_model_(model) -> int:
                 param.copy_(block_fp8(param))
                 count += 1
     if count == 0:
-        raise ValueError("rollout.quantization=fp8 found no linear-layer weights (linear_qkv / linear_proj / "
-                         "linear_fc1 / linear_fc2) to quantize in the engine's model")
+        raise ValueError(
+            "rollout.quantization=fp8 found no linear-layer weights (linear_qkv / linear_proj / "
+            "linear_fc1 / linear_fc2) to quantize in the engine's model"
+        )
     return count
 
 
 def check_served_quantization(reported, wanted: str, where: str) -> None:
     """A given server's quantization (``/get_server_info``'s ``quantization``) against ``rollout.quantization``:
     a server that does not sample with the weights the run declares is refused, naming the field."""
-    served = "fp8" if str(reported or "").lower().startswith("fp8") else "none" if reported in (None, "", "none") \
+    served = (
+        "fp8"
+        if str(reported or "").lower().startswith("fp8")
+        else "none"
+        if reported in (None, "", "none")
         else str(reported)
+    )
     if served != wanted:
-        raise ValueError(f"{where} serves quantization={reported!r} but rollout.quantization={wanted}: start the "
-                         f"server with {'--quantization fp8' if wanted == 'fp8' else 'no --quantization'} or set "
-                         f"rollout.quantization={served if served in QUANTIZATIONS else 'none'}")
+        raise ValueError(
+            f"{where} serves quantization={reported!r} but rollout.quantization={wanted}: start the "
+            f"server with {'--quantization fp8' if wanted == 'fp8' else 'no --quantization'} or set "
+            f"rollout.quantization={served if served in QUANTIZATIONS else 'none'}"
+        )

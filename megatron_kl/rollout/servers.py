@@ -26,8 +26,19 @@ log = logging.getLogger(__name__)
 
 # What torchrun (torch.distributed.elastic) puts into a worker's environment: a server started by a trainer rank
 # is not a member of the trainer's world and must not join its rendezvous.
-TRAINER_WORLD_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
-                      "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+TRAINER_WORLD_VARS = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_NAME",
+    "ROLE_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
 
 
 def server_environment(environ) -> dict:
@@ -71,9 +82,17 @@ def server_port(host: str = "") -> int:
     return available_port(host, random.randrange(low, high))
 
 
-def start_on_free_port(name: str, command: Callable[[int], list[str]], host: str, first_port: int, log_dir,
-                       startup_timeout_s: float, attempts: int = 3, env: dict | None = None,
-                       secrets: tuple[str, ...] = ()) -> "ManagedServer":
+def start_on_free_port(
+    name: str,
+    command: Callable[[int], list[str]],
+    host: str,
+    first_port: int,
+    log_dir,
+    startup_timeout_s: float,
+    attempts: int = 3,
+    env: dict | None = None,
+    secrets: tuple[str, ...] = (),
+) -> "ManagedServer":
     """Start a managed server on the first free port from ``first_port`` (the next ones where it is taken). A port
     taken between the check and the server's bind fails the start with the port held by another socket: then the
     next free port is tried (``attempts`` in all); a start that fails with its port free is a real failure."""
@@ -112,8 +131,16 @@ class ManagedServer:
     command and the environment's secrets never reach its log (``megatron_kl.redaction``): the command is logged
     redacted and its output passes through a redacting pump."""
 
-    def __init__(self, name: str, command: list[str], url: str, log_dir, startup_timeout_s: float,
-                 env: dict | None = None, secrets: tuple[str, ...] = ()):
+    def __init__(
+        self,
+        name: str,
+        command: list[str],
+        url: str,
+        log_dir,
+        startup_timeout_s: float,
+        env: dict | None = None,
+        secrets: tuple[str, ...] = (),
+    ):
         self.name, self.command, self.url = name, command, url
         self.log_path = Path(log_dir) / f"{name}.log"
         self.startup_timeout_s = startup_timeout_s
@@ -130,11 +157,17 @@ class ManagedServer:
         handle.flush()
         # own process group: stop() takes the server's children (TP/DP workers) with it; the kernel kills
         # the server if the trainer dies without stopping it (kill -9: child_processes.py)
-        self.process = subprocess.Popen(self.command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=self.env,
-                                        start_new_session=True,
-                                        preexec_fn=functools.partial(die_with_parent, os.getpid()))
-        threading.Thread(target=_pump, args=(self.process.stdout, handle, self.secrets), daemon=True,
-                         name=f"{self.name}-log").start()
+        self.process = subprocess.Popen(
+            self.command,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=self.env,
+            start_new_session=True,
+            preexec_fn=functools.partial(die_with_parent, os.getpid()),
+        )
+        threading.Thread(
+            target=_pump, args=(self.process.stdout, handle, self.secrets), daemon=True, name=f"{self.name}-log"
+        ).start()
         try:
             wait_healthy(self.url, self.startup_timeout_s, alive=self.alive)
         except Cancelled:  # the trainer is stopping
@@ -145,10 +178,12 @@ class ManagedServer:
             exit_code = self.process.poll()
             self.stop()
             if exit_code is not None:
-                raise ServerStartFailed(f"server {self.name} ({self.url}) exited with code {exit_code} while starting: "
-                                        "a restart or requeue would fail the same way; fix what its log says (is "
-                                        "the server package installed? rollout.sglang.server_module, extra_args, "
-                                        f"model_path) - last lines of {self.log_path}:\n{tail}") from None
+                raise ServerStartFailed(
+                    f"server {self.name} ({self.url}) exited with code {exit_code} while starting: "
+                    "a restart or requeue would fail the same way; fix what its log says (is "
+                    "the server package installed? rollout.sglang.server_module, extra_args, "
+                    f"model_path) - last lines of {self.log_path}:\n{tail}"
+                ) from None
             raise ServerUnavailable(f"server {self.name} ({self.url}) did not start: {err}\n{tail}") from None
         log.info("server %s up at %s (pid %d)", self.name, self.url, self.process.pid)
 

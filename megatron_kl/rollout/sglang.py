@@ -5,20 +5,8 @@ UpdateWeightFromDiskReqInput, UpdateWeightsFromTensorReqInput, InitWeightsUpdate
 UpdateWeightsFromDistributedReqInput, Release/ResumeMemoryOccupationReqInput, PauseGenerationReqInput;
 routes in ``srt/entrypoints/http_server.py``):
 
-- ``POST /generate`` ``{input_ids, sampling_params, return_logprob: true}`` ->
-  ``{output_ids, meta_info: {finish_reason: {type: stop|length|abort, ...}, output_token_logprobs:
-  [[logprob, token_id, text|null], ...], output_top_logprobs: [[[logprob, token_id, text|null], ...], ...],
-  weight_version, ...}}``. SGLang's output log-probs are those of the temperature-scaled *full* distribution,
-  log softmax(z / T) (``srt/layers/sampler.py``: ``log(probs)`` with probs = softmax(logits / T), taken before
-  the top-k / top-p renormalisation that happens inside the sampling kernel; ``SGLANG_RETURN_ORIGINAL_LOGPROB=1``
-  gives T=1 ones, which the trainer's rollout-mismatch metric then shows). With top-k / top-p the client
-  asks for ``top_logprobs_num`` (top_k, or ``rollout.sglang.top_logprobs_num`` for top-p alone), finds the
-  support from them with the trainer's rule and reports log mu(y) = log pi_T(y) - log pi_T(support)
-  (:func:`processed_logprobs`).
-- Mixture-of-experts models with routing replay: the servers start with ``--enable-return-routed-experts`` and each
-  request sends ``return_routed_experts: true``; ``meta_info.routed_experts`` is then the base64 of int32 expert
-  ids ``[prompt + output - 1, layers, top-k]`` (every token the server fed through the model;
-  ``srt/layers/moe/routed_experts_capturer.py``), checked for shape and range (:func:`decode_routed_experts`).
+- ``POST /generate``: the request and the checked response are in :mod:`megatron_kl.rollout.sglang_protocol`;
+  with routing replay the servers start with ``--enable-return-routed-experts``.
 - ``GET /health``, ``POST /flush_cache``, ``/pause_generation``, ``/continue_generation``,
   ``/release_memory_occupation``, ``/resume_memory_occupation``, and the weight-update routes used by
   :mod:`megatron_kl.rollout.sglang_sync`.
@@ -31,36 +19,26 @@ expected shape, or carries another weight version than the one last pushed, is a
 
 from __future__ import annotations
 
-import base64
-import binascii
 import logging
-import math
 import os
 import secrets
 import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import requests
-import torch
 
-from megatron_kl.models.routing_replay import UNKNOWN
 from megatron_kl.redaction import register
 from megatron_kl.rollout.config import SGLangConfig
 from megatron_kl.rollout.engine import (
-    FINISH_REASONS,
     PAUSED,
     Completion,
     SamplingConfig,
-    check_completion,
-    check_routing,
     checked_budgets,
 )
 from megatron_kl.rollout.http import (
-    CorruptResponse,
     RetryPolicy,
     ServerError,
     ServerUnavailable,
@@ -70,189 +48,47 @@ from megatron_kl.rollout.http import (
 )
 from megatron_kl.rollout.quantization import check_served_quantization
 from megatron_kl.rollout.servers import ManagedServer, start_on_free_port
+from megatron_kl.rollout.sglang_protocol import RoutingShape, parse_generate, sampling_params, top_logprobs_num
 
 log = logging.getLogger(__name__)
 
-class ResponseError(ServerError):
-    """A server response without the expected fields (names the field)."""
 
-
-def sampling_params(sampling: SamplingConfig, seed: Optional[int]) -> dict:
-    params = {
-        "temperature": sampling.temperature,
-        "top_p": sampling.top_p,
-        "top_k": sampling.top_k if sampling.top_k > 0 else -1,  # SGLang: -1 disables
-        "max_new_tokens": sampling.max_new_tokens,
-        "stop_token_ids": list(sampling.stop_token_ids),
-        "skip_special_tokens": False,
-        "no_stop_trim": True,  # keep the stop token: the trainer learns to emit it
-    }
-    if seed is not None:
-        params["sampling_seed"] = int(seed)
-    return params
-
-
-def top_logprobs_num(sampling: SamplingConfig, cfg_num: int, vocab_size: Optional[int]) -> int:
-    """How many top log-probs per position the client needs to rebuild the truncated distribution (0: none)."""
-    if not sampling.truncates(vocab_size):
-        return 0
-    top_k = sampling.top_k if sampling.top_k > 0 and (vocab_size is None or sampling.top_k < vocab_size) else 0
-    return top_k if top_k else (cfg_num if vocab_size is None else min(cfg_num, vocab_size))
-
-
-def processed_logprobs(logprobs: list[float], token_ids: list[int], top: list, sampling: SamplingConfig,
-                       requested: int, where: str) -> list[float]:
-    """log mu(y_t) of the truncated distribution from SGLang's log pi_T(y_t) and the ``requested`` largest
-    log pi_T per position (``top[t]``: [[logprob, token_id, ...], ...]), by the trainer's rule (ties at a cut
-    kept; vocab_parallel.truncation). The sampled token must lie in the support (``CorruptResponse`` naming the position);
-    a top-p support that does not close within the top log-probs is a ``ResponseError`` naming the setting."""
-    top_k = sampling.top_k if 0 < sampling.top_k <= requested else 0  # top_k >= the vocabulary truncates nothing
-    top_p = sampling.top_p
-    result = []
-    for t, (value, token) in enumerate(zip(logprobs, token_ids)):
-        try:
-            ordered = sorted((float(e[0]) for e in top[t]), reverse=True)
-        except (TypeError, ValueError, IndexError):
-            raise ResponseError(f"{where}: meta_info.output_top_logprobs[{t}] is not [[logprob, token_id, ...], ...]") from None
-        if len(ordered) < requested or any(not math.isfinite(v) for v in ordered):
-            raise CorruptResponse(f"{where}: meta_info.output_top_logprobs[{t}] has {len(ordered)} finite entries, "
-                                  f"{requested} were requested")
-        cut, kept_mass = -math.inf, 1.0  # top-k: the distribution renormalised on the top-k set
-        if top_k:
-            cut = ordered[min(top_k, len(ordered)) - 1]
-            kept_mass = sum(math.exp(v) for v in ordered if v >= cut)
-        if top_p < 1.0:
-            before, last = 0.0, None
-            for v in ordered:
-                if v < cut or before >= top_p:
-                    break
-                last = v
-                before += math.exp(v) / kept_mass
-            if before < top_p and not top_k and len(ordered) >= requested:
-                raise ResponseError(
-                    f"{where}: the top-p={top_p} support at response position {t} holds more than the {requested} "
-                    "top log-probs asked for: raise rollout.sglang.top_logprobs_num (or set rollout.sampling.top_k)")
-            cut = max(cut, last)
-        if value < cut - 1e-6:  # the sampled token is outside the support (servers round log-probs)
-            raise CorruptResponse(f"{where}: sampled token {token} at response position {t} (log-prob {value:.6g}) lies "
-                                  f"outside the top-k/top-p support (cut at log-prob {cut:.6g})")
-        result.append(value - math.log(sum(math.exp(v) for v in ordered if v >= cut)))
-    return result
-
-
-@dataclass(frozen=True)
-class RoutingShape:
-    """What a mixture-of-experts model's routing looks like: ``[tokens, num_layers, router_topk]`` ids in
-    [0, num_experts), the first ``dense_layers`` layers without a router (their slots hold what the server wrote:
-    SGLang's zeros; read as unknown)."""
-
-    num_layers: int
-    router_topk: int
-    num_experts: int
-    dense_layers: int = 0
-
-    @classmethod
-    def of(cls, model) -> Optional["RoutingShape"]:
-        """The shape for a ModelConfig with mixture-of-experts layers (None for a dense model)."""
-        moe = model.moe
-        return cls(model.num_layers, moe.router_topk, moe.num_experts, moe.first_dense_layers) if moe.enabled else None
-
-
-def decode_routed_experts(value, shape: RoutingShape, completion: Completion, where: str):
-    """SGLang's ``meta_info.routed_experts`` (base64 of int32 ids, token-major then layer then top-k slot) as a
-    checked ``[P + R - 1, L, k]`` int16 tensor."""
-    import numpy as np
-
-    if not isinstance(value, str):
-        raise CorruptResponse(f"{where}: meta_info.routed_experts missing or not a base64 string "
-                              "(return_routed_experts=true was sent: is the server started with "
-                              "--enable-return-routed-experts?)")
-    try:
-        raw = base64.b64decode(value.encode("ascii"), validate=True)
-    except (ValueError, binascii.Error):
-        raise CorruptResponse(f"{where}: meta_info.routed_experts is not valid base64") from None
-    per_token = 4 * shape.num_layers * shape.router_topk
-    if len(raw) % per_token:
-        raise CorruptResponse(f"{where}: meta_info.routed_experts has {len(raw)} bytes, not a whole number of "
-                              f"tokens x {shape.num_layers} layers x top-{shape.router_topk} int32 ids")
-    ids = np.frombuffer(raw, dtype="<i4").reshape(-1, shape.num_layers, shape.router_topk)
-    completion.routed_experts = torch.from_numpy(ids.astype(np.int16))
-    check_routing(completion, shape.num_layers, shape.router_topk, shape.num_experts, where, shape.dense_layers)
-    completion.routed_experts[:, :shape.dense_layers] = UNKNOWN
-    return completion.routed_experts
-
-
-def parse_generate(body, prompt_ids: Sequence[int], expected_version: int, where: str,
-                   sampling: Optional[SamplingConfig] = None, vocab_size: Optional[int] = None,
-                   requested_top: int = 0, routing: Optional[RoutingShape] = None,
-                   paused: bool = False) -> Completion:
-    """A /generate response body -> Completion; anything missing or inconsistent names the field
-    (``ResponseError``); values that cannot be right - NaN/inf/positive log-probs, ids outside the
-    vocabulary, more than ``max_new_tokens`` tokens, an empty completion without ``output_ids``, with
-    ``routing`` a routed-experts field of another shape or with ids outside the experts - are a
-    ``CorruptResponse`` (retried like a 5xx). An aborted request is re-issued (``ServerUnavailable``) unless the
-    client ``paused`` generation: then it is a partial completion (finish_reason ``abort``) to resume later."""
-    if body is None:  # a 200 without a body: a server dying mid-answer (urllib3 does not always notice)
-        raise CorruptResponse(f"{where}: /generate answered an empty body")
-    if not isinstance(body, dict):
-        raise ResponseError(f"{where}: /generate answered {type(body).__name__}, expected an object")
-    meta = body.get("meta_info")
-    if not isinstance(meta, dict):
-        raise ResponseError(f"{where}: /generate response has no meta_info object")
-    finish = meta.get("finish_reason")
-    finish_type = finish.get("type") if isinstance(finish, dict) else finish
-    if finish_type == "abort" and not paused:
-        raise ServerUnavailable(f"{where}: request aborted by the server ({finish})")  # re-issued
-    if finish_type not in FINISH_REASONS + ((PAUSED,) if paused else ()):
-        raise ResponseError(f"{where}: meta_info.finish_reason={finish!r}; expected type in {FINISH_REASONS}")
-    entries = meta.get("output_token_logprobs")
-    if not isinstance(entries, list) or not all(isinstance(e, (list, tuple)) and len(e) >= 2 for e in entries):
-        # retried like the other corrupt answers (a server that drops them now and then); one that never sends
-        # them fails after the retries with this message
-        raise CorruptResponse(f"{where}: meta_info.output_token_logprobs missing or not [[logprob, token_id, ...]] "
-                              "(return_logprob=true was sent)")
-    try:
-        logprobs = [float(e[0]) for e in entries]
-        token_ids = [int(e[1]) for e in entries]
-    except (TypeError, ValueError):
-        raise ResponseError(f"{where}: meta_info.output_token_logprobs has a non-numeric entry") from None
-    output_ids = body.get("output_ids")
-    if not token_ids and output_ids is None and finish_type != PAUSED:
-        raise CorruptResponse(f"{where}: empty meta_info.output_token_logprobs and no output_ids (a completion has "
-                              "at least its stop token)")
-    if output_ids is not None and list(output_ids) != token_ids:
-        raise ResponseError(f"{where}: output_ids ({len(output_ids)} tokens) disagree with "
-                            f"meta_info.output_token_logprobs ({len(token_ids)} tokens)")
-    if requested_top and sampling is not None and token_ids:
-        top = meta.get("output_top_logprobs")
-        if not isinstance(top, list) or len(top) != len(token_ids):
-            raise CorruptResponse(f"{where}: meta_info.output_top_logprobs missing or not one list per output token "
-                                  f"(top_logprobs_num={requested_top} was sent: the truncated log-probs need it)")
-        logprobs = processed_logprobs(logprobs, token_ids, top, sampling, requested_top, where)
-    version = meta.get("weight_version")
-    if version is None or str(version) != str(expected_version):
-        raise ResponseError(f"{where}: meta_info.weight_version={version!r} but version {expected_version} was "
-                            "pushed last (stale or foreign weights)")
-    completion = Completion(list(prompt_ids), token_ids, logprobs, finish_type, int(expected_version))
-    if sampling is not None:
-        check_completion(completion, sampling, vocab_size, where)
-    if routing is not None and not (finish_type == PAUSED and not token_ids):
-        decode_routed_experts(meta.get("routed_experts"), routing, completion, where)
-    return completion
-
-
-def server_flags(model_path: str, host: str, port: int, tp_size: int, dp_size: int, mem_fraction_static: float,
-                 seed: int, routed_experts: bool = False, quantization: str = "none",
-                 weight_loaders: Sequence[str] = (), memory_saver: bool = False,
-                 extra_args: Sequence[str] = ()) -> list[str]:
+def server_flags(
+    model_path: str,
+    host: str,
+    port: int,
+    tp_size: int,
+    dp_size: int,
+    mem_fraction_static: float,
+    seed: int,
+    routed_experts: bool = False,
+    quantization: str = "none",
+    weight_loaders: Sequence[str] = (),
+    memory_saver: bool = False,
+    extra_args: Sequence[str] = (),
+) -> list[str]:
     """The ``sglang.launch_server`` flags of a rollout server, the one place they are written: managed servers
     (:func:`server_command`) and the servers a Slurm job starts (``launch/jobs.py``) both take them from here.
     ``routed_experts``: routing replay (the servers report each token's experts); ``quantization``: FP8 rollouts;
     ``weight_loaders``: delta sync's loader (rollout/delta.py). The API key is not among them: each caller adds it
     its own way (a value here, an environment variable in a job script)."""
-    flags = ["--model-path", str(model_path), "--host", host, "--port", str(port), "--tp-size", str(tp_size),
-             "--dp-size", str(dp_size), "--mem-fraction-static", str(mem_fraction_static), "--skip-tokenizer-init",
-             "--random-seed", str(seed)]
+    flags = [
+        "--model-path",
+        str(model_path),
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--tp-size",
+        str(tp_size),
+        "--dp-size",
+        str(dp_size),
+        "--mem-fraction-static",
+        str(mem_fraction_static),
+        "--skip-tokenizer-init",
+        "--random-seed",
+        str(seed),
+    ]
     if routed_experts:
         flags.append("--enable-return-routed-experts")
     if memory_saver:
@@ -264,14 +100,38 @@ def server_flags(model_path: str, host: str, port: int, tp_size: int, dp_size: i
     return flags + list(extra_args)
 
 
-def server_command(cfg: SGLangConfig, model_path: str, port: int, seed: int, api_key: Optional[str] = None,
-                   routed_experts: bool = False, quantization: str = "none",
-                   weight_loaders: Sequence[str] = ()) -> list[str]:
+def server_command(
+    cfg: SGLangConfig,
+    model_path: str,
+    port: int,
+    seed: int,
+    api_key: Optional[str] = None,
+    routed_experts: bool = False,
+    quantization: str = "none",
+    weight_loaders: Sequence[str] = (),
+) -> list[str]:
     """A managed server's command line (:func:`server_flags` with ``rollout.sglang``'s settings and the key)."""
-    flags = server_flags(model_path, cfg.host, port, cfg.tp_size, cfg.dp_size, cfg.mem_fraction_static, seed,
-                         routed_experts, quantization, weight_loaders, cfg.enable_memory_saver)
-    return [sys.executable, "-m", cfg.server_module, *flags, *(["--api-key", api_key] if api_key else []),
-            *cfg.extra_args]
+    flags = server_flags(
+        model_path,
+        cfg.host,
+        port,
+        cfg.tp_size,
+        cfg.dp_size,
+        cfg.mem_fraction_static,
+        seed,
+        routed_experts,
+        quantization,
+        weight_loaders,
+        cfg.enable_memory_saver,
+    )
+    return [
+        sys.executable,
+        "-m",
+        cfg.server_module,
+        *flags,
+        *(["--api-key", api_key] if api_key else []),
+        *cfg.extra_args,
+    ]
 
 
 def wait_for_servers(urls: Sequence[str], timeout_s: float) -> None:
@@ -292,9 +152,18 @@ def wait_for_servers(urls: Sequence[str], timeout_s: float) -> None:
 class SGLangEngine:
     """The rollout-engine protocol over SGLang HTTP servers (used from one trainer process)."""
 
-    def __init__(self, cfg: SGLangConfig, weight_sync, model_path: Optional[str] = None, log_dir="runs/sglang",
-                 seed: int = 0, vocab_size: Optional[int] = None, routing: Optional[RoutingShape] = None,
-                 quantization: str = "none", partial: bool = False):
+    def __init__(
+        self,
+        cfg: SGLangConfig,
+        weight_sync,
+        model_path: Optional[str] = None,
+        log_dir="runs/sglang",
+        seed: int = 0,
+        vocab_size: Optional[int] = None,
+        routing: Optional[RoutingShape] = None,
+        quantization: str = "none",
+        partial: bool = False,
+    ):
         self.cfg = cfg
         self.vocab_size = vocab_size  # response ids are checked against it
         self.routing = routing  # mixture of experts with routing replay: every completion carries its routing
@@ -315,17 +184,31 @@ class SGLangEngine:
             wait_for_servers(self.urls, cfg.startup_timeout_s)
         else:
             if model_path is None:
-                raise ValueError("rollout.sglang: managed servers need a model path (rollout.sglang.model_path, "
-                                 "init.hf_checkpoint, or the trainer's initial export)")
+                raise ValueError(
+                    "rollout.sglang: managed servers need a model path (rollout.sglang.model_path, "
+                    "init.hf_checkpoint, or the trainer's initial export)"
+                )
             self.urls, self.servers = [], []
             next_port = cfg.port
             for index in range(cfg.num_servers):
                 server = start_on_free_port(
-                    f"sglang-{index}", lambda port: server_command(cfg, model_path, port, seed, self.api_key,
-                                                           routed_experts=routing is not None,
-                                                           quantization=quantization,
-                                                           weight_loaders=weight_sync.loaders),
-                    cfg.host, next_port, log_dir, cfg.startup_timeout_s, secrets=(self.api_key,))
+                    f"sglang-{index}",
+                    lambda port: server_command(
+                        cfg,
+                        model_path,
+                        port,
+                        seed,
+                        self.api_key,
+                        routed_experts=routing is not None,
+                        quantization=quantization,
+                        weight_loaders=weight_sync.loaders,
+                    ),
+                    cfg.host,
+                    next_port,
+                    log_dir,
+                    cfg.startup_timeout_s,
+                    secrets=(self.api_key,),
+                )
                 self.urls.append(server.url)
                 self.servers.append(server)
                 next_port = int(server.url.rsplit(":", 1)[1]) + 1
@@ -345,9 +228,11 @@ class SGLangEngine:
                 try:
                     self.call(index, "/continue_generation", {})
                 except ServerError as err:
-                    raise ValueError(f"rollout.partial=true: {url} cannot pause and continue generation "
-                                     f"(/continue_generation: {err}); use an SGLang with /pause_generation or set "
-                                     "rollout.partial=false") from err
+                    raise ValueError(
+                        f"rollout.partial=true: {url} cannot pause and continue generation "
+                        f"(/continue_generation: {err}); use an SGLang with /pause_generation or set "
+                        "rollout.partial=false"
+                    ) from err
         for index, url in enumerate(self.urls if cfg.urls else []):  # they sample with the weights the run declares
             try:
                 info = self.call(index, "/get_server_info", method="GET")
@@ -355,10 +240,15 @@ class SGLangEngine:
                 if quantization == "none":
                     log.warning("%s: /get_server_info failed (%s); its quantization is not checked", url, err)
                     continue
-                raise ValueError(f"rollout.quantization={quantization}: rollout.sglang.urls: {url} did not say which "
-                                 f"weights it serves (/get_server_info: {err}); give the servers' own addresses") from err
-            check_served_quantization(info.get("quantization") if isinstance(info, dict) else None, quantization,
-                                      f"rollout.sglang.urls: {url}")
+                raise ValueError(
+                    f"rollout.quantization={quantization}: rollout.sglang.urls: {url} did not say which "
+                    f"weights it serves (/get_server_info: {err}); give the servers' own addresses"
+                ) from err
+            check_served_quantization(
+                info.get("quantization") if isinstance(info, dict) else None,
+                quantization,
+                f"rollout.sglang.urls: {url}",
+            )
 
     @staticmethod
     def _session(pool: int, api_key: Optional[str] = None) -> requests.Session:
@@ -367,12 +257,14 @@ class SGLangEngine:
 
     # -- HTTP ------------------------------------------------------------------------------------
     def call(self, index: int, path: str, payload: Optional[dict] = None, method: str = "POST", parse=None):
-        return call(self.urls[index], path, payload, self.policy, method, self._sessions[index], self.counters,
-                    parse=parse)
+        return call(
+            self.urls[index], path, payload, self.policy, method, self._sessions[index], self.counters, parse=parse
+        )
 
     def broadcast(self, path: str, payload: Optional[dict] = None, recover: bool = False) -> list:
         """The same control call on every server (in parallel); ``recover``: a server that stays unavailable is
         restarted (back at the committed weights) and called again."""
+
         def one(i: int):
             try:
                 return self.call(i, path, payload)
@@ -393,10 +285,15 @@ class SGLangEngine:
         """Restart server ``index`` (managed servers) and bring it back to the last committed weights."""
         server = self.servers[index]
         if server is None or not self.cfg.restart_dead_servers:
-            why = "not managed here: restart it or remove it from rollout.sglang.urls" if server is None else \
-                "rollout.sglang.restart_dead_servers=false"
-            raise ServerUnavailable(f"SGLang server {self.urls[index]} is unavailable ({why})"
-                                    + (f"; last error: {cause}" if cause is not None else ""))
+            why = (
+                "not managed here: restart it or remove it from rollout.sglang.urls"
+                if server is None
+                else "rollout.sglang.restart_dead_servers=false"
+            )
+            raise ServerUnavailable(
+                f"SGLang server {self.urls[index]} is unavailable ({why})"
+                + (f"; last error: {cause}" if cause is not None else "")
+            )
         with self._lock:
             server.restart()
             self.counters["restarts"] += 1
@@ -413,8 +310,13 @@ class SGLangEngine:
         self.broadcast("/continue_generation", {}, recover=True)
         self._paused.clear()
 
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig,
-                 seed: Optional[int] = None, budgets: Optional[Sequence[int]] = None) -> list[Completion]:
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: SamplingConfig,
+        seed: Optional[int] = None,
+        budgets: Optional[Sequence[int]] = None,
+    ) -> list[Completion]:
         """One completion per prompt; ``budgets``: per prompt, the new tokens it may take (resumed responses)."""
         budgets = checked_budgets(budgets, len(prompts), sampling)
         if self.released:
@@ -439,9 +341,22 @@ class SGLangEngine:
                 if self.routing is not None:
                     payload["return_routed_experts"] = True
                 where = f"{self.urls[server]} prompt {i}"
-                return self.call(server, "/generate", payload, parse=lambda body: parse_generate(
-                    body, prompts[i], self.weight_version, where, sampling, self.vocab_size, top_num, self.routing,
-                    paused=self._paused.is_set()))
+                return self.call(
+                    server,
+                    "/generate",
+                    payload,
+                    parse=lambda body: parse_generate(
+                        body,
+                        prompts[i],
+                        self.weight_version,
+                        where,
+                        sampling,
+                        self.vocab_size,
+                        top_num,
+                        self.routing,
+                        paused=self._paused.is_set(),
+                    ),
+                )
 
             with ThreadPoolExecutor(self.cfg.max_concurrency) as pool:
                 futures = {i: (pool.submit(one, i, i % len(self.urls)), i % len(self.urls)) for i in pending}

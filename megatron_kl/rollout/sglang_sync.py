@@ -88,13 +88,13 @@ def deserialize_tensors(text: str) -> list[Named]:
     return pickle.loads(base64.b64decode(text))
 
 
-def new_external_group(backend: str, address: str, port: int, world_size: int, rank: int, name: str,
-                       timeout_s: float = 600.0):
+def new_external_group(
+    backend: str, address: str, port: int, world_size: int, rank: int, name: str, timeout_s: float = 600.0
+):
     """A process group outside torch.distributed's default world (trainer rank 0 + the servers' ranks),
     rendezvous over a TCPStore at ``address:port`` whose master is rank 0."""
     timeout = timedelta(seconds=timeout_s)
-    store = dist.PrefixStore(f"{name}/", dist.TCPStore(address, port, world_size, is_master=rank == 0,
-                                                       timeout=timeout))
+    store = dist.PrefixStore(f"{name}/", dist.TCPStore(address, port, world_size, is_master=rank == 0, timeout=timeout))
     if backend == "nccl":
         return dist.ProcessGroupNCCL(store, rank, world_size)
     return dist.ProcessGroupGloo(store, rank, world_size, timeout)
@@ -162,6 +162,7 @@ class WeightSync:
         self._checksums = self.delta.checksums(tensors, stats.checked or stats.kind == "full", updates)
         by_name = dict(tensors)
         return [(u.name, u.full if u.full is not None else by_name[u.name]) for u in updates]
+
     parallel_servers = True  # send to the servers concurrently
 
     def prepare(self, named: Iterable[Named], version: int):
@@ -211,9 +212,14 @@ class FromDisk(WeightSync):
         return write_hf_tensors(named, self.model, path, self.model.params_dtype, self.source_dir)
 
     def send(self, engine, index, prepared: Path, version) -> None:
-        self._check(engine.call(index, "/update_weights_from_disk",
-                                {"model_path": str(prepared.absolute()), "weight_version": str(version)}),
-                    "/update_weights_from_disk")
+        self._check(
+            engine.call(
+                index,
+                "/update_weights_from_disk",
+                {"model_path": str(prepared.absolute()), "weight_version": str(version)},
+            ),
+            "/update_weights_from_disk",
+        )
 
     def retire(self, prepared) -> None:
         # only directories this run wrote, never anything else under sync_dir
@@ -265,18 +271,27 @@ class FromTensor(_Buffered):
             for bucket in buckets(prepared.entries, self.bucket_bytes):
                 self.send_bucket(engine, index, bucket, version, load_format=DELTA_LOADER)
         except DeltaRefused as err:  # nothing was loaded: the server is still at the committed version
-            log.warning("weight sync: %s rejected the delta (%s); sending version %s in full", engine.urls[index],
-                        err, version)
+            log.warning(
+                "weight sync: %s rejected the delta (%s); sending version %s in full", engine.urls[index], err, version
+            )
             if self.last_sync is not None:
                 self.last_sync.kind, self.last_sync.reason = "full", f"delta rejected: {err}"
             self.send_full(engine, index, self._planned_tensors, version)
 
     def send_bucket(self, engine, index, bucket, version, load_format=None) -> None:
-        payload = {"serialized_named_tensors": [serialize_tensors(bucket)] * self.cfg.tp_size,
-                   "load_format": load_format, "flush_cache": False, "weight_version": str(version)}
+        payload = {
+            "serialized_named_tensors": [serialize_tensors(bucket)] * self.cfg.tp_size,
+            "load_format": load_format,
+            "flush_cache": False,
+            "weight_version": str(version),
+        }
         answer = engine.call(index, "/update_weights_from_tensor", payload)
-        if load_format is not None and isinstance(answer, dict) and answer.get("success") is False \
-                and DeltaRejected.__name__ in str(answer.get("message")):
+        if (
+            load_format is not None
+            and isinstance(answer, dict)
+            and answer.get("success") is False
+            and DeltaRejected.__name__ in str(answer.get("message"))
+        ):
             raise DeltaRefused(answer.get("message"))
         self._check(answer, "/update_weights_from_tensor")
 
@@ -285,8 +300,13 @@ class FromDistributed(_Buffered):
     group_name = "megatron_kl_weights"
     parallel_servers = False  # trainer rank 0 broadcasts to one server's group at a time
 
-    def __init__(self, cfg: SGLangConfig, backend: str | None = None, master_address: str = "127.0.0.1",
-                 delta: Optional[DeltaTracker] = None):
+    def __init__(
+        self,
+        cfg: SGLangConfig,
+        backend: str | None = None,
+        master_address: str = "127.0.0.1",
+        delta: Optional[DeltaTracker] = None,
+    ):
         super().__init__(cfg, delta)
         self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         self.master_address = master_address
@@ -297,8 +317,14 @@ class FromDistributed(_Buffered):
         if index not in self.groups:
             world = 1 + self.cfg.tp_size * self.cfg.dp_size
             port = server_port()  # the store's master binds it on every interface
-            payload = {"master_address": self.master_address, "master_port": port, "rank_offset": 1,
-                       "world_size": world, "group_name": self.group_name, "backend": self.backend}
+            payload = {
+                "master_address": self.master_address,
+                "master_port": port,
+                "rank_offset": 1,
+                "world_size": world,
+                "group_name": self.group_name,
+                "backend": self.backend,
+            }
             with ThreadPoolExecutor(1) as pool:  # the server joins while we create the store's master
                 answer = pool.submit(engine.call, index, "/init_weights_update_group", payload)
                 group = new_external_group(self.backend, self.master_address, port, world, 0, self.group_name)
@@ -308,10 +334,14 @@ class FromDistributed(_Buffered):
 
     def send_bucket(self, engine, index, bucket, version) -> None:
         group = self._group(engine, index)
-        payload = {"names": [n for n, _ in bucket],
-                   "dtypes": [str(t.dtype).replace("torch.", "") for _, t in bucket],
-                   "shapes": [list(t.shape) for _, t in bucket], "group_name": self.group_name,
-                   "flush_cache": False, "weight_version": str(version)}
+        payload = {
+            "names": [n for n, _ in bucket],
+            "dtypes": [str(t.dtype).replace("torch.", "") for _, t in bucket],
+            "shapes": [list(t.shape) for _, t in bucket],
+            "group_name": self.group_name,
+            "flush_cache": False,
+            "weight_version": str(version),
+        }
         with ThreadPoolExecutor(1) as pool:  # the server's call returns after it received every tensor
             answer = pool.submit(engine.call, index, "/update_weights_from_distributed", payload)
             for _, tensor in bucket:
@@ -347,4 +377,3 @@ def build_weight_sync(cfg: SGLangConfig, model, source_dir=None, delta: Optional
     if cfg.weight_sync == "from_tensor":
         return FromTensor(cfg, delta=delta)
     return FromDistributed(cfg, delta=delta)
-

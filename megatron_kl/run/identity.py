@@ -46,8 +46,6 @@ def _file_digests(cfg) -> dict[str, str]:
     return digests
 
 
-
-
 @functools.lru_cache(maxsize=None)
 def _default_identity(config_type) -> dict:
     """The default configuration's identity fields (JSON-safe) of a config type."""
@@ -93,5 +91,8 @@ def changed_resumable(recorded_config: dict, current_config: dict, config_type) 
     """The allowed fields a resume changes (for the start history)."""
     prefixes = fields.resumable_prefixes(config_type)
     old, new = flatten(recorded_config), flatten(current_config)
-    return {k: [old.get(k), new.get(k)] for k in sorted(set(old) | set(new))
-            if fields.resumable(k, prefixes) and old.get(k) != new.get(k)}
+    return {
+        k: [old.get(k), new.get(k)]
+        for k in sorted(set(old) | set(new))
+        if fields.resumable(k, prefixes) and old.get(k) != new.get(k)
+    }

@@ -41,5 +41,8 @@ DERIVED = ("kl_selection", "distill_selection")
 def identity_fields(config: dict, prefixes) -> dict[str, Any]:
     """The identity fields of a configuration given as a dict (``to_dict``), flattened to dotted paths: all but the
     resumable ``prefixes`` and :data:`DERIVED`."""
-    return {k: v for k, v in flatten(config).items()
-            if not resumable(k, prefixes) and not any(k == d or k.startswith(d + ".") for d in DERIVED)}
+    return {
+        k: v
+        for k, v in flatten(config).items()
+        if not resumable(k, prefixes) and not any(k == d or k.startswith(d + ".") for d in DERIVED)
+    }

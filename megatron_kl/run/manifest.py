@@ -35,8 +35,11 @@ def sha256_of(path: Path) -> str:
 
 
 def _files(directory: Path, skip: tuple[str, ...]) -> list[str]:
-    return sorted(str(p.relative_to(directory)) for p in directory.rglob("*")
-                  if p.is_file() and p.relative_to(directory).parts[0] not in skip)
+    return sorted(
+        str(p.relative_to(directory))
+        for p in directory.rglob("*")
+        if p.is_file() and p.relative_to(directory).parts[0] not in skip
+    )
 
 
 def _gather(values: list, group) -> list:
@@ -51,7 +54,7 @@ def _gather(values: list, group) -> list:
 def _my_share(names: list[str], group) -> list[str]:
     if not dist.is_initialized():
         return names
-    return names[dist.get_rank(group)::dist.get_world_size(group)]
+    return names[dist.get_rank(group) :: dist.get_world_size(group)]
 
 
 def write_manifest(directory: Path, marker: str, group=None) -> Optional[str]:
@@ -59,8 +62,9 @@ def write_manifest(directory: Path, marker: str, group=None) -> Optional[str]:
     group's rank 0, which writes the manifest) the manifest's SHA-256 for the marker; None elsewhere."""
     directory = Path(directory)
     names = _files(directory, (MANIFEST, marker, *UNLISTED))
-    entries = _gather([(n, (directory / n).stat().st_size, sha256_of(directory / n)) for n in _my_share(names, group)],
-                      group)
+    entries = _gather(
+        [(n, (directory / n).stat().st_size, sha256_of(directory / n)) for n in _my_share(names, group)], group
+    )
     if dist.is_initialized() and dist.get_rank(group) != 0:
         return None
     files = {name: {"size": size, "sha256": digest} for name, size, digest in sorted(entries)}
@@ -77,14 +81,18 @@ def _read_manifest(directory: Path, marker: str) -> dict:
     """The manifest, checked against the marker's digest; ValueError naming the file otherwise."""
     manifest = directory / MANIFEST
     if not manifest.is_file():
-        raise ValueError(f"{manifest} is missing (a checkpoint without a manifest cannot be verified; it was "
-                         "written by an older megatron-kl or damaged)")
+        raise ValueError(
+            f"{manifest} is missing (a checkpoint without a manifest cannot be verified; it was "
+            "written by an older megatron-kl or damaged)"
+        )
     text = manifest.read_bytes()
-    expected = dict(line.split(" ", 1) for line in (directory / marker).read_text(errors="replace").splitlines()
-                    if " " in line).get("manifest-sha256")
+    expected = dict(
+        line.split(" ", 1) for line in (directory / marker).read_text(errors="replace").splitlines() if " " in line
+    ).get("manifest-sha256")
     if expected is None or hashlib.sha256(text).hexdigest() != expected.strip():
-        raise ValueError(f"{manifest} does not match the digest in {directory / marker} (changed after the "
-                         "checkpoint was completed)")
+        raise ValueError(
+            f"{manifest} does not match the digest in {directory / marker} (changed after the checkpoint was completed)"
+        )
     try:
         data = json.loads(text)
         files = data["files"]
@@ -115,8 +123,10 @@ def _file_problem(path: Path, size: int, digest: str) -> Optional[str]:
     if actual != size:
         return f"{path} has {actual} bytes, the manifest says {size} (truncated or overwritten)"
     if sha256_of(path) != digest:
-        return (f"{path} does not match its SHA-256 in {MANIFEST} (its bytes changed after the checkpoint was "
-                "written: disk or copy corruption, or an edit)")
+        return (
+            f"{path} does not match its SHA-256 in {MANIFEST} (its bytes changed after the checkpoint was "
+            "written: disk or copy corruption, or an edit)"
+        )
     return None
 
 

@@ -40,9 +40,11 @@ class Requeue(Exception):
     def __init__(self, reason: str, step: int, checkpoint, signal_name: Optional[str] = None):
         where = f"checkpoint {checkpoint}" if checkpoint is not None else "no step finished, nothing to save"
         self.exit_code = INTERRUPT_EXIT_CODE if signal_name == "SIGINT" else REQUEUE_EXIT_CODE
-        super().__init__(f"stopped after step {step} ({reason}); {where}; run the same command again to resume "
-                         f"(exit code {self.exit_code}" + (", which requeues a Slurm job)" if self.exit_code ==
-                                                            REQUEUE_EXIT_CODE else ")"))
+        super().__init__(
+            f"stopped after step {step} ({reason}); {where}; run the same command again to resume "
+            f"(exit code {self.exit_code}"
+            + (", which requeues a Slurm job)" if self.exit_code == REQUEUE_EXIT_CODE else ")")
+        )
         self.reason, self.step, self.checkpoint = reason, step, checkpoint
 
 
@@ -52,10 +54,14 @@ class TrainingFailed(RuntimeError):
 
     def __init__(self, error: BaseException, step: int, checkpoint, why_unsaved: str = "", last_checkpoint=None):
         if checkpoint is not None:
-            where = (f"the {step} finished step{'s' if step != 1 else ''} are saved in {checkpoint}; run the same "
-                     "command again to resume from step " + str(step))
+            where = (
+                f"the {step} finished step{'s' if step != 1 else ''} are saved in {checkpoint}; run the same "
+                "command again to resume from step " + str(step)
+            )
         else:
-            last = f"the newest checkpoint is {last_checkpoint}" if last_checkpoint is not None else "no checkpoint exists"
+            last = (
+                f"the newest checkpoint is {last_checkpoint}" if last_checkpoint is not None else "no checkpoint exists"
+            )
             where = f"no checkpoint written ({why_unsaved}); {last}"
         super().__init__(f"{type(error).__name__}: {error}; {where}")
         self.step, self.checkpoint = step, checkpoint

@@ -66,8 +66,13 @@ def code_version() -> str:
     except PackageNotFoundError:
         text = "unknown"
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=Path(__file__).parent,
-                                capture_output=True, text=True, timeout=5)
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short=12", "HEAD"],
+            cwd=Path(__file__).parent,
+            capture_output=True,
+            text=True,
+            timeout=5,
+        )
         if commit.returncode == 0:
             text += f"+g{commit.stdout.strip()}"
     except (OSError, subprocess.SubprocessError):
@@ -77,13 +82,20 @@ def code_version() -> str:
 
 def run_record(cfg, plan: StartPlan) -> dict:
     """What a checkpoint records of its run (``run.json``)."""
-    return {"run_id": plan.run_id, "run_name": cfg.run_name, "code_version": code_version(),
-            "identity": plan.identity, "config": redact_secrets(to_dict(cfg))}
+    return {
+        "run_id": plan.run_id,
+        "run_name": cfg.run_name,
+        "code_version": code_version(),
+        "identity": plan.identity,
+        "config": redact_secrets(to_dict(cfg)),
+    }
 
 
 def _ways_out(run_dir: Path) -> str:
-    return (f"choose another train.output_dir, or set checkpoint.resume=false to start a new run in {run_dir} "
-            f"(the files there are moved, not deleted, into {run_dir}/superseded-<time>/)")
+    return (
+        f"choose another train.output_dir, or set checkpoint.resume=false to start a new run in {run_dir} "
+        f"(the files there are moved, not deleted, into {run_dir}/superseded-<time>/)"
+    )
 
 
 def plan_start(cfg, world_size: int, current: Optional[dict] = None) -> StartPlan:
@@ -101,19 +113,26 @@ def plan_start(cfg, world_size: int, current: Optional[dict] = None) -> StartPla
             break
         log.warning("checkpoint %s: %s; trying the previous checkpoint", path, problem)
     if newest is None:
-        raise RunRefused(f"the checkpoints under {run_dir / 'checkpoints'} record no run identity ({RUN_FILE} "
-                         "missing or unreadable: written by an older megatron-kl, or damaged), so resuming them "
-                         f"could mix two runs: {_ways_out(run_dir)}")
+        raise RunRefused(
+            f"the checkpoints under {run_dir / 'checkpoints'} record no run identity ({RUN_FILE} "
+            "missing or unreadable: written by an older megatron-kl, or damaged), so resuming them "
+            f"could mix two runs: {_ways_out(run_dir)}"
+        )
     path, record = newest
     diffs = identity.differences(record["identity"], current, type(cfg))
     if diffs:
-        raise RunRefused(f"{run_dir} holds run {record.get('run_name', '?')} (checkpoint {path.name}) and this "
-                         f"configuration differs in {len(diffs)} field(s) that change what a run computes: "
-                         + "; ".join(diffs) + f". Nothing was changed: {_ways_out(run_dir)}")
+        raise RunRefused(
+            f"{run_dir} holds run {record.get('run_name', '?')} (checkpoint {path.name}) and this "
+            f"configuration differs in {len(diffs)} field(s) that change what a run computes: "
+            + "; ".join(diffs)
+            + f". Nothing was changed: {_ways_out(run_dir)}"
+        )
     step = step_of(path)
     if cfg.train.steps < step:
-        raise RunRefused(f"train.steps={cfg.train.steps} is below the step of the newest checkpoint in {run_dir} "
-                         f"({step}): set train.steps >= {step} to continue the run, or {_ways_out(run_dir)}")
+        raise RunRefused(
+            f"train.steps={cfg.train.steps} is below the step of the newest checkpoint in {run_dir} "
+            f"({step}): set train.steps >= {step} to continue the run, or {_ways_out(run_dir)}"
+        )
     kind = "resume"
     if cfg.train.steps == step:
         summary = read_summary(run_dir)
@@ -126,8 +145,12 @@ class RunLock:
     """An exclusive ``flock`` on ``<run_dir>/.lock`` for this process's lifetime (or until :meth:`release`);
     refused naming the holder and ``what`` to do. :func:`holder` reads it without taking it."""
 
-    def __init__(self, run_dir: Path, what: str = "one trainer writes a train.output_dir at a time; wait for it to "
-                                                   "end, or choose another train.output_dir"):
+    def __init__(
+        self,
+        run_dir: Path,
+        what: str = "one trainer writes a train.output_dir at a time; wait for it to "
+        "end, or choose another train.output_dir",
+    ):
         run_dir = Path(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         self.path = run_dir / LOCK_FILE
@@ -141,8 +164,12 @@ class RunLock:
             raise RunRefused(f"{run_dir} is in use by {holder}: {what}") from None
         child_processes.install(close_fds=(self._fd,))  # forked helpers never inherit the lock
         os.ftruncate(self._fd, 0)
-        os.pwrite(self._fd, f"pid {os.getpid()} on host {socket.gethostname()} since "
-                            f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}\n".encode(), 0)
+        os.pwrite(
+            self._fd,
+            f"pid {os.getpid()} on host {socket.gethostname()} since "
+            f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}\n".encode(),
+            0,
+        )
 
     def release(self) -> None:
         if self._fd is not None:
@@ -187,18 +214,29 @@ def _move_aside(run_dir: Path) -> Optional[Path]:
 def begin(cfg, plan: StartPlan, world_size: int) -> None:
     """Rank 0, holding the lock: prepare the directory for this start and record it."""
     run_dir = Path(cfg.train.output_dir)
-    entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "kind": plan.kind,
-             "from_step": plan.checkpoint_step, "run_id": plan.run_id, "code_version": code_version(),
-             "host": socket.gethostname(), "world_size": world_size}
+    entry = {
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "kind": plan.kind,
+        "from_step": plan.checkpoint_step,
+        "run_id": plan.run_id,
+        "code_version": code_version(),
+        "host": socket.gethostname(),
+        "world_size": world_size,
+    }
     if plan.kind == "fresh":
         moved = _move_aside(run_dir)
         if moved is not None:
-            log.warning("%s held an earlier run's files; moved them to %s (a fresh start never mixes or deletes them)",
-                        run_dir, moved)
+            log.warning(
+                "%s held an earlier run's files; moved them to %s (a fresh start never mixes or deletes them)",
+                run_dir,
+                moved,
+            )
             entry["moved_aside"] = str(moved)
         (run_dir / "config.yaml").write_text(yaml.safe_dump(redact_secrets(to_dict(cfg)), sort_keys=False))
     else:
-        entry["changed"] = identity.changed_resumable(plan.recorded_config or {}, redact_secrets(to_dict(cfg)), type(cfg))
+        entry["changed"] = identity.changed_resumable(
+            plan.recorded_config or {}, redact_secrets(to_dict(cfg)), type(cfg)
+        )
     plan.start_entry = entry
 
 

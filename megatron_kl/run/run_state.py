@@ -35,8 +35,11 @@ class Counters:
     skipped_updates: int = 0
 
     def state_dict(self) -> dict:
-        return {"rl_steps": self.rl_steps, "optimizer_steps": self.optimizer_steps,
-                "skipped_updates": self.skipped_updates}
+        return {
+            "rl_steps": self.rl_steps,
+            "optimizer_steps": self.optimizer_steps,
+            "skipped_updates": self.skipped_updates,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.rl_steps = int(state["rl_steps"])
@@ -112,5 +115,11 @@ def _legacy_shared(state: dict) -> dict:
     if "counters" in state or "step" not in state:
         return state
     scheduler = state.get("scheduler", {})
-    return {**state, "counters": {"rl_steps": int(state["step"]),
-                                  "optimizer_steps": int(scheduler.get("num_steps", 0)), "skipped_updates": 0}}
+    return {
+        **state,
+        "counters": {
+            "rl_steps": int(state["step"]),
+            "optimizer_steps": int(scheduler.get("num_steps", 0)),
+            "skipped_updates": 0,
+        },
+    }

@@ -29,12 +29,24 @@ from torch.distributed.checkpoint._traverse import set_element
 # tests write); dtypes are pickled as the module attribute torch.<name> (torch.float32, torch.bfloat16, ...)
 _DCP = "torch.distributed.checkpoint"
 _ALLOWED = {
-    *((f"{_DCP}.metadata", name) for name in (
-        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
-        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")),
+    *(
+        (f"{_DCP}.metadata", name)
+        for name in (
+            "Metadata",
+            "TensorStorageMetadata",
+            "BytesStorageMetadata",
+            "ChunkStorageMetadata",
+            "TensorProperties",
+            "MetadataIndex",
+            "StorageMeta",
+            "_MEM_FORMAT_ENCODING",
+        )
+    ),
     *((f"{_DCP}.planner", name) for name in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData")),
     (f"{_DCP}.filesystem", "_StorageInfo"),
-    ("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("collections", "OrderedDict"),
 }
 _DTYPES = {name for name in dir(torch) if isinstance(getattr(torch, name, None), torch.dtype)}
 
@@ -51,8 +63,10 @@ class _RestrictedUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
         if (module, name) in _ALLOWED or (module == "torch" and name in _DTYPES):
             return super().find_class(module, name)
-        raise UnsafePickle(f"{self.source} references {module}.{name}, which a checkpoint never contains: the file "
-                           "was not written by megatron-kl (or was tampered with); it is not loaded")
+        raise UnsafePickle(
+            f"{self.source} references {module}.{name}, which a checkpoint never contains: the file "
+            "was not written by megatron-kl (or was tampered with); it is not loaded"
+        )
 
 
 def restricted_load(file, source: str = "checkpoint metadata"):
@@ -76,8 +90,9 @@ def _load_bytes(self, read_item, value: io.BytesIO) -> None:
     try:
         obj = torch.load(value, weights_only=True)
     except pickle.UnpicklingError as err:
-        raise UnsafePickle(f"checkpoint object {read_item.dest_index.fqn!r}: {str(err).splitlines()[0]}; it is not "
-                           "loaded") from None
+        raise UnsafePickle(
+            f"checkpoint object {read_item.dest_index.fqn!r}: {str(err).splitlines()[0]}; it is not loaded"
+        ) from None
     if self.flatten_state_dict:
         set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
     else:

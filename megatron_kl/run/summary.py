@@ -28,8 +28,11 @@ class RunSummary:
 
     def to_json(self) -> dict:
         """``summary.json``'s mapping (the evaluations only where there are some; never already_finished)."""
-        out = {k: v for k, v in dataclasses.asdict(self).items() if k not in ("eval_before", "eval_after",
-                                                                               "already_finished")}
+        out = {
+            k: v
+            for k, v in dataclasses.asdict(self).items()
+            if k not in ("eval_before", "eval_after", "already_finished")
+        }
         if self.eval_before:
             out["eval_before"], out["eval_after"] = dict(self.eval_before), dict(self.eval_after)
         return out

@@ -36,7 +36,7 @@ def _plot(ax, groups, names, key, label, marker=None):
     if curve is None:
         return
     steps, mean, low, high = curve
-    line, = ax.plot(steps, mean, label=f"{label} ({len(names)})", marker=marker)
+    (line,) = ax.plot(steps, mean, label=f"{label} ({len(names)})", marker=marker)
     ax.fill_between(steps, low, high, alpha=0.2, color=line.get_color())
 
 
@@ -56,16 +56,21 @@ def claim_figures(groups: dict, roles: dict, out: Path) -> list[str]:
         return [n for n, r in active.items() if r.on_policy and r.beta == beta and r.biased is biased]
 
     panels = {
-        "claim1.png": ("1: on-policy, biased vs unbiased KL gradients - stability",
-                       [("kl/exact_token", "exact KL / token"), ("optim/grad_norm", "grad norm")]),
-        "claim2.png": ("2: on-policy, biased vs unbiased KL gradients - performance",
-                       [("eval/id/pass@1", "in-domain pass@1"), ("eval/ood/pass@1", "OOD pass@1")]),
+        "claim1.png": (
+            "1: on-policy, biased vs unbiased KL gradients - stability",
+            [("kl/exact_token", "exact KL / token"), ("optim/grad_norm", "grad norm")],
+        ),
+        "claim2.png": (
+            "2: on-policy, biased vs unbiased KL gradients - performance",
+            [("eval/id/pass@1", "in-domain pass@1"), ("eval/ood/pass@1", "OOD pass@1")],
+        ),
     }
     for filename, (title, rows) in panels.items():
         if not betas:
             break
-        fig, axes = plt.subplots(len(rows), len(betas), figsize=(max(6.4, 4.2 * len(betas)), 3.2 * len(rows)),
-                                 squeeze=False)
+        fig, axes = plt.subplots(
+            len(rows), len(betas), figsize=(max(6.4, 4.2 * len(betas)), 3.2 * len(rows)), squeeze=False
+        )
         for col, beta in enumerate(betas):
             for row, (key, ylabel) in enumerate(rows):
                 ax = axes[row][col]
@@ -85,8 +90,11 @@ def claim_figures(groups: dict, roles: dict, out: Path) -> list[str]:
 
     stalenesses = sorted({r.staleness for r in active.values() if not r.on_policy})
     if stalenesses:
-        rows = [("eval/id/pass@1", "in-domain pass@1"), ("optim/grad_norm", "grad norm"),
-                ("kl/exact_token", "exact KL / token")]
+        rows = [
+            ("eval/id/pass@1", "in-domain pass@1"),
+            ("optim/grad_norm", "grad norm"),
+            ("kl/exact_token", "exact KL / token"),
+        ]
         width = max(6.4, 4.2 * len(stalenesses))
         fig, axes = plt.subplots(len(rows), len(stalenesses), figsize=(width, 3.2 * len(rows)), squeeze=False)
         for col, staleness in enumerate(stalenesses):
@@ -96,8 +104,14 @@ def claim_figures(groups: dict, roles: dict, out: Path) -> list[str]:
                 marker = "." if key.startswith("eval") else None
                 _plot(ax, groups, [n for n, r in here.items() if r.biased is None], key, "no KL", marker)
                 for beta in sorted({r.beta for r in here.values() if r.biased is not None}):
-                    _plot(ax, groups, [n for n, r in here.items() if r.biased is not None and r.beta == beta], key,
-                          f"beta = {beta:g}", marker)
+                    _plot(
+                        ax,
+                        groups,
+                        [n for n, r in here.items() if r.biased is not None and r.beta == beta],
+                        key,
+                        f"beta = {beta:g}",
+                        marker,
+                    )
                 ax.set_title(f"staleness {staleness}", fontsize=9)
                 ax.set_ylabel(ylabel)
                 ax.set_xlabel("step")
@@ -111,15 +125,27 @@ def claim_figures(groups: dict, roles: dict, out: Path) -> list[str]:
     finals = [(n, r) for n, r in roles.items() if groups[n].records]
     if finals:  # final in-domain vs OOD pass@1, one point per run
         fig, ax = plt.subplots(figsize=(5.5, 4.2))
-        kinds = {"unbiased": lambda r: r.biased is False, "biased": lambda r: r.biased is True,
-                 "no KL / other": lambda r: r.biased is None}
+        kinds = {
+            "unbiased": lambda r: r.biased is False,
+            "biased": lambda r: r.biased is True,
+            "no KL / other": lambda r: r.biased is None,
+        }
         for label, test in kinds.items():
-            points = [(final(rec, "eval/id/pass@1"), final(rec, "eval/ood/pass@1"))
-                      for n, r in finals if test(r) for rec in groups[n].records]
+            points = [
+                (final(rec, "eval/id/pass@1"), final(rec, "eval/ood/pass@1"))
+                for n, r in finals
+                if test(r)
+                for rec in groups[n].records
+            ]
             points = [(x, y) for x, y in points if x is not None and y is not None]
             if points:
-                ax.scatter([x for x, _ in points], [y for _, y in points], label=f"{label} ({len(points)} runs)",
-                           s=14, alpha=0.7)
+                ax.scatter(
+                    [x for x, _ in points],
+                    [y for _, y in points],
+                    label=f"{label} ({len(points)} runs)",
+                    s=14,
+                    alpha=0.7,
+                )
         ax.set_xlabel("final in-domain pass@1")
         ax.set_ylabel("final OOD pass@1")
         ax.legend(fontsize=7)

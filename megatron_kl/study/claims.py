@@ -111,8 +111,9 @@ def verdict_of(low: float, high: float, seeds: int) -> str:
     return INCONCLUSIVE
 
 
-def _paired(outcomes: list[RunOutcome], roles: dict[str, Role], strata: dict, metric, first, second
-            ) -> dict[int, float]:
+def _paired(
+    outcomes: list[RunOutcome], roles: dict[str, Role], strata: dict, metric, first, second
+) -> dict[int, float]:
     """Per seed: the mean over strata of mean(metric over ``first`` runs) - mean(metric over ``second`` runs).
 
     ``strata``: stratum key -> predicate on a Role; ``first``/``second``: predicates on a Role. A stratum counts
@@ -123,8 +124,11 @@ def _paired(outcomes: list[RunOutcome], roles: dict[str, Role], strata: dict, me
         for seed in seeds:
             sides = []
             for side in (first, second):
-                values = [metric(o) for o in outcomes
-                          if o.seed == seed and predicate(roles[o.configuration]) and side(roles[o.configuration])]
+                values = [
+                    metric(o)
+                    for o in outcomes
+                    if o.seed == seed and predicate(roles[o.configuration]) and side(roles[o.configuration])
+                ]
                 values = [v for v in values if v is not None]
                 sides.append(statistics.fmean(values) if values else None)
             if None not in sides:
@@ -136,9 +140,13 @@ def _statistic(per_seed: dict[int, float]) -> dict:
     if not per_seed:
         return {"estimate": None, "low": None, "high": None, "seeds": 0, "verdict": INCONCLUSIVE}
     estimate, low, high = bootstrap(per_seed)
-    return {"estimate": estimate, "low": None if math.isnan(low) else low,
-            "high": None if math.isnan(high) else high, "seeds": len(per_seed),
-            "verdict": verdict_of(low, high, len(per_seed))}
+    return {
+        "estimate": estimate,
+        "low": None if math.isnan(low) else low,
+        "high": None if math.isnan(high) else high,
+        "seeds": len(per_seed),
+        "verdict": verdict_of(low, high, len(per_seed)),
+    }
 
 
 def _unstable(outcome: RunOutcome) -> float:
@@ -152,8 +160,9 @@ def _collapsed(outcome: RunOutcome) -> float:
 CLAIM3 = {"unstable": "unstable fraction", "collapsed": "collapsed fraction"}  # claim3_statistic -> what it counts
 
 
-def evaluate(outcomes: list[RunOutcome], roles: dict[str, Role], claim3_statistic: str = "unstable"
-             ) -> list[ClaimResult]:
+def evaluate(
+    outcomes: list[RunOutcome], roles: dict[str, Role], claim3_statistic: str = "unstable"
+) -> list[ClaimResult]:
     """The three claims on these runs (module docstring); ``claim3_statistic`` (a key of :data:`CLAIM3`) decides
     the third."""
     active = {name: role for name, role in roles.items() if role.excluded is None}
@@ -163,45 +172,60 @@ def evaluate(outcomes: list[RunOutcome], roles: dict[str, Role], claim3_statisti
     is_biased, is_unbiased = (lambda r: r.biased is True), (lambda r: r.biased is False)
     results = []
 
-    claim1 = ClaimResult("1. on-policy, biased gradients can make training unstable",
-                         "unstable fraction, biased minus unbiased KL configurations, paired by seed, averaged "
-                         f"over beta in {on_betas}")
+    claim1 = ClaimResult(
+        "1. on-policy, biased gradients can make training unstable",
+        f"unstable fraction, biased minus unbiased KL configurations, paired by seed, averaged over beta in {on_betas}",
+    )
     claim1.statistics["unstable fraction (biased - unbiased)"] = _statistic(
-        _paired(outcomes, active, strata_on, _unstable, is_biased, is_unbiased))
+        _paired(outcomes, active, strata_on, _unstable, is_biased, is_unbiased)
+    )
     claim1.verdict = claim1.statistics["unstable fraction (biased - unbiased)"]["verdict"]
     if not any(o.unstable for o in outcomes if active[o.configuration].on_policy):
         claim1.note = "no on-policy run was unstable at this scale"
     results.append(claim1)
 
-    claim2 = ClaimResult("2. on-policy, unbiased gradients give better in-domain and OOD performance",
-                         "final pass@1, unbiased minus biased KL configurations, paired by seed, averaged over "
-                         f"beta in {on_betas}")
-    for label, metric in (("in-domain pass@1 (unbiased - biased)", lambda o: o.final_id),
-                          ("OOD pass@1 (unbiased - biased)", lambda o: o.final_ood)):
+    claim2 = ClaimResult(
+        "2. on-policy, unbiased gradients give better in-domain and OOD performance",
+        f"final pass@1, unbiased minus biased KL configurations, paired by seed, averaged over beta in {on_betas}",
+    )
+    for label, metric in (
+        ("in-domain pass@1 (unbiased - biased)", lambda o: o.final_id),
+        ("OOD pass@1 (unbiased - biased)", lambda o: o.final_ood),
+    ):
         claim2.statistics[label] = _statistic(_paired(outcomes, active, strata_on, metric, is_unbiased, is_biased))
     verdicts = [s["verdict"] for s in claim2.statistics.values()]
-    claim2.verdict = (NOT_REPRODUCED if NOT_REPRODUCED in verdicts
-                      else REPRODUCED if all(v == REPRODUCED for v in verdicts) else INCONCLUSIVE)
+    claim2.verdict = (
+        NOT_REPRODUCED
+        if NOT_REPRODUCED in verdicts
+        else REPRODUCED
+        if all(v == REPRODUCED for v in verdicts)
+        else INCONCLUSIVE
+    )
     results.append(claim2)
 
     stalenesses = sorted({r.staleness for r in active.values() if not r.on_policy})
     strata_off = {s: (lambda r, s=s: r.staleness == s) for s in stalenesses}
     no_kl, with_kl = (lambda r: r.biased is None), (lambda r: r.biased is not None)
-    claim3 = ClaimResult("3. off-policy, a KL term stabilises training",
-                         f"{CLAIM3[claim3_statistic]} (declared) without minus with a KL term at the "
-                         f"same staleness ({stalenesses}), paired by seed")
+    claim3 = ClaimResult(
+        "3. off-policy, a KL term stabilises training",
+        f"{CLAIM3[claim3_statistic]} (declared) without minus with a KL term at the "
+        f"same staleness ({stalenesses}), paired by seed",
+    )
     for name, metric in (("unstable", _unstable), ("collapsed", _collapsed)):
         label = f"{CLAIM3[name]} (no KL - KL)" + ("" if name == claim3_statistic else ", not in the verdict")
         claim3.statistics[label] = _statistic(_paired(outcomes, active, strata_off, metric, no_kl, with_kl))
     claim3.statistics["in-domain pass@1 (KL - no KL), not in the verdict"] = _statistic(
-        _paired(outcomes, active, strata_off, lambda o: o.final_id, with_kl, no_kl))
+        _paired(outcomes, active, strata_off, lambda o: o.final_id, with_kl, no_kl)
+    )
     claim3.verdict = claim3.statistics[f"{CLAIM3[claim3_statistic]} (no KL - KL)"]["verdict"]
     if not any(o.unstable for o in outcomes if not active[o.configuration].on_policy):
         claim3.note = "no off-policy run was unstable at this scale: nothing for the KL term to stabilise"
     results.append(claim3)
-    untested = {claim1.claim: "on-policy runs of biased and of unbiased KL configurations",
-                claim2.claim: "on-policy runs of biased and of unbiased KL configurations",
-                claim3.claim: "off-policy runs with and without a KL term at one staleness"}
+    untested = {
+        claim1.claim: "on-policy runs of biased and of unbiased KL configurations",
+        claim2.claim: "on-policy runs of biased and of unbiased KL configurations",
+        claim3.claim: "off-policy runs with and without a KL term at one staleness",
+    }
     for result in results:
         if all(stat["seeds"] == 0 for stat in result.statistics.values()):
             result.note = f"not tested: the study has no {untested[result.claim]} to pair"
@@ -214,26 +238,42 @@ def markdown(results: list[ClaimResult], roles: dict[str, Role], definition: str
     def fmt(value):
         return "n/a" if value is None else f"{value:+.3f}"
 
-    lines = ["## Claims", "", f"Unstable run: {definition}. Intervals: 95 % bootstrap over seeds "
-             f"({RESAMPLES} resamples), paired within a seed. Verdict: reproduced when the interval lies above 0, not "
-             "reproduced when below, inconclusive otherwise (or with fewer than two seeds).", "",
-             "| claim | statistic | estimate | 95 % interval | seeds | verdict |", "|---|---|---|---|---|---|"]
+    lines = [
+        "## Claims",
+        "",
+        f"Unstable run: {definition}. Intervals: 95 % bootstrap over seeds "
+        f"({RESAMPLES} resamples), paired within a seed. Verdict: reproduced when the interval lies above 0, not "
+        "reproduced when below, inconclusive otherwise (or with fewer than two seeds).",
+        "",
+        "| claim | statistic | estimate | 95 % interval | seeds | verdict |",
+        "|---|---|---|---|---|---|",
+    ]
     for result in results:
         for name, stat in result.statistics.items():
             interval = "n/a" if stat["low"] is None else f"[{fmt(stat['low'])}, {fmt(stat['high'])}]"
-            lines.append(f"| {result.claim} | {name} | {fmt(stat['estimate'])} | {interval} | {stat['seeds']} | "
-                         f"{stat['verdict']} |")
+            lines.append(
+                f"| {result.claim} | {name} | {fmt(stat['estimate'])} | {interval} | {stat['seeds']} | "
+                f"{stat['verdict']} |"
+            )
     lines += ["", "Verdicts:", ""]
     for result in results:
         note = f" ({result.note})" if result.note else ""
         lines.append(f"- **{result.claim}**: {result.verdict}{note}. Comparison: {result.comparison}.")
-    lines += ["", "| configuration | regime | beta | audit for its kl.target | in the claims |", "|---|---|---|---|---|"]
+    lines += [
+        "",
+        "| configuration | regime | beta | audit for its kl.target | in the claims |",
+        "|---|---|---|---|---|",
+    ]
     for name, role in roles.items():
         regime = "on-policy" if role.on_policy else f"off-policy (staleness {role.staleness})"
-        bias = "no KL term" if role.biased is None and role.excluded is None else (
-            "-" if role.biased is None else "biased" if role.biased else "unbiased")
-        used = role.excluded or ("1, 2" if role.on_policy and role.biased is not None
-                                 else "3" if not role.on_policy else "control")
+        bias = (
+            "no KL term"
+            if role.biased is None and role.excluded is None
+            else ("-" if role.biased is None else "biased" if role.biased else "unbiased")
+        )
+        used = role.excluded or (
+            "1, 2" if role.on_policy and role.biased is not None else "3" if not role.on_policy else "control"
+        )
         lines.append(f"| {name} | {regime} | {role.beta:g} | {bias} | {used} |")
     return lines
 
@@ -259,8 +299,14 @@ def beside_published(results: list[ClaimResult], published: list[dict], source: 
         return f"{stat['estimate']:+.3f}{interval}, {stat['seeds']} seeds, {stat['verdict']}"
 
     by_number = {_number(entry["claim"]): entry for entry in published}
-    lines = ["## Beside the published verdicts", "", f"Published: `{source}`. Same statistics, same bootstrap.", "",
-             "| claim | statistic | published | this study | verdicts agree |", "|---|---|---|---|---|"]
+    lines = [
+        "## Beside the published verdicts",
+        "",
+        f"Published: `{source}`. Same statistics, same bootstrap.",
+        "",
+        "| claim | statistic | published | this study | verdicts agree |",
+        "|---|---|---|---|---|",
+    ]
     for result in results:
         entry = by_number.get(_number(result.claim), {})
         theirs = {_statistic_name(name): stat for name, stat in entry.get("statistics", {}).items()}

@@ -47,7 +47,10 @@ def run(config: str, overrides: list[str], report_only: bool = False) -> int:
     failed = [name for name, state in states.items() if state == "failed"]
     not_run = [name for name, state in states.items() if state not in (OK, "failed")]
     if failed or not_run:
-        print(f"megatron-kl study: {len(failed)} run(s) failed: {failed}; {len(not_run)} not run (or interrupted): "
-              f"{not_run}", file=sys.stderr)
+        print(
+            f"megatron-kl study: {len(failed)} run(s) failed: {failed}; {len(not_run)} not run (or interrupted): "
+            f"{not_run}",
+            file=sys.stderr,
+        )
         return 1
     return 0

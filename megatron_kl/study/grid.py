@@ -57,8 +57,12 @@ class StudyConfig:
     # (the severe kind alone: a spike that training recovers from is not counted)
     claim3_statistic: str = checked("unstable", choices=tuple(CLAIM3))
     only: list[str] = field(default_factory=list)  # run only the configurations whose names match (fnmatch)
-    published: Optional[str] = checked(None, path="file")  # a published claims.json whose verdicts the report puts beside these
-    extends: Optional[str] = checked(None, free=True)  # the study YAML this one starts from (its keys, replaced by the ones here)
+    published: Optional[str] = checked(
+        None, path="file"
+    )  # a published claims.json whose verdicts the report puts beside these
+    extends: Optional[str] = checked(
+        None, free=True
+    )  # the study YAML this one starts from (its keys, replaced by the ones here)
     # what the report must say before its verdicts (a preset too small to decide anything says so)
     caveat: Optional[str] = checked(None, free=True)
     # a score to reach (a distillation teacher's): the report says which configuration reached it first and by how
@@ -71,8 +75,9 @@ class StudyConfig:
             raise ConfigError("seeds=[] must list at least one seed, e.g. seeds: [1, 2, 3]")
         repeated = sorted({s for s in self.seeds if self.seeds.count(s) > 1})
         if repeated:
-            raise ConfigError(f"seeds={self.seeds} repeats {repeated}: each seed is one run per configuration; "
-                              "list each once")
+            raise ConfigError(
+                f"seeds={self.seeds} repeats {repeated}: each seed is one run per configuration; list each once"
+            )
         out_of_range = [s for s in self.seeds if not 0 <= s <= SEED_MAX]
         if out_of_range:
             raise ConfigError(f"seeds={self.seeds}: {out_of_range} outside 0..{SEED_MAX} (the generators' range)")
@@ -120,15 +125,18 @@ def _read(path, seen: tuple = ()) -> dict:
     data = read_yaml_file(path)
     unknown = set(data) - set(StudyConfig.__dataclass_fields__)
     if unknown:
-        raise ConfigError(f"study config {path}: unknown key(s) {sorted(unknown)}; "
-                          f"use {sorted(StudyConfig.__dataclass_fields__)}")
+        raise ConfigError(
+            f"study config {path}: unknown key(s) {sorted(unknown)}; use {sorted(StudyConfig.__dataclass_fields__)}"
+        )
     if data.get("published"):
         data["published"] = _beside(path, str(data["published"]))
     if not data.get("extends"):
         return data
     parent = _beside(path, str(data["extends"]))
     if not Path(parent).is_file():
-        raise ConfigError(f"study config {path}: extends={data['extends']} is not a file (relative to {Path(path).parent})")
+        raise ConfigError(
+            f"study config {path}: extends={data['extends']} is not a file (relative to {Path(path).parent})"
+        )
     if Path(parent).resolve() in seen:
         raise ConfigError(f"study config {path}: extends={data['extends']} makes a cycle")
     return {**_read(parent, seen + (Path(path).resolve(),)), **data}
@@ -184,8 +192,12 @@ def expand(study: StudyConfig) -> list[RunSpec]:
     for configuration in selected(study):
         for seed in study.seeds:
             spec = RunSpec(configuration.name, seed, [], root / f"{configuration.name}-seed{seed}")
-            spec.overrides = [*study.common, *configuration.overrides, f"train.seed={seed}",
-                              f"train.output_dir={spec.output_dir}"]
+            spec.overrides = [
+                *study.common,
+                *configuration.overrides,
+                f"train.seed={seed}",
+                f"train.output_dir={spec.output_dir}",
+            ]
             try:
                 load_train_config(study.base, spec.overrides)
             except (ConfigError, ValueError) as err:

@@ -50,10 +50,13 @@ class Reach:
 
 def reaches(runs: dict[str, dict[int, list[dict]]], metric: str, target: float) -> list[Reach]:
     """One :class:`Reach` per configuration, first-reacher first. ``runs``: configuration -> seed -> records."""
-    horizon = 1 + max((r["step"] for by_seed in runs.values() for records in by_seed.values() for r in records),
-                      default=0)
-    out = [Reach(name, {seed: first_step(records, metric, target) for seed, records in by_seed.items()}, horizon)
-           for name, by_seed in runs.items()]
+    horizon = 1 + max(
+        (r["step"] for by_seed in runs.values() for records in by_seed.values() for r in records), default=0
+    )
+    out = [
+        Reach(name, {seed: first_step(records, metric, target) for seed, records in by_seed.items()}, horizon)
+        for name, by_seed in runs.items()
+    ]
     return sorted(out, key=lambda r: (-r.reached, math.inf if r.median is None else r.median))
 
 
@@ -71,22 +74,36 @@ def comparisons(ranked: list[Reach]) -> list[dict]:
         per_seed = {seed: float(other.counted(seed) - best.counted(seed)) for seed in seeds}
         estimate, low, high = bootstrap(per_seed)
         censored = sum(other.first[s] is None or best.first[s] is None for s in seeds)
-        out.append({"first": best.configuration, "other": other.configuration, "seeds": len(seeds),
-                    "estimate": estimate, "low": None if math.isnan(low) else low,
-                    "high": None if math.isnan(high) else high, "censored": censored})
+        out.append(
+            {
+                "first": best.configuration,
+                "other": other.configuration,
+                "seeds": len(seeds),
+                "estimate": estimate,
+                "low": None if math.isnan(low) else low,
+                "high": None if math.isnan(high) else high,
+                "censored": censored,
+            }
+        )
     return out
 
 
-def markdown(ranked: list[Reach], metric: str, target: float,
-             finals: Optional[dict[str, dict[str, Optional[float]]]] = None) -> list[str]:
+def markdown(
+    ranked: list[Reach], metric: str, target: float, finals: Optional[dict[str, dict[str, Optional[float]]]] = None
+) -> list[str]:
     """The section; ``finals``: configuration -> {label: value} shown beside (the final score, the KL to the teacher)."""
     labels = sorted({label for row in (finals or {}).values() for label in row})
-    lines = [f"## Reaching {metric} >= {target:g}", "",
-             "First evaluated step at which each seed's score reached the target; a seed that never did is counted at "
-             "the last step + 1 (the differences are then lower bounds). Intervals: 95 % bootstrap over seeds, "
-             "paired within a seed.", "",
-             "| configuration | seeds reached | median first step | first step per seed |"
-             + "".join(f" {label} |" for label in labels), "|---|---|---|---|" + "---|" * len(labels)]
+    lines = [
+        f"## Reaching {metric} >= {target:g}",
+        "",
+        "First evaluated step at which each seed's score reached the target; a seed that never did is counted at "
+        "the last step + 1 (the differences are then lower bounds). Intervals: 95 % bootstrap over seeds, "
+        "paired within a seed.",
+        "",
+        "| configuration | seeds reached | median first step | first step per seed |"
+        + "".join(f" {label} |" for label in labels),
+        "|---|---|---|---|" + "---|" * len(labels),
+    ]
     for reach in ranked:
         per_seed = ", ".join(f"{seed}: {'never' if step is None else step}" for seed, step in reach.first.items())
         median = "never" if reach.median is None else f"{reach.median:g}"
@@ -100,18 +117,22 @@ def markdown(ranked: list[Reach], metric: str, target: float,
     for row in comparisons(ranked):
         interval = "n/a (one seed)" if row["low"] is None else f"[{row['low']:+.1f}, {row['high']:+.1f}]"
         bound = f" (a lower bound: {row['censored']} censored seed(s))" if row["censored"] else ""
-        lines.append(f"- **{row['first']}** reached it before **{row['other']}** by {row['estimate']:+.1f} steps "
-                     f"on average over {row['seeds']} seeds, 95 % interval {interval}{bound}.")
+        lines.append(
+            f"- **{row['first']}** reached it before **{row['other']}** by {row['estimate']:+.1f} steps "
+            f"on average over {row['seeds']} seeds, 95 % interval {interval}{bound}."
+        )
     return lines
 
 
-def final_value_comparisons(runs: dict[str, dict[int, list[dict]]], metric: str, lower_is_better: bool = True
-                            ) -> list[dict]:
+def final_value_comparisons(
+    runs: dict[str, dict[int, list[dict]]], metric: str, lower_is_better: bool = True
+) -> list[dict]:
     """The configuration with the best mean final ``metric`` (e.g. distill/exact_token, the KL to the teacher)
     against each other one that logged it: the per-seed difference (other - best), its mean and bootstrap interval."""
-    finals = {name: {seed: value for seed, records in by_seed.items()
-                     if (value := final(records, metric)) is not None}
-              for name, by_seed in runs.items()}
+    finals = {
+        name: {seed: value for seed, records in by_seed.items() if (value := final(records, metric)) is not None}
+        for name, by_seed in runs.items()
+    }
     finals = {name: values for name, values in finals.items() if values}
     if len(finals) < 2:
         return []
@@ -123,8 +144,16 @@ def final_value_comparisons(runs: dict[str, dict[int, list[dict]]], metric: str,
         if other == best or not seeds:
             continue
         estimate, low, high = bootstrap({seed: values[seed] - finals[best][seed] for seed in seeds})
-        out.append({"best": best, "other": other, "seeds": len(seeds), "estimate": estimate,
-                    "low": None if math.isnan(low) else low, "high": None if math.isnan(high) else high})
+        out.append(
+            {
+                "best": best,
+                "other": other,
+                "seeds": len(seeds),
+                "estimate": estimate,
+                "low": None if math.isnan(low) else low,
+                "high": None if math.isnan(high) else high,
+            }
+        )
     return out
 
 
@@ -134,6 +163,8 @@ def final_value_markdown(rows: list[dict], metric: str, what: str) -> list[str]:
     lines = [f"Final {what} (`{metric}`), paired by seed:", ""]
     for row in rows:
         interval = "n/a (one seed)" if row["low"] is None else f"[{row['low']:+.3g}, {row['high']:+.3g}]"
-        lines.append(f"- **{row['best']}** ended {row['estimate']:.3g} below **{row['other']}** on average over "
-                     f"{row['seeds']} seeds, 95 % interval {interval}.")
+        lines.append(
+            f"- **{row['best']}** ended {row['estimate']:.3g} below **{row['other']}** on average over "
+            f"{row['seeds']} seeds, 95 % interval {interval}."
+        )
     return lines + [""]

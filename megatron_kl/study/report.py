@@ -30,11 +30,20 @@ from megatron_kl.study.series import series as _series
 from megatron_kl.train.config import kl_verdict, load_train_config
 from megatron_kl.train.metrics import read_metrics
 
-CURVES = [("reward/mean", "reward"), ("eval/id/pass@1", "in-domain pass@1"), ("kl/exact_token", "exact KL / token"),
-          ("distill/exact_token", "exact KL to the teacher / token"), ("entropy/mean", "entropy"),
-          ("optim/grad_norm", "grad norm")]
-FINAL = [("eval/id/pass@1", "ID pass@1"), ("eval/id/mean@k", "ID mean@k"), ("eval/ood/pass@1", "OOD pass@1"),
-         ("eval/ood/mean@k", "OOD mean@k")]
+CURVES = [
+    ("reward/mean", "reward"),
+    ("eval/id/pass@1", "in-domain pass@1"),
+    ("kl/exact_token", "exact KL / token"),
+    ("distill/exact_token", "exact KL to the teacher / token"),
+    ("entropy/mean", "entropy"),
+    ("optim/grad_norm", "grad norm"),
+]
+FINAL = [
+    ("eval/id/pass@1", "ID pass@1"),
+    ("eval/id/mean@k", "ID mean@k"),
+    ("eval/ood/pass@1", "OOD pass@1"),
+    ("eval/ood/mean@k", "OOD mean@k"),
+]
 
 
 def _instabilities(records: list[dict], factor: float) -> int:
@@ -73,8 +82,11 @@ def stability(seeds_ok: int, failed: int, events: int, collapses: int = 0) -> st
     """``stable``: every seed finished without an instability event or a collapse; else what went wrong."""
     if seeds_ok == 0:
         return "no finished seed"
-    problems = (([f"{failed} seed(s) failed"] if failed else []) + ([f"{events} events"] if events else [])
-                + ([f"{collapses} collapsed"] if collapses else []))
+    problems = (
+        ([f"{failed} seed(s) failed"] if failed else [])
+        + ([f"{events} events"] if events else [])
+        + ([f"{collapses} collapsed"] if collapses else [])
+    )
     return "unstable: " + ", ".join(problems) if problems else "stable"
 
 
@@ -138,8 +150,14 @@ def collect(study: StudyConfig, runs: list[RunSpec], status: dict) -> dict[str, 
         metrics = spec.output_dir / "metrics.jsonl"
         if entry.get("state") == "ok" and metrics.is_file():
             records = read_metrics(metrics)
-            group.finished.append(FinishedRun(spec.seed, records, _instabilities(records, study.instability_factor),
-                                              collapsed(records, study.collapse_fraction)))
+            group.finished.append(
+                FinishedRun(
+                    spec.seed,
+                    records,
+                    _instabilities(records, study.instability_factor),
+                    collapsed(records, study.collapse_fraction),
+                )
+            )
         elif entry.get("state") in ("ok", "failed"):  # ok without its metrics: failed, the files are gone
             group.failed.append(FailedRun(spec.seed, spec.name, entry))
         else:
@@ -163,10 +181,11 @@ def _figures(groups: dict, out: Path) -> list[str]:
                 continue
             rows = [[s[t] for s in series if t in s] for t in steps]
             mean = [sum(r) / len(r) for r in rows]
-            line, = ax.plot(steps, mean, label=name, marker="." if key.startswith("eval") else None)
+            (line,) = ax.plot(steps, mean, label=name, marker="." if key.startswith("eval") else None)
             if len(series) > 1:
-                ax.fill_between(steps, [min(r) for r in rows], [max(r) for r in rows], alpha=0.2,
-                                color=line.get_color())
+                ax.fill_between(
+                    steps, [min(r) for r in rows], [max(r) for r in rows], alpha=0.2, color=line.get_color()
+                )
         ax.set_title(title)
         ax.set_xlabel("step")
     axes[0].legend(fontsize=7)
@@ -178,8 +197,10 @@ def _figures(groups: dict, out: Path) -> list[str]:
     names = list(groups)
     fig, ax = plt.subplots(figsize=(max(5, 1.2 * len(names)), 3.6))
     width = 0.4
-    for offset, (key, label) in ((-width / 2, ("eval/id/pass@1", "in-domain")),
-                                 (width / 2, ("eval/ood/pass@1", "OOD"))):
+    for offset, (key, label) in (
+        (-width / 2, ("eval/id/pass@1", "in-domain")),
+        (width / 2, ("eval/ood/pass@1", "OOD")),
+    ):
         finals = [_mean(_final(records, key) for records in groups[n].records) for n in names]
         present = [(i + offset, v) for i, v in enumerate(finals) if v is not None]  # missing: no bar, not 0
         ax.bar([x for x, _ in present], [v for _, v in present], width, label=label)
@@ -203,17 +224,28 @@ def outcomes(groups: dict[str, ConfigurationRuns]) -> list:
     result = []
     for name, group in groups.items():
         for run in group.finished:
-            result.append(RunOutcome(name, run.seed, True, run.unstable, _final(run.records, "eval/id/pass@1"),
-                                     _final(run.records, "eval/ood/pass@1"), _final(run.records, "kl/exact_token"),
-                                     run.collapsed))
+            result.append(
+                RunOutcome(
+                    name,
+                    run.seed,
+                    True,
+                    run.unstable,
+                    _final(run.records, "eval/id/pass@1"),
+                    _final(run.records, "eval/ood/pass@1"),
+                    _final(run.records, "kl/exact_token"),
+                    run.collapsed,
+                )
+            )
         result += [RunOutcome(name, run.seed, False, True) for run in group.failed]
     return result
 
 
 def instability_definition(study: StudyConfig) -> str:
-    return (f"a failed seed, a non-finite or skipped update, an exact KL or grad norm above "
-            f"{study.instability_factor:g}x its run median, or final in-domain pass@1 below "
-            f"{study.collapse_fraction:g}x its first evaluation")
+    return (
+        f"a failed seed, a non-finite or skipped update, an exact KL or grad norm above "
+        f"{study.instability_factor:g}x its run median, or final in-domain pass@1 below "
+        f"{study.collapse_fraction:g}x its first evaluation"
+    )
 
 
 def _runtime(status: dict) -> str:
@@ -232,49 +264,74 @@ def write_report(study: StudyConfig, runs: list[RunSpec], status: dict) -> dict:
     run_roles = {name: claims.role_of(cfg) for name, cfg in configs.items()}
     claim_results = claims.evaluate(outcomes(groups), run_roles, study.claim3_statistic)
     figures = claim_figures(groups, run_roles, out / "figures") + _figures(groups, out / "figures")
-    lines = [f"# Study `{study.name}`", "",
-             f"Base config `{study.base}`, seeds {study.seeds}, common overrides `{' '.join(study.common) or '-'}`"
-             + (f", configurations matching {study.only}" if study.only else "") + ".",
-             "Scores are means over the seeds that finished; best = max over evaluations. Instability events: "
-             f"steps where the exact KL or the grad norm exceeds {study.instability_factor:g}x the run median or "
-             "is not finite, and skipped non-finite updates (summed over seeds); collapsed: final in-domain pass@1 "
-             f"below {study.collapse_fraction:g}x the first evaluation's.", _runtime(status), ""]
+    lines = [
+        f"# Study `{study.name}`",
+        "",
+        f"Base config `{study.base}`, seeds {study.seeds}, common overrides `{' '.join(study.common) or '-'}`"
+        + (f", configurations matching {study.only}" if study.only else "")
+        + ".",
+        "Scores are means over the seeds that finished; best = max over evaluations. Instability events: "
+        f"steps where the exact KL or the grad norm exceeds {study.instability_factor:g}x the run median or "
+        "is not finite, and skipped non-finite updates (summed over seeds); collapsed: final in-domain pass@1 "
+        f"below {study.collapse_fraction:g}x the first evaluation's.",
+        _runtime(status),
+        "",
+    ]
     if study.caveat:
         lines += [f"> **Caveat:** {study.caveat}", ""]
     not_run = [name for group in groups.values() for name in group.not_run]
     if not_run:
-        lines += [f"> **Unfinished study:** {len(not_run)} of {len(runs)} runs have not run or were interrupted "
-                  f"({', '.join(not_run)}); nothing below is computed from them. Run the study again to finish it.",
-                  ""]
+        lines += [
+            f"> **Unfinished study:** {len(not_run)} of {len(runs)} runs have not run or were interrupted "
+            f"({', '.join(not_run)}); nothing below is computed from them. Run the study again to finish it.",
+            "",
+        ]
     reach = None
     if study.reach_target is not None:
-        ranked = reaching.reaches({name: {run.seed: run.records for run in group.finished}
-                                   for name, group in groups.items()}, study.reach_metric, study.reach_target)
-        finals = {name: {f"final {study.reach_metric}": _mean(_final(r, study.reach_metric) for r in group.records),
-                         "final KL to the teacher / token": _mean(_final(r, "distill/exact_token")
-                                                                  for r in group.records)}
-                  for name, group in groups.items()}
+        ranked = reaching.reaches(
+            {name: {run.seed: run.records for run in group.finished} for name, group in groups.items()},
+            study.reach_metric,
+            study.reach_target,
+        )
+        finals = {
+            name: {
+                f"final {study.reach_metric}": _mean(_final(r, study.reach_metric) for r in group.records),
+                "final KL to the teacher / token": _mean(_final(r, "distill/exact_token") for r in group.records),
+            }
+            for name, group in groups.items()
+        }
         lines += reaching.markdown(ranked, study.reach_metric, study.reach_target, finals) + [""]
         by_seed = {name: {run.seed: run.records for run in group.finished} for name, group in groups.items()}
         to_teacher = reaching.final_value_comparisons(by_seed, "distill/exact_token")
         lines += reaching.final_value_markdown(to_teacher, "distill/exact_token", "KL to the teacher per token")
-        reach = {"metric": study.reach_metric, "target": study.reach_target,
-                 "first_steps": {r.configuration: r.first for r in ranked},
-                 "comparisons": reaching.comparisons(ranked), "final_kl_to_teacher": to_teacher}
+        reach = {
+            "metric": study.reach_metric,
+            "target": study.reach_target,
+            "first_steps": {r.configuration: r.first for r in ranked},
+            "comparisons": reaching.comparisons(ranked),
+            "final_kl_to_teacher": to_teacher,
+        }
     lines += claims.markdown(claim_results, run_roles, instability_definition(study))
     if study.published:
-        lines += [""] + claims.beside_published(claim_results, json.loads(Path(study.published).read_text()),
-                                                study.published)
-    lines += ["", "## Results", "",
-             "| configuration | seeds ok | failed | not run | final reward | "
-             + " | ".join(f"final {label}" for _, label in FINAL)
-             + " | best ID pass@1 | final exact KL | instability events | stability | kl/biased | audit |",
-             "|" + "---|" * (11 + len(FINAL))]
+        lines += [""] + claims.beside_published(
+            claim_results, json.loads(Path(study.published).read_text()), study.published
+        )
+    lines += [
+        "",
+        "## Results",
+        "",
+        "| configuration | seeds ok | failed | not run | final reward | "
+        + " | ".join(f"final {label}" for _, label in FINAL)
+        + " | best ID pass@1 | final exact KL | instability events | stability | kl/biased | audit |",
+        "|" + "---|" * (11 + len(FINAL)),
+    ]
     summary = {}
     for name, group in groups.items():
         records = group.records
         row = {
-            "seeds_ok": len(records), "failed": [run.name for run in group.failed], "not_run": list(group.not_run),
+            "seeds_ok": len(records),
+            "failed": [run.name for run in group.failed],
+            "not_run": list(group.not_run),
             "final_reward": _mean(_final(r, "reward/mean") for r in records),
             **{key: _mean(_final(r, key) for r in records) for key, _ in FINAL},
             "best_id_pass1": _mean(_best(r, "eval/id/pass@1") for r in records),
@@ -284,15 +341,18 @@ def write_report(study: StudyConfig, runs: list[RunSpec], status: dict) -> dict:
             "audit": audit_verdict(configs[name]),
         }
         row["collapsed_seeds"] = sum(run.collapsed for run in group.finished)
-        row["stability"] = stability(row["seeds_ok"], len(row["failed"]), row["instability_events"],
-                                     row["collapsed_seeds"])
+        row["stability"] = stability(
+            row["seeds_ok"], len(row["failed"]), row["instability_events"], row["collapsed_seeds"]
+        )
         biased = {None: "n/a", True: "1", False: "0"}[row["kl_biased"]]
         summary[name] = row
-        lines.append(f"| {name} | {row['seeds_ok']} | {len(row['failed'])} | {len(row['not_run'])} | "
-                     f"{_fmt(row['final_reward'])} | "
-                     + " | ".join(_fmt(row[key]) for key, _ in FINAL)
-                     + f" | {_fmt(row['best_id_pass1'])} | {_fmt(row['final_exact_kl'])} | "
-                       f"{row['instability_events']} | {row['stability']} | {biased} | {row['audit']} |")
+        lines.append(
+            f"| {name} | {row['seeds_ok']} | {len(row['failed'])} | {len(row['not_run'])} | "
+            f"{_fmt(row['final_reward'])} | "
+            + " | ".join(_fmt(row[key]) for key, _ in FINAL)
+            + f" | {_fmt(row['best_id_pass1'])} | {_fmt(row['final_exact_kl'])} | "
+            f"{row['instability_events']} | {row['stability']} | {biased} | {row['audit']} |"
+        )
     lines += ["", "## Figures", ""] + [f"![{Path(f).stem}](figures/{Path(f).name})" for f in figures]
     failures = [run for group in groups.values() for run in group.failed]
     lines += ["", "## Failed runs", ""]
@@ -300,16 +360,36 @@ def write_report(study: StudyConfig, runs: list[RunSpec], status: dict) -> dict:
         lines.append("None.")
     for run in failures:
         entry = run.entry
-        lines += [f"### {run.name}", "", f"state: {entry.get('state')}, exit code {entry.get('returncode')}, "
-                  f"log `{entry.get('log')}`", "", "```", entry.get("error_tail", ""), "```", ""]
-    lines += ["", "## Raw metrics", "", "Each run's `metrics.jsonl` is under `runs/<configuration>-seed<seed>/`; "
-              "`results.json` holds this table; `status.json` each run's state."]
+        lines += [
+            f"### {run.name}",
+            "",
+            f"state: {entry.get('state')}, exit code {entry.get('returncode')}, log `{entry.get('log')}`",
+            "",
+            "```",
+            entry.get("error_tail", ""),
+            "```",
+            "",
+        ]
+    lines += [
+        "",
+        "## Raw metrics",
+        "",
+        "Each run's `metrics.jsonl` is under `runs/<configuration>-seed<seed>/`; "
+        "`results.json` holds this table; `status.json` each run's state.",
+    ]
     (out / "report.md").write_text("\n".join(lines) + "\n")
-    claims_json = [{"claim": c.claim, "comparison": c.comparison, "verdict": c.verdict, "note": c.note,
-                    "statistics": c.statistics} for c in claim_results]
+    claims_json = [
+        {"claim": c.claim, "comparison": c.comparison, "verdict": c.verdict, "note": c.note, "statistics": c.statistics}
+        for c in claim_results
+    ]
     (out / "results.json").write_text(json.dumps(summary, indent=2))
     if reach is not None:  # seeds as JSON object keys become strings
         (out / "reach.json").write_text(json.dumps(reach, indent=2))
     (out / "claims.json").write_text(json.dumps(claims_json, indent=2))
-    return {"report": str(out / "report.md"), "figures": figures, "results": summary, "claims": claims_json,
-            "reach": reach}
+    return {
+        "report": str(out / "report.md"),
+        "figures": figures,
+        "results": summary,
+        "claims": claims_json,
+        "reach": reach,
+    }

@@ -44,8 +44,10 @@ class StudyStopped(Exception):
 
     def __init__(self, signal_name: str, done: int, total: int):
         self.exit_code = 130 if signal_name == "SIGINT" else 75
-        super().__init__(f"stopped by {signal_name} with {done} of {total} runs done; run the same command again to "
-                         f"continue (the interrupted run resumes from its last checkpoint) (exit code {self.exit_code})")
+        super().__init__(
+            f"stopped by {signal_name} with {done} of {total} runs done; run the same command again to "
+            f"continue (the interrupted run resumes from its last checkpoint) (exit code {self.exit_code})"
+        )
 
 
 def _tail(path: Path, lines: int = 15) -> str:
@@ -79,8 +81,10 @@ def read_status(output_dir) -> dict:
     try:
         status = json.loads(path.read_text())
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ConfigError(f"{path} is damaged ({err}): move it aside to run every run's state again "
-                          "(finished runs keep their summary.json and are not retrained)") from None
+        raise ConfigError(
+            f"{path} is damaged ({err}): move it aside to run every run's state again "
+            "(finished runs keep their summary.json and are not retrained)"
+        ) from None
     if not isinstance(status, dict) or not all(isinstance(v, dict) for v in status.values()):
         raise ConfigError(f"{path} is damaged: it must map run names to their states; move it aside")
     return status
@@ -106,8 +110,10 @@ class _Forwarder:
     def _handle(self, signum, frame) -> None:
         if self.received is None:
             self.received = signal.Signals(signum).name
-            log.warning("received %s: the running trainer saves its finished steps and stops, then the study stops",
-                        self.received)
+            log.warning(
+                "received %s: the running trainer saves its finished steps and stops, then the study stops",
+                self.received,
+            )
         if self.child is not None and self.child.poll() is None:
             self.child.send_signal(signum)
 
@@ -122,8 +128,10 @@ def _wait_for_run_lock(run_dir: Path, forwarder: _Forwarder) -> None:
     deadline, said = time.monotonic() + LOCK_WAIT_S, False
     while (who := holder(run_dir)) is not None:
         if forwarder.received or time.monotonic() > deadline:
-            raise ConfigError(f"{run_dir} is still in use by {who} after {LOCK_WAIT_S:g} s: stop that trainer (it "
-                              "is not this study's), then run the study again")
+            raise ConfigError(
+                f"{run_dir} is still in use by {who} after {LOCK_WAIT_S:g} s: stop that trainer (it "
+                "is not this study's), then run the study again"
+            )
         if not said:
             log.info("waiting for %s to release %s (a trainer of an earlier study saving its steps)", who, run_dir)
             said = True
@@ -131,14 +139,23 @@ def _wait_for_run_lock(run_dir: Path, forwarder: _Forwarder) -> None:
 
 
 def _run_one(study: StudyConfig, spec: RunSpec, log_file: Path, forwarder: _Forwarder, timeout_s: float) -> int:
-    cmd = [sys.executable, "-m", "megatron_kl.cli", "train", "--config", study.base, *spec.overrides,
-           "logging.progress=false"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "megatron_kl.cli",
+        "train",
+        "--config",
+        study.base,
+        *spec.overrides,
+        "logging.progress=false",
+    ]
     parent = os.getpid()
     with open(log_file, "a") as handle:  # an earlier attempt's lines are kept above this one's
         handle.write(f"\n==== start {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}\n")
         handle.flush()
-        child = subprocess.Popen(cmd, stdout=handle, stderr=subprocess.STDOUT,
-                                 preexec_fn=lambda: die_with_parent(parent, signal.SIGTERM))
+        child = subprocess.Popen(
+            cmd, stdout=handle, stderr=subprocess.STDOUT, preexec_fn=lambda: die_with_parent(parent, signal.SIGTERM)
+        )
         forwarder.child = child
         try:
             return child.wait(timeout=timeout_s)
@@ -160,8 +177,9 @@ def run_study(study: StudyConfig, runs: list[RunSpec], timeout_s: float = 6 * 36
 
     out = Path(study.output_dir)
     (out / "logs").mkdir(parents=True, exist_ok=True)
-    lock = RunLock(out, "one study runs in a study's output_dir at a time; wait for it to end, or give another "
-                        "output_dir")
+    lock = RunLock(
+        out, "one study runs in a study's output_dir at a time; wait for it to end, or give another output_dir"
+    )
     forwarder = _Forwarder()
     try:
         status_file = out / "status.json"
@@ -177,16 +195,27 @@ def run_study(study: StudyConfig, runs: list[RunSpec], timeout_s: float = 6 * 36
             log.info("[%d/%d] %s", index + 1, len(runs), spec.name)
             start = time.perf_counter()
             code = _run_one(study, spec, log_file, forwarder, timeout_s)
-            entry = {"configuration": spec.configuration, "seed": spec.seed, "output_dir": str(spec.output_dir),
-                     "returncode": code, "seconds": round(time.perf_counter() - start, 1), "log": str(log_file)}
+            entry = {
+                "configuration": spec.configuration,
+                "seed": spec.seed,
+                "output_dir": str(spec.output_dir),
+                "returncode": code,
+                "seconds": round(time.perf_counter() - start, 1),
+                "log": str(log_file),
+            }
             if code == 0 and (spec.output_dir / "summary.json").is_file():
                 entry["state"] = OK
-                log.info("[%d/%d] %s: %s", index + 1, len(runs), spec.name,
-                         outcome_line(spec.output_dir, entry["seconds"]))
+                log.info(
+                    "[%d/%d] %s: %s", index + 1, len(runs), spec.name, outcome_line(spec.output_dir, entry["seconds"])
+                )
             elif forwarder.received:
                 entry["state"] = INTERRUPTED
-                log.warning("%s interrupted by %s (exit %s); it resumes when the study runs again", spec.name,
-                            forwarder.received, code)
+                log.warning(
+                    "%s interrupted by %s (exit %s); it resumes when the study runs again",
+                    spec.name,
+                    forwarder.received,
+                    code,
+                )
             else:
                 entry["state"] = FAILED
                 entry["error_tail"] = _tail(log_file)

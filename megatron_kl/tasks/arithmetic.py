@@ -45,16 +45,20 @@ def _validate(cfg: ArithmeticConfig) -> None:
     for prefix in ("", "ood_"):
         lo, hi = getattr(cfg, prefix + "min_digits"), getattr(cfg, prefix + "max_digits")
         if not 1 <= lo <= hi:
-            raise ConfigError(f"task.arithmetic.{prefix}min_digits={lo} / {prefix}max_digits={hi}: need 1 <= min <= max")
+            raise ConfigError(
+                f"task.arithmetic.{prefix}min_digits={lo} / {prefix}max_digits={hi}: need 1 <= min <= max"
+            )
         ops = getattr(cfg, prefix + "operators")
         if not ops or any(o not in _OPS for o in ops):
             raise ConfigError(f"task.arithmetic.{prefix}operators={ops!r}: use a non-empty subset of {''.join(_OPS)!r}")
     lo, hi = cfg.held_out_min_operand, _held_out_max(cfg)
     if cfg.held_out_min_operand or cfg.held_out_max_operand:
         if not 1 <= lo <= hi <= 10**cfg.max_digits - 1:
-            raise ConfigError(f"task.arithmetic.held_out_min_operand={lo} / held_out_max_operand="
-                              f"{cfg.held_out_max_operand}: need 1 <= min <= max <= {10**cfg.max_digits - 1} "
-                              f"(max_digits={cfg.max_digits}; max 0 = the largest), or both 0 (no held-out region)")
+            raise ConfigError(
+                f"task.arithmetic.held_out_min_operand={lo} / held_out_max_operand="
+                f"{cfg.held_out_max_operand}: need 1 <= min <= max <= {10**cfg.max_digits - 1} "
+                f"(max_digits={cfg.max_digits}; max 0 = the largest), or both 0 (no held-out region)"
+            )
 
 
 def _held_out_max(cfg: ArithmeticConfig) -> int:
@@ -76,8 +80,11 @@ class ArithmeticTask:
 
     def longest_prompt_tokens(self) -> int:
         """bos, two operands of the most digits any split draws, the operator and "=" (one character each)."""
-        digits = max(self.cfg.max_digits, self.cfg.ood_max_digits,
-                     len(str(_held_out_max(self.cfg))) if self.cfg.held_out_min_operand else 0)
+        digits = max(
+            self.cfg.max_digits,
+            self.cfg.ood_max_digits,
+            len(str(_held_out_max(self.cfg))) if self.cfg.held_out_min_operand else 0,
+        )
         return 1 + 2 * digits + 2
 
     def _operand(self, rng: random.Random, lo: int, hi: int) -> int:
@@ -104,7 +111,9 @@ class ArithmeticTask:
         if self.cfg.reverse_answer:
             answer = answer[::-1]
         text = f"{a}{op}{b}="
-        return Problem(prompt_ids=[self.tokenizer.bos_id] + self.tokenizer.encode(text), answer=answer, prompt_text=text)
+        return Problem(
+            prompt_ids=[self.tokenizer.bos_id] + self.tokenizer.encode(text), answer=answer, prompt_text=text
+        )
 
     def target_ids(self, problem: Problem) -> list[int]:
         """The reference completion (supervised warm start)."""

@@ -32,7 +32,6 @@ class TaskSpec:
 TASKS: Registry[TaskSpec] = Registry("task", TaskSpec, builtins="megatron_kl.tasks.registry")
 
 
-
 @dataclass(frozen=True)
 class Problem:
     """One prompt: its token ids, the reference answer ("" when the data has none), the prompt as the data gave it

@@ -39,8 +39,9 @@ class TaskContext:
 def printable_tokenizer() -> CharTokenizer:
     """``tokenizer: chars``: one token per printable ASCII character and newline, after ``<pad> <bos> <eos>`` (99
     ids): for tiny models trained from scratch on a CPU."""
-    return CharTokenizer("\n" + "".join(chr(c) for c in range(32, 127)),
-                         "the 'chars' tokenizer (printable ASCII and newline)")
+    return CharTokenizer(
+        "\n" + "".join(chr(c) for c in range(32, 127)), "the 'chars' tokenizer (printable ASCII and newline)"
+    )
 
 
 def dataset_rows(path: str) -> list:
@@ -58,8 +59,9 @@ def dataset_rows(path: str) -> list:
         return _hf_rows(source, split, path)
     files = sorted(p for p in source.rglob("*") if p.is_file() and p.name.endswith((".parquet", ".jsonl", ".jsonl.gz")))
     if not files:
-        raise ConfigError(f"{SECTION} directory {path} holds no parquet / jsonl file and is not a `datasets` directory "
-                          "(save_to_disk)")
+        raise ConfigError(
+            f"{SECTION} directory {path} holds no parquet / jsonl file and is not a `datasets` directory (save_to_disk)"
+        )
     return [row for f in files for row in read_rows(str(f), SECTION)]
 
 
@@ -67,13 +69,17 @@ def _hf_rows(directory: Path, split: Optional[str], path: str) -> list:
     try:
         import datasets
     except ImportError:
-        raise ConfigError(f"{SECTION}: {path} is a Hugging Face `datasets` directory; install the reader: "
-                          "pip install 'megatron-kl[data]' (or pip install datasets)") from None
+        raise ConfigError(
+            f"{SECTION}: {path} is a Hugging Face `datasets` directory; install the reader: "
+            "pip install 'megatron-kl[data]' (or pip install datasets)"
+        ) from None
     loaded = datasets.load_from_disk(str(directory))
     if isinstance(loaded, datasets.DatasetDict):
         if split is None or split not in loaded:
-            raise ConfigError(f"{SECTION}: {path} is a DatasetDict with splits {sorted(loaded)}; name one as "
-                              f"{directory}:<split>, e.g. {directory}:{sorted(loaded)[0]}")
+            raise ConfigError(
+                f"{SECTION}: {path} is a DatasetDict with splits {sorted(loaded)}; name one as "
+                f"{directory}:<split>, e.g. {directory}:{sorted(loaded)[0]}"
+            )
         loaded = loaded[split]
     return loaded.to_list()
 
@@ -83,8 +89,9 @@ class DatasetTask(FileSplits):
 
     def __init__(self, cfg: DatasetConfig, seed: int = 0, context: TaskContext = TaskContext(), tokenizer=None):
         if not cfg.train_files:
-            raise ConfigError(f"{SECTION}.train_files is empty: give at least one jsonl / parquet file or `datasets` "
-                              "directory")
+            raise ConfigError(
+                f"{SECTION}.train_files is empty: give at least one jsonl / parquet file or `datasets` directory"
+            )
         self.cfg, self.seed = cfg, seed
         self.hf_tokenizer = None
         if tokenizer is not None:
@@ -94,16 +101,20 @@ class DatasetTask(FileSplits):
         else:
             name = cfg.tokenizer or context.hf_checkpoint
             if not name:
-                raise ConfigError(f"{SECTION}.tokenizer is empty and there is no init.hf_checkpoint to take it from: "
-                                  "give an HF tokenizer path or name, or 'chars' for a character model")
+                raise ConfigError(
+                    f"{SECTION}.tokenizer is empty and there is no init.hf_checkpoint to take it from: "
+                    "give an HF tokenizer path or name, or 'chars' for a character model"
+                )
             from transformers import AutoTokenizer
 
             self.hf_tokenizer = AutoTokenizer.from_pretrained(name)
             self.tokenizer = _TokenizerView(self.hf_tokenizer)
         has_template = bool(getattr(self.hf_tokenizer, "chat_template", None))
         if cfg.chat_template == "on" and not has_template:
-            raise ConfigError(f"{SECTION}.chat_template=on but the tokenizer ({cfg.tokenizer or context.hf_checkpoint}) "
-                              "has no chat template: set it to auto or off")
+            raise ConfigError(
+                f"{SECTION}.chat_template=on but the tokenizer ({cfg.tokenizer or context.hf_checkpoint}) "
+                "has no chat template: set it to auto or off"
+            )
         self.use_template = has_template and cfg.chat_template != "off"
         self.limit = cfg.max_prompt_tokens or context.prompt_token_limit
         self.splits = {"train": self._load(cfg.train_files, require_answer=True)}
@@ -139,13 +150,17 @@ class DatasetTask(FileSplits):
         if not isinstance(row, dict):
             raise ConfigError(f"{where} is a {type(row).__name__}, not an object with columns")
         if cfg.prompt_column not in row:
-            raise ConfigError(f"{where} has no column {cfg.prompt_column!r} (columns: {sorted(row)}); set "
-                              f"{SECTION}.prompt_column to the prompt's column")
+            raise ConfigError(
+                f"{where} has no column {cfg.prompt_column!r} (columns: {sorted(row)}); set "
+                f"{SECTION}.prompt_column to the prompt's column"
+            )
         answer = ""
         if cfg.answer_column:
             if cfg.answer_column not in row or row[cfg.answer_column] is None:
-                raise ConfigError(f"{where} has no column {cfg.answer_column!r} (columns: {sorted(row)}); set "
-                                  f"{SECTION}.answer_column to the answer's column, or '' when the data has no answers")
+                raise ConfigError(
+                    f"{where} has no column {cfg.answer_column!r} (columns: {sorted(row)}); set "
+                    f"{SECTION}.answer_column to the answer's column, or '' when the data has no answers"
+                )
             try:
                 answer = _text(row[cfg.answer_column])
             except ValueError as err:
@@ -156,9 +171,11 @@ class DatasetTask(FileSplits):
         except ValueError as err:
             raise ConfigError(f"{where}: {err}") from None
         if self.limit is not None and len(ids) > self.limit:
-            raise ConfigError(f"{where}: the prompt has {len(ids)} tokens, more than the {self.limit} the model can "
-                              "take (its positions minus rollout.sampling.max_new_tokens, or task.dataset."
-                              "max_prompt_tokens): shorten or remove the row, or raise the model's positions")
+            raise ConfigError(
+                f"{where}: the prompt has {len(ids)} tokens, more than the {self.limit} the model can "
+                "take (its positions minus rollout.sampling.max_new_tokens, or task.dataset."
+                "max_prompt_tokens): shorten or remove the row, or raise the model's positions"
+            )
         fields = {k: v for k, v in row.items() if k not in (cfg.prompt_column, cfg.answer_column)}
         fields = json.loads(json.dumps(fields, default=str))  # plain JSON values: what a verifier service receives
         return Problem(prompt_ids=ids, answer=answer, prompt_text=text, fields=fields)
@@ -170,8 +187,10 @@ class DatasetTask(FileSplits):
             if not all(isinstance(m, dict) and isinstance(m.get("content"), str) and m.get("role") for m in prompt):
                 raise ValueError("the prompt is a list but not chat messages ({role, content} objects)")
             if not self.use_template:
-                raise ValueError("the prompt is chat messages but no chat template applies (task.dataset.chat_template "
-                                 "or a tokenizer without one); give the prompt as text")
+                raise ValueError(
+                    "the prompt is chat messages but no chat template applies (task.dataset.chat_template "
+                    "or a tokenizer without one); give the prompt as text"
+                )
             messages = [dict(m) for m in prompt]
             text = next((m["content"] for m in reversed(messages) if m["role"] == "user"), messages[-1]["content"])
             if cfg.instruction:
@@ -194,8 +213,10 @@ class DatasetTask(FileSplits):
     def target_ids(self, problem: Problem) -> list[int]:
         """The reference completion (the supervised warm start): the answer, then end of sequence."""
         if not problem.answer:
-            raise ConfigError(f"warm_start trains on the answers but {SECTION}.answer_column is empty: set "
-                              "warm_start.enabled=false or start from init.hf_checkpoint")
+            raise ConfigError(
+                f"warm_start trains on the answers but {SECTION}.answer_column is empty: set "
+                "warm_start.enabled=false or start from init.hf_checkpoint"
+            )
         return self.tokenizer.encode(problem.answer) + [self.tokenizer.eos_id]
 
     def score(self, problem: Problem, response_ids: list[int]) -> float:

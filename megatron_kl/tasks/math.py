@@ -93,21 +93,27 @@ def read_rows(path: str, section: str = "task.math") -> list:
         try:
             return pq.read_table(p).to_pylist()
         except Exception as err:  # noqa: BLE001 - pyarrow's errors for damaged files are of many kinds
-            raise ConfigError(f"{section} file {path} is not a readable parquet file ({type(err).__name__}: "
-                              f"{str(err)[:200]}); re-export it") from None
+            raise ConfigError(
+                f"{section} file {path} is not a readable parquet file ({type(err).__name__}: "
+                f"{str(err)[:200]}); re-export it"
+            ) from None
     data = p.read_bytes()
     if data[:2] == b"\x1f\x8b":  # gzip, whatever the name
         try:
             data = gzip.decompress(data)
         except (EOFError, OSError, zlib.error) as err:
-            raise ConfigError(f"{section} file {path} is a damaged gzip file ({type(err).__name__}: {err or 'cut short'}"
-                              "); compress it again or give the uncompressed .jsonl") from None
+            raise ConfigError(
+                f"{section} file {path} is a damaged gzip file ({type(err).__name__}: {err or 'cut short'}"
+                "); compress it again or give the uncompressed .jsonl"
+            ) from None
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as err:
         line = data[: err.start].count(b"\n") + 1
-        raise ConfigError(f"{section} file {path} is not UTF-8 text (line {line}, byte {err.start}: {err.reason}); "
-                          "convert it to UTF-8 jsonl or parquet") from None
+        raise ConfigError(
+            f"{section} file {path} is not UTF-8 text (line {line}, byte {err.start}: {err.reason}); "
+            "convert it to UTF-8 jsonl or parquet"
+        ) from None
     rows = []
     for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
@@ -159,22 +165,33 @@ def check_overlap(splits: dict, groups: dict[str, list[str]], mode: str, section
     counts = ", ".join(f"{k}: {n} of {len(splits[k])}" for k, n in overlap.items())
     files = section + ".train_files"
     if mode == "refuse":
-        raise ConfigError(f"{section}: evaluation questions also in {files} ({counts}): their scores "
-                          "would include trained-on questions. Remove them from the files, or set "
-                          f"{section}.eval_overlap=drop (leave them out of the scores) or report (keep them)")
+        raise ConfigError(
+            f"{section}: evaluation questions also in {files} ({counts}): their scores "
+            "would include trained-on questions. Remove them from the files, or set "
+            f"{section}.eval_overlap=drop (leave them out of the scores) or report (keep them)"
+        )
     if mode == "drop":
         for key in list(splits):
             if key != "train":
                 splits[key] = [p for p in splits[key] if normalized_question(p.prompt_text) not in trained]
-        log.warning("%s: left %s evaluation question(s) also in the training files out of the scores (%s)",
-                    section, sum(overlap.values()), counts)
+        log.warning(
+            "%s: left %s evaluation question(s) also in the training files out of the scores (%s)",
+            section,
+            sum(overlap.values()),
+            counts,
+        )
         emptied = [k for k in overlap if not splits[k]]
         if emptied:
-            raise ConfigError(f"{section}.eval_overlap=drop leaves no question in {emptied}: every one of them is "
-                              f"in {files}")
+            raise ConfigError(
+                f"{section}.eval_overlap=drop leaves no question in {emptied}: every one of them is in {files}"
+            )
     else:
-        log.warning("%s: evaluation questions also in the training files are scored (%s; "
-                    "%s.eval_overlap=report)", section, counts, section)
+        log.warning(
+            "%s: evaluation questions also in the training files are scored (%s; %s.eval_overlap=report)",
+            section,
+            counts,
+            section,
+        )
     return overlap
 
 
@@ -288,8 +305,7 @@ class MathTask(FileSplits):
                 problems.append(Problem(prompt_ids=ids, answer=answer, prompt_text=question))
             if bad:
                 self.skipped.update({path: sum(bad.values())})
-                log.warning("%s: skipped %d row(s) %s; first: %s", path, sum(bad.values()), dict(bad),
-                            first_error)
+                log.warning("%s: skipped %d row(s) %s; first: %s", path, sum(bad.values()), dict(bad), first_error)
         return problems
 
     def score(self, problem: Problem, response_ids: list[int]) -> float:

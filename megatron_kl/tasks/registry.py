@@ -11,12 +11,22 @@ from megatron_kl.tasks.dataset import DatasetTask, TaskContext
 from megatron_kl.tasks.math import MathTask
 
 for _spec in (
-        TaskSpec("arithmetic", lambda c, ctx, o: ArithmeticTask(c.arithmetic, seed=c.seed, eval_size=c.eval_size),
-                 "integer arithmetic generated from a seed (task.arithmetic)"),
-        TaskSpec("math", lambda c, ctx, o: MathTask(c.math, seed=c.seed),
-                 "math word problems from JSONL files, answers checked by math-verify (task.math)"),
-        TaskSpec("dataset", lambda c, ctx, o: DatasetTask(c.dataset, seed=c.seed, context=ctx),
-                 "your own JSONL / Parquet / HF dataset with your reward functions (task.dataset)")):
+    TaskSpec(
+        "arithmetic",
+        lambda c, ctx, o: ArithmeticTask(c.arithmetic, seed=c.seed, eval_size=c.eval_size),
+        "integer arithmetic generated from a seed (task.arithmetic)",
+    ),
+    TaskSpec(
+        "math",
+        lambda c, ctx, o: MathTask(c.math, seed=c.seed),
+        "math word problems from JSONL files, answers checked by math-verify (task.math)",
+    ),
+    TaskSpec(
+        "dataset",
+        lambda c, ctx, o: DatasetTask(c.dataset, seed=c.seed, context=ctx),
+        "your own JSONL / Parquet / HF dataset with your reward functions (task.dataset)",
+    ),
+):
     TASKS.register(_spec)
 
 
@@ -24,7 +34,9 @@ def build_task(config: TaskConfig, context: TaskContext = TaskContext()) -> Task
     spec = TASKS.get(config.name, "task.name")
     if spec.options is None:
         if config.options:
-            raise ConfigError(f"task.options={dict(config.options)!r}: task.name={config.name} takes its settings from "
-                              f"task.{config.name}, not task.options; remove task.options")
+            raise ConfigError(
+                f"task.options={dict(config.options)!r}: task.name={config.name} takes its settings from "
+                f"task.{config.name}, not task.options; remove task.options"
+            )
         return spec.build(config, context, None)
     return spec.build(config, context, from_dict(spec.options, dict(config.options), prefix="task.options."))

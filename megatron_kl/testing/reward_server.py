@@ -34,15 +34,24 @@ FAULTS = ("500", "slow", "malformed", "count", "drop", "nan")
 
 def score(sample: dict) -> dict:
     response = str(sample.get("response", ""))
-    return {"reward": float(response.strip() == str(sample.get("answer", "")).strip()),
-            "metrics": {"length": float(len(response))}}
+    return {
+        "reward": float(response.strip() == str(sample.get("answer", "")).strip()),
+        "metrics": {"length": float(len(response))},
+    }
 
 
 class RewardServer:
     """The service on ``127.0.0.1:<port>`` in a background thread; ``faults``: ``{"500": N, "slow": N, ...}``."""
 
-    def __init__(self, port: int = 0, token: Optional[str] = None, faults: Optional[dict] = None,
-                 delay_s: float = 2.0, first: Optional[int] = None, after: int = 0):
+    def __init__(
+        self,
+        port: int = 0,
+        token: Optional[str] = None,
+        faults: Optional[dict] = None,
+        delay_s: float = 2.0,
+        first: Optional[int] = None,
+        after: int = 0,
+    ):
         unknown = set(faults or {}) - set(FAULTS)
         if unknown:
             raise ValueError(f"unknown faults {sorted(unknown)}; use {FAULTS}")
@@ -135,13 +144,18 @@ def _handler(server: RewardServer):
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m megatron_kl.testing.reward_server", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m megatron_kl.testing.reward_server",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8100, help="port to listen on")
     p.add_argument("--token-env", default="", help="require this environment variable's value as the bearer token")
     for kind in FAULTS:
-        p.add_argument(f"--fault-{kind}-every", type=int, default=0, metavar="N", help=f"inject '{kind}' every N-th request")
+        p.add_argument(
+            f"--fault-{kind}-every", type=int, default=0, metavar="N", help=f"inject '{kind}' every N-th request"
+        )
     p.add_argument("--fault-delay-s", type=float, default=2.0, help="the sleep of a 'slow' request")
     p.add_argument("--fault-first", type=int, default=None, metavar="N", help="faults only in the first N requests")
     p.add_argument("--fault-after", type=int, default=0, metavar="N", help="faults only after the N-th request")

@@ -74,66 +74,19 @@ from pathlib import Path
 import torch
 
 from megatron_kl.models.routing_replay import replayed
-
-CORRUPTIONS = ("nan", "inf", "positive", "oov", "negative", "too_long", "empty")
-SCORE_CORRUPTIONS = ("missing", "nan", "short", "token", "unsorted")
-
-
-def corrupt_scores(meta: dict, kind: str) -> None:
-    """A scoring answer's ``meta`` with one impossible value of the given kind (its last entry altered)."""
-    entries, tops = meta["input_token_logprobs"], meta.get("input_top_logprobs")
-    if kind == "missing":
-        meta.pop("input_token_logprobs")
-    elif kind == "nan":
-        entries[-1][0] = float("nan")
-    elif kind == "short":
-        entries.pop()
-    elif kind == "token":
-        entries[-1][1] += 1
-    elif kind == "unsorted" and tops and tops[-1] and len(tops[-1]) > 1:
-        tops[-1][0], tops[-1][-1] = tops[-1][-1], tops[-1][0]
-
-
-def corrupt(response: dict, kind: str, vocab_size: int) -> dict:
-    """``response`` (a /generate answer) with one impossible value of the given kind."""
-    meta = response["meta_info"]
-    entries = meta.get("output_token_logprobs") or [[-1.0, 1, None]]
-    if kind in ("nan", "inf", "positive"):
-        entries[0][0] = {"nan": float("nan"), "inf": float("inf"), "positive": 0.5}[kind]
-    elif kind in ("oov", "negative"):
-        entries[0][1] = vocab_size + 3 if kind == "oov" else -1
-    elif kind == "too_long":
-        entries = entries + [list(entries[-1]) for _ in range(1000)]
-    elif kind == "empty":
-        entries = []
-        response.pop("output_ids", None)
-    meta["output_token_logprobs"] = entries
-    if "output_ids" in response:
-        response["output_ids"] = [e[1] for e in entries]
-    return response
+from megatron_kl.testing.corruptions import (
+    CORRUPTIONS,
+    ROUTING_CORRUPTIONS,
+    SCORE_CORRUPTIONS,
+    corrupt,
+    corrupt_routing,
+    corrupt_scores,
+)
 
 
 def encode_routed_experts(ids: torch.Tensor) -> str:
     """SGLang's wire format of a routing: base64 of the int32 ids, token-major, then layer, then top-k slot."""
     return base64.b64encode(ids.to(torch.int32).numpy().astype("<i4").tobytes()).decode("ascii")
-
-
-ROUTING_CORRUPTIONS = ("short", "out_of_range", "repeated")
-
-
-def corrupt_routing(meta: dict, kind: str, num_experts: int) -> None:
-    """``meta_info.routed_experts`` with one impossible value: a position fewer, an expert id past the experts, or
-    the same expert twice in one token's top-k."""
-    import numpy as np
-
-    raw = np.frombuffer(base64.b64decode(meta["routed_experts"]), dtype="<i4").copy()
-    if kind == "short":
-        raw = raw[: max(0, raw.size - raw.size // max(1, meta["prompt_tokens"] + meta["completion_tokens"] - 1))]
-    elif kind == "out_of_range":
-        raw[0] = num_experts
-    elif kind == "repeated" and raw.size > 1:
-        raw[1] = raw[0]
-    meta["routed_experts"] = base64.b64encode(raw.astype("<i4").tobytes()).decode("ascii")
 
 
 class _DictCheckpoint:
@@ -223,11 +176,13 @@ class EmbeddedServer:
         params = body.get("sampling_params") or {}
         if int(params.get("max_new_tokens", 128)) == 0:
             return self.score(body, ids)
-        sampling = SamplingConfig(temperature=float(params.get("temperature", 1.0)),
-                                  top_p=float(params.get("top_p", 1.0)),
-                                  top_k=max(0, int(params.get("top_k", -1))),
-                                  max_new_tokens=int(params.get("max_new_tokens", 128)),
-                                  stop_token_ids=[] if long else list(params.get("stop_token_ids") or []))
+        sampling = SamplingConfig(
+            temperature=float(params.get("temperature", 1.0)),
+            top_p=float(params.get("top_p", 1.0)),
+            top_k=max(0, int(params.get("top_k", -1))),
+            max_new_tokens=int(params.get("max_new_tokens", 128)),
+            stop_token_ids=[] if long else list(params.get("stop_token_ids") or []),
+        )
         seed = params.get("sampling_seed")
         epoch = self.abort_epoch
         with self.model_lock:  # one forward at a time: megatron's MoE layers keep per-call state on the module
@@ -259,10 +214,17 @@ class EmbeddedServer:
             if top_num:
                 values, index = row.topk(min(top_num, row.shape[-1]))
                 tops.append([[v, i, None] for v, i in zip(values.tolist(), index.tolist())])
-        meta = {"id": uuid.uuid4().hex, "finish_reason": {"type": "length", "length": 0}, "prompt_tokens": len(ids),
-                "completion_tokens": 0, "cached_tokens": 0, "weight_version": self.weight_version,
-                "input_token_logprobs": entries, "input_top_logprobs": tops if top_num else None,
-                "output_token_logprobs": []}
+        meta = {
+            "id": uuid.uuid4().hex,
+            "finish_reason": {"type": "length", "length": 0},
+            "prompt_tokens": len(ids),
+            "completion_tokens": 0,
+            "cached_tokens": 0,
+            "weight_version": self.weight_version,
+            "input_token_logprobs": entries,
+            "input_top_logprobs": tops if top_num else None,
+            "output_token_logprobs": [],
+        }
         return {"output_ids": [], "meta_info": meta}
 
     def _stream(self, tokens: int, epoch: int) -> int:
@@ -279,10 +241,15 @@ class EmbeddedServer:
 
     def _generate_one(self, body: dict, ids, sampling, completion, kept: int) -> dict:
         if kept < len(completion.response_ids):  # cut by /pause_generation: SGLang's aborted answer
-            completion = dataclasses.replace(completion, response_ids=completion.response_ids[:kept],
-                                             response_logprobs=completion.response_logprobs[:kept],
-                                             finish_reason="abort", routed_experts=None if completion.routed_experts
-                                             is None else completion.routed_experts[: len(ids) + kept - 1])
+            completion = dataclasses.replace(
+                completion,
+                response_ids=completion.response_ids[:kept],
+                response_logprobs=completion.response_logprobs[:kept],
+                finish_reason="abort",
+                routed_experts=None
+                if completion.routed_experts is None
+                else completion.routed_experts[: len(ids) + kept - 1],
+            )
         if completion.finish_reason == "abort":
             finish = {"type": "abort", "message": "Abort before the request finished (pause_generation)"}
         elif completion.finish_reason == "stop":
@@ -291,8 +258,13 @@ class EmbeddedServer:
             finish = {"type": "length", "length": len(completion.response_ids)}
         logprobs = top = None
         if body.get("return_logprob"):  # as SGLang's sampler: log softmax(z / T) of the full distribution
-            logprobs, top = self._tempered_logprobs(ids, completion.response_ids, sampling.logprob_temperature,
-                                                    int(body.get("top_logprobs_num") or 0), completion.routed_experts)
+            logprobs, top = self._tempered_logprobs(
+                ids,
+                completion.response_ids,
+                sampling.logprob_temperature,
+                int(body.get("top_logprobs_num") or 0),
+                completion.routed_experts,
+            )
         response = self._response(ids, completion.response_ids, logprobs, finish, top)
         if body.get("return_routed_experts"):
             if not self.args.enable_return_routed_experts:
@@ -315,7 +287,7 @@ class EmbeddedServer:
         if routing is not None:  # [P + R - 1, L, k] -> [1, P + R, L, k], the last position unrouted
             routing = torch.nn.functional.pad(routing, (0, 0, 0, 0, 0, 1), value=-1)[None]
         with replayed(self.engine.model, routing) if routing is not None else nullcontext():
-            logits = self.engine.model(tokens, positions, None)[0, len(prompt) - 1: -1, : self.vocab_size].float()
+            logits = self.engine.model(tokens, positions, None)[0, len(prompt) - 1 : -1, : self.vocab_size].float()
         logp = torch.log_softmax(logits / temperature, -1)
         chosen = logp.gather(-1, torch.as_tensor(response, device=logp.device)[:, None])[:, 0].tolist()
         if not top_num:
@@ -325,8 +297,14 @@ class EmbeddedServer:
         return chosen, top
 
     def _response(self, ids, output_ids, logprobs, finish, top=None) -> dict:
-        meta = {"id": uuid.uuid4().hex, "finish_reason": finish, "prompt_tokens": len(ids),
-                "completion_tokens": len(output_ids), "cached_tokens": 0, "weight_version": self.weight_version}
+        meta = {
+            "id": uuid.uuid4().hex,
+            "finish_reason": finish,
+            "prompt_tokens": len(ids),
+            "completion_tokens": len(output_ids),
+            "cached_tokens": 0,
+            "weight_version": self.weight_version,
+        }
         if logprobs is not None:
             meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(logprobs, output_ids)]
         if top is not None:
@@ -353,8 +331,10 @@ class EmbeddedServer:
         load_format = body.get("load_format")
         if load_format:  # SGLang: a dotted path registered with --custom-weight-loader, called (model, named)
             if load_format not in (self.args.custom_weight_loader or []):
-                return {"success": False, "message": f"Unknown load_format={load_format} (not in "
-                                                     "--custom-weight-loader)"}
+                return {
+                    "success": False,
+                    "message": f"Unknown load_format={load_format} (not in --custom-weight-loader)",
+                }
 
             self.loader_calls += 1
             if self.loader_calls == self.args.fault_delta_at:
@@ -375,8 +355,14 @@ class EmbeddedServer:
     def init_weights_update_group(self, body: dict) -> dict:
         from megatron_kl.rollout.sglang_sync import new_external_group
 
-        group = new_external_group(body.get("backend", "nccl"), body["master_address"], int(body["master_port"]),
-                                   int(body["world_size"]), int(body["rank_offset"]), body.get("group_name", "g"))
+        group = new_external_group(
+            body.get("backend", "nccl"),
+            body["master_address"],
+            int(body["master_port"]),
+            int(body["world_size"]),
+            int(body["rank_offset"]),
+            body.get("group_name", "g"),
+        )
         self.groups[body.get("group_name", "weight_update_group")] = group
         return {"success": True, "message": "Succeeded to initialize custom process group."}
 
@@ -428,8 +414,15 @@ def _handler(server: EmbeddedServer, args):
             elif self.path == "/get_weight_version":
                 self._send(200, {"weight_version": server.weight_version})
             elif self.path == "/get_server_info":
-                self._send(200, {"model_path": args.model_path, "tp_size": args.tp_size, "version": "test-0.5",
-                                 "quantization": args.quantization})
+                self._send(
+                    200,
+                    {
+                        "model_path": args.model_path,
+                        "tp_size": args.tp_size,
+                        "version": "test-0.5",
+                        "quantization": args.quantization,
+                    },
+                )
             else:
                 self._send(404, {"error": f"no route {self.path}"})
 
@@ -450,8 +443,12 @@ def _handler(server: EmbeddedServer, args):
                     if self._fault():
                         return
                     self._send(200, self._bad(server.generate(body, long=self._long(body))))
-                elif self.path in ("/update_weights_from_disk", "/update_weights_from_tensor",
-                                   "/init_weights_update_group", "/update_weights_from_distributed"):
+                elif self.path in (
+                    "/update_weights_from_disk",
+                    "/update_weights_from_tensor",
+                    "/init_weights_update_group",
+                    "/update_weights_from_distributed",
+                ):
                     if self.path.startswith("/update_weights") and args.fault_exit_on_update:
                         server.updates += 1
                         if server.updates == args.fault_exit_on_update and not Path(args.fault_marker).exists():
@@ -463,8 +460,12 @@ def _handler(server: EmbeddedServer, args):
                     self._send(200, {"success": True})
                 elif self.path in ("/pause_generation", "/continue_generation") and args.no_pause_routes:
                     self._send(404, {"error": f"no route {self.path}"})
-                elif self.path in ("/pause_generation", "/continue_generation", "/release_memory_occupation",
-                                   "/resume_memory_occupation"):
+                elif self.path in (
+                    "/pause_generation",
+                    "/continue_generation",
+                    "/release_memory_occupation",
+                    "/resume_memory_occupation",
+                ):
                     self._send(200, server.control(self.path, body))
                 else:
                     self._send(404, {"error": f"no route {self.path}"})
@@ -509,7 +510,9 @@ def _handler(server: EmbeddedServer, args):
                 self._score_fault = SCORE_CORRUPTIONS[(n // args.fault_scores_every - 1) % len(SCORE_CORRUPTIONS)]
             self._routing_fault = None
             if args.fault_routing_every and n % args.fault_routing_every == 0:
-                self._routing_fault = ROUTING_CORRUPTIONS[(n // args.fault_routing_every - 1) % len(ROUTING_CORRUPTIONS)]
+                self._routing_fault = ROUTING_CORRUPTIONS[
+                    (n // args.fault_routing_every - 1) % len(ROUTING_CORRUPTIONS)
+                ]
             return False
 
         def _bad(self, response):

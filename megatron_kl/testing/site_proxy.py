@@ -33,8 +33,14 @@ class SiteProxy:
 
     def environment(self) -> dict:
         """The environment of a process whose HTTP goes through this proxy, with no exceptions."""
-        return {"http_proxy": self.url, "HTTP_PROXY": self.url, "https_proxy": self.url, "HTTPS_PROXY": self.url,
-                "no_proxy": "", "NO_PROXY": ""}
+        return {
+            "http_proxy": self.url,
+            "HTTP_PROXY": self.url,
+            "https_proxy": self.url,
+            "HTTPS_PROXY": self.url,
+            "no_proxy": "",
+            "NO_PROXY": "",
+        }
 
     def close(self) -> None:
         self.httpd.shutdown()

@@ -14,8 +14,13 @@ import torch
 from megatron_kl.models.routing_replay import UNKNOWN
 
 
-def pack(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_id: int,
-         per_token: Optional[Sequence[Sequence[float]]] = None, length: Optional[int] = None):
+def pack(
+    prompts: Sequence[Sequence[int]],
+    responses: Sequence[Sequence[int]],
+    pad_id: int,
+    per_token: Optional[Sequence[Sequence[float]]] = None,
+    length: Optional[int] = None,
+):
     """Returns tokens [B, S] (long), loss_mask [B, S-1] (float) and, if given, per_token [B, S-1]."""
     if len(prompts) != len(responses):
         raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")

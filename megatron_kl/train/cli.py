@@ -50,12 +50,23 @@ def check(cfg) -> int:
 
         teacher = distill_verdict(cfg)
         print(f"# teacher: {describe_teacher(cfg)}")
-        print("# distillation term (to the teacher): " + (teacher.describe().replace("kl.target", "distill.kl.target")
-                                                          if teacher is not None else "none (distill.kl.coef=0)"))
+        print(
+            "# distillation term (to the teacher): "
+            + (
+                teacher.describe().replace("kl.target", "distill.kl.target")
+                if teacher is not None
+                else "none (distill.kl.coef=0)"
+            )
+        )
     plan, out = prepared.plan, cfg.train.output_dir
-    print("# start: " + {"fresh": f"a new run in {out} (an earlier run's files there would move to superseded-<time>/)",
-                         "resume": f"resume the run in {out} from step {plan.checkpoint_step}",
-                         "finished": f"nothing to do: the run in {out} finished at step {plan.checkpoint_step}"}[plan.kind])
+    print(
+        "# start: "
+        + {
+            "fresh": f"a new run in {out} (an earlier run's files there would move to superseded-<time>/)",
+            "resume": f"resume the run in {out} from step {plan.checkpoint_step}",
+            "finished": f"nothing to do: the run in {out} finished at step {plan.checkpoint_step}",
+        }[plan.kind]
+    )
     for note in prepared.notes:
         print(f"# note: {note}")
     print("# configuration OK")
@@ -65,9 +76,13 @@ def check(cfg) -> int:
 def parser() -> argparse.ArgumentParser:
     p = Parser(prog="megatron-kl train", description=__doc__)
     p.add_argument("--config", required=True, help="YAML config, e.g. configs/cpu/default.yaml")
-    p.add_argument("--check", action="store_true", help="validate the configuration, print it resolved with the KL "
-                   "verdict and what a start would do (fresh / resume / finished); exit 0, or 2 naming the field; "
-                   "nothing is written")
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="validate the configuration, print it resolved with the KL "
+        "verdict and what a start would do (fresh / resume / finished); exit 0, or 2 naming the field; "
+        "nothing is written",
+    )
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. kl.estimator=k3 train.steps=5")
     return p
 
@@ -134,20 +149,25 @@ def run(config_path: str, overrides: list[str], check_only: bool = False) -> int
         return REQUEUE_EXIT_CODE
     except (Cancelled, WarmStartStopped) as err:  # a stop signal while starting (the warm start, the servers)
         code = INTERRUPT_EXIT_CODE if "SIGINT" in str(err) else REQUEUE_EXIT_CODE
-        print(f"megatron-kl train: stopped while starting ({err}); nothing was trained; run the same command "
-              f"again to start (exit code {code})", file=sys.stderr)
+        print(
+            f"megatron-kl train: stopped while starting ({err}); nothing was trained; run the same command "
+            f"again to start (exit code {code})",
+            file=sys.stderr,
+        )
         return code
     finally:
         parallel.destroy()
     if int(os.environ.get("RANK", "0")) == 0:
         if summary.already_finished:
-            print(f"{summary.run_dir}: run {summary.run_name} already finished at step {summary.steps} with "
-                  "this configuration; nothing trained (raise train.steps to continue it). Its summary:")
+            print(
+                f"{summary.run_dir}: run {summary.run_name} already finished at step {summary.steps} with "
+                "this configuration; nothing trained (raise train.steps to continue it). Its summary:"
+            )
         else:
             logging.getLogger("megatron_kl.train").info(
-                "done: metrics %s, TensorBoard %s, plots %s", summary.metrics, summary.tensorboard, summary.plots)
+                "done: metrics %s, TensorBoard %s, plots %s", summary.metrics, summary.tensorboard, summary.plots
+            )
         for key in ("eval_before", "eval_after"):
             if getattr(summary, key):
-                print(f"{key}: " + ", ".join(f"{k}={v:.3f}" for k, v in getattr(summary, key).items()
-                                               if v is not None))
+                print(f"{key}: " + ", ".join(f"{k}={v:.3f}" for k, v in getattr(summary, key).items() if v is not None))
     return 0

@@ -71,8 +71,8 @@ class WarmStartConfig:
     steps: int = checked(200, ge=0)
     batch_size: int = checked(64, ge=1)
     lr: float = checked(3e-3, gt=0)
-    cache_dir: str = checked("runs/cache", resumable=True, path='writable')
-    checkpoint: Optional[str] = checked(None, path='file')  # a full-state .pt to start from instead of training one
+    cache_dir: str = checked("runs/cache", resumable=True, path="writable")
+    checkpoint: Optional[str] = checked(None, path="file")  # a full-state .pt to start from instead of training one
     # seed of the warm start's init and data order; null: train.seed. Fix it to share one starting model
     # (and reference) across the RL seeds of a study.
     seed: Optional[int] = checked(None, ge=0, le=SEED_MAX)
@@ -83,10 +83,15 @@ class WarmStartConfig:
 
     def __post_init__(self):
         if self.source == "shipped" and (not self.enabled or self.checkpoint):
-            other = ("warm_start.enabled=false skips the warm start" if not self.enabled else
-                     f"warm_start.checkpoint={self.checkpoint} starts from that file instead")
-            raise ConfigError(f"warm_start.source=shipped requires the package's warm start, but {other}: keep one "
-                              "(warm_start.source=auto leaves the choice to the other setting)")
+            other = (
+                "warm_start.enabled=false skips the warm start"
+                if not self.enabled
+                else f"warm_start.checkpoint={self.checkpoint} starts from that file instead"
+            )
+            raise ConfigError(
+                f"warm_start.source=shipped requires the package's warm start, but {other}: keep one "
+                "(warm_start.source=auto leaves the choice to the other setting)"
+            )
 
 
 @dataclass(frozen=True)
@@ -95,7 +100,7 @@ class InitConfig:
     safetensors) streamed into both models at train start; the model section must match its config.json
     (a mismatch is an error naming the fields) and the warm start is skipped. None: warm start / random."""
 
-    hf_checkpoint: Optional[str] = checked(None, path='dir')
+    hf_checkpoint: Optional[str] = checked(None, path="dir")
 
 
 @dataclass(frozen=True)
@@ -113,8 +118,12 @@ class LoopConfig:
     # auto: on a CPU-only process, glibc malloc keeps blocks < 32 MiB and up to 1 GiB of freed memory for reuse
     # instead of page-faulting them anew every step (run/host_malloc.py, measured); off: glibc's defaults
     host_malloc: str = checked("auto", resumable=True, choices=HOST_MALLOC_MODES)
-    staleness: int = checked(0, ge=0)  # async bound s: rollouts of step t come from weights of step t - s (0: on-policy)
-    max_consecutive_skips: int = checked(3, resumable=True, ge=0)  # optimizer steps with a NaN/inf gradient skipped in a row before the run stops
+    staleness: int = checked(
+        0, ge=0
+    )  # async bound s: rollouts of step t come from weights of step t - s (0: on-policy)
+    max_consecutive_skips: int = checked(
+        3, resumable=True, ge=0
+    )  # optimizer steps with a NaN/inf gradient skipped in a row before the run stops
     # metric-only reference work every N steps (1: every step, the default; the other metrics are identical
     # either way): without a term that uses the reference (kl.coef=0 with PPO) its whole forward (kl/*); with
     # a sampled KL estimator (k1/k2/k3, RPG) the exact full-vocabulary KL (kl/exact_*), which no term reads
@@ -122,11 +131,13 @@ class LoopConfig:
     seed: int = checked(1234, ge=0, le=SEED_MAX)  # numpy's generator takes seeds below 2^32
     # where the run writes; "{run_name}" is replaced by the run's name (estimator, placement, level, coefficient,
     # loss, staleness, seed), so a changed configuration lands in a directory of its own
-    output_dir: str = checked("runs/{run_name}", resumable=True, path='writable')
+    output_dir: str = checked("runs/{run_name}", resumable=True, path="writable")
     # signals that end the run with a checkpoint of the finished steps (a rollout in flight is cut off) and exit
     # code 75 (requeue + resume), 130 for SIGINT: SIGUSR1 is what the Slurm scripts request ahead of the time
     # limit, SIGTERM comes with preemption/scancel, SIGINT with Ctrl-C, SIGHUP with a closed terminal
-    stop_signals: list[str] = checked(resumable=True, default_factory=lambda: ["SIGTERM", "SIGUSR1", "SIGINT", "SIGHUP"])
+    stop_signals: list[str] = checked(
+        resumable=True, default_factory=lambda: ["SIGTERM", "SIGUSR1", "SIGINT", "SIGHUP"]
+    )
 
     def __post_init__(self):
         from megatron_kl.run.preemption import check_signal_names
@@ -136,9 +147,11 @@ class LoopConfig:
             object.__setattr__(self, "host_malloc", "off")
         check_declared(self, "train.")
         if self.micro_batch_tokens > 0 and self.micro_batches != 1:
-            raise ConfigError(f"train.micro_batch_tokens={self.micro_batch_tokens} and train.micro_batches="
-                              f"{self.micro_batches}: set one of them (the token budget decides the microbatches; "
-                              "leave train.micro_batches at 1)")
+            raise ConfigError(
+                f"train.micro_batch_tokens={self.micro_batch_tokens} and train.micro_batches="
+                f"{self.micro_batches}: set one of them (the token budget decides the microbatches; "
+                "leave train.micro_batches at 1)"
+            )
 
 
 @dataclass(frozen=True)
@@ -189,12 +202,16 @@ class LoggingConfig:
         if isinstance(self.profile_steps, int) and not isinstance(self.profile_steps, bool):
             object.__setattr__(self, "profile_steps", [self.profile_steps])  # logging.profile_steps=3: that step
         if not isinstance(self.profile_steps, (list, tuple)):
-            raise ConfigError(f"logging.profile_steps={self.profile_steps!r} must be a list of 0-based steps, "
-                              "e.g. logging.profile_steps=[2,10]")
+            raise ConfigError(
+                f"logging.profile_steps={self.profile_steps!r} must be a list of 0-based steps, "
+                "e.g. logging.profile_steps=[2,10]"
+            )
         bad = [s for s in self.profile_steps if not isinstance(s, int) or isinstance(s, bool) or s < 0]
         if bad:
-            raise ConfigError(f"logging.profile_steps={self.profile_steps}: {bad} not a step index; list 0-based "
-                              "steps (integers >= 0), e.g. logging.profile_steps=[2,10]")
+            raise ConfigError(
+                f"logging.profile_steps={self.profile_steps}: {bad} not a step index; list 0-based "
+                "steps (integers >= 0), e.g. logging.profile_steps=[2,10]"
+            )
 
 
 @dataclass(frozen=True)
@@ -218,8 +235,9 @@ class TrainConfig:
     # resolved at load (:func:`resolve`), never given: what kl.estimator=auto chose (the exact audit's verdict -
     # configuration, bias, variance - for kl.target in the run's regime; kl itself then holds the chosen axes)
     kl_selection: Optional[Verdict] = field(default=None, compare=False, metadata={DERIVED: True})
-    distill_selection: Optional[Verdict] = field(default=None, compare=False,
-                                                 metadata={DERIVED: True})  # distill.kl.estimator=auto
+    distill_selection: Optional[Verdict] = field(
+        default=None, compare=False, metadata={DERIVED: True}
+    )  # distill.kl.estimator=auto
 
     def __post_init__(self):
         _cross_field_rules(self)
@@ -287,20 +305,28 @@ def resolve(cfg: TrainConfig, fill_output_dir: bool = True) -> TrainConfig:
     if objective.estimator == AUTO and cfg.distill.enabled:
         objective, distill_selection = _select(objective, regime_of_term, correction, "distill.kl")
     length = cfg.algo.norm_length or cfg.rollout.sampling.max_new_tokens
-    rpg = cfg.algo.rpg if cfg.algo.rpg.norm_length is not None else dataclasses.replace(cfg.algo.rpg,
-                                                                                          norm_length=length)
+    rpg = (
+        cfg.algo.rpg if cfg.algo.rpg.norm_length is not None else dataclasses.replace(cfg.algo.rpg, norm_length=length)
+    )
     if kl.norm_length is None:
         kl = dataclasses.replace(kl, norm_length=length)
     if objective.norm_length is None and cfg.distill.enabled:  # off: the section stays as given (the run key)
         objective = dataclasses.replace(objective, norm_length=length)
-    out = dataclasses.replace(cfg, kl=kl, algo=dataclasses.replace(cfg.algo, norm_length=length, rpg=rpg),
-                              distill=dataclasses.replace(cfg.distill, kl=objective), kl_selection=kl_selection,
-                              distill_selection=distill_selection)
+    out = dataclasses.replace(
+        cfg,
+        kl=kl,
+        algo=dataclasses.replace(cfg.algo, norm_length=length, rpg=rpg),
+        distill=dataclasses.replace(cfg.distill, kl=objective),
+        kl_selection=kl_selection,
+        distill_selection=distill_selection,
+    )
     if not fill_output_dir:
         return out
     if "{run_name}" in out.train.output_dir:  # the run key of the resolved configuration
-        out = dataclasses.replace(out, train=dataclasses.replace(
-            out.train, output_dir=out.train.output_dir.replace("{run_name}", out.run_name)))
+        out = dataclasses.replace(
+            out,
+            train=dataclasses.replace(out.train, output_dir=out.train.output_dir.replace("{run_name}", out.run_name)),
+        )
     out._run_key  # noqa: B018 - the key of the configuration as loaded, kept by with_sections' copies
     return out
 
@@ -331,27 +357,40 @@ def _cross_field_rules(cfg: TrainConfig) -> None:
     """Rules between fields that need nothing but the config (checked at load, beside the per-field constraints)."""
     optim = cfg.optim
     if optim.lr_decay_style != "constant" and optim.decay_steps <= optim.warmup_steps:
-        raise ConfigError(f"optim.decay_steps={optim.decay_steps} with optim.lr_decay_style={optim.lr_decay_style} must "
-                          f"exceed optim.warmup_steps={optim.warmup_steps} (the decay runs from the end of the warmup "
-                          "to decay_steps); raise optim.decay_steps, e.g. to train.steps x algo.minibatches x "
-                          "algo.ppo_epochs")
+        raise ConfigError(
+            f"optim.decay_steps={optim.decay_steps} with optim.lr_decay_style={optim.lr_decay_style} must "
+            f"exceed optim.warmup_steps={optim.warmup_steps} (the decay runs from the end of the warmup "
+            "to decay_steps); raise optim.decay_steps, e.g. to train.steps x algo.minibatches x "
+            "algo.ppo_epochs"
+        )
     if optim.min_lr > optim.lr:
         raise ConfigError(f"optim.min_lr={optim.min_lr:g} must not exceed optim.lr={optim.lr:g}")
     if cfg.init.hf_checkpoint is not None and cfg.warm_start.source == "shipped":
-        raise ConfigError(f"warm_start.source=shipped with init.hf_checkpoint={cfg.init.hf_checkpoint}: a run that "
-                          "starts from an HF checkpoint has no warm start; drop one of the two")
+        raise ConfigError(
+            f"warm_start.source=shipped with init.hf_checkpoint={cfg.init.hf_checkpoint}: a run that "
+            "starts from an HF checkpoint has no warm start; drop one of the two"
+        )
     if cfg.init.hf_checkpoint is None:  # an HF checkpoint brings its own positions (checked when it is read)
         positions = cfg.model.max_position_embeddings
-        for name, tokens in (("rollout.sampling.max_new_tokens", cfg.rollout.sampling.max_new_tokens),
-                             ("eval.max_new_tokens", cfg.eval.max_new_tokens)):
+        for name, tokens in (
+            ("rollout.sampling.max_new_tokens", cfg.rollout.sampling.max_new_tokens),
+            ("eval.max_new_tokens", cfg.eval.max_new_tokens),
+        ):
             if tokens is not None and tokens >= positions:
-                raise ConfigError(f"{name}={tokens} leaves no position for the prompt: model.max_position_embeddings="
-                                  f"{positions} holds prompt + response; lower {name} or raise the positions")
-    if (any(f.name == "service" for f in cfg.reward.functions) and not cfg.reward.service.urls
-            and cfg.launch.reward_service.mode == "none"):
-        raise ConfigError("reward.functions names 'service' but reward.service.urls is empty: give the verifier's "
-                          "address, e.g. reward.service.urls=[http://verifier:8000] (or start it with the job: "
-                          "launch.reward_service.mode=heterogeneous)")
+                raise ConfigError(
+                    f"{name}={tokens} leaves no position for the prompt: model.max_position_embeddings="
+                    f"{positions} holds prompt + response; lower {name} or raise the positions"
+                )
+    if (
+        any(f.name == "service" for f in cfg.reward.functions)
+        and not cfg.reward.service.urls
+        and cfg.launch.reward_service.mode == "none"
+    ):
+        raise ConfigError(
+            "reward.functions names 'service' but reward.service.urls is empty: give the verifier's "
+            "address, e.g. reward.service.urls=[http://verifier:8000] (or start it with the job: "
+            "launch.reward_service.mode=heterogeneous)"
+        )
     check_distillation(cfg)
     if cfg.algo.mask_low >= cfg.algo.mask_high:
         raise ConfigError(f"algo.mask_low={cfg.algo.mask_low:g} must be below algo.mask_high={cfg.algo.mask_high:g}")
@@ -381,25 +420,40 @@ def kl_verdict(cfg: TrainConfig):
 
 
 def _check_kl_target(cfg: TrainConfig) -> None:
-    if cfg.kl.off_policy == "behavior" and cfg.kl.coef > 0 and (
-            cfg.algo.loss != "ppo" or cfg.algo.behavior_correction == "none"):
-        raise ConfigError("kl.off_policy=behavior weights the KL term with algo.behavior_correction's weights: set "
-                          "algo.behavior_correction (with algo.loss=ppo) or choose another kl.off_policy")
+    if (
+        cfg.kl.off_policy == "behavior"
+        and cfg.kl.coef > 0
+        and (cfg.algo.loss != "ppo" or cfg.algo.behavior_correction == "none")
+    ):
+        raise ConfigError(
+            "kl.off_policy=behavior weights the KL term with algo.behavior_correction's weights: set "
+            "algo.behavior_correction (with algo.loss=ppo) or choose another kl.off_policy"
+        )
     sampling = cfg.rollout.sampling
-    if (cfg.kl.target == "token_forward" and cfg.kl.coef > 0 and sampling.distribution == "truncated"
-            and sampling.truncates(cfg.model.vocab_size)):
-        raise ConfigError("kl.target=token_forward with top_k/top_p truncation: KL(pi_ref || mu) is infinite (the "
-                          "reference has mass outside the truncated policy's support; megatron-kl audit --top-k/--top-p);"
-                          " declare kl.target=token_reverse or sequence_reverse")
+    if (
+        cfg.kl.target == "token_forward"
+        and cfg.kl.coef > 0
+        and sampling.distribution == "truncated"
+        and sampling.truncates(cfg.model.vocab_size)
+    ):
+        raise ConfigError(
+            "kl.target=token_forward with top_k/top_p truncation: KL(pi_ref || mu) is infinite (the "
+            "reference has mass outside the truncated policy's support; megatron-kl audit --top-k/--top-p);"
+            " declare kl.target=token_reverse or sequence_reverse"
+        )
     if cfg.kl.strict and sampling.distribution == "full" and sampling.truncates(cfg.model.vocab_size):
-        raise ConfigError("kl.strict=true with rollout.sampling.distribution=full and top_k/top_p truncation: the "
-                          "samples come from the truncated distribution, the gradient is the full softmax's (biased); "
-                          "set rollout.sampling.distribution=truncated")
+        raise ConfigError(
+            "kl.strict=true with rollout.sampling.distribution=full and top_k/top_p truncation: the "
+            "samples come from the truncated distribution, the gradient is the full softmax's (biased); "
+            "set rollout.sampling.distribution=truncated"
+        )
     if cfg.kl.strict:
         verdict = kl_verdict(cfg)
         if verdict is not None and not verdict.unbiased:
-            raise ConfigError(f"kl.strict=true: {verdict.describe()} (exact audit, docs/kl-math.md). Set "
-                              "kl.estimator=auto to use an unbiased configuration, change kl.target, or kl.strict=false")
+            raise ConfigError(
+                f"kl.strict=true: {verdict.describe()} (exact audit, docs/kl-math.md). Set "
+                "kl.estimator=auto to use an unbiased configuration, change kl.target, or kl.strict=false"
+            )
 
 
 def validate_train_config(cfg: TrainConfig, tokenizer_vocab: int, data_parallel: int = 1) -> None:
@@ -407,13 +461,17 @@ def validate_train_config(cfg: TrainConfig, tokenizer_vocab: int, data_parallel:
     engine = _check_engine(cfg)
     cp = cfg.parallel.context_parallel
     if cp > 1 and cfg.warm_start.enabled and not cfg.warm_start.checkpoint and cfg.init.hf_checkpoint is None:
-        raise ConfigError(f"warm_start (the supervised phase) does not split its sequences under "
-                          f"parallel.context_parallel={cp}; start from init.hf_checkpoint or warm_start.checkpoint, or "
-                          "set warm_start.enabled=false")
+        raise ConfigError(
+            f"warm_start (the supervised phase) does not split its sequences under "
+            f"parallel.context_parallel={cp}; start from init.hf_checkpoint or warm_start.checkpoint, or "
+            "set warm_start.enabled=false"
+        )
     if cfg.rollout.sampling.temperature == 0:
-        raise ConfigError("rollout.sampling.temperature=0 samples greedily: every sample of a group is the same "
-                          "answer, every advantage is 0 and the policy gradient is exactly 0 (nothing trains); set "
-                          "rollout.sampling.temperature > 0 (e.g. 1.0; greedy evaluation is eval's pass@1)")
+        raise ConfigError(
+            "rollout.sampling.temperature=0 samples greedily: every sample of a group is the same "
+            "answer, every advantage is 0 and the policy gradient is exactly 0 (nothing trains); set "
+            "rollout.sampling.temperature > 0 (e.g. 1.0; greedy evaluation is eval's pass@1)"
+        )
     if cfg.model.vocab_size < tokenizer_vocab:
         raise ConfigError(
             f"model.vocab_size={cfg.model.vocab_size} is smaller than the task tokenizer's {tokenizer_vocab}: "
@@ -439,10 +497,12 @@ def validate_train_config(cfg: TrainConfig, tokenizer_vocab: int, data_parallel:
         raise ConfigError(f"algo.advantage={cfg.algo.advantage} needs train.group_size >= 2")
     _check_partial_rollouts(cfg, engine)
     if cfg.model.fused_grad == "in_forward" and not row_separable(cfg.kl, cfg.algo):
-        raise ConfigError("model.fused_grad=in_forward needs a row-separable loss (PPO or RPG with the KL in the "
-                          "reward or a token-level KL in the loss, no per-decision weights, algo.ratio_level=token, algo.old_logprobs="
-                          "recompute); use auto or "
-                          "recompute")
+        raise ConfigError(
+            "model.fused_grad=in_forward needs a row-separable loss (PPO or RPG with the KL in the "
+            "reward or a token-level KL in the loss, no per-decision weights, algo.ratio_level=token, algo.old_logprobs="
+            "recompute); use auto or "
+            "recompute"
+        )
     _check_kl_target(cfg)
     _check_timeouts(cfg, engine)
 
@@ -453,20 +513,27 @@ def _check_engine(cfg: TrainConfig):
     name = spec.name
     pp, cp = cfg.parallel.pipeline_parallel, cfg.parallel.context_parallel
     if pp > 1 and not spec.pipeline_parallel:
-        raise ConfigError(f"rollout.engine={name} supports parallel.pipeline_parallel=1 only (got {pp}); use "
-                          f"rollout.engine in {ENGINES.where(lambda e: e.pipeline_parallel)} with pipeline parallelism")
+        raise ConfigError(
+            f"rollout.engine={name} supports parallel.pipeline_parallel=1 only (got {pp}); use "
+            f"rollout.engine in {ENGINES.where(lambda e: e.pipeline_parallel)} with pipeline parallelism"
+        )
     if cp > 1 and not spec.context_parallel:
-        raise ConfigError(f"rollout.engine={name} generates with the training layout, which holds a shard of each "
-                          f"sequence under parallel.context_parallel={cp}; use rollout.engine in "
-                          f"{ENGINES.where(lambda e: e.context_parallel)}")
+        raise ConfigError(
+            f"rollout.engine={name} generates with the training layout, which holds a shard of each "
+            f"sequence under parallel.context_parallel={cp}; use rollout.engine in "
+            f"{ENGINES.where(lambda e: e.context_parallel)}"
+        )
     if cfg.model.moe.routing_replay == "rollout" and not spec.reports_routing:
         raise ConfigError(
             f"model.moe.routing_replay=rollout with rollout.engine={name}: that engine does not report "
             f"the experts it routed each token to; use rollout.engine in {ENGINES.where(lambda e: e.reports_routing)} "
-            "or set model.moe.routing_replay=off")
+            "or set model.moe.routing_replay=off"
+        )
     if cfg.rollout.options and spec.options is None:
-        raise ConfigError(f"rollout.options={dict(cfg.rollout.options)!r}: rollout.engine={name} takes its settings "
-                          f"from {spec.section or 'no section'}, not rollout.options; remove rollout.options")
+        raise ConfigError(
+            f"rollout.options={dict(cfg.rollout.options)!r}: rollout.engine={name} takes its settings "
+            f"from {spec.section or 'no section'}, not rollout.options; remove rollout.options"
+        )
     if spec.options is not None:  # read as the builder will, so a bad option is reported now
         from_dict(spec.options, dict(cfg.rollout.options), prefix="rollout.options.")
     for rule in spec.checks:
@@ -489,11 +556,14 @@ def _check_timeouts(cfg, engine) -> None:
         raise ConfigError(
             f"{served.section}: a request can take {budget:.0f}s ((max_retries={served.max_retries} + 1) x "
             f"request_timeout_s={served.request_timeout_s:g} + backoff), not less than parallel.distributed_timeout_s="
-            f"{limit:g}: lower {served.section}.request_timeout_s / max_retries or raise the distributed timeout")
+            f"{limit:g}: lower {served.section}.request_timeout_s / max_retries or raise the distributed timeout"
+        )
     startup = served.startup_timeout_s
     if startup is not None and startup >= limit:
-        raise ConfigError(f"{served.section}.startup_timeout_s={startup:g} must be below parallel.distributed_timeout_s="
-                          f"{limit:g} (the other ranks wait for the servers in a barrier)")
+        raise ConfigError(
+            f"{served.section}.startup_timeout_s={startup:g} must be below parallel.distributed_timeout_s="
+            f"{limit:g} (the other ranks wait for the servers in a barrier)"
+        )
 
 
 def _check_partial_rollouts(cfg: TrainConfig, engine) -> None:
@@ -502,16 +572,20 @@ def _check_partial_rollouts(cfg: TrainConfig, engine) -> None:
     if not cfg.rollout.partial:
         return
     if cfg.train.staleness == 0:
-        raise ConfigError("rollout.partial=true resumes generations across weight updates, but train.staleness=0 "
-                          "generates each batch with the current weights (none is in flight at an update): set "
-                          "train.staleness >= 1 or rollout.partial=false")
+        raise ConfigError(
+            "rollout.partial=true resumes generations across weight updates, but train.staleness=0 "
+            "generates each batch with the current weights (none is in flight at an update): set "
+            "train.staleness >= 1 or rollout.partial=false"
+        )
     if not engine.can_pause(cfg):
-        raise ConfigError(f"rollout.partial=true with rollout.engine={engine.name}"
-                          + (f" and rollout.vllm.mode={cfg.rollout.vllm.mode}" if engine.name == "vllm" else "")
-                          + ": that engine cannot pause a generation and return its partial response; use "
-                          f"rollout.engine in {ENGINES.where(lambda e: e.can_pause(cfg))}"
-                          + (" or rollout.vllm.mode=server" if engine.name == "vllm" else "")
-                          + ", or rollout.partial=false")
+        raise ConfigError(
+            f"rollout.partial=true with rollout.engine={engine.name}"
+            + (f" and rollout.vllm.mode={cfg.rollout.vllm.mode}" if engine.name == "vllm" else "")
+            + ": that engine cannot pause a generation and return its partial response; use "
+            f"rollout.engine in {ENGINES.where(lambda e: e.can_pause(cfg))}"
+            + (" or rollout.vllm.mode=server" if engine.name == "vllm" else "")
+            + ", or rollout.partial=false"
+        )
 
 
 def load_train_config(path: str, overrides: Optional[list[str]] = None) -> TrainConfig:

@@ -18,9 +18,19 @@ from megatron_kl.rewards.scorer import RewardScorer, inputs_for, task_reward
 from megatron_kl.rollout.engine import RolloutEngine, SamplingConfig
 
 
-def evaluate(engine: RolloutEngine, task, split: str, sampling: SamplingConfig, k: int, temperature: float,
-             seed: int, dp_rank: int = 0, dp_size: int = 1, dp_group=None,
-             scorer: RewardScorer | None = None) -> dict:
+def evaluate(
+    engine: RolloutEngine,
+    task,
+    split: str,
+    sampling: SamplingConfig,
+    k: int,
+    temperature: float,
+    seed: int,
+    dp_rank: int = 0,
+    dp_size: int = 1,
+    dp_group=None,
+    scorer: RewardScorer | None = None,
+) -> dict:
     own = scorer is None
     scorer = RewardScorer([task_reward(task)]) if own else scorer
     total = task.num_problems(split)
@@ -38,8 +48,15 @@ def evaluate(engine: RolloutEngine, task, split: str, sampling: SamplingConfig, 
         if own:
             scorer.close()
     failed = float(len(greedy_scores.failures) + len(sampled_scores.failures))
-    sums = torch.tensor([float(greedy_scores.rewards.double().sum()), float(sampled_scores.rewards.double().sum()) / k,
-                         float(len(problems)), failed], dtype=torch.float64)
+    sums = torch.tensor(
+        [
+            float(greedy_scores.rewards.double().sum()),
+            float(sampled_scores.rewards.double().sum()) / k,
+            float(len(problems)),
+            failed,
+        ],
+        dtype=torch.float64,
+    )
     if dp_group is not None and dist.get_world_size(dp_group) > 1:
         sums = all_reduce_cpu(sums, dp_group)
     n = max(float(sums[2]), 1.0)
@@ -63,8 +80,18 @@ def eval_groups(task) -> dict[str, list[str]]:
     return groups() if groups is not None else {"eval": ["eval"], "ood": ["ood"]}
 
 
-def evaluate_all(engine: RolloutEngine, task, sampling: SamplingConfig, k: int, temperature: float, seed: int,
-                 dp_rank: int = 0, dp_size: int = 1, dp_group=None, scorer: RewardScorer | None = None) -> dict:
+def evaluate_all(
+    engine: RolloutEngine,
+    task,
+    sampling: SamplingConfig,
+    k: int,
+    temperature: float,
+    seed: int,
+    dp_rank: int = 0,
+    dp_size: int = 1,
+    dp_group=None,
+    scorer: RewardScorer | None = None,
+) -> dict:
     """Every reported split that has problems, with per-file scores (``eval/<split>:<file>/...``) where a split
     has several."""
     out = {}
@@ -72,15 +99,16 @@ def evaluate_all(engine: RolloutEngine, task, sampling: SamplingConfig, k: int, 
         if not sum(task.num_problems(part) for part in parts):
             continue  # e.g. no OOD files configured: no eval/ood/* at all rather than a score of 0.0
         if parts == [group]:
-            out.update(evaluate(engine, task, group, sampling, k, temperature, seed, dp_rank, dp_size, dp_group,
-                                scorer))
+            out.update(
+                evaluate(engine, task, group, sampling, k, temperature, seed, dp_rank, dp_size, dp_group, scorer)
+            )
             continue
         sizes = {part: task.num_problems(part) for part in parts}
         for part in parts:
-            out.update(evaluate(engine, task, part, sampling, k, temperature, seed, dp_rank, dp_size, dp_group,
-                                scorer))
+            out.update(evaluate(engine, task, part, sampling, k, temperature, seed, dp_rank, dp_size, dp_group, scorer))
         total = max(sum(sizes.values()), 1)
         for metric in ("pass@1", f"mean@{k}"):
-            out[f"eval/{reported_name(group)}/{metric}"] = sum(
-                out[f"eval/{reported_name(part)}/{metric}"] * n for part, n in sizes.items()) / total
+            out[f"eval/{reported_name(group)}/{metric}"] = (
+                sum(out[f"eval/{reported_name(part)}/{metric}"] * n for part, n in sizes.items()) / total
+            )
     return out

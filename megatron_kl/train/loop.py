@@ -58,8 +58,10 @@ def _hf_source(cfg: TrainConfig):
     except hf.HFCheckpointError as err:
         raise ConfigError(f"init.hf_checkpoint={cfg.init.hf_checkpoint}: {err}") from None
     except FileNotFoundError as err:
-        raise ConfigError(f"init.hf_checkpoint={cfg.init.hf_checkpoint}: {err}; give an HF model directory (write one "
-                          "with `megatron-kl convert --megatron CKPT --out DIR` or `--gguf FILE --out DIR`)") from None
+        raise ConfigError(
+            f"init.hf_checkpoint={cfg.init.hf_checkpoint}: {err}; give an HF model directory (write one "
+            "with `megatron-kl convert --megatron CKPT --out DIR` or `--gguf FILE --out DIR`)"
+        ) from None
 
 
 def resolve(cfg: TrainConfig, task, hf_source) -> TrainConfig:
@@ -96,8 +98,10 @@ def _claim(cfg: TrainConfig, plan: run_dir.StartPlan, world_size: int) -> Option
             lock = run_dir.RunLock(Path(cfg.train.output_dir))
             again = run_dir.plan_start(cfg, world_size, plan.identity)  # under the lock: another writer?
             if (again.kind, again.checkpoint_step) != (plan.kind, plan.checkpoint_step):
-                raise run_dir.RunRefused(f"{cfg.train.output_dir} changed while this run started (another trainer "
-                                         "wrote to it); run the command again")
+                raise run_dir.RunRefused(
+                    f"{cfg.train.output_dir} changed while this run started (another trainer "
+                    "wrote to it); run the command again"
+                )
             run_dir.begin(cfg, plan, world_size)
         except run_dir.RunRefused as err:
             error = str(err)
@@ -160,9 +164,11 @@ def _check_teacher(cfg: TrainConfig, task) -> None:
     teacher = check_teacher(cfg, _world_size())
     longest = task.longest_prompt_tokens() + cfg.rollout.sampling.max_new_tokens
     if teacher is not None and longest > teacher.max_position_embeddings:
-        raise ConfigError(f"distill.teacher holds {teacher.max_position_embeddings} positions but scores sequences of "
-                          f"up to {longest} tokens (the longest prompt + rollout.sampling.max_new_tokens); use a "
-                          "teacher with more positions or shorten the responses")
+        raise ConfigError(
+            f"distill.teacher holds {teacher.max_position_embeddings} positions but scores sequences of "
+            f"up to {longest} tokens (the longest prompt + rollout.sampling.max_new_tokens); use a "
+            "teacher with more positions or shorten the responses"
+        )
 
 
 def check_against_task(cfg: TrainConfig, task, hf_source, given_stops: list[int]) -> list[str]:
@@ -172,23 +178,31 @@ def check_against_task(cfg: TrainConfig, task, hf_source, given_stops: list[int]
     vocab = cfg.model.vocab_size
     outside = [i for i in cfg.rollout.sampling.stop_token_ids if not 0 <= i < vocab]
     if outside:
-        raise ConfigError(f"rollout.sampling.stop_token_ids={list(cfg.rollout.sampling.stop_token_ids)}: {outside} "
-                          f"outside the vocabulary (ids 0..{vocab - 1}, model.vocab_size={vocab}): no sampled token "
-                          "could ever stop a response; give token ids of the tokenizer (or [] for its end-of-sequence)")
+        raise ConfigError(
+            f"rollout.sampling.stop_token_ids={list(cfg.rollout.sampling.stop_token_ids)}: {outside} "
+            f"outside the vocabulary (ids 0..{vocab - 1}, model.vocab_size={vocab}): no sampled token "
+            "could ever stop a response; give token ids of the tokenizer (or [] for its end-of-sequence)"
+        )
     notes = []
     defaults = default_stop_token_ids(task, hf_source)
     dropped = [i for i in defaults if i not in given_stops]
     if given_stops and dropped:
-        notes.append(f"rollout.sampling.stop_token_ids={given_stops} replaces the end-of-sequence id(s) {dropped} "
-                     f"(the tokenizer's and the checkpoint's): a response stops only at the given ids or at "
-                     f"max_new_tokens; add {dropped} to the list to stop at the end of sequence too")
+        notes.append(
+            f"rollout.sampling.stop_token_ids={given_stops} replaces the end-of-sequence id(s) {dropped} "
+            f"(the tokenizer's and the checkpoint's): a response stops only at the given ids or at "
+            f"max_new_tokens; add {dropped} to the list to stop at the end of sequence too"
+        )
     longest, positions = task.longest_prompt_tokens(), cfg.model.max_position_embeddings
-    for name, tokens in (("rollout.sampling.max_new_tokens", cfg.rollout.sampling.max_new_tokens),
-                         ("eval.max_new_tokens", cfg.eval.max_new_tokens)):
+    for name, tokens in (
+        ("rollout.sampling.max_new_tokens", cfg.rollout.sampling.max_new_tokens),
+        ("eval.max_new_tokens", cfg.eval.max_new_tokens),
+    ):
         if tokens is not None and longest + tokens > positions:
-            raise ConfigError(f"{name}={tokens} with the task's longest prompt ({longest} tokens) needs "
-                              f"{longest + tokens} positions, more than model.max_position_embeddings={positions}: "
-                              f"lower {name} to at most {positions - longest}, or shorten the prompts")
+            raise ConfigError(
+                f"{name}={tokens} with the task's longest prompt ({longest} tokens) needs "
+                f"{longest + tokens} positions, more than model.max_position_embeddings={positions}: "
+                f"lower {name} to at most {positions - longest}, or shorten the prompts"
+            )
     return notes
 
 
@@ -197,7 +211,9 @@ def task_context(cfg: TrainConfig, hf_source) -> TaskContext:
     prompt the model takes (its positions minus the longest response asked for)."""
     model = hf.model_config_for_run(cfg.model, hf_source) if hf_source is not None else cfg.model
     response = max(cfg.rollout.sampling.max_new_tokens, cfg.eval.max_new_tokens or 0)
-    return TaskContext(hf_checkpoint=cfg.init.hf_checkpoint, prompt_token_limit=model.max_position_embeddings - response)
+    return TaskContext(
+        hf_checkpoint=cfg.init.hf_checkpoint, prompt_token_limit=model.max_position_embeddings - response
+    )
 
 
 def train(cfg: TrainConfig) -> RunSummary:
@@ -240,15 +256,24 @@ def started(prepared: Prepared) -> Iterator[Trainer]:
 
 
 def _summary(cfg: TrainConfig, run_id: str, run_path: Path, is_logger: bool) -> RunSummary:
-    summary = RunSummary(cfg.run_name, run_id, cfg.train.steps, str(run_path), str(run_path / "metrics.jsonl"),
-                         str(run_path / "tensorboard"), str(run_path / "plots"))
+    summary = RunSummary(
+        cfg.run_name,
+        run_id,
+        cfg.train.steps,
+        str(run_path),
+        str(run_path / "metrics.jsonl"),
+        str(run_path / "tensorboard"),
+        str(run_path / "plots"),
+    )
     if is_logger:
         records = read_metrics(run_path / "metrics.jsonl")
         evals = [r for r in records if "eval/id/pass@1" in r]
         if evals:
             summary = dataclasses.replace(
-                summary, eval_before={k: v for k, v in evals[0].items() if k.startswith("eval/")},
-                eval_after={k: v for k, v in evals[-1].items() if k.startswith("eval/")})
+                summary,
+                eval_before={k: v for k, v in evals[0].items() if k.startswith("eval/")},
+                eval_after={k: v for k, v in evals[-1].items() if k.startswith("eval/")},
+            )
         plots = write_training_plot(records, run_path / "plots", f"{cfg.run_name} ({run_path})")
         summary = dataclasses.replace(summary, plots=str(plots))
         summary.write(run_path / "summary.json")

@@ -25,15 +25,28 @@ def wandb_missing(project: Optional[str]) -> Optional[str]:
         return None
 
     if importlib.util.find_spec("wandb") is None:
-        return (f"logging.wandb_project={project!r} needs the wandb package, which is not installed: "
-                "pip install 'megatron-kl[wandb]' (or unset logging.wandb_project)")
+        return (
+            f"logging.wandb_project={project!r} needs the wandb package, which is not installed: "
+            "pip install 'megatron-kl[wandb]' (or unset logging.wandb_project)"
+        )
     return None
 
 
 class MetricsLogger:
-    def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool = True, wandb: Optional[dict] = None,
-                 run_name: str = "", config: Optional[dict] = None, progress: bool = True, total_steps: int = 0,
-                 resume_step: int = 0, progress_every: int = 1, progress_every_s: float = 0.0):
+    def __init__(
+        self,
+        run_dir: Path,
+        enabled: bool,
+        tensorboard: bool = True,
+        wandb: Optional[dict] = None,
+        run_name: str = "",
+        config: Optional[dict] = None,
+        progress: bool = True,
+        total_steps: int = 0,
+        resume_step: int = 0,
+        progress_every: int = 1,
+        progress_every_s: float = 0.0,
+    ):
         """``wandb``: ``wandb.init`` settings (project, entity, tags, mode, id), None for no W&B."""
         self.enabled = enabled
         self.run_dir = Path(run_dir)
@@ -53,12 +66,14 @@ class MetricsLogger:
         if wandb:
             import wandb as wandb_module
 
-            self._wandb = wandb_module.init(name=run_name, config=config, dir=str(self.run_dir), resume="allow",
-                                            **wandb)
+            self._wandb = wandb_module.init(
+                name=run_name, config=config, dir=str(self.run_dir), resume="allow", **wandb
+            )
         self._done = resume_step
         if progress:
-            self._progress = StepProgress(run_name or "train", total_steps, resume_step, progress_every,
-                                          progress_every_s)
+            self._progress = StepProgress(
+                run_name or "train", total_steps, resume_step, progress_every, progress_every_s
+            )
 
     def _truncate(self, step: int) -> None:
         """Drop records of steps >= ``step`` (written after the checkpoint we resume from)."""
@@ -71,7 +86,9 @@ class MetricsLogger:
             try:
                 record = json.loads(line)
             except (ValueError, RecursionError):  # e.g. the partial last line of a killed run
-                log.warning("%s line %d is not a JSON record (a write cut short?): dropped on resume", self.jsonl, number)
+                log.warning(
+                    "%s line %d is not a JSON record (a write cut short?): dropped on resume", self.jsonl, number
+                )
                 continue
             if record.get("step", -1) < step:
                 keep.append(line)
@@ -80,8 +97,10 @@ class MetricsLogger:
     def log(self, step: int, metrics: dict) -> None:
         if not self.enabled:
             return
-        clean = {k: (float(v) if isinstance(v, (int, float)) and math.isfinite(float(v)) else None)
-                 for k, v in metrics.items()}
+        clean = {
+            k: (float(v) if isinstance(v, (int, float)) and math.isfinite(float(v)) else None)
+            for k, v in metrics.items()
+        }
         nonfinite = sorted(k for k, v in clean.items() if v is None)
         if nonfinite:  # written as null, never silently: counted in the record and warned about by name
             log.warning("step %d: non-finite metric value(s) logged as null: %s", step, ", ".join(nonfinite))

@@ -35,8 +35,9 @@ log = logging.getLogger(__name__)
 
 PHASES = ("rollout_wait", "reference", "teacher", "old_logprobs", "unreplayed_logprobs", "update", "weight_sync")
 PREFIX = "megatron_kl/"
-GEMM_OPS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_mm",
-                      "aten::_int_mm", "aten::addbmm"})
+GEMM_OPS = frozenset(
+    {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_mm", "aten::_int_mm", "aten::addbmm"}
+)
 
 
 def phase(name: str, timings: Optional[dict] = None):
@@ -61,8 +62,11 @@ def _timed_range(label: str, key: str, timings: Optional[dict]) -> Iterator[None
 def summarize(events, step_seconds: float) -> dict:
     """Per phase: wall seconds, GEMM / all ops' self CPU (and device) seconds, op count, from the profiler's
     ``events()``. An op belongs to the phase whose range contains its start; ranges may come from any thread."""
-    ranges = sorted((e.time_range.start, e.time_range.end, e.name[len(PREFIX):]) for e in events
-                    if e.name.startswith(PREFIX) and e.name[len(PREFIX):] in PHASES)
+    ranges = sorted(
+        (e.time_range.start, e.time_range.end, e.name[len(PREFIX) :])
+        for e in events
+        if e.name.startswith(PREFIX) and e.name[len(PREFIX) :] in PHASES
+    )
     starts = [r[0] for r in ranges]
     names = (*PHASES, "other")
     out = {name: {"wall_s": 0.0, "gemm_s": 0.0, "ops_s": 0.0, "ops": 0, "gemm_device_s": 0.0} for name in names}
@@ -81,9 +85,12 @@ def summarize(events, step_seconds: float) -> dict:
             row["gemm_s"] += self_s
             row["gemm_device_s"] += event.self_device_time_total / 1e6
     out["other"]["wall_s"] = max(step_seconds - sum(out[n]["wall_s"] for n in PHASES), 0.0)
-    return {"step_s": step_seconds, "phases": out,
-            "gemm_s": sum(r["gemm_s"] for r in out.values()),
-            "gemm_device_s": sum(r["gemm_device_s"] for r in out.values())}
+    return {
+        "step_s": step_seconds,
+        "phases": out,
+        "gemm_s": sum(r["gemm_s"] for r in out.values()),
+        "gemm_device_s": sum(r["gemm_device_s"] for r in out.values()),
+    }
 
 
 class StepProfiler:
@@ -109,6 +116,10 @@ class StepProfiler:
         Path(str(stem) + ".txt").write_text(prof.key_averages().table(sort_by=sort, row_limit=60))
         summary = summarize(prof.events(), seconds)
         Path(str(stem) + ".summary.json").write_text(json.dumps(summary, indent=1))
-        log.info("profiled step %d: %s.{json,txt,summary.json} (GEMM ops %.3fs of %.3fs)", step, stem,
-                 summary["gemm_s"], seconds)
-
+        log.info(
+            "profiled step %d: %s.{json,txt,summary.json} (GEMM ops %.3fs of %.3fs)",
+            step,
+            stem,
+            summary["gemm_s"],
+            seconds,
+        )

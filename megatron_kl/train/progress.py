@@ -54,8 +54,7 @@ def bar_values(metrics: dict) -> str:
 class StepProgress:
     """The bar or the lines of one start of a run (``start_step`` .. ``total``)."""
 
-    def __init__(self, name: str, total: int, start_step: int = 0, every: int = 1, every_s: float = 0.0,
-                 console=None):
+    def __init__(self, name: str, total: int, start_step: int = 0, every: int = 1, every_s: float = 0.0, console=None):
         from rich.console import Console
 
         self.total, self.start_step, self.every, self.every_s = total, start_step, every, every_s
@@ -73,10 +72,17 @@ class StepProgress:
                 TimeRemainingColumn,
             )
 
-            short = name if len(name) <= NAME_WIDTH else name[:NAME_WIDTH - 1] + "~"
-            self._bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(bar_width=10), MofNCompleteColumn(),
-                                 TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[status]}"),
-                                 console=self.console, transient=False)
+            short = name if len(name) <= NAME_WIDTH else name[: NAME_WIDTH - 1] + "~"
+            self._bar = Progress(
+                TextColumn("[bold]{task.description}"),
+                BarColumn(bar_width=10),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                TimeRemainingColumn(),
+                TextColumn("{task.fields[status]}"),
+                console=self.console,
+                transient=False,
+            )
             self._task = self._bar.add_task(short, total=total, completed=start_step, status="")
             self._bar.start()
 
@@ -112,5 +118,10 @@ class StepProgress:
             self._bar.stop()
         trained = done - self.start_step
         if trained > 0:
-            log.info("trained steps %d-%d of %d in %s", self.start_step, done - 1, self.total,
-                     clock(time.monotonic() - self.started))
+            log.info(
+                "trained steps %d-%d of %d in %s",
+                self.start_step,
+                done - 1,
+                self.total,
+                clock(time.monotonic() - self.started),
+            )

@@ -83,13 +83,15 @@ def resumed(prefix: Completion, continuation: Completion) -> Completion:
         kept = prefix.routed_positions  # the positions the prefix's engine fed: prompt + its response but the last
         routing = torch.cat([prefix.routed_experts[:kept], routing[kept:]])
     versions = prefix.versions + continuation.versions
-    return Completion(prompt_ids=list(prefix.prompt_ids),
-                      response_ids=list(prefix.response_ids) + list(continuation.response_ids),
-                      response_logprobs=list(prefix.response_logprobs) + list(continuation.response_logprobs),
-                      finish_reason=continuation.finish_reason,
-                      weight_version=max(versions) if versions else continuation.weight_version,
-                      routed_experts=routing,
-                      token_versions=versions if len(set(versions)) > 1 else None)
+    return Completion(
+        prompt_ids=list(prefix.prompt_ids),
+        response_ids=list(prefix.response_ids) + list(continuation.response_ids),
+        response_logprobs=list(prefix.response_logprobs) + list(continuation.response_logprobs),
+        finish_reason=continuation.finish_reason,
+        weight_version=max(versions) if versions else continuation.weight_version,
+        routed_experts=routing,
+        token_versions=versions if len(set(versions)) > 1 else None,
+    )
 
 
 @dataclass
@@ -111,8 +113,15 @@ class _Generated:
         return all(c.finished for c in self.completions)
 
 
-def _generate(task, engine: RolloutEngine, step: int, prompt_indices: list[int], group_size: int, sampling: SamplingConfig,
-              seed: int) -> _Generated:
+def _generate(
+    task,
+    engine: RolloutEngine,
+    step: int,
+    prompt_indices: list[int],
+    group_size: int,
+    sampling: SamplingConfig,
+    seed: int,
+) -> _Generated:
     problems = [task.problem("train", i) for i in prompt_indices]
     prompts = [p.prompt_ids for p in problems for _ in range(group_size)]
     start = time.perf_counter()
@@ -147,8 +156,12 @@ def _resume(engine: RolloutEngine, generated: _Generated, sampling: SamplingConf
         raise RuntimeError(f"engine returned {len(continued)} completions for {len(rows)} resumed prompts")
     for i, continuation in zip(rows, continued):
         completions[i] = resumed(completions[i], continuation)
-    return dataclasses.replace(generated, completions=completions, segments=generated.segments + 1,
-                               generate_seconds=generated.generate_seconds + time.perf_counter() - start)
+    return dataclasses.replace(
+        generated,
+        completions=completions,
+        segments=generated.segments + 1,
+        generate_seconds=generated.generate_seconds + time.perf_counter() - start,
+    )
 
 
 def _collective(engine) -> bool:
@@ -158,23 +171,43 @@ def _collective(engine) -> bool:
 
 def _score(scorer: RewardScorer, task, generated: _Generated, group_size: int) -> RolloutBatch:
     """Rewards (reward.functions through the scorer: concurrent, with reward.on_failure) and the packed batch."""
-    completions, prompts, step, seconds = generated.completions, generated.prompts, generated.step, generated.generate_seconds
+    completions, prompts, step, seconds = (
+        generated.completions,
+        generated.prompts,
+        generated.step,
+        generated.generate_seconds,
+    )
     scores = scorer.score(inputs_for(generated.problems, completions, group_size, task.tokenizer))
     rewards = scores.rewards
-    tokens, mask, behavior = pack(prompts, [c.response_ids for c in completions], task.tokenizer.pad_id,
-                                  per_token=[c.response_logprobs for c in completions])
+    tokens, mask, behavior = pack(
+        prompts,
+        [c.response_ids for c in completions],
+        task.tokenizer.pad_id,
+        per_token=[c.response_logprobs for c in completions],
+    )
     excluded = not bool(scores.valid.all())
     if excluded:  # failed samples (reward.on_failure=exclude): no token of theirs is trained on
         mask = mask * scores.valid[:, None].to(mask.dtype)
-    _, _, versions = pack(prompts, [c.response_ids for c in completions], task.tokenizer.pad_id,
-                          per_token=[c.versions for c in completions])
-    return RolloutBatch(step=step, completions=completions, rewards=rewards, tokens=tokens, loss_mask=mask,
-                        behavior_logprobs=behavior,
-                        weight_versions=torch.tensor([min(c.versions, default=c.weight_version) for c in completions]),
-                        generate_seconds=seconds,
-                        routed_experts=pack_routing([c.routed_experts for c in completions], tokens.shape[1]),
-                        token_versions=versions.round().long(),
-                        reward_valid=scores.valid if excluded else None, reward_metrics=scores.metrics)
+    _, _, versions = pack(
+        prompts,
+        [c.response_ids for c in completions],
+        task.tokenizer.pad_id,
+        per_token=[c.versions for c in completions],
+    )
+    return RolloutBatch(
+        step=step,
+        completions=completions,
+        rewards=rewards,
+        tokens=tokens,
+        loss_mask=mask,
+        behavior_logprobs=behavior,
+        weight_versions=torch.tensor([min(c.versions, default=c.weight_version) for c in completions]),
+        generate_seconds=seconds,
+        routed_experts=pack_routing([c.routed_experts for c in completions], tokens.shape[1]),
+        token_versions=versions.round().long(),
+        reward_valid=scores.valid if excluded else None,
+        reward_metrics=scores.metrics,
+    )
 
 
 @dataclass
@@ -191,9 +224,20 @@ class StalenessExceeded(RuntimeError):
 
 
 class RolloutSource:
-    def __init__(self, task, engine: RolloutEngine, sampling: SamplingConfig, prompts_per_step: int, group_size: int,
-                 staleness: int, seed: int, dp_rank: int = 0, dp_size: int = 1, partial: bool = False,
-                 scorer: Optional[RewardScorer] = None):
+    def __init__(
+        self,
+        task,
+        engine: RolloutEngine,
+        sampling: SamplingConfig,
+        prompts_per_step: int,
+        group_size: int,
+        staleness: int,
+        seed: int,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+        partial: bool = False,
+        scorer: Optional[RewardScorer] = None,
+    ):
         self.task, self.engine, self.sampling = task, engine, sampling
         # the reward functions (reward.*); without one the task's own score()
         self.scorer = scorer if scorer is not None else RewardScorer([task_reward(task)])
@@ -212,8 +256,9 @@ class RolloutSource:
         per_rank = self.prompts_per_step // self.dp_size
         first = step * self.prompts_per_step + self.dp_rank * per_rank
         seed = (self.seed * 1_000_003 + step) * 1009 + self.dp_rank
-        return _generate(self.task, self.engine, step, list(range(first, first + per_rank)), self.group_size,
-                         self.sampling, seed)
+        return _generate(
+            self.task, self.engine, step, list(range(first, first + per_rank)), self.group_size, self.sampling, seed
+        )
 
     def _finish(self, generated: _Generated) -> _Generated:
         """Resume an unfinished batch until every response is done (the calling thread; nothing pauses it)."""
@@ -250,8 +295,10 @@ class RolloutSource:
         batch = self._resolve(item)
         lag = (step - batch.versions)[batch.loss_mask > 0]
         if self.partial and lag.numel() and int(lag.max()) > self.staleness:  # resumed responses: checked per token
-            raise StalenessExceeded(f"step {step}: a response token was sampled by weights {int(lag.max())} updates "
-                                    f"old, more than train.staleness={self.staleness}")
+            raise StalenessExceeded(
+                f"step {step}: a response token was sampled by weights {int(lag.max())} updates "
+                f"old, more than train.staleness={self.staleness}"
+            )
         return batch
 
     @contextmanager
@@ -313,13 +360,20 @@ class RolloutSource:
         """Completed queued batches as plain data (tensors, numbers, strings, lists, dicts): checkpoints
         load with ``torch.load(weights_only=True)``."""
         self.wait()
-        return {"queue": {int(step): dataclasses.asdict(batch) for step, batch in self.queue.items()
-                          if isinstance(batch, RolloutBatch)}}
+        return {
+            "queue": {
+                int(step): dataclasses.asdict(batch)
+                for step, batch in self.queue.items()
+                if isinstance(batch, RolloutBatch)
+            }
+        }
 
     def load_state_dict(self, state: Optional[dict]) -> None:
         queue = state["queue"] if state else {}
-        self.queue = {int(step): RolloutBatch(**{**fields, "completions": [Completion(**c) for c in fields["completions"]]})
-                      for step, fields in queue.items()}
+        self.queue = {
+            int(step): RolloutBatch(**{**fields, "completions": [Completion(**c) for c in fields["completions"]]})
+            for step, fields in queue.items()
+        }
 
     def close(self) -> None:
         if self._pool is not None:

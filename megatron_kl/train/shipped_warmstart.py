@@ -68,22 +68,30 @@ def _entries(directory: Path) -> dict:
     try:
         entries = json.loads(path.read_text())
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ShippedWarmStartError(f"shipped warm-start manifest {path} is damaged (not JSON: {err}), so whether "
-                                    f"this recipe has a shipped warm start cannot be told; {_FIX}") from None
+        raise ShippedWarmStartError(
+            f"shipped warm-start manifest {path} is damaged (not JSON: {err}), so whether "
+            f"this recipe has a shipped warm start cannot be told; {_FIX}"
+        ) from None
     if not isinstance(entries, dict):
-        raise ShippedWarmStartError(f"shipped warm-start manifest {path} is damaged: it must map recipe keys to "
-                                    f"entries, not hold a {type(entries).__name__}; {_FIX}")
+        raise ShippedWarmStartError(
+            f"shipped warm-start manifest {path} is damaged: it must map recipe keys to "
+            f"entries, not hold a {type(entries).__name__}; {_FIX}"
+        )
     return entries
 
 
 def _entry(directory: Path, key: str, entry) -> ShippedWarmStart:
     if not isinstance(entry, dict) or not all(isinstance(entry.get(f), str) and entry.get(f) for f in FIELDS):
-        missing = [f for f in FIELDS if not isinstance(entry, dict) or not isinstance(entry.get(f), str)
-                   or not entry.get(f)]
-        raise ShippedWarmStartError(f"shipped warm-start manifest {directory / MANIFEST}: the entry of recipe {key} "
-                                    f"is damaged (no text in {missing}); {_FIX}")
-    return ShippedWarmStart(key, directory / entry["file"], entry["sha256"], entry["weights_sha256"],
-                            entry["made_with"])
+        missing = [
+            f for f in FIELDS if not isinstance(entry, dict) or not isinstance(entry.get(f), str) or not entry.get(f)
+        ]
+        raise ShippedWarmStartError(
+            f"shipped warm-start manifest {directory / MANIFEST}: the entry of recipe {key} "
+            f"is damaged (no text in {missing}); {_FIX}"
+        )
+    return ShippedWarmStart(
+        key, directory / entry["file"], entry["sha256"], entry["weights_sha256"], entry["made_with"]
+    )
 
 
 def read_manifest(directory: Path = SHIPPED_DIR) -> dict[str, ShippedWarmStart]:
@@ -108,18 +116,24 @@ def load(entry: ShippedWarmStart) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     if not entry.path.is_file():
-        raise ShippedWarmStartError(f"shipped warm start {entry.path} is listed in {MANIFEST} but missing: "
-                                    "reinstall the package, or set warm_start.source=train")
+        raise ShippedWarmStartError(
+            f"shipped warm start {entry.path} is listed in {MANIFEST} but missing: "
+            "reinstall the package, or set warm_start.source=train"
+        )
     actual = sha256_of(entry.path)
     if actual != entry.sha256:
-        raise ShippedWarmStartError(f"shipped warm start {entry.path} does not match its SHA-256 in {MANIFEST} "
-                                    f"({actual[:16]}, listed {entry.sha256[:16]}): the file is damaged; reinstall the "
-                                    "package, or set warm_start.source=train")
+        raise ShippedWarmStartError(
+            f"shipped warm start {entry.path} does not match its SHA-256 in {MANIFEST} "
+            f"({actual[:16]}, listed {entry.sha256[:16]}): the file is damaged; reinstall the "
+            "package, or set warm_start.source=train"
+        )
     state = load_file(str(entry.path), device="cpu")
     weights = weights_digest(state)
     if weights != entry.weights_sha256:
-        raise ShippedWarmStartError(f"shipped warm start {entry.path}: its weights' SHA-256 {weights[:16]} is not the "
-                                    f"listed {entry.weights_sha256[:16]}")
+        raise ShippedWarmStartError(
+            f"shipped warm start {entry.path}: its weights' SHA-256 {weights[:16]} is not the "
+            f"listed {entry.weights_sha256[:16]}"
+        )
     return state
 
 
@@ -132,7 +146,11 @@ def write(state: dict[str, torch.Tensor], key: str, made_with: str, directory: P
     path = directory / f"warmstart-{key}.safetensors"
     save_file(tensors, str(path), metadata={"recipe_key": key, "made_with": made_with})
     entries = _entries(directory)
-    entries[key] = {"file": path.name, "sha256": sha256_of(path), "weights_sha256": weights_digest(tensors),
-                    "made_with": made_with}
+    entries[key] = {
+        "file": path.name,
+        "sha256": sha256_of(path),
+        "weights_sha256": weights_digest(tensors),
+        "made_with": made_with,
+    }
     (directory / MANIFEST).write_text(json.dumps(entries, indent=1, sort_keys=True) + "\n")
     return find(key, directory)

@@ -24,9 +24,8 @@ import torch.distributed as dist
 
 from megatron_kl.algo.advantages import sequence_advantages
 from megatron_kl.algo.losses import MICROBATCH_TOKENS, LossInputs, MicrobatchLoss, Shares
-from megatron_kl.kl.config import LOG_RATIO_CLAMP, TOP_K
-from megatron_kl.kl.corrections import mismatch_metrics
-from megatron_kl.kl.estimators import ClampCounter, TermCounter, token_estimate
+from megatron_kl.kl.config import TOP_K
+from megatron_kl.kl.estimators import ClampCounter, TermCounter
 from megatron_kl.kl.objective import kl_shaped_returns
 from megatron_kl.kl.topk import top_k_divergence
 from megatron_kl.models import context_parallel, optim, output_head, pipeline, routing_replay
@@ -37,6 +36,7 @@ from megatron_kl.rollout.http import CorruptResponse
 from megatron_kl.run.run_state import Counters
 from megatron_kl.train.profiling import phase
 from megatron_kl.train.rollouts import RolloutBatch
+from megatron_kl.train.step_metrics import _masked_mean, kl_metrics, replay_metrics, rollout_metrics, support_metrics
 from megatron_kl.train.topology import Topology
 
 if TYPE_CHECKING:
@@ -102,103 +102,20 @@ def record_update(ctx: StepContext, update_successful: bool, step: int, max_cons
         return True
     ctx.consecutive_skips += 1
     ctx.counters.skipped_updates += 1
-    log.warning("step %d: gradient not finite, optimizer step skipped (%d in a row; limit "
-                "train.max_consecutive_skips=%d)", step, ctx.consecutive_skips, max_consecutive_skips)
+    log.warning(
+        "step %d: gradient not finite, optimizer step skipped (%d in a row; limit train.max_consecutive_skips=%d)",
+        step,
+        ctx.consecutive_skips,
+        max_consecutive_skips,
+    )
     if ctx.consecutive_skips > max_consecutive_skips:
         raise NonFiniteUpdates(
             f"step {step}: {ctx.consecutive_skips} optimizer steps in a row had a NaN/inf gradient (limit "
             f"train.max_consecutive_skips={max_consecutive_skips}); the last checkpoint holds the weights before "
             "them. Look at the rewards, the behaviour log-probs and kl.clamp / algo.tis_cap, or lower the "
-            "learning rate")
+            "learning rate"
+        )
     return False
-
-
-def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
-    return float((x * mask).sum() / mask.sum().clamp_min(1))
-
-
-def kl_metrics(logprobs, reference_logprobs, exact_kl, mask, prefix: str = "kl") -> dict:
-    """k1, k3 and exact KL(pi_old || pi_ref) (when ``exact_kl`` is given), per response token and per sequence
-    (sum over its tokens), as ``<prefix>/<estimator>_<token|sequence>`` (``distill``: the same to the teacher)."""
-    d = (logprobs - reference_logprobs) * mask
-    k3 = token_estimate("k3", d, LOG_RATIO_CLAMP, mask) * mask
-    out = {}
-    for name, per_token in (("k1", d), ("k3", k3), ("exact", None if exact_kl is None else exact_kl * mask)):
-        if per_token is None:  # not computed this step (train.reference_metrics_interval)
-            continue
-        out[f"{prefix}/{name}_token"] = _masked_mean(per_token, mask)
-        out[f"{prefix}/{name}_sequence"] = float(per_token.sum(-1).mean())
-    return out
-
-
-def rollout_metrics(batch: RolloutBatch, old_logprobs: torch.Tensor, step: int) -> dict:
-    mask = batch.loss_mask
-    mismatch = ((old_logprobs - batch.behavior_logprobs) * mask).abs()
-    staleness = (step - batch.weight_versions).float()  # per sample: its oldest token's
-    token_lag = (step - batch.versions).float() * mask
-    versions = [set(c.versions) for c in batch.completions]
-    # rewards of the samples that were scored (failed ones, reward.on_failure=exclude, are not zeros to average)
-    scored = batch.rewards if batch.reward_valid is None else batch.rewards[batch.reward_valid]
-    if not scored.numel():
-        scored = torch.zeros(1)
-    return {
-        **batch.reward_metrics,
-        **mismatch_metrics(old_logprobs, batch.behavior_logprobs, mask),
-        "reward/mean": float(scored.mean()),
-        "reward/std": float(scored.std(unbiased=False)),
-        "reward/accuracy": float((scored >= 1.0).float().mean()),
-        "response/length_mean": float(mask.sum(-1).mean()),
-        # tokens the training passes see: real (prompt + response) and as padded to the longest sequence
-        "batch/tokens": float(sum(len(c.prompt_ids) + len(c.response_ids) for c in batch.completions)),
-        "batch/padded_tokens": float(batch.tokens.numel()),
-        "response/stopped_fraction": sum(c.finish_reason == "stop" for c in batch.completions) / len(batch.completions),
-        "mismatch/abs_logprob_mean": _masked_mean(mismatch, mask),
-        "mismatch/abs_logprob_max": float(mismatch.max()),
-        "staleness/mean": float(staleness.mean()),
-        "staleness/max": float(staleness.max()),
-        # per response token: the weights that sampled it (partial rollouts: a response can span several versions)
-        "staleness/token_mean": _masked_mean(token_lag, mask),
-        "staleness/token_max": float(token_lag.max()) if mask.numel() else 0.0,
-        "staleness/older_token_fraction": _masked_mean((token_lag > 0).float(), mask),
-        "staleness/mixed_response_fraction": sum(len(v) > 1 for v in versions) / max(len(versions), 1),
-    }
-
-
-class OutsideSupport(CorruptResponse):
-    """Sampled tokens outside the trainer's truncated support at the weights that sampled them."""
-
-
-def support_metrics(batch: RolloutBatch, old: pipeline.TokenStats, step: int, sampling, dp_group) -> dict:
-    """The truncated policy's support over the response tokens (empty without truncation): the mass it leaves
-    out of the full softmax, its size, and the sampled tokens outside it. A token the engine sampled must lie
-    in the trainer's support at the weights that sampled it (rows of this step's weight version); more than
-    ``rollout.sampling.support_tolerance`` of them outside (over every data-parallel rank) is an error naming
-    the first one, raised on every rank together."""
-    if not old.truncated:
-        return {}
-    mask = batch.loss_mask
-    outside = old.outside_support * mask
-    fresh = (batch.versions == step) & (mask > 0)  # tokens sampled by this step's weights
-    stray = (outside > 0) & fresh
-    counts = torch.tensor([float(stray.sum()), float(fresh.sum())], dtype=torch.float64)
-    if dp_group is not None and dist.get_world_size(dp_group) > 1:
-        counts = all_reduce_cpu(counts, dp_group)
-    strays, fresh_tokens = int(counts[0]), int(counts[1])
-    if fresh_tokens and strays > sampling.support_tolerance * fresh_tokens:
-        where = "on another data-parallel rank"
-        if bool(stray.any()):
-            row, position = (int(i) for i in stray.nonzero()[0])
-            where = f"completion {row}, response position {position + 1 - len(batch.completions[row].prompt_ids)}"
-        raise OutsideSupport(
-            f"{strays} of {fresh_tokens} sampled tokens lie outside the trainer's top-k/top-p support at the weights "
-            f"that sampled them (first: {where}): the engine does not sample the distribution the trainer trains "
-            f"(rollout.sampling.top_k={sampling.top_k}, top_p={sampling.top_p}, temperature={sampling.temperature}) "
-            "or its logits differ beyond rounding; rollout.sampling.support_tolerance sets the fraction allowed")
-    return {
-        "sampling/truncated_mass": _masked_mean(1.0 - old.kept_mass, mask),
-        "sampling/support_size": _masked_mean(old.support_size, mask),
-        "sampling/outside_support": _masked_mean(outside, mask),
-    }
 
 
 def _reduce(metrics: dict, group) -> dict:
@@ -212,7 +129,7 @@ def _reduce(metrics: dict, group) -> dict:
         present = torch.tensor([float(k in metrics) for k in keys], dtype=torch.float64)
         values = torch.tensor([float(metrics.get(k, 0.0)) for k in keys], dtype=torch.float64)
         reduced = all_reduce_cpu(torch.cat([values, present]), group)
-        return dict(zip(keys, (reduced[:len(keys)] / reduced[len(keys):]).tolist()))
+        return dict(zip(keys, (reduced[: len(keys)] / reduced[len(keys) :]).tolist()))
     values = all_reduce_cpu(torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64), group)
     values /= dist.get_world_size(group)
     return dict(zip(keys, values.tolist()))
@@ -234,8 +151,9 @@ def _metrics_due(cfg, step: int) -> bool:
 def regularizer_due(cfg, step: int) -> bool:
     """Under distillation, whether this step takes the exact KL to the reference beside the teacher's (a second sweep
     over the vocabulary): kl.estimator=full with a reference pass this step."""
-    return (cfg.distill.enabled and cfg.distill.teacher.source != "server" and cfg.kl.exact
-            and needs_reference(cfg, step))
+    return (
+        cfg.distill.enabled and cfg.distill.teacher.source != "server" and cfg.kl.exact and needs_reference(cfg, step)
+    )
 
 
 def anchor_objective(cfg):
@@ -288,8 +206,13 @@ def _scoring_passes(ctx: StepContext, sequences: pipeline.SequenceBatch, step: i
                 # the reference is never truncated: every KL is to the full softmax(r / T) (docs/kl-math.md)
                 capture = (exact and not distilling) or regularizing
                 scores.reference = pipeline.compute_token_stats(
-                    ctx.reference, sequences, microbatches, dataclasses.replace(vocab, truncation=None),
-                    capture_hidden=capture, token_budget=cfg.train.micro_batch_tokens)
+                    ctx.reference,
+                    sequences,
+                    microbatches,
+                    dataclasses.replace(vocab, truncation=None),
+                    capture_hidden=capture,
+                    token_budget=cfg.train.micro_batch_tokens,
+                )
                 if capture and scores.reference.hidden is not None:
                     if regularizing:  # kept for the exact KL to the reference beside the teacher's
                         sequences.regularizer_hidden = scores.reference.hidden
@@ -299,11 +222,17 @@ def _scoring_passes(ctx: StepContext, sequences: pipeline.SequenceBatch, step: i
             top_k = cfg.distill.kl.top_k if cfg.distill.kl.estimator == TOP_K else 0
             with phase("teacher", timings):  # bringing an offloaded teacher back counts here
                 resident.enter_context(ctx.teacher.offload.resident())  # its head serves the pi_old pass too
-                scores.teacher = ctx.teacher.score(sequences, microbatches, vocab, capture_hidden=exact or top_k > 0,
-                                                   token_budget=cfg.train.micro_batch_tokens)
+                scores.teacher = ctx.teacher.score(
+                    sequences,
+                    microbatches,
+                    vocab,
+                    capture_hidden=exact or top_k > 0,
+                    token_budget=cfg.train.micro_batch_tokens,
+                )
                 if top_k:  # the teacher as its top-k tokens: the passes below score the student at those ids
                     sequences.teacher_top_ids, scores.teacher_top_logprobs = _teacher_top_k(
-                        ctx, scores.teacher.hidden, top_k, vocab, sequences.loss_mask.shape)
+                        ctx, scores.teacher.hidden, top_k, vocab, sequences.loss_mask.shape
+                    )
                 if exact and scores.teacher.hidden is not None:
                     sequences.reference_hidden = scores.teacher.hidden
         anchor = scores.teacher if distilling else scores.reference
@@ -311,14 +240,18 @@ def _scoring_passes(ctx: StepContext, sequences: pipeline.SequenceBatch, step: i
             if cfg.algo.old_logprobs == "recompute":
                 with _recording(ctx):
                     scores.old = pipeline.compute_token_stats(
-                        ctx.train_state.chunks, sequences, microbatches, vocab,
+                        ctx.train_state.chunks,
+                        sequences,
+                        microbatches,
+                        vocab,
                         reference=ctx.exact_heads(regularizing) if anchor is not None and exact else None,
-                        token_budget=cfg.train.micro_batch_tokens)
+                        token_budget=cfg.train.micro_batch_tokens,
+                    )
         if _replays(cfg, sequences) and _metrics_due(cfg, step):
             with phase("unreplayed_logprobs", timings), routing_replay.suspended(ctx.train_state.chunks):
-                scores.unreplayed = pipeline.compute_token_stats(ctx.train_state.chunks, sequences, microbatches,
-                                                                 vocab, token_budget=cfg.train.micro_batch_tokens
-                                                                 ).logprobs
+                scores.unreplayed = pipeline.compute_token_stats(
+                    ctx.train_state.chunks, sequences, microbatches, vocab, token_budget=cfg.train.micro_batch_tokens
+                ).logprobs
     return scores
 
 
@@ -327,27 +260,21 @@ def _teacher_top_k(ctx: StepContext, hidden, k: int, vocab, shape) -> tuple[torc
     rank."""
     ids, logprobs = ctx.teacher.top_k(hidden, k, vocab, ctx.topology.tp_group)
     size = (*shape, k)
-    return (pipeline.broadcast_from_last_stage(ids, size, torch.long),
-            pipeline.broadcast_from_last_stage(logprobs, size, torch.float32))
+    return (
+        pipeline.broadcast_from_last_stage(ids, size, torch.long),
+        pipeline.broadcast_from_last_stage(logprobs, size, torch.float32),
+    )
 
 
 def teacher_top_k_divergence(cfg, old: pipeline.TokenStats, teacher_top_logprobs, mask, counter=None):
     """Per position, pi_old's top-k divergence to the teacher (distill.kl.estimator=topk: megatron_kl.kl.topk)."""
-    return top_k_divergence(old.candidate_logprobs, teacher_top_logprobs, cfg.distill.kl.top_k_tail, mask,
-                            counter) * mask
+    return (
+        top_k_divergence(old.candidate_logprobs, teacher_top_logprobs, cfg.distill.kl.top_k_tail, mask, counter) * mask
+    )
 
 
 def _replays(cfg, sequences) -> bool:
     return cfg.model.moe.routing_replay == "rollout" and sequences.routed_experts is not None
-
-
-def replay_metrics(own: Optional[torch.Tensor], batch: RolloutBatch) -> dict:
-    """With routing replay, on metric steps: the train-vs-rollout mismatch pi_old would have had with the trainer's
-    own routing (``own``: the pass without replay), next to the replayed one (mismatch/abs_logprob_mean)."""
-    if own is None:
-        return {}
-    mask = batch.loss_mask
-    return {"moe/mismatch_without_replay": _masked_mean((own - batch.behavior_logprobs).abs() * mask, mask)}
 
 
 def _recording(ctx: StepContext):
@@ -360,8 +287,9 @@ def _stitch(loss: MicrobatchLoss, order: torch.Tensor, shape, candidates: int = 
     return pipeline.assemble_token_stats(loss.captured, loss.captured_keys, shape, candidates=candidates).placed(order)
 
 
-def _update(ctx: StepContext, sequences: pipeline.SequenceBatch, step: int, vocab,
-            reference_head) -> tuple[dict, Optional[pipeline.TokenStats]]:
+def _update(
+    ctx: StepContext, sequences: pipeline.SequenceBatch, step: int, vocab, reference_head
+) -> tuple[dict, Optional[pipeline.TokenStats]]:
     """``algo.ppo_epochs x algo.minibatches`` optimizer steps; (summed metrics, pi_old's stats captured from
     the update's forward when there was no pass of their own)."""
     cfg = ctx.cfg
@@ -378,18 +306,33 @@ def _update(ctx: StepContext, sequences: pipeline.SequenceBatch, step: int, voca
             minibatch = sequences.select(order[i * size : (i + 1) * size])
             shares = Shares(num_sequences=size, num_tokens=float(minibatch.loss_mask.sum()))
             axis = context_parallel.sequence_axis(ctx.topology.cp_group)
-            loss = MicrobatchLoss(algo, cfg.kl, shares, ctx.clamps, axis=axis,
-                                  captured=[] if sequences.old_logprobs is None else None,
-                                  captured_keys=pipeline.TokenStats.keys(
-                                      reference_head is not None, vocab.truncation is not None,
-                                      sequences.teacher_top_ids is not None,
-                                      reference_head is not None and reference_head.regularizer is not None),
-                                  distill=cfg.distill.kl if cfg.distill.enabled else None)
+            loss = MicrobatchLoss(
+                algo,
+                cfg.kl,
+                shares,
+                ctx.clamps,
+                axis=axis,
+                captured=[] if sequences.old_logprobs is None else None,
+                captured_keys=pipeline.TokenStats.keys(
+                    reference_head is not None,
+                    vocab.truncation is not None,
+                    sequences.teacher_top_ids is not None,
+                    reference_head is not None and reference_head.regularizer is not None,
+                ),
+                distill=cfg.distill.kl if cfg.distill.enabled else None,
+            )
             with ExitStack() as resident:
                 if reference_head is not None:
                     ctx.resident(resident, reference_head.regularizer is not None)
-                out = optim.train_step(ctx.train_state, minibatch, run.micro_batches, loss, vocab,
-                                       reference=reference_head, token_budget=run.micro_batch_tokens)
+                out = optim.train_step(
+                    ctx.train_state,
+                    minibatch,
+                    run.micro_batches,
+                    loss,
+                    vocab,
+                    reference=reference_head,
+                    token_budget=run.micro_batch_tokens,
+                )
             if record_update(ctx, out.update_successful, step, run.max_consecutive_skips):
                 grad_norms.append(out.grad_norm)
             else:
@@ -412,8 +355,9 @@ def _update(ctx: StepContext, sequences: pipeline.SequenceBatch, step: int, voca
                 captured = _stitch(loss, order, tuple(sequences.loss_mask.shape), 0 if top is None else top.shape[-1])
     # per-token metrics: weighted by each microbatch's response tokens (the minibatch value however the rows
     # were split); *_max: the largest
-    metrics = {k: v if k.endswith("_max") else v / max(counts[k], 1e-12) for k, v in sums.items()
-               if not k.startswith("loss/")}
+    metrics = {
+        k: v if k.endswith("_max") else v / max(counts[k], 1e-12) for k, v in sums.items() if not k.startswith("loss/")
+    }
     # loss/* are shares of their minibatch: the minibatch loss is their sum; report the mean minibatch loss.
     metrics.update({k: sums[k] / (algo.ppo_epochs * algo.minibatches) for k in sums if k.startswith("loss/")})
     # mean over the optimizer steps taken; 0 with a count of skips when every step of this RL step was skipped
@@ -440,9 +384,14 @@ def common_width(batch: RolloutBatch, group) -> RolloutBatch:
     if routing is not None:  # [N, S, L, k]: unrouted at the new positions
         routing = pad(routing, (0, 0, 0, 0, 0, extra), value=routing_replay.UNKNOWN)
     versions = batch.token_versions
-    return dataclasses.replace(batch, tokens=pad(batch.tokens, (0, extra)), loss_mask=pad(batch.loss_mask, (0, extra)),
-                               behavior_logprobs=pad(batch.behavior_logprobs, (0, extra)), routed_experts=routing,
-                               token_versions=None if versions is None else pad(versions, (0, extra)))
+    return dataclasses.replace(
+        batch,
+        tokens=pad(batch.tokens, (0, extra)),
+        loss_mask=pad(batch.loss_mask, (0, extra)),
+        behavior_logprobs=pad(batch.behavior_logprobs, (0, extra)),
+        routed_experts=routing,
+        token_versions=None if versions is None else pad(versions, (0, extra)),
+    )
 
 
 def rl_step(ctx: StepContext, batch: RolloutBatch, step: int) -> dict:
@@ -451,15 +400,18 @@ def rl_step(ctx: StepContext, batch: RolloutBatch, step: int) -> dict:
     if cfg.model.moe.enabled and cfg.parallel.expert_parallel > 1:
         batch = common_width(batch, groups.dp_group)
     sampling = cfg.rollout.sampling
-    vocab = pipeline.VocabOptions.for_model(cfg.model, cfg.parallel, sampling.logprob_temperature,
-                                            sampling.trained_truncation(cfg.model.vocab_size))
+    vocab = pipeline.VocabOptions.for_model(
+        cfg.model, cfg.parallel, sampling.logprob_temperature, sampling.trained_truncation(cfg.model.vocab_size)
+    )
     mask = batch.loss_mask
     timings = {}
     # the engine's routing (None without): replayed by the policy, compared by the metrics
     sequences = pipeline.SequenceBatch(batch.tokens, mask, routed_experts=batch.routed_experts)
     if batch.routed_experts is None and cfg.model.moe.routing_replay == "rollout":
-        raise CorruptResponse(f"step {step}: model.moe.routing_replay=rollout but the rollout batch carries no routing "
-                              f"(rollout.engine={cfg.rollout.engine} returned completions without routed experts)")
+        raise CorruptResponse(
+            f"step {step}: model.moe.routing_replay=rollout but the rollout batch carries no routing "
+            f"(rollout.engine={cfg.rollout.engine} returned completions without routed experts)"
+        )
     scores = _scoring_passes(ctx, sequences, step, vocab, timings)
     reference, old, teacher = scores.reference, scores.old, scores.teacher
     distill = cfg.distill.kl if teacher is not None else None
@@ -468,30 +420,53 @@ def rl_step(ctx: StepContext, batch: RolloutBatch, step: int) -> dict:
 
     ctx.clamps.counts.clear()
     task_rewards = batch.rewards if cfg.distill.task_reward == "keep" else torch.zeros_like(batch.rewards)
-    advantages = sequence_advantages(task_rewards, run.group_size, algo.advantage, algo.std_normalize,
-                                     valid=batch.reward_valid)
+    advantages = sequence_advantages(
+        task_rewards, run.group_size, algo.advantage, algo.std_normalize, valid=batch.reward_valid
+    )
     zeros = torch.zeros(mask.shape, dtype=torch.float32)
-    inputs = LossInputs(loss_mask=mask, behavior_logprobs=batch.behavior_logprobs,
-                        reference_logprobs=reference.logprobs if reference is not None else zeros,  # unread: no KL
-                        advantages=advantages[:, None] * mask,
-                        teacher_logprobs=teacher.logprobs if teacher is not None else None,
-                        teacher_top_logprobs=scores.teacher_top_logprobs)
+    inputs = LossInputs(
+        loss_mask=mask,
+        behavior_logprobs=batch.behavior_logprobs,
+        reference_logprobs=reference.logprobs if reference is not None else zeros,  # unread: no KL
+        advantages=advantages[:, None] * mask,
+        teacher_logprobs=teacher.logprobs if teacher is not None else None,
+        teacher_top_logprobs=scores.teacher_top_logprobs,
+    )
     if old is not None:
         no_reward = torch.zeros_like(batch.rewards)
         returns = torch.zeros(mask.shape, dtype=old.logprobs.dtype)
         if reference is not None and (teacher is None or kl.coef > 0):  # the pi_old pass's exact KL to the
             # reference: its kl without distillation, its regularizer_kl beside the teacher's
-            returns = kl_shaped_returns(kl, no_reward, old.logprobs, reference.logprobs, mask, batch.behavior_logprobs,
-                                        full_kl=old.kl if teacher is None else old.regularizer_kl, counter=ctx.clamps)
+            returns = kl_shaped_returns(
+                kl,
+                no_reward,
+                old.logprobs,
+                reference.logprobs,
+                mask,
+                batch.behavior_logprobs,
+                full_kl=old.kl if teacher is None else old.regularizer_kl,
+                counter=ctx.clamps,
+            )
         inputs = dataclasses.replace(inputs, old_logprobs=old.logprobs, kl_returns=returns)
         if distill is not None:
             per_position = old.kl
             if scores.teacher_top_logprobs is not None:
-                per_position = teacher_top_k_divergence(cfg, old, scores.teacher_top_logprobs, mask,
-                                                        TermCounter(ctx.clamps, "distill"))
-            inputs = dataclasses.replace(inputs, distill_returns=kl_shaped_returns(
-                distill.per_position(), no_reward, old.logprobs, teacher.logprobs, mask, batch.behavior_logprobs,
-                full_kl=per_position, counter=TermCounter(ctx.clamps, "distill")))
+                per_position = teacher_top_k_divergence(
+                    cfg, old, scores.teacher_top_logprobs, mask, TermCounter(ctx.clamps, "distill")
+                )
+            inputs = dataclasses.replace(
+                inputs,
+                distill_returns=kl_shaped_returns(
+                    distill.per_position(),
+                    no_reward,
+                    old.logprobs,
+                    teacher.logprobs,
+                    mask,
+                    batch.behavior_logprobs,
+                    full_kl=per_position,
+                    counter=TermCounter(ctx.clamps, "distill"),
+                ),
+            )
     sequences = inputs.into(sequences)
     # the update's forward needs the exact KL for a full KL in the loss, and to be pi_old's stats (from_update)
     term = anchor_objective(cfg)
@@ -501,13 +476,15 @@ def rl_step(ctx: StepContext, batch: RolloutBatch, step: int) -> dict:
     needs_head = anchor is not None and scores.exact and (exact_in_loss or regularizer_in_loss or old is None)
 
     with phase("update", timings), _recording(ctx) if cfg.algo.old_logprobs == "from_update" else nullcontext():
-        metrics, captured = _update(ctx, sequences, step, vocab,
-                                    ctx.exact_heads(scores.regularizing) if needs_head else None)
+        metrics, captured = _update(
+            ctx, sequences, step, vocab, ctx.exact_heads(scores.regularizing) if needs_head else None
+        )
     old = old if old is not None else captured
 
     if reference is not None:
-        metrics.update(kl_metrics(old.logprobs, reference.logprobs, old.kl if teacher is None else old.regularizer_kl,
-                                  mask))
+        metrics.update(
+            kl_metrics(old.logprobs, reference.logprobs, old.kl if teacher is None else old.regularizer_kl, mask)
+        )
     if teacher is not None:
         metrics.update(kl_metrics(old.logprobs, teacher.logprobs, old.kl, mask, prefix="distill"))
         if scores.teacher_top_logprobs is not None and old.candidate_logprobs is not None:

@@ -28,8 +28,17 @@ class Topology:
         from megatron_kl.models import parallel, pipeline
 
         dp_group = ps.get_data_parallel_group()
-        is_logger = (ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
-                     and ps.get_data_parallel_rank() == 0)
-        return cls(dp_rank=ps.get_data_parallel_rank(), dp_size=dist.get_world_size(dp_group), dp_group=dp_group,
-                   tp_group=parallel.tp_group(), pp_group=parallel.pp_group(),
-                   cp_group=pipeline.context_parallel_group(), is_logger=is_logger)
+        is_logger = (
+            ps.is_pipeline_last_stage()
+            and ps.get_tensor_model_parallel_rank() == 0
+            and ps.get_data_parallel_rank() == 0
+        )
+        return cls(
+            dp_rank=ps.get_data_parallel_rank(),
+            dp_size=dist.get_world_size(dp_group),
+            dp_group=dp_group,
+            tp_group=parallel.tp_group(),
+            pp_group=parallel.pp_group(),
+            cp_group=pipeline.context_parallel_group(),
+            is_logger=is_logger,
+        )

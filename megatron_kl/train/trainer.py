@@ -79,10 +79,14 @@ def kl_tags(cfg: TrainConfig) -> dict:
     sampling = cfg.rollout.sampling
     untruncated = sampling.distribution == "full" and sampling.truncates(cfg.model.vocab_size)
     if untruncated:
-        log.warning("rollout.sampling.distribution=full with top_k=%d / top_p=%g: the engines sample the truncated "
-                    "distribution mu while the trainer differentiates the full softmax, so the samples are off-policy "
-                    "and every KL estimate and the policy gradient are biased (the mismatch/* metrics show the gap); "
-                    "rollout.sampling.distribution=truncated trains mu itself", sampling.top_k, sampling.top_p)
+        log.warning(
+            "rollout.sampling.distribution=full with top_k=%d / top_p=%g: the engines sample the truncated "
+            "distribution mu while the trainer differentiates the full softmax, so the samples are off-policy "
+            "and every KL estimate and the policy gradient are biased (the mismatch/* metrics show the gap); "
+            "rollout.sampling.distribution=truncated trains mu itself",
+            sampling.top_k,
+            sampling.top_p,
+        )
     if verdict is None:
         log.info("no KL term in the loss or reward (kl.coef=0 or algo.loss=rpg): kl.target is not judged")
         return {}
@@ -91,8 +95,11 @@ def kl_tags(cfg: TrainConfig) -> dict:
     if verdict.unbiased:
         log.info("KL term %s", verdict.describe())
     else:
-        log.warning("KL term %s; the run is tagged kl/biased=1 (kl.estimator=auto picks an unbiased one, "
-                    "kl.strict=true refuses biased runs; docs/kl-math.md)", verdict.describe())
+        log.warning(
+            "KL term %s; the run is tagged kl/biased=1 (kl.estimator=auto picks an unbiased one, "
+            "kl.strict=true refuses biased runs; docs/kl-math.md)",
+            verdict.describe(),
+        )
     return {"kl/biased": 0.0 if verdict.unbiased else 1.0}
 
 
@@ -108,8 +115,11 @@ def distill_tags(cfg: TrainConfig) -> dict:
     if verdict.unbiased:
         log.info(line)
     else:
-        log.warning("%s; the run is tagged distill/biased=1 (distill.kl.estimator=auto picks an unbiased one; "
-                    "docs/distillation.md)", line)
+        log.warning(
+            "%s; the run is tagged distill/biased=1 (distill.kl.estimator=auto picks an unbiased one; "
+            "docs/distillation.md)",
+            line,
+        )
     return {"distill/biased": 0.0 if verdict.unbiased else 1.0}
 
 
@@ -124,10 +134,17 @@ class StepResult:
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, plan: run_dir.StartPlan, task, hf_source, topology: Topology,
-                 stop: StopSignals):
+    def __init__(
+        self, cfg: TrainConfig, plan: run_dir.StartPlan, task, hf_source, topology: Topology, stop: StopSignals
+    ):
         self.cfg, self.plan, self.task, self.hf_source, self.topology, self.stop = (
-            cfg, plan, task, hf_source, topology, stop)
+            cfg,
+            plan,
+            task,
+            hf_source,
+            topology,
+            stop,
+        )
         self.run_path = Path(cfg.train.output_dir)
         self.record = run_dir.run_record(cfg, plan)
         log.info("run %s (%s start) -> %s", cfg.run_name, plan.kind, self.run_path)
@@ -142,10 +159,16 @@ class Trainer:
             log.info("policy and reference loaded from %s", hf_source.path)
         elif initial is not None:
             for chunks in (models.policy, models.reference):
-                state.load_full_state_dict(chunks, initial, cfg.model.tie_word_embeddings, dist.get_rank(tp_group),
-                                           dist.get_world_size(tp_group))
-        self.teacher = (build_teacher(cfg, task, topology, warm_start_state, stop.agreed) if cfg.distill.enabled
-                        else None)
+                state.load_full_state_dict(
+                    chunks,
+                    initial,
+                    cfg.model.tie_word_embeddings,
+                    dist.get_rank(tp_group),
+                    dist.get_world_size(tp_group),
+                )
+        self.teacher = (
+            build_teacher(cfg, task, topology, warm_start_state, stop.agreed) if cfg.distill.enabled else None
+        )
         self.train_state = optim.build_train_state(models.policy, cfg.optim)
         self.engine = build_engine(cfg, self.train_state.chunks, hf_source, self.run_path, topology.dp_rank)
         try:
@@ -159,37 +182,80 @@ class Trainer:
     def _register_and_resume(self, models) -> None:
         cfg, plan, topology = self.cfg, self.plan, self.topology
         self.scorer = RewardScorer.build(cfg.reward, self.task)  # reward.*: closed with the rollout source
-        self.source = RolloutSource(self.task, self.engine, cfg.rollout.sampling, cfg.train.prompts_per_step,
-                                    cfg.train.group_size, cfg.train.staleness, cfg.train.seed, topology.dp_rank,
-                                    topology.dp_size, partial=cfg.rollout.partial, scorer=self.scorer)
+        self.source = RolloutSource(
+            self.task,
+            self.engine,
+            cfg.rollout.sampling,
+            cfg.train.prompts_per_step,
+            cfg.train.group_size,
+            cfg.train.staleness,
+            cfg.train.seed,
+            topology.dp_rank,
+            topology.dp_size,
+            partial=cfg.rollout.partial,
+            scorer=self.scorer,
+        )
         offload = ReferenceOffload(models.reference, cfg.parallel.offload_reference)
         self.counters = Counters()
         # what a checkpoint holds: shared by every rank, or each rank's own
-        self.run_state = RunState(self.train_state, shared={"scheduler": self.train_state.scheduler,
-                                                            "counters": self.counters},
-                                  per_rank={"rng": RNGStates(), "rollouts": self.source})
-        self.context = StepContext(cfg, self.train_state, models.reference, output_head.ReferenceHead(models.reference),
-                                   offload, topology, kl_tags={**kl_tags(cfg), **distill_tags(cfg)},
-                                   counters=self.counters,
-                                   expert_load=moe_load.expert_load(self.train_state.chunks, cfg.model),
-                                   teacher=self.teacher)
+        self.run_state = RunState(
+            self.train_state,
+            shared={"scheduler": self.train_state.scheduler, "counters": self.counters},
+            per_rank={"rng": RNGStates(), "rollouts": self.source},
+        )
+        self.context = StepContext(
+            cfg,
+            self.train_state,
+            models.reference,
+            output_head.ReferenceHead(models.reference),
+            offload,
+            topology,
+            kl_tags={**kl_tags(cfg), **distill_tags(cfg)},
+            counters=self.counters,
+            expert_load=moe_load.expert_load(self.train_state.chunks, cfg.model),
+            teacher=self.teacher,
+        )
 
-        latest = (ckpt.load_latest(self.run_path / "checkpoints", self.run_state, plan.run_id)
-                  if plan.kind == "resume" else None)
+        latest = (
+            ckpt.load_latest(self.run_path / "checkpoints", self.run_state, plan.run_id)
+            if plan.kind == "resume"
+            else None
+        )
         self.start_step = self.counters.rl_steps
         if latest is not None:
-            log.info("resumed from %s at RL step %d (%d optimizer steps)", latest, self.start_step,
-                     self.counters.optimizer_steps)
+            log.info(
+                "resumed from %s at RL step %d (%d optimizer steps)",
+                latest,
+                self.start_step,
+                self.counters.optimizer_steps,
+            )
         if dist.get_rank() == 0 and plan.start_entry is not None:
             run_dir.record_start(self.run_path, plan.start_entry, self.start_step)
         logging_cfg = cfg.logging
-        wandb = ({"project": logging_cfg.wandb_project, "entity": logging_cfg.wandb_entity,
-                  "tags": list(logging_cfg.wandb_tags), "mode": logging_cfg.wandb_mode, "id": plan.run_id}
-                 if logging_cfg.wandb_project else None)
-        self.logger = MetricsLogger(self.run_path, topology.is_logger, cfg.logging.tensorboard,
-                                    wandb, cfg.run_name, redact_secrets(to_dict(cfg)),
-                                    cfg.logging.progress, cfg.train.steps, self.start_step,
-                                    cfg.logging.progress_every, cfg.logging.progress_every_s)
+        wandb = (
+            {
+                "project": logging_cfg.wandb_project,
+                "entity": logging_cfg.wandb_entity,
+                "tags": list(logging_cfg.wandb_tags),
+                "mode": logging_cfg.wandb_mode,
+                "id": plan.run_id,
+            }
+            if logging_cfg.wandb_project
+            else None
+        )
+        self.logger = MetricsLogger(
+            self.run_path,
+            topology.is_logger,
+            cfg.logging.tensorboard,
+            wandb,
+            cfg.run_name,
+            redact_secrets(to_dict(cfg)),
+            cfg.logging.progress,
+            cfg.train.steps,
+            self.start_step,
+            cfg.logging.progress_every,
+            cfg.logging.progress_every_s,
+        )
         self.profiler = StepProfiler(cfg.logging.profile_steps, self.run_path / "profile", dist.get_rank())
         self.saved: dict[int, Path] = {self.start_step: latest} if latest is not None else {}
         self.boundary_optimizer_steps = self.counters.optimizer_steps  # when the last RL step finished
@@ -217,9 +283,18 @@ class Trainer:
         sampling = cfg.rollout.sampling
         if cfg.eval.max_new_tokens:
             sampling = dataclasses.replace(sampling, max_new_tokens=cfg.eval.max_new_tokens)
-        out = evaluate_all(self.engine, self.task, sampling, cfg.eval.k, cfg.eval.temperature,
-                           seed=cfg.train.seed * 31 + step, dp_rank=self.topology.dp_rank,
-                           dp_size=self.topology.dp_size, dp_group=self.topology.dp_group, scorer=self.scorer)
+        out = evaluate_all(
+            self.engine,
+            self.task,
+            sampling,
+            cfg.eval.k,
+            cfg.eval.temperature,
+            seed=cfg.train.seed * 31 + step,
+            dp_rank=self.topology.dp_rank,
+            dp_size=self.topology.dp_size,
+            dp_group=self.topology.dp_group,
+            scorer=self.scorer,
+        )
         out["time/eval"] = time.perf_counter() - start
         return out
 
@@ -302,14 +377,25 @@ class Trainer:
             # there end the run as such (75), never as a failed checkpoint write
             self.source.wait()
             cfg = self.cfg
-            path = ckpt.save_checkpoint(self.run_path / "checkpoints", done, self.run_state, self.record,
-                                        keep=cfg.checkpoint.keep, free_before_write=cfg.checkpoint.free_before_write)
+            path = ckpt.save_checkpoint(
+                self.run_path / "checkpoints",
+                done,
+                self.run_state,
+                self.record,
+                keep=cfg.checkpoint.keep,
+                free_before_write=cfg.checkpoint.free_before_write,
+            )
             if cfg.checkpoint.export_hf:
                 hf_source = self.hf_source
-                hf.export_hf([output_head.unwrap(c) for c in self.train_state.chunks], cfg.model, path / "hf",
-                             dtype=hf_source.dtype if hf_source is not None else cfg.model.params_dtype,
-                             tp_group=self.topology.tp_group, pp_group=self.topology.pp_group,
-                             source_dir=hf_source.path if hf_source is not None else None)
+                hf.export_hf(
+                    [output_head.unwrap(c) for c in self.train_state.chunks],
+                    cfg.model,
+                    path / "hf",
+                    dtype=hf_source.dtype if hf_source is not None else cfg.model.params_dtype,
+                    tp_group=self.topology.tp_group,
+                    pp_group=self.topology.pp_group,
+                    source_dir=hf_source.path if hf_source is not None else None,
+                )
             self.saved[done] = path
         return self.saved.get(done)
 
@@ -325,9 +411,14 @@ class Trainer:
         if done == 0 or done in self.saved:
             return TrainingFailed(err, done, self.saved.get(done), "no step finished" if done == 0 else "", last)
         if counters.optimizer_steps != self.boundary_optimizer_steps:
-            return TrainingFailed(err, done, None, f"step {done + 1} had already applied "
-                                  f"{counters.optimizer_steps - self.boundary_optimizer_steps} optimizer update(s)",
-                                  last)
+            return TrainingFailed(
+                err,
+                done,
+                None,
+                f"step {done + 1} had already applied "
+                f"{counters.optimizer_steps - self.boundary_optimizer_steps} optimizer update(s)",
+                last,
+            )
         if dist.get_world_size() > 1 and not isinstance(err, AGREED_FAILURES):
             return TrainingFailed(err, done, None, "an error on some ranks only: a collective save could hang", last)
         self.source.drop_unfinished()

@@ -28,16 +28,34 @@ log = logging.getLogger(__name__)
 
 # implementation choices of the same computation (equal to float32 rounding, tested): not part of the key
 # and how the weights are obtained; the seed enters resolved (warm_start.seed null = train.seed: one key)
-NOT_IN_KEY = {"model": ("logprob_path", "logprob_chunk_rows", "fused_grad"),
-              "warm_start": ("cache_dir", "enabled", "source", "seed")}
+NOT_IN_KEY = {
+    "model": ("logprob_path", "logprob_chunk_rows", "fused_grad"),
+    "warm_start": ("cache_dir", "enabled", "source", "seed"),
+}
 
 
 # model fields added after the first shipped warm start: left out of the key at their defaults (the behaviour the
 # weights were made with before they existed), so the keys of models that do not use them stay what they were
-LATER_MODEL_FIELDS = ("yarn", "mla", "attention_sinks", "sliding_window", "full_attention_every", "linear_bias",
-                      "glu_activation", "glu_up_offset", "glu_clamp")
-LATER_MOE_FIELDS = ("shared_expert_gate", "score_function", "expert_bias", "num_groups", "group_topk",
-                    "routed_scaling_factor", "first_dense_layers")
+LATER_MODEL_FIELDS = (
+    "yarn",
+    "mla",
+    "attention_sinks",
+    "sliding_window",
+    "full_attention_every",
+    "linear_bias",
+    "glu_activation",
+    "glu_up_offset",
+    "glu_clamp",
+)
+LATER_MOE_FIELDS = (
+    "shared_expert_gate",
+    "score_function",
+    "expert_bias",
+    "num_groups",
+    "group_topk",
+    "routed_scaling_factor",
+    "first_dense_layers",
+)
 
 
 def _model_key(model) -> dict:
@@ -60,8 +78,16 @@ def recipe_key(cfg) -> str:
     """16 hex digits of the SHA-256 of what determines the warm start's weights (model, task, recipe, seed)."""
     recipe = {k: v for k, v in to_dict(cfg.warm_start).items() if k not in NOT_IN_KEY["warm_start"]}
     model = _model_key(cfg.model)
-    key = json.dumps({"model": model, "task": _task_key(cfg.task), "warm_start": recipe,
-                      "seed": warm_start_seed(cfg), "micro_batches": cfg.train.micro_batches}, sort_keys=True)
+    key = json.dumps(
+        {
+            "model": model,
+            "task": _task_key(cfg.task),
+            "warm_start": recipe,
+            "seed": warm_start_seed(cfg),
+            "micro_batches": cfg.train.micro_batches,
+        },
+        sort_keys=True,
+    )
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
@@ -92,11 +118,15 @@ def shipped_entry(cfg) -> Optional[shipped_warmstart.ShippedWarmStart]:
     where = directory / shipped_warmstart.MANIFEST
     if not shipped_warmstart.manifest_present(directory):
         if cfg.warm_start.source == "shipped":
-            raise ConfigError(f"warm_start.source=shipped: the package's warm-start manifest {where} is missing; "
-                              "reinstall the package, or set warm_start.source=auto to train one")
-        log.warning("the package's shipped warm starts are missing (%s): training this recipe's warm start, which "
-                    "float32 rounding makes machine-dependent; reinstall the package to start from the shipped ones",
-                    where)
+            raise ConfigError(
+                f"warm_start.source=shipped: the package's warm-start manifest {where} is missing; "
+                "reinstall the package, or set warm_start.source=auto to train one"
+            )
+        log.warning(
+            "the package's shipped warm starts are missing (%s): training this recipe's warm start, which "
+            "float32 rounding makes machine-dependent; reinstall the package to start from the shipped ones",
+            where,
+        )
         return None
     try:
         entry = shipped_warmstart.find(key, directory)
@@ -104,8 +134,10 @@ def shipped_entry(cfg) -> Optional[shipped_warmstart.ShippedWarmStart]:
         raise ConfigError(str(err)) from None
     if entry is None and cfg.warm_start.source == "shipped":
         known = ", ".join(e.made_with for e in shipped_warmstart.read_manifest(directory).values()) or "none"
-        raise ConfigError(f"warm_start.source=shipped: the package ships no warm start for this recipe (key {key}; "
-                          f"shipped: {known}); set warm_start.source=auto to train one")
+        raise ConfigError(
+            f"warm_start.source=shipped: the package ships no warm start for this recipe (key {key}; "
+            f"shipped: {known}); set warm_start.source=auto to train one"
+        )
     return entry
 
 
@@ -115,16 +147,21 @@ def shipped_state(cfg) -> dict[str, torch.Tensor] | None:
     if entry is None:
         return None
     state_dict = shipped_warmstart.load(entry)
-    log.info("warm start: shipped %s (made with %s; file and weights SHA-256 verified, weights %s)",
-             entry.path.name, entry.made_with, entry.weights_sha256[:16])
+    log.info(
+        "warm start: shipped %s (made with %s; file and weights SHA-256 verified, weights %s)",
+        entry.path.name,
+        entry.made_with,
+        entry.weights_sha256[:16],
+    )
     return state_dict
 
 
 def _sft_batch(task, step: int, batch_size: int) -> pipeline.SequenceBatch:
     """Reference completions of training problems far past any RL step's cursor."""
     problems = [task.problem("train", 10_000_000 + step * batch_size + i) for i in range(batch_size)]
-    tokens, mask, _ = pack([p.prompt_ids for p in problems], [task.target_ids(p) for p in problems],
-                           task.tokenizer.pad_id)
+    tokens, mask, _ = pack(
+        [p.prompt_ids for p in problems], [task.target_ids(p) for p in problems], task.tokenizer.pad_id
+    )
     return pipeline.SequenceBatch(tokens, mask)
 
 
@@ -138,12 +175,17 @@ def _train(cfg, task, should_stop=None) -> dict[str, torch.Tensor]:
     ws = cfg.warm_start
     dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
     if ws.batch_size % (dp * cfg.train.micro_batches):
-        raise ConfigError(f"warm_start.batch_size={ws.batch_size} must be divisible by data-parallel size x "
-                          f"train.micro_batches = {dp} x {cfg.train.micro_batches}")
+        raise ConfigError(
+            f"warm_start.batch_size={ws.batch_size} must be divisible by data-parallel size x "
+            f"train.micro_batches = {dp} x {cfg.train.micro_batches}"
+        )
     chunks = builder.build_model_chunks(cfg.model, cfg.parallel)
-    train_state = optim.build_train_state(chunks, optim.OptimConfig(lr=ws.lr, clip_grad=1.0, warmup_steps=10,
-                                                                    decay_steps=ws.steps, lr_decay_style="cosine",
-                                                                    min_lr=ws.lr * 0.1))
+    train_state = optim.build_train_state(
+        chunks,
+        optim.OptimConfig(
+            lr=ws.lr, clip_grad=1.0, warmup_steps=10, decay_steps=ws.steps, lr_decay_style="cosine", min_lr=ws.lr * 0.1
+        ),
+    )
     vocab = pipeline.VocabOptions.for_model(cfg.model, cfg.parallel)
     per_rank = ws.batch_size // dp
 
@@ -163,8 +205,13 @@ def _train(cfg, task, should_stop=None) -> dict[str, torch.Tensor]:
             nll = sum(float(m["nll"]) for m in out.microbatch_metrics)
             log.info("warm start step %d/%d: nll/sequence %.4f", step + 1, ws.steps, nll)
     tied = cfg.model.tie_word_embeddings
-    full = state.full_state_dict([output_head.unwrap(c) for c in train_state.chunks], cfg.model.vocab_size, tied,
-                                 parallel.tp_group(), parallel.pp_group())
+    full = state.full_state_dict(
+        [output_head.unwrap(c) for c in train_state.chunks],
+        cfg.model.vocab_size,
+        tied,
+        parallel.tp_group(),
+        parallel.pp_group(),
+    )
     return full
 
 
@@ -218,7 +265,11 @@ def _load_verified(path: Path):
     expected = (recorded.read_text().split() or [""])[0]
     actual = sha256_of(path)
     if actual != expected:
-        log.warning("warm start: cache %s does not match its SHA-256 (%s, recorded %s): the file is damaged; "
-                    "recomputing it", path, actual[:16], expected[:16])
+        log.warning(
+            "warm start: cache %s does not match its SHA-256 (%s, recorded %s): the file is damaged; recomputing it",
+            path,
+            actual[:16],
+            expected[:16],
+        )
         return None
     return torch.load(path, map_location="cpu", weights_only=True)

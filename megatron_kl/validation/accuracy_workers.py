@@ -17,15 +17,22 @@ def near_reference_inputs(case: dict) -> dict:
     rows, vocab, hidden, eps = case["rows"], case["vocab"], case["hidden"], case["eps"]
     if case["api"].startswith("fused_linear"):
         h = torch.randn(rows, hidden, generator=g, dtype=torch.float64)
-        w = 2.0 * torch.randn(vocab, hidden, generator=g, dtype=torch.float64) / hidden ** 0.5
-        w_ref = w + eps * torch.randn(vocab, hidden, generator=g, dtype=torch.float64) / hidden ** 0.5
-        return {"hidden": h.float(), "weight": w.float(), "reference_weight": w_ref.float(),
-                "weights": torch.rand(rows, generator=g, dtype=torch.float64) + 0.5}
+        w = 2.0 * torch.randn(vocab, hidden, generator=g, dtype=torch.float64) / hidden**0.5
+        w_ref = w + eps * torch.randn(vocab, hidden, generator=g, dtype=torch.float64) / hidden**0.5
+        return {
+            "hidden": h.float(),
+            "weight": w.float(),
+            "reference_weight": w_ref.float(),
+            "weights": torch.rand(rows, generator=g, dtype=torch.float64) + 0.5,
+        }
     x = 2.0 * torch.randn(rows, vocab, generator=g, dtype=torch.float64)
     y = x + eps * torch.randn(rows, vocab, generator=g, dtype=torch.float64)
-    return {"logits": x.float(), "reference": y.float(),
-            "targets": torch.randint(0, vocab, (rows,), generator=g),
-            "weights": torch.rand(rows, generator=g, dtype=torch.float64) + 0.5}
+    return {
+        "logits": x.float(),
+        "reference": y.float(),
+        "targets": torch.randint(0, vocab, (rows,), generator=g),
+        "weights": torch.rand(rows, generator=g, dtype=torch.float64) + 0.5,
+    }
 
 
 def near_reference_worker(rank, world, cases):
@@ -42,24 +49,42 @@ def near_reference_worker(rank, world, cases):
             w_ref = data["reference_weight"].chunk(world, 0)[rank].contiguous()
             if case["api"] == "fused_linear_single_pass":
                 out, grad_h, grad_w = fused_linear_grads(
-                    h.detach(), w.detach(), h.detach(), w_ref, None, group, tau, None, case["chunk"],
-                    lambda out, lo, hi: (None, None, weights[lo:hi]))
+                    h.detach(),
+                    w.detach(),
+                    h.detach(),
+                    w_ref,
+                    None,
+                    group,
+                    tau,
+                    None,
+                    case["chunk"],
+                    lambda out, lo, hi: (None, None, weights[lo:hi]),
+                )
                 dist.all_reduce(grad_h, group=group)  # the output layer's TP collective
                 results.append({"kl": out[2].double(), "grad_hidden": grad_h.double(), "grad_weight": grad_w.double()})
                 continue
-            stats = fused_linear_stats(h, w, group, reference_hidden=h.detach(), reference_weight=w_ref,
-                                       temperature=tau, chunk_size=case["chunk"])
+            stats = fused_linear_stats(
+                h,
+                w,
+                group,
+                reference_hidden=h.detach(),
+                reference_weight=w_ref,
+                temperature=tau,
+                chunk_size=case["chunk"],
+            )
             grad_h, grad_w = torch.autograd.grad((weights * stats.kl).sum(), (h, w))
-            results.append({"kl": stats.kl.detach().double(), "grad_hidden": grad_h.double(),
-                            "grad_weight": grad_w.double()})
+            results.append(
+                {"kl": stats.kl.detach().double(), "grad_hidden": grad_h.double(), "grad_weight": grad_w.double()}
+            )
             continue
         x = data["logits"].chunk(world, -1)[rank].contiguous().requires_grad_(True)
         y = data["reference"].chunk(world, -1)[rank].contiguous()
         if case["api"] == "full_kl":
             kl = full_kl(x, y, group, temperature=tau, chunk_size=case["chunk"])
         else:  # fused_stats: log-prob and entropy computed in the same pass
-            kl = fused_stats(x, group, targets=data["targets"], reference_logits=y, temperature=tau,
-                             chunk_size=case["chunk"]).kl
+            kl = fused_stats(
+                x, group, targets=data["targets"], reference_logits=y, temperature=tau, chunk_size=case["chunk"]
+            ).kl
         (grad,) = torch.autograd.grad((weights * kl).sum(), x)
         results.append({"kl": kl.detach().double(), "grad": grad.double()})
     return results

@@ -53,9 +53,20 @@ def _gather_logits(model_cfg: ModelConfig):
     return loss_fn
 
 
-def layout_worker(rank, world, model_cfg: ModelConfig, parallel_cfg: ParallelConfig, full_state, tokens,
-                  loss_mask, num_microbatches: int, optim_cfg: optim.OptimConfig, fused: bool = False,
-                  grad_in_forward: bool = False, token_budget: int = 0):
+def layout_worker(
+    rank,
+    world,
+    model_cfg: ModelConfig,
+    parallel_cfg: ParallelConfig,
+    full_state,
+    tokens,
+    loss_mask,
+    num_microbatches: int,
+    optim_cfg: optim.OptimConfig,
+    fused: bool = False,
+    grad_in_forward: bool = False,
+    token_budget: int = 0,
+):
     """Build policy+reference in the given layout from ``full_state`` (or fresh init when None), and
     return logits, token stats, gradients and the updated weights, all in the full layout. ``fused``:
     stats and gradients through the fused linear path (logits are gathered on the unfused path);
@@ -77,12 +88,15 @@ def layout_worker(rank, world, model_cfg: ModelConfig, parallel_cfg: ParallelCon
     batch = pipeline.SequenceBatch(tokens=tokens, loss_mask=loss_mask)
     unfused = pipeline.VocabOptions(vocab_size=model_cfg.vocab_size, temperature=0.8, chunk_size=7)
     vocab = dataclasses.replace(unfused, fused=fused, chunk_size=5 if fused else 7, grad_in_forward=grad_in_forward)
-    logits_out = pipeline.run_schedule(models.policy, batch, num_microbatches, _gather_logits(model_cfg),
-                                       unfused, forward_only=True)
+    logits_out = pipeline.run_schedule(
+        models.policy, batch, num_microbatches, _gather_logits(model_cfg), unfused, forward_only=True
+    )
     logits = None
     if logits_out:
         logits = torch.cat([o["logits"] for o in sorted(logits_out, key=lambda o: o["index"])])
-    policy_stats = pipeline.compute_token_stats(models.policy, batch, num_microbatches, vocab, token_budget=token_budget)
+    policy_stats = pipeline.compute_token_stats(
+        models.policy, batch, num_microbatches, vocab, token_budget=token_budget
+    )
     reference_before = pipeline.compute_token_stats(models.reference, batch, num_microbatches, vocab)
 
     train = optim.build_train_state(models.policy, optim_cfg)
@@ -94,8 +108,9 @@ def layout_worker(rank, world, model_cfg: ModelConfig, parallel_cfg: ParallelCon
     reference_after = pipeline.compute_token_stats(models.reference, batch, num_microbatches, vocab)
     reference_requires_grad = any(p.requires_grad for c in models.reference for p in c.parameters())
     return {
-        "core_attention": sorted({type(m).__name__ for c in inner for n, m in c.named_modules()
-                                  if n.endswith("core_attention")}),
+        "core_attention": sorted(
+            {type(m).__name__ for c in inner for n, m in c.named_modules() if n.endswith("core_attention")}
+        ),
         "rms_norms": sorted({type(m).__name__ for c in inner for m in c.modules() if isinstance(m, torch.nn.RMSNorm)}),
         "param_dtypes": sorted({str(p.dtype) for c in inner for p in c.parameters()}),
         "recompute": inner[0].config.recompute_granularity,
@@ -115,8 +130,9 @@ def layout_worker(rank, world, model_cfg: ModelConfig, parallel_cfg: ParallelCon
     }
 
 
-def exact_kl_metric_worker(rank, world, model_cfg: ModelConfig, parallel_cfg: ParallelConfig, tokens, loss_mask,
-                           settings: list):
+def exact_kl_metric_worker(
+    rank, world, model_cfg: ModelConfig, parallel_cfg: ParallelConfig, tokens, loss_mask, settings: list
+):
     """The trainer's exact-KL metric (``compute_token_stats`` of the policy with the reference head, as
     ``rl_step``'s old pass) with a reference whose output weight is the policy's + eps * noise / sqrt(H).
     Returns, per (eps, fused) setting, the metric and what a float64 recomputation needs."""
@@ -133,17 +149,28 @@ def exact_kl_metric_worker(rank, world, model_cfg: ModelConfig, parallel_cfg: Pa
         weight = full_state["output_layer.weight"]
         noise = torch.randn(weight.shape, generator=torch.Generator().manual_seed(11), dtype=torch.float64)
         reference_weight = (weight.double() + eps * noise / weight.shape[1] ** 0.5).to(weight.dtype)
-        state.load_full_state_dict(models.reference, {**full_state, "output_layer.weight": reference_weight},
-                                   False, tp_rank, tp_size)
+        state.load_full_state_dict(
+            models.reference, {**full_state, "output_layer.weight": reference_weight}, False, tp_rank, tp_size
+        )
         vocab = pipeline.VocabOptions(vocab_size=model_cfg.vocab_size, temperature=1.0, chunk_size=5, fused=fused)
         batch = pipeline.SequenceBatch(tokens=tokens, loss_mask=loss_mask)
         reference = pipeline.compute_token_stats(models.reference, batch, 2, vocab, capture_hidden=True)
         batch.reference_hidden = reference.hidden
-        old = pipeline.compute_token_stats(models.policy, batch, 2, vocab, reference=output_head.ReferenceHead(models.reference),
-                                           capture_hidden=True)
+        old = pipeline.compute_token_stats(
+            models.policy, batch, 2, vocab, reference=output_head.ReferenceHead(models.reference), capture_hidden=True
+        )
         assert old.hidden.shape[0] == batch_size
-        results.append({"eps": eps, "fused": fused, "kl": old.kl, "hidden": old.hidden,
-                        "reference_hidden": reference.hidden, "weight": weight, "reference_weight": reference_weight})
+        results.append(
+            {
+                "eps": eps,
+                "fused": fused,
+                "kl": old.kl,
+                "hidden": old.hidden,
+                "reference_hidden": reference.hidden,
+                "weight": weight,
+                "reference_weight": reference_weight,
+            }
+        )
     return results
 
 
@@ -181,12 +208,14 @@ def nonfinite_step_worker(rank, world, model_cfg: ModelConfig, parallel_cfg: Par
     after_bad, lr_after_bad = weights(), train.optimizer.param_groups[0]["lr"]
     good = optim.train_step(train, batch, 2, _PoisonedLoss(tokens.shape[0], False), vocab)
     after_good = weights()
-    return {"bad": {"update_successful": bad.update_successful, "grad_norm": bad.grad_norm},
-            "good": {"update_successful": good.update_successful, "grad_norm": good.grad_norm},
-            "unchanged": all(torch.equal(before[k], after_bad[k]) for k in before),
-            "changed_after_good": any(not torch.equal(before[k], after_good[k]) for k in before),
-            "finite_after_good": all(torch.isfinite(v).all() for v in after_good.values()),
-            "lr": (lr_before, lr_after_bad)}
+    return {
+        "bad": {"update_successful": bad.update_successful, "grad_norm": bad.grad_norm},
+        "good": {"update_successful": good.update_successful, "grad_norm": good.grad_norm},
+        "unchanged": all(torch.equal(before[k], after_bad[k]) for k in before),
+        "changed_after_good": any(not torch.equal(before[k], after_good[k]) for k in before),
+        "finite_after_good": all(torch.isfinite(v).all() for v in after_good.values()),
+        "lr": (lr_before, lr_after_bad),
+    }
 
 
 def hung_rank_worker(rank, world, model_cfg: ModelConfig, timeout_s: float):
@@ -203,8 +232,9 @@ def hung_rank_worker(rank, world, model_cfg: ModelConfig, timeout_s: float):
     return {"error": None, "seconds": time.monotonic() - start}
 
 
-def adam_kernel_worker(rank, world, model_cfg: ModelConfig, tokens, loss_mask, optim_cfg: optim.OptimConfig,
-                       steps: int):
+def adam_kernel_worker(
+    rank, world, model_cfg: ModelConfig, tokens, loss_mask, optim_cfg: optim.OptimConfig, steps: int
+):
     """``steps`` training steps from a seeded init; returns the optimizer's float32 main parameters, its
     ``fused`` flags and how often torch's fused Adam kernels ran."""
     if torch.cuda.is_available():  # two runs compared bit-near: no atomics-ordered reductions (embedding backward)

@@ -19,14 +19,53 @@ def _cases():
     cases = []
     grid = itertools.product(("float64", "float32"), (1.0, 0.7), (3, 5, 64), ((29, 32), (32, 32)), (False, True))
     for i, (dtype, temperature, chunk, (vocab, padded), use_mask) in enumerate(grid):
-        cases.append(dict(seed=i, seq=8, batch=2, hidden=12, vocab=vocab, padded_vocab=padded, dtype=dtype,
-                          temperature=temperature, chunk=chunk, scale=3.0, use_mask=use_mask,
-                          sequence_parallel=i % 3 == 0))
+        cases.append(
+            dict(
+                seed=i,
+                seq=8,
+                batch=2,
+                hidden=12,
+                vocab=vocab,
+                padded_vocab=padded,
+                dtype=dtype,
+                temperature=temperature,
+                chunk=chunk,
+                scale=3.0,
+                use_mask=use_mask,
+                sequence_parallel=i % 3 == 0,
+            )
+        )
     for dtype in ("float64", "float32"):  # extreme logits (|z| ~ 1e4)
-        cases.append(dict(seed=100, seq=4, batch=2, hidden=8, vocab=30, padded_vocab=32, dtype=dtype,
-                          temperature=0.9, chunk=3, scale=3e3, use_mask=True))
-    cases.append(dict(seed=200, seq=6, batch=2, hidden=16, vocab=31, padded_vocab=32, dtype="bfloat16",
-                      temperature=0.8, chunk=5, scale=2.0, use_mask=False))
+        cases.append(
+            dict(
+                seed=100,
+                seq=4,
+                batch=2,
+                hidden=8,
+                vocab=30,
+                padded_vocab=32,
+                dtype=dtype,
+                temperature=0.9,
+                chunk=3,
+                scale=3e3,
+                use_mask=True,
+            )
+        )
+    cases.append(
+        dict(
+            seed=200,
+            seq=6,
+            batch=2,
+            hidden=16,
+            vocab=31,
+            padded_vocab=32,
+            dtype="bfloat16",
+            temperature=0.8,
+            chunk=5,
+            scale=2.0,
+            use_mask=False,
+        )
+    )
     return cases
 
 
@@ -37,14 +76,25 @@ def _reference(case):
     w = full["weight"].to(dtype).double().requires_grad_(True)
     v, tau = case["vocab"], case["temperature"]
     logp = torch.log_softmax((h @ w.t())[..., :v] / tau, -1)
-    logq = torch.log_softmax((full["reference_hidden"].to(dtype).double()
-                              @ full["reference_weight"].to(dtype).double().t())[..., :v] / tau, -1)
+    logq = torch.log_softmax(
+        (full["reference_hidden"].to(dtype).double() @ full["reference_weight"].to(dtype).double().t())[..., :v] / tau,
+        -1,
+    )
     p = logp.exp()
-    values = {"logprobs": logp.gather(-1, full["targets"][..., None])[..., 0], "entropy": -(p * logp).sum(-1),
-              "kl": (p * (logp - logq)).sum(-1)}
+    values = {
+        "logprobs": logp.gather(-1, full["targets"][..., None])[..., 0],
+        "entropy": -(p * logp).sum(-1),
+        "kl": (p * (logp - logq)).sum(-1),
+    }
     m = full["mask"].double()
-    loss = ((full["weights"][0] * values["logprobs"] + full["weights"][1] * values["entropy"]
-             + full["weights"][2] * values["kl"]) * m).sum()
+    loss = (
+        (
+            full["weights"][0] * values["logprobs"]
+            + full["weights"][1] * values["entropy"]
+            + full["weights"][2] * values["kl"]
+        )
+        * m
+    ).sum()
     grad_hidden, grad_weight = torch.autograd.grad(loss, (h, w))
     return {k: v.detach() for k, v in values.items()}, grad_hidden, grad_weight, full["mask"]
 
@@ -80,20 +130,38 @@ def test_fused_linear_matches_float64_and_unfused(world):
         grad_w = torch.cat([results[index]["grad_weight"] for results in per_rank], dim=0)
         err = _rel(grad_w, grad_weight, 1e-3)
         assert err <= tol, f"world={world} {case} grad_weight: {err:.2e}"
-        assert (grad_w[case["vocab"]:] == 0).all(), "padded vocabulary rows of the weight must get no gradient"
+        assert (grad_w[case["vocab"] :] == 0).all(), "padded vocabulary rows of the weight must get no gradient"
 
 
 def test_fixed_chunk_is_deterministic_and_chunks_agree():
-    case = dict(seed=7, seq=16, batch=3, hidden=24, vocab=50, padded_vocab=64, dtype="float32",
-                temperature=0.8, chunk=0, scale=3.0)
+    case = dict(
+        seed=7,
+        seq=16,
+        batch=3,
+        hidden=24,
+        vocab=50,
+        padded_vocab=64,
+        dtype="float32",
+        temperature=0.8,
+        chunk=0,
+        scale=3.0,
+    )
     full = make_case(case)
 
     def run(chunk):
         h = full["hidden"].float().requires_grad_(True)
         w = full["weight"].float().requires_grad_(True)
-        s = fused_linear_stats(h, w, None, targets=full["targets"], reference_hidden=full["reference_hidden"].float(),
-                               reference_weight=full["reference_weight"].float(), temperature=0.8, vocab_size=50,
-                               chunk_size=chunk)
+        s = fused_linear_stats(
+            h,
+            w,
+            None,
+            targets=full["targets"],
+            reference_hidden=full["reference_hidden"].float(),
+            reference_weight=full["reference_weight"].float(),
+            temperature=0.8,
+            vocab_size=50,
+            chunk_size=chunk,
+        )
         grads = torch.autograd.grad((s.logprobs + s.entropy + s.kl).sum(), (h, w))
         return torch.cat([s.logprobs, s.entropy, s.kl]).flatten(), grads
 
@@ -119,13 +187,45 @@ def test_bad_shapes_name_the_argument():
 def test_single_pass_gradients_equal_autograd(world):
     """model.fused_grad=in_forward's kernel: the same statistics and gradients as back-propagating through
     fused_linear_stats, for a row-separable nonlinear loss, with one probe per chunk."""
-    cases = [dict(seed=3, seq=9, batch=2, hidden=16, vocab=29, padded_vocab=32, dtype="float64", temperature=0.7,
-                  chunk=5, scale=3.0),
-             dict(seed=4, seq=12, batch=3, hidden=24, vocab=64, padded_vocab=64, dtype="float32", temperature=1.0,
-                  chunk=64, scale=2.0),
-             # bf16: dL/dh and each chunk's dL/dW as bf16 GEMMs, dL/dW summed over 3 chunks in float32
-             dict(seed=5, seq=10, batch=2, hidden=16, vocab=31, padded_vocab=32, dtype="bfloat16", temperature=1.0,
-                  chunk=7, scale=2.0)]
+    cases = [
+        dict(
+            seed=3,
+            seq=9,
+            batch=2,
+            hidden=16,
+            vocab=29,
+            padded_vocab=32,
+            dtype="float64",
+            temperature=0.7,
+            chunk=5,
+            scale=3.0,
+        ),
+        dict(
+            seed=4,
+            seq=12,
+            batch=3,
+            hidden=24,
+            vocab=64,
+            padded_vocab=64,
+            dtype="float32",
+            temperature=1.0,
+            chunk=64,
+            scale=2.0,
+        ),
+        # bf16: dL/dh and each chunk's dL/dW as bf16 GEMMs, dL/dW summed over 3 chunks in float32
+        dict(
+            seed=5,
+            seq=10,
+            batch=2,
+            hidden=16,
+            vocab=31,
+            padded_vocab=32,
+            dtype="bfloat16",
+            temperature=1.0,
+            chunk=7,
+            scale=2.0,
+        ),
+    ]
     per_rank = run_ranks(single_pass_worker, world, cases)
     for index, case in enumerate(cases):
         tol = TOL[case["dtype"]]

@@ -19,11 +19,17 @@ MODELS = {
     # Qwen2 style: qkv bias, untied embeddings, GQA; vocab 50 padded to 64 (32 x TP=2)
     "qwen2": ModelConfig(architecture="qwen2", num_layers=4, vocab_size=50, make_vocab_size_divisible_by=16),
     # Qwen3 style: q/k RMSNorm, tied embeddings
-    "qwen3": ModelConfig(architecture="qwen3", num_layers=4, vocab_size=50, make_vocab_size_divisible_by=16,
-                         tie_word_embeddings=True),
+    "qwen3": ModelConfig(
+        architecture="qwen3", num_layers=4, vocab_size=50, make_vocab_size_divisible_by=16, tie_word_embeddings=True
+    ),
     # Qwen3-MoE style: 4 experts, top-2 renormalised, expert width 32 (megatron-core MoELayer, allgather dispatcher)
-    "qwen3_moe": ModelConfig(architecture="qwen3", num_layers=4, vocab_size=50, make_vocab_size_divisible_by=16,
-                             moe=MoEConfig(num_experts=4, router_topk=2, ffn_hidden_size=32)),
+    "qwen3_moe": ModelConfig(
+        architecture="qwen3",
+        num_layers=4,
+        vocab_size=50,
+        make_vocab_size_divisible_by=16,
+        moe=MoEConfig(num_experts=4, router_topk=2, ffn_hidden_size=32),
+    ),
 }
 # Adam's first step is lr * g / (|g| + eps): a large eps keeps fp32 noise in near-zero grads from
 # being amplified (the key bias has zero true gradient: softmax is shift invariant, so its gradient is pure
@@ -84,15 +90,27 @@ def _compare(result: dict, base: dict, outs: list):
         ("qwen2", ParallelConfig(tensor_parallel=2)),
         ("qwen2", ParallelConfig(pipeline_parallel=2)),
         ("qwen3", ParallelConfig(tensor_parallel=2)),
-        pytest.param("qwen3", ParallelConfig(tensor_parallel=2, sequence_parallel=True),
-                     marks=[pytest.mark.gpu, pytest.mark.skipif(not have_transformer_engine(),
-                                                                reason="sequence parallel needs Transformer Engine")]),
+        pytest.param(
+            "qwen3",
+            ParallelConfig(tensor_parallel=2, sequence_parallel=True),
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(not have_transformer_engine(), reason="sequence parallel needs Transformer Engine"),
+            ],
+        ),
         ("qwen3", ParallelConfig(pipeline_parallel=2)),
         ("qwen2", ParallelConfig(tensor_parallel=2, pipeline_parallel=2)),
-        pytest.param("qwen3", ParallelConfig(context_parallel=2),
-                     marks=[pytest.mark.gpu, pytest.mark.skipif(
-                         not have_transformer_engine() or torch.cuda.device_count() < 2,
-                         reason="context parallelism needs Transformer Engine and two GPUs")]),
+        pytest.param(
+            "qwen3",
+            ParallelConfig(context_parallel=2),
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(
+                    not have_transformer_engine() or torch.cuda.device_count() < 2,
+                    reason="context parallelism needs Transformer Engine and two GPUs",
+                ),
+            ],
+        ),
     ],
     ids=["tp2", "pp2-1f1b", "tp2-tied-qknorm", "tp2-sp-tied-qknorm", "pp2-tied-qknorm", "tp2-pp2-4ranks", "cp2"],
 )
@@ -100,15 +118,19 @@ def test_layout_matches_single_rank(baselines, model_name, parallel):
     tokens, mask = _batch()
     base = baselines[model_name]
     world = parallel.tensor_parallel * parallel.pipeline_parallel * parallel.context_parallel
-    outs = run_ranks(layout_worker, world, MODELS[model_name], parallel, base["full_state"], tokens, mask,
-                     NUM_MICROBATCHES, OPTIM)
+    outs = run_ranks(
+        layout_worker, world, MODELS[model_name], parallel, base["full_state"], tokens, mask, NUM_MICROBATCHES, OPTIM
+    )
     _compare(outs[0], base, outs)
 
 
 @pytest.mark.parametrize(
     "model_name,parallel",
-    [("qwen2", ParallelConfig()), ("qwen3", ParallelConfig(tensor_parallel=2)),
-     ("qwen2", ParallelConfig(pipeline_parallel=2))],
+    [
+        ("qwen2", ParallelConfig()),
+        ("qwen3", ParallelConfig(tensor_parallel=2)),
+        ("qwen2", ParallelConfig(pipeline_parallel=2)),
+    ],
     ids=["tp1", "tp2-tied-qknorm", "pp2"],
 )
 def test_local_kernels_match_megatron_and_torch_modules(baselines, model_name, parallel):
@@ -132,8 +154,17 @@ def test_full_activation_recomputation_matches_kept_activations(baselines, paral
     tokens, mask = _batch()
     base = baselines["qwen2"]
     recompute = dataclasses.replace(MODELS["qwen2"], recompute="full")
-    outs = run_ranks(layout_worker, parallel.pipeline_parallel, recompute, parallel, base["full_state"], tokens, mask,
-                     NUM_MICROBATCHES, OPTIM)
+    outs = run_ranks(
+        layout_worker,
+        parallel.pipeline_parallel,
+        recompute,
+        parallel,
+        base["full_state"],
+        tokens,
+        mask,
+        NUM_MICROBATCHES,
+        OPTIM,
+    )
     assert base["recompute"] is None and all(o["recompute"] == "full" for o in outs)
     _compare(outs[0], base, outs)
 
@@ -164,8 +195,19 @@ def test_fused_linear_path_matches_unfused_single_rank(baselines, model_name, pa
     tokens, mask = _batch()
     base = baselines[model_name]
     world = parallel.tensor_parallel * parallel.pipeline_parallel
-    outs = run_ranks(layout_worker, world, MODELS[model_name], parallel, base["full_state"], tokens, mask,
-                     NUM_MICROBATCHES, OPTIM, True, grad_in_forward)
+    outs = run_ranks(
+        layout_worker,
+        world,
+        MODELS[model_name],
+        parallel,
+        base["full_state"],
+        tokens,
+        mask,
+        NUM_MICROBATCHES,
+        OPTIM,
+        True,
+        grad_in_forward,
+    )
     _compare(outs[0], base, outs)
     last_stage = [o for o in outs if o["probes"]]
     assert bool(last_stage) == grad_in_forward  # the single pass ran (on the last pipeline stage) or did not
@@ -191,8 +233,20 @@ def test_token_budget_microbatches_match_equal_slices(baselines, model_name, par
     assert [tuple(mb.tokens.shape) for mb in plan] == [(2, 12), (2, 12), (2, 12), (2, 8)]
     base = baselines[model_name]
     world = parallel.tensor_parallel * parallel.pipeline_parallel
-    outs = run_ranks(layout_worker, world, MODELS[model_name], parallel, base["full_state"], tokens, mask,
-                     NUM_MICROBATCHES, OPTIM, fused, fused, 24)
+    outs = run_ranks(
+        layout_worker,
+        world,
+        MODELS[model_name],
+        parallel,
+        base["full_state"],
+        tokens,
+        mask,
+        NUM_MICROBATCHES,
+        OPTIM,
+        fused,
+        fused,
+        24,
+    )
     _compare(outs[0], base, outs)
 
 
@@ -215,8 +269,9 @@ def test_bf16_mixed_precision_tracks_float32(baselines, model_name, parallel, fu
     base = baselines[model_name]
     world = parallel.tensor_parallel * parallel.pipeline_parallel
     bf16 = dataclasses.replace(MODELS[model_name], params_dtype="bfloat16")
-    outs = run_ranks(layout_worker, world, bf16, parallel, base["full_state"], tokens, mask, NUM_MICROBATCHES, OPTIM,
-                     fused, fused)
+    outs = run_ranks(
+        layout_worker, world, bf16, parallel, base["full_state"], tokens, mask, NUM_MICROBATCHES, OPTIM, fused, fused
+    )
     result = outs[0]
     for o in outs:
         assert o["param_dtypes"] == ["torch.bfloat16"] and o["main_param_dtypes"] == ["torch.float32"]
@@ -234,8 +289,10 @@ def test_bf16_mixed_precision_tracks_float32(baselines, model_name, parallel, fu
         # lr (Adam's step is at most ~lr; zero-initialised biases have a scale of lr itself)
         diff = (result["updated"][name].float() - expected).abs().max().item()
         assert diff <= 2**-8 * expected.abs().max().item() + 0.2 * OPTIM.lr, f"bf16 updated {name}: {diff:.2e}"
-    moved = max((result["updated"][k].float() - base["full_state"][k].to(torch.bfloat16).float()).abs().max().item()
-                for k in base["full_state"])
+    moved = max(
+        (result["updated"][k].float() - base["full_state"][k].to(torch.bfloat16).float()).abs().max().item()
+        for k in base["full_state"]
+    )
     assert moved > 1e-4
 
 
@@ -245,9 +302,15 @@ def test_bf16_mixed_precision_tracks_float32(baselines, model_name, parallel, fu
         (ParallelConfig(expert_parallel=2), 2, False),
         (ParallelConfig(expert_parallel=2), 2, True),
         (ParallelConfig(pipeline_parallel=2, expert_parallel=2), 4, False),
-        pytest.param(ParallelConfig(tensor_parallel=2, sequence_parallel=True, expert_parallel=2), 4, True,
-                     marks=[pytest.mark.gpu, pytest.mark.skipif(not have_transformer_engine(),
-                                                                reason="sequence parallel needs Transformer Engine")]),
+        pytest.param(
+            ParallelConfig(tensor_parallel=2, sequence_parallel=True, expert_parallel=2),
+            4,
+            True,
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(not have_transformer_engine(), reason="sequence parallel needs Transformer Engine"),
+            ],
+        ),
     ],
     ids=["ep2", "ep2-fused-single-pass", "pp2-ep2-1f1b", "tp2-sp-ep2-fused-single-pass"],
 )
@@ -259,6 +322,17 @@ def test_expert_parallel_layouts_match_single_rank(baselines, parallel, world, f
     tokens, mask = _batch()
     base = baselines["qwen3_moe"]
     assert any(".mlp.experts.local_experts.3." in name for name in base["grads"])
-    outs = run_ranks(layout_worker, world, MODELS["qwen3_moe"], parallel, base["full_state"], tokens, mask,
-                     NUM_MICROBATCHES, OPTIM, fused, fused)
+    outs = run_ranks(
+        layout_worker,
+        world,
+        MODELS["qwen3_moe"],
+        parallel,
+        base["full_state"],
+        tokens,
+        mask,
+        NUM_MICROBATCHES,
+        OPTIM,
+        fused,
+        fused,
+    )
     _compare(outs[0], base, outs)

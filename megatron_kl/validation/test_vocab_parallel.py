@@ -15,17 +15,54 @@ TOL = {"float64": 1e-12, "float32": 1e-5, "bfloat16": 2e-2}
 
 def _cases():
     cases = []
-    for i, (dtype, temperature, fused, (vocab, padded), scale) in enumerate(itertools.product(
-        ("float64", "float32"), (1.0, 0.7), (True, False), ((29, 32), (32, 32)), (3.0,)
-    )):
-        cases.append(dict(seed=i, batch=2, seq=5, vocab=vocab, padded_vocab=padded, dtype=dtype,
-                          temperature=temperature, fused=fused, chunk=3, scale=scale, inplace=fused and i % 2 == 1))
+    for i, (dtype, temperature, fused, (vocab, padded), scale) in enumerate(
+        itertools.product(("float64", "float32"), (1.0, 0.7), (True, False), ((29, 32), (32, 32)), (3.0,))
+    ):
+        cases.append(
+            dict(
+                seed=i,
+                batch=2,
+                seq=5,
+                vocab=vocab,
+                padded_vocab=padded,
+                dtype=dtype,
+                temperature=temperature,
+                fused=fused,
+                chunk=3,
+                scale=scale,
+                inplace=fused and i % 2 == 1,
+            )
+        )
     # extreme logits (|z| up to 1e4): finite values and gradients
     for dtype in ("float64", "float32"):
-        cases.append(dict(seed=100, batch=2, seq=4, vocab=30, padded_vocab=32, dtype=dtype, temperature=0.9,
-                          fused=True, chunk=4, scale=1e4 / 4))
-    cases.append(dict(seed=200, batch=2, seq=6, vocab=31, padded_vocab=32, dtype="bfloat16", temperature=0.8,
-                      fused=True, chunk=5, scale=2.0))
+        cases.append(
+            dict(
+                seed=100,
+                batch=2,
+                seq=4,
+                vocab=30,
+                padded_vocab=32,
+                dtype=dtype,
+                temperature=0.9,
+                fused=True,
+                chunk=4,
+                scale=1e4 / 4,
+            )
+        )
+    cases.append(
+        dict(
+            seed=200,
+            batch=2,
+            seq=6,
+            vocab=31,
+            padded_vocab=32,
+            dtype="bfloat16",
+            temperature=0.8,
+            fused=True,
+            chunk=5,
+            scale=2.0,
+        )
+    )
     return cases
 
 
@@ -68,4 +105,4 @@ def test_matches_unsharded_float64_reference(world):
         scale = expected["grad"].abs().max().clamp_min(1e-3)
         err = ((grad - expected["grad"]).abs().max() / scale).item()
         assert err <= tol, f"{case} grad: {err:.2e}"
-        assert (grad[..., case["vocab"]:] == 0).all(), "padded vocabulary entries must get no gradient"
+        assert (grad[..., case["vocab"] :] == 0).all(), "padded vocabulary entries must get no gradient"

@@ -72,8 +72,10 @@ def test_exact_kl_near_the_reference_has_small_relative_error(world):
         for rank_results in per_rank:
             got = rank_results[index]["kl"]
             rel = ((got - true_kl).abs() / true_kl).max().item()
-            print(f"TP={world} {case['api']} eps={case['eps']} tau={case['temperature']}: "
-                  f"KL {true_kl.mean():.2e}, max relative error {rel:.2e}")
+            print(
+                f"TP={world} {case['api']} eps={case['eps']} tau={case['temperature']}: "
+                f"KL {true_kl.mean():.2e}, max relative error {rel:.2e}"
+            )
             assert rel <= EPS_TOLERANCE[case["eps"]], (case, rel)
             assert (got >= -1e-3 * true_kl).all(), case
         if case["eps"] >= 1e-3:
@@ -117,7 +119,9 @@ def test_logprobs_and_entropy_at_most_twice_naive_fp32_error(world):
             got = _gathered(per_rank, index, key) if key == "grad" else per_rank[0][index][key]
             err = (got.double() - truth[key]).abs().max().item()
             floor = 4 * torch.finfo(torch.float32).tiny  # both exact (e.g. one-hot rows): nothing to compare
-            print(f"TP={world} {case['kind']} tau={case['temperature']} {key}: ours {err:.2e}, naive fp32 {naive[key]:.2e}")
+            print(
+                f"TP={world} {case['kind']} tau={case['temperature']} {key}: ours {err:.2e}, naive fp32 {naive[key]:.2e}"
+            )
             assert err <= 2 * naive[key] + floor, (case, key, err, naive[key])
 
 

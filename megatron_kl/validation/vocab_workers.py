@@ -34,8 +34,14 @@ def vocab_parallel_worker(rank, world, cases):
             source = local
             if case.get("inplace"):
                 source = local * 1.0  # a temporary, as the output layer's logits are
-            stats = fused_stats(source, group, targets=targets, reference_logits=local_ref,
-                                inplace_backward=case.get("inplace", False), **kwargs)
+            stats = fused_stats(
+                source,
+                group,
+                targets=targets,
+                reference_logits=local_ref,
+                inplace_backward=case.get("inplace", False),
+                **kwargs,
+            )
             lp, ent, kl = stats.logprobs, stats.entropy, stats.kl
         else:
             lp = token_logprobs(local, targets, group, **kwargs)
@@ -44,8 +50,12 @@ def vocab_parallel_worker(rank, world, cases):
         m = mask.to(lp.dtype)
         loss = ((weights[0].to(lp.dtype) * lp + weights[1].to(lp.dtype) * ent + weights[2].to(lp.dtype) * kl) * m).sum()
         (grad,) = torch.autograd.grad(loss, local)
-        results.append({
-            "logprobs": lp.detach().double(), "entropy": ent.detach().double(), "kl": kl.detach().double(),
-            "grad": grad.double(),
-        })
+        results.append(
+            {
+                "logprobs": lp.detach().double(),
+                "entropy": ent.detach().double(),
+                "kl": kl.detach().double(),
+                "grad": grad.double(),
+            }
+        )
     return results

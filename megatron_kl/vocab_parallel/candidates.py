@@ -41,8 +41,9 @@ def _owned(ids: torch.Tensor, local_vocab: int, group, vocab_size=None) -> tuple
 
 
 @torch.no_grad()
-def top_k_logprobs(logits: torch.Tensor, k: int, group, temperature: float = 1.0, vocab_size=None
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+def top_k_logprobs(
+    logits: torch.Tensor, k: int, group, temperature: float = 1.0, vocab_size=None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(ids [..., k] int64, log-probs [..., k] float32/64) of the ``k`` most likely tokens of softmax(logits / tau)
     over the sharded vocabulary (``logits [..., V/tp]`` this rank's columns; padding beyond ``vocab_size`` never
     chosen). Collective over ``group``."""
@@ -106,8 +107,9 @@ class _FusedCandidateLogits(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, local, owned, group, chunk_rows):
         rows, k = local.shape
-        out = torch.zeros(rows, k, dtype=torch.float64 if hidden.dtype == torch.float64 else torch.float32,
-                          device=hidden.device)
+        out = torch.zeros(
+            rows, k, dtype=torch.float64 if hidden.dtype == torch.float64 else torch.float32, device=hidden.device
+        )
         for lo in range(0, rows, chunk_rows):
             part = slice(lo, min(rows, lo + chunk_rows))
             gathered = weight[local[part]]  # [c, k, H]
@@ -125,8 +127,11 @@ class _FusedCandidateLogits(torch.autograd.Function):
         grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = None
         if ctx.needs_input_grad[1]:
-            grad_weight = torch.zeros(weight.shape, dtype=torch.float64 if weight.dtype == torch.float64
-                                      else torch.float32, device=weight.device)
+            grad_weight = torch.zeros(
+                weight.shape,
+                dtype=torch.float64 if weight.dtype == torch.float64 else torch.float32,
+                device=weight.device,
+            )
         for lo in range(0, local.shape[0], ctx.chunk_rows):
             part = slice(lo, min(local.shape[0], lo + ctx.chunk_rows))
             g = grad[part]
@@ -135,15 +140,24 @@ class _FusedCandidateLogits(torch.autograd.Function):
                 grad_hidden[part] = torch.bmm(g[:, None, :], gathered)[:, 0].to(hidden.dtype)
             if grad_weight is not None:
                 h = hidden[part].to(grad_weight.dtype)
-                grad_weight.index_add_(0, local[part].reshape(-1),
-                                       (g[..., None].to(grad_weight.dtype) * h[:, None, :]).reshape(-1, h.shape[-1]))
+                grad_weight.index_add_(
+                    0,
+                    local[part].reshape(-1),
+                    (g[..., None].to(grad_weight.dtype) * h[:, None, :]).reshape(-1, h.shape[-1]),
+                )
         if grad_weight is not None:
             grad_weight = weight_grad_for_autograd(weight, grad_weight)
         return grad_hidden, grad_weight, None, None, None, None
 
 
-def fused_candidate_logits(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, group, vocab_size=None,
-                           chunk_rows: int = CANDIDATE_CHUNK_ROWS) -> torch.Tensor:
+def fused_candidate_logits(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    ids: torch.Tensor,
+    group,
+    vocab_size=None,
+    chunk_rows: int = CANDIDATE_CHUNK_ROWS,
+) -> torch.Tensor:
     """The logits ``[..., k]`` (float32, or float64 for float64 inputs) at global ``ids [..., k]`` from final hidden
     states ``hidden [..., H]`` and this rank's output-weight shard ``weight [V/tp, H]``; differentiable w.r.t. both
     (dL/dh this rank's partial sum: reduce it with the output layer's collective). Collective over ``group``."""
@@ -151,14 +165,20 @@ def fused_candidate_logits(hidden: torch.Tensor, weight: torch.Tensor, ids: torc
     if tuple(hidden.shape[:-1]) != tuple(lead):
         raise ValueError(f"hidden {tuple(hidden.shape)} and ids {tuple(ids.shape)} disagree on the leading shape")
     local, owned = _owned(ids.reshape(-1, k), weight.shape[0], group, vocab_size)
-    out = _FusedCandidateLogits.apply(hidden.reshape(-1, hidden.shape[-1]), weight, local,
-                                      owned.to(torch.float64 if hidden.dtype == torch.float64 else torch.float32),
-                                      group, chunk_rows)
+    out = _FusedCandidateLogits.apply(
+        hidden.reshape(-1, hidden.shape[-1]),
+        weight,
+        local,
+        owned.to(torch.float64 if hidden.dtype == torch.float64 else torch.float32),
+        group,
+        chunk_rows,
+    )
     return out.reshape(*lead, k)
 
 
-def candidate_logprobs(sampled_logprobs: torch.Tensor, candidate: torch.Tensor, sampled: torch.Tensor,
-                       temperature: float = 1.0) -> torch.Tensor:
+def candidate_logprobs(
+    sampled_logprobs: torch.Tensor, candidate: torch.Tensor, sampled: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
     """log pi(j) [..., k] at the candidate ids from the sampled token's log-prob ``sampled_logprobs [...]`` and the
     raw logits at the candidates ``candidate [..., k]`` and at the sampled token ``sampled [...]`` (module
     docstring): log pi(y) + (x_j - x_y) / tau, the differences formed in the compute dtype."""

@@ -70,8 +70,19 @@ def linear_chunk_rows(local_vocab: int, single_pass: bool = False, device: Optio
 
 class _FusedLinearStats(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, reference_hidden, reference_weight, targets, group, temperature,
-                vocab_size, chunk_size, truncation):
+    def forward(
+        ctx,
+        hidden,
+        weight,
+        reference_hidden,
+        reference_weight,
+        targets,
+        group,
+        temperature,
+        vocab_size,
+        chunk_size,
+        truncation,
+    ):
         rows = hidden.shape[0]
         shard = _shard(weight.shape[0], group, vocab_size)
         dtype = compute_dtype(hidden.dtype)
@@ -88,8 +99,8 @@ class _FusedLinearStats(torch.autograd.Function):
             tgt = targets[lo:hi] if targets is not None else None
             threshold, row_max = _chunk_support(z, group, truncation, temperature, vocab_size, thresholds, lo, hi)
             out[:, lo:hi], norms[:, lo:hi] = chunk_forward(
-                Rows(z, r, tgt, threshold, row_max), sweep,
-                support=support[:, lo:hi] if threshold is not None else None)
+                Rows(z, r, tgt, threshold, row_max), sweep, support=support[:, lo:hi] if threshold is not None else None
+            )
         ctx.save_for_backward(hidden, weight, reference_hidden, reference_weight, targets, norms, thresholds)
         ctx.shard, ctx.temperature, ctx.chunk_size, ctx.dtype = shard, temperature, chunk_size, dtype
         ctx.weight_param = weight  # the parameter object itself (a saved tensor loses its main_grad attribute)
@@ -116,9 +127,17 @@ class _FusedLinearStats(torch.autograd.Function):
         for lo in range(0, rows if valid else 0, ctx.chunk_size):  # a padding-only shard has no gradient
             hi = min(rows, lo + ctx.chunk_size)
             z = _project(hidden[lo:hi], weight, valid, dtype, ws, "z")
-            r = _project(reference_hidden[lo:hi], reference_weight, valid, dtype, ws, "r") if grad_kl is not None else None
-            chunk = Rows(z, r, targets[lo:hi] if targets is not None else None,
-                         thresholds[lo:hi] if thresholds is not None else None)
+            r = (
+                _project(reference_hidden[lo:hi], reference_weight, valid, dtype, ws, "r")
+                if grad_kl is not None
+                else None
+            )
+            chunk = Rows(
+                z,
+                r,
+                targets[lo:hi] if targets is not None else None,
+                thresholds[lo:hi] if thresholds is not None else None,
+            )
             # dL/dz for this chunk's raw logits [c, valid], compute dtype
             grad = chunk_grad(chunk, norms[:, lo:hi], Upstream.of(grads, lo, hi, dtype), sweep, out=z)
             _accumulate(grad, hidden, weight, lo, hi, valid, grad_hidden, grad_weight, dtype, ws)
@@ -145,8 +164,21 @@ def _chunk_support(z, group, truncation, temperature, vocab_size, thresholds, lo
 
 
 @torch.no_grad()
-def fused_linear_grads(hidden, weight, reference_hidden, reference_weight, targets, group, temperature: float,
-                       vocab_size, chunk_size: int, probe, want_weight: bool = True, truncation=None, support=None):
+def fused_linear_grads(
+    hidden,
+    weight,
+    reference_hidden,
+    reference_weight,
+    targets,
+    group,
+    temperature: float,
+    vocab_size,
+    chunk_size: int,
+    probe,
+    want_weight: bool = True,
+    truncation=None,
+    support=None,
+):
     """One pass over row chunks of ``hidden [R, H]``: the statistics ``out [3, R]`` (log-prob, entropy, KL),
     ``dL/dh [R, H]`` (this rank's partial sum over its vocabulary slice, before the TP reduction) and
     ``dL/dW [V/tp, H]`` (float32, or None), where ``probe(out, lo, hi) -> (g_lp, g_H, g_KL)`` returns
@@ -175,8 +207,12 @@ def fused_linear_grads(hidden, weight, reference_hidden, reference_weight, targe
         tgt = targets[lo:hi] if targets is not None else None
         kept = Kept()  # zc, exp(zc), -u: the gradient reuses the forward's work
         threshold, row_max = _chunk_support(z, group, truncation, temperature, vocab_size, thresholds, lo, hi)
-        out[:, lo:hi], norms[:, lo:hi] = chunk_forward(Rows(z, r, tgt, threshold, row_max), sweep, keep=kept,
-                                                       support=support[:, lo:hi] if threshold is not None else None)
+        out[:, lo:hi], norms[:, lo:hi] = chunk_forward(
+            Rows(z, r, tgt, threshold, row_max),
+            sweep,
+            keep=kept,
+            support=support[:, lo:hi] if threshold is not None else None,
+        )
         g_lp, g_h, g_kl = probe(out, lo, hi)
         if not valid:  # a padding-only shard: its columns get no gradient, its rows a zero partial sum
             continue
@@ -252,7 +288,11 @@ def weight_grad_for_autograd(weight: torch.Tensor, grad_weight: torch.Tensor) ->
     ~0.1 s per step on 2 CPU cores). A tied embedding's own gradient still reaches the buffer through autograd
     and DDP's hook. float32 weights take the autograd path (their sum is the same either way)."""
     main_grad = getattr(weight, "main_grad", None)
-    if weight.dtype in (torch.bfloat16, torch.float16) and main_grad is not None and main_grad.dtype == grad_weight.dtype:
+    if (
+        weight.dtype in (torch.bfloat16, torch.float16)
+        and main_grad is not None
+        and main_grad.dtype == grad_weight.dtype
+    ):
         main_grad.add_(grad_weight)
         return None
     return grad_weight.to(weight.dtype)
@@ -335,7 +375,9 @@ def fused_linear_stats(
     if chunk_size <= 0:
         raise ValueError(f"chunk_size={chunk_size} must be > 0 (or None for automatic)")
     rows = hidden.reshape(-1, hidden.shape[-1])
-    ref_rows = reference_hidden.detach().reshape(-1, reference_hidden.shape[-1]) if reference_hidden is not None else None
+    ref_rows = (
+        reference_hidden.detach().reshape(-1, reference_hidden.shape[-1]) if reference_hidden is not None else None
+    )
     tgt = targets.reshape(-1).long() if targets is not None else None
     index = None
     if mask is not None:
@@ -348,8 +390,9 @@ def fused_linear_stats(
     rows = rows.contiguous()
     ref_weight = reference_weight.detach() if reference_weight is not None else None
     truncation = effective(truncation, vocab_size or weight.shape[0] * group_size_rank(tp_group)[0])
-    values = _FusedLinearStats.apply(rows, weight, ref_rows, ref_weight, tgt, tp_group, float(temperature),
-                                     vocab_size, chunk_size, truncation)
+    values = _FusedLinearStats.apply(
+        rows, weight, ref_rows, ref_weight, tgt, tp_group, float(temperature), vocab_size, chunk_size, truncation
+    )
 
     def shaped(value):
         if index is not None:

@@ -35,11 +35,25 @@ log = logging.getLogger(__name__)
 _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
 SIGNATURES = {
     "histogram_f32": [_P, _I64, _I64, _I64, _I64, _P, _P, _F32, _I32, _P],
-    "refine_f32": [_P, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _P, _P, _P, _F32, _I32, _I32, _P, _P, _P, _I32, _P,
-                   _P],
+    "refine_f32": [_P, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _P, _P, _P, _F32, _I32, _I32, _P, _P, _P, _I32, _P, _P],
     "extremes_f32": [_P, _I64, _I64, _I64, _I64, _P, _P],
-    "top_p_rows_f32": [_P, _I64, _I64, _I64, _I64, ctypes.c_double, ctypes.c_double, _I32, _I32, _I32, _I32, _P, _P,
-                       _P, _P],
+    "top_p_rows_f32": [
+        _P,
+        _I64,
+        _I64,
+        _I64,
+        _I64,
+        ctypes.c_double,
+        ctypes.c_double,
+        _I32,
+        _I32,
+        _I32,
+        _I32,
+        _P,
+        _P,
+        _P,
+        _P,
+    ],
 }
 
 
@@ -66,8 +80,9 @@ def _build(compiler: str, cache: Path, flags=FLAGS) -> Path:
     cache.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache) as scratch:
         built = Path(scratch) / target.name
-        result = subprocess.run([compiler, *flags, "-o", str(built), str(SOURCE), "-lm"], capture_output=True,
-                                text=True, timeout=300)
+        result = subprocess.run(
+            [compiler, *flags, "-o", str(built), str(SOURCE), "-lm"], capture_output=True, text=True, timeout=300
+        )
         if result.returncode:
             raise RuntimeError(f"{compiler} failed (rc {result.returncode}): {result.stderr.strip()[-2000:]}")
         os.replace(built, target)

@@ -208,7 +208,9 @@ def _chunk_sums(rows: Rows, maxes, sums, sweep: Sweep, e_kept=None) -> None:
         sums[S_U] = -torch.mul(e, neg_u, out=product).sum(-1)
         w = neg_u if e_kept is None else ws.like("w", neg_u).copy_(neg_u)
         sums[REF_MINUS_POLICY] = _reference_minus_policy(zc, full, neg_u, w, product)
-        if drop is not None:  # sum(e_ref - e_support) = sum_all e expm1(-u) [accurate near the reference] + sum_dropped e
+        if (
+            drop is not None
+        ):  # sum(e_ref - e_support) = sum_all e expm1(-u) [accurate near the reference] + sum_dropped e
             sums[REF_MINUS_POLICY] += dropped
     sums[S] = e.sum(-1)
     if dropped is not None:
@@ -234,8 +236,9 @@ def _reference_minus_policy(zc, e, neg_u, w, buffer) -> torch.Tensor:
     return delta.sum(-1)
 
 
-def chunk_grad(rows: Rows, norms, upstream: Upstream, sweep: Sweep, out: Optional[torch.Tensor] = None,
-               kept: Optional[Kept] = None) -> torch.Tensor:
+def chunk_grad(
+    rows: Rows, norms, upstream: Upstream, sweep: Sweep, out: Optional[torch.Tensor] = None, kept: Optional[Kept] = None
+) -> torch.Tensor:
     """dL/dx for this rank's valid logit columns of one chunk of ``rows`` (module docstring), in the compute dtype.
 
     ``rows`` as in ``chunk_forward`` (read only; ``y`` only when ``upstream.kl`` is given); ``norms``: its row
@@ -259,8 +262,9 @@ def chunk_grad(rows: Rows, norms, upstream: Upstream, sweep: Sweep, out: Optiona
     block = block_rows(cols, first.device)
     for a in range(0, n, block):
         part = slice(a, min(n, a + block))
-        _block_grad(rows[part], norms[:, part], upstream[part], sweep, cut(out, part),
-                    kept[part] if kept is not None else None)
+        _block_grad(
+            rows[part], norms[:, part], upstream[part], sweep, cut(out, part), kept[part] if kept is not None else None
+        )
     if out is not None:
         return out
     return kept.zc if upstream.entropy is not None else kept.e  # where _block_grad's in-place result lands
@@ -273,7 +277,9 @@ def _block_grad(rows: Rows, norms, upstream: Upstream, sweep: Sweep, out, kept: 
     dtype = compute_dtype(x.dtype if x is not None else kept.zc.dtype)
     drop = None  # before out (maybe x) is written; float as in _chunk_sums
     if threshold is not None:
-        drop = torch.lt(x, threshold.to(x.dtype)[:, None], out=ws.get("drop", x.shape[0], x.shape[1], x.dtype, x.device))
+        drop = torch.lt(
+            x, threshold.to(x.dtype)[:, None], out=ws.get("drop", x.shape[0], x.shape[1], x.dtype, x.device)
+        )
     scale = 1.0 / (norms[SUM] * temperature)  # pi = e / S; d/dx = d/dz / tau
     kl_term = None  # k (u - E[u]), k = g_KL / (S tau)
     if g_kl is not None:
@@ -289,9 +295,13 @@ def _block_grad(rows: Rows, norms, upstream: Upstream, sweep: Sweep, out, kept: 
     if kept is not None:
         zc, e = kept.zc, kept.e
     else:
-        zc = torch.sub(x.to(dtype) if x.dtype != dtype else x, norms[MAX][:, None],
-                       out=out if out is not None and out.dtype == dtype else
-                       ws.get("zc", x.shape[0], x.shape[1], dtype, x.device))
+        zc = torch.sub(
+            x.to(dtype) if x.dtype != dtype else x,
+            norms[MAX][:, None],
+            out=out
+            if out is not None and out.dtype == dtype
+            else ws.get("zc", x.shape[0], x.shape[1], dtype, x.device),
+        )
         if temperature != 1.0:
             zc.div_(temperature)
         e = torch.exp(zc, out=ws.like("e", zc)) if g_h is not None else zc.exp_()
@@ -325,8 +335,19 @@ class _VocabParallelStats(torch.autograd.Function):
     """Forward: (logprob of target, entropy, KL to reference) per row; see the module docstring."""
 
     @staticmethod
-    def forward(ctx, logits, reference_logits, targets, group, temperature, vocab_size, chunk_size, inplace_backward,
-                entropy, truncation):
+    def forward(
+        ctx,
+        logits,
+        reference_logits,
+        targets,
+        group,
+        temperature,
+        vocab_size,
+        chunk_size,
+        inplace_backward,
+        entropy,
+        truncation,
+    ):
         rows, local_vocab = logits.shape
         shard = _shard(local_vocab, group, vocab_size)
         dtype = compute_dtype(logits.dtype)
@@ -344,7 +365,8 @@ class _VocabParallelStats(torch.autograd.Function):
         for lo in range(0, rows, chunk_size):
             hi = min(rows, lo + chunk_size)
             out[:, lo:hi], norms[:, lo:hi] = chunk_forward(
-                every[lo:hi], sweep, support=support[:, lo:hi] if support is not None else None)
+                every[lo:hi], sweep, support=support[:, lo:hi] if support is not None else None
+            )
         ctx.save_for_backward(logits, reference_logits, targets, norms, threshold)
         ctx.shard, ctx.temperature, ctx.chunk_size, ctx.dtype = shard, temperature, chunk_size, dtype
         ctx.inplace_backward = inplace_backward
@@ -375,8 +397,9 @@ class _VocabParallelStats(torch.autograd.Function):
         grads = (grad_logprob, grad_entropy, grad_kl)
         for lo in range(0, rows if valid else 0, ctx.chunk_size):
             hi = min(rows, lo + ctx.chunk_size)
-            chunk_grad(every[lo:hi], norms[:, lo:hi], Upstream.of(grads, lo, hi, dtype), sweep,
-                       out=grad_logits[lo:hi, :valid])
+            chunk_grad(
+                every[lo:hi], norms[:, lo:hi], Upstream.of(grads, lo, hi, dtype), sweep, out=grad_logits[lo:hi, :valid]
+            )
         return grad_logits, None, None, None, None, None, None, None, None, None
 
 
@@ -460,26 +483,48 @@ def support_fields(support: Optional[torch.Tensor], shaped, has_targets: bool) -
     truncated), each row laid out by ``shaped``."""
     if support is None or support.shape[-1] == 0:
         return {}
-    return dict(kept_mass=shaped(support[0]), support_size=shaped(support[1]),
-                outside_support=shaped(support[2]) if has_targets else None)
+    return dict(
+        kept_mass=shaped(support[0]),
+        support_size=shaped(support[1]),
+        outside_support=shaped(support[2]) if has_targets else None,
+    )
 
 
-def token_logprobs(logits, targets, tp_group, temperature=1.0, vocab_size=None, chunk_size=DEFAULT_CHUNK,
-                   truncation=None):
+def token_logprobs(
+    logits, targets, tp_group, temperature=1.0, vocab_size=None, chunk_size=DEFAULT_CHUNK, truncation=None
+):
     """log softmax(logits / temperature)[target] over the full (sharded) vocabulary (or of its truncation)."""
-    return fused_stats(logits, tp_group, targets=targets, temperature=temperature, vocab_size=vocab_size,
-                       chunk_size=chunk_size, entropy=False, truncation=truncation).logprobs
+    return fused_stats(
+        logits,
+        tp_group,
+        targets=targets,
+        temperature=temperature,
+        vocab_size=vocab_size,
+        chunk_size=chunk_size,
+        entropy=False,
+        truncation=truncation,
+    ).logprobs
 
 
 def entropy(logits, tp_group, temperature=1.0, vocab_size=None, chunk_size=DEFAULT_CHUNK, truncation=None):
     """-sum_a pi(a) log pi(a) of softmax(logits / temperature) over the full vocabulary (or its truncation)."""
-    return fused_stats(logits, tp_group, temperature=temperature, vocab_size=vocab_size, chunk_size=chunk_size,
-                       truncation=truncation).entropy
+    return fused_stats(
+        logits, tp_group, temperature=temperature, vocab_size=vocab_size, chunk_size=chunk_size, truncation=truncation
+    ).entropy
 
 
-def full_kl(logits, reference_logits, tp_group, temperature=1.0, vocab_size=None, chunk_size=DEFAULT_CHUNK,
-            truncation=None):
+def full_kl(
+    logits, reference_logits, tp_group, temperature=1.0, vocab_size=None, chunk_size=DEFAULT_CHUNK, truncation=None
+):
     """Exact KL(pi_theta || pi_ref) per position (pi_theta truncated with ``truncation``, pi_ref never);
     differentiable w.r.t. ``logits`` only."""
-    return fused_stats(logits, tp_group, reference_logits=reference_logits, temperature=temperature,
-                       vocab_size=vocab_size, chunk_size=chunk_size, entropy=False, truncation=truncation).kl
+    return fused_stats(
+        logits,
+        tp_group,
+        reference_logits=reference_logits,
+        temperature=temperature,
+        vocab_size=vocab_size,
+        chunk_size=chunk_size,
+        entropy=False,
+        truncation=truncation,
+    ).kl

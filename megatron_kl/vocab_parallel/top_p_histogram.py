@@ -39,8 +39,12 @@ C_LIMITS = (512, 64, 512)  # the C buffers' sizes for buckets, fine buckets and 
 
 def supported(x: torch.Tensor) -> bool:
     """Whether the C kernels take ``x`` (float32 rows on the CPU, unit column stride) and are built."""
-    return (x.device.type == "cpu" and x.dtype == torch.float32 and (x.shape[1] <= 1 or x.stride(1) == 1)
-            and native.library() is not None)
+    return (
+        x.device.type == "cpu"
+        and x.dtype == torch.float32
+        and (x.shape[1] <= 1 or x.stride(1) == 1)
+        and native.library() is not None
+    )
 
 
 def buckets_for(vocab_size: int, world: int) -> int:
@@ -54,13 +58,15 @@ def _row_extremes(x: torch.Tensor, group) -> Tuple[torch.Tensor, torch.Tensor]:
     high = torch.full((n,), float("-inf"), dtype=torch.float64)
     low = torch.full((n,), float("inf"), dtype=torch.float64)
     if cols:
-        native.run_rows(native.library().extremes_f32, n, x.data_ptr(), x.stride(0), cols, high.data_ptr(),
-                        low.data_ptr())
+        native.run_rows(
+            native.library().extremes_f32, n, x.data_ptr(), x.stride(0), cols, high.data_ptr(), low.data_ptr()
+        )
     return all_reduce(high, dist.ReduceOp.MAX, group), all_reduce(low, dist.ReduceOp.MIN, group)
 
 
-def histogram_cut(x: torch.Tensor, top_p: float, temperature: float, group,
-                  buckets: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def histogram_cut(
+    x: torch.Tensor, top_p: float, temperature: float, group, buckets: int
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per row of ``x [n, V_local]``: (cut, resolved, row_max, total) - the top-p cut where ``resolved``, the
     row maximum over all ranks and the float64 normaliser sum exp((x - max) / tau) over the whole vocabulary."""
     lib = native.library()
@@ -70,9 +76,23 @@ def histogram_cut(x: torch.Tensor, top_p: float, temperature: float, group,
     if group_size_rank(group)[0] == 1:  # the whole vocabulary here: every step per row while it is in cache
         cut, row_max, total = (torch.empty(n, dtype=torch.float64) for _ in range(3))
         resolved = torch.empty(n, dtype=torch.uint8)
-        native.run_rows(lib.top_p_rows_f32, n, x.data_ptr(), x.stride(0), cols, top_p, temperature, buckets,
-                        FINE_BUCKETS, CAP, MAX_LEVELS, cut.data_ptr(), row_max.data_ptr(), total.data_ptr(),
-                        resolved.data_ptr())
+        native.run_rows(
+            lib.top_p_rows_f32,
+            n,
+            x.data_ptr(),
+            x.stride(0),
+            cols,
+            top_p,
+            temperature,
+            buckets,
+            FINE_BUCKETS,
+            CAP,
+            MAX_LEVELS,
+            cut.data_ptr(),
+            row_max.data_ptr(),
+            total.data_ptr(),
+            resolved.data_ptr(),
+        )
         return cut, resolved.bool(), row_max, total
     row_max, row_min = _row_extremes(x, group)
     cut = row_max.clone()
@@ -83,8 +103,18 @@ def histogram_cut(x: torch.Tensor, top_p: float, temperature: float, group,
     pending = (spread > 0) & torch.isfinite(scale) & (scale > 0)
     row_max32, inv_tau = row_max.float(), 1.0 / temperature
     mass = torch.empty(n, buckets, dtype=torch.float64)
-    native.run_rows(lib.histogram_f32, n, x.data_ptr(), x.stride(0), cols, row_max32.data_ptr(), scale.data_ptr(),
-                    inv_tau, buckets, mass.data_ptr())
+    native.run_rows(
+        lib.histogram_f32,
+        n,
+        x.data_ptr(),
+        x.stride(0),
+        cols,
+        row_max32.data_ptr(),
+        scale.data_ptr(),
+        inv_tau,
+        buckets,
+        mass.data_ptr(),
+    )
     all_reduce(mass, dist.ReduceOp.SUM, group)
     total = mass.sum(-1)
     target = top_p * total
@@ -103,13 +133,31 @@ def histogram_cut(x: torch.Tensor, top_p: float, temperature: float, group,
             break
         level1 = torch.full((n,), -1, dtype=torch.int32)  # rows < 0 are skipped
         level1[rows] = bucket[rows].to(torch.int32)
-        native.run_rows(lib.refine_f32, n, x.data_ptr(), x.stride(0), cols, row_max32.data_ptr(), scale.data_ptr(),
-                        level1.data_ptr(), low.data_ptr(), high.data_ptr(), top.data_ptr(), fine_scale.data_ptr(),
-                        inv_tau, buckets, FINE_BUCKETS, fine_mass.data_ptr(), fine_low.data_ptr(),
-                        fine_high.data_ptr(), CAP, members.data_ptr(), held.data_ptr())
+        native.run_rows(
+            lib.refine_f32,
+            n,
+            x.data_ptr(),
+            x.stride(0),
+            cols,
+            row_max32.data_ptr(),
+            scale.data_ptr(),
+            level1.data_ptr(),
+            low.data_ptr(),
+            high.data_ptr(),
+            top.data_ptr(),
+            fine_scale.data_ptr(),
+            inv_tau,
+            buckets,
+            FINE_BUCKETS,
+            fine_mass.data_ptr(),
+            fine_low.data_ptr(),
+            fine_high.data_ptr(),
+            CAP,
+            members.data_ptr(),
+            held.data_ptr(),
+        )
         # the fine bucket holding the cut: the mass above it, [min, max] of its logits
-        fine, above_fine = _crossing(above[rows], all_reduce(fine_mass[rows], dist.ReduceOp.SUM, group),
-                                     target[rows])
+        fine, above_fine = _crossing(above[rows], all_reduce(fine_mass[rows], dist.ReduceOp.SUM, group), target[rows])
         fine_low_rows = all_reduce(fine_low[rows], dist.ReduceOp.MIN, group).gather(-1, fine[:, None]).squeeze(-1)
         fine_high_rows = all_reduce(fine_high[rows], dist.ReduceOp.MAX, group).gather(-1, fine[:, None]).squeeze(-1)
         most = all_reduce(held[rows].clone(), dist.ReduceOp.MAX, group)  # the most logits any rank holds
@@ -118,9 +166,18 @@ def histogram_cut(x: torch.Tensor, top_p: float, temperature: float, group,
         cut[rows[tied]] = fine_high_rows[tied].double()
         if bool(copied.any()):
             done = rows[copied]
-            cut[done] = _cut_in_bucket(members[done, : int(most[copied].max())], held[done], fine_low_rows[copied],
-                                       fine_high_rows[copied], row_max[done], total[done], above_fine[copied],
-                                       top_p, temperature, group)
+            cut[done] = _cut_in_bucket(
+                members[done, : int(most[copied].max())],
+                held[done],
+                fine_low_rows[copied],
+                fine_high_rows[copied],
+                row_max[done],
+                total[done],
+                above_fine[copied],
+                top_p,
+                temperature,
+                group,
+            )
         finished = rows[tied | copied]
         resolved[finished] = True
         pending[finished] = False
@@ -160,8 +217,9 @@ def _cut_in_bucket(members, held, low, high, row_max, total, above, top_p: float
     return last_kept(ordered, probs, finite, top_p, above[:, None] / total[:, None])
 
 
-def last_kept(ordered: torch.Tensor, probs: torch.Tensor, candidate: torch.Tensor, top_p: float,
-              mass_above: torch.Tensor = None) -> torch.Tensor:
+def last_kept(
+    ordered: torch.Tensor, probs: torch.Tensor, candidate: torch.Tensor, top_p: float, mass_above: torch.Tensor = None
+) -> torch.Tensor:
     """The top-p rule's cut among descending candidate values ``ordered [rows, n]``: the last position whose
     preceding mass - ``mass_above [rows, 1]`` (the mass above the first position; None: 0) plus the normalised
     ``probs`` of the positions before it - is below ``top_p``. Only ``candidate`` positions count (a prefix); the

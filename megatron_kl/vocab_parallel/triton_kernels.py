@@ -63,9 +63,22 @@ def _logits_block(row_ptr, start, valid, dtype: tl.constexpr, LOW: tl.constexpr,
 
 
 @triton.jit
-def row_partials(x_ptr, y_ptr, threshold_ptr, partial_ptr, x_stride, y_stride, valid, inv_tau_ptr,
-                 HAS_Y: tl.constexpr, ENTROPY: tl.constexpr, TRUNCATED: tl.constexpr, LOW: tl.constexpr,
-                 TERMS: tl.constexpr, BLOCK: tl.constexpr):
+def row_partials(
+    x_ptr,
+    y_ptr,
+    threshold_ptr,
+    partial_ptr,
+    x_stride,
+    y_stride,
+    valid,
+    inv_tau_ptr,
+    HAS_Y: tl.constexpr,
+    ENTROPY: tl.constexpr,
+    TRUNCATED: tl.constexpr,
+    LOW: tl.constexpr,
+    TERMS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     """partial [9, rows]: m, n, S, A, B, C, D, K, G of each row (module docstring); float32 or float64 math as
     the partial buffer's dtype."""
     row = tl.program_id(0).to(tl.int64)
@@ -130,9 +143,26 @@ def row_partials(x_ptr, y_ptr, threshold_ptr, partial_ptr, x_stride, y_stride, v
 
 
 @triton.jit
-def row_grad(x_ptr, y_ptr, out_ptr, norms_ptr, upstream_ptr, target_ptr, threshold_ptr, x_stride, y_stride,
-             out_stride, valid, inv_tau_ptr, HAS_LP: tl.constexpr, HAS_H: tl.constexpr, HAS_KL: tl.constexpr,
-             TRUNCATED: tl.constexpr, LOW: tl.constexpr, BLOCK: tl.constexpr):
+def row_grad(
+    x_ptr,
+    y_ptr,
+    out_ptr,
+    norms_ptr,
+    upstream_ptr,
+    target_ptr,
+    threshold_ptr,
+    x_stride,
+    y_stride,
+    out_stride,
+    valid,
+    inv_tau_ptr,
+    HAS_LP: tl.constexpr,
+    HAS_H: tl.constexpr,
+    HAS_KL: tl.constexpr,
+    TRUNCATED: tl.constexpr,
+    LOW: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     """dL/dx of one row's valid columns into ``out`` (module docstring). ``norms [5, rows]``: M, M - M_r, S,
     E[zc], E[u]; ``upstream [3, rows]``: g_lp, g_H, g_KL (read where flagged); ``target [rows]``: the local
     column of the target (-1 where another rank owns it or there is none)."""
@@ -186,8 +216,22 @@ def row_grad(x_ptr, y_ptr, out_ptr, norms_ptr, upstream_ptr, target_ptr, thresho
 
 
 @triton.jit
-def row_mean_u(x_ptr, y_ptr, index_ptr, norms_ptr, threshold_ptr, out_ptr, x_stride, y_stride, norms_stride, valid,
-               inv_tau_ptr, TRUNCATED: tl.constexpr, LOW: tl.constexpr, BLOCK: tl.constexpr):
+def row_mean_u(
+    x_ptr,
+    y_ptr,
+    index_ptr,
+    norms_ptr,
+    threshold_ptr,
+    out_ptr,
+    x_stride,
+    y_stride,
+    norms_stride,
+    valid,
+    inv_tau_ptr,
+    TRUNCATED: tl.constexpr,
+    LOW: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     """out[i] = sum_a e_a u_a over this rank's valid columns of row ``index[i]``, with e and u formed as
     ``row_grad`` forms them (``norms [2, norms_stride]``: M and M - M_r in the compute dtype)."""
     i = tl.program_id(0)

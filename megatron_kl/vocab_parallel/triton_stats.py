@@ -58,6 +58,7 @@ REDUCED = (S, S_ZC, S_U, REF_MINUS_POLICY, TARGET_ZC, DROPPED, SUPPORT_SIZE, TAR
 # docstring): the maxima m and n of x and y, S, A, B, C, D, K and the drift G
 PARTIALS = (P_MAX, P_REF_MAX, P_S, P_A, P_B, P_C, P_D, P_K, P_G) = range(9)
 
+
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
@@ -84,8 +85,10 @@ def enabled(tensor: torch.Tensor) -> bool:
         return True
     if choice == env_vars.ON and tensor.device.type == "cpu":
         if not _interpreting():
-            raise RuntimeError(f"{ENV}=1 on CPU tensors needs TRITON_INTERPRET=1 (Triton's interpreter); unset {ENV} "
-                               "to use the CPU kernels")
+            raise RuntimeError(
+                f"{ENV}=1 on CPU tensors needs TRITON_INTERPRET=1 (Triton's interpreter); unset {ENV} "
+                "to use the CPU kernels"
+            )
         if not _triton_available():
             raise RuntimeError(f"{ENV}=1 but triton is not importable: pip install triton")
         return True
@@ -112,9 +115,11 @@ def _kernels():
         from triton.language import standard
 
         if type(standard.zeros).__name__ != "InterpretedFunction":
-            raise RuntimeError("TRITON_INTERPRET=1 was set after triton.language had been imported in compiled mode, "
-                               "so its library functions cannot run in the interpreter: set TRITON_INTERPRET=1 before "
-                               "the process starts (or before anything imports triton)")
+            raise RuntimeError(
+                "TRITON_INTERPRET=1 was set after triton.language had been imported in compiled mode, "
+                "so its library functions cannot run in the interpreter: set TRITON_INTERPRET=1 before "
+                "the process starts (or before anything imports triton)"
+            )
     name = "megatron_kl.vocab_parallel.triton_kernels"
     module = sys.modules.get(name)
     if module is None:
@@ -169,9 +174,22 @@ def forward(rows: Rows, sweep: Sweep, support=None):
         thr = threshold.to(dtype).contiguous() if threshold is not None else partials
         launches["forward"] += 1
         _kernels().row_partials[(n,)](
-            xk, yk, thr, partials, xk.stride(0), yk.stride(0), cols, _inverse_temperature(temperature, dtype, device),
-            HAS_Y=y is not None, ENTROPY=sweep.entropy, TRUNCATED=threshold is not None, LOW=LOW[dtype],
-            TERMS=TAYLOR_TERMS[dtype], BLOCK=_block(cols), **LAUNCH_OPTIONS)
+            xk,
+            yk,
+            thr,
+            partials,
+            xk.stride(0),
+            yk.stride(0),
+            cols,
+            _inverse_temperature(temperature, dtype, device),
+            HAS_Y=y is not None,
+            ENTROPY=sweep.entropy,
+            TRUNCATED=threshold is not None,
+            LOW=LOW[dtype],
+            TERMS=TAYLOR_TERMS[dtype],
+            BLOCK=_block(cols),
+            **LAUNCH_OPTIONS,
+        )
     return combine(partials, rows, sweep, support)
 
 
@@ -205,8 +223,11 @@ def combine(partials, rows: Rows, sweep: Sweep, support=None):
     sums[SUPPORT_SIZE] = p[P_K]
     if targets is not None:
         local, owned = shard.owned(targets)
-        picked = x.gather(-1, local.clamp(0, max(0, shard.valid - 1)).unsqueeze(-1)).squeeze(-1).double() \
-            if shard.valid else torch.zeros(n, dtype=torch.float64, device=p.device)
+        picked = (
+            x.gather(-1, local.clamp(0, max(0, shard.valid - 1)).unsqueeze(-1)).squeeze(-1).double()
+            if shard.valid
+            else torch.zeros(n, dtype=torch.float64, device=p.device)
+        )
         picked = picked.clamp_min(-LOW[dtype])
         sums[TARGET_ZC] = torch.where(owned, (picked - maxes[0]) * inv_tau, torch.zeros_like(picked))
         if threshold is not None:
@@ -247,9 +268,22 @@ def _mean_u_again(chunk: Rows, rows: torch.Tensor, row_norms, sweep: Sweep) -> t
         thr = threshold.to(dtype).contiguous() if threshold is not None else row_norms
         launches["mean_u"] += 1
         _kernels().row_mean_u[(rows.numel(),)](
-            xk, yk, rows, row_norms.contiguous(), thr, found, xk.stride(0), yk.stride(0), row_norms.shape[1],
-            x.shape[1], _inverse_temperature(temperature, dtype, x.device), TRUNCATED=threshold is not None, LOW=LOW[dtype], BLOCK=_block(x.shape[1]),
-            **LAUNCH_OPTIONS)
+            xk,
+            yk,
+            rows,
+            row_norms.contiguous(),
+            thr,
+            found,
+            xk.stride(0),
+            yk.stride(0),
+            row_norms.shape[1],
+            x.shape[1],
+            _inverse_temperature(temperature, dtype, x.device),
+            TRUNCATED=threshold is not None,
+            LOW=LOW[dtype],
+            BLOCK=_block(x.shape[1]),
+            **LAUNCH_OPTIONS,
+        )
     return all_reduce(found.double(), dist.ReduceOp.SUM, sweep.group)
 
 
@@ -280,10 +314,26 @@ def backward(rows: Rows, norms, upstream: Upstream, sweep: Sweep, out):
     thr = threshold.to(dtype).contiguous() if threshold is not None else norms
     launches["backward"] += 1
     _kernels().row_grad[(n,)](
-        xk, yk, destination, norms.contiguous(), grads, target, thr, xk.stride(0), yk.stride(0),
-        destination.stride(0), cols, _inverse_temperature(temperature, dtype, device), HAS_LP=g_lp is not None, HAS_H=g_h is not None,
-        HAS_KL=g_kl is not None and y is not None, TRUNCATED=threshold is not None, LOW=LOW[dtype],
-        BLOCK=_block(cols), **LAUNCH_OPTIONS)
+        xk,
+        yk,
+        destination,
+        norms.contiguous(),
+        grads,
+        target,
+        thr,
+        xk.stride(0),
+        yk.stride(0),
+        destination.stride(0),
+        cols,
+        _inverse_temperature(temperature, dtype, device),
+        HAS_LP=g_lp is not None,
+        HAS_H=g_h is not None,
+        HAS_KL=g_kl is not None and y is not None,
+        TRUNCATED=threshold is not None,
+        LOW=LOW[dtype],
+        BLOCK=_block(cols),
+        **LAUNCH_OPTIONS,
+    )
     if destination is not out:
         out.copy_(destination)
     return out

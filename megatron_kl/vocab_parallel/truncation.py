@@ -120,14 +120,16 @@ class Support:
     row_max: Optional[torch.Tensor] = None
 
 
-def support_threshold(logits: torch.Tensor, tp_group, truncation: Truncation, temperature: float = 1.0,
-                      vocab_size: Optional[int] = None) -> torch.Tensor:
+def support_threshold(
+    logits: torch.Tensor, tp_group, truncation: Truncation, temperature: float = 1.0, vocab_size: Optional[int] = None
+) -> torch.Tensor:
     """``find_support(...).threshold``."""
     return find_support(logits, tp_group, truncation, temperature, vocab_size).threshold
 
 
-def find_support(logits: torch.Tensor, tp_group, truncation: Truncation, temperature: float = 1.0,
-                 vocab_size: Optional[int] = None) -> Support:
+def find_support(
+    logits: torch.Tensor, tp_group, truncation: Truncation, temperature: float = 1.0, vocab_size: Optional[int] = None
+) -> Support:
     """Per row of the local logits slice ``[n, V_local]`` (valid columns only, no padding), the threshold t
     with support ``{a : x_a >= t}`` of the truncated distribution over the whole sharded vocabulary; -inf
     where nothing is truncated. Same value on every rank. No gradient (the support is piecewise constant).
@@ -160,19 +162,22 @@ def find_support(logits: torch.Tensor, tp_group, truncation: Truncation, tempera
         row_max = merged[:, 0]
         probs = _masses(merged, row_max, temperature)
         total = torch.where(merged >= threshold[:, None], probs, torch.zeros_like(probs)).sum(-1)
-        cut = _top_p_cut(x, row_max, total, threshold, truncation.top_p, temperature, tp_group, m_first, cols,
-                         first=first)
+        cut = _top_p_cut(
+            x, row_max, total, threshold, truncation.top_p, temperature, tp_group, m_first, cols, first=first
+        )
         return Support(torch.maximum(threshold, cut), row_max)
     if first is None and top_p_histogram.supported(x):  # top-p alone, float32 on the CPU: mass histograms
         world = group_size_rank(tp_group)[0]
         cut, resolved, row_max, total = top_p_histogram.histogram_cut(
-            x, truncation.top_p, temperature, tp_group, top_p_histogram.buckets_for(vocab, world))
+            x, truncation.top_p, temperature, tp_group, top_p_histogram.buckets_for(vocab, world)
+        )
         row_max = row_max.to(dtype)
         if not bool(resolved.all()):  # too narrow a spread for float32 buckets: bisection (no candidates)
             rows = (~resolved).nonzero().squeeze(-1)
             peak = row_max[rows]
-            cut[rows] = _bracket_cut(x[rows], peak, total[rows], peak[:, None], peak, truncation.top_p, temperature,
-                                     tp_group).double()
+            cut[rows] = _bracket_cut(
+                x[rows], peak, total[rows], peak[:, None], peak, truncation.top_p, temperature, tp_group
+            ).double()
         return Support(cut.to(dtype), row_max)
     if first is None:  # top-p alone: the first candidates (their largest is the row's maximum over all ranks)
         m_first = FIRST_CANDIDATES
@@ -186,8 +191,7 @@ def find_support(logits: torch.Tensor, tp_group, truncation: Truncation, tempera
             e.addcmul_(e, torch.lt(x[rows], threshold[rows, None]).to(e.dtype), value=-1.0)
         total[rows] = _sum64(e)
     all_reduce(total, dist.ReduceOp.SUM, tp_group)
-    cut = _top_p_cut(x, row_max, total, threshold, truncation.top_p, temperature, tp_group, m_first, cols,
-                     first=first)
+    cut = _top_p_cut(x, row_max, total, threshold, truncation.top_p, temperature, tp_group, m_first, cols, first=first)
     return Support(torch.maximum(threshold, cut), row_max)
 
 
@@ -211,8 +215,9 @@ def _sum64(e: torch.Tensor) -> torch.Tensor:
     return total
 
 
-def _top_p_cut(x, row_max, total, top_k_threshold, top_p: float, temperature: float, group, m: int, cols: int,
-               first=None):
+def _top_p_cut(
+    x, row_max, total, top_k_threshold, top_p: float, temperature: float, group, m: int, cols: int, first=None
+):
     """The top-p threshold per row: from the merged candidates of the first round (``first``, already gathered
     with ``m`` per rank, or gathered here), exact where the cut lies above their floor; the other rows by
     bisection (top-p alone, :func:`_bracket_cut`) or with 8x more candidates per round (under top-k)."""
@@ -232,9 +237,10 @@ def _top_p_cut(x, row_max, total, top_k_threshold, top_p: float, temperature: fl
     if not bool(torch.isfinite(top_k_threshold).any()):  # top-p alone: bisection, in row blocks
         block = max(1, CANDIDATE_ELEMENTS // max(1, cols))
         for lo in range(0, pending.numel(), block):
-            rows = pending[lo: lo + block]
-            cut[rows] = _bracket_cut(x[rows], row_max[rows], total[rows], merged[rows], floor[rows], top_p,
-                                     temperature, group)
+            rows = pending[lo : lo + block]
+            cut[rows] = _bracket_cut(
+                x[rows], row_max[rows], total[rows], merged[rows], floor[rows], top_p, temperature, group
+            )
         return cut
     while pending.numel():  # under top-k (ties at the k-th left out of the candidates): more candidates
         m = min(max_cols, m * RETRY_FACTOR)
@@ -243,7 +249,7 @@ def _top_p_cut(x, row_max, total, top_k_threshold, top_p: float, temperature: fl
         # row blocks bound the merged candidates [rows, world * m] and the copy of the rows' logits
         block = max(1, CANDIDATE_ELEMENTS // max(world * m, cols))
         for lo in range(0, pending.numel(), block):
-            rows = pending[lo: lo + block]
+            rows = pending[lo : lo + block]
             merged, floor = _candidates(x[rows], m, group)
             value = _cut_on_candidates(merged, row_max[rows], total[rows], top_k_threshold[rows], top_p, temperature)
             resolved = (value > floor) | complete
@@ -279,8 +285,9 @@ def _bracket_cut(x, row_max, total, merged, floor, top_p: float, temperature: fl
     hi = floor.to(x.dtype)  # the candidates above the floor are all the logits above it
     above_floor = merged > floor[:, None]
     probs = _masses(merged, row_max, temperature)
-    hi_stats = torch.stack([torch.where(above_floor, probs, torch.zeros_like(probs)).sum(-1),
-                            above_floor.sum(-1).double()])
+    hi_stats = torch.stack(
+        [torch.where(above_floor, probs, torch.zeros_like(probs)).sum(-1), above_floor.sum(-1).double()]
+    )
     target = top_p * total
     for _ in range(MAX_BISECTIONS):
         mid = (lo + hi) / 2
@@ -300,8 +307,9 @@ def _bracket_cut(x, row_max, total, merged, floor, top_p: float, temperature: fl
     bracket = all_gather_columns(_local_top(values, max(1, width)), group).sort(dim=-1, descending=True).values
     probs = _masses(bracket, row_max, temperature) / total[:, None]
     probs = torch.where(torch.isfinite(bracket), probs, torch.zeros_like(probs))
-    return top_p_histogram.last_kept(bracket, probs, torch.isfinite(bracket), top_p,
-                                     hi_stats[0][:, None] / total[:, None])
+    return top_p_histogram.last_kept(
+        bracket, probs, torch.isfinite(bracket), top_p, hi_stats[0][:, None] / total[:, None]
+    )
 
 
 def _sorted_lookup(x: torch.Tensor) -> bool:
@@ -334,4 +342,3 @@ def _cut_on_candidates(merged, row_max, total, top_k_threshold, top_p: float, te
     probs = _masses(merged, row_max, temperature)
     probs = torch.where(kept, probs / total[:, None], torch.zeros_like(probs))
     return top_p_histogram.last_kept(merged, probs, kept, top_p)
-

@@ -25,20 +25,25 @@ TEMPERATURE = 0.9
 def cases() -> list[dict]:
     """(kl, algo) pairs covering every KL configuration of the audit (on- and off-policy, the behaviour-weighted
     ones with each correction in turn), every aggregation, every correction, GSPO, RPG, pi_old from the update."""
-    corrections = [kind for kind in ("token_tis", "sequence_tis", "token_mask", "sequence_mask", "geometric_mask",
-                                     "icepop")]
+    corrections = [
+        kind for kind in ("token_tis", "sequence_tis", "token_mask", "sequence_mask", "geometric_mask", "icepop")
+    ]
     out = []
-    kl_configs = all_configs(True, coef=0.3) + [cfg for cfg in all_configs(False, coef=0.3)
-                                                if cfg.name not in {c.name for c in all_configs(True, coef=0.3)}]
+    kl_configs = all_configs(True, coef=0.3) + [
+        cfg for cfg in all_configs(False, coef=0.3) if cfg.name not in {c.name for c in all_configs(True, coef=0.3)}
+    ]
     for kl in kl_configs:
         out.append({"kl": kl, "algo": AlgoConfig(aggregation=kl.aggregation)})
     for i, kl in enumerate(behavior_configs(coef=0.3)):
         out.append({"kl": kl, "algo": AlgoConfig(behavior_correction=corrections[i % len(corrections)])})
     base = all_configs(True, coef=0.3)
-    for j, aggregation in enumerate(("seq_mean_token_sum", "token_mean", "seq_mean_token_mean",
-                                     "seq_mean_token_sum_norm")):
+    for j, aggregation in enumerate(
+        ("seq_mean_token_sum", "token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+    ):
         for kl in base[j::9]:
-            kl = dataclasses.replace(kl, aggregation=aggregation, norm_length=7.0 if aggregation.endswith("norm") else None)
+            kl = dataclasses.replace(
+                kl, aggregation=aggregation, norm_length=7.0 if aggregation.endswith("norm") else None
+            )
             out.append({"kl": kl, "algo": AlgoConfig(aggregation=aggregation, norm_length=7.0, entropy_coef=0.01)})
     for kind in corrections:
         out.append({"kl": base[1], "algo": AlgoConfig(behavior_correction=kind, tis_cap=1.5)})
@@ -66,15 +71,22 @@ def inputs(seed: int, batch: int, length: int, dtype=torch.float64) -> dict:
     for b in range(batch):
         start = int(torch.randint(0, length - 1, (1,), generator=g))
         stop = length - int(torch.randint(0, 3, (1,), generator=g))
-        mask[b, start:max(start + 1, stop)] = True
+        mask[b, start : max(start + 1, stop)] = True
     mask[0] = False
     mask[0, length // 2] = True  # a one-token response
     mask[-1] = False  # an empty response
     old = torch.randn(batch, length, generator=g, dtype=torch.float64) * 0.3
     behavior = torch.randn(batch, length, generator=g, dtype=torch.float64) * 0.1
     advantages = torch.randn(batch, 1, generator=g, dtype=torch.float64).expand(batch, length).contiguous()
-    return {"logits": logits.to(dtype), "reference": reference.to(dtype), "targets": targets, "mask": mask,
-            "old_shift": old.to(dtype), "behavior_shift": behavior.to(dtype), "advantages": advantages.to(dtype)}
+    return {
+        "logits": logits.to(dtype),
+        "reference": reference.to(dtype),
+        "targets": targets,
+        "mask": mask,
+        "old_shift": old.to(dtype),
+        "behavior_shift": behavior.to(dtype),
+        "advantages": advantages.to(dtype),
+    }
 
 
 def _case_losses(data: dict, axis, tp_group, tp_size: int, tp_rank: int) -> list[dict]:
@@ -89,30 +101,46 @@ def _case_losses(data: dict, axis, tp_group, tp_size: int, tp_rank: int) -> list
         kl, algo = case["kl"], case["algo"]
         logits = data["logits"][..., columns].clone().requires_grad_(True)
         reference = data["reference"][..., columns]
-        stats = fused_stats(logits, tp_group, targets=data["targets"], reference_logits=reference,
-                            temperature=TEMPERATURE, vocab_size=VOCAB)
+        stats = fused_stats(
+            logits,
+            tp_group,
+            targets=data["targets"],
+            reference_logits=reference,
+            temperature=TEMPERATURE,
+            vocab_size=VOCAB,
+        )
         with torch.no_grad():
             old = stats.logprobs.detach() + data["old_shift"]
             behavior = old + data["behavior_shift"]
             old_kl = stats.kl.detach() * (1.0 + data["old_shift"].abs())
         counter = ClampCounter()
         reference_logprobs = stats.logprobs.detach() - data["old_shift"] * 0.5
-        mb = Microbatch(tokens=torch.zeros(mask.shape, dtype=torch.long), loss_mask=mask.to(logits.dtype),
-                        behavior_logprobs=behavior, reference_logprobs=reference_logprobs,
-                        advantages=data["advantages"])
+        mb = Microbatch(
+            tokens=torch.zeros(mask.shape, dtype=torch.long),
+            loss_mask=mask.to(logits.dtype),
+            behavior_logprobs=behavior,
+            reference_logprobs=reference_logprobs,
+            advantages=data["advantages"],
+        )
         if not case.get("from_update"):
             mb.old_logprobs = old
         if kl.coef > 0 and kl.placement == "reward" and not case.get("from_update"):
-            mb.kl_returns = -kl.coef * kl_penalty_credit(kl, old, reference_logprobs, mask, behavior,
-                                                         full_kl=old_kl, counter=counter, axis=axis)
+            mb.kl_returns = -kl.coef * kl_penalty_credit(
+                kl, old, reference_logprobs, mask, behavior, full_kl=old_kl, counter=counter, axis=axis
+            )
         loss_fn = MicrobatchLoss(algo=algo, kl=kl, shares=shares, counter=counter, axis=axis)
         loss, metrics = loss_fn(stats, mb)
         (grad,) = torch.autograd.grad(loss * axis.share, logits, allow_unused=True)
         if grad is None:
             grad = torch.zeros_like(logits)
-        results.append({"loss": float(loss.detach()), "grad": grad.detach(),
-                        "metrics": {k: float(v) for k, v in metrics.items()},
-                        "counts": dict(counter.counts)})
+        results.append(
+            {
+                "loss": float(loss.detach()),
+                "grad": grad.detach(),
+                "metrics": {k: float(v) for k, v in metrics.items()},
+                "counts": dict(counter.counts),
+            }
+        )
     return results
 
 

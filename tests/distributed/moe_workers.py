@@ -24,8 +24,11 @@ def expert_load_worker(rank, world, model_cfg: ModelConfig, parallel_cfg: Parall
     vocab = pipeline.VocabOptions(vocab_size=model_cfg.vocab_size)
     with torch.no_grad(), load.recording():
         pipeline.compute_token_stats(chunks, batch, 2, vocab)
-    return {"metrics": load.metrics((), model_cfg.moe.capacity_factor is not None), "counts": load.counts.clone(),
-            "tokens": load.tokens.clone()}
+    return {
+        "metrics": load.metrics((), model_cfg.moe.capacity_factor is not None),
+        "counts": load.counts.clone(),
+        "tokens": load.tokens.clone(),
+    }
 
 
 def _tie_routers(chunks: list, relative: float, seed: int = 0) -> None:
@@ -83,8 +86,9 @@ def replay_worker(rank, world, model_cfg: ModelConfig, prompts, sampling_dict: d
     engine.update_weights(models.policy, version=1)
     sampling = SamplingConfig(**sampling_dict)
     completions = engine.generate(prompts, sampling, seed=5)
-    tokens, mask, behavior = pack(prompts, [c.response_ids for c in completions], 0,
-                                  per_token=[c.response_logprobs for c in completions])
+    tokens, mask, behavior = pack(
+        prompts, [c.response_ids for c in completions], 0, per_token=[c.response_logprobs for c in completions]
+    )
     routing = pack_routing([c.routed_experts for c in completions], tokens.shape[1])
     vocab = pipeline.VocabOptions(model_cfg.vocab_size, sampling.logprob_temperature)
 
@@ -92,6 +96,11 @@ def replay_worker(rank, world, model_cfg: ModelConfig, prompts, sampling_dict: d
         batch = pipeline.SequenceBatch(tokens, mask, routed_experts=routing if routed else None)
         return pipeline.compute_token_stats(chunks, batch, 2, vocab).logprobs
 
-    return {"mask": mask, "behavior": behavior, "replayed": logprobs(models.policy, True),
-            "own": logprobs(models.policy, False), "reference_given_routing": logprobs(models.reference, True),
-            "reference": logprobs(models.reference, False)}
+    return {
+        "mask": mask,
+        "behavior": behavior,
+        "replayed": logprobs(models.policy, True),
+        "own": logprobs(models.policy, False),
+        "reference_given_routing": logprobs(models.reference, True),
+        "reference": logprobs(models.reference, False),
+    }

@@ -45,16 +45,20 @@ def _compare(reference: list[dict], per_rank: list[dict], cp: int, tp: int, tol:
                 for key, value in by_position[(cp_rank, tp_rank)][index]["counts"].items():
                     counts[key] = counts.get(key, 0) + value
             assert {k: v for k, v in counts.items() if v} == {k: v for k, v in expected["counts"].items() if v}, where
-        shards = [torch.cat([by_position[(c, t)][index]["grad"] for t in range(tp)], -1).movedim(1, -1)
-                  for c in range(cp)]
+        shards = [
+            torch.cat([by_position[(c, t)][index]["grad"] for t in range(tp)], -1).movedim(1, -1) for c in range(cp)
+        ]
         grad = zigzag_unshard(shards, LENGTH).movedim(-1, 1)
         scale = 1.0 + expected["grad"].abs().max().item()
         error = (grad - expected["grad"]).abs().max().item()
         assert error <= tol * scale, (where, error)
 
 
-@pytest.mark.parametrize("cp,tp,dtype", [(2, 1, "float64"), (4, 1, "float64"), (2, 2, "float64"),
-                                         (2, 1, "float32")], ids=["cp2", "cp4", "cp2-tp2", "cp2-float32"])
+@pytest.mark.parametrize(
+    "cp,tp,dtype",
+    [(2, 1, "float64"), (4, 1, "float64"), (2, 2, "float64"), (2, 1, "float32")],
+    ids=["cp2", "cp4", "cp2-tp2", "cp2-float32"],
+)
 def test_every_configuration_on_zigzag_shards_equals_one_rank(cp, tp, dtype):
     reference = single_rank(SEED, BATCH, LENGTH, dtype)
     assert any(r["loss"] != 0 for r in reference) and any(r["grad"].abs().max() > 0 for r in reference)
@@ -70,7 +74,8 @@ def test_the_cases_cover_every_audited_configuration():
     assert {a.aggregation for a in algos} == set(AGGREGATIONS)
     assert {a.behavior_correction for a in algos} >= set(CORRECTIONS) - {"tis"}
     assert {(a.loss, a.rpg.divergence, a.rpg.surrogate) for a in algos if a.loss == "rpg"} == {
-        ("rpg", d, s) for d in DIVERGENCES for s in SURROGATES}
+        ("rpg", d, s) for d in DIVERGENCES for s in SURROGATES
+    }
     assert {a.ratio_level for a in algos} == set(RATIO_LEVELS) and any(a.old_logprobs == "from_update" for a in algos)
 
 
@@ -89,10 +94,17 @@ def _axis_worker(rank, world, length):
     weights = zigzag_shard(torch.linspace(-1, 1, 3 * length, dtype=torch.float64).reshape(3, length), world, rank)
     loss = axis.total(weights * prefix * suffix) + axis.seq_sum(local).square().sum()  # the same on every rank
     (grad,) = torch.autograd.grad(loss * axis.share, local)
-    return {"prefix": prefix.detach(), "suffix": suffix.detach(), "seq_sum": axis.seq_sum(local).detach(),
-            "total": float(axis.total(local)), "max": float(axis.maximum(local[valid])),
-            "min": float(axis.minimum(local[valid])),
-            "grad": grad, "megatrons_shard": megatrons, "shard": local.detach()}
+    return {
+        "prefix": prefix.detach(),
+        "suffix": suffix.detach(),
+        "seq_sum": axis.seq_sum(local).detach(),
+        "total": float(axis.total(local)),
+        "max": float(axis.maximum(local[valid])),
+        "min": float(axis.minimum(local[valid])),
+        "grad": grad,
+        "megatrons_shard": megatrons,
+        "shard": local.detach(),
+    }
 
 
 @pytest.mark.parametrize("world", [2, 3])

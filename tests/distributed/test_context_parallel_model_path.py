@@ -29,11 +29,14 @@ def _microbatch(seed: int = 0) -> Microbatch:
     loss_mask = torch.zeros(BATCH, LENGTH - 1)
     for b, start in enumerate((2, 5, 8)):
         loss_mask[b, start:] = 1.0
-    per_target = {key: 0.1 * torch.randn(BATCH, LENGTH - 1, generator=g, dtype=torch.float64)
-                  for key in ("old_logprobs", "behavior_logprobs", "reference_logprobs")}
+    per_target = {
+        key: 0.1 * torch.randn(BATCH, LENGTH - 1, generator=g, dtype=torch.float64)
+        for key in ("old_logprobs", "behavior_logprobs", "reference_logprobs")
+    }
     advantages = torch.randn(BATCH, 1, generator=g, dtype=torch.float64).expand(BATCH, LENGTH - 1).contiguous()
-    return Microbatch(tokens=tokens, loss_mask=loss_mask, rows=torch.arange(BATCH), index=0, advantages=advantages,
-                      **per_target)
+    return Microbatch(
+        tokens=tokens, loss_mask=loss_mask, rows=torch.arange(BATCH), index=0, advantages=advantages, **per_target
+    )
 
 
 def _logits(tokens: torch.Tensor) -> torch.Tensor:
@@ -45,8 +48,13 @@ def _logits(tokens: torch.Tensor) -> torch.Tensor:
 def _loss(mb: Microbatch, axis, tp_group=None):
     logits = _logits(mb.tokens)
     stats = _unfused_stats(VocabOptions(vocab_size=VOCAB, temperature=0.8), None, mb, logits, tp_group)
-    mb = dataclasses.replace(mb, **{key: stats.logprobs.detach() + getattr(mb, key)
-                                    for key in ("old_logprobs", "behavior_logprobs", "reference_logprobs")})
+    mb = dataclasses.replace(
+        mb,
+        **{
+            key: stats.logprobs.detach() + getattr(mb, key)
+            for key in ("old_logprobs", "behavior_logprobs", "reference_logprobs")
+        },
+    )
     kl = KLConfig(estimator="k3", placement="loss", level="sequence", coef=0.2, off_policy="none")
     algo = AlgoConfig(behavior_correction="sequence_tis")
     shares = Shares(num_sequences=BATCH, num_tokens=float(_microbatch().loss_mask.sum()))
@@ -66,17 +74,26 @@ def _worker(rank, world):
     local = context_parallel.shard_microbatch(mb, world, rank, 2 * world)
     padded = -(-LENGTH // (2 * world)) * (2 * world)
     megatrons = get_batch_on_this_cp_rank(
-        {"tokens": torch.nn.functional.pad(mb.tokens, (0, padded - LENGTH)).clone()}, group)["tokens"]
+        {"tokens": torch.nn.functional.pad(mb.tokens, (0, padded - LENGTH)).clone()}, group
+    )["tokens"]
     # the pipeline's gather reads megatron's context-parallel group; here the world is that group
     import megatron_kl.models.pipeline as pipeline
 
     pipeline.context_parallel_group = lambda: group
     tp_group = [dist.new_group([r]) for r in range(world)][rank]  # TP = 1
     loss, metrics, grad, gathered = _loss(local, context_parallel.ContextParallelAxis(group), tp_group)
-    counts = context_parallel.sum_counts({"kl/clamped_k3": rank + 1, **({"only_rank_0": 2} if rank == 0 else {})},
-                                         group)
-    return {"local": {f.name: getattr(local, f.name) for f in dataclasses.fields(local)}, "megatrons_tokens": megatrons, "loss": loss, "metrics": metrics, "grad": grad,
-            "gathered": gathered, "counts": counts}
+    counts = context_parallel.sum_counts(
+        {"kl/clamped_k3": rank + 1, **({"only_rank_0": 2} if rank == 0 else {})}, group
+    )
+    return {
+        "local": {f.name: getattr(local, f.name) for f in dataclasses.fields(local)},
+        "megatrons_tokens": megatrons,
+        "loss": loss,
+        "metrics": metrics,
+        "grad": grad,
+        "gathered": gathered,
+        "counts": counts,
+    }
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -120,8 +137,15 @@ def _parallel(**kw):
 
 
 def test_layouts_that_cannot_run_are_refused_naming_the_field():
-    model = ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2,
-                        vocab_size=32, max_position_embeddings=32)
+    model = ModelConfig(
+        num_layers=2,
+        hidden_size=64,
+        ffn_hidden_size=128,
+        num_attention_heads=4,
+        num_query_groups=2,
+        vocab_size=32,
+        max_position_embeddings=32,
+    )
     validate_parallel(model, _parallel(context_parallel=2, tensor_parallel=2), 8)
     with pytest.raises(ConfigError, match=r"tensor_parallel\*pipeline_parallel\*context_parallel=8"):
         validate_parallel(model, _parallel(context_parallel=4, tensor_parallel=2), 4)  # world not divisible
@@ -134,15 +158,24 @@ def test_layouts_that_cannot_run_are_refused_naming_the_field():
     context_parallel.check_runnable(_parallel(context_parallel=2), have_transformer_engine=True)
     context_parallel.check_runnable(_parallel(), have_transformer_engine=False)
     with pytest.raises(ValueError, match="neither per sequence"):
-        context_parallel.shard_microbatch(Microbatch(tokens=torch.zeros(1, 6, dtype=torch.long),
-                                                     loss_mask=torch.zeros(1, 5), advantages=torch.zeros(1, 3)), 2, 0, 4)
+        context_parallel.shard_microbatch(
+            Microbatch(
+                tokens=torch.zeros(1, 6, dtype=torch.long), loss_mask=torch.zeros(1, 5), advantages=torch.zeros(1, 3)
+            ),
+            2,
+            0,
+            4,
+        )
 
 
-@pytest.mark.parametrize("overrides,named", [
-    (["rollout.engine=sglang", "warm_start.enabled=false"], "parallel.context_parallel=2 needs Transformer Engine"),
-    (["warm_start.enabled=false"], "rollout.engine=local generates with the training layout"),
-    (["rollout.engine=sglang"], "warm_start (the supervised phase) does not split its sequences"),
-])
+@pytest.mark.parametrize(
+    "overrides,named",
+    [
+        (["rollout.engine=sglang", "warm_start.enabled=false"], "parallel.context_parallel=2 needs Transformer Engine"),
+        (["warm_start.enabled=false"], "rollout.engine=local generates with the training layout"),
+        (["rollout.engine=sglang"], "warm_start (the supervised phase) does not split its sequences"),
+    ],
+)
 def test_train_check_refuses_what_cannot_run_here(tmp_path, overrides, named):
     import os
     import subprocess
@@ -154,9 +187,24 @@ def test_train_check_refuses_what_cannot_run_here(tmp_path, overrides, named):
     if have_transformer_engine() and "Transformer Engine" in named:
         pytest.skip("Transformer Engine is installed: context parallelism can run here")
     root = Path(__file__).resolve().parents[2]
-    done = subprocess.run([sys.executable, "-m", "megatron_kl.cli", "train", "--config", "configs/cpu/default.yaml",
-                           "--check", f"train.output_dir={tmp_path / 'run'}", "parallel.context_parallel=2", *overrides],
-                          capture_output=True, text=True, cwd=root, timeout=300,
-                          env={**os.environ, "WORLD_SIZE": "2"})  # as torchrun starts it: two CP ranks
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megatron_kl.cli",
+            "train",
+            "--config",
+            "configs/cpu/default.yaml",
+            "--check",
+            f"train.output_dir={tmp_path / 'run'}",
+            "parallel.context_parallel=2",
+            *overrides,
+        ],
+        capture_output=True,
+        text=True,
+        cwd=root,
+        timeout=300,
+        env={**os.environ, "WORLD_SIZE": "2"},
+    )  # as torchrun starts it: two CP ranks
     assert done.returncode == 2 and named in done.stderr, done.stderr[-2000:]
     assert not (tmp_path / "run").exists()

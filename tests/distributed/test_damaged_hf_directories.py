@@ -56,8 +56,11 @@ CASES = {
     "corrupt header": (_corrupt_header, r"model.safetensors is not a readable safetensors file"),
     "malformed config.json": (_bad_config, r"config.json is not valid JSON"),
     "config.json not an object": (_config_as_list, r"config.json must hold a JSON object, not a list"),
-    "hidden size": (_hidden_size, r"config.json says vocab_size=\d+, hidden_size=\d+ but .*model.safetensors holds "
-                                  r"model.embed_tokens.weight of shape \[\d+, \d+\] \(expected \[\d+, \d+\]\)"),
+    "hidden size": (
+        _hidden_size,
+        r"config.json says vocab_size=\d+, hidden_size=\d+ but .*model.safetensors holds "
+        r"model.embed_tokens.weight of shape \[\d+, \d+\] \(expected \[\d+, \d+\]\)",
+    ),
     "index without a weight map": (_bad_index, r"model.safetensors.index.json has no weight_map"),
 }
 
@@ -70,8 +73,13 @@ def test_a_damaged_directory_is_named_by_the_checkpoint_reader_and_by_convert(tm
     damage(broken)
     with pytest.raises(ConfigError, match=message):
         hf.HFCheckpoint(broken).check_shapes()
-    done = subprocess.run([sys.executable, "-m", "megatron_kl.cli", "convert", "--hf", str(broken), "--out",
-                           str(tmp_path / "out")], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-m", "megatron_kl.cli", "convert", "--hf", str(broken), "--out", str(tmp_path / "out")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 2, done.stderr[-2000:]
     assert "Traceback" not in done.stderr and str(broken) in done.stderr, done.stderr[-2000:]
     assert not (tmp_path / "out").exists()

@@ -21,10 +21,22 @@ from megatron_kl.testing.distributed import run_ranks
 from megatron_kl.validation.distill_workers import descent_worker, distill_step_worker, states_worker
 
 VOCAB = 50
-STUDENT = ModelConfig(architecture="qwen2", num_layers=2, hidden_size=64, ffn_hidden_size=128, vocab_size=VOCAB,
-                      make_vocab_size_divisible_by=16)
-TEACHER = ModelConfig(architecture="qwen2", num_layers=4, hidden_size=96, ffn_hidden_size=192, vocab_size=VOCAB,
-                      make_vocab_size_divisible_by=16)
+STUDENT = ModelConfig(
+    architecture="qwen2",
+    num_layers=2,
+    hidden_size=64,
+    ffn_hidden_size=128,
+    vocab_size=VOCAB,
+    make_vocab_size_divisible_by=16,
+)
+TEACHER = ModelConfig(
+    architecture="qwen2",
+    num_layers=4,
+    hidden_size=96,
+    ffn_hidden_size=192,
+    vocab_size=VOCAB,
+    make_vocab_size_divisible_by=16,
+)
 EXACT_SEQUENCE = KLConfig(estimator="full", placement="loss", level="sequence", coef=0.5)
 OBJECTIVES = {
     "full-loss-sequence": EXACT_SEQUENCE,
@@ -52,8 +64,19 @@ def states():
 def _run(states, parallel, objective, fused, teacher_cfg=TEACHER, teacher_state=None):
     tokens, mask = _batch()
     world = parallel.tensor_parallel * parallel.pipeline_parallel
-    outs = run_ranks(distill_step_worker, world, STUDENT, teacher_cfg, parallel, states["student"],
-                     states["teacher"] if teacher_state is None else teacher_state, tokens, mask, objective, fused)
+    outs = run_ranks(
+        distill_step_worker,
+        world,
+        STUDENT,
+        teacher_cfg,
+        parallel,
+        states["student"],
+        states["teacher"] if teacher_state is None else teacher_state,
+        tokens,
+        mask,
+        objective,
+        fused,
+    )
     last = [o for o in outs if o["last_stage"]][0]
     return last, outs[0]["grads"], tokens, mask
 
@@ -130,8 +153,14 @@ def test_tensor_and_pipeline_parallel_give_the_single_rank_gradients(states):
 
 
 def test_a_teacher_equal_to_the_student_gives_zero_kl_and_no_gradient(states):
-    out, grads, _, mask = _run(states, ParallelConfig(tensor_parallel=2), EXACT_SEQUENCE, fused=True,
-                               teacher_cfg=STUDENT, teacher_state=states["student"])
+    out, grads, _, mask = _run(
+        states,
+        ParallelConfig(tensor_parallel=2),
+        EXACT_SEQUENCE,
+        fused=True,
+        teacher_cfg=STUDENT,
+        teacher_state=states["student"],
+    )
     on = mask.bool()
     assert out["kl"][on].abs().max().item() < 1e-7
     assert (out["logprobs"][on] - out["teacher_logprobs"][on]).abs().max().item() < 1e-5
@@ -145,14 +174,26 @@ def test_steps_on_a_fixed_batch_lower_the_exact_kl_to_the_teacher(states, level)
     falls at every step (token level: the objective itself; sequence level: its pathwise part dominates here)."""
     tokens, mask = _batch()
     objective = dataclasses.replace(EXACT_SEQUENCE, level=level, aggregation="token_mean", coef=1.0)
-    kls = run_ranks(descent_worker, 2, STUDENT, TEACHER, ParallelConfig(tensor_parallel=2), states["student"],
-                    states["teacher"], tokens, mask, objective, 8)[0]
+    kls = run_ranks(
+        descent_worker,
+        2,
+        STUDENT,
+        TEACHER,
+        ParallelConfig(tensor_parallel=2),
+        states["student"],
+        states["teacher"],
+        tokens,
+        mask,
+        objective,
+        8,
+    )[0]
     assert all(later < earlier for earlier, later in zip(kls, kls[1:])), kls
     assert kls[-1] < 0.5 * kls[0], kls
 
 
-@pytest.mark.parametrize("student_tp, teacher_tp, teacher_pp, world", [(1, 2, 1, 2), (2, 1, 1, 2), (1, 1, 2, 2),
-                                                                      (2, 1, 2, 2), (1, 2, 2, 4)])
+@pytest.mark.parametrize(
+    "student_tp, teacher_tp, teacher_pp, world", [(1, 2, 1, 2), (2, 1, 1, 2), (1, 1, 2, 2), (2, 1, 2, 2), (1, 2, 2, 4)]
+)
 def test_a_teacher_in_its_own_layout_gives_the_single_rank_result(states, student_tp, teacher_tp, teacher_pp, world):
     """A student at TP 1 (data-parallel ranks) beside a teacher at TP 2, a student at TP 2 beside TP-1 teacher replicas,
     a teacher pipeline of two stages beside a student at TP 1 and at TP 2, and a TP-2 x PP-2 teacher beside four
@@ -162,10 +203,33 @@ def test_a_teacher_in_its_own_layout_gives_the_single_rank_result(states, studen
 
     tokens, mask = _batch()
     objective = dataclasses.replace(EXACT_SEQUENCE, aggregation="token_mean")
-    single = run_ranks(own_layout_worker, 1, STUDENT, TEACHER, ParallelConfig(), 1, states["student"],
-                       states["teacher"], tokens, mask, objective)[0]
-    outs = run_ranks(own_layout_worker, world, STUDENT, TEACHER, ParallelConfig(tensor_parallel=student_tp),
-                     teacher_tp, states["student"], states["teacher"], tokens, mask, objective, teacher_pp)
+    single = run_ranks(
+        own_layout_worker,
+        1,
+        STUDENT,
+        TEACHER,
+        ParallelConfig(),
+        1,
+        states["student"],
+        states["teacher"],
+        tokens,
+        mask,
+        objective,
+    )[0]
+    outs = run_ranks(
+        own_layout_worker,
+        world,
+        STUDENT,
+        TEACHER,
+        ParallelConfig(tensor_parallel=student_tp),
+        teacher_tp,
+        states["student"],
+        states["teacher"],
+        tokens,
+        mask,
+        objective,
+        teacher_pp,
+    )
     on = mask.bool()
     assert all(out["teacher_layers"] == TEACHER.num_layers // teacher_pp for out in outs)  # its own pipeline stages
     for out in outs:
@@ -182,12 +246,15 @@ def test_a_teacher_in_its_own_layout_gives_the_single_rank_result(states, studen
 
 
 TOP_K_OBJECTIVES = {
-    "topk7_bucket-loss-sequence": DistillObjective(estimator="topk", top_k=7, top_k_tail="bucket", coef=0.5,
-                                                   aggregation="seq_mean_token_sum"),
-    "topk7_renormalize-loss-token": DistillObjective(estimator="topk", top_k=7, top_k_tail="renormalize",
-                                                     level="token", coef=0.5, aggregation="seq_mean_token_sum"),
-    "topk3_bucket-reward-token-rtg": DistillObjective(estimator="topk", top_k=3, placement="reward", level="token",
-                                                      coef=0.5, aggregation="seq_mean_token_sum"),
+    "topk7_bucket-loss-sequence": DistillObjective(
+        estimator="topk", top_k=7, top_k_tail="bucket", coef=0.5, aggregation="seq_mean_token_sum"
+    ),
+    "topk7_renormalize-loss-token": DistillObjective(
+        estimator="topk", top_k=7, top_k_tail="renormalize", level="token", coef=0.5, aggregation="seq_mean_token_sum"
+    ),
+    "topk3_bucket-reward-token-rtg": DistillObjective(
+        estimator="topk", top_k=3, placement="reward", level="token", coef=0.5, aggregation="seq_mean_token_sum"
+    ),
 }
 
 
@@ -251,8 +318,11 @@ def test_output_weight_gradient_of_each_top_k_objective_matches_float64(states, 
 def test_top_k_term_under_tensor_and_pipeline_parallel_gives_the_single_rank_gradients(states):
     objective = TOP_K_OBJECTIVES["topk7_bucket-loss-sequence"]
     _, single, _, _ = _run(states, ParallelConfig(), objective, fused=True)
-    for layout, fused in ((ParallelConfig(tensor_parallel=2), True), (ParallelConfig(tensor_parallel=2), False),
-                          (ParallelConfig(pipeline_parallel=2), True)):
+    for layout, fused in (
+        (ParallelConfig(tensor_parallel=2), True),
+        (ParallelConfig(tensor_parallel=2), False),
+        (ParallelConfig(pipeline_parallel=2), True),
+    ):
         _, grads, _, _ = _run(states, layout, objective, fused)
         for key, expected in single.items():
             err = ((grads[key] - expected).abs().max() / expected.abs().max().clamp_min(1e-6)).item()
@@ -261,8 +331,14 @@ def test_top_k_term_under_tensor_and_pipeline_parallel_gives_the_single_rank_gra
 
 def test_a_top_k_teacher_equal_to_the_student_gives_zero_divergence_and_no_gradient(states):
     objective = TOP_K_OBJECTIVES["topk7_bucket-loss-sequence"]
-    out, grads, _, mask = _run(states, ParallelConfig(tensor_parallel=2), objective, fused=True,
-                               teacher_cfg=STUDENT, teacher_state=states["student"])
+    out, grads, _, mask = _run(
+        states,
+        ParallelConfig(tensor_parallel=2),
+        objective,
+        fused=True,
+        teacher_cfg=STUDENT,
+        teacher_state=states["student"],
+    )
     on = mask.bool()
     assert (out["candidate_logprobs"][on] - out["teacher_top_logprobs"][on]).abs().max().item() < 1e-5
     largest = max(g.abs().max().item() for g in grads.values())
@@ -280,10 +356,33 @@ def test_a_mixture_of_experts_teacher_in_its_own_layout_gives_the_single_rank_re
     moe_states = run_ranks(states_worker, 1, STUDENT, teacher)[0]
     tokens, mask = _batch()
     objective = dataclasses.replace(EXACT_SEQUENCE, aggregation="token_mean")
-    single = run_ranks(own_layout_worker, 1, STUDENT, teacher, ParallelConfig(), 1, moe_states["student"],
-                       moe_states["teacher"], tokens, mask, objective)[0]
-    outs = run_ranks(own_layout_worker, 2, STUDENT, teacher, ParallelConfig(), teacher_tp, moe_states["student"],
-                     moe_states["teacher"], tokens, mask, objective, teacher_pp)
+    single = run_ranks(
+        own_layout_worker,
+        1,
+        STUDENT,
+        teacher,
+        ParallelConfig(),
+        1,
+        moe_states["student"],
+        moe_states["teacher"],
+        tokens,
+        mask,
+        objective,
+    )[0]
+    outs = run_ranks(
+        own_layout_worker,
+        2,
+        STUDENT,
+        teacher,
+        ParallelConfig(),
+        teacher_tp,
+        moe_states["student"],
+        moe_states["teacher"],
+        tokens,
+        mask,
+        objective,
+        teacher_pp,
+    )
     on = mask.bool()
     for out in outs:
         rows = out["rows"]
@@ -303,8 +402,9 @@ def test_a_mixture_of_experts_teacher_routes_itself_whatever_routing_the_batch_c
     moe_states = run_ranks(states_worker, 1, STUDENT, teacher)[0]
     tokens, mask = _batch()
     student_routing = torch.randint(0, 8, (tokens.shape[0], tokens.shape[1], 2, 2), dtype=torch.int16)
-    out = run_ranks(teacher_routing_worker, 1, STUDENT, teacher, moe_states["teacher"], tokens, mask,
-                    student_routing)[0]
+    out = run_ranks(teacher_routing_worker, 1, STUDENT, teacher, moe_states["teacher"], tokens, mask, student_routing)[
+        0
+    ]
     assert out["without"].abs().max() > 0 and torch.equal(out["with"], out["without"])
 
 
@@ -319,8 +419,22 @@ def reference_state():
 def _run_with_reference(states, reference_state, parallel, fused):
     tokens, mask = _batch()
     world = parallel.tensor_parallel * parallel.pipeline_parallel
-    outs = run_ranks(distill_step_worker, world, STUDENT, TEACHER, parallel, states["student"], states["teacher"],
-                     tokens, mask, EXACT_SEQUENCE, fused, 1.0, reference_state, REFERENCE_TERM)
+    outs = run_ranks(
+        distill_step_worker,
+        world,
+        STUDENT,
+        TEACHER,
+        parallel,
+        states["student"],
+        states["teacher"],
+        tokens,
+        mask,
+        EXACT_SEQUENCE,
+        fused,
+        1.0,
+        reference_state,
+        REFERENCE_TERM,
+    )
     return [o for o in outs if o["last_stage"]][0], outs[0]["grads"], tokens, mask
 
 
@@ -352,8 +466,11 @@ def test_the_exact_kl_to_the_reference_beside_the_teachers_matches_float64(state
 
 def test_both_exact_kls_under_tensor_and_pipeline_parallel_give_the_single_rank_gradients(states, reference_state):
     _, single, _, _ = _run_with_reference(states, reference_state, ParallelConfig(), True)
-    for layout, fused in ((ParallelConfig(tensor_parallel=2), True), (ParallelConfig(tensor_parallel=2), False),
-                          (ParallelConfig(pipeline_parallel=2), True)):
+    for layout, fused in (
+        (ParallelConfig(tensor_parallel=2), True),
+        (ParallelConfig(tensor_parallel=2), False),
+        (ParallelConfig(pipeline_parallel=2), True),
+    ):
         _, grads, _, _ = _run_with_reference(states, reference_state, layout, fused)
         for key, expected in single.items():
             err = ((grads[key] - expected).abs().max() / expected.abs().max().clamp_min(1e-6)).item()

@@ -40,12 +40,14 @@ def _worker(rank, world, where, error):
 
 
 @pytest.mark.parametrize("where", ["init", "generate"])
-@pytest.mark.parametrize("error, rank0, others", [
-    (ServerUnavailable("http://s:1 is gone"), "EngineLost", "EngineLost"),
-    (ValueError("bad field output_ids"), "ValueError", "RuntimeError"),
-])
+@pytest.mark.parametrize(
+    "error, rank0, others",
+    [
+        (ServerUnavailable("http://s:1 is gone"), "EngineLost", "EngineLost"),
+        (ValueError("bad field output_ids"), "ValueError", "RuntimeError"),
+    ],
+)
 def test_rank0_engine_failures_reach_every_rank(where, error, rank0, others):
     results = run_ranks(_worker, 2, where, error, timeout_s=120)
     assert results[0][0] == rank0 and results[1][0] == others, results
-    assert all(("http://s:1 is gone" if rank0 == "EngineLost" else "bad field output_ids") in msg
-               for _, msg in results)
+    assert all(("http://s:1 is gone" if rank0 == "EngineLost" else "bad field output_ids") in msg for _, msg in results)

@@ -31,8 +31,10 @@ def test_trainer_exact_kl_metric_near_the_reference(tp):
         expected = (logp.exp() * (logp - logq)).sum(-1)
         on = mask.bool()
         rel = ((result["kl"][on].double() - expected[on]).abs() / expected[on]).max().item()
-        print(f"TP={tp} eps={result['eps']} fused={result['fused']}: KL/token {expected[on].mean():.2e}, "
-              f"max relative error {rel:.2e}")
+        print(
+            f"TP={tp} eps={result['eps']} fused={result['fused']}: KL/token {expected[on].mean():.2e}, "
+            f"max relative error {rel:.2e}"
+        )
         assert rel <= TOLERANCE[result["eps"]], (result["eps"], result["fused"], rel)
         assert (result["kl"][~on] == 0).all()
 
@@ -43,8 +45,13 @@ def test_moe_exact_kl_is_zero_at_the_reference_and_exact_near_it(ep):
     exact KL of every position is below 1e-8 (the step-0 gate), and near it it matches float64 as above."""
     from megatron_kl.config import MoEConfig
 
-    model = ModelConfig(architecture="qwen3", num_layers=2, vocab_size=50, make_vocab_size_divisible_by=16,
-                        moe=MoEConfig(num_experts=4, router_topk=2, ffn_hidden_size=32))
+    model = ModelConfig(
+        architecture="qwen3",
+        num_layers=2,
+        vocab_size=50,
+        make_vocab_size_divisible_by=16,
+        moe=MoEConfig(num_experts=4, router_topk=2, ffn_hidden_size=32),
+    )
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, 50, (4, 10), generator=g)
     mask = torch.zeros(4, 9)

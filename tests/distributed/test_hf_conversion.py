@@ -12,7 +12,11 @@ from megatron_kl.models import hf
 from megatron_kl.testing.distributed import run_ranks
 from tests.distributed.hf_workers import FAMILIES, convert_worker, hf_logits, make_hf_model
 
-LAYOUTS = {"tp1": ParallelConfig(), "tp2": ParallelConfig(tensor_parallel=2), "pp2": ParallelConfig(pipeline_parallel=2)}
+LAYOUTS = {
+    "tp1": ParallelConfig(),
+    "tp2": ParallelConfig(tensor_parallel=2),
+    "pp2": ParallelConfig(pipeline_parallel=2),
+}
 
 
 @pytest.fixture(scope="module")
@@ -70,9 +74,19 @@ def assert_bit_exact_export(original_dir, export) -> None:
 
 def test_config_derivation(hf_models):
     llama = hf.HFCheckpoint(hf_models["llama"]).model_config()
-    assert (llama.architecture, llama.rope_scaling_factor, llama.tie_word_embeddings, llama.qkv_bias) == ("llama", 32.0, True, False)
+    assert (llama.architecture, llama.rope_scaling_factor, llama.tie_word_embeddings, llama.qkv_bias) == (
+        "llama",
+        32.0,
+        True,
+        False,
+    )
     qwen2 = hf.HFCheckpoint(hf_models["qwen2"]).model_config()
-    assert (qwen2.qkv_bias, qwen2.qk_layernorm, qwen2.tie_word_embeddings, qwen2.rope_theta) == (True, False, False, 1e6)
+    assert (qwen2.qkv_bias, qwen2.qk_layernorm, qwen2.tie_word_embeddings, qwen2.rope_theta) == (
+        True,
+        False,
+        False,
+        1e6,
+    )
     qwen3 = hf.HFCheckpoint(hf_models["qwen3"]).model_config()
     assert (qwen3.kv_channels, qwen3.qk_layernorm, qwen3.num_query_groups) == (24, True, 2)
     assert hf.HFCheckpoint(hf_models["qwen2"]).dtype == "bfloat16"
@@ -100,7 +114,8 @@ def test_mismatch_and_missing_tensor_are_clear_errors(hf_models, tmp_path):
         assert getattr(completed.resolved(), field) == getattr(derived.resolved(), field), field
     assert (completed.params_dtype, completed.max_position_embeddings) == ("float32", 64)
     assert {"architecture", "num_layers", "ffn_hidden_size", "kv_channels"} <= {
-        f for f in hf.STRUCTURAL_FIELDS if getattr(derived, f) != getattr(ModelConfig(), f)}  # really completed
+        f for f in hf.STRUCTURAL_FIELDS if getattr(derived, f) != getattr(ModelConfig(), f)
+    }  # really completed
     with pytest.raises(ConfigError, match=r"model\.num_layers=6 .* has 4"):
         hf.model_config_for_run(ModelConfig(num_layers=6), checkpoint)
     with pytest.raises(ConfigError, match="model_type"):
@@ -130,8 +145,9 @@ def test_convert_cli_import_tp2_export_round_trip(hf_models, tmp_path):
     megatron_dir, exported = tmp_path / "megatron", tmp_path / "hf_out"
 
     def cli(*args):
-        return subprocess.run([sys.executable, "-m", "megatron_kl.cli", "convert", *args], capture_output=True,
-                              text=True, timeout=600)
+        return subprocess.run(
+            [sys.executable, "-m", "megatron_kl.cli", "convert", *args], capture_output=True, text=True, timeout=600
+        )
 
     done = cli("--hf", str(source), "--out", str(megatron_dir), "--tp", "2")
     assert done.returncode == 0, done.stderr[-3000:]
@@ -156,8 +172,10 @@ def test_qwen3_with_yarn_context_scaling_matches_hf(tmp_path, world):
     from megatron_kl.testing.distributed import run_ranks
     from tests.distributed.hf_workers import convert_worker, hf_logits
 
-    FAMILIES["qwen3_yarn"] = {**FAMILIES["qwen3"], "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
-                                                                     "original_max_position_embeddings": 8}}
+    FAMILIES["qwen3_yarn"] = {
+        **FAMILIES["qwen3"],
+        "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8},
+    }
     try:
         source = make_hf_model("qwen3_yarn", tmp_path / "qwen3_yarn", seed=7)
     finally:
@@ -165,8 +183,9 @@ def test_qwen3_with_yarn_context_scaling_matches_hf(tmp_path, world):
     model = hf.HFCheckpoint(source).model_config()
     assert model.yarn.factor == 4.0 and model.yarn.original_max_position_embeddings == 8
     tokens = _tokens()
-    outs = run_ranks(convert_worker, world, str(source), ParallelConfig(tensor_parallel=world), tokens,
-                     tmp_path / "export")
+    outs = run_ranks(
+        convert_worker, world, str(source), ParallelConfig(tensor_parallel=world), tokens, tmp_path / "export"
+    )
     assert_logits_match(outs, hf_logits(source, tokens), f"qwen3 yarn TP={world}")
     assert_bit_exact_export(source, tmp_path / "export")
     hf.check_model_config(hf.model_config_from_hf(hf.hf_config_from_model(model)), model)

@@ -20,15 +20,22 @@ LAYOUTS = {  # name -> (layout, world size)
     "tp2xep2": (ParallelConfig(tensor_parallel=2, expert_parallel=2), 4),
     "pp2xep2": (ParallelConfig(pipeline_parallel=2, expert_parallel=2), 4),
 }
-LAYOUTS.update({"tp2": (ParallelConfig(tensor_parallel=2), 2), "pp2": (ParallelConfig(pipeline_parallel=2), 2),
-                # megatron-core adds expert biases (GPT-OSS) with one expert-tensor-parallel rank only
-                "tp2xetp1": (ParallelConfig(tensor_parallel=2, expert_tensor_parallel=1), 2)})
-CASES = ([("qwen3_moe", layout) for layout in ("ep1", "ep2", "tp2xep2", "pp2xep2")]
-         + [("qwen2_moe", "ep1"), ("qwen2_moe", "tp2xep2")]
-         + [("deepseek_v3", layout) for layout in ("ep1", "tp2", "pp2xep2")]
-         + [("deepseek_v3_plain", "ep1"), ("deepseek_v3_plain", "tp2xep2")]
-         + [("gpt_oss", layout) for layout in ("ep1", "tp2xetp1", "pp2xep2")]
-         + [("gpt_oss_every3", "ep1")])
+LAYOUTS.update(
+    {
+        "tp2": (ParallelConfig(tensor_parallel=2), 2),
+        "pp2": (ParallelConfig(pipeline_parallel=2), 2),
+        # megatron-core adds expert biases (GPT-OSS) with one expert-tensor-parallel rank only
+        "tp2xetp1": (ParallelConfig(tensor_parallel=2, expert_tensor_parallel=1), 2),
+    }
+)
+CASES = (
+    [("qwen3_moe", layout) for layout in ("ep1", "ep2", "tp2xep2", "pp2xep2")]
+    + [("qwen2_moe", "ep1"), ("qwen2_moe", "tp2xep2")]
+    + [("deepseek_v3", layout) for layout in ("ep1", "tp2", "pp2xep2")]
+    + [("deepseek_v3_plain", "ep1"), ("deepseek_v3_plain", "tp2xep2")]
+    + [("gpt_oss", layout) for layout in ("ep1", "tp2xetp1", "pp2xep2")]
+    + [("gpt_oss_every3", "ep1")]
+)
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +58,11 @@ def test_moe_logits_match_hf_and_export_is_bit_exact(moe_models, tmp_path, famil
 def test_moe_config_derivation_and_refusals(moe_models, tmp_path):
     derived = hf.HFCheckpoint(str(moe_models["qwen3_moe"])).model_config()
     assert derived.architecture == "qwen3" and derived.moe.num_experts == 8 and derived.moe.router_topk == 2
-    assert derived.moe.ffn_hidden_size == 32 and derived.moe.normalize_topk and not derived.moe.shared_expert_ffn_hidden_size
+    assert (
+        derived.moe.ffn_hidden_size == 32
+        and derived.moe.normalize_topk
+        and not derived.moe.shared_expert_ffn_hidden_size
+    )
     qwen2 = hf.HFCheckpoint(str(moe_models["qwen2_moe"])).model_config()
     assert qwen2.moe.shared_expert_ffn_hidden_size == 48 and not qwen2.moe.normalize_topk and qwen2.resolved().qkv_bias
     config = json.loads((moe_models["qwen3_moe"] / "config.json").read_text())

@@ -9,8 +9,13 @@ from megatron_kl.config import ModelConfig, MoEConfig, ParallelConfig
 from megatron_kl.testing.distributed import run_ranks
 from tests.distributed.moe_workers import expert_load_worker
 
-MODEL = ModelConfig(architecture="qwen3", num_layers=2, vocab_size=50, make_vocab_size_divisible_by=16,
-                    moe=MoEConfig(num_experts=4, router_topk=2, ffn_hidden_size=32))
+MODEL = ModelConfig(
+    architecture="qwen3",
+    num_layers=2,
+    vocab_size=50,
+    make_vocab_size_divisible_by=16,
+    moe=MoEConfig(num_experts=4, router_topk=2, ffn_hidden_size=32),
+)
 
 
 def _tokens():
@@ -31,8 +36,9 @@ def test_counts_cover_every_token_and_a_tied_router_is_reported_imbalanced():
 
 
 def test_capacity_factor_drops_are_counted():
-    capped = ModelConfig(**{**MODEL.__dict__, "moe": MoEConfig(num_experts=4, router_topk=2, ffn_hidden_size=32,
-                                                             capacity_factor=1.0)})
+    capped = ModelConfig(
+        **{**MODEL.__dict__, "moe": MoEConfig(num_experts=4, router_topk=2, ffn_hidden_size=32, capacity_factor=1.0)}
+    )
     tied = run_ranks(expert_load_worker, 1, capped, ParallelConfig(), _tokens(), True)[0]
     # two experts take everything, each at most its even share (tokens x 2 / 4): half the routes are dropped
     assert tied["metrics"]["moe/dropped_fraction"] == pytest.approx(0.5)

@@ -17,8 +17,9 @@ def test_nan_gradient_skips_the_step_on_every_rank(tp, pp):
     tokens = torch.randint(0, 50, (4, 10), generator=torch.Generator().manual_seed(0))
     mask = torch.zeros(4, 9)
     mask[:, 3:] = 1
-    outs = run_ranks(nonfinite_step_worker, tp * pp, MODEL,
-                     ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp), tokens, mask)
+    outs = run_ranks(
+        nonfinite_step_worker, tp * pp, MODEL, ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp), tokens, mask
+    )
     for out in outs:
         assert out["bad"]["update_successful"] is False and out["unchanged"]
         assert out["lr"][0] == out["lr"][1]  # the LR schedule did not advance

@@ -10,9 +10,18 @@ from megatron_kl.config import ModelConfig, MoEConfig
 from megatron_kl.testing.distributed import run_ranks
 from tests.distributed.moe_workers import engine_routing_worker, replay_worker
 
-MODEL = ModelConfig(architecture="qwen3", num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4,
-                    num_query_groups=2, vocab_size=40, max_position_embeddings=64, init_method_std=0.2,
-                    moe=MoEConfig(num_experts=8, router_topk=2, ffn_hidden_size=32))
+MODEL = ModelConfig(
+    architecture="qwen3",
+    num_layers=2,
+    hidden_size=64,
+    ffn_hidden_size=96,
+    num_attention_heads=4,
+    num_query_groups=2,
+    vocab_size=40,
+    max_position_embeddings=64,
+    init_method_std=0.2,
+    moe=MoEConfig(num_experts=8, router_topk=2, ffn_hidden_size=32),
+)
 # distinct lengths (the ragged scheme prefills each length; the forcing scheme feeds the longer prompts' tokens)
 # and repeated prompts (prefilled once, their cache and routing copied to every row)
 PROMPTS = [[1, 5, 6, 7], [1, 8], [1, 9, 9, 9, 9, 2], [3], [1, 8], [1, 8]]

@@ -32,5 +32,9 @@ def test_retry_budget_beyond_the_distributed_timeout_is_a_config_error():
     with pytest.raises(ConfigError, match="not less than parallel.distributed_timeout_s=1800"):
         _config("rollout.engine=sglang", "rollout.sglang.urls=['http://h:1']", "rollout.sglang.request_timeout_s=600")
     with pytest.raises(ConfigError, match="rollout.vllm.*parallel.distributed_timeout_s=100"):
-        _config("rollout.engine=vllm", "rollout.vllm.mode=server", "rollout.vllm.url=http://h:2",
-                "parallel.distributed_timeout_s=100")
+        _config(
+            "rollout.engine=vllm",
+            "rollout.vllm.mode=server",
+            "rollout.vllm.url=http://h:2",
+            "parallel.distributed_timeout_s=100",
+        )

@@ -24,8 +24,16 @@ def _no_compiler() -> bool:
 
 needs_compiler = pytest.mark.skipif(_no_compiler(), reason="no C compiler (cc or $CC): the kernels cannot be built")
 
-CASES = [("flat", 1, 0.9, 1.0), ("flat", 2, 0.5, 0.7), ("peaked", 3, 0.9, 1.0), ("peaked", 4, 0.999, 1.3),
-         ("ties", 5, 0.6, 1.0), ("large", 6, 0.9, 0.8), ("masked", 7, 0.95, 1.0), ("shard_boundary", 8, 0.999, 1.0)]
+CASES = [
+    ("flat", 1, 0.9, 1.0),
+    ("flat", 2, 0.5, 0.7),
+    ("peaked", 3, 0.9, 1.0),
+    ("peaked", 4, 0.999, 1.3),
+    ("ties", 5, 0.6, 1.0),
+    ("large", 6, 0.9, 0.8),
+    ("masked", 7, 0.95, 1.0),
+    ("shard_boundary", 8, 0.999, 1.0),
+]
 
 
 ROUNDING = 1e-6  # float32 masses: a cut whose preceding mass is this close to top_p may fall either way
@@ -150,8 +158,10 @@ def test_a_compiler_without_march_native_builds_portably(monkeypatch, tmp_path):
     from megatron_kl.vocab_parallel import native
 
     fussy = tmp_path / "fussy-cc"
-    fussy.write_text('#!/bin/sh\nfor a in "$@"; do [ "$a" = -march=native ] && { echo "unknown -march" >&2; exit 1; }; '
-                     'done\nexec cc "$@"\n')
+    fussy.write_text(
+        '#!/bin/sh\nfor a in "$@"; do [ "$a" = -march=native ] && { echo "unknown -march" >&2; exit 1; }; '
+        'done\nexec cc "$@"\n'
+    )
     fussy.chmod(0o755)
     monkeypatch.setenv("CC", str(fussy))
     monkeypatch.setenv("MEGATRON_KL_CACHE", str(tmp_path / "cache"))

@@ -38,8 +38,10 @@ def interpreter(monkeypatch):
 def _checked_run_ranks(fn, world, *args, **kwargs):
     """``run_ranks`` whose ranks report their Triton launches: every rank must have launched the kernels."""
     if torch.cuda.is_available() and world > torch.cuda.device_count():
-        pytest.skip(f"{world} ranks on this machine are gloo ranks on the CPU: the interpreter runs them where no "
-                    "GPU is (MEGATRON_KL_TEST_WORLDS=1 on a one-GPU machine)")
+        pytest.skip(
+            f"{world} ranks on this machine are gloo ranks on the CPU: the interpreter runs them where no "
+            "GPU is (MEGATRON_KL_TEST_WORLDS=1 on a one-GPU machine)"
+        )
     wrapped = functools.partial(through_triton, fn)
     wrapped.__name__ = fn.__name__
     reports = distributed.run_ranks(wrapped, world, *args, **kwargs)
@@ -57,10 +59,14 @@ def checked(monkeypatch, interpreter):
 
 SUITES = {  # the float64-reference suites of the CPU kernels, run here on the Triton path
     "fused_and_unfused_statistics": (test_vocab_parallel, "test_matches_unsharded_float64_reference"),
-    "exact_kl_near_the_reference": (test_vocab_parallel_accuracy,
-                                    "test_exact_kl_near_the_reference_has_small_relative_error"),
-    "logprobs_and_entropy_at_logits_of_1e4": (test_vocab_parallel_accuracy,
-                                              "test_logprobs_and_entropy_at_most_twice_naive_fp32_error"),
+    "exact_kl_near_the_reference": (
+        test_vocab_parallel_accuracy,
+        "test_exact_kl_near_the_reference_has_small_relative_error",
+    ),
+    "logprobs_and_entropy_at_logits_of_1e4": (
+        test_vocab_parallel_accuracy,
+        "test_logprobs_and_entropy_at_most_twice_naive_fp32_error",
+    ),
     "truncated_statistics": (test_truncation, "test_sharded_support_and_truncated_statistics_match_the_direct_rule"),
     "fused_linear_single_pass": (test_fused_linear, "test_single_pass_gradients_equal_autograd"),
 }
@@ -97,7 +103,9 @@ def _closed_form(case):
     p = logp.exp()
     live = p > 0
     valid_target = targets >= 0
-    lp = torch.where(valid_target, logp.gather(1, targets.clamp_min(0)[:, None])[:, 0], torch.zeros(len(targets)).double())
+    lp = torch.where(
+        valid_target, logp.gather(1, targets.clamp_min(0)[:, None])[:, 0], torch.zeros(len(targets)).double()
+    )
     entropy = -torch.where(live, p * logp, torch.zeros_like(p)).sum(-1)
     diff = torch.where(live, logp - logq, torch.zeros_like(p))
     kl = (p * diff).sum(-1)
@@ -161,15 +169,28 @@ def test_every_launch_compiles_for_hopper_and_passes_no_float_scalar(interpreter
     launches = distributed.run_ranks(launch_worker, 1, cases)[0]
     assert {launch["kernel"] for launch in launches} == {"row_partials", "row_grad", "row_mean_u"}
     assert {launch["constexprs"].get("TRUNCATED") for launch in launches} == {False, True}
-    floats = sorted({(launch["kernel"], name, kind) for launch in launches
-                     for name, kind in launch["signature"].items() if not kind.startswith(("*", "i", "u"))})
+    floats = sorted(
+        {
+            (launch["kernel"], name, kind)
+            for launch in launches
+            for name, kind in launch["signature"].items()
+            if not kind.startswith(("*", "i", "u"))
+        }
+    )
     assert not floats, f"float scalar arguments (float32 once compiled): {floats}"
     unique = {json.dumps(launch, sort_keys=True): launch for launch in _as_the_gpu_passes_them(launches)}
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     root = Path(__file__).resolve().parents[2]
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
-    done = subprocess.run([sys.executable, "-m", "tests.distributed.triton_compile", "90"], cwd=root, env=env,
-                          input=json.dumps(list(unique.values())), capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.distributed.triton_compile", "90"],
+        cwd=root,
+        env=env,
+        input=json.dumps(list(unique.values())),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert not result["errors"], json.dumps(result["errors"][:3], indent=1)

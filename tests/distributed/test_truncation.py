@@ -38,29 +38,137 @@ def _cases():
     cases = []
     grid = itertools.product(("float64", "float32"), ((10, 1.0), (0, 0.9), (25, 0.7)), (1.0, 0.7))
     for i, (dtype, (top_k, top_p), tau) in enumerate(grid):
-        cases.append(dict(seed=i, rows=7, vocab=61, padded_vocab=64, dtype=dtype, top_k=top_k, top_p=top_p,
-                          temperature=tau, chunk=3, scale=3.0))
+        cases.append(
+            dict(
+                seed=i,
+                rows=7,
+                vocab=61,
+                padded_vocab=64,
+                dtype=dtype,
+                top_k=top_k,
+                top_p=top_p,
+                temperature=tau,
+                chunk=3,
+                scale=3.0,
+            )
+        )
     cases += [
-        dict(seed=50, rows=6, vocab=64, padded_vocab=64, dtype="float64", top_k=9, top_p=0.8, temperature=1.0,
-             chunk=4, scale=1.0, kind="ties"),
-        dict(seed=51, rows=6, vocab=64, padded_vocab=64, dtype="float32", top_k=0, top_p=0.6, temperature=0.9,
-             chunk=4, scale=1.0, kind="ties"),
+        dict(
+            seed=50,
+            rows=6,
+            vocab=64,
+            padded_vocab=64,
+            dtype="float64",
+            top_k=9,
+            top_p=0.8,
+            temperature=1.0,
+            chunk=4,
+            scale=1.0,
+            kind="ties",
+        ),
+        dict(
+            seed=51,
+            rows=6,
+            vocab=64,
+            padded_vocab=64,
+            dtype="float32",
+            top_k=0,
+            top_p=0.6,
+            temperature=0.9,
+            chunk=4,
+            scale=1.0,
+            kind="ties",
+        ),
         # the support is exactly the first half of the vocabulary: the cut falls between shards at TP 2 and 4
-        dict(seed=52, rows=4, vocab=64, padded_vocab=64, dtype="float64", top_k=32, top_p=1.0, temperature=1.0,
-             chunk=4, scale=30.0, kind="shard_boundary"),
-        dict(seed=53, rows=4, vocab=64, padded_vocab=64, dtype="float64", top_k=0, top_p=0.999, temperature=1.0,
-             chunk=4, scale=30.0, kind="shard_boundary"),
-        dict(seed=54, rows=5, vocab=60, padded_vocab=64, dtype="float32", top_k=12, top_p=0.95, temperature=0.8,
-             chunk=2, scale=1e4 / 4),  # logits ~1e4
-        dict(seed=55, rows=300, vocab=2000, padded_vocab=2000, dtype="float32", top_k=0, top_p=0.999,
-             temperature=1.0, chunk=128, scale=0.3),  # supports of ~1000 tokens: the candidate retries
+        dict(
+            seed=52,
+            rows=4,
+            vocab=64,
+            padded_vocab=64,
+            dtype="float64",
+            top_k=32,
+            top_p=1.0,
+            temperature=1.0,
+            chunk=4,
+            scale=30.0,
+            kind="shard_boundary",
+        ),
+        dict(
+            seed=53,
+            rows=4,
+            vocab=64,
+            padded_vocab=64,
+            dtype="float64",
+            top_k=0,
+            top_p=0.999,
+            temperature=1.0,
+            chunk=4,
+            scale=30.0,
+            kind="shard_boundary",
+        ),
+        dict(
+            seed=54,
+            rows=5,
+            vocab=60,
+            padded_vocab=64,
+            dtype="float32",
+            top_k=12,
+            top_p=0.95,
+            temperature=0.8,
+            chunk=2,
+            scale=1e4 / 4,
+        ),  # logits ~1e4
+        dict(
+            seed=55,
+            rows=300,
+            vocab=2000,
+            padded_vocab=2000,
+            dtype="float32",
+            top_k=0,
+            top_p=0.999,
+            temperature=1.0,
+            chunk=128,
+            scale=0.3,
+        ),  # supports of ~1000 tokens: the candidate retries
         # vocabulary 20 padded to 64: at TP 4 two ranks hold padding only (no columns)
-        dict(seed=58, rows=5, vocab=20, padded_vocab=64, dtype="float64", top_k=0, top_p=0.8, temperature=1.0,
-             chunk=2, scale=0.2),
-        dict(seed=56, rows=9, vocab=61, padded_vocab=64, dtype="float64", top_k=20, top_p=0.85, temperature=0.7,
-             chunk=4, scale=2.0, kind="linear"),
-        dict(seed=57, rows=9, vocab=64, padded_vocab=64, dtype="float32", top_k=0, top_p=0.9, temperature=1.0,
-             chunk=5, scale=2.0, kind="linear"),
+        dict(
+            seed=58,
+            rows=5,
+            vocab=20,
+            padded_vocab=64,
+            dtype="float64",
+            top_k=0,
+            top_p=0.8,
+            temperature=1.0,
+            chunk=2,
+            scale=0.2,
+        ),
+        dict(
+            seed=56,
+            rows=9,
+            vocab=61,
+            padded_vocab=64,
+            dtype="float64",
+            top_k=20,
+            top_p=0.85,
+            temperature=0.7,
+            chunk=4,
+            scale=2.0,
+            kind="linear",
+        ),
+        dict(
+            seed=57,
+            rows=9,
+            vocab=64,
+            padded_vocab=64,
+            dtype="float32",
+            top_k=0,
+            top_p=0.9,
+            temperature=1.0,
+            chunk=5,
+            scale=2.0,
+            kind="linear",
+        ),
     ]
     for case in cases:
         logits, _, _, _ = make_case(case)
@@ -94,7 +202,7 @@ def _expected(case):
     z = x[:, :vocab] / tau
     masked = z.masked_fill(~keep, float("-inf"))
     log_norm = torch.logsumexp(masked, -1)
-    logmu = (z - log_norm[:, None])  # extended outside the support
+    logmu = z - log_norm[:, None]  # extended outside the support
     mu = torch.where(keep, logmu.exp(), torch.zeros_like(z))
     logq = torch.log_softmax(r[:, :vocab] / tau, -1)
     targets = torch.as_tensor(case["targets"])
@@ -104,9 +212,16 @@ def _expected(case):
     loss = (weights[0] * lp + weights[1] * ent + weights[2] * kl).sum()
     grads = torch.autograd.grad(loss, inputs)
     full = torch.softmax(z.detach(), -1)
-    return dict(support=keep, logprobs=lp.detach(), entropy=ent.detach(), kl=kl.detach(),
-                kept_mass=(full * keep).sum(-1), support_size=keep.sum(-1).double(),
-                outside=(~keep.gather(-1, targets[:, None])[:, 0]).double(), grads=grads)
+    return dict(
+        support=keep,
+        logprobs=lp.detach(),
+        entropy=ent.detach(),
+        kl=kl.detach(),
+        kept_mass=(full * keep).sum(-1),
+        support_size=keep.sum(-1).double(),
+        outside=(~keep.gather(-1, targets[:, None])[:, 0]).double(),
+        grads=grads,
+    )
 
 
 def _relative(got, expected, floor=1.0):
@@ -150,7 +265,9 @@ def _check(cases, per_rank):
         else:
             got_grads = (torch.cat([r[index]["grads"][0] for r in per_rank], dim=-1),)
         for got, want in zip(got_grads, expected["grads"]):
-            want = torch.nn.functional.pad(want, (0, got.shape[-1] - want.shape[-1])) if got.shape != want.shape else want
+            want = (
+                torch.nn.functional.pad(want, (0, got.shape[-1] - want.shape[-1])) if got.shape != want.shape else want
+            )
             err = _relative(got, want, floor=1e-3)
             assert err <= tol, f"{case} grad: {err:.2e}"
         assert float(expected["outside"][0]) == 1.0 or bool(expected["support"][0].all()), case
@@ -213,7 +330,10 @@ def test_wide_vocabulary_supports_equal_the_direct_rule(rule, lookup, monkeypatc
     g = torch.Generator().manual_seed(12)
     tied = torch.randint(0, 4, (24, 4096), generator=g).double()
     tied[:, :3] += 4.0  # three clear leaders, then ties in the thousands
-    for x in (tied, 6.0 * torch.randn(24, 4096, generator=g, dtype=torch.float64),
-              0.5 * torch.randn(24, 4096, generator=g, dtype=torch.float64)):
+    for x in (
+        tied,
+        6.0 * torch.randn(24, 4096, generator=g, dtype=torch.float64),
+        0.5 * torch.randn(24, 4096, generator=g, dtype=torch.float64),
+    ):
         threshold = support_threshold(x, None, Truncation(top_k, top_p), 0.8)
         assert torch.equal(x >= threshold[:, None], direct_support(x, top_k, top_p, 0.8)), rule

@@ -31,8 +31,9 @@ def compile_launches(launches, arch: int = 90):
         index = {name: i for i, name in enumerate(kernel.arg_names)}
         constexprs = {(index[name],): value for name, value in launch["constexprs"].items()}
         try:
-            binary = triton.compile(ASTSource(kernel, signature, constexprs=constexprs), target=target,
-                                    options=launch["options"])
+            binary = triton.compile(
+                ASTSource(kernel, signature, constexprs=constexprs), target=target, options=launch["options"]
+            )
             assert binary.asm.get("cubin"), "no cubin"
             # float32 arithmetic not contracted into fmas (triton_stats.LAUNCH_OPTIONS); float64's come from
             # libdevice's exp, written with explicit fmas, the same in the forward and the backward

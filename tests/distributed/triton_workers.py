@@ -14,7 +14,11 @@ def through_triton(worker, rank, world, *args):
     before = dict(triton_stats.launches)
     result = worker(rank, world, *args)
     launched = {key: triton_stats.launches[key] - before[key] for key in before}
-    return {"result": result, "launches": launched, "enabled": triton_stats.enabled(torch.empty(0, device=rank_device()))}
+    return {
+        "result": result,
+        "launches": launched,
+        "enabled": triton_stats.enabled(torch.empty(0, device=rank_device())),
+    }
 
 
 def edge_inputs(case: dict):
@@ -48,13 +52,25 @@ def edge_worker(rank, world, cases):
         dtype = getattr(torch, case["dtype"])
         local = logits.chunk(world, dim=-1)[rank].to(dtype).contiguous().requires_grad_(True)
         local_ref = reference.chunk(world, dim=-1)[rank].to(dtype).contiguous()
-        stats = fused_stats(local, dist.group.WORLD, targets=targets, reference_logits=local_ref,
-                            temperature=case["temperature"], vocab_size=case["vocab"])
+        stats = fused_stats(
+            local,
+            dist.group.WORLD,
+            targets=targets,
+            reference_logits=local_ref,
+            temperature=case["temperature"],
+            vocab_size=case["vocab"],
+        )
         w = weights.to(stats.kl.dtype)
         loss = (w[0] * stats.logprobs + w[1] * stats.entropy + w[2] * stats.kl).sum()
         (grad,) = torch.autograd.grad(loss, local) if case["rows"] else (torch.zeros_like(local),)
-        results.append({"logprobs": stats.logprobs.detach().double(), "entropy": stats.entropy.detach().double(),
-                        "kl": stats.kl.detach().double(), "grad": grad.double()})
+        results.append(
+            {
+                "logprobs": stats.logprobs.detach().double(),
+                "entropy": stats.entropy.detach().double(),
+                "kl": stats.kl.detach().double(),
+                "grad": grad.double(),
+            }
+        )
     return results
 
 
@@ -71,8 +87,9 @@ class _RecordedKernel:
             options = {key: kwargs.pop(key) for key in ("num_warps", "enable_fp_fusion") if key in kwargs}
             names = self.kernel.arg_names
             signature = {name: mangle_type(arg) for name, arg in zip(names, args)}
-            self.calls.append({"kernel": self.name, "signature": signature, "constexprs": dict(kwargs),
-                               "options": options})
+            self.calls.append(
+                {"kernel": self.name, "signature": signature, "constexprs": dict(kwargs), "options": options}
+            )
             return self.kernel[grid](*args, **kwargs, **options)
 
         return launch
@@ -101,9 +118,15 @@ def launch_worker(rank, world, cases):
             local = logits.chunk(world, dim=-1)[rank].to(dtype).contiguous().requires_grad_(True)
             local_ref = reference.chunk(world, dim=-1)[rank].to(dtype).contiguous()
             for truncation in (None, Truncation(top_k=7, top_p=0.9)):
-                stats = fused_stats(local, dist.group.WORLD, targets=targets, reference_logits=local_ref,
-                                    temperature=case["temperature"], vocab_size=case["vocab"],
-                                    truncation=truncation)
+                stats = fused_stats(
+                    local,
+                    dist.group.WORLD,
+                    targets=targets,
+                    reference_logits=local_ref,
+                    temperature=case["temperature"],
+                    vocab_size=case["vocab"],
+                    truncation=truncation,
+                )
                 if case["rows"]:
                     (stats.logprobs.sum() + stats.entropy.sum() + stats.kl.sum()).backward()
     finally:

@@ -60,26 +60,47 @@ def truncation_worker(rank, world, cases):
         if case.get("kind") == "linear":
             hidden = extra["hidden"].to(dtype).requires_grad_(True)
             weight = extra["weight"].chunk(world, dim=0)[rank].to(dtype).contiguous().requires_grad_(True)
-            stats = fused_linear_stats(hidden, weight, group, targets=targets,
-                                       reference_hidden=extra["ref_hidden"].to(dtype),
-                                       reference_weight=extra["ref_weight"].chunk(world, dim=0)[rank].to(dtype),
-                                       temperature=tau, vocab_size=vocab, chunk_size=case["chunk"], truncation=rule)
+            stats = fused_linear_stats(
+                hidden,
+                weight,
+                group,
+                targets=targets,
+                reference_hidden=extra["ref_hidden"].to(dtype),
+                reference_weight=extra["ref_weight"].chunk(world, dim=0)[rank].to(dtype),
+                temperature=tau,
+                vocab_size=vocab,
+                chunk_size=case["chunk"],
+                truncation=rule,
+            )
             inputs = (hidden, weight)
         else:
             x = local.contiguous().requires_grad_(True)
-            stats = fused_stats(x, group, targets=targets, reference_logits=reference.chunk(world, dim=-1)[rank].to(dtype),
-                                temperature=tau, vocab_size=vocab, chunk_size=case["chunk"], truncation=rule)
+            stats = fused_stats(
+                x,
+                group,
+                targets=targets,
+                reference_logits=reference.chunk(world, dim=-1)[rank].to(dtype),
+                temperature=tau,
+                vocab_size=vocab,
+                chunk_size=case["chunk"],
+                truncation=rule,
+            )
             inputs = (x,)
         w = weights.to(stats.logprobs.dtype)
         loss = (w[0] * stats.logprobs + w[1] * stats.entropy + w[2] * stats.kl).sum()
         grads = torch.autograd.grad(loss, inputs)
-        results.append({
-            "support": (local[:, :valid].double() >= threshold.double()[:, None]),
-            "logprobs": stats.logprobs.detach().double(), "entropy": stats.entropy.detach().double(),
-            "kl": stats.kl.detach().double(), "kept_mass": stats.kept_mass.double(),
-            "support_size": stats.support_size.double(), "outside": stats.outside_support.double(),
-            "grads": [g.double() for g in grads],
-        })
+        results.append(
+            {
+                "support": (local[:, :valid].double() >= threshold.double()[:, None]),
+                "logprobs": stats.logprobs.detach().double(),
+                "entropy": stats.entropy.detach().double(),
+                "kl": stats.kl.detach().double(),
+                "kept_mass": stats.kept_mass.double(),
+                "support_size": stats.support_size.double(),
+                "outside": stats.outside_support.double(),
+                "grads": [g.double() for g in grads],
+            }
+        )
     truncation.BISECTION_LOOKUP, top_p_histogram.supported = "auto", supported
     return results
 

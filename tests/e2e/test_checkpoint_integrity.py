@@ -15,7 +15,7 @@ import torch
 
 from megatron_kl.run import manifest
 from megatron_kl.run.checkpoint import MARKER
-from tests.e2e.test_train import DEFAULT, Run
+from tests.e2e.runs import DEFAULT, Run
 
 
 class Payload:
@@ -27,9 +27,22 @@ class Payload:
 
 
 def _args(run: Path, cache: str, steps: int) -> list[str]:
-    return ["--config", str(DEFAULT), f"train.output_dir={run}", f"warm_start.cache_dir={cache}", f"train.steps={steps}",
-            "checkpoint.interval=1", "checkpoint.keep=3", "train.prompts_per_step=4", "train.group_size=4",
-            "task.eval_size=8", "eval.k=2", "eval.interval=0", "logging.progress=false", "logging.tensorboard=false"]
+    return [
+        "--config",
+        str(DEFAULT),
+        f"train.output_dir={run}",
+        f"warm_start.cache_dir={cache}",
+        f"train.steps={steps}",
+        "checkpoint.interval=1",
+        "checkpoint.keep=3",
+        "train.prompts_per_step=4",
+        "train.group_size=4",
+        "task.eval_size=8",
+        "eval.k=2",
+        "eval.interval=0",
+        "logging.progress=false",
+        "logging.tensorboard=false",
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +68,7 @@ def _largest_shard(checkpoint: Path) -> Path:
 def _overwrite_middle(path: Path, data: bytes) -> None:
     raw = bytearray(path.read_bytes())
     middle = len(raw) // 2
-    raw[middle:middle + len(data)] = data
+    raw[middle : middle + len(data)] = data
     path.write_bytes(bytes(raw))
 
 
@@ -111,8 +124,16 @@ def edited_run_record(ckpt):
     return "run.json", "does not match its SHA-256"
 
 
-DAMAGES = [flip_64_bits, zeros_4k, random_4k, truncated_shard, zeroed_trainer_file, planted_file, edited_manifest,
-           edited_run_record]
+DAMAGES = [
+    flip_64_bits,
+    zeros_4k,
+    random_4k,
+    truncated_shard,
+    zeroed_trainer_file,
+    planted_file,
+    edited_manifest,
+    edited_run_record,
+]
 
 
 @pytest.mark.parametrize("damage", DAMAGES, ids=lambda d: d.__name__)

@@ -22,9 +22,11 @@ def sleeper(rank: int, world_size: int, seconds: float) -> int:
 def test_a_killed_command_leaves_no_rank_behind(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     marker = tmp_path / "started"
-    script = ("import pathlib; from megatron_kl.local_ranks import run_ranks; "
-              "from tests.e2e.test_children_die_with_their_parent import sleeper; "
-              f"pathlib.Path('{marker}').touch(); run_ranks(sleeper, 2, 300.0, timeout_s=600)")
+    script = (
+        "import pathlib; from megatron_kl.local_ranks import run_ranks; "
+        "from tests.e2e.test_children_die_with_their_parent import sleeper; "
+        f"pathlib.Path('{marker}').touch(); run_ranks(sleeper, 2, 300.0, timeout_s=600)"
+    )
     proc = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, env=env)
     command = psutil.Process(proc.pid)
     deadline = time.monotonic() + 120
@@ -49,11 +51,28 @@ def test_a_killed_local_launch_stops_its_trainers_with_a_checkpoint(tmp_path, wa
     from megatron_kl.train.metrics import read_metrics
 
     out, home = tmp_path / "out", tmp_path / "home"
-    args = [sys.executable, "-m", "megatron_kl.cli", "launch", "local", "--config", "configs/cpu/default.yaml",
-            "train.steps=40", "train.prompts_per_step=4", "train.group_size=4", "task.eval_size=8", "eval.k=2",
-            "eval.interval=0", "checkpoint.interval=0", "logging.tensorboard=false", "logging.progress=false",
-            f"warm_start.cache_dir={warm_cache}", f"train.output_dir={out}", f"launch.home={home}",
-            "parallel.tensor_parallel=2"]
+    args = [
+        sys.executable,
+        "-m",
+        "megatron_kl.cli",
+        "launch",
+        "local",
+        "--config",
+        "configs/cpu/default.yaml",
+        "train.steps=40",
+        "train.prompts_per_step=4",
+        "train.group_size=4",
+        "task.eval_size=8",
+        "eval.k=2",
+        "eval.interval=0",
+        "checkpoint.interval=0",
+        "logging.tensorboard=false",
+        "logging.progress=false",
+        f"warm_start.cache_dir={warm_cache}",
+        f"train.output_dir={out}",
+        f"launch.home={home}",
+        "parallel.tensor_parallel=2",
+    ]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     launcher = psutil.Process(proc.pid)

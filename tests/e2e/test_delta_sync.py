@@ -31,12 +31,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
 
 
 def _delta_engine(tmp_path, model_dir, sync, *faults, check_interval=2, **cfg):
-    config = SGLangConfig(weight_sync=sync, sync_dir=str(tmp_path / "sync"), extra_args=list(faults),
-                          startup_timeout_s=120, backoff_s=0.05, server_module=TEST_SERVER, port=server_port(), **cfg)
+    config = SGLangConfig(
+        weight_sync=sync,
+        sync_dir=str(tmp_path / "sync"),
+        extra_args=list(faults),
+        startup_timeout_s=120,
+        backoff_s=0.05,
+        server_module=TEST_SERVER,
+        port=server_port(),
+        **cfg,
+    )
     tracker = DeltaTracker(check_interval=check_interval)
-    weight_sync = {"from_disk": lambda: FromDisk(config, _model(model_dir), delta=tracker),
-                   "from_tensor": lambda: FromTensor(config, delta=tracker),
-                   "from_distributed": lambda: FromDistributed(config, backend="gloo", delta=tracker)}[sync]()
+    weight_sync = {
+        "from_disk": lambda: FromDisk(config, _model(model_dir), delta=tracker),
+        "from_tensor": lambda: FromTensor(config, delta=tracker),
+        "from_distributed": lambda: FromDistributed(config, backend="gloo", delta=tracker),
+    }[sync]()
     return SGLangEngine(config, weight_sync, str(model_dir), log_dir=tmp_path / "logs", seed=0)
 
 
@@ -82,8 +92,16 @@ def test_delta_syncs_send_what_changed_and_leave_the_trainers_weights(tmp_path, 
 
 def test_a_restarted_server_and_a_version_gap_get_full_syncs(tmp_path, models, clean, caplog):
     versions = _versions(models["a"], 4)
-    engine = _delta_engine(tmp_path, models["a"], "from_tensor", "--fault-exit-on-update", "3",
-                           "--fault-marker", str(tmp_path / "died"), max_retries=1)
+    engine = _delta_engine(
+        tmp_path,
+        models["a"],
+        "from_tensor",
+        "--fault-exit-on-update",
+        "3",
+        "--fault-marker",
+        str(tmp_path / "died"),
+        max_retries=1,
+    )
     try:
         engine.update_weights(versions[0], 1)
         engine.update_weights(versions[1], 2)
@@ -138,12 +156,20 @@ def test_training_with_delta_sync_stays_on_policy(tmp_path, warm_cache):
     step's sync is a delta, a small share of a full one, and the trainer's log-probs equal the server's at every step
     (its weights are the trainer's)."""
     from megatron_kl.testing.distributed import run_ranks
-    from tests.e2e.test_train import short_config
+    from tests.e2e.runs import short_config
     from tests.e2e.workers import train_worker
 
-    cfg = short_config(tmp_path / "run", warm_cache, "rollout.engine=sglang", "rollout.sglang.weight_sync=from_tensor",
-                       f"rollout.sglang.server_module={TEST_SERVER}", f"rollout.sglang.port={server_port()}",
-                       "rollout.delta_sync=true", "rollout.delta_check_interval=2", "train.steps=3")
+    cfg = short_config(
+        tmp_path / "run",
+        warm_cache,
+        "rollout.engine=sglang",
+        "rollout.sglang.weight_sync=from_tensor",
+        f"rollout.sglang.server_module={TEST_SERVER}",
+        f"rollout.sglang.port={server_port()}",
+        "rollout.delta_sync=true",
+        "rollout.delta_check_interval=2",
+        "train.steps=3",
+    )
     metrics = run_ranks(train_worker, 1, cfg, timeout_s=600)[0]["metrics"]
     steps = [m for m in metrics if "weight_sync/bytes" in m]
     assert [m["step"] for m in steps] == [0, 1, 2]

@@ -31,10 +31,16 @@ def test_the_docs_runnable_commands_run(tmp_path):
     assert len(commands) >= 4, commands  # the marked blocks were found
     for i, (page, words, overrides) in enumerate(commands):
         if words[0] == "train":
-            words = words + overrides + [f"train.output_dir={tmp_path / f'run{i}'}",
-                                         f"warm_start.cache_dir={tmp_path / 'cache'}"]
-        done = subprocess.run([sys.executable, "-m", "megatron_kl.cli", *words], cwd=ROOT, capture_output=True,
-                              text=True, timeout=600)
-        assert done.returncode == 0, f"{page}: megatron-kl {shlex.join(words)}\n{done.stdout[-2000:]}{done.stderr[-2000:]}"
+            words = (
+                words
+                + overrides
+                + [f"train.output_dir={tmp_path / f'run{i}'}", f"warm_start.cache_dir={tmp_path / 'cache'}"]
+            )
+        done = subprocess.run(
+            [sys.executable, "-m", "megatron_kl.cli", *words], cwd=ROOT, capture_output=True, text=True, timeout=600
+        )
+        assert done.returncode == 0, (
+            f"{page}: megatron-kl {shlex.join(words)}\n{done.stdout[-2000:]}{done.stderr[-2000:]}"
+        )
     trained = [i for i, (_, words, _) in enumerate(commands) if words[0] == "train" and "--check" not in words]
     assert trained and all((tmp_path / f"run{i}" / "summary.json").is_file() for i in trained)

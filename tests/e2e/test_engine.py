@@ -6,8 +6,16 @@ import torch
 from megatron_kl.testing.distributed import run_ranks
 from tests.e2e.workers import engine_worker, ragged_engine_worker
 
-MODEL = {"architecture": "qwen2", "num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 128,
-         "num_attention_heads": 4, "num_query_groups": 2, "vocab_size": 40, "max_position_embeddings": 64}
+MODEL = {
+    "architecture": "qwen2",
+    "num_layers": 2,
+    "hidden_size": 64,
+    "ffn_hidden_size": 128,
+    "num_attention_heads": 4,
+    "num_query_groups": 2,
+    "vocab_size": 40,
+    "max_position_embeddings": 64,
+}
 PROMPTS = [[1, 5, 6, 7], [1, 8], [1, 9, 9, 9, 9, 2], [3]]
 
 
@@ -27,9 +35,12 @@ def test_engine_logprobs_equal_trainer_recompute_and_tp2_equals_tp1(temperature,
     for out in [tp1] + tp2:
         assert [c.response_ids for c in out["completions"]] == [c.response_ids for c in out["every_row"]]
         _assert_same_generation(out["completions"], out["megatron_decode"], tolerance=1e-6)
-        torch.testing.assert_close(torch.tensor(sum((c.response_logprobs for c in out["completions"]), [])),
-                                   torch.tensor(sum((c.response_logprobs for c in out["every_row"]), [])),
-                                   rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(
+            torch.tensor(sum((c.response_logprobs for c in out["completions"]), [])),
+            torch.tensor(sum((c.response_logprobs for c in out["every_row"]), [])),
+            rtol=1e-6,
+            atol=1e-6,
+        )
         mask = out["mask"].bool()
         assert mask.sum() > len(prompts)
         diff = (out["recomputed"] - out["behavior"])[mask].abs().max()
@@ -51,9 +62,12 @@ def test_engine_logprobs_equal_trainer_recompute_and_tp2_equals_tp1(temperature,
 def _assert_same_generation(actual, expected, tolerance: float):
     assert [c.response_ids for c in actual] == [c.response_ids for c in expected]
     assert [c.finish_reason for c in actual] == [c.finish_reason for c in expected]
-    torch.testing.assert_close(torch.tensor(sum((c.response_logprobs for c in actual), [])),
-                               torch.tensor(sum((c.response_logprobs for c in expected), [])),
-                               rtol=tolerance, atol=tolerance)
+    torch.testing.assert_close(
+        torch.tensor(sum((c.response_logprobs for c in actual), [])),
+        torch.tensor(sum((c.response_logprobs for c in expected), [])),
+        rtol=tolerance,
+        atol=tolerance,
+    )
 
 
 @pytest.mark.parametrize("tp,attention", [(1, "auto"), (2, "auto"), (1, "unfused")])
@@ -109,25 +123,57 @@ def test_ragged_prompts_decode_from_the_first_step_as_each_prompt_alone(tp):
             assert all(len(c.response_ids) == new for c in out["together"])
 
 
-MLA_MODEL = {"architecture": "deepseek_v3", "num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 96,
-             "num_attention_heads": 4, "num_query_groups": 4, "vocab_size": 40, "max_position_embeddings": 64,
-             "mla": {"q_lora_rank": 24, "kv_lora_rank": 16, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
-                     "v_head_dim": 12},
-             "moe": {"num_experts": 8, "router_topk": 4, "ffn_hidden_size": 32, "score_function": "sigmoid",
-                     "expert_bias": True, "num_groups": 4, "group_topk": 2, "routed_scaling_factor": 2.5,
-                     "first_dense_layers": 1}}
+MLA_MODEL = {
+    "architecture": "deepseek_v3",
+    "num_layers": 2,
+    "hidden_size": 64,
+    "ffn_hidden_size": 96,
+    "num_attention_heads": 4,
+    "num_query_groups": 4,
+    "vocab_size": 40,
+    "max_position_embeddings": 64,
+    "mla": {"q_lora_rank": 24, "kv_lora_rank": 16, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 12},
+    "moe": {
+        "num_experts": 8,
+        "router_topk": 4,
+        "ffn_hidden_size": 32,
+        "score_function": "sigmoid",
+        "expert_bias": True,
+        "num_groups": 4,
+        "group_topk": 2,
+        "routed_scaling_factor": 2.5,
+        "first_dense_layers": 1,
+    },
+}
 
 
-GPT_OSS_MODEL = {"architecture": "gpt_oss", "num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 32,
-                 "num_attention_heads": 4, "num_query_groups": 2, "kv_channels": 16, "vocab_size": 40,
-                 "max_position_embeddings": 64, "attention_sinks": True, "sliding_window": 3,
-                 "full_attention_every": 2, "linear_bias": True, "glu_activation": "quick_gelu", "glu_up_offset": 1.0,
-                 "glu_clamp": 1.0, "yarn": {"factor": 8.0, "original_max_position_embeddings": 16, "truncate": False},
-                 "moe": {"num_experts": 4, "router_topk": 2, "ffn_hidden_size": 32}}
+GPT_OSS_MODEL = {
+    "architecture": "gpt_oss",
+    "num_layers": 2,
+    "hidden_size": 64,
+    "ffn_hidden_size": 32,
+    "num_attention_heads": 4,
+    "num_query_groups": 2,
+    "kv_channels": 16,
+    "vocab_size": 40,
+    "max_position_embeddings": 64,
+    "attention_sinks": True,
+    "sliding_window": 3,
+    "full_attention_every": 2,
+    "linear_bias": True,
+    "glu_activation": "quick_gelu",
+    "glu_up_offset": 1.0,
+    "glu_clamp": 1.0,
+    "yarn": {"factor": 8.0, "original_max_position_embeddings": 16, "truncate": False},
+    "moe": {"num_experts": 4, "router_topk": 2, "ffn_hidden_size": 32},
+}
 
 
-@pytest.mark.parametrize("model,tp", [(MLA_MODEL, 1), (MLA_MODEL, 2), (GPT_OSS_MODEL, 1)],
-                         ids=["deepseek_v3-tp1", "deepseek_v3-tp2", "gpt_oss-tp1"])
+@pytest.mark.parametrize(
+    "model,tp",
+    [(MLA_MODEL, 1), (MLA_MODEL, 2), (GPT_OSS_MODEL, 1)],
+    ids=["deepseek_v3-tp1", "deepseek_v3-tp2", "gpt_oss-tp1"],
+)
 def test_static_decoding_families_generate_what_the_trainer_recomputes(model, tp):
     """DeepSeek-V3's attention applies RoPE inside itself at one offset for all rows (rows at their own positions
     were up to 1.5 nats off), and megatron's flash decoding has no YaRN, attention sinks or sliding windows (GPT-OSS;

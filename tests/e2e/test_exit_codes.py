@@ -17,14 +17,26 @@ import pytest
 from megatron_kl.rollout.servers import server_port
 from megatron_kl.run.checkpoint import complete_checkpoints
 from megatron_kl.run.preemption import REQUEUE_EXIT_CODE
+from tests.e2e.runs import DEFAULT, ROOT
 from tests.e2e.test_sglang import TEST_SERVER
-from tests.e2e.test_train import DEFAULT, ROOT
 
-COMMON = ["train.prompts_per_step=4", "train.group_size=4", "task.eval_size=8", "eval.k=2", "eval.interval=0",
-          "logging.progress=false", "logging.tensorboard=false"]
-SERVED = ["rollout.engine=sglang", f"rollout.sglang.server_module={TEST_SERVER}", "rollout.sglang.max_retries=1",
-          "rollout.sglang.backoff_s=0.05", "rollout.sglang.restart_dead_servers=false",
-          "rollout.sampling.max_new_tokens=12"]
+COMMON = [
+    "train.prompts_per_step=4",
+    "train.group_size=4",
+    "task.eval_size=8",
+    "eval.k=2",
+    "eval.interval=0",
+    "logging.progress=false",
+    "logging.tensorboard=false",
+]
+SERVED = [
+    "rollout.engine=sglang",
+    f"rollout.sglang.server_module={TEST_SERVER}",
+    "rollout.sglang.max_retries=1",
+    "rollout.sglang.backoff_s=0.05",
+    "rollout.sglang.restart_dead_servers=false",
+    "rollout.sampling.max_new_tokens=12",
+]
 PATHS = {  # the rollout paths of the table
     "async": ["train.staleness=1", "rollout.sglang.weight_sync=from_disk"],
     "partial": ["train.staleness=2", "rollout.partial=true", "rollout.sglang.weight_sync=from_disk"],
@@ -38,10 +50,25 @@ def _start(run: Path, warm_cache: str, *overrides: str) -> tuple[subprocess.Pope
     env["PYTHONWARNINGS"] = "ignore"
     log = run.parent / f"{run.name}.log"
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "megatron_kl.cli", "train", "--config", str(DEFAULT),
-                                 f"train.output_dir={run}", f"warm_start.cache_dir={warm_cache}", *COMMON,
-                                 f"rollout.sglang.port={server_port()}", *overrides],
-                                cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "megatron_kl.cli",
+                "train",
+                "--config",
+                str(DEFAULT),
+                f"train.output_dir={run}",
+                f"warm_start.cache_dir={warm_cache}",
+                *COMMON,
+                f"rollout.sglang.port={server_port()}",
+                *overrides,
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     return proc, log
 
 
@@ -68,8 +95,11 @@ def test_a_server_lost_during_a_weight_update_exits_for_requeue(tmp_path, warm_c
 def test_sigterm_while_a_checkpoint_is_written_exits_for_requeue(tmp_path, warm_cache, path):
     """The signal lands while ``step_000002.tmp`` exists (the second checkpoint), generation in flight."""
     run = tmp_path / "run"
-    served = [] if path == "embedded" else [*SERVED, *PATHS[path],
-                                            "rollout.sglang.extra_args=[--token-latency-s, '0.1', --long-every, '3']"]
+    served = (
+        []
+        if path == "embedded"
+        else [*SERVED, *PATHS[path], "rollout.sglang.extra_args=[--token-latency-s, '0.1', --long-every, '3']"]
+    )
     proc, log = _start(run, warm_cache, *served, "train.steps=30", "checkpoint.interval=1")
     writing = run / "checkpoints" / "step_000002.tmp"
     deadline = time.monotonic() + 500

@@ -15,15 +15,24 @@ from megatron_kl.models.output_head import unwrap
 from megatron_kl.rollout.registry import ENGINES
 from megatron_kl.tasks.base import TASKS
 from megatron_kl.train.config import TrainConfig, validate_train_config
-from tests.e2e.test_train import short_config
+from tests.e2e.runs import short_config
 from tests.e2e.workers import started_trainer
 
-PLUGINS = ["rollout.engine=tests.plugins.toy:ENGINE", "rollout.options={label: mine}",
-           "kl.estimator=tests.plugins.toy:ESTIMATOR", "kl.placement=loss", "kl.coef=0.1",
-           "kl.aggregation=seq_mean_token_sum", "algo.minibatches=1", "algo.entropy_coef=0.05",
-           "model.architecture=tests.plugins.toy:FAMILY", "warm_start.enabled=false",
-           "task.name=tests.plugins.toy:TASK", "task.options={operators: '+'}",
-           "reward.functions=[{name: 'tests.plugins.toy:starts_with_answer', kwargs: {bonus: 0.5}}]"]
+PLUGINS = [
+    "rollout.engine=tests.plugins.toy:ENGINE",
+    "rollout.options={label: mine}",
+    "kl.estimator=tests.plugins.toy:ESTIMATOR",
+    "kl.placement=loss",
+    "kl.coef=0.1",
+    "kl.aggregation=seq_mean_token_sum",
+    "algo.minibatches=1",
+    "algo.entropy_coef=0.05",
+    "model.architecture=tests.plugins.toy:FAMILY",
+    "warm_start.enabled=false",
+    "task.name=tests.plugins.toy:TASK",
+    "task.options={operators: '+'}",
+    "reward.functions=[{name: 'tests.plugins.toy:starts_with_answer', kwargs: {bonus: 0.5}}]",
+]
 
 
 def _steps_worker(rank, world, cfg_dict: dict, steps: int):
@@ -35,15 +44,29 @@ def _steps_worker(rank, world, cfg_dict: dict, steps: int):
         layers = unwrap(trainer.train_state.chunks[0]).decoder.layers
         attention = type(layers[0].self_attention.core_attention).__name__
         q_norm = layers[0].self_attention.q_layernorm is not None
-    return {"records": records, "calls": dict(toy.CALLS, engine_options=dataclasses.asdict(toy.CALLS["engine_options"]),
-                                              task_options=dataclasses.asdict(toy.CALLS["task_options"])),
-            "engine": engine_class, "attention": attention, "q_norm": q_norm,
-            "problem": prepared.task.problem("train", 0).prompt_text}
+    return {
+        "records": records,
+        "calls": dict(
+            toy.CALLS,
+            engine_options=dataclasses.asdict(toy.CALLS["engine_options"]),
+            task_options=dataclasses.asdict(toy.CALLS["task_options"]),
+        ),
+        "engine": engine_class,
+        "attention": attention,
+        "q_norm": q_norm,
+        "problem": prepared.task.problem("train", 0).prompt_text,
+    }
 
 
 def test_an_engine_estimator_family_task_and_reward_from_outside_the_package_run_rl_steps(tmp_path):
-    data = short_config(tmp_path / "run", str(tmp_path / "cache"), "train.steps=2", "train.prompts_per_step=4",
-                        "train.group_size=2", *PLUGINS)
+    data = short_config(
+        tmp_path / "run",
+        str(tmp_path / "cache"),
+        "train.steps=2",
+        "train.prompts_per_step=4",
+        "train.group_size=2",
+        *PLUGINS,
+    )
     cfg = from_dict(TrainConfig, data)
     validate_train_config(cfg, tokenizer_vocab=cfg.model.vocab_size)
     out = run_ranks(_steps_worker, 1, data, 2)[0]
@@ -72,17 +95,25 @@ def test_module_names_resolve_to_typed_specs_and_a_wrong_one_names_the_field():
     d = torch.tensor([0.5, -2.0, 40.0])
     value = token_estimate("tests.plugins.toy:ESTIMATOR", d, 20.0, torch.ones(3))
     assert torch.equal(value, torch.tensor([0.25, 4.0, 400.0]))  # clamped to 20 before the estimator, as k1-k3
-    with pytest.raises(ConfigError, match=r"rollout.engine='tests.plugins.toy:FAMILY' names a ModelFamily, not an? "
-                                          r"EngineSpec"):
+    with pytest.raises(
+        ConfigError,
+        match=r"rollout.engine='tests.plugins.toy:FAMILY' names a ModelFamily, not an? "
+        r"EngineSpec",
+    ):
         from_dict(TrainConfig, {"rollout": {"engine": "tests.plugins.toy:FAMILY"}})
-    with pytest.raises(ConfigError, match=r"kl.estimator='tests.plugins.nothing:X' cannot load it: "
-                                          r"ModuleNotFoundError"):
+    with pytest.raises(
+        ConfigError,
+        match=r"kl.estimator='tests.plugins.nothing:X' cannot load it: "
+        r"ModuleNotFoundError",
+    ):
         from_dict(TrainConfig, {"kl": {"estimator": "tests.plugins.nothing:X"}})
     with pytest.raises(ConfigError, match=r"task.name='chess' must be one of \['arithmetic', 'math', 'dataset'"):
         from_dict(TrainConfig, {"task": {"name": "chess"}})
     with pytest.raises(ConfigError, match=r"rollout.options.colour"):
-        validate_train_config(from_dict(TrainConfig, {"rollout": {"engine": "tests.plugins.toy:ENGINE",
-                                                                  "options": {"colour": "red"}}}), 99)
+        validate_train_config(
+            from_dict(TrainConfig, {"rollout": {"engine": "tests.plugins.toy:ENGINE", "options": {"colour": "red"}}}),
+            99,
+        )
     with pytest.raises(ConfigError, match=r"rollout.options=.*rollout.engine=local takes its settings"):
         validate_train_config(from_dict(TrainConfig, {"rollout": {"options": {"label": "x"}}}), 99)
 

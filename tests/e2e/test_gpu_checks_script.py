@@ -11,15 +11,28 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu_checks.sh"
-CHECKS = ("environment", "rl_steps", "kernel_tests", "bench_logits", "bench_truncation", "bench_linear", "bench_teacher",
-          "rest")
+CHECKS = (
+    "environment",
+    "rl_steps",
+    "kernel_tests",
+    "bench_logits",
+    "bench_truncation",
+    "bench_linear",
+    "bench_teacher",
+    "rest",
+)
 
 pytest.importorskip("triton")
 
 
 def _run(out: Path, **env) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(SCRIPT), str(out)], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "PYTHON": sys.executable, **env})
+    return subprocess.run(
+        ["bash", str(SCRIPT), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHON": sys.executable, **env},
+    )
 
 
 def test_dry_run_passes_every_check_and_writes_each_result(tmp_path):

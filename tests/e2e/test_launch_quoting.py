@@ -32,9 +32,15 @@ def _stubs(tmp: Path) -> dict:
     (bin_dir / "ps").write_text("#!/usr/bin/env bash\nexit 1\n")  # every srun step has ended
     for path in bin_dir.iterdir():
         path.chmod(0o755)
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "node1",
-           "SLURM_JOB_NODELIST_HET_GROUP_0": "node1", "SLURM_JOB_NODELIST_HET_GROUP_1": "node2",
-           "NO_PROXY": "localhost,127.0.0.1"}  # a site's proxy exceptions (only the upper-case name set)
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "SLURM_JOB_ID": "7",
+        "SLURM_JOB_NODELIST": "node1",
+        "SLURM_JOB_NODELIST_HET_GROUP_0": "node1",
+        "SLURM_JOB_NODELIST_HET_GROUP_1": "node2",
+        "NO_PROXY": "localhost,127.0.0.1",
+    }  # a site's proxy exceptions (only the upper-case name set)
     env.pop("no_proxy", None)
     return {"env": env, "log": log}
 
@@ -48,18 +54,29 @@ def test_generated_slurm_scripts_run_no_injected_command(tmp_path):
         "output": f"{tmp_path}/out $(touch {pwned}-override)",
     }
     overrides = [
-        f"launch.home={tmp_path / 'home'}", f"launch.slurm.tunnel.job_dir={tmp_path / 'jobs'}",
-        "launch.slurm.account=acct", "launch.slurm.container_image=img",
-        "rollout.sglang.colocated=false", "rollout.sglang.enable_memory_saver=false",
-        "rollout.sglang.weight_sync=from_distributed", "launch.rollout_servers.mode=disaggregated",
+        f"launch.home={tmp_path / 'home'}",
+        f"launch.slurm.tunnel.job_dir={tmp_path / 'jobs'}",
+        "launch.slurm.account=acct",
+        "launch.slurm.container_image=img",
+        "rollout.sglang.colocated=false",
+        "rollout.sglang.enable_memory_saver=false",
+        "rollout.sglang.weight_sync=from_distributed",
+        "launch.rollout_servers.mode=disaggregated",
         "launch.rollout_servers.model_path=/data/m",
-        f"launch.slurm.env={{EVIL: {json.dumps(evil['env'])}}}", f"launch.env={{TOKEN: {json.dumps(evil['token'])}}}",
-        f"launch.rollout_servers.extra_args=['--flag', {json.dumps(evil['arg'])}]", f"train.output_dir={evil['output']}",
+        f"launch.slurm.env={{EVIL: {json.dumps(evil['env'])}}}",
+        f"launch.env={{TOKEN: {json.dumps(evil['token'])}}}",
+        f"launch.rollout_servers.extra_args=['--flag', {json.dumps(evil['arg'])}]",
+        f"train.output_dir={evil['output']}",
     ]
-    done = subprocess.run([sys.executable, "-m", "megatron_kl.cli", "launch", "slurm", "--config", PAPER, "--dryrun",
-                           *overrides], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    done = subprocess.run(
+        [sys.executable, "-m", "megatron_kl.cli", "launch", "slurm", "--config", PAPER, "--dryrun", *overrides],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
-    text = done.stdout[done.stdout.index("#!/bin/bash"):]
+    text = done.stdout[done.stdout.index("#!/bin/bash") :]
     sbatch, rest = text.split("\n# ---- train-0.sh (run by srun above)\n")
     server, trainer = rest.split("\n# ---- train-1.sh (run by srun above)\n")
     stubs = _stubs(tmp_path)
@@ -70,8 +87,9 @@ def test_generated_slurm_scripts_run_no_injected_command(tmp_path):
         env = dict(stubs["env"])
         if name != "sbatch.sh":  # what the srun steps inherit from the sbatch script
             env.update({"MEGATRON_KL_SGLANG_URLS": urls, "MEGATRON_KL_SGLANG_API_KEY": "c0ffee" * 10 + "beef"})
-        run = subprocess.run(["bash", str(tmp_path / name)], env=env, cwd=tmp_path, capture_output=True,
-                             text=True, timeout=120)
+        run = subprocess.run(
+            ["bash", str(tmp_path / name)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120
+        )
         assert run.returncode == 0, (name, run.stderr[-3000:])
         traces[name] = run.stdout + run.stderr
     assert not list(tmp_path.glob("pwned*")), "a config value ran as a shell command"
@@ -91,12 +109,32 @@ def test_generated_slurm_scripts_run_no_injected_command(tmp_path):
     assert "xtrace" in traces["sbatch.sh"] or "+ " in traces["sbatch.sh"]  # the script does trace (set -x)
 
 
-@pytest.mark.parametrize("override, field", [
-    ("launch.slurm.env={'BAD-NAME': x}", "launch.slurm.env"),
-    ("launch.slurm.tunnel.job_dir=/tmp/a;b", "launch.slurm.tunnel.job_dir"),
-])
+@pytest.mark.parametrize(
+    "override, field",
+    [
+        ("launch.slurm.env={'BAD-NAME': x}", "launch.slurm.env"),
+        ("launch.slurm.tunnel.job_dir=/tmp/a;b", "launch.slurm.tunnel.job_dir"),
+    ],
+)
 def test_unquotable_launch_values_are_config_errors(tmp_path, override, field):
-    done = subprocess.run([sys.executable, "-m", "megatron_kl.cli", "launch", "slurm", "--config", PAPER, "--dryrun",
-                           f"launch.home={tmp_path}", "launch.slurm.account=acct", "launch.slurm.container_image=img",
-                           override], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megatron_kl.cli",
+            "launch",
+            "slurm",
+            "--config",
+            PAPER,
+            "--dryrun",
+            f"launch.home={tmp_path}",
+            "launch.slurm.account=acct",
+            "launch.slurm.container_image=img",
+            override,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
     assert done.returncode == 2 and field in done.stderr, done.stderr[-2000:]

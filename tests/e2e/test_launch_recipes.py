@@ -33,20 +33,23 @@ def _run(*args: str, ok: bool = True) -> subprocess.CompletedProcess:
 def _normalized(text: str) -> str:
     """The submitted scripts (NeMo-Run's console log before them is not compared); experiment ids
     (title_<timestamp>) and NeMo-Run's random torchrun rendezvous id differ between two dry runs, nothing else may."""
-    scripts = re.sub(r"_\d{9,}", "_<id>", text[text.index("# ---- task "):])
+    scripts = re.sub(r"_\d{9,}", "_<id>", text[text.index("# ---- task ") :])
     return re.sub(r"--rdzv-id \d+", "--rdzv-id <id>", scripts)
 
 
-@pytest.mark.parametrize("recipe, cluster, config", [
-    ("train.py", "h100_login", PAPER), ("study.py", "h100_login", STUDY), ("train.py", "local", CPU)])
+@pytest.mark.parametrize(
+    "recipe, cluster, config",
+    [("train.py", "h100_login", PAPER), ("study.py", "h100_login", STUDY), ("train.py", "local", CPU)],
+)
 def test_recipe_dryrun_equals_megatron_kl_launch(tmp_path, recipe, cluster, config):
     places = [f"launch.home={tmp_path / 'home'}", f"launch.slurm.tunnel.job_dir={tmp_path / 'jobs'}"]
     if recipe == "study.py":  # NeMo-Run git-archives the code once per task (105 here, ~0.9 s each); the
         places.append("launch.slurm.packager=none")  # packager is compared on the train.py cases
     mine = _run(f"launch/{recipe}", "--cluster", cluster, "--config", config, "--dryrun", *places).stdout
     spec = CLUSTERS[cluster]()
-    theirs = _run("-m", "megatron_kl.cli", "launch", spec.executor, "--config", config, "--dryrun",
-                  *spec.overrides(), *places).stdout
+    theirs = _run(
+        "-m", "megatron_kl.cli", "launch", spec.executor, "--config", config, "--dryrun", *spec.overrides(), *places
+    ).stdout
     assert _normalized(mine) == _normalized(theirs)
     if spec.executor == "slurm":  # the cluster's settings really reached the script
         assert "#SBATCH --account=my-account" in mine and "#SBATCH --partition=h100" in mine
@@ -59,9 +62,18 @@ def test_recipe_dryrun_equals_megatron_kl_launch(tmp_path, recipe, cluster, conf
 
 
 def test_command_line_overrides_win_over_the_cluster(tmp_path):
-    out = _run("launch/train.py", "--cluster", "h100_login", "--config", PAPER, "--dryrun",
-               f"launch.home={tmp_path / 'home'}", f"launch.slurm.tunnel.job_dir={tmp_path / 'jobs'}",
-               "launch.slurm.partition=debug", "launch.slurm.signal_lead_s=0").stdout
+    out = _run(
+        "launch/train.py",
+        "--cluster",
+        "h100_login",
+        "--config",
+        PAPER,
+        "--dryrun",
+        f"launch.home={tmp_path / 'home'}",
+        f"launch.slurm.tunnel.job_dir={tmp_path / 'jobs'}",
+        "launch.slurm.partition=debug",
+        "launch.slurm.signal_lead_s=0",
+    ).stdout
     assert "#SBATCH --partition=debug" in out and "#SBATCH --partition=h100" not in out
     assert "--signal" not in out and "PET_SIGNALS_TO_HANDLE" not in out
 
@@ -88,8 +100,14 @@ print(json.dumps({"seen": seen, "tasks": len(plan.tasks), "scripts": list(script
 
 def test_customize_hook_edits_every_executor(tmp_path):
     """(NeMo-Run's dry run reads stdin: in a subprocess, not under pytest's capture.)"""
-    out = _run("-c", CUSTOMIZED, STUDY, f"launch.home={tmp_path / 'home'}",
-               f"launch.slurm.tunnel.job_dir={tmp_path / 'jobs'}", "launch.slurm.packager=none").stdout
+    out = _run(
+        "-c",
+        CUSTOMIZED,
+        STUDY,
+        f"launch.home={tmp_path / 'home'}",
+        f"launch.slurm.tunnel.job_dir={tmp_path / 'jobs'}",
+        "launch.slurm.packager=none",
+    ).stdout
     result = json.loads(out.strip().splitlines()[-1])
     # one executor per task, two for a heterogeneous (disaggregated SGLang) task
     assert len(result["seen"]) >= result["tasks"] > 1 and set(result["seen"]) == {"SlurmExecutor"}
@@ -104,11 +122,24 @@ def test_recipe_names_the_right_recipe_for_the_config(tmp_path):
 
 
 def test_validate_on_slurm_is_one_node_running_megatron_kl_validate(tmp_path):
-    out = _run("launch/validate.py", "--cluster", "h100_login", "--dryrun", "--only", "layouts,train",
-               f"launch.home={tmp_path / 'home'}", f"launch.slurm.tunnel.job_dir={tmp_path / 'jobs'}").stdout
+    out = _run(
+        "launch/validate.py",
+        "--cluster",
+        "h100_login",
+        "--dryrun",
+        "--only",
+        "layouts,train",
+        f"launch.home={tmp_path / 'home'}",
+        f"launch.slurm.tunnel.job_dir={tmp_path / 'jobs'}",
+    ).stdout
     lines = out.splitlines()
-    for line in ("#SBATCH --nodes=1", "#SBATCH --gpus-per-node=8", "#SBATCH --ntasks-per-node=1",
-                 "#SBATCH --account=my-account", "export TORCHX_MAX_RETRIES=0"):
+    for line in (
+        "#SBATCH --nodes=1",
+        "#SBATCH --gpus-per-node=8",
+        "#SBATCH --ntasks-per-node=1",
+        "#SBATCH --account=my-account",
+        "export TORCHX_MAX_RETRIES=0",
+    ):
         assert line in lines, line
     srun = next(line for line in lines if line.startswith("srun "))
     assert "--container-image nvcr.io/nvidia/nemo:25.09" in srun
@@ -120,8 +151,17 @@ def test_validate_on_slurm_is_one_node_running_megatron_kl_validate(tmp_path):
 
 def test_validate_without_gpus_runs_the_cpu_subset_and_reports(tmp_path):
     report_path = tmp_path / "report.json"
-    done = _run("-m", "megatron_kl.cli", "validate", "--out", str(tmp_path / "out"), "--json", str(report_path),
-                "--only", "gpu_tests,vocab_parallel,train")
+    done = _run(
+        "-m",
+        "megatron_kl.cli",
+        "validate",
+        "--out",
+        str(tmp_path / "out"),
+        "--json",
+        str(report_path),
+        "--only",
+        "gpu_tests,vocab_parallel,train",
+    )
     assert "no GPU on this node" in done.stderr
     report = json.loads(report_path.read_text())
     assert report["gpus"] == 0 and report["cpu_subset"] and report["passed"]

@@ -12,15 +12,27 @@ import torch
 
 from megatron_kl.rollout.servers import server_port
 from megatron_kl.testing.distributed import run_ranks
+from tests.e2e.runs import assert_same_metrics, short_config
 from tests.e2e.test_sglang import TEST_SERVER, _hf_tensors
 from tests.e2e.test_step0_gates import MISMATCH_BOUND
-from tests.e2e.test_train import assert_same_metrics, short_config
 from tests.e2e.workers import train_worker
 
-MODEL = ["model.architecture=qwen3", "model.num_layers=4", "model.hidden_size=64", "model.ffn_hidden_size=96",
-         "model.num_attention_heads=4", "model.num_query_groups=2", "model.kv_channels=16", "model.vocab_size=61",
-         "model.tie_word_embeddings=false", "model.rope_theta=1000000.0", "model.norm_epsilon=1e-6",
-         "model.moe.num_experts=8", "model.moe.router_topk=2", "model.moe.ffn_hidden_size=32"]
+MODEL = [
+    "model.architecture=qwen3",
+    "model.num_layers=4",
+    "model.hidden_size=64",
+    "model.ffn_hidden_size=96",
+    "model.num_attention_heads=4",
+    "model.num_query_groups=2",
+    "model.kv_channels=16",
+    "model.vocab_size=61",
+    "model.tie_word_embeddings=false",
+    "model.rope_theta=1000000.0",
+    "model.norm_epsilon=1e-6",
+    "model.moe.num_experts=8",
+    "model.moe.router_topk=2",
+    "model.moe.ffn_hidden_size=32",
+]
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +47,9 @@ def tied_checkpoint(tmp_path_factory):
     generator = torch.Generator().manual_seed(0)
     for name, weight in tensors.items():
         if name.endswith("mlp.gate.weight"):
-            tensors[name] = (weight[:1].expand_as(weight) * (1 + 1e-7 * torch.randn(weight.shape, generator=generator))
-                             ).contiguous()
+            tensors[name] = (
+                weight[:1].expand_as(weight) * (1 + 1e-7 * torch.randn(weight.shape, generator=generator))
+            ).contiguous()
     save_file(tensors, str(source / "model.safetensors"), metadata={"format": "pt"})
     return source
 
@@ -61,15 +74,29 @@ def test_routing_replay_closes_the_rollout_mismatch(tmp_path, warm_cache, tied_c
     assert replayed["moe/mismatch_without_replay"] == pytest.approx(off["mismatch/abs_logprob_mean"], rel=1e-5)
     assert "moe/mismatch_without_replay" not in off
     assert replayed["optim/grad_norm"] > 0
-    recomputed = _step0(tmp_path / "recompute", warm_cache, tied_checkpoint, 1, "model.moe.routing_replay=rollout",
-                        "model.recompute=full")
+    recomputed = _step0(
+        tmp_path / "recompute",
+        warm_cache,
+        tied_checkpoint,
+        1,
+        "model.moe.routing_replay=rollout",
+        "model.recompute=full",
+    )
     assert_same_metrics([replayed], [recomputed], "replay with activation recomputation vs without")
 
 
 def test_routing_replay_over_sglang_wire_format_at_pp2(tmp_path, warm_cache, tied_checkpoint):
-    step0 = _step0(tmp_path / "sglang", warm_cache, tied_checkpoint, 2, "model.moe.routing_replay=rollout",
-                   "rollout.engine=sglang", f"rollout.sglang.server_module={TEST_SERVER}",
-                   f"rollout.sglang.port={server_port()}", "parallel.pipeline_parallel=2")
+    step0 = _step0(
+        tmp_path / "sglang",
+        warm_cache,
+        tied_checkpoint,
+        2,
+        "model.moe.routing_replay=rollout",
+        "rollout.engine=sglang",
+        f"rollout.sglang.server_module={TEST_SERVER}",
+        f"rollout.sglang.port={server_port()}",
+        "parallel.pipeline_parallel=2",
+    )
     assert step0["mismatch/abs_logprob_mean"] < MISMATCH_BOUND, step0["mismatch/abs_logprob_mean"]
     assert step0["moe/routing_agreement"] < 0.95
 
@@ -80,18 +107,26 @@ def test_impossible_routing_from_the_server_is_retried_without_loss(tmp_path, ti
     routing) are those of a run without faults."""
     from megatron_kl.rollout.config import SGLangConfig
     from megatron_kl.rollout.engine import SamplingConfig
-    from megatron_kl.rollout.sglang import RoutingShape, SGLangEngine
+    from megatron_kl.rollout.sglang import SGLangEngine
+    from megatron_kl.rollout.sglang_protocol import RoutingShape
     from megatron_kl.rollout.sglang_sync import FromTensor
-    from megatron_kl.testing.sglang_server import ROUTING_CORRUPTIONS
+    from megatron_kl.testing.corruptions import ROUTING_CORRUPTIONS
 
     prompts, sampling = [[1, 5, 6], [1, 8], [3, 4, 5, 6], [2]], SamplingConfig(max_new_tokens=6)
     shape = RoutingShape(num_layers=4, router_topk=2, num_experts=8)
     runs = {}
     for faults in ([], ["--fault-routing-every", "2"]):
-        config = SGLangConfig(server_module=TEST_SERVER, port=server_port(), extra_args=faults, max_concurrency=1,
-                              backoff_s=0.01, startup_timeout_s=120)
-        engine = SGLangEngine(config, FromTensor(config), str(tied_checkpoint), log_dir=tmp_path / "logs",
-                              vocab_size=61, routing=shape)
+        config = SGLangConfig(
+            server_module=TEST_SERVER,
+            port=server_port(),
+            extra_args=faults,
+            max_concurrency=1,
+            backoff_s=0.01,
+            startup_timeout_s=120,
+        )
+        engine = SGLangEngine(
+            config, FromTensor(config), str(tied_checkpoint), log_dir=tmp_path / "logs", vocab_size=61, routing=shape
+        )
         try:
             engine.update_weights(_hf_tensors(tied_checkpoint), 1)
             runs[bool(faults)] = (engine.generate(prompts, sampling, seed=3), dict(engine.counters))
@@ -105,8 +140,7 @@ def test_impossible_routing_from_the_server_is_retried_without_loss(tmp_path, ti
         assert tuple(got.routed_experts.shape) == (got.routed_positions, 4, 2)
 
 
-def test_routing_replay_with_experts_split_over_ranks_equals_replicated_experts(tmp_path, warm_cache,
-                                                                                tied_checkpoint):
+def test_routing_replay_with_experts_split_over_ranks_equals_replicated_experts(tmp_path, warm_cache, tied_checkpoint):
     """EP=2 on 2 data-parallel ranks (each rank's routers replay its own rollouts' experts by global index; the
     engine replica holds every expert) logs what EP=1 logs - the expert-load counts too (over routed tokens, so
     EP's extra padding does not count); the padded-token count may differ.
@@ -119,8 +153,15 @@ def test_routing_replay_with_experts_split_over_ranks_equals_replicated_experts(
     layout_dependent = ("kl/", "moe/routing_agreement", "moe/mismatch_without_replay")
     runs = []
     for ep in (1, 2):
-        step0 = _step0(tmp_path / f"ep{ep}", warm_cache, tied_checkpoint, 2, "model.moe.routing_replay=rollout",
-                       f"parallel.expert_parallel={ep}", "kl.coef=0")
+        step0 = _step0(
+            tmp_path / f"ep{ep}",
+            warm_cache,
+            tied_checkpoint,
+            2,
+            "model.moe.routing_replay=rollout",
+            f"parallel.expert_parallel={ep}",
+            "kl.coef=0",
+        )
         step0.pop("batch/padded_tokens")
         assert all(step0[key] is not None for key in step0 if key.startswith(layout_dependent))
         assert step0["kl/exact_token"] > 0 and 0 < step0["moe/routing_agreement"] < 1

@@ -67,6 +67,7 @@ def test_a_pause_before_generation_begins_leaves_every_token_to_the_new_weights(
 
 # -- the SGLang client against the test server ----------------------------------------------------------------------
 
+
 def test_sglang_pause_cuts_requests_in_flight_and_they_resume_with_the_pushed_weights(tmp_path):
     """With --token-latency-s the test server's tokens come out one at a time; the client's pause (/pause_generation
     mode abort) cuts the requests in flight, which come back with their partial output (finish_reason abort), and
@@ -112,8 +113,10 @@ def test_sglang_pause_cuts_requests_in_flight_and_they_resume_with_the_pushed_we
         assert after.finished and len(after.response_ids) == sampling.max_new_tokens
         assert after.response_ids[: len(before.response_ids)] == before.response_ids
         assert after.versions == [1] * len(before.response_ids) + [2] * (12 - len(before.response_ids))
-    hf = {v: AutoModelForCausalLM.from_pretrained(dirs[name], dtype=torch.float32).eval()
-          for v, name in ((1, "a"), (2, "b"))}
+    hf = {
+        v: AutoModelForCausalLM.from_pretrained(dirs[name], dtype=torch.float32).eval()
+        for v, name in ((1, "a"), (2, "b"))
+    }
     worst = 0.0
     for completion in done:
         tokens = torch.tensor([completion.prompt_ids + completion.response_ids])
@@ -133,16 +136,29 @@ def test_training_with_partial_rollouts_on_sglang_servers(tmp_path, warm_cache):
     in flight, and they finish with the next weights. Responses span versions, every token is at most 2 updates old, and step 0 (generated whole before the
     first update) is on-policy."""
     from megatron_kl.rollout.servers import server_port
+    from tests.e2e.runs import short_config
     from tests.e2e.test_sglang import TEST_SERVER
-    from tests.e2e.test_train import short_config
     from tests.e2e.workers import train_worker
 
-    cfg = short_config(tmp_path / "run", warm_cache, "rollout.engine=sglang", "rollout.sglang.weight_sync=from_disk",
-                       f"rollout.sglang.server_module={TEST_SERVER}", f"rollout.sglang.port={server_port()}",
-                       "rollout.sglang.extra_args=[--token-latency-s, '0.4', --long-every, '3']",
-                       "rollout.sampling.max_new_tokens=12", "rollout.partial=true", "train.staleness=2", "train.steps=4",
-                       "kl.estimator=k3", "kl.placement=loss", "kl.off_policy=token_is",
-                       "task.eval_size=2", "eval.k=1", "eval.max_new_tokens=1")  # evaluation: not what is tested
+    cfg = short_config(
+        tmp_path / "run",
+        warm_cache,
+        "rollout.engine=sglang",
+        "rollout.sglang.weight_sync=from_disk",
+        f"rollout.sglang.server_module={TEST_SERVER}",
+        f"rollout.sglang.port={server_port()}",
+        "rollout.sglang.extra_args=[--token-latency-s, '0.4', --long-every, '3']",
+        "rollout.sampling.max_new_tokens=12",
+        "rollout.partial=true",
+        "train.staleness=2",
+        "train.steps=4",
+        "kl.estimator=k3",
+        "kl.placement=loss",
+        "kl.off_policy=token_is",
+        "task.eval_size=2",
+        "eval.k=1",
+        "eval.max_new_tokens=1",
+    )  # evaluation: not what is tested
     metrics = run_ranks(train_worker, 1, cfg, timeout_s=600)[0]["metrics"]
     steps = [m for m in metrics if "staleness/token_max" in m]
     assert [m["step"] for m in steps] == [0, 1, 2, 3]
@@ -166,8 +182,13 @@ def test_a_server_that_cannot_pause_is_refused_at_start_naming_the_field(tmp_pat
     from tests.e2e.test_sglang import TEST_SERVER
 
     model_dir = make_hf_model("qwen2", tmp_path / "a", seed=0)
-    config = SGLangConfig(server_module=TEST_SERVER, port=server_port(), extra_args=["--no-pause-routes"],
-                          startup_timeout_s=120, weight_sync="from_tensor")
+    config = SGLangConfig(
+        server_module=TEST_SERVER,
+        port=server_port(),
+        extra_args=["--no-pause-routes"],
+        startup_timeout_s=120,
+        weight_sync="from_tensor",
+    )
     with pytest.raises(ValueError, match="rollout.partial=true: .* cannot pause and continue generation"):
         SGLangEngine(config, FromTensor(config), str(model_dir), log_dir=tmp_path / "logs", partial=True)
     import subprocess
@@ -180,12 +201,20 @@ def test_training_with_partial_rollouts_on_the_embedded_engine(tmp_path, warm_ca
     """The embedded engine with rollout.partial and staleness 2: the run finishes, step 0 is on-policy, and whatever
     the pauses cut (their timing is the machine's), every token is at most 2 updates old and the per-token metrics
     are consistent."""
-    from tests.e2e.test_train import short_config
+    from tests.e2e.runs import short_config
     from tests.e2e.workers import train_worker
 
-    cfg = short_config(tmp_path / "run", warm_cache, "rollout.partial=true", "train.staleness=2", "train.steps=4",
-                       "rollout.sampling.max_new_tokens=12", "kl.estimator=k3", "kl.placement=loss",
-                       "kl.off_policy=token_is")
+    cfg = short_config(
+        tmp_path / "run",
+        warm_cache,
+        "rollout.partial=true",
+        "train.staleness=2",
+        "train.steps=4",
+        "rollout.sampling.max_new_tokens=12",
+        "kl.estimator=k3",
+        "kl.placement=loss",
+        "kl.off_policy=token_is",
+    )
     metrics = run_ranks(train_worker, 1, cfg, timeout_s=600)[0]["metrics"]
     steps = [m for m in metrics if "staleness/token_max" in m]
     assert [m["step"] for m in steps] == [0, 1, 2, 3]

@@ -16,11 +16,19 @@ from megatron_kl.rollout.servers import server_port
 from megatron_kl.run.checkpoint import complete_checkpoints
 from megatron_kl.run.preemption import REQUEUE_EXIT_CODE
 from megatron_kl.train.metrics import read_metrics
+from tests.e2e.runs import DEFAULT, ROOT
 from tests.e2e.test_sglang import TEST_SERVER
-from tests.e2e.test_train import DEFAULT, ROOT
 
-COMMON = ["train.prompts_per_step=4", "train.group_size=4", "task.eval_size=8", "eval.k=2", "eval.interval=0",
-          "logging.progress=false", "logging.tensorboard=false", "checkpoint.interval=0"]
+COMMON = [
+    "train.prompts_per_step=4",
+    "train.group_size=4",
+    "task.eval_size=8",
+    "eval.k=2",
+    "eval.interval=0",
+    "logging.progress=false",
+    "logging.tensorboard=false",
+    "checkpoint.interval=0",
+]
 
 
 class Torchrun:
@@ -34,9 +42,27 @@ class Torchrun:
         self.log = log
         with open(log, "w") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
-                 str(server_port()), "-m", "megatron_kl.cli", "train", "--config", str(DEFAULT), *COMMON, *overrides],
-                cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+                [
+                    sys.executable,
+                    "-m",
+                    "torch.distributed.run",
+                    "--nproc-per-node",
+                    str(nproc),
+                    "--master-port",
+                    str(server_port()),
+                    "-m",
+                    "megatron_kl.cli",
+                    "train",
+                    "--config",
+                    str(DEFAULT),
+                    *COMMON,
+                    *overrides,
+                ],
+                cwd=ROOT,
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
 
     def wait(self, timeout: float = 600) -> tuple[int, str]:
         return self.proc.wait(timeout=timeout), self.log.read_text()
@@ -56,8 +82,13 @@ def _resume_and_check(tmp_path: Path, run: Path, steps: int, stopped_at: int, *o
 
 def test_sigusr1_to_torchrun_checkpoints_the_finished_step_and_exits_for_requeue(tmp_path, warm_cache):
     run, steps = tmp_path / "run", 12
-    overrides = (f"train.output_dir={run}", f"warm_start.cache_dir={warm_cache}", f"train.steps={steps}",
-                 "parallel.tensor_parallel=2", "train.staleness=1")
+    overrides = (
+        f"train.output_dir={run}",
+        f"warm_start.cache_dir={warm_cache}",
+        f"train.steps={steps}",
+        "parallel.tensor_parallel=2",
+        "train.staleness=1",
+    )
     job = Torchrun(tmp_path / "first.log", 2, *overrides)
     deadline = time.time() + 400
     while not _logged_steps(run):
@@ -78,14 +109,23 @@ def test_rollout_server_dying_mid_run_checkpoints_and_resumes(tmp_path, warm_cac
     """A managed server that dies and may not be restarted (as a disaggregated server the trainer does not own):
     every rank learns it together (async rollouts at TP=2), the finished steps are checkpointed, exit 75."""
     run, steps, marker = tmp_path / "run", 8, tmp_path / "died"
-    overrides = (f"train.output_dir={run}", f"warm_start.cache_dir={warm_cache}", f"train.steps={steps}",
-                 "parallel.tensor_parallel=2", "train.staleness=1", "rollout.engine=sglang",
-                 "rollout.sglang.weight_sync=from_disk", f"rollout.sglang.server_module={TEST_SERVER}",
-                 "rollout.sglang.restart_dead_servers=false", "rollout.sglang.max_retries=1",
-                 "rollout.sglang.backoff_s=0.05")
+    overrides = (
+        f"train.output_dir={run}",
+        f"warm_start.cache_dir={warm_cache}",
+        f"train.steps={steps}",
+        "parallel.tensor_parallel=2",
+        "train.staleness=1",
+        "rollout.engine=sglang",
+        "rollout.sglang.weight_sync=from_disk",
+        f"rollout.sglang.server_module={TEST_SERVER}",
+        "rollout.sglang.restart_dead_servers=false",
+        "rollout.sglang.max_retries=1",
+        "rollout.sglang.backoff_s=0.05",
+    )
     faults = f"rollout.sglang.extra_args=[--fault-exit-at, '90', --fault-marker, '{marker}']"
-    code, output = Torchrun(tmp_path / "first.log", 2, *overrides, f"rollout.sglang.port={server_port()}",
-                            faults).wait()
+    code, output = Torchrun(
+        tmp_path / "first.log", 2, *overrides, f"rollout.sglang.port={server_port()}", faults
+    ).wait()
     assert marker.is_file(), output[-3000:]
     assert code != 0 and "rollout engine lost" in output, output[-3000:]
     stopped_at = len(_logged_steps(run))

@@ -12,10 +12,18 @@ import pytest
 from megatron_kl.run.run_dir import RunLock, RunRefused
 from megatron_kl.train.config import load_train_config
 from megatron_kl.train.metrics import read_metrics
-from tests.e2e.test_train import DEFAULT, Run
+from tests.e2e.runs import DEFAULT, Run
 
-COMMON = ["checkpoint.interval=1", "train.prompts_per_step=4", "train.group_size=4", "task.eval_size=8", "eval.k=2",
-          "eval.interval=0", "logging.progress=false", "logging.tensorboard=false"]
+COMMON = [
+    "checkpoint.interval=1",
+    "train.prompts_per_step=4",
+    "train.group_size=4",
+    "task.eval_size=8",
+    "eval.k=2",
+    "eval.interval=0",
+    "logging.progress=false",
+    "logging.tensorboard=false",
+]
 
 
 def _args(run: Path, cache: str, *overrides: str) -> list[str]:
@@ -23,8 +31,10 @@ def _args(run: Path, cache: str, *overrides: str) -> list[str]:
 
 
 def snapshot(directory: Path) -> dict[str, str]:
-    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
-            for p in sorted(directory.rglob("*"))}
+    return {
+        str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
+        for p in sorted(directory.rglob("*"))
+    }
 
 
 @pytest.fixture(scope="module")
@@ -36,15 +46,18 @@ def finished_run(tmp_path_factory, warm_cache):
     return root / "run", cache
 
 
-@pytest.mark.parametrize("overrides, fields", [
-    (["kl.estimator=k3", "kl.placement=loss"], ["kl.estimator: 'full' -> 'k3'"]),
-    (["kl.coef=0.05"], ["kl.coef"]),
-    (["model.ffn_hidden_size=96"], ["model.ffn_hidden_size"]),
-    (["train.seed=7"], ["train.seed"]),
-    (["task.seed=3"], ["task.seed"]),
-    (["optim.lr=0.001"], ["optim.lr"]),
-    (["train.steps=1"], ["train.steps=1 is below"]),
-])
+@pytest.mark.parametrize(
+    "overrides, fields",
+    [
+        (["kl.estimator=k3", "kl.placement=loss"], ["kl.estimator: 'full' -> 'k3'"]),
+        (["kl.coef=0.05"], ["kl.coef"]),
+        (["model.ffn_hidden_size=96"], ["model.ffn_hidden_size"]),
+        (["train.seed=7"], ["train.seed"]),
+        (["task.seed=3"], ["task.seed"]),
+        (["optim.lr=0.001"], ["optim.lr"]),
+        (["train.steps=1"], ["train.steps=1 is below"]),
+    ],
+)
 def test_a_changed_run_is_refused_naming_the_fields_and_nothing_changes(finished_run, overrides, fields):
     """In-process: the refusal comes before any process group, model or file."""
     from megatron_kl.train.loop import train
@@ -73,8 +86,12 @@ def test_a_changed_tensor_parallel_layout_is_refused(finished_run, monkeypatch):
 def test_the_cli_refuses_with_exit_code_2_and_a_finished_run_says_so(finished_run, tmp_path):
     run, cache = finished_run
     before = snapshot(run)
-    code, output = Run(tmp_path / "changed.log", "--config", str(DEFAULT),
-                       *_args(run, cache, "train.steps=2", "kl.estimator=k3", "kl.placement=loss")).wait()
+    code, output = Run(
+        tmp_path / "changed.log",
+        "--config",
+        str(DEFAULT),
+        *_args(run, cache, "train.steps=2", "kl.estimator=k3", "kl.placement=loss"),
+    ).wait()
     assert code == 2 and "refused" in output and "kl.estimator: 'full' -> 'k3'" in output, output[-2000:]
     code, output = Run(tmp_path / "again.log", "--config", str(DEFAULT), *_args(run, cache, "train.steps=2")).wait()
     assert code == 0 and "already finished at step 2" in output, output[-2000:]
@@ -93,8 +110,12 @@ def test_resumable_changes_continue_and_are_recorded(finished_run, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(base, run)
     config_before = (run / "config.yaml").read_text()
-    code, output = Run(tmp_path / "more.log", "--config", str(DEFAULT),
-                       *_args(run, cache, "train.steps=3", "eval.interval=2", "checkpoint.keep=1")).wait()
+    code, output = Run(
+        tmp_path / "more.log",
+        "--config",
+        str(DEFAULT),
+        *_args(run, cache, "train.steps=3", "eval.interval=2", "checkpoint.keep=1"),
+    ).wait()
     assert code == 0, output[-3000:]
     assert f"resumed from {run / 'checkpoints' / 'step_000002'} at RL step 2" in output
     assert (run / "config.yaml").read_text() == config_before
@@ -113,16 +134,23 @@ def test_a_fresh_start_moves_the_old_run_aside_and_owns_the_directory(finished_r
     run = tmp_path / "run"
     shutil.copytree(base, run)
     old = snapshot(run)
-    code, output = Run(tmp_path / "fresh.log", "--config", str(DEFAULT),
-                       *_args(run, cache, "train.steps=1", "kl.coef=0.05", "checkpoint.resume=false")).wait()
+    code, output = Run(
+        tmp_path / "fresh.log",
+        "--config",
+        str(DEFAULT),
+        *_args(run, cache, "train.steps=1", "kl.coef=0.05", "checkpoint.resume=false"),
+    ).wait()
     assert code == 0, output[-3000:]
     aside = [p for p in run.iterdir() if p.name.startswith("superseded-")]
     assert len(aside) == 1 and f"moved them to {aside[0]}" in output
-    assert {k: v for k, v in snapshot(aside[0]).items() if k != ".lock"} == {k: v for k, v in old.items() if k != ".lock"}
+    assert {k: v for k, v in snapshot(aside[0]).items() if k != ".lock"} == {
+        k: v for k, v in old.items() if k != ".lock"
+    }
     assert [p.name for p in (run / "checkpoints").iterdir()] == ["step_000001"]
     assert [r["step"] for r in read_metrics(run / "metrics.jsonl") if "loss/total" in r] == [0]
-    code, output = Run(tmp_path / "next.log", "--config", str(DEFAULT),
-                       *_args(run, cache, "train.steps=2", "kl.coef=0.05")).wait()
+    code, output = Run(
+        tmp_path / "next.log", "--config", str(DEFAULT), *_args(run, cache, "train.steps=2", "kl.coef=0.05")
+    ).wait()
     assert code == 0 and f"resumed from {run / 'checkpoints' / 'step_000001'} at RL step 1" in output, output[-3000:]
     assert [r["step"] for r in read_metrics(run / "metrics.jsonl") if "loss/total" in r] == [0, 1]
 
@@ -131,8 +159,12 @@ def test_a_second_trainer_on_a_locked_directory_is_refused(tmp_path):
     run = tmp_path / "run"
     lock = RunLock(run)
     try:
-        code, output = Run(tmp_path / "second.log", "--config", str(DEFAULT),
-                           *_args(run, str(tmp_path / "cache"), "train.steps=1", "warm_start.enabled=false")).wait()
+        code, output = Run(
+            tmp_path / "second.log",
+            "--config",
+            str(DEFAULT),
+            *_args(run, str(tmp_path / "cache"), "train.steps=1", "warm_start.enabled=false"),
+        ).wait()
         assert code == 2 and f"in use by pid {os.getpid()}" in output, output[-2000:]
         assert sorted(p.name for p in run.iterdir()) == [".lock"]
         with pytest.raises(RunRefused, match="in use by pid"):

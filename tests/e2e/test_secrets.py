@@ -12,18 +12,18 @@ import sys
 from pathlib import Path
 
 from megatron_kl.rollout.servers import server_port
+from tests.e2e.runs import DEFAULT, ROOT
 from tests.e2e.test_sglang import TEST_SERVER
-from tests.e2e.test_train import DEFAULT, ROOT
 
 KEYS = {name: f"planted-{name}-7f3a9c1e" for name in ("flag", "managed", "kwarg", "launch_env", "environment", "url")}
-REWARD = '''
+REWARD = """
 import os, sys
 
 def keyed(sample, api_key, endpoint):
     assert api_key == "{kwarg}", "the reward function did not get its key"
     print(f"reward call with key {{api_key}} from {{endpoint}}, token {{os.environ['VERIFIER_TOKEN']}}", file=sys.stderr)
     return 1.0 if sample.response.strip() == str(sample.answer) else 0.0
-'''
+"""
 
 
 def _env(**extra) -> dict:
@@ -32,8 +32,14 @@ def _env(**extra) -> dict:
 
 
 def _cli(*args, env=None, timeout=600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "megatron_kl.cli", *args], cwd=ROOT, env=env or _env(),
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "megatron_kl.cli", *args],
+        cwd=ROOT,
+        env=env or _env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def _leaks(root: Path, *texts: str) -> list[str]:
@@ -52,15 +58,27 @@ def test_a_key_planted_through_every_path_is_written_nowhere(tmp_path, warm_cach
     reward_file = tmp_path / "keyed_reward.py"
     reward_file.write_text(REWARD.format(**KEYS))
     run = tmp_path / "run"
-    overrides = [f"train.output_dir={run}", f"warm_start.cache_dir={warm_cache}", "train.steps=2",
-                 "train.prompts_per_step=4", "train.group_size=4", "task.eval_size=8", "eval.k=2", "eval.interval=0",
-                 "checkpoint.interval=1", "logging.progress=false", "logging.tensorboard=false",
-                 "rollout.engine=sglang", f"rollout.sglang.server_module={TEST_SERVER}",
-                 f"rollout.sglang.port={server_port()}", f"rollout.sglang.sync_dir={tmp_path / 'sync'}",
-                 f"rollout.sglang.extra_args=[--admin-api-key, {KEYS['flag']}]",
-                 f"reward.functions=[{{name: '{reward_file}:keyed', kwargs: {{api_key: {KEYS['kwarg']}, "
-                 f"endpoint: 'http://user:{KEYS['url']}@verifier:8000/score'}}}}]",
-                 f"launch.env={{HF_TOKEN: {KEYS['launch_env']}}}"]
+    overrides = [
+        f"train.output_dir={run}",
+        f"warm_start.cache_dir={warm_cache}",
+        "train.steps=2",
+        "train.prompts_per_step=4",
+        "train.group_size=4",
+        "task.eval_size=8",
+        "eval.k=2",
+        "eval.interval=0",
+        "checkpoint.interval=1",
+        "logging.progress=false",
+        "logging.tensorboard=false",
+        "rollout.engine=sglang",
+        f"rollout.sglang.server_module={TEST_SERVER}",
+        f"rollout.sglang.port={server_port()}",
+        f"rollout.sglang.sync_dir={tmp_path / 'sync'}",
+        f"rollout.sglang.extra_args=[--admin-api-key, {KEYS['flag']}]",
+        f"reward.functions=[{{name: '{reward_file}:keyed', kwargs: {{api_key: {KEYS['kwarg']}, "
+        f"endpoint: 'http://user:{KEYS['url']}@verifier:8000/score'}}}}]",
+        f"launch.env={{HF_TOKEN: {KEYS['launch_env']}}}",
+    ]
     env = _env(MEGATRON_KL_SGLANG_API_KEY=KEYS["managed"], VERIFIER_TOKEN=KEYS["environment"])
     check = _cli("train", "--config", str(DEFAULT), "--check", *overrides, env=env)
     assert check.returncode == 0, check.stderr[-3000:]
@@ -74,13 +92,27 @@ def test_a_key_planted_through_every_path_is_written_nowhere(tmp_path, warm_cach
 
 
 def test_secret_flags_that_would_be_written_are_refused_without_the_value(tmp_path):
-    api_key = _cli("train", "--config", str(DEFAULT), "--check", f"train.output_dir={tmp_path / 'run'}",
-                   "rollout.engine=sglang", f"rollout.sglang.extra_args=[--api-key, {KEYS['flag']}]")
+    api_key = _cli(
+        "train",
+        "--config",
+        str(DEFAULT),
+        "--check",
+        f"train.output_dir={tmp_path / 'run'}",
+        "rollout.engine=sglang",
+        f"rollout.sglang.extra_args=[--api-key, {KEYS['flag']}]",
+    )
     assert api_key.returncode == 2 and "rollout.sglang.extra_args passes --api-key" in api_key.stderr, api_key.stderr
     assert "MEGATRON_KL_SGLANG_API_KEY" in api_key.stderr
-    launch = _cli("launch", "slurm", "--config", str(DEFAULT), "--dryrun", f"launch.home={tmp_path / 'home'}",
-                  f"train.output_dir={tmp_path / 'run'}",
-                  f"launch.rollout_servers.extra_args=[--admin-api-key={KEYS['flag']}]")
+    launch = _cli(
+        "launch",
+        "slurm",
+        "--config",
+        str(DEFAULT),
+        "--dryrun",
+        f"launch.home={tmp_path / 'home'}",
+        f"train.output_dir={tmp_path / 'run'}",
+        f"launch.rollout_servers.extra_args=[--admin-api-key={KEYS['flag']}]",
+    )
     assert launch.returncode == 2, launch.stderr[-2000:]
     assert "launch.rollout_servers.extra_args gives --admin-api-key a value" in launch.stderr, launch.stderr[-2000:]
     assert _leaks(tmp_path, api_key.stdout, api_key.stderr, launch.stdout, launch.stderr) == []

@@ -27,8 +27,16 @@ K = 5
 def _serve(model_dir, log_dir, *faults):
     port = server_port()
     url = f"http://127.0.0.1:{port}"
-    command = [sys.executable, "-m", "megatron_kl.testing.sglang_server", "--model-path", str(model_dir), "--port",
-               str(port), *faults]
+    command = [
+        sys.executable,
+        "-m",
+        "megatron_kl.testing.sglang_server",
+        "--model-path",
+        str(model_dir),
+        "--port",
+        str(port),
+        *faults,
+    ]
     server = ManagedServer(f"teacher-{port}", command, url, log_dir, startup_timeout_s=120)
     server.start()
     return server
@@ -101,22 +109,41 @@ def test_a_run_distils_from_a_served_teacher(tmp_path, ranks):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from megatron_kl.testing.distributed import run_ranks
-    from tests.e2e.test_train import short_config
+    from tests.e2e.runs import short_config
     from tests.e2e.workers import train_worker
 
-    config = AutoConfig.for_model("qwen2", vocab_size=32, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                  tie_word_embeddings=False)
+    config = AutoConfig.for_model(
+        "qwen2",
+        vocab_size=32,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     directory = tmp_path / "teacher"
     AutoModelForCausalLM.from_config(config).float().save_pretrained(directory, safe_serialization=True)
     (directory / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 64}))
     server = _serve(directory, tmp_path)
     try:
-        cfg = short_config(tmp_path / "run", str(tmp_path / "cache"), "train.steps=2", "distill.enabled=true",
-                           "kl.estimator=k3", "kl.coef=0.01", "warm_start.steps=30", "warm_start.seed=5",
-                           "distill.teacher.source=server", f"distill.teacher.server.urls=[{server.url}]",
-                           "distill.kl.estimator=topk", "distill.kl.top_k=4", f"parallel.tensor_parallel={ranks}")
+        cfg = short_config(
+            tmp_path / "run",
+            str(tmp_path / "cache"),
+            "train.steps=2",
+            "distill.enabled=true",
+            "kl.estimator=k3",
+            "kl.coef=0.01",
+            "warm_start.steps=30",
+            "warm_start.seed=5",
+            "distill.teacher.source=server",
+            f"distill.teacher.server.urls=[{server.url}]",
+            "distill.kl.estimator=topk",
+            "distill.kl.top_k=4",
+            f"parallel.tensor_parallel={ranks}",
+        )
         out = run_ranks(train_worker, ranks, cfg, timeout_s=600)[0]
     finally:
         server.stop()

@@ -14,7 +14,8 @@ from megatron_kl.rollout.config import SGLangConfig
 from megatron_kl.rollout.engine import SamplingConfig
 from megatron_kl.rollout.http import ServerUnavailable
 from megatron_kl.rollout.servers import server_port
-from megatron_kl.rollout.sglang import ResponseError, SGLangEngine
+from megatron_kl.rollout.sglang import SGLangEngine
+from megatron_kl.rollout.sglang_protocol import ResponseError
 from megatron_kl.rollout.sglang_sync import FromDisk, FromDistributed, FromTensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
@@ -42,10 +43,19 @@ def _engine(tmp_path, model_dir, *faults, sync="from_disk", **cfg):
     cfg.setdefault("server_module", TEST_SERVER)
     if "port" not in cfg:
         cfg["port"] = server_port()
-    config = SGLangConfig(weight_sync=sync, sync_dir=str(tmp_path / "sync"),
-                          extra_args=list(faults), startup_timeout_s=120, backoff_s=0.05, **cfg)
-    weight_sync = {"from_disk": lambda: FromDisk(config, _model(model_dir)), "from_tensor": lambda: FromTensor(config),
-                   "from_distributed": lambda: FromDistributed(config, backend="gloo")}[sync]()
+    config = SGLangConfig(
+        weight_sync=sync,
+        sync_dir=str(tmp_path / "sync"),
+        extra_args=list(faults),
+        startup_timeout_s=120,
+        backoff_s=0.05,
+        **cfg,
+    )
+    weight_sync = {
+        "from_disk": lambda: FromDisk(config, _model(model_dir)),
+        "from_tensor": lambda: FromTensor(config),
+        "from_distributed": lambda: FromDistributed(config, backend="gloo"),
+    }[sync]()
     return SGLangEngine(config, weight_sync, str(model_dir), log_dir=tmp_path / "logs", seed=0)
 
 
@@ -97,8 +107,9 @@ def test_logprobs_equal_the_embedded_engine_on_the_same_weights(clean, models):
         with torch.no_grad():
             logits = model(tokens).logits[0, len(completion.prompt_ids) - 1 : -1] / 0.7
         expected = torch.log_softmax(logits.double(), -1).gather(-1, torch.tensor(completion.response_ids)[:, None])
-        assert torch.allclose(torch.tensor(completion.response_logprobs, dtype=torch.float64), expected[:, 0],
-                              atol=2e-4)
+        assert torch.allclose(
+            torch.tensor(completion.response_logprobs, dtype=torch.float64), expected[:, 0], atol=2e-4
+        )
 
 
 @pytest.mark.parametrize("sync", ["from_disk", "from_tensor", "from_distributed"])
@@ -124,9 +135,21 @@ def test_weight_sync_strategies_load_the_pushed_weights(tmp_path, models, clean,
 def test_5xx_timeouts_and_dropped_connections_are_retried_without_loss(tmp_path, models, clean):
     clean.update_weights(_hf_tensors(models["a"]), 4)
     want = clean.generate(PROMPTS, SAMPLING, seed=21)
-    engine = _engine(tmp_path, models["a"], "--fault-500-every", "3", "--fault-drop-every", "5",
-                     "--fault-delay-every", "7", "--fault-delay-s", "3", request_timeout_s=1.5,
-                     max_concurrency=4, max_retries=10)
+    engine = _engine(
+        tmp_path,
+        models["a"],
+        "--fault-500-every",
+        "3",
+        "--fault-drop-every",
+        "5",
+        "--fault-delay-every",
+        "7",
+        "--fault-delay-s",
+        "3",
+        request_timeout_s=1.5,
+        max_concurrency=4,
+        max_retries=10,
+    )
     try:
         engine.update_weights(_hf_tensors(models["a"]), 4)
         got = engine.generate(PROMPTS, SAMPLING, seed=21)
@@ -139,8 +162,16 @@ def test_5xx_timeouts_and_dropped_connections_are_retried_without_loss(tmp_path,
 def test_killed_server_is_restarted_resynced_and_requests_reissued(tmp_path, models, clean):
     clean.update_weights(_hf_tensors(models["b"]), 5)
     want = clean.generate(PROMPTS, SAMPLING, seed=31)
-    engine = _engine(tmp_path, models["a"], "--fault-exit-at", "4", "--fault-marker", str(tmp_path / "died"),
-                     max_retries=1, max_concurrency=2)
+    engine = _engine(
+        tmp_path,
+        models["a"],
+        "--fault-exit-at",
+        "4",
+        "--fault-marker",
+        str(tmp_path / "died"),
+        max_retries=1,
+        max_concurrency=2,
+    )
     try:
         engine.update_weights(_hf_tensors(models["b"]), 5)  # the restarted server must get b back, not a
         got = engine.generate(PROMPTS, SAMPLING, seed=31)
@@ -188,8 +219,9 @@ def test_a_response_without_logprobs_is_retried_and_one_that_never_has_them_is_n
         assert engine.counters["retries"] >= 2 and engine.counters["restarts"] == 0
     finally:
         engine.shutdown()
-    engine = _engine(tmp_path / "never", models["a"], "--fault-bad-every", "1", max_retries=1,
-                     restart_dead_servers=False)
+    engine = _engine(
+        tmp_path / "never", models["a"], "--fault-bad-every", "1", max_retries=1, restart_dead_servers=False
+    )
     try:
         engine.update_weights(_hf_tensors(models["a"]), 1)
         with pytest.raises(ServerUnavailable, match="meta_info.output_token_logprobs"):
@@ -219,12 +251,19 @@ def test_training_on_sglang_servers_matches_the_trainers_logprobs(tmp_path, warm
     rollouts come from the weights pushed after the previous step (weight_version checked per response) and
     the trainer's recomputed log-probs equal the server's behaviour log-probs."""
     from megatron_kl.testing.distributed import run_ranks
-    from tests.e2e.test_train import short_config
+    from tests.e2e.runs import short_config
     from tests.e2e.workers import train_worker
 
-    cfg = short_config(tmp_path / "run", warm_cache, "rollout.engine=sglang", f"rollout.sglang.weight_sync={sync}",
-                       f"rollout.sglang.server_module={TEST_SERVER}", f"rollout.sglang.port={server_port()}",
-                       f"parallel.tensor_parallel={tp}", "eval.interval=2")
+    cfg = short_config(
+        tmp_path / "run",
+        warm_cache,
+        "rollout.engine=sglang",
+        f"rollout.sglang.weight_sync={sync}",
+        f"rollout.sglang.server_module={TEST_SERVER}",
+        f"rollout.sglang.port={server_port()}",
+        f"parallel.tensor_parallel={tp}",
+        "eval.interval=2",
+    )
     metrics = run_ranks(train_worker, tp, cfg, timeout_s=600)[0]["metrics"]
     steps = [m for m in metrics if "mismatch/abs_logprob_max" in m]
     assert [m["step"] for m in steps] == [0, 1, 2]
@@ -241,13 +280,23 @@ def test_async_rollouts_on_sglang_servers_at_tp2(tmp_path, warm_cache):
     TP=2; step 0 is on-policy (trainer log-probs equal the server's), later steps come from the weights of
     the step before, as the staleness metrics and the responses' weight versions say."""
     from megatron_kl.testing.distributed import run_ranks
-    from tests.e2e.test_train import short_config
+    from tests.e2e.runs import short_config
     from tests.e2e.workers import train_worker
 
-    cfg = short_config(tmp_path / "run", warm_cache, "rollout.engine=sglang", "rollout.sglang.weight_sync=from_disk",
-                       f"rollout.sglang.server_module={TEST_SERVER}", f"rollout.sglang.port={server_port()}",
-                       "parallel.tensor_parallel=2", "train.staleness=1", "train.steps=4",
-                       "kl.estimator=k3", "kl.placement=loss", "kl.off_policy=token_is")
+    cfg = short_config(
+        tmp_path / "run",
+        warm_cache,
+        "rollout.engine=sglang",
+        "rollout.sglang.weight_sync=from_disk",
+        f"rollout.sglang.server_module={TEST_SERVER}",
+        f"rollout.sglang.port={server_port()}",
+        "parallel.tensor_parallel=2",
+        "train.staleness=1",
+        "train.steps=4",
+        "kl.estimator=k3",
+        "kl.placement=loss",
+        "kl.off_policy=token_is",
+    )
     metrics = run_ranks(train_worker, 2, cfg, timeout_s=600)[0]["metrics"]
     steps = [m for m in metrics if "staleness/max" in m]
     assert [m["staleness/max"] for m in steps] == [0.0, 1.0, 1.0, 1.0]
@@ -260,10 +309,19 @@ def test_async_rollouts_on_sglang_servers_at_tp2(tmp_path, warm_cache):
 def test_async_rollouts_reject_colocated_servers(tmp_path, warm_cache):
     from megatron_kl.config import ConfigError, from_dict
     from megatron_kl.train.config import TrainConfig, validate_train_config
-    from tests.e2e.test_train import short_config
+    from tests.e2e.runs import short_config
 
-    cfg = from_dict(TrainConfig, short_config(tmp_path, warm_cache, "rollout.engine=sglang", "train.staleness=2",
-                                              "rollout.sglang.colocated=true", "rollout.sglang.enable_memory_saver=true"))
+    cfg = from_dict(
+        TrainConfig,
+        short_config(
+            tmp_path,
+            warm_cache,
+            "rollout.engine=sglang",
+            "train.staleness=2",
+            "rollout.sglang.colocated=true",
+            "rollout.sglang.enable_memory_saver=true",
+        ),
+    )
     with pytest.raises(ConfigError, match="rollout.sglang.colocated=false"):
         validate_train_config(cfg, cfg.model.vocab_size, 1)
 
@@ -275,11 +333,18 @@ def test_real_sglang_server_generates_and_syncs(tmp_path, models, sync):
     pytest.importorskip("sglang")
     if not torch.cuda.is_available():
         pytest.skip("real SGLang needs a GPU")
-    config = SGLangConfig(port=server_port(), weight_sync=sync, sync_dir=str(tmp_path / "sync"),
-                          mem_fraction_static=0.3, startup_timeout_s=600)
-    weight_sync = {"from_disk": lambda: FromDisk(config, _model(models["a"])),
-                   "from_tensor": lambda: FromTensor(config),
-                   "from_distributed": lambda: FromDistributed(config)}[sync]()
+    config = SGLangConfig(
+        port=server_port(),
+        weight_sync=sync,
+        sync_dir=str(tmp_path / "sync"),
+        mem_fraction_static=0.3,
+        startup_timeout_s=600,
+    )
+    weight_sync = {
+        "from_disk": lambda: FromDisk(config, _model(models["a"])),
+        "from_tensor": lambda: FromTensor(config),
+        "from_distributed": lambda: FromDistributed(config),
+    }[sync]()
     engine = SGLangEngine(config, weight_sync, str(models["a"]), log_dir=tmp_path / "logs")
     try:
         engine.update_weights(_hf_tensors(models["b"]), 1)
@@ -292,12 +357,11 @@ def test_real_sglang_server_generates_and_syncs(tmp_path, models, sync):
 def test_corrupt_values_are_retried_like_a_5xx_without_loss(tmp_path, models, clean):
     """NaN / +inf / positive log-probs, ids outside the vocabulary, too many tokens and empty completions
     (the test server's --fault-corrupt-every cycles through them) are retried; the result equals a clean run."""
-    from megatron_kl.testing.sglang_server import CORRUPTIONS
+    from megatron_kl.testing.corruptions import CORRUPTIONS
 
     clean.update_weights(_hf_tensors(models["a"]), 5)
     want = clean.generate(PROMPTS, SAMPLING, seed=22)
-    engine = _engine(tmp_path, models["a"], "--fault-corrupt-every", "2", max_concurrency=1,
-                     max_retries=3)
+    engine = _engine(tmp_path, models["a"], "--fault-corrupt-every", "2", max_concurrency=1, max_retries=3)
     engine.vocab_size = _model(models["a"]).vocab_size
     try:
         engine.update_weights(_hf_tensors(models["a"]), 5)
@@ -315,8 +379,16 @@ def test_server_dying_during_a_weight_update_is_restarted_and_updated(tmp_path, 
     generation then serves model b labelled 2, exactly as a server that never died."""
     clean.update_weights(_hf_tensors(models["b"]), 7)
     want = clean.generate(PROMPTS, SAMPLING, seed=51)
-    engine = _engine(tmp_path, models["a"], "--fault-exit-on-update", "2", "--fault-marker", str(tmp_path / "died"),
-                     sync=sync, max_retries=1)
+    engine = _engine(
+        tmp_path,
+        models["a"],
+        "--fault-exit-on-update",
+        "2",
+        "--fault-marker",
+        str(tmp_path / "died"),
+        sync=sync,
+        max_retries=1,
+    )
     try:
         engine.update_weights(_hf_tensors(models["a"]), 1)
         committed = engine.sync.committed
@@ -388,8 +460,11 @@ def test_given_urls_are_waited_for_until_healthy(tmp_path, models):
 
     def start_late():
         time.sleep(2)
-        started["proc"] = subprocess.Popen([sys.executable, "-m", TEST_SERVER, "--model-path", str(models["a"]),
-                                            "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        started["proc"] = subprocess.Popen(
+            [sys.executable, "-m", TEST_SERVER, "--model-path", str(models["a"]), "--port", str(port)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
 
     late = threading.Thread(target=start_late)
     start = time.monotonic()
@@ -465,7 +540,7 @@ def _truncated_logprobs(model, completion, sampling):
 
     tokens = torch.tensor([completion.prompt_ids + completion.response_ids])
     with torch.no_grad():
-        logits = model(tokens).logits[0, len(completion.prompt_ids) - 1: -1].double() / sampling.temperature
+        logits = model(tokens).logits[0, len(completion.prompt_ids) - 1 : -1].double() / sampling.temperature
     filtered = filter_logits(logits, sampling.top_k, sampling.top_p)
     ids = torch.tensor(completion.response_ids)[:, None]
     return torch.log_softmax(filtered, -1).gather(-1, ids)[:, 0], torch.isfinite(filtered.gather(-1, ids)[:, 0])
@@ -490,8 +565,10 @@ def test_truncated_sampling_reports_the_processed_logprobs(clean, models, top_k,
         assert torch.allclose(got, expected, atol=2e-4), (got, expected)
         tokens = torch.tensor([completion.prompt_ids + completion.response_ids])
         with torch.no_grad():
-            full = torch.log_softmax(model(tokens).logits[0, len(completion.prompt_ids) - 1: -1].double() / 0.8, -1)
-        truncated_away = max(truncated_away, float((got - full.gather(-1, torch.tensor(completion.response_ids)[:, None])[:, 0]).max()))
+            full = torch.log_softmax(model(tokens).logits[0, len(completion.prompt_ids) - 1 : -1].double() / 0.8, -1)
+        truncated_away = max(
+            truncated_away, float((got - full.gather(-1, torch.tensor(completion.response_ids)[:, None])[:, 0]).max())
+        )
     assert truncated_away > 1e-3  # the processed log-probs are not the full distribution's
 
 
@@ -499,7 +576,7 @@ def test_a_sampled_token_outside_the_support_is_retried_and_named(tmp_path, mode
     """--fault-off-support-every: a response whose token lies outside the top-k support is a corrupt answer,
     retried like a 5xx (the result equals a clean run); one that always does names the position."""
     from megatron_kl.rollout.http import CorruptResponse
-    from megatron_kl.rollout.sglang import processed_logprobs
+    from megatron_kl.rollout.sglang_protocol import processed_logprobs
 
     sampling = SamplingConfig(temperature=1.0, top_k=5, max_new_tokens=6, stop_token_ids=[0])
     clean.update_weights(_hf_tensors(models["a"]), 5)

@@ -10,11 +10,20 @@ import pytest
 from megatron_kl.rollout.servers import server_port
 from megatron_kl.run.checkpoint import complete_checkpoints
 from megatron_kl.train.metrics import read_metrics
+from tests.e2e.runs import DEFAULT, Run
 from tests.e2e.test_sglang import TEST_SERVER
-from tests.e2e.test_train import DEFAULT, Run
 
-COMMON = ["train.prompts_per_step=4", "train.group_size=4", "task.eval_size=8", "eval.k=2", "eval.interval=0",
-          "logging.progress=false", "logging.tensorboard=false", "checkpoint.interval=0", "train.steps=40"]
+COMMON = [
+    "train.prompts_per_step=4",
+    "train.group_size=4",
+    "task.eval_size=8",
+    "eval.k=2",
+    "eval.interval=0",
+    "logging.progress=false",
+    "logging.tensorboard=false",
+    "checkpoint.interval=0",
+    "train.steps=40",
+]
 
 
 def _trained(run: Path) -> list[int]:
@@ -32,8 +41,14 @@ def _wait_for(condition, proc, seconds: float = 300) -> None:
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGHUP, 75)], ids=["SIGINT", "SIGHUP"])
 def test_ctrl_c_and_hangup_checkpoint_the_finished_steps(tmp_path, warm_cache, sig, code):
     run = tmp_path / "run"
-    job = Run(tmp_path / "log.txt", "--config", str(DEFAULT), f"train.output_dir={run}",
-              f"warm_start.cache_dir={warm_cache}", *COMMON)
+    job = Run(
+        tmp_path / "log.txt",
+        "--config",
+        str(DEFAULT),
+        f"train.output_dir={run}",
+        f"warm_start.cache_dir={warm_cache}",
+        *COMMON,
+    )
     _wait_for(lambda: len(_trained(run)) >= 1, job.proc)
     job.proc.send_signal(sig)
     rc, output = job.wait(120)
@@ -49,11 +64,20 @@ def test_a_stop_signal_during_a_hung_rollout_is_honoured_within_seconds(tmp_path
     1; connections stay open); SIGTERM ends the run in seconds - not
     after (max_retries + 1) x request_timeout_s = 5 x 300 s - with the finished steps checkpointed, exit 75."""
     run, marker = tmp_path / "run", tmp_path / "hung"
-    job = Run(tmp_path / "log.txt", "--config", str(DEFAULT), f"train.output_dir={run}",
-              f"warm_start.cache_dir={warm_cache}", *COMMON, "rollout.engine=sglang",
-              f"train.staleness={staleness}", f"rollout.sglang.server_module={TEST_SERVER}",
-              f"rollout.sglang.port={server_port()}", "rollout.sglang.request_timeout_s=300",
-              f"rollout.sglang.extra_args=[--fault-hang-after, '72', --fault-marker, '{marker}']")
+    job = Run(
+        tmp_path / "log.txt",
+        "--config",
+        str(DEFAULT),
+        f"train.output_dir={run}",
+        f"warm_start.cache_dir={warm_cache}",
+        *COMMON,
+        "rollout.engine=sglang",
+        f"train.staleness={staleness}",
+        f"rollout.sglang.server_module={TEST_SERVER}",
+        f"rollout.sglang.port={server_port()}",
+        "rollout.sglang.request_timeout_s=300",
+        f"rollout.sglang.extra_args=[--fault-hang-after, '72', --fault-marker, '{marker}']",
+    )
     _wait_for(marker.is_file, job.proc)
     time.sleep(1.0)  # the trainer is now waiting on the hung request
     sent = time.monotonic()
@@ -74,9 +98,17 @@ def test_kill_9_takes_the_managed_rollout_server_with_the_trainer(tmp_path, warm
     import psutil
 
     run = tmp_path / "run"
-    job = Run(tmp_path / "log.txt", "--config", str(DEFAULT), f"train.output_dir={run}",
-              f"warm_start.cache_dir={warm_cache}", *COMMON, "rollout.engine=sglang",
-              f"rollout.sglang.server_module={TEST_SERVER}", f"rollout.sglang.port={server_port()}")
+    job = Run(
+        tmp_path / "log.txt",
+        "--config",
+        str(DEFAULT),
+        f"train.output_dir={run}",
+        f"warm_start.cache_dir={warm_cache}",
+        *COMMON,
+        "rollout.engine=sglang",
+        f"rollout.sglang.server_module={TEST_SERVER}",
+        f"rollout.sglang.port={server_port()}",
+    )
     _wait_for(lambda: len(_trained(run)) >= 1, job.proc)
     children = psutil.Process(job.proc.pid).children(recursive=True)
     servers = [p for p in children if "sglang_server" in " ".join(p.cmdline())]
@@ -94,8 +126,15 @@ def test_a_stop_signal_while_starting_ends_the_run_with_a_message(tmp_path):
     warm start (schedulers' grace periods are 30-120 s): exit 75, one line naming the step, nothing trained or
     cached."""
     run, cache = tmp_path / "run", tmp_path / "cache"
-    job = Run(tmp_path / "log.txt", "--config", str(DEFAULT), f"train.output_dir={run}",
-              f"warm_start.cache_dir={cache}", *COMMON, "warm_start.steps=2000")  # its own: it must run
+    job = Run(
+        tmp_path / "log.txt",
+        "--config",
+        str(DEFAULT),
+        f"train.output_dir={run}",
+        f"warm_start.cache_dir={cache}",
+        *COMMON,
+        "warm_start.steps=2000",
+    )  # its own: it must run
     _wait_for(lambda: "warm start step" in job.log.read_text(errors="replace"), job.proc)
     sent = time.time()
     job.proc.send_signal(signal.SIGTERM)

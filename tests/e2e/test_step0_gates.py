@@ -12,8 +12,8 @@ import pytest
 
 from megatron_kl.rollout.servers import server_port
 from megatron_kl.testing.distributed import run_ranks
+from tests.e2e.runs import short_config
 from tests.e2e.test_sglang import TEST_SERVER
-from tests.e2e.test_train import short_config
 from tests.e2e.workers import train_worker
 
 KL_BOUND, MISMATCH_BOUND = 1e-8, 1e-4
@@ -22,16 +22,20 @@ CASES = [
     ("embedded-tp1", 1, []),
     ("embedded-tp2", 2, ["parallel.tensor_parallel=2"]),
     ("sglang-test-server-tp1", 1, ["rollout.engine=sglang", f"rollout.sglang.server_module={TEST_SERVER}"]),
-    ("sglang-test-server-pp2", 2, ["rollout.engine=sglang", f"rollout.sglang.server_module={TEST_SERVER}",
-                                   "parallel.pipeline_parallel=2"]),  # the embedded engine has no PP
+    (
+        "sglang-test-server-pp2",
+        2,
+        ["rollout.engine=sglang", f"rollout.sglang.server_module={TEST_SERVER}", "parallel.pipeline_parallel=2"],
+    ),  # the embedded engine has no PP
 ]
 
 
 @pytest.mark.parametrize("name, world, overrides", CASES, ids=[c[0] for c in CASES])
 def test_step_0_policy_equals_reference_and_rollout(tmp_path, warm_cache, name, world, overrides):
     extra = [f"rollout.sglang.port={server_port()}"] if "rollout.engine=sglang" in overrides else []
-    cfg = short_config(tmp_path / "run", warm_cache, "train.steps=1", "kl.estimator=k3", "kl.placement=loss",
-                       *overrides, *extra)
+    cfg = short_config(
+        tmp_path / "run", warm_cache, "train.steps=1", "kl.estimator=k3", "kl.placement=loss", *overrides, *extra
+    )
     out = run_ranks(train_worker, world, cfg, timeout_s=600)
     step0 = next(r for r in out[0]["metrics"] if "loss/total" in r and r["step"] == 0)
     assert 0 <= step0["kl/exact_token"] < KL_BOUND, step0["kl/exact_token"]

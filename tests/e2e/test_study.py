@@ -16,11 +16,26 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _study(tmp_path, warm_cache, configurations, grid=None) -> Path:
-    common = [f"warm_start.cache_dir={warm_cache}", "train.steps=2", "train.prompts_per_step=8", "train.group_size=4",
-              "task.eval_size=8", "eval.k=2", "eval.interval=0", "checkpoint.interval=0", "logging.tensorboard=false",
-              "kl.target=sequence_reverse"]
-    data = {"name": "ci", "base": str(ROOT / "configs" / "cpu" / "default.yaml"), "output_dir": str(tmp_path / "out"),
-            "seeds": [1], "common": common, "configurations": configurations}
+    common = [
+        f"warm_start.cache_dir={warm_cache}",
+        "train.steps=2",
+        "train.prompts_per_step=8",
+        "train.group_size=4",
+        "task.eval_size=8",
+        "eval.k=2",
+        "eval.interval=0",
+        "checkpoint.interval=0",
+        "logging.tensorboard=false",
+        "kl.target=sequence_reverse",
+    ]
+    data = {
+        "name": "ci",
+        "base": str(ROOT / "configs" / "cpu" / "default.yaml"),
+        "output_dir": str(tmp_path / "out"),
+        "seeds": [1],
+        "common": common,
+        "configurations": configurations,
+    }
     if grid:
         data["grid"] = grid
     path = tmp_path / "study.yaml"
@@ -31,14 +46,28 @@ def _study(tmp_path, warm_cache, configurations, grid=None) -> Path:
 def test_study_runs_reports_and_keeps_failures(tmp_path, warm_cache):
     configurations = [
         {"name": "k3-loss", "overrides": ["kl.estimator=k3", "kl.placement=loss"]},
-        {"name": "k1-reward", "overrides": ["kl.estimator=k1", "kl.placement=reward", "kl.aggregation=seq_mean_token_sum"]},
+        {
+            "name": "k1-reward",
+            "overrides": ["kl.estimator=k1", "kl.placement=reward", "kl.aggregation=seq_mean_token_sum"],
+        },
         # valid config, fails at runtime: the math task's data file does not exist
-        {"name": "broken", "overrides": ["task.name=math", "task.math.train_files=[/nonexistent/train.jsonl]",
-                                         "task.math.tokenizer=/nonexistent"]},
+        {
+            "name": "broken",
+            "overrides": [
+                "task.name=math",
+                "task.math.train_files=[/nonexistent/train.jsonl]",
+                "task.math.tokenizer=/nonexistent",
+            ],
+        },
     ]
     path = _study(tmp_path, warm_cache, configurations)
-    done = subprocess.run([sys.executable, "-m", "megatron_kl.cli", "study", "--config", str(path)],
-                          capture_output=True, text=True, timeout=900, cwd=ROOT)
+    done = subprocess.run(
+        [sys.executable, "-m", "megatron_kl.cli", "study", "--config", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=ROOT,
+    )
     assert done.returncode == 1, done.stderr[-3000:]  # one run failed
     out = tmp_path / "out"
     report = (out / "report.md").read_text()
@@ -53,11 +82,14 @@ def test_study_runs_reports_and_keeps_failures(tmp_path, warm_cache):
     assert "BIASED" in results["k3-loss"]["audit"] and results["k3-loss"]["kl_biased"] is True
     assert "unbiased for kl.target=sequence_reverse" in results["k1-reward"]["audit"]
     assert results["k1-reward"]["kl_biased"] is False
-    assert results["k1-reward"]["stability"] == ("stable" if results["k1-reward"]["instability_events"] == 0
-                                                 else f"unstable: {results['k1-reward']['instability_events']} events")
+    assert results["k1-reward"]["stability"] == (
+        "stable"
+        if results["k1-reward"]["instability_events"] == 0
+        else f"unstable: {results['k1-reward']['instability_events']} events"
+    )
     assert results["broken"]["stability"] == "no finished seed"
     assert "| stability | kl/biased | audit |" in report
-    results_section = report[report.index("## Results"):]
+    results_section = report[report.index("## Results") :]
     row = next(line for line in results_section.splitlines() if line.startswith("| broken |"))
     assert "| 0 | 1 |" in row
     status = json.loads((out / "status.json").read_text())
@@ -86,10 +118,25 @@ def test_quick_claims_preset_runs_and_its_claims_agree_with_the_runs(tmp_path, w
     path = tmp_path / "quick.yaml"
     path.write_text(yaml.safe_dump(data))
     # the preset as committed, shortened (fewer steps and problems) to keep the suite's time: the same machinery
-    done = subprocess.run([sys.executable, "-m", "megatron_kl.cli", "study", "--config", str(path),
-                           f"warm_start.cache_dir={warm_cache}", "train.steps=4", "eval.interval=4",
-                           "task.eval_size=24", "train.prompts_per_step=8"],
-                          capture_output=True, text=True, timeout=900, cwd=ROOT)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megatron_kl.cli",
+            "study",
+            "--config",
+            str(path),
+            f"warm_start.cache_dir={warm_cache}",
+            "train.steps=4",
+            "eval.interval=4",
+            "task.eval_size=24",
+            "train.prompts_per_step=8",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=ROOT,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     out = tmp_path / "out"
     report = (out / "report.md").read_text()
@@ -98,8 +145,9 @@ def test_quick_claims_preset_runs_and_its_claims_agree_with_the_runs(tmp_path, w
     assert report.index("> **Caveat:** this preset checks that a study runs end to end") < report.index("## Claims")
     assert "caveat: this preset checks that a study runs end to end" in done.stdout
     verdicts = [line for line in done.stdout.splitlines() if line.startswith("claim ")]
-    assert len(verdicts) == 3 and all(line.rsplit(": ", 1)[1] in ("reproduced", "not reproduced", "inconclusive")
-                                      for line in verdicts), done.stdout
+    assert len(verdicts) == 3 and all(
+        line.rsplit(": ", 1)[1] in ("reproduced", "not reproduced", "inconclusive") for line in verdicts
+    ), done.stdout
     outcomes = [line for line in done.stderr.splitlines() if "megatron_kl.study: [" in line and ": ok in " in line]
     assert len(outcomes) == 8 and all("final reward" in line and "ID pass@1" in line for line in outcomes), outcomes
     claims = json.loads((out / "claims.json").read_text())
@@ -111,8 +159,11 @@ def test_quick_claims_preset_runs_and_its_claims_agree_with_the_runs(tmp_path, w
             assert stat["seeds"] == 2
             assert stat["low"] - 1e-12 <= stat["estimate"] <= stat["high"] + 1e-12
 
-    runs = {(c["name"], seed): read_metrics(out / "runs" / f"{c['name']}-seed{seed}" / "metrics.jsonl")
-            for c in data["configurations"] for seed in data["seeds"]}
+    runs = {
+        (c["name"], seed): read_metrics(out / "runs" / f"{c['name']}-seed{seed}" / "metrics.jsonl")
+        for c in data["configurations"]
+        for seed in data["seeds"]
+    }
     for records in runs.values():
         ood = series(records, "eval/ood/pass@1")
         assert ood[min(ood)] > 0  # the held-out region is scored above 0 by the starting policy

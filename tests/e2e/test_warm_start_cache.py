@@ -3,7 +3,7 @@ the SHA-256 of its bytes, written with it and checked at every load: a damaged o
 recomputed, and the recomputed one equals the original bit for bit (the same recipe on the same machine)."""
 
 from megatron_kl.testing.distributed import run_ranks
-from tests.e2e.test_train import short_config
+from tests.e2e.runs import short_config
 from tests.e2e.workers import train_worker
 
 

@@ -56,20 +56,30 @@ def engine_worker(rank, world, model_dict: dict, tp: int, prompts, sampling_dict
     engine.update_weights(models.policy, version=7)
     sampling = from_dict(SamplingConfig, sampling_dict)
     completions = engine.generate(prompts, sampling, seed=11)
-    tokens, mask, behavior = pack(prompts, [c.response_ids for c in completions], 0,
-                                  per_token=[c.response_logprobs for c in completions])
-    stats = pipeline.compute_token_stats(models.policy, pipeline.SequenceBatch(tokens, mask), 1,
-                                         pipeline.VocabOptions(model.vocab_size, sampling.logprob_temperature))
+    tokens, mask, behavior = pack(
+        prompts, [c.response_ids for c in completions], 0, per_token=[c.response_logprobs for c in completions]
+    )
+    stats = pipeline.compute_token_stats(
+        models.policy,
+        pipeline.SequenceBatch(tokens, mask),
+        1,
+        pipeline.VocabOptions(model.vocab_size, sampling.logprob_temperature),
+    )
     # the same generation with every row prefilled on its own (no shared prefill of repeated prompts)
     engine._prefill = engine._prefill_rows
     every_row = engine.generate(prompts, sampling, seed=11)
     # megatron's own static-batching decode (keys cached before RoPE, all re-rotated every step)
     megatron_decode = LocalEngine(model, layout, flash_decode=False)
     megatron_decode.update_weights(models.policy, version=7)
-    return {"completions": completions, "recomputed": stats.logprobs, "behavior": behavior, "mask": mask,
-            "every_row": every_row, "megatron_decode": megatron_decode.generate(prompts, sampling, seed=11),
-            "cache_dtype": engine.cache_dtype}
-
+    return {
+        "completions": completions,
+        "recomputed": stats.logprobs,
+        "behavior": behavior,
+        "mask": mask,
+        "every_row": every_row,
+        "megatron_decode": megatron_decode.generate(prompts, sampling, seed=11),
+        "cache_dtype": engine.cache_dtype,
+    }
 
 
 def offload_worker(rank, world, model_dict: dict):
@@ -93,8 +103,13 @@ def offload_worker(rank, world, model_dict: dict):
     host_between = offload.on_host
     with offload.resident():
         offloaded = pipeline.compute_token_stats(models.reference, batch, 1, vocab).logprobs
-    return {"resident": resident, "offloaded": offloaded, "host_between": host_between,
-            "host_after": offload.on_host, "enabled": offload.enabled}
+    return {
+        "resident": resident,
+        "offloaded": offloaded,
+        "host_between": host_between,
+        "host_after": offload.on_host,
+        "enabled": offload.enabled,
+    }
 
 
 def shared_engine_worker(rank, world, model_dict: dict, prompts, sampling_dict: dict):
@@ -116,8 +131,10 @@ def shared_engine_worker(rank, world, model_dict: dict, prompts, sampling_dict: 
     for engine in (shared, copied):
         engine.update_weights(policy, version=1)
     params = dict(unwrap(policy[0]).named_parameters())
-    out = {"same_storage": all(p.data_ptr() == params[n].data_ptr() for n, p in shared.model.named_parameters()),
-           "copy_storage": any(p.data_ptr() == params[n].data_ptr() for n, p in copied.model.named_parameters())}
+    out = {
+        "same_storage": all(p.data_ptr() == params[n].data_ptr() for n, p in shared.model.named_parameters()),
+        "copy_storage": any(p.data_ptr() == params[n].data_ptr() for n, p in copied.model.named_parameters()),
+    }
 
     def generate(engine):
         return [c.response_ids for c in engine.generate(prompts, sampling, seed=3)]
@@ -158,8 +175,12 @@ def ragged_engine_worker(rank, world, model_dict: dict, tp: int, prompts, sampli
     alone = [engine.generate([p], sampling, seed=4)[0] for p in prompts]
     forcing = LocalEngine(model, layout, ragged_decoding=False)  # prompt tokens forced, flash kernels
     forcing.update_weights(policy, version=1)
-    return {"together": together, "alone": alone, "forwards": forwards,
-            "forcing": forcing.generate(prompts, sampling, seed=4)}
+    return {
+        "together": together,
+        "alone": alone,
+        "forwards": forwards,
+        "forcing": forcing.generate(prompts, sampling, seed=4),
+    }
 
 
 def failing_train_worker(rank, world, cfg_dict: dict, fail_at: int, kind: str):
@@ -189,8 +210,13 @@ def failing_train_worker(rank, world, cfg_dict: dict, fail_at: int, kind: str):
         loop.train(cfg)
     except TrainingFailed as err:
         checkpoints = sorted(p.name for p in (Path(cfg.train.output_dir) / "checkpoints").glob("step_*"))
-        return {"error": str(err), "cause": type(err.__cause__).__name__, "step": err.step,
-                "checkpoint": str(err.checkpoint) if err.checkpoint else None, "checkpoints": checkpoints}
+        return {
+            "error": str(err),
+            "cause": type(err.__cause__).__name__,
+            "step": err.step,
+            "checkpoint": str(err.checkpoint) if err.checkpoint else None,
+            "checkpoints": checkpoints,
+        }
     return {"error": None}
 
 
@@ -211,8 +237,9 @@ def started_trainer(cfg_dict: dict):
     parallel.initialize(cfg.model, cfg.parallel, seed=cfg.train.seed)
     stop = StopSignals(cfg.train.stop_signals)
     try:
-        with Trainer(cfg, prepared.plan, prepared.task, prepared.hf_source, Topology.from_parallel_state(),
-                     stop) as trainer:
+        with Trainer(
+            cfg, prepared.plan, prepared.task, prepared.hf_source, Topology.from_parallel_state(), stop
+        ) as trainer:
             yield trainer, prepared
     finally:
         stop.close()
@@ -265,8 +292,9 @@ def partial_engine_worker(rank, world, model_dict: dict, tp: int, prompts, sampl
     logprobs = {}
     for version, seed in ((2, 6), (1, 5)):
         load(seed)
-        logprobs[version] = pipeline.compute_token_stats(models.policy, pipeline.SequenceBatch(tokens, mask), 1,
-                                                         vocab).logprobs
+        logprobs[version] = pipeline.compute_token_stats(
+            models.policy, pipeline.SequenceBatch(tokens, mask), 1, vocab
+        ).logprobs
     return {"first": first, "done": done.completions, "mask": mask, "logprobs": logprobs}
 
 
@@ -285,8 +313,9 @@ def fp8_engine_worker(rank, world, model_dict: dict, tp: int, prompts, sampling_
     engine = LocalEngine(model, layout, share_policy_weights=True, quantization="fp8")
     engine.update_weights(models.policy, version=3)
     completions = engine.generate(prompts, sampling, seed=11)
-    tokens, mask, behavior = pack(prompts, [c.response_ids for c in completions], 0,
-                                  per_token=[c.response_logprobs for c in completions])
+    tokens, mask, behavior = pack(
+        prompts, [c.response_ids for c in completions], 0, per_token=[c.response_logprobs for c in completions]
+    )
     vocab = pipeline.VocabOptions(model.vocab_size, sampling.logprob_temperature)
     batch = pipeline.SequenceBatch(tokens, mask)
     own = pipeline.compute_token_stats(models.policy, batch, 1, vocab).logprobs
@@ -294,8 +323,13 @@ def fp8_engine_worker(rank, world, model_dict: dict, tp: int, prompts, sampling_
     engine_ptrs = {p.data_ptr() for p in engine.model.parameters()}
     quantize_model_(models.policy[0])
     quantized = pipeline.compute_token_stats(models.policy, batch, 1, vocab).logprobs
-    return {"behavior": behavior, "mask": mask, "own": own, "quantized": quantized,
-            "shares_memory": any(ptr in engine_ptrs for ptr in shared)}
+    return {
+        "behavior": behavior,
+        "mask": mask,
+        "own": own,
+        "quantized": quantized,
+        "shares_memory": any(ptr in engine_ptrs for ptr in shared),
+    }
 
 
 def delta_engine_worker(rank, world, model_dict: dict, tp: int):

@@ -59,8 +59,14 @@ def _build_counting(ctx):
     return CountingEngine(build_local(ctx))
 
 
-ENGINE = EngineSpec("counting", build=_build_counting, description="the embedded engine, counted",
-                    pipeline_parallel=False, context_parallel=False, options=CountingOptions)
+ENGINE = EngineSpec(
+    "counting",
+    build=_build_counting,
+    description="the embedded engine, counted",
+    pipeline_parallel=False,
+    context_parallel=False,
+    options=CountingOptions,
+)
 
 # -- a KL estimator --------------------------------------------------------------------------------------------------
 ESTIMATOR = EstimatorSpec("d_squared", value=lambda d: d.square(), description="d^2 (twice k2)")
@@ -78,8 +84,12 @@ def _counting_attention(model, spec, dense):
     return spec
 
 
-FAMILY = ModelFamily("toy_llama", {"qkv_bias": False, "qk_layernorm": True, "rope_theta": 10000.0},
-                     layer_spec=_counting_attention, description="Llama with Qwen3's q/k norms")
+FAMILY = ModelFamily(
+    "toy_llama",
+    {"qkv_bias": False, "qk_layernorm": True, "rope_theta": 10000.0},
+    layer_spec=_counting_attention,
+    description="Llama with Qwen3's q/k norms",
+)
 
 
 # -- a task ----------------------------------------------------------------------------------------------------------

@@ -26,10 +26,18 @@ class SlurmCluster:
     directory: Path
     env: dict
 
-    def run(self, *command: str, timeout: float = 60, check: bool = True,
-            env: dict | None = None) -> subprocess.CompletedProcess:
-        return subprocess.run(list(command), env={**self.env, **(env or {})}, capture_output=True, text=True,
-                              timeout=timeout, check=check, cwd=ROOT)
+    def run(
+        self, *command: str, timeout: float = 60, check: bool = True, env: dict | None = None
+    ) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            list(command),
+            env={**self.env, **(env or {})},
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=check,
+            cwd=ROOT,
+        )
 
     def launch(self, *args: str, timeout: float = 600, env: dict | None = None) -> subprocess.CompletedProcess:
         """``megatron-kl launch`` with the CI cluster of launch/clusters.py; a submission gets a rendezvous port of its
@@ -37,13 +45,20 @@ class SlurmCluster:
         submitting environment, which sbatch passes on to the job."""
         if args and args[0] == "slurm":
             args = (*args, f"launch.slurm.rdzv_port={free_port()}")
-        return self.run(sys.executable, "-m", "megatron_kl.cli", "launch", *args, timeout=timeout, check=False,
-                        env=env)
+        return self.run(sys.executable, "-m", "megatron_kl.cli", "launch", *args, timeout=timeout, check=False, env=env)
 
     def sacct(self, job_id: str, duplicates: bool = False) -> list[dict]:
         """sacct's records of a job and its steps; ``duplicates``: every start of a requeued job, oldest first."""
-        out = self.run("sacct", "-n", "-P", *(["-D"] if duplicates else []), "-j", job_id,
-                       "-o", "JobID,State,ExitCode,NodeList,Start").stdout
+        out = self.run(
+            "sacct",
+            "-n",
+            "-P",
+            *(["-D"] if duplicates else []),
+            "-j",
+            job_id,
+            "-o",
+            "JobID,State,ExitCode,NodeList,Start",
+        ).stdout
         keys = ("job", "state", "exit", "nodes", "start")
         return [dict(zip(keys, line.split("|"))) for line in out.splitlines() if line.strip()]
 
@@ -77,8 +92,9 @@ def start(directory: Path, port: int | None = None) -> SlurmCluster:
     env = {**os.environ, "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]}
     if port is not None:
         env["SLURM_CLUSTER_PORT"] = str(port)
-    done = subprocess.run(["bash", str(SCRIPT), "start", str(directory)], env=env, capture_output=True, text=True,
-                          timeout=300)
+    done = subprocess.run(
+        ["bash", str(SCRIPT), "start", str(directory)], env=env, capture_output=True, text=True, timeout=300
+    )
     if done.returncode:
         subprocess.run(["bash", str(SCRIPT), "stop", str(directory)], env=env, capture_output=True, timeout=120)
         pytest.fail(f"the Slurm cluster did not start:\n{done.stderr[-3000:]}")
@@ -87,8 +103,9 @@ def start(directory: Path, port: int | None = None) -> SlurmCluster:
 
 
 def stop(cluster: SlurmCluster) -> None:
-    subprocess.run(["bash", str(SCRIPT), "stop", str(cluster.directory)], env=cluster.env, capture_output=True,
-                   timeout=120)
+    subprocess.run(
+        ["bash", str(SCRIPT), "stop", str(cluster.directory)], env=cluster.env, capture_output=True, timeout=120
+    )
 
 
 @pytest.fixture(scope="session")
@@ -107,9 +124,25 @@ def uninterrupted(warm_cache, tmp_path_factory):
     """PREEMPTED run once without interruption under torchrun (two ranks): what every Slurm run of it must equal."""
     out = tmp_path_factory.mktemp("uninterrupted") / "run"
     torchrun = Path(sys.executable).with_name("torchrun")
-    done = subprocess.run([str(torchrun), "--nproc-per-node", "2", "-m", "megatron_kl.cli", "train", "--config", CONFIG,
-                           f"train.output_dir={out}", f"warm_start.cache_dir={warm_cache}", *PREEMPTED], cwd=ROOT,
-                          capture_output=True, text=True, timeout=900)
+    done = subprocess.run(
+        [
+            str(torchrun),
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "megatron_kl.cli",
+            "train",
+            "--config",
+            CONFIG,
+            f"train.output_dir={out}",
+            f"warm_start.cache_dir={warm_cache}",
+            *PREEMPTED,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return out
 

@@ -28,14 +28,25 @@ DAEMONS = ("slurmctld", "slurmd", "slurmstepd", "munged", "mariadbd")
 
 def test_a_job_failing_on_every_start_exhausts_its_retries_and_reports_why(slurm_cluster, warm_cache, tmp_path):
     missing = tmp_path / "no-such-warm-start.pt"  # checked where the job starts (a cluster's paths), not at submit
-    launched = slurm_cluster.launch("slurm", "--cluster", "ci", "--config", CONFIG, "--detach",
-                                    f"train.output_dir={tmp_path / 'run'}", f"warm_start.checkpoint={missing}",
-                                    "train.steps=2")
+    launched = slurm_cluster.launch(
+        "slurm",
+        "--cluster",
+        "ci",
+        "--config",
+        CONFIG,
+        "--detach",
+        f"train.output_dir={tmp_path / 'run'}",
+        f"warm_start.checkpoint={missing}",
+        "train.steps=2",
+    )
     assert launched.returncode == 0, launched.stdout[-3000:] + launched.stderr[-3000:]
     exp = experiment_id(launched.stdout)
     job = job_id(slurm_cluster, exp)
-    wait_until(lambda: job_state(slurm_cluster, job) == "PENDING" and slurm_cluster.sacct(job, duplicates=True),
-               180, "the first failure's requeue")
+    wait_until(
+        lambda: job_state(slurm_cluster, job) == "PENDING" and slurm_cluster.sacct(job, duplicates=True),
+        180,
+        "the first failure's requeue",
+    )
     slurm_cluster.run("scontrol", "update", f"JobId={job}", "StartTime=now")  # Slurm holds a requeue ~2 minutes
     wait_until(lambda: job_state(slurm_cluster, job) == "GONE", 300, "the retry to end")
     starts = settled_starts(slurm_cluster, job)
@@ -46,18 +57,33 @@ def test_a_job_failing_on_every_start_exhausts_its_retries_and_reports_why(slurm
     assert "warm_start.checkpoint" in logs.stdout and str(missing) in logs.stdout, logs.stdout[-3000:]
 
 
-def test_a_node_lost_mid_run_leaves_whole_checkpoints_and_the_requeued_job_resumes(slurm_cluster, warm_cache,
-                                                                                    tmp_path, uninterrupted):
+def test_a_node_lost_mid_run_leaves_whole_checkpoints_and_the_requeued_job_resumes(
+    slurm_cluster, warm_cache, tmp_path, uninterrupted
+):
     from megatron_kl.run import checkpoint, manifest
 
     run = tmp_path / "run"
-    launched = slurm_cluster.launch("slurm", "--cluster", "ci", "--config", CONFIG, "--detach",
-                                    f"train.output_dir={run}", f"warm_start.cache_dir={warm_cache}", *PREEMPTED)
+    launched = slurm_cluster.launch(
+        "slurm",
+        "--cluster",
+        "ci",
+        "--config",
+        CONFIG,
+        "--detach",
+        f"train.output_dir={run}",
+        f"warm_start.cache_dir={warm_cache}",
+        *PREEMPTED,
+    )
     assert launched.returncode == 0, launched.stdout[-3000:] + launched.stderr[-3000:]
     exp = experiment_id(launched.stdout)
     job = job_id(slurm_cluster, exp)
-    wait_until(lambda: steps_done(run) >= 7, 300, "a checkpoint (step 5) and two more steps", interval=0.2,
-               explain=lambda: diagnosis(slurm_cluster, exp, job))
+    wait_until(
+        lambda: steps_done(run) >= 7,
+        300,
+        "a checkpoint (step 5) and two more steps",
+        interval=0.2,
+        explain=lambda: diagnosis(slurm_cluster, exp, job),
+    )
     import psutil
 
     def on_node_2(process) -> bool:
@@ -104,11 +130,14 @@ def test_stop_ends_every_daemon_and_job_the_cluster_started(tmp_path):
         pytest.skip("Slurm tests run with MEGATRON_KL_SLURM=1")
     cluster = start(tmp_path / "cluster", port=17817)  # beside the session's cluster, on its own ports
     try:
-        job = cluster.run("sbatch", "--parsable", "-N2", "-o", str(cluster.directory / "job-%j.out"), "--wrap",
-                          "srun sleep 300").stdout.strip()
+        job = cluster.run(
+            "sbatch", "--parsable", "-N2", "-o", str(cluster.directory / "job-%j.out"), "--wrap", "srun sleep 300"
+        ).stdout.strip()
         wait_until(lambda: job_state(cluster, job) == "RUNNING", 60, "the job to run")
-        pids = {name: int((cluster.directory / "run" / f"{name}.pid").read_text())
-                for name in ("slurmctld", "slurmdbd", "munged", "mariadbd", "slurmd-mkl-n1", "slurmd-mkl-n2")}
+        pids = {
+            name: int((cluster.directory / "run" / f"{name}.pid").read_text())
+            for name in ("slurmctld", "slurmdbd", "munged", "mariadbd", "slurmd-mkl-n1", "slurmd-mkl-n2")
+        }
     finally:
         stop(cluster)
     for name, pid in pids.items():

@@ -44,8 +44,16 @@ def job_id(cluster, exp: str) -> str:
 def test_a_training_job_runs_on_two_nodes_and_equals_torchrun(slurm_cluster, warm_cache, tmp_path, uninterrupted):
     """The run the preemption tests interrupt, launched whole: the same metrics as under torchrun."""
     run = tmp_path / "slurm"
-    launched = slurm_cluster.launch("slurm", "--cluster", "ci", "--config", CONFIG, f"train.output_dir={run}",
-                                    f"warm_start.cache_dir={warm_cache}", *PREEMPTED)
+    launched = slurm_cluster.launch(
+        "slurm",
+        "--cluster",
+        "ci",
+        "--config",
+        CONFIG,
+        f"train.output_dir={run}",
+        f"warm_start.cache_dir={warm_cache}",
+        *PREEMPTED,
+    )
     assert launched.returncode == 0, launched.stdout[-3000:] + launched.stderr[-3000:]
     assert "train: SUCCEEDED" in launched.stdout
     exp = experiment_id(launched.stdout)
@@ -82,8 +90,10 @@ def wait_until(predicate, timeout: float, what: str, interval: float = 1.0, expl
 def diagnosis(cluster, exp: str, job: str | None, tail: int = 2500) -> str:
     """What a timed-out wait shows: the queue, the nodes, the job's accounting and the tail of every log of the
     experiment (a CI failure is read from its output alone)."""
-    parts = [cluster.run("squeue", "-a", "-o", "%i %T %R %N", check=False).stdout,
-             cluster.run("sinfo", "-N", "-o", "%N %T %E", check=False).stdout]
+    parts = [
+        cluster.run("squeue", "-a", "-o", "%i %T %R %N", check=False).stdout,
+        cluster.run("sinfo", "-N", "-o", "%N %T %E", check=False).stdout,
+    ]
     if job:
         parts.append(json.dumps(cluster.sacct(job, duplicates=True)))
         parts.append(cluster.run("scontrol", "show", "job", job, check=False).stdout)
@@ -108,8 +118,12 @@ def settled_starts(cluster, job: str, name: str | None = None) -> list[str]:
         found = [r["state"] for r in cluster.sacct(job, duplicates=True) if r["job"] == name]
         return found if found and found[-1] not in ACTIVE else None
 
-    return wait_until(states, 90, f"the accounting of {name}'s last start",
-                      explain=lambda: json.dumps(cluster.sacct(job, duplicates=True)))
+    return wait_until(
+        states,
+        90,
+        f"the accounting of {name}'s last start",
+        explain=lambda: json.dumps(cluster.sacct(job, duplicates=True)),
+    )
 
 
 def by_step(run: Path) -> dict:
@@ -142,8 +156,9 @@ def start_requeued_now(cluster, job: str, *updates: str, components: int = 1) ->
 
     def old_batch_running() -> bool:
         titles = (f"[{job}.batch]", f"[{job}+0.batch]")
-        return any(any(t in " ".join(p.info["cmdline"] or []) for t in titles)
-                   for p in psutil.process_iter(["cmdline"]))
+        return any(
+            any(t in " ".join(p.info["cmdline"] or []) for t in titles) for p in psutil.process_iter(["cmdline"])
+        )
 
     wait_until(lambda: not old_batch_running(), 120, "the previous run's batch step to end")
     time.sleep(5)
@@ -168,27 +183,42 @@ def _requeued_and_resumed(cluster, exp: str, job: str, run: Path) -> None:
 
 
 @pytest.mark.parametrize("how", ["scancel_signal", "time_limit"])
-def test_a_preempted_job_checkpoints_requeues_and_resumes_to_the_same_metrics(slurm_cluster, warm_cache, tmp_path,
-                                                                              uninterrupted, how):
+def test_a_preempted_job_checkpoints_requeues_and_resumes_to_the_same_metrics(
+    slurm_cluster, warm_cache, tmp_path, uninterrupted, how
+):
     run = tmp_path / "run"
     # Slurm's time-limit signal comes at its periodic check, up to ~60 s after it is due here: this variant trains
     # long enough (250 steps, ~2 minutes) to be still training then
     time_limit = ["launch.slurm.signal_lead_s=150", f"train.steps={LONG}"] if how == "time_limit" else []
-    launched = slurm_cluster.launch("slurm", "--cluster", "ci", "--config", CONFIG, "--detach",
-                                    f"train.output_dir={run}", f"warm_start.cache_dir={warm_cache}", *PREEMPTED,
-                                    *time_limit)
+    launched = slurm_cluster.launch(
+        "slurm",
+        "--cluster",
+        "ci",
+        "--config",
+        CONFIG,
+        "--detach",
+        f"train.output_dir={run}",
+        f"warm_start.cache_dir={warm_cache}",
+        *PREEMPTED,
+        *time_limit,
+    )
     assert launched.returncode == 0, launched.stdout[-3000:] + launched.stderr[-3000:]
     exp = experiment_id(launched.stdout)
     job = job_id(slurm_cluster, exp)
-    wait_until(lambda: steps_done(run) >= 2, 300, "two training steps", interval=0.2,
-               explain=lambda: diagnosis(slurm_cluster, exp, job))
+    wait_until(
+        lambda: steps_done(run) >= 2,
+        300,
+        "two training steps",
+        interval=0.2,
+        explain=lambda: diagnosis(slurm_cluster, exp, job),
+    )
     if how == "scancel_signal":
         slurm_cluster.run("scancel", "--signal=USR1", job)
     else:  # the time limit moved to 90-150 s from now, inside the 150 s lead: Slurm sends USR1 at its next periodic
         # check (~30 s). Set at submission instead, the signal can come up to a minute early - before the trainer
         # has started (it then stops with nothing to save, correctly, and the test would not see a checkpoint)
         used = slurm_cluster.run("squeue", "-h", "-j", job, "-o", "%M").stdout.strip()  # [H:]M:SS
-        seconds = sum(int(part) * 60 ** i for i, part in enumerate(reversed(used.split(":"))))
+        seconds = sum(int(part) * 60**i for i, part in enumerate(reversed(used.split(":"))))
         slurm_cluster.run("scontrol", "update", f"JobId={job}", f"TimeLimit={-(-(seconds + 90) // 60)}")
     _requeued_and_resumed(slurm_cluster, exp, job, run)
     if how == "scancel_signal":

@@ -28,13 +28,31 @@ TOKEN = f"verifier-{uuid.uuid4().hex}"
 def test_the_trainer_scores_through_a_verifier_running_as_a_group_of_its_job(slurm_cluster, warm_cache, tmp_path):
     run, port = tmp_path / "run", free_port()
     launched = slurm_cluster.launch(
-        "slurm", "--cluster", "ci", "--config", CONFIG, "--detach", f"train.output_dir={run}",
-        f"warm_start.cache_dir={warm_cache}", f"train.steps={STEPS}", "train.prompts_per_step=4", "train.group_size=4",
-        "eval.interval=0", "task.eval_size=4", "eval.k=1", "checkpoint.interval=0", "logging.tensorboard=false",
-        "launch.slurm.nodes=1", "reward.functions=[{name: service}]", "reward.service.token_env=LAB_VERIFIER_TOKEN",
-        "launch.reward_service.mode=heterogeneous", f"launch.reward_service.port={port}",
+        "slurm",
+        "--cluster",
+        "ci",
+        "--config",
+        CONFIG,
+        "--detach",
+        f"train.output_dir={run}",
+        f"warm_start.cache_dir={warm_cache}",
+        f"train.steps={STEPS}",
+        "train.prompts_per_step=4",
+        "train.group_size=4",
+        "eval.interval=0",
+        "task.eval_size=4",
+        "eval.k=1",
+        "checkpoint.interval=0",
+        "logging.tensorboard=false",
+        "launch.slurm.nodes=1",
+        "reward.functions=[{name: service}]",
+        "reward.service.token_env=LAB_VERIFIER_TOKEN",
+        "launch.reward_service.mode=heterogeneous",
+        f"launch.reward_service.port={port}",
         "launch.reward_service.command=[python, -m, megatron_kl.testing.reward_server, --host, 0.0.0.0, --port, "
-        "'{port}', --token-env, LAB_VERIFIER_TOKEN]", env={"LAB_VERIFIER_TOKEN": TOKEN})
+        "'{port}', --token-env, LAB_VERIFIER_TOKEN]",
+        env={"LAB_VERIFIER_TOKEN": TOKEN},
+    )
     assert launched.returncode == 0, launched.stdout[-3000:] + launched.stderr[-3000:]
     exp = experiment_id(launched.stdout)
     job = job_id(slurm_cluster, exp)

@@ -36,9 +36,19 @@ from hf_workers import make_hf_model  # noqa: E402
 
 TEST_SERVER = "megatron_kl.testing.sglang_server"
 # the model of the HF checkpoint the server starts from and the trainer initialises from (tests/e2e/test_train.py)
-MODEL = ["model.architecture=qwen3", "model.num_layers=4", "model.hidden_size=64", "model.ffn_hidden_size=96",
-         "model.num_attention_heads=4", "model.num_query_groups=2", "model.kv_channels=24", "model.vocab_size=61",
-         "model.tie_word_embeddings=true", "model.rope_theta=1000000.0", "model.norm_epsilon=1e-6"]
+MODEL = [
+    "model.architecture=qwen3",
+    "model.num_layers=4",
+    "model.hidden_size=64",
+    "model.ffn_hidden_size=96",
+    "model.num_attention_heads=4",
+    "model.num_query_groups=2",
+    "model.kv_channels=24",
+    "model.vocab_size=61",
+    "model.tie_word_embeddings=true",
+    "model.rope_theta=1000000.0",
+    "model.norm_epsilon=1e-6",
+]
 STEPS = 6
 
 
@@ -64,14 +74,36 @@ def test_the_trainer_and_the_sglang_server_run_as_a_heterogeneous_job(slurm_clus
     run, port = tmp_path / "run", free_port()
     proxy = SiteProxy(free_port())  # a site's proxy in the job's environment, nothing in no_proxy
     launched = slurm_cluster.launch(
-        "slurm", "--cluster", "ci", "--config", CONFIG, "--detach", f"train.output_dir={run}",
-        f"warm_start.cache_dir={warm_cache}", f"train.steps={STEPS}", "train.prompts_per_step=4", "train.group_size=4",
-        "eval.interval=0", "task.eval_size=4", "eval.k=1", "checkpoint.interval=0", "logging.tensorboard=false",
-        "launch.slurm.nodes=1", "launch.rollout_servers.mode=disaggregated",
-        f"launch.rollout_servers.port={port}", "rollout.engine=sglang", f"rollout.sglang.server_module={TEST_SERVER}",
-        "rollout.sglang.colocated=false", "rollout.sglang.enable_memory_saver=false",
-        "rollout.sglang.weight_sync=from_disk", "rollout.sglang.max_retries=1", "rollout.sglang.backoff_s=0.05",
-        f"init.hf_checkpoint={source}", *MODEL, env=proxy.environment())
+        "slurm",
+        "--cluster",
+        "ci",
+        "--config",
+        CONFIG,
+        "--detach",
+        f"train.output_dir={run}",
+        f"warm_start.cache_dir={warm_cache}",
+        f"train.steps={STEPS}",
+        "train.prompts_per_step=4",
+        "train.group_size=4",
+        "eval.interval=0",
+        "task.eval_size=4",
+        "eval.k=1",
+        "checkpoint.interval=0",
+        "logging.tensorboard=false",
+        "launch.slurm.nodes=1",
+        "launch.rollout_servers.mode=disaggregated",
+        f"launch.rollout_servers.port={port}",
+        "rollout.engine=sglang",
+        f"rollout.sglang.server_module={TEST_SERVER}",
+        "rollout.sglang.colocated=false",
+        "rollout.sglang.enable_memory_saver=false",
+        "rollout.sglang.weight_sync=from_disk",
+        "rollout.sglang.max_retries=1",
+        "rollout.sglang.backoff_s=0.05",
+        f"init.hf_checkpoint={source}",
+        *MODEL,
+        env=proxy.environment(),
+    )
     assert launched.returncode == 0, launched.stdout[-3000:] + launched.stderr[-3000:]
     exp = experiment_id(launched.stdout)
     job = job_id(slurm_cluster, exp)
@@ -85,8 +117,9 @@ def test_the_trainer_and_the_sglang_server_run_as_a_heterogeneous_job(slurm_clus
     servers = wait_until(lambda: _server_processes(port), 30, "the server's process", explain=explain)
     for process in servers:  # the server's component dies (its process; srun then ends the component's step)
         process.send_signal(signal.SIGKILL)
-    wait_until(lambda: f"exit code {REQUEUE_EXIT_CODE}" in _logs(exp, job, 1, 0), 120, "the trainer to stop",
-               explain=explain)
+    wait_until(
+        lambda: f"exit code {REQUEUE_EXIT_CODE}" in _logs(exp, job, 1, 0), 120, "the trainer to stop", explain=explain
+    )
     trainer = _logs(exp, job, 1, 0)
     assert "rollout engine lost" in trainer, trainer[-3000:]
     stopped_at = len(by_step(run))  # steps 0 .. stopped_at - 1 logged, and checkpointed
@@ -97,13 +130,15 @@ def test_the_trainer_and_the_sglang_server_run_as_a_heterogeneous_job(slurm_clus
     def pending() -> bool:  # squeue lists a het job once per component
         return set(job_state(slurm_cluster, job).split()) == {"PENDING"}
 
-    wait_until(lambda: pending() or job_state(slurm_cluster, job) == "GONE", 120, "the job to requeue itself",
-               explain=explain)
+    wait_until(
+        lambda: pending() or job_state(slurm_cluster, job) == "GONE", 120, "the job to requeue itself", explain=explain
+    )
     start_requeued_now(slurm_cluster, job, components=2)
     wait_until(lambda: job_state(slurm_cluster, job) == "GONE", 400, "the requeued job to finish", explain=explain)
     # sacct names a het job's starts by its first component
-    assert settled_starts(slurm_cluster, job, f"{job}+0") == ["REQUEUED", "COMPLETED"], \
-        slurm_cluster.sacct(job, duplicates=True)
+    assert settled_starts(slurm_cluster, job, f"{job}+0") == ["REQUEUED", "COMPLETED"], slurm_cluster.sacct(
+        job, duplicates=True
+    )
     assert sorted(by_step(run))[:STEPS] == list(range(STEPS))
     assert json.loads((run / "summary.json").read_text())["steps"] == STEPS
     lines = (run / "starts.jsonl").read_text().splitlines()

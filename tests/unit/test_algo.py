@@ -20,12 +20,17 @@ def test_advantages_match_float64_formulas():
     mean, std = groups.mean(1, keepdim=True), groups.std(1, unbiased=False, keepdim=True)
     torch.testing.assert_close(sequence_advantages(r, 4, "grpo"), ((groups - mean) / (std + 1e-6)).flatten())
     torch.testing.assert_close(sequence_advantages(r, 4, "grpo", std_normalize=False), (groups - mean).flatten())
-    loo = torch.stack([torch.stack([groups[i, j] - (groups[i].sum() - groups[i, j]) / 3 for j in range(4)])
-                       for i in range(3)]).flatten()
+    loo = torch.stack(
+        [torch.stack([groups[i, j] - (groups[i].sum() - groups[i, j]) / 3 for j in range(4)]) for i in range(3)]
+    ).flatten()
     torch.testing.assert_close(sequence_advantages(r, 4, "rloo"), loo)
-    torch.testing.assert_close(sequence_advantages(r, 4, "reinforce_pp"), (r - r.mean()) / (r.std(unbiased=False) + 1e-6))
+    torch.testing.assert_close(
+        sequence_advantages(r, 4, "reinforce_pp"), (r - r.mean()) / (r.std(unbiased=False) + 1e-6)
+    )
     c = (groups - mean).flatten()
-    torch.testing.assert_close(sequence_advantages(r, 4, "reinforce_pp_baseline"), (c - c.mean()) / (c.std(unbiased=False) + 1e-6))
+    torch.testing.assert_close(
+        sequence_advantages(r, 4, "reinforce_pp_baseline"), (c - c.mean()) / (c.std(unbiased=False) + 1e-6)
+    )
     with pytest.raises(ConfigError, match="algo.advantage"):
         sequence_advantages(r, 4, "gae")
 
@@ -45,9 +50,14 @@ def test_ppo_clip_and_dual_clip_gradients():
 
 
 @pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_sum", "seq_mean_token_mean"])
-@pytest.mark.parametrize("kl", [KLConfig(estimator="k3", placement="loss", coef=0.1, aggregation="token_mean"),
-                                KLConfig(estimator="k1", placement="reward", coef=0.1),
-                                KLConfig(estimator="full", placement="loss", level="sequence", coef=0.1)])
+@pytest.mark.parametrize(
+    "kl",
+    [
+        KLConfig(estimator="k3", placement="loss", coef=0.1, aggregation="token_mean"),
+        KLConfig(estimator="k1", placement="reward", coef=0.1),
+        KLConfig(estimator="full", placement="loss", level="sequence", coef=0.1),
+    ],
+)
 def test_microbatch_shares_add_up_to_the_minibatch_loss_and_gradient(aggregation, kl):
     from megatron_kl.models.batch import SequenceBatch
 
@@ -57,10 +67,15 @@ def test_microbatch_shares_add_up_to_the_minibatch_loss_and_gradient(aggregation
     mask[:, 0] = 1
     logprobs = (-torch.rand(b, t, generator=g, dtype=torch.float64)).requires_grad_()
     full_kl = torch.rand(b, t, generator=g, dtype=torch.float64).requires_grad_()
-    batch = SequenceBatch(torch.zeros(b, t + 1, dtype=torch.long), mask, old_logprobs=logprobs.detach() - 0.05,
-                          behavior_logprobs=logprobs.detach() - 0.1, reference_logprobs=logprobs.detach() + 0.2,
-                          advantages=torch.randn(b, 1, generator=g, dtype=torch.float64) * mask,
-                          kl_returns=-0.1 * torch.rand(b, t, generator=g, dtype=torch.float64) * mask)
+    batch = SequenceBatch(
+        torch.zeros(b, t + 1, dtype=torch.long),
+        mask,
+        old_logprobs=logprobs.detach() - 0.05,
+        behavior_logprobs=logprobs.detach() - 0.1,
+        reference_logprobs=logprobs.detach() + 0.2,
+        advantages=torch.randn(b, 1, generator=g, dtype=torch.float64) * mask,
+        kl_returns=-0.1 * torch.rand(b, t, generator=g, dtype=torch.float64) * mask,
+    )
     algo = AlgoConfig(aggregation=aggregation, entropy_coef=0.01)
     entropy = torch.rand(b, t, generator=g, dtype=torch.float64)
 
@@ -84,9 +99,13 @@ def test_microbatch_shares_add_up_to_the_minibatch_loss_and_gradient(aggregation
 
 
 def test_algo_config_errors():
-    for kwargs, field in (({"advantage": "gae"}, "algo.advantage"), ({"loss": "dpo"}, "algo.loss"),
-                          ({"dual_clip": 0.5}, "algo.dual_clip"), ({"ppo_epochs": 0}, "ppo_epochs"),
-                          ({"behavior_correction": "vtrace"}, "behavior_correction")):
+    for kwargs, field in (
+        ({"advantage": "gae"}, "algo.advantage"),
+        ({"loss": "dpo"}, "algo.loss"),
+        ({"dual_clip": 0.5}, "algo.dual_clip"),
+        ({"ppo_epochs": 0}, "ppo_epochs"),
+        ({"behavior_correction": "vtrace"}, "behavior_correction"),
+    ):
         with pytest.raises(ConfigError, match=field):
             AlgoConfig(**kwargs)
 
@@ -102,8 +121,11 @@ def test_sampler_draws_the_tempered_filtered_distribution_over_a_large_vocabular
     logits[support] = torch.linspace(0.0, 3.0, len(support))
     sampling = SamplingConfig(temperature=0.7, top_k=top_k)
     probs = torch.softmax(filter_logits(logits[None] / 0.7, sampling.top_k, 1.0), -1)[0].double()
-    tokens, logprobs = sample_tokens(logits.repeat(rows, 1), sampling,
-                                     torch.rand(rows, dtype=torch.float64, generator=torch.Generator().manual_seed(3)))
+    tokens, logprobs = sample_tokens(
+        logits.repeat(rows, 1),
+        sampling,
+        torch.rand(rows, dtype=torch.float64, generator=torch.Generator().manual_seed(3)),
+    )
     counts = torch.bincount(tokens, minlength=vocab).double()
     kept = probs > 1e-9  # the support (the rest has probability < 1e-20 and is never drawn)
     assert counts[~kept].sum() == 0  # the two top-k casualties (with top-k) and every improbable token
@@ -131,8 +153,11 @@ def test_top_k_top_p_filters_match_a_direct_computation():
 def test_sampling_frequencies_and_behaviour_logprobs():
     probs = torch.tensor([0.6, 0.3, 0.1])
     logits = torch.log(probs).repeat(20000, 1)
-    tokens, logprobs = sample_tokens(logits, SamplingConfig(temperature=1.0),
-                                     torch.rand(len(logits), dtype=torch.float64, generator=torch.Generator().manual_seed(0)))
+    tokens, logprobs = sample_tokens(
+        logits,
+        SamplingConfig(temperature=1.0),
+        torch.rand(len(logits), dtype=torch.float64, generator=torch.Generator().manual_seed(0)),
+    )
     freq = torch.bincount(tokens, minlength=3).float() / len(tokens)
     assert torch.allclose(freq, probs, atol=0.015)
     torch.testing.assert_close(logprobs, torch.log(probs)[tokens])
@@ -156,7 +181,9 @@ def test_old_logprobs_from_update_needs_one_epoch_of_one_minibatch():
 
     assert AlgoConfig(old_logprobs="from_update", minibatches=1).old_logprobs == "from_update"
     for kwargs in ({"minibatches": 2}, {"minibatches": 1, "ppo_epochs": 2}):
-        with pytest.raises(ConfigError, match="algo.old_logprobs=from_update .*algo.ppo_epochs=1 and algo.minibatches=1"):
+        with pytest.raises(
+            ConfigError, match="algo.old_logprobs=from_update .*algo.ppo_epochs=1 and algo.minibatches=1"
+        ):
             AlgoConfig(old_logprobs="from_update", **kwargs)
     with pytest.raises(ConfigError, match=r"algo.old_logprobs='again' must be one of \['recompute', 'from_update'\]"):
         AlgoConfig(old_logprobs="again")
@@ -206,8 +233,9 @@ def test_token_budget_split_covers_every_row_once_within_the_budget():
             torch.testing.assert_close(mb.reference_hidden, hidden[mb.rows, :cut])
             assert mb.old_logprobs is None  # not carried by the batch: not invented
             assert mb.loss_mask.sum() == mask[mb.rows].sum()  # nothing of a response was cut
-        assembled = scatter_rows([mb.advantages * mb.loss_mask for mb in plan], [mb.rows for mb in plan],
-                                 tuple(mask.shape))
+        assembled = scatter_rows(
+            [mb.advantages * mb.loss_mask for mb in plan], [mb.rows for mb in plan], tuple(mask.shape)
+        )
         torch.testing.assert_close(assembled, per_position * mask)
     equal = batch.split(1)[0]  # without a budget: the rows whole, every tensor a view of the batch's
     assert equal.tokens.data_ptr() == tokens.data_ptr() and torch.equal(equal.reference_hidden, hidden)
@@ -257,8 +285,13 @@ def test_loss_inputs_travel_by_name_and_a_missing_one_is_named():
     from megatron_kl.models.batch import SequenceBatch
 
     mask = torch.ones(2, 3)
-    inputs = LossInputs(loss_mask=mask, behavior_logprobs=torch.randn(2, 3), reference_logprobs=torch.randn(2, 3),
-                        advantages=torch.randn(2, 3), old_logprobs=torch.randn(2, 3))
+    inputs = LossInputs(
+        loss_mask=mask,
+        behavior_logprobs=torch.randn(2, 3),
+        reference_logprobs=torch.randn(2, 3),
+        advantages=torch.randn(2, 3),
+        old_logprobs=torch.randn(2, 3),
+    )
     batch = inputs.into(SequenceBatch(torch.zeros(2, 4, dtype=torch.long), mask))
     assert set(batch.row_tensors()) == {"behavior_logprobs", "reference_logprobs", "advantages", "old_logprobs"}
     (mb,) = batch.split(1)
@@ -283,16 +316,31 @@ def test_the_distillation_term_adds_its_own_loss_and_files_its_own_clamps():
     logprobs = (-torch.rand(b, t, generator=g, dtype=torch.float64)).requires_grad_()
     teacher = logprobs.detach() - 30.0  # |d| = 30 > the clamp at 20
     zeros = torch.zeros(b, t, dtype=torch.float64)
-    batch = SequenceBatch(torch.zeros(b, t + 1, dtype=torch.long), mask, old_logprobs=logprobs.detach(),
-                          behavior_logprobs=logprobs.detach(), reference_logprobs=logprobs.detach() + 0.1,
-                          advantages=zeros, kl_returns=zeros, teacher_logprobs=teacher, distill_returns=zeros)
+    batch = SequenceBatch(
+        torch.zeros(b, t + 1, dtype=torch.long),
+        mask,
+        old_logprobs=logprobs.detach(),
+        behavior_logprobs=logprobs.detach(),
+        reference_logprobs=logprobs.detach() + 0.1,
+        advantages=zeros,
+        kl_returns=zeros,
+        teacher_logprobs=teacher,
+        distill_returns=zeros,
+    )
     reference_term = KLConfig(estimator="k3", placement="loss", coef=0.1, aggregation="token_mean")
     distill = KLConfig(estimator="k3", placement="loss", coef=0.5, aggregation="token_mean")
     stats = VocabParallelStats(logprobs=logprobs, entropy=zeros, kl=None)
     (mb,) = batch.split(1)
     counter = ClampCounter()
-    total, metrics = microbatch_loss(stats, mb, AlgoConfig(aggregation="token_mean"), reference_term,
-                                     Shares(b, float(mask.sum())), counter, distill=distill)
+    total, metrics = microbatch_loss(
+        stats,
+        mb,
+        AlgoConfig(aggregation="token_mean"),
+        reference_term,
+        Shares(b, float(mask.sum())),
+        counter,
+        distill=distill,
+    )
     expected = kl_loss(distill, logprobs, teacher, mask)
     torch.testing.assert_close(metrics["loss/distill_term"], expected.detach(), rtol=1e-12, atol=1e-12)
     reference = kl_loss(reference_term, logprobs, logprobs.detach() + 0.1, mask)

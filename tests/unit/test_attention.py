@@ -27,9 +27,17 @@ SINGLE_RANK = types.SimpleNamespace(tp=types.SimpleNamespace(size=lambda: 1, ran
 
 
 def _build(cls, mask_type=AttnMaskType.causal, dtype=torch.float32):
-    config = TransformerConfig(num_layers=1, hidden_size=HEADS * DIM, num_attention_heads=HEADS,
-                               num_query_groups=GROUPS, kv_channels=DIM, params_dtype=dtype,
-                               bf16=dtype == torch.bfloat16, attention_dropout=0.0, masked_softmax_fusion=False)
+    config = TransformerConfig(
+        num_layers=1,
+        hidden_size=HEADS * DIM,
+        num_attention_heads=HEADS,
+        num_query_groups=GROUPS,
+        kv_channels=DIM,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        attention_dropout=0.0,
+        masked_softmax_fusion=False,
+    )
     if cls is DotProductAttention and parallel_state._GLOBAL_MEMORY_BUFFER is None:
         parallel_state._set_global_memory_buffer()  # its score buffer (model-parallel init makes it)
     tracker = tensor_parallel.get_cuda_rng_tracker()  # its dropout region forks this RNG (the CPU tracker here)
@@ -64,10 +72,12 @@ def _relative(actual, expected):
 
 @pytest.mark.parametrize(
     "sq,sk,mask_type,scale",
-    [(7, 7, AttnMaskType.causal, 1.0),  # prefill / training: causal, queries and keys the same positions
-     (1, 9, AttnMaskType.causal, 1.0),  # KV-cache decode step: one query attends to every cached key
-     (5, 5, AttnMaskType.no_mask, 1.0),
-     (6, 6, AttnMaskType.causal, 30.0)],  # scores ~1e3 (q.k ~ 900 * 8 / sqrt(8))
+    [
+        (7, 7, AttnMaskType.causal, 1.0),  # prefill / training: causal, queries and keys the same positions
+        (1, 9, AttnMaskType.causal, 1.0),  # KV-cache decode step: one query attends to every cached key
+        (5, 5, AttnMaskType.no_mask, 1.0),
+        (6, 6, AttnMaskType.causal, 30.0),
+    ],  # scores ~1e3 (q.k ~ 900 * 8 / sqrt(8))
     ids=["causal", "decode", "no-mask", "large-scores"],
 )
 def test_matches_float64_reference_forward_and_backward(sq, sk, mask_type, scale):

@@ -21,8 +21,10 @@ def test_too_little_space_for_the_next_checkpoint_is_refused_naming_path_and_siz
 def test_a_full_disk_during_the_write_is_named_as_such(tmp_path, monkeypatch):
     monkeypatch.setattr(shutil, "disk_usage", lambda path: Usage(100 << 20, 100 << 20, 0))
     tmp = tmp_path / "step_000003.tmp"
-    for err in (OSError(errno.ENOSPC, "No space left on device"),
-                RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0")):
+    for err in (
+        OSError(errno.ENOSPC, "No space left on device"),
+        RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0"),
+    ):
         message = checkpoint._write_error(err, tmp, 3 << 20, 3)
         assert message.startswith("no space left on device writing the checkpoint of step 3") and str(tmp) in message
         assert "3.0 MiB" in message and "0.0 MiB free" in message

@@ -23,9 +23,14 @@ def test_every_command_has_its_own_help(command, capsys):
 
 
 @pytest.mark.fast
-@pytest.mark.parametrize("argv, usage", [([], "usage: megatron-kl [-h] [--version] COMMAND"),
-                                         (["config"], "usage: megatron-kl config [-h] ACTION"),
-                                         (["launch"], "usage: megatron-kl launch [-h]")])
+@pytest.mark.parametrize(
+    "argv, usage",
+    [
+        ([], "usage: megatron-kl [-h] [--version] COMMAND"),
+        (["config"], "usage: megatron-kl config [-h] ACTION"),
+        (["launch"], "usage: megatron-kl launch [-h]"),
+    ],
+)
 def test_a_bare_command_prints_its_help(argv, usage, capsys):
     assert main(argv) == 0
     out = capsys.readouterr().out
@@ -43,16 +48,26 @@ def test_an_unknown_command_is_an_error_naming_the_choices(capsys):
 
 
 @pytest.mark.fast
-@pytest.mark.parametrize("override", ["rollout.engine=embedded", "kl.estimator=k4", "optim.adam_kernel=apex",
-                                      "algo.behavior_correction=nope", "rollout.sampling.top_p=2"])
+@pytest.mark.parametrize(
+    "override",
+    [
+        "rollout.engine=embedded",
+        "kl.estimator=k4",
+        "optim.adam_kernel=apex",
+        "algo.behavior_correction=nope",
+        "rollout.sampling.top_p=2",
+    ],
+)
 def test_a_config_error_is_reported_before_torch_is_imported(override):
     """Loading and validating a configuration needs the config dataclasses only (kl/config.py, algo/config.py,
     models/optim_config.py, rollout/config.py): a mistyped value is reported in a fraction of a second, not after
     torch and megatron-core have loaded."""
-    probe = ("import sys\nfrom megatron_kl.cli import main\n"
-             f"code = main(['train', '--config', 'configs/cpu/default.yaml', {override!r}])\n"
-             "print(sorted(m for m in ('torch', 'megatron.core') if m in sys.modules))\n"
-             "sys.exit(code)")
+    probe = (
+        "import sys\nfrom megatron_kl.cli import main\n"
+        f"code = main(['train', '--config', 'configs/cpu/default.yaml', {override!r}])\n"
+        "print(sorted(m for m in ('torch', 'megatron.core') if m in sys.modules))\n"
+        "sys.exit(code)"
+    )
     done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stderr[-2000:]
     assert "config error" in done.stderr and override.split("=")[0] in done.stderr, done.stderr[-2000:]
@@ -68,13 +83,16 @@ def test_version(capsys):
     assert capsys.readouterr().out.startswith(f"megatron-kl {metadata.version('megatron-kl')}")
 
 
-@pytest.mark.parametrize("argv, expected", [
-    (["--kl.coef=0.1"], ["kl.coef=0.1"]),
-    (["--kl.coef", "0.1", "--check"], ["kl.coef=0.1", "--check"]),
-    (["--optim.lr", "-1", "x.y=2"], ["optim.lr=-1", "x.y=2"]),
-    (["--config", "a.yaml", "--kl.coef"], ["--config", "a.yaml", "--kl.coef"]),  # no value: left for argparse
-    (["--config", "my.config.yaml"], ["--config", "my.config.yaml"]),  # a value with dots is not an option
-])
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["--kl.coef=0.1"], ["kl.coef=0.1"]),
+        (["--kl.coef", "0.1", "--check"], ["kl.coef=0.1", "--check"]),
+        (["--optim.lr", "-1", "x.y=2"], ["optim.lr=-1", "x.y=2"]),
+        (["--config", "a.yaml", "--kl.coef"], ["--config", "a.yaml", "--kl.coef"]),  # no value: left for argparse
+        (["--config", "my.config.yaml"], ["--config", "my.config.yaml"]),  # a value with dots is not an option
+    ],
+)
 def test_dashed_overrides_become_dotted_ones(argv, expected):
     from megatron_kl.cli_help import normalize_overrides
 

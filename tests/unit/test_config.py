@@ -109,30 +109,58 @@ def test_logprob_path_auto_fuses_when_the_logits_outgrow_the_fused_chunks():
 def test_secret_looking_launch_env_values_are_redacted_for_files_and_trackers():
     from megatron_kl.config import REDACTED, redact_secrets
 
-    data = {"launch": {"env": {"WANDB_API_KEY": "k1", "HF_TOKEN": "t", "NCCL_DEBUG": "INFO"},
-                       "slurm": {"env": {"DB_PASSWORD": "p", "AWS_SECRET_ACCESS_KEY": "s", "OMP_NUM_THREADS": "8"}}},
-            "rollout": {"sglang": {"api_key_env": "MEGATRON_KL_SGLANG_API_KEY"}}}
+    data = {
+        "launch": {
+            "env": {"WANDB_API_KEY": "k1", "HF_TOKEN": "t", "NCCL_DEBUG": "INFO"},
+            "slurm": {"env": {"DB_PASSWORD": "p", "AWS_SECRET_ACCESS_KEY": "s", "OMP_NUM_THREADS": "8"}},
+        },
+        "rollout": {"sglang": {"api_key_env": "MEGATRON_KL_SGLANG_API_KEY"}},
+    }
     out = redact_secrets(data)
     assert out["launch"]["env"] == {"WANDB_API_KEY": REDACTED, "HF_TOKEN": REDACTED, "NCCL_DEBUG": "INFO"}
-    assert out["launch"]["slurm"]["env"] == {"DB_PASSWORD": REDACTED, "AWS_SECRET_ACCESS_KEY": REDACTED,
-                                             "OMP_NUM_THREADS": "8"}
+    assert out["launch"]["slurm"]["env"] == {
+        "DB_PASSWORD": REDACTED,
+        "AWS_SECRET_ACCESS_KEY": REDACTED,
+        "OMP_NUM_THREADS": "8",
+    }
     assert out["rollout"] == data["rollout"] and data["launch"]["env"]["HF_TOKEN"] == "t"  # a copy; names kept
 
 
-@pytest.mark.parametrize("moe,parallel,world,message", [
-    (dict(num_experts=6), dict(expert_parallel=4), 4, "model.moe.num_experts=6 is not divisible by parallel.expert_parallel=4"),
-    (dict(num_experts=8), dict(expert_parallel=4, tensor_parallel=2), 4,
-     "parallel.expert_tensor_parallel\\*expert_parallel=2x4 must divide"),
-    (dict(num_experts=8), dict(expert_parallel=2, pipeline_parallel=2), 2, "expert_tensor_parallel\\*expert_parallel=1x2"),
-    (dict(num_experts=8, ffn_hidden_size=30), dict(expert_tensor_parallel=4, tensor_parallel=1), 4,
-     "expert_tensor_parallel=4 must divide the expert width"),
-    (dict(num_experts=0), dict(expert_parallel=2), 2, "need a mixture-of-experts model"),
-    (dict(num_experts=4, router_topk=5), {}, 1, "router_topk=5"),
-    (dict(num_experts=0, routing_replay="rollout"), {}, 1, "routing_replay=rollout needs a mixture-of-experts"),
-    (dict(num_experts=4, routing_replay="replay"), {}, 1, "routing_replay='replay': use one of"),
-    (dict(num_experts=4, token_dispatcher="flex"), {}, 1, "token_dispatcher='flex'"),
-    (dict(num_experts=4, capacity_factor=0.0), {}, 1, "capacity_factor=0.0"),
-])
+@pytest.mark.parametrize(
+    "moe,parallel,world,message",
+    [
+        (
+            dict(num_experts=6),
+            dict(expert_parallel=4),
+            4,
+            "model.moe.num_experts=6 is not divisible by parallel.expert_parallel=4",
+        ),
+        (
+            dict(num_experts=8),
+            dict(expert_parallel=4, tensor_parallel=2),
+            4,
+            "parallel.expert_tensor_parallel\\*expert_parallel=2x4 must divide",
+        ),
+        (
+            dict(num_experts=8),
+            dict(expert_parallel=2, pipeline_parallel=2),
+            2,
+            "expert_tensor_parallel\\*expert_parallel=1x2",
+        ),
+        (
+            dict(num_experts=8, ffn_hidden_size=30),
+            dict(expert_tensor_parallel=4, tensor_parallel=1),
+            4,
+            "expert_tensor_parallel=4 must divide the expert width",
+        ),
+        (dict(num_experts=0), dict(expert_parallel=2), 2, "need a mixture-of-experts model"),
+        (dict(num_experts=4, router_topk=5), {}, 1, "router_topk=5"),
+        (dict(num_experts=0, routing_replay="rollout"), {}, 1, "routing_replay=rollout needs a mixture-of-experts"),
+        (dict(num_experts=4, routing_replay="replay"), {}, 1, "routing_replay='replay': use one of"),
+        (dict(num_experts=4, token_dispatcher="flex"), {}, 1, "token_dispatcher='flex'"),
+        (dict(num_experts=4, capacity_factor=0.0), {}, 1, "capacity_factor=0.0"),
+    ],
+)
 def test_expert_layouts_and_moe_fields_name_the_field(moe, parallel, world, message):
     from megatron_kl.config import MoEConfig
 
@@ -144,9 +172,12 @@ def test_valid_expert_layouts_pass():
     from megatron_kl.config import MoEConfig
 
     model = ModelConfig(moe=MoEConfig(num_experts=8, router_topk=2))
-    for parallel, world in ((dict(expert_parallel=8), 8), (dict(tensor_parallel=2, expert_parallel=4), 8),
-                            (dict(tensor_parallel=2, expert_parallel=2, pipeline_parallel=2), 8),
-                            (dict(tensor_parallel=2, expert_tensor_parallel=1, expert_parallel=4), 8)):
+    for parallel, world in (
+        (dict(expert_parallel=8), 8),
+        (dict(tensor_parallel=2, expert_parallel=4), 8),
+        (dict(tensor_parallel=2, expert_parallel=2, pipeline_parallel=2), 8),
+        (dict(tensor_parallel=2, expert_tensor_parallel=1, expert_parallel=4), 8),
+    ):
         validate_parallel(model, ParallelConfig(**parallel), world)
 
 

@@ -50,8 +50,11 @@ def test_every_numeric_and_string_field_declares_a_constraint():
     missing = [path for path, item, _ in NUMERIC if constraint_of(item) is None]
     missing += [path for path, item in STRINGS if constraint_of(item) is None]
     assert not missing, f"fields without a declared constraint (megatron_kl.constraints.checked): {missing}"
-    vague = [path for path, item in STRINGS
-             if not (constraint_of(item).choices or constraint_of(item).free or constraint_of(item).path)]
+    vague = [
+        path
+        for path, item in STRINGS
+        if not (constraint_of(item).choices or constraint_of(item).free or constraint_of(item).path)
+    ]
     assert not vague, f"string fields neither an enum, free text nor a path: {vague}"
 
 
@@ -68,34 +71,55 @@ def test_numeric_fields_refuse_nan_inf_bools_and_excluded_negatives(path, item, 
         assert rule.ge is None and rule.gt is None, path
 
 
-@pytest.mark.parametrize("path, item", [(p, i) for p, i in STRINGS if constraint_of(i) and constraint_of(i).choices],
-                         ids=[p for p, i in STRINGS if constraint_of(i) and constraint_of(i).choices])
+@pytest.mark.parametrize(
+    "path, item",
+    [(p, i) for p, i in STRINGS if constraint_of(i) and constraint_of(i).choices],
+    ids=[p for p, i in STRINGS if constraint_of(i) and constraint_of(i).choices],
+)
 def test_enum_fields_refuse_a_bogus_value_naming_the_choices(path, item):
     message = _refused(f"{path}=bogus_value", path)
     assert str(list(constraint_of(item).choices)) in message, message
 
 
-@pytest.mark.parametrize("override, says", [
-    ("kl.coef=nan", "not NaN"), ("rollout.sampling.temperature=nan", "not NaN"), ("kl.coef=inf", "finite"),
-    ("optim.lr=-1", ">= 0"), ("optim.lr=nan", "not NaN"), ("optim.lr=inf", "finite"),
-    ("optim.adam_beta1=1.5", "< 1"), ("optim.adam_eps=0", "> 0"), ("optim.lr_decay_style=bogus", "cosine"),
-    ("optim.warmup_steps=-3", ">= 0"), ("optim.clip_grad=-1", "clipping off"), ("warm_start.steps=-1", ">= 0"),
-    ("train.steps=true", "true/false"), ("train.steps=2.5", "integer"), ("train.output_dir=null", "must be set"),
-    ("train.output_dir=''", "empty"), ("warm_start.cache_dir=/dev/null", "is a file"),
-    ("train.output_dir=/dev/null/run", "is a file"), ("warm_start.checkpoint=/no/such/warm_start.pt", "names no file"),
-    ("init.hf_checkpoint=/no/such/model", "names no directory"),
-    ("rollout.sampling.max_new_tokens=32", "max_position_embeddings"),
-])
+@pytest.mark.parametrize(
+    "override, says",
+    [
+        ("kl.coef=nan", "not NaN"),
+        ("rollout.sampling.temperature=nan", "not NaN"),
+        ("kl.coef=inf", "finite"),
+        ("optim.lr=-1", ">= 0"),
+        ("optim.lr=nan", "not NaN"),
+        ("optim.lr=inf", "finite"),
+        ("optim.adam_beta1=1.5", "< 1"),
+        ("optim.adam_eps=0", "> 0"),
+        ("optim.lr_decay_style=bogus", "cosine"),
+        ("optim.warmup_steps=-3", ">= 0"),
+        ("optim.clip_grad=-1", "clipping off"),
+        ("warm_start.steps=-1", ">= 0"),
+        ("train.steps=true", "true/false"),
+        ("train.steps=2.5", "integer"),
+        ("train.output_dir=null", "must be set"),
+        ("train.output_dir=''", "empty"),
+        ("warm_start.cache_dir=/dev/null", "is a file"),
+        ("train.output_dir=/dev/null/run", "is a file"),
+        ("warm_start.checkpoint=/no/such/warm_start.pt", "names no file"),
+        ("init.hf_checkpoint=/no/such/model", "names no directory"),
+        ("rollout.sampling.max_new_tokens=32", "max_position_embeddings"),
+    ],
+)
 def test_the_values_that_used_to_pass_are_refused_at_load(override, says):
     message = _refused(override, override.split("=")[0])
     assert says in message, message
 
 
-@pytest.mark.parametrize("overrides, path", [
-    (["optim.lr_decay_style=cosine", "optim.decay_steps=5", "optim.warmup_steps=5"], "optim.decay_steps"),
-    (["optim.min_lr=1", "optim.lr=0.1"], "optim.min_lr"),
-    (["algo.mask_low=2", "algo.mask_high=1"], "algo.mask_low"),
-])
+@pytest.mark.parametrize(
+    "overrides, path",
+    [
+        (["optim.lr_decay_style=cosine", "optim.decay_steps=5", "optim.warmup_steps=5"], "optim.decay_steps"),
+        (["optim.min_lr=1", "optim.lr=0.1"], "optim.min_lr"),
+        (["algo.mask_low=2", "algo.mask_high=1"], "algo.mask_low"),
+    ],
+)
 def test_cross_field_rules_are_checked_at_load(overrides, path):
     with pytest.raises(ConfigError, match=path.replace(".", r"\.")):
         load_train_config(DEFAULT, overrides)
@@ -144,5 +168,7 @@ def test_the_resumable_fields_are_the_ones_declared_so_and_leave_the_run_identit
     declared = {f"train.{f.name}" for f in dataclasses.fields(loop) if f.metadata.get(RESUMABLE)}
     assert declared == {p for p in paths if p.startswith("train.")}
     fields = identity_fields(dataclasses.asdict(TrainConfig()), paths)
-    assert "kl.coef" in fields and "train.output_dir" not in fields and not any(k.startswith("logging.") for k in fields)
+    assert (
+        "kl.coef" in fields and "train.output_dir" not in fields and not any(k.startswith("logging.") for k in fields)
+    )
     assert resumable("eval.k", paths) and not resumable("evaluation.k", paths) and not resumable("kl.coef", paths)

@@ -38,15 +38,46 @@ def test_the_configuration_document_is_current():
 
 def test_train_check_validates_prints_and_writes_nothing(tmp_path):
     run = tmp_path / "run"
-    ok = subprocess.run([sys.executable, "-m", "megatron_kl.cli", "train", "--config", str(DEFAULT), "--check",
-                         f"train.output_dir={run}", "kl.estimator=k3", "kl.placement=loss"],
-                        capture_output=True, text=True, cwd=ROOT, timeout=300)
+    ok = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megatron_kl.cli",
+            "train",
+            "--config",
+            str(DEFAULT),
+            "--check",
+            f"train.output_dir={run}",
+            "kl.estimator=k3",
+            "kl.placement=loss",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
     assert ok.returncode == 0, ok.stderr[-2000:]
-    assert "estimator: k3" in ok.stdout and "# KL term: k3-loss-token" in ok.stdout and "# start: a new run" in ok.stdout
+    assert (
+        "estimator: k3" in ok.stdout and "# KL term: k3-loss-token" in ok.stdout and "# start: a new run" in ok.stdout
+    )
     assert not run.exists()
-    bad = subprocess.run([sys.executable, "-m", "megatron_kl.cli", "train", "--config", str(DEFAULT), "--check",
-                          f"train.output_dir={run}", "parallel.tensor_parallel=3"],
-                         capture_output=True, text=True, cwd=ROOT, timeout=300)
+    bad = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megatron_kl.cli",
+            "train",
+            "--config",
+            str(DEFAULT),
+            "--check",
+            f"train.output_dir={run}",
+            "parallel.tensor_parallel=3",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
     assert bad.returncode == 2 and "parallel.tensor_parallel=3" in bad.stderr and not run.exists()
 
 
@@ -55,18 +86,39 @@ def test_the_metrics_document_is_current_and_families_match():
     from megatron_kl.train.metric_registry import lookup, markdown
 
     assert (ROOT / "docs" / "metrics.md").read_text() == markdown()
-    assert lookup("eval/ood/mean@4").key == "eval/<split>/mean@<k>" and lookup("kl/exact_token").key == "kl/<estimator>_token"
+    assert (
+        lookup("eval/ood/mean@4").key == "eval/<split>/mean@<k>"
+        and lookup("kl/exact_token").key == "kl/<estimator>_token"
+    )
     assert lookup("kl/k3_tokens") is None and lookup("made/up") is None
 
 
 def test_train_check_says_what_the_distillation_term_estimates(tmp_path):
     run = tmp_path / "run"
-    ok = subprocess.run([sys.executable, "-m", "megatron_kl.cli", "train", "--config", str(DEFAULT), "--check",
-                         f"train.output_dir={run}", "kl.estimator=k3", "distill.enabled=true",
-                         "distill.teacher.model.vocab_size=32", "distill.teacher.model.max_position_embeddings=32",
-                         "distill.kl.estimator=k1", "distill.kl.placement=reward", "distill.kl.level=token",
-                         "distill.kl.credit=immediate"],
-                        capture_output=True, text=True, cwd=ROOT, timeout=300)
+    ok = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megatron_kl.cli",
+            "train",
+            "--config",
+            str(DEFAULT),
+            "--check",
+            f"train.output_dir={run}",
+            "kl.estimator=k3",
+            "distill.enabled=true",
+            "distill.teacher.model.vocab_size=32",
+            "distill.teacher.model.max_position_embeddings=32",
+            "distill.kl.estimator=k1",
+            "distill.kl.placement=reward",
+            "distill.kl.level=token",
+            "distill.kl.credit=immediate",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
     assert ok.returncode == 0, ok.stderr[-2000:]
     assert "# distillation term (to the teacher): k1-reward-token-imm: BIASED" in ok.stdout, ok.stdout[-800:]
     assert "# teacher: qwen2, 2 layers, hidden 64, in the student's layout" in ok.stdout, ok.stdout[-800:]

@@ -41,9 +41,13 @@ def _expected(kind, old, behavior, lengths):
         for t in range(n):
             out[i, t] = {
                 "none": 1.0,
-                "tis": min(w[t], CAP), "token_tis": min(w[t], CAP), "sequence_tis": min(seq, CAP),
-                "token_mask": float(LOW <= w[t] <= HIGH), "sequence_mask": float(LOW <= seq <= HIGH),
-                "geometric_mask": float(LOW <= geo <= HIGH), "icepop": w[t] * float(LOW <= w[t] <= HIGH),
+                "tis": min(w[t], CAP),
+                "token_tis": min(w[t], CAP),
+                "sequence_tis": min(seq, CAP),
+                "token_mask": float(LOW <= w[t] <= HIGH),
+                "sequence_mask": float(LOW <= seq <= HIGH),
+                "geometric_mask": float(LOW <= geo <= HIGH),
+                "icepop": w[t] * float(LOW <= w[t] <= HIGH),
             }[kind]
     return out
 
@@ -61,7 +65,9 @@ def test_weights_equal_the_per_token_formula(kind):
     tokens = mask.sum()
     if kind.endswith("mask") or kind == "icepop":
         kept = _expected("icepop" if kind == "icepop" else kind, old, behavior, lengths) != 0
-        assert float(metrics["correction/masked_fraction"]) == pytest.approx(float(((~kept) & mask.bool()).sum() / tokens))
+        assert float(metrics["correction/masked_fraction"]) == pytest.approx(
+            float(((~kept) & mask.bool()).sum() / tokens)
+        )
         assert float(metrics["correction/masked_fraction"]) > 0  # the extreme token/sequence is dropped
     else:
         assert float(metrics["correction/truncated_fraction"]) > 0
@@ -114,22 +120,33 @@ def test_dr_grpo_weights_every_token_by_one_over_batch_times_length():
     with pytest.raises(ValueError, match="norm_length"):
         aggregate_tokens(values, mask, "seq_mean_token_sum_norm")
     # the KL term uses the same constant, and microbatch shares add up to the minibatch value
-    kl = KLConfig(estimator="k2", placement="loss", level="token", coef=1.0, aggregation="seq_mean_token_sum_norm",
-                  norm_length=10.0)
+    kl = KLConfig(
+        estimator="k2",
+        placement="loss",
+        level="token",
+        coef=1.0,
+        aggregation="seq_mean_token_sum_norm",
+        norm_length=10.0,
+    )
     old, behavior, _, _ = _batch(4)
     full = kl_loss(kl, old, behavior, mask)
     shares = Shares(num_sequences=6, num_tokens=float(mask.sum()))
-    parts = sum(kl_loss(kl, old[s], behavior[s], mask[s]) * shares.factor(kl.aggregation, mask[s])
-                for s in (slice(0, 2), slice(2, 6)))
+    parts = sum(
+        kl_loss(kl, old[s], behavior[s], mask[s]) * shares.factor(kl.aggregation, mask[s])
+        for s in (slice(0, 2), slice(2, 6))
+    )
     torch.testing.assert_close(parts, full)
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    ({"behavior_correction": "seq_tis"}, "algo.behavior_correction"),
-    ({"mask_low": 1.2}, "algo.mask_low"),
-    ({"ratio_level": "group"}, "algo.ratio_level"),
-    ({"norm_length": 0}, "algo.norm_length"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"behavior_correction": "seq_tis"}, "algo.behavior_correction"),
+        ({"mask_low": 1.2}, "algo.mask_low"),
+        ({"ratio_level": "group"}, "algo.ratio_level"),
+        ({"norm_length": 0}, "algo.norm_length"),
+    ],
+)
 def test_bad_correction_settings_name_the_field(kwargs, field):
     with pytest.raises(ConfigError, match=field):
         AlgoConfig(**kwargs)

@@ -24,8 +24,12 @@ def test_a_diff_reproduces_the_new_tensor_bit_for_bit_and_sends_the_smaller_form
     held = torch.randn(64, 48, generator=torch.Generator().manual_seed(0)).to(dtype)
     new = _step(held, fraction, 1)
     update = diff("w", held, new)
-    changed = int((held.view(-1).view(torch.int16 if dtype != torch.float32 else torch.int32)
-                   != new.view(-1).view(torch.int16 if dtype != torch.float32 else torch.int32)).sum())
+    changed = int(
+        (
+            held.view(-1).view(torch.int16 if dtype != torch.float32 else torch.int32)
+            != new.view(-1).view(torch.int16 if dtype != torch.float32 else torch.int32)
+        ).sum()
+    )
     if changed == 0:
         assert update is None
         return
@@ -132,14 +136,20 @@ def test_the_tracker_keeps_copies_not_the_live_parameters():
     assert [u.name for u in updates] == ["w", "view"] and all(u.changed == 8 for u in updates)
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["rollout.delta_sync=true", "rollout.quantization=fp8"], "rollout.delta_sync=true with rollout.engine=local and"),
-    (["rollout.delta_check_interval=0"], "rollout.delta_check_interval"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["rollout.delta_sync=true", "rollout.quantization=fp8"],
+            "rollout.delta_sync=true with rollout.engine=local and",
+        ),
+        (["rollout.delta_check_interval=0"], "rollout.delta_check_interval"),
+    ],
+)
 def test_delta_syncs_that_cannot_work_are_refused_naming_the_field(tmp_path, overrides, message):
     from megatron_kl.config import ConfigError, from_dict
     from megatron_kl.train.config import TrainConfig, validate_train_config
-    from tests.e2e.test_train import short_config
+    from tests.e2e.runs import short_config
 
     with pytest.raises(ConfigError, match=message):
         cfg = from_dict(TrainConfig, short_config(tmp_path, str(tmp_path / "cache"), *overrides))
@@ -168,18 +178,32 @@ PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_pro
 def test_a_changed_tensor_reloads_every_tensor_of_its_vllm_layer():
     from megatron_kl.rollout.vllm_delta import layer_of, layers_to_reload
 
-    held = [f"model.layers.{i}.{m}.{p}" for i in (0, 1)
-            for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
-                      "mlp.up_proj", "mlp.down_proj", "input_layernorm") for p in ("weight", "bias")
-            if p == "weight" or "_proj" in m and "self_attn" in m and "o_proj" not in m]
+    held = [
+        f"model.layers.{i}.{m}.{p}"
+        for i in (0, 1)
+        for m in (
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "self_attn.o_proj",
+            "mlp.gate_proj",
+            "mlp.up_proj",
+            "mlp.down_proj",
+            "input_layernorm",
+        )
+        for p in ("weight", "bias")
+        if p == "weight" or "_proj" in m and "self_attn" in m and "o_proj" not in m
+    ]
     held = ["model.embed_tokens.weight", *held, "model.norm.weight", "lm_head.weight"]
     assert layer_of("model.layers.3.self_attn.k_proj.bias", PACKED) == "model.layers.3.self_attn.qkv_proj"
     assert layer_of("model.layers.3.mlp.down_proj.weight", PACKED) == "model.layers.3.mlp.down_proj"
     assert layer_of("model.norm.weight", PACKED) == "model.norm"
-    reload = layers_to_reload(["model.layers.1.self_attn.k_proj.weight", "model.layers.0.mlp.up_proj.weight"], held,
-                              PACKED)
+    reload = layers_to_reload(
+        ["model.layers.1.self_attn.k_proj.weight", "model.layers.0.mlp.up_proj.weight"], held, PACKED
+    )
     assert reload == [f"model.layers.0.mlp.{m}_proj.weight" for m in ("gate", "up")] + [
-        f"model.layers.1.self_attn.{m}_proj.{p}" for m in "qkv" for p in ("weight", "bias")]
+        f"model.layers.1.self_attn.{m}_proj.{p}" for m in "qkv" for p in ("weight", "bias")
+    ]
     assert layers_to_reload([], held, PACKED) == []
 
 
@@ -214,8 +238,9 @@ def test_the_vllm_extension_reloads_changed_layers_whole_and_nothing_on_a_reject
     from megatron_kl.rollout.vllm_delta import read_entries, write_entries
 
     names = [f"model.layers.0.self_attn.{m}_proj.weight" for m in "qkvo"] + ["model.norm.weight"]
-    weights = {n: torch.randn(48, 32, generator=torch.Generator().manual_seed(i)).bfloat16()
-               for i, n in enumerate(names)}
+    weights = {
+        n: torch.randn(48, 32, generator=torch.Generator().manual_seed(i)).bfloat16() for i, n in enumerate(names)
+    }
     worker = _vllm_worker()
     assert worker.megatron_kl_weight_version() == {"version": None}
     path = write_entries(_encoded_sync({}, weights, 1), tmp_path / "full.safetensors")
@@ -254,6 +279,8 @@ def test_a_vllm_server_without_the_delta_extension_is_refused_at_start_naming_th
     monkeypatch.setattr(vllm, "call", call)
     config = VLLMConfig(mode="server", url="http://127.0.0.1:1")
     assert vllm.VLLMEngine(config, None, None).delta is None  # without delta sync nothing is asked
-    with pytest.raises(ConfigError, match="rollout.delta_sync=true: .*--worker-extension-cls "
-                                          "megatron_kl.rollout.vllm_delta.DeltaWorkerExtension"):
+    with pytest.raises(
+        ConfigError,
+        match="rollout.delta_sync=true: .*--worker-extension-cls megatron_kl.rollout.vllm_delta.DeltaWorkerExtension",
+    ):
         vllm.VLLMEngine(config, None, None, delta=DeltaTracker())

@@ -11,8 +11,13 @@ from megatron_kl.train.config import distill_verdict, load_train_config
 from megatron_kl.train.loop import prepare
 
 BASE = "configs/cpu/default.yaml"
-ON = ["distill.enabled=true", "kl.estimator=k3", "distill.teacher.model.vocab_size=32",
-      "distill.teacher.model.max_position_embeddings=32", "distill.teacher.model.hidden_size=192"]
+ON = [
+    "distill.enabled=true",
+    "kl.estimator=k3",
+    "distill.teacher.model.vocab_size=32",
+    "distill.teacher.model.max_position_embeddings=32",
+    "distill.teacher.model.hidden_size=192",
+]
 
 
 def _load(tmp_path, *overrides):
@@ -28,24 +33,31 @@ def test_off_by_default_and_the_run_keys_stay(tmp_path):
     assert on.distill.kl.norm_length == on.rollout.sampling.max_new_tokens  # the Dr. GRPO length resolved for it
 
 
-@pytest.mark.parametrize("overrides, named", [
-    (["distill.teacher.source=hf"], "distill.teacher.hf_checkpoint"),
-    (["distill.teacher.source=checkpoint"], "distill.teacher.checkpoint"),
-    (["distill.kl.coef=0", "distill.task_reward=none"], "distill.kl.coef=0"),
-    (["distill.kl.estimator=k9"], "distill.kl.estimator"),
-    (["distill.task_reward=maybe"], "distill.task_reward"),
-    (["distill.kl.off_policy=behavior"], "distill.kl.off_policy=behavior"),
-    (["distill.teacher.warm_start_steps=0"], "distill.teacher.warm_start_steps"),
-    (["distill.kl.placement=reward", "distill.kl.credit=immediate"], "distill.kl.credit does not apply"),
-    (["distill.kl.estimator=topk", "distill.kl.top_k=32"], "distill.kl.top_k=32 covers the whole vocabulary"),
-    (["distill.kl.estimator=topk", "distill.kl.top_k=0"], "distill.kl.top_k"),
-    (["distill.kl.estimator=topk", "distill.kl.top_k_tail=drop"], "distill.kl.top_k_tail"),
-    (["distill.kl.estimator=topk", "rollout.sampling.top_k=5", "rollout.sampling.distribution=truncated"],
-     "distill.kl.estimator=topk with a truncated sampling distribution"),
-    (["distill.kl.estimator=topk", "parallel.context_parallel=2"], "parallel.context_parallel=2"),
-    (["distill.kl.estimator=topk", "distill.kl.level=token", "distill.kl.off_policy=token_is"],
-     "distill.kl.off_policy"),
-])
+@pytest.mark.parametrize(
+    "overrides, named",
+    [
+        (["distill.teacher.source=hf"], "distill.teacher.hf_checkpoint"),
+        (["distill.teacher.source=checkpoint"], "distill.teacher.checkpoint"),
+        (["distill.kl.coef=0", "distill.task_reward=none"], "distill.kl.coef=0"),
+        (["distill.kl.estimator=k9"], "distill.kl.estimator"),
+        (["distill.task_reward=maybe"], "distill.task_reward"),
+        (["distill.kl.off_policy=behavior"], "distill.kl.off_policy=behavior"),
+        (["distill.teacher.warm_start_steps=0"], "distill.teacher.warm_start_steps"),
+        (["distill.kl.placement=reward", "distill.kl.credit=immediate"], "distill.kl.credit does not apply"),
+        (["distill.kl.estimator=topk", "distill.kl.top_k=32"], "distill.kl.top_k=32 covers the whole vocabulary"),
+        (["distill.kl.estimator=topk", "distill.kl.top_k=0"], "distill.kl.top_k"),
+        (["distill.kl.estimator=topk", "distill.kl.top_k_tail=drop"], "distill.kl.top_k_tail"),
+        (
+            ["distill.kl.estimator=topk", "rollout.sampling.top_k=5", "rollout.sampling.distribution=truncated"],
+            "distill.kl.estimator=topk with a truncated sampling distribution",
+        ),
+        (["distill.kl.estimator=topk", "parallel.context_parallel=2"], "parallel.context_parallel=2"),
+        (
+            ["distill.kl.estimator=topk", "distill.kl.level=token", "distill.kl.off_policy=token_is"],
+            "distill.kl.off_policy",
+        ),
+    ],
+)
 def test_bad_settings_are_refused_naming_the_field(tmp_path, overrides, named):
     with pytest.raises(ConfigError, match=named.replace(".", r"\.")):
         _load(tmp_path, *overrides)
@@ -62,11 +74,21 @@ def test_auto_resolves_to_an_unbiased_configuration_for_the_declared_target(tmp_
 def test_the_common_recipe_is_judged_biased_for_the_sequence_kl(tmp_path):
     """Sampled k1 with immediate credit (each token's own log-ratio as its reward): unbiased for no sequence-level
     target; the verdict says so and the run is tagged."""
-    cfg = _load(tmp_path, "distill.kl.estimator=k1", "distill.kl.placement=reward", "distill.kl.level=token",
-                "distill.kl.credit=immediate")
+    cfg = _load(
+        tmp_path,
+        "distill.kl.estimator=k1",
+        "distill.kl.placement=reward",
+        "distill.kl.level=token",
+        "distill.kl.credit=immediate",
+    )
     assert not distill_verdict(cfg).unbiased
-    rtg = _load(tmp_path, "distill.kl.estimator=k1", "distill.kl.placement=reward", "distill.kl.level=token",
-                "distill.kl.credit=reward_to_go")
+    rtg = _load(
+        tmp_path,
+        "distill.kl.estimator=k1",
+        "distill.kl.placement=reward",
+        "distill.kl.level=token",
+        "distill.kl.credit=reward_to_go",
+    )
     assert distill_verdict(rtg).unbiased
 
 
@@ -99,8 +121,9 @@ def test_prepare_checks_the_teacher_against_the_student_and_the_task(tmp_path):
     with pytest.raises(ConfigError, match="do not split over pipeline_parallel=3"):
         check_teacher(_load(tmp_path, "distill.teacher.pipeline_parallel=3"), world_size=3)
     check_teacher(_load(tmp_path, "distill.teacher.pipeline_parallel=2"), world_size=2)  # its own pipeline: accepted
-    check_teacher(_load(tmp_path, "distill.teacher.tensor_parallel=2", "distill.teacher.model.moe.num_experts=4"),
-                  world_size=2)  # a mixture-of-experts teacher in its own layout: accepted
+    check_teacher(
+        _load(tmp_path, "distill.teacher.tensor_parallel=2", "distill.teacher.model.moe.num_experts=4"), world_size=2
+    )  # a mixture-of-experts teacher in its own layout: accepted
 
 
 def test_the_top_k_approximation_is_named_as_such_and_judged_biased(tmp_path):

@@ -20,7 +20,8 @@ from megatron_kl.train.metric_registry import METRICS, lookup
 ROOT = Path(__file__).resolve().parents[2]
 GENERATED = {"configuration.md", "metrics.md"}  # their keys are the registries themselves (tested current)
 WRITTEN = [ROOT / "README.md", ROOT / "launch" / "README.md"] + sorted(
-    p for p in (ROOT / "docs").glob("*.md") if p.name not in GENERATED)
+    p for p in (ROOT / "docs").glob("*.md") if p.name not in GENERATED
+)
 
 _CODE = re.compile(r"`([^`\n]+)`")
 _BLOCK = re.compile(r"^(?: {4}|\t)(.*)$|```[a-z]*\n(.*?)```", re.M | re.S)
@@ -38,16 +39,21 @@ def _expand(token: str) -> list[str]:
     """``a.{b,c}`` -> a.b, a.c; ``x/mean|max`` -> x/mean, x/max; ``x_{min,max}`` likewise."""
     brace = re.search(r"\{([^{}]*)\}", token)
     if brace:
-        return [e for alt in brace.group(1).split(",")
-                for e in _expand(token[:brace.start()] + alt.strip() + token[brace.end():])]
+        return [
+            e
+            for alt in brace.group(1).split(",")
+            for e in _expand(token[: brace.start()] + alt.strip() + token[brace.end() :])
+        ]
     first, *others = token.split("|")
     cut = max(first.rfind("_"), first.rfind("/"), first.rfind(".")) + 1
     return [first] + [first[:cut] + alt for alt in others]
 
 
 SECTIONS = {path.split(".")[0] for path, *_ in rows(TrainConfig)}
-_KEY = re.compile(r"(?<![\w/.$-])((?:%s)(?:\.[a-z_][a-z0-9_]*|\.\{[a-z0-9_, ]+\})+(?:\|[a-z0-9_]+)*)(?![\w(/-])"
-                  % "|".join(sorted(SECTIONS)))
+_KEY = re.compile(
+    r"(?<![\w/.$-])((?:%s)(?:\.[a-z_][a-z0-9_]*|\.\{[a-z0-9_, ]+\})+(?:\|[a-z0-9_]+)*)(?![\w(/-])"
+    % "|".join(sorted(SECTIONS))
+)
 _FILE = re.compile(r"\.(py|yaml|md|json|jsonl|pt|txt|png|sh|gz|parquet)$")
 
 
@@ -73,8 +79,7 @@ def mentioned_config_keys(text: str) -> set[str]:
 
 def unknown_config_keys(text: str) -> set[str]:
     paths, dicts = config_paths()
-    return {k for k in mentioned_config_keys(text)
-            if k not in paths and not any(k.startswith(d + ".") for d in dicts)}
+    return {k for k in mentioned_config_keys(text) if k not in paths and not any(k.startswith(d + ".") for d in dicts)}
 
 
 FAMILIES = {m.key.split("/")[0] for m in METRICS if "/" in m.key}
@@ -111,9 +116,11 @@ def test_every_metric_the_docs_mention_is_registered():
 
 
 def test_the_scanners_catch_planted_mistakes():
-    text = ("Set `kl.coeff=0.1` or `rollout.sampling.{top_p,topk}`; read `kl/exact_tokens` and "
-            "`staleness/mean|maximum`; `launch.env.ANY_NAME` and `megatron_kl/kl/objective.py` are fine.\n\n"
-            "    megatron-kl train --config configs/cpu/default.yaml train.stpes=3\n")
+    text = (
+        "Set `kl.coeff=0.1` or `rollout.sampling.{top_p,topk}`; read `kl/exact_tokens` and "
+        "`staleness/mean|maximum`; `launch.env.ANY_NAME` and `megatron_kl/kl/objective.py` are fine.\n\n"
+        "    megatron-kl train --config configs/cpu/default.yaml train.stpes=3\n"
+    )
     assert unknown_config_keys(text) == {"kl.coeff", "rollout.sampling.topk", "train.stpes"}
     assert {m for m in mentioned_metrics(text) if lookup(m) is None} == {"kl/exact_tokens", "staleness/maximum"}
 
@@ -128,8 +135,15 @@ def test_no_process_text_in_what_users_read():
     assert not PROCESS_TEXT.search("`#SBATCH --signal=USR1@300`, colour #fff, step 10 of 60")
     pattern = PROCESS_TEXT
     hits = []
-    code = [*(ROOT / "megatron_kl").rglob("*.py"), *(ROOT / "launch").glob("*.py"), *(ROOT / "tools").glob("*.py"),
-            *(ROOT / "configs").rglob("*.yaml"), *(ROOT / "scripts").glob("*.sh"), ROOT / "setup.py", ROOT / "mkdocs.yml"]
+    code = [
+        *(ROOT / "megatron_kl").rglob("*.py"),
+        *(ROOT / "launch").glob("*.py"),
+        *(ROOT / "tools").glob("*.py"),
+        *(ROOT / "configs").rglob("*.yaml"),
+        *(ROOT / "scripts").glob("*.sh"),
+        ROOT / "setup.py",
+        ROOT / "mkdocs.yml",
+    ]
     for path in [*WRITTEN, *code]:
         for number, line in enumerate(path.read_text().splitlines(), 1):
             if pattern.search(line) and "noqa" not in line:
@@ -139,8 +153,14 @@ def test_no_process_text_in_what_users_read():
 
 def _mkdocs(directory: Path, site: Path) -> subprocess.CompletedProcess:
     # not -q: mkdocs counts the warnings that strict mode turns into a failure from its log, which -q silences
-    return subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(site)], cwd=directory,
-                          capture_output=True, text=True, timeout=300, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+    return subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(site)],
+        cwd=directory,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+    )
 
 
 def test_the_docs_site_builds_strictly_and_a_broken_link_fails_it(tmp_path):
@@ -196,8 +216,11 @@ def test_the_python_blocks_marked_run_run():
     import subprocess
     import sys
 
-    blocks = [(page.name, code) for page in sorted((ROOT / "docs").glob("*.md"))
-              for code in re.findall(r"<!-- run -->\s*```python\n(.*?)```", page.read_text(), re.S)]
+    blocks = [
+        (page.name, code)
+        for page in sorted((ROOT / "docs").glob("*.md"))
+        for code in re.findall(r"<!-- run -->\s*```python\n(.*?)```", page.read_text(), re.S)
+    ]
     assert blocks, "no runnable block found"
     for page, code in blocks:
         done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -208,4 +231,4 @@ def test_the_python_example_in_your_own_job_is_the_tested_file():
     text = (ROOT / "docs" / "your-own-job.md").read_text()
     block = re.search(r"examples/train_from_python.py from .*?-->\s*```python\n(.*?)```", text, re.S).group(1)
     source = (ROOT / "examples" / "train_from_python.py").read_text()
-    assert block == source[source.index("from megatron_kl import api"):]
+    assert block == source[source.index("from megatron_kl import api") :]

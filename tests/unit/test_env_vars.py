@@ -14,8 +14,21 @@ from megatron_kl.env_vars import AUTO, OFF, ON, EnvVarError
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("raw, value", [("1", ON), ("true", ON), ("ON", ON), (" yes ", ON), ("0", OFF), ("false", OFF),
-                                        ("off", OFF), ("No", OFF), ("", AUTO), ("auto", AUTO)])
+@pytest.mark.parametrize(
+    "raw, value",
+    [
+        ("1", ON),
+        ("true", ON),
+        ("ON", ON),
+        (" yes ", ON),
+        ("0", OFF),
+        ("false", OFF),
+        ("off", OFF),
+        ("No", OFF),
+        ("", AUTO),
+        ("auto", AUTO),
+    ],
+)
 def test_switch_spellings(raw, value):
     assert env_vars.switch("X", {"X": raw}) == value
     assert env_vars.switch("X", {}) == AUTO
@@ -53,10 +66,31 @@ def test_the_kernels_read_the_variables_strictly(monkeypatch):
         triton_stats._block(100)
 
 
-@pytest.mark.parametrize("name, raw", [("MEGATRON_KL_TRITON", "-1"), ("MEGATRON_KL_TRITON_BLOCK", "abc"),
-                                       ("MEGATRON_KL_NATIVE", "maybe"), ("MEGATRON_KL_RANKS_START", "fork")])
+@pytest.mark.parametrize(
+    "name, raw",
+    [
+        ("MEGATRON_KL_TRITON", "-1"),
+        ("MEGATRON_KL_TRITON_BLOCK", "abc"),
+        ("MEGATRON_KL_NATIVE", "maybe"),
+        ("MEGATRON_KL_RANKS_START", "fork"),
+    ],
+)
 def test_check_refuses_a_bad_variable_naming_it(tmp_path, name, raw):
-    done = subprocess.run([sys.executable, "-m", "megatron_kl.cli", "train", "--config", "configs/cpu/default.yaml",
-                           "--check", f"train.output_dir={tmp_path / 'run'}"], cwd=ROOT, capture_output=True, text=True,
-                          env={**__import__("os").environ, name: raw}, timeout=300)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megatron_kl.cli",
+            "train",
+            "--config",
+            "configs/cpu/default.yaml",
+            "--check",
+            f"train.output_dir={tmp_path / 'run'}",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**__import__("os").environ, name: raw},
+        timeout=300,
+    )
     assert done.returncode == 2 and f"environment variable {name}={raw!r}" in done.stderr, done.stderr[-2000:]

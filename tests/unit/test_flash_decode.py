@@ -21,19 +21,21 @@ BATCH, HEADS, GROUPS, DIM, MAX_LEN = 3, 6, 2, 16, 24
 @pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize("rotary_percent", [1.0, 0.5])
 def test_rotation_from_tables_equals_megatrons_training_rope(dtype, interleaved, rotary_percent):
-    rope = RotaryEmbedding(DIM, rotary_percent, rotary_interleaved=interleaved, rotary_base=10000,
-                           use_cpu_initialization=True)
+    rope = RotaryEmbedding(
+        DIM, rotary_percent, rotary_interleaved=interleaved, rotary_base=10000, use_cpu_initialization=True
+    )
     positions = 11
     embedding = rope(positions)  # megatron-core moves the frequencies to the GPU here where CUDA exists
     x = (torch.randn(positions, BATCH, HEADS, DIM, generator=torch.Generator().manual_seed(0)) * 30).to(
-        embedding.device, dtype)
+        embedding.device, dtype
+    )
     expected = _apply_rotary_pos_emb_bshd(x, embedding, rotary_interleaved=interleaved)  # [s, b, h, d]
     cos, sin = rope.get_cos_sin(MAX_LEN)
     actual = rotate_with_cos_sin(x.transpose(0, 1), cos[:positions], sin[:positions], interleaved).transpose(0, 1)
     assert actual.dtype == dtype
     torch.testing.assert_close(actual, expected, rtol=0, atol=0)
     if rotary_percent < 1:
-        torch.testing.assert_close(actual[..., DIM // 2:], x[..., DIM // 2:], rtol=0, atol=0)
+        torch.testing.assert_close(actual[..., DIM // 2 :], x[..., DIM // 2 :], rtol=0, atol=0)
 
 
 def _rope64(x, positions, rope):
@@ -54,11 +56,16 @@ def _reference(q, cache_k, cache_v, visible):
 
 
 @pytest.mark.parametrize("new,causal", [(1, False), (4, True), (4, False)], ids=["decode", "causal-chunk", "chunk"])
-@pytest.mark.parametrize("dtype,cache_dtype,scale", [(torch.float32, torch.float32, 1.0),
-                                                     (torch.bfloat16, torch.float32, 1.0),
-                                                     (torch.bfloat16, torch.bfloat16, 1.0),
-                                                     (torch.float32, torch.float32, 20.0)],
-                         ids=["fp32", "bf16-fp32-cache", "bf16", "large-scores"])
+@pytest.mark.parametrize(
+    "dtype,cache_dtype,scale",
+    [
+        (torch.float32, torch.float32, 1.0),
+        (torch.bfloat16, torch.float32, 1.0),
+        (torch.bfloat16, torch.bfloat16, 1.0),
+        (torch.float32, torch.float32, 20.0),
+    ],
+    ids=["fp32", "bf16-fp32-cache", "bf16", "large-scores"],
+)
 def test_kv_cache_attention_matches_float64_reference(new, causal, dtype, cache_dtype, scale):
     rope = RotaryEmbedding(DIM, 1.0, rotary_base=10000, use_cpu_initialization=True)
     cos, sin = rope.get_cos_sin(MAX_LEN)
@@ -70,9 +77,18 @@ def test_kv_cache_attention_matches_float64_reference(new, causal, dtype, cache_
     cache_k = torch.randn(BATCH, MAX_LEN, GROUPS, DIM, generator=g).to(cache_dtype)  # positions < start: cached
     cache_v = torch.randn(BATCH, MAX_LEN, GROUPS, DIM, generator=g).to(cache_dtype)
     before_k, before_v = cache_k.clone(), cache_v.clone()
-    out = attention_with_kv_cache(q, cache_k, cache_v, k, v, rotary_cos=cos.to(dtype), rotary_sin=sin.to(dtype),
-                                  cache_seqlens=torch.full((BATCH,), start, dtype=torch.int32), causal=causal,
-                                  rotary_interleaved=False)
+    out = attention_with_kv_cache(
+        q,
+        cache_k,
+        cache_v,
+        k,
+        v,
+        rotary_cos=cos.to(dtype),
+        rotary_sin=sin.to(dtype),
+        cache_seqlens=torch.full((BATCH,), start, dtype=torch.int32),
+        causal=causal,
+        rotary_interleaved=False,
+    )
     assert out.shape == q.shape and out.dtype == dtype
     end = start + new
     # the cache: rotated new keys and the values written at start..end-1, nothing else touched
@@ -87,8 +103,9 @@ def test_kv_cache_attention_matches_float64_reference(new, causal, dtype, cache_
     # flash-attn: causal queries at start, start+1, ... see keys <= their position; otherwise all at start, see all
     query_positions = key_positions if causal else torch.full((new,), start)
     visible = torch.arange(end)[None, :] <= (query_positions[:, None] if causal else torch.full((new, 1), end))
-    expected = _reference(_rope64(q.double(), query_positions, rope), cache_k[:, :end].double(),
-                          cache_v[:, :end].double(), visible)
+    expected = _reference(
+        _rope64(q.double(), query_positions, rope), cache_k[:, :end].double(), cache_v[:, :end].double(), visible
+    )
     error = ((out.double() - expected).abs().max() / expected.abs().max()).item()
     assert error < tolerance, error
 
@@ -133,8 +150,12 @@ def test_ragged_rows_decode_each_row_at_its_true_position_and_skip_its_gap(dtype
         expected_k = _rope64(k[b : b + 1].double(), true, rope)
         assert (cache_k[b, start].double() - expected_k[0, 0]).abs().max() / expected_k.abs().max() < tolerance
         own = torch.cat((torch.arange(length), torch.arange(frame_start, start + 1)))  # prompt, then decoded
-        expected = _reference(_rope64(q[b : b + 1].double(), true, rope), cache_k[b : b + 1, own].double(),
-                              cache_v[b : b + 1, own].double(), torch.ones(1, len(own), dtype=torch.bool))
+        expected = _reference(
+            _rope64(q[b : b + 1].double(), true, rope),
+            cache_k[b : b + 1, own].double(),
+            cache_v[b : b + 1, own].double(),
+            torch.ones(1, len(own), dtype=torch.bool),
+        )
         error = ((out[b : b + 1].double() - expected).abs().max() / expected.abs().max()).item()
         assert error < tolerance, (b, error)
     # row 0 has no gap: exactly what the plain kernel computes for it

@@ -31,8 +31,8 @@ def test_block_fp8_equals_the_per_block_reference(shape, magnitude):
     quantized = block_fp8(weight)
     torch.testing.assert_close(quantized, _reference(weight, BLOCK), rtol=0, atol=0)
     # e4m3 keeps 3 mantissa bits: at most 2^-4 relative rounding for every element in the normal range
-    normal = weight.abs() >= 2.0 ** -6 * weight.abs().max() * 2
-    assert ((quantized - weight).abs() <= weight.abs() * 2.0 ** -4 + 1e-30)[normal].all()
+    normal = weight.abs() >= 2.0**-6 * weight.abs().max() * 2
+    assert ((quantized - weight).abs() <= weight.abs() * 2.0**-4 + 1e-30)[normal].all()
     assert torch.equal(block_fp8(quantized), quantized)  # already on the grid: unchanged
 
 
@@ -49,15 +49,27 @@ def test_only_the_linear_layers_are_quantized():
     assert quantized_name("decoder.layers.0.self_attention.linear_qkv.weight")
     assert quantized_name("decoder.layers.3.mlp.experts.linear_fc1.weight7")
     assert quantized_name("decoder.layers.1.mlp.linear_fc2.weight")
-    for name in ("embedding.word_embeddings.weight", "output_layer.weight", "decoder.final_layernorm.weight",
-                 "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight", "decoder.layers.0.mlp.router.weight",
-                 "decoder.layers.0.self_attention.linear_qkv.bias"):
+    for name in (
+        "embedding.word_embeddings.weight",
+        "output_layer.weight",
+        "decoder.final_layernorm.weight",
+        "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight",
+        "decoder.layers.0.mlp.router.weight",
+        "decoder.layers.0.self_attention.linear_qkv.bias",
+    ):
         assert not quantized_name(name), name
 
 
-@pytest.mark.parametrize("reported, wanted, ok", [
-    ("fp8", "fp8", True), (None, "none", True), ("fp8", "none", False), (None, "fp8", False), ("awq", "fp8", False),
-])
+@pytest.mark.parametrize(
+    "reported, wanted, ok",
+    [
+        ("fp8", "fp8", True),
+        (None, "none", True),
+        ("fp8", "none", False),
+        (None, "fp8", False),
+        ("awq", "fp8", False),
+    ],
+)
 def test_a_server_serving_other_weights_than_declared_is_refused(reported, wanted, ok):
     if ok:
         check_served_quantization(reported, wanted, "rollout.sglang.urls: http://h:1")
@@ -68,11 +80,19 @@ def test_a_server_serving_other_weights_than_declared_is_refused(reported, wante
 
 def test_fp8_with_a_vllm_server_is_refused_naming_the_field(tmp_path):
     from megatron_kl.train.config import TrainConfig, validate_train_config
-    from tests.e2e.test_train import short_config
+    from tests.e2e.runs import short_config
 
-    cfg = from_dict(TrainConfig, short_config(tmp_path, str(tmp_path / "cache"), "rollout.quantization=fp8",
-                                              "rollout.engine=vllm", "rollout.vllm.mode=server",
-                                              "rollout.vllm.url=http://127.0.0.1:9"))
+    cfg = from_dict(
+        TrainConfig,
+        short_config(
+            tmp_path,
+            str(tmp_path / "cache"),
+            "rollout.quantization=fp8",
+            "rollout.engine=vllm",
+            "rollout.vllm.mode=server",
+            "rollout.vllm.url=http://127.0.0.1:9",
+        ),
+    )
     with pytest.raises(ConfigError, match="rollout.quantization=fp8 with rollout.vllm.mode=server"):
         validate_train_config(cfg, cfg.model.vocab_size, 1)
     with pytest.raises(Exception, match="rollout.quantization"):
@@ -83,12 +103,17 @@ def test_disaggregated_servers_are_started_with_the_flags_the_rollout_section_im
     from megatron_kl.launch.jobs import rollout_server_args
     from megatron_kl.rollout.config import DELTA_LOADER
     from megatron_kl.train.config import TrainConfig
-    from tests.e2e.test_train import short_config
+    from tests.e2e.runs import short_config
 
     def args(*overrides):
-        return rollout_server_args(from_dict(TrainConfig, short_config(tmp_path, str(tmp_path / "c"),
-                                                                      f"init.hf_checkpoint={tmp_path}", "rollout.engine=sglang",
-                                                                      *overrides)))
+        return rollout_server_args(
+            from_dict(
+                TrainConfig,
+                short_config(
+                    tmp_path, str(tmp_path / "c"), f"init.hf_checkpoint={tmp_path}", "rollout.engine=sglang", *overrides
+                ),
+            )
+        )
 
     plain = args()
     assert "--quantization" not in plain and "--custom-weight-loader" not in plain
@@ -104,11 +129,19 @@ def test_vllm_fp8_that_cannot_run_is_refused_naming_the_field(tmp_path):
     from megatron_kl.rollout.config import VLLMConfig
     from megatron_kl.rollout.vllm import VLLMEngine
     from megatron_kl.train.config import TrainConfig, validate_train_config
-    from tests.e2e.test_train import short_config
+    from tests.e2e.runs import short_config
 
     with pytest.raises(ConfigError, match="rollout.vllm.dtype=float32: vLLM's FP8"):
-        cfg = from_dict(TrainConfig, short_config(tmp_path, str(tmp_path / "cache"), "rollout.engine=vllm",
-                                                  "rollout.vllm.dtype=float32", "rollout.quantization=fp8"))
+        cfg = from_dict(
+            TrainConfig,
+            short_config(
+                tmp_path,
+                str(tmp_path / "cache"),
+                "rollout.engine=vllm",
+                "rollout.vllm.dtype=float32",
+                "rollout.quantization=fp8",
+            ),
+        )
         validate_train_config(cfg, cfg.model.vocab_size, 1)
     assert not torch.cuda.is_available()
     with pytest.raises(ConfigError, match="rollout.quantization=fp8 with rollout.engine=vllm needs a GPU"):

@@ -10,14 +10,17 @@ import pytest
 from megatron_kl.config import ConfigError
 from megatron_kl.run.host_malloc import SETTINGS, _glibc, tune_host_malloc
 
-PROBE = ("import json; from megatron_kl.run.host_malloc import tune_host_malloc; "
-         "print(json.dumps(tune_host_malloc('auto', cuda=False)))")
+PROBE = (
+    "import json; from megatron_kl.run.host_malloc import tune_host_malloc; "
+    "print(json.dumps(tune_host_malloc('auto', cuda=False)))"
+)
 
 
 def _probe(env: dict) -> dict:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
-    out = subprocess.run([sys.executable, "-c", PROBE], env={**clean, **env}, capture_output=True, text=True,
-                         check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE], env={**clean, **env}, capture_output=True, text=True, check=True
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -55,8 +58,9 @@ def test_auto_stops_the_steps_memory_being_page_faulted_anew():
     pages = {}
     for mode in ("off", "auto"):
         clean = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
-        out = subprocess.run([sys.executable, "-c", FAULTS, mode], env=clean, capture_output=True, text=True,
-                             check=True)
+        out = subprocess.run(
+            [sys.executable, "-c", FAULTS, mode], env=clean, capture_output=True, text=True, check=True
+        )
         pages[mode] = int(out.stdout.strip().splitlines()[-1])
     assert pages["off"] > 4 * (64 << 20) // 4096, pages  # at least the 64 MiB block, every step
     assert pages["auto"] < 0.05 * 4 * (320 << 20) // 4096, pages  # measured 6144 of 327680 (off: 132101)

@@ -129,8 +129,12 @@ def test_a_server_on_loopback_is_reached_directly_whatever_the_proxy_says(server
 
     s = server("ok")
     assert call(s.url, "/generate", {}, RetryPolicy(max_retries=0))["hit"] == 1  # the default session
-    assert call(s.url.replace("127.0.0.1", "localhost"), "/generate", {}, RetryPolicy(max_retries=0),
-                session=new_session())["hit"] == 2
+    assert (
+        call(
+            s.url.replace("127.0.0.1", "localhost"), "/generate", {}, RetryPolicy(max_retries=0), session=new_session()
+        )["hit"]
+        == 2
+    )
     wait_healthy(s.url, timeout_s=5.0)  # the start-up probe too
     assert site_proxy.seen == []
 
@@ -141,5 +145,7 @@ def test_another_host_still_goes_through_the_proxy(site_proxy):
     with pytest.raises(ServerUnavailable, match="502"):  # the proxy's answer: the environment is honoured
         call("http://rollout-node.invalid:30000", "/generate", {}, RetryPolicy(max_retries=0, timeout_s=5.0))
     assert site_proxy.seen == ["http://rollout-node.invalid:30000/generate"]
-    assert [is_loopback(u) for u in ("http://127.0.0.2:1", "http://[::1]:1", "http://a.localhost", "http://node1:1",
-                                     "http://10.0.0.1:1")] == [True, True, True, False, False]
+    assert [
+        is_loopback(u)
+        for u in ("http://127.0.0.2:1", "http://[::1]:1", "http://a.localhost", "http://node1:1", "http://10.0.0.1:1")
+    ] == [True, True, True, False, False]

@@ -19,8 +19,10 @@ def test_a_field_added_since_the_checkpoint_differs_only_when_set_off_its_defaul
     recorded = _recorded_by_an_older_version(cfg, "rollout.partial", "rollout.quantization", "kl.clamp")
     assert differences(recorded, identity_of(cfg, 1), TrainConfig) == []  # at their defaults: the behaviour the run had
     changed = load_train_config("configs/cpu/default.yaml", ["rollout.quantization=fp8", "kl.clamp=10"])
-    assert differences(recorded, identity_of(changed, 1), TrainConfig) == ["kl.clamp: (absent) -> 10.0",
-                                                              "rollout.quantization: (absent) -> 'fp8'"]
+    assert differences(recorded, identity_of(changed, 1), TrainConfig) == [
+        "kl.clamp: (absent) -> 10.0",
+        "rollout.quantization: (absent) -> 'fp8'",
+    ]
 
 
 def test_removed_and_changed_fields_always_differ():
@@ -52,9 +54,10 @@ def test_what_auto_chose_is_a_declared_resolved_field_outside_the_identity(tmp_p
         load_train_config("configs/cpu/default.yaml", ["kl_selection.target=token_reverse"])
     # the choice is in kl.* already: the same run given the chosen axes has the same identity
     chosen = auto.kl_selection.config
-    given = load_train_config("configs/cpu/default.yaml", [f"kl.estimator={chosen.estimator}",
-                                                           f"kl.placement={chosen.placement}",
-                                                           f"kl.level={chosen.level}"])
+    given = load_train_config(
+        "configs/cpu/default.yaml",
+        [f"kl.estimator={chosen.estimator}", f"kl.placement={chosen.placement}", f"kl.level={chosen.level}"],
+    )
     assert differences(identity_of(auto, 1), identity_of(given, 1), TrainConfig) == []
 
 
@@ -65,15 +68,27 @@ def test_the_run_key_separates_every_identity_change_and_nothing_else():
     name = base.train.output_dir.rsplit("/", 1)[1]
     assert name == base.run_name and len(base.run_name.rsplit("-", 1)[1]) == 6
     assert load_train_config(DEFAULT_CONFIG).train.output_dir == base.train.output_dir  # the same again: resumes
-    for change in (["optim.lr=2e-4"], ["model.hidden_size=64", "model.ffn_hidden_size=128"], ["algo.minibatches=4"],
-                   ["reward.functions=[{name: exact_match}]"], ["rollout.sampling.top_k=5"]):
+    for change in (
+        ["optim.lr=2e-4"],
+        ["model.hidden_size=64", "model.ffn_hidden_size=128"],
+        ["algo.minibatches=4"],
+        ["reward.functions=[{name: exact_match}]"],
+        ["rollout.sampling.top_k=5"],
+    ):
         other = load_train_config(DEFAULT_CONFIG, change)
         assert other.train.output_dir != base.train.output_dir, change
         assert other.run_name.rsplit("-", 1)[0] == base.run_name.rsplit("-", 1)[0], change  # the axes read the same
-    for same in (["eval.k=8"], ["logging.tensorboard=false"], ["checkpoint.interval=5"], ["train.steps=100"],
-                 ["reward.timeout_s=5"]):
+    for same in (
+        ["eval.k=8"],
+        ["logging.tensorboard=false"],
+        ["checkpoint.interval=5"],
+        ["train.steps=100"],
+        ["reward.timeout_s=5"],
+    ):
         assert load_train_config(DEFAULT_CONFIG, same).train.output_dir == base.train.output_dir, same
-    assert run_key(TrainConfig()) == "" and TrainConfig().run_name == "k1-reward-token-rtg-coef0.001-grpo-ppo-s0-seed1234"
+    assert (
+        run_key(TrainConfig()) == "" and TrainConfig().run_name == "k1-reward-token-rtg-coef0.001-grpo-ppo-s0-seed1234"
+    )
     assert base.run_name.endswith("-e3a8e3")  # stable: the key docs/training.md and the README show
 
 

@@ -57,13 +57,19 @@ def test_production_code_does_not_import_testing():
     checks, pytest modules) are imported by nothing the trainer, the engines or the launcher run; no module of
     the package imports the repository's tests/ (an installed package has none)."""
     helpers = ("megatron_kl.testing", "megatron_kl.validation")
-    offenders = {name: sorted(t for t in targets if t.startswith(helpers))
-                 for name, targets in module_graph().items() if not name.startswith(helpers)}
+    offenders = {
+        name: sorted(t for t in targets if t.startswith(helpers))
+        for name, targets in module_graph().items()
+        if not name.startswith(helpers)
+    }
     assert {k: v for k, v in offenders.items() if v} == {}
     for path in ROOT.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
-                [node.module] if isinstance(node, ast.ImportFrom) and node.module else [])
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else ([node.module] if isinstance(node, ast.ImportFrom) and node.module else [])
+            )
             assert not any(n == "tests" or n.startswith("tests.") for n in names), f"{path} imports {names}"
 
 
@@ -74,10 +80,13 @@ def test_every_import_runs_down_the_layers():
 def test_the_layer_check_sees_a_planted_import_up():
     graph = module_graph()
     graph["megatron_kl.kl.objective"] = graph["megatron_kl.kl.objective"] | {"megatron_kl.algo.losses"}
-    graph["megatron_kl.vocab_parallel.truncation"] = graph["megatron_kl.vocab_parallel.truncation"] | {"megatron_kl.kl.rpg"}
+    graph["megatron_kl.vocab_parallel.truncation"] = graph["megatron_kl.vocab_parallel.truncation"] | {
+        "megatron_kl.kl.rpg"
+    }
     assert imports_up(graph) == [
         "megatron_kl.kl.objective (KL objective) imports megatron_kl.algo.losses (algorithms and rollouts)",
-        "megatron_kl.vocab_parallel.truncation (vocab-parallel statistics) imports megatron_kl.kl.rpg (KL objective)"]
+        "megatron_kl.vocab_parallel.truncation (vocab-parallel statistics) imports megatron_kl.kl.rpg (KL objective)",
+    ]
 
 
 def test_imports_inside_functions_defer_something():
@@ -95,6 +104,10 @@ def test_the_function_import_rule_sees_planted_imports(tmp_path):
     (package / "user.py").write_text(
         "import yaml\n\n"
         "def f():\n    import json\n    import pkg.light\n    import yaml\n\n"
-        "def g():\n    import torch\n    import pkg.heavy\n    from megatron.core import parallel_state\n")
+        "def g():\n    import torch\n    import pkg.heavy\n    from megatron.core import parallel_state\n"
+    )
     assert needless_function_imports(package) == [
-        "pkg/user.py:4 f() imports json", "pkg/user.py:5 f() imports pkg.light", "pkg/user.py:6 f() imports yaml"]
+        "pkg/user.py:4 f() imports json",
+        "pkg/user.py:5 f() imports pkg.light",
+        "pkg/user.py:6 f() imports yaml",
+    ]

@@ -14,7 +14,9 @@ def _rows(problem, off):
     return {r.name: r for r in audit(problem, off_policy=off, configs=all_configs(off))}
 
 
-@pytest.fixture(scope="module", params=[(3, 3, 0), (3, 3, 1), (2, 4, 2), (4, 2, 3)], ids=lambda p: f"V{p[0]}T{p[1]}s{p[2]}")
+@pytest.fixture(
+    scope="module", params=[(3, 3, 0), (3, 3, 1), (2, 4, 2), (4, 2, 3)], ids=lambda p: f"V{p[0]}T{p[1]}s{p[2]}"
+)
 def tables(request):
     vocab, length, seed = request.param
     problem = TabularProblem.random(vocab, length, seed)
@@ -39,8 +41,16 @@ def test_on_policy_table(tables):
     # GRPO's default is exactly the token-level FORWARD KL gradient
     assert b["k3-loss-token"]["forward"] < ZERO and b["k3-loss-token"]["seq"] > BIASED
     # biased against every target
-    for name in ("k3-loss-sequence", "k2-reward-token-rtg", "k2-reward-token-imm", "k2-reward-sequence",
-                 "k3-reward-token-rtg", "k3-reward-token-imm", "k3-reward-sequence", "full-reward-token-rtg"):
+    for name in (
+        "k3-loss-sequence",
+        "k2-reward-token-rtg",
+        "k2-reward-token-imm",
+        "k2-reward-sequence",
+        "k3-reward-token-rtg",
+        "k3-reward-token-imm",
+        "k3-reward-sequence",
+        "full-reward-token-rtg",
+    ):
         assert min(b[name].values()) > BIASED, name
         assert on[name].verdict == "biased"
     # exact KL in the reward misses exactly the pathwise term: E[g] = grad seq - grad token
@@ -101,8 +111,14 @@ def test_the_audit_ends_with_a_summary_per_section_and_target():
     def row(name, seq, token, forward):
         return AuditRow(name, "on_policy", {}, {"seq": seq, "token": token, "forward": forward}, {}, 0.0, "")
 
-    text = summarize([("on-policy", [row("a", 1e-12, 0.5, float("nan")), row("b", 0.3, 1e-13, float("inf")),
-                                     row("c", 2.0, 0.1, 0.2)])])
+    text = summarize(
+        [
+            (
+                "on-policy",
+                [row("a", 1e-12, 0.5, float("nan")), row("b", 0.3, 1e-13, float("inf")), row("c", 2.0, 0.1, 0.2)],
+            )
+        ]
+    )
     lines = text.splitlines()
     assert lines[2] == "on-policy, 3 configurations"
     assert lines[3].split() == ["seq", "1", "unbiased", "2", "biased", "worst", "2", "(c)"]

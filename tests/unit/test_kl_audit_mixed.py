@@ -15,8 +15,12 @@ ZERO = 1e-9
 BIASED = 0.02
 UNCAPPED = (Correction("sequence_tis", math.inf), Correction("token_tis", math.inf))
 # the off-policy rows whose unbiasedness rests on the behaviour log-probs being the sampler's
-EXACT_FOR_SEQ = ("k1-reward-token-rtg-per_decision", "full-loss-sequence-per_decision",
-                 "k2-loss-sequence-behavior[sequence_tis(uncapped)]", "full-loss-sequence-behavior[sequence_tis(uncapped)]")
+EXACT_FOR_SEQ = (
+    "k1-reward-token-rtg-per_decision",
+    "full-loss-sequence-per_decision",
+    "k2-loss-sequence-behavior[sequence_tis(uncapped)]",
+    "full-loss-sequence-behavior[sequence_tis(uncapped)]",
+)
 EXACT_FOR_TOKEN = ("k1-loss-token-token_is", "k3-loss-token-token_is", "full-loss-token-behavior[token_tis(uncapped)]")
 
 
@@ -31,8 +35,9 @@ CASES = [(3, 3, 0, 1), (3, 3, 1, 2), (2, 4, 2, 2), (2, 4, 3, 3)]
 @pytest.fixture(scope="module", params=CASES, ids=lambda c: f"V{c[0]}T{c[1]}s{c[2]}k{c[3]}")
 def mixed(request):
     vocab, length, seed, switch = request.param
-    return {recorded: _rows(TabularProblem.mixed(vocab, length, seed, switch, recorded)) for recorded in RECORDED}, \
-        request.param
+    return {
+        recorded: _rows(TabularProblem.mixed(vocab, length, seed, switch, recorded)) for recorded in RECORDED
+    }, request.param
 
 
 def _single_table_equivalent(vocab, length, seed, switch) -> TabularProblem:

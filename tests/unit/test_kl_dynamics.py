@@ -71,8 +71,9 @@ def test_one_backward_expectation_matches_separate_rows_for_rpg_and_behaviour_co
     q = sequence_log_probs(problem, table).exp().detach()
     for cfg, correction in _rows(off_policy):
         if cfg.name.startswith("rpg"):
-            expected = sum(q[n] * kl_gradient(problem, cfg, torch.eye(len(q), dtype=q.dtype)[n], off_policy)
-                           for n in range(len(q)))
+            expected = sum(
+                q[n] * kl_gradient(problem, cfg, torch.eye(len(q), dtype=q.dtype)[n], off_policy) for n in range(len(q))
+            )
         elif correction is not None:
             grads, weights = _estimator_gradients(problem, cfg, off_policy, correction)
             expected = (weights.view(-1, 1, 1) * grads).sum(0)
@@ -105,13 +106,18 @@ def test_unbiased_configurations_reach_the_optimum_and_biased_ones_do_not(shape,
         stationary = float(direction(at_optimum, rewards, beta, cfg, off_policy, correction).norm())
         if name in unbiased:
             assert stationary < 1e-9, (name, stationary)
-            outcome = train_exact(problem, rewards, beta, cfg, lr=2.0, steps=4000, off_policy=off_policy,
-                                  correction=correction)
+            outcome = train_exact(
+                problem, rewards, beta, cfg, lr=2.0, steps=4000, off_policy=off_policy, correction=correction
+            )
             assert outcome.converged and outcome.kl_to_optimum < 1e-8, outcome
         else:
             assert stationary > 1e-4, (name, verdicts[name], stationary)
-            assert train_exact(problem, rewards, beta, cfg, steps=200, off_policy=off_policy,
-                               correction=correction).kl_to_optimum > 1e-8, name
+            assert (
+                train_exact(
+                    problem, rewards, beta, cfg, steps=200, off_policy=off_policy, correction=correction
+                ).kl_to_optimum
+                > 1e-8
+            ), name
 
 
 def test_k1_in_the_loss_is_the_unregularised_reward_maximiser():
@@ -209,6 +215,7 @@ def test_instability_events_are_counted_and_a_stable_run_has_none():
     cfg = {c.name: c for c in all_configs(True)}["k2-loss-sequence"]
     stable = train_stale(problem, rewards, 0.5, cfg, 4, batch=64, steps=100, lr=0.5, seeds=2)
     nonfinite = train_stale(problem, rewards, 0.5, cfg, 4, batch=64, steps=10, lr=float("inf"), seeds=2)
-    collapse = train_stale(problem, rewards, 0.5, cfg, 16, Correction("sequence_tis", float("inf")), batch=64,
-                           steps=300, lr=4.0, seeds=2)
+    collapse = train_stale(
+        problem, rewards, 0.5, cfg, 16, Correction("sequence_tis", float("inf")), batch=64, steps=300, lr=4.0, seeds=2
+    )
     assert stable.unstable == 0 and nonfinite.unstable == 2 and collapse.unstable == 2, (stable, nonfinite, collapse)

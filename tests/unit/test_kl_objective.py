@@ -40,7 +40,8 @@ def test_hand_values_token_level():
         seq = KLConfig(estimator=est, placement="loss", level="sequence", coef=1.0)
         d = d1 + d2
         assert kl_loss(seq, lp, ref, mask).item() == pytest.approx(
-            {"k1": d, "k2": 0.5 * d * d, "k3": math.exp(-d) - 1 + d}[est], abs=1e-12)
+            {"k1": d, "k2": 0.5 * d * d, "k3": math.exp(-d) - 1 + d}[est], abs=1e-12
+        )
 
 
 def test_hand_values_reward_credit():
@@ -69,22 +70,30 @@ def test_aggregations():
     assert kl_loss(cfg("seq_mean_token_sum"), lp, ref, mask).item() == pytest.approx((d.sum() / 3).item())
     assert kl_loss(cfg("token_mean"), lp, ref, mask).item() == pytest.approx((d.sum() / m.sum()).item())
     assert kl_loss(cfg("seq_mean_token_mean"), lp, ref, mask).item() == pytest.approx(
-        ((d.sum(-1) / m.sum(-1)).mean()).item())
+        ((d.sum(-1) / m.sum(-1)).mean()).item()
+    )
 
 
-LOSS_CONFIGS = [
-    KLConfig(estimator=e, placement="loss", level=lv, coef=0.5) for e in ("k1", "k2", "k3") for lv in ("token", "sequence")
-] + [
-    KLConfig(estimator=e, placement="loss", off_policy="token_is", coef=0.5) for e in ("k1", "k2", "k3")
-] + [
-    KLConfig(estimator="full", placement="loss", level="token", coef=0.5),
-    KLConfig(estimator="full", placement="loss", level="sequence", coef=0.5),
-    KLConfig(estimator="full", placement="loss", level="sequence", off_policy="per_decision", coef=0.5, truncate=3.0),
-]
+LOSS_CONFIGS = (
+    [
+        KLConfig(estimator=e, placement="loss", level=lv, coef=0.5)
+        for e in ("k1", "k2", "k3")
+        for lv in ("token", "sequence")
+    ]
+    + [KLConfig(estimator=e, placement="loss", off_policy="token_is", coef=0.5) for e in ("k1", "k2", "k3")]
+    + [
+        KLConfig(estimator="full", placement="loss", level="token", coef=0.5),
+        KLConfig(estimator="full", placement="loss", level="sequence", coef=0.5),
+        KLConfig(
+            estimator="full", placement="loss", level="sequence", off_policy="per_decision", coef=0.5, truncate=3.0
+        ),
+    ]
+)
 
 
-@pytest.mark.parametrize("cfg", [c for c in LOSS_CONFIGS if not (c.estimator == "full" and c.level == "sequence")],
-                         ids=lambda c: c.name)
+@pytest.mark.parametrize(
+    "cfg", [c for c in LOSS_CONFIGS if not (c.estimator == "full" and c.level == "sequence")], ids=lambda c: c.name
+)
 def test_gradcheck_losses(cfg):
     lp, ref, beh, full, mask = _batch(1)
     fn = lambda lp_, full_: kl_loss(cfg, lp_, ref, mask, behavior_logprobs=beh, full_kl=full_)  # noqa: E731
@@ -96,8 +105,13 @@ def test_rao_blackwellised_gradient_formula(per_decision):
     """Stop-gradient surrogates cannot be gradchecked; check the analytic gradient instead:
     d/d logprob_t = coef/B * sum_{s>t} w_s KL_s and d/d KL_t = coef/B * w_t, w_t = rho_{1:t-1} (or 1)."""
     lp, ref, beh, full, mask = _batch(3)
-    cfg = KLConfig(estimator="full", placement="loss", level="sequence", coef=0.5,
-                   off_policy="per_decision" if per_decision else "none")
+    cfg = KLConfig(
+        estimator="full",
+        placement="loss",
+        level="sequence",
+        coef=0.5,
+        off_policy="per_decision" if per_decision else "none",
+    )
     loss = kl_loss(cfg, lp, ref, mask, behavior_logprobs=beh, full_kl=full)
     g_lp, g_full = torch.autograd.grad(loss, (lp, full))
     m = mask.to(D64)
@@ -138,13 +152,18 @@ def test_missing_inputs_are_errors():
         kl_shaped_returns(KLConfig(), torch.zeros(5, dtype=D64), lp, ref, mask)
 
 
-ALL_CONFIGS = LOSS_CONFIGS + [
-    KLConfig(estimator=e, placement="reward", credit=c, coef=0.3) for e in ("k1", "k2", "k3", "full")
-    for c in ("reward_to_go", "immediate")
-] + [
-    KLConfig(estimator="k1", placement="reward", off_policy="per_decision", coef=0.3),
-    KLConfig(estimator="k3", placement="reward", level="sequence", coef=0.3),
-]
+ALL_CONFIGS = (
+    LOSS_CONFIGS
+    + [
+        KLConfig(estimator=e, placement="reward", credit=c, coef=0.3)
+        for e in ("k1", "k2", "k3", "full")
+        for c in ("reward_to_go", "immediate")
+    ]
+    + [
+        KLConfig(estimator="k1", placement="reward", off_policy="per_decision", coef=0.3),
+        KLConfig(estimator="k3", placement="reward", level="sequence", coef=0.3),
+    ]
+)
 
 
 @settings(max_examples=25, deadline=None)
@@ -163,8 +182,9 @@ def test_padding_invariance_and_finiteness(seed, pad, scale, cfg_index):
     def run(lp_, ref_, beh_, full_, mask_):
         counter = ClampCounter()
         loss = kl_loss(cfg, lp_, ref_, mask_, behavior_logprobs=beh_, full_kl=full_, counter=counter)
-        returns = kl_shaped_returns(cfg, rewards, lp_.detach(), ref_, mask_, behavior_logprobs=beh_,
-                                    full_kl=full_.detach(), counter=counter)
+        returns = kl_shaped_returns(
+            cfg, rewards, lp_.detach(), ref_, mask_, behavior_logprobs=beh_, full_kl=full_.detach(), counter=counter
+        )
         grads = (None, None)
         if loss.requires_grad:
             grads = torch.autograd.grad(loss, (lp_, full_), allow_unused=True)
@@ -179,10 +199,10 @@ def test_padding_invariance_and_finiteness(seed, pad, scale, cfg_index):
     if cfg.aggregation == "seq_mean_token_sum":
         torch.testing.assert_close(loss2, loss, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(returns2[:, : lp.shape[1]], returns, rtol=1e-12, atol=1e-12)
-    assert (returns2[:, lp.shape[1]:] == 0).all()
+    assert (returns2[:, lp.shape[1] :] == 0).all()
     for g, g2 in zip(grads, grads2):
         torch.testing.assert_close(g2[:, : lp.shape[1]], g, rtol=1e-12, atol=1e-12)
-        assert (g2[:, lp.shape[1]:] == 0).all()
+        assert (g2[:, lp.shape[1] :] == 0).all()
     assert torch.isfinite(loss) and torch.isfinite(returns).all() and all(torch.isfinite(g).all() for g in grads)
 
 

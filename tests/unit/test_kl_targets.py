@@ -50,8 +50,12 @@ def test_off_policy_uncapped_importance_weights_carry_on_policy_verdicts(problem
     for name, base in on_policy.items():
         seq_row = rows[f"{name}-behavior[{UNCAPPED_SEQ.label}]"]
         assert (seq_row.rel_bias["seq"] < ZERO) == (base.rel_bias["seq"] < ZERO), name
-    for name, target in (("k2-loss-token", "token"), ("full-loss-token", "token"), ("k1-reward-token-imm", "token"),
-                         ("k3-loss-token", "forward")):
+    for name, target in (
+        ("k2-loss-token", "token"),
+        ("full-loss-token", "token"),
+        ("k1-reward-token-imm", "token"),
+        ("k3-loss-token", "forward"),
+    ):
         assert on_policy[name].rel_bias[target] < ZERO
         assert rows[f"{name}-behavior[{UNCAPPED_TOKEN.label}]"].rel_bias[target] < ZERO, name
     # the token ratio on reward-to-go credit is the PPO-style weight: biased for the sequence KL
@@ -62,9 +66,16 @@ def test_off_policy_truncation_and_masks_bias_the_kl_gradient(problem):
     """With mu far from pi the caps bind: every capped or masked correction is biased for the sequence KL,
     even on the configurations that are unbiased on-policy."""
     capped = tuple(c for c in AUDITED if math.isfinite(c.tis_cap) or not c.kind.endswith("_tis"))
-    rows = audit(problem, True, [dataclasses.replace(c, off_policy="behavior") for c in all_configs(False)
-                                 if c.name in ("k1-reward-token-rtg", "k2-loss-sequence", "full-loss-sequence")],
-                 corrections=capped)
+    rows = audit(
+        problem,
+        True,
+        [
+            dataclasses.replace(c, off_policy="behavior")
+            for c in all_configs(False)
+            if c.name in ("k1-reward-token-rtg", "k2-loss-sequence", "full-loss-sequence")
+        ],
+        corrections=capped,
+    )
     assert len(rows) == 3 * len(capped)
     for row in rows:
         assert row.rel_bias["seq"] > BIASED, row.name
@@ -76,10 +87,20 @@ def test_caps_that_never_bind_are_exactly_the_uncapped_correction():
     problem = TabularProblem.random(3, 3, 4)
     g = torch.Generator().manual_seed(11)
     problem.behavior_table = problem.policy_table.detach() + 0.05 * torch.randn(
-        problem.policy_table.shape, generator=g, dtype=torch.float64)
+        problem.policy_table.shape, generator=g, dtype=torch.float64
+    )
     cfg = dataclasses.replace(KLConfig(estimator="k1", placement="reward", coef=0.1), off_policy="behavior")
-    rows = audit(problem, True, [cfg], corrections=(Correction("sequence_tis", 1e3), Correction("sequence_mask", 2.0),
-                                                    Correction("token_mask"), UNCAPPED_SEQ))
+    rows = audit(
+        problem,
+        True,
+        [cfg],
+        corrections=(
+            Correction("sequence_tis", 1e3),
+            Correction("sequence_mask", 2.0),
+            Correction("token_mask"),
+            UNCAPPED_SEQ,
+        ),
+    )
     by = {r.correction: r for r in rows}
     assert by[UNCAPPED_SEQ.label].rel_bias["seq"] < ZERO
     assert by["sequence_tis(cap 1000)"].rel_bias["seq"] < ZERO
@@ -112,13 +133,15 @@ def test_behavior_weights_multiply_the_kl_integrand():
     expected = 0.5 * (weight * k3 * m).sum() / 3
     got = kl_loss(cfg, logprobs, reference, mask, behavior_weight=weight)
     torch.testing.assert_close(got, expected, rtol=1e-12, atol=0)
-    grad, = torch.autograd.grad(got, logprobs)
+    (grad,) = torch.autograd.grad(got, logprobs)
     assert torch.all(grad[~mask] == 0)
 
     seq = dataclasses.replace(cfg, estimator="k2", level="sequence")
     seq_weight = (weight * m).sum(-1) / m.sum(-1).clamp_min(1)
     expected = 0.5 * (seq_weight * 0.5 * d.sum(-1) ** 2).sum() / 3
-    torch.testing.assert_close(kl_loss(seq, logprobs, reference, mask, behavior_weight=weight), expected, rtol=1e-12, atol=0)
+    torch.testing.assert_close(
+        kl_loss(seq, logprobs, reference, mask, behavior_weight=weight), expected, rtol=1e-12, atol=0
+    )
 
     credit = torch.rand(3, 5, dtype=torch.float64)
     reward = KLConfig(estimator="k1", placement="reward", off_policy="behavior", aggregation="token_mean")
@@ -130,7 +153,9 @@ def test_behavior_weights_multiply_the_kl_integrand():
 
 @pytest.mark.parametrize("regime", ["on_policy", "off_policy"])
 @pytest.mark.parametrize("target", list(TARGETS))
-@pytest.mark.parametrize("correction", [Correction(), UNCAPPED_TOKEN, Correction("sequence_tis")], ids=lambda c: c.label)
+@pytest.mark.parametrize(
+    "correction", [Correction(), UNCAPPED_TOKEN, Correction("sequence_tis")], ids=lambda c: c.label
+)
 def test_auto_picks_the_lowest_variance_unbiased_configuration(target, regime, correction):
     """The choice is unbiased for the target on audit problems it was NOT chosen on (other shapes and seeds),
     and no other unbiased candidate has a lower variance on the selection's problems."""

@@ -100,8 +100,9 @@ def test_logits_of_1e4_and_all_masked_rows_stay_finite():
     x = logits.clone().requires_grad_(True)
     sampled = torch.tensor([0, 3])
     logp = x.log_softmax(-1)
-    a = candidate_logprobs(logp.gather(-1, sampled[:, None])[:, 0], candidate_logits(x, ids, None),
-                           x.gather(-1, sampled[:, None])[:, 0])
+    a = candidate_logprobs(
+        logp.gather(-1, sampled[:, None])[:, 0], candidate_logits(x, ids, None), x.gather(-1, sampled[:, None])[:, 0]
+    )
     expected = logits.double().log_softmax(-1).gather(-1, ids)
     assert torch.allclose(a.double(), expected, atol=1e-5)
     value = top_k_divergence(a, b, "bucket") * torch.tensor([1.0, 0.0])
@@ -134,8 +135,11 @@ def test_candidate_log_probs_and_their_gradient_equal_the_log_softmax():
         logp = (logits / 1.3).log_softmax(-1)
         chosen = logp.gather(-1, sampled[..., None])[..., 0]
         both = torch.cat([ids, sampled[..., None]], -1)
-        picked = (fused_candidate_logits(hidden, weight, both, None, chunk_rows=5) if fused
-                  else candidate_logits(logits, both, None))
+        picked = (
+            fused_candidate_logits(hidden, weight, both, None, chunk_rows=5)
+            if fused
+            else candidate_logits(logits, both, None)
+        )
         value = candidate_logprobs(chosen, picked[..., :-1], picked[..., -1], temperature=1.3)
         grads = torch.autograd.grad((value * upstream).sum(), (hidden, weight), retain_graph=True)
         expected_value = logp.gather(-1, ids)

@@ -20,7 +20,7 @@ def _relative(actual, expected):
 
 def _case(scale, dtype, rows=(5, 3), seed=0):
     g = torch.Generator().manual_seed(seed)
-    x = (torch.randn(*rows, HIDDEN, generator=g, dtype=torch.float64) * scale)
+    x = torch.randn(*rows, HIDDEN, generator=g, dtype=torch.float64) * scale
     x[0, 0] = 0.0  # an all-zero row: 1/rms = 1/sqrt(eps)
     weight = torch.rand(HIDDEN, generator=g, dtype=torch.float64) + 0.5
     cotangent = torch.randn(*rows, HIDDEN, generator=g, dtype=torch.float64)

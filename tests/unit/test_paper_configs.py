@@ -51,15 +51,18 @@ def test_gpu_study_crosses_every_kl_configuration_and_each_run_is_launchable():
     from megatron_kl.launch.jobs import _check_slurm
     from megatron_kl.train.config import validate_train_config
 
-    launch_plan = plan(str(ROOT / "configs" / "study" / "qwen2.5-7b.yaml"),
-                       ["launch.slurm.account=acct", "launch.slurm.container_image=nvcr.io/megatron-kl:gpu"])
+    launch_plan = plan(
+        str(ROOT / "configs" / "study" / "qwen2.5-7b.yaml"),
+        ["launch.slurm.account=acct", "launch.slurm.container_image=nvcr.io/megatron-kl:gpu"],
+    )
     configs = [spec.cfg for spec in launch_plan.tasks]
     assert len({spec.name for spec in launch_plan.tasks}) == len(configs)
     assert len(launch_plan.study.seeds) >= 2
     for cfg in configs:
         gpus = cfg.launch.slurm.nodes * cfg.launch.slurm.gpus_per_node
-        validate_train_config(cfg, cfg.model.vocab_size, gpus // (cfg.parallel.tensor_parallel *
-                                                                   cfg.parallel.pipeline_parallel))
+        validate_train_config(
+            cfg, cfg.model.vocab_size, gpus // (cfg.parallel.tensor_parallel * cfg.parallel.pipeline_parallel)
+        )
         _check_slurm(cfg)
     kl_runs = [c.kl for c in configs if c.algo.loss != "rpg" and c.kl.coef > 0]
     on_policy = {(k.estimator, k.placement, k.level) for k in kl_runs if k.off_policy == "none"}
@@ -89,8 +92,11 @@ def test_moe_paper_config_matches_hf_config_and_fits_4_nodes():
     m = cfg.model.resolved()
     experts = m.num_layers * m.moe.num_experts * 3 * m.hidden_size * m.moe.ffn_hidden_size
     attention = m.num_layers * m.hidden_size * m.kv_channels * (2 * m.num_attention_heads + 2 * m.num_query_groups)
-    per_gpu = experts / cfg.parallel.pipeline_parallel / cfg.parallel.expert_parallel + \
-        attention / cfg.parallel.pipeline_parallel + m.vocab_size * m.hidden_size
+    per_gpu = (
+        experts / cfg.parallel.pipeline_parallel / cfg.parallel.expert_parallel
+        + attention / cfg.parallel.pipeline_parallel
+        + m.vocab_size * m.hidden_size
+    )
     assert 2.5e9 < per_gpu < 2.8e9 and 28.9e9 < experts < 29.1e9
 
 
@@ -101,15 +107,18 @@ def test_moe_study_preset_runs_are_launchable():
     from megatron_kl.launch.jobs import _check_slurm
     from megatron_kl.train.config import validate_train_config
 
-    launch_plan = plan(str(ROOT / "configs" / "study" / "qwen3-30b-a3b.yaml"),
-                       ["launch.slurm.account=acct", "launch.slurm.container_image=nvcr.io/megatron-kl:gpu"])
+    launch_plan = plan(
+        str(ROOT / "configs" / "study" / "qwen3-30b-a3b.yaml"),
+        ["launch.slurm.account=acct", "launch.slurm.container_image=nvcr.io/megatron-kl:gpu"],
+    )
     assert len(launch_plan.tasks) == 12 and len(launch_plan.study.seeds) == 2
     for spec in launch_plan.tasks:
         cfg = spec.cfg
         assert cfg.launch.slurm.nodes == 4 and cfg.model.moe.num_experts == 128
         gpus = cfg.launch.slurm.nodes * cfg.launch.slurm.gpus_per_node
-        validate_train_config(cfg, cfg.model.vocab_size, gpus // (cfg.parallel.tensor_parallel *
-                                                                   cfg.parallel.pipeline_parallel))
+        validate_train_config(
+            cfg, cfg.model.vocab_size, gpus // (cfg.parallel.tensor_parallel * cfg.parallel.pipeline_parallel)
+        )
         _check_slurm(cfg)
 
 
@@ -130,8 +139,10 @@ def test_long_trace_recipe_states_its_context_parallel_layout():
 
 
 # the new families' recipes: (paper config, its config.json under tests/data/hf_configs, GPUs, parameters per GPU)
-FAMILY_RECIPES = {"moonlight-16b-a3b": ("moonlight-16b-a3b", 16, (3.2e9, 3.5e9)),
-                  "gpt-oss-20b": ("gpt-oss-20b-bf16", 16, (4.1e9, 4.3e9))}
+FAMILY_RECIPES = {
+    "moonlight-16b-a3b": ("moonlight-16b-a3b", 16, (3.2e9, 3.5e9)),
+    "gpt-oss-20b": ("gpt-oss-20b-bf16", 16, (4.1e9, 4.3e9)),
+}
 
 
 def _parameters_per_gpu(cfg) -> tuple[float, float]:
@@ -143,14 +154,20 @@ def _parameters_per_gpu(cfg) -> tuple[float, float]:
     experts = sparse_layers * moe.num_experts * per_expert
     if m.multi_latent_attention:
         mla = m.mla
-        attention = m.hidden_size * m.num_attention_heads * mla.query_head_dim + \
-            m.hidden_size * (mla.kv_lora_rank + mla.qk_rope_head_dim) + \
-            mla.kv_lora_rank * m.num_attention_heads * (mla.qk_nope_head_dim + mla.v_head_dim) + \
-            m.num_attention_heads * mla.v_head_dim * m.hidden_size
+        attention = (
+            m.hidden_size * m.num_attention_heads * mla.query_head_dim
+            + m.hidden_size * (mla.kv_lora_rank + mla.qk_rope_head_dim)
+            + mla.kv_lora_rank * m.num_attention_heads * (mla.qk_nope_head_dim + mla.v_head_dim)
+            + m.num_attention_heads * mla.v_head_dim * m.hidden_size
+        )
     else:
         attention = m.hidden_size * m.kv_channels * (2 * m.num_attention_heads + 2 * m.num_query_groups)
-    dense = m.num_layers * attention + sparse_layers * 3 * m.hidden_size * moe.shared_expert_ffn_hidden_size + \
-        moe.first_dense_layers * 3 * m.hidden_size * m.ffn_hidden_size + 2 * m.vocab_size * m.hidden_size
+    dense = (
+        m.num_layers * attention
+        + sparse_layers * 3 * m.hidden_size * moe.shared_expert_ffn_hidden_size
+        + moe.first_dense_layers * 3 * m.hidden_size * m.ffn_hidden_size
+        + 2 * m.vocab_size * m.hidden_size
+    )
     return experts, experts / p.pipeline_parallel / p.expert_parallel + dense / p.pipeline_parallel
 
 
@@ -175,13 +192,16 @@ def test_new_family_recipes_match_their_config_json_fit_their_gpus_and_launch(na
     hf.check_model_config(hf.model_config_from_hf(hf.hf_config_from_model(cfg.model)), cfg.model)
     experts, per_gpu = _parameters_per_gpu(cfg)
     assert low < per_gpu < high, per_gpu
-    launch_plan = plan(str(ROOT / "configs" / "study" / f"{name}.yaml"),
-                       ["launch.slurm.account=acct", "launch.slurm.container_image=nvcr.io/megatron-kl:gpu"])
+    launch_plan = plan(
+        str(ROOT / "configs" / "study" / f"{name}.yaml"),
+        ["launch.slurm.account=acct", "launch.slurm.container_image=nvcr.io/megatron-kl:gpu"],
+    )
     assert len(launch_plan.tasks) == 12
     for spec in launch_plan.tasks:
         layout = spec.cfg.parallel
-        validate_train_config(spec.cfg, spec.cfg.model.vocab_size,
-                              gpus // (layout.tensor_parallel * layout.pipeline_parallel))
+        validate_train_config(
+            spec.cfg, spec.cfg.model.vocab_size, gpus // (layout.tensor_parallel * layout.pipeline_parallel)
+        )
         _check_slurm(spec.cfg)
 
 

@@ -61,9 +61,15 @@ class _TickEngine(EngineBase):
         for row in rows:
             start = len(row["prompt"]) - PROMPT_LEN
             finish = ("stop" if row["new"] and row["new"][-1] == STOP else "length") if done(row) else PAUSED
-            out.append(Completion(row["prompt"], row["new"], [_logprob(self.weight_version, start + t)
-                                                              for t in range(len(row["new"]))],
-                                  finish, self.weight_version))
+            out.append(
+                Completion(
+                    row["prompt"],
+                    row["new"],
+                    [_logprob(self.weight_version, start + t) for t in range(len(row["new"]))],
+                    finish,
+                    self.weight_version,
+                )
+            )
         return out
 
 
@@ -79,8 +85,16 @@ class _Task:
 
 def _run(partial: bool, steps: int = 6, staleness: int = 2, train_s: float = 0.06):
     engine = _TickEngine()
-    source = RolloutSource(_Task(), engine, SamplingConfig(max_new_tokens=LONG, stop_token_ids=[STOP]),
-                           prompts_per_step=4, group_size=1, staleness=staleness, seed=0, partial=partial)
+    source = RolloutSource(
+        _Task(),
+        engine,
+        SamplingConfig(max_new_tokens=LONG, stop_token_ids=[STOP]),
+        prompts_per_step=4,
+        group_size=1,
+        staleness=staleness,
+        seed=0,
+        partial=partial,
+    )
     batches = []
     try:
         for step in range(steps):
@@ -108,7 +122,9 @@ def test_responses_span_weight_versions_and_each_token_keeps_its_own():
             start = PROMPT_LEN - 1  # the packed batch carries the same per-token versions and log-probs
             n = len(completion.response_ids)
             assert batch.versions[row, start : start + n].tolist() == completion.versions
-            assert batch.behavior_logprobs[row, start : start + n].tolist() == pytest.approx(completion.response_logprobs)
+            assert batch.behavior_logprobs[row, start : start + n].tolist() == pytest.approx(
+                completion.response_logprobs
+            )
             assert int(batch.weight_versions[row]) == min(completion.versions)
     assert mixed > 0, "no response was resumed across a weight update"
 
@@ -118,17 +134,29 @@ def test_without_partial_rollouts_each_response_has_one_version():
     assert engine.pauses == 0
     for batch in batches:
         assert all(c.token_versions is None for c in batch.completions)
-        assert torch.equal(batch.versions[batch.loss_mask > 0],
-                           batch.weight_versions[:, None].expand_as(batch.loss_mask)[batch.loss_mask > 0])
+        assert torch.equal(
+            batch.versions[batch.loss_mask > 0],
+            batch.weight_versions[:, None].expand_as(batch.loss_mask)[batch.loss_mask > 0],
+        )
 
 
 def test_the_staleness_bound_is_checked_per_token():
     engine = _TickEngine(tick=0.0)
-    source = RolloutSource(_Task(), engine, SamplingConfig(max_new_tokens=LONG, stop_token_ids=[STOP]),
-                           prompts_per_step=1, group_size=1, staleness=1, seed=0, partial=True)
+    source = RolloutSource(
+        _Task(),
+        engine,
+        SamplingConfig(max_new_tokens=LONG, stop_token_ids=[STOP]),
+        prompts_per_step=1,
+        group_size=1,
+        staleness=1,
+        seed=0,
+        partial=True,
+    )
     try:
         old = Completion([4, 7, 7], [10, 11], [-1.0, -1.0], "length", 2, token_versions=[0, 2])
-        source.queue[3] = _Generated(3, [SimpleNamespace(prompt_ids=[4, 7, 7], answer="", prompt_text="")], [[4, 7, 7]], [old], 0.0)
+        source.queue[3] = _Generated(
+            3, [SimpleNamespace(prompt_ids=[4, 7, 7], answer="", prompt_text="")], [[4, 7, 7]], [old], 0.0
+        )
         with pytest.raises(StalenessExceeded, match="3 updates old, more than train.staleness=1"):
             source.get(3)
     finally:
@@ -137,8 +165,16 @@ def test_the_staleness_bound_is_checked_per_token():
 
 def test_a_checkpoint_in_between_holds_only_finished_batches():
     engine = _TickEngine()
-    source = RolloutSource(_Task(), engine, SamplingConfig(max_new_tokens=LONG, stop_token_ids=[STOP]),
-                           prompts_per_step=4, group_size=1, staleness=2, seed=0, partial=True)
+    source = RolloutSource(
+        _Task(),
+        engine,
+        SamplingConfig(max_new_tokens=LONG, stop_token_ids=[STOP]),
+        prompts_per_step=4,
+        group_size=1,
+        staleness=2,
+        seed=0,
+        partial=True,
+    )
     try:
         source.get(0)
         with source.weight_update():
@@ -147,8 +183,16 @@ def test_a_checkpoint_in_between_holds_only_finished_batches():
         assert sorted(state["queue"]) == [1, 2]
         for fields in state["queue"].values():
             assert all(c["finish_reason"] in ("stop", "length") for c in fields["completions"])
-        restored = RolloutSource(_Task(), engine, SamplingConfig(max_new_tokens=LONG, stop_token_ids=[STOP]),
-                                 prompts_per_step=4, group_size=1, staleness=2, seed=0, partial=True)
+        restored = RolloutSource(
+            _Task(),
+            engine,
+            SamplingConfig(max_new_tokens=LONG, stop_token_ids=[STOP]),
+            prompts_per_step=4,
+            group_size=1,
+            staleness=2,
+            seed=0,
+            partial=True,
+        )
         restored.load_state_dict(state)
         assert restored.queue[2].versions.tolist() == source.queue[2].versions.tolist()
         restored.close()
@@ -156,13 +200,19 @@ def test_a_checkpoint_in_between_holds_only_finished_batches():
         source.close()
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["rollout.partial=true"], "train.staleness >= 1"),
-    (["rollout.partial=true", "train.staleness=2", "rollout.engine=vllm"], "rollout.vllm.mode=llm: that engine cannot pause"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["rollout.partial=true"], "train.staleness >= 1"),
+        (
+            ["rollout.partial=true", "train.staleness=2", "rollout.engine=vllm"],
+            "rollout.vllm.mode=llm: that engine cannot pause",
+        ),
+    ],
+)
 def test_partial_rollouts_that_cannot_work_are_refused_naming_the_field(tmp_path, overrides, message):
     from megatron_kl.train.config import TrainConfig, validate_train_config
-    from tests.e2e.test_train import short_config
+    from tests.e2e.runs import short_config
 
     cfg = from_dict(TrainConfig, short_config(tmp_path, str(tmp_path / "cache"), *overrides))
     with pytest.raises(ConfigError, match=message):

@@ -2,9 +2,12 @@
 
 from megatron_kl.train.plots import training_figure, write_training_plot
 
-RECORDS = [{"step": s, "reward/mean": 0.8 + 0.01 * s, "kl/exact_token": 0.001 * s, "kl/k3_token": 0.0009 * s}
-           for s in range(5)] + [{"step": 0, "eval/id/pass@1": 0.9, "eval/ood/pass@1": 0.5},
-                                 {"step": 5, "eval/id/pass@1": 0.95, "eval/ood/pass@1": 0.4}]
+RECORDS = [
+    {"step": s, "reward/mean": 0.8 + 0.01 * s, "kl/exact_token": 0.001 * s, "kl/k3_token": 0.0009 * s} for s in range(5)
+] + [
+    {"step": 0, "eval/id/pass@1": 0.9, "eval/ood/pass@1": 0.5},
+    {"step": 5, "eval/id/pass@1": 0.95, "eval/ood/pass@1": 0.4},
+]
 
 
 def test_each_quantity_has_its_own_titled_and_labelled_axes(tmp_path):

@@ -49,4 +49,3 @@ def _agree_worker(rank, world, signalled_rank):
 @pytest.mark.parametrize("signalled_rank, expected", [(1, "SIGUSR1"), (None, None)])
 def test_every_rank_learns_that_one_rank_was_signalled(signalled_rank, expected):
     assert run_ranks(_agree_worker, 2, signalled_rank) == [expected, expected]
-

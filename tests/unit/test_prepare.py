@@ -12,8 +12,10 @@ from megatron_kl.train.loop import prepare
 
 
 def test_prepare_resolves_a_copy_and_leaves_the_config_and_the_generators_alone(tmp_path):
-    cfg = load_train_config("configs/cpu/default.yaml", [f"train.output_dir={tmp_path}/run", "kl.estimator=auto",
-                                                         "kl.target=sequence_reverse"])
+    cfg = load_train_config(
+        "configs/cpu/default.yaml",
+        [f"train.output_dir={tmp_path}/run", "kl.estimator=auto", "kl.target=sequence_reverse"],
+    )
     loaded = to_dict(cfg)
     states = (torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy())
     prepared = prepare(cfg)
@@ -24,4 +26,5 @@ def test_prepare_resolves_a_copy_and_leaves_the_config_and_the_generators_alone(
     assert resolved is not cfg and resolved.rollout.sampling.stop_token_ids == [prepared.task.tokenizer.eos_id]
     assert resolved.kl_selection is not None and resolved.kl_selection is cfg.kl_selection  # auto's choice kept
     assert {k: v for k, v in to_dict(resolved).items() if k != "rollout"} == {
-        k: v for k, v in loaded.items() if k != "rollout"}
+        k: v for k, v in loaded.items() if k != "rollout"
+    }

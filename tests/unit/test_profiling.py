@@ -14,19 +14,26 @@ from megatron_kl.train.profiling import PHASES, phase, summarize
 
 
 def _event(name, start_us, end_us, self_us=None):
-    return SimpleNamespace(name=name, time_range=SimpleNamespace(start=start_us, end=end_us),
-                           self_cpu_time_total=(end_us - start_us) if self_us is None else self_us,
-                           self_device_time_total=0.0)
+    return SimpleNamespace(
+        name=name,
+        time_range=SimpleNamespace(start=start_us, end=end_us),
+        self_cpu_time_total=(end_us - start_us) if self_us is None else self_us,
+        self_device_time_total=0.0,
+    )
 
 
 def test_summary_attributes_ops_by_the_range_that_holds_their_start():
     events = [
-        _event("megatron_kl/reference", 100, 200), _event("megatron_kl/update", 300, 600),
-        _event("aten::mm", 110, 150), _event("aten::add", 150, 160),       # reference: 40 us GEMM, 10 us other
-        _event("aten::addmm", 310, 400), _event("aten::bmm", 400, 420),    # update: 110 us GEMM
-        _event("aten::mul", 420, 425), _event("aten::mm", 250, 270),       # between the ranges: other
-        _event("aten::mm", 700, 710),                                      # after every range: other
-        _event("autograd::engine::evaluate_function", 310, 500),           # not an aten op: not counted
+        _event("megatron_kl/reference", 100, 200),
+        _event("megatron_kl/update", 300, 600),
+        _event("aten::mm", 110, 150),
+        _event("aten::add", 150, 160),  # reference: 40 us GEMM, 10 us other
+        _event("aten::addmm", 310, 400),
+        _event("aten::bmm", 400, 420),  # update: 110 us GEMM
+        _event("aten::mul", 420, 425),
+        _event("aten::mm", 250, 270),  # between the ranges: other
+        _event("aten::mm", 700, 710),  # after every range: other
+        _event("autograd::engine::evaluate_function", 310, 500),  # not an aten op: not counted
     ]
     out = summarize(events, step_seconds=1e-3)
     ref, update, other = (out["phases"][k] for k in ("reference", "update", "other"))
@@ -74,4 +81,3 @@ def test_phase_times_its_block_into_the_step_metrics_even_when_it_raises():
     with phase("reference"):  # no dict: a range only
         pass
     assert set(timings) == {"time/update", "time/weight_sync"}
-

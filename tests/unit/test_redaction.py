@@ -10,20 +10,43 @@ from megatron_kl import redaction
 from megatron_kl.redaction import REDACTED
 
 
-@pytest.mark.parametrize("name, secret", [
-    ("api_key", True), ("hf_token", True), ("WANDB_API_KEY", True), ("AWS_SECRET_ACCESS_KEY", True),
-    ("db_password", True), ("apiKey", True), ("credentials", True), ("api_key_env", False), ("token_env", False),
-    ("TOKENIZERS_PARALLELISM", False), ("max_new_tokens", False), ("keyboard", False), ("monkey", False),
-    ("token_dispatcher", False), ("key_path", False),
-])
+@pytest.mark.parametrize(
+    "name, secret",
+    [
+        ("api_key", True),
+        ("hf_token", True),
+        ("WANDB_API_KEY", True),
+        ("AWS_SECRET_ACCESS_KEY", True),
+        ("db_password", True),
+        ("apiKey", True),
+        ("credentials", True),
+        ("api_key_env", False),
+        ("token_env", False),
+        ("TOKENIZERS_PARALLELISM", False),
+        ("max_new_tokens", False),
+        ("keyboard", False),
+        ("monkey", False),
+        ("token_dispatcher", False),
+        ("key_path", False),
+    ],
+)
 def test_secret_names(name, secret):
     assert redaction.is_secret_name(name) is secret
 
 
-@pytest.mark.parametrize("flag, secret", [
-    ("--api-key", True), ("--admin-api-key", True), ("--hf-token=x", True), ("--password", True),
-    ("--token-latency-s", False), ("--max-new-tokens", False), ("--skip-tokenizer-init", False), ("api-key", False),
-])
+@pytest.mark.parametrize(
+    "flag, secret",
+    [
+        ("--api-key", True),
+        ("--admin-api-key", True),
+        ("--hf-token=x", True),
+        ("--password", True),
+        ("--token-latency-s", False),
+        ("--max-new-tokens", False),
+        ("--skip-tokenizer-init", False),
+        ("api-key", False),
+    ],
+)
 def test_secret_flags(flag, secret):
     assert redaction.is_secret_flag(flag) is secret
 
@@ -31,17 +54,31 @@ def test_secret_flags(flag, secret):
 def test_argument_lists_lose_the_values_of_secret_flags_only():
     args = ["--api-key", "k1", "--token-latency-s", "0.2", "--hf-token=k2", "--flag", "--password", "--port", "8"]
     assert redaction.secret_flag_values(args) == ["k1", "k2"]  # a flag followed by a flag has no value
-    assert redaction.redact_args(args) == ["--api-key", REDACTED, "--token-latency-s", "0.2", f"--hf-token={REDACTED}",
-                                           "--flag", "--password", "--port", "8"]
+    assert redaction.redact_args(args) == [
+        "--api-key",
+        REDACTED,
+        "--token-latency-s",
+        "0.2",
+        f"--hf-token={REDACTED}",
+        "--flag",
+        "--password",
+        "--port",
+        "8",
+    ]
 
 
 def test_config_dicts_text_and_urls(monkeypatch):
     monkeypatch.setenv("MY_SERVICE_TOKEN", "envsecret-123")
     monkeypatch.setenv("SHORT_KEY", "1")  # too short to hide from text
-    data = {"rollout": {"sglang": {"extra_args": ["--admin-api-key", "k1"], "api_key_env": "MY_SERVICE_TOKEN"}},
-            "reward": {"functions": [{"kwargs": {"api_key": "k2", "note": "uses envsecret-123"}}],
-                       "service": {"urls": ["http://u:pw-secret@h:1/x", "http://h:2/"]}},
-            "launch": {"env": {"HF_TOKEN": "k3", "NCCL_DEBUG": "INFO"}}, "train": {"steps": 1}}
+    data = {
+        "rollout": {"sglang": {"extra_args": ["--admin-api-key", "k1"], "api_key_env": "MY_SERVICE_TOKEN"}},
+        "reward": {
+            "functions": [{"kwargs": {"api_key": "k2", "note": "uses envsecret-123"}}],
+            "service": {"urls": ["http://u:pw-secret@h:1/x", "http://h:2/"]},
+        },
+        "launch": {"env": {"HF_TOKEN": "k3", "NCCL_DEBUG": "INFO"}},
+        "train": {"steps": 1},
+    }
     out = redaction.redact_config(data)
     assert out["rollout"]["sglang"] == {"extra_args": ["--admin-api-key", REDACTED], "api_key_env": "MY_SERVICE_TOKEN"}
     assert out["reward"]["functions"][0]["kwargs"] == {"api_key": REDACTED, "note": f"uses {REDACTED}"}
@@ -52,8 +89,12 @@ def test_config_dicts_text_and_urls(monkeypatch):
 
 
 def test_registered_secrets_and_config_secrets_leave_log_records_and_streams():
-    redaction.register_config({"reward": {"functions": [{"kwargs": {"password": "registered-pw-1"}}]},
-                               "x": ["--hf-token", "registered-tok-2"]})
+    redaction.register_config(
+        {
+            "reward": {"functions": [{"kwargs": {"password": "registered-pw-1"}}]},
+            "x": ["--hf-token", "registered-tok-2"],
+        }
+    )
     redaction.register("runtime-key-3")
     buffer = io.StringIO()
     handler = logging.StreamHandler(buffer)

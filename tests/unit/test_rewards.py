@@ -25,8 +25,16 @@ from megatron_kl.testing.reward_server import RewardServer
 
 
 def _sample(response="", answer="", index=0, **fields):
-    return RewardInput(prompt=f"q{index}", response=response, answer=answer, prompt_ids=(1, 2),
-                       response_ids=tuple(range(len(response))), fields=fields, index=index, group=index // 2)
+    return RewardInput(
+        prompt=f"q{index}",
+        response=response,
+        answer=answer,
+        prompt_ids=(1, 2),
+        response_ids=tuple(range(len(response))),
+        fields=fields,
+        index=index,
+        group=index // 2,
+    )
 
 
 def _scorer(functions, task=None, **kwargs):
@@ -56,8 +64,13 @@ def test_the_arithmetic_builtin_is_the_arithmetic_tasks_score():
     for i in range(200):
         problem = task.problem("train", i)
         target = task.target_ids(problem)
-        variants = [target, target[:-1], target + [task.tokenizer.eos_id], [task.tokenizer.bos_id] + target,
-                    [rng.randrange(task.tokenizer.vocab_size) for _ in range(rng.randint(0, 5))]]
+        variants = [
+            target,
+            target[:-1],
+            target + [task.tokenizer.eos_id],
+            [task.tokenizer.bos_id] + target,
+            [rng.randrange(task.tokenizer.vocab_size) for _ in range(rng.randint(0, 5))],
+        ]
         problems.append(problem)
         responses.append(rng.choice(variants))
     from megatron_kl.rewards.scorer import inputs_for
@@ -76,9 +89,13 @@ def test_names_resolve_to_registered_imported_and_file_functions(tmp_path, monke
     monkeypatch.syspath_prepend(str(tmp_path))
     register("constant_one", lambda sample: 1.0)
     try:
-        scorer = _scorer([{"name": "constant_one", "weight": 2.0},
-                          {"name": "lab_rewards:score", "kwargs": {"bonus": 0.25}, "weight": -1.0},
-                          {"name": f"{tmp_path}/by_file.py:score", "label": "by_file"}])
+        scorer = _scorer(
+            [
+                {"name": "constant_one", "weight": 2.0},
+                {"name": "lab_rewards:score", "kwargs": {"bonus": 0.25}, "weight": -1.0},
+                {"name": f"{tmp_path}/by_file.py:score", "label": "by_file"},
+            ]
+        )
         scores = scorer.score([_sample("x", "y", i) for i in range(4)])
         assert scores.rewards.tolist() == [2.0 - 0.5 + 0.5] * 4
         assert scores.metrics["reward/fn/constant_one"] == 1.0 and scores.metrics["reward/fn/score"] == 0.5
@@ -88,17 +105,23 @@ def test_names_resolve_to_registered_imported_and_file_functions(tmp_path, monke
         sys.modules.pop("lab_rewards", None)
 
 
-@pytest.mark.parametrize("entry, says", [
-    ({"name": "no_such_reward"}, r"reward.functions\[0\] \(no_such_reward\): not a built-in"),
-    ({"name": "no_such_module_xyz:fn"}, r"cannot import no_such_module_xyz"),
-    ({"name": "math:no_such_function"}, r"math has no function 'no_such_function'"),
-    ({"name": "/no/such/file.py:fn"}, r"the file .* does not exist"),
-    ({"name": "regex_match"}, r"regex_match needs kwargs.pattern"),
-    ({"name": "regex_match", "kwargs": {"pattern": "("}}, r"kwargs.pattern: pattern '\(' is not a regular expression"),
-    ({"name": "exact_match", "kwargs": {"nope": 1}}, r"unknown kwargs \['nope'\]"),
-    ({"name": "exact_match", "mode": "batch"}, r"is called in mode=sample"),
-    ({"name": "math:sqrt", "kwargs": {"bonus": 1}}, r"cannot be called as fn\(sample, bonus=...\)"),
-])
+@pytest.mark.parametrize(
+    "entry, says",
+    [
+        ({"name": "no_such_reward"}, r"reward.functions\[0\] \(no_such_reward\): not a built-in"),
+        ({"name": "no_such_module_xyz:fn"}, r"cannot import no_such_module_xyz"),
+        ({"name": "math:no_such_function"}, r"math has no function 'no_such_function'"),
+        ({"name": "/no/such/file.py:fn"}, r"the file .* does not exist"),
+        ({"name": "regex_match"}, r"regex_match needs kwargs.pattern"),
+        (
+            {"name": "regex_match", "kwargs": {"pattern": "("}},
+            r"kwargs.pattern: pattern '\(' is not a regular expression",
+        ),
+        ({"name": "exact_match", "kwargs": {"nope": 1}}, r"unknown kwargs \['nope'\]"),
+        ({"name": "exact_match", "mode": "batch"}, r"is called in mode=sample"),
+        ({"name": "math:sqrt", "kwargs": {"bonus": 1}}, r"cannot be called as fn\(sample, bonus=...\)"),
+    ],
+)
 def test_a_name_that_cannot_work_is_refused_at_start_naming_the_entry(entry, says):
     with pytest.raises(ConfigError, match=says):
         _scorer([entry])
@@ -122,14 +145,18 @@ def test_config_rules():
     from megatron_kl.train.config import load_train_config
 
     with pytest.raises(ConfigError, match="reward.service.urls is empty"):
-        load_train_config(str(Path(__file__).resolve().parents[2] / "configs/cpu/default.yaml"),
-                          ["reward.functions=[{name: service}]"])
+        load_train_config(
+            str(Path(__file__).resolve().parents[2] / "configs/cpu/default.yaml"),
+            ["reward.functions=[{name: service}]"],
+        )
 
 
 # -- the scorer --
 def test_results_with_extra_values_and_batch_calls():
-    register("with_extras", lambda s: RewardResult(float(s.response == s.answer), {"length": len(s.response),
-                                                                                    "odd name!": 1.0}))
+    register(
+        "with_extras",
+        lambda s: RewardResult(float(s.response == s.answer), {"length": len(s.response), "odd name!": 1.0}),
+    )
     calls = []
     register("batched", lambda samples: calls.append(len(samples)) or [0.5] * len(samples), mode="batch")
     try:
@@ -162,16 +189,24 @@ FAULTY = {
     "text": lambda s: "1.0" if s.index == 1 else 1.0,
     "none": lambda s: None if s.index == 1 else 1.0,
 }
-SAYS = {"raises": "ZeroDivisionError", "nan": "reward nan is not finite", "inf": "reward -inf is not finite",
-        "text": "reward '1.0' is not a number", "none": "reward None is not a number"}
+SAYS = {
+    "raises": "ZeroDivisionError",
+    "nan": "reward nan is not finite",
+    "inf": "reward -inf is not finite",
+    "text": "reward '1.0' is not a number",
+    "none": "reward None is not a number",
+}
 
 
 @pytest.mark.parametrize("kind", sorted(FAULTY))
 def test_a_failed_call_stops_the_run_naming_function_row_and_error(kind):
     register(f"faulty_{kind}", FAULTY[kind])
     try:
-        with pytest.raises(RewardFailed, match=rf"reward.functions\[0\] \(faulty_{kind}\) failed on sample 1 "
-                                               rf"\(prompt 0: 'q1', answer 'a'\): .*{SAYS[kind]}"):
+        with pytest.raises(
+            RewardFailed,
+            match=rf"reward.functions\[0\] \(faulty_{kind}\) failed on sample 1 "
+            rf"\(prompt 0: 'q1', answer 'a'\): .*{SAYS[kind]}",
+        ):
             _scorer([{"name": f"faulty_{kind}"}]).score([_sample("r", "a", i) for i in range(4)])
     finally:
         unregister(f"faulty_{kind}")
@@ -202,18 +237,22 @@ def test_a_call_past_its_timeout_fails_and_a_stuck_call_starves_no_other():
         unregister("stuck_first")
 
 
-@pytest.mark.parametrize("returned, says", [
-    (lambda samples: [1.0] * (len(samples) - 1), "returned 3 results for 4 samples"),
-    (lambda samples: 1.0, "returned a float for 4 samples"),
-    (lambda samples: 1 / 0, "ZeroDivisionError"),
-])
+@pytest.mark.parametrize(
+    "returned, says",
+    [
+        (lambda samples: [1.0] * (len(samples) - 1), "returned 3 results for 4 samples"),
+        (lambda samples: 1.0, "returned a float for 4 samples"),
+        (lambda samples: 1 / 0, "ZeroDivisionError"),
+    ],
+)
 def test_a_batch_call_with_the_wrong_count_or_an_error_fails_every_sample(returned, says):
     register("bad_batch", returned, mode="batch")
     try:
         with pytest.raises(RewardFailed, match=says):
             _scorer([{"name": "bad_batch", "mode": "batch"}]).score([_sample(index=i) for i in range(4)])
         scores = _scorer([{"name": "bad_batch", "mode": "batch"}], on_failure="exclude").score(
-            [_sample(index=i) for i in range(4)])
+            [_sample(index=i) for i in range(4)]
+        )
         assert not scores.valid.any() and scores.metrics["reward/failed_fraction"] == 1.0
     finally:
         unregister("bad_batch")
@@ -263,8 +302,9 @@ def test_excluded_samples_leave_the_baseline_and_score_zero(estimator):
     torch.testing.assert_close(got, _reference(rewards, valid, 4, name, std), rtol=1e-12, atol=1e-12)
     assert (got[~valid] == 0).all()
     everything = torch.ones(24, dtype=torch.bool)
-    assert torch.equal(sequence_advantages(rewards, 4, name, std, valid=everything),
-                       sequence_advantages(rewards, 4, name, std))
+    assert torch.equal(
+        sequence_advantages(rewards, 4, name, std, valid=everything), sequence_advantages(rewards, 4, name, std)
+    )
 
 
 def test_a_failed_sample_in_a_rollout_batch_is_masked_out_of_the_loss():
@@ -290,10 +330,20 @@ def test_a_failed_sample_in_a_rollout_batch_is_masked_out_of_the_loss():
 
 # -- the verifier service --
 def _service(server, **overrides):
-    settings = {"urls": [server.url], "max_retries": 2, "backoff_s": 0.01, "timeout_s": 5.0, "batch_size": 3,
-                "concurrency": 2, **overrides}
-    cfg = RewardConfig(functions=[RewardFunctionConfig(name="service")], service=RewardServiceConfig(**settings),
-                       on_failure=overrides.pop("on_failure", "fail") if "on_failure" in overrides else "fail")
+    settings = {
+        "urls": [server.url],
+        "max_retries": 2,
+        "backoff_s": 0.01,
+        "timeout_s": 5.0,
+        "batch_size": 3,
+        "concurrency": 2,
+        **overrides,
+    }
+    cfg = RewardConfig(
+        functions=[RewardFunctionConfig(name="service")],
+        service=RewardServiceConfig(**settings),
+        on_failure=overrides.pop("on_failure", "fail") if "on_failure" in overrides else "fail",
+    )
     return RewardScorer.build(cfg, ArithmeticTask(ArithmeticConfig()))
 
 
@@ -317,14 +367,19 @@ def test_the_service_retries_a_transient_fault(fault):
 @pytest.mark.parametrize("fault", ["500", "malformed", "count", "drop", "slow"])
 def test_a_service_that_keeps_failing_fails_the_samples_it_was_sent(fault):
     with RewardServer(faults={fault: 1}, delay_s=1.0) as server:
-        with pytest.raises(RewardFailed, match=r"reward.functions\[0\] \(service\) failed on sample 0 .*attempts failed"):
+        with pytest.raises(
+            RewardFailed, match=r"reward.functions\[0\] \(service\) failed on sample 0 .*attempts failed"
+        ):
             _service(server, timeout_s=0.3, max_retries=1).score(SAMPLES)
 
 
 def test_a_nan_from_the_service_fails_that_sample_only():
     with RewardServer(faults={"nan": 1}) as server:
-        cfg = RewardConfig(functions=[RewardFunctionConfig(name="service")], on_failure="exclude",
-                           service=RewardServiceConfig(urls=[server.url], batch_size=4))
+        cfg = RewardConfig(
+            functions=[RewardFunctionConfig(name="service")],
+            on_failure="exclude",
+            service=RewardServiceConfig(urls=[server.url], batch_size=4),
+        )
         scores = RewardScorer.build(cfg, ArithmeticTask(ArithmeticConfig())).score(SAMPLES)
     assert scores.valid.tolist() == [False, True, True, True, False, True, True, True]
     assert "reward nan is not finite" in scores.failures[0].error and server.requests == 2
@@ -345,9 +400,12 @@ def test_the_service_token_comes_from_the_environment_and_is_never_shown(monkeyp
         with pytest.raises(ConfigError, match="reward.service.token_env=LAB_VERIFIER_TOKEN: that environment variable"):
             _service(server, token_env="LAB_VERIFIER_TOKEN")
     with pytest.raises(ConfigError, match="must start with http"):
-        RewardScorer.build(RewardConfig(functions=[RewardFunctionConfig(name="service")],
-                                        service=RewardServiceConfig(urls=["verifier:8000"])),
-                           ArithmeticTask(ArithmeticConfig()))
+        RewardScorer.build(
+            RewardConfig(
+                functions=[RewardFunctionConfig(name="service")], service=RewardServiceConfig(urls=["verifier:8000"])
+            ),
+            ArithmeticTask(ArithmeticConfig()),
+        )
 
 
 def test_the_service_waits_for_a_late_start_and_names_one_that_never_comes():
@@ -402,8 +460,9 @@ def test_an_async_batch_whose_reward_fails_is_raised_where_its_step_takes_it_and
 
     register("breaks_later", lambda s: 1 / 0 if broken.is_set() else 1.0)
     try:
-        source = RolloutSource(task, Engine(), None, 2, 2, staleness=1, seed=0,
-                               scorer=_scorer([{"name": "breaks_later"}], task))
+        source = RolloutSource(
+            task, Engine(), None, 2, 2, staleness=1, seed=0, scorer=_scorer([{"name": "breaks_later"}], task)
+        )
         assert source.get(0).rewards.tolist() == [1.0] * 4  # the warm-up batch scores; step 1's starts behind it
         broken.set()
         go.set()

@@ -21,8 +21,10 @@ class _BoxedAnswerEngine(EngineBase):
 
     def generate(self, prompts, sampling, seed=None):
         self.threads.add(threading.current_thread().name)
-        answers = {tuple(self.task.problem("train", i).prompt_ids): self.task.problem("train", i).answer
-                   for i in range(len(self.task.splits["train"]))}
+        answers = {
+            tuple(self.task.problem("train", i).prompt_ids): self.task.problem("train", i).answer
+            for i in range(len(self.task.splits["train"]))
+        }
         out = []
         for prompt in prompts:
             ids = self.task.tokenizer.encode("The answer is \\boxed{%s}." % answers[tuple(prompt)])
@@ -50,31 +52,43 @@ def test_math_scoring_with_async_rollouts(tmp_path, staleness):
         assert any(name.startswith("rollout") for name in engine.threads)  # generation did run in the background
 
 
-CLEAN_BODY = {"output_ids": [5, 7, 0], "meta_info": {
-    "finish_reason": {"type": "stop", "matched": 0}, "weight_version": "3",
-    "output_token_logprobs": [[-0.5, 5, None], [-1.25, 7, None], [-0.01, 0, None]]}}
+CLEAN_BODY = {
+    "output_ids": [5, 7, 0],
+    "meta_info": {
+        "finish_reason": {"type": "stop", "matched": 0},
+        "weight_version": "3",
+        "output_token_logprobs": [[-0.5, 5, None], [-1.25, 7, None], [-0.01, 0, None]],
+    },
+}
 
 
-@pytest.mark.parametrize("kind, message", [
-    ("nan", "log-prob nan at response position 0"), ("inf", "log-prob inf at response position 0"),
-    ("positive", "log-prob 0.5 at response position 0"), ("oov", "token id 53 at position 0 is outside"),
-    ("negative", "token id -1 at position 0"), ("too_long", "more than rollout.sampling.max_new_tokens=6"),
-    ("empty", "no output_ids"),
-])
+@pytest.mark.parametrize(
+    "kind, message",
+    [
+        ("nan", "log-prob nan at response position 0"),
+        ("inf", "log-prob inf at response position 0"),
+        ("positive", "log-prob 0.5 at response position 0"),
+        ("oov", "token id 53 at position 0 is outside"),
+        ("negative", "token id -1 at position 0"),
+        ("too_long", "more than rollout.sampling.max_new_tokens=6"),
+        ("empty", "no output_ids"),
+    ],
+)
 def test_sglang_response_with_impossible_values_is_a_corrupt_response(kind, message):
     import copy
 
     from megatron_kl.rollout.engine import SamplingConfig
     from megatron_kl.rollout.http import CorruptResponse
-    from megatron_kl.rollout.sglang import parse_generate
-    from megatron_kl.testing.sglang_server import corrupt
+    from megatron_kl.rollout.sglang_protocol import parse_generate
+    from megatron_kl.testing.corruptions import corrupt
 
     sampling = SamplingConfig(max_new_tokens=6)
     ok = parse_generate(copy.deepcopy(CLEAN_BODY), [1, 2], 3, "http://s:1 prompt 0", sampling, vocab_size=50)
     assert ok.response_ids == [5, 7, 0]
     with pytest.raises(CorruptResponse, match=message) as err:
-        parse_generate(corrupt(copy.deepcopy(CLEAN_BODY), kind, 50), [1, 2], 3, "http://s:1 prompt 0", sampling,
-                       vocab_size=50)
+        parse_generate(
+            corrupt(copy.deepcopy(CLEAN_BODY), kind, 50), [1, 2], 3, "http://s:1 prompt 0", sampling, vocab_size=50
+        )
     assert "http://s:1 prompt 0" in str(err.value)
 
 
@@ -88,11 +102,17 @@ def _routed_body(ids):
     return body
 
 
-@pytest.mark.parametrize("kind, message", [
-    ("short", r"shape \(3, 2, 2\), expected \(4, 2, 2\)"), ("out_of_range", "position 0, layer 0 are \\[8, "),
-    ("repeated", "not 2 distinct ids"), ("missing", "return_routed_experts=true was sent"),
-    ("not_base64", "not valid base64"), ("ragged_bytes", "not a whole number of tokens"),
-])
+@pytest.mark.parametrize(
+    "kind, message",
+    [
+        ("short", r"shape \(3, 2, 2\), expected \(4, 2, 2\)"),
+        ("out_of_range", "position 0, layer 0 are \\[8, "),
+        ("repeated", "not 2 distinct ids"),
+        ("missing", "return_routed_experts=true was sent"),
+        ("not_base64", "not valid base64"),
+        ("ragged_bytes", "not a whole number of tokens"),
+    ],
+)
 def test_sglang_routed_experts_are_decoded_and_checked(kind, message):
     """SGLang's meta_info.routed_experts (base64 int32 [prompt + output - 1, layers, top-k]) becomes the completion's
     routing; a routing of another length, an id past the experts, an expert twice in one token's top-k, a missing
@@ -101,11 +121,13 @@ def test_sglang_routed_experts_are_decoded_and_checked(kind, message):
 
     from megatron_kl.rollout.engine import SamplingConfig
     from megatron_kl.rollout.http import CorruptResponse
-    from megatron_kl.rollout.sglang import RoutingShape, parse_generate
-    from megatron_kl.testing.sglang_server import corrupt_routing
+    from megatron_kl.rollout.sglang_protocol import RoutingShape, parse_generate
+    from megatron_kl.testing.corruptions import corrupt_routing
 
     shape = RoutingShape(num_layers=2, router_topk=2, num_experts=8)
-    ids = torch.stack([torch.randperm(8, generator=torch.Generator().manual_seed(i))[:2] for i in range(8)]).view(4, 2, 2)
+    ids = torch.stack([torch.randperm(8, generator=torch.Generator().manual_seed(i))[:2] for i in range(8)]).view(
+        4, 2, 2
+    )
     ok = parse_generate(_routed_body(ids), [1, 2], 3, "http://s:1 prompt 0", SamplingConfig(), 50, routing=shape)
     assert torch.equal(ok.routed_experts.long(), ids)
     body = _routed_body(ids)
@@ -126,7 +148,7 @@ def test_sglang_routed_experts_are_decoded_and_checked(kind, message):
 def test_sglang_empty_200_body_is_retried_not_fatal():
     """A server dying mid-answer can leave a 200 with no body: corrupt (retried), not a malformed reply."""
     from megatron_kl.rollout.http import CorruptResponse
-    from megatron_kl.rollout.sglang import ResponseError, parse_generate
+    from megatron_kl.rollout.sglang_protocol import ResponseError, parse_generate
 
     with pytest.raises(CorruptResponse, match="empty body"):
         parse_generate(None, [1, 2], 3, "http://s:1 prompt 0")
@@ -134,10 +156,14 @@ def test_sglang_empty_200_body_is_retried_not_fatal():
         parse_generate([], [1, 2], 3, "http://s:1 prompt 0")
 
 
-@pytest.mark.parametrize("tokens, logprobs, message", [
-    (["token_id:5"], [float("nan")], "log-prob nan"), (["token_id:99"], [-0.1], "token id 99"),
-    (["token_id:5"], [0.3], "log-prob 0.3"),
-])
+@pytest.mark.parametrize(
+    "tokens, logprobs, message",
+    [
+        (["token_id:5"], [float("nan")], "log-prob nan"),
+        (["token_id:99"], [-0.1], "token id 99"),
+        (["token_id:5"], [0.3], "log-prob 0.3"),
+    ],
+)
 def test_vllm_server_response_with_impossible_values_is_a_corrupt_response(tokens, logprobs, message):
     from megatron_kl.config import ModelConfig
     from megatron_kl.rollout.engine import SamplingConfig
@@ -177,8 +203,15 @@ def test_call_retries_a_corrupt_body_then_gives_up_naming_it(monkeypatch):
     assert len(calls) == 3
 
 
-@pytest.mark.parametrize("answer", [{"results": [{"error": "shape mismatch"}]}, {"results": ["Error: no file"]},
-                                    {"detail": "not found"}, ["unexpected"]])
+@pytest.mark.parametrize(
+    "answer",
+    [
+        {"results": [{"error": "shape mismatch"}]},
+        {"results": ["Error: no file"]},
+        {"detail": "not found"},
+        ["unexpected"],
+    ],
+)
 def test_vllm_reload_reporting_an_error_in_a_200_body_keeps_the_version(monkeypatch, tmp_path, answer):
     from megatron_kl.config import ModelConfig
     from megatron_kl.rollout import vllm
@@ -208,12 +241,16 @@ def test_a_reward_that_is_not_finite_is_an_error_naming_task_and_sample(tmp_path
             return float("nan") if problem.answer == "2" else 1.0
 
     task = NaNScores(MathConfig(train_files=[str(path)]), tokenizer=_tiny_hf_tokenizer())
-    source = RolloutSource(task, _BoxedAnswerEngine(task), sampling=None, prompts_per_step=4, group_size=2,
-                           staleness=0, seed=0)
+    source = RolloutSource(
+        task, _BoxedAnswerEngine(task), sampling=None, prompts_per_step=4, group_size=2, staleness=0, seed=0
+    )
     from megatron_kl.rewards.scorer import RewardFailed
 
-    with pytest.raises(RewardFailed, match=r"NaNScores.score failed on sample \d \(prompt \d: 'What is 1\+1\?', answer "
-                                           r"'2'\): reward nan is not finite"):
+    with pytest.raises(
+        RewardFailed,
+        match=r"NaNScores.score failed on sample \d \(prompt \d: 'What is 1\+1\?', answer "
+        r"'2'\): reward nan is not finite",
+    ):
         source.get(0)
 
 
@@ -250,7 +287,7 @@ def test_sglang_routing_of_a_model_with_dense_first_layers_skips_their_slots():
     from megatron_kl.models.routing_replay import UNKNOWN
     from megatron_kl.rollout.engine import SamplingConfig
     from megatron_kl.rollout.http import CorruptResponse
-    from megatron_kl.rollout.sglang import RoutingShape, parse_generate
+    from megatron_kl.rollout.sglang_protocol import RoutingShape, parse_generate
 
     shape = RoutingShape(num_layers=3, router_topk=2, num_experts=8, dense_layers=1)
     routed = torch.stack([torch.randperm(8, generator=torch.Generator().manual_seed(i))[:2] for i in range(8)])

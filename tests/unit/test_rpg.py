@@ -22,10 +22,12 @@ def _tokens(seed=0, b=4, t=6):
 @pytest.mark.parametrize("divergence", DIVERGENCES)
 def test_reinforce_and_differentiable_surrogates_have_the_same_gradient(divergence):
     lp, old, ref, adv, mask = _tokens()
-    diff = RPGConfig(divergence=divergence, surrogate="differentiable", coef=0.3, clip_low=None, clip_high=None,
-                     dual_clip=None)
-    rein = RPGConfig(divergence=divergence, surrogate="reinforce", coef=0.3, clip_low=None, clip_high=None,
-                     dual_clip=None)
+    diff = RPGConfig(
+        divergence=divergence, surrogate="differentiable", coef=0.3, clip_low=None, clip_high=None, dual_clip=None
+    )
+    rein = RPGConfig(
+        divergence=divergence, surrogate="reinforce", coef=0.3, clip_low=None, clip_high=None, dual_clip=None
+    )
     (g1,) = torch.autograd.grad(rpg_loss(diff, lp, old, ref, adv, mask)[0], lp)
     (g2,) = torch.autograd.grad(rpg_loss(rein, lp, old, ref, adv, mask)[0], lp)
     torch.testing.assert_close(g1, g2, rtol=1e-12, atol=1e-14)
@@ -40,13 +42,26 @@ def test_expected_gradient_equals_divergence_gradient(divergence):
     old = torch.log_softmax(torch.randn(vocab, generator=g, dtype=D64), -1)
     ref = torch.log_softmax(torch.randn(vocab, generator=g, dtype=D64), -1)
     logp = torch.log_softmax(logits, -1)
-    cfg = RPGConfig(divergence=divergence, surrogate="differentiable", coef=1.0, clip_low=None, clip_high=None,
-                    dual_clip=None, aggregation="seq_mean_token_sum")
+    cfg = RPGConfig(
+        divergence=divergence,
+        surrogate="differentiable",
+        coef=1.0,
+        clip_low=None,
+        clip_high=None,
+        dual_clip=None,
+        aggregation="seq_mean_token_sum",
+    )
     # every action is one "sequence" of length 1, weighted by pi_old
     expected = torch.zeros(vocab, dtype=D64)
     for a in range(vocab):
-        sample_loss, _ = rpg_loss(cfg, logp[a:a + 1, None], old[a:a + 1, None], ref[a:a + 1, None],
-                                  torch.zeros(1, 1, dtype=D64), torch.ones(1, 1, dtype=torch.bool))
+        sample_loss, _ = rpg_loss(
+            cfg,
+            logp[a : a + 1, None],
+            old[a : a + 1, None],
+            ref[a : a + 1, None],
+            torch.zeros(1, 1, dtype=D64),
+            torch.ones(1, 1, dtype=torch.bool),
+        )
         expected += old[a].exp() * torch.autograd.grad(sample_loss, logits, retain_graph=True)[0]
     p, q = logp.exp(), ref.exp()
     reverse = (p * (logp - ref)).sum()

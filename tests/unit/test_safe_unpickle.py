@@ -27,10 +27,16 @@ class Payload:
 
 
 def test_dcp_metadata_round_trips_and_a_payload_is_refused(tmp_path):
-    meta = Metadata(state_dict_metadata={"w": TensorStorageMetadata(
-        TensorProperties(dtype=torch.bfloat16), torch.Size([4, 2]), [ChunkStorageMetadata(torch.Size([0, 0]),
-                                                                                           torch.Size([4, 2]))])},
-        storage_data={MetadataIndex("w", torch.Size([0, 0])): filesystem._StorageInfo("__0_0.distcp", 0, 64)})
+    meta = Metadata(
+        state_dict_metadata={
+            "w": TensorStorageMetadata(
+                TensorProperties(dtype=torch.bfloat16),
+                torch.Size([4, 2]),
+                [ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([4, 2]))],
+            )
+        },
+        storage_data={MetadataIndex("w", torch.Size([0, 0])): filesystem._StorageInfo("__0_0.distcp", 0, 64)},
+    )
     back = restricted_load(io.BytesIO(pickle.dumps(meta)))
     assert back.state_dict_metadata["w"].size == torch.Size([4, 2])
     assert back.state_dict_metadata["w"].properties.dtype == torch.bfloat16

@@ -10,7 +10,7 @@ import pytest
 from megatron_kl.config import ConfigError
 from megatron_kl.distill.served import parse_scores, score_payload
 from megatron_kl.rollout.http import CorruptResponse, ServerError
-from megatron_kl.testing.sglang_server import SCORE_CORRUPTIONS, corrupt_scores
+from megatron_kl.testing.corruptions import SCORE_CORRUPTIONS, corrupt_scores
 from megatron_kl.train.config import load_train_config
 
 IDS = [5, 9, 2, 7, 3]  # prompt [5, 9], response [2, 7, 3]
@@ -42,12 +42,15 @@ def test_each_injected_corruption_is_refused_naming_the_field(kind):
         parse_scores(body, IDS, START, 2, 32, "teacher server x")
 
 
-@pytest.mark.parametrize("change, error", [
-    (lambda m: m["input_top_logprobs"][1].__setitem__(0, [-0.01, 99, None]), CorruptResponse),  # id past the vocab
-    (lambda m: m["input_token_logprobs"][2].__setitem__(0, 0.5), CorruptResponse),  # a positive log-prob
-    (lambda m: m["input_token_logprobs"][2].__setitem__(0, "x"), ServerError),
-    (lambda m: m["input_top_logprobs"][2].pop(), CorruptResponse),  # fewer than k
-])
+@pytest.mark.parametrize(
+    "change, error",
+    [
+        (lambda m: m["input_top_logprobs"][1].__setitem__(0, [-0.01, 99, None]), CorruptResponse),  # id past the vocab
+        (lambda m: m["input_token_logprobs"][2].__setitem__(0, 0.5), CorruptResponse),  # a positive log-prob
+        (lambda m: m["input_token_logprobs"][2].__setitem__(0, "x"), ServerError),
+        (lambda m: m["input_top_logprobs"][2].pop(), CorruptResponse),  # fewer than k
+    ],
+)
 def test_other_impossible_values(change, error):
     body = copy.deepcopy(_answer())
     change(body["meta_info"])
@@ -65,17 +68,24 @@ def test_the_request_scores_from_the_last_prompt_token():
 
 
 BASE = "configs/cpu/default.yaml"
-SERVED = ["distill.enabled=true", "kl.estimator=k3", "distill.teacher.source=server",
-          "distill.teacher.server.urls=[http://teacher:30000]"]
+SERVED = [
+    "distill.enabled=true",
+    "kl.estimator=k3",
+    "distill.teacher.source=server",
+    "distill.teacher.server.urls=[http://teacher:30000]",
+]
 
 
-@pytest.mark.parametrize("overrides, named", [
-    (["distill.kl.estimator=full"], "distill.kl.estimator=full with distill.teacher.source=server"),
-    (["distill.kl.estimator=topk", "kl.estimator=full", "kl.coef=0.01"], "kl.estimator=full with distill.teacher"),
-    (["distill.kl.estimator=topk", "rollout.sampling.temperature=0.7"], "rollout.sampling.temperature=0.7"),
-    (["distill.teacher.server.urls=[teacher:30000]"], "distill.teacher.server.urls"),
-    (["distill.teacher.source=warm_start"], "distill.teacher.server.urls"),
-])
+@pytest.mark.parametrize(
+    "overrides, named",
+    [
+        (["distill.kl.estimator=full"], "distill.kl.estimator=full with distill.teacher.source=server"),
+        (["distill.kl.estimator=topk", "kl.estimator=full", "kl.coef=0.01"], "kl.estimator=full with distill.teacher"),
+        (["distill.kl.estimator=topk", "rollout.sampling.temperature=0.7"], "rollout.sampling.temperature=0.7"),
+        (["distill.teacher.server.urls=[teacher:30000]"], "distill.teacher.server.urls"),
+        (["distill.teacher.source=warm_start"], "distill.teacher.server.urls"),
+    ],
+)
 def test_a_served_teacher_refuses_what_it_cannot_give(tmp_path, overrides, named):
     with pytest.raises(ConfigError, match=named.replace(".", r"\.").replace("[", r"\[")):
         load_train_config(BASE, [f"train.output_dir={tmp_path}/run", *SERVED, *overrides])
@@ -105,13 +115,16 @@ def test_a_vllm_answer_is_read_by_rank():
     assert parse_vllm_scores(_vllm_answer(), IDS, 0, 2, 32, "t")[0] == [-3.0] * 4  # from the first position
 
 
-@pytest.mark.parametrize("change, field", [
-    (lambda e: e.pop(), "prompt_logprobs has 4 entries"),
-    (lambda e: e[3].pop(str(IDS[3])), r"prompt_logprobs\[3\] lacks the prompt's token"),
-    (lambda e: e[2].__setitem__("20", {"logprob": float("nan"), "rank": 1}), r"prompt_logprobs\[2\]"),
-    (lambda e: e[4].pop("21"), r"prompt_logprobs\[4\] holds 1 top entries"),
-    (lambda e: e[2].__setitem__("21", {"logprob": -0.01, "rank": 2}), r"prompt_logprobs\[2\] is not sorted"),
-])
+@pytest.mark.parametrize(
+    "change, field",
+    [
+        (lambda e: e.pop(), "prompt_logprobs has 4 entries"),
+        (lambda e: e[3].pop(str(IDS[3])), r"prompt_logprobs\[3\] lacks the prompt's token"),
+        (lambda e: e[2].__setitem__("20", {"logprob": float("nan"), "rank": 1}), r"prompt_logprobs\[2\]"),
+        (lambda e: e[4].pop("21"), r"prompt_logprobs\[4\] holds 1 top entries"),
+        (lambda e: e[2].__setitem__("21", {"logprob": -0.01, "rank": 2}), r"prompt_logprobs\[2\] is not sorted"),
+    ],
+)
 def test_impossible_vllm_answers_are_refused_naming_the_field(change, field):
     from megatron_kl.distill.served import parse_vllm_scores
 

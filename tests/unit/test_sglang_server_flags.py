@@ -31,16 +31,32 @@ def _implied(flags: list[str]) -> list[str]:
     return out
 
 
-@pytest.mark.parametrize("overrides", [[], ["rollout.quantization=fp8"],
-                                       ["rollout.delta_sync=true", "rollout.sglang.weight_sync=from_tensor"]])
+@pytest.mark.parametrize(
+    "overrides",
+    [[], ["rollout.quantization=fp8"], ["rollout.delta_sync=true", "rollout.sglang.weight_sync=from_tensor"]],
+)
 def test_managed_and_slurm_servers_get_the_flags_the_config_implies(overrides):
     with paths_unchecked():
-        cfg = load_train_config(MOE, ["rollout.sglang.colocated=false", "rollout.sglang.enable_memory_saver=false",
-                                      "launch.rollout_servers.mode=disaggregated", *overrides])
+        cfg = load_train_config(
+            MOE,
+            [
+                "rollout.sglang.colocated=false",
+                "rollout.sglang.enable_memory_saver=false",
+                "launch.rollout_servers.mode=disaggregated",
+                *overrides,
+            ],
+        )
     delta = [DELTA_LOADER] if cfg.rollout.delta_sync else []
-    managed = server_command(cfg.rollout.sglang, "/models/m", 30000, cfg.train.seed, api_key="k",
-                             routed_experts=cfg.model.moe.routing_replay == "rollout",
-                             quantization=cfg.rollout.quantization, weight_loaders=delta)[3:]
+    managed = server_command(
+        cfg.rollout.sglang,
+        "/models/m",
+        30000,
+        cfg.train.seed,
+        api_key="k",
+        routed_experts=cfg.model.moe.routing_replay == "rollout",
+        quantization=cfg.rollout.quantization,
+        weight_loaders=delta,
+    )[3:]
     launched = rollout_server_args(cfg)
     assert _implied(managed) == _implied(launched)
     assert "--enable-return-routed-experts" in launched  # routing replay with disaggregated servers
@@ -50,7 +66,13 @@ def test_managed_and_slurm_servers_get_the_flags_the_config_implies(overrides):
 
 def test_without_routing_replay_no_server_reports_routes():
     with paths_unchecked():
-        cfg = load_train_config(MOE, ["model.moe.routing_replay=off", "rollout.sglang.colocated=false",
-                                      "rollout.sglang.enable_memory_saver=false",
-                                      "launch.rollout_servers.mode=disaggregated"])
+        cfg = load_train_config(
+            MOE,
+            [
+                "model.moe.routing_replay=off",
+                "rollout.sglang.colocated=false",
+                "rollout.sglang.enable_memory_saver=false",
+                "launch.rollout_servers.mode=disaggregated",
+            ],
+        )
     assert "--enable-return-routed-experts" not in rollout_server_args(cfg)

@@ -29,8 +29,7 @@ def test_the_default_job_starts_from_the_committed_weights_on_this_machine():
     assert {t.dtype for t in state.values()} == {torch.float32} and len(state) > 5
 
 
-@pytest.mark.parametrize("study", ["configs/study/cpu.yaml",
-                                   "configs/study/cpu-replication.yaml"])
+@pytest.mark.parametrize("study", ["configs/study/cpu.yaml", "configs/study/cpu-replication.yaml"])
 def test_every_run_of_the_cpu_studies_shares_the_default_jobs_shipped_start(study):
     from megatron_kl.study.grid import expand, load_study
 
@@ -51,8 +50,11 @@ def test_the_distillation_study_starts_student_and_teacher_from_shipped_weights(
     configs = [load_train_config(spec.base, run.overrides) for run in expand(spec)]
     students = {warmstart.recipe_key(cfg) for cfg in configs}
     assert len(students) == 1 and _committed(students.pop())
-    teachers = {warmstart.recipe_key(_teacher_warm_start_config(cfg, teacher_model(cfg.distill.teacher)))
-                for cfg in configs if cfg.distill.enabled}
+    teachers = {
+        warmstart.recipe_key(_teacher_warm_start_config(cfg, teacher_model(cfg.distill.teacher)))
+        for cfg in configs
+        if cfg.distill.enabled
+    }
     assert teachers == {default_key}
 
 
@@ -110,14 +112,22 @@ def test_write_then_load_round_trips_and_the_digest_sees_one_element(tmp_path):
     assert shipped_warmstart.weights_digest(changed) != shipped_warmstart.weights_digest(state)
 
 
-@pytest.mark.parametrize("damage, message", [
-    (lambda text, key: text[: len(text) // 2], r"manifest .*manifest.json is damaged \(not JSON"),
-    (lambda text, key: "[1, 2]", r"manifest .*manifest.json is damaged: it must map recipe keys to entries, not hold a "
-                                 r"list"),
-    (lambda text, key: json.dumps({**json.loads(text), key: {"file": "x.safetensors"}}),
-     r"the entry of recipe \w+ is damaged \(no text in \['sha256', 'weights_sha256', 'made_with'\]\)"),
-    (lambda text, key: json.dumps({**json.loads(text), key: None}), r"the entry of recipe \w+ is damaged"),
-])
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda text, key: text[: len(text) // 2], r"manifest .*manifest.json is damaged \(not JSON"),
+        (
+            lambda text, key: "[1, 2]",
+            r"manifest .*manifest.json is damaged: it must map recipe keys to entries, not hold a "
+            r"list",
+        ),
+        (
+            lambda text, key: json.dumps({**json.loads(text), key: {"file": "x.safetensors"}}),
+            r"the entry of recipe \w+ is damaged \(no text in \['sha256', 'weights_sha256', 'made_with'\]\)",
+        ),
+        (lambda text, key: json.dumps({**json.loads(text), key: None}), r"the entry of recipe \w+ is damaged"),
+    ],
+)
 def test_a_damaged_manifest_is_named_with_what_is_wrong_and_the_way_out(tmp_path, monkeypatch, damage, message):
     entry = _copy(tmp_path)
     manifest = entry.path.parent / shipped_warmstart.MANIFEST
@@ -146,10 +156,18 @@ def test_a_missing_manifest_is_a_stated_fallback_or_an_error(tmp_path, monkeypat
         warmstart.shipped_entry(load_train_config(DEFAULT, ["warm_start.source=shipped"]))
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["warm_start.source=shipped", "warm_start.enabled=false"], "warm_start.enabled=false skips the warm start"),
-    (["warm_start.source=shipped", "warm_start.checkpoint=README.md"], "warm_start.checkpoint=README.md starts from"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["warm_start.source=shipped", "warm_start.enabled=false"], "warm_start.enabled=false skips the warm start"),
+        (
+            ["warm_start.source=shipped", "warm_start.checkpoint=README.md"],
+            "warm_start.checkpoint=README.md starts from",
+        ),
+    ],
+)
 def test_shipped_with_a_setting_that_skips_it_is_refused(overrides, message):
-    with pytest.raises(ConfigError, match="warm_start.source=shipped requires the package's warm start, but " + message):
+    with pytest.raises(
+        ConfigError, match="warm_start.source=shipped requires the package's warm start, but " + message
+    ):
         load_train_config(DEFAULT, overrides)

@@ -25,12 +25,15 @@ def _checkpoint(tmp_path, config_eos, generation_eos="absent"):
 TASK = SimpleNamespace(tokenizer=SimpleNamespace(eos_id=2))
 
 
-@pytest.mark.parametrize("config_eos, generation_eos, expected", [
-    (2, [128001, 128008, 2], [2, 128001, 128008]),  # Llama-3.1-Instruct style list
-    (2, 151645, [2, 151645]),  # an int
-    (151643, "absent", [2, 151643]),  # no generation_config.json: config.json's
-    (None, "absent", [2]),
-])
+@pytest.mark.parametrize(
+    "config_eos, generation_eos, expected",
+    [
+        (2, [128001, 128008, 2], [2, 128001, 128008]),  # Llama-3.1-Instruct style list
+        (2, 151645, [2, 151645]),  # an int
+        (151643, "absent", [2, 151643]),  # no generation_config.json: config.json's
+        (None, "absent", [2]),
+    ],
+)
 def test_stop_tokens_include_the_checkpoints_eos_ids(tmp_path, config_eos, generation_eos, expected):
     assert default_stop_token_ids(TASK, _checkpoint(tmp_path, config_eos, generation_eos)) == expected
     assert default_stop_token_ids(TASK, None) == [2]

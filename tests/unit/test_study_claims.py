@@ -42,12 +42,16 @@ def test_verdict_follows_the_interval():
 
 
 ROLES = {
-    "unbiased-a": Role(0, 0.1, False), "unbiased-b": Role(0, 0.1, False),
-    "biased-a": Role(0, 0.1, True), "biased-b": Role(0, 0.1, True),
-    "unbiased-big": Role(0, 1.0, False), "biased-big": Role(0, 1.0, True),
+    "unbiased-a": Role(0, 0.1, False),
+    "unbiased-b": Role(0, 0.1, False),
+    "biased-a": Role(0, 0.1, True),
+    "biased-b": Role(0, 0.1, True),
+    "unbiased-big": Role(0, 1.0, False),
+    "biased-big": Role(0, 1.0, True),
     "control": Role(0, 0.0, None),
     "rpg": Role(0, 0.1, None, excluded="RPG: its own regulariser"),
-    "async-no-kl": Role(2, 0.0, None), "async-kl": Role(2, 0.1, False),
+    "async-no-kl": Role(2, 0.0, None),
+    "async-kl": Role(2, 0.1, False),
 }
 
 
@@ -60,8 +64,9 @@ def _outcomes(effect: float, unstable_biased: bool, unstable_no_kl: bool, seeds=
             score = base + rng.uniform(-0.005, 0.005)
             if role.biased is False and role.on_policy:
                 score += effect
-            unstable = ((role.biased is True and unstable_biased)
-                        or (name == "async-no-kl" and unstable_no_kl) or name == "rpg")
+            unstable = (
+                (role.biased is True and unstable_biased) or (name == "async-no-kl" and unstable_no_kl) or name == "rpg"
+            )
             out.append(RunOutcome(name, seed, True, unstable, final_id=score, final_ood=score / 2, final_kl=0.1))
     return out
 
@@ -78,7 +83,9 @@ def test_planted_effects_give_the_claims_verdicts_in_both_directions():
     reversed_claims = evaluate(_outcomes(effect=-0.1, unstable_biased=False, unstable_no_kl=False), ROLES)
     assert reversed_claims[1].verdict == NOT_REPRODUCED
     assert reversed_claims[0].verdict == INCONCLUSIVE and "no on-policy run was unstable" in reversed_claims[0].note
-    assert reversed_claims[2].verdict == INCONCLUSIVE and "nothing for the KL term to stabilise" in reversed_claims[2].note
+    assert (
+        reversed_claims[2].verdict == INCONCLUSIVE and "nothing for the KL term to stabilise" in reversed_claims[2].note
+    )
 
     null = evaluate(_outcomes(effect=0.0, unstable_biased=False, unstable_no_kl=False), ROLES)
     assert null[1].verdict == INCONCLUSIVE
@@ -112,12 +119,15 @@ def test_runs_are_placed_by_their_config_and_the_paper_preset_has_every_arm():
     assert roles["no-kl"] == Role(0, 0.0, None) and roles["async4-no-kl"] == Role(4, 0.0, None)
     assert len(cpu.seeds) >= 5
     smol = load_study(ROOT / "configs" / "study" / "smollm2-135m.yaml")
-    smol_roles = {c.name: role_of(load_train_config(smol.base, [*smol.common, *c.overrides]))
-                  for c in smol.configurations}
+    smol_roles = {
+        c.name: role_of(load_train_config(smol.base, [*smol.common, *c.overrides])) for c in smol.configurations
+    }
     assert {r.biased for r in smol_roles.values()} == {True, False, None} and len(smol.seeds) >= 3
 
-    paper = load_study(ROOT / "configs" / "study" / "qwen2.5-7b.yaml",
-                       ["launch.slurm.account=acct", "launch.slurm.container_image=image"])
+    paper = load_study(
+        ROOT / "configs" / "study" / "qwen2.5-7b.yaml",
+        ["launch.slurm.account=acct", "launch.slurm.container_image=image"],
+    )
     with paths_unchecked():
         runs = expand(paper)
     names = {r.configuration: r.overrides for r in runs}
@@ -132,8 +142,11 @@ def _claim3_outcomes(no_kl_collapses: bool, kl_spikes: bool, seeds=range(1, 6)):
     out = _outcomes(effect=0.0, unstable_biased=False, unstable_no_kl=False, seeds=seeds)
     out = [o for o in out if not o.configuration.startswith("async")]
     for seed in seeds:
-        out.append(RunOutcome("async-no-kl", seed, True, True, 0.1 if no_kl_collapses else 0.5, 0.1, 0.1,
-                              collapsed=no_kl_collapses))
+        out.append(
+            RunOutcome(
+                "async-no-kl", seed, True, True, 0.1 if no_kl_collapses else 0.5, 0.1, 0.1, collapsed=no_kl_collapses
+            )
+        )
         out.append(RunOutcome("async-kl", seed, True, kl_spikes, 0.5, 0.1, 0.1, collapsed=False))
     return out
 
@@ -190,11 +203,13 @@ def test_a_study_extends_another_runs_a_subset_and_checks_its_declarations(tmp_p
 
     base = tmp_path / "a.yaml"
     base.write_text("name: a\nbase: configs/cpu/default.yaml\noutput_dir: x\nconfigurations: [{name: one}]\n")
-    for text, message in (("extends: a.yaml\nname: b\nonly: [two*]\n", "matches no configuration"),
-                          ("extends: a.yaml\nclaim3_statistic: spikes\n", "claim3_statistic"),
-                          ("extends: missing.yaml\n", "is not a file"),
-                          ("extends: b.yaml\n", "cycle"),
-                          ("extends: a.yaml\npublished: none.json\n", "published=")):
+    for text, message in (
+        ("extends: a.yaml\nname: b\nonly: [two*]\n", "matches no configuration"),
+        ("extends: a.yaml\nclaim3_statistic: spikes\n", "claim3_statistic"),
+        ("extends: missing.yaml\n", "is not a file"),
+        ("extends: b.yaml\n", "cycle"),
+        ("extends: a.yaml\npublished: none.json\n", "published="),
+    ):
         (tmp_path / "b.yaml").write_text(text)
         with pytest.raises(ConfigError, match=message):
             load_study(tmp_path / "b.yaml")

@@ -14,34 +14,44 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _write(tmp_path, **changes) -> Path:
-    data = {"name": "s", "base": str(ROOT / "configs/cpu/default.yaml"), "output_dir": str(tmp_path / "out"),
-            "seeds": [1, 2], "configurations": [{"name": "one", "overrides": ["kl.estimator=k3"]}]}
+    data = {
+        "name": "s",
+        "base": str(ROOT / "configs/cpu/default.yaml"),
+        "output_dir": str(tmp_path / "out"),
+        "seeds": [1, 2],
+        "configurations": [{"name": "one", "overrides": ["kl.estimator=k3"]}],
+    }
     data.update(changes)
     path = tmp_path / "study.yaml"
     path.write_text(yaml.safe_dump(data))
     return path
 
 
-@pytest.mark.parametrize("changes, message", [
-    ({"instability_factor": float("nan")}, r"instability_factor=nan must be a number, not NaN"),
-    ({"instability_factor": float("inf")}, r"instability_factor=inf must be finite"),
-    ({"instability_factor": 1}, r"instability_factor=1(\.0)? must be > 1"),
-    ({"instability_factor": True}, r"instability_factor=true must be a number, not true/false"),
-    ({"collapse_fraction": 2}, r"collapse_fraction=2(\.0)? must be >= 0 and <= 1"),
-    ({"collapse_fraction": -0.1}, r"collapse_fraction=-0.1 must be >= 0 and <= 1"),
-    ({"seeds": []}, r"seeds=\[\] must list at least one seed"),
-    ({"seeds": None}, r"seeds=\[\] must list at least one seed"),
-    ({"seeds": [1, 1]}, r"seeds=\[1, 1\] repeats \[1\]"),
-    ({"seeds": [-1]}, r"seeds=\[-1\]: \[-1\] outside 0\.\.4294967295"),
-    ({"seeds": [SEED_MAX + 1]}, r"outside 0\.\.4294967295"),
-    ({"seeds": [1.5]}, r"seeds\[0\]=1\.5 must be an integer"),
-    ({"seeds": "abc"}, r"seeds\[0\]='abc' must be an int"),
-    ({"claim3_statistic": "spikes"}, r"claim3_statistic='spikes' must be one of \['unstable', 'collapsed'\]"),
-    ({"base": "/nonexistent/base.yaml"}, r"base='/nonexistent/base.yaml' names no file"),
-    ({"seed": 3}, r"unknown key\(s\) \['seed'\]"),
-    ({"configurations": [{"name": "one", "overrides": "x"}], "grid": {"kl.estimator": "k3"}},
-     r"grid axis 'kl.estimator' must be a non-empty list"),
-])
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"instability_factor": float("nan")}, r"instability_factor=nan must be a number, not NaN"),
+        ({"instability_factor": float("inf")}, r"instability_factor=inf must be finite"),
+        ({"instability_factor": 1}, r"instability_factor=1(\.0)? must be > 1"),
+        ({"instability_factor": True}, r"instability_factor=true must be a number, not true/false"),
+        ({"collapse_fraction": 2}, r"collapse_fraction=2(\.0)? must be >= 0 and <= 1"),
+        ({"collapse_fraction": -0.1}, r"collapse_fraction=-0.1 must be >= 0 and <= 1"),
+        ({"seeds": []}, r"seeds=\[\] must list at least one seed"),
+        ({"seeds": None}, r"seeds=\[\] must list at least one seed"),
+        ({"seeds": [1, 1]}, r"seeds=\[1, 1\] repeats \[1\]"),
+        ({"seeds": [-1]}, r"seeds=\[-1\]: \[-1\] outside 0\.\.4294967295"),
+        ({"seeds": [SEED_MAX + 1]}, r"outside 0\.\.4294967295"),
+        ({"seeds": [1.5]}, r"seeds\[0\]=1\.5 must be an integer"),
+        ({"seeds": "abc"}, r"seeds\[0\]='abc' must be an int"),
+        ({"claim3_statistic": "spikes"}, r"claim3_statistic='spikes' must be one of \['unstable', 'collapsed'\]"),
+        ({"base": "/nonexistent/base.yaml"}, r"base='/nonexistent/base.yaml' names no file"),
+        ({"seed": 3}, r"unknown key\(s\) \['seed'\]"),
+        (
+            {"configurations": [{"name": "one", "overrides": "x"}], "grid": {"kl.estimator": "k3"}},
+            r"grid axis 'kl.estimator' must be a non-empty list",
+        ),
+    ],
+)
 def test_a_bad_study_value_is_refused_naming_the_field(tmp_path, changes, message):
     path = _write(tmp_path, **changes)
     with pytest.raises(ConfigError, match=message) as caught:

@@ -32,18 +32,44 @@ def test_old_run_directories_read_under_current_names(tmp_path):
     from megatron_kl.train.metric_registry import RENAMED, canonical_record, lookup
     from megatron_kl.train.metrics import read_metrics
 
-    old = [{"step": 0, "eval/eval/pass@1": 0.25, "eval/eval/mean@4": 0.5, "eval/eval:math500/pass@1": 0.125,
-            "eval/ood/pass@1": 0.0},
-           {"step": 0, "grad_norm": 1.0, "lr": 1e-5, "train/skipped_updates": 0.0, "kl/clamped_ppo_ratio": 3,
-            "kl/clamped_k3": 1, "kl/exact_token": 0.01},
-           {"step": 1, "grad_norm": 90.0, "kl/exact_token": 0.01}]
+    old = [
+        {
+            "step": 0,
+            "eval/eval/pass@1": 0.25,
+            "eval/eval/mean@4": 0.5,
+            "eval/eval:math500/pass@1": 0.125,
+            "eval/ood/pass@1": 0.0,
+        },
+        {
+            "step": 0,
+            "grad_norm": 1.0,
+            "lr": 1e-5,
+            "train/skipped_updates": 0.0,
+            "kl/clamped_ppo_ratio": 3,
+            "kl/clamped_k3": 1,
+            "kl/exact_token": 0.01,
+        },
+        {"step": 1, "grad_norm": 90.0, "kl/exact_token": 0.01},
+    ]
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in old))
     records = read_metrics(path)
-    assert records[0] == {"step": 0, "eval/id/pass@1": 0.25, "eval/id/mean@4": 0.5, "eval/id:math500/pass@1": 0.125,
-                          "eval/ood/pass@1": 0.0}
-    assert records[1] == {"step": 0, "optim/grad_norm": 1.0, "optim/lr": 1e-5, "optim/skipped_updates": 0.0,
-                          "policy/clamped_ratio": 3, "kl/clamped_k3": 1, "kl/exact_token": 0.01}
+    assert records[0] == {
+        "step": 0,
+        "eval/id/pass@1": 0.25,
+        "eval/id/mean@4": 0.5,
+        "eval/id:math500/pass@1": 0.125,
+        "eval/ood/pass@1": 0.0,
+    }
+    assert records[1] == {
+        "step": 0,
+        "optim/grad_norm": 1.0,
+        "optim/lr": 1e-5,
+        "optim/skipped_updates": 0.0,
+        "policy/clamped_ratio": 3,
+        "kl/clamped_k3": 1,
+        "kl/exact_token": 0.01,
+    }
     assert _series(records, "eval/id/mean@k") == {0: 0.5}
     assert _instabilities(records[1:2] * 5 + records[2:], 10.0) == 1  # the grad-norm spike are seen under the new name
     for new in RENAMED.values():

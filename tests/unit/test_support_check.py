@@ -7,21 +7,34 @@ from megatron_kl.config import ConfigError
 from megatron_kl.models.pipeline import TokenStats
 from megatron_kl.rollout.engine import Completion, SamplingConfig
 from megatron_kl.train.rollouts import RolloutBatch
-from megatron_kl.train.step import OutsideSupport, support_metrics
+from megatron_kl.train.step_metrics import OutsideSupport, support_metrics
 
 
 def _batch(versions):
     completions = [Completion([1, 2, 3], [4, 5, 6, 7], [-1.0] * 4, "length", v) for v in versions]
     mask = torch.zeros(len(versions), 6)
     mask[:, 2:6] = 1.0  # responses start after the 3 prompt tokens (position 2 predicts token 3)
-    return RolloutBatch(0, completions, torch.zeros(len(versions)), torch.zeros(len(versions), 7, dtype=torch.long),
-                        mask, torch.zeros(len(versions), 6), torch.tensor(versions), 0.0)
+    return RolloutBatch(
+        0,
+        completions,
+        torch.zeros(len(versions)),
+        torch.zeros(len(versions), 7, dtype=torch.long),
+        mask,
+        torch.zeros(len(versions), 6),
+        torch.tensor(versions),
+        0.0,
+    )
 
 
 def _old(outside):
     shape = outside.shape
-    return TokenStats(logprobs=torch.zeros(shape), entropy=torch.zeros(shape), kept_mass=torch.full(shape, 0.9),
-                      support_size=torch.full(shape, 5.0), outside_support=outside)
+    return TokenStats(
+        logprobs=torch.zeros(shape),
+        entropy=torch.zeros(shape),
+        kept_mass=torch.full(shape, 0.9),
+        support_size=torch.full(shape, 5.0),
+        outside_support=outside,
+    )
 
 
 def test_a_fresh_token_outside_the_support_is_named():
@@ -55,8 +68,13 @@ def test_a_vllm_server_without_processed_logprobs_is_refused_under_truncation():
     from megatron_kl.config import from_dict
     from megatron_kl.train.config import TrainConfig, validate_train_config
 
-    base = {"rollout": {"engine": "vllm", "vllm": {"mode": "server", "url": "http://127.0.0.1:8000"},
-                        "sampling": {"top_p": 0.9}}}
+    base = {
+        "rollout": {
+            "engine": "vllm",
+            "vllm": {"mode": "server", "url": "http://127.0.0.1:8000"},
+            "sampling": {"top_p": 0.9},
+        }
+    }
     cfg = from_dict(TrainConfig, base)
     with pytest.raises(ConfigError, match="rollout.vllm.server_logprobs_mode=processed_logprobs"):
         validate_train_config(cfg, cfg.model.vocab_size)
@@ -72,7 +90,9 @@ def test_strict_refuses_the_full_distribution_under_truncation():
     from megatron_kl.config import from_dict
     from megatron_kl.train.config import TrainConfig, validate_train_config
 
-    cfg = from_dict(TrainConfig, {"kl": {"strict": True}, "rollout": {"sampling": {"top_k": 5, "distribution": "full"}}})
+    cfg = from_dict(
+        TrainConfig, {"kl": {"strict": True}, "rollout": {"sampling": {"top_k": 5, "distribution": "full"}}}
+    )
     with pytest.raises(ConfigError, match="rollout.sampling.distribution=truncated"):
         validate_train_config(cfg, cfg.model.vocab_size)
 
@@ -81,7 +101,8 @@ def test_the_forward_kl_target_is_refused_under_truncation():
     from megatron_kl.config import from_dict
     from megatron_kl.train.config import TrainConfig, validate_train_config
 
-    cfg = from_dict(TrainConfig, {"kl": {"target": "token_forward", "estimator": "k3"},
-                                  "rollout": {"sampling": {"top_p": 0.9}}})
+    cfg = from_dict(
+        TrainConfig, {"kl": {"target": "token_forward", "estimator": "k3"}, "rollout": {"sampling": {"top_p": 0.9}}}
+    )
     with pytest.raises(ConfigError, match="kl.target=token_forward .*infinite"):
         validate_train_config(cfg, cfg.model.vocab_size)

@@ -34,8 +34,10 @@ def test_arithmetic_problems_are_deterministic_and_scored_exactly():
 
 
 def test_arithmetic_ood_split_has_longer_operands_and_other_operators():
-    task = ArithmeticTask(ArithmeticConfig(max_digits=2, operators="+", ood_min_digits=3, ood_max_digits=3,
-                                           ood_operators="*"), eval_size=20)
+    task = ArithmeticTask(
+        ArithmeticConfig(max_digits=2, operators="+", ood_min_digits=3, ood_max_digits=3, ood_operators="*"),
+        eval_size=20,
+    )
     for i in range(20):
         text = task.problem("ood", i).prompt_text
         assert "*" in text and len(text.split("*")[0]) == 3
@@ -44,8 +46,9 @@ def test_arithmetic_ood_split_has_longer_operands_and_other_operators():
 
 
 def test_arithmetic_held_out_region_is_the_ood_split_and_never_in_training():
-    task = ArithmeticTask(ArithmeticConfig(max_digits=2, operators="+-", held_out_min_operand=10,
-                                           held_out_max_operand=29), eval_size=200)
+    task = ArithmeticTask(
+        ArithmeticConfig(max_digits=2, operators="+-", held_out_min_operand=10, held_out_max_operand=29), eval_size=200
+    )
 
     def operands(problem):
         a, b = problem.prompt_text.rstrip("=").replace("-", "+").split("+")
@@ -81,22 +84,31 @@ def test_arithmetic_config_errors_name_the_field():
         CharTokenizer().encode("1/2")
 
 
-@pytest.mark.parametrize("row, expected", [
-    ({"prompt": [{"role": "user", "content": "What is 1+1?"}], "reward_model": {"ground_truth": "2"}}, ("What is 1+1?", "2")),
-    ({"problem": "Compute $x$.", "answer": "\\frac{1}{2}", "solution": "..."}, ("Compute $x$.", "\\frac{1}{2}")),
-    ({"question": "Tom has 3 apples...", "answer": "He has 3+4=7.\n#### 1,007"}, ("Tom has 3 apples...", "1007")),
-    ({"question": "AIME style", "answer": 204}, ("AIME style", "204")),
-])
+@pytest.mark.parametrize(
+    "row, expected",
+    [
+        (
+            {"prompt": [{"role": "user", "content": "What is 1+1?"}], "reward_model": {"ground_truth": "2"}},
+            ("What is 1+1?", "2"),
+        ),
+        ({"problem": "Compute $x$.", "answer": "\\frac{1}{2}", "solution": "..."}, ("Compute $x$.", "\\frac{1}{2}")),
+        ({"question": "Tom has 3 apples...", "answer": "He has 3+4=7.\n#### 1,007"}, ("Tom has 3 apples...", "1007")),
+        ({"question": "AIME style", "answer": 204}, ("AIME style", "204")),
+    ],
+)
 def test_row_shapes(row, expected):
     assert normalize_row(row) == expected
 
 
-@pytest.mark.parametrize("row, message", [
-    ({"text": "no question"}, "no question field"),
-    ({"problem": "", "answer": "1"}, "empty or non-text question"),
-    ({"question": "Q", "answer": None}, "empty answer"),
-    (["not", "a", "dict"], "not an object"),
-])
+@pytest.mark.parametrize(
+    "row, message",
+    [
+        ({"text": "no question"}, "no question field"),
+        ({"problem": "", "answer": "1"}, "empty or non-text question"),
+        ({"question": "Q", "answer": None}, "empty answer"),
+        (["not", "a", "dict"], "not an object"),
+    ],
+)
 def test_malformed_rows_raise_naming_the_problem(row, message):
     with pytest.raises(ValueError, match=message):
         normalize_row(row)
@@ -113,12 +125,17 @@ def _tiny_hf_tokenizer():
     from transformers import PreTrainedTokenizerFast
 
     bpe = ByteLevelBPETokenizer()
-    bpe.train_from_iterator(["What is 1+1? The answer is \\boxed{2}. Tom has apples."] * 10, vocab_size=300,
-                            special_tokens=["<eos>", "<pad>"])
+    bpe.train_from_iterator(
+        ["What is 1+1? The answer is \\boxed{2}. Tom has apples."] * 10,
+        vocab_size=300,
+        special_tokens=["<eos>", "<pad>"],
+    )
     return PreTrainedTokenizerFast(
-        tokenizer_object=bpe._tokenizer, eos_token="<eos>", pad_token="<pad>",
+        tokenizer_object=bpe._tokenizer,
+        eos_token="<eos>",
+        pad_token="<pad>",
         chat_template="{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
-                      "{% if add_generation_prompt %}[assistant] {% endif %}",
+        "{% if add_generation_prompt %}[assistant] {% endif %}",
     )
 
 
@@ -136,8 +153,10 @@ def test_math_task_loads_mixed_files_skips_and_counts_malformed_rows(tmp_path, c
 
     pq.write_table(pa.Table.from_pylist([{"problem": "What is 3+3?", "answer": "6"}]), tmp_path / "eval.parquet")
     with caplog.at_level("WARNING"):
-        task = MathTask(MathConfig(train_files=[str(path)], eval_files=[str(tmp_path / "eval.parquet")],
-                                   system_prompt="Be brief."), tokenizer=_tiny_hf_tokenizer())
+        task = MathTask(
+            MathConfig(train_files=[str(path)], eval_files=[str(tmp_path / "eval.parquet")], system_prompt="Be brief."),
+            tokenizer=_tiny_hf_tokenizer(),
+        )
     assert len(task.splits["train"]) == 2 and len(task.splits["eval"]) == 1
     assert task.skipped[str(path)] == 3
     assert "skipped 3 row(s)" in caplog.text and "row 2" in caplog.text
@@ -168,9 +187,14 @@ def test_math_task_reports_each_benchmark_file_and_the_weighted_merge(tmp_path):
         return str(tmp_path / name)
 
     train = write("train.jsonl", [9])
-    task = MathTask(MathConfig(train_files=[train], eval_files=[write("math500.jsonl", [1, 2, 3]),
-                                                                  write("aime2024.jsonl", [4])],
-                               ood_files=[write("gsm8k.jsonl", [5, 6])]), tokenizer=_tiny_hf_tokenizer())
+    task = MathTask(
+        MathConfig(
+            train_files=[train],
+            eval_files=[write("math500.jsonl", [1, 2, 3]), write("aime2024.jsonl", [4])],
+            ood_files=[write("gsm8k.jsonl", [5, 6])],
+        ),
+        tokenizer=_tiny_hf_tokenizer(),
+    )
     assert task.eval_groups() == {"eval": ["eval:math500", "eval:aime2024"], "ood": ["ood"]}
     assert task.num_problems("eval") == 4 and task.num_problems("eval:aime2024") == 1
 
@@ -190,8 +214,9 @@ def test_math_task_reports_each_benchmark_file_and_the_weighted_merge(tmp_path):
     assert metrics["eval/id/pass@1"] == pytest.approx(0.75) and metrics["eval/id/mean@2"] == pytest.approx(0.75)
     assert metrics["eval/ood/pass@1"] == 0.0 and "eval/ood:gsm8k/pass@1" not in metrics
     # no OOD files configured: nothing reported for ood (not a pass@1 of 0.0 for a benchmark never run)
-    no_ood = MathTask(MathConfig(train_files=[train], eval_files=[str(tmp_path / "math500.jsonl")]),
-                      tokenizer=_tiny_hf_tokenizer())
+    no_ood = MathTask(
+        MathConfig(train_files=[train], eval_files=[str(tmp_path / "math500.jsonl")]), tokenizer=_tiny_hf_tokenizer()
+    )
     metrics = evaluate_all(Oracle(), no_ood, SamplingConfig(), k=2, temperature=1.0, seed=0)
     assert metrics["eval/id/pass@1"] == 1.0 and not any(key.startswith("eval/ood") for key in metrics)
 
@@ -213,8 +238,10 @@ def test_data_errors_name_the_file_and_row(tmp_path, caplog):
     packed.write_bytes(gzip.compress("\n".join(json.dumps(r) for r in good).encode()))
     rows = [
         {"question": "Tom has 2 apples.", "answer": "He has 2.\nSo 2 apples."},  # GSM8K without ####
-        {"problem": "Q1", "answer": [1, 2]}, {"problem": "Q2", "answer": float("nan")},
-        {"problem": "Q3", "answer": None}, {"problem": "x" * 2_000_000, "answer": "1"},
+        {"problem": "Q1", "answer": [1, 2]},
+        {"problem": "Q2", "answer": float("nan")},
+        {"problem": "Q3", "answer": None},
+        {"problem": "x" * 2_000_000, "answer": "1"},
     ]
     bad = tmp_path / "bad.jsonl"
     bad.write_text("\n".join(json.dumps(r) for r in rows))
@@ -235,8 +262,12 @@ def test_malformed_config_yaml_is_a_one_line_config_error(tmp_path):
 
     broken = tmp_path / "broken.yaml"
     broken.write_text("train:\n  steps: [1, 2\nkl: {coef: 0.1}\n")
-    done = subprocess.run([sys.executable, "-m", "megatron_kl.cli", "train", "--config", str(broken)],
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-m", "megatron_kl.cli", "train", "--config", str(broken)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert f"config file {broken} is not valid YAML at line" in done.stderr
 
@@ -264,7 +295,10 @@ def test_damaged_gzip_unverifiable_answers_and_duplicates_are_named(tmp_path, ca
         task = MathTask(MathConfig(train_files=[str(data), str(again)]), tokenizer=_tiny_hf_tokenizer())
     assert sorted(p.answer for p in task.splits["train"]) == ["10", "2", "\\frac{8}{2}"]
     assert task.skipped[str(data)] == 2 and task.skipped[str(again)] == 1
-    assert "rows.jsonl: skipped 2 row(s)" in caplog.text and "row 2: answer '\\\\boxed{6' has unbalanced braces" in caplog.text
+    assert (
+        "rows.jsonl: skipped 2 row(s)" in caplog.text
+        and "row 2: answer '\\\\boxed{6' has unbalanced braces" in caplog.text
+    )
     assert "again.jsonl: skipped 1 row(s)" in caplog.text and "row 0: duplicate question" in caplog.text
 
 
@@ -274,28 +308,43 @@ def test_evaluation_questions_also_trained_on_are_refused_dropped_or_reported_pe
         return str(tmp_path / name)
 
     train = write("train.jsonl", ["What is 1+1?", "Solve x = 3", "Q unique"])
-    files = dict(eval_files=[write("math500.jsonl", ["what is 1 + 1?", "Other"]), write("aime.jsonl", ["A", "B"])],
-                 ood_files=[write("gsm8k.jsonl", ["SOLVE  x=3", "C", "D"])])
+    files = dict(
+        eval_files=[write("math500.jsonl", ["what is 1 + 1?", "Other"]), write("aime.jsonl", ["A", "B"])],
+        ood_files=[write("gsm8k.jsonl", ["SOLVE  x=3", "C", "D"])],
+    )
     with pytest.raises(ConfigError, match=r"eval:math500: 1 of 2.*ood: 1 of 3.*eval_overlap=drop"):
         MathTask(MathConfig(train_files=[train], **files), tokenizer=_tiny_hf_tokenizer())
     with caplog.at_level("WARNING"):
-        dropped = MathTask(MathConfig(train_files=[train], eval_overlap="drop", **files), tokenizer=_tiny_hf_tokenizer())
+        dropped = MathTask(
+            MathConfig(train_files=[train], eval_overlap="drop", **files), tokenizer=_tiny_hf_tokenizer()
+        )
     assert dropped.overlap == {"eval:math500": 1, "ood": 1} and "left 2 evaluation question(s)" in caplog.text
     assert [p.prompt_text for p in dropped.splits["eval:math500"]] == ["Other"] and len(dropped.splits["eval"]) == 3
     assert [p.prompt_text for p in dropped.splits["ood"]] == ["C", "D"] and len(dropped.splits["train"]) == 3
     reported = MathTask(MathConfig(train_files=[train], eval_overlap="report", **files), tokenizer=_tiny_hf_tokenizer())
     assert reported.overlap == {"eval:math500": 1, "ood": 1} and len(reported.splits["eval:math500"]) == 2
-    clean = MathTask(MathConfig(train_files=[train], eval_files=[files["eval_files"][1]]), tokenizer=_tiny_hf_tokenizer())
+    clean = MathTask(
+        MathConfig(train_files=[train], eval_files=[files["eval_files"][1]]), tokenizer=_tiny_hf_tokenizer()
+    )
     assert clean.overlap == {}
     with pytest.raises(ConfigError, match="leaves no question"):
-        MathTask(MathConfig(train_files=[train], eval_overlap="drop", eval_files=[write("same.jsonl", ["Q unique"])]),
-                 tokenizer=_tiny_hf_tokenizer())
+        MathTask(
+            MathConfig(train_files=[train], eval_overlap="drop", eval_files=[write("same.jsonl", ["Q unique"])]),
+            tokenizer=_tiny_hf_tokenizer(),
+        )
 
 
 def test_a_row_nested_too_deeply_is_a_counted_skip_naming_its_line(tmp_path, caplog):
     path = tmp_path / "train.jsonl"
-    path.write_text(json.dumps({"problem": "What is 1+1?", "answer": "2"}) + "\n" + "[" * 200_000 + "]" * 200_000
-                    + "\n" + json.dumps({"problem": "What is 2+2?", "answer": "4"}) + "\n")
+    path.write_text(
+        json.dumps({"problem": "What is 1+1?", "answer": "2"})
+        + "\n"
+        + "[" * 200_000
+        + "]" * 200_000
+        + "\n"
+        + json.dumps({"problem": "What is 2+2?", "answer": "4"})
+        + "\n"
+    )
     with caplog.at_level("WARNING"):
         task = MathTask(MathConfig(train_files=[str(path)]), tokenizer=_tiny_hf_tokenizer())
     assert len(task.splits["train"]) == 2 and task.skipped[str(path)] == 1

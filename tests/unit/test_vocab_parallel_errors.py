@@ -58,12 +58,32 @@ def test_row_blocks_inside_a_chunk_do_not_change_results(monkeypatch, block_elem
         loss = (weights[0] * s.logprobs + weights[1] * s.entropy + weights[2] * s.kl).sum()
         (grad,) = torch.autograd.grad(loss, xx)
         hh, ww = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
-        f = fused_linear_stats(hh, ww, None, targets=t, reference_hidden=h, reference_weight=w_ref, vocab_size=30,
-                               chunk_size=5, temperature=0.9)
-        linear = torch.autograd.grad((weights[0] * f.logprobs + weights[1] * f.entropy + weights[2] * f.kl).sum(),
-                                     (hh, ww))
-        single = fused_linear_grads(h, w, h, w_ref, t, None, 0.9, 30, 5,
-                                    lambda out, lo, hi: (weights[0, lo:hi], weights[1, lo:hi], weights[2, lo:hi]))
+        f = fused_linear_stats(
+            hh,
+            ww,
+            None,
+            targets=t,
+            reference_hidden=h,
+            reference_weight=w_ref,
+            vocab_size=30,
+            chunk_size=5,
+            temperature=0.9,
+        )
+        linear = torch.autograd.grad(
+            (weights[0] * f.logprobs + weights[1] * f.entropy + weights[2] * f.kl).sum(), (hh, ww)
+        )
+        single = fused_linear_grads(
+            h,
+            w,
+            h,
+            w_ref,
+            t,
+            None,
+            0.9,
+            30,
+            5,
+            lambda out, lo, hi: (weights[0, lo:hi], weights[1, lo:hi], weights[2, lo:hi]),
+        )
         return [s.logprobs, s.entropy, s.kl, grad, f.logprobs, f.entropy, f.kl, *linear, *single]
 
     one_block = run()

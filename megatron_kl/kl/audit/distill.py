@@ -27,21 +27,23 @@ from megatron_kl.kl.objective import KLConfig
 
 # recipe name -> the distillation term's configuration (distill.kl.*)
 RECIPES = {
-    "exact reverse KL in the loss, sequence level (this project's default)":
-        KLConfig(estimator="full", placement="loss", level="sequence", coef=0.1),
-    "exact reverse KL per token in the loss":
-        KLConfig(estimator="full", placement="loss", level="token", coef=0.1),
-    "sampled k1 per token as its own reward (the common recipe)":
-        KLConfig(estimator="k1", placement="reward", level="token", credit="immediate", coef=0.1),
-    "sampled k1 per token in the reward, reward-to-go":
-        KLConfig(estimator="k1", placement="reward", level="token", credit="reward_to_go", coef=0.1),
-    "sampled k3 per token in the loss":
-        KLConfig(estimator="k3", placement="loss", level="token", coef=0.1),
-    "teacher's top-1 of 3, rest as one outcome, sequence level (a served teacher)":
-        TopKConfig(estimator="topk", top_k=1, top_k_tail="bucket", placement="loss", level="sequence", coef=0.1),
-    "teacher's top-2 of 3, renormalised, sequence level":
-        TopKConfig(estimator="topk", top_k=2, top_k_tail="renormalize", placement="loss", level="sequence",
-                   coef=0.1),
+    "exact reverse KL in the loss, sequence level (this project's default)": KLConfig(
+        estimator="full", placement="loss", level="sequence", coef=0.1
+    ),
+    "exact reverse KL per token in the loss": KLConfig(estimator="full", placement="loss", level="token", coef=0.1),
+    "sampled k1 per token as its own reward (the common recipe)": KLConfig(
+        estimator="k1", placement="reward", level="token", credit="immediate", coef=0.1
+    ),
+    "sampled k1 per token in the reward, reward-to-go": KLConfig(
+        estimator="k1", placement="reward", level="token", credit="reward_to_go", coef=0.1
+    ),
+    "sampled k3 per token in the loss": KLConfig(estimator="k3", placement="loss", level="token", coef=0.1),
+    "teacher's top-1 of 3, rest as one outcome, sequence level (a served teacher)": TopKConfig(
+        estimator="topk", top_k=1, top_k_tail="bucket", placement="loss", level="sequence", coef=0.1
+    ),
+    "teacher's top-2 of 3, renormalised, sequence level": TopKConfig(
+        estimator="topk", top_k=2, top_k_tail="renormalize", placement="loss", level="sequence", coef=0.1
+    ),
 }
 
 
@@ -61,9 +63,16 @@ def recipe_verdicts(problem: TabularProblem, off_policy: bool = False) -> list[t
     return list(zip(RECIPES, rows))
 
 
-def combined_bias(problem: TabularProblem, teacher_table: torch.Tensor, rewards: torch.Tensor,
-                  reference_term: KLConfig, teacher_term: KLConfig, beta_reference: float, beta_teacher: float,
-                  off_policy: bool = False) -> float:
+def combined_bias(
+    problem: TabularProblem,
+    teacher_table: torch.Tensor,
+    rewards: torch.Tensor,
+    reference_term: KLConfig,
+    teacher_term: KLConfig,
+    beta_reference: float,
+    beta_teacher: float,
+    off_policy: bool = False,
+) -> float:
     """Relative bias of the trainer's combined expected gradient (REINFORCE on ``rewards`` [N] per sequence, the
     reference term, the distillation term) against the exact gradient of E_pi[R] - beta_ref KL(pi || pi_ref) -
     beta_teacher KL(pi || pi_teacher); ``problem``'s reference table is the reference, ``teacher_table`` the
@@ -72,8 +81,11 @@ def combined_bias(problem: TabularProblem, teacher_table: torch.Tensor, rewards:
     logp = problem.log_probs(problem.policy_table).gather(-1, problem.sequences[..., None])[..., 0].sum(-1)
     seq_prob = logp.exp()
     reward_grad = torch.autograd.grad((seq_prob * rewards).sum(), problem.policy_table, retain_graph=True)[0]
-    target = (reward_grad - beta_reference * exact_targets(problem, off_policy)["seq"]
-              - beta_teacher * exact_targets(teacher, off_policy)["seq"])
+    target = (
+        reward_grad
+        - beta_reference * exact_targets(problem, off_policy)["seq"]
+        - beta_teacher * exact_targets(teacher, off_policy)["seq"]
+    )
     expected = reward_grad.clone()
     for beta, term, source in ((beta_reference, reference_term, problem), (beta_teacher, teacher_term, teacher)):
         grads, q = _estimator_gradients(source, term, off_policy)
@@ -84,13 +96,20 @@ def combined_bias(problem: TabularProblem, teacher_table: torch.Tensor, rewards:
 def format_recipes(verdicts: list[tuple[str, AuditRow]], title: Optional[str] = None) -> str:
     width = max(len(name) for name, _ in verdicts)
     lines = [title] if title else []
-    lines.append(f"{'recipe':{width}s} {'configuration':32s} {'bias:seq':>10s} {'bias:token':>10s} "
-                 f"{'bias:fwd':>10s} {'variance':>10s}  unbiased gradient of")
+    lines.append(
+        f"{'recipe':{width}s} {'configuration':32s} {'bias:seq':>10s} {'bias:token':>10s} "
+        f"{'bias:fwd':>10s} {'variance':>10s}  unbiased gradient of"
+    )
     for name, row in verdicts:
-        said = {"seq": "the sequence-level reverse KL", "token": "the token-level reverse KL only (prefix frozen)",
-                "forward": "the token-level forward KL(teacher || pi) only"}
+        said = {
+            "seq": "the sequence-level reverse KL",
+            "token": "the token-level reverse KL only (prefix frozen)",
+            "forward": "the token-level forward KL(teacher || pi) only",
+        }
         unbiased = [t for t in said if row.rel_bias[t] < UNBIASED_TOL]
         verdict = said[unbiased[0]] if unbiased else "no KL (biased for each)"
-        lines.append(f"{name:{width}s} {row.name:32s} {row.rel_bias['seq']:10.2e} {row.rel_bias['token']:10.2e} "
-                     f"{row.rel_bias['forward']:10.2e} {row.variance:10.2e}  {verdict}")
+        lines.append(
+            f"{name:{width}s} {row.name:32s} {row.rel_bias['seq']:10.2e} {row.rel_bias['token']:10.2e} "
+            f"{row.rel_bias['forward']:10.2e} {row.variance:10.2e}  {verdict}"
+        )
     return "\n".join(lines)

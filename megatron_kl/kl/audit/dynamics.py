@@ -51,8 +51,13 @@ class _RowScale(torch.autograd.Function):
         return grad * scale.view(-1, *([1] * (grad.dim() - 1))), None
 
 
-def kl_gradient(problem: TabularProblem, cfg: Union[KLConfig, RPGConfig], weights: torch.Tensor,
-                off_policy: bool = False, correction: Optional[Correction] = None) -> torch.Tensor:
+def kl_gradient(
+    problem: TabularProblem,
+    cfg: Union[KLConfig, RPGConfig],
+    weights: torch.Tensor,
+    off_policy: bool = False,
+    correction: Optional[Correction] = None,
+) -> torch.Tensor:
     """sum_y weights[y] g(y): the configuration's per-sample estimator of grad KL (divided by ``cfg.coef``),
     weighted per sequence (the exact expectation with weights = q(y); a minibatch average with weights = counts / B).
     A KL configuration with ``off_policy='behavior'`` takes the behaviour ``correction``'s weights on its KL term,
@@ -70,26 +75,52 @@ def kl_gradient(problem: TabularProblem, cfg: Union[KLConfig, RPGConfig], weight
         weight, _ = correction.weights(lp.detach(), behavior, mask)
     lp, full_kl = _RowScale.apply(lp, scale), _RowScale.apply(full_kl, scale)
     if isinstance(cfg, RPGConfig):
-        loss, _ = rpg_loss(dataclasses.replace(cfg, aggregation="seq_mean_token_sum"), lp, behavior, ref_lp,
-                           torch.zeros_like(lp), mask)
+        loss, _ = rpg_loss(
+            dataclasses.replace(cfg, aggregation="seq_mean_token_sum"), lp, behavior, ref_lp, torch.zeros_like(lp), mask
+        )
         estimate = loss / cfg.coef
     elif cfg.placement == "loss":
-        estimate = kl_loss(cfg, lp, ref_lp, mask, behavior_logprobs=behavior, behavior_weight=weight,
-                           full_kl=full_kl if cfg.exact else None) / cfg.coef
+        estimate = (
+            kl_loss(
+                cfg,
+                lp,
+                ref_lp,
+                mask,
+                behavior_logprobs=behavior,
+                behavior_weight=weight,
+                full_kl=full_kl if cfg.exact else None,
+            )
+            / cfg.coef
+        )
     else:
-        returns = kl_shaped_returns(cfg, torch.zeros(n, dtype=lp.dtype), lp, ref_lp, mask, behavior_logprobs=behavior,
-                                    full_kl=full_kl if cfg.exact else None)
-        estimate = policy_gradient_surrogate(cfg, lp, -returns / cfg.coef, mask, behavior_logprobs=behavior,
-                                             behavior_weight=weight)
+        returns = kl_shaped_returns(
+            cfg,
+            torch.zeros(n, dtype=lp.dtype),
+            lp,
+            ref_lp,
+            mask,
+            behavior_logprobs=behavior,
+            full_kl=full_kl if cfg.exact else None,
+        )
+        estimate = policy_gradient_surrogate(
+            cfg, lp, -returns / cfg.coef, mask, behavior_logprobs=behavior, behavior_weight=weight
+        )
     (grad,) = torch.autograd.grad(estimate, problem.policy_table, allow_unused=True)
     return grad if grad is not None else torch.zeros_like(problem.policy_table)
 
 
 def rpg_configs(coef: float = 0.1) -> list[RPGConfig]:
     """Every RPG divergence with both surrogates (the differentiable one without clipping, as its config requires)."""
-    return [RPGConfig(divergence=d, surrogate=s, coef=coef,
-                      **({"clip_low": None, "clip_high": None, "dual_clip": None} if s == "differentiable" else {}))
-            for d in DIVERGENCES for s in SURROGATES]
+    return [
+        RPGConfig(
+            divergence=d,
+            surrogate=s,
+            coef=coef,
+            **({"clip_low": None, "clip_high": None, "dual_clip": None} if s == "differentiable" else {}),
+        )
+        for d in DIVERGENCES
+        for s in SURROGATES
+    ]
 
 
 def verdict_of(problem: TabularProblem, cfg, off_policy: bool) -> str:
@@ -131,11 +162,12 @@ class Outcome:
             return "pi* (the regularised optimum)"
         if self.converged:
             return "another fixed point (biased)"
-        return (f"none within {self.steps} steps (logit range {self.logit_range:.1f}; pi*'s "
-                f"{optimum_logit_range:.1f})")
+        return f"none within {self.steps} steps (logit range {self.logit_range:.1f}; pi*'s {optimum_logit_range:.1f})"
 
 
-def reward_gradient(problem: TabularProblem, rewards: torch.Tensor, weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+def reward_gradient(
+    problem: TabularProblem, rewards: torch.Tensor, weights: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     """grad E_pi[r] exactly (``weights`` None) or its REINFORCE estimate sum_y weights[y] r(y) grad log pi(y)."""
     logp = sequence_log_probs(problem, problem.policy_table)
     if weights is None:
@@ -146,8 +178,14 @@ def reward_gradient(problem: TabularProblem, rewards: torch.Tensor, weights: Opt
     return grad
 
 
-def direction(problem: TabularProblem, rewards: torch.Tensor, beta: float, cfg: Optional[KLConfig],
-              off_policy: bool = False, correction: Optional[Correction] = None) -> torch.Tensor:
+def direction(
+    problem: TabularProblem,
+    rewards: torch.Tensor,
+    beta: float,
+    cfg: Optional[KLConfig],
+    off_policy: bool = False,
+    correction: Optional[Correction] = None,
+) -> torch.Tensor:
     """d = grad E_pi[r] - beta E_q[g_KL] at ``problem.policy_table`` (``cfg`` None: the reward's gradient alone)."""
     d = reward_gradient(problem, rewards)
     if cfg is None:
@@ -157,9 +195,18 @@ def direction(problem: TabularProblem, rewards: torch.Tensor, beta: float, cfg: 
     return d - beta * kl_gradient(problem, dataclasses.replace(cfg, coef=beta), q, off_policy, correction)
 
 
-def train_exact(problem: TabularProblem, rewards: torch.Tensor, beta: float, cfg: Optional[KLConfig],
-                lr: float = 2.0, steps: int = 3000, tolerance: float = 1e-10, off_policy: bool = False,
-                trace: Optional[list] = None, correction: Optional[Correction] = None) -> Outcome:
+def train_exact(
+    problem: TabularProblem,
+    rewards: torch.Tensor,
+    beta: float,
+    cfg: Optional[KLConfig],
+    lr: float = 2.0,
+    steps: int = 3000,
+    tolerance: float = 1e-10,
+    off_policy: bool = False,
+    trace: Optional[list] = None,
+    correction: Optional[Correction] = None,
+) -> Outcome:
     """Gradient ascent on the logit table from pi_ref with the configuration's exact expected direction
     (``cfg`` None: beta = 0, the reward alone). Stops when |d| < tolerance or after ``steps``. ``trace`` (a list)
     receives KL(pi || pi*) after every step."""
@@ -204,8 +251,16 @@ def _outcome(name: str, state: TabularProblem, rewards, beta, steps, converged, 
         logp = sequence_log_probs(state, state.policy_table)
         ref = sequence_log_probs(state, state.reference_table)
         table = state.policy_table
-        return Outcome(name, steps, converged, _kl(logp, optimum_log_probs(state, rewards, beta)), _kl(logp, ref),
-                       float((logp.exp() * rewards).sum()), norm, float(table.max() - table.min()))
+        return Outcome(
+            name,
+            steps,
+            converged,
+            _kl(logp, optimum_log_probs(state, rewards, beta)),
+            _kl(logp, ref),
+            float((logp.exp() * rewards).sum()),
+            norm,
+            float(table.max() - table.min()),
+        )
 
 
 def dynamics_problem(vocab: int, length: int, seed: int = 0, scale: float = 1.0) -> tuple[TabularProblem, torch.Tensor]:
@@ -223,9 +278,17 @@ class DynamicsRow:
     fixed_point: str
 
 
-def exact_dynamics(problem: TabularProblem, rewards: torch.Tensor, beta: float, off_policy: bool,
-                   configs: list, lr: float = 2.0, steps: int = 3000, traces: Optional[dict] = None,
-                   corrections: tuple[Correction, ...] = ()) -> list[DynamicsRow]:
+def exact_dynamics(
+    problem: TabularProblem,
+    rewards: torch.Tensor,
+    beta: float,
+    off_policy: bool,
+    configs: list,
+    lr: float = 2.0,
+    steps: int = 3000,
+    traces: Optional[dict] = None,
+    corrections: tuple[Correction, ...] = (),
+) -> list[DynamicsRow]:
     """One row per configuration (and beta = 0 as the control), each trained from pi_ref; a KL configuration with
     ``off_policy='behavior'`` gets one row per behaviour correction in ``corrections``; RPG losses are judged by
     :func:`verdict_of`. ``traces`` (a dict) receives each row's KL(pi || pi*) per step under its name."""
@@ -234,29 +297,43 @@ def exact_dynamics(problem: TabularProblem, rewards: torch.Tensor, beta: float, 
     verdicts.update({cfg.name: verdict_of(problem, cfg, off_policy) for cfg in configs if isinstance(cfg, RPGConfig)})
     optimum = optimum_table(problem, rewards, beta)
     optimum_range = float(optimum.max() - optimum.min())
-    pairs = [(cfg, c) for cfg in [None, *configs]
-             for c in (corrections if isinstance(cfg, KLConfig) and cfg.off_policy == "behavior" else (None,))]
+    pairs = [
+        (cfg, c)
+        for cfg in [None, *configs]
+        for c in (corrections if isinstance(cfg, KLConfig) and cfg.off_policy == "behavior" else (None,))
+    ]
     rows = []
     for cfg, correction in pairs:
         trace = [] if traces is not None else None
-        outcome = train_exact(problem, rewards, beta, cfg, lr=lr, steps=steps, off_policy=off_policy, trace=trace,
-                              correction=correction)
+        outcome = train_exact(
+            problem, rewards, beta, cfg, lr=lr, steps=steps, off_policy=off_policy, trace=trace, correction=correction
+        )
         if traces is not None:
             traces[outcome.name] = trace
-        rows.append(DynamicsRow(outcome, "off_policy" if off_policy else "on_policy",
-                                verdicts.get(outcome.name, "beta = 0 (control)"), outcome.fixed_point(optimum_range)))
+        rows.append(
+            DynamicsRow(
+                outcome,
+                "off_policy" if off_policy else "on_policy",
+                verdicts.get(outcome.name, "beta = 0 (control)"),
+                outcome.fixed_point(optimum_range),
+            )
+        )
     return rows
 
 
 def format_dynamics(rows: list[DynamicsRow]) -> str:
     width = max([36] + [len(r.outcome.name) for r in rows])
-    header = (f"{'configuration':{width}s} {'audit verdict':22s} {'steps':>6s} {'KL(pi||pi*)':>12s} "
-              f"{'KL(pi||ref)':>12s} {'E[r]':>7s}  fixed point")
+    header = (
+        f"{'configuration':{width}s} {'audit verdict':22s} {'steps':>6s} {'KL(pi||pi*)':>12s} "
+        f"{'KL(pi||ref)':>12s} {'E[r]':>7s}  fixed point"
+    )
     lines = [header, "-" * len(header)]
     for r in rows:
         o = r.outcome
-        lines.append(f"{o.name:{width}s} {r.verdict:22s} {o.steps:6d} {max(o.kl_to_optimum, 0.0):12.3e} "
-                     f"{o.kl_to_reference:12.4f} {o.expected_reward:7.4f}  {r.fixed_point}")
+        lines.append(
+            f"{o.name:{width}s} {r.verdict:22s} {o.steps:6d} {max(o.kl_to_optimum, 0.0):12.3e} "
+            f"{o.kl_to_reference:12.4f} {o.expected_reward:7.4f}  {r.fixed_point}"
+        )
     return "\n".join(lines)
 
 
@@ -271,9 +348,17 @@ class SampledOutcome:
     unstable: int  # seeds with an instability event: KL(pi || pi_ref) > factor x KL(pi* || pi_ref), or non-finite
 
 
-def train_sampled(problem: TabularProblem, rewards: torch.Tensor, beta: float, cfg: Optional[KLConfig],
-                  batch: int = 64, steps: int = 1500, lr: float = 0.5, seeds: int = 5,
-                  instability_factor: float = 5.0) -> SampledOutcome:
+def train_sampled(
+    problem: TabularProblem,
+    rewards: torch.Tensor,
+    beta: float,
+    cfg: Optional[KLConfig],
+    batch: int = 64,
+    steps: int = 1500,
+    lr: float = 0.5,
+    seeds: int = 5,
+    instability_factor: float = 5.0,
+) -> SampledOutcome:
     """On-policy training with the estimators as the trainer computes them: each step draws ``batch`` sequences
     from pi, the reward's REINFORCE estimate with the batch-mean baseline (GRPO's group mean) plus the
     configuration's minibatch KL-gradient estimate (sum over the drawn rows / batch). The instability event is
@@ -315,14 +400,18 @@ def train_sampled(problem: TabularProblem, rewards: torch.Tensor, beta: float, c
 def format_sampled(rows: list[tuple[SampledOutcome, str]]) -> str:
     """(outcome, audit verdict) rows: mean and spread over seeds of the final KLs, the instability count."""
     width = max([36] + [len(o.name) for o, _ in rows])
-    header = (f"{'configuration':{width}s} {'audit verdict':22s} {'KL(pi||pi*) mean':>17s} {'(min, max)':>18s} "
-              f"{'KL(pi||ref)':>12s} {'unstable':>9s}")
+    header = (
+        f"{'configuration':{width}s} {'audit verdict':22s} {'KL(pi||pi*) mean':>17s} {'(min, max)':>18s} "
+        f"{'KL(pi||ref)':>12s} {'unstable':>9s}"
+    )
     lines = [header, "-" * len(header)]
     for o, verdict in rows:
         kl_opt = [max(v, 0.0) for v in o.final_kl_to_optimum]
-        lines.append(f"{o.name:{width}s} {verdict:22s} {sum(kl_opt) / len(kl_opt):17.4f} "
-                     f"({min(kl_opt):7.4f}, {max(kl_opt):7.4f}) {sum(o.final_kl_to_reference) / o.seeds:12.4f} "
-                     f"{o.unstable:>5d}/{o.seeds}")
+        lines.append(
+            f"{o.name:{width}s} {verdict:22s} {sum(kl_opt) / len(kl_opt):17.4f} "
+            f"({min(kl_opt):7.4f}, {max(kl_opt):7.4f}) {sum(o.final_kl_to_reference) / o.seeds:12.4f} "
+            f"{o.unstable:>5d}/{o.seeds}"
+        )
     return "\n".join(lines)
 
 
@@ -349,9 +438,20 @@ def token_log_probs(problem: TabularProblem, table: torch.Tensor) -> torch.Tenso
     return problem.log_probs(table).gather(-1, problem.sequences[..., None])[..., 0]
 
 
-def train_stale(problem: TabularProblem, rewards: torch.Tensor, beta: float, cfg: Optional[KLConfig],
-                staleness: int, correction=None, batch: int = 64, steps: int = 800, lr: float = 0.5,
-                seeds: int = 5, collapse_drop: float = COLLAPSE_DROP, trace: Optional[list] = None) -> StaleOutcome:
+def train_stale(
+    problem: TabularProblem,
+    rewards: torch.Tensor,
+    beta: float,
+    cfg: Optional[KLConfig],
+    staleness: int,
+    correction=None,
+    batch: int = 64,
+    steps: int = 800,
+    lr: float = 0.5,
+    seeds: int = 5,
+    collapse_drop: float = COLLAPSE_DROP,
+    trace: Optional[list] = None,
+) -> StaleOutcome:
     """Asynchronous training as the trainer runs it with ``train.staleness = s``: each step draws ``batch``
     sequences from mu = pi_{t-s} (the policy s updates ago; pi_ref before that), the reward's policy gradient is
     sum_y w(y) sum_t c_t (r(y) - b) grad log pi(y_t | s_t) with the batch-mean baseline b and the behaviour
@@ -411,19 +511,29 @@ def train_stale(problem: TabularProblem, rewards: torch.Tensor, beta: float, cfg
 
 # The configurations the stale-sample table trains by default: the control, the unbiased sequence-level ones and
 # their per-decision off-policy forms, and the two most used biased ones (k3 in the loss per token, k3 in the reward).
-STALE_CONFIGS = ("k1-reward-token-rtg", "k1-reward-token-rtg-per_decision", "k2-loss-sequence",
-                 "full-loss-sequence-per_decision", "k3-loss-token", "k3-reward-token-rtg")
+STALE_CONFIGS = (
+    "k1-reward-token-rtg",
+    "k1-reward-token-rtg-per_decision",
+    "k2-loss-sequence",
+    "full-loss-sequence-per_decision",
+    "k3-loss-token",
+    "k3-reward-token-rtg",
+)
 
 
 def format_stale(rows: list[tuple[StaleOutcome, str]]) -> str:
     """(outcome, off-policy audit verdict) rows: final E[r] and KLs over seeds, the instability count."""
     width = max([34] + [len(o.name) for o, _ in rows])
-    header = (f"{'stale':>5s} {'correction':22s} {'configuration':{width}s} {'audit verdict':22s} "
-              f"{'E[r] mean':>9s} {'(min, max)':>16s} {'KL(pi||ref)':>11s} {'KL(pi||pi*)':>11s} {'unstable':>9s}")
+    header = (
+        f"{'stale':>5s} {'correction':22s} {'configuration':{width}s} {'audit verdict':22s} "
+        f"{'E[r] mean':>9s} {'(min, max)':>16s} {'KL(pi||ref)':>11s} {'KL(pi||pi*)':>11s} {'unstable':>9s}"
+    )
     lines = [header, "-" * len(header)]
     for o, verdict in rows:
         mean = lambda v: sum(v) / len(v)  # noqa: E731
-        lines.append(f"{o.staleness:5d} {o.correction:22s} {o.name:{width}s} {verdict:22s} {mean(o.final_reward):9.4f} "
-                     f"({min(o.final_reward):6.4f}, {max(o.final_reward):6.4f}) {mean(o.final_kl_to_reference):11.4f} "
-                     f"{mean(o.final_kl_to_optimum):11.4f} {o.unstable:>5d}/{o.seeds}")
+        lines.append(
+            f"{o.staleness:5d} {o.correction:22s} {o.name:{width}s} {verdict:22s} {mean(o.final_reward):9.4f} "
+            f"({min(o.final_reward):6.4f}, {max(o.final_reward):6.4f}) {mean(o.final_kl_to_reference):11.4f} "
+            f"{mean(o.final_kl_to_optimum):11.4f} {o.unstable:>5d}/{o.seeds}"
+        )
     return "\n".join(lines)

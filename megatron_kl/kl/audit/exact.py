@@ -94,20 +94,22 @@ class TabularProblem:
         n_states = sum(vocab**k for k in range(length))
 
         def table():
-            return (scale * torch.randn(n_states, vocab, generator=g, dtype=torch.float64))
+            return scale * torch.randn(n_states, vocab, generator=g, dtype=torch.float64)
 
         return cls(vocab, length, seqs, states, table().requires_grad_(True), table(), table())
 
     @classmethod
-    def mixed(cls, vocab: int = 3, length: int = 3, seed: int = 0, switch: int = 1,
-              recorded: str = "per_token") -> "TabularProblem":
+    def mixed(
+        cls, vocab: int = 3, length: int = 3, seed: int = 0, switch: int = 1, recorded: str = "per_token"
+    ) -> "TabularProblem":
         """A random problem whose samples come from one behaviour policy before position ``switch`` and from a
         second one (a fresh random table) from there on."""
         if recorded not in RECORDED or not 0 < switch < length:
             raise ValueError(f"recorded in {RECORDED} and 0 < switch < length={length}")
         base = cls.random(vocab, length, seed)
-        second = torch.randn(base.behavior_table.shape, generator=torch.Generator().manual_seed(10_000 + seed),
-                             dtype=torch.float64)
+        second = torch.randn(
+            base.behavior_table.shape, generator=torch.Generator().manual_seed(10_000 + seed), dtype=torch.float64
+        )
         return dataclasses.replace(base, second_behavior_table=second, switch=switch, recorded=recorded)
 
     def behavior_log_probs(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,7 +119,7 @@ class TabularProblem:
         if self.switch is None:
             return first, first
         second = self.log_probs(self.second_behavior_table)
-        sampler = torch.cat([first[:, : self.switch], second[:, self.switch:]], dim=1)
+        sampler = torch.cat([first[:, : self.switch], second[:, self.switch :]], dim=1)
         return sampler, {"per_token": sampler, "first": first, "last": second}[self.recorded]
 
     def log_probs(self, table: torch.Tensor) -> torch.Tensor:
@@ -206,8 +208,9 @@ def top_k_rows(problem: TabularProblem, k: int, tail: str) -> torch.Tensor:
     return top_k_divergence(logp.gather(-1, ids), logq.gather(-1, ids), tail)
 
 
-def _estimator_gradients(problem: TabularProblem, cfg: KLConfig, off_policy: bool,
-                         correction: Optional[Correction] = None):
+def _estimator_gradients(
+    problem: TabularProblem, cfg: KLConfig, off_policy: bool, correction: Optional[Correction] = None
+):
     """Per-sample gradients g(y) [N, S, V] of the configuration's estimator of grad KL, and q(y)."""
     lp, ref_lp, mu_lp, full_kl, _, _, recorded = _quantities(problem)
     sampler = mu_lp if off_policy or problem.truncation is not None else lp
@@ -231,8 +234,9 @@ def _estimator_gradients(problem: TabularProblem, cfg: KLConfig, off_policy: boo
         else:
             returns = kl_shaped_returns(cfg, torch.zeros(1, dtype=lp.dtype), lp[sl], ref_lp[sl], mask, **args)
             credit = -returns / cfg.coef
-            estimate = policy_gradient_surrogate(cfg, lp[sl], credit, mask, behavior_logprobs=behavior[sl],
-                                                 behavior_weight=w)
+            estimate = policy_gradient_surrogate(
+                cfg, lp[sl], credit, mask, behavior_logprobs=behavior[sl], behavior_weight=w
+            )
         grads.append(torch.autograd.grad(estimate, problem.policy_table, retain_graph=True, allow_unused=True)[0])
     grads = [g if g is not None else torch.zeros_like(problem.policy_table) for g in grads]
     return torch.stack(grads), q
@@ -245,8 +249,15 @@ def all_configs(off_policy: bool, coef: float = 0.1, truncate: Optional[float] =
     modes = tuple(op for op in OFF_POLICY if op != "behavior") if off_policy else ("none",)
     for est, place, level, credit, op in itertools.product(ESTIMATORS, PLACEMENTS, LEVELS, (None,) + CREDITS, modes):
         try:
-            cfg = KLConfig(estimator=est, placement=place, level=level, credit=credit, off_policy=op, coef=coef,
-                           truncate=truncate if op == "per_decision" else None)
+            cfg = KLConfig(
+                estimator=est,
+                placement=place,
+                level=level,
+                credit=credit,
+                off_policy=op,
+                coef=coef,
+                truncate=truncate if op == "per_decision" else None,
+            )
         except ValueError:
             continue
         if cfg.name not in seen:
@@ -287,12 +298,19 @@ def _mode(problem: TabularProblem, off_policy: bool) -> str:
     return "off_policy" if off_policy else "on_policy"
 
 
-def audit(problem: TabularProblem, off_policy: bool, configs: Optional[list[KLConfig]] = None,
-          corrections: tuple[Correction, ...] = AUDITED) -> list[AuditRow]:
+def audit(
+    problem: TabularProblem,
+    off_policy: bool,
+    configs: Optional[list[KLConfig]] = None,
+    corrections: tuple[Correction, ...] = AUDITED,
+) -> list[AuditRow]:
     """One row per configuration; a configuration with off_policy='behavior' gets one row per correction."""
     targets = exact_targets(problem, off_policy)
-    pairs = [(cfg, c) for cfg in configs or all_configs(off_policy)
-             for c in (corrections if cfg.off_policy == "behavior" else (None,))]
+    pairs = [
+        (cfg, c)
+        for cfg in configs or all_configs(off_policy)
+        for c in (corrections if cfg.off_policy == "behavior" else (None,))
+    ]
     rows = []
     for cfg, correction in pairs:
         grads, q = _estimator_gradients(problem, cfg, off_policy, correction)
@@ -300,11 +318,18 @@ def audit(problem: TabularProblem, off_policy: bool, configs: Optional[list[KLCo
         expectation = (weights * grads).sum(0)
         variance = float((weights * (grads - expectation).square()).sum())
         rel, cos, verdict = judge(expectation, targets)
-        rows.append(AuditRow(
-            name=cfg.name + (f"[{correction.label}]" if correction else ""), mode=_mode(problem, off_policy),
-            config=asdict(cfg), rel_bias=rel, cosine=cos, variance=variance, verdict=verdict,
-            correction=correction.label if correction else None,
-        ))
+        rows.append(
+            AuditRow(
+                name=cfg.name + (f"[{correction.label}]" if correction else ""),
+                mode=_mode(problem, off_policy),
+                config=asdict(cfg),
+                rel_bias=rel,
+                cosine=cos,
+                variance=variance,
+                verdict=verdict,
+                correction=correction.label if correction else None,
+            )
+        )
     return rows
 
 
@@ -319,13 +344,21 @@ def format_table(rows: list[AuditRow]) -> str:
     (``kl.sequence_axis.crossing``: sum = an all-reduced per-sequence sum, prefix / suffix = an exclusive scan of
     chunk totals)."""
     width = max([38] + [len(r.name) for r in rows])
-    header = f"{'configuration':{width}s} {'mode':10s} " + " ".join(f"{'bias:' + t:>12s}" for t in TARGETS) + \
-        " " + " ".join(f"{'cos:' + t:>11s}" for t in TARGETS) + f" {'variance':>11s} {'across CP':>17s}  verdict"
+    header = (
+        f"{'configuration':{width}s} {'mode':10s} "
+        + " ".join(f"{'bias:' + t:>12s}" for t in TARGETS)
+        + " "
+        + " ".join(f"{'cos:' + t:>11s}" for t in TARGETS)
+        + f" {'variance':>11s} {'across CP':>17s}  verdict"
+    )
     lines = [header, "-" * len(header)]
     for r in rows:
         lines.append(
-            f"{r.name:{width}s} {r.mode:10s} " + " ".join(f"{r.rel_bias[t]:12.3e}" for t in TARGETS) + " "
-            + " ".join(f"{r.cosine[t]:11.3f}" for t in TARGETS) + f" {r.variance:11.3e} {across_cp_ranks(r):>17s}"
+            f"{r.name:{width}s} {r.mode:10s} "
+            + " ".join(f"{r.rel_bias[t]:12.3e}" for t in TARGETS)
+            + " "
+            + " ".join(f"{r.cosine[t]:11.3f}" for t in TARGETS)
+            + f" {r.variance:11.3e} {across_cp_ranks(r):>17s}"
             + f"  {r.verdict}"
         )
     return "\n".join(lines)
@@ -339,12 +372,17 @@ def summarize(sections: list[tuple[str, list[AuditRow]]]) -> str:
     for title, rows in sections:
         lines.append(f"{title}, {len(rows)} configurations")
         for target in TARGETS:
-            finite = [(r.rel_bias[target], r.name) for r in rows if r.rel_bias[target] == r.rel_bias[target]
-                      and r.rel_bias[target] != float("inf")]
+            finite = [
+                (r.rel_bias[target], r.name)
+                for r in rows
+                if r.rel_bias[target] == r.rel_bias[target] and r.rel_bias[target] != float("inf")
+            ]
             unbiased = sum(bias < UNBIASED_TOL for bias, _ in finite)
             worst = max(finite, default=None)
             undefined = len(rows) - len(finite)
-            lines.append(f"  {target:8s} {unbiased:4d} unbiased {len(finite) - unbiased:4d} biased"
-                         + (f"  worst {worst[0]:.2g} ({worst[1]})" if worst and worst[0] >= UNBIASED_TOL else "")
-                         + (f"  {undefined} undefined" if undefined else ""))
+            lines.append(
+                f"  {target:8s} {unbiased:4d} unbiased {len(finite) - unbiased:4d} biased"
+                + (f"  worst {worst[0]:.2g} ({worst[1]})" if worst and worst[0] >= UNBIASED_TOL else "")
+                + (f"  {undefined} undefined" if undefined else "")
+            )
     return "\n".join(lines)

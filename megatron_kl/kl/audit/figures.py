@@ -42,8 +42,9 @@ def exact_figure(sections: list[tuple[str, list, dict]], out: Path) -> str:
     """``sections``: (title, DynamicsRows, traces by name) per sampling mode."""
     plt = _pyplot()
     groups = ["unbiased for the sequence KL", "unbiased for another KL", "biased, zero expectation or no KL"]
-    fig, axes = plt.subplots(len(sections), len(groups), figsize=(4.4 * len(groups), 3.4 * len(sections)),
-                             squeeze=False, sharey=True)
+    fig, axes = plt.subplots(
+        len(sections), len(groups), figsize=(4.4 * len(groups), 3.4 * len(sections)), squeeze=False, sharey=True
+    )
     for row, (title, rows, traces) in enumerate(sections):
         for col, group in enumerate(groups):
             ax = axes[row][col]
@@ -68,16 +69,26 @@ def stale_figure(panels: dict, out: Path) -> str:
     plt = _pyplot()
     corrections = sorted({c for _, c in panels})
     stalenesses = sorted({s for s, _ in panels})
-    fig, axes = plt.subplots(len(corrections), len(stalenesses), figsize=(4.4 * len(stalenesses),
-                                                                          3.2 * len(corrections)),
-                             squeeze=False, sharey=True)
+    fig, axes = plt.subplots(
+        len(corrections),
+        len(stalenesses),
+        figsize=(4.4 * len(stalenesses), 3.2 * len(corrections)),
+        squeeze=False,
+        sharey=True,
+    )
     for i, correction in enumerate(corrections):
         for j, staleness in enumerate(stalenesses):
             ax = axes[i][j]
             for k, (name, seeds) in enumerate(panels.get((staleness, correction), {}).items()):
                 for n, trace in enumerate(seeds):
-                    ax.plot(range(1, len(trace) + 1), trace, color=f"C{k}", lw=0.8, alpha=0.6,
-                            label=name if n == 0 else None)
+                    ax.plot(
+                        range(1, len(trace) + 1),
+                        trace,
+                        color=f"C{k}",
+                        lw=0.8,
+                        alpha=0.6,
+                        label=name if n == 0 else None,
+                    )
             ax.set_title(f"staleness {staleness}, correction {correction}", fontsize=8)
             ax.set_xlabel("step")
             if j == 0:

@@ -110,6 +110,7 @@ def select(kl: KLConfig, regime: str, correction: Correction) -> tuple[KLConfig,
         raise ValueError(
             f"kl.estimator=auto: no configuration is unbiased for kl.target={kl.target} in regime {regime} with "
             f"algo.behavior_correction={correction.label}; the closest is {closest.describe()}. Choose a "
-            f"configuration explicitly, or a target/correction with an unbiased estimator (docs/kl-math.md)")
+            f"configuration explicitly, or a target/correction with an unbiased estimator (docs/kl-math.md)"
+        )
     best = min(unbiased, key=lambda v: v.variance)  # min keeps the first of equal variances
     return best.config, best, verdicts
