@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_kl.constraints import check_declared, checked
+from megatron_kl.constraints import ConfigError, check_declared, checked
 
 ADAM_KERNELS = ("auto", "fused", "unfused")
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
@@ -32,3 +32,12 @@ class OptimConfig:
 
     def __post_init__(self):
         check_declared(self, "optim.")
+        if self.lr_decay_style != "constant" and self.decay_steps <= self.warmup_steps:
+            raise ConfigError(
+                f"optim.decay_steps={self.decay_steps} with optim.lr_decay_style={self.lr_decay_style} must "
+                f"exceed optim.warmup_steps={self.warmup_steps} (the decay runs from the end of the warmup "
+                "to decay_steps); raise optim.decay_steps, e.g. to train.steps x algo.minibatches x "
+                "algo.ppo_epochs"
+            )
+        if self.min_lr > self.lr:
+            raise ConfigError(f"optim.min_lr={self.min_lr:g} must not exceed optim.lr={self.lr:g}")

@@ -2,7 +2,7 @@
 
 Each run is placed by its own config, never by its name: its regime (on-policy when ``train.staleness`` is 0),
 its KL coefficient ``beta`` (``kl.coef``; 0 or no KL term: the control) and, for ``beta`` > 0, the exact
-gradient audit's verdict on its KL term for its ``kl.target`` in that regime (:func:`train.config.kl_verdict`).
+gradient audit's verdict on its KL term for its ``kl.target`` in that regime (:func:`train.checks.kl_verdict`).
 RPG runs carry their own regulariser and are left out of the comparisons (listed as such).
 
 An *unstable* run (declared in the study config before any run): a seed that failed, or one with an instability
@@ -79,7 +79,7 @@ class ClaimResult:
 
 
 def role_of(cfg) -> Role:
-    from megatron_kl.train.config import kl_verdict
+    from megatron_kl.train.checks import kl_verdict
 
     staleness = cfg.train.staleness
     if cfg.algo.loss == "rpg":

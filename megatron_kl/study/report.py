@@ -27,7 +27,8 @@ from megatron_kl.study.claims import RunOutcome
 from megatron_kl.study.grid import RunSpec, StudyConfig
 from megatron_kl.study.series import final as _final
 from megatron_kl.study.series import series as _series
-from megatron_kl.train.config import kl_verdict, load_train_config
+from megatron_kl.train.checks import kl_verdict
+from megatron_kl.train.config import load_train_config
 from megatron_kl.train.metrics import read_metrics
 
 CURVES = [

@@ -15,7 +15,8 @@ import yaml
 from megatron_kl import child_processes, env_vars
 from megatron_kl.cli_help import Parser, normalize_overrides
 from megatron_kl.config import ConfigError, redact_secrets, to_dict
-from megatron_kl.train.config import distill_verdict, kl_verdict, load_train_config
+from megatron_kl.train.checks import distill_verdict, kl_verdict
+from megatron_kl.train.config import load_train_config
 
 
 def single_process_env() -> None:

@@ -1,7 +1,8 @@
 """The training job's typed config: one nested dataclass, YAML + dotted overrides, validated up front.
 
 ``load_train_config("configs/cpu/default.yaml", ["kl.estimator=k3", "train.steps=5"])`` builds it;
-``validate_train_config`` checks the cross-field rules before any process group or model exists.
+the rules between its sections are in :mod:`megatron_kl.train.checks` (``check_sections`` when it is built,
+``validate_train_config`` before any process group or model exists).
 """
 
 from __future__ import annotations
@@ -14,11 +15,10 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from megatron_kl.algo.config import AlgoConfig, row_separable
-from megatron_kl.config import ConfigError, ModelConfig, ParallelConfig, from_dict, load_yaml, to_dict
+from megatron_kl.algo.config import AlgoConfig
+from megatron_kl.config import ConfigError, ModelConfig, ParallelConfig, load_yaml, to_dict
 from megatron_kl.config.launch import LaunchConfig
 from megatron_kl.constraints import DERIVED, SEED_MAX, check_declared, checked
-from megatron_kl.distill.checks import check_distillation
 from megatron_kl.distill.config import DistillConfig
 from megatron_kl.kl.config import AUTO, KLConfig, Verdict
 from megatron_kl.models.optim_config import OptimConfig
@@ -28,6 +28,7 @@ from megatron_kl.rollout.registry import ENGINES
 from megatron_kl.run.host_malloc import MODES as HOST_MALLOC_MODES
 from megatron_kl.run.identity_fields import identity_fields, resumable_prefixes
 from megatron_kl.tasks.base import TaskConfig
+from megatron_kl.train.checks import check_sections
 
 
 @dataclass(frozen=True)
@@ -240,7 +241,7 @@ class TrainConfig:
     )  # distill.kl.estimator=auto
 
     def __post_init__(self):
-        _cross_field_rules(self)
+        check_sections(self)
 
     @classmethod
     def __resolve__(cls, cfg: "TrainConfig") -> "TrainConfig":
@@ -351,241 +352,6 @@ def run_key(cfg) -> str:
     if not changed:
         return ""
     return hashlib.sha256(json.dumps(changed, sort_keys=True, default=str).encode()).hexdigest()[:6]
-
-
-def _cross_field_rules(cfg: TrainConfig) -> None:
-    """Rules between fields that need nothing but the config (checked at load, beside the per-field constraints)."""
-    optim = cfg.optim
-    if optim.lr_decay_style != "constant" and optim.decay_steps <= optim.warmup_steps:
-        raise ConfigError(
-            f"optim.decay_steps={optim.decay_steps} with optim.lr_decay_style={optim.lr_decay_style} must "
-            f"exceed optim.warmup_steps={optim.warmup_steps} (the decay runs from the end of the warmup "
-            "to decay_steps); raise optim.decay_steps, e.g. to train.steps x algo.minibatches x "
-            "algo.ppo_epochs"
-        )
-    if optim.min_lr > optim.lr:
-        raise ConfigError(f"optim.min_lr={optim.min_lr:g} must not exceed optim.lr={optim.lr:g}")
-    if cfg.init.hf_checkpoint is not None and cfg.warm_start.source == "shipped":
-        raise ConfigError(
-            f"warm_start.source=shipped with init.hf_checkpoint={cfg.init.hf_checkpoint}: a run that "
-            "starts from an HF checkpoint has no warm start; drop one of the two"
-        )
-    if cfg.init.hf_checkpoint is None:  # an HF checkpoint brings its own positions (checked when it is read)
-        positions = cfg.model.max_position_embeddings
-        for name, tokens in (
-            ("rollout.sampling.max_new_tokens", cfg.rollout.sampling.max_new_tokens),
-            ("eval.max_new_tokens", cfg.eval.max_new_tokens),
-        ):
-            if tokens is not None and tokens >= positions:
-                raise ConfigError(
-                    f"{name}={tokens} leaves no position for the prompt: model.max_position_embeddings="
-                    f"{positions} holds prompt + response; lower {name} or raise the positions"
-                )
-    if (
-        any(f.name == "service" for f in cfg.reward.functions)
-        and not cfg.reward.service.urls
-        and cfg.launch.reward_service.mode == "none"
-    ):
-        raise ConfigError(
-            "reward.functions names 'service' but reward.service.urls is empty: give the verifier's "
-            "address, e.g. reward.service.urls=[http://verifier:8000] (or start it with the job: "
-            "launch.reward_service.mode=heterogeneous)"
-        )
-    check_distillation(cfg)
-    if cfg.algo.mask_low >= cfg.algo.mask_high:
-        raise ConfigError(f"algo.mask_low={cfg.algo.mask_low:g} must be below algo.mask_high={cfg.algo.mask_high:g}")
-
-
-def distill_verdict(cfg: TrainConfig):
-    """The audit's verdict on the distillation term for distill.kl.target in the run's regime (the same audit as the
-    reference term's: the teacher is the other distribution); None without distillation."""
-    from megatron_kl.kl.audit.targets import judge, regime_of
-    from megatron_kl.kl.corrections import correction_of
-
-    objective = cfg.distill.objective()
-    if objective is None:
-        return None
-    return judge(objective, regime_of(objective, cfg.train.staleness), correction_of(cfg.algo))
-
-
-def kl_verdict(cfg: TrainConfig):
-    """The audit's verdict (megatron_kl.kl.audit.targets.Verdict) on the run's KL term for kl.target in its regime;
-    None without a KL term (kl.coef=0, or RPG's own KL)."""
-    from megatron_kl.kl.audit.targets import judge, regime_of
-    from megatron_kl.kl.corrections import correction_of
-
-    if cfg.kl.coef == 0 or cfg.algo.loss == "rpg":
-        return None
-    return judge(cfg.kl, regime_of(cfg.kl, cfg.train.staleness), correction_of(cfg.algo))
-
-
-def _check_kl_target(cfg: TrainConfig) -> None:
-    if (
-        cfg.kl.off_policy == "behavior"
-        and cfg.kl.coef > 0
-        and (cfg.algo.loss != "ppo" or cfg.algo.behavior_correction == "none")
-    ):
-        raise ConfigError(
-            "kl.off_policy=behavior weights the KL term with algo.behavior_correction's weights: set "
-            "algo.behavior_correction (with algo.loss=ppo) or choose another kl.off_policy"
-        )
-    sampling = cfg.rollout.sampling
-    if (
-        cfg.kl.target == "token_forward"
-        and cfg.kl.coef > 0
-        and sampling.distribution == "truncated"
-        and sampling.truncates(cfg.model.vocab_size)
-    ):
-        raise ConfigError(
-            "kl.target=token_forward with top_k/top_p truncation: KL(pi_ref || mu) is infinite (the "
-            "reference has mass outside the truncated policy's support; megatron-kl audit --top-k/--top-p);"
-            " declare kl.target=token_reverse or sequence_reverse"
-        )
-    if cfg.kl.strict and sampling.distribution == "full" and sampling.truncates(cfg.model.vocab_size):
-        raise ConfigError(
-            "kl.strict=true with rollout.sampling.distribution=full and top_k/top_p truncation: the "
-            "samples come from the truncated distribution, the gradient is the full softmax's (biased); "
-            "set rollout.sampling.distribution=truncated"
-        )
-    if cfg.kl.strict:
-        verdict = kl_verdict(cfg)
-        if verdict is not None and not verdict.unbiased:
-            raise ConfigError(
-                f"kl.strict=true: {verdict.describe()} (exact audit, docs/kl-math.md). Set "
-                "kl.estimator=auto to use an unbiased configuration, change kl.target, or kl.strict=false"
-            )
-
-
-def validate_train_config(cfg: TrainConfig, tokenizer_vocab: int, data_parallel: int = 1) -> None:
-    """Cross-field rules; single-field rules live in each dataclass's __post_init__."""
-    engine = _check_engine(cfg)
-    cp = cfg.parallel.context_parallel
-    if cp > 1 and cfg.warm_start.enabled and not cfg.warm_start.checkpoint and cfg.init.hf_checkpoint is None:
-        raise ConfigError(
-            f"warm_start (the supervised phase) does not split its sequences under "
-            f"parallel.context_parallel={cp}; start from init.hf_checkpoint or warm_start.checkpoint, or "
-            "set warm_start.enabled=false"
-        )
-    if cfg.rollout.sampling.temperature == 0:
-        raise ConfigError(
-            "rollout.sampling.temperature=0 samples greedily: every sample of a group is the same "
-            "answer, every advantage is 0 and the policy gradient is exactly 0 (nothing trains); set "
-            "rollout.sampling.temperature > 0 (e.g. 1.0; greedy evaluation is eval's pass@1)"
-        )
-    if cfg.model.vocab_size < tokenizer_vocab:
-        raise ConfigError(
-            f"model.vocab_size={cfg.model.vocab_size} is smaller than the task tokenizer's {tokenizer_vocab}: "
-            f"set model.vocab_size >= {tokenizer_vocab}"
-        )
-    run = cfg.train
-    samples = run.prompts_per_step * run.group_size
-    per_rank, rest = divmod(samples, data_parallel)
-    if rest or run.prompts_per_step % data_parallel:
-        raise ConfigError(
-            f"train.prompts_per_step={run.prompts_per_step} must be divisible by the data-parallel size {data_parallel}"
-        )
-    if per_rank % (cfg.algo.minibatches * run.micro_batches):
-        raise ConfigError(
-            f"samples per rank per step ({per_rank} = prompts_per_step x group_size / DP) must be divisible by "
-            f"algo.minibatches x train.micro_batches = {cfg.algo.minibatches} x {run.micro_batches}"
-        )
-    if cfg.algo.loss == "rpg" and cfg.kl.coef > 0:
-        raise ConfigError(
-            "algo.loss=rpg carries its own KL (algo.rpg.coef); set kl.coef=0 to avoid adding a second KL term"
-        )
-    if cfg.algo.advantage in ("grpo", "rloo", "reinforce_pp_baseline") and run.group_size < 2:
-        raise ConfigError(f"algo.advantage={cfg.algo.advantage} needs train.group_size >= 2")
-    _check_partial_rollouts(cfg, engine)
-    if cfg.model.fused_grad == "in_forward" and not row_separable(cfg.kl, cfg.algo):
-        raise ConfigError(
-            "model.fused_grad=in_forward needs a row-separable loss (PPO or RPG with the KL in the "
-            "reward or a token-level KL in the loss, no per-decision weights, algo.ratio_level=token, algo.old_logprobs="
-            "recompute); use auto or "
-            "recompute"
-        )
-    _check_kl_target(cfg)
-    _check_timeouts(cfg, engine)
-
-
-def _check_engine(cfg: TrainConfig):
-    """The rules every engine's flags decide (training layout, routing replay), then the engine's own rules."""
-    spec = ENGINES.get(cfg.rollout.engine, "rollout.engine")
-    name = spec.name
-    pp, cp = cfg.parallel.pipeline_parallel, cfg.parallel.context_parallel
-    if pp > 1 and not spec.pipeline_parallel:
-        raise ConfigError(
-            f"rollout.engine={name} supports parallel.pipeline_parallel=1 only (got {pp}); use "
-            f"rollout.engine in {ENGINES.where(lambda e: e.pipeline_parallel)} with pipeline parallelism"
-        )
-    if cp > 1 and not spec.context_parallel:
-        raise ConfigError(
-            f"rollout.engine={name} generates with the training layout, which holds a shard of each "
-            f"sequence under parallel.context_parallel={cp}; use rollout.engine in "
-            f"{ENGINES.where(lambda e: e.context_parallel)}"
-        )
-    if cfg.model.moe.routing_replay == "rollout" and not spec.reports_routing:
-        raise ConfigError(
-            f"model.moe.routing_replay=rollout with rollout.engine={name}: that engine does not report "
-            f"the experts it routed each token to; use rollout.engine in {ENGINES.where(lambda e: e.reports_routing)} "
-            "or set model.moe.routing_replay=off"
-        )
-    if cfg.rollout.options and spec.options is None:
-        raise ConfigError(
-            f"rollout.options={dict(cfg.rollout.options)!r}: rollout.engine={name} takes its settings "
-            f"from {spec.section or 'no section'}, not rollout.options; remove rollout.options"
-        )
-    if spec.options is not None:  # read as the builder will, so a bad option is reported now
-        from_dict(spec.options, dict(cfg.rollout.options), prefix="rollout.options.")
-    for rule in spec.checks:
-        rule(cfg)
-    return spec
-
-
-def _check_timeouts(cfg, engine) -> None:
-    """A served engine's worst case - every attempt of a request at its deadline plus the backoffs, or a
-    server start - must end before the other ranks' collective times out, so a dead server is reported by
-    the HTTP client, not by a collective timeout elsewhere."""
-    from megatron_kl.rollout.http import RetryPolicy
-
-    limit = cfg.parallel.distributed_timeout_s
-    if engine.limits is None:
-        return
-    served = engine.limits(cfg)
-    budget = RetryPolicy(served.max_retries, served.backoff_s, served.request_timeout_s).budget_s
-    if budget >= limit:
-        raise ConfigError(
-            f"{served.section}: a request can take {budget:.0f}s ((max_retries={served.max_retries} + 1) x "
-            f"request_timeout_s={served.request_timeout_s:g} + backoff), not less than parallel.distributed_timeout_s="
-            f"{limit:g}: lower {served.section}.request_timeout_s / max_retries or raise the distributed timeout"
-        )
-    startup = served.startup_timeout_s
-    if startup is not None and startup >= limit:
-        raise ConfigError(
-            f"{served.section}.startup_timeout_s={startup:g} must be below parallel.distributed_timeout_s="
-            f"{limit:g} (the other ranks wait for the servers in a barrier)"
-        )
-
-
-def _check_partial_rollouts(cfg: TrainConfig, engine) -> None:
-    """rollout.partial needs generations that overlap a weight update (train.staleness > 0) and an engine that can
-    pause them mid-response."""
-    if not cfg.rollout.partial:
-        return
-    if cfg.train.staleness == 0:
-        raise ConfigError(
-            "rollout.partial=true resumes generations across weight updates, but train.staleness=0 "
-            "generates each batch with the current weights (none is in flight at an update): set "
-            "train.staleness >= 1 or rollout.partial=false"
-        )
-    if not engine.can_pause(cfg):
-        raise ConfigError(
-            f"rollout.partial=true with rollout.engine={engine.name}"
-            + (f" and rollout.vllm.mode={cfg.rollout.vllm.mode}" if engine.name == "vllm" else "")
-            + ": that engine cannot pause a generation and return its partial response; use "
-            f"rollout.engine in {ENGINES.where(lambda e: e.can_pause(cfg))}"
-            + (" or rollout.vllm.mode=server" if engine.name == "vllm" else "")
-            + ", or rollout.partial=false"
-        )
 
 
 def load_train_config(path: str, overrides: Optional[list[str]] = None) -> TrainConfig:

@@ -29,7 +29,8 @@ from megatron_kl.run.preemption import StopSignals
 from megatron_kl.run.summary import RunSummary, read_summary
 from megatron_kl.tasks import build_task
 from megatron_kl.tasks.dataset import TaskContext
-from megatron_kl.train.config import TrainConfig, validate_train_config
+from megatron_kl.train.checks import validate_train_config
+from megatron_kl.train.config import TrainConfig
 from megatron_kl.train.metric_registry import canonical_record
 from megatron_kl.train.metrics import read_metrics, wandb_missing
 from megatron_kl.train.plots import write_training_plot

@@ -36,7 +36,8 @@ from megatron_kl.run import checkpoint as ckpt
 from megatron_kl.run import run_dir
 from megatron_kl.run.preemption import Requeue, StopSignals, TrainingFailed
 from megatron_kl.run.run_state import Counters, RNGStates, RunState
-from megatron_kl.train.config import TrainConfig, distill_verdict, kl_verdict
+from megatron_kl.train.checks import distill_verdict, kl_verdict
+from megatron_kl.train.config import TrainConfig
 from megatron_kl.train.engines import build_engine
 from megatron_kl.train.evaluate import evaluate_all
 from megatron_kl.train.metrics import MetricsLogger

@@ -5,7 +5,8 @@ import pytest
 
 from megatron_kl.config import ConfigError, ModelConfig, apply_overrides, from_dict
 from megatron_kl.testing.distributed import run_ranks
-from megatron_kl.train.config import TrainConfig, validate_train_config
+from megatron_kl.train.checks import validate_train_config
+from megatron_kl.train.config import TrainConfig
 from megatron_kl.validation.model_workers import hung_rank_worker
 
 

@@ -14,7 +14,8 @@ from megatron_kl.local_ranks import run_ranks
 from megatron_kl.models.output_head import unwrap
 from megatron_kl.rollout.registry import ENGINES
 from megatron_kl.tasks.base import TASKS
-from megatron_kl.train.config import TrainConfig, validate_train_config
+from megatron_kl.train.checks import validate_train_config
+from megatron_kl.train.config import TrainConfig
 from tests.e2e.runs import short_config
 from tests.e2e.workers import started_trainer
 

@@ -308,7 +308,8 @@ def test_async_rollouts_on_sglang_servers_at_tp2(tmp_path, warm_cache):
 
 def test_async_rollouts_reject_colocated_servers(tmp_path, warm_cache):
     from megatron_kl.config import ConfigError, from_dict
-    from megatron_kl.train.config import TrainConfig, validate_train_config
+    from megatron_kl.train.checks import validate_train_config
+    from megatron_kl.train.config import TrainConfig
     from tests.e2e.runs import short_config
 
     cfg = from_dict(

@@ -10,7 +10,8 @@ import yaml
 
 from megatron_kl.config import from_dict
 from megatron_kl.testing.distributed import run_ranks
-from megatron_kl.train.config import TrainConfig, kl_verdict
+from megatron_kl.train.checks import kl_verdict
+from megatron_kl.train.config import TrainConfig
 from megatron_kl.train.metrics import read_metrics
 from tests.e2e.runs import DEFAULT, Run, assert_same_metrics, short_config, stable
 from tests.e2e.workers import train_worker

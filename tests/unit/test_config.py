@@ -198,7 +198,8 @@ def test_routing_replay_needs_an_engine_that_reports_routing_and_reads_yaml_off(
     import yaml
 
     from megatron_kl.config import from_dict
-    from megatron_kl.train.config import TrainConfig, validate_train_config
+    from megatron_kl.train.checks import validate_train_config
+    from megatron_kl.train.config import TrainConfig
 
     data = yaml.safe_load("model: {moe: {num_experts: 4, routing_replay: off}}")
     assert from_dict(TrainConfig, data).model.moe.routing_replay == "off"

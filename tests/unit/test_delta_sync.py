@@ -148,7 +148,8 @@ def test_the_tracker_keeps_copies_not_the_live_parameters():
 )
 def test_delta_syncs_that_cannot_work_are_refused_naming_the_field(tmp_path, overrides, message):
     from megatron_kl.config import ConfigError, from_dict
-    from megatron_kl.train.config import TrainConfig, validate_train_config
+    from megatron_kl.train.checks import validate_train_config
+    from megatron_kl.train.config import TrainConfig
     from tests.e2e.runs import short_config
 
     with pytest.raises(ConfigError, match=message):

@@ -7,7 +7,8 @@ import pytest
 
 from megatron_kl.config import ConfigError, ModelConfig
 from megatron_kl.distill.teacher import check_vocabulary
-from megatron_kl.train.config import distill_verdict, load_train_config
+from megatron_kl.train.checks import distill_verdict
+from megatron_kl.train.config import load_train_config
 from megatron_kl.train.loop import prepare
 
 BASE = "configs/cpu/default.yaml"

@@ -79,7 +79,8 @@ def test_a_server_serving_other_weights_than_declared_is_refused(reported, wante
 
 
 def test_fp8_with_a_vllm_server_is_refused_naming_the_field(tmp_path):
-    from megatron_kl.train.config import TrainConfig, validate_train_config
+    from megatron_kl.train.checks import validate_train_config
+    from megatron_kl.train.config import TrainConfig
     from tests.e2e.runs import short_config
 
     cfg = from_dict(
@@ -128,7 +129,8 @@ def test_vllm_fp8_that_cannot_run_is_refused_naming_the_field(tmp_path):
     before vLLM is imported: this environment has none)."""
     from megatron_kl.rollout.config import VLLMConfig
     from megatron_kl.rollout.vllm import VLLMEngine
-    from megatron_kl.train.config import TrainConfig, validate_train_config
+    from megatron_kl.train.checks import validate_train_config
+    from megatron_kl.train.config import TrainConfig
     from tests.e2e.runs import short_config
 
     with pytest.raises(ConfigError, match="rollout.vllm.dtype=float32: vLLM's FP8"):

@@ -13,7 +13,8 @@ from megatron_kl.kl.audit.exact import TabularProblem, all_configs, audit, behav
 from megatron_kl.kl.audit.targets import AXES, candidates, judge, regime_of, select
 from megatron_kl.kl.corrections import AUDITED, Correction
 from megatron_kl.kl.objective import TARGETS, kl_loss, policy_gradient_surrogate
-from megatron_kl.train.config import TrainConfig, kl_verdict, validate_train_config
+from megatron_kl.train.checks import kl_verdict, validate_train_config
+from megatron_kl.train.config import TrainConfig
 
 ZERO = 1e-9
 BIASED = 0.02

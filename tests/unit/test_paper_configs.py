@@ -49,7 +49,7 @@ def test_gpu_study_crosses_every_kl_configuration_and_each_run_is_launchable():
     from megatron_kl.kl.rpg import DIVERGENCES
     from megatron_kl.launch.experiment import plan
     from megatron_kl.launch.jobs import _check_slurm
-    from megatron_kl.train.config import validate_train_config
+    from megatron_kl.train.checks import validate_train_config
 
     launch_plan = plan(
         str(ROOT / "configs" / "study" / "qwen2.5-7b.yaml"),
@@ -105,7 +105,7 @@ def test_moe_study_preset_runs_are_launchable():
     launcher's on 4 nodes."""
     from megatron_kl.launch.experiment import plan
     from megatron_kl.launch.jobs import _check_slurm
-    from megatron_kl.train.config import validate_train_config
+    from megatron_kl.train.checks import validate_train_config
 
     launch_plan = plan(
         str(ROOT / "configs" / "study" / "qwen3-30b-a3b.yaml"),
@@ -180,7 +180,7 @@ def test_new_family_recipes_match_their_config_json_fit_their_gpus_and_launch(na
     from megatron_kl.config import validate_training_layout
     from megatron_kl.launch.experiment import plan
     from megatron_kl.launch.jobs import _check_slurm
-    from megatron_kl.train.config import validate_train_config
+    from megatron_kl.train.checks import validate_train_config
 
     json_name, gpus, (low, high) = FAMILY_RECIPES[name]
     cfg = load_train_config(str(ROOT / "configs" / "paper" / f"{name}.yaml"))

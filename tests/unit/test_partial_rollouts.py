@@ -211,7 +211,8 @@ def test_a_checkpoint_in_between_holds_only_finished_batches():
     ],
 )
 def test_partial_rollouts_that_cannot_work_are_refused_naming_the_field(tmp_path, overrides, message):
-    from megatron_kl.train.config import TrainConfig, validate_train_config
+    from megatron_kl.train.checks import validate_train_config
+    from megatron_kl.train.config import TrainConfig
     from tests.e2e.runs import short_config
 
     cfg = from_dict(TrainConfig, short_config(tmp_path, str(tmp_path / "cache"), *overrides))

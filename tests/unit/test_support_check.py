@@ -66,7 +66,8 @@ def test_sampling_fields_are_validated():
 
 def test_a_vllm_server_without_processed_logprobs_is_refused_under_truncation():
     from megatron_kl.config import from_dict
-    from megatron_kl.train.config import TrainConfig, validate_train_config
+    from megatron_kl.train.checks import validate_train_config
+    from megatron_kl.train.config import TrainConfig
 
     base = {
         "rollout": {
@@ -88,7 +89,8 @@ def test_a_vllm_server_without_processed_logprobs_is_refused_under_truncation():
 
 def test_strict_refuses_the_full_distribution_under_truncation():
     from megatron_kl.config import from_dict
-    from megatron_kl.train.config import TrainConfig, validate_train_config
+    from megatron_kl.train.checks import validate_train_config
+    from megatron_kl.train.config import TrainConfig
 
     cfg = from_dict(
         TrainConfig, {"kl": {"strict": True}, "rollout": {"sampling": {"top_k": 5, "distribution": "full"}}}
@@ -99,7 +101,8 @@ def test_strict_refuses_the_full_distribution_under_truncation():
 
 def test_the_forward_kl_target_is_refused_under_truncation():
     from megatron_kl.config import from_dict
-    from megatron_kl.train.config import TrainConfig, validate_train_config
+    from megatron_kl.train.checks import validate_train_config
+    from megatron_kl.train.config import TrainConfig
 
     cfg = from_dict(
         TrainConfig, {"kl": {"target": "token_forward", "estimator": "k3"}, "rollout": {"sampling": {"top_p": 0.9}}}
