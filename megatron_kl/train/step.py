@@ -24,8 +24,9 @@ import torch.distributed as dist
 
 from megatron_kl.algo.advantages import sequence_advantages
 from megatron_kl.algo.losses import MICROBATCH_TOKENS, LossInputs, MicrobatchLoss, Shares
-from megatron_kl.kl.config import TOP_K
-from megatron_kl.kl.estimators import ClampCounter, TermCounter
+from megatron_kl.kl.config import LOG_RATIO_CLAMP, TOP_K
+from megatron_kl.kl.corrections import mismatch_metrics
+from megatron_kl.kl.estimators import ClampCounter, TermCounter, token_estimate
 from megatron_kl.kl.objective import kl_shaped_returns
 from megatron_kl.kl.topk import top_k_divergence
 from megatron_kl.models import context_parallel, optim, output_head, pipeline, routing_replay
@@ -36,7 +37,13 @@ from megatron_kl.rollout.http import CorruptResponse
 from megatron_kl.run.run_state import Counters
 from megatron_kl.train.profiling import phase
 from megatron_kl.train.rollouts import RolloutBatch
-from megatron_kl.train.step_metrics import _masked_mean, kl_metrics, replay_metrics, rollout_metrics, support_metrics
+from megatron_kl.train.step_schedule import (
+    anchor_objective,
+    metrics_due,
+    needs_exact_kl,
+    needs_reference,
+    regularizer_due,
+)
 from megatron_kl.train.topology import Topology
 
 if TYPE_CHECKING:
@@ -118,6 +125,104 @@ def record_update(ctx: StepContext, update_successful: bool, step: int, max_cons
     return False
 
 
+def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
+    return float((x * mask).sum() / mask.sum().clamp_min(1))
+
+
+def kl_metrics(logprobs, reference_logprobs, exact_kl, mask, prefix: str = "kl") -> dict:
+    """k1, k3 and exact KL(pi_old || pi_ref) (when ``exact_kl`` is given), per response token and per sequence
+    (sum over its tokens), as ``<prefix>/<estimator>_<token|sequence>`` (``distill``: the same to the teacher)."""
+    d = (logprobs - reference_logprobs) * mask
+    k3 = token_estimate("k3", d, LOG_RATIO_CLAMP, mask) * mask
+    out = {}
+    for name, per_token in (("k1", d), ("k3", k3), ("exact", None if exact_kl is None else exact_kl * mask)):
+        if per_token is None:  # not computed this step (train.reference_metrics_interval)
+            continue
+        out[f"{prefix}/{name}_token"] = _masked_mean(per_token, mask)
+        out[f"{prefix}/{name}_sequence"] = float(per_token.sum(-1).mean())
+    return out
+
+
+def rollout_metrics(batch: RolloutBatch, old_logprobs: torch.Tensor, step: int) -> dict:
+    mask = batch.loss_mask
+    mismatch = ((old_logprobs - batch.behavior_logprobs) * mask).abs()
+    staleness = (step - batch.weight_versions).float()  # per sample: its oldest token's
+    token_lag = (step - batch.versions).float() * mask
+    versions = [set(c.versions) for c in batch.completions]
+    # rewards of the samples that were scored (failed ones, reward.on_failure=exclude, are not zeros to average)
+    scored = batch.rewards if batch.reward_valid is None else batch.rewards[batch.reward_valid]
+    if not scored.numel():
+        scored = torch.zeros(1)
+    return {
+        **batch.reward_metrics,
+        **mismatch_metrics(old_logprobs, batch.behavior_logprobs, mask),
+        "reward/mean": float(scored.mean()),
+        "reward/std": float(scored.std(unbiased=False)),
+        "reward/accuracy": float((scored >= 1.0).float().mean()),
+        "response/length_mean": float(mask.sum(-1).mean()),
+        # tokens the training passes see: real (prompt + response) and as padded to the longest sequence
+        "batch/tokens": float(sum(len(c.prompt_ids) + len(c.response_ids) for c in batch.completions)),
+        "batch/padded_tokens": float(batch.tokens.numel()),
+        "response/stopped_fraction": sum(c.finish_reason == "stop" for c in batch.completions) / len(batch.completions),
+        "mismatch/abs_logprob_mean": _masked_mean(mismatch, mask),
+        "mismatch/abs_logprob_max": float(mismatch.max()),
+        "staleness/mean": float(staleness.mean()),
+        "staleness/max": float(staleness.max()),
+        # per response token: the weights that sampled it (partial rollouts: a response can span several versions)
+        "staleness/token_mean": _masked_mean(token_lag, mask),
+        "staleness/token_max": float(token_lag.max()) if mask.numel() else 0.0,
+        "staleness/older_token_fraction": _masked_mean((token_lag > 0).float(), mask),
+        "staleness/mixed_response_fraction": sum(len(v) > 1 for v in versions) / max(len(versions), 1),
+    }
+
+
+class OutsideSupport(CorruptResponse):
+    """Sampled tokens outside the trainer's truncated support at the weights that sampled them."""
+
+
+def support_metrics(batch: RolloutBatch, old: pipeline.TokenStats, step: int, sampling, dp_group) -> dict:
+    """The truncated policy's support over the response tokens (empty without truncation): the mass it leaves
+    out of the full softmax, its size, and the sampled tokens outside it. A token the engine sampled must lie
+    in the trainer's support at the weights that sampled it (rows of this step's weight version); more than
+    ``rollout.sampling.support_tolerance`` of them outside (over every data-parallel rank) is an error naming
+    the first one, raised on every rank together."""
+    if not old.truncated:
+        return {}
+    mask = batch.loss_mask
+    outside = old.outside_support * mask
+    fresh = (batch.versions == step) & (mask > 0)  # tokens sampled by this step's weights
+    stray = (outside > 0) & fresh
+    counts = torch.tensor([float(stray.sum()), float(fresh.sum())], dtype=torch.float64)
+    if dp_group is not None and dist.get_world_size(dp_group) > 1:
+        counts = all_reduce_cpu(counts, dp_group)
+    strays, fresh_tokens = int(counts[0]), int(counts[1])
+    if fresh_tokens and strays > sampling.support_tolerance * fresh_tokens:
+        where = "on another data-parallel rank"
+        if bool(stray.any()):
+            row, position = (int(i) for i in stray.nonzero()[0])
+            where = f"completion {row}, response position {position + 1 - len(batch.completions[row].prompt_ids)}"
+        raise OutsideSupport(
+            f"{strays} of {fresh_tokens} sampled tokens lie outside the trainer's top-k/top-p support at the weights "
+            f"that sampled them (first: {where}): the engine does not sample the distribution the trainer trains "
+            f"(rollout.sampling.top_k={sampling.top_k}, top_p={sampling.top_p}, temperature={sampling.temperature}) "
+            "or its logits differ beyond rounding; rollout.sampling.support_tolerance sets the fraction allowed"
+        )
+    return {
+        "sampling/truncated_mass": _masked_mean(1.0 - old.kept_mass, mask),
+        "sampling/support_size": _masked_mean(old.support_size, mask),
+        "sampling/outside_support": _masked_mean(outside, mask),
+    }
+
+
+def replay_metrics(own: Optional[torch.Tensor], batch: RolloutBatch) -> dict:
+    """With routing replay, on metric steps: the train-vs-rollout mismatch pi_old would have had with the trainer's
+    own routing (``own``: the pass without replay), next to the replayed one (mismatch/abs_logprob_mean)."""
+    if own is None:
+        return {}
+    mask = batch.loss_mask
+    return {"moe/mismatch_without_replay": _masked_mean((own - batch.behavior_logprobs).abs() * mask, mask)}
+
+
 def _reduce(metrics: dict, group) -> dict:
     if group is None or dist.get_world_size(group) == 1:
         return metrics
@@ -133,45 +238,6 @@ def _reduce(metrics: dict, group) -> dict:
     values = all_reduce_cpu(torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64), group)
     values /= dist.get_world_size(group)
     return dict(zip(keys, values.tolist()))
-
-
-def needs_reference(cfg, step: int) -> bool:
-    """Whether this step runs the reference forward: always when a term uses it (a KL with kl.coef > 0, or
-    RPG); otherwise only for the kl/* metrics, every ``train.reference_metrics_interval`` steps."""
-    if cfg.kl.coef > 0 or cfg.algo.loss == "rpg":
-        return True
-    return _metrics_due(cfg, step)
-
-
-def _metrics_due(cfg, step: int) -> bool:
-    """A step of metric-only reference work (every ``train.reference_metrics_interval`` steps)."""
-    return step % cfg.train.reference_metrics_interval == 0
-
-
-def regularizer_due(cfg, step: int) -> bool:
-    """Under distillation, whether this step takes the exact KL to the reference beside the teacher's (a second sweep
-    over the vocabulary): kl.estimator=full with a reference pass this step."""
-    return (
-        cfg.distill.enabled and cfg.distill.teacher.source != "server" and cfg.kl.exact and needs_reference(cfg, step)
-    )
-
-
-def anchor_objective(cfg):
-    """The KL term whose other model the exact KL is taken to: distill.kl under distillation, else kl."""
-    return cfg.distill.kl if cfg.distill.enabled else cfg.kl
-
-
-def needs_exact_kl(cfg, step: int) -> bool:
-    """Whether this step computes the exact per-position KL over the vocabulary (the other model's output
-    projection once more: the reference's, or under distillation the teacher's): always when a term reads it
-    (estimator=full with coef > 0); otherwise it only feeds kl/exact_* (distill/exact_*), every
-    ``train.reference_metrics_interval`` steps."""
-    if cfg.distill.enabled and cfg.distill.teacher.source == "server":  # no teacher logits in the job
-        return False
-    term = anchor_objective(cfg)
-    if term.coef > 0 and term.exact:
-        return True
-    return _metrics_due(cfg, step)
 
 
 @dataclass
@@ -247,7 +313,7 @@ def _scoring_passes(ctx: StepContext, sequences: pipeline.SequenceBatch, step: i
                         reference=ctx.exact_heads(regularizing) if anchor is not None and exact else None,
                         token_budget=cfg.train.micro_batch_tokens,
                     )
-        if _replays(cfg, sequences) and _metrics_due(cfg, step):
+        if _replays(cfg, sequences) and metrics_due(cfg, step):
             with phase("unreplayed_logprobs", timings), routing_replay.suspended(ctx.train_state.chunks):
                 scores.unreplayed = pipeline.compute_token_stats(
                     ctx.train_state.chunks, sequences, microbatches, vocab, token_budget=cfg.train.micro_batch_tokens

@@ -182,8 +182,13 @@ def _train(cfg, task, should_stop=None) -> dict[str, torch.Tensor]:
     chunks = builder.build_model_chunks(cfg.model, cfg.parallel)
     train_state = optim.build_train_state(
         chunks,
-        optim.OptimConfig(
-            lr=ws.lr, clip_grad=1.0, warmup_steps=10, decay_steps=ws.steps, lr_decay_style="cosine", min_lr=ws.lr * 0.1
+        optim.OptimConfig(  # a run shorter than the warmup decays over one step past it (as the scheduler would)
+            lr=ws.lr,
+            clip_grad=1.0,
+            warmup_steps=10,
+            decay_steps=max(ws.steps, 11),
+            lr_decay_style="cosine",
+            min_lr=ws.lr * 0.1,
         ),
     )
     vocab = pipeline.VocabOptions.for_model(cfg.model, cfg.parallel)

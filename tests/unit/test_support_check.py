@@ -7,7 +7,7 @@ from megatron_kl.config import ConfigError
 from megatron_kl.models.pipeline import TokenStats
 from megatron_kl.rollout.engine import Completion, SamplingConfig
 from megatron_kl.train.rollouts import RolloutBatch
-from megatron_kl.train.step_metrics import OutsideSupport, support_metrics
+from megatron_kl.train.step import OutsideSupport, support_metrics
 
 
 def _batch(versions):
