@@ -25,8 +25,10 @@ numerical result: they redirect device placement to the CPU and the RNG tracker 
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import importlib.util
+import sys
 import types
 
 import torch
@@ -224,12 +226,51 @@ def define_missing_te_names() -> None:
         multi_latent_attention.TEColumnParallelLinear = multi_latent_attention.TELinear = None
 
 
+def _compile_on_first_call(real_compile):
+    """``torch.compile`` as megatron-core's decorators use it, compiling on the decorated function's first call."""
+
+    def compile_later(model=None, **options):
+        if model is None:  # @torch.compile(...) with options
+            return lambda fn: compile_later(fn, **options)
+        compiled = None
+
+        @functools.wraps(model)
+        def first_call_compiles(*args, **kwargs):
+            nonlocal compiled
+            if compiled is None:
+                compiled = real_compile(model, **options)
+            return compiled(*args, **kwargs)
+
+        return first_call_compiles
+
+    return compile_later
+
+
+def import_megatron_core() -> None:
+    """Import megatron-core, on a CPU machine with its ``torch.compile`` decorators deferred.
+
+    megatron-core decorates its fused helpers with ``torch.compile`` as it is imported (``megatron.core.jit``), which
+    imports TorchDynamo and Inductor: about 1.7 s of every process's start on a CPU, for helpers a CPU run does not
+    call. While it is imported, ``torch.compile`` hands out a wrapper that compiles on the function's first call;
+    ``torch.compile`` itself compiles on the first call, so what runs is the same. On a GPU nothing changes."""
+    if "megatron.core" in sys.modules or torch.cuda.is_available():
+        importlib.import_module("megatron.core")
+        return
+    real_compile = torch.compile
+    torch.compile = _compile_on_first_call(real_compile)
+    try:
+        importlib.import_module("megatron.core")
+    finally:
+        torch.compile = real_compile
+
+
 def apply_cpu_shims() -> bool:
     """Patch megatron-core for CPU execution. Returns True when shims were applied.
 
     Idempotent; on a machine with CUDA only ``define_missing_te_names`` runs (returns False).
     """
     global _APPLIED
+    import_megatron_core()
     define_missing_te_names()
     if torch.cuda.is_available():
         return False

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_kl.config import ModelConfig, ParallelConfig, validate_parallel
-from megatron_kl.megatron_compat import apply_cpu_shims
+from megatron_kl.megatron_compat import apply_cpu_shims, import_megatron_core
 
 
 def default_backend() -> str:
@@ -41,6 +41,7 @@ def initialize(model: ModelConfig, parallel: ParallelConfig, seed: int = 1234) -
 
     The config is validated against the world size before megatron's groups are created.
     """
+    import_megatron_core()  # first, so that on a CPU its torch.compile decorators are deferred
     from megatron.core import parallel_state
 
     if not dist.is_initialized():

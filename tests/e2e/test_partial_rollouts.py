@@ -132,7 +132,7 @@ def test_sglang_pause_cuts_requests_in_flight_and_they_resume_with_the_pushed_we
 
 def test_training_with_partial_rollouts_on_sglang_servers(tmp_path, warm_cache):
     """train.staleness=2 with rollout.partial on the test server, the responses of one prompt in 3 running to
-    max_new_tokens=12 at 0.4 s a token (4.8 s, longer than a step): the weight update after each step cuts the batches
+    max_new_tokens=12 at 0.25 s a token (3 s, longer than a step): the weight update after each step cuts the batches
     in flight, and they finish with the next weights. Responses span versions, every token is at most 2 updates old, and step 0 (generated whole before the
     first update) is on-policy."""
     from megatron_kl.rollout.servers import server_port
@@ -147,7 +147,7 @@ def test_training_with_partial_rollouts_on_sglang_servers(tmp_path, warm_cache):
         "rollout.sglang.weight_sync=from_disk",
         f"rollout.sglang.server_module={TEST_SERVER}",
         f"rollout.sglang.port={server_port()}",
-        "rollout.sglang.extra_args=[--token-latency-s, '0.4', --long-every, '3']",
+        "rollout.sglang.extra_args=[--token-latency-s, '0.25', --long-every, '3']",
         "rollout.sampling.max_new_tokens=12",
         "rollout.partial=true",
         "train.staleness=2",

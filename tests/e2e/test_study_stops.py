@@ -20,7 +20,7 @@ import yaml
 from megatron_kl.train.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
-STEPS = 6
+STEPS = 4
 
 
 def _study(tmp_path: Path, warm_cache: str) -> Path:
