@@ -20,6 +20,10 @@ megatron-core assumes CUDA in a handful of places that have nothing to do with t
 on a GPU machine it returns after one fix that holds on every device (``define_missing_te_names``: without
 Transformer Engine, megatron-core's MoE router reads a name only a successful TE import defines). The shims never change a
 numerical result: they redirect device placement to the CPU and the RNG tracker to the CPU generator.
+
+``import_megatron_core()`` imports megatron-core on a CPU machine with its ``torch.compile`` decorators deferred to
+each function's first call (where torch.compile compiles anyway), which keeps TorchDynamo and Inductor out of a
+process's start.
 """
 
 from __future__ import annotations
