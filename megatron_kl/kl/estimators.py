@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from megatron_kl.kl.config import ESTIMATORS, estimator_spec
+from megatron_kl.kl.config import ESTIMATORS, LOG_RATIO_CLAMP, estimator_spec
 
 
 def safe_exp_bound(dtype: torch.dtype) -> float:
@@ -87,3 +87,17 @@ def token_estimate(
             f"one of {[n for n, e in ESTIMATORS.items() if not e.full_distribution]}"
         )
     return spec.value(clamp_log_ratio(log_ratio, clamp, mask, counter, estimator))
+
+
+def kl_metrics(logprobs, reference_logprobs, exact_kl, mask, prefix: str = "kl") -> dict:
+    """k1, k3 and exact KL(pi_old || pi_ref) (when ``exact_kl`` is given), per response token and per sequence
+    (sum over its tokens), as ``<prefix>/<estimator>_<token|sequence>`` (``distill``: the same to the teacher)."""
+    d = (logprobs - reference_logprobs) * mask
+    k3 = token_estimate("k3", d, LOG_RATIO_CLAMP, mask) * mask
+    out = {}
+    for name, per_token in (("k1", d), ("k3", k3), ("exact", None if exact_kl is None else exact_kl * mask)):
+        if per_token is None:  # not computed this step (train.reference_metrics_interval)
+            continue
+        out[f"{prefix}/{name}_token"] = float((per_token * mask).sum() / mask.sum().clamp_min(1))
+        out[f"{prefix}/{name}_sequence"] = float(per_token.sum(-1).mean())
+    return out

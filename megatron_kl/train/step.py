@@ -24,9 +24,9 @@ import torch.distributed as dist
 
 from megatron_kl.algo.advantages import sequence_advantages
 from megatron_kl.algo.losses import MICROBATCH_TOKENS, LossInputs, MicrobatchLoss, Shares
-from megatron_kl.kl.config import LOG_RATIO_CLAMP, TOP_K
+from megatron_kl.kl.config import TOP_K
 from megatron_kl.kl.corrections import mismatch_metrics
-from megatron_kl.kl.estimators import ClampCounter, TermCounter, token_estimate
+from megatron_kl.kl.estimators import ClampCounter, TermCounter, kl_metrics
 from megatron_kl.kl.objective import kl_shaped_returns
 from megatron_kl.kl.topk import top_k_divergence
 from megatron_kl.models import context_parallel, optim, output_head, pipeline, routing_replay
@@ -127,20 +127,6 @@ def record_update(ctx: StepContext, update_successful: bool, step: int, max_cons
 
 def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
     return float((x * mask).sum() / mask.sum().clamp_min(1))
-
-
-def kl_metrics(logprobs, reference_logprobs, exact_kl, mask, prefix: str = "kl") -> dict:
-    """k1, k3 and exact KL(pi_old || pi_ref) (when ``exact_kl`` is given), per response token and per sequence
-    (sum over its tokens), as ``<prefix>/<estimator>_<token|sequence>`` (``distill``: the same to the teacher)."""
-    d = (logprobs - reference_logprobs) * mask
-    k3 = token_estimate("k3", d, LOG_RATIO_CLAMP, mask) * mask
-    out = {}
-    for name, per_token in (("k1", d), ("k3", k3), ("exact", None if exact_kl is None else exact_kl * mask)):
-        if per_token is None:  # not computed this step (train.reference_metrics_interval)
-            continue
-        out[f"{prefix}/{name}_token"] = _masked_mean(per_token, mask)
-        out[f"{prefix}/{name}_sequence"] = float(per_token.sum(-1).mean())
-    return out
 
 
 def rollout_metrics(batch: RolloutBatch, old_logprobs: torch.Tensor, step: int) -> dict:
