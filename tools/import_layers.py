@@ -66,9 +66,20 @@ LAYERS = (
 )
 
 
-def module_name(path: Path) -> str:
-    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+def module_name(path: Path, root: Path = ROOT) -> str:
+    parts = path.relative_to(root.parent).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _targets(node: ast.AST, modules) -> list[str]:
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+        return [
+            f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in modules else node.module
+            for alias in node.names
+        ]
+    return []
 
 
 def module_graph() -> dict[str, set[str]]:
@@ -77,15 +88,7 @@ def module_graph() -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {name: set() for name in modules}
     for name, path in modules.items():
         for node in ast.walk(ast.parse(path.read_text())):
-            targets = []
-            if isinstance(node, ast.Import):
-                targets = [alias.name for alias in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                targets = [
-                    f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in modules else node.module
-                    for alias in node.names
-                ]
-            graph[name].update(t for t in targets if t in modules and t != name)
+            graph[name].update(t for t in _targets(node, modules) if t in modules and t != name)
     return graph
 
 
@@ -172,17 +175,6 @@ def draw(graph: dict[str, set[str]], out: Path) -> None:
 STDLIB = frozenset(sys.stdlib_module_names)
 
 
-def _targets(node: ast.AST, modules) -> list[str]:
-    if isinstance(node, ast.Import):
-        return [alias.name for alias in node.names]
-    if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-        return [
-            f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in modules else node.module
-            for alias in node.names
-        ]
-    return []
-
-
 def _module_level_imports(tree: ast.Module, modules) -> list[str]:
     """What importing the module runs: imports outside function bodies and ``if TYPE_CHECKING:`` blocks."""
     found = []
@@ -216,10 +208,7 @@ def needless_function_imports(root: Path = ROOT) -> list[str]:
     megatron-core's modules are the exception: they are imported where they are used, after
     ``megatron_compat.apply_cpu_shims()`` has patched what megatron-core needs on a CPU machine.
     """
-    paths = {
-        ".".join(p.relative_to(root.parent).with_suffix("").parts).removesuffix(".__init__"): p
-        for p in root.rglob("*.py")
-    }
+    paths = {module_name(p, root): p for p in root.rglob("*.py")}
     trees = {name: ast.parse(path.read_text()) for name, path in paths.items()}
     top = {name: _module_level_imports(tree, paths) for name, tree in trees.items()}
     loaded: dict[str, frozenset] = {}
